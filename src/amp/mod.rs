@@ -1,0 +1,1 @@
+//! AMP frames, JSON Schema validation and error codes.

@@ -1,0 +1,1 @@
+//! Typed `$JS.API` requests and responses, pull consumers, acks and KV.

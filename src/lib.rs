@@ -1,0 +1,8 @@
+//! AMP broker: a single-threaded, sans-IO core over a hand-rolled `mio` loop that speaks
+//! the NATS wire protocol to `nats-server` with JetStream.
+
+pub mod amp;
+pub mod jetstream;
+pub mod nats;
+pub mod proto;
+pub mod ws;

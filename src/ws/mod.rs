@@ -1,0 +1,1 @@
+//! HTTP/1.1 endpoints and WebSocket sessions over non-blocking sockets.
