@@ -105,10 +105,8 @@ impl NatsServer {
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("nats-server exited early ({status}); log:\n{}", self.log());
-                }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("nats-server exited early ({status}); log:\n{}", self.log());
             }
             if let Ok(stream) = TcpStream::connect(self.addr()) {
                 stream.set_read_timeout(Some(Duration::from_secs(2))).ok();
@@ -142,7 +140,7 @@ impl NatsServer {
     /// Stops it gracefully (SIGTERM) and waits for it.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            unsafe_kill(child.id(), "TERM");
+            send_signal(child.id(), "TERM");
             let _ = child.wait();
         }
     }
@@ -154,7 +152,7 @@ impl NatsServer {
     }
 }
 
-fn unsafe_kill(pid: u32, signal: &str) {
+fn send_signal(pid: u32, signal: &str) {
     let _ = Command::new("kill")
         .arg(format!("-{signal}"))
         .arg(pid.to_string())
