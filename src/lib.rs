@@ -2,7 +2,9 @@
 //! the NATS wire protocol to `nats-server` with JetStream.
 
 pub mod amp;
+pub mod broker;
 pub mod jetstream;
 pub mod nats;
 pub mod proto;
+pub mod signals;
 pub mod ws;

@@ -1,0 +1,457 @@
+//! The broker's configuration file: namespaces, participants with their credentials and
+//! address permissions, jobs, and policy. Loaded once at start-up; a file that is missing,
+//! malformed or inconsistent stops the broker with a message naming the problem.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// A validated configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub namespaces: BTreeMap<String, Namespace>,
+}
+
+/// Per-session and per-broker limits (spec 2.7 defaults).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub max_frame: usize,
+    pub max_outbound_bytes: usize,
+    pub heartbeat_s: u64,
+    pub hello_timeout_s: u64,
+    pub registry_ttl_s: u64,
+    pub max_sessions: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_frame: 1 << 20,
+            max_outbound_bytes: 4 << 20,
+            heartbeat_s: 10,
+            hello_timeout_s: 5,
+            registry_ttl_s: 15,
+            max_sessions: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Namespace {
+    #[serde(default)]
+    pub participants: BTreeMap<String, Participant>,
+    #[serde(default)]
+    pub jobs: BTreeMap<String, Job>,
+    #[serde(default)]
+    pub inbox: Inbox,
+    #[serde(default)]
+    pub topics: Topics,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Participant {
+    /// NKey user public key (`U...`); the participant signs the challenge nonce with it.
+    #[serde(default)]
+    pub nkey: Option<String>,
+    /// SHA-256 of the participant's token, lowercase hex. The token itself is never stored.
+    #[serde(default)]
+    pub token_sha256: Option<String>,
+    #[serde(default)]
+    pub permissions: Permissions,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub policy: Option<Policy>,
+}
+
+/// Address permissions: each a list of patterns. Names (`send`, `submit`, `serve`) are
+/// single tokens, so their patterns are a name or `*`/`>` (any); topic patterns may use
+/// `*` for one token and a trailing `>`. An absent list allows nothing.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Permissions {
+    #[serde(default)]
+    pub send: Vec<String>,
+    #[serde(default)]
+    pub publish: Vec<String>,
+    #[serde(default)]
+    pub subscribe: Vec<String>,
+    #[serde(default)]
+    pub submit: Vec<String>,
+    #[serde(default)]
+    pub serve: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Job {
+    pub lease_s: u64,
+    pub offer_ms: u64,
+    pub max_attempts: u32,
+}
+
+impl Default for Job {
+    fn default() -> Self {
+        Job {
+            lease_s: 30,
+            offer_ms: 5000,
+            max_attempts: 3,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Inbox {
+    pub ack_wait_s: u64,
+    pub inbox_window: u32,
+    /// 0 keeps messages until acknowledged.
+    pub max_age_s: u64,
+}
+
+impl Default for Inbox {
+    fn default() -> Self {
+        Inbox {
+            ack_wait_s: 30,
+            inbox_window: 64,
+            max_age_s: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Topics {
+    /// 0 keeps events until the stream's other limits remove them.
+    pub max_age_s: u64,
+    /// 0 is unlimited.
+    pub max_bytes: u64,
+}
+
+/// Publish-path policy for one participant.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    pub msgs_per_s: Option<f64>,
+    pub burst: Option<u32>,
+    pub bytes_per_s: Option<f64>,
+    pub tasks_per_window: Option<u64>,
+    pub window_s: Option<u64>,
+}
+
+/// A configuration problem, with the dotted path of the offending member.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub path: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}", self.problem)
+        } else {
+            write!(f, "{}: {}", self.path, self.problem)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(path: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        path: path.into(),
+        problem: problem.into(),
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read(path).map_err(|e| {
+            err(
+                "",
+                format!("cannot read configuration file {}: {e}", path.display()),
+            )
+        })?;
+        Config::parse(&text).map_err(|e| ConfigError {
+            path: e.path,
+            problem: format!("{} (in {})", e.problem, path.display()),
+        })
+    }
+
+    pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
+        let config: Config = serde_json::from_slice(text)
+            .map_err(|e| err("", format!("invalid configuration: {e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let l = &self.limits;
+        positive("limits.max_frame", l.max_frame as u64)?;
+        positive("limits.max_outbound_bytes", l.max_outbound_bytes as u64)?;
+        positive("limits.heartbeat_s", l.heartbeat_s)?;
+        positive("limits.hello_timeout_s", l.hello_timeout_s)?;
+        positive("limits.registry_ttl_s", l.registry_ttl_s)?;
+        positive("limits.max_sessions", l.max_sessions as u64)?;
+        for (ns_name, ns) in &self.namespaces {
+            let at = format!("namespaces.{ns_name}");
+            check_name(&at, ns_name)?;
+            positive(&format!("{at}.inbox.ack_wait_s"), ns.inbox.ack_wait_s)?;
+            positive(
+                &format!("{at}.inbox.inbox_window"),
+                u64::from(ns.inbox.inbox_window),
+            )?;
+            for (job_name, job) in &ns.jobs {
+                let at = format!("{at}.jobs.{job_name}");
+                check_name(&at, job_name)?;
+                positive(&format!("{at}.lease_s"), job.lease_s)?;
+                positive(&format!("{at}.offer_ms"), job.offer_ms)?;
+                positive(&format!("{at}.max_attempts"), u64::from(job.max_attempts))?;
+            }
+            for (name, p) in &ns.participants {
+                let at = format!("{at}.participants.{name}");
+                check_name(&at, name)?;
+                p.validate(&at)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Participant {
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        match (&self.nkey, &self.token_sha256) {
+            (None, None) => return Err(err(at, "needs a credential: `nkey` or `token_sha256`")),
+            (Some(_), Some(_)) => {
+                return Err(err(
+                    at,
+                    "has both `nkey` and `token_sha256`; give exactly one",
+                ));
+            }
+            (Some(key), None) => {
+                if !looks_like_user_nkey(key) {
+                    return Err(err(
+                        format!("{at}.nkey"),
+                        "not an NKey user public key (U..., 56 characters)",
+                    ));
+                }
+            }
+            (None, Some(hex)) => {
+                if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(err(
+                        format!("{at}.token_sha256"),
+                        "not a SHA-256 hex digest (64 hex digits)",
+                    ));
+                }
+            }
+        }
+        let perms = &self.permissions;
+        for (kind, list, topic) in [
+            ("send", &perms.send, false),
+            ("publish", &perms.publish, true),
+            ("subscribe", &perms.subscribe, true),
+            ("submit", &perms.submit, false),
+            ("serve", &perms.serve, false),
+        ] {
+            for (i, pattern) in list.iter().enumerate() {
+                let ok = if topic {
+                    is_topic_pattern(pattern)
+                } else {
+                    is_name_pattern(pattern)
+                };
+                if !ok {
+                    return Err(err(
+                        format!("{at}.permissions.{kind}[{i}]"),
+                        format!(
+                            "`{pattern}` is not a valid {} pattern",
+                            if topic { "topic" } else { "name" }
+                        ),
+                    ));
+                }
+            }
+        }
+        for key in self.labels.keys() {
+            check_name(&format!("{at}.labels"), key)?;
+        }
+        if let Some(policy) = &self.policy {
+            for (field, value) in [
+                ("msgs_per_s", policy.msgs_per_s),
+                ("bytes_per_s", policy.bytes_per_s),
+            ] {
+                if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                    return Err(err(
+                        format!("{at}.policy.{field}"),
+                        "must be a positive number",
+                    ));
+                }
+            }
+            if policy.tasks_per_window.is_some() != policy.window_s.is_some() {
+                return Err(err(
+                    format!("{at}.policy"),
+                    "`tasks_per_window` and `window_s` go together",
+                ));
+            }
+            if policy.window_s == Some(0) {
+                return Err(err(format!("{at}.policy.window_s"), "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn positive(path: &str, value: u64) -> Result<(), ConfigError> {
+    if value == 0 {
+        Err(err(path, "must be at least 1"))
+    } else {
+        Ok(())
+    }
+}
+
+/// `^[A-Za-z0-9_-]{1,64}$`, the spec's alphabet for namespaces, names and jobs.
+pub fn is_name(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn check_name(at: &str, name: &str) -> Result<(), ConfigError> {
+    if is_name(name) {
+        Ok(())
+    } else {
+        Err(err(
+            at,
+            format!("`{name}` is not a valid name (1-64 of A-Z a-z 0-9 _ -)"),
+        ))
+    }
+}
+
+fn is_name_pattern(p: &str) -> bool {
+    p == "*" || p == ">" || is_name(p)
+}
+
+/// A topic pattern: 1..16 tokens of the name alphabet or `*`, optionally ending in `>`.
+pub fn is_topic_pattern(p: &str) -> bool {
+    let tokens: Vec<&str> = p.split('.').collect();
+    if tokens.is_empty() || tokens.len() > 16 {
+        return false;
+    }
+    let last = tokens.len() - 1;
+    tokens
+        .iter()
+        .enumerate()
+        .all(|(i, t)| *t == "*" || (*t == ">" && i == last) || is_name(t))
+}
+
+fn looks_like_user_nkey(key: &str) -> bool {
+    key.len() == 56
+        && key.starts_with('U')
+        && key.bytes().all(|b| matches!(b, b'A'..=b'Z' | b'2'..=b'7'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4";
+
+    fn parse(json: &str) -> Result<Config, ConfigError> {
+        Config::parse(json.as_bytes())
+    }
+
+    #[test]
+    fn applies_spec_defaults_to_omitted_sections() {
+        let c = parse(&format!(
+            r#"{{"namespaces":{{"acme":{{"participants":{{"w1":{{"nkey":"{KEY}"}}}},"jobs":{{"render":{{}}}}}}}}}}"#
+        ))
+        .expect("valid");
+        assert_eq!(c.limits.max_frame, 1 << 20);
+        assert_eq!(c.limits.heartbeat_s, 10);
+        assert_eq!(c.limits.registry_ttl_s, 15);
+        let ns = &c.namespaces["acme"];
+        assert_eq!(ns.inbox.ack_wait_s, 30);
+        assert_eq!(ns.inbox.inbox_window, 64);
+        assert_eq!(ns.jobs["render"].lease_s, 30);
+        assert_eq!(ns.jobs["render"].offer_ms, 5000);
+        assert_eq!(ns.jobs["render"].max_attempts, 3);
+        assert!(ns.participants["w1"].permissions.send.is_empty());
+    }
+
+    #[test]
+    fn names_the_member_of_each_semantic_problem() {
+        let cases = [
+            (r#"{"namespaces":{"a b":{}}}"#.to_string(), "namespaces.a b"),
+            (
+                r#"{"namespaces":{"acme":{"participants":{"w1":{}}}}}"#.to_string(),
+                "namespaces.acme.participants.w1",
+            ),
+            (
+                r#"{"namespaces":{"acme":{"participants":{"w1":{"nkey":"SU123"}}}}}"#.to_string(),
+                "namespaces.acme.participants.w1.nkey",
+            ),
+            (
+                r#"{"namespaces":{"acme":{"participants":{"w1":{"token_sha256":"xyz"}}}}}"#
+                    .to_string(),
+                "namespaces.acme.participants.w1.token_sha256",
+            ),
+            (
+                format!(
+                    r#"{{"namespaces":{{"acme":{{"participants":{{"w1":{{"nkey":"{KEY}","permissions":{{"publish":["a.>.b"]}}}}}}}}}}}}"#
+                ),
+                "namespaces.acme.participants.w1.permissions.publish[0]",
+            ),
+            (
+                r#"{"namespaces":{"acme":{"jobs":{"render":{"lease_s":0}}}}}"#.to_string(),
+                "namespaces.acme.jobs.render.lease_s",
+            ),
+            (
+                r#"{"limits":{"max_frame":0}}"#.to_string(),
+                "limits.max_frame",
+            ),
+        ];
+        for (json, path) in cases {
+            let e = parse(&json).expect_err(&json);
+            assert_eq!(e.path, path, "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_members_and_bad_json_with_serde_position() {
+        let e = parse(r#"{"limits":{"max_frames":5}}"#).expect_err("typo");
+        assert!(e.problem.contains("unknown field `max_frames`"), "{e}");
+        let e = parse("{").expect_err("truncated");
+        assert!(e.problem.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn topic_patterns_follow_the_spec_alphabet() {
+        for ok in [
+            "orders.eu.created",
+            "orders.*.created",
+            "orders.>",
+            ">",
+            "*",
+        ] {
+            assert!(is_topic_pattern(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "orders..x",
+            "orders.>.x",
+            "orders.e u",
+            "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q",
+            "ord*",
+        ] {
+            assert!(!is_topic_pattern(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! The AMP broker: configuration, the embedded nats-server, and (to come) sessions,
+//! inbox, topics, jobs and the registry.
+
+pub mod config;
+pub mod embedded;
