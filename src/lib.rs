@@ -6,5 +6,6 @@ pub mod broker;
 pub mod jetstream;
 pub mod nats;
 pub mod proto;
+pub mod rfc3339;
 pub mod signals;
 pub mod ws;

@@ -1,5 +1,6 @@
 //! The AMP broker: configuration, the embedded nats-server, and (to come) sessions,
 //! inbox, topics, jobs and the registry.
 
+pub mod binding;
 pub mod config;
 pub mod embedded;
