@@ -4,3 +4,4 @@
 pub mod binding;
 pub mod config;
 pub mod embedded;
+pub mod permissions;

@@ -1,0 +1,128 @@
+//! Address permissions (spec section 3): what a participant may `send` to, `publish`,
+//! `subscribe` to, `submit` and `serve`. Patterns are dot-separated tokens where `*`
+//! matches one token and a trailing `>` one or more; names are single-token subjects.
+
+use super::config::Permissions;
+
+/// What a permission check is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Send,
+    Publish,
+    Subscribe,
+    Submit,
+    Serve,
+}
+
+impl Action {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Send => "send",
+            Action::Publish => "publish",
+            Action::Subscribe => "subscribe",
+            Action::Submit => "submit",
+            Action::Serve => "serve",
+        }
+    }
+}
+
+fn list(p: &Permissions, action: Action) -> &[String] {
+    match action {
+        Action::Send => &p.send,
+        Action::Publish => &p.publish,
+        Action::Subscribe => &p.subscribe,
+        Action::Submit => &p.submit,
+        Action::Serve => &p.serve,
+    }
+}
+
+/// Whether `target` (a name, a topic, or for `Subscribe` a topic pattern) is allowed. A
+/// subscribe pattern is allowed only when one allowed pattern covers every topic it can
+/// match, so a wildcard can never reach a forbidden topic. (A pattern covered only by the
+/// union of several allowed patterns is refused: conservative, never too permissive.)
+pub fn allows(p: &Permissions, action: Action, target: &str) -> bool {
+    list(p, action)
+        .iter()
+        .any(|allowed| covers(allowed, target))
+}
+
+/// Whether every subject matched by `inner` is also matched by `outer`. With a literal
+/// `inner` this is ordinary wildcard matching.
+pub fn covers(outer: &str, inner: &str) -> bool {
+    let mut o = outer.split('.');
+    let mut i = inner.split('.');
+    loop {
+        match (o.next(), i.next()) {
+            (None, None) => return true,
+            // `>` stands for one or more tokens; whatever remains of `inner` is at least one.
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(t)) => {
+                if t == ">" {
+                    return false;
+                }
+            }
+            (Some(a), Some(b)) => {
+                if a != b || b == "*" || b == ">" {
+                    return false;
+                }
+            }
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn perms(publish: &[&str], subscribe: &[&str]) -> Permissions {
+        Permissions {
+            publish: publish.iter().map(|s| s.to_string()).collect(),
+            subscribe: subscribe.iter().map(|s| s.to_string()).collect(),
+            ..Permissions::default()
+        }
+    }
+
+    #[test]
+    fn literal_subjects_match_wildcard_patterns() {
+        assert!(covers("orders.*.created", "orders.eu.created"));
+        assert!(covers("orders.>", "orders.eu.created"));
+        assert!(covers(">", "x"));
+        assert!(!covers("orders.>", "orders"));
+        assert!(!covers("orders.*", "orders.eu.created"));
+        assert!(!covers("orders.eu", "orders.us"));
+        assert!(covers("w1", "w1"));
+        assert!(covers("*", "w1"));
+    }
+
+    #[test]
+    fn a_pattern_covers_another_only_if_it_matches_all_it_can_match() {
+        assert!(covers("orders.>", "orders.*.created"));
+        assert!(covers("orders.>", "orders.>"));
+        assert!(covers("orders.*.>", "orders.*.>"));
+        assert!(covers(">", ">"));
+        assert!(covers("orders.*", "orders.*"));
+        assert!(!covers("orders.*", "orders.>"));
+        assert!(!covers("orders.eu", "orders.*"));
+        assert!(!covers("orders.*.created", "orders.>"));
+        assert!(!covers("orders.*.created", "orders.*.*"));
+        assert!(!covers("orders.eu.>", "orders.*.x"));
+    }
+
+    #[test]
+    fn subscribe_patterns_that_could_reach_a_forbidden_topic_are_refused() {
+        let p = perms(&["orders.eu.*"], &["orders.eu.>", "news.*"]);
+        assert!(allows(&p, Action::Subscribe, "orders.eu.created"));
+        assert!(allows(&p, Action::Subscribe, "orders.eu.*"));
+        assert!(allows(&p, Action::Subscribe, "news.today"));
+        assert!(!allows(&p, Action::Subscribe, "orders.*.created"));
+        assert!(!allows(&p, Action::Subscribe, "news.>"));
+        assert!(!allows(&p, Action::Subscribe, ">"));
+        assert!(allows(&p, Action::Publish, "orders.eu.created"));
+        assert!(!allows(&p, Action::Publish, "orders.eu.created.x"));
+        assert!(
+            !allows(&p, Action::Send, "w1"),
+            "an absent list allows nothing"
+        );
+    }
+}
