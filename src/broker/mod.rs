@@ -4,4 +4,5 @@
 pub mod binding;
 pub mod config;
 pub mod embedded;
+pub mod envelope;
 pub mod permissions;
