@@ -1,0 +1,479 @@
+//! NATS header blocks (ADR-4): a `NATS/1.0` line with an optional inline status and
+//! description, then `Name: value` lines, then an empty line; every line ends in CRLF.
+//!
+//! Names keep their case and are compared exactly (as nats.go's `Header.Get`); a name may
+//! repeat, each occurrence adding a value. `Headers` is a zero-copy view validated once;
+//! `HeaderMap` is the owned, editable form.
+
+use std::fmt;
+
+const VERSION: &[u8] = b"NATS/1.0";
+
+/// Inline statuses used by the server and JetStream.
+pub mod status {
+    pub const IDLE_HEARTBEAT_OR_FLOW_CONTROL: u16 = 100;
+    pub const NO_MESSAGES: u16 = 404;
+    pub const REQUEST_TIMEOUT: u16 = 408;
+    pub const CONFLICT: u16 = 409;
+    pub const NO_RESPONDERS: u16 = 503;
+}
+
+/// Why a header block was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderError {
+    /// The block does not start with `NATS/1.0`.
+    MissingVersion,
+    /// The inline status is not three digits, or is not separated by a space.
+    BadStatus,
+    /// A line does not end in CRLF, or the block lacks its final empty line, or has bytes
+    /// after it.
+    BadLineEnd,
+    /// A header line without a colon.
+    MissingColon,
+    /// An empty name, or one holding whitespace, control bytes or a colon.
+    BadName,
+    /// A value holding CR, LF or another control byte other than tab.
+    BadValue,
+    /// The block is not UTF-8.
+    NotUtf8,
+}
+
+impl fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HeaderError::MissingVersion => "header block does not start with NATS/1.0",
+            HeaderError::BadStatus => "bad inline status in header block",
+            HeaderError::BadLineEnd => {
+                "header block lines must end in CRLF and the block in an empty line"
+            }
+            HeaderError::MissingColon => "header line without a colon",
+            HeaderError::BadName => "bad header name",
+            HeaderError::BadValue => "bad header value",
+            HeaderError::NotUtf8 => "header block is not UTF-8",
+        })
+    }
+}
+
+impl std::error::Error for HeaderError {}
+
+/// A validated, borrowed header block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Headers<'a> {
+    status: Option<u16>,
+    description: Option<&'a str>,
+    /// The `Name: value` lines, each with its CRLF, without the final empty line.
+    fields: &'a str,
+}
+
+impl<'a> Headers<'a> {
+    /// Validates `block` (as carried by HPUB/HMSG: version line through final CRLFCRLF).
+    pub fn parse(block: &'a [u8]) -> Result<Headers<'a>, HeaderError> {
+        let rest = block
+            .strip_prefix(VERSION)
+            .ok_or(HeaderError::MissingVersion)?;
+        let block = std::str::from_utf8(block).map_err(|_| HeaderError::NotUtf8)?;
+        let rest_start = VERSION.len();
+        let first_end = find_crlf(rest).ok_or(HeaderError::BadLineEnd)?;
+        let (status, description) = parse_status_line(&block[rest_start..rest_start + first_end])?;
+        let fields_start = rest_start + first_end + 2;
+        let fields_all = &block[fields_start..];
+        // Walk the field lines, validating each, until the empty line.
+        let mut pos = 0;
+        loop {
+            let line_rest = &fields_all.as_bytes()[pos..];
+            let end = find_crlf(line_rest).ok_or(HeaderError::BadLineEnd)?;
+            if end == 0 {
+                if pos + 2 != fields_all.len() {
+                    return Err(HeaderError::BadLineEnd);
+                }
+                break;
+            }
+            split_field(&fields_all[pos..pos + end])?;
+            pos += end + 2;
+        }
+        Ok(Headers {
+            status,
+            description,
+            fields: &fields_all[..pos],
+        })
+    }
+
+    /// The inline status (`NATS/1.0 404 ...` gives 404).
+    pub fn status(&self) -> Option<u16> {
+        self.status
+    }
+
+    /// The inline description after the status (`No Messages`).
+    pub fn description(&self) -> Option<&'a str> {
+        self.description
+    }
+
+    /// First value of `name` (exact case).
+    pub fn get(&self, name: &str) -> Option<&'a str> {
+        self.get_all(name).next()
+    }
+
+    /// Every value of `name` (exact case), in order.
+    pub fn get_all<'n>(&self, name: &'n str) -> impl Iterator<Item = &'a str> + use<'a, 'n> {
+        self.iter().filter(move |(n, _)| *n == name).map(|(_, v)| v)
+    }
+
+    /// `(name, value)` pairs in block order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, &'a str)> + use<'a> {
+        self.fields
+            .split_terminator("\r\n")
+            .filter_map(|line| split_field(line).ok())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+}
+
+/// Owned, insertion-ordered, case-preserving, multi-value headers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderMap {
+    status: Option<u16>,
+    description: Option<String>,
+    fields: Vec<(String, String)>,
+}
+
+impl HeaderMap {
+    pub fn new() -> Self {
+        HeaderMap::default()
+    }
+
+    /// A map whose version line carries `status` and, when not empty, `description`.
+    /// The description must not hold CR or LF.
+    pub fn with_status(status: u16, description: &str) -> Result<Self, HeaderError> {
+        if status > 999 {
+            return Err(HeaderError::BadStatus);
+        }
+        check_value(description)?;
+        let description = description.trim();
+        Ok(HeaderMap {
+            status: Some(status),
+            description: (!description.is_empty()).then(|| description.to_owned()),
+            fields: Vec::new(),
+        })
+    }
+
+    /// Copies a validated block.
+    pub fn parse(block: &[u8]) -> Result<HeaderMap, HeaderError> {
+        let view = Headers::parse(block)?;
+        Ok(HeaderMap::from(&view))
+    }
+
+    /// Sets `name` to the single value `value`, replacing earlier values (the first
+    /// occurrence keeps its position). Leading blanks of `value` are dropped, as a parser
+    /// would drop them.
+    pub fn insert(&mut self, name: &str, value: &str) -> Result<(), HeaderError> {
+        check_name(name)?;
+        check_value(value)?;
+        let value = value.trim_start_matches([' ', '\t']);
+        match self.fields.iter().position(|(n, _)| n == name) {
+            Some(first) => {
+                self.fields[first].1 = value.to_owned();
+                let mut i = 0;
+                self.fields.retain(|(n, _)| {
+                    i += 1;
+                    i - 1 == first || n != name
+                });
+            }
+            None => self.fields.push((name.to_owned(), value.to_owned())),
+        }
+        Ok(())
+    }
+
+    /// Adds a value to `name`, keeping earlier ones. Leading blanks are dropped.
+    pub fn append(&mut self, name: &str, value: &str) -> Result<(), HeaderError> {
+        check_name(name)?;
+        check_value(value)?;
+        let value = value.trim_start_matches([' ', '\t']);
+        self.fields.push((name.to_owned(), value.to_owned()));
+        Ok(())
+    }
+
+    /// Removes every value of `name`; true when there was one.
+    pub fn remove(&mut self, name: &str) -> bool {
+        let before = self.fields.len();
+        self.fields.retain(|(n, _)| n != name);
+        before != self.fields.len()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.get_all(name).next()
+    }
+
+    pub fn get_all<'s, 'n>(&'s self, name: &'n str) -> impl Iterator<Item = &'s str> + use<'s, 'n> {
+        self.fields
+            .iter()
+            .filter(move |(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.fields.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+
+    pub fn status(&self) -> Option<u16> {
+        self.status
+    }
+
+    pub fn description(&self) -> Option<&str> {
+        self.description.as_deref()
+    }
+
+    pub fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+
+    /// Length of the block `encode_into` writes.
+    pub fn encoded_len(&self) -> usize {
+        let mut n = VERSION.len() + 2 + 2;
+        if self.status.is_some() {
+            n += 4;
+            if let Some(d) = &self.description {
+                n += 1 + d.len();
+            }
+        }
+        for (name, value) in &self.fields {
+            n += name.len() + 2 + value.len() + 2;
+        }
+        n
+    }
+
+    /// Appends the block (version line through the final empty line) to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.reserve(self.encoded_len());
+        out.extend_from_slice(VERSION);
+        if let Some(s) = self.status {
+            out.push(b' ');
+            out.extend_from_slice(&[
+                b'0' + (s / 100 % 10) as u8,
+                b'0' + (s / 10 % 10) as u8,
+                b'0' + (s % 10) as u8,
+            ]);
+            if let Some(d) = &self.description {
+                out.push(b' ');
+                out.extend_from_slice(d.as_bytes());
+            }
+        }
+        out.extend_from_slice(b"\r\n");
+        for (name, value) in &self.fields {
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+    }
+
+    /// The encoded block as a new vector.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        self.encode_into(&mut out);
+        out
+    }
+}
+
+impl From<&Headers<'_>> for HeaderMap {
+    fn from(h: &Headers<'_>) -> Self {
+        HeaderMap {
+            status: h.status,
+            description: h.description.map(str::to_owned),
+            fields: h
+                .iter()
+                .map(|(n, v)| (n.to_owned(), v.to_owned()))
+                .collect(),
+        }
+    }
+}
+
+fn find_crlf(s: &[u8]) -> Option<usize> {
+    let lf = memchr::memchr(b'\n', s)?;
+    match lf.checked_sub(1) {
+        Some(cr) if s[cr] == b'\r' => Some(cr),
+        _ => None,
+    }
+}
+
+/// What follows `NATS/1.0` on the first line: nothing, or ` 404`, or ` 404 No Messages`.
+fn parse_status_line(rest: &str) -> Result<(Option<u16>, Option<&str>), HeaderError> {
+    if rest.is_empty() {
+        return Ok((None, None));
+    }
+    if !rest.starts_with([' ', '\t']) {
+        return Err(HeaderError::BadStatus);
+    }
+    let rest = rest.trim_matches([' ', '\t']);
+    if rest.is_empty() {
+        return Ok((None, None));
+    }
+    let b = rest.as_bytes();
+    if b.len() < 3 || !b[..3].iter().all(u8::is_ascii_digit) {
+        return Err(HeaderError::BadStatus);
+    }
+    let code = (b[0] - b'0') as u16 * 100 + (b[1] - b'0') as u16 * 10 + (b[2] - b'0') as u16;
+    let tail = &rest[3..];
+    if tail.is_empty() {
+        return Ok((Some(code), None));
+    }
+    if !tail.starts_with([' ', '\t']) {
+        return Err(HeaderError::BadStatus);
+    }
+    check_value(tail)?;
+    let d = tail.trim_matches([' ', '\t']);
+    Ok((Some(code), (!d.is_empty()).then_some(d)))
+}
+
+/// Splits `Name: value` (value without leading blanks, as nats.go).
+fn split_field(line: &str) -> Result<(&str, &str), HeaderError> {
+    let colon = line.find(':').ok_or(HeaderError::MissingColon)?;
+    let name = &line[..colon];
+    check_name(name)?;
+    let value = &line[colon + 1..];
+    check_value(value)?;
+    Ok((name, value.trim_start_matches([' ', '\t'])))
+}
+
+fn check_name(name: &str) -> Result<(), HeaderError> {
+    if name.is_empty() || name.bytes().any(|b| b <= b' ' || b == b':' || b == 0x7f) {
+        return Err(HeaderError::BadName);
+    }
+    Ok(())
+}
+
+fn check_value(value: &str) -> Result<(), HeaderError> {
+    if value.bytes().any(|b| (b < b' ' && b != b'\t') || b == 0x7f) {
+        return Err(HeaderError::BadValue);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_block_with_multi_value_headers_keeps_case_and_order() {
+        let block = b"NATS/1.0\r\nNats-Msg-Id: 1\r\nX-Tag: a\r\nx-tag: lower\r\nX-Tag:b\r\n\r\n";
+        let h = Headers::parse(block).expect("valid");
+        assert_eq!(h.status(), None);
+        assert_eq!(h.description(), None);
+        assert_eq!(h.get("Nats-Msg-Id"), Some("1"));
+        assert_eq!(h.get_all("X-Tag").collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(h.get("x-tag"), Some("lower"));
+        assert_eq!(h.get("NATS-MSG-ID"), None);
+        assert_eq!(
+            h.iter().collect::<Vec<_>>(),
+            [
+                ("Nats-Msg-Id", "1"),
+                ("X-Tag", "a"),
+                ("x-tag", "lower"),
+                ("X-Tag", "b")
+            ]
+        );
+    }
+
+    #[test]
+    fn inline_statuses_and_descriptions_are_parsed() {
+        let cases: [(&[u8], u16, Option<&str>); 6] = [
+            (b"NATS/1.0 404 No Messages\r\n\r\n", 404, Some("No Messages")),
+            (b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\nNats-Last-Stream: 9\r\n\r\n", 100, Some("Idle Heartbeat")),
+            (b"NATS/1.0 100 FlowControl Request\r\n\r\n", 100, Some("FlowControl Request")),
+            (b"NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\nNats-Pending-Bytes: 0\r\n\r\n", 408, Some("Request Timeout")),
+            (b"NATS/1.0 409 Message Size Exceeds MaxBytes\r\n\r\n", 409, Some("Message Size Exceeds MaxBytes")),
+            (b"NATS/1.0 503\r\n\r\n", 503, None),
+        ];
+        for (block, status, description) in cases {
+            let h = Headers::parse(block).expect("valid");
+            assert_eq!(h.status(), Some(status));
+            assert_eq!(h.description(), description);
+        }
+        let hb = Headers::parse(cases[1].0).expect("valid");
+        assert_eq!(hb.get("Nats-Last-Stream"), Some("9"));
+    }
+
+    #[test]
+    fn values_lose_leading_blanks_only() {
+        let h = Headers::parse(b"NATS/1.0\r\nA:   x y \r\nB:\r\n\r\n").expect("valid");
+        assert_eq!(h.get("A"), Some("x y "));
+        assert_eq!(h.get("B"), Some(""));
+    }
+
+    #[test]
+    fn malformed_blocks_are_errors() {
+        let cases: [(&[u8], HeaderError); 12] = [
+            (b"", HeaderError::MissingVersion),
+            (b"NATS/2.0\r\n\r\n", HeaderError::MissingVersion),
+            (b"NATS/1.0", HeaderError::BadLineEnd),
+            (b"NATS/1.0\r\n", HeaderError::BadLineEnd),
+            (b"NATS/1.0\n\n", HeaderError::BadLineEnd),
+            (b"NATS/1.0\r\nA: b\r\n", HeaderError::BadLineEnd),
+            (b"NATS/1.0\r\n\r\nextra", HeaderError::BadLineEnd),
+            (b"NATS/1.0x\r\n\r\n", HeaderError::BadStatus),
+            (b"NATS/1.0 40\r\n\r\n", HeaderError::BadStatus),
+            (b"NATS/1.0\r\nno colon\r\n\r\n", HeaderError::MissingColon),
+            (b"NATS/1.0\r\n: v\r\n\r\n", HeaderError::BadName),
+            (b"NATS/1.0\r\nA B: v\r\n\r\n", HeaderError::BadName),
+        ];
+        for (block, want) in cases {
+            assert_eq!(
+                Headers::parse(block),
+                Err(want),
+                "{:?}",
+                String::from_utf8_lossy(block)
+            );
+        }
+        assert_eq!(
+            Headers::parse(b"NATS/1.0\r\nA: \xff\r\n\r\n"),
+            Err(HeaderError::NotUtf8)
+        );
+        assert_eq!(
+            Headers::parse(b"NATS/1.0\r\nA: \x01\r\n\r\n"),
+            Err(HeaderError::BadValue)
+        );
+    }
+
+    #[test]
+    fn header_map_insert_replaces_and_append_adds() {
+        let mut m = HeaderMap::new();
+        m.append("A", "1").expect("valid");
+        m.append("B", "2").expect("valid");
+        m.append("A", "3").expect("valid");
+        assert_eq!(m.get_all("A").collect::<Vec<_>>(), ["1", "3"]);
+        m.insert("A", "9").expect("valid");
+        assert_eq!(m.iter().collect::<Vec<_>>(), [("A", "9"), ("B", "2")]);
+        assert!(m.remove("B"));
+        assert!(!m.remove("B"));
+        assert_eq!(m.insert("A", "x\r\nB: y"), Err(HeaderError::BadValue));
+        assert_eq!(m.append("A:", "x"), Err(HeaderError::BadName));
+        assert_eq!(m.len(), 1);
+    }
+
+    #[test]
+    fn header_map_encodes_what_parses_back() {
+        let mut m = HeaderMap::with_status(408, "Request Timeout").expect("valid");
+        m.append("Nats-Pending-Messages", "1").expect("valid");
+        m.append("X", "a").expect("valid");
+        m.append("X", "b").expect("valid");
+        let block = m.to_bytes();
+        assert_eq!(
+            block,
+            b"NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\nX: a\r\nX: b\r\n\r\n"
+        );
+        assert_eq!(m.encoded_len(), block.len());
+        assert_eq!(HeaderMap::parse(&block), Ok(m));
+        let empty = HeaderMap::new();
+        assert_eq!(empty.to_bytes(), b"NATS/1.0\r\n\r\n");
+        assert_eq!(empty.encoded_len(), 12);
+        let s = HeaderMap::with_status(503, "").expect("valid");
+        assert_eq!(s.to_bytes(), b"NATS/1.0 503\r\n\r\n");
+        assert_eq!(s.encoded_len(), 16);
+    }
+}

@@ -1,0 +1,162 @@
+//! Subject validation and wildcard matching, shared by permissions and dispatch.
+//!
+//! Rules as nats-server's `IsValidSubject`/`IsValidLiteralSubject`: tokens are separated
+//! by `.` and never empty; no whitespace anywhere; `*` (one token) and `>` (one or more
+//! trailing tokens) are wildcards only as whole tokens, and `>` only as the last token.
+//! A token such as `a*` is an ordinary literal.
+
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubjectError {
+    Empty,
+    /// Leading, trailing or doubled `.`.
+    EmptyToken,
+    /// Space, tab, CR, LF or form feed.
+    Whitespace,
+    /// A `*` or `>` token where only literals are allowed.
+    Wildcard,
+    /// A `>` token that is not the last one.
+    FullWildcardNotLast,
+}
+
+impl fmt::Display for SubjectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SubjectError::Empty => "empty subject",
+            SubjectError::EmptyToken => "empty token in subject",
+            SubjectError::Whitespace => "whitespace in subject",
+            SubjectError::Wildcard => "wildcard in a literal subject",
+            SubjectError::FullWildcardNotLast => "'>' is not the last token",
+        })
+    }
+}
+
+impl std::error::Error for SubjectError {}
+
+#[inline]
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\r' | b'\n' | 0x0c)
+}
+
+/// A subject or pattern: wildcards allowed as whole tokens, `>` last.
+pub fn validate_pattern(s: &[u8]) -> Result<(), SubjectError> {
+    if s.is_empty() {
+        return Err(SubjectError::Empty);
+    }
+    let mut tokens = s.split(|&b| b == b'.').peekable();
+    while let Some(t) = tokens.next() {
+        if t.is_empty() {
+            return Err(SubjectError::EmptyToken);
+        }
+        if t.iter().any(|&b| is_space(b)) {
+            return Err(SubjectError::Whitespace);
+        }
+        if t == b">" && tokens.peek().is_some() {
+            return Err(SubjectError::FullWildcardNotLast);
+        }
+    }
+    Ok(())
+}
+
+/// A literal subject (what PUB may carry): a valid pattern without wildcard tokens.
+pub fn validate_subject(s: &[u8]) -> Result<(), SubjectError> {
+    validate_pattern(s)?;
+    if s.split(|&b| b == b'.').any(|t| t == b"*" || t == b">") {
+        return Err(SubjectError::Wildcard);
+    }
+    Ok(())
+}
+
+/// True when `s` is a valid literal subject.
+pub fn is_literal(s: &[u8]) -> bool {
+    validate_subject(s).is_ok()
+}
+
+/// Does the literal `subject` match `pattern`? Both are assumed valid; on invalid input
+/// the answer is simply false or token-wise, never a panic.
+pub fn matches(pattern: &[u8], subject: &[u8]) -> bool {
+    let mut p = pattern.split(|&b| b == b'.');
+    let mut s = subject.split(|&b| b == b'.');
+    loop {
+        match (p.next(), s.next()) {
+            (Some(b">"), Some(_)) => return true,
+            (Some(pt), Some(st)) => {
+                if pt != b"*" && pt != st {
+                    return false;
+                }
+            }
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literal_subjects_are_validated() {
+        for ok in ["foo", "foo.bar", "$JS.API.INFO", "a*.b>", "_INBOX.x-y"] {
+            assert_eq!(validate_subject(ok.as_bytes()), Ok(()), "{ok}");
+        }
+        let cases = [
+            ("", SubjectError::Empty),
+            (".foo", SubjectError::EmptyToken),
+            ("foo.", SubjectError::EmptyToken),
+            ("foo..bar", SubjectError::EmptyToken),
+            ("foo bar", SubjectError::Whitespace),
+            ("foo\tbar", SubjectError::Whitespace),
+            ("foo\r\n", SubjectError::Whitespace),
+            ("foo.*", SubjectError::Wildcard),
+            ("foo.>", SubjectError::Wildcard),
+            ("foo.>.bar", SubjectError::FullWildcardNotLast),
+        ];
+        for (s, want) in cases {
+            assert_eq!(validate_subject(s.as_bytes()), Err(want), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn patterns_allow_whole_token_wildcards_with_full_wildcard_last() {
+        for ok in ["*", ">", "foo.*", "foo.>", "*.*.bar", "foo.*.>"] {
+            assert_eq!(validate_pattern(ok.as_bytes()), Ok(()), "{ok}");
+        }
+        assert_eq!(
+            validate_pattern(b">.foo"),
+            Err(SubjectError::FullWildcardNotLast)
+        );
+        assert_eq!(validate_pattern(b"foo.*."), Err(SubjectError::EmptyToken));
+    }
+
+    #[test]
+    fn matching_follows_token_wildcards() {
+        let yes = [
+            ("foo", "foo"),
+            ("foo.*", "foo.bar"),
+            ("*.bar", "foo.bar"),
+            ("foo.>", "foo.bar"),
+            ("foo.>", "foo.bar.baz"),
+            (">", "foo"),
+            ("foo.*.baz", "foo.x.baz"),
+            ("a*", "a*"),
+        ];
+        for (p, s) in yes {
+            assert!(matches(p.as_bytes(), s.as_bytes()), "{p} ~ {s}");
+        }
+        let no = [
+            ("foo", "foo.bar"),
+            ("foo.bar", "foo"),
+            ("foo.*", "foo"),
+            ("foo.*", "foo.bar.baz"),
+            ("foo.>", "foo"),
+            ("*", "foo.bar"),
+            ("a*", "ab"),
+            ("foo.bar", "foo.baz"),
+        ];
+        for (p, s) in no {
+            assert!(!matches(p.as_bytes(), s.as_bytes()), "{p} !~ {s}");
+        }
+    }
+}
