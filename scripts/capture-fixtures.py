@@ -582,6 +582,35 @@ def js_pull_deliveries(server, out):
     out.c2s(c)
 
 
+@scenario("js-api-replies")
+def js_api_replies(server, out):
+    """JetStream API replies as MSG payloads (JSON) on one connection: STREAM.CREATE of
+    `FIX`, a publish to `fix.a` with a reply inbox (PubAck `{"stream":"FIX","seq":1}`), a
+    publish with `Nats-Msg-Id` twice (the second PubAck says `"duplicate": true`, with
+    that space) and
+    STREAM.INFO of a missing stream (an `error` object with code 404, err_code 10059)."""
+    c = server.conn()
+    c.connect()
+    c.send(b"SUB _INBOX.api.* 1\r\n")
+    body = json.dumps({"name": "FIX", "subjects": ["fix.>"], "storage": "memory"}, separators=(",", ":")).encode()
+    steps = [
+        pub(b"$JS.API.STREAM.CREATE.FIX", body, b"_INBOX.api.1"),
+        pub(b"fix.a", b"stored", b"_INBOX.api.2"),
+        hpub(b"fix.b", b"NATS/1.0\r\nNats-Msg-Id: once\r\n\r\n", b"dedup", b"_INBOX.api.3"),
+        hpub(b"fix.b", b"NATS/1.0\r\nNats-Msg-Id: once\r\n\r\n", b"dedup", b"_INBOX.api.4"),
+        pub(b"$JS.API.STREAM.INFO.MISSING", b"", b"_INBOX.api.5"),
+    ]
+    for n, step in enumerate(steps, 1):
+        c.send(step)
+        reply = b"_INBOX.api.%d" % n
+        c.wait(lambda o: o.kind == "MSG" and o.subject == reply, what="reply %d" % n)
+    last = json.loads(c.ops()[-1].payload)
+    assert last["error"]["err_code"] == 10059, last
+    c.ping()
+    out.s2c(c)
+    out.c2s(c)
+
+
 @scenario("js-404-no-messages")
 def js_404(server, out):
     """Pull `{"batch":1,"no_wait":true}` on an empty stream: HMSG with status

@@ -698,3 +698,25 @@ fn server_pings_are_answered_with_pongs() {
     assert!(pings >= 2);
     assert_eq!(pongs, 2);
 }
+
+#[test]
+fn jetstream_api_replies_are_json_payloads_of_plain_msgs() {
+    let replies: Vec<serde_json::Value> = ops_of("s2c-js-api-replies.bin")
+        .into_iter()
+        .filter_map(|op| match op {
+            Owned::Msg { payload, .. } => {
+                Some(serde_json::from_slice(&payload).expect("reply payload is JSON"))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies.len(), 5);
+    assert_eq!(
+        replies[0]["type"],
+        "io.nats.jetstream.api.v1.stream_create_response"
+    );
+    assert_eq!(replies[1]["seq"], 1);
+    assert_eq!(replies[2]["seq"], 2);
+    assert_eq!(replies[3]["duplicate"], true);
+    assert_eq!(replies[4]["error"]["err_code"], 10059);
+}
