@@ -179,7 +179,9 @@ fn parse_whole(role: Role, data: &[u8]) -> Result<Vec<Owned>, (usize, ParseError
                 start += used;
             }
             Parsed::Partial { needed } => {
-                panic!("the recording ends inside an operation at offset {start} (needed {needed:?})")
+                panic!(
+                    "the recording ends inside an operation at offset {start} (needed {needed:?})"
+                )
             }
         }
     }
@@ -199,16 +201,27 @@ fn replay(role: Role, chunks: &[&[u8]]) -> Result<Vec<Owned>, ParseError> {
         loop {
             match parser.parse(&buf)? {
                 Parsed::Complete(op, used) => {
-                    assert!(used > 0 && used <= buf.len(), "used {used} of {}", buf.len());
+                    assert!(
+                        used > 0 && used <= buf.len(),
+                        "used {used} of {}",
+                        buf.len()
+                    );
                     if let Some(n) = announced.take() {
-                        assert!(n <= used, "Partial announced {n} bytes, operation used {used}");
+                        assert!(
+                            n <= used,
+                            "Partial announced {n} bytes, operation used {used}"
+                        );
                     }
                     ops.push(own(&op));
                     buf.drain(..used);
                 }
                 Parsed::Partial { needed } => {
                     if let Some(n) = needed {
-                        assert!(n > buf.len(), "Partial needs {n} but {} are buffered", buf.len());
+                        assert!(
+                            n > buf.len(),
+                            "Partial needs {n} but {} are buffered",
+                            buf.len()
+                        );
                         announced = Some(announced.map_or(n, |a| a.max(n)));
                     }
                     break;
@@ -216,7 +229,11 @@ fn replay(role: Role, chunks: &[&[u8]]) -> Result<Vec<Owned>, ParseError> {
             }
         }
     }
-    assert!(buf.is_empty(), "{} bytes left over after the last chunk", buf.len());
+    assert!(
+        buf.is_empty(),
+        "{} bytes left over after the last chunk",
+        buf.len()
+    );
     Ok(ops)
 }
 
@@ -255,10 +272,12 @@ fn every_fixture_parses_whole_without_error() {
 fn every_fixture_split_in_two_at_every_byte_gives_the_same_operations() {
     for (name, data) in all_fixtures() {
         let role = role_for(&name);
-        let whole = parse_whole(role, &data).unwrap_or_else(|(at, e)| panic!("{name}: {e} at {at}"));
+        let whole =
+            parse_whole(role, &data).unwrap_or_else(|(at, e)| panic!("{name}: {e} at {at}"));
         for cut in 0..=data.len() {
             let (a, b) = data.split_at(cut);
-            let split = replay(role, &[a, b]).unwrap_or_else(|e| panic!("{name} cut at {cut}: {e}"));
+            let split =
+                replay(role, &[a, b]).unwrap_or_else(|e| panic!("{name} cut at {cut}: {e}"));
             assert_eq!(split, whole, "{name} cut at {cut}");
         }
     }
@@ -268,7 +287,8 @@ fn every_fixture_split_in_two_at_every_byte_gives_the_same_operations() {
 fn every_fixture_fed_one_byte_at_a_time_gives_the_same_operations() {
     for (name, data) in all_fixtures() {
         let role = role_for(&name);
-        let whole = parse_whole(role, &data).unwrap_or_else(|(at, e)| panic!("{name}: {e} at {at}"));
+        let whole =
+            parse_whole(role, &data).unwrap_or_else(|(at, e)| panic!("{name}: {e} at {at}"));
         let bytes: Vec<&[u8]> = data.chunks(1).collect();
         let trickled = replay(role, &bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(trickled, whole, "{name} fed byte by byte");
@@ -281,7 +301,9 @@ fn every_fixture_fed_one_byte_at_a_time_gives_the_same_operations() {
 fn infos(ops: &[Owned]) -> Vec<ServerInfo> {
     ops.iter()
         .filter_map(|op| match op {
-            Owned::Info(json) => Some(serde_json::from_slice(json).expect("INFO JSON parses into ServerInfo")),
+            Owned::Info(json) => {
+                Some(serde_json::from_slice(json).expect("INFO JSON parses into ServerInfo"))
+            }
             _ => None,
         })
         .collect()
@@ -296,27 +318,40 @@ fn errs(ops: &[Owned]) -> Vec<String> {
         .collect()
 }
 
-/// The status messages (HMSG with a status line) of a stream, as (status, description,
-/// reply, header block).
-fn statuses(ops: &[Owned]) -> Vec<(u16, String, Option<Vec<u8>>, Vec<u8>)> {
+/// An HMSG whose header block starts with a status line (`NATS/1.0 404 No Messages`).
+#[derive(Debug)]
+struct Status {
+    code: u16,
+    description: String,
+    reply: Option<Vec<u8>>,
+    headers: Vec<u8>,
+}
+
+/// The status messages of a stream, in order.
+fn statuses(ops: &[Owned]) -> Vec<Status> {
     ops.iter()
         .filter_map(|op| match op {
-            Owned::Hmsg {
-                reply, headers, ..
-            } => {
+            Owned::Hmsg { reply, headers, .. } => {
                 let h = Headers::parse(headers).expect("header block parses");
-                let code = h.status()?;
-                let desc = h.description().map(|d| d.to_string()).unwrap_or_default();
-                Some((code, desc, reply.clone(), headers.clone()))
+                Some(Status {
+                    code: h.status()?,
+                    description: h.description().unwrap_or_default().to_string(),
+                    reply: reply.clone(),
+                    headers: headers.clone(),
+                })
             }
             _ => None,
         })
         .collect()
 }
 
-fn single_status(name: &str) -> (u16, String, Option<Vec<u8>>, Vec<u8>) {
+fn single_status(name: &str) -> Status {
     let all = statuses(&ops_of(name));
-    assert_eq!(all.len(), 1, "{name}: expected one status message, got {all:?}");
+    assert_eq!(
+        all.len(),
+        1,
+        "{name}: expected one status message, got {all:?}"
+    );
     all.into_iter().next().expect("one status")
 }
 
@@ -341,7 +376,10 @@ fn info_of_an_nkey_server_requires_auth_and_carries_a_nonce() {
         assert!(first.auth_required, "{name}");
         let nonce = first.nonce.as_deref().expect("nonce");
         assert!(!nonce.is_empty(), "{name}");
-        assert!(ops.contains(&Owned::Pong), "{name}: the server accepted CONNECT");
+        assert!(
+            ops.contains(&Owned::Pong),
+            "{name}: the server accepted CONNECT"
+        );
     }
 }
 
@@ -352,7 +390,10 @@ fn nkey_public_bytes(key: &str) -> [u8; 32] {
     let mut nbits = 0;
     let mut raw = Vec::new();
     for c in key.bytes() {
-        let v = ALPHABET.iter().position(|&a| a == c).expect("base32 character") as u64;
+        let v = ALPHABET
+            .iter()
+            .position(|&a| a == c)
+            .expect("base32 character") as u64;
         bits = (bits << 5) | v;
         nbits += 5;
         if nbits >= 8 {
@@ -421,7 +462,12 @@ fn msg_and_hmsg_deliveries_keep_replies_headers_and_payload_bytes() {
             _ => {}
         }
     }
-    for shape in [("MSG", false), ("MSG", true), ("HMSG", false), ("HMSG", true)] {
+    for shape in [
+        ("MSG", false),
+        ("MSG", true),
+        ("HMSG", false),
+        ("HMSG", true),
+    ] {
         assert!(shapes.contains(&shape), "{shape:?} missing from {shapes:?}");
     }
     assert!(ops.contains(&Owned::Msg {
@@ -469,7 +515,9 @@ fn msg_and_hmsg_deliveries_keep_replies_headers_and_payload_bytes() {
         .expect("HMSG with reply");
     assert!(header_only.1.is_empty());
     assert_eq!(
-        Headers::parse(&header_only.0).expect("header block").get("X-Only"),
+        Headers::parse(&header_only.0)
+            .expect("header block")
+            .get("X-Only"),
         Some("header")
     );
 }
@@ -534,9 +582,9 @@ fn client_stream_holds_every_client_operation_shape() {
 
 #[test]
 fn request_without_responders_gets_status_503() {
-    let (code, _, reply, _) = single_status("s2c-no-responders-503.bin");
-    assert_eq!(code, 503);
-    assert_eq!(reply, None);
+    let status = single_status("s2c-no-responders-503.bin");
+    assert_eq!(status.code, 503);
+    assert_eq!(status.reply, None);
 }
 
 #[test]
@@ -551,12 +599,18 @@ fn jetstream_deliveries_carry_ack_reply_subjects() {
         .collect();
     assert_eq!(replies.len(), 2, "two deliveries");
     for reply in &replies {
-        assert!(reply.starts_with(b"$JS.ACK.FIX.pull."), "{}", String::from_utf8_lossy(reply));
+        assert!(
+            reply.starts_with(b"$JS.ACK.FIX.pull."),
+            "{}",
+            String::from_utf8_lossy(reply)
+        );
     }
     let acked = ops_of("c2s-js-pull-deliveries.bin")
         .into_iter()
         .find_map(|op| match op {
-            Owned::Pub { subject, payload, .. } if payload.as_slice() == b"+ACK" => Some(subject),
+            Owned::Pub {
+                subject, payload, ..
+            } if payload.as_slice() == b"+ACK" => Some(subject),
             _ => None,
         })
         .expect("+ACK publish");
@@ -565,15 +619,21 @@ fn jetstream_deliveries_carry_ack_reply_subjects() {
 
 #[test]
 fn pull_no_wait_on_empty_stream_gets_404_no_messages() {
-    let (code, desc, _, _) = single_status("s2c-js-404-no-messages.bin");
-    assert_eq!((code, desc.as_str()), (404, "No Messages"));
+    let status = single_status("s2c-js-404-no-messages.bin");
+    assert_eq!(
+        (status.code, status.description.as_str()),
+        (404, "No Messages")
+    );
 }
 
 #[test]
 fn expired_pull_gets_408_request_timeout_with_pending_counts() {
-    let (code, desc, _, headers) = single_status("s2c-js-408-request-timeout.bin");
-    assert_eq!((code, desc.as_str()), (408, "Request Timeout"));
-    let h = Headers::parse(&headers).expect("header block");
+    let status = single_status("s2c-js-408-request-timeout.bin");
+    assert_eq!(
+        (status.code, status.description.as_str()),
+        (408, "Request Timeout")
+    );
+    let h = Headers::parse(&status.headers).expect("header block");
     assert!(h.get("Nats-Pending-Messages").is_some());
     assert!(h.get("Nats-Pending-Bytes").is_some());
 }
@@ -585,8 +645,12 @@ fn pull_conflicts_get_409_with_their_reason() {
         ("s2c-js-409-exceeded-max-waiting.bin", "Exceeded MaxWaiting"),
         ("s2c-js-409-consumer-deleted.bin", "Consumer Deleted"),
     ] {
-        let (code, desc, _, _) = single_status(name);
-        assert_eq!((code, desc.as_str()), (409, reason), "{name}");
+        let status = single_status(name);
+        assert_eq!(
+            (status.code, status.description.as_str()),
+            (409, reason),
+            "{name}"
+        );
     }
 }
 
@@ -594,12 +658,26 @@ fn pull_conflicts_get_409_with_their_reason() {
 fn pull_with_idle_heartbeat_gets_100_heartbeats_before_the_408() {
     let all = statuses(&ops_of("s2c-js-100-idle-heartbeat.bin"));
     let (last, beats) = all.split_last().expect("status messages");
-    assert_eq!((last.0, last.1.as_str()), (408, "Request Timeout"));
+    assert_eq!(
+        (last.code, last.description.as_str()),
+        (408, "Request Timeout")
+    );
     assert!(!beats.is_empty());
-    for (code, desc, reply, headers) in beats {
+    for Status {
+        code,
+        description: desc,
+        reply,
+        headers,
+    } in beats
+    {
         assert_eq!((*code, desc.as_str()), (100, "Idle Heartbeat"));
         assert_eq!(*reply, None, "heartbeats need no answer");
-        assert!(Headers::parse(headers).expect("header block").get("Nats-Last-Consumer").is_some());
+        assert!(
+            Headers::parse(headers)
+                .expect("header block")
+                .get("Nats-Last-Consumer")
+                .is_some()
+        );
     }
 }
 
@@ -608,31 +686,53 @@ fn flow_control_request_has_status_100_and_a_reply_subject_the_client_answers() 
     let all = statuses(&ops_of("s2c-js-100-flow-control.bin"));
     let fc: Vec<_> = all
         .iter()
-        .filter(|s| s.0 == 100 && s.1 == "FlowControl Request")
+        .filter(|s| s.code == 100 && s.description == "FlowControl Request")
         .collect();
     assert!(!fc.is_empty(), "{all:?}");
-    let reply = fc[0].2.clone().expect("flow control reply subject");
+    let reply = fc[0].reply.clone().expect("flow control reply subject");
     assert!(reply.starts_with(b"$JS.FC.FIX.push."));
-    assert!(all.iter().any(|s| s.0 == 100 && s.1 == "Idle Heartbeat"));
+    assert!(
+        all.iter()
+            .any(|s| s.code == 100 && s.description == "Idle Heartbeat")
+    );
     let answered = ops_of("c2s-js-100-flow-control.bin").contains(&Owned::Pub {
         subject: reply,
         reply: None,
         payload: Vec::new(),
     });
-    assert!(answered, "the client answers the flow control request with an empty PUB");
+    assert!(
+        answered,
+        "the client answers the flow control request with an empty PUB"
+    );
 }
 
 #[test]
 fn server_error_texts_are_the_ones_nats_server_sends() {
     for (name, text, fatal) in [
-        ("s2c-err-authorization-violation.bin", "Authorization Violation", true),
+        (
+            "s2c-err-authorization-violation.bin",
+            "Authorization Violation",
+            true,
+        ),
         ("s2c-err-auth-timeout.bin", "Authentication Timeout", true),
-        ("s2c-err-unknown-protocol.bin", "Unknown Protocol Operation", true),
+        (
+            "s2c-err-unknown-protocol.bin",
+            "Unknown Protocol Operation",
+            true,
+        ),
         ("s2c-err-max-payload.bin", "Maximum Payload Violation", true),
-        ("s2c-err-max-control-line.bin", "maximum control line exceeded", true),
+        (
+            "s2c-err-max-control-line.bin",
+            "maximum control line exceeded",
+            true,
+        ),
         ("s2c-err-stale-connection.bin", "Stale Connection", true),
         ("s2c-err-invalid-subject.bin", "Invalid Subject", false),
-        ("s2c-err-invalid-subject.bin", "Invalid Publish Subject", false),
+        (
+            "s2c-err-invalid-subject.bin",
+            "Invalid Publish Subject",
+            false,
+        ),
         (
             "s2c-err-permissions.bin",
             "Permissions Violation for Publish to \"denied.pub\"",
@@ -650,11 +750,23 @@ fn server_error_texts_are_the_ones_nats_server_sends() {
         ),
     ] {
         let ops = ops_of(name);
-        assert!(errs(&ops).iter().any(|e| e == text), "{name}: {:?}", errs(&ops));
+        assert!(
+            errs(&ops).iter().any(|e| e == text),
+            "{name}: {:?}",
+            errs(&ops)
+        );
         if fatal {
-            assert_eq!(ops.last(), Some(&Owned::Err(text.as_bytes().to_vec())), "{name}");
+            assert_eq!(
+                ops.last(),
+                Some(&Owned::Err(text.as_bytes().to_vec())),
+                "{name}"
+            );
         } else {
-            assert_eq!(ops.last(), Some(&Owned::Pong), "{name}: the connection stays usable");
+            assert_eq!(
+                ops.last(),
+                Some(&Owned::Pong),
+                "{name}: the connection stays usable"
+            );
         }
     }
 }
@@ -681,7 +793,10 @@ fn parse_error_texts_match_what_the_server_sends_for_the_same_violation() {
 #[test]
 fn a_client_that_never_answers_pings_is_closed_as_stale() {
     let ops = ops_of("s2c-err-stale-connection.bin");
-    let ping = ops.iter().position(|op| *op == Owned::Ping).expect("server PING");
+    let ping = ops
+        .iter()
+        .position(|op| *op == Owned::Ping)
+        .expect("server PING");
     let stale = ops
         .iter()
         .position(|op| *op == Owned::Err(b"Stale Connection".to_vec()))
