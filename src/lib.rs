@@ -3,6 +3,7 @@
 
 pub mod amp;
 pub mod broker;
+pub mod cli;
 pub mod jetstream;
 pub mod nats;
 pub mod proto;

@@ -54,6 +54,10 @@ pub struct Namespace {
     pub inbox: Inbox,
     #[serde(default)]
     pub topics: Topics,
+    /// Accepts any valid participant name not listed above, with this credential and these
+    /// permissions. Development mode uses it; in production every participant is listed.
+    #[serde(default)]
+    pub open: Option<Participant>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -188,6 +192,43 @@ impl Config {
         })
     }
 
+    /// Development mode: one namespace `dev`, any participant name, the given token
+    /// (stored as its SHA-256), every permission.
+    pub fn development(token_sha256: String) -> Config {
+        let all = || vec![">".to_string()];
+        let open = Participant {
+            nkey: None,
+            token_sha256: Some(token_sha256),
+            permissions: Permissions {
+                send: all(),
+                publish: all(),
+                subscribe: all(),
+                submit: all(),
+                serve: all(),
+            },
+            labels: BTreeMap::new(),
+            policy: None,
+        };
+        let dev = Namespace {
+            open: Some(open),
+            ..Namespace::default()
+        };
+        Config {
+            limits: Limits::default(),
+            namespaces: BTreeMap::from([("dev".to_string(), dev)]),
+        }
+    }
+
+    /// The participant `ns/name`, listed or accepted by the namespace's `open` entry.
+    pub fn participant(&self, ns: &str, name: &str) -> Option<&Participant> {
+        let namespace = self.namespaces.get(ns)?;
+        namespace.participants.get(name).or(if is_name(name) {
+            namespace.open.as_ref()
+        } else {
+            None
+        })
+    }
+
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
         let config: Config = serde_json::from_slice(text)
             .map_err(|e| err("", format!("invalid configuration: {e}")))?;
@@ -222,6 +263,9 @@ impl Config {
                 let at = format!("{at}.participants.{name}");
                 check_name(&at, name)?;
                 p.validate(&at)?;
+            }
+            if let Some(open) = &ns.open {
+                open.validate(&format!("{at}.open"))?;
             }
         }
         Ok(())
@@ -430,6 +474,17 @@ mod tests {
         assert!(e.problem.contains("unknown field `max_frames`"), "{e}");
         let e = parse("{").expect_err("truncated");
         assert!(e.problem.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn development_mode_accepts_any_valid_name_in_dev_only() {
+        let c = Config::development("ab".repeat(32));
+        assert!(
+            c.participant("dev", "anyone")
+                .is_some_and(|p| p.permissions.send == [">"])
+        );
+        assert!(c.participant("dev", "not valid").is_none());
+        assert!(c.participant("other", "anyone").is_none());
     }
 
     #[test]
