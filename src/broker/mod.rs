@@ -2,7 +2,10 @@
 //! inbox, topics, jobs and the registry.
 
 pub mod binding;
+pub mod bounded_map;
 pub mod config;
 pub mod embedded;
 pub mod envelope;
 pub mod permissions;
+pub mod rate_limit;
+pub mod throttle;
