@@ -1,1 +1,14 @@
 //! AMP frames, JSON Schema validation and error codes.
+//!
+//! Incoming text goes through [`schema::FrameValidator::decode`], which classifies it
+//! (`bad_frame` / `schema`) and yields a typed [`frame::ClientFrame`]; replies are built
+//! with [`reply`].
+
+pub mod error;
+pub mod frame;
+pub mod reply;
+pub mod schema;
+
+pub use error::{AmpError, ErrorCode};
+pub use frame::{ClientFrame, Op};
+pub use schema::{FrameValidator, Rejected, SCHEMA_JSON};

@@ -1,0 +1,160 @@
+//! Builders for the frames the broker sends: `ok` and `error` replies and frames sent on
+//! the broker's own initiative. Members are written in insertion order with `op` first, so
+//! frames read naturally in logs and captures.
+
+use serde::Serialize;
+
+use super::error::AmpError;
+
+/// Writes one JSON object frame member by member.
+#[derive(Debug)]
+pub struct FrameWriter {
+    out: String,
+}
+
+impl FrameWriter {
+    /// Starts a frame with the given `op`.
+    pub fn new(op: &str) -> Self {
+        let mut out = String::with_capacity(64);
+        out.push_str("{\"op\":");
+        push_json_str(&mut out, op);
+        FrameWriter { out }
+    }
+
+    /// Starts an `ok` reply; `re` is the request's `id` when it had a string one.
+    pub fn ok(re: Option<&str>) -> Self {
+        let mut w = FrameWriter::new("ok");
+        if let Some(re) = re {
+            w = w.str("re", re);
+        }
+        w
+    }
+
+    /// A string member.
+    pub fn str(mut self, key: &str, value: &str) -> Self {
+        self.key(key);
+        push_json_str(&mut self.out, value);
+        self
+    }
+
+    /// A member holding any serializable value. A value that fails to serialize (a map
+    /// with non-string keys, which no caller builds) is written as `null`.
+    pub fn value<T: Serialize + ?Sized>(mut self, key: &str, value: &T) -> Self {
+        self.key(key);
+        match serde_json::to_string(value) {
+            Ok(json) => self.out.push_str(&json),
+            Err(_) => self.out.push_str("null"),
+        }
+        self
+    }
+
+    /// A member whose value is already JSON text (e.g. a stored body). The caller
+    /// guarantees it is valid JSON.
+    pub fn raw(mut self, key: &str, json: &str) -> Self {
+        self.key(key);
+        self.out.push_str(json);
+        self
+    }
+
+    pub fn finish(mut self) -> String {
+        self.out.push('}');
+        self.out
+    }
+
+    fn key(&mut self, key: &str) {
+        self.out.push(',');
+        push_json_str(&mut self.out, key);
+        self.out.push(':');
+    }
+}
+
+/// `{"op":"ok","re":..}` with no result members.
+pub fn ok(re: Option<&str>) -> String {
+    FrameWriter::ok(re).finish()
+}
+
+/// `{"op":"error","re":..,"code":..,"message":..,"path":..?,"retry_after_ms":..?}`.
+pub fn error(re: Option<&str>, err: &AmpError) -> String {
+    let mut w = FrameWriter::new("error");
+    if let Some(re) = re {
+        w = w.str("re", re);
+    }
+    w = w
+        .str("code", err.code.as_str())
+        .str("message", &err.message);
+    if let Some(path) = &err.path {
+        w = w.str("path", path);
+    }
+    if let Some(ms) = err.retry_after_ms {
+        w = w.value("retry_after_ms", &ms);
+    }
+    w.finish()
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                out.push_str(&format!("\\u{:04x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amp::error::ErrorCode;
+    use serde_json::{Value, json};
+
+    fn parse(s: &str) -> Value {
+        serde_json::from_str(s).unwrap_or_else(|e| panic!("invalid JSON {s}: {e}"))
+    }
+
+    #[test]
+    fn ok_reply_carries_re_and_result_members_in_order() {
+        let frame = FrameWriter::ok(Some("s1"))
+            .value("seq", &42u64)
+            .value("dup", &false)
+            .finish();
+        assert_eq!(frame, r#"{"op":"ok","re":"s1","seq":42,"dup":false}"#);
+    }
+
+    #[test]
+    fn ok_reply_without_id_has_no_re() {
+        assert_eq!(ok(None), r#"{"op":"ok"}"#);
+    }
+
+    #[test]
+    fn error_reply_has_code_message_path_and_retry_after() {
+        let err = AmpError::new(ErrorCode::Schema, "unknown member").with_path("/from");
+        assert_eq!(
+            parse(&error(Some("x"), &err)),
+            json!({"op":"error","re":"x","code":"schema","message":"unknown member","path":"/from"})
+        );
+        let err = AmpError::rate_limited(250);
+        assert_eq!(
+            parse(&error(None, &err)),
+            json!({"op":"error","code":"rate_limited","message":"rate limit exceeded","retry_after_ms":250})
+        );
+    }
+
+    #[test]
+    fn strings_are_escaped() {
+        let frame = FrameWriter::new("challenge")
+            .str("nonce", "a\"b\\c\n\u{1}é")
+            .finish();
+        assert_eq!(
+            parse(&frame),
+            json!({"op":"challenge","nonce":"a\"b\\c\n\u{1}é"})
+        );
+    }
+}
