@@ -3,6 +3,7 @@
 
 pub mod binding;
 pub mod bounded_map;
+pub mod budget;
 pub mod config;
 pub mod embedded;
 pub mod envelope;
