@@ -1,1 +1,35 @@
-//! Sans-IO NATS client connection and the thin mio shell that drives it.
+//! NATS client: a sans-IO [`Connection`] (handshake, authentication, keepalive,
+//! subscriptions, request/reply over one wildcard inbox, reconnect with backoff, bounded
+//! buffers), the mio [`Driver`] that moves its bytes over a socket inside any `mio::Poll`
+//! loop, and [`Client`], a blocking convenience for tests, benchmarks and tools.
+//!
+//! ```no_run
+//! use amp_broker::nats::{Client, Options};
+//! use std::time::Duration;
+//! let mut client = Client::connect(Options::new("nats://127.0.0.1:4222"))?;
+//! let sid = client.subscribe("greet.*", None)?;
+//! client.publish("greet.joe", None, None, b"hello")?;
+//! let msg = client.next_message(sid, Duration::from_secs(1))?;
+//! let reply = client.request("svc.echo", None, b"hi", Duration::from_secs(1));
+//! # Ok::<(), amp_broker::nats::Error>(())
+//! ```
+
+pub mod backoff;
+pub mod client;
+pub mod connection;
+pub mod creds;
+pub mod driver;
+pub mod error;
+pub mod options;
+pub mod requests;
+pub mod subscriptions;
+
+pub use crate::proto::headers::HeaderMap;
+pub use crate::proto::info::ServerInfo;
+pub use client::Client;
+pub use connection::{Connection, Event, Message, PingId, Stats};
+pub use driver::Driver;
+pub use error::{Error, RequestError};
+pub use options::{Auth, Options, ServerAddr, ServerUrl};
+pub use requests::RequestId;
+pub use subscriptions::Sid;

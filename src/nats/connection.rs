@@ -1,0 +1,1232 @@
+//! The sans-IO client connection: bytes and `now` in; bytes to write, events and the next
+//! deadline out. No socket and no clock in here.
+//!
+//! The shell's duty, after every call into the connection (in this order):
+//! 1. `poll_close()`: when true, drop the current socket (the connection already gave up on
+//!    it: stale, fatal `-ERR`, lame duck move, handshake timeout, `close()`);
+//! 2. `poll_connect(now)`: when it names a server and no socket is open, dial it, then call
+//!    `on_transport_open` or `on_transport_closed`;
+//! 3. write `output()` and report it with `consume_output(n)`;
+//! 4. wake at `poll_timeout()` and call `handle_timeout(now)`;
+//! 5. feed read bytes to `receive`, and a closed/failed socket to `on_transport_closed`.
+
+use super::backoff::{self, Rng};
+use super::error::{ErrKind, Error, RequestError, classify_err};
+use super::options::{Auth, Options, ServerAddr, ServerUrl};
+use super::requests::{RequestId, RequestTable};
+use super::subscriptions::{Delivery, Sid, SubscriptionTable};
+use crate::proto::encode;
+use crate::proto::headers::HeaderMap;
+use crate::proto::info::{ConnectOptions, ServerInfo};
+use crate::proto::subject::{validate_pattern, validate_subject};
+use crate::proto::{Op, Parsed, Parser, Role};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// Until the server's INFO says otherwise.
+const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+/// Outstanding user pings (`ping()`) at once.
+const MAX_USER_PINGS: usize = 1024;
+/// After `output()` is drained this far, the buffer is compacted.
+const COMPACT_AT: usize = 64 * 1024;
+
+/// A message delivered to a subscription or as a reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub subject: String,
+    pub reply: Option<String>,
+    pub headers: Option<HeaderMap>,
+    pub payload: Vec<u8>,
+}
+
+impl Message {
+    /// The inline status of the header block (`NATS/1.0 503`), if any.
+    pub fn status(&self) -> Option<u16> {
+        self.headers.as_ref().and_then(HeaderMap::status)
+    }
+
+    /// The status description (`NATS/1.0 408 Request Timeout`), if any.
+    pub fn description(&self) -> Option<&str> {
+        self.headers.as_ref().and_then(HeaderMap::description)
+    }
+
+    /// The first value of header `name` (exact case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.as_ref().and_then(|h| h.get(name))
+    }
+}
+
+/// Names one `ping()`; its `Event::Pong` says the server has processed everything sent
+/// before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PingId(pub u64);
+
+/// What happened, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The first handshake completed.
+    Connected {
+        server: ServerAddr,
+    },
+    /// An established connection was lost; reconnecting follows unless `Closed` does.
+    Disconnected {
+        reason: String,
+    },
+    /// A later handshake completed; subscriptions were restored and the reconnect buffer
+    /// written.
+    Reconnected {
+        server: ServerAddr,
+    },
+    Message {
+        sid: Sid,
+        msg: Message,
+    },
+    /// The first reply to a request.
+    Response {
+        id: RequestId,
+        msg: Message,
+    },
+    RequestFailed {
+        id: RequestId,
+        error: RequestError,
+    },
+    /// A `-ERR` after which the server keeps the connection (permissions, invalid subject).
+    ServerError(String),
+    /// The server announced lame duck mode; the connection moves to another server when
+    /// there is one.
+    LameDuck,
+    /// The answer to `ping()`.
+    Pong(PingId),
+    /// Messages were dropped because `max_pending_messages` events were waiting.
+    SlowConsumer {
+        dropped: u64,
+    },
+    /// For good: `close()`, refused credentials on first connect, reconnect attempts used
+    /// up, or no server reachable at first connect.
+    Closed {
+        reason: Error,
+    },
+}
+
+/// Counters for monitoring.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub in_msgs: u64,
+    pub in_bytes: u64,
+    pub out_msgs: u64,
+    pub out_bytes: u64,
+    pub reconnects: u64,
+    pub dropped_msgs: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Waiting to dial `server` at `at`.
+    Waiting {
+        server: usize,
+        at: Instant,
+    },
+    /// `poll_connect` handed out `server`; the shell is dialing.
+    Dialing {
+        server: usize,
+        deadline: Instant,
+    },
+    AwaitInfo {
+        server: usize,
+        deadline: Instant,
+    },
+    AwaitPong {
+        server: usize,
+        deadline: Instant,
+    },
+    Connected {
+        server: usize,
+    },
+    Closed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PingKind {
+    Keepalive,
+    User(u64),
+}
+
+#[derive(Debug)]
+struct PoolEntry {
+    url: ServerUrl,
+    discovered: bool,
+    /// Failed attempts in a row on this server.
+    failures: u32,
+    /// Not before this instant (backoff).
+    retry_at: Option<Instant>,
+    /// Announced lame duck mode; avoided while another server is known.
+    lame_duck: bool,
+}
+
+/// The sans-IO NATS client connection. See the module docs for how a shell drives it.
+#[derive(Debug)]
+pub struct Connection {
+    options: Options,
+    state: State,
+    pool: Vec<PoolEntry>,
+    rng: Rng,
+    parser: Parser,
+    info: Option<ServerInfo>,
+    max_payload: usize,
+    ever_connected: bool,
+    /// Failed attempts in a row over all servers (reset by a completed handshake).
+    failures_in_a_row: u32,
+    /// Servers tried since the first connect began (first connect gives up after one round).
+    initial_attempts: usize,
+    last_error: Option<Error>,
+    close_transport: bool,
+
+    rbuf: Vec<u8>,
+    out: Vec<u8>,
+    out_pos: usize,
+    /// Publishes made while not connected, written after the next handshake.
+    pending: Vec<u8>,
+
+    subs: SubscriptionTable,
+    requests: RequestTable,
+    inbox_prefix: String,
+    /// `<inbox_prefix>.<random>.` that request replies arrive under.
+    resp_prefix: String,
+    resp_sid: Option<Sid>,
+
+    events: VecDeque<Event>,
+    queued_messages: usize,
+    dropped_since_report: u64,
+
+    pings: VecDeque<PingKind>,
+    keepalive_out: u32,
+    next_ping: Option<Instant>,
+    next_user_ping: u64,
+    lame_duck_move: bool,
+    stats: Stats,
+    /// The latest `now` passed in, for the few calls that take none.
+    last_now: Instant,
+}
+
+impl Connection {
+    pub fn new(options: Options, now: Instant) -> Connection {
+        let mut rng = Rng::from_os();
+        let mut pool: Vec<PoolEntry> = options
+            .servers
+            .iter()
+            .map(|url| PoolEntry {
+                url: url.clone(),
+                discovered: false,
+                failures: 0,
+                retry_at: None,
+                lame_duck: false,
+            })
+            .collect();
+        if !options.no_randomize {
+            for i in (1..pool.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                pool.swap(i, j);
+            }
+        }
+        let mut parser = Parser::new(Role::Client);
+        parser.max_control_line = options.max_control_line;
+        parser.max_payload = DEFAULT_MAX_PAYLOAD;
+        let inbox_prefix = options.inbox_prefix.clone();
+        let resp_prefix = format!("{}.{}.", inbox_prefix, rng.token(22));
+        let mut conn = Connection {
+            state: State::Closed,
+            pool,
+            rng,
+            parser,
+            info: None,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            ever_connected: false,
+            failures_in_a_row: 0,
+            initial_attempts: 0,
+            last_error: None,
+            close_transport: false,
+            rbuf: Vec::new(),
+            out: Vec::new(),
+            out_pos: 0,
+            pending: Vec::new(),
+            subs: SubscriptionTable::default(),
+            requests: RequestTable::default(),
+            inbox_prefix,
+            resp_prefix,
+            resp_sid: None,
+            events: VecDeque::new(),
+            queued_messages: 0,
+            dropped_since_report: 0,
+            pings: VecDeque::new(),
+            keepalive_out: 0,
+            next_ping: None,
+            next_user_ping: 0,
+            lame_duck_move: false,
+            stats: Stats::default(),
+            last_now: now,
+            options,
+        };
+        if conn.pool.is_empty() {
+            conn.close_for_good(Error::NoServers);
+        } else {
+            conn.state = State::Waiting { server: 0, at: now };
+        }
+        conn
+    }
+
+    // ----- shell side -----
+
+    /// A server to dial now, when one is due. Hand out once per attempt.
+    pub fn poll_connect(&mut self, now: Instant) -> Option<ServerAddr> {
+        self.last_now = self.last_now.max(now);
+        let State::Waiting { server, at } = self.state else {
+            return None;
+        };
+        if now < at {
+            return None;
+        }
+        let entry = self.pool.get_mut(server)?;
+        entry.retry_at = None;
+        let addr = entry.url.addr.clone();
+        if !self.ever_connected {
+            self.initial_attempts += 1;
+        }
+        self.state = State::Dialing {
+            server,
+            deadline: now + self.options.connect_timeout,
+        };
+        Some(addr)
+    }
+
+    /// The socket handed out by `poll_connect` is connected.
+    pub fn on_transport_open(&mut self, now: Instant) {
+        if let State::Dialing { server, deadline } = self.state {
+            self.rbuf.clear();
+            self.out.clear();
+            self.out_pos = 0;
+            self.last_now = now;
+            self.state = State::AwaitInfo { server, deadline };
+        }
+    }
+
+    /// The socket failed to connect, or was closed by the peer or by an error.
+    pub fn on_transport_closed(&mut self, now: Instant, reason: &str) {
+        self.last_now = self.last_now.max(now);
+        match self.state {
+            State::Dialing { .. } | State::AwaitInfo { .. } | State::AwaitPong { .. } => {
+                self.attempt_failed(now, Error::ConnectFailed(reason.to_string()));
+            }
+            State::Connected { .. } => self.lost(now, reason),
+            State::Waiting { .. } | State::Closed => {}
+        }
+    }
+
+    /// True once after the connection abandoned its transport: the shell drops the socket
+    /// (without calling `on_transport_closed`).
+    pub fn poll_close(&mut self) -> bool {
+        std::mem::take(&mut self.close_transport)
+    }
+
+    /// Bytes read from the socket.
+    pub fn receive(&mut self, bytes: &[u8], now: Instant) {
+        self.last_now = self.last_now.max(now);
+        if !matches!(
+            self.state,
+            State::AwaitInfo { .. } | State::AwaitPong { .. } | State::Connected { .. }
+        ) {
+            return;
+        }
+        if self.rbuf.is_empty() {
+            // Parse straight from the caller's bytes; keep only an incomplete tail.
+            let used = self.parse_all(bytes, now);
+            if self.transport_is_current()
+                && let Some(rest) = bytes.get(used..)
+            {
+                self.rbuf.extend_from_slice(rest);
+            }
+        } else {
+            self.rbuf.extend_from_slice(bytes);
+            let buf = std::mem::take(&mut self.rbuf);
+            let used = self.parse_all(&buf, now);
+            if self.transport_is_current() {
+                self.rbuf = buf;
+                self.rbuf.drain(..used.min(self.rbuf.len()));
+            }
+        }
+    }
+
+    /// Bytes waiting to be written.
+    pub fn output(&self) -> &[u8] {
+        self.out.get(self.out_pos..).unwrap_or(&[])
+    }
+
+    /// `n` bytes of `output()` were written.
+    pub fn consume_output(&mut self, n: usize) {
+        self.out_pos = (self.out_pos + n).min(self.out.len());
+        if self.out_pos == self.out.len() {
+            self.out.clear();
+            self.out_pos = 0;
+            if self.lame_duck_move {
+                // Everything written: now move to another server.
+                self.lame_duck_move = false;
+                self.close_transport = true;
+                self.lost_at_unknown_time("server entered lame duck mode");
+            }
+        } else if self.out_pos >= COMPACT_AT && self.out_pos * 2 >= self.out.len() {
+            self.out.drain(..self.out_pos);
+            self.out_pos = 0;
+        }
+    }
+
+    /// The next instant `handle_timeout` has work (dial, handshake timeout, keepalive,
+    /// request deadline).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let state = match self.state {
+            State::Waiting { at, .. } => Some(at),
+            State::Dialing { deadline, .. }
+            | State::AwaitInfo { deadline, .. }
+            | State::AwaitPong { deadline, .. } => Some(deadline),
+            State::Connected { .. } => self.next_ping,
+            State::Closed => None,
+        };
+        match (state, self.requests.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = self.last_now.max(now);
+        match self.state {
+            State::Dialing {
+                server, deadline, ..
+            }
+            | State::AwaitInfo { server, deadline }
+            | State::AwaitPong { server, deadline }
+                if now >= deadline =>
+            {
+                self.close_transport = true;
+                let addr = self.addr_of(server);
+                self.attempt_failed(
+                    now,
+                    Error::ConnectFailed(format!("timed out connecting to {addr}")),
+                );
+            }
+            State::Connected { .. } if self.next_ping.is_some_and(|t| now >= t) => {
+                if self.keepalive_out >= self.options.max_pings_outstanding {
+                    self.close_transport = true;
+                    self.lost(now, "stale connection: PINGs unanswered");
+                } else {
+                    self.keepalive_out += 1;
+                    self.pings.push_back(PingKind::Keepalive);
+                    encode::ping(&mut self.out);
+                    self.next_ping = Some(now + self.options.ping_interval);
+                }
+            }
+            _ => {}
+        }
+        for id in self.requests.expire(now) {
+            self.events.push_back(Event::RequestFailed {
+                id,
+                error: RequestError::Timeout,
+            });
+        }
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        let event = self.events.pop_front()?;
+        if matches!(event, Event::Message { .. } | Event::Response { .. }) {
+            self.queued_messages = self.queued_messages.saturating_sub(1);
+            if self.dropped_since_report > 0 && self.queued_messages == 0 {
+                let dropped = std::mem::take(&mut self.dropped_since_report);
+                self.events.push_back(Event::SlowConsumer { dropped });
+            }
+        }
+        Some(event)
+    }
+
+    // ----- user side -----
+
+    pub fn is_connected(&self) -> bool {
+        matches!(self.state, State::Connected { .. })
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+
+    /// The INFO of the current (or last) server.
+    pub fn server_info(&self) -> Option<&ServerInfo> {
+        self.info.as_ref()
+    }
+
+    /// The server currently connected to.
+    pub fn connected_server(&self) -> Option<&ServerAddr> {
+        match self.state {
+            State::Connected { server } => self.pool.get(server).map(|e| &e.url.addr),
+            _ => None,
+        }
+    }
+
+    /// Every server known: configured and discovered.
+    pub fn servers(&self) -> Vec<ServerAddr> {
+        self.pool.iter().map(|e| e.url.addr.clone()).collect()
+    }
+
+    /// Servers learned from `connect_urls`.
+    pub fn discovered_servers(&self) -> Vec<ServerAddr> {
+        self.pool
+            .iter()
+            .filter(|e| e.discovered)
+            .map(|e| e.url.addr.clone())
+            .collect()
+    }
+
+    /// Largest headers-plus-payload the server accepts.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// Bytes of publishes waiting for a reconnect.
+    pub fn reconnect_buffered(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// A fresh unique subject under the inbox prefix.
+    pub fn new_inbox(&mut self) -> String {
+        format!("{}.{}", self.inbox_prefix, self.rng.token(22))
+    }
+
+    pub fn publish(
+        &mut self,
+        subject: &str,
+        reply: Option<&str>,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+    ) -> Result<(), Error> {
+        validate_subject(subject.as_bytes())
+            .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
+        if let Some(r) = reply {
+            validate_subject(r.as_bytes()).map_err(|_| Error::InvalidSubject(r.to_string()))?;
+        }
+        self.publish_unchecked(
+            subject.as_bytes(),
+            reply.map(str::as_bytes),
+            headers,
+            payload,
+        )
+    }
+
+    fn publish_unchecked(
+        &mut self,
+        subject: &[u8],
+        reply: Option<&[u8]>,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+    ) -> Result<(), Error> {
+        let header_len = headers.map_or(0, HeaderMap::encoded_len);
+        let size = header_len + payload.len();
+        if size > self.max_payload {
+            return Err(Error::MaxPayloadExceeded {
+                size,
+                max: self.max_payload,
+            });
+        }
+        // Upper bound of the encoded op: name, subject, reply, two sizes, CRLFs.
+        let op_len = 5 + subject.len() + reply.map_or(0, |r| r.len() + 1) + 2 * 21 + size + 4;
+        let connected = self.is_connected() && !self.lame_duck_move;
+        let buf = if connected {
+            let unwritten = self.out.len() - self.out_pos;
+            if unwritten + op_len > self.options.max_write_buffer {
+                return Err(Error::WriteBufferFull {
+                    capacity: self.options.max_write_buffer,
+                });
+            }
+            &mut self.out
+        } else {
+            if self.state == State::Closed {
+                return Err(self.closed_error());
+            }
+            if self.pending.len() + op_len > self.options.reconnect_buffer_size {
+                return Err(Error::ReconnectBufferFull {
+                    capacity: self.options.reconnect_buffer_size,
+                });
+            }
+            &mut self.pending
+        };
+        match headers {
+            None => encode::publish(buf, subject, reply, payload),
+            Some(h) => {
+                buf.extend_from_slice(b"HPUB ");
+                buf.extend_from_slice(subject);
+                buf.push(b' ');
+                if let Some(r) = reply {
+                    buf.extend_from_slice(r);
+                    buf.push(b' ');
+                }
+                encode::write_decimal(buf, header_len as u64);
+                buf.push(b' ');
+                encode::write_decimal(buf, size as u64);
+                buf.extend_from_slice(b"\r\n");
+                h.encode_into(buf);
+                buf.extend_from_slice(payload);
+                buf.extend_from_slice(b"\r\n");
+            }
+        }
+        self.stats.out_msgs += 1;
+        self.stats.out_bytes += size as u64;
+        Ok(())
+    }
+
+    /// Subscribes to `subject` (wildcards allowed), in queue group `queue` when given.
+    /// While disconnected the subscription is made on the next connection.
+    pub fn subscribe(&mut self, subject: &str, queue: Option<&str>) -> Result<Sid, Error> {
+        validate_pattern(subject.as_bytes())
+            .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
+        if let Some(q) = queue {
+            validate_subject(q.as_bytes()).map_err(|_| Error::InvalidSubject(q.to_string()))?;
+        }
+        if self.state == State::Closed {
+            return Err(self.closed_error());
+        }
+        if self.subs.len() >= self.options.max_subscriptions {
+            return Err(Error::TooManySubscriptions {
+                max: self.options.max_subscriptions,
+            });
+        }
+        let sid = self.subs.insert(subject, queue);
+        if self.is_connected() {
+            encode::subscribe(
+                &mut self.out,
+                subject,
+                queue.map(str::as_bytes),
+                sid.0.to_string(),
+            );
+        }
+        Ok(sid)
+    }
+
+    /// Unsubscribes now (`max_msgs: None`), or after `max_msgs` deliveries in total.
+    pub fn unsubscribe(&mut self, sid: Sid, max_msgs: Option<u64>) -> Result<(), Error> {
+        if Some(sid) == self.resp_sid {
+            return Err(Error::UnknownSubscription(sid.0));
+        }
+        let connected = self.is_connected();
+        let sub = self
+            .subs
+            .get_mut(sid)
+            .ok_or(Error::UnknownSubscription(sid.0))?;
+        match max_msgs {
+            Some(max) if sub.delivered < max => {
+                sub.max = Some(max);
+                let remaining = sub.remaining_on_this_connection();
+                if connected {
+                    encode::unsubscribe(&mut self.out, sid.0.to_string(), remaining);
+                }
+            }
+            _ => {
+                self.subs.remove(sid);
+                if connected {
+                    encode::unsubscribe(&mut self.out, sid.0.to_string(), None);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes a request with a reply subject under the connection's one wildcard inbox
+    /// subscription. The outcome comes as `Event::Response` or `Event::RequestFailed`.
+    pub fn request(
+        &mut self,
+        subject: &str,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<RequestId, Error> {
+        validate_subject(subject.as_bytes())
+            .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
+        if self.requests.len() >= self.options.max_pending_requests {
+            return Err(Error::TooManyRequests {
+                max: self.options.max_pending_requests,
+            });
+        }
+        if self.resp_sid.is_none() {
+            let pattern = format!("{}*", self.resp_prefix);
+            self.resp_sid = Some(self.subscribe(&pattern, None)?);
+        }
+        let id = self.requests.next_id();
+        let mut reply = String::with_capacity(self.resp_prefix.len() + 20);
+        reply.push_str(&self.resp_prefix);
+        reply.push_str(&id.0.to_string());
+        self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload)?;
+        let on_wire = self.is_connected() && !self.lame_duck_move;
+        Ok(self.requests.insert(now + timeout, on_wire))
+    }
+
+    /// Forgets a request; a late reply is dropped. False when it already ended.
+    pub fn cancel_request(&mut self, id: RequestId) -> bool {
+        self.requests.remove(id)
+    }
+
+    /// Requests waiting for a reply.
+    pub fn pending_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Sends a PING; `Event::Pong` with the returned id follows when the server has
+    /// processed everything written before it.
+    pub fn ping(&mut self) -> Result<PingId, Error> {
+        if !self.is_connected() {
+            return Err(match self.state {
+                State::Closed => self.closed_error(),
+                _ => Error::ConnectFailed("not connected".into()),
+            });
+        }
+        let users = self
+            .pings
+            .iter()
+            .filter(|p| matches!(p, PingKind::User(_)))
+            .count();
+        if users >= MAX_USER_PINGS {
+            return Err(Error::WriteBufferFull {
+                capacity: MAX_USER_PINGS,
+            });
+        }
+        self.next_user_ping += 1;
+        self.pings.push_back(PingKind::User(self.next_user_ping));
+        encode::ping(&mut self.out);
+        Ok(PingId(self.next_user_ping))
+    }
+
+    /// Closes for good. Output not yet written is dropped; flush first to keep it.
+    pub fn close(&mut self) {
+        if self.state == State::Closed {
+            return;
+        }
+        if !matches!(self.state, State::Waiting { .. }) {
+            self.close_transport = true;
+        }
+        self.close_for_good(Error::Closed("closed by the client".into()));
+    }
+
+    // ----- internals -----
+
+    fn transport_is_current(&self) -> bool {
+        !self.close_transport
+            && matches!(
+                self.state,
+                State::AwaitInfo { .. } | State::AwaitPong { .. } | State::Connected { .. }
+            )
+    }
+
+    fn closed_error(&self) -> Error {
+        match &self.last_error {
+            Some(Error::Closed(r)) => Error::Closed(r.clone()),
+            Some(e) => Error::Closed(e.to_string()),
+            None => Error::Closed("closed".into()),
+        }
+    }
+
+    fn addr_of(&self, server: usize) -> String {
+        self.pool
+            .get(server)
+            .map(|e| e.url.addr.to_string())
+            .unwrap_or_default()
+    }
+
+    /// Parses and handles complete operations; returns the bytes used. Stops when the
+    /// transport was abandoned on the way.
+    fn parse_all(&mut self, buf: &[u8], now: Instant) -> usize {
+        let mut start = 0;
+        while start < buf.len() && self.transport_is_current() {
+            let Some(rest) = buf.get(start..) else { break };
+            match self.parser.parse(rest) {
+                Ok(Parsed::Complete(op, used)) => {
+                    start += used.max(1);
+                    self.handle_op(op, now);
+                }
+                Ok(Parsed::Partial { .. }) => break,
+                Err(e) => {
+                    self.close_transport = true;
+                    let reason = format!("protocol error from server: {e}");
+                    self.protocol_failure(now, reason);
+                    break;
+                }
+            }
+        }
+        start
+    }
+
+    fn protocol_failure(&mut self, now: Instant, reason: String) {
+        match self.state {
+            State::Connected { .. } => self.lost(now, &reason),
+            _ => self.attempt_failed(now, Error::Server(reason)),
+        }
+    }
+
+    fn handle_op(&mut self, op: Op<'_>, now: Instant) {
+        match op {
+            Op::Info(json) => self.on_info(json, now),
+            Op::Msg {
+                subject,
+                sid,
+                reply,
+                payload,
+            } => self.on_msg(subject, sid, reply, None, payload),
+            Op::Hmsg {
+                subject,
+                sid,
+                reply,
+                headers,
+                payload,
+            } => self.on_msg(subject, sid, reply, Some(headers), payload),
+            Op::Ping => encode::pong(&mut self.out),
+            Op::Pong => self.on_pong(now),
+            Op::Ok => {}
+            Op::Err(text) => self.on_err(&String::from_utf8_lossy(text), now),
+            Op::Connect(_)
+            | Op::Pub { .. }
+            | Op::Hpub { .. }
+            | Op::Sub { .. }
+            | Op::Unsub { .. } => {
+                self.close_transport = true;
+                self.protocol_failure(now, "protocol error: client operation from server".into());
+            }
+        }
+    }
+
+    fn on_info(&mut self, json: &[u8], now: Instant) {
+        let info = match ServerInfo::from_json(json) {
+            Ok(info) => info,
+            Err(e) => {
+                self.close_transport = true;
+                self.protocol_failure(now, format!("protocol error: bad INFO: {e}"));
+                return;
+            }
+        };
+        self.learn_servers(&info.connect_urls);
+        if info.max_payload > 0 {
+            self.max_payload = usize::try_from(info.max_payload).unwrap_or(usize::MAX);
+            self.parser.max_payload = self.max_payload;
+        }
+        match self.state {
+            State::AwaitInfo { server, deadline } => {
+                let connect = self.connect_options(&info, server);
+                self.info = Some(info);
+                if encode::connect(&mut self.out, &connect).is_err() {
+                    self.close_transport = true;
+                    self.attempt_failed(now, Error::Credentials("cannot encode CONNECT".into()));
+                    return;
+                }
+                encode::ping(&mut self.out);
+                self.state = State::AwaitPong { server, deadline };
+            }
+            State::Connected { server } => {
+                let ldm = info.ldm;
+                self.info = Some(info);
+                if ldm {
+                    self.on_lame_duck(server);
+                }
+            }
+            _ => self.info = Some(info),
+        }
+    }
+
+    fn on_lame_duck(&mut self, server: usize) {
+        if let Some(entry) = self.pool.get_mut(server) {
+            if entry.lame_duck {
+                return;
+            }
+            entry.lame_duck = true;
+        }
+        self.events.push_back(Event::LameDuck);
+        let elsewhere = self
+            .pool
+            .iter()
+            .enumerate()
+            .any(|(i, e)| i != server && !e.lame_duck);
+        if elsewhere && self.options.allow_reconnect {
+            // Let what is written reach this server, then move; new publishes meanwhile
+            // wait in the reconnect buffer.
+            if self.output().is_empty() {
+                self.close_transport = true;
+                self.lost_at_unknown_time("server entered lame duck mode");
+            } else {
+                self.lame_duck_move = true;
+            }
+        }
+    }
+
+    fn learn_servers(&mut self, urls: &[String]) {
+        if self.options.ignore_discovered_servers {
+            return;
+        }
+        for url in urls {
+            let discovered = self.pool.iter().filter(|e| e.discovered).count();
+            if discovered >= self.options.max_discovered_servers {
+                break;
+            }
+            let Ok(parsed) = ServerUrl::parse(url) else {
+                continue;
+            };
+            if self.pool.iter().any(|e| e.url.addr == parsed.addr) {
+                continue;
+            }
+            self.pool.push(PoolEntry {
+                url: parsed,
+                discovered: true,
+                failures: 0,
+                retry_at: None,
+                lame_duck: false,
+            });
+        }
+    }
+
+    fn connect_options(&self, info: &ServerInfo, server: usize) -> ConnectOptions {
+        let mut c = ConnectOptions {
+            name: self.options.name.clone(),
+            echo: self.options.echo,
+            ..ConnectOptions::default()
+        };
+        let sign = |key: &crate::nkeys::KeyPair| {
+            info.nonce
+                .as_ref()
+                .map(|n| URL_SAFE_NO_PAD.encode(key.sign(n.as_bytes())))
+        };
+        match &self.options.auth {
+            Auth::UserPassword { user, pass } => {
+                c.user = Some(user.clone());
+                c.pass = Some(pass.clone());
+            }
+            Auth::Token(t) => c.auth_token = Some(t.clone()),
+            Auth::NKey(key) => {
+                c.nkey = Some(key.public_key());
+                c.sig = sign(key);
+            }
+            Auth::Jwt { jwt, key } => {
+                c.jwt = Some(jwt.clone());
+                c.sig = sign(key);
+            }
+            Auth::None => {
+                // Credentials from this server's URL, else from the first URL that has
+                // some (discovered servers come without).
+                let url = self
+                    .pool
+                    .get(server)
+                    .map(|e| &e.url)
+                    .filter(|u| u.user.is_some())
+                    .or_else(|| self.pool.iter().map(|e| &e.url).find(|u| u.user.is_some()));
+                if let Some(url) = url {
+                    match (&url.user, &url.pass) {
+                        (Some(u), Some(p)) => {
+                            c.user = Some(u.clone());
+                            c.pass = Some(p.clone());
+                        }
+                        (Some(t), None) => c.auth_token = Some(t.clone()),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    fn on_pong(&mut self, now: Instant) {
+        match self.state {
+            State::AwaitPong { server, .. } => self.handshake_done(server, now),
+            State::Connected { .. } => {
+                self.keepalive_out = 0;
+                if let Some(PingKind::User(id)) = self.pings.pop_front() {
+                    self.events.push_back(Event::Pong(PingId(id)));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn handshake_done(&mut self, server: usize, now: Instant) {
+        self.state = State::Connected { server };
+        self.failures_in_a_row = 0;
+        self.last_error = None;
+        if let Some(e) = self.pool.get_mut(server) {
+            e.failures = 0;
+            e.retry_at = None;
+            e.lame_duck = false;
+        }
+        self.keepalive_out = 0;
+        self.pings.clear();
+        self.next_ping = Some(now + self.options.ping_interval);
+        // Restore subscriptions, then what was published while away.
+        for (sid, sub) in self.subs.all_mut() {
+            sub.delivered_at_sub = sub.delivered;
+            encode::subscribe(
+                &mut self.out,
+                &sub.subject,
+                sub.queue.as_deref().map(str::as_bytes),
+                sid.0.to_string(),
+            );
+            if sub.max.is_some() {
+                let remaining = sub.remaining_on_this_connection();
+                encode::unsubscribe(&mut self.out, sid.0.to_string(), remaining);
+            }
+        }
+        self.out.append(&mut self.pending);
+        self.pending = Vec::new();
+        self.requests.mark_all_on_wire();
+        let addr = self.pool.get(server).map(|e| e.url.addr.clone());
+        let addr = addr.unwrap_or(ServerAddr {
+            host: String::new(),
+            port: 0,
+        });
+        if self.ever_connected {
+            self.stats.reconnects += 1;
+            self.events.push_back(Event::Reconnected { server: addr });
+        } else {
+            self.ever_connected = true;
+            self.events.push_back(Event::Connected { server: addr });
+        }
+    }
+
+    fn on_err(&mut self, text: &str, now: Instant) {
+        let kind = classify_err(text);
+        match self.state {
+            State::Connected { .. } => match kind {
+                ErrKind::Recoverable => self.events.push_back(Event::ServerError(text.into())),
+                ErrKind::Authorization | ErrKind::Fatal => {
+                    self.close_transport = true;
+                    self.lost(now, &format!("server error: {text}"));
+                }
+            },
+            State::AwaitInfo { .. } | State::AwaitPong { .. } => match kind {
+                ErrKind::Recoverable => self.events.push_back(Event::ServerError(text.into())),
+                ErrKind::Authorization => {
+                    self.close_transport = true;
+                    self.attempt_failed(now, Error::Authorization(text.into()));
+                }
+                ErrKind::Fatal => {
+                    self.close_transport = true;
+                    self.attempt_failed(now, Error::Server(text.into()));
+                }
+            },
+            _ => {}
+        }
+    }
+
+    fn on_msg(
+        &mut self,
+        subject: &[u8],
+        sid: &[u8],
+        reply: Option<&[u8]>,
+        headers: Option<&[u8]>,
+        payload: &[u8],
+    ) {
+        if !self.is_connected() {
+            return;
+        }
+        let Some(sid) = parse_u64(sid).map(Sid) else {
+            return;
+        };
+        self.stats.in_msgs += 1;
+        self.stats.in_bytes += (payload.len() + headers.map_or(0, <[u8]>::len)) as u64;
+        if Some(sid) == self.resp_sid {
+            self.on_response(subject, reply, headers, payload);
+            return;
+        }
+        if self.subs.deliver(sid) == Delivery::Unknown {
+            return;
+        }
+        if self.queued_messages >= self.options.max_pending_messages {
+            self.dropped_since_report += 1;
+            self.stats.dropped_msgs += 1;
+            return;
+        }
+        let msg = make_message(subject, reply, headers, payload);
+        self.queued_messages += 1;
+        self.events.push_back(Event::Message { sid, msg });
+    }
+
+    fn on_response(
+        &mut self,
+        subject: &[u8],
+        reply: Option<&[u8]>,
+        headers: Option<&[u8]>,
+        payload: &[u8],
+    ) {
+        let Some(token) = subject.strip_prefix(self.resp_prefix.as_bytes()) else {
+            return;
+        };
+        let Some(id) = parse_u64(token).map(RequestId) else {
+            return;
+        };
+        if !self.requests.remove(id) {
+            return; // late or duplicate reply
+        }
+        let msg = make_message(subject, reply, headers, payload);
+        if msg.status() == Some(503) && msg.payload.is_empty() {
+            self.events.push_back(Event::RequestFailed {
+                id,
+                error: RequestError::NoResponders,
+            });
+        } else {
+            self.queued_messages += 1;
+            self.events.push_back(Event::Response { id, msg });
+        }
+    }
+
+    /// An established connection is gone.
+    fn lost(&mut self, now: Instant, reason: &str) {
+        let State::Connected { server } = self.state else {
+            return;
+        };
+        self.reset_transport();
+        self.events.push_back(Event::Disconnected {
+            reason: reason.to_string(),
+        });
+        for id in self.requests.take_on_wire() {
+            self.events.push_back(Event::RequestFailed {
+                id,
+                error: RequestError::Disconnected,
+            });
+        }
+        if !self.options.allow_reconnect {
+            self.close_for_good(Error::Closed(reason.to_string()));
+            return;
+        }
+        self.schedule(server, now);
+    }
+
+    /// `lost` where no `now` is at hand (from `consume_output`): the latest `now` seen.
+    fn lost_at_unknown_time(&mut self, reason: &str) {
+        self.lost(self.last_now, reason);
+    }
+
+    /// A dial or handshake failed.
+    fn attempt_failed(&mut self, now: Instant, error: Error) {
+        let server = match self.state {
+            State::Dialing { server, .. }
+            | State::AwaitInfo { server, .. }
+            | State::AwaitPong { server, .. } => server,
+            _ => return,
+        };
+        self.reset_transport();
+        self.failures_in_a_row += 1;
+        if let Some(e) = self.pool.get_mut(server) {
+            e.failures += 1;
+            e.retry_at = Some(
+                now + backoff::delay(
+                    self.options.reconnect_delay,
+                    self.options.reconnect_delay_max,
+                    e.failures,
+                    &mut self.rng,
+                ),
+            );
+        }
+        let first_connect = !self.ever_connected && !self.options.retry_on_failed_connect;
+        if first_connect
+            && (matches!(error, Error::Authorization(_))
+                || self.initial_attempts >= self.pool.len())
+        {
+            self.close_for_good(error);
+            return;
+        }
+        if self.ever_connected && !self.options.allow_reconnect {
+            self.close_for_good(error);
+            return;
+        }
+        if self
+            .options
+            .max_reconnect_attempts
+            .is_some_and(|max| self.failures_in_a_row >= max)
+        {
+            self.close_for_good(Error::ConnectFailed(format!(
+                "gave up after {} attempts: {error}",
+                self.failures_in_a_row
+            )));
+            return;
+        }
+        self.last_error = Some(error);
+        self.schedule(server, now);
+    }
+
+    /// Picks the server after `after` in rotation (avoiding lame-duck ones when possible)
+    /// and waits for its backoff.
+    fn schedule(&mut self, after: usize, now: Instant) {
+        let n = self.pool.len();
+        if n == 0 {
+            self.close_for_good(Error::NoServers);
+            return;
+        }
+        let candidates = (1..=n).map(|k| (after + k) % n);
+        let pick = candidates
+            .clone()
+            .find(|&i| self.pool.get(i).is_some_and(|e| !e.lame_duck))
+            .unwrap_or((after + 1) % n);
+        let at = self
+            .pool
+            .get(pick)
+            .and_then(|e| e.retry_at)
+            .map_or(now, |t| t.max(now));
+        self.state = State::Waiting { server: pick, at };
+    }
+
+    fn reset_transport(&mut self) {
+        self.rbuf = Vec::new();
+        self.out.clear();
+        self.out_pos = 0;
+        self.pings.clear();
+        self.keepalive_out = 0;
+        self.next_ping = None;
+        self.lame_duck_move = false;
+        self.parser.max_payload = self.max_payload;
+    }
+
+    fn close_for_good(&mut self, reason: Error) {
+        self.reset_transport();
+        self.pending = Vec::new();
+        self.state = State::Closed;
+        for id in self.requests.take_all() {
+            self.events.push_back(Event::RequestFailed {
+                id,
+                error: RequestError::Closed,
+            });
+        }
+        self.last_error = Some(reason.clone());
+        self.events.push_back(Event::Closed { reason });
+    }
+}
+
+fn parse_u64(bytes: &[u8]) -> Option<u64> {
+    if bytes.is_empty() || bytes.len() > 19 {
+        return None;
+    }
+    bytes.iter().try_fold(0u64, |acc, &b| {
+        b.is_ascii_digit().then(|| acc * 10 + u64::from(b - b'0'))
+    })
+}
+
+fn make_message(
+    subject: &[u8],
+    reply: Option<&[u8]>,
+    headers: Option<&[u8]>,
+    payload: &[u8],
+) -> Message {
+    Message {
+        subject: String::from_utf8_lossy(subject).into_owned(),
+        reply: reply.map(|r| String::from_utf8_lossy(r).into_owned()),
+        // A header block another client got wrong is delivered without headers rather
+        // than taking the connection down.
+        headers: headers.and_then(|h| HeaderMap::parse(h).ok()),
+        payload: payload.to_vec(),
+    }
+}

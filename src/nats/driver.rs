@@ -1,0 +1,226 @@
+//! The socket driver: one non-blocking mio `TcpStream` moving bytes for one
+//! [`Connection`]. It registers with whatever `mio::Poll` the caller runs (the broker's
+//! single event loop, or [`Client`](super::Client)'s small one) under the caller's token.
+//!
+//! Loop contract: call [`Driver::handle_event`] for readiness events carrying the driver's
+//! token, [`Driver::drive`] after anything else touched the connection (a publish, a
+//! subscribe) and whenever [`Driver::poll_timeout`] has passed. Both do all IO that can be
+//! done without blocking.
+
+use super::connection::Connection;
+use mio::net::TcpStream;
+use mio::{Interest, Registry, Token};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Instant;
+
+/// Bytes read per `read` call.
+const READ_CHUNK: usize = 64 * 1024;
+
+#[derive(Debug)]
+pub struct Driver {
+    conn: Connection,
+    token: Token,
+    socket: Option<TcpStream>,
+    /// Non-blocking connect in progress.
+    dialing: bool,
+    read_buf: Vec<u8>,
+}
+
+impl Driver {
+    pub fn new(conn: Connection, token: Token) -> Driver {
+        Driver {
+            conn,
+            token,
+            socket: None,
+            dialing: false,
+            read_buf: vec![0; READ_CHUNK],
+        }
+    }
+
+    pub fn token(&self) -> Token {
+        self.token
+    }
+
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    pub fn connection_mut(&mut self) -> &mut Connection {
+        &mut self.conn
+    }
+
+    /// Whether a socket is open or being dialed.
+    pub fn has_socket(&self) -> bool {
+        self.socket.is_some()
+    }
+
+    /// The next instant [`Driver::drive`] must run even without readiness.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.conn.poll_timeout()
+    }
+
+    /// Readiness for this driver's token.
+    pub fn handle_event(&mut self, registry: &Registry, event: &mio::event::Event, now: Instant) {
+        if event.token() != self.token || self.socket.is_none() {
+            return;
+        }
+        if self.dialing {
+            self.finish_dial(registry, now);
+        }
+        if !self.dialing && (event.is_readable() || event.is_read_closed()) {
+            self.read(registry, now);
+        }
+        self.drive(registry, now);
+    }
+
+    /// Timers, dialing, closing and writing: everything not driven by readiness.
+    pub fn drive(&mut self, registry: &Registry, now: Instant) {
+        // Bounded: each pass either changes state or stops.
+        for _ in 0..16 {
+            if self.conn.poll_close() {
+                self.drop_socket(registry);
+            }
+            if self.conn.poll_timeout().is_some_and(|t| t <= now) {
+                self.conn.handle_timeout(now);
+                if self.conn.poll_close() {
+                    self.drop_socket(registry);
+                }
+            }
+            if self.socket.is_none() {
+                match self.conn.poll_connect(now) {
+                    Some(addr) => {
+                        self.dial(registry, &addr.to_string(), now);
+                        continue;
+                    }
+                    None => return,
+                }
+            }
+            if self.dialing {
+                return;
+            }
+            if !self.write(registry, now) {
+                continue;
+            }
+            return;
+        }
+    }
+
+    fn dial(&mut self, registry: &Registry, addr: &str, now: Instant) {
+        let resolved: io::Result<SocketAddr> = addr
+            .to_socket_addrs()
+            .and_then(|mut a| a.next().ok_or_else(|| io::Error::other("no address")));
+        let result = resolved.and_then(|sa| {
+            let mut stream = TcpStream::connect(sa)?;
+            registry.register(
+                &mut stream,
+                self.token,
+                Interest::READABLE | Interest::WRITABLE,
+            )?;
+            Ok(stream)
+        });
+        match result {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                self.socket = Some(stream);
+                self.dialing = true;
+            }
+            Err(e) => self.conn.on_transport_closed(now, &format!("{addr}: {e}")),
+        }
+    }
+
+    fn finish_dial(&mut self, registry: &Registry, now: Instant) {
+        let Some(stream) = self.socket.as_ref() else {
+            return;
+        };
+        match stream.take_error() {
+            Ok(None) => {}
+            Ok(Some(e)) | Err(e) => return self.failed(registry, now, &e.to_string()),
+        }
+        match stream.peer_addr() {
+            Ok(_) => {
+                self.dialing = false;
+                self.conn.on_transport_open(now);
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => {}
+            Err(e) => self.failed(registry, now, &e.to_string()),
+        }
+    }
+
+    fn read(&mut self, registry: &Registry, now: Instant) {
+        loop {
+            let Some(stream) = self.socket.as_mut() else {
+                return;
+            };
+            match stream.read(&mut self.read_buf) {
+                Ok(0) => return self.failed(registry, now, "connection closed by server"),
+                Ok(n) => {
+                    let Some(bytes) = self.read_buf.get(..n) else {
+                        return;
+                    };
+                    self.conn.receive(bytes, now);
+                    if self.conn.poll_close() {
+                        self.drop_socket(registry);
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return self.failed(registry, now, &e.to_string()),
+            }
+        }
+    }
+
+    /// Writes until the output is empty or the socket would block. False when the socket
+    /// failed (state changed).
+    fn write(&mut self, registry: &Registry, now: Instant) -> bool {
+        loop {
+            let Some(stream) = self.socket.as_mut() else {
+                return true;
+            };
+            let out = self.conn.output();
+            if out.is_empty() {
+                return true;
+            }
+            match stream.write(out) {
+                Ok(0) => {
+                    self.failed(registry, now, "socket accepted no bytes");
+                    return false;
+                }
+                Ok(n) => {
+                    self.conn.consume_output(n);
+                    if self.conn.poll_close() {
+                        self.drop_socket(registry);
+                        return false;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.failed(registry, now, &e.to_string());
+                    return false;
+                }
+            }
+        }
+    }
+
+    fn failed(&mut self, registry: &Registry, now: Instant, reason: &str) {
+        self.drop_socket(registry);
+        self.conn.on_transport_closed(now, reason);
+        // The connection may have abandoned nothing else; clear a stale request.
+        self.conn.poll_close();
+    }
+
+    fn drop_socket(&mut self, registry: &Registry) {
+        if let Some(mut stream) = self.socket.take() {
+            let _ = registry.deregister(&mut stream);
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        self.dialing = false;
+    }
+
+    /// Deregisters and closes the socket (the connection itself is left as it is).
+    pub fn shutdown(&mut self, registry: &Registry) {
+        self.drop_socket(registry);
+    }
+}

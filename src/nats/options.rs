@@ -1,0 +1,351 @@
+//! Connection options, server URLs and credentials.
+
+use super::creds;
+use super::error::Error;
+use crate::nkeys::KeyPair;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+pub const DEFAULT_PORT: u16 = 4222;
+
+/// A server to dial: host and port (no name resolution here; the shell resolves).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ServerAddr {
+    pub host: String,
+    pub port: u16,
+}
+
+impl fmt::Display for ServerAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// One entry of the server list: where, and credentials that came with its URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerUrl {
+    pub addr: ServerAddr,
+    /// `nats://user:pass@host` gives both; `nats://token@host` only `user`, used as a token.
+    pub user: Option<String>,
+    pub pass: Option<String>,
+}
+
+impl ServerUrl {
+    /// Parses `nats://[user[:pass]@]host[:port]`, also without a scheme and with IPv6 hosts
+    /// in brackets. `tls://` is refused: this client speaks plain TCP.
+    pub fn parse(text: &str) -> Result<ServerUrl, Error> {
+        let bad = |why: &str| Error::InvalidUrl(format!("{text:?}: {why}"));
+        let text = text.trim();
+        let rest = match text.split_once("://") {
+            Some((scheme, rest)) => {
+                if !scheme.eq_ignore_ascii_case("nats") {
+                    return Err(bad("only nats:// is supported"));
+                }
+                rest
+            }
+            None => text,
+        };
+        let rest = rest.trim_end_matches('/');
+        if rest.contains('/') || rest.contains('?') {
+            return Err(bad("unexpected path or query"));
+        }
+        let (userinfo, hostport) = match rest.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, rest),
+        };
+        let (user, pass) = match userinfo {
+            None => (None, None),
+            Some(u) => match u.split_once(':') {
+                Some((user, pass)) => (Some(percent_decode(user)), Some(percent_decode(pass))),
+                None => (Some(percent_decode(u)), None),
+            },
+        };
+        let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
+            let (host, after) = v6.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
+            let port = match after.strip_prefix(':') {
+                Some(p) => Some(p),
+                None if after.is_empty() => None,
+                None => return Err(bad("junk after IPv6 address")),
+            };
+            (host, port)
+        } else {
+            match hostport.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (hostport, None),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        let port = match port {
+            Some(p) => p.parse::<u16>().map_err(|_| bad("bad port"))?,
+            None => DEFAULT_PORT,
+        };
+        Ok(ServerUrl {
+            addr: ServerAddr {
+                host: host.to_string(),
+                port,
+            },
+            user: user.filter(|u| !u.is_empty()),
+            pass,
+        })
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes.get(i), bytes.get(i + 1), bytes.get(i + 2)) {
+            (Some(b'%'), Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                let v = hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0);
+                out.push(v as u8);
+                i += 3;
+            }
+            (Some(&b), _, _) => {
+                out.push(b);
+                i += 1;
+            }
+            (None, _, _) => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// How the connection proves who it is. URL credentials apply when this is `None`.
+#[derive(Debug, Clone, Default)]
+pub enum Auth {
+    #[default]
+    None,
+    UserPassword {
+        user: String,
+        pass: String,
+    },
+    Token(String),
+    /// Signs the server's nonce; the public key goes in `nkey`.
+    NKey(KeyPair),
+    /// A user JWT and the seed that signs the nonce (from a `.creds` file).
+    Jwt {
+        jwt: String,
+        key: KeyPair,
+    },
+}
+
+/// Everything a [`Connection`](super::Connection) is configured with. Build with
+/// [`Options::new`] and the `with_*` helpers, or set fields directly.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Servers tried in order (rotated on failure); servers from `connect_urls` are added.
+    pub servers: Vec<ServerUrl>,
+    pub auth: Auth,
+    /// Client name sent in CONNECT (shows in the server's monitoring).
+    pub name: Option<String>,
+    /// Receive our own publishes on matching subscriptions.
+    pub echo: bool,
+    /// Between keepalive PINGs while connected.
+    pub ping_interval: Duration,
+    /// Unanswered keepalive PINGs tolerated; one more and the connection is stale.
+    pub max_pings_outstanding: u32,
+    /// For dialing plus the INFO/CONNECT/PONG handshake.
+    pub connect_timeout: Duration,
+    /// Reconnect after losing an established connection.
+    pub allow_reconnect: bool,
+    /// Keep retrying when the very first connect fails (else: closed with the error).
+    pub retry_on_failed_connect: bool,
+    /// Failed attempts in a row before giving up; `None` retries forever.
+    pub max_reconnect_attempts: Option<u32>,
+    /// First backoff delay; doubles per failed round up to `reconnect_delay_max`.
+    pub reconnect_delay: Duration,
+    pub reconnect_delay_max: Duration,
+    /// Bytes of publishes held while disconnected; beyond it `publish` fails.
+    pub reconnect_buffer_size: usize,
+    /// Bytes of unwritten output while connected; beyond it `publish` fails.
+    pub max_write_buffer: usize,
+    /// Inbound messages queued as events and not yet taken; beyond it new ones are dropped
+    /// and counted (a slow consumer).
+    pub max_pending_messages: usize,
+    pub max_subscriptions: usize,
+    /// Requests waiting for a reply at once.
+    pub max_pending_requests: usize,
+    /// Servers learned from `connect_urls` are capped at this many.
+    pub max_discovered_servers: usize,
+    /// Ignore `connect_urls` from the server.
+    pub ignore_discovered_servers: bool,
+    pub inbox_prefix: String,
+    /// Try servers in the given order instead of shuffling them.
+    pub no_randomize: bool,
+    /// Largest control line accepted from the server.
+    pub max_control_line: usize,
+}
+
+impl Options {
+    /// Options for one URL or a comma-separated list of URLs. Invalid URLs are reported
+    /// when connecting (see [`Options::parse_servers`] to check them early).
+    pub fn new(urls: &str) -> Options {
+        Options {
+            servers: urls
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .filter_map(|u| ServerUrl::parse(u).ok())
+                .collect(),
+            ..Options::default()
+        }
+    }
+
+    /// Like [`Options::new`] but refuses any invalid URL.
+    pub fn parse_servers(urls: &str) -> Result<Options, Error> {
+        let mut o = Options::default();
+        for u in urls.split(',').filter(|s| !s.trim().is_empty()) {
+            o.servers.push(ServerUrl::parse(u)?);
+        }
+        if o.servers.is_empty() {
+            return Err(Error::InvalidUrl("no server URL".into()));
+        }
+        Ok(o)
+    }
+
+    pub fn with_name(mut self, name: &str) -> Options {
+        self.name = Some(name.to_string());
+        self
+    }
+
+    pub fn with_user_password(mut self, user: &str, pass: &str) -> Options {
+        self.auth = Auth::UserPassword {
+            user: user.into(),
+            pass: pass.into(),
+        };
+        self
+    }
+
+    pub fn with_token(mut self, token: &str) -> Options {
+        self.auth = Auth::Token(token.into());
+        self
+    }
+
+    /// NKey authentication with an encoded user seed (`SU...`).
+    pub fn with_nkey_seed(mut self, seed: &str) -> Result<Options, Error> {
+        let key = KeyPair::from_seed(seed).map_err(|e| Error::Credentials(e.to_string()))?;
+        self.auth = Auth::NKey(key);
+        Ok(self)
+    }
+
+    /// JWT authentication from the text of a `.creds` file.
+    pub fn with_credentials(mut self, creds_text: &str) -> Result<Options, Error> {
+        let (jwt, key) = creds::parse(creds_text)?;
+        self.auth = Auth::Jwt { jwt, key };
+        Ok(self)
+    }
+
+    /// JWT authentication from a `.creds` file.
+    pub fn with_credentials_file(self, path: impl AsRef<Path>) -> Result<Options, Error> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path)
+            .map_err(|e| Error::Credentials(format!("{}: {e}", path.display())))?;
+        if meta.len() > creds::MAX_CREDS_FILE {
+            return Err(Error::Credentials(format!(
+                "{}: larger than {} bytes",
+                path.display(),
+                creds::MAX_CREDS_FILE
+            )));
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Credentials(format!("{}: {e}", path.display())))?;
+        self.with_credentials(&text)
+    }
+
+    pub fn with_ping_interval(mut self, interval: Duration, max_outstanding: u32) -> Options {
+        self.ping_interval = interval;
+        self.max_pings_outstanding = max_outstanding;
+        self
+    }
+
+    pub fn with_reconnect_delay(mut self, first: Duration, max: Duration) -> Options {
+        self.reconnect_delay = first;
+        self.reconnect_delay_max = max;
+        self
+    }
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            servers: Vec::new(),
+            auth: Auth::None,
+            name: None,
+            echo: true,
+            ping_interval: Duration::from_secs(30),
+            max_pings_outstanding: 2,
+            connect_timeout: Duration::from_secs(2),
+            allow_reconnect: true,
+            retry_on_failed_connect: false,
+            max_reconnect_attempts: None,
+            reconnect_delay: Duration::from_millis(50),
+            reconnect_delay_max: Duration::from_secs(4),
+            reconnect_buffer_size: 8 * 1024 * 1024,
+            max_write_buffer: 64 * 1024 * 1024,
+            max_pending_messages: 65_536,
+            max_subscriptions: 65_536,
+            max_pending_requests: 65_536,
+            max_discovered_servers: 64,
+            ignore_discovered_servers: false,
+            inbox_prefix: "_INBOX".into(),
+            no_randomize: false,
+            max_control_line: 4096,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_with_credentials_ports_and_ipv6_parse() {
+        let u = ServerUrl::parse("nats://alice:s%40cret@example.com:4333").expect("url");
+        assert_eq!(u.addr.host, "example.com");
+        assert_eq!(u.addr.port, 4333);
+        assert_eq!(u.user.as_deref(), Some("alice"));
+        assert_eq!(u.pass.as_deref(), Some("s@cret"));
+
+        let u = ServerUrl::parse("nats://tok123@127.0.0.1").expect("url");
+        assert_eq!(u.addr.port, DEFAULT_PORT);
+        assert_eq!(u.user.as_deref(), Some("tok123"));
+        assert_eq!(u.pass, None);
+
+        let u = ServerUrl::parse("[::1]:4500").expect("url");
+        assert_eq!(u.addr.host, "::1");
+        assert_eq!(u.addr.to_string(), "[::1]:4500");
+
+        let u = ServerUrl::parse("localhost").expect("url");
+        assert_eq!(u.addr.to_string(), "localhost:4222");
+    }
+
+    #[test]
+    fn bad_urls_are_refused_with_the_url_in_the_error() {
+        for bad in [
+            "tls://h:1",
+            "nats://:4222",
+            "nats://h:99999",
+            "nats://h:1/path",
+            "[::1",
+        ] {
+            let err = ServerUrl::parse(bad).expect_err(bad);
+            assert!(err.to_string().contains(bad), "{err}");
+        }
+        assert!(Options::parse_servers("").is_err());
+    }
+
+    #[test]
+    fn comma_separated_list_keeps_order() {
+        let o = Options::parse_servers("nats://a:1, nats://b:2,c").expect("list");
+        let hosts: Vec<String> = o.servers.iter().map(|s| s.addr.to_string()).collect();
+        assert_eq!(hosts, ["a:1", "b:2", "c:4222"]);
+    }
+}
