@@ -9,4 +9,6 @@ pub mod embedded;
 pub mod envelope;
 pub mod permissions;
 pub mod rate_limit;
+pub mod task_store;
 pub mod throttle;
+pub mod worker_choice;

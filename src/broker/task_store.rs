@@ -1,0 +1,799 @@
+//! The task record kept in the task store (KV bucket `AMP_TASK_STATE`, key `<ns>.<task>`)
+//! and its state machine. Every change is a pure function from one record to the next;
+//! the broker writes the result with a compare-and-set on the revision it read, so two
+//! changes based on the same revision can never both succeed. Lease ownership, attempts
+//! and terminal outcomes live here, not in JetStream's delivery counts.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::rfc3339;
+
+/// History entries kept per task. The first (the submission) is always kept; past the
+/// bound the oldest of the others are dropped, so a task declined forever cannot grow its
+/// record without limit.
+pub const MAX_HISTORY: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskState {
+    Queued,
+    Offered,
+    Leased,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl TaskState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskState::Queued => "queued",
+            TaskState::Offered => "offered",
+            TaskState::Leased => "leased",
+            TaskState::Completed => "completed",
+            TaskState::Failed => "failed",
+            TaskState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            TaskState::Completed | TaskState::Failed | TaskState::Cancelled
+        )
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    pub state: TaskState,
+    pub at: String,
+    pub by: String,
+}
+
+/// The `eligible` restriction of a submit: names (bare, within the namespace) and labels
+/// that must all match.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Eligible {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub names: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+impl Eligible {
+    /// Whether participant `name` with `labels` may be offered the task.
+    pub fn admits(&self, name: &str, labels: &BTreeMap<String, String>) -> bool {
+        let name_ok = self
+            .names
+            .as_ref()
+            .is_none_or(|names| names.iter().any(|n| n == name));
+        let labels_ok = self
+            .labels
+            .as_ref()
+            .is_none_or(|want| want.iter().all(|(k, v)| labels.get(k) == Some(v)));
+        name_ok && labels_ok
+    }
+}
+
+/// One task as the task store holds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    pub id: String,
+    pub job: String,
+    pub state: TaskState,
+    /// Claims so far (0 before the first).
+    pub attempt: u32,
+    pub max_attempts: u32,
+    /// `ns/name` of the lease holder while leased (and of the offer's recipient while
+    /// offered); after completion, who completed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// The session (`<broker>/<session>`) holding the offer or the lease: one participant
+    /// may have several sessions, each with its own in-flight state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_session: Option<String>,
+    /// Milliseconds since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_until_ms: Option<i64>,
+    pub submitted_by: String,
+    /// SHA-256 of the canonical JSON of the body, to tell a resubmit from a conflict.
+    pub body_sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eligible: Option<Eligible>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Value>,
+    #[serde(default)]
+    pub history: Vec<HistoryEntry>,
+}
+
+/// A participant acting through one session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Actor<'a> {
+    /// `ns/name`.
+    pub participant: &'a str,
+    /// `<broker>/<session>`.
+    pub session: &'a str,
+}
+
+/// A change to a task record.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change<'a> {
+    /// Offer the task to a session (a delivery that `on_delivery` said to offer).
+    Offer {
+        to: Actor<'a>,
+    },
+    /// The offer was declined or not claimed in time.
+    Requeue {
+        by: Actor<'a>,
+    },
+    Claim {
+        by: Actor<'a>,
+        lease_ms: i64,
+    },
+    Heartbeat {
+        by: Actor<'a>,
+        lease_ms: i64,
+    },
+    Complete {
+        by: Actor<'a>,
+        result: Option<Value>,
+    },
+    Fail {
+        by: Actor<'a>,
+        error: Value,
+        retry: bool,
+    },
+    /// The last attempt's lease ran out: the task fails. `by` names the broker.
+    Exhaust {
+        by: &'a str,
+    },
+    Cancel {
+        by: &'a str,
+    },
+}
+
+/// Why a change does not apply to the record as it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The actor does not hold the offer or the lease, or the lease ran out.
+    LeaseLost,
+    /// Only the submitter may cancel.
+    NotSubmitter,
+    /// The task already reached this terminal state.
+    Finished(TaskState),
+    /// Someone holds an unexpired lease (until this time, ms).
+    LeaseHeld { until_ms: i64 },
+}
+
+/// What to do with a delivery of the task's message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDelivery {
+    /// Offer it (queued, an offer that was never answered, or an expired lease with
+    /// attempts left).
+    Offer,
+    /// Finished already: acknowledge the message away.
+    Finished,
+    /// The last attempt's lease ran out: terminate the message and store `failed`.
+    Exhaust,
+    /// A lease is still running (a redelivery raced a heartbeat): release it until then.
+    Held { until_ms: i64 },
+}
+
+/// SHA-256 hex of a body's canonical JSON (object keys sorted, no whitespace).
+pub fn body_digest(body: &Value) -> String {
+    // `Value` keeps objects in sorted maps, so its serialisation is canonical.
+    let text = serde_json::to_string(body).unwrap_or_default();
+    let digest = Sha256::digest(text.as_bytes());
+    let mut s = String::with_capacity(64);
+    for b in digest {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+impl TaskRecord {
+    /// A freshly submitted task.
+    pub fn submitted(
+        id: &str,
+        job: &str,
+        submitted_by: &str,
+        body: &Value,
+        max_attempts: u32,
+        eligible: Option<Eligible>,
+        now_ms: i64,
+    ) -> TaskRecord {
+        TaskRecord {
+            id: id.to_string(),
+            job: job.to_string(),
+            state: TaskState::Queued,
+            attempt: 0,
+            max_attempts,
+            holder: None,
+            holder_session: None,
+            lease_until_ms: None,
+            submitted_by: submitted_by.to_string(),
+            body_sha256: body_digest(body),
+            eligible,
+            result: None,
+            error: None,
+            history: vec![HistoryEntry {
+                state: TaskState::Queued,
+                at: rfc3339::format_millis(now_ms),
+                by: submitted_by.to_string(),
+            }],
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        // Plain data with string keys: serialising cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn from_json(bytes: &[u8]) -> Result<TaskRecord, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+
+    /// Whether a resubmit of `job` with `body` is the same task.
+    pub fn same_submission(&self, job: &str, body_sha256: &str) -> bool {
+        self.job == job && self.body_sha256 == body_sha256
+    }
+
+    /// Whether `session` holds a lease that has not run out at `now_ms`.
+    pub fn leased_to(&self, session: &str, now_ms: i64) -> bool {
+        self.state == TaskState::Leased
+            && self.holder_session.as_deref() == Some(session)
+            && self.lease_until_ms.is_some_and(|until| until > now_ms)
+    }
+
+    pub fn offered_to(&self, session: &str) -> bool {
+        self.state == TaskState::Offered && self.holder_session.as_deref() == Some(session)
+    }
+
+    pub fn on_delivery(&self, now_ms: i64) -> OnDelivery {
+        if self.state.is_terminal() {
+            return OnDelivery::Finished;
+        }
+        if self.state == TaskState::Leased
+            && let Some(until_ms) = self.lease_until_ms
+            && until_ms > now_ms
+        {
+            return OnDelivery::Held { until_ms };
+        }
+        if self.attempt >= self.max_attempts {
+            return OnDelivery::Exhaust;
+        }
+        OnDelivery::Offer
+    }
+
+    /// The record after `change` at `now_ms`, or why it does not apply.
+    pub fn apply(&self, change: &Change<'_>, now_ms: i64) -> Result<TaskRecord, Refusal> {
+        if self.state.is_terminal() {
+            return Err(Refusal::Finished(self.state));
+        }
+        let mut next = self.clone();
+        match change {
+            Change::Offer { to } => {
+                match self.on_delivery(now_ms) {
+                    OnDelivery::Offer => {}
+                    OnDelivery::Held { until_ms } => return Err(Refusal::LeaseHeld { until_ms }),
+                    OnDelivery::Finished => return Err(Refusal::Finished(self.state)),
+                    OnDelivery::Exhaust => return Err(Refusal::LeaseLost),
+                }
+                if self.state == TaskState::Leased {
+                    // The previous lease ran out unnoticed: record when it ended, so the
+                    // history shows every lease as a closed interval.
+                    let until = self.lease_until_ms.unwrap_or(now_ms);
+                    let by = self.holder.clone().unwrap_or_default();
+                    next.push_history(TaskState::Queued, until, &by);
+                }
+                next.state = TaskState::Offered;
+                next.holder = Some(to.participant.to_string());
+                next.holder_session = Some(to.session.to_string());
+                next.lease_until_ms = None;
+                next.push_history(TaskState::Offered, now_ms, to.participant);
+            }
+            Change::Requeue { by } => {
+                if !self.offered_to(by.session) {
+                    return Err(Refusal::LeaseLost);
+                }
+                next.release();
+                next.push_history(TaskState::Queued, now_ms, by.participant);
+            }
+            Change::Claim { by, lease_ms } => {
+                if !self.offered_to(by.session) || self.attempt >= self.max_attempts {
+                    return Err(Refusal::LeaseLost);
+                }
+                next.state = TaskState::Leased;
+                next.attempt += 1;
+                next.holder = Some(by.participant.to_string());
+                next.lease_until_ms = Some(now_ms + lease_ms);
+                next.push_history(TaskState::Leased, now_ms, by.participant);
+            }
+            Change::Heartbeat { by, lease_ms } => {
+                if !self.leased_to(by.session, now_ms) {
+                    return Err(Refusal::LeaseLost);
+                }
+                next.lease_until_ms = Some(now_ms + lease_ms);
+            }
+            Change::Complete { by, result } => {
+                if !self.leased_to(by.session, now_ms) {
+                    return Err(Refusal::LeaseLost);
+                }
+                next.state = TaskState::Completed;
+                next.holder_session = None;
+                next.lease_until_ms = None;
+                next.result = result.clone();
+                next.push_history(TaskState::Completed, now_ms, by.participant);
+            }
+            Change::Fail { by, error, retry } => {
+                if !self.leased_to(by.session, now_ms) {
+                    return Err(Refusal::LeaseLost);
+                }
+                next.error = Some(error.clone());
+                if *retry && self.attempt < self.max_attempts {
+                    next.release();
+                    next.push_history(TaskState::Queued, now_ms, by.participant);
+                } else {
+                    next.state = TaskState::Failed;
+                    next.holder_session = None;
+                    next.lease_until_ms = None;
+                    next.push_history(TaskState::Failed, now_ms, by.participant);
+                }
+            }
+            Change::Exhaust { by } => {
+                if self.on_delivery(now_ms) != OnDelivery::Exhaust {
+                    return Err(Refusal::LeaseLost);
+                }
+                if self.state == TaskState::Leased {
+                    let until = self.lease_until_ms.unwrap_or(now_ms);
+                    let holder = self.holder.clone().unwrap_or_default();
+                    next.push_history(TaskState::Queued, until, &holder);
+                }
+                next.state = TaskState::Failed;
+                next.holder = None;
+                next.holder_session = None;
+                next.lease_until_ms = None;
+                if next.error.is_none() {
+                    next.error = Some(json!({
+                        "code": "attempts_exhausted",
+                        "message": format!("no attempt of {} completed the task", self.max_attempts),
+                    }));
+                }
+                next.push_history(TaskState::Failed, now_ms, by);
+            }
+            Change::Cancel { by } => {
+                if self.submitted_by != *by {
+                    return Err(Refusal::NotSubmitter);
+                }
+                next.state = TaskState::Cancelled;
+                next.holder = None;
+                next.holder_session = None;
+                next.lease_until_ms = None;
+                next.push_history(TaskState::Cancelled, now_ms, by);
+            }
+        }
+        Ok(next)
+    }
+
+    fn release(&mut self) {
+        self.state = TaskState::Queued;
+        self.holder = None;
+        self.holder_session = None;
+        self.lease_until_ms = None;
+    }
+
+    fn push_history(&mut self, state: TaskState, at_ms: i64, by: &str) {
+        if self.history.len() >= MAX_HISTORY {
+            self.history.remove(1);
+        }
+        self.history.push(HistoryEntry {
+            state,
+            at: rfc3339::format_millis(at_ms),
+            by: by.to_string(),
+        });
+    }
+
+    /// The `task` member of a `status` answer.
+    pub fn status_view(&self) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "job": self.job,
+            "state": self.state.as_str(),
+            "attempt": self.attempt,
+            "max_attempts": self.max_attempts,
+            "submitted_by": self.submitted_by,
+            "history": self.history,
+        });
+        if self.state != TaskState::Offered
+            && let Some(h) = &self.holder
+        {
+            v["holder"] = json!(h);
+        }
+        if let Some(ms) = self.lease_until_ms {
+            v["lease_until"] = json!(rfc3339::format_millis(ms));
+        }
+        if let Some(r) = &self.result {
+            v["result"] = r.clone();
+        }
+        if let Some(e) = &self.error {
+            v["error"] = e.clone();
+        }
+        v
+    }
+
+    /// The body of the `task_result` message sent to the submitter's inbox.
+    pub fn result_body(&self) -> Value {
+        let mut v = json!({
+            "task": self.id,
+            "state": self.state.as_str(),
+            "attempts": self.attempt,
+        });
+        if self.state == TaskState::Completed {
+            v["result"] = self.result.clone().unwrap_or(Value::Null);
+        }
+        if self.state == TaskState::Failed
+            && let Some(e) = &self.error
+        {
+            v["error"] = e.clone();
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: i64 = 1_800_000_000_000;
+    const LEASE: i64 = 30_000;
+    const W1: Actor = Actor {
+        participant: "acme/w1",
+        session: "b1/1",
+    };
+    const W2: Actor = Actor {
+        participant: "acme/w2",
+        session: "b2/7",
+    };
+
+    fn task(max_attempts: u32) -> TaskRecord {
+        TaskRecord::submitted(
+            "T",
+            "render",
+            "acme/app",
+            &json!({"frame": 1}),
+            max_attempts,
+            None,
+            T0,
+        )
+    }
+
+    fn states(r: &TaskRecord) -> Vec<&'static str> {
+        r.history.iter().map(|h| h.state.as_str()).collect()
+    }
+
+    #[test]
+    fn a_task_goes_queued_offered_leased_completed() {
+        let r = task(3);
+        assert_eq!(r.on_delivery(T0), OnDelivery::Offer);
+        let r = r.apply(&Change::Offer { to: W1 }, T0 + 1).expect("offer");
+        assert_eq!(r.state, TaskState::Offered);
+        assert_eq!(
+            r.status_view().get("holder"),
+            None,
+            "an offer is not a lease"
+        );
+        let r = r
+            .apply(
+                &Change::Claim {
+                    by: W1,
+                    lease_ms: LEASE,
+                },
+                T0 + 2,
+            )
+            .expect("claim");
+        assert_eq!(
+            (r.state, r.attempt, r.lease_until_ms),
+            (TaskState::Leased, 1, Some(T0 + 2 + LEASE))
+        );
+        assert_eq!(r.status_view()["holder"], "acme/w1");
+        let r = r
+            .apply(
+                &Change::Heartbeat {
+                    by: W1,
+                    lease_ms: LEASE,
+                },
+                T0 + 10,
+            )
+            .expect("heartbeat");
+        assert_eq!(r.lease_until_ms, Some(T0 + 10 + LEASE));
+        let r = r
+            .apply(
+                &Change::Complete {
+                    by: W1,
+                    result: Some(json!({"ok": true})),
+                },
+                T0 + 20,
+            )
+            .expect("complete");
+        assert_eq!(r.state, TaskState::Completed);
+        assert_eq!(states(&r), ["queued", "offered", "leased", "completed"]);
+        assert_eq!(
+            r.result_body(),
+            json!({"task":"T","state":"completed","attempts":1,"result":{"ok":true}})
+        );
+        assert_eq!(r.on_delivery(T0 + 30), OnDelivery::Finished);
+        let back = TaskRecord::from_json(&r.to_json()).expect("round trip");
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn only_the_session_offered_the_task_can_claim_it() {
+        let r = task(3).apply(&Change::Offer { to: W1 }, T0).expect("offer");
+        let same_participant_other_session = Actor {
+            participant: "acme/w1",
+            session: "b1/2",
+        };
+        for by in [W2, same_participant_other_session] {
+            assert_eq!(
+                r.apply(
+                    &Change::Claim {
+                        by,
+                        lease_ms: LEASE
+                    },
+                    T0
+                ),
+                Err(Refusal::LeaseLost)
+            );
+        }
+    }
+
+    #[test]
+    fn a_stale_holder_loses_every_lease_operation_after_expiry() {
+        let r = task(3)
+            .apply(&Change::Offer { to: W1 }, T0)
+            .and_then(|r| {
+                r.apply(
+                    &Change::Claim {
+                        by: W1,
+                        lease_ms: LEASE,
+                    },
+                    T0,
+                )
+            })
+            .expect("leased");
+        let late = T0 + LEASE;
+        assert_eq!(
+            r.apply(
+                &Change::Heartbeat {
+                    by: W1,
+                    lease_ms: LEASE
+                },
+                late
+            ),
+            Err(Refusal::LeaseLost)
+        );
+        assert_eq!(
+            r.apply(
+                &Change::Complete {
+                    by: W1,
+                    result: None
+                },
+                late
+            ),
+            Err(Refusal::LeaseLost)
+        );
+        assert_eq!(
+            r.apply(
+                &Change::Fail {
+                    by: W1,
+                    error: json!({}),
+                    retry: true
+                },
+                late
+            ),
+            Err(Refusal::LeaseLost)
+        );
+        assert_eq!(
+            r.apply(
+                &Change::Complete {
+                    by: W2,
+                    result: None
+                },
+                T0 + 1
+            ),
+            Err(Refusal::LeaseLost),
+            "not the holder"
+        );
+    }
+
+    #[test]
+    fn an_expired_lease_is_reoffered_and_the_history_closes_it() {
+        let r = task(3)
+            .apply(&Change::Offer { to: W1 }, T0)
+            .and_then(|r| {
+                r.apply(
+                    &Change::Claim {
+                        by: W1,
+                        lease_ms: LEASE,
+                    },
+                    T0,
+                )
+            })
+            .expect("leased");
+        assert_eq!(
+            r.on_delivery(T0 + 5),
+            OnDelivery::Held {
+                until_ms: T0 + LEASE
+            }
+        );
+        assert_eq!(
+            r.apply(&Change::Offer { to: W2 }, T0 + 5),
+            Err(Refusal::LeaseHeld {
+                until_ms: T0 + LEASE
+            })
+        );
+        let r = r
+            .apply(&Change::Offer { to: W2 }, T0 + LEASE + 100)
+            .expect("re-offer");
+        assert_eq!(
+            states(&r),
+            ["queued", "offered", "leased", "queued", "offered"]
+        );
+        assert_eq!(r.history[3].at, rfc3339::format_millis(T0 + LEASE));
+        assert_eq!(r.history[3].by, "acme/w1");
+        assert_eq!(r.attempt, 1, "expiry spends the attempt that was claimed");
+    }
+
+    #[test]
+    fn the_last_expired_attempt_exhausts_the_task() {
+        let r = task(1)
+            .apply(&Change::Offer { to: W1 }, T0)
+            .and_then(|r| {
+                r.apply(
+                    &Change::Claim {
+                        by: W1,
+                        lease_ms: LEASE,
+                    },
+                    T0,
+                )
+            })
+            .expect("leased");
+        let later = T0 + LEASE + 1;
+        assert_eq!(r.on_delivery(later), OnDelivery::Exhaust);
+        assert_eq!(
+            r.apply(&Change::Offer { to: W2 }, later),
+            Err(Refusal::LeaseLost)
+        );
+        let r = r
+            .apply(&Change::Exhaust { by: "broker/b2" }, later)
+            .expect("exhaust");
+        assert_eq!(r.state, TaskState::Failed);
+        assert_eq!(r.result_body()["error"]["code"], "attempts_exhausted");
+        assert_eq!(r.result_body()["attempts"], 1);
+    }
+
+    #[test]
+    fn fail_with_retry_requeues_until_attempts_run_out() {
+        let lease = |r: TaskRecord, at| {
+            r.apply(&Change::Offer { to: W1 }, at)
+                .and_then(|r| {
+                    r.apply(
+                        &Change::Claim {
+                            by: W1,
+                            lease_ms: LEASE,
+                        },
+                        at,
+                    )
+                })
+                .expect("leased")
+        };
+        let fail = |r: &TaskRecord, retry| {
+            r.apply(
+                &Change::Fail {
+                    by: W1,
+                    error: json!({"code":"oom"}),
+                    retry,
+                },
+                T0 + 1,
+            )
+            .expect("fail")
+        };
+        let r = fail(&lease(task(2), T0), true);
+        assert_eq!((r.state, r.attempt), (TaskState::Queued, 1));
+        assert_eq!(r.holder, None);
+        let r = fail(&lease(r, T0), true);
+        assert_eq!((r.state, r.attempt), (TaskState::Failed, 2));
+        assert_eq!(r.result_body()["error"]["code"], "oom");
+        let r = fail(&lease(task(3), T0), false);
+        assert_eq!(r.state, TaskState::Failed, "no retry asked");
+    }
+
+    #[test]
+    fn a_decline_requeues_without_spending_an_attempt() {
+        let r = task(3).apply(&Change::Offer { to: W1 }, T0).expect("offer");
+        assert_eq!(
+            r.apply(&Change::Requeue { by: W2 }, T0),
+            Err(Refusal::LeaseLost)
+        );
+        let r = r.apply(&Change::Requeue { by: W1 }, T0).expect("decline");
+        assert_eq!((r.state, r.attempt), (TaskState::Queued, 0));
+        assert_eq!(r.on_delivery(T0), OnDelivery::Offer);
+    }
+
+    #[test]
+    fn only_the_submitter_cancels_and_finished_tasks_stay_finished() {
+        let r = task(3);
+        assert_eq!(
+            r.apply(&Change::Cancel { by: "acme/w1" }, T0),
+            Err(Refusal::NotSubmitter)
+        );
+        let r = r
+            .apply(&Change::Cancel { by: "acme/app" }, T0)
+            .expect("cancel");
+        assert_eq!(r.state, TaskState::Cancelled);
+        assert_eq!(
+            r.apply(&Change::Cancel { by: "acme/app" }, T0),
+            Err(Refusal::Finished(TaskState::Cancelled))
+        );
+        assert_eq!(
+            r.apply(&Change::Offer { to: W1 }, T0),
+            Err(Refusal::Finished(TaskState::Cancelled))
+        );
+        assert_eq!(
+            r.result_body(),
+            json!({"task":"T","state":"cancelled","attempts":0})
+        );
+    }
+
+    #[test]
+    fn resubmits_are_recognised_by_job_and_canonical_body() {
+        let r = task(3);
+        assert!(r.same_submission("render", &body_digest(&json!({"frame": 1}))));
+        assert!(!r.same_submission("render", &body_digest(&json!({"frame": 2}))));
+        assert!(!r.same_submission("encode", &body_digest(&json!({"frame": 1}))));
+        let a: Value = serde_json::from_str(r#"{"a":1,"b":[true,null]}"#).expect("json");
+        let b: Value = serde_json::from_str(r#"{ "b": [true, null], "a": 1 }"#).expect("json");
+        assert_eq!(body_digest(&a), body_digest(&b));
+    }
+
+    #[test]
+    fn eligibility_matches_names_and_every_label() {
+        let labels = BTreeMap::from([("gpu".to_string(), "a100".to_string())]);
+        assert!(Eligible::default().admits("w1", &BTreeMap::new()));
+        let by_name = Eligible {
+            names: Some(vec!["w1".into(), "w2".into()]),
+            labels: None,
+        };
+        assert!(by_name.admits("w2", &labels));
+        assert!(!by_name.admits("w3", &labels));
+        let by_label = Eligible {
+            names: None,
+            labels: Some(labels.clone()),
+        };
+        assert!(by_label.admits("w3", &labels));
+        assert!(!by_label.admits("w3", &BTreeMap::new()));
+        let other = BTreeMap::from([("gpu".to_string(), "h100".to_string())]);
+        assert!(!by_label.admits("w3", &other));
+    }
+
+    #[test]
+    fn history_is_bounded_and_keeps_the_submission() {
+        let mut r = task(3);
+        for i in 0..(MAX_HISTORY as i64 * 2) {
+            r = r
+                .apply(&Change::Offer { to: W1 }, T0 + i)
+                .and_then(|r| r.apply(&Change::Requeue { by: W1 }, T0 + i))
+                .expect("offer and decline");
+        }
+        assert_eq!(r.history.len(), MAX_HISTORY);
+        assert_eq!(r.history[0].by, "acme/app");
+        assert_eq!(r.history[0].state, TaskState::Queued);
+    }
+}
