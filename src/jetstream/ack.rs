@@ -1,0 +1,192 @@
+//! Acknowledgements (`+ACK`, `-NAK`, `+WPI`, `+TERM`, ADR-15) and the metadata a
+//! JetStream delivery carries in its `$JS.ACK` reply subject.
+
+use std::time::Duration;
+
+use super::error::JsError;
+use super::wire::nanos_of;
+
+/// The answer to a delivery, published to its reply subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckKind {
+    /// Processed; do not redeliver.
+    Ack,
+    /// Not processed; redeliver now, or after `delay`.
+    Nak { delay: Option<Duration> },
+    /// Still working: restart the ack-wait timer.
+    InProgress,
+    /// Never redeliver, optionally saying why.
+    Term { reason: Option<String> },
+}
+
+impl AckKind {
+    /// The ack payload: `+ACK`, `-NAK`, `-NAK {"delay": ns}`, `+WPI`, `+TERM`, `+TERM reason`.
+    pub fn payload(&self) -> Vec<u8> {
+        match self {
+            AckKind::Ack => b"+ACK".to_vec(),
+            AckKind::Nak { delay: None } => b"-NAK".to_vec(),
+            AckKind::Nak { delay: Some(d) } => {
+                format!("-NAK {{\"delay\": {}}}", nanos_of(*d)).into_bytes()
+            }
+            AckKind::InProgress => b"+WPI".to_vec(),
+            AckKind::Term { reason: None } => b"+TERM".to_vec(),
+            AckKind::Term { reason: Some(r) } => format!("+TERM {r}").into_bytes(),
+        }
+    }
+}
+
+/// What the `$JS.ACK` subject of a delivery says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AckMetadata<'a> {
+    /// The JetStream domain (v2 subjects; `None` for v1 or the `_` placeholder).
+    pub domain: Option<&'a str>,
+    /// The account hash (v2 subjects only).
+    pub account_hash: Option<&'a str>,
+    pub stream: &'a str,
+    pub consumer: &'a str,
+    /// How many times this message has been delivered, this one included.
+    pub delivered: u64,
+    pub stream_sequence: u64,
+    pub consumer_sequence: u64,
+    /// Nanoseconds since the Unix epoch when the stream stored the message.
+    pub timestamp_nanos: u64,
+    /// Messages left for this consumer after this one.
+    pub pending: u64,
+}
+
+const V1_TOKENS: usize = 9;
+const V2_MIN_TOKENS: usize = 11;
+
+impl<'a> AckMetadata<'a> {
+    /// Parses `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>` (v1)
+    /// or `$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>...]` (v2).
+    pub fn parse(reply: &'a str) -> Result<AckMetadata<'a>, JsError> {
+        let bad = |why: &str| JsError::Malformed(format!("ack subject {reply:?}: {why}"));
+        let mut tokens = [""; 12];
+        let mut count = 0;
+        for t in reply.split('.') {
+            if count < tokens.len() {
+                tokens[count] = t;
+            }
+            count += 1;
+        }
+        if tokens[0] != "$JS" || tokens[1] != "ACK" {
+            return Err(bad("does not start with $JS.ACK"));
+        }
+        let (domain, account_hash, rest) = if count == V1_TOKENS {
+            (None, None, &tokens[2..9])
+        } else if count >= V2_MIN_TOKENS {
+            let domain = Some(tokens[2]).filter(|d| *d != "_" && !d.is_empty());
+            (domain, Some(tokens[3]), &tokens[4..11])
+        } else {
+            return Err(bad("wrong number of tokens"));
+        };
+        let [stream, consumer, delivered, sseq, cseq, ts, pending] = rest else {
+            return Err(bad("wrong number of tokens"));
+        };
+        if stream.is_empty() || consumer.is_empty() {
+            return Err(bad("empty stream or consumer"));
+        }
+        let num = |t: &str| -> Result<u64, JsError> {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad("non-numeric field"));
+            }
+            t.parse().map_err(|_| bad("number out of range"))
+        };
+        Ok(AckMetadata {
+            domain,
+            account_hash,
+            stream,
+            consumer,
+            delivered: num(delivered)?,
+            stream_sequence: num(sseq)?,
+            consumer_sequence: num(cseq)?,
+            timestamp_nanos: num(ts)?,
+            pending: num(pending)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ack_payloads_match_the_protocol() {
+        assert_eq!(AckKind::Ack.payload(), b"+ACK");
+        assert_eq!(AckKind::Nak { delay: None }.payload(), b"-NAK");
+        assert_eq!(
+            AckKind::Nak {
+                delay: Some(Duration::from_millis(1500))
+            }
+            .payload(),
+            br#"-NAK {"delay": 1500000000}"#
+        );
+        assert_eq!(AckKind::InProgress.payload(), b"+WPI");
+        assert_eq!(AckKind::Term { reason: None }.payload(), b"+TERM");
+        assert_eq!(
+            AckKind::Term {
+                reason: Some("bad input".into())
+            }
+            .payload(),
+            b"+TERM bad input"
+        );
+    }
+
+    #[test]
+    fn v1_ack_subject_metadata_parses() {
+        let m =
+            AckMetadata::parse("$JS.ACK.ORDERS.proc.2.1007.17.1700000000123456789.42").expect("v1");
+        assert_eq!(m.domain, None);
+        assert_eq!(m.account_hash, None);
+        assert_eq!(m.stream, "ORDERS");
+        assert_eq!(m.consumer, "proc");
+        assert_eq!(m.delivered, 2);
+        assert_eq!(m.stream_sequence, 1007);
+        assert_eq!(m.consumer_sequence, 17);
+        assert_eq!(m.timestamp_nanos, 1_700_000_000_123_456_789);
+        assert_eq!(m.pending, 42);
+    }
+
+    #[test]
+    fn v2_ack_subject_metadata_parses_with_domain_and_account_hash() {
+        let m = AckMetadata::parse(
+            "$JS.ACK.hub.AH7sUvVqa8Ex.ORDERS.proc.1.5.3.1700000000000000001.0.r4nd0m",
+        )
+        .expect("v2");
+        assert_eq!(m.domain, Some("hub"));
+        assert_eq!(m.account_hash, Some("AH7sUvVqa8Ex"));
+        assert_eq!(m.stream, "ORDERS");
+        assert_eq!(m.consumer, "proc");
+        assert_eq!(m.delivered, 1);
+        assert_eq!(m.stream_sequence, 5);
+        assert_eq!(m.consumer_sequence, 3);
+        assert_eq!(m.timestamp_nanos, 1_700_000_000_000_000_001);
+        assert_eq!(m.pending, 0);
+        let no_domain =
+            AckMetadata::parse("$JS.ACK._.ACC.S.C.1.2.3.4.5.tok").expect("v2 without domain");
+        assert_eq!(no_domain.domain, None);
+        assert_eq!(no_domain.stream_sequence, 2);
+        let no_token = AckMetadata::parse("$JS.ACK._.ACC.S.C.1.2.3.4.5").expect("11 tokens");
+        assert_eq!(no_token.pending, 5);
+    }
+
+    #[test]
+    fn malformed_ack_subjects_are_errors() {
+        for bad in [
+            "",
+            "$JS.ACK",
+            "_INBOX.abc.def",
+            "$JS.ACK.S.C.1.2.3.4",
+            "$JS.ACK.S.C.1.2.3.4.5.6",
+            "$JS.ACK.S.C.x.2.3.4.5",
+            "$JS.ACK.S.C.1.2.3.4.-5",
+            "$JS.ACK.S.C.1.2.3.4.99999999999999999999999",
+            "$JS.ACK..C.1.2.3.4.5",
+            "$JS.NAK.S.C.1.2.3.4.5",
+            "$JS.ACK.d.h.S.C.1.2.3.4.",
+        ] {
+            assert!(AckMetadata::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

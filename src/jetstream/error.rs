@@ -1,0 +1,184 @@
+//! JetStream errors as values with the server's codes.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// Stream not found (404).
+pub const ERR_STREAM_NOT_FOUND: u32 = 10059;
+/// Consumer not found (404).
+pub const ERR_CONSUMER_NOT_FOUND: u32 = 10014;
+/// `Nats-Expected-Last-(Subject-)Sequence` did not match (400).
+pub const ERR_WRONG_LAST_SEQUENCE: u32 = 10071;
+/// The same, as reported by replicated streams without the sequence in the text (400).
+pub const ERR_WRONG_LAST_SEQUENCE_CONSTANT: u32 = 10164;
+/// No message found (404).
+pub const ERR_MESSAGE_NOT_FOUND: u32 = 10037;
+/// JetStream not enabled for the account (503).
+pub const ERR_NOT_ENABLED_FOR_ACCOUNT: u32 = 10039;
+/// JetStream not enabled (503).
+pub const ERR_NOT_ENABLED: u32 = 10076;
+
+/// The `error` object of a JetStream API response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// HTTP-like code: 400, 404, 503...
+    #[serde(default)]
+    pub code: u16,
+    /// The specific JetStream code, e.g. 10059; 0 when the server sent none.
+    #[serde(default)]
+    pub err_code: u32,
+    #[serde(default)]
+    pub description: String,
+}
+
+impl fmt::Display for ApiError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (code {}, err_code {})",
+            self.description, self.code, self.err_code
+        )
+    }
+}
+
+/// Everything a JetStream call can end with other than success.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JsError {
+    /// 10059.
+    StreamNotFound(ApiError),
+    /// 10014.
+    ConsumerNotFound(ApiError),
+    /// 10071 (or 10164): an expected last (subject) sequence did not hold; for KV a
+    /// compare-and-set conflict or a create over an existing key.
+    WrongLastSequence(ApiError),
+    /// 10037.
+    MessageNotFound(ApiError),
+    /// 10039: the server runs JetStream but this account has none.
+    NotEnabledForAccount(ApiError),
+    /// 10076, or nobody answers on the API subject (503 no responders): the server runs
+    /// without JetStream.
+    NotEnabled,
+    /// Any other API error, passed through with its codes and text.
+    Api(ApiError),
+    /// A publish found no stream listening on its subject (503 no responders).
+    NoResponders,
+    /// No reply within the deadline.
+    Timeout,
+    /// The connection failed underneath the request.
+    Transport(String),
+    /// The server's reply could not be understood.
+    Malformed(String),
+    /// An argument was refused before anything was sent (bad name, key, TTL...).
+    Invalid(String),
+    /// KV: the key has no value (never written, deleted or purged).
+    KeyNotFound,
+    /// KV: the bucket's stream does not exist.
+    BucketNotFound,
+}
+
+impl JsError {
+    /// Classifies an API error by its `err_code`.
+    pub fn from_api(e: ApiError) -> JsError {
+        match e.err_code {
+            ERR_STREAM_NOT_FOUND => JsError::StreamNotFound(e),
+            ERR_CONSUMER_NOT_FOUND => JsError::ConsumerNotFound(e),
+            ERR_WRONG_LAST_SEQUENCE | ERR_WRONG_LAST_SEQUENCE_CONSTANT => {
+                JsError::WrongLastSequence(e)
+            }
+            ERR_MESSAGE_NOT_FOUND => JsError::MessageNotFound(e),
+            ERR_NOT_ENABLED_FOR_ACCOUNT => JsError::NotEnabledForAccount(e),
+            ERR_NOT_ENABLED => JsError::NotEnabled,
+            _ => JsError::Api(e),
+        }
+    }
+
+    /// The server's error object, when the error came from one.
+    pub fn api_error(&self) -> Option<&ApiError> {
+        match self {
+            JsError::StreamNotFound(e)
+            | JsError::ConsumerNotFound(e)
+            | JsError::WrongLastSequence(e)
+            | JsError::MessageNotFound(e)
+            | JsError::NotEnabledForAccount(e)
+            | JsError::Api(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The JetStream `err_code` (10076 for [`JsError::NotEnabled`]).
+    pub fn err_code(&self) -> Option<u32> {
+        match self {
+            JsError::NotEnabled => Some(ERR_NOT_ENABLED),
+            other => other.api_error().map(|e| e.err_code),
+        }
+    }
+}
+
+impl fmt::Display for JsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JsError::StreamNotFound(e) => write!(f, "stream not found: {e}"),
+            JsError::ConsumerNotFound(e) => write!(f, "consumer not found: {e}"),
+            JsError::WrongLastSequence(e) => write!(f, "wrong last sequence: {e}"),
+            JsError::MessageNotFound(e) => write!(f, "message not found: {e}"),
+            JsError::NotEnabledForAccount(e) => write!(f, "JetStream not enabled for account: {e}"),
+            JsError::NotEnabled => write!(f, "JetStream not enabled"),
+            JsError::Api(e) => write!(f, "JetStream API error: {e}"),
+            JsError::NoResponders => write!(f, "no stream answered (no responders)"),
+            JsError::Timeout => write!(f, "JetStream request timed out"),
+            JsError::Transport(s) => write!(f, "connection error: {s}"),
+            JsError::Malformed(s) => write!(f, "malformed JetStream reply: {s}"),
+            JsError::Invalid(s) => write!(f, "invalid argument: {s}"),
+            JsError::KeyNotFound => write!(f, "key not found"),
+            JsError::BucketNotFound => write!(f, "bucket not found"),
+        }
+    }
+}
+
+impl std::error::Error for JsError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16, err_code: u32) -> ApiError {
+        ApiError {
+            code,
+            err_code,
+            description: "x".into(),
+        }
+    }
+
+    #[test]
+    fn error_codes_map_to_their_typed_variants() {
+        assert!(matches!(
+            JsError::from_api(api(404, 10059)),
+            JsError::StreamNotFound(_)
+        ));
+        assert!(matches!(
+            JsError::from_api(api(404, 10014)),
+            JsError::ConsumerNotFound(_)
+        ));
+        assert!(matches!(
+            JsError::from_api(api(400, 10071)),
+            JsError::WrongLastSequence(_)
+        ));
+        assert!(matches!(
+            JsError::from_api(api(400, 10164)),
+            JsError::WrongLastSequence(_)
+        ));
+        assert!(matches!(
+            JsError::from_api(api(404, 10037)),
+            JsError::MessageNotFound(_)
+        ));
+        assert!(matches!(
+            JsError::from_api(api(503, 10039)),
+            JsError::NotEnabledForAccount(_)
+        ));
+        assert_eq!(JsError::from_api(api(503, 10076)), JsError::NotEnabled);
+        let other = JsError::from_api(api(400, 10058));
+        assert_eq!(other.err_code(), Some(10058));
+        assert_eq!(other.api_error().map(|e| e.code), Some(400));
+    }
+}

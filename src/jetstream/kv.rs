@@ -1,0 +1,937 @@
+//! Key/value buckets (ADR-8) over a stream `KV_<bucket>` with subjects `$KV.<bucket>.>`:
+//! bucket config, the requests of get/put/create/update/delete/purge, entry decoding
+//! (delete and purge operations, TTL expiry markers) and [`KvWatcher`], an ordered
+//! push consumer as a sans-IO state machine.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::ack::AckMetadata;
+use super::api::{ApiPrefix, Request, parse_response};
+use super::consumer::{AckPolicy, ConsumerAction, ConsumerConfig, ConsumerInfo, DeliverPolicy};
+use super::error::JsError;
+use super::message::Delivery;
+use super::publish::{MARKER_REASON, MsgTtl, PublishOptions, ROLLUP, publish_request};
+use super::pull::{Inbound, classify};
+use super::stream::{
+    DiscardPolicy, MsgSelector, StorageType, StoredMessage, StreamConfig, StreamInfo,
+    parse_direct_get, parse_msg_get,
+};
+use crate::proto::headers::HeaderMap;
+
+pub const KV_OPERATION: &str = "KV-Operation";
+pub const MAX_HISTORY: u8 = 64;
+
+/// A bucket's configuration, mapped onto its stream's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvConfig {
+    pub bucket: String,
+    pub description: Option<String>,
+    /// Values kept per key, 1 to 64.
+    pub history: u8,
+    /// How long a value lives (the stream's `max_age`); `None` for ever.
+    pub ttl: Option<Duration>,
+    pub max_bytes: Option<i64>,
+    pub max_value_size: Option<i64>,
+    pub storage: StorageType,
+    pub replicas: i64,
+    /// Allow per-key TTLs (`Nats-TTL`) without subject delete markers.
+    pub allow_msg_ttl: bool,
+    /// Leave a delete marker, living this long, when a key's last value ages out or
+    /// its TTL expires (the stream's `subject_delete_marker_ttl`; implies
+    /// `allow_msg_ttl`). Watchers see these markers.
+    pub limit_marker_ttl: Option<Duration>,
+}
+
+impl KvConfig {
+    pub fn new(bucket: &str) -> KvConfig {
+        KvConfig {
+            bucket: bucket.to_string(),
+            description: None,
+            history: 1,
+            ttl: None,
+            max_bytes: None,
+            max_value_size: None,
+            storage: StorageType::File,
+            replicas: 1,
+            allow_msg_ttl: false,
+            limit_marker_ttl: None,
+        }
+    }
+
+    /// The stream that implements the bucket.
+    pub fn stream_config(&self) -> Result<StreamConfig, JsError> {
+        validate_bucket(&self.bucket)?;
+        if self.history == 0 || self.history > MAX_HISTORY {
+            return Err(JsError::Invalid(format!(
+                "KV history must be 1..={MAX_HISTORY}"
+            )));
+        }
+        let two_minutes = Duration::from_secs(120);
+        let duplicate_window = match self.ttl {
+            Some(ttl) if !ttl.is_zero() && ttl < two_minutes => ttl,
+            _ => two_minutes,
+        };
+        let markers = self.limit_marker_ttl.filter(|d| !d.is_zero());
+        Ok(StreamConfig {
+            name: stream_name(&self.bucket),
+            description: self.description.clone(),
+            subjects: vec![format!("$KV.{}.>", self.bucket)],
+            max_msgs_per_subject: Some(i64::from(self.history)),
+            max_bytes: Some(self.max_bytes.unwrap_or(-1)),
+            max_age: Some(self.ttl.unwrap_or_default()),
+            max_msg_size: Some(self.max_value_size.unwrap_or(-1)),
+            storage: Some(self.storage.clone()),
+            num_replicas: Some(self.replicas.max(1)),
+            allow_rollup_hdrs: Some(true),
+            deny_delete: Some(true),
+            duplicate_window: Some(duplicate_window),
+            max_msgs: Some(-1),
+            max_consumers: Some(-1),
+            allow_direct: Some(true),
+            discard: Some(DiscardPolicy::New),
+            allow_msg_ttl: (self.allow_msg_ttl || markers.is_some()).then_some(true),
+            subject_delete_marker_ttl: markers,
+            ..StreamConfig::default()
+        })
+    }
+}
+
+pub fn stream_name(bucket: &str) -> String {
+    format!("KV_{bucket}")
+}
+
+/// Bucket names: letters, digits, `_` and `-`.
+pub fn validate_bucket(bucket: &str) -> Result<(), JsError> {
+    let ok = !bucket.is_empty()
+        && bucket
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(JsError::Invalid(format!("invalid bucket name {bucket:?}")))
+    }
+}
+
+/// Keys: letters, digits and `-/_=.`, not starting or ending with a dot.
+pub fn validate_key(key: &str) -> Result<(), JsError> {
+    let ok = !key.is_empty()
+        && !key.starts_with('.')
+        && !key.ends_with('.')
+        && !key.contains("..")
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-/_=.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(JsError::Invalid(format!("invalid key {key:?}")))
+    }
+}
+
+/// A watch filter: a key, or a pattern with `*` tokens and a final `>`.
+fn validate_key_pattern(pattern: &str) -> Result<(), JsError> {
+    let ok = !pattern.is_empty()
+        && pattern.split('.').enumerate().all(|(i, t)| {
+            let last = i == pattern.split('.').count() - 1;
+            (t == "*")
+                || (t == ">" && last)
+                || (!t.is_empty()
+                    && t.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-/_=".contains(&b)))
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(JsError::Invalid(format!("invalid key pattern {pattern:?}")))
+    }
+}
+
+/// What an entry records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvOperation {
+    Put,
+    Delete,
+    Purge,
+}
+
+/// Why the server left a subject delete marker (ADR-43).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MarkerReason {
+    /// The key's last value aged out or its per-key TTL expired.
+    MaxAge,
+    /// Removed by a message delete.
+    Remove,
+    /// Removed by a stream purge.
+    Purge,
+    Other(String),
+}
+
+/// One revision of a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEntry {
+    pub bucket: String,
+    pub key: String,
+    pub value: Vec<u8>,
+    /// The stream sequence of this revision.
+    pub revision: u64,
+    /// Nanoseconds since the Unix epoch when it was stored (0 if unknown).
+    pub created_nanos: u64,
+    /// For a watch: how many later revisions were pending when this one was sent.
+    pub delta: u64,
+    pub operation: KvOperation,
+    /// Set when this entry is a server-placed marker rather than a client's write.
+    pub marker: Option<MarkerReason>,
+}
+
+impl KvEntry {
+    pub fn is_deleted(&self) -> bool {
+        self.operation != KvOperation::Put
+    }
+}
+
+/// The operation a KV message's headers record: `KV-Operation: DEL|PURGE`, or a server
+/// delete marker (`Nats-Marker-Reason`: `MaxAge` and `Purge` read as purge, `Remove`
+/// as delete), else a put.
+pub fn operation_of(headers: Option<&HeaderMap>) -> (KvOperation, Option<MarkerReason>) {
+    let Some(h) = headers else {
+        return (KvOperation::Put, None);
+    };
+    match h.get(KV_OPERATION).map(str::trim) {
+        Some("DEL") => return (KvOperation::Delete, None),
+        Some("PURGE") => return (KvOperation::Purge, None),
+        _ => {}
+    }
+    match h.get(MARKER_REASON).map(str::trim) {
+        Some("MaxAge") => (KvOperation::Purge, Some(MarkerReason::MaxAge)),
+        Some("Purge") => (KvOperation::Purge, Some(MarkerReason::Purge)),
+        Some("Remove") => (KvOperation::Delete, Some(MarkerReason::Remove)),
+        Some(other) if !other.is_empty() => (
+            KvOperation::Purge,
+            Some(MarkerReason::Other(other.to_string())),
+        ),
+        _ => (KvOperation::Put, None),
+    }
+}
+
+/// A bound bucket: names and subjects, request builders and reply parsers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    api: ApiPrefix,
+    bucket: String,
+    stream: String,
+    prefix: String,
+    direct: bool,
+}
+
+impl Kv {
+    /// A handle on `bucket`, assuming the bucket allows direct gets (as all buckets
+    /// created by current clients do).
+    pub fn new(api: ApiPrefix, bucket: &str) -> Result<Kv, JsError> {
+        validate_bucket(bucket)?;
+        Ok(Kv {
+            api,
+            bucket: bucket.to_string(),
+            stream: stream_name(bucket),
+            prefix: format!("$KV.{bucket}."),
+            direct: true,
+        })
+    }
+
+    /// A handle from the bucket's stream info (`STREAM.INFO.KV_<bucket>`).
+    pub fn from_stream_info(api: ApiPrefix, info: &StreamInfo) -> Result<Kv, JsError> {
+        let bucket =
+            info.config.name.strip_prefix("KV_").ok_or_else(|| {
+                JsError::Invalid(format!("{} is not a KV stream", info.config.name))
+            })?;
+        let mut kv = Kv::new(api, bucket)?;
+        kv.direct = info.config.allow_direct.unwrap_or(false);
+        Ok(kv)
+    }
+
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    pub fn api(&self) -> &ApiPrefix {
+        &self.api
+    }
+
+    /// The subject of a key: `$KV.<bucket>.<key>`.
+    pub fn key_subject(&self, key: &str) -> Result<String, JsError> {
+        validate_key(key)?;
+        Ok(format!("{}{key}", self.prefix))
+    }
+
+    /// `STREAM.INFO.KV_<bucket>`, to bind (reply: [`StreamInfo`]).
+    pub fn info_request(&self) -> Result<Request, JsError> {
+        self.api.stream_info(&self.stream)
+    }
+
+    /// The latest revision of `key` (direct get when allowed) → [`Kv::parse_get`].
+    pub fn get_request(&self, key: &str) -> Result<Request, JsError> {
+        let which = MsgSelector::LastBySubject(self.key_subject(key)?);
+        if self.direct {
+            self.api.direct_get(&self.stream, &which)
+        } else {
+            self.api.msg_get(&self.stream, &which)
+        }
+    }
+
+    /// A given revision of `key` → [`Kv::parse_get`].
+    pub fn get_revision_request(&self, key: &str, revision: u64) -> Result<Request, JsError> {
+        validate_key(key)?;
+        let which = MsgSelector::Sequence(revision);
+        if self.direct {
+            self.api.direct_get(&self.stream, &which)
+        } else {
+            self.api.msg_get(&self.stream, &which)
+        }
+    }
+
+    /// Decodes a get reply. A deleted or purged key (or an expiry marker) is an entry
+    /// with that operation; a key never written is [`JsError::KeyNotFound`].
+    pub fn parse_get(
+        &self,
+        key: &str,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+    ) -> Result<KvEntry, JsError> {
+        let stored = if self.direct {
+            parse_direct_get(headers, payload)
+        } else {
+            parse_msg_get(payload)
+        };
+        let stored = stored.map_err(|e| match e {
+            JsError::MessageNotFound(_) => JsError::KeyNotFound,
+            JsError::StreamNotFound(_) => JsError::BucketNotFound,
+            other => other,
+        })?;
+        if stored.subject != format!("{}{key}", self.prefix) {
+            // A revision of another key.
+            return Err(JsError::KeyNotFound);
+        }
+        Ok(self.entry_from_stored(key, stored))
+    }
+
+    fn entry_from_stored(&self, key: &str, stored: StoredMessage) -> KvEntry {
+        let (operation, marker) = operation_of(stored.headers.as_ref());
+        KvEntry {
+            bucket: self.bucket.clone(),
+            key: key.to_string(),
+            revision: stored.sequence,
+            created_nanos: parse_rfc3339_nanos(&stored.time).unwrap_or(0),
+            delta: 0,
+            operation,
+            marker,
+            value: stored.payload,
+        }
+    }
+
+    /// Writes a value (a publish answered by a PubAck whose `seq` is the revision).
+    pub fn put_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
+        let opts = PublishOptions {
+            ttl,
+            ..PublishOptions::default()
+        };
+        publish_request(&self.key_subject(key)?, None, value, &opts)
+    }
+
+    /// Writes only if the key has no message at all (`Nats-Expected-Last-Subject-Sequence: 0`).
+    /// A key that exists as a delete marker fails this with
+    /// [`JsError::WrongLastSequence`]; clients then read the key and, when it is deleted,
+    /// retry with [`Kv::update_request`] on the marker's revision (see
+    /// [`Kv::create_retry`]).
+    pub fn create_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
+        self.cas_request(key, value, 0, ttl)
+    }
+
+    /// After a failed create and a get of the key: the revision to retry the create
+    /// on, when the key is deleted; `None` when it really exists.
+    pub fn create_retry(current: &Result<KvEntry, JsError>) -> Option<u64> {
+        match current {
+            Ok(e) if e.is_deleted() => Some(e.revision),
+            _ => None,
+        }
+    }
+
+    /// Writes only if the key's latest revision is `revision` (compare-and-set).
+    pub fn update_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        revision: u64,
+    ) -> Result<Request, JsError> {
+        self.cas_request(key, value, revision, None)
+    }
+
+    fn cas_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        revision: u64,
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
+        let opts = PublishOptions {
+            expected_last_subject_sequence: Some(revision),
+            ttl,
+            ..PublishOptions::default()
+        };
+        publish_request(&self.key_subject(key)?, None, value, &opts)
+    }
+
+    /// A delete marker (`KV-Operation: DEL`), history kept; optionally only if the
+    /// latest revision is `revision`.
+    pub fn delete_request(&self, key: &str, revision: Option<u64>) -> Result<Request, JsError> {
+        let mut h = HeaderMap::new();
+        h.insert(KV_OPERATION, "DEL")
+            .map_err(|e| JsError::Invalid(e.to_string()))?;
+        let opts = PublishOptions {
+            expected_last_subject_sequence: revision,
+            ..PublishOptions::default()
+        };
+        publish_request(&self.key_subject(key)?, Some(&h), b"", &opts)
+    }
+
+    /// A purge marker (`KV-Operation: PURGE`, `Nats-Rollup: sub`) that drops the
+    /// key's history; `marker_ttl` lets the marker itself expire.
+    pub fn purge_request(&self, key: &str, marker_ttl: Option<MsgTtl>) -> Result<Request, JsError> {
+        let mut h = HeaderMap::new();
+        let bad = |e: crate::proto::headers::HeaderError| JsError::Invalid(e.to_string());
+        h.insert(KV_OPERATION, "PURGE").map_err(bad)?;
+        h.insert(ROLLUP, "sub").map_err(bad)?;
+        let opts = PublishOptions {
+            ttl: marker_ttl,
+            ..PublishOptions::default()
+        };
+        publish_request(&self.key_subject(key)?, Some(&h), b"", &opts)
+    }
+
+    /// The entry a watch delivery carries.
+    pub fn entry_from_delivery(
+        &self,
+        msg: &Delivery<'_>,
+        meta: &AckMetadata<'_>,
+    ) -> Option<KvEntry> {
+        let key = msg.subject.strip_prefix(self.prefix.as_str())?;
+        let (operation, marker) = operation_of(msg.headers);
+        Some(KvEntry {
+            bucket: self.bucket.clone(),
+            key: key.to_string(),
+            value: msg.payload.to_vec(),
+            revision: meta.stream_sequence,
+            created_nanos: meta.timestamp_nanos,
+            delta: meta.pending,
+            operation,
+            marker,
+        })
+    }
+}
+
+/// Nanoseconds since the epoch of an RFC 3339 UTC time as the server writes it
+/// (`2026-01-02T03:04:05.123456789Z`).
+pub fn parse_rfc3339_nanos(t: &str) -> Option<u64> {
+    let b = t.as_bytes();
+    let num = |s: &str| s.parse::<i64>().ok();
+    let date = t.get(0..10)?;
+    let time = t.get(11..19)?;
+    if b.get(4) != Some(&b'-') || b.get(7) != Some(&b'-') || !matches!(b.get(10), Some(b'T' | b't'))
+    {
+        return None;
+    }
+    let (y, m, d) = (
+        num(date.get(0..4)?)?,
+        num(date.get(5..7)?)?,
+        num(date.get(8..10)?)?,
+    );
+    let (hh, mm, ss) = (
+        num(time.get(0..2)?)?,
+        num(time.get(3..5)?)?,
+        num(time.get(6..8)?)?,
+    );
+    let rest = t.get(19..)?;
+    let (frac, zone) = match rest.strip_prefix('.') {
+        Some(r) => {
+            let end = r.find(|c: char| !c.is_ascii_digit()).unwrap_or(r.len());
+            (r.get(..end)?, r.get(end..)?)
+        }
+        None => ("", rest),
+    };
+    if !matches!(zone, "Z" | "z" | "+00:00") || !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    let mut nanos: i64 = 0;
+    for (i, c) in frac.bytes().take(9).enumerate() {
+        nanos += i64::from(c - b'0') * 10i64.pow(8 - i as u32);
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    u64::try_from(secs.checked_mul(1_000_000_000)?.checked_add(nanos)?).ok()
+}
+
+/// What a watch reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    /// A put, delete, purge or expiry marker.
+    Entry(KvEntry),
+    /// Every value that existed when the watch started has been reported.
+    InitialValuesDone,
+    /// The consumer was recreated from the last seen revision (informational).
+    Reset { reason: String },
+    /// The watch cannot go on (the bucket is gone).
+    Failed(JsError),
+}
+
+/// Why a request asked of the driver is sent; its reply goes back with
+/// [`KvWatcher::on_reply`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WatchRequestKind {
+    /// Create the consumer of this generation.
+    CreateConsumer { generation: u64 },
+    /// Delete a replaced consumer; the reply does not matter.
+    DeleteConsumer,
+}
+
+/// What the driver of a watcher must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WatchAction {
+    /// Send as a request (with a reply inbox) and feed the reply back.
+    Request {
+        kind: WatchRequestKind,
+        request: Request,
+    },
+    /// Publish (no reply expected): flow-control answers.
+    Publish(Request),
+}
+
+/// Options of a watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WatchOptions {
+    /// Key filters (patterns allowed); all keys when empty.
+    pub keys: Vec<String>,
+    /// Report every kept revision, not only the latest per key.
+    pub include_history: bool,
+    /// Report only changes made after the watch starts.
+    pub updates_only: bool,
+    /// Report entries without their values.
+    pub headers_only: bool,
+    /// The consumer's idle heartbeat; three missed ones reset it.
+    pub idle_heartbeat: Duration,
+    /// After a failed consumer create, wait this long before the next.
+    pub retry_delay: Duration,
+    /// Events held before the watcher stops taking deliveries (and later resumes by
+    /// resetting from the last revision it reported).
+    pub max_pending_events: usize,
+}
+
+impl Default for WatchOptions {
+    fn default() -> Self {
+        WatchOptions {
+            keys: Vec::new(),
+            include_history: false,
+            updates_only: false,
+            headers_only: false,
+            idle_heartbeat: Duration::from_secs(5),
+            retry_delay: Duration::from_millis(500),
+            max_pending_events: 4096,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WatchState {
+    /// The create request of the current generation is out.
+    Creating,
+    Active,
+    /// A create failed; the next one goes out at this time.
+    RetryAt(Instant),
+    Stopped,
+}
+
+/// A KV watch: an ordered, ephemeral push consumer on the bucket's stream that
+/// reports entries in order, detects gaps by consumer sequence and recreates itself
+/// from the last reported revision. Sans-IO: the driver subscribes once to
+/// [`KvWatcher::subscription`], feeds every message of that subscription to
+/// [`KvWatcher::on_message`], carries out [`WatchAction`]s, feeds request replies to
+/// [`KvWatcher::on_reply`] and calls [`KvWatcher::handle_timeout`] at
+/// [`KvWatcher::poll_timeout`].
+#[derive(Debug)]
+pub struct KvWatcher {
+    kv: Kv,
+    options: WatchOptions,
+    deliver_prefix: String,
+    name_base: String,
+    generation: u64,
+    consumer: String,
+    state: WatchState,
+    last_revision: u64,
+    last_consumer_seq: u64,
+    last_activity: Instant,
+    initial_done: bool,
+    overflowed: bool,
+    resets: u64,
+    actions: VecDeque<WatchAction>,
+    events: VecDeque<WatchEvent>,
+}
+
+impl KvWatcher {
+    /// `deliver_prefix`: a subject prefix nobody else uses (an inbox); deliveries go to
+    /// `<deliver_prefix>.<generation>`. `name_base`: a unique consumer-name prefix.
+    pub fn new(
+        kv: Kv,
+        options: WatchOptions,
+        deliver_prefix: &str,
+        name_base: &str,
+        now: Instant,
+    ) -> Result<KvWatcher, JsError> {
+        for k in &options.keys {
+            validate_key_pattern(k)?;
+        }
+        super::api::validate_name("consumer", name_base)?;
+        if deliver_prefix.is_empty() || deliver_prefix.split('.').any(|t| !super::api::is_token(t))
+        {
+            return Err(JsError::Invalid(format!(
+                "invalid deliver prefix {deliver_prefix:?}"
+            )));
+        }
+        if options.idle_heartbeat.is_zero() {
+            return Err(JsError::Invalid("watch idle heartbeat must be > 0".into()));
+        }
+        let initial_done = options.updates_only;
+        let mut w = KvWatcher {
+            kv,
+            options,
+            deliver_prefix: deliver_prefix.to_string(),
+            name_base: name_base.to_string(),
+            generation: 0,
+            consumer: String::new(),
+            state: WatchState::Creating,
+            last_revision: 0,
+            last_consumer_seq: 0,
+            last_activity: now,
+            initial_done,
+            overflowed: false,
+            resets: 0,
+            actions: VecDeque::new(),
+            events: VecDeque::new(),
+        };
+        w.start_generation(now);
+        if w.initial_done {
+            w.events.push_back(WatchEvent::InitialValuesDone);
+        }
+        Ok(w)
+    }
+
+    /// The subject the driver subscribes to for the watcher's whole life.
+    pub fn subscription(&self) -> String {
+        format!("{}.*", self.deliver_prefix)
+    }
+
+    /// The revision of the last entry reported.
+    pub fn last_revision(&self) -> u64 {
+        self.last_revision
+    }
+
+    /// How many times the consumer was recreated.
+    pub fn resets(&self) -> u64 {
+        self.resets
+    }
+
+    /// The current consumer's name.
+    pub fn consumer_name(&self) -> &str {
+        &self.consumer
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.state == WatchState::Stopped
+    }
+
+    fn deliver_subject(&self) -> String {
+        format!("{}.{}", self.deliver_prefix, self.generation)
+    }
+
+    fn consumer_config(&self) -> ConsumerConfig {
+        let filters: Vec<String> = if self.options.keys.is_empty() {
+            vec![format!("$KV.{}.>", self.kv.bucket)]
+        } else {
+            self.options
+                .keys
+                .iter()
+                .map(|k| format!("$KV.{}.{k}", self.kv.bucket))
+                .collect()
+        };
+        let (deliver_policy, opt_start_seq) = if self.last_revision > 0 {
+            (DeliverPolicy::ByStartSequence, Some(self.last_revision + 1))
+        } else if self.options.updates_only {
+            (DeliverPolicy::New, None)
+        } else if self.options.include_history {
+            (DeliverPolicy::All, None)
+        } else {
+            (DeliverPolicy::LastPerSubject, None)
+        };
+        let (filter_subject, filter_subjects) = if filters.len() == 1 {
+            (filters.into_iter().next(), None)
+        } else {
+            (None, Some(filters))
+        };
+        ConsumerConfig {
+            name: Some(self.consumer.clone()),
+            deliver_subject: Some(self.deliver_subject()),
+            deliver_policy: Some(deliver_policy),
+            opt_start_seq,
+            ack_policy: Some(AckPolicy::None),
+            max_deliver: Some(1),
+            flow_control: Some(true),
+            idle_heartbeat: Some(self.options.idle_heartbeat),
+            headers_only: self.options.headers_only.then_some(true),
+            filter_subject,
+            filter_subjects,
+            mem_storage: Some(true),
+            num_replicas: Some(1),
+            inactive_threshold: Some(Duration::from_secs(5).max(self.options.idle_heartbeat * 3)),
+            ..ConsumerConfig::default()
+        }
+    }
+
+    fn start_generation(&mut self, now: Instant) {
+        self.generation += 1;
+        self.consumer = format!("{}_{}", self.name_base, self.generation);
+        self.last_consumer_seq = 0;
+        self.last_activity = now;
+        self.state = WatchState::Creating;
+        match self.kv.api.consumer_create(
+            &self.kv.stream,
+            &self.consumer_config(),
+            ConsumerAction::Create,
+        ) {
+            Ok(request) => self.actions.push_back(WatchAction::Request {
+                kind: WatchRequestKind::CreateConsumer {
+                    generation: self.generation,
+                },
+                request,
+            }),
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn fail(&mut self, e: JsError) {
+        self.state = WatchState::Stopped;
+        self.events.push_back(WatchEvent::Failed(e));
+    }
+
+    fn reset(&mut self, reason: String, now: Instant) {
+        if self.state == WatchState::Stopped {
+            return;
+        }
+        let old = self.consumer.clone();
+        if let Ok(request) = self.kv.api.consumer_delete(&self.kv.stream, &old) {
+            self.actions.push_back(WatchAction::Request {
+                kind: WatchRequestKind::DeleteConsumer,
+                request,
+            });
+        }
+        self.resets += 1;
+        self.events.push_back(WatchEvent::Reset { reason });
+        self.start_generation(now);
+    }
+
+    /// A message of the watch subscription.
+    pub fn on_message(&mut self, msg: &Delivery<'_>, now: Instant) {
+        if self.state == WatchState::Stopped {
+            return;
+        }
+        match classify(msg) {
+            Inbound::Message => self.on_data(msg, now),
+            Inbound::FlowControl { reply } if msg.subject == self.deliver_subject() => {
+                self.last_activity = now;
+                self.answer(reply);
+            }
+            Inbound::IdleHeartbeat {
+                last_consumer_seq,
+                stalled_reply,
+                ..
+            } => {
+                if msg.subject != self.deliver_subject() {
+                    return;
+                }
+                self.last_activity = now;
+                if let Some(reply) = stalled_reply {
+                    self.answer(reply);
+                }
+                if let Some(seq) = last_consumer_seq
+                    && seq != self.last_consumer_seq
+                    && self.state == WatchState::Active
+                {
+                    self.reset(
+                        format!(
+                            "heartbeat says consumer sequence {seq}, last seen {}",
+                            self.last_consumer_seq
+                        ),
+                        now,
+                    );
+                }
+            }
+            Inbound::Conflict { description } if msg.subject == self.deliver_subject() => {
+                self.reset(format!("consumer conflict: {description}"), now);
+            }
+            _ => {}
+        }
+    }
+
+    fn answer(&mut self, reply: &str) {
+        self.actions.push_back(WatchAction::Publish(Request::new(
+            reply.to_string(),
+            Vec::new(),
+        )));
+    }
+
+    fn on_data(&mut self, msg: &Delivery<'_>, now: Instant) {
+        let Some(meta) = msg.reply.and_then(|r| AckMetadata::parse(r).ok()) else {
+            return;
+        };
+        if meta.consumer != self.consumer || meta.stream != self.kv.stream {
+            // A delivery of a replaced consumer.
+            return;
+        }
+        self.last_activity = now;
+        if self.overflowed || self.events.len() >= self.options.max_pending_events {
+            // Not taken: the gap this leaves is filled by a reset once the events drain.
+            self.overflowed = true;
+            return;
+        }
+        if meta.consumer_sequence != self.last_consumer_seq + 1 {
+            let reason = format!(
+                "gap: consumer sequence {} after {}",
+                meta.consumer_sequence, self.last_consumer_seq
+            );
+            self.reset(reason, now);
+            return;
+        }
+        self.last_consumer_seq = meta.consumer_sequence;
+        let Some(entry) = self.kv.entry_from_delivery(msg, &meta) else {
+            return;
+        };
+        self.last_revision = meta.stream_sequence;
+        let pending = meta.pending;
+        self.events.push_back(WatchEvent::Entry(entry));
+        if !self.initial_done && pending == 0 {
+            self.initial_done = true;
+            self.events.push_back(WatchEvent::InitialValuesDone);
+        }
+    }
+
+    /// The reply (or failure) of a request the watcher asked for.
+    pub fn on_reply(
+        &mut self,
+        kind: WatchRequestKind,
+        reply: Result<&[u8], JsError>,
+        now: Instant,
+    ) {
+        let WatchRequestKind::CreateConsumer { generation } = kind else {
+            return;
+        };
+        if generation != self.generation || self.state != WatchState::Creating {
+            return;
+        }
+        match reply.and_then(parse_response::<ConsumerInfo>) {
+            Ok(info) => {
+                self.state = WatchState::Active;
+                self.last_activity = now;
+                if !self.initial_done && info.num_pending == 0 && self.last_consumer_seq == 0 {
+                    self.initial_done = true;
+                    self.events.push_back(WatchEvent::InitialValuesDone);
+                }
+            }
+            Err(JsError::StreamNotFound(_)) => self.fail(JsError::BucketNotFound),
+            Err(
+                e @ (JsError::Invalid(_) | JsError::NotEnabled | JsError::NotEnabledForAccount(_)),
+            ) => self.fail(e),
+            Err(JsError::Api(e)) if e.code == 400 => self.fail(JsError::Api(e)),
+            Err(e) => {
+                self.events.push_back(WatchEvent::Reset {
+                    reason: format!("consumer create failed: {e}"),
+                });
+                self.state = WatchState::RetryAt(now + self.options.retry_delay);
+            }
+        }
+    }
+
+    /// When [`KvWatcher::handle_timeout`] is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            WatchState::Stopped => None,
+            WatchState::RetryAt(at) => Some(at),
+            WatchState::Creating | WatchState::Active => {
+                Some(self.last_activity + self.options.idle_heartbeat * 3)
+            }
+        }
+    }
+
+    /// Timer tick: retries a failed create; resets a consumer that went silent for
+    /// three heartbeats.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.state {
+            WatchState::RetryAt(at) if now >= at => {
+                self.generation_retry(now);
+            }
+            WatchState::Creating | WatchState::Active
+                if now >= self.last_activity + self.options.idle_heartbeat * 3 =>
+            {
+                self.reset("no heartbeat for three intervals".to_string(), now);
+            }
+            _ => {}
+        }
+    }
+
+    fn generation_retry(&mut self, now: Instant) {
+        self.start_generation(now);
+    }
+
+    pub fn poll_action(&mut self) -> Option<WatchAction> {
+        self.actions.pop_front()
+    }
+
+    pub fn poll_event(&mut self, now: Instant) -> Option<WatchEvent> {
+        let e = self.events.pop_front();
+        if self.overflowed && self.events.is_empty() {
+            self.overflowed = false;
+            self.reset("event queue was full".to_string(), now);
+        }
+        e
+    }
+
+    /// Stops the watch; returns the request that deletes its consumer.
+    pub fn stop(&mut self) -> Option<Request> {
+        self.state = WatchState::Stopped;
+        self.actions.clear();
+        self.kv
+            .api
+            .consumer_delete(&self.kv.stream, &self.consumer)
+            .ok()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,419 @@
+use super::*;
+
+fn kv() -> Kv {
+    Kv::new(ApiPrefix::new(), "cfg").expect("kv")
+}
+
+#[test]
+fn bucket_config_maps_to_its_stream() {
+    let mut c = KvConfig::new("cfg");
+    c.history = 5;
+    c.ttl = Some(Duration::from_secs(30));
+    c.limit_marker_ttl = Some(Duration::from_secs(60));
+    let s = c.stream_config().expect("stream config");
+    assert_eq!(s.name, "KV_cfg");
+    assert_eq!(s.subjects, vec!["$KV.cfg.>".to_string()]);
+    assert_eq!(s.max_msgs_per_subject, Some(5));
+    assert_eq!(s.max_age, Some(Duration::from_secs(30)));
+    assert_eq!(s.duplicate_window, Some(Duration::from_secs(30)));
+    assert_eq!(s.allow_rollup_hdrs, Some(true));
+    assert_eq!(s.deny_delete, Some(true));
+    assert_eq!(s.allow_direct, Some(true));
+    assert_eq!(s.allow_msg_ttl, Some(true));
+    assert_eq!(s.subject_delete_marker_ttl, Some(Duration::from_secs(60)));
+    assert_eq!(s.discard, Some(DiscardPolicy::New));
+    let plain = KvConfig::new("b").stream_config().expect("plain");
+    assert_eq!(plain.allow_msg_ttl, None);
+    assert_eq!(plain.duplicate_window, Some(Duration::from_secs(120)));
+    let mut bad = KvConfig::new("b");
+    bad.history = 65;
+    assert!(bad.stream_config().is_err());
+    assert!(KvConfig::new("a.b").stream_config().is_err());
+}
+
+#[test]
+fn keys_and_buckets_are_validated() {
+    for good in ["a", "a.b", "A-Z_0=9/x", "x.y.z"] {
+        assert!(validate_key(good).is_ok(), "{good}");
+    }
+    for bad in ["", ".a", "a.", "a..b", "a b", "a*", "a>", "ä"] {
+        assert!(validate_key(bad).is_err(), "{bad}");
+    }
+    assert!(validate_bucket("ok_bucket-1").is_ok());
+    assert!(validate_bucket("no.dots").is_err());
+    assert!(validate_key_pattern("a.*.c").is_ok());
+    assert!(validate_key_pattern("a.>").is_ok());
+    assert!(validate_key_pattern(">.a").is_err());
+}
+
+#[test]
+fn write_requests_carry_kv_headers() {
+    let kv = kv();
+    let r = kv
+        .create_request("k", b"v", Some(MsgTtl::After(Duration::from_secs(3))))
+        .expect("create");
+    assert_eq!(r.subject, "$KV.cfg.k");
+    let h = r.headers.expect("headers");
+    assert_eq!(h.get("Nats-Expected-Last-Subject-Sequence"), Some("0"));
+    assert_eq!(h.get("Nats-TTL"), Some("3s"));
+    let r = kv.update_request("k", b"v2", 7).expect("update");
+    assert_eq!(
+        r.headers
+            .expect("h")
+            .get("Nats-Expected-Last-Subject-Sequence"),
+        Some("7")
+    );
+    let r = kv.delete_request("k", None).expect("delete");
+    assert_eq!(r.headers.expect("h").get("KV-Operation"), Some("DEL"));
+    let r = kv.purge_request("k", None).expect("purge");
+    let h = r.headers.expect("h");
+    assert_eq!(h.get("KV-Operation"), Some("PURGE"));
+    assert_eq!(h.get("Nats-Rollup"), Some("sub"));
+    let r = kv.get_request("k").expect("get");
+    assert_eq!(r.subject, "$JS.API.DIRECT.GET.KV_cfg.$KV.cfg.k");
+    assert!(kv.put_request("bad key", b"", None).is_err());
+}
+
+fn direct_reply(subject: &str, seq: u64, extra: &[(&str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("Nats-Stream", "KV_cfg").expect("h");
+    h.insert("Nats-Subject", subject).expect("h");
+    h.insert("Nats-Sequence", &seq.to_string()).expect("h");
+    h.insert("Nats-Time-Stamp", "2026-11-29T08:00:00.5Z")
+        .expect("h");
+    for (n, v) in extra {
+        h.insert(n, v).expect("h");
+    }
+    h
+}
+
+#[test]
+fn get_replies_decode_puts_deletes_purges_and_expiry_markers() {
+    let kv = kv();
+    let h = direct_reply("$KV.cfg.k", 4, &[]);
+    let e = kv.parse_get("k", Some(&h), b"value").expect("entry");
+    assert_eq!(e.value, b"value");
+    assert_eq!(e.revision, 4);
+    assert_eq!(e.operation, KvOperation::Put);
+    assert_eq!(e.created_nanos, 1_795_939_200_500_000_000);
+    let h = direct_reply("$KV.cfg.k", 5, &[("KV-Operation", "DEL")]);
+    let e = kv.parse_get("k", Some(&h), b"").expect("entry");
+    assert!(e.is_deleted());
+    assert_eq!(e.operation, KvOperation::Delete);
+    let h = direct_reply("$KV.cfg.k", 6, &[("KV-Operation", "PURGE")]);
+    assert_eq!(
+        kv.parse_get("k", Some(&h), b"").expect("entry").operation,
+        KvOperation::Purge
+    );
+    let h = direct_reply(
+        "$KV.cfg.k",
+        7,
+        &[("Nats-Marker-Reason", "MaxAge"), ("Nats-TTL", "60s")],
+    );
+    let e = kv.parse_get("k", Some(&h), b"").expect("entry");
+    assert_eq!(e.operation, KvOperation::Purge);
+    assert_eq!(e.marker, Some(MarkerReason::MaxAge));
+    assert_eq!(Kv::create_retry(&Ok(e)), Some(7));
+    let h = direct_reply("$KV.cfg.k", 8, &[("Nats-Marker-Reason", "Remove")]);
+    assert_eq!(
+        kv.parse_get("k", Some(&h), b"").expect("entry").operation,
+        KvOperation::Delete
+    );
+    let nf = HeaderMap::with_status(404, "Message Not Found").expect("status");
+    assert_eq!(kv.parse_get("k", Some(&nf), b""), Err(JsError::KeyNotFound));
+    let other = direct_reply("$KV.cfg.other", 9, &[]);
+    assert_eq!(
+        kv.parse_get("k", Some(&other), b""),
+        Err(JsError::KeyNotFound)
+    );
+    let gone = br#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#;
+    assert_eq!(kv.parse_get("k", None, gone), Err(JsError::BucketNotFound));
+}
+
+#[test]
+fn rfc3339_times_convert_to_unix_nanoseconds() {
+    assert_eq!(parse_rfc3339_nanos("1970-01-01T00:00:00Z"), Some(0));
+    assert_eq!(
+        parse_rfc3339_nanos("2000-03-01T00:00:01.000000001Z"),
+        Some(951_868_801_000_000_001)
+    );
+    assert_eq!(parse_rfc3339_nanos("garbage"), None);
+    assert_eq!(parse_rfc3339_nanos("2000-13-01T00:00:00Z"), None);
+    assert_eq!(parse_rfc3339_nanos("2000-01-01T00:00:00+02:00"), None);
+    assert_eq!(parse_rfc3339_nanos("2000-01-01T00:00:00.é"), None);
+}
+
+struct Fixture {
+    w: KvWatcher,
+    t0: Instant,
+}
+
+fn watcher(options: WatchOptions) -> Fixture {
+    let t0 = Instant::now();
+    let w = KvWatcher::new(kv(), options, "_INBOX.w", "W", t0).expect("watcher");
+    Fixture { w, t0 }
+}
+
+fn create_of(a: Option<WatchAction>) -> (u64, serde_json::Value) {
+    match a {
+        Some(WatchAction::Request {
+            kind: WatchRequestKind::CreateConsumer { generation },
+            request,
+        }) => (
+            generation,
+            serde_json::from_slice(&request.payload).expect("json"),
+        ),
+        other => panic!("expected a consumer create, got {other:?}"),
+    }
+}
+
+fn info_reply(name: &str, pending: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "stream_name": "KV_cfg", "name": name, "config": {}, "num_pending": pending
+    }))
+    .expect("json")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn data(
+    w: &mut KvWatcher,
+    consumer: &str,
+    key: &str,
+    sseq: u64,
+    cseq: u64,
+    pending: u64,
+    headers: Option<&HeaderMap>,
+    now: Instant,
+) {
+    let reply = format!("$JS.ACK.KV_cfg.{consumer}.1.{sseq}.{cseq}.1700000000000000000.{pending}");
+    let subject = format!("$KV.cfg.{key}");
+    w.on_message(
+        &Delivery {
+            subject: &subject,
+            reply: Some(&reply),
+            headers,
+            payload: b"v",
+        },
+        now,
+    );
+}
+
+fn events(w: &mut KvWatcher, now: Instant) -> Vec<WatchEvent> {
+    std::iter::from_fn(|| w.poll_event(now)).collect()
+}
+
+#[test]
+fn watcher_reports_entries_in_order_and_initial_values_done() {
+    let Fixture { mut w, t0 } = watcher(WatchOptions::default());
+    assert_eq!(w.subscription(), "_INBOX.w.*");
+    let (generation, body) = create_of(w.poll_action());
+    assert_eq!(generation, 1);
+    assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+    assert_eq!(body["config"]["deliver_subject"], "_INBOX.w.1");
+    assert_eq!(body["config"]["ack_policy"], "none");
+    assert_eq!(body["config"]["flow_control"], true);
+    assert_eq!(body["config"]["filter_subject"], "$KV.cfg.>");
+    assert_eq!(body["action"], "create");
+    data(&mut w, "W_1", "a", 3, 1, 1, None, t0);
+    let mut del = HeaderMap::new();
+    del.insert("KV-Operation", "DEL").expect("h");
+    data(&mut w, "W_1", "b", 5, 2, 0, Some(&del), t0);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 2)),
+        t0,
+    );
+    let ev = events(&mut w, t0);
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    assert!(
+        matches!(&ev[0], WatchEvent::Entry(e) if e.key == "a" && e.revision == 3 && e.operation == KvOperation::Put)
+    );
+    assert!(
+        matches!(&ev[1], WatchEvent::Entry(e) if e.key == "b" && e.operation == KvOperation::Delete && e.delta == 0)
+    );
+    assert_eq!(ev[2], WatchEvent::InitialValuesDone);
+    assert_eq!(w.last_revision(), 5);
+}
+
+#[test]
+fn watcher_of_an_empty_bucket_is_done_at_create() {
+    let Fixture { mut w, t0 } = watcher(WatchOptions::default());
+    let _ = w.poll_action();
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 0)),
+        t0,
+    );
+    assert_eq!(events(&mut w, t0), vec![WatchEvent::InitialValuesDone]);
+}
+
+#[test]
+fn watcher_gap_resets_from_the_last_revision_and_ignores_the_old_consumer() {
+    let Fixture { mut w, t0 } = watcher(WatchOptions::default());
+    let _ = w.poll_action();
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 5)),
+        t0,
+    );
+    data(&mut w, "W_1", "a", 10, 1, 4, None, t0);
+    data(&mut w, "W_1", "a", 12, 3, 2, None, t0);
+    let ev = events(&mut w, t0);
+    assert_eq!(ev.len(), 2);
+    assert!(matches!(&ev[1], WatchEvent::Reset { reason } if reason.contains("gap")));
+    match w.poll_action() {
+        Some(WatchAction::Request {
+            kind: WatchRequestKind::DeleteConsumer,
+            request,
+        }) => assert_eq!(request.subject, "$JS.API.CONSUMER.DELETE.KV_cfg.W_1"),
+        other => panic!("expected delete, got {other:?}"),
+    }
+    let (generation, body) = create_of(w.poll_action());
+    assert_eq!(generation, 2);
+    assert_eq!(body["config"]["deliver_policy"], "by_start_sequence");
+    assert_eq!(body["config"]["opt_start_seq"], 11);
+    assert_eq!(body["config"]["deliver_subject"], "_INBOX.w.2");
+    assert_eq!(w.consumer_name(), "W_2");
+    // Late deliveries of the replaced consumer are dropped.
+    data(&mut w, "W_1", "a", 13, 4, 1, None, t0);
+    // A late reply for the old generation is ignored too.
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 5)),
+        t0,
+    );
+    assert!(events(&mut w, t0).is_empty());
+    data(&mut w, "W_2", "a", 11, 1, 1, None, t0);
+    let ev = events(&mut w, t0);
+    assert!(matches!(&ev[0], WatchEvent::Entry(e) if e.revision == 11));
+    assert_eq!(w.resets(), 1);
+}
+
+#[test]
+fn watcher_answers_flow_control_and_checks_heartbeats() {
+    let Fixture { mut w, t0 } = watcher(WatchOptions::default());
+    let _ = w.poll_action();
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 1)),
+        t0,
+    );
+    let fc = HeaderMap::with_status(100, "FlowControl Request").expect("h");
+    w.on_message(
+        &Delivery {
+            subject: "_INBOX.w.1",
+            reply: Some("$JS.FC.KV_cfg.x.1"),
+            headers: Some(&fc),
+            payload: b"",
+        },
+        t0,
+    );
+    assert_eq!(
+        w.poll_action(),
+        Some(WatchAction::Publish(Request::new(
+            "$JS.FC.KV_cfg.x.1".into(),
+            Vec::new()
+        )))
+    );
+    let mut hb = HeaderMap::with_status(100, "Idle Heartbeat").expect("h");
+    hb.insert("Nats-Last-Consumer", "0").expect("h");
+    fn hb_msg(h: &HeaderMap) -> Delivery<'_> {
+        Delivery {
+            subject: "_INBOX.w.1",
+            reply: None,
+            headers: Some(h),
+            payload: b"",
+        }
+    }
+    w.on_message(&hb_msg(&hb), t0);
+    assert!(w.poll_action().is_none());
+    hb.insert("Nats-Last-Consumer", "2").expect("h");
+    w.on_message(&hb_msg(&hb), t0);
+    let ev = events(&mut w, t0);
+    assert!(matches!(&ev[0], WatchEvent::Reset { reason } if reason.contains("heartbeat")));
+    let _delete = w.poll_action();
+    let (generation, _) = create_of(w.poll_action());
+    assert_eq!(generation, 2);
+}
+
+#[test]
+fn silent_watcher_resets_after_three_heartbeats_and_create_failures_retry() {
+    let options = WatchOptions {
+        idle_heartbeat: Duration::from_secs(1),
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = w.poll_action();
+    assert_eq!(w.poll_timeout(), Some(t0 + Duration::from_secs(3)));
+    w.handle_timeout(t0 + Duration::from_secs(2));
+    assert!(w.poll_action().is_none());
+    let t3 = t0 + Duration::from_secs(3);
+    w.handle_timeout(t3);
+    let _delete = w.poll_action();
+    let (generation, _) = create_of(w.poll_action());
+    assert_eq!(generation, 2);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 2 },
+        Err(JsError::Timeout),
+        t3,
+    );
+    let retry_at = w.poll_timeout().expect("retry");
+    assert_eq!(retry_at, t3 + Duration::from_millis(500));
+    w.handle_timeout(retry_at);
+    let (generation, _) = create_of(w.poll_action());
+    assert_eq!(generation, 3);
+    let gone = br#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#;
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 3 },
+        Ok(gone),
+        retry_at,
+    );
+    let ev = events(&mut w, retry_at);
+    assert_eq!(
+        ev.last(),
+        Some(&WatchEvent::Failed(JsError::BucketNotFound))
+    );
+    assert!(w.is_stopped());
+    assert_eq!(w.poll_timeout(), None);
+}
+
+#[test]
+fn full_event_queue_stops_taking_deliveries_then_resets_from_the_last_reported() {
+    let options = WatchOptions {
+        max_pending_events: 2,
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = w.poll_action();
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 9)),
+        t0,
+    );
+    for i in 1..=4 {
+        data(&mut w, "W_1", "k", i, i, 9 - i, None, t0);
+    }
+    let ev = events(&mut w, t0);
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    assert!(matches!(&ev[2], WatchEvent::Reset { .. }));
+    let _delete = w.poll_action();
+    let (_, body) = create_of(w.poll_action());
+    assert_eq!(body["config"]["opt_start_seq"], 3);
+}
+
+#[test]
+fn updates_only_watch_is_done_at_once_and_delivers_new() {
+    let options = WatchOptions {
+        updates_only: true,
+        keys: vec!["a.*".into(), "b".into()],
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let (_, body) = create_of(w.poll_action());
+    assert_eq!(body["config"]["deliver_policy"], "new");
+    assert_eq!(
+        body["config"]["filter_subjects"],
+        serde_json::json!(["$KV.cfg.a.*", "$KV.cfg.b"])
+    );
+    assert_eq!(events(&mut w, t0), vec![WatchEvent::InitialValuesDone]);
+}

@@ -1,0 +1,191 @@
+//! Publishing to a stream with a PubAck: the expectation headers and the ack reply.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::api::{Request, parse_response};
+use super::error::JsError;
+use crate::proto::headers::HeaderMap;
+
+pub const MSG_ID: &str = "Nats-Msg-Id";
+pub const EXPECTED_STREAM: &str = "Nats-Expected-Stream";
+pub const EXPECTED_LAST_SEQUENCE: &str = "Nats-Expected-Last-Sequence";
+pub const EXPECTED_LAST_SUBJECT_SEQUENCE: &str = "Nats-Expected-Last-Subject-Sequence";
+pub const EXPECTED_LAST_MSG_ID: &str = "Nats-Expected-Last-Msg-Id";
+pub const MSG_TTL: &str = "Nats-TTL";
+pub const ROLLUP: &str = "Nats-Rollup";
+pub const MARKER_REASON: &str = "Nats-Marker-Reason";
+
+/// The per-message TTL of ADR-43: whole seconds, at least one, or never expire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsgTtl {
+    After(Duration),
+    Never,
+}
+
+impl MsgTtl {
+    /// The `Nats-TTL` header value; the server counts whole seconds and refuses less
+    /// than one, so sub-second parts are rounded up.
+    pub fn header_value(&self) -> Result<String, JsError> {
+        match self {
+            MsgTtl::Never => Ok("never".to_string()),
+            MsgTtl::After(d) if d.is_zero() => {
+                Err(JsError::Invalid("message TTL must be at least 1s".into()))
+            }
+            MsgTtl::After(d) => {
+                let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+                Ok(format!("{secs}s"))
+            }
+        }
+    }
+}
+
+/// Expectations and options of one publish.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishOptions {
+    /// Deduplication id within the stream's duplicate window.
+    pub msg_id: Option<String>,
+    pub expected_stream: Option<String>,
+    pub expected_last_sequence: Option<u64>,
+    /// `Some(0)`: there must be no message on this subject yet.
+    pub expected_last_subject_sequence: Option<u64>,
+    pub expected_last_msg_id: Option<String>,
+    pub ttl: Option<MsgTtl>,
+}
+
+impl PublishOptions {
+    /// Adds these options' headers to `headers`.
+    pub fn apply(&self, headers: &mut HeaderMap) -> Result<(), JsError> {
+        let bad = |e| JsError::Invalid(format!("publish header: {e}"));
+        if let Some(id) = &self.msg_id {
+            headers.insert(MSG_ID, id).map_err(bad)?;
+        }
+        if let Some(s) = &self.expected_stream {
+            headers.insert(EXPECTED_STREAM, s).map_err(bad)?;
+        }
+        if let Some(seq) = self.expected_last_sequence {
+            headers
+                .insert(EXPECTED_LAST_SEQUENCE, &seq.to_string())
+                .map_err(bad)?;
+        }
+        if let Some(seq) = self.expected_last_subject_sequence {
+            headers
+                .insert(EXPECTED_LAST_SUBJECT_SEQUENCE, &seq.to_string())
+                .map_err(bad)?;
+        }
+        if let Some(id) = &self.expected_last_msg_id {
+            headers.insert(EXPECTED_LAST_MSG_ID, id).map_err(bad)?;
+        }
+        if let Some(ttl) = &self.ttl {
+            headers.insert(MSG_TTL, &ttl.header_value()?).map_err(bad)?;
+        }
+        Ok(())
+    }
+
+    fn is_empty(&self) -> bool {
+        *self == PublishOptions::default()
+    }
+}
+
+/// A publish to a stream subject, answered by a [`PubAck`]. `headers` are the
+/// caller's; the options' headers are added to them.
+pub fn publish_request(
+    subject: &str,
+    headers: Option<&HeaderMap>,
+    payload: &[u8],
+    options: &PublishOptions,
+) -> Result<Request, JsError> {
+    if subject.is_empty() || subject.split('.').any(|t| !super::api::is_token(t)) {
+        return Err(JsError::Invalid(format!(
+            "invalid publish subject {subject:?}"
+        )));
+    }
+    let headers = if options.is_empty() {
+        headers.cloned()
+    } else {
+        let mut h = headers.cloned().unwrap_or_default();
+        options.apply(&mut h)?;
+        Some(h)
+    };
+    Ok(Request {
+        subject: subject.to_string(),
+        headers,
+        payload: payload.to_vec(),
+    })
+}
+
+/// The stream's acknowledgement of a stored message.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PubAck {
+    pub stream: String,
+    pub seq: u64,
+    /// The message id was seen within the duplicate window; nothing new was stored.
+    #[serde(default)]
+    pub duplicate: bool,
+    #[serde(default)]
+    pub domain: Option<String>,
+}
+
+/// Decodes the reply to a stream publish. A 503 status (no stream on the subject)
+/// is [`JsError::NoResponders`].
+pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsError> {
+    match status {
+        Some(503) => return Err(JsError::NoResponders),
+        Some(408) => return Err(JsError::Timeout),
+        _ => {}
+    }
+    parse_response(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_become_expectation_headers() {
+        let opts = PublishOptions {
+            msg_id: Some("id-1".into()),
+            expected_stream: Some("S".into()),
+            expected_last_sequence: Some(4),
+            expected_last_subject_sequence: Some(0),
+            expected_last_msg_id: None,
+            ttl: Some(MsgTtl::After(Duration::from_millis(1500))),
+        };
+        let mut user = HeaderMap::new();
+        user.insert("X-Trace", "t1").expect("header");
+        let r = publish_request("s.a", Some(&user), b"hi", &opts).expect("request");
+        let h = r.headers.expect("headers");
+        assert_eq!(h.get("X-Trace"), Some("t1"));
+        assert_eq!(h.get(MSG_ID), Some("id-1"));
+        assert_eq!(h.get(EXPECTED_STREAM), Some("S"));
+        assert_eq!(h.get(EXPECTED_LAST_SEQUENCE), Some("4"));
+        assert_eq!(h.get(EXPECTED_LAST_SUBJECT_SEQUENCE), Some("0"));
+        assert_eq!(h.get(MSG_TTL), Some("2s"));
+        let plain = publish_request("s.a", None, b"", &PublishOptions::default()).expect("req");
+        assert!(plain.headers.is_none());
+        assert!(publish_request("s.*", None, b"", &PublishOptions::default()).is_err());
+        assert_eq!(MsgTtl::Never.header_value().expect("never"), "never");
+        assert!(MsgTtl::After(Duration::ZERO).header_value().is_err());
+    }
+
+    #[test]
+    fn pub_ack_replies_decode_to_acks_or_typed_errors() {
+        let ack = parse_pub_ack(None, br#"{"stream":"S","seq":3,"duplicate":true}"#).expect("ack");
+        assert_eq!(
+            ack,
+            PubAck {
+                stream: "S".into(),
+                seq: 3,
+                duplicate: true,
+                domain: None
+            }
+        );
+        let wrong = parse_pub_ack(
+            None,
+            br#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 2"}}"#,
+        );
+        assert!(matches!(wrong, Err(JsError::WrongLastSequence(_))));
+        assert_eq!(parse_pub_ack(Some(503), b""), Err(JsError::NoResponders));
+    }
+}
