@@ -524,6 +524,12 @@ pub enum WatchAction {
     },
     /// Publish (no reply expected): flow-control answers.
     Publish(Request),
+    /// Subscribe to this deliver subject and feed its messages to the watcher. The
+    /// server only delivers to a push consumer whose subject has a literal
+    /// subscription; a wildcard one does not count.
+    Subscribe { subject: String },
+    /// Drop the subscription of a replaced consumer.
+    Unsubscribe { subject: String },
 }
 
 /// Options of a watch.
@@ -572,9 +578,9 @@ enum WatchState {
 
 /// A KV watch: an ordered, ephemeral push consumer on the bucket's stream that
 /// reports entries in order, detects gaps by consumer sequence and recreates itself
-/// from the last reported revision. Sans-IO: the driver subscribes once to
-/// [`KvWatcher::subscription`], feeds every message of that subscription to
-/// [`KvWatcher::on_message`], carries out [`WatchAction`]s, feeds request replies to
+/// from the last reported revision. Sans-IO: the driver carries out [`WatchAction`]s
+/// (subscriptions, requests, publishes), feeds every message of the subscriptions it
+/// was asked for to [`KvWatcher::on_message`], feeds request replies to
 /// [`KvWatcher::on_reply`] and calls [`KvWatcher::handle_timeout`] at
 /// [`KvWatcher::poll_timeout`].
 #[derive(Debug)]
@@ -644,9 +650,9 @@ impl KvWatcher {
         Ok(w)
     }
 
-    /// The subject the driver subscribes to for the watcher's whole life.
-    pub fn subscription(&self) -> String {
-        format!("{}.*", self.deliver_prefix)
+    /// The deliver subject of the current consumer.
+    pub fn deliver_subject(&self) -> String {
+        format!("{}.{}", self.deliver_prefix, self.generation)
     }
 
     /// The revision of the last entry reported.
@@ -666,10 +672,6 @@ impl KvWatcher {
 
     pub fn is_stopped(&self) -> bool {
         self.state == WatchState::Stopped
-    }
-
-    fn deliver_subject(&self) -> String {
-        format!("{}.{}", self.deliver_prefix, self.generation)
     }
 
     fn consumer_config(&self) -> ConsumerConfig {
@@ -721,6 +723,9 @@ impl KvWatcher {
         self.last_consumer_seq = 0;
         self.last_activity = now;
         self.state = WatchState::Creating;
+        self.actions.push_back(WatchAction::Subscribe {
+            subject: self.deliver_subject(),
+        });
         match self.kv.api.consumer_create(
             &self.kv.stream,
             &self.consumer_config(),
@@ -752,6 +757,9 @@ impl KvWatcher {
                 request,
             });
         }
+        self.actions.push_back(WatchAction::Unsubscribe {
+            subject: self.deliver_subject(),
+        });
         self.resets += 1;
         self.events.push_back(WatchEvent::Reset { reason });
         self.start_generation(now);
@@ -906,6 +914,9 @@ impl KvWatcher {
     }
 
     fn generation_retry(&mut self, now: Instant) {
+        self.actions.push_back(WatchAction::Unsubscribe {
+            subject: self.deliver_subject(),
+        });
         self.start_generation(now);
     }
 

@@ -154,7 +154,19 @@ fn watcher(options: WatchOptions) -> Fixture {
     Fixture { w, t0 }
 }
 
-fn create_of(a: Option<WatchAction>) -> (u64, serde_json::Value) {
+fn create_of(w: &mut KvWatcher) -> (u64, serde_json::Value) {
+    let mut a = w.poll_action();
+    while let Some(
+        WatchAction::Subscribe { .. }
+        | WatchAction::Unsubscribe { .. }
+        | WatchAction::Request {
+            kind: WatchRequestKind::DeleteConsumer,
+            ..
+        },
+    ) = a
+    {
+        a = w.poll_action();
+    }
     match a {
         Some(WatchAction::Request {
             kind: WatchRequestKind::CreateConsumer { generation },
@@ -205,8 +217,13 @@ fn events(w: &mut KvWatcher, now: Instant) -> Vec<WatchEvent> {
 #[test]
 fn watcher_reports_entries_in_order_and_initial_values_done() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
-    assert_eq!(w.subscription(), "_INBOX.w.*");
-    let (generation, body) = create_of(w.poll_action());
+    assert_eq!(
+        w.poll_action(),
+        Some(WatchAction::Subscribe {
+            subject: "_INBOX.w.1".into()
+        })
+    );
+    let (generation, body) = create_of(&mut w);
     assert_eq!(generation, 1);
     assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
     assert_eq!(body["config"]["deliver_subject"], "_INBOX.w.1");
@@ -238,7 +255,7 @@ fn watcher_reports_entries_in_order_and_initial_values_done() {
 #[test]
 fn watcher_of_an_empty_bucket_is_done_at_create() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
-    let _ = w.poll_action();
+    let _ = create_of(&mut w);
     w.on_reply(
         WatchRequestKind::CreateConsumer { generation: 1 },
         Ok(&info_reply("W_1", 0)),
@@ -250,7 +267,7 @@ fn watcher_of_an_empty_bucket_is_done_at_create() {
 #[test]
 fn watcher_gap_resets_from_the_last_revision_and_ignores_the_old_consumer() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
-    let _ = w.poll_action();
+    let _ = create_of(&mut w);
     w.on_reply(
         WatchRequestKind::CreateConsumer { generation: 1 },
         Ok(&info_reply("W_1", 5)),
@@ -268,7 +285,19 @@ fn watcher_gap_resets_from_the_last_revision_and_ignores_the_old_consumer() {
         }) => assert_eq!(request.subject, "$JS.API.CONSUMER.DELETE.KV_cfg.W_1"),
         other => panic!("expected delete, got {other:?}"),
     }
-    let (generation, body) = create_of(w.poll_action());
+    assert_eq!(
+        w.poll_action(),
+        Some(WatchAction::Unsubscribe {
+            subject: "_INBOX.w.1".into()
+        })
+    );
+    assert_eq!(
+        w.poll_action(),
+        Some(WatchAction::Subscribe {
+            subject: "_INBOX.w.2".into()
+        })
+    );
+    let (generation, body) = create_of(&mut w);
     assert_eq!(generation, 2);
     assert_eq!(body["config"]["deliver_policy"], "by_start_sequence");
     assert_eq!(body["config"]["opt_start_seq"], 11);
@@ -292,7 +321,7 @@ fn watcher_gap_resets_from_the_last_revision_and_ignores_the_old_consumer() {
 #[test]
 fn watcher_answers_flow_control_and_checks_heartbeats() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
-    let _ = w.poll_action();
+    let _ = create_of(&mut w);
     w.on_reply(
         WatchRequestKind::CreateConsumer { generation: 1 },
         Ok(&info_reply("W_1", 1)),
@@ -331,8 +360,7 @@ fn watcher_answers_flow_control_and_checks_heartbeats() {
     w.on_message(&hb_msg(&hb), t0);
     let ev = events(&mut w, t0);
     assert!(matches!(&ev[0], WatchEvent::Reset { reason } if reason.contains("heartbeat")));
-    let _delete = w.poll_action();
-    let (generation, _) = create_of(w.poll_action());
+    let (generation, _) = create_of(&mut w);
     assert_eq!(generation, 2);
 }
 
@@ -343,14 +371,13 @@ fn silent_watcher_resets_after_three_heartbeats_and_create_failures_retry() {
         ..WatchOptions::default()
     };
     let Fixture { mut w, t0 } = watcher(options);
-    let _ = w.poll_action();
+    let _ = create_of(&mut w);
     assert_eq!(w.poll_timeout(), Some(t0 + Duration::from_secs(3)));
     w.handle_timeout(t0 + Duration::from_secs(2));
     assert!(w.poll_action().is_none());
     let t3 = t0 + Duration::from_secs(3);
     w.handle_timeout(t3);
-    let _delete = w.poll_action();
-    let (generation, _) = create_of(w.poll_action());
+    let (generation, _) = create_of(&mut w);
     assert_eq!(generation, 2);
     w.on_reply(
         WatchRequestKind::CreateConsumer { generation: 2 },
@@ -360,7 +387,7 @@ fn silent_watcher_resets_after_three_heartbeats_and_create_failures_retry() {
     let retry_at = w.poll_timeout().expect("retry");
     assert_eq!(retry_at, t3 + Duration::from_millis(500));
     w.handle_timeout(retry_at);
-    let (generation, _) = create_of(w.poll_action());
+    let (generation, _) = create_of(&mut w);
     assert_eq!(generation, 3);
     let gone = br#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#;
     w.on_reply(
@@ -384,7 +411,7 @@ fn full_event_queue_stops_taking_deliveries_then_resets_from_the_last_reported()
         ..WatchOptions::default()
     };
     let Fixture { mut w, t0 } = watcher(options);
-    let _ = w.poll_action();
+    let _ = create_of(&mut w);
     w.on_reply(
         WatchRequestKind::CreateConsumer { generation: 1 },
         Ok(&info_reply("W_1", 9)),
@@ -396,8 +423,7 @@ fn full_event_queue_stops_taking_deliveries_then_resets_from_the_last_reported()
     let ev = events(&mut w, t0);
     assert_eq!(ev.len(), 3, "{ev:?}");
     assert!(matches!(&ev[2], WatchEvent::Reset { .. }));
-    let _delete = w.poll_action();
-    let (_, body) = create_of(w.poll_action());
+    let (_, body) = create_of(&mut w);
     assert_eq!(body["config"]["opt_start_seq"], 3);
 }
 
@@ -409,7 +435,7 @@ fn updates_only_watch_is_done_at_once_and_delivers_new() {
         ..WatchOptions::default()
     };
     let Fixture { mut w, t0 } = watcher(options);
-    let (_, body) = create_of(w.poll_action());
+    let (_, body) = create_of(&mut w);
     assert_eq!(body["config"]["deliver_policy"], "new");
     assert_eq!(
         body["config"]["filter_subjects"],
