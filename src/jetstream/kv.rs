@@ -325,7 +325,9 @@ impl Kv {
             bucket: self.bucket.clone(),
             key: key.to_string(),
             revision: stored.sequence,
-            created_nanos: parse_rfc3339_nanos(&stored.time).unwrap_or(0),
+            created_nanos: crate::rfc3339::parse_nanos(&stored.time)
+                .and_then(|n| u64::try_from(n).ok())
+                .unwrap_or(0),
             delta: 0,
             operation,
             marker,
@@ -441,54 +443,6 @@ impl Kv {
             marker,
         })
     }
-}
-
-/// Nanoseconds since the epoch of an RFC 3339 UTC time as the server writes it
-/// (`2026-01-02T03:04:05.123456789Z`).
-pub fn parse_rfc3339_nanos(t: &str) -> Option<u64> {
-    let b = t.as_bytes();
-    let num = |s: &str| s.parse::<i64>().ok();
-    let date = t.get(0..10)?;
-    let time = t.get(11..19)?;
-    if b.get(4) != Some(&b'-') || b.get(7) != Some(&b'-') || !matches!(b.get(10), Some(b'T' | b't'))
-    {
-        return None;
-    }
-    let (y, m, d) = (
-        num(date.get(0..4)?)?,
-        num(date.get(5..7)?)?,
-        num(date.get(8..10)?)?,
-    );
-    let (hh, mm, ss) = (
-        num(time.get(0..2)?)?,
-        num(time.get(3..5)?)?,
-        num(time.get(6..8)?)?,
-    );
-    let rest = t.get(19..)?;
-    let (frac, zone) = match rest.strip_prefix('.') {
-        Some(r) => {
-            let end = r.find(|c: char| !c.is_ascii_digit()).unwrap_or(r.len());
-            (r.get(..end)?, r.get(end..)?)
-        }
-        None => ("", rest),
-    };
-    if !matches!(zone, "Z" | "z" | "+00:00") || !(1..=12).contains(&m) || !(1..=31).contains(&d) {
-        return None;
-    }
-    let mut nanos: i64 = 0;
-    for (i, c) in frac.bytes().take(9).enumerate() {
-        nanos += i64::from(c - b'0') * 10i64.pow(8 - i as u32);
-    }
-    // Days from civil (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
-    u64::try_from(secs.checked_mul(1_000_000_000)?.checked_add(nanos)?).ok()
 }
 
 /// What a watch reports.

@@ -130,19 +130,6 @@ fn get_replies_decode_puts_deletes_purges_and_expiry_markers() {
     assert_eq!(kv.parse_get("k", None, gone), Err(JsError::BucketNotFound));
 }
 
-#[test]
-fn rfc3339_times_convert_to_unix_nanoseconds() {
-    assert_eq!(parse_rfc3339_nanos("1970-01-01T00:00:00Z"), Some(0));
-    assert_eq!(
-        parse_rfc3339_nanos("2000-03-01T00:00:01.000000001Z"),
-        Some(951_868_801_000_000_001)
-    );
-    assert_eq!(parse_rfc3339_nanos("garbage"), None);
-    assert_eq!(parse_rfc3339_nanos("2000-13-01T00:00:00Z"), None);
-    assert_eq!(parse_rfc3339_nanos("2000-01-01T00:00:00+02:00"), None);
-    assert_eq!(parse_rfc3339_nanos("2000-01-01T00:00:00.é"), None);
-}
-
 struct Fixture {
     w: KvWatcher,
     t0: Instant,
