@@ -1,0 +1,496 @@
+//! The NATS auth callout service (ADR-26): nats-server sends each connecting client's
+//! credentials, as an authorization request JWT signed by the server, to
+//! `$SYS.REQ.USER.AUTH`; the broker checks them against the same participant store as
+//! `hello` and answers with an authorization response JWT signed by its issuing account,
+//! carrying either a scoped user JWT ([`super::scoped_jwt`]) or an error.
+//!
+//! Credentials a NATS client may present (in its CONNECT):
+//!
+//! - `user` = `ns/name` (or `ns.name`) and `pass` = the participant's token;
+//! - `auth_token` = the participant's token (found by its SHA-256);
+//! - `nkey` = the participant's NKey and `sig` = its signature of the server's nonce;
+//! - `jwt` = a scoped user JWT this broker issued (from `hello`), with `sig` over the nonce
+//!   by the JWT's user key, or alone when the JWT is a bearer token.
+//!
+//! The user JWT is always rebuilt from the current configuration, never copied from a
+//! presented JWT. Failures are throttled like `hello` (per client host and participant),
+//! and the error sent back never says which part was wrong.
+//!
+//! Sans-IO: [`Callout::handle`] takes the request message and returns the reply payload;
+//! the runtime subscribes to [`AUTH_CALLOUT_SUBJECT`] and publishes the payload to the
+//! request's reply subject. Encrypted requests (an `xkey` in the server's callout
+//! configuration) are not supported and are refused.
+
+use std::net::IpAddr;
+use std::time::Instant;
+
+use base64::Engine;
+use base64::engine::general_purpose::{STANDARD, URL_SAFE, URL_SAFE_NO_PAD};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::config::{Config, Participant};
+use super::scoped_jwt::{self, UserGrant, VerifyError};
+use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
+use crate::jwt::{self, Claims, JwtError};
+use crate::nkeys::{KeyKind, KeyPair, PublicKey};
+use crate::proto::headers::HeaderMap;
+
+pub const AUTH_CALLOUT_SUBJECT: &str = "$SYS.REQ.USER.AUTH";
+/// The `aud` of every authorization request.
+pub const AUTH_REQUEST_AUDIENCE: &str = "nats-authorization-request";
+/// Present when the server encrypted the request.
+pub const SERVER_XKEY_HEADER: &str = "Nats-Server-Xkey";
+
+/// The error text sent back for every refused credential.
+const REFUSED: &str = "authentication failed";
+
+#[derive(Debug, Clone)]
+pub struct CalloutConfig {
+    /// The account whose public key is the `issuer` in the server's `auth_callout` block.
+    pub issuer: KeyPair,
+    /// The account the user is placed in (the user JWT's `aud`); `$G` without accounts.
+    pub account: String,
+    /// Lifetime of issued user JWTs; the server disconnects the client when it ends.
+    pub jwt_ttl_s: u64,
+    /// When not empty, only requests signed by these server keys (`N...`) are answered.
+    pub trusted_servers: Vec<String>,
+    pub throttle: ThrottleConfig,
+}
+
+impl CalloutConfig {
+    pub fn new(issuer: KeyPair) -> CalloutConfig {
+        CalloutConfig {
+            issuer,
+            account: "$G".to_string(),
+            jwt_ttl_s: 3600,
+            trusted_servers: Vec::new(),
+            throttle: ThrottleConfig::default(),
+        }
+    }
+}
+
+/// What the broker made of one request (for its log and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Authorized as this participant (`ns/name`).
+    Authorized { participant: String },
+    /// The client's credential was refused.
+    Refused {
+        participant: Option<String>,
+        reason: String,
+    },
+    /// The request itself was unusable (not a server-signed authorization request); the
+    /// reply is empty, which the server takes as a refusal.
+    BadRequest { reason: String },
+}
+
+/// The reply to publish, and what happened.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub payload: Vec<u8>,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Request {
+    #[serde(default)]
+    server_id: ServerId,
+    #[serde(default)]
+    user_nkey: String,
+    #[serde(default)]
+    client_info: ClientInfo,
+    #[serde(default)]
+    connect_opts: ConnectOpts,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ServerId {
+    #[serde(default)]
+    id: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ClientInfo {
+    #[serde(default)]
+    host: String,
+    #[serde(default)]
+    nonce: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ConnectOpts {
+    #[serde(default)]
+    jwt: String,
+    #[serde(default)]
+    nkey: String,
+    #[serde(default)]
+    sig: String,
+    #[serde(default)]
+    auth_token: String,
+    #[serde(default)]
+    user: String,
+    #[serde(default)]
+    pass: String,
+}
+
+#[derive(Debug)]
+pub struct Callout {
+    config: CalloutConfig,
+    throttle: HelloThrottle,
+}
+
+impl Callout {
+    pub fn new(config: CalloutConfig) -> Callout {
+        Callout {
+            throttle: HelloThrottle::new(config.throttle.clone()),
+            config,
+        }
+    }
+
+    /// The issuing account's public key, for the server's `auth_callout { issuer }`.
+    pub fn issuer_public_key(&self) -> String {
+        self.config.issuer.public_key()
+    }
+
+    /// Answers one authorization request message. `now` drives throttling, `unix_s` is
+    /// the wall clock for JWT times.
+    pub fn handle(
+        &mut self,
+        participants: &Config,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+        now: Instant,
+        unix_s: u64,
+    ) -> Reply {
+        let bad = |reason: String| Reply {
+            payload: Vec::new(),
+            outcome: Outcome::BadRequest { reason },
+        };
+        if headers.is_some_and(|h| h.get(SERVER_XKEY_HEADER).is_some()) {
+            return bad("encrypted authorization requests are not supported".into());
+        }
+        let request = match self.decode_request(payload, unix_s) {
+            Ok(r) => r,
+            Err(reason) => return bad(reason),
+        };
+        let host: Option<IpAddr> = request.client_info.host.parse().ok();
+        let verdict = self.check(participants, &request, unix_s);
+        let claimed = verdict.participant();
+        let throttle_key = claimed.clone().unwrap_or_else(|| claimed_name(&request));
+        if let Some(ip) = host
+            && let Verdict::Delay(_) = self.throttle.check(ip, &throttle_key, now)
+        {
+            return self.refuse(&request, unix_s, claimed, "throttled".into());
+        }
+        match verdict {
+            Checked::Accepted { ns, name } => {
+                let participant = format!("{ns}/{name}");
+                if let Some(ip) = host {
+                    self.throttle.record_success(ip, &participant, now);
+                }
+                let Some(p) = lookup(participants, &ns, &name) else {
+                    return self.refuse(&request, unix_s, None, "vanished".into());
+                };
+                let grant = UserGrant {
+                    ns: &ns,
+                    name: &name,
+                    permissions: &p.permissions,
+                    user_key: &request.user_nkey,
+                    issued_at: unix_s,
+                    ttl_s: self.config.jwt_ttl_s,
+                    bearer: false,
+                    audience: Some(&self.config.account),
+                };
+                match scoped_jwt::issue(&self.config.issuer, &grant) {
+                    Ok(user_jwt) => Reply {
+                        payload: self.response(&request, unix_s, Ok(&user_jwt)),
+                        outcome: Outcome::Authorized { participant },
+                    },
+                    Err(e) => self.refuse(&request, unix_s, Some(participant), e.to_string()),
+                }
+            }
+            Checked::Refused {
+                participant,
+                reason,
+            } => {
+                if let Some(ip) = host {
+                    self.throttle.record_failure(ip, &throttle_key, now);
+                }
+                self.refuse(&request, unix_s, participant, reason)
+            }
+        }
+    }
+
+    fn refuse(
+        &self,
+        request: &Request,
+        unix_s: u64,
+        participant: Option<String>,
+        reason: String,
+    ) -> Reply {
+        Reply {
+            payload: self.response(request, unix_s, Err(REFUSED)),
+            outcome: Outcome::Refused {
+                participant,
+                reason,
+            },
+        }
+    }
+
+    fn decode_request(&self, payload: &[u8], unix_s: u64) -> Result<Request, String> {
+        let text = std::str::from_utf8(payload).map_err(|_| "request is not UTF-8".to_string())?;
+        let decoded = jwt::decode(text).map_err(|e| e.to_string())?;
+        if decoded.issuer.kind() != KeyKind::Server {
+            return Err("request not signed by a server key".into());
+        }
+        let server_key = decoded.issuer.encode();
+        if !self.config.trusted_servers.is_empty()
+            && !self.config.trusted_servers.contains(&server_key)
+        {
+            return Err(format!("request signed by untrusted server {server_key}"));
+        }
+        if decoded.claim_type() != Some("authorization_request") {
+            return Err("not an authorization request".into());
+        }
+        if decoded.claims.get("aud").and_then(Value::as_str) != Some(AUTH_REQUEST_AUDIENCE) {
+            return Err("authorization request with the wrong audience".into());
+        }
+        let now = i64::try_from(unix_s).unwrap_or(i64::MAX);
+        scoped_jwt::check_times(&decoded.claims, now).map_err(|e| e.to_string())?;
+        let nats = decoded.claims.get("nats").cloned().unwrap_or(Value::Null);
+        let request: Request =
+            serde_json::from_value(nats).map_err(|e| format!("authorization request: {e}"))?;
+        if !crate::nkeys::is_valid_public_key(&request.user_nkey, KeyKind::User) {
+            return Err("authorization request without a valid user_nkey".into());
+        }
+        if request.server_id.id.is_empty() {
+            return Err("authorization request without server_id.id".into());
+        }
+        Ok(request)
+    }
+
+    /// Which participant the credential proves, if any.
+    fn check(&self, participants: &Config, r: &Request, unix_s: u64) -> Checked {
+        let o = &r.connect_opts;
+        let refused = |participant: Option<String>, reason: &str| Checked::Refused {
+            participant,
+            reason: reason.to_string(),
+        };
+        if !o.jwt.is_empty() {
+            let issuer = self.config.issuer.public_key();
+            let user = match scoped_jwt::verify_user(&o.jwt, &issuer, unix_s) {
+                Ok(u) => u,
+                Err(e) => return refused(None, &jwt_reason(&e)),
+            };
+            let Some((ns, name)) = user.name.as_deref().and_then(split_participant) else {
+                return refused(None, "jwt names no participant");
+            };
+            let who = Some(format!("{ns}/{name}"));
+            let Some(p) = lookup(participants, ns, name) else {
+                return refused(who, "unknown participant");
+            };
+            if !user.bearer {
+                if !signed_nonce(&user.user_key, &r.client_info.nonce, &o.sig) {
+                    return refused(who, "jwt without a valid nonce signature");
+                }
+                if let Some(nkey) = &p.nkey
+                    && *nkey != user.user_key.encode()
+                {
+                    return refused(who, "jwt user key is not the participant's");
+                }
+            }
+            return Checked::accepted(ns, name);
+        }
+        if !o.nkey.is_empty() {
+            let Some((ns, name)) = find_by_nkey(participants, &o.nkey) else {
+                return refused(None, "unknown nkey");
+            };
+            let who = Some(format!("{ns}/{name}"));
+            let Ok(key) = PublicKey::decode_kind(&o.nkey, KeyKind::User) else {
+                return refused(who, "malformed nkey");
+            };
+            if !signed_nonce(&key, &r.client_info.nonce, &o.sig) {
+                return refused(who, "bad nonce signature");
+            }
+            return Checked::accepted(&ns, &name);
+        }
+        if !o.user.is_empty() {
+            let Some((ns, name)) = split_participant(&o.user) else {
+                return refused(None, "user is not ns/name");
+            };
+            let who = Some(format!("{ns}/{name}"));
+            let Some(p) = lookup(participants, ns, name) else {
+                // Spend the same work as a real check, so timing does not reveal names.
+                let _ = token_matches(None, &o.pass);
+                return refused(who, "unknown participant");
+            };
+            if !token_matches(p.token_sha256.as_deref(), &o.pass) {
+                return refused(who, "wrong token");
+            }
+            return Checked::accepted(ns, name);
+        }
+        if !o.auth_token.is_empty() {
+            return match find_by_token(participants, &o.auth_token) {
+                Some((ns, name)) => Checked::accepted(&ns, &name),
+                None => refused(None, "unknown token"),
+            };
+        }
+        refused(None, "no credential")
+    }
+
+    /// The authorization response JWT: `sub` = the server's user key for this client,
+    /// `aud` = the server's id, and the user JWT or an error.
+    fn response(&self, r: &Request, unix_s: u64, result: Result<&str, &str>) -> Vec<u8> {
+        let mut nats = json!({"type": "authorization_response", "version": 2});
+        if let Some(map) = nats.as_object_mut() {
+            match result {
+                Ok(user_jwt) => map.insert("jwt".into(), Value::String(user_jwt.into())),
+                Err(error) => map.insert("error".into(), Value::String(error.into())),
+            };
+        }
+        let mut claims = Claims::new();
+        claims.insert("sub".into(), Value::String(r.user_nkey.clone()));
+        claims.insert("aud".into(), Value::String(r.server_id.id.clone()));
+        claims.insert("iat".into(), json!(unix_s));
+        claims.insert("nats".into(), nats);
+        // Encoding a map of strings and numbers cannot fail; an empty reply is still a
+        // refusal to the server.
+        jwt::encode(&claims, &self.config.issuer)
+            .map(String::into_bytes)
+            .unwrap_or_default()
+    }
+
+    /// Drops throttling state that no longer matters; call now and then.
+    pub fn prune(&mut self, now: Instant) {
+        self.throttle.prune(now);
+    }
+}
+
+enum Checked {
+    Accepted {
+        ns: String,
+        name: String,
+    },
+    Refused {
+        participant: Option<String>,
+        reason: String,
+    },
+}
+
+impl Checked {
+    fn accepted(ns: &str, name: &str) -> Checked {
+        Checked::Accepted {
+            ns: ns.to_string(),
+            name: name.to_string(),
+        }
+    }
+
+    fn participant(&self) -> Option<String> {
+        match self {
+            Checked::Accepted { ns, name } => Some(format!("{ns}/{name}")),
+            Checked::Refused { participant, .. } => participant.clone(),
+        }
+    }
+}
+
+fn jwt_reason(e: &VerifyError) -> String {
+    match e {
+        VerifyError::Invalid(JwtError::Signature) => "jwt signature does not verify".into(),
+        other => other.to_string(),
+    }
+}
+
+/// The participant a request names, for throttling when the check named none.
+fn claimed_name(r: &Request) -> String {
+    let o = &r.connect_opts;
+    if !o.user.is_empty() {
+        return o.user.replacen('.', "/", 1);
+    }
+    if !o.nkey.is_empty() {
+        return o.nkey.clone();
+    }
+    String::new()
+}
+
+/// `ns/name` or `ns.name`.
+pub fn split_participant(s: &str) -> Option<(&str, &str)> {
+    let at = s.find(['/', '.'])?;
+    let (ns, name) = (s.get(..at)?, s.get(at + 1..)?);
+    (super::config::is_name(ns) && super::config::is_name(name)).then_some((ns, name))
+}
+
+fn lookup<'c>(c: &'c Config, ns: &str, name: &str) -> Option<&'c Participant> {
+    c.namespaces.get(ns)?.participants.get(name)
+}
+
+fn find_by_nkey(c: &Config, nkey: &str) -> Option<(String, String)> {
+    c.namespaces.iter().find_map(|(ns, n)| {
+        n.participants
+            .iter()
+            .find(|(_, p)| p.nkey.as_deref() == Some(nkey))
+            .map(|(name, _)| (ns.clone(), name.clone()))
+    })
+}
+
+fn find_by_token(c: &Config, token: &str) -> Option<(String, String)> {
+    let presented = sha256_hex(token);
+    let mut found = None;
+    // Every stored hash is compared, so the time taken does not depend on where (or
+    // whether) the token matches.
+    for (ns, n) in &c.namespaces {
+        for (name, p) in &n.participants {
+            if let Some(stored) = &p.token_sha256
+                && constant_time_eq(presented.as_bytes(), stored.to_ascii_lowercase().as_bytes())
+            {
+                found = Some((ns.clone(), name.clone()));
+            }
+        }
+    }
+    found
+}
+
+fn token_matches(stored: Option<&str>, token: &str) -> bool {
+    let presented = sha256_hex(token);
+    match stored {
+        Some(stored) => {
+            constant_time_eq(presented.as_bytes(), stored.to_ascii_lowercase().as_bytes())
+        }
+        None => false,
+    }
+}
+
+fn sha256_hex(s: &str) -> String {
+    Sha256::digest(s.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// Whether `sig` (base64url with or without padding, or standard base64, as NATS clients
+/// send it) is `key`'s signature of the nonce text.
+fn signed_nonce(key: &PublicKey, nonce: &str, sig: &str) -> bool {
+    if nonce.is_empty() || sig.is_empty() {
+        return false;
+    }
+    let raw = URL_SAFE_NO_PAD
+        .decode(sig)
+        .or_else(|_| URL_SAFE.decode(sig))
+        .or_else(|_| STANDARD.decode(sig));
+    match raw {
+        Ok(raw) => key.verify(nonce.as_bytes(), &raw).is_ok(),
+        Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,374 @@
+use super::*;
+use crate::broker::keygen::token_sha256;
+use std::time::Duration;
+
+const NOW: u64 = 1_800_000_000;
+const NONCE: &str = "cHTn8hGk3u_KAxM9oU3_Lw";
+
+struct World {
+    server: KeyPair,
+    account: KeyPair,
+    nkey_user: KeyPair,
+    config: Config,
+    callout: Callout,
+    start: Instant,
+}
+
+fn world() -> World {
+    let server = KeyPair::generate(KeyKind::Server).expect("key");
+    let account = KeyPair::generate(KeyKind::Account).expect("key");
+    let nkey_user = KeyPair::generate(KeyKind::User).expect("key");
+    let json = format!(
+        r#"{{"namespaces":{{"acme":{{"participants":{{
+            "w1":{{"token_sha256":"{}","permissions":{{"publish":["orders.>"],"subscribe":["orders.eu.*"],"send":["w2"]}}}},
+            "w2":{{"nkey":"{}","permissions":{{"submit":["render"]}}}}
+        }}}}}}}}"#,
+        token_sha256("s3cret"),
+        nkey_user.public_key()
+    );
+    let config = Config::parse(json.as_bytes()).expect("config");
+    let mut cfg = CalloutConfig::new(account.clone());
+    cfg.throttle.address_free_failures = 3;
+    World {
+        server,
+        account,
+        nkey_user,
+        config,
+        callout: Callout::new(cfg),
+        start: Instant::now(),
+    }
+}
+
+/// An authorization request as nats-server builds it.
+fn request(server: &KeyPair, user_nkey: &str, connect_opts: Value, nonce: bool) -> Vec<u8> {
+    let mut client_info = json!({"host": "127.0.0.1", "id": 7, "kind": "Client", "type": "nats"});
+    if nonce {
+        client_info["nonce"] = json!(NONCE);
+    }
+    let claims = json!({
+        "sub": "ACALLOUTISSUER",
+        "aud": AUTH_REQUEST_AUDIENCE,
+        "iat": NOW,
+        "exp": NOW + 2,
+        "nats": {
+            "server_id": {"name": "A", "host": "0.0.0.0", "id": "NSERVERID", "version": "2.15.1"},
+            "user_nkey": user_nkey,
+            "client_info": client_info,
+            "connect_opts": connect_opts,
+            "type": "authorization_request",
+            "version": 2,
+        },
+    });
+    let Value::Object(claims) = claims else {
+        unreachable!("a JSON object literal")
+    };
+    jwt::encode(&claims, server).expect("encode").into_bytes()
+}
+
+fn sign_nonce(key: &KeyPair, nonce: &str) -> String {
+    URL_SAFE_NO_PAD.encode(key.sign(nonce.as_bytes()))
+}
+
+impl World {
+    fn ask(&mut self, connect_opts: Value) -> (Reply, String) {
+        self.ask_at(connect_opts, Duration::ZERO)
+    }
+
+    fn ask_at(&mut self, connect_opts: Value, after: Duration) -> (Reply, String) {
+        let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
+        let payload = request(&self.server, &user, connect_opts, true);
+        let reply = self
+            .callout
+            .handle(&self.config, None, &payload, self.start + after, NOW);
+        (reply, user)
+    }
+}
+
+/// Decodes a response and returns (its `nats` claims, the verified user JWT's claims).
+fn response(w: &World, reply: &Reply, user: &str) -> (Value, Option<Claims>) {
+    let text = std::str::from_utf8(&reply.payload).expect("utf-8");
+    let decoded = jwt::decode(text).expect("signed response");
+    assert_eq!(decoded.issuer.encode(), w.account.public_key());
+    assert_eq!(
+        decoded.subject(),
+        Some(user),
+        "sub is the server's user key"
+    );
+    assert_eq!(decoded.claims["aud"], json!("NSERVERID"));
+    let nats = decoded.claims["nats"].clone();
+    assert_eq!(nats["type"], json!("authorization_response"));
+    let user_claims = nats["jwt"].as_str().map(|j| {
+        let v = scoped_jwt::verify_user(j, &w.account.public_key(), NOW).expect("user jwt");
+        assert_eq!(v.user_key.encode(), user);
+        v.claims
+    });
+    (nats, user_claims)
+}
+
+fn authorized(reply: &Reply) -> Option<&str> {
+    match &reply.outcome {
+        Outcome::Authorized { participant } => Some(participant),
+        _ => None,
+    }
+}
+
+fn assert_refused(w: &World, reply: &Reply, user: &str, why: &str) {
+    assert!(
+        matches!(reply.outcome, Outcome::Refused { .. }),
+        "{why}: {:?}",
+        reply.outcome
+    );
+    let (nats, jwt) = response(w, reply, user);
+    assert_eq!(nats["error"], json!("authentication failed"), "{why}");
+    assert!(jwt.is_none(), "{why}");
+}
+
+#[test]
+fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
+    let mut w = world();
+    for user in ["acme/w1", "acme.w1"] {
+        let (reply, key) = w.ask(json!({"user": user, "pass": "s3cret", "protocol": 1}));
+        assert_eq!(authorized(&reply), Some("acme/w1"));
+        let (_, claims) = response(&w, &reply, &key);
+        let claims = claims.expect("a user jwt");
+        assert_eq!(claims["aud"], json!("$G"));
+        assert_eq!(claims["name"], json!("acme/w1"));
+        assert_eq!(
+            claims["nats"]["pub"]["allow"],
+            json!([
+                "amp.acme.inbox.w2",
+                "amp.acme.topic.orders.>",
+                "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>"
+            ])
+        );
+        assert_eq!(
+            claims["nats"]["sub"]["allow"],
+            json!(["amp.acme.topic.orders.eu.*", "_INBOX.>"])
+        );
+        assert_eq!(claims["exp"], json!(NOW + 3600));
+    }
+}
+
+#[test]
+fn wrong_token_unknown_participant_and_no_credential_are_refused_alike() {
+    let mut w = world();
+    let cases = [
+        (json!({"user": "acme/w1", "pass": "s3cret!"}), "wrong token"),
+        (
+            json!({"user": "acme/nobody", "pass": "s3cret"}),
+            "unknown participant",
+        ),
+        (
+            json!({"user": "other/w1", "pass": "s3cret"}),
+            "unknown namespace",
+        ),
+        (
+            json!({"user": "acme/w2", "pass": "s3cret"}),
+            "token for an nkey participant",
+        ),
+        (json!({"user": "w1", "pass": "s3cret"}), "not ns/name"),
+        (json!({"auth_token": "guess"}), "unknown token"),
+        (json!({}), "no credential"),
+    ];
+    for (opts, why) in cases {
+        // A fresh broker each time, so throttling does not mask the check.
+        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        let (reply, key) = w.ask(opts);
+        assert_refused(&w, &reply, &key, why);
+    }
+}
+
+#[test]
+fn auth_token_alone_finds_its_participant() {
+    let mut w = world();
+    let (reply, _) = w.ask(json!({"auth_token": "s3cret"}));
+    assert_eq!(authorized(&reply), Some("acme/w1"));
+}
+
+#[test]
+fn nkey_must_sign_this_connections_nonce() {
+    let mut w = world();
+    let nkey = w.nkey_user.public_key();
+    let good = sign_nonce(&w.nkey_user, NONCE);
+    let (reply, key) = w.ask(json!({"nkey": nkey, "sig": good}));
+    assert_eq!(authorized(&reply), Some("acme/w2"));
+    let (_, claims) = response(&w, &reply, &key);
+    assert_eq!(
+        claims.expect("jwt")["nats"]["pub"]["allow"][0],
+        json!("amp.acme.job.render")
+    );
+    // Standard base64 with padding, as some clients send it.
+    let std_sig = STANDARD.encode(w.nkey_user.sign(NONCE.as_bytes()));
+    let (reply, _) = w.ask(json!({"nkey": nkey, "sig": std_sig}));
+    assert_eq!(authorized(&reply), Some("acme/w2"));
+
+    let replayed = sign_nonce(&w.nkey_user, "an-older-nonce");
+    let stranger = KeyPair::generate(KeyKind::User).expect("key");
+    let cases = [
+        (
+            json!({"nkey": nkey, "sig": replayed}),
+            "signature over another nonce",
+        ),
+        (
+            json!({"nkey": nkey, "sig": sign_nonce(&stranger, NONCE)}),
+            "signature by another key",
+        ),
+        (
+            json!({"nkey": nkey, "sig": "bm90IGEgc2lnbmF0dXJl"}),
+            "garbage signature",
+        ),
+        (json!({"nkey": nkey}), "no signature"),
+        (
+            json!({"nkey": stranger.public_key(), "sig": sign_nonce(&stranger, NONCE)}),
+            "unknown nkey",
+        ),
+    ];
+    for (opts, why) in cases {
+        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        let (reply, key) = w.ask(opts);
+        assert_refused(&w, &reply, &key, why);
+    }
+}
+
+#[test]
+fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
+    let mut w = world();
+    let acme = w.config.namespaces["acme"].clone();
+    let nkey_jwt = scoped_jwt::hello_jwt(
+        &w.account,
+        "acme",
+        "w2",
+        &acme.participants["w2"],
+        NOW - 10,
+        600,
+    )
+    .expect("jwt");
+    let bearer_jwt = scoped_jwt::hello_jwt(
+        &w.account,
+        "acme",
+        "w1",
+        &acme.participants["w1"],
+        NOW - 10,
+        600,
+    )
+    .expect("jwt");
+    let sig = sign_nonce(&w.nkey_user, NONCE);
+    let (reply, _) = w.ask(json!({"jwt": nkey_jwt, "sig": sig}));
+    assert_eq!(authorized(&reply), Some("acme/w2"));
+    let (reply, _) = w.ask(json!({"jwt": bearer_jwt}));
+    assert_eq!(authorized(&reply), Some("acme/w1"));
+
+    let expired = scoped_jwt::hello_jwt(
+        &w.account,
+        "acme",
+        "w2",
+        &acme.participants["w2"],
+        NOW - 700,
+        600,
+    )
+    .expect("jwt");
+    let foreign_account = KeyPair::generate(KeyKind::Account).expect("key");
+    let foreign = scoped_jwt::hello_jwt(
+        &foreign_account,
+        "acme",
+        "w1",
+        &acme.participants["w1"],
+        NOW,
+        600,
+    )
+    .expect("jwt");
+    let mut parts: Vec<String> = bearer_jwt.split('.').map(str::to_string).collect();
+    let mut claims: Value =
+        serde_json::from_slice(&URL_SAFE_NO_PAD.decode(&parts[1]).expect("b64")).expect("json");
+    claims["name"] = json!("acme/w2");
+    parts[1] = URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims).expect("json"));
+    let tampered = parts.join(".");
+    let cases = [
+        (
+            json!({"jwt": nkey_jwt}),
+            "non-bearer jwt without a signature",
+        ),
+        (
+            json!({"jwt": nkey_jwt, "sig": sign_nonce(&w.nkey_user, "old")}),
+            "jwt with an old nonce's signature",
+        ),
+        (json!({"jwt": expired, "sig": sig}), "expired jwt"),
+        (json!({"jwt": foreign}), "jwt from another issuer"),
+        (json!({"jwt": tampered}), "tampered jwt"),
+        (json!({"jwt": "eyJ.not.ajwt"}), "malformed jwt"),
+    ];
+    for (opts, why) in cases {
+        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        let (reply, key) = w.ask(opts);
+        assert_refused(&w, &reply, &key, why);
+    }
+}
+
+#[test]
+fn requests_not_from_a_server_or_stale_or_encrypted_get_an_empty_reply() {
+    let w = world();
+    let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
+    let opts = json!({"user": "acme/w1", "pass": "s3cret"});
+    let mut callout = Callout::new(CalloutConfig::new(w.account.clone()));
+    let mut ask = |payload: Vec<u8>, headers: Option<&HeaderMap>, unix: u64| {
+        callout.handle(&w.config, headers, &payload, w.start, unix)
+    };
+    let good = request(&w.server, &user, opts.clone(), false);
+    assert!(matches!(
+        ask(good.clone(), None, NOW).outcome,
+        Outcome::Authorized { .. }
+    ));
+
+    let by_account = request(&w.account, &user, opts.clone(), false);
+    let stale = ask(good.clone(), None, NOW + 2);
+    let mut xkey = HeaderMap::new();
+    xkey.insert(SERVER_XKEY_HEADER, "XABC").expect("header");
+    let bad_user = request(&w.server, "not-a-key", opts.clone(), false);
+    let cases = [
+        (ask(by_account, None, NOW), "signed by an account"),
+        (stale, "expired request"),
+        (ask(good.clone(), Some(&xkey), NOW), "encrypted"),
+        (ask(b"garbage".to_vec(), None, NOW), "garbage"),
+        (ask(vec![0xff, 0xfe], None, NOW), "not utf-8"),
+        (ask(bad_user, None, NOW), "bad user_nkey"),
+    ];
+    for (reply, why) in cases {
+        assert!(
+            matches!(reply.outcome, Outcome::BadRequest { .. }),
+            "{why}: {:?}",
+            reply.outcome
+        );
+        assert!(reply.payload.is_empty(), "{why}");
+    }
+
+    let mut pinned = CalloutConfig::new(w.account.clone());
+    pinned.trusted_servers = vec![
+        KeyPair::generate(KeyKind::Server)
+            .expect("key")
+            .public_key(),
+    ];
+    let reply = Callout::new(pinned).handle(&w.config, None, &good, w.start, NOW);
+    assert!(
+        matches!(reply.outcome, Outcome::BadRequest { .. }),
+        "untrusted server"
+    );
+}
+
+#[test]
+fn repeated_failures_from_a_host_are_throttled_even_with_the_right_token() {
+    let mut w = world();
+    for _ in 0..4 {
+        let (reply, key) = w.ask(json!({"user": "acme/w1", "pass": "guess"}));
+        assert_refused(&w, &reply, &key, "wrong token");
+    }
+    let (reply, key) = w.ask(json!({"user": "acme/w1", "pass": "s3cret"}));
+    assert_refused(&w, &reply, &key, "throttled");
+    assert!(matches!(&reply.outcome, Outcome::Refused { reason, .. } if reason == "throttled"));
+    // After the delay the right token gets in again.
+    let (reply, _) = w.ask_at(
+        json!({"user": "acme/w1", "pass": "s3cret"}),
+        Duration::from_secs(2),
+    );
+    assert_eq!(authorized(&reply), Some("acme/w1"));
+}

@@ -1,0 +1,433 @@
+//! The scoped user JWT: a NATS JWT v2 user claim, signed by the broker's issuing account,
+//! whose publish and subscribe allow lists are the participant's address permissions
+//! translated to the subjects of the JetStream binding (spec section 4). `hello` returns
+//! one, and the auth callout issues one to a NATS client that authenticated as a
+//! participant, so a participant talking to NATS directly is held to the same lanes.
+//!
+//! | permission / need | allow |
+//! |---|---|
+//! | `send: [n]` | pub `amp.<ns>.inbox.<n>` (`*`/`>` → `amp.<ns>.inbox.*`) |
+//! | `publish: [t]` | pub `amp.<ns>.topic.<t>` |
+//! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` |
+//! | `submit: [j]` | pub `amp.<ns>.job.<j>` |
+//! | `serve: [j]` | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_<ns>.job_<j>` and `$JS.ACK.AMP_TASKS_<ns>.job_<j>.>` (`*`/`>` → any consumer of the stream) |
+//! | own inbox | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_<ns>.inbox_<name>` and `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
+//! | replies | sub `_INBOX.>` |
+//!
+//! An empty publish allow list would mean "everything" to NATS, so a participant that may
+//! publish nowhere gets `deny: [">"]` instead.
+
+use serde_json::{Map, Value, json};
+
+use super::binding;
+use super::config::Permissions;
+use crate::jwt::{self, Claims, JwtError};
+use crate::nkeys::{KeyKind, KeyPair, PublicKey};
+
+/// The subjects a participant may publish to and subscribe to.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AllowLists {
+    pub publish: Vec<String>,
+    pub subscribe: Vec<String>,
+}
+
+fn push_unique(list: &mut Vec<String>, subject: String) {
+    if !list.contains(&subject) {
+        list.push(subject);
+    }
+}
+
+/// A name pattern (`send`, `submit`, `serve`) as one subject token.
+fn name_token(pattern: &str) -> &str {
+    if pattern == ">" { "*" } else { pattern }
+}
+
+pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
+    let mut pub_allow = Vec::new();
+    let mut sub_allow = Vec::new();
+    for n in &p.send {
+        push_unique(&mut pub_allow, binding::inbox_subject(ns, name_token(n)));
+    }
+    for t in &p.publish {
+        push_unique(&mut pub_allow, binding::topic_subject(ns, t));
+    }
+    for t in &p.subscribe {
+        push_unique(&mut sub_allow, binding::topic_subject(ns, t));
+    }
+    for j in &p.submit {
+        push_unique(&mut pub_allow, binding::job_subject(ns, name_token(j)));
+    }
+    let tasks = binding::tasks_stream(ns);
+    for j in &p.serve {
+        let consumer = match name_token(j) {
+            "*" => "*".to_string(),
+            job => binding::job_consumer(job),
+        };
+        push_unique(
+            &mut pub_allow,
+            format!("$JS.API.CONSUMER.MSG.NEXT.{tasks}.{consumer}"),
+        );
+        push_unique(&mut pub_allow, format!("$JS.ACK.{tasks}.{consumer}.>"));
+    }
+    let inbox = binding::inbox_stream(ns);
+    let own = binding::inbox_consumer(name);
+    push_unique(
+        &mut pub_allow,
+        format!("$JS.API.CONSUMER.MSG.NEXT.{inbox}.{own}"),
+    );
+    push_unique(&mut pub_allow, format!("$JS.ACK.{inbox}.{own}.>"));
+    push_unique(&mut sub_allow, "_INBOX.>".to_string());
+    AllowLists {
+        publish: pub_allow,
+        subscribe: sub_allow,
+    }
+}
+
+/// What goes into one scoped user JWT.
+#[derive(Debug, Clone)]
+pub struct UserGrant<'a> {
+    pub ns: &'a str,
+    pub name: &'a str,
+    pub permissions: &'a Permissions,
+    /// `sub`: the user's public NKey (`U...`): the participant's own, the server's
+    /// generated one (auth callout), or a fresh one with `bearer` set.
+    pub user_key: &'a str,
+    pub issued_at: u64,
+    pub ttl_s: u64,
+    /// The server accepts the JWT without a nonce signature (for token participants, who
+    /// hold no seed for `user_key`).
+    pub bearer: bool,
+    /// `aud`: in server-configuration mode the auth callout names the account to place the
+    /// user in (`$G` for the global account).
+    pub audience: Option<&'a str>,
+}
+
+fn object(value: Value) -> Claims {
+    match value {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    }
+}
+
+/// The user claims of a grant, unsigned.
+pub fn user_claims(g: &UserGrant<'_>) -> Claims {
+    let lists = allow_lists(g.ns, g.name, g.permissions);
+    let publish = if lists.publish.is_empty() {
+        json!({"deny": [">"]})
+    } else {
+        json!({"allow": lists.publish})
+    };
+    let mut nats = json!({
+        "pub": publish,
+        "sub": {"allow": lists.subscribe},
+        "subs": -1,
+        "data": -1,
+        "payload": -1,
+        "type": "user",
+        "version": 2,
+    });
+    if g.bearer
+        && let Some(map) = nats.as_object_mut()
+    {
+        map.insert("bearer_token".into(), Value::Bool(true));
+    }
+    let mut claims = object(json!({
+        "sub": g.user_key,
+        "name": format!("{}/{}", g.ns, g.name),
+        "iat": g.issued_at,
+        "exp": g.issued_at.saturating_add(g.ttl_s),
+        "nats": nats,
+    }));
+    if let Some(aud) = g.audience {
+        claims.insert("aud".into(), Value::String(aud.to_string()));
+    }
+    claims
+}
+
+/// Signs the grant's claims with the issuing account key.
+pub fn issue(issuer: &KeyPair, g: &UserGrant<'_>) -> Result<String, JwtError> {
+    jwt::encode(&user_claims(g), issuer)
+}
+
+/// The JWT `hello` returns to `ns/name`: for an NKey participant its `sub` is the
+/// participant's own key (so the participant connects to NATS with this JWT and its seed);
+/// for a token participant a fresh user key, and the JWT is a bearer token.
+pub fn hello_jwt(
+    issuer: &KeyPair,
+    ns: &str,
+    name: &str,
+    participant: &super::config::Participant,
+    unix_s: u64,
+    ttl_s: u64,
+) -> Result<String, JwtError> {
+    let (user_key, bearer) = match &participant.nkey {
+        Some(nkey) => (nkey.clone(), false),
+        None => (
+            KeyPair::generate(KeyKind::User)
+                .map_err(JwtError::Issuer)?
+                .public_key(),
+            true,
+        ),
+    };
+    issue(
+        issuer,
+        &UserGrant {
+            ns,
+            name,
+            permissions: &participant.permissions,
+            user_key: &user_key,
+            issued_at: unix_s,
+            ttl_s,
+            bearer,
+            audience: None,
+        },
+    )
+}
+
+/// Why a presented JWT was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VerifyError {
+    /// Malformed, bad header, or the signature does not verify.
+    Invalid(JwtError),
+    /// Signed by someone other than the expected issuer.
+    WrongIssuer,
+    /// `exp` is not in the future.
+    Expired,
+    /// `nbf` is in the future.
+    NotYetValid,
+    /// Not a user claim, or `sub` is not a user key.
+    NotAUser,
+}
+
+impl std::fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VerifyError::Invalid(e) => write!(f, "{e}"),
+            VerifyError::WrongIssuer => f.write_str("jwt: not issued by this broker's account"),
+            VerifyError::Expired => f.write_str("jwt: expired"),
+            VerifyError::NotYetValid => f.write_str("jwt: not yet valid"),
+            VerifyError::NotAUser => f.write_str("jwt: not a user JWT"),
+        }
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+/// A user JWT that verified.
+#[derive(Debug, Clone)]
+pub struct VerifiedUser {
+    pub user_key: PublicKey,
+    pub name: Option<String>,
+    pub bearer: bool,
+    pub expires: Option<i64>,
+    pub claims: Claims,
+}
+
+/// Verifies a user JWT: signature, issued by `issuer` (an account public key), not
+/// expired and already valid at `now_unix`, a user claim with a user key as `sub`.
+pub fn verify_user(token: &str, issuer: &str, now_unix: u64) -> Result<VerifiedUser, VerifyError> {
+    let decoded = jwt::decode(token).map_err(VerifyError::Invalid)?;
+    let now = i64::try_from(now_unix).unwrap_or(i64::MAX);
+    check_times(&decoded.claims, now)?;
+    if decoded.issuer.encode() != issuer || decoded.issuer.kind() != KeyKind::Account {
+        return Err(VerifyError::WrongIssuer);
+    }
+    if decoded.claim_type() != Some("user") {
+        return Err(VerifyError::NotAUser);
+    }
+    let user_key = decoded
+        .subject()
+        .and_then(|s| PublicKey::decode_kind(s, KeyKind::User).ok())
+        .ok_or(VerifyError::NotAUser)?;
+    let bearer = decoded
+        .claims
+        .get("nats")
+        .and_then(|n| n.get("bearer_token"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(VerifiedUser {
+        user_key,
+        name: decoded
+            .claims
+            .get("name")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        bearer,
+        expires: decoded.expires(),
+        claims: decoded.claims,
+    })
+}
+
+/// `exp` (when set) must be in the future and `nbf` (when set) not.
+pub fn check_times(claims: &Claims, now_unix: i64) -> Result<(), VerifyError> {
+    if let Some(exp) = claims.get("exp") {
+        match exp.as_i64() {
+            Some(exp) if exp > now_unix => {}
+            _ => return Err(VerifyError::Expired),
+        }
+    }
+    if let Some(nbf) = claims.get("nbf") {
+        match nbf.as_i64() {
+            Some(nbf) if nbf <= now_unix => {}
+            _ => return Err(VerifyError::NotYetValid),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+
+    fn perms() -> Permissions {
+        let v = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect();
+        Permissions {
+            send: v(&["w2", "*"]),
+            publish: v(&["orders.eu.*"]),
+            subscribe: v(&["orders.>"]),
+            submit: v(&["render"]),
+            serve: v(&["render"]),
+        }
+    }
+
+    fn grant<'a>(p: &'a Permissions, user: &'a str) -> UserGrant<'a> {
+        UserGrant {
+            ns: "acme",
+            name: "w1",
+            permissions: p,
+            user_key: user,
+            issued_at: 1_700_000_000,
+            ttl_s: 3600,
+            bearer: false,
+            audience: None,
+        }
+    }
+
+    #[test]
+    fn permissions_translate_to_the_binding_subjects() {
+        let lists = allow_lists("acme", "w1", &perms());
+        assert_eq!(
+            lists.publish,
+            [
+                "amp.acme.inbox.w2",
+                "amp.acme.inbox.*",
+                "amp.acme.topic.orders.eu.*",
+                "amp.acme.job.render",
+                "$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_acme.job_render",
+                "$JS.ACK.AMP_TASKS_acme.job_render.>",
+                "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
+            ]
+        );
+        assert_eq!(lists.subscribe, ["amp.acme.topic.orders.>", "_INBOX.>"]);
+        let any_job = Permissions {
+            serve: vec![">".into()],
+            ..Permissions::default()
+        };
+        let lists = allow_lists("acme", "w1", &any_job);
+        assert!(
+            lists
+                .publish
+                .contains(&"$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_acme.*".to_string())
+        );
+    }
+
+    #[test]
+    fn issued_jwt_is_a_signed_nats_v2_user_claim() {
+        let account = KeyPair::generate(KeyKind::Account).expect("key");
+        let user = KeyPair::generate(KeyKind::User).expect("key");
+        let p = perms();
+        let uk = user.public_key();
+        let token = issue(&account, &grant(&p, &uk)).expect("issue");
+        let header: Value = serde_json::from_slice(
+            &URL_SAFE_NO_PAD
+                .decode(token.split('.').next().expect("header"))
+                .expect("b64"),
+        )
+        .expect("json");
+        assert_eq!(header, json!({"typ":"JWT","alg":"ed25519-nkey"}));
+        let v = verify_user(&token, &account.public_key(), 1_700_000_001).expect("verifies");
+        assert_eq!(v.user_key.encode(), uk);
+        assert_eq!(v.name.as_deref(), Some("acme/w1"));
+        assert!(!v.bearer);
+        assert_eq!(v.expires, Some(1_700_003_600));
+        assert_eq!(v.claims["iss"], json!(account.public_key()));
+        assert_eq!(v.claims["nats"]["type"], json!("user"));
+        assert_eq!(v.claims["nats"]["version"], json!(2));
+        assert_eq!(v.claims["nats"]["sub"]["allow"][1], json!("_INBOX.>"));
+        assert!(v.claims["jti"].as_str().is_some_and(|j| j.len() == 52));
+    }
+
+    #[test]
+    fn a_participant_without_permissions_may_only_read_its_own_inbox() {
+        let none = Permissions::default();
+        let mut g = grant(&none, "U");
+        g.bearer = true;
+        g.audience = Some("$G");
+        let claims = user_claims(&g);
+        assert_eq!(
+            claims["nats"]["pub"],
+            json!({"allow": [
+                "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
+            ]})
+        );
+        assert_eq!(claims["nats"]["sub"], json!({"allow": ["_INBOX.>"]}));
+        assert_eq!(claims["nats"]["bearer_token"], json!(true));
+        assert_eq!(claims["aud"], json!("$G"));
+    }
+
+    #[test]
+    fn expired_tampered_foreign_and_non_user_jwts_are_refused() {
+        let account = KeyPair::generate(KeyKind::Account).expect("key");
+        let other = KeyPair::generate(KeyKind::Account).expect("key");
+        let user = KeyPair::generate(KeyKind::User).expect("key");
+        let p = perms();
+        let uk = user.public_key();
+        let token = issue(&account, &grant(&p, &uk)).expect("issue");
+        let iss = account.public_key();
+        assert_eq!(
+            verify_user(&token, &iss, 1_700_003_600).map(|_| ()),
+            Err(VerifyError::Expired)
+        );
+        assert_eq!(
+            verify_user(&token, &other.public_key(), 1_700_000_001).map(|_| ()),
+            Err(VerifyError::WrongIssuer)
+        );
+        // Widen the permissions in the claims without re-signing.
+        let parts: Vec<&str> = token.split('.').collect();
+        let mut claims: Value =
+            serde_json::from_slice(&URL_SAFE_NO_PAD.decode(parts[1]).expect("b64")).expect("json");
+        claims["nats"]["pub"]["allow"] = json!([">"]);
+        let forged = format!(
+            "{}.{}.{}",
+            parts[0],
+            URL_SAFE_NO_PAD.encode(serde_json::to_vec(&claims).expect("json")),
+            parts[2]
+        );
+        assert_eq!(
+            verify_user(&forged, &iss, 1_700_000_001).map(|_| ()),
+            Err(VerifyError::Invalid(JwtError::Signature))
+        );
+        let truncated = &token[..token.len() - 4];
+        assert!(matches!(
+            verify_user(truncated, &iss, 1_700_000_001),
+            Err(VerifyError::Invalid(_))
+        ));
+        let account_jwt =
+            jwt::encode(&jwt::account_claims(&other.public_key(), "x"), &account).expect("jwt");
+        assert_eq!(
+            verify_user(&account_jwt, &iss, 1_700_000_001).map(|_| ()),
+            Err(VerifyError::NotAUser)
+        );
+        let mut early = user_claims(&grant(&p, &uk));
+        early.insert("nbf".into(), json!(1_800_000_000));
+        let early = jwt::encode(&early, &account).expect("jwt");
+        assert_eq!(
+            verify_user(&early, &iss, 1_700_000_001).map(|_| ()),
+            Err(VerifyError::NotYetValid)
+        );
+    }
+}
