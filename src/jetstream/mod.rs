@@ -10,6 +10,7 @@ pub mod account;
 pub mod ack;
 pub mod api;
 pub mod consumer;
+pub mod context;
 pub mod error;
 pub mod kv;
 pub mod message;
@@ -24,6 +25,7 @@ pub use api::{ApiPrefix, Request, SuccessResponse, parse_response};
 pub use consumer::{
     AckPolicy, ConsumerAction, ConsumerConfig, ConsumerInfo, DeliverPolicy, ReplayPolicy,
 };
+pub use context::{BlockingWatch, Context, Fetched};
 pub use error::{ApiError, JsError};
 pub use message::Delivery;
 pub use publish::{MsgTtl, PubAck, PublishOptions};
