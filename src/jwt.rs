@@ -175,21 +175,23 @@ pub fn operator_claims(operator_public: &str, name: &str) -> Claims {
     }))
 }
 
-/// Account claims with no limits (encode with the operator's key). JetStream limits are
-/// included so that the account may use JetStream when the server has it on.
-pub fn account_claims(account_public: &str, name: &str) -> Claims {
+/// Account claims with no limits (encode with the operator's key). With `jetstream`, the
+/// JetStream limits are unlimited too, so the account may use JetStream; leave it off for
+/// the system account, which may not.
+pub fn account_claims(account_public: &str, name: &str, jetstream: bool) -> Claims {
+    let mut limits = json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+    });
+    if let (true, Some(map)) = (jetstream, limits.as_object_mut()) {
+        for key in ["mem_storage", "disk_storage", "streams", "consumer"] {
+            map.insert(key.into(), json!(-1));
+        }
+    }
     object(json!({
         "sub": account_public,
         "name": name,
-        "nats": {
-            "type": "account",
-            "version": 2,
-            "limits": {
-                "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
-                "wildcards": true, "conn": -1, "leaf": -1,
-                "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
-            },
-        },
+        "nats": {"type": "account", "version": 2, "limits": limits},
     }))
 }
 
@@ -220,7 +222,8 @@ mod tests {
     fn encoded_token_decodes_and_verifies_with_its_issuer() {
         let operator = KeyPair::generate(KeyKind::Operator).expect("key");
         let account = KeyPair::generate(KeyKind::Account).expect("key");
-        let token = encode(&account_claims(&account.public_key(), "A"), &operator).expect("jwt");
+        let token =
+            encode(&account_claims(&account.public_key(), "A", true), &operator).expect("jwt");
         let decoded = decode(&token).expect("decode");
         assert_eq!(decoded.issuer.encode(), operator.public_key());
         assert_eq!(decoded.subject(), Some(account.public_key().as_str()));

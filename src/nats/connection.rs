@@ -542,8 +542,20 @@ impl Connection {
                 max: self.max_payload,
             });
         }
-        // Upper bound of the encoded op: name, subject, reply, two sizes, CRLFs.
-        let op_len = 5 + subject.len() + reply.map_or(0, |r| r.len() + 1) + 2 * 21 + size + 4;
+        let op_len = match headers {
+            None => encode::publish_len(subject, reply, size),
+            Some(_) => {
+                5 + subject.len()
+                    + 1
+                    + reply.map_or(0, |r| r.len() + 1)
+                    + decimal_len(header_len)
+                    + 1
+                    + decimal_len(size)
+                    + 2
+                    + size
+                    + 2
+            }
+        };
         let connected = self.is_connected() && !self.lame_duck_move;
         let buf = if connected {
             let unwritten = self.out.len() - self.out_pos;
@@ -1204,6 +1216,15 @@ impl Connection {
         self.last_error = Some(reason.clone());
         self.events.push_back(Event::Closed { reason });
     }
+}
+
+fn decimal_len(mut n: usize) -> usize {
+    let mut len = 1;
+    while n >= 10 {
+        n /= 10;
+        len += 1;
+    }
+    len
 }
 
 fn parse_u64(bytes: &[u8]) -> Option<u64> {

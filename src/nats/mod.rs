@@ -33,3 +33,6 @@ pub use error::{Error, RequestError};
 pub use options::{Auth, Options, ServerAddr, ServerUrl};
 pub use requests::RequestId;
 pub use subscriptions::Sid;
+
+#[cfg(test)]
+mod tests;

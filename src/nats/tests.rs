@@ -1,0 +1,566 @@
+//! The connection state machine on a virtual clock: the test plays the server's bytes and
+//! moves time by hand.
+
+use super::*;
+use crate::nkeys::{KeyPair, PublicKey};
+use crate::proto::{Op, Parsed, Parser, Role};
+use base64::Engine;
+use std::time::{Duration, Instant};
+
+const INFO: &str = "INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n";
+
+struct Harness {
+    conn: Connection,
+    now: Instant,
+}
+
+impl Harness {
+    fn new(options: Options) -> Harness {
+        let now = Instant::now();
+        Harness {
+            conn: Connection::new(options.clone(), now),
+            now,
+        }
+    }
+
+    fn options(urls: &str) -> Options {
+        let mut o = Options::new(urls);
+        o.no_randomize = true;
+        o
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+        if self.conn.poll_timeout().is_some_and(|t| t <= self.now) {
+            self.conn.handle_timeout(self.now);
+        }
+    }
+
+    /// Dials, sends INFO, answers PONG; returns what the client wrote in the handshake.
+    fn connect_with(&mut self, info: &str) -> Vec<u8> {
+        let addr = self.conn.poll_connect(self.now).expect("a server to dial");
+        assert!(!addr.host.is_empty());
+        self.conn.on_transport_open(self.now);
+        self.conn.receive(info.as_bytes(), self.now);
+        let out = self.take_output();
+        assert!(
+            out.ends_with(b"PING\r\n"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
+        self.conn.receive(b"PONG\r\n", self.now);
+        assert!(self.conn.is_connected());
+        out
+    }
+
+    fn connect(&mut self) -> Vec<u8> {
+        self.connect_with(INFO)
+    }
+
+    fn take_output(&mut self) -> Vec<u8> {
+        let out = self.conn.output().to_vec();
+        self.conn.consume_output(out.len());
+        out
+    }
+
+    fn events(&mut self) -> Vec<Event> {
+        std::iter::from_fn(|| self.conn.poll_event()).collect()
+    }
+}
+
+/// The client operations in `bytes`, as (name, text) pairs for assertions.
+fn ops(bytes: &[u8]) -> Vec<String> {
+    let parser = Parser::new(Role::Server);
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < bytes.len() {
+        match parser.parse(&bytes[start..]) {
+            Ok(Parsed::Complete(op, used)) => {
+                out.push(match op {
+                    Op::Connect(j) => format!("CONNECT {}", String::from_utf8_lossy(j)),
+                    Op::Pub {
+                        subject, payload, ..
+                    } => format!(
+                        "PUB {} {}",
+                        String::from_utf8_lossy(subject),
+                        String::from_utf8_lossy(payload)
+                    ),
+                    Op::Hpub { subject, .. } => {
+                        format!("HPUB {}", String::from_utf8_lossy(subject))
+                    }
+                    Op::Sub {
+                        subject,
+                        queue,
+                        sid,
+                    } => format!(
+                        "SUB {} {} {}",
+                        String::from_utf8_lossy(subject),
+                        queue
+                            .map(|q| String::from_utf8_lossy(q).into_owned())
+                            .unwrap_or_default(),
+                        String::from_utf8_lossy(sid)
+                    ),
+                    Op::Unsub { sid, max_msgs } => {
+                        format!("UNSUB {} {:?}", String::from_utf8_lossy(sid), max_msgs)
+                    }
+                    Op::Ping => "PING".into(),
+                    Op::Pong => "PONG".into(),
+                    other => format!("{other:?}"),
+                });
+                start += used;
+            }
+            other => panic!("unparsable client output: {other:?}"),
+        }
+    }
+    out
+}
+
+fn connect_json(out: &[u8]) -> serde_json::Value {
+    let first = ops(out).into_iter().next().expect("an op");
+    let json = first.strip_prefix("CONNECT ").expect("CONNECT first");
+    serde_json::from_str(json).expect("CONNECT json")
+}
+
+#[test]
+fn handshake_sends_connect_with_the_agreed_flags_then_ping() {
+    let mut h = Harness::new(Harness::options("nats://127.0.0.1:4222").with_name("amp"));
+    let out = h.connect();
+    let c = connect_json(&out);
+    assert_eq!(c["verbose"], false);
+    assert_eq!(c["pedantic"], false);
+    assert_eq!(c["headers"], true);
+    assert_eq!(c["no_responders"], true);
+    assert_eq!(c["protocol"], 1);
+    assert_eq!(c["name"], "amp");
+    assert_eq!(c["lang"], "rust");
+    assert!(c["version"].is_string());
+    assert_eq!(ops(&out).last().map(String::as_str), Some("PING"));
+    let events = h.events();
+    assert!(matches!(&events[..], [Event::Connected { server }] if server.port == 4222));
+}
+
+#[test]
+fn url_credentials_go_into_connect_as_user_pass_or_token() {
+    let mut h = Harness::new(Harness::options("nats://bob:pw@h:1"));
+    let c = connect_json(&h.connect());
+    assert_eq!(
+        (c["user"].as_str(), c["pass"].as_str()),
+        (Some("bob"), Some("pw"))
+    );
+
+    let mut h = Harness::new(Harness::options("nats://s3cret@h:1"));
+    let c = connect_json(&h.connect());
+    assert_eq!(c["auth_token"], "s3cret");
+    assert!(c.get("user").is_none_or(|u| u.is_null()));
+}
+
+#[test]
+fn nkey_auth_signs_the_servers_nonce() {
+    let key = KeyPair::generate(crate::nkeys::KeyKind::User).expect("key");
+    let options = Harness::options("h:1")
+        .with_nkey_seed(&key.seed())
+        .expect("seed");
+    let mut h = Harness::new(options);
+    let info = "INFO {\"server_id\":\"S\",\"nonce\":\"abc-NONCE_1\",\"max_payload\":1024}\r\n";
+    let c = connect_json(&h.connect_with(info));
+    assert_eq!(c["nkey"], key.public_key());
+    let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(c["sig"].as_str().expect("sig"))
+        .expect("base64url");
+    PublicKey::decode(&key.public_key())
+        .expect("public")
+        .verify(b"abc-NONCE_1", &sig)
+        .expect("signature over the nonce");
+    assert_eq!(h.conn.max_payload(), 1024);
+}
+
+#[test]
+fn creds_auth_sends_the_jwt_and_the_nonce_signature() {
+    let key = KeyPair::generate(crate::nkeys::KeyKind::User).expect("key");
+    let text = creds::format("hdr.claims.sig", &key.seed());
+    let mut h = Harness::new(
+        Harness::options("h:1")
+            .with_credentials(&text)
+            .expect("creds"),
+    );
+    let c = connect_json(&h.connect_with("INFO {\"nonce\":\"n0\"}\r\n"));
+    assert_eq!(c["jwt"], "hdr.claims.sig");
+    assert!(c["sig"].is_string());
+    assert!(c.get("nkey").is_none_or(|n| n.is_null()));
+}
+
+#[test]
+fn keepalive_pings_and_a_stale_connection_is_dropped_and_redialed() {
+    let mut o = Harness::options("h:1");
+    o.ping_interval = Duration::from_secs(10);
+    o.max_pings_outstanding = 2;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    assert!(h.take_output().is_empty());
+    h.advance(Duration::from_secs(10));
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.conn.receive(b"PONG\r\n", h.now);
+    // Two more intervals unanswered: two PINGs out, the third tick is stale.
+    h.advance(Duration::from_secs(10));
+    h.advance(Duration::from_secs(10));
+    assert_eq!(ops(&h.take_output()), ["PING", "PING"]);
+    assert!(h.conn.is_connected());
+    h.advance(Duration::from_secs(10));
+    assert!(!h.conn.is_connected());
+    assert!(h.conn.poll_close(), "the shell must drop the socket");
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Disconnected { reason }] if reason.contains("stale")),
+        "{events:?}"
+    );
+    // Reconnect is attempted at once.
+    assert!(h.conn.poll_connect(h.now).is_some());
+}
+
+#[test]
+fn server_ping_is_answered_with_pong() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.conn.receive(b"PING\r\n", h.now);
+    assert_eq!(ops(&h.take_output()), ["PONG"]);
+}
+
+#[test]
+fn request_times_out_at_its_deadline_on_the_virtual_clock() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let id = h
+        .conn
+        .request("svc", None, b"q", Duration::from_millis(500), h.now)
+        .expect("request");
+    let out = ops(&h.take_output());
+    assert!(out[0].starts_with("SUB _INBOX."), "{out:?}");
+    assert!(out[0].contains(".* "), "one wildcard inbox: {out:?}");
+    assert_eq!(out[1], "PUB svc q");
+    assert!(h.conn.poll_timeout() <= Some(h.now + Duration::from_millis(500)));
+    h.advance(Duration::from_millis(499));
+    assert!(h.events().is_empty());
+    h.advance(Duration::from_millis(1));
+    assert_eq!(
+        h.events(),
+        [Event::RequestFailed {
+            id,
+            error: RequestError::Timeout
+        }]
+    );
+    assert_eq!(h.conn.pending_requests(), 0);
+}
+
+#[test]
+fn replies_are_matched_by_token_and_503_ends_the_request_at_once() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let a = h
+        .conn
+        .request("a", None, b"", Duration::from_secs(5), h.now)
+        .expect("a");
+    let b = h
+        .conn
+        .request("b", None, b"", Duration::from_secs(5), h.now)
+        .expect("b");
+    let out = ops(&h.take_output());
+    let sub = out[0].split(' ').collect::<Vec<_>>();
+    let (pattern, sid) = (sub[1], sub[3]);
+    let prefix = pattern.trim_end_matches('*');
+    // b's reply first, then a 503 for a.
+    let reply_b = format!("MSG {prefix}{} {sid} 2\r\nok\r\n", b.0);
+    h.conn.receive(reply_b.as_bytes(), h.now);
+    let hdr = "NATS/1.0 503\r\n\r\n";
+    let reply_a = format!(
+        "HMSG {prefix}{} {sid} {} {}\r\n{hdr}\r\n",
+        a.0,
+        hdr.len(),
+        hdr.len()
+    );
+    h.conn.receive(reply_a.as_bytes(), h.now);
+    let events = h.events();
+    assert!(matches!(&events[0], Event::Response { id, msg } if *id == b && msg.payload == b"ok"));
+    assert_eq!(
+        events[1],
+        Event::RequestFailed {
+            id: a,
+            error: RequestError::NoResponders
+        }
+    );
+    // A late duplicate is dropped.
+    h.conn.receive(reply_b.as_bytes(), h.now);
+    assert!(h.events().is_empty());
+}
+
+#[test]
+fn messages_split_across_reads_are_delivered_once_complete() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("x.>", Some("q")).expect("sub");
+    assert_eq!(ops(&h.take_output()), [format!("SUB x.> q {sid}")]);
+    let wire = format!("MSG x.y {sid} r 5\r\nhello\r\nMSG x.z {sid} 0\r\n\r\n");
+    for chunk in wire.as_bytes().chunks(3) {
+        h.conn.receive(chunk, h.now);
+    }
+    let events = h.events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        matches!(&events[0], Event::Message { msg, .. } if msg.payload == b"hello" && msg.reply.as_deref() == Some("r"))
+    );
+    assert!(matches!(&events[1], Event::Message { msg, .. } if msg.subject == "x.z"));
+}
+
+#[test]
+fn reconnect_restores_subscriptions_then_writes_buffered_publishes() {
+    let mut o = Harness::options("h:1");
+    o.reconnect_delay = Duration::from_millis(100);
+    let mut h = Harness::new(o);
+    h.connect();
+    let keep = h.conn.subscribe("keep", None).expect("sub");
+    let limited = h.conn.subscribe("lim", Some("g")).expect("sub");
+    h.conn.unsubscribe(limited, Some(5)).expect("auto-unsub");
+    let wire = format!("MSG lim {limited} 1\r\na\r\nMSG lim {limited} 1\r\nb\r\n");
+    h.conn.receive(wire.as_bytes(), h.now);
+    h.take_output();
+    h.events();
+
+    h.conn.on_transport_closed(h.now, "reset by peer");
+    assert!(
+        matches!(&h.events()[..], [Event::Disconnected { reason }] if reason == "reset by peer")
+    );
+    h.conn
+        .publish("buffered", None, None, b"1")
+        .expect("buffered while away");
+    assert!(h.conn.reconnect_buffered() > 0);
+    let out = h.connect();
+    let out = ops(&out);
+    assert_eq!(h.events().len(), 1);
+    let after = ops(&h.take_output());
+    assert!(out[0].starts_with("CONNECT"));
+    assert_eq!(
+        after,
+        [
+            format!("SUB keep  {keep}"),
+            format!("SUB lim g {limited}"),
+            format!("UNSUB {limited} Some(3)"),
+            "PUB buffered 1".to_string(),
+        ]
+    );
+    assert_eq!(h.conn.reconnect_buffered(), 0);
+    assert_eq!(h.conn.stats().reconnects, 1);
+}
+
+#[test]
+fn full_reconnect_buffer_refuses_the_publish() {
+    let mut o = Harness::options("h:1");
+    o.reconnect_buffer_size = 100;
+    let mut h = Harness::new(o);
+    h.conn.publish("a", None, None, &[0; 40]).expect("fits");
+    let err = h.conn.publish("a", None, None, &[0; 60]).expect_err("full");
+    assert_eq!(err, Error::ReconnectBufferFull { capacity: 100 });
+    h.conn
+        .publish("a", None, None, &[0; 10])
+        .expect("smaller one still fits");
+}
+
+#[test]
+fn full_write_buffer_refuses_the_publish_while_connected() {
+    let mut o = Harness::options("h:1");
+    o.max_write_buffer = 200;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.conn.publish("a", None, None, &[0; 100]).expect("fits");
+    let err = h
+        .conn
+        .publish("a", None, None, &[0; 100])
+        .expect_err("full");
+    assert_eq!(err, Error::WriteBufferFull { capacity: 200 });
+    h.take_output();
+    h.conn
+        .publish("a", None, None, &[0; 100])
+        .expect("room again once written");
+}
+
+#[test]
+fn backoff_grows_between_failed_attempts_on_the_same_server() {
+    let mut o = Harness::options("h:1");
+    o.retry_on_failed_connect = true;
+    o.reconnect_delay = Duration::from_millis(100);
+    o.reconnect_delay_max = Duration::from_secs(1);
+    let mut h = Harness::new(o);
+    let mut waits = Vec::new();
+    for _ in 0..6 {
+        let t0 = h.now;
+        while h.conn.poll_connect(h.now).is_none() {
+            h.now += Duration::from_millis(1);
+        }
+        waits.push(h.now - t0);
+        h.conn.on_transport_closed(h.now, "refused");
+    }
+    assert_eq!(waits[0], Duration::ZERO);
+    for (i, full_ms) in [(1, 100u64), (2, 200), (3, 400), (4, 800), (5, 1000)] {
+        let w = waits[i].as_millis() as u64;
+        assert!(w >= full_ms / 2 && w <= full_ms + 1, "attempt {i}: {w}ms");
+    }
+}
+
+#[test]
+fn first_connect_tries_each_server_once_then_closes() {
+    let mut h = Harness::new(Harness::options("a:1,b:2"));
+    let first = h.conn.poll_connect(h.now).expect("a");
+    h.conn.on_transport_closed(h.now, "refused");
+    let second = h.conn.poll_connect(h.now).expect("b at once");
+    assert_ne!(first, second);
+    h.conn.on_transport_closed(h.now, "refused");
+    assert!(h.conn.is_closed());
+    assert!(matches!(
+        &h.events()[..],
+        [Event::Closed { reason: Error::ConnectFailed(r) }] if r == "refused"
+    ));
+    assert!(h.conn.publish("x", None, None, b"").is_err());
+}
+
+#[test]
+fn authorization_violation_on_first_connect_closes_with_that_error() {
+    let mut h = Harness::new(Harness::options("h:1").with_user_password("u", "wrong"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.conn.receive(b"-ERR 'Authorization Violation'\r\n", h.now);
+    assert!(h.conn.is_closed());
+    assert!(h.conn.poll_close());
+    assert_eq!(
+        h.events(),
+        [Event::Closed {
+            reason: Error::Authorization("Authorization Violation".into())
+        }]
+    );
+}
+
+#[test]
+fn recoverable_err_is_an_event_and_fatal_err_reconnects() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    h.conn.receive(
+        b"-ERR 'Permissions Violation for Publish to \"x\"'\r\n",
+        h.now,
+    );
+    assert!(h.conn.is_connected());
+    assert!(matches!(&h.events()[..], [Event::ServerError(t)] if t.starts_with("Permissions")));
+    h.conn
+        .receive(b"-ERR 'Maximum Connections Exceeded'\r\n", h.now);
+    assert!(!h.conn.is_connected());
+    assert!(h.conn.poll_close());
+    assert!(
+        matches!(&h.events()[..], [Event::Disconnected { reason }] if reason.contains("Maximum Connections Exceeded"))
+    );
+    assert!(h.conn.poll_connect(h.now).is_some());
+}
+
+#[test]
+fn garbage_from_the_server_drops_the_connection_with_a_clear_reason() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let id = h
+        .conn
+        .request("svc", None, b"", Duration::from_secs(5), h.now)
+        .expect("req");
+    h.conn.receive(b"HELLO THERE\r\n", h.now);
+    assert!(h.conn.poll_close());
+    let events = h.events();
+    assert!(
+        matches!(&events[0], Event::Disconnected { reason } if reason.contains("protocol error")),
+        "{events:?}"
+    );
+    assert_eq!(
+        events[1],
+        Event::RequestFailed {
+            id,
+            error: RequestError::Disconnected
+        }
+    );
+}
+
+#[test]
+fn async_info_adds_connect_urls_and_lame_duck_moves_to_another_server() {
+    let mut h = Harness::new(Harness::options("a:1"));
+    h.connect();
+    h.events();
+    h.conn
+        .receive(b"INFO {\"connect_urls\":[\"a:1\",\"b:2\"]}\r\n", h.now);
+    let discovered = h.conn.discovered_servers();
+    assert_eq!(discovered.len(), 1);
+    assert_eq!(discovered[0].to_string(), "b:2");
+    h.conn.publish("x", None, None, b"1").expect("pub");
+    h.conn.receive(
+        b"INFO {\"connect_urls\":[\"a:1\",\"b:2\"],\"ldm\":true}\r\n",
+        h.now,
+    );
+    assert_eq!(h.events(), [Event::LameDuck]);
+    // What was queued for the old server goes out first, then the move.
+    assert!(h.conn.is_connected());
+    h.conn
+        .publish("y", None, None, b"2")
+        .expect("goes to the reconnect buffer");
+    assert_eq!(ops(&h.take_output()), ["PUB x 1"]);
+    assert!(h.conn.poll_close());
+    let next = h.conn.poll_connect(h.now).expect("dial elsewhere");
+    assert_eq!(next.to_string(), "b:2");
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.conn.receive(b"PONG\r\n", h.now);
+    h.take_output();
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Disconnected { .. }, Event::Reconnected { server }] if server.port == 2),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn slow_consumer_drops_beyond_the_pending_bound_and_reports_it() {
+    let mut o = Harness::options("h:1");
+    o.max_pending_messages = 2;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("s", None).expect("sub");
+    for _ in 0..5 {
+        h.conn
+            .receive(format!("MSG s {sid} 1\r\nx\r\n").as_bytes(), h.now);
+    }
+    let events = h.events();
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert_eq!(events[2], Event::SlowConsumer { dropped: 3 });
+    assert_eq!(h.conn.stats().dropped_msgs, 3);
+}
+
+#[test]
+fn handshake_timeout_fails_the_attempt() {
+    let mut o = Harness::options("h:1");
+    o.connect_timeout = Duration::from_secs(2);
+    o.retry_on_failed_connect = true;
+    let mut h = Harness::new(o);
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    h.advance(Duration::from_secs(2));
+    assert!(h.conn.poll_close());
+    assert!(!h.conn.is_closed());
+}
+
+#[test]
+fn user_ping_is_answered_by_its_pong_event() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let id = h.conn.ping().expect("ping");
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.conn.receive(b"PONG\r\n", h.now);
+    assert_eq!(h.events(), [Event::Pong(id)]);
+}
