@@ -175,10 +175,18 @@ pub fn operator_claims(operator_public: &str, name: &str) -> Claims {
     }))
 }
 
-/// Account claims with no limits (encode with the operator's key). With `jetstream`, the
-/// JetStream limits are unlimited too, so the account may use JetStream; leave it off for
-/// the system account, which may not.
-pub fn account_claims(account_public: &str, name: &str, jetstream: bool) -> Claims {
+/// Account claims with no limits, JetStream included (encode with the operator's key).
+pub fn account_claims(account_public: &str, name: &str) -> Claims {
+    account_claims_with(account_public, name, true)
+}
+
+/// Claims for the system account: no limits and no JetStream, which the system account
+/// may not have.
+pub fn system_account_claims(account_public: &str, name: &str) -> Claims {
+    account_claims_with(account_public, name, false)
+}
+
+fn account_claims_with(account_public: &str, name: &str, jetstream: bool) -> Claims {
     let mut limits = json!({
         "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
         "wildcards": true, "conn": -1, "leaf": -1,
@@ -222,8 +230,7 @@ mod tests {
     fn encoded_token_decodes_and_verifies_with_its_issuer() {
         let operator = KeyPair::generate(KeyKind::Operator).expect("key");
         let account = KeyPair::generate(KeyKind::Account).expect("key");
-        let token =
-            encode(&account_claims(&account.public_key(), "A", true), &operator).expect("jwt");
+        let token = encode(&account_claims(&account.public_key(), "A"), &operator).expect("jwt");
         let decoded = decode(&token).expect("decode");
         assert_eq!(decoded.issuer.encode(), operator.public_key());
         assert_eq!(decoded.subject(), Some(account.public_key().as_str()));

@@ -92,7 +92,7 @@ fn operator_mode_server() -> (common::NatsServer, KeyPair) {
     // JetStream (on in every test server) needs a system account in operator mode.
     let system = KeyPair::generate(KeyKind::Account).expect("system account");
     let system_jwt = jwt::encode(
-        &jwt::account_claims(&system.public_key(), "SYS", false),
+        &jwt::system_account_claims(&system.public_key(), "SYS"),
         &operator,
     )
     .expect("system jwt");
@@ -102,7 +102,7 @@ fn operator_mode_server() -> (common::NatsServer, KeyPair) {
     )
     .expect("operator jwt");
     let account_jwt = jwt::encode(
-        &jwt::account_claims(&account.public_key(), "test-account", true),
+        &jwt::account_claims(&account.public_key(), "test-account"),
         &operator,
     )
     .expect("account jwt");
