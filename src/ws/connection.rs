@@ -1,0 +1,1059 @@
+//! One client connection as a sans-IO state machine: bytes and `now` in; bytes to write,
+//! events and the next deadline out. It starts as an HTTP/1.1 request, answers the plain
+//! endpoints or upgrades to a WebSocket session, and ends through a close handshake.
+//!
+//! Frames are decoded by `tungstenite`'s [`WebSocketContext`] reading from the bytes
+//! handed in (an in-memory duplex; `WouldBlock` when they run out) and writing its
+//! control replies (pong, close) straight into this connection's output. Text frames
+//! and pings are encoded here directly, so tungstenite's own write buffer never holds
+//! more than one control frame.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::time::{Duration, Instant};
+
+use tungstenite::error::{CapacityError, Error as WsError};
+use tungstenite::protocol::frame::CloseFrame;
+use tungstenite::protocol::frame::coding::CloseCode;
+use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
+use tungstenite::{Message, Utf8Bytes};
+
+use super::http::{self, Parsed, Request, Status};
+
+/// Limits and timers of the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WsConfig {
+    /// Largest message (after reassembly of fragments); larger closes with 1009.
+    pub max_frame: usize,
+    /// A ping is sent this often; a session silent for 3x this long is closed (1001).
+    pub heartbeat: Duration,
+    /// Most bytes queued for one client; past it the session is closed (1008).
+    pub max_outbound_bytes: usize,
+    /// Largest HTTP request head; larger answers 431.
+    pub max_head_bytes: usize,
+    /// A request head must be complete within this long after the connection opened.
+    pub request_timeout: Duration,
+    /// How long a closing connection may take to finish its close handshake and flush.
+    pub close_timeout: Duration,
+    /// Chunk in which tungstenite buffers incoming frames (allocated per session).
+    pub read_buffer_size: usize,
+}
+
+impl Default for WsConfig {
+    fn default() -> Self {
+        WsConfig {
+            max_frame: 1 << 20,
+            heartbeat: Duration::from_secs(10),
+            max_outbound_bytes: 4 << 20,
+            max_head_bytes: 8 << 10,
+            request_timeout: Duration::from_secs(10),
+            close_timeout: Duration::from_secs(5),
+            read_buffer_size: 2 << 10,
+        }
+    }
+}
+
+/// What the embedder supplies for the plain HTTP endpoints.
+pub trait HttpHost {
+    /// `Ok` while the broker can serve (NATS up, JetStream answering), else the reason.
+    fn health(&self) -> Result<(), String>;
+    /// Appends the Prometheus text exposition.
+    fn metrics(&self, out: &mut String);
+}
+
+/// Close codes the transport uses (RFC 6455 section 7.4.1).
+pub mod close_code {
+    pub const NORMAL: u16 = 1000;
+    pub const GOING_AWAY: u16 = 1001;
+    pub const PROTOCOL: u16 = 1002;
+    pub const UNSUPPORTED_DATA: u16 = 1003;
+    pub const NO_STATUS: u16 = 1005;
+    pub const ABNORMAL: u16 = 1006;
+    pub const INVALID_DATA: u16 = 1007;
+    pub const POLICY: u16 = 1008;
+    pub const TOO_BIG: u16 = 1009;
+    pub const INTERNAL: u16 = 1011;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnEvent {
+    /// A plain HTTP response was queued (the connection closes after it).
+    Http { status: u16 },
+    /// The WebSocket session is established.
+    Opened { subprotocol: Option<&'static str> },
+    /// One complete text message.
+    Text(Utf8Bytes),
+    /// The session ended; no events follow. `by_peer` is true when the client sent the
+    /// close (or vanished: 1006).
+    Closed {
+        code: u16,
+        reason: String,
+        by_peer: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendError {
+    /// The session is not open (not upgraded yet, or closing).
+    NotOpen,
+    /// The outbound queue would pass `max_outbound_bytes`; the session is being closed
+    /// with 1008 `slow consumer`.
+    SlowConsumer,
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Reading the request head.
+    Http {
+        head: Vec<u8>,
+    },
+    Open,
+    /// We sent a close frame and wait for the client's.
+    Closing,
+    /// Nothing more is read; the output is flushed, then the write side is shut.
+    Flushing,
+    /// Write side shut; waiting for the client's EOF so unread input cannot turn our
+    /// last bytes into a reset.
+    Lingering,
+    Closed,
+}
+
+/// Beyond this capacity an emptied output buffer is released instead of kept.
+const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
+
+#[derive(Debug)]
+pub struct Connection {
+    phase: Phase,
+    ws: Option<WebSocketContext>,
+    out: Vec<u8>,
+    out_pos: usize,
+    events: VecDeque<ConnEvent>,
+    /// Deadline of the HTTP, closing, flushing and lingering phases.
+    deadline: Instant,
+    last_activity: Instant,
+    next_ping: Instant,
+    peer_eof: bool,
+    cfg: WsConfig,
+}
+
+impl Connection {
+    pub fn new(now: Instant, cfg: WsConfig) -> Self {
+        Connection {
+            phase: Phase::Http { head: Vec::new() },
+            ws: None,
+            out: Vec::new(),
+            out_pos: 0,
+            events: VecDeque::new(),
+            deadline: now + cfg.request_timeout,
+            last_activity: now,
+            next_ping: now,
+            peer_eof: false,
+            cfg,
+        }
+    }
+
+    /// Feeds bytes read from the socket.
+    pub fn handle_input(&mut self, data: &[u8], now: Instant, host: &dyn HttpHost) {
+        match &mut self.phase {
+            Phase::Http { head } => {
+                let room = self.cfg.max_head_bytes.saturating_sub(head.len());
+                let take = room.min(data.len());
+                head.extend_from_slice(data.get(..take).unwrap_or_default());
+                let rest = data.get(take..).unwrap_or_default();
+                match http::parse_request(head, self.cfg.max_head_bytes) {
+                    Parsed::Partial => {}
+                    Parsed::Error(status) => self.respond_error(status, now),
+                    Parsed::Complete { request, len } => {
+                        let head = std::mem::take(head);
+                        self.serve(request, now, host);
+                        if matches!(self.phase, Phase::Open) {
+                            // Frames the client sent right behind its request.
+                            let early = head.get(len..).unwrap_or_default();
+                            if !early.is_empty() {
+                                self.ws_input(early, now);
+                            }
+                            if !rest.is_empty() {
+                                self.ws_input(rest, now);
+                            }
+                        }
+                    }
+                }
+            }
+            Phase::Open | Phase::Closing => {
+                self.last_activity = now;
+                self.ws_input(data, now);
+            }
+            Phase::Flushing | Phase::Lingering | Phase::Closed => {}
+        }
+    }
+
+    /// The peer closed its side of the connection.
+    pub fn handle_eof(&mut self, now: Instant) {
+        self.peer_eof = true;
+        match self.phase {
+            Phase::Http { .. } | Phase::Closing | Phase::Lingering => self.phase = Phase::Closed,
+            Phase::Open => {
+                self.emit_closed(close_code::ABNORMAL, "connection lost", true);
+                self.phase = Phase::Closed;
+            }
+            Phase::Flushing => {
+                // A half-closing HTTP client still reads its response.
+                self.deadline = self.deadline.min(now + self.cfg.close_timeout);
+            }
+            Phase::Closed => {}
+        }
+    }
+
+    /// Runs the timers due at `now`: request and close deadlines, pings, idle timeout.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        match self.phase {
+            Phase::Open => {
+                if now >= self.idle_deadline() {
+                    self.close(close_code::GOING_AWAY, "idle timeout", now);
+                } else if now >= self.next_ping {
+                    push_frame_header(&mut self.out, 0x9, 0);
+                    self.next_ping = now + self.cfg.heartbeat;
+                }
+            }
+            Phase::Http { .. } | Phase::Closing | Phase::Flushing | Phase::Lingering => {
+                if now >= self.deadline {
+                    self.phase = Phase::Closed;
+                }
+            }
+            Phase::Closed => {}
+        }
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) has work next.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Open => Some(self.next_ping.min(self.idle_deadline())),
+            Phase::Closed => None,
+            _ => Some(self.deadline),
+        }
+    }
+
+    fn idle_deadline(&self) -> Instant {
+        self.last_activity + self.cfg.heartbeat * 3
+    }
+
+    /// Queues one text message.
+    pub fn send_text(&mut self, text: &str, now: Instant) -> Result<(), SendError> {
+        if !matches!(self.phase, Phase::Open) {
+            return Err(SendError::NotOpen);
+        }
+        let frame_len = text.len() + frame_header_len(text.len());
+        if self.queued_bytes() + frame_len > self.cfg.max_outbound_bytes {
+            self.close(close_code::POLICY, "slow consumer", now);
+            return Err(SendError::SlowConsumer);
+        }
+        push_frame_header(&mut self.out, 0x1, text.len());
+        self.out.extend_from_slice(text.as_bytes());
+        Ok(())
+    }
+
+    /// Starts the close handshake with `code`; queued messages are sent first. Emits
+    /// `Closed` at once. Does nothing unless the session is open.
+    pub fn close(&mut self, code: u16, reason: &str, now: Instant) {
+        if !matches!(self.phase, Phase::Open) {
+            return;
+        }
+        self.emit_closed(code, reason, false);
+        self.send_close(code, reason);
+        self.phase = Phase::Closing;
+        self.deadline = now + self.cfg.close_timeout;
+    }
+
+    /// Bytes waiting to be written to the socket.
+    pub fn output(&self) -> &[u8] {
+        self.out.get(self.out_pos..).unwrap_or_default()
+    }
+
+    /// `n` bytes of [`output`](Self::output) were written.
+    pub fn consume_output(&mut self, n: usize) {
+        self.out_pos = (self.out_pos + n).min(self.out.len());
+        if self.out_pos == self.out.len() {
+            self.out.clear();
+            self.out_pos = 0;
+            if self.out.capacity() > KEEP_OUTPUT_CAPACITY {
+                self.out = Vec::new();
+            }
+        } else if self.out_pos >= KEEP_OUTPUT_CAPACITY && self.out_pos * 2 >= self.out.len() {
+            self.out.drain(..self.out_pos);
+            self.out_pos = 0;
+        }
+    }
+
+    pub fn queued_bytes(&self) -> usize {
+        self.out.len() - self.out_pos
+    }
+
+    pub fn poll_event(&mut self) -> Option<ConnEvent> {
+        let event = self.events.pop_front();
+        if self.events.is_empty() && self.events.capacity() > 8 {
+            self.events = VecDeque::new();
+        }
+        event
+    }
+
+    /// The output is flushed and the write side should now be shut down.
+    pub fn wants_shutdown_write(&self) -> bool {
+        matches!(self.phase, Phase::Flushing) && self.queued_bytes() == 0
+    }
+
+    /// The write side was shut down after [`wants_shutdown_write`](Self::wants_shutdown_write).
+    pub fn write_shut_down(&mut self, now: Instant) {
+        if matches!(self.phase, Phase::Flushing) {
+            if self.peer_eof {
+                self.phase = Phase::Closed;
+            } else {
+                self.phase = Phase::Lingering;
+                self.deadline = now + self.cfg.close_timeout;
+            }
+        }
+    }
+
+    /// Nothing more to do: drop the socket.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.phase, Phase::Closed)
+    }
+
+    /// The WebSocket session is established and not closing.
+    pub fn is_open(&self) -> bool {
+        matches!(self.phase, Phase::Open)
+    }
+
+    /// Whether input is still of interest (the shell may stop reading otherwise).
+    pub fn wants_input(&self) -> bool {
+        !matches!(self.phase, Phase::Closed)
+    }
+
+    fn serve(&mut self, request: Request, now: Instant, host: &dyn HttpHost) {
+        match request {
+            Request::Health => match host.health() {
+                Ok(()) => self.respond(Status::Ok, "text/plain; charset=utf-8", b"ok\n", now),
+                Err(reason) => {
+                    let body = format!("{reason}\n");
+                    self.respond(
+                        Status::Unavailable,
+                        "text/plain; charset=utf-8",
+                        body.as_bytes(),
+                        now,
+                    )
+                }
+            },
+            Request::Metrics => {
+                let mut body = String::new();
+                host.metrics(&mut body);
+                self.respond(
+                    Status::Ok,
+                    "text/plain; version=0.0.4; charset=utf-8",
+                    body.as_bytes(),
+                    now,
+                );
+            }
+            Request::Schema => self.respond(
+                Status::Ok,
+                "application/schema+json",
+                crate::amp::SCHEMA_JSON.as_bytes(),
+                now,
+            ),
+            Request::Reject(status, text) => {
+                self.respond(status, "text/plain; charset=utf-8", text.as_bytes(), now)
+            }
+            Request::Upgrade(upgrade) => {
+                http::switching_protocols(&mut self.out, &upgrade);
+                let config = WebSocketConfig::default()
+                    .read_buffer_size(self.cfg.read_buffer_size)
+                    .write_buffer_size(0)
+                    .max_write_buffer_size(usize::MAX)
+                    .max_message_size(Some(self.cfg.max_frame))
+                    .max_frame_size(Some(self.cfg.max_frame));
+                self.ws = Some(WebSocketContext::new(Role::Server, Some(config)));
+                self.phase = Phase::Open;
+                self.last_activity = now;
+                self.next_ping = now + self.cfg.heartbeat;
+                self.events.push_back(ConnEvent::Opened {
+                    subprotocol: upgrade.subprotocol,
+                });
+            }
+        }
+    }
+
+    fn respond_error(&mut self, status: Status, now: Instant) {
+        let text: &[u8] = match status {
+            Status::HeadersTooLarge => b"request header fields too large\n",
+            _ => b"bad request\n",
+        };
+        self.respond(status, "text/plain; charset=utf-8", text, now);
+    }
+
+    fn respond(&mut self, status: Status, content_type: &str, body: &[u8], now: Instant) {
+        http::response(&mut self.out, status, content_type, body);
+        self.events.push_back(ConnEvent::Http {
+            status: status.code(),
+        });
+        self.phase = Phase::Flushing;
+        self.deadline = now + self.cfg.close_timeout;
+    }
+
+    fn ws_input(&mut self, data: &[u8], now: Instant) {
+        let Some(ws) = self.ws.as_mut() else { return };
+        let mut duplex = Duplex {
+            input: data,
+            out: &mut self.out,
+        };
+        loop {
+            match ws.read(&mut duplex) {
+                Ok(Message::Text(text)) => {
+                    if matches!(self.phase, Phase::Open) {
+                        self.events.push_back(ConnEvent::Text(text));
+                    }
+                }
+                Ok(Message::Binary(_)) => {
+                    self.fail(
+                        close_code::UNSUPPORTED_DATA,
+                        "binary frames are not accepted",
+                        now,
+                    );
+                    return;
+                }
+                Ok(Message::Close(frame)) => {
+                    if matches!(self.phase, Phase::Open) {
+                        let (code, reason) = match frame {
+                            Some(f) => (u16::from(f.code), f.reason.as_str().to_owned()),
+                            None => (close_code::NO_STATUS, String::new()),
+                        };
+                        self.events.push_back(ConnEvent::Closed {
+                            code,
+                            reason,
+                            by_peer: true,
+                        });
+                        self.phase = Phase::Closing;
+                        self.deadline = now + self.cfg.close_timeout;
+                    }
+                    // The next read flushes the reply tungstenite queued and reports the
+                    // end of the session.
+                }
+                Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
+                Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(WsError::ConnectionClosed | WsError::AlreadyClosed) => {
+                    self.phase = Phase::Flushing;
+                    self.deadline = now + self.cfg.close_timeout;
+                    return;
+                }
+                Err(WsError::Capacity(CapacityError::MessageTooLong { .. })) => {
+                    self.fail(close_code::TOO_BIG, "message too big", now);
+                    return;
+                }
+                Err(WsError::Utf8(_)) => {
+                    self.fail(close_code::INVALID_DATA, "invalid UTF-8", now);
+                    return;
+                }
+                Err(WsError::Protocol(_)) | Err(WsError::Capacity(_)) => {
+                    self.fail(close_code::PROTOCOL, "protocol error", now);
+                    return;
+                }
+                Err(_) => {
+                    self.fail(close_code::INTERNAL, "internal error", now);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Fails the session: close frame with `code`, then no more input is read.
+    fn fail(&mut self, code: u16, reason: &str, now: Instant) {
+        if matches!(self.phase, Phase::Open) {
+            self.emit_closed(code, reason, false);
+            self.send_close(code, reason);
+        }
+        self.phase = Phase::Flushing;
+        self.deadline = now + self.cfg.close_timeout;
+    }
+
+    fn send_close(&mut self, code: u16, reason: &str) {
+        if let Some(ws) = self.ws.as_mut() {
+            let mut duplex = Duplex {
+                input: &[],
+                out: &mut self.out,
+            };
+            let frame = CloseFrame {
+                code: CloseCode::from(code),
+                reason: Utf8Bytes::from(reason),
+            };
+            // Writing into memory cannot block; an error only means a close frame
+            // already went out.
+            let _ = ws.close(&mut duplex, Some(frame));
+        }
+    }
+
+    fn emit_closed(&mut self, code: u16, reason: &str, by_peer: bool) {
+        self.events.push_back(ConnEvent::Closed {
+            code,
+            reason: reason.to_owned(),
+            by_peer,
+        });
+    }
+}
+
+/// The bytes handed in as a non-blocking reader, the output buffer as a writer.
+struct Duplex<'a> {
+    input: &'a [u8],
+    out: &'a mut Vec<u8>,
+}
+
+impl Read for Duplex<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.input.is_empty() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let n = buf.len().min(self.input.len());
+        let (now, later) = self.input.split_at(n);
+        buf.get_mut(..n).unwrap_or_default().copy_from_slice(now);
+        self.input = later;
+        Ok(n)
+    }
+}
+
+impl Write for Duplex<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn frame_header_len(len: usize) -> usize {
+    if len < 126 {
+        2
+    } else if len <= 0xFFFF {
+        4
+    } else {
+        10
+    }
+}
+
+/// A final, unmasked frame header (server to client).
+fn push_frame_header(out: &mut Vec<u8>, opcode: u8, len: usize) {
+    out.push(0x80 | opcode);
+    if len < 126 {
+        out.push(len as u8);
+    } else if len <= 0xFFFF {
+        out.push(126);
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        out.push(127);
+        out.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Host {
+        healthy: bool,
+    }
+
+    impl HttpHost for Host {
+        fn health(&self) -> Result<(), String> {
+            if self.healthy {
+                Ok(())
+            } else {
+                Err("nats disconnected".into())
+            }
+        }
+        fn metrics(&self, out: &mut String) {
+            out.push_str("amp_sessions 0\n");
+        }
+    }
+
+    const HOST: Host = Host { healthy: true };
+    const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+
+    fn upgrade_request(protocols: Option<&str>) -> String {
+        let proto = protocols
+            .map(|p| format!("Sec-WebSocket-Protocol: {p}\r\n"))
+            .unwrap_or_default();
+        format!(
+            "GET /amp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {KEY}\r\n{proto}\r\n"
+        )
+    }
+
+    /// A masked client frame.
+    fn frame(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
+        let mask = [0x11, 0x22, 0x33, 0x44];
+        let mut out = vec![if fin { 0x80 } else { 0 } | opcode];
+        let len = payload.len();
+        if len < 126 {
+            out.push(0x80 | len as u8);
+        } else if len <= 0xFFFF {
+            out.push(0x80 | 126);
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+        } else {
+            out.push(0x80 | 127);
+            out.extend_from_slice(&(len as u64).to_be_bytes());
+        }
+        out.extend_from_slice(&mask);
+        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        out
+    }
+
+    fn text(s: &str) -> Vec<u8> {
+        frame(0x1, true, s.as_bytes())
+    }
+
+    fn close_frame(code: u16, reason: &str) -> Vec<u8> {
+        let mut p = code.to_be_bytes().to_vec();
+        p.extend_from_slice(reason.as_bytes());
+        frame(0x8, true, &p)
+    }
+
+    /// Server frames in `bytes`: (opcode, payload).
+    fn server_frames(mut bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        let mut frames = Vec::new();
+        while bytes.len() >= 2 {
+            let opcode = bytes[0] & 0x0F;
+            assert_eq!(bytes[1] & 0x80, 0, "server frames are unmasked");
+            let (len, at) = match bytes[1] & 0x7F {
+                126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
+                127 => (
+                    u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize,
+                    10,
+                ),
+                n => (n as usize, 2),
+            };
+            frames.push((opcode, bytes[at..at + len].to_vec()));
+            bytes = &bytes[at + len..];
+        }
+        assert!(bytes.is_empty(), "trailing partial frame");
+        frames
+    }
+
+    fn drain_output(c: &mut Connection) -> Vec<u8> {
+        let out = c.output().to_vec();
+        c.consume_output(out.len());
+        out
+    }
+
+    fn events(c: &mut Connection) -> Vec<ConnEvent> {
+        std::iter::from_fn(|| c.poll_event()).collect()
+    }
+
+    fn http(request: &str) -> (Connection, String, Vec<ConnEvent>) {
+        let t0 = Instant::now();
+        let mut c = Connection::new(t0, WsConfig::default());
+        c.handle_input(request.as_bytes(), t0, &HOST);
+        let out = String::from_utf8(drain_output(&mut c)).unwrap();
+        let ev = events(&mut c);
+        (c, out, ev)
+    }
+
+    /// An open session at `t0` with the upgrade response and `Opened` consumed.
+    fn open(cfg: WsConfig) -> (Connection, Instant) {
+        let t0 = Instant::now();
+        let mut c = Connection::new(t0, cfg);
+        c.handle_input(upgrade_request(Some("amp.v1")).as_bytes(), t0, &HOST);
+        let head = String::from_utf8(drain_output(&mut c)).unwrap();
+        assert!(
+            head.starts_with("HTTP/1.1 101 Switching Protocols\r\n"),
+            "{head}"
+        );
+        assert_eq!(
+            events(&mut c),
+            vec![ConnEvent::Opened {
+                subprotocol: Some("amp.v1")
+            }]
+        );
+        (c, t0)
+    }
+
+    fn closed(code: u16, reason: &str, by_peer: bool) -> ConnEvent {
+        ConnEvent::Closed {
+            code,
+            reason: reason.into(),
+            by_peer,
+        }
+    }
+
+    fn close_payload(code: u16, reason: &str) -> (u8, Vec<u8>) {
+        let mut p = code.to_be_bytes().to_vec();
+        p.extend_from_slice(reason.as_bytes());
+        (0x8, p)
+    }
+
+    #[test]
+    fn upgrade_answers_101_with_accept_and_subprotocol() {
+        let (_, out, ev) = http(&upgrade_request(Some("x, amp.v1")));
+        assert!(
+            out.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n"),
+            "{out}"
+        );
+        assert!(out.contains("Sec-WebSocket-Protocol: amp.v1\r\n"));
+        assert_eq!(
+            ev,
+            vec![ConnEvent::Opened {
+                subprotocol: Some("amp.v1")
+            }]
+        );
+        let (_, out, ev) = http(&upgrade_request(None));
+        assert!(out.starts_with("HTTP/1.1 101 ") && !out.contains("Sec-WebSocket-Protocol"));
+        assert_eq!(ev, vec![ConnEvent::Opened { subprotocol: None }]);
+    }
+
+    #[test]
+    fn upgrade_offering_only_other_subprotocols_gets_400_and_closes() {
+        let (c, out, ev) = http(&upgrade_request(Some("chat, amp.v2")));
+        assert!(out.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{out}");
+        assert!(out.contains("Connection: close\r\n"));
+        assert_eq!(ev, vec![ConnEvent::Http { status: 400 }]);
+        assert!(c.wants_shutdown_write());
+    }
+
+    #[test]
+    fn request_head_arriving_byte_by_byte_upgrades() {
+        let t0 = Instant::now();
+        let mut c = Connection::new(t0, WsConfig::default());
+        let mut bytes = upgrade_request(None).into_bytes();
+        bytes.extend(text("{\"op\":\"ping\",\"id\":\"1\"}"));
+        for b in &bytes {
+            c.handle_input(std::slice::from_ref(b), t0, &HOST);
+        }
+        let ev = events(&mut c);
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        assert_eq!(
+            ev[1],
+            ConnEvent::Text("{\"op\":\"ping\",\"id\":\"1\"}".into())
+        );
+    }
+
+    #[test]
+    fn frames_sent_right_behind_the_request_are_read() {
+        let t0 = Instant::now();
+        let mut c = Connection::new(t0, WsConfig::default());
+        let mut bytes = upgrade_request(None).into_bytes();
+        bytes.extend(text("a"));
+        bytes.extend(text("b"));
+        c.handle_input(&bytes, t0, &HOST);
+        let ev = events(&mut c);
+        assert_eq!(
+            &ev[1..],
+            &[ConnEvent::Text("a".into()), ConnEvent::Text("b".into())]
+        );
+    }
+
+    #[test]
+    fn plain_endpoints_answer_and_close() {
+        let (c, out, ev) = http("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(
+            out.starts_with("HTTP/1.1 200 OK\r\n") && out.ends_with("\r\n\r\nok\n"),
+            "{out}"
+        );
+        assert_eq!(ev, vec![ConnEvent::Http { status: 200 }]);
+        assert!(c.wants_shutdown_write());
+
+        let t0 = Instant::now();
+        let mut c = Connection::new(t0, WsConfig::default());
+        c.handle_input(
+            b"GET /healthz HTTP/1.1\r\n\r\n",
+            t0,
+            &Host { healthy: false },
+        );
+        let out = String::from_utf8(drain_output(&mut c)).unwrap();
+        assert!(
+            out.starts_with("HTTP/1.1 503 ") && out.ends_with("nats disconnected\n"),
+            "{out}"
+        );
+
+        let (_, out, _) = http("GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(out.contains("text/plain; version=0.0.4") && out.ends_with("amp_sessions 0\n"));
+        let (_, out, _) = http("GET /amp/schema HTTP/1.1\r\n\r\n");
+        assert!(out.contains("application/schema+json") && out.ends_with(crate::amp::SCHEMA_JSON));
+        let (_, out, ev) = http("GET /nope HTTP/1.1\r\n\r\n");
+        assert!(out.starts_with("HTTP/1.1 404 Not Found\r\n"));
+        assert_eq!(ev, vec![ConnEvent::Http { status: 404 }]);
+    }
+
+    #[test]
+    fn oversized_or_too_many_headers_get_431_and_garbage_gets_400() {
+        let many: String = (0..40).map(|i| format!("X-{i}: v\r\n")).collect();
+        let (_, out, ev) = http(&format!("GET /healthz HTTP/1.1\r\n{many}\r\n"));
+        assert!(out.starts_with("HTTP/1.1 431 "), "{out}");
+        assert_eq!(ev, vec![ConnEvent::Http { status: 431 }]);
+        let (_, out, _) = http(&format!(
+            "GET /healthz HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(9000)
+        ));
+        assert!(out.starts_with("HTTP/1.1 431 "), "{out}");
+        let (c, out, ev) = http("NOT HTTP AT ALL\r\n\r\n");
+        assert!(out.starts_with("HTTP/1.1 400 "), "{out}");
+        assert_eq!(ev, vec![ConnEvent::Http { status: 400 }]);
+        assert!(c.wants_shutdown_write());
+    }
+
+    #[test]
+    fn slow_request_is_closed_at_its_deadline() {
+        let t0 = Instant::now();
+        let cfg = WsConfig::default();
+        let mut c = Connection::new(t0, cfg);
+        c.handle_input(b"GET /healthz HTTP/1.1\r\n", t0, &HOST);
+        assert_eq!(c.next_deadline(), Some(t0 + cfg.request_timeout));
+        c.handle_timeout(t0 + cfg.request_timeout - Duration::from_millis(1));
+        assert!(!c.is_closed());
+        c.handle_timeout(t0 + cfg.request_timeout);
+        assert!(c.is_closed());
+        assert!(c.output().is_empty());
+    }
+
+    #[test]
+    fn response_is_flushed_then_write_shut_then_lingers_until_eof() {
+        let (mut c, _, _) = http("GET /healthz HTTP/1.1\r\n\r\n");
+        let t = Instant::now();
+        assert!(c.wants_shutdown_write());
+        c.write_shut_down(t);
+        assert!(!c.is_closed() && !c.wants_shutdown_write());
+        c.handle_input(b"ignored trailing bytes", t, &HOST);
+        c.handle_eof(t);
+        assert!(c.is_closed());
+    }
+
+    #[test]
+    fn text_in_and_out() {
+        let (mut c, t0) = open(WsConfig::default());
+        c.handle_input(&text("{\"op\":\"ping\",\"id\":\"p\"}"), t0, &HOST);
+        assert_eq!(
+            events(&mut c),
+            vec![ConnEvent::Text("{\"op\":\"ping\",\"id\":\"p\"}".into())]
+        );
+        c.send_text("{\"op\":\"ok\",\"re\":\"p\"}", t0).unwrap();
+        let big = "x".repeat(70_000);
+        c.send_text(&big, t0).unwrap();
+        let frames = server_frames(&drain_output(&mut c));
+        assert_eq!(frames[0], (0x1, b"{\"op\":\"ok\",\"re\":\"p\"}".to_vec()));
+        assert_eq!(frames[1], (0x1, big.into_bytes()));
+    }
+
+    #[test]
+    fn fragmented_message_is_reassembled() {
+        let (mut c, t0) = open(WsConfig::default());
+        let mut bytes = frame(0x1, false, b"{\"op\":");
+        bytes.extend(frame(0x9, true, b"hi")); // a ping between fragments
+        bytes.extend(frame(0x0, false, b"\"ping\","));
+        bytes.extend(frame(0x0, true, b"\"id\":\"1\"}"));
+        c.handle_input(&bytes, t0, &HOST);
+        assert_eq!(
+            events(&mut c),
+            vec![ConnEvent::Text("{\"op\":\"ping\",\"id\":\"1\"}".into())]
+        );
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![(0xA, b"hi".to_vec())]
+        );
+    }
+
+    #[test]
+    fn client_ping_is_answered_with_pong() {
+        let (mut c, t0) = open(WsConfig::default());
+        c.handle_input(&frame(0x9, true, b"abc"), t0, &HOST);
+        assert!(events(&mut c).is_empty());
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![(0xA, b"abc".to_vec())]
+        );
+    }
+
+    fn assert_failed_with(input: Vec<u8>, cfg: WsConfig, code: u16, reason: &str) {
+        let (mut c, t0) = open(cfg);
+        c.handle_input(&input, t0, &HOST);
+        assert_eq!(events(&mut c), vec![closed(code, reason, false)]);
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![close_payload(code, reason)]
+        );
+        assert!(c.wants_shutdown_write());
+        // Nothing after the failure is read.
+        c.handle_input(&text("late"), t0, &HOST);
+        assert!(events(&mut c).is_empty());
+    }
+
+    #[test]
+    fn binary_frame_closes_1003() {
+        assert_failed_with(
+            frame(0x2, true, b"\x00\x01"),
+            WsConfig::default(),
+            1003,
+            "binary frames are not accepted",
+        );
+    }
+
+    #[test]
+    fn message_over_max_frame_closes_1009_single_or_fragmented() {
+        let cfg = WsConfig {
+            max_frame: 1000,
+            ..WsConfig::default()
+        };
+        assert_failed_with(text(&"x".repeat(1001)), cfg, 1009, "message too big");
+        let mut parts = frame(0x1, false, &[b'x'; 600]);
+        parts.extend(frame(0x0, true, &[b'x'; 600]));
+        assert_failed_with(parts, cfg, 1009, "message too big");
+        // Exactly at the limit passes.
+        let (mut c, t0) = open(cfg);
+        c.handle_input(&text(&"y".repeat(1000)), t0, &HOST);
+        assert_eq!(events(&mut c).len(), 1);
+    }
+
+    #[test]
+    fn invalid_utf8_closes_1007() {
+        assert_failed_with(
+            frame(0x1, true, b"\xff\xfe"),
+            WsConfig::default(),
+            1007,
+            "invalid UTF-8",
+        );
+        let mut parts = frame(0x1, false, b"ok");
+        parts.extend(frame(0x0, true, b"\xc3\x28"));
+        assert_failed_with(parts, WsConfig::default(), 1007, "invalid UTF-8");
+    }
+
+    #[test]
+    fn unmasked_client_frame_is_a_protocol_error() {
+        assert_failed_with(
+            vec![0x81, 0x01, b'x'],
+            WsConfig::default(),
+            1002,
+            "protocol error",
+        );
+    }
+
+    #[test]
+    fn ping_every_heartbeat_and_idle_session_closed_after_three() {
+        let cfg = WsConfig::default();
+        let hb = cfg.heartbeat;
+        let (mut c, t0) = open(cfg);
+        assert_eq!(c.next_deadline(), Some(t0 + hb));
+        c.handle_timeout(t0 + hb);
+        assert_eq!(server_frames(&drain_output(&mut c)), vec![(0x9, vec![])]);
+        c.handle_timeout(t0 + hb * 2);
+        assert_eq!(server_frames(&drain_output(&mut c)), vec![(0x9, vec![])]);
+        assert_eq!(c.next_deadline(), Some(t0 + hb * 3));
+        c.handle_timeout(t0 + hb * 3);
+        assert_eq!(events(&mut c), vec![closed(1001, "idle timeout", false)]);
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![close_payload(1001, "idle timeout")]
+        );
+        assert!(!c.is_open());
+    }
+
+    #[test]
+    fn pong_counts_as_activity() {
+        let cfg = WsConfig::default();
+        let hb = cfg.heartbeat;
+        let (mut c, t0) = open(cfg);
+        c.handle_timeout(t0 + hb);
+        c.handle_timeout(t0 + hb * 2);
+        c.handle_input(&frame(0xA, true, b""), t0 + hb * 2, &HOST);
+        c.handle_timeout(t0 + hb * 3);
+        assert!(c.is_open(), "a pong 1 heartbeat ago keeps the session");
+        assert_eq!(c.next_deadline(), Some(t0 + hb * 4));
+        c.handle_timeout(t0 + hb * 5 - Duration::from_millis(1));
+        assert!(c.is_open());
+        c.handle_timeout(t0 + hb * 5);
+        assert!(!c.is_open());
+    }
+
+    #[test]
+    fn client_close_is_echoed_and_reported() {
+        let (mut c, t0) = open(WsConfig::default());
+        c.handle_input(&close_frame(1000, "bye"), t0, &HOST);
+        assert_eq!(events(&mut c), vec![closed(1000, "bye", true)]);
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![close_payload(1000, "bye")]
+        );
+        assert!(c.wants_shutdown_write());
+        assert_eq!(c.send_text("late", t0), Err(SendError::NotOpen));
+    }
+
+    #[test]
+    fn server_close_waits_for_the_reply_then_shuts_down() {
+        let cfg = WsConfig::default();
+        let (mut c, t0) = open(cfg);
+        c.send_text("last", t0).unwrap();
+        c.close(1001, "going away", t0);
+        assert_eq!(events(&mut c), vec![closed(1001, "going away", false)]);
+        let frames = server_frames(&drain_output(&mut c));
+        assert_eq!(
+            frames,
+            vec![(0x1, b"last".to_vec()), close_payload(1001, "going away")]
+        );
+        assert!(!c.wants_shutdown_write());
+        // Text the client sent before it saw the close is not delivered.
+        c.handle_input(&text("racing"), t0, &HOST);
+        assert!(events(&mut c).is_empty());
+        c.handle_input(&close_frame(1001, ""), t0, &HOST);
+        assert!(events(&mut c).is_empty());
+        assert!(c.wants_shutdown_write());
+        c.write_shut_down(t0);
+        c.handle_eof(t0);
+        assert!(c.is_closed());
+    }
+
+    #[test]
+    fn close_handshake_that_never_completes_ends_at_the_close_timeout() {
+        let cfg = WsConfig::default();
+        let (mut c, t0) = open(cfg);
+        c.close(1000, "", t0);
+        assert_eq!(c.next_deadline(), Some(t0 + cfg.close_timeout));
+        c.handle_timeout(t0 + cfg.close_timeout);
+        assert!(c.is_closed());
+    }
+
+    #[test]
+    fn peer_vanishing_reports_1006() {
+        let (mut c, t0) = open(WsConfig::default());
+        c.handle_eof(t0);
+        assert_eq!(events(&mut c), vec![closed(1006, "connection lost", true)]);
+        assert!(c.is_closed());
+    }
+
+    #[test]
+    fn slow_consumer_is_closed_1008_once_the_queue_would_pass_its_bound() {
+        let cfg = WsConfig {
+            max_outbound_bytes: 1000,
+            ..WsConfig::default()
+        };
+        let (mut c, t0) = open(cfg);
+        let msg = "m".repeat(98); // 100 bytes framed
+        for _ in 0..10 {
+            c.send_text(&msg, t0).unwrap();
+        }
+        assert_eq!(c.queued_bytes(), 1000);
+        assert_eq!(c.send_text("x", t0), Err(SendError::SlowConsumer));
+        assert_eq!(events(&mut c), vec![closed(1008, "slow consumer", false)]);
+        assert_eq!(c.send_text("x", t0), Err(SendError::NotOpen));
+        assert!(events(&mut c).is_empty(), "reported once");
+        let frames = server_frames(&drain_output(&mut c));
+        assert_eq!(frames.len(), 11);
+        assert_eq!(frames[10], close_payload(1008, "slow consumer"));
+        // Writing some of it frees room for nothing: the session is closing.
+        assert_eq!(c.send_text("x", t0), Err(SendError::NotOpen));
+    }
+
+    #[test]
+    fn partially_written_output_is_resumed_and_released_when_empty() {
+        let (mut c, t0) = open(WsConfig::default());
+        let big = "z".repeat(100_000);
+        c.send_text(&big, t0).unwrap();
+        let total = c.queued_bytes();
+        c.consume_output(30_000);
+        assert_eq!(c.queued_bytes(), total - 30_000);
+        c.consume_output(total - 30_000);
+        assert_eq!(c.queued_bytes(), 0);
+        assert!(c.out.capacity() <= KEEP_OUTPUT_CAPACITY);
+    }
+}

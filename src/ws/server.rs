@@ -1,0 +1,3 @@
+pub struct WsServer;
+pub struct SessionId;
+pub enum SessionEvent {}
