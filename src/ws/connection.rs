@@ -37,6 +37,8 @@ pub struct WsConfig {
     pub close_timeout: Duration,
     /// Chunk in which tungstenite buffers incoming frames (allocated per session).
     pub read_buffer_size: usize,
+    /// Most connections open at once; further ones are accepted and closed at once.
+    pub max_connections: usize,
 }
 
 impl Default for WsConfig {
@@ -49,6 +51,7 @@ impl Default for WsConfig {
             request_timeout: Duration::from_secs(10),
             close_timeout: Duration::from_secs(5),
             read_buffer_size: 2 << 10,
+            max_connections: 10_000,
         }
     }
 }
@@ -311,6 +314,16 @@ impl Connection {
                 self.deadline = now + self.cfg.close_timeout;
             }
         }
+    }
+
+    /// The socket failed (reset, broken pipe): nothing more can be read or written.
+    pub fn abort(&mut self) {
+        if matches!(self.phase, Phase::Open) {
+            self.emit_closed(close_code::ABNORMAL, "connection lost", true);
+        }
+        self.out = Vec::new();
+        self.out_pos = 0;
+        self.phase = Phase::Closed;
     }
 
     /// Nothing more to do: drop the socket.

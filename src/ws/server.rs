@@ -1,3 +1,616 @@
-pub struct WsServer;
-pub struct SessionId;
-pub enum SessionEvent {}
+//! The `mio` shell around [`Connection`]s: a listener and a connection table on the
+//! embedder's `Poll`, a deadline heap for the connections' timers, and the byte moving
+//! between sockets and machines.
+//!
+//! The server does not own the event loop, so the broker can run it next to its NATS
+//! connection on one `Poll`:
+//!
+//! ```text
+//! let mut ws = WsServer::bind(addr, cfg, poll.registry(), Token(0), 1_000)?;
+//! loop {
+//!     poll.poll(&mut events, timeout_until(min(ws.next_deadline(), nats deadline)))?;
+//!     let now = Instant::now();
+//!     for e in &events {
+//!         if ws.owns(e.token()) { ws.handle_event(poll.registry(), e, now, &host) } else { .. }
+//!     }
+//!     ws.handle_timeouts(poll.registry(), now);
+//!     loop {
+//!         while let Some((session, event)) = ws.poll_event() { .. ws.send_text(session, ..) .. }
+//!         ws.flush(poll.registry(), now, &host);   // writes what the handlers queued
+//!         if !ws.has_events() { break }
+//!     }
+//! }
+//! ```
+//!
+//! [`WsServer::run`] is that loop for a server alone (tests, tools). Tokens: the listener
+//! has its own; connection `i` has `first_conn_token + i`, for `i < max_connections`.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr};
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Registry, Token};
+
+use super::connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
+use super::metrics::{CounterId, GaugeId, Registry as Metrics};
+use tungstenite::Utf8Bytes;
+
+/// Bytes read from one socket per pass before other connections get their turn.
+const READ_CHUNK: usize = 64 << 10;
+const MAX_READS_PER_TURN: usize = 8;
+
+/// A session (one connection) as the embedder sees it; never reused for another one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(u64);
+
+impl SessionId {
+    fn new(index: usize, generation: u32) -> Self {
+        SessionId((u64::from(generation) << 32) | index as u64)
+    }
+    fn index(self) -> usize {
+        (self.0 & 0xFFFF_FFFF) as usize
+    }
+    fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+    pub fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:x}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionEvent {
+    Opened {
+        subprotocol: Option<&'static str>,
+        peer: SocketAddr,
+    },
+    Text(Utf8Bytes),
+    /// The session is over (see [`ConnEvent::Closed`]); the id is dead from here on.
+    Closed {
+        code: u16,
+        reason: String,
+        by_peer: bool,
+    },
+}
+
+#[derive(Debug)]
+struct Slot {
+    conn: Connection,
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// The deadline this slot has in the heap, if any.
+    scheduled: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct TransportMetrics {
+    registry: Metrics,
+    accepted: CounterId,
+    rejected: CounterId,
+    connections: GaugeId,
+    ws_sessions: GaugeId,
+    http_responses: CounterId,
+    closes: CounterId,
+    slow_consumers: CounterId,
+}
+
+impl TransportMetrics {
+    fn new() -> Self {
+        let mut r = Metrics::new();
+        TransportMetrics {
+            accepted: r.counter(
+                "amp_ws_connections_accepted_total",
+                "TCP connections accepted.",
+                None,
+            ),
+            rejected: r.counter(
+                "amp_ws_connections_rejected_total",
+                "TCP connections closed at once because the connection table was full.",
+                None,
+            ),
+            connections: r.gauge("amp_ws_connections", "TCP connections open.", None),
+            ws_sessions: r.gauge("amp_ws_sessions", "WebSocket sessions open.", None),
+            http_responses: r.counter(
+                "amp_http_responses_total",
+                "Plain HTTP responses, by status.",
+                Some("status"),
+            ),
+            closes: r.counter(
+                "amp_ws_closes_total",
+                "WebSocket sessions ended, by close code.",
+                Some("code"),
+            ),
+            slow_consumers: r.counter(
+                "amp_ws_slow_consumers_total",
+                "Sessions closed because their outbound queue passed its bound.",
+                None,
+            ),
+            registry: r,
+        }
+    }
+}
+
+/// The embedder's endpoints plus the transport's own metrics.
+struct WithTransport<'a> {
+    host: &'a dyn HttpHost,
+    metrics: &'a Metrics,
+}
+
+impl HttpHost for WithTransport<'_> {
+    fn health(&self) -> Result<(), String> {
+        self.host.health()
+    }
+    fn metrics(&self, out: &mut String) {
+        self.host.metrics(out);
+        self.metrics.render(out);
+    }
+}
+
+pub struct WsServer {
+    cfg: WsConfig,
+    listener: Option<TcpListener>,
+    local_addr: SocketAddr,
+    listener_token: Token,
+    first_token: usize,
+    slots: Vec<Option<Slot>>,
+    generations: Vec<u32>,
+    free: Vec<usize>,
+    open: usize,
+    timers: BinaryHeap<Reverse<(Instant, usize, u32)>>,
+    events: VecDeque<(SessionId, SessionEvent)>,
+    dirty: Vec<usize>,
+    /// Connections that still had input when their read turn ended.
+    backlog: Vec<usize>,
+    scratch: Vec<u8>,
+    metrics: TransportMetrics,
+    draining: bool,
+}
+
+impl std::fmt::Debug for WsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WsServer")
+            .field("local_addr", &self.local_addr)
+            .field("connections", &self.open)
+            .field("draining", &self.draining)
+            .finish()
+    }
+}
+
+impl WsServer {
+    /// Binds the listener and registers it under `listener_token`.
+    pub fn bind(
+        addr: SocketAddr,
+        cfg: WsConfig,
+        registry: &Registry,
+        listener_token: Token,
+        first_conn_token: usize,
+    ) -> io::Result<Self> {
+        let mut listener = TcpListener::bind(addr)?;
+        let local_addr = listener.local_addr()?;
+        registry.register(&mut listener, listener_token, Interest::READABLE)?;
+        Ok(WsServer {
+            cfg,
+            listener: Some(listener),
+            local_addr,
+            listener_token,
+            first_token: first_conn_token,
+            slots: Vec::new(),
+            generations: Vec::new(),
+            free: Vec::new(),
+            open: 0,
+            timers: BinaryHeap::new(),
+            events: VecDeque::new(),
+            dirty: Vec::new(),
+            backlog: Vec::new(),
+            scratch: vec![0; READ_CHUNK],
+            metrics: TransportMetrics::new(),
+            draining: false,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn config(&self) -> &WsConfig {
+        &self.cfg
+    }
+
+    /// Whether `token` is the listener's or one of the connections'.
+    pub fn owns(&self, token: Token) -> bool {
+        token == self.listener_token
+            || (token.0 >= self.first_token
+                && token.0 - self.first_token < self.cfg.max_connections)
+    }
+
+    /// Connections open (HTTP, WebSocket and closing ones).
+    pub fn connection_count(&self) -> usize {
+        self.open
+    }
+
+    /// Renders the transport's own `amp_ws_*`/`amp_http_*` metrics.
+    pub fn render_metrics(&self, out: &mut String) {
+        self.metrics.registry.render(out);
+    }
+
+    pub fn handle_event(
+        &mut self,
+        registry: &Registry,
+        event: &mio::event::Event,
+        now: Instant,
+        host: &dyn HttpHost,
+    ) {
+        let token = event.token();
+        if token == self.listener_token {
+            self.accept(registry, now);
+            return;
+        }
+        let Some(index) = token.0.checked_sub(self.first_token) else {
+            return;
+        };
+        if !matches!(self.slots.get(index), Some(Some(_))) {
+            return;
+        }
+        if event.is_readable() || event.is_read_closed() || event.is_error() {
+            self.read(index, now, host);
+        }
+        self.settle(registry, index, now);
+    }
+
+    /// Runs the connection timers due at `now`.
+    pub fn handle_timeouts(&mut self, registry: &Registry, now: Instant) {
+        while let Some(Reverse((at, index, generation))) = self.timers.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            if self.generations.get(index) != Some(&generation) {
+                continue;
+            }
+            let Some(Some(slot)) = self.slots.get_mut(index) else {
+                continue;
+            };
+            if slot.scheduled != Some(at) {
+                continue;
+            }
+            slot.scheduled = None;
+            slot.conn.handle_timeout(now);
+            self.settle(registry, index, now);
+        }
+    }
+
+    /// The earliest moment [`handle_timeouts`](Self::handle_timeouts) or
+    /// [`flush`](Self::flush) has work; `Some(past)` means "poll without waiting".
+    pub fn next_deadline(&self) -> Option<Instant> {
+        if !self.backlog.is_empty() || !self.dirty.is_empty() || !self.events.is_empty() {
+            return Some(Instant::now());
+        }
+        self.timers.peek().map(|Reverse((at, ..))| *at)
+    }
+
+    pub fn poll_event(&mut self) -> Option<(SessionId, SessionEvent)> {
+        self.events.pop_front()
+    }
+
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
+    /// Queues a text message; it is written by the next [`flush`](Self::flush).
+    pub fn send_text(&mut self, id: SessionId, text: &str, now: Instant) -> Result<(), SendError> {
+        let slot = self.slot_mut(id).ok_or(SendError::NotOpen)?;
+        let result = slot.conn.send_text(text, now);
+        self.dirty.push(id.index());
+        result
+    }
+
+    /// Closes a session with `code` after what is queued for it.
+    pub fn close(&mut self, id: SessionId, code: u16, reason: &str, now: Instant) {
+        if let Some(slot) = self.slot_mut(id) {
+            slot.conn.close(code, reason, now);
+            self.dirty.push(id.index());
+        }
+    }
+
+    /// Bytes queued for a session (0 for an unknown one).
+    pub fn queued_bytes(&self, id: SessionId) -> usize {
+        self.slot(id).map_or(0, |s| s.conn.queued_bytes())
+    }
+
+    pub fn is_open(&self, id: SessionId) -> bool {
+        self.slot(id).is_some_and(|s| s.conn.is_open())
+    }
+
+    /// Writes what handlers queued, continues reads cut short for fairness, and
+    /// surfaces the events that produced.
+    pub fn flush(&mut self, registry: &Registry, now: Instant, host: &dyn HttpHost) {
+        let backlog = std::mem::take(&mut self.backlog);
+        for index in backlog {
+            if matches!(self.slots.get(index), Some(Some(_))) {
+                self.read(index, now, host);
+                self.dirty.push(index);
+            }
+        }
+        let mut dirty = std::mem::take(&mut self.dirty);
+        dirty.sort_unstable();
+        dirty.dedup();
+        for &index in &dirty {
+            self.settle(registry, index, now);
+        }
+        dirty.clear();
+        if self.dirty.is_empty() {
+            self.dirty = dirty;
+        }
+    }
+
+    /// Stops accepting and closes every open session with 1001 `going away` once what is
+    /// queued for it is sent.
+    pub fn begin_drain(&mut self, registry: &Registry, now: Instant) {
+        self.draining = true;
+        if let Some(mut listener) = self.listener.take() {
+            let _ = registry.deregister(&mut listener);
+        }
+        for index in 0..self.slots.len() {
+            if let Some(Some(slot)) = self.slots.get_mut(index) {
+                slot.conn.close(close_code::GOING_AWAY, "going away", now);
+                self.dirty.push(index);
+            }
+        }
+    }
+
+    /// Draining and every connection is gone.
+    pub fn is_drained(&self) -> bool {
+        self.draining && self.open == 0
+    }
+
+    /// Runs the loop for this server alone until `tick` returns false. `tick` runs once
+    /// per turn; events for tokens the server does not own (a `Waker`) are ignored.
+    pub fn run(
+        &mut self,
+        poll: &mut Poll,
+        host: &dyn HttpHost,
+        mut on_event: impl FnMut(&mut WsServer, SessionId, SessionEvent, Instant),
+        mut tick: impl FnMut(&mut WsServer, &Registry, Instant) -> bool,
+    ) -> io::Result<()> {
+        let mut events = Events::with_capacity(256);
+        loop {
+            let timeout = self
+                .next_deadline()
+                .map(|d| d.saturating_duration_since(Instant::now()))
+                .map(|t| t.max(Duration::from_millis(0)));
+            match poll.poll(&mut events, timeout) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            let now = Instant::now();
+            for event in events.iter() {
+                if self.owns(event.token()) {
+                    self.handle_event(poll.registry(), event, now, host);
+                }
+            }
+            self.handle_timeouts(poll.registry(), now);
+            loop {
+                while let Some((id, event)) = self.poll_event() {
+                    on_event(self, id, event, now);
+                }
+                self.flush(poll.registry(), now, host);
+                if !self.has_events() {
+                    break;
+                }
+            }
+            if !tick(self, poll.registry(), now) {
+                return Ok(());
+            }
+        }
+    }
+
+    fn slot(&self, id: SessionId) -> Option<&Slot> {
+        if self.generations.get(id.index()) != Some(&id.generation()) {
+            return None;
+        }
+        self.slots.get(id.index()).and_then(Option::as_ref)
+    }
+
+    fn slot_mut(&mut self, id: SessionId) -> Option<&mut Slot> {
+        if self.generations.get(id.index()) != Some(&id.generation()) {
+            return None;
+        }
+        self.slots.get_mut(id.index()).and_then(Option::as_mut)
+    }
+
+    fn accept(&mut self, registry: &Registry, now: Instant) {
+        loop {
+            let Some(listener) = self.listener.as_ref() else {
+                return;
+            };
+            let (mut stream, peer) = match listener.accept() {
+                Ok(conn) => conn,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors and the like: the pending connections wait
+                    // for the next readiness event.
+                    eprintln!("ws: accept failed: {e}");
+                    return;
+                }
+            };
+            self.metrics.registry.inc(self.metrics.accepted, "");
+            if self.open >= self.cfg.max_connections {
+                self.metrics.registry.inc(self.metrics.rejected, "");
+                continue;
+            }
+            let index = match self.free.pop() {
+                Some(index) => index,
+                None => {
+                    self.slots.push(None);
+                    self.generations.push(0);
+                    self.slots.len() - 1
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let token = Token(self.first_token + index);
+            if let Err(e) =
+                registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
+            {
+                eprintln!("ws: cannot register connection from {peer}: {e}");
+                self.free.push(index);
+                continue;
+            }
+            if let Some(entry) = self.slots.get_mut(index) {
+                *entry = Some(Slot {
+                    conn: Connection::new(now, self.cfg),
+                    stream,
+                    peer,
+                    scheduled: None,
+                });
+            }
+            self.open += 1;
+            self.metrics
+                .registry
+                .set(self.metrics.connections, "", self.open as f64);
+            self.schedule(index);
+        }
+    }
+
+    fn read(&mut self, index: usize, now: Instant, host: &dyn HttpHost) {
+        let Some(Some(slot)) = self.slots.get_mut(index) else {
+            return;
+        };
+        let host = WithTransport {
+            host,
+            metrics: &self.metrics.registry,
+        };
+        for turn in 0.. {
+            if !slot.conn.wants_input() {
+                return;
+            }
+            if turn == MAX_READS_PER_TURN {
+                self.backlog.push(index);
+                return;
+            }
+            match slot.stream.read(&mut self.scratch) {
+                Ok(0) => {
+                    slot.conn.handle_eof(now);
+                    return;
+                }
+                Ok(n) => {
+                    slot.conn
+                        .handle_input(self.scratch.get(..n).unwrap_or_default(), now, &host)
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    slot.conn.abort();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes a connection's output, shuts it down or removes it as its machine says,
+    /// surfaces its events and keeps its timer in the heap.
+    fn settle(&mut self, registry: &Registry, index: usize, now: Instant) {
+        let Some(Some(slot)) = self.slots.get_mut(index) else {
+            return;
+        };
+        while !slot.conn.output().is_empty() {
+            match slot.stream.write(slot.conn.output()) {
+                Ok(0) => {
+                    slot.conn.abort();
+                    break;
+                }
+                Ok(n) => slot.conn.consume_output(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    slot.conn.abort();
+                    break;
+                }
+            }
+        }
+        if slot.conn.wants_shutdown_write() {
+            let _ = slot.stream.shutdown(Shutdown::Write);
+            slot.conn.write_shut_down(now);
+        }
+        let id = SessionId::new(index, self.generations.get(index).copied().unwrap_or(0));
+        let peer = slot.peer;
+        let queued = slot.conn.queued_bytes();
+        while let Some(event) = slot.conn.poll_event() {
+            let m = &mut self.metrics;
+            let event = match event {
+                ConnEvent::Http { status } => {
+                    m.registry.inc(m.http_responses, &status.to_string());
+                    continue;
+                }
+                ConnEvent::Opened { subprotocol } => {
+                    m.registry.gauge_add(m.ws_sessions, "", 1.0);
+                    SessionEvent::Opened { subprotocol, peer }
+                }
+                ConnEvent::Text(text) => SessionEvent::Text(text),
+                ConnEvent::Closed {
+                    code,
+                    reason,
+                    by_peer,
+                } => {
+                    m.registry.gauge_add(m.ws_sessions, "", -1.0);
+                    m.registry.inc(m.closes, &code.to_string());
+                    if code == close_code::POLICY && reason == "slow consumer" {
+                        m.registry.inc(m.slow_consumers, "");
+                        eprintln!(
+                            "ws: session {id} peer {peer} closed 1008 slow consumer: {queued} bytes queued, limit {}",
+                            self.cfg.max_outbound_bytes
+                        );
+                    }
+                    SessionEvent::Closed {
+                        code,
+                        reason,
+                        by_peer,
+                    }
+                }
+            };
+            self.events.push_back((id, event));
+        }
+        if slot.conn.is_closed() {
+            if let Some(Some(mut slot)) = self.slots.get_mut(index).map(Option::take) {
+                let _ = registry.deregister(&mut slot.stream);
+            }
+            if let Some(generation) = self.generations.get_mut(index) {
+                *generation = generation.wrapping_add(1);
+            }
+            self.free.push(index);
+            self.open -= 1;
+            self.metrics
+                .registry
+                .set(self.metrics.connections, "", self.open as f64);
+            return;
+        }
+        self.schedule(index);
+    }
+
+    /// Puts the connection's next deadline in the heap unless an earlier-or-equal entry
+    /// is already there: a timer firing early only recomputes.
+    fn schedule(&mut self, index: usize) {
+        let generation = self.generations.get(index).copied().unwrap_or(0);
+        let Some(Some(slot)) = self.slots.get_mut(index) else {
+            return;
+        };
+        let Some(deadline) = slot.conn.next_deadline() else {
+            return;
+        };
+        if slot.scheduled.is_some_and(|at| at <= deadline) {
+            return;
+        }
+        slot.scheduled = Some(deadline);
+        self.timers.push(Reverse((deadline, index, generation)));
+    }
+}

@@ -1,0 +1,394 @@
+//! The WebSocket transport over real sockets with a real WebSocket client: upgrade and
+//! subprotocol rules, plain HTTP endpoints and their limits, frames and close codes,
+//! heartbeats, slow-consumer isolation and drain.
+
+mod common;
+mod ws_support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use amp_broker::amp::SCHEMA_JSON;
+use amp_broker::ws::WsConfig;
+use tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
+use tungstenite::protocol::frame::{CloseFrame, Frame};
+use tungstenite::{Bytes, Message};
+use ws_support::{connect, http, raw_upgrade, read_frame, start};
+
+fn wait(cond: impl FnMut() -> bool) -> bool {
+    common::wait_until(Duration::from_secs(10), cond)
+}
+
+/// Reads until a close frame arrives; returns its code and reason.
+fn read_close(client: &mut ws_support::Client) -> (u16, String) {
+    loop {
+        match client.read() {
+            Ok(Message::Close(Some(f))) => return (f.code.into(), f.reason.as_str().to_owned()),
+            Ok(Message::Close(None)) => return (1005, String::new()),
+            Ok(_) => {}
+            Err(e) => panic!("no close frame: {e}"),
+        }
+    }
+}
+
+#[test]
+fn upgrade_selects_amp_v1_and_text_round_trips() {
+    let server = start(WsConfig::default());
+    let (mut client, response) = connect(&server, Some("amp.v1")).expect("upgrade");
+    assert_eq!(response.status(), 101);
+    assert_eq!(
+        response
+            .headers()
+            .get("Sec-WebSocket-Protocol")
+            .map(|v| v.as_bytes()),
+        Some(&b"amp.v1"[..])
+    );
+    client
+        .send(Message::text("{\"op\":\"ping\",\"id\":\"1\"}"))
+        .expect("send");
+    assert_eq!(
+        client.read().expect("echo"),
+        Message::text("{\"op\":\"ping\",\"id\":\"1\"}")
+    );
+    let big = "b".repeat(200_000);
+    client.send(Message::text(big.clone())).expect("send big");
+    assert_eq!(client.read().expect("echo big"), Message::text(big));
+}
+
+#[test]
+fn client_offering_no_subprotocol_is_accepted_without_the_header() {
+    let server = start(WsConfig::default());
+    let (mut client, response) = connect(&server, None).expect("upgrade");
+    assert!(response.headers().get("Sec-WebSocket-Protocol").is_none());
+    client.send(Message::text("x")).expect("send");
+    assert_eq!(client.read().expect("echo"), Message::text("x"));
+}
+
+#[test]
+fn client_offering_only_other_subprotocols_gets_http_400() {
+    let server = start(WsConfig::default());
+    match connect(&server, Some("chat, amp.v2")) {
+        Err(tungstenite::Error::Http(response)) => assert_eq!(response.status(), 400),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("upgrade accepted"),
+    }
+}
+
+#[test]
+fn plain_http_endpoints_answer_and_close() {
+    let server = start(WsConfig::default());
+    let r = http(&server, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(
+        r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("\r\n\r\nok\n"),
+        "{r}"
+    );
+    server.host.healthy.store(false, Ordering::SeqCst);
+    let r = http(&server, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(
+        r.starts_with("HTTP/1.1 503 ") && r.ends_with("nats: not connected\n"),
+        "{r}"
+    );
+    let r = http(&server, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(
+        r.contains("\r\n\r\n# TYPE amp_sessions gauge\namp_sessions 0\n"),
+        "{r}"
+    );
+    assert!(
+        r.contains("amp_http_responses_total{status=\"200\"} 1\n"),
+        "{r}"
+    );
+    assert!(r.contains("amp_ws_connections 1\n"), "{r}");
+    let r = http(&server, "GET /amp/schema HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(r.contains("Content-Type: application/schema+json\r\n"));
+    assert!(r.ends_with(SCHEMA_JSON));
+    let r = http(&server, "GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 404 Not Found\r\n"), "{r}");
+    let r = http(&server, "GET /amp HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 400 "), "{r}");
+}
+
+#[test]
+fn oversized_heads_get_431_and_malformed_ones_400() {
+    let server = start(WsConfig::default());
+    let many: String = (0..40).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let r = http(&server, &format!("GET /healthz HTTP/1.1\r\n{many}\r\n"));
+    assert!(r.starts_with("HTTP/1.1 431 "), "{r}");
+    // A head past 8 KiB, still being sent when the server answers.
+    let r = http(
+        &server,
+        &format!(
+            "GET /healthz HTTP/1.1\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(20_000)
+        ),
+    );
+    assert!(r.starts_with("HTTP/1.1 431 "), "{r}");
+    let r = http(&server, "BLAH\r\n\r\n");
+    assert!(r.starts_with("HTTP/1.1 400 "), "{r}");
+}
+
+#[test]
+fn slow_request_is_closed_at_the_request_timeout() {
+    let cfg = WsConfig {
+        request_timeout: Duration::from_millis(300),
+        ..WsConfig::default()
+    };
+    let server = start(cfg);
+    let mut s = TcpStream::connect(server.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let t0 = Instant::now();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .expect("partial head");
+    let mut buf = Vec::new();
+    let n = s.read_to_end(&mut buf).expect("server closes");
+    assert_eq!(n, 0, "no response to an incomplete request");
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+}
+
+#[test]
+fn binary_frame_closes_1003() {
+    let server = start(WsConfig::default());
+    let (mut client, _) = connect(&server, Some("amp.v1")).expect("upgrade");
+    client.send(Message::binary(vec![1u8, 2, 3])).expect("send");
+    assert_eq!(
+        read_close(&mut client),
+        (1003, "binary frames are not accepted".into())
+    );
+    assert!(wait(|| server.seen.closes().contains(&(
+        1003,
+        "binary frames are not accepted".into(),
+        false
+    ))));
+}
+
+#[test]
+fn message_over_max_frame_closes_1009_also_when_fragmented() {
+    let cfg = WsConfig {
+        max_frame: 4096,
+        ..WsConfig::default()
+    };
+    let server = start(cfg);
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    client
+        .send(Message::text("a".repeat(4096)))
+        .expect("at the limit");
+    assert_eq!(client.read().expect("echo").len(), 4096);
+    client.send(Message::text("a".repeat(4097))).expect("send");
+    assert_eq!(read_close(&mut client).0, 1009);
+
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    let part = |op, fin| Frame::message(Bytes::from(vec![b'x'; 3000]), op, fin);
+    client
+        .write(Message::Frame(part(OpCode::Data(Data::Text), false)))
+        .expect("first part");
+    client
+        .send(Message::Frame(part(OpCode::Data(Data::Continue), true)))
+        .expect("last part");
+    assert_eq!(read_close(&mut client).0, 1009);
+}
+
+#[test]
+fn fragmented_message_within_the_limit_is_reassembled() {
+    let server = start(WsConfig::default());
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    let part = |s: &'static str, op, fin| Frame::message(Bytes::from_static(s.as_bytes()), op, fin);
+    client
+        .write(Message::Frame(part("hel", OpCode::Data(Data::Text), false)))
+        .expect("1");
+    client
+        .write(Message::Frame(part(
+            "lo ",
+            OpCode::Data(Data::Continue),
+            false,
+        )))
+        .expect("2");
+    client
+        .send(Message::Frame(part(
+            "world",
+            OpCode::Data(Data::Continue),
+            true,
+        )))
+        .expect("3");
+    assert_eq!(client.read().expect("echo"), Message::text("hello world"));
+}
+
+#[test]
+fn invalid_utf8_text_closes_1007() {
+    let server = start(WsConfig::default());
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    let frame = Frame::message(
+        Bytes::from_static(b"\xff\xfe"),
+        OpCode::Data(Data::Text),
+        true,
+    );
+    client.send(Message::Frame(frame)).expect("send");
+    assert_eq!(read_close(&mut client).0, 1007);
+}
+
+#[test]
+fn client_ping_is_answered_with_pong() {
+    let server = start(WsConfig::default());
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    client
+        .send(Message::Ping(Bytes::from_static(b"are you there")))
+        .expect("ping");
+    assert_eq!(
+        client.read().expect("pong"),
+        Message::Pong(Bytes::from_static(b"are you there"))
+    );
+}
+
+#[test]
+fn silent_client_gets_pings_then_is_closed_1001_after_three_heartbeats() {
+    let hb = Duration::from_millis(200);
+    let server = start(WsConfig {
+        heartbeat: hb,
+        ..WsConfig::default()
+    });
+    let mut raw = raw_upgrade(server.addr);
+    let t0 = Instant::now();
+    assert_eq!(read_frame(&mut raw).expect("ping 1"), (0x9, vec![]));
+    assert_eq!(read_frame(&mut raw).expect("ping 2"), (0x9, vec![]));
+    let (op, payload) = read_frame(&mut raw).expect("close");
+    assert_eq!(op, 0x8);
+    assert_eq!(&payload[..2], &1001u16.to_be_bytes());
+    assert_eq!(&payload[2..], b"idle timeout");
+    assert!(
+        t0.elapsed() >= hb * 3 - Duration::from_millis(50),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn client_answering_pings_stays_connected_past_three_heartbeats() {
+    let hb = Duration::from_millis(100);
+    let server = start(WsConfig {
+        heartbeat: hb,
+        ..WsConfig::default()
+    });
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    let t0 = Instant::now();
+    let mut pings = 0;
+    while t0.elapsed() < hb * 6 {
+        // Reading answers each ping with a pong.
+        match client.read().expect("read") {
+            Message::Ping(_) => pings += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(pings >= 5, "{pings} pings");
+    client.send(Message::text("still here")).expect("send");
+    loop {
+        match client.read().expect("read") {
+            Message::Ping(_) => {}
+            m => {
+                assert_eq!(m, Message::text("still here"));
+                break;
+            }
+        }
+    }
+}
+
+#[test]
+fn client_close_handshake_completes_and_is_reported() {
+    let server = start(WsConfig::default());
+    let (mut client, _) = connect(&server, None).expect("upgrade");
+    client
+        .close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "bye".into(),
+        }))
+        .expect("close");
+    loop {
+        match client.read() {
+            Ok(Message::Close(Some(f))) => assert_eq!(u16::from(f.code), 1000),
+            Ok(other) => panic!("unexpected {other:?}"),
+            Err(tungstenite::Error::ConnectionClosed) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(wait(
+        || server.seen.closes() == vec![(1000, "bye".into(), true)]
+    ));
+    drop(client);
+    assert!(wait(
+        || http(&server, "GET /metrics HTTP/1.1\r\n\r\n").contains("amp_ws_connections 1\n")
+    ));
+}
+
+#[test]
+fn slow_consumer_is_closed_1008_without_slowing_other_sessions() {
+    let cfg = WsConfig {
+        max_outbound_bytes: 1 << 20,
+        ..WsConfig::default()
+    };
+    let server = start(cfg);
+    let (mut fast, _) = connect(&server, None).expect("upgrade fast");
+    let (mut slow, _) = connect(&server, None).expect("upgrade slow");
+    slow.send(Message::text("flood")).expect("flood");
+    // The fast client keeps round-tripping while the slow one does not read.
+    let mut worst = Duration::ZERO;
+    let mut rounds = 0;
+    while !server.seen.closes().iter().any(|c| c.0 == 1008) {
+        let t = Instant::now();
+        fast.send(Message::text(format!("r{rounds}")))
+            .expect("send");
+        assert_eq!(
+            fast.read().expect("echo"),
+            Message::text(format!("r{rounds}"))
+        );
+        worst = worst.max(t.elapsed());
+        rounds += 1;
+        assert!(rounds < 100_000, "slow consumer never closed");
+    }
+    assert_eq!(
+        server
+            .seen
+            .closes()
+            .into_iter()
+            .filter(|c| c.0 == 1008)
+            .collect::<Vec<_>>(),
+        vec![(1008, "slow consumer".into(), false)]
+    );
+    assert!(
+        worst < Duration::from_secs(1),
+        "a round trip took {worst:?}"
+    );
+    fast.send(Message::text("after")).expect("send");
+    assert_eq!(fast.read().expect("echo"), Message::text("after"));
+    let metrics = http(&server, "GET /metrics HTTP/1.1\r\n\r\n");
+    assert!(
+        metrics.contains("amp_ws_slow_consumers_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("amp_ws_closes_total{code=\"1008\"} 1\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn drain_flushes_queued_messages_then_closes_1001_and_stops_accepting() {
+    let server = start(WsConfig::default());
+    let (mut a, _) = connect(&server, None).expect("upgrade a");
+    let (mut b, _) = connect(&server, None).expect("upgrade b");
+    a.send(Message::text("drain")).expect("send");
+    for i in 0..3 {
+        assert_eq!(
+            a.read().expect("queued"),
+            Message::text(format!("before drain {i}"))
+        );
+    }
+    assert_eq!(read_close(&mut a), (1001, "going away".into()));
+    assert_eq!(read_close(&mut b), (1001, "going away".into()));
+    drop((a, b));
+    let addr = server.addr;
+    server.join();
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "listener closed after drain"
+    );
+}
