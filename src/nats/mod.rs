@@ -13,6 +13,22 @@
 //! let reply = client.request("svc.echo", None, b"hi", Duration::from_secs(1));
 //! # Ok::<(), amp_broker::nats::Error>(())
 //! ```
+//!
+//! Refinements of the agreed shape (for code written against it):
+//! - The shell also calls [`Connection::poll_close`] after every call: true means the
+//!   connection abandoned its socket (stale, fatal `-ERR`, lame duck move, handshake
+//!   timeout, `close()`); drop it without calling `on_transport_closed`. [`Driver`] does
+//!   this.
+//! - `Event::Closed { reason }` carries an [`Error`] (e.g. `Error::Authorization`), not a
+//!   string. Extra events: `Event::Pong(PingId)` answers [`Connection::ping`] (what
+//!   `Client::flush` waits for) and `Event::SlowConsumer { dropped }`.
+//! - `RequestError` has `Timeout`, `NoResponders`, `Disconnected` (the connection the
+//!   request went out on was lost), `Closed` and `Send(Error)`. A request made while
+//!   disconnected waits in the reconnect buffer and is not failed by that disconnect.
+//! - [`Connection::cancel_request`] forgets a request; `pending_requests()` counts them.
+//! - `Client::next_message` returns `Result<Option<Message>, Error>` (`None`: timeout);
+//!   `Client::wait_response(id, deadline)` waits for a request started with
+//!   `connection_mut().request(..)`; `Client::take_events` drains without waiting.
 
 pub mod backoff;
 pub mod client;
