@@ -21,4 +21,8 @@ if [ "${1:-}" = "--test" ]; then
     echo "installing nats-py from PyPI (interop tests)" >&2
     python3 -m pip install --quiet nats-py
   fi
+  if ! python3 -c 'import nkeys' >/dev/null 2>&1; then
+    echo "installing nkeys from PyPI (nats-py's NKey support, auth callout interop tests)" >&2
+    python3 -m pip install --quiet nkeys
+  fi
 fi

@@ -10,7 +10,9 @@
 //! - `auth_token` = the participant's token (found by its SHA-256);
 //! - `nkey` = the participant's NKey and `sig` = its signature of the server's nonce;
 //! - `jwt` = a scoped user JWT this broker issued (from `hello`), with `sig` over the nonce
-//!   by the JWT's user key, or alone when the JWT is a bearer token.
+//!   by the JWT's user key, or alone when the JWT is a bearer token. nats-server passes a
+//!   client's `jwt` on only in operator mode; in configuration mode a bearer JWT is
+//!   presented as the `auth_token` instead.
 //!
 //! The user JWT is always rebuilt from the current configuration, never copied from a
 //! presented JWT. Failures are throttled like `hello` (per client host and participant),
@@ -278,30 +280,13 @@ impl Callout {
             participant,
             reason: reason.to_string(),
         };
+        // nats-server passes a client's `jwt` only in operator mode; in configuration mode
+        // a JWT from `hello` travels as the token.
         if !o.jwt.is_empty() {
-            let issuer = self.config.issuer.public_key();
-            let user = match scoped_jwt::verify_user(&o.jwt, &issuer, unix_s) {
-                Ok(u) => u,
-                Err(e) => return refused(None, &jwt_reason(&e)),
-            };
-            let Some((ns, name)) = user.name.as_deref().and_then(split_participant) else {
-                return refused(None, "jwt names no participant");
-            };
-            let who = Some(format!("{ns}/{name}"));
-            let Some(p) = lookup(participants, ns, name) else {
-                return refused(who, "unknown participant");
-            };
-            if !user.bearer {
-                if !signed_nonce(&user.user_key, &r.client_info.nonce, &o.sig) {
-                    return refused(who, "jwt without a valid nonce signature");
-                }
-                if let Some(nkey) = &p.nkey
-                    && *nkey != user.user_key.encode()
-                {
-                    return refused(who, "jwt user key is not the participant's");
-                }
-            }
-            return Checked::accepted(ns, name);
+            return self.check_jwt(participants, &o.jwt, r, unix_s);
+        }
+        if looks_like_jwt(&o.auth_token) {
+            return self.check_jwt(participants, &o.auth_token, r, unix_s);
         }
         if !o.nkey.is_empty() {
             let Some((ns, name)) = find_by_nkey(participants, &o.nkey) else {
@@ -338,6 +323,38 @@ impl Callout {
             };
         }
         refused(None, "no credential")
+    }
+
+    /// A user JWT this broker issued: valid, unexpired, naming a configured participant;
+    /// unless it is a bearer token, `sig` must be the signature of the nonce by its user key.
+    fn check_jwt(&self, participants: &Config, token: &str, r: &Request, unix_s: u64) -> Checked {
+        let refused = |participant: Option<String>, reason: &str| Checked::Refused {
+            participant,
+            reason: reason.to_string(),
+        };
+        let issuer = self.config.issuer.public_key();
+        let user = match scoped_jwt::verify_user(token, &issuer, unix_s) {
+            Ok(u) => u,
+            Err(e) => return refused(None, &jwt_reason(&e)),
+        };
+        let Some((ns, name)) = user.name.as_deref().and_then(split_participant) else {
+            return refused(None, "jwt names no participant");
+        };
+        let who = Some(format!("{ns}/{name}"));
+        let Some(p) = lookup(participants, ns, name) else {
+            return refused(who, "unknown participant");
+        };
+        if !user.bearer {
+            if !signed_nonce(&user.user_key, &r.client_info.nonce, &r.connect_opts.sig) {
+                return refused(who, "jwt without a valid nonce signature");
+            }
+            if let Some(nkey) = &p.nkey
+                && *nkey != user.user_key.encode()
+            {
+                return refused(who, "jwt user key is not the participant's");
+            }
+        }
+        Checked::accepted(ns, name)
     }
 
     /// The authorization response JWT: `sub` = the server's user key for this client,
@@ -412,6 +429,10 @@ fn claimed_name(r: &Request) -> String {
         return o.nkey.clone();
     }
     String::new()
+}
+
+fn looks_like_jwt(token: &str) -> bool {
+    token.starts_with("eyJ") && token.bytes().filter(|b| *b == b'.').count() == 2
 }
 
 /// `ns/name` or `ns.name`.

@@ -258,6 +258,9 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
     assert_eq!(authorized(&reply), Some("acme/w2"));
     let (reply, _) = w.ask(json!({"jwt": bearer_jwt}));
     assert_eq!(authorized(&reply), Some("acme/w1"));
+    // In configuration mode the server drops `jwt`; a bearer JWT comes as the token.
+    let (reply, _) = w.ask(json!({"auth_token": bearer_jwt}));
+    assert_eq!(authorized(&reply), Some("acme/w1"));
 
     let expired = scoped_jwt::hello_jwt(
         &w.account,
