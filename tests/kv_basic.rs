@@ -35,8 +35,17 @@ fn bucket_create_makes_the_kv_stream_and_bind_finds_it() {
     assert_eq!(s.deny_delete, Some(true));
     assert_eq!(s.allow_msg_ttl, Some(true));
     assert_eq!(s.subject_delete_marker_ttl, Some(Duration::from_secs(30)));
-    // Creating it again with the same config is fine.
+    // Creating it again with the same config is fine, and so is the config read back.
     js.kv_create(&cfg).expect("same config again");
+    let read = KvConfig::from_stream_config(&info.config).expect("bucket config");
+    assert_eq!(
+        (read.history, read.ttl),
+        (3, Some(Duration::from_secs(3600)))
+    );
+    assert_eq!(read.limit_marker_ttl, Some(Duration::from_secs(30)));
+    assert!(!read.extra.is_empty());
+    js.kv_create(&read)
+        .expect("create from the config read back");
     let bound = js.kv_bind("cfg").expect("bind");
     assert_eq!(bound, kv);
     assert_eq!(js.kv_bind("missing").err(), Some(JsError::BucketNotFound));

@@ -17,6 +17,7 @@ use super::stream::{
     DiscardPolicy, MsgSelector, StorageType, StoredMessage, StreamConfig, StreamInfo,
     parse_direct_get, parse_msg_get,
 };
+use super::wire::Extra;
 use crate::proto::headers::HeaderMap;
 
 pub const KV_OPERATION: &str = "KV-Operation";
@@ -41,6 +42,9 @@ pub struct KvConfig {
     /// its TTL expires (the stream's `subject_delete_marker_ttl`; implies
     /// `allow_msg_ttl`). Watchers see these markers.
     pub limit_marker_ttl: Option<Duration>,
+    /// Further stream settings (compression, placement, republish, metadata...) sent
+    /// as they are; a config read back from the stream keeps what it does not name here.
+    pub extra: Extra,
 }
 
 impl KvConfig {
@@ -56,6 +60,7 @@ impl KvConfig {
             replicas: 1,
             allow_msg_ttl: false,
             limit_marker_ttl: None,
+            extra: Extra::new(),
         }
     }
 
@@ -92,7 +97,37 @@ impl KvConfig {
             discard: Some(DiscardPolicy::New),
             allow_msg_ttl: (self.allow_msg_ttl || markers.is_some()).then_some(true),
             subject_delete_marker_ttl: markers,
+            extra: self.extra.clone(),
             ..StreamConfig::default()
+        })
+    }
+
+    /// The bucket config a KV stream's config describes (e.g. from `STREAM.INFO`);
+    /// stream fields with no bucket meaning stay in `extra`, so
+    /// `from_stream_config(c)?.stream_config()` recreates the bucket's stream.
+    pub fn from_stream_config(stream: &StreamConfig) -> Result<KvConfig, JsError> {
+        let bucket = stream
+            .name
+            .strip_prefix("KV_")
+            .ok_or_else(|| JsError::Invalid(format!("{} is not a KV stream", stream.name)))?;
+        let history = stream
+            .max_msgs_per_subject
+            .and_then(|h| u8::try_from(h).ok())
+            .filter(|h| (1..=MAX_HISTORY).contains(h))
+            .unwrap_or(1);
+        let markers = stream.subject_delete_marker_ttl.filter(|d| !d.is_zero());
+        Ok(KvConfig {
+            bucket: bucket.to_string(),
+            description: stream.description.clone(),
+            history,
+            ttl: stream.max_age.filter(|d| !d.is_zero()),
+            max_bytes: stream.max_bytes.filter(|b| *b >= 0),
+            max_value_size: stream.max_msg_size.filter(|b| *b >= 0),
+            storage: stream.storage.clone().unwrap_or(StorageType::File),
+            replicas: stream.num_replicas.unwrap_or(1).max(1),
+            allow_msg_ttl: stream.allow_msg_ttl.unwrap_or(false) && markers.is_none(),
+            limit_marker_ttl: markers,
+            extra: stream.extra.clone(),
         })
     }
 }

@@ -430,3 +430,38 @@ fn updates_only_watch_is_done_at_once_and_delivers_new() {
     );
     assert_eq!(events(&mut w, t0), vec![WatchEvent::InitialValuesDone]);
 }
+
+#[test]
+fn bucket_config_read_back_from_its_stream_keeps_extra_fields() {
+    let mut c = KvConfig::new("rt");
+    c.history = 7;
+    c.ttl = Some(Duration::from_secs(90));
+    c.max_bytes = Some(1 << 20);
+    c.storage = StorageType::Memory;
+    c.limit_marker_ttl = Some(Duration::from_secs(5));
+    c.extra
+        .insert("compression".into(), serde_json::json!("s2"));
+    let stream = c.stream_config().expect("stream config");
+    assert_eq!(
+        stream.extra.get("compression"),
+        Some(&serde_json::json!("s2"))
+    );
+    // As the server would send it back, with fields of its own.
+    let mut text = serde_json::to_value(&stream).expect("json");
+    text["consumer_limits"] = serde_json::json!({});
+    let read: StreamConfig = serde_json::from_value(text).expect("parse");
+    let back = KvConfig::from_stream_config(&read).expect("kv config");
+    assert_eq!(back.bucket, "rt");
+    assert_eq!(back.history, 7);
+    assert_eq!(back.ttl, Some(Duration::from_secs(90)));
+    assert_eq!(back.max_bytes, Some(1 << 20));
+    assert_eq!(back.storage, StorageType::Memory);
+    assert_eq!(back.limit_marker_ttl, Some(Duration::from_secs(5)));
+    assert!(back.extra.contains_key("consumer_limits"));
+    let again = back.stream_config().expect("again");
+    assert_eq!(
+        serde_json::to_value(&again).expect("json"),
+        serde_json::to_value(&read).expect("json")
+    );
+    assert!(KvConfig::from_stream_config(&StreamConfig::new("ORDERS", &[])).is_err());
+}
