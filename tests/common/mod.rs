@@ -2,6 +2,8 @@
 //! temporary store directory, started and stopped by PID.
 #![allow(dead_code)]
 
+pub mod amp;
+
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,1202 @@
+//! The broker's sans-IO core: AMP sessions in, NATS operations and session frames out.
+//!
+//! The core owns no socket and reads no clock. The runtime hands it session events (opened,
+//! text frame, closed), NATS events (deliveries, request replies) and `now`; the core
+//! answers by writing NATS operations into the connection it is given and by queueing
+//! frames and closes for sessions (`poll_output`). Every JetStream round trip is a
+//! continuation stored under its request id (`Pending`), so nothing ever waits.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+
+use super::auth::{self, Credential};
+use super::binding;
+use super::config::Config;
+use super::envelope::{self, Envelope, Kind};
+use super::permissions::{self, Action};
+use super::rate_limit::{self, RateLimiter};
+use super::registry::{Change, Registry};
+use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
+use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
+use crate::amp::reply::{self, FrameWriter};
+use crate::amp::{AmpError, ErrorCode, FrameValidator};
+use crate::jetstream::ack::{AckKind, AckMetadata};
+use crate::jetstream::kv::{WatchAction, WatchRequestKind};
+use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::{Delivery, JsError};
+use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
+use crate::proto::headers::HeaderMap;
+use crate::rfc3339;
+
+/// A WebSocket session, as numbered by the transport.
+pub type SessionId = u64;
+
+/// What the core asks the transport to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    Frame {
+        session: SessionId,
+        text: String,
+    },
+    Close {
+        session: SessionId,
+        code: u16,
+        reason: String,
+    },
+}
+
+/// WebSocket close codes the core uses.
+pub mod close {
+    pub const NORMAL: u16 = 1000;
+    pub const GOING_AWAY: u16 = 1001;
+    pub const POLICY: u16 = 1008;
+}
+
+/// How long a JetStream request may take before the client hears `unavailable`.
+const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// A pull request's lifetime; a new one follows when it ends.
+const PULL_EXPIRES: Duration = Duration::from_secs(20);
+const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+
+enum SessionState {
+    AwaitingHello { nonce: [u8; 32] },
+    Active { ns: String, name: String },
+    Closing,
+}
+
+struct Session {
+    state: SessionState,
+    /// The client's address, for throttling failed hellos.
+    peer: SocketAddr,
+    /// Ids of requests not yet answered (they must be unique while outstanding).
+    outstanding: HashSet<String>,
+    /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
+    inflight: HashMap<u64, String>,
+    watching: bool,
+}
+
+/// A participant with at least one live session on this broker.
+struct Presence {
+    sessions: Vec<SessionId>,
+    labels: BTreeMap<String, String>,
+    since: String,
+    inbox: InboxPull,
+}
+
+#[derive(Default)]
+struct InboxPull {
+    /// The subscription receiving this participant's pulled messages, once the consumer exists.
+    sid: Option<Sid>,
+    deliver_subject: String,
+    /// Messages the current pull request may still deliver; 0 when none is outstanding.
+    remaining: u32,
+    /// When the outstanding pull is considered over without word from the server.
+    pull_until: Option<Instant>,
+}
+
+/// A JetStream round trip waiting for its reply.
+enum Pending {
+    /// A `send` stored in an inbox: answer `ok {seq, dup}`.
+    Send { session: SessionId, re: String },
+    /// An ack the client asked to be confirmed.
+    AckSync { session: SessionId, re: String },
+    /// The inbox consumer of a participant was created or found.
+    InboxConsumer { participant: String },
+    /// A registry entry write; failures are logged, the next refresh retries.
+    RegistryPut { participant: String },
+    /// A request of a namespace's registry watch.
+    Watch { ns: String, kind: WatchRequestKind },
+}
+
+enum Route {
+    Inbox { participant: String },
+    Registry { ns: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    HelloTimeout(SessionId),
+    RegistryRefresh(String),
+    PullCheck(String),
+}
+
+pub struct Broker {
+    config: Config,
+    validator: FrameValidator,
+    broker_id: String,
+    sessions: HashMap<SessionId, Session>,
+    presence: HashMap<String, Presence>,
+    pending: HashMap<RequestId, Pending>,
+    routes: HashMap<Sid, Route>,
+    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
+    out: VecDeque<Output>,
+    throttle: HelloThrottle,
+    rates: RateLimiter,
+    /// Per namespace: the registry mirror and the subscriptions its watch asked for.
+    registries: HashMap<String, (Registry, HashMap<String, Sid>)>,
+}
+
+impl Broker {
+    /// Fails only if the built-in frame schema does not compile.
+    pub fn new(config: Config, broker_id: String) -> Result<Broker, String> {
+        Ok(Broker {
+            config,
+            validator: FrameValidator::new()?,
+            broker_id,
+            sessions: HashMap::new(),
+            presence: HashMap::new(),
+            pending: HashMap::new(),
+            routes: HashMap::new(),
+            timers: BinaryHeap::new(),
+            out: VecDeque::new(),
+            throttle: HelloThrottle::new(ThrottleConfig::default()),
+            rates: RateLimiter::new(65_536),
+            registries: HashMap::new(),
+        })
+    }
+
+    /// Starts what runs for the broker's whole life: one registry watch per namespace.
+    pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
+        let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
+        for ns in namespaces {
+            let prefix = conn.new_inbox();
+            let base = format!("amp_registry_{}_{ns}", self.broker_id);
+            let registry = Registry::new(&ns, &prefix, &base, now)
+                .map_err(|e| format!("registry watch of {ns}: {e}"))?;
+            self.registries
+                .insert(ns.clone(), (registry, HashMap::new()));
+            self.drive_registry(conn, &ns, now);
+        }
+        Ok(())
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let watches = self
+            .registries
+            .values()
+            .filter_map(|(r, _)| r.watcher_timeout());
+        self.timers
+            .peek()
+            .map(|Reverse((at, _))| *at)
+            .into_iter()
+            .chain(watches)
+            .min()
+    }
+
+    // ---- sessions ------------------------------------------------------------------
+
+    /// A WebSocket session was upgraded: send the challenge and start the hello clock.
+    pub fn session_opened(&mut self, session: SessionId, peer: SocketAddr, now: Instant) {
+        let mut nonce = [0u8; 32];
+        if getrandom::fill(&mut nonce).is_err() {
+            self.close(session, close::POLICY, "no randomness for a challenge");
+            return;
+        }
+        self.sessions.insert(
+            session,
+            Session {
+                state: SessionState::AwaitingHello { nonce },
+                peer,
+                outstanding: HashSet::new(),
+                inflight: HashMap::new(),
+                watching: false,
+            },
+        );
+        let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
+            .str("nonce", &base64_url(&nonce))
+            .str("broker", &self.broker_id)
+            .str("amp", "1")
+            .finish();
+        self.frame(session, challenge);
+        let timeout = Duration::from_secs(self.config.limits.hello_timeout_s);
+        self.timers
+            .push(Reverse((now + timeout, Timer::HelloTimeout(session))));
+    }
+
+    /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
+    /// are handed back to JetStream at once, so the participant's next session gets them.
+    pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(s) = self.sessions.remove(&session) else {
+            return;
+        };
+        for ack_subject in s.inflight.values() {
+            let _ = conn.publish(
+                ack_subject,
+                None,
+                None,
+                &AckKind::Nak { delay: None }.payload(),
+            );
+        }
+        if let SessionState::Active { ns, name } = s.state {
+            let key = participant_key(&ns, &name);
+            let last = match self.presence.get_mut(&key) {
+                Some(p) => {
+                    p.sessions.retain(|&x| x != session);
+                    p.sessions.is_empty()
+                }
+                None => false,
+            };
+            if last {
+                if let Some(sid) = self.presence.remove(&key).and_then(|p| p.inbox.sid) {
+                    self.routes.remove(&sid);
+                    let _ = conn.unsubscribe(sid, None);
+                }
+                self.registry_delete(conn, &ns, &name);
+            }
+        }
+        let _ = now;
+    }
+
+    /// One text frame from a session.
+    pub fn session_frame(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        text: &str,
+        now: Instant,
+    ) {
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        match &s.state {
+            SessionState::Closing => {}
+            SessionState::AwaitingHello { nonce } => {
+                let (nonce, peer) = (*nonce, s.peer);
+                match self.validator.decode(text) {
+                    Ok(ClientFrame::Hello(hello)) => {
+                        self.hello(conn, session, peer, &hello, &nonce, now)
+                    }
+                    Ok(other) => self.refuse(session, other.id()),
+                    Err(r) if r.error.code == ErrorCode::BadFrame => {
+                        self.frame(session, r.reply());
+                        self.close(session, close::POLICY, "bad frame before hello");
+                    }
+                    Err(r) => self.refuse(session, r.re.as_deref()),
+                }
+            }
+            SessionState::Active { ns, name } => {
+                let (ns, name) = (ns.clone(), name.clone());
+                match self.validator.decode(text) {
+                    Ok(frame) => self.dispatch(conn, session, &ns, &name, frame, now),
+                    Err(r) => self.frame(session, r.reply()),
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn hello(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        peer: SocketAddr,
+        hello: &Hello,
+        nonce: &[u8; 32],
+        now: Instant,
+    ) {
+        let (ns, name) = (hello.ns.as_str(), hello.name.as_str());
+        let key = participant_key(ns, name);
+        if let Verdict::Delay(wait) = self.throttle.check(peer.ip(), &key, now) {
+            // Too many failures from here or for this name: not even checked, so guessing
+            // stays slow; the answer says when to try again and nothing else.
+            let e = AmpError::rate_limited(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
+            self.frame(session, reply::error(Some(&hello.id), &e));
+            return self.close(session, close::POLICY, "too many failed hellos");
+        }
+        let credential = match &hello.auth {
+            Auth::Token { token } => Credential::Token(token),
+            Auth::Nkey { nkey, sig } => Credential::NKey { nkey, sig },
+        };
+        let participant = self.config.participant(ns, name);
+        if !participant.is_some_and(|p| auth::verify(p, credential, nonce)) {
+            log(&format!(
+                "hello refused session={session} participant={key} peer={peer}"
+            ));
+            self.throttle.record_failure(peer.ip(), &key, now);
+            return self.refuse(session, Some(&hello.id));
+        }
+        self.throttle.record_success(peer.ip(), &key, now);
+        let id = Some(hello.id.clone());
+        let labels = participant.map(|p| p.labels.clone()).unwrap_or_default();
+        let (ns, name) = (ns.to_string(), name.to_string());
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.state = SessionState::Active {
+                ns: ns.clone(),
+                name: name.clone(),
+            };
+        }
+        let first = !self.presence.contains_key(&key);
+        let presence = self
+            .presence
+            .entry(key.clone())
+            .or_insert_with(|| Presence {
+                sessions: Vec::new(),
+                labels,
+                since: rfc3339::format_system_time(SystemTime::now()),
+                inbox: InboxPull::default(),
+            });
+        presence.sessions.push(session);
+        let limits = &self.config.limits;
+        let reply = FrameWriter::ok(id.as_deref())
+            .str("session", &format!("{}-{session}", self.broker_id))
+            .str("participant", &key)
+            .value("heartbeat_s", &limits.heartbeat_s)
+            .value("max_frame", &limits.max_frame)
+            .finish();
+        self.frame(session, reply);
+        log(&format!("hello session={session} participant={key}"));
+        if first {
+            self.registry_put(conn, &ns, &name, now);
+            self.ensure_inbox_consumer(conn, &ns, &name, now);
+        }
+    }
+
+    /// The one answer to any failed `hello`: it never says which part was wrong.
+    fn refuse(&mut self, session: SessionId, id: Option<&str>) {
+        let e = AmpError::new(ErrorCode::Unauthenticated, "authentication failed");
+        self.frame(session, reply::error(id, &e));
+        self.close(session, close::POLICY, "unauthenticated");
+    }
+
+    fn dispatch(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: ClientFrame,
+        now: Instant,
+    ) {
+        if let Some(id) = frame.id() {
+            let fresh = self
+                .sessions
+                .get_mut(&session)
+                .is_some_and(|s| s.outstanding.insert(id.to_string()));
+            if !fresh {
+                let e = AmpError::new(
+                    ErrorCode::Schema,
+                    "id is already used by an outstanding request",
+                )
+                .with_path("/id");
+                return self.frame(session, reply::error(Some(id), &e));
+            }
+        }
+        match frame {
+            ClientFrame::Ping { id } => self.ok(session, &id, FrameWriter::ok(Some(&id))),
+            ClientFrame::Bye { id } => {
+                self.ok(session, &id, FrameWriter::ok(Some(&id)));
+                self.close(session, close::NORMAL, "bye");
+            }
+            ClientFrame::Send(send) => self.send(conn, session, ns, name, send, now),
+            ClientFrame::Ack(ack) => {
+                self.inbox_ack(conn, session, ack.id, ack.seq, AckKind::Ack, now)
+            }
+            ClientFrame::Nak(nak) => {
+                let kind = AckKind::Nak {
+                    delay: nak.delay_ms.map(Duration::from_millis),
+                };
+                self.inbox_ack(conn, session, nak.id, nak.seq, kind, now)
+            }
+            ClientFrame::Who { id, job } => self.who(session, ns, &id, job.as_deref()),
+            ClientFrame::Watch { id } => self.watch(session, ns, &id),
+            ClientFrame::Hello(hello) => {
+                let e = AmpError::new(ErrorCode::Conflict, "this session has already said hello");
+                self.fail(session, &hello.id, e);
+            }
+            other => {
+                let op = other.op();
+                let e = AmpError::new(
+                    ErrorCode::Internal,
+                    format!("`{}` is not available on this broker yet", op.as_str()),
+                );
+                if let Some(id) = other.id() {
+                    self.fail(session, id, e);
+                }
+            }
+        }
+    }
+
+    // ---- inbox ---------------------------------------------------------------------
+
+    fn send(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        send: amp_frame::Send,
+        now: Instant,
+    ) {
+        let to = send.to.as_str();
+        let allowed = self
+            .config
+            .participant(ns, name)
+            .is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
+        if !allowed {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("sending to `{to}` is not permitted"),
+            )
+            .with_path("/to");
+            return self.fail(session, &send.id, e);
+        }
+        if self.config.participant(ns, to).is_none() {
+            let e = AmpError::new(
+                ErrorCode::NotFound,
+                format!("`{to}` is not a participant of `{ns}`"),
+            )
+            .with_path("/to");
+            return self.fail(session, &send.id, e);
+        }
+        let from = participant_key(ns, name);
+        let body = raw_body(&send.body);
+        if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
+            return self.fail(session, &send.id, e);
+        }
+        let id = match &send.idem {
+            Some(key) => envelope::idempotent_id(Kind::Message, &from, to, key),
+            None => envelope::random_id(),
+        };
+        let env = Envelope {
+            id,
+            kind: Kind::Message,
+            from,
+            to: Some(participant_key(ns, to)),
+            topic: None,
+            job: None,
+            ts: rfc3339::format_system_time(SystemTime::now()),
+            headers: send.headers,
+            body,
+        };
+        let subject = binding::inbox_subject(ns, to);
+        self.store(conn, session, send.id, &subject, &env, now);
+    }
+
+    /// The publish-path token buckets (`send`, `publish`, `submit`): one message and the
+    /// body's bytes.
+    fn take_rate(
+        &mut self,
+        ns: &str,
+        name: &str,
+        body_bytes: usize,
+        now: Instant,
+    ) -> Result<(), AmpError> {
+        let limits = self
+            .config
+            .participant(ns, name)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(rate_limit::Limits::from_policy);
+        let Some(limits) = limits else { return Ok(()) };
+        self.rates
+            .try_take(
+                &participant_key(ns, name),
+                &limits,
+                1,
+                body_bytes as u64,
+                now,
+            )
+            .map_err(|r| AmpError::rate_limited(r.retry_after_ms))
+    }
+
+    /// Publishes an envelope to its stream and answers the request when JetStream acks.
+    fn store(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        subject: &str,
+        env: &Envelope,
+        now: Instant,
+    ) {
+        let payload = env.to_json();
+        let mut headers = HeaderMap::new();
+        let stamped = [
+            ("Nats-Msg-Id", env.id.as_str()),
+            ("AMP-From", env.from.as_str()),
+            ("AMP-Kind", env.kind.as_str()),
+        ];
+        for (k, value) in stamped {
+            let _ = headers.insert(k, value);
+        }
+        if let Some(tp) = env.headers.get("traceparent") {
+            let _ = headers.insert("traceparent", tp);
+        }
+        let max = conn
+            .server_info()
+            .map(|i| i.max_payload as usize)
+            .unwrap_or(1 << 20);
+        if payload.len() + headers.encoded_len() > max {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!("the stored message would exceed the server's max_payload of {max} bytes"),
+            )
+            .with_path("");
+            return self.fail(session, &re, e);
+        }
+        match conn.request(subject, Some(&headers), &payload, JS_TIMEOUT, now) {
+            Ok(req) => {
+                self.pending.insert(req, Pending::Send { session, re });
+            }
+            Err(e) => self.fail(session, &re, unavailable(e)),
+        }
+    }
+
+    fn inbox_ack(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        seq: u64,
+        kind: AckKind,
+        now: Instant,
+    ) {
+        let ack_subject = self
+            .sessions
+            .get_mut(&session)
+            .and_then(|s| s.inflight.remove(&seq));
+        let Some(ack_subject) = ack_subject else {
+            if let Some(re) = id {
+                let e = AmpError::new(
+                    ErrorCode::NotFound,
+                    format!("no unacknowledged message {seq} in this session"),
+                )
+                .with_path("/seq");
+                self.fail(session, &re, e);
+            }
+            return;
+        };
+        match id {
+            Some(re) => match conn.request(&ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
+                Ok(req) => {
+                    self.pending.insert(req, Pending::AckSync { session, re });
+                }
+                Err(e) => self.fail(session, &re, unavailable(e)),
+            },
+            None => {
+                let _ = conn.publish(&ack_subject, None, None, &kind.payload());
+            }
+        }
+        self.top_up_pull(conn, session, now);
+    }
+
+    fn ensure_inbox_consumer(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
+        let Some(inbox) = self.config.namespaces.get(ns).map(|n| n.inbox.clone()) else {
+            return;
+        };
+        let config = binding::inbox_consumer_config(ns, name, inbox.ack_wait_s, inbox.inbox_window);
+        let subject = format!(
+            "$JS.API.CONSUMER.CREATE.{}.{}.{}",
+            binding::inbox_stream(ns),
+            binding::inbox_consumer(name),
+            binding::inbox_subject(ns, name)
+        );
+        let body = json!({"stream_name": binding::inbox_stream(ns), "config": config});
+        match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
+            Ok(req) => {
+                self.pending.insert(
+                    req,
+                    Pending::InboxConsumer {
+                        participant: participant_key(ns, name),
+                    },
+                );
+            }
+            Err(e) => log(&format!(
+                "inbox consumer request failed participant={ns}/{name}: {e}"
+            )),
+        }
+    }
+
+    fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
+        let Some(p) = self.presence.get_mut(participant) else {
+            return;
+        };
+        if p.inbox.sid.is_some() {
+            return;
+        }
+        let subject = conn.new_inbox();
+        match conn.subscribe(&subject, None) {
+            Ok(sid) => {
+                p.inbox.sid = Some(sid);
+                p.inbox.deliver_subject = subject;
+                self.routes.insert(
+                    sid,
+                    Route::Inbox {
+                        participant: participant.to_string(),
+                    },
+                );
+                self.pull(conn, participant, now);
+            }
+            Err(e) => log(&format!(
+                "inbox subscription failed participant={participant}: {e}"
+            )),
+        }
+    }
+
+    /// Issues a pull for as many messages as the participant's window allows.
+    fn pull(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
+        let Some((ns, name)) = participant.split_once('/') else {
+            return;
+        };
+        let Some(window) = self.config.namespaces.get(ns).map(|n| n.inbox.inbox_window) else {
+            return;
+        };
+        let Some(p) = self.presence.get_mut(participant) else {
+            return;
+        };
+        if p.inbox.sid.is_none() || p.inbox.remaining > 0 {
+            return;
+        }
+        let subject = format!(
+            "$JS.API.CONSUMER.MSG.NEXT.{}.{}",
+            binding::inbox_stream(ns),
+            binding::inbox_consumer(name)
+        );
+        let body = json!({
+            "batch": window,
+            "expires": PULL_EXPIRES.as_nanos() as u64,
+            "idle_heartbeat": PULL_HEARTBEAT.as_nanos() as u64,
+        });
+        if conn
+            .publish(
+                &subject,
+                Some(&p.inbox.deliver_subject),
+                None,
+                body.to_string().as_bytes(),
+            )
+            .is_ok()
+        {
+            p.inbox.remaining = window;
+            let until = now + PULL_EXPIRES + PULL_HEARTBEAT;
+            p.inbox.pull_until = Some(until);
+            self.timers
+                .push(Reverse((until, Timer::PullCheck(participant.to_string()))));
+        }
+    }
+
+    /// After an ack frees window space, a finished pull is renewed.
+    fn top_up_pull(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        if let Some(SessionState::Active { ns, name }) =
+            self.sessions.get(&session).map(|s| &s.state)
+        {
+            let key = participant_key(ns, name);
+            self.pull(conn, &key, now);
+        }
+    }
+
+    fn inbox_delivery(
+        &mut self,
+        conn: &mut Connection,
+        participant: &str,
+        msg: Message,
+        now: Instant,
+    ) {
+        let status = msg.status();
+        let Some(p) = self.presence.get_mut(participant) else {
+            if let Some(reply) = &msg.reply {
+                let _ = conn.publish(reply, None, None, &AckKind::Nak { delay: None }.payload());
+            }
+            return;
+        };
+        match status {
+            Some(100) => {
+                // Idle heartbeat: the pull is alive.
+                p.inbox.pull_until = Some(now + PULL_HEARTBEAT * 2);
+                return;
+            }
+            Some(_) => {
+                // 404/408/409: the pull request is over; start another.
+                p.inbox.remaining = 0;
+                return self.pull(conn, participant, now);
+            }
+            None => {}
+        }
+        p.inbox.remaining = p.inbox.remaining.saturating_sub(1);
+        let Some(reply) = msg.reply.clone() else {
+            return;
+        };
+        let meta = match AckMetadata::parse(&reply) {
+            Ok(m) => (m.stream_sequence, m.delivered),
+            Err(e) => {
+                return log(&format!(
+                    "inbox delivery without ack metadata participant={participant}: {e}"
+                ));
+            }
+        };
+        let (seq, delivered) = meta;
+        let target = p.sessions.iter().copied().min_by_key(|id| {
+            self.sessions
+                .get(id)
+                .map_or(usize::MAX, |s| s.inflight.len())
+        });
+        let Some(target) = target else {
+            let _ = conn.publish(&reply, None, None, &AckKind::Nak { delay: None }.payload());
+            return;
+        };
+        let env = match Envelope::from_json(&msg.payload) {
+            Ok(env) => env,
+            Err(e) => {
+                // Not an AMP envelope: nobody can use it; terminate it so it is not redelivered forever.
+                log(&format!(
+                    "terminating malformed inbox message seq={seq} participant={participant}: {e}"
+                ));
+                let _ = conn.publish(
+                    &reply,
+                    None,
+                    None,
+                    &AckKind::Term {
+                        reason: Some("malformed envelope".into()),
+                    }
+                    .payload(),
+                );
+                return;
+            }
+        };
+        let text = FrameWriter::new(amp_frame::server_op::MESSAGE)
+            .value("seq", &seq)
+            .str("from", &env.from)
+            .str("to", env.to.as_deref().unwrap_or(participant))
+            .str("ts", &env.ts)
+            .value("delivery", &delivered)
+            .raw("body", env.body.get())
+            .value("headers", &env.headers)
+            .str(
+                "kind",
+                if env.kind == Kind::TaskResult {
+                    "task_result"
+                } else {
+                    "message"
+                },
+            )
+            .finish();
+        if let Some(s) = self.sessions.get_mut(&target) {
+            s.inflight.insert(seq, reply);
+        }
+        self.frame(target, text);
+        if self
+            .presence
+            .get(participant)
+            .is_some_and(|p| p.inbox.remaining == 0)
+        {
+            self.pull(conn, participant, now);
+        }
+    }
+
+    // ---- registry ------------------------------------------------------------------
+
+    fn registry_entry(&self, ns: &str, name: &str) -> Option<Value> {
+        let p = self.presence.get(&participant_key(ns, name))?;
+        Some(json!({
+            "name": name,
+            "serve": {},
+            "load": {},
+            "labels": p.labels,
+            "since": p.since,
+            "broker": self.broker_id,
+        }))
+    }
+
+    fn registry_put(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
+        let Some(entry) = self.registry_entry(ns, name) else {
+            return;
+        };
+        let ttl = self.config.limits.registry_ttl_s;
+        let mut headers = HeaderMap::new();
+        let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
+        let subject = format!("$KV.{}.{name}", binding::registry_bucket(ns));
+        match conn.request(
+            &subject,
+            Some(&headers),
+            entry.to_string().as_bytes(),
+            JS_TIMEOUT,
+            now,
+        ) {
+            Ok(req) => {
+                self.pending.insert(
+                    req,
+                    Pending::RegistryPut {
+                        participant: participant_key(ns, name),
+                    },
+                );
+            }
+            Err(e) => log(&format!("registry put failed participant={ns}/{name}: {e}")),
+        }
+        let refresh = Duration::from_secs(ttl).div_f64(3.0);
+        self.timers.push(Reverse((
+            now + refresh,
+            Timer::RegistryRefresh(participant_key(ns, name)),
+        )));
+    }
+
+    fn registry_delete(&mut self, conn: &mut Connection, ns: &str, name: &str) {
+        let mut headers = HeaderMap::new();
+        let _ = headers.insert("KV-Operation", "DEL");
+        let subject = format!("$KV.{}.{name}", binding::registry_bucket(ns));
+        let _ = conn.publish(&subject, None, Some(&headers), b"");
+    }
+
+    fn who(&mut self, session: SessionId, ns: &str, id: &str, job: Option<&str>) {
+        let participants: Vec<&Value> = match self.registries.get(ns) {
+            Some((registry, _)) => registry
+                .entries()
+                .map(|(_, entry)| entry)
+                .filter(|entry| job.is_none_or(|job| entry["serve"].get(job).is_some()))
+                .collect(),
+            None => Vec::new(),
+        };
+        let answer = FrameWriter::ok(Some(id)).value("participants", &participants);
+        self.ok(session, id, answer);
+    }
+
+    fn watch(&mut self, session: SessionId, ns: &str, id: &str) {
+        self.ok(session, id, FrameWriter::ok(Some(id)));
+        let present: Vec<Change> = match self.registries.get(ns) {
+            Some((registry, _)) => registry
+                .entries()
+                .map(|(n, e)| Change::Up(n.clone(), e.clone()))
+                .collect(),
+            None => Vec::new(),
+        };
+        for change in &present {
+            self.frame(session, presence_frame(change));
+        }
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.watching = true;
+        }
+    }
+
+    /// Carries out what a registry watch asked for and tells watching sessions what changed.
+    fn drive_registry(&mut self, conn: &mut Connection, ns: &str, now: Instant) {
+        let Some((registry, subs)) = self.registries.get_mut(ns) else {
+            return;
+        };
+        while let Some(action) = registry.poll_action() {
+            match action {
+                WatchAction::Request { kind, request } => {
+                    match conn.request(
+                        &request.subject,
+                        request.headers.as_ref(),
+                        &request.payload,
+                        JS_TIMEOUT,
+                        now,
+                    ) {
+                        Ok(req) => {
+                            self.pending.insert(
+                                req,
+                                Pending::Watch {
+                                    ns: ns.to_string(),
+                                    kind,
+                                },
+                            );
+                        }
+                        Err(e) => registry.watcher().on_reply(
+                            kind,
+                            Err(JsError::Transport(e.to_string())),
+                            now,
+                        ),
+                    }
+                }
+                WatchAction::Publish(request) => {
+                    let _ = conn.publish(
+                        &request.subject,
+                        None,
+                        request.headers.as_ref(),
+                        &request.payload,
+                    );
+                }
+                WatchAction::Subscribe { subject } => match conn.subscribe(&subject, None) {
+                    Ok(sid) => {
+                        self.routes
+                            .insert(sid, Route::Registry { ns: ns.to_string() });
+                        subs.insert(subject, sid);
+                    }
+                    Err(e) => log(&format!("registry watch subscription failed ns={ns}: {e}")),
+                },
+                WatchAction::Unsubscribe { subject } => {
+                    if let Some(sid) = subs.remove(&subject) {
+                        self.routes.remove(&sid);
+                        let _ = conn.unsubscribe(sid, None);
+                    }
+                }
+            }
+        }
+        let changes = registry.poll_changes(now);
+        if changes.is_empty() {
+            return;
+        }
+        let watchers: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.watching && matches!(&s.state, SessionState::Active { ns: sns, .. } if sns == ns)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for change in &changes {
+            let text = presence_frame(change);
+            for &session in &watchers {
+                self.frame(session, text.clone());
+            }
+        }
+    }
+
+    // ---- NATS side -----------------------------------------------------------------
+
+    /// An event from the NATS connection.
+    pub fn nats_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
+        match event {
+            Event::Message { sid, msg } => match self.routes.get(&sid) {
+                Some(Route::Inbox { participant }) => {
+                    let participant = participant.clone();
+                    self.inbox_delivery(conn, &participant, msg, now);
+                }
+                Some(Route::Registry { ns }) => {
+                    let ns = ns.clone();
+                    if let Some((registry, _)) = self.registries.get_mut(&ns) {
+                        registry.watcher().on_message(&delivery(&msg), now);
+                    }
+                    self.drive_registry(conn, &ns, now);
+                }
+                None => {}
+            },
+            Event::Response { id, msg } => {
+                if let Some(p) = self.pending.remove(&id) {
+                    self.complete(conn, p, Ok(msg), now);
+                }
+            }
+            Event::RequestFailed { id, error } => {
+                if let Some(p) = self.pending.remove(&id) {
+                    self.complete(conn, p, Err(error), now);
+                }
+            }
+            Event::Reconnected { .. } => {
+                // Pulls in flight died with the old connection; ask again.
+                let keys: Vec<String> = self.presence.keys().cloned().collect();
+                for key in keys {
+                    if let Some(p) = self.presence.get_mut(&key) {
+                        p.inbox.remaining = 0;
+                    }
+                    self.pull(conn, &key, now);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn complete(
+        &mut self,
+        conn: &mut Connection,
+        pending: Pending,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        match pending {
+            Pending::Send { session, re } => match reply {
+                Ok(msg) => match parse_pub_ack(msg.status(), &msg.payload) {
+                    Ok(ack) => {
+                        let answer = FrameWriter::ok(Some(&re))
+                            .value("seq", &ack.seq)
+                            .value("dup", &ack.duplicate);
+                        self.ok(session, &re, answer)
+                    }
+                    Err(e) => self.fail(
+                        session,
+                        &re,
+                        AmpError::new(
+                            ErrorCode::Internal,
+                            format!("JetStream refused the message: {e}"),
+                        ),
+                    ),
+                },
+                Err(e) => self.fail(session, &re, unavailable(e)),
+            },
+            Pending::AckSync { session, re } => match reply {
+                Ok(_) => self.ok(session, &re, FrameWriter::ok(Some(&re))),
+                Err(e) => self.fail(session, &re, unavailable(e)),
+            },
+            Pending::InboxConsumer { participant } => {
+                match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
+                    Ok(Ok(())) => self.start_inbox(conn, &participant, now),
+                    Ok(Err(e)) => log(&format!(
+                        "inbox consumer refused participant={participant}: {e}"
+                    )),
+                    Err(e) => log(&format!(
+                        "inbox consumer request failed participant={participant}: {e}"
+                    )),
+                }
+            }
+            Pending::RegistryPut { participant } => {
+                if let Err(e) = reply {
+                    log(&format!(
+                        "registry put unanswered participant={participant}: {e}"
+                    ));
+                }
+            }
+            Pending::Watch { ns, kind } => {
+                if let Some((registry, _)) = self.registries.get_mut(&ns) {
+                    let reply = match &reply {
+                        Ok(msg) => Ok(msg.payload.as_slice()),
+                        Err(RequestError::Timeout) => Err(JsError::Timeout),
+                        Err(e) => Err(JsError::Transport(e.to_string())),
+                    };
+                    registry.watcher().on_reply(kind, reply, now);
+                }
+                self.drive_registry(conn, &ns, now);
+            }
+        }
+    }
+
+    /// Timers due at `now`.
+    pub fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
+        let due: Vec<String> = self
+            .registries
+            .iter()
+            .filter(|(_, (r, _))| r.watcher_timeout().is_some_and(|t| t <= now))
+            .map(|(ns, _)| ns.clone())
+            .collect();
+        for ns in due {
+            if let Some((registry, _)) = self.registries.get_mut(&ns) {
+                registry.watcher().handle_timeout(now);
+            }
+            self.drive_registry(conn, &ns, now);
+        }
+        while let Some(Reverse((at, _))) = self.timers.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((_, timer))) = self.timers.pop() else {
+                break;
+            };
+            match timer {
+                Timer::HelloTimeout(session) => {
+                    if matches!(
+                        self.sessions.get(&session).map(|s| &s.state),
+                        Some(SessionState::AwaitingHello { .. })
+                    ) {
+                        self.close(session, close::POLICY, "hello timeout");
+                    }
+                }
+                Timer::RegistryRefresh(key) => {
+                    if let Some((ns, name)) = key
+                        .split_once('/')
+                        .filter(|_| self.presence.contains_key(&key))
+                    {
+                        let (ns, name) = (ns.to_string(), name.to_string());
+                        self.registry_put(conn, &ns, &name, now);
+                    }
+                }
+                Timer::PullCheck(key) => {
+                    let stale = self
+                        .presence
+                        .get(&key)
+                        .and_then(|p| p.inbox.pull_until)
+                        .is_some_and(|until| until <= now);
+                    if stale {
+                        if let Some(p) = self.presence.get_mut(&key) {
+                            p.inbox.remaining = 0;
+                        }
+                        self.pull(conn, &key, now);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- output helpers ------------------------------------------------------------
+
+    fn frame(&mut self, session: SessionId, text: String) {
+        self.out.push_back(Output::Frame { session, text });
+    }
+
+    fn close(&mut self, session: SessionId, code: u16, reason: &str) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.state = SessionState::Closing;
+        }
+        self.out.push_back(Output::Close {
+            session,
+            code,
+            reason: reason.to_string(),
+        });
+    }
+
+    fn answered(&mut self, session: SessionId, re: &str) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.outstanding.remove(re);
+        }
+    }
+
+    fn ok(&mut self, session: SessionId, re: &str, answer: FrameWriter) {
+        self.answered(session, re);
+        self.frame(session, answer.finish());
+    }
+
+    fn fail(&mut self, session: SessionId, re: &str, e: AmpError) {
+        self.answered(session, re);
+        self.frame(session, reply::error(Some(re), &e));
+    }
+}
+
+fn unavailable(e: impl std::fmt::Display) -> AmpError {
+    AmpError::new(
+        ErrorCode::Unavailable,
+        format!("JetStream is unavailable: {e}"),
+    )
+}
+
+fn presence_frame(change: &Change) -> String {
+    let (state, entry) = match change {
+        Change::Up(_, e) => ("up", Some(e)),
+        Change::Update(_, e) => ("update", Some(e)),
+        Change::Down(_) => ("down", None),
+    };
+    let mut frame = FrameWriter::new(amp_frame::server_op::PRESENCE)
+        .str("name", change.name())
+        .str("state", state);
+    if let Some(entry) = entry {
+        frame = frame.value("entry", entry);
+    }
+    frame.finish()
+}
+
+fn delivery(msg: &Message) -> Delivery<'_> {
+    Delivery {
+        subject: &msg.subject,
+        reply: msg.reply.as_deref(),
+        headers: msg.headers.as_ref(),
+        payload: &msg.payload,
+    }
+}
+
+fn participant_key(ns: &str, name: &str) -> String {
+    format!("{ns}/{name}")
+}
+
+fn raw_body(v: &Value) -> Box<RawValue> {
+    // A Value always serialises; `null` stands in for the impossible failure.
+    serde_json::value::to_raw_value(v).unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+fn base64_url(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+fn log(line: &str) {
+    eprintln!("amp-broker: {line}");
+}

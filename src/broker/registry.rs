@@ -1,0 +1,118 @@
+//! One namespace's registry as this broker sees it: a KV watch on `AMP_REGISTRY_<ns>`
+//! mirrored into a map, so `who` answers locally and `watch` turns each change into
+//! `up` / `update` / `down`. Entries of every broker sharing the JetStream appear here;
+//! a broker that dies stops refreshing its keys, and their TTL expiry markers read as
+//! `down`.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde_json::Value;
+
+use super::binding;
+use crate::jetstream::kv::{Kv, KvOperation, KvWatcher, WatchAction, WatchEvent, WatchOptions};
+use crate::jetstream::{ApiPrefix, JsError};
+
+/// A change the watching sessions of this namespace are told about.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    Up(String, Value),
+    Update(String, Value),
+    Down(String),
+}
+
+impl Change {
+    pub fn name(&self) -> &str {
+        match self {
+            Change::Up(n, _) | Change::Update(n, _) | Change::Down(n) => n,
+        }
+    }
+}
+
+pub struct Registry {
+    watcher: KvWatcher,
+    entries: BTreeMap<String, Value>,
+    ready: bool,
+}
+
+impl Registry {
+    /// `deliver_prefix` must be a subject nobody else uses; `consumer_base` a unique
+    /// consumer name prefix (both per broker and namespace).
+    pub fn new(
+        ns: &str,
+        deliver_prefix: &str,
+        consumer_base: &str,
+        now: Instant,
+    ) -> Result<Registry, JsError> {
+        let kv = Kv::new(ApiPrefix::new(), &binding::registry_bucket(ns))?;
+        let watcher = KvWatcher::new(
+            kv,
+            WatchOptions::default(),
+            deliver_prefix,
+            consumer_base,
+            now,
+        )?;
+        Ok(Registry {
+            watcher,
+            entries: BTreeMap::new(),
+            ready: false,
+        })
+    }
+
+    pub fn watcher(&mut self) -> &mut KvWatcher {
+        &mut self.watcher
+    }
+
+    pub fn watcher_timeout(&self) -> Option<Instant> {
+        self.watcher.poll_timeout()
+    }
+
+    pub fn poll_action(&mut self) -> Option<WatchAction> {
+        self.watcher.poll_action()
+    }
+
+    /// Whether every entry that existed when the watch started has been seen.
+    pub fn is_ready(&self) -> bool {
+        self.ready
+    }
+
+    pub fn entries(&self) -> impl Iterator<Item = (&String, &Value)> {
+        self.entries.iter()
+    }
+
+    /// Applies what the watch reported since the last call; returns the changes.
+    pub fn poll_changes(&mut self, now: Instant) -> Vec<Change> {
+        let mut changes = Vec::new();
+        while let Some(event) = self.watcher.poll_event(now) {
+            match event {
+                WatchEvent::Entry(entry) => {
+                    let name = entry.key.clone();
+                    let live = entry.operation == KvOperation::Put && entry.marker.is_none();
+                    let value = if live {
+                        serde_json::from_slice::<Value>(&entry.value).ok()
+                    } else {
+                        None
+                    };
+                    match value {
+                        Some(value) => match self.entries.insert(name.clone(), value.clone()) {
+                            None => changes.push(Change::Up(name, value)),
+                            Some(old) if old != value => changes.push(Change::Update(name, value)),
+                            Some(_) => {}
+                        },
+                        None => {
+                            if self.entries.remove(&name).is_some() {
+                                changes.push(Change::Down(name));
+                            }
+                        }
+                    }
+                }
+                WatchEvent::InitialValuesDone => self.ready = true,
+                WatchEvent::Reset { reason } => {
+                    eprintln!("amp-broker: registry watch reset: {reason}")
+                }
+                WatchEvent::Failed(e) => eprintln!("amp-broker: registry watch failed: {e}"),
+            }
+        }
+        changes
+    }
+}

@@ -1,0 +1,318 @@
+//! AMP sessions end to end: the broker binary on a real nats-server, participants over real
+//! WebSockets.
+
+mod common;
+
+use std::time::Duration;
+
+use common::NatsServer;
+use common::amp::{Broker, Client, http_get, open_config};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn setup(names: &[&str]) -> (NatsServer, Broker) {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(names));
+    (nats, broker)
+}
+
+#[test]
+fn hello_with_a_token_opens_a_session_and_ping_answers() {
+    let (_nats, broker) = setup(&["w1"]);
+    let mut c = Client::connect(&broker);
+    assert_eq!(c.challenge["amp"], "1");
+    assert_eq!(c.nonce.len(), 32);
+    let ok = c.request(
+        json!({"op":"hello","ns":"acme","name":"w1","auth":{"type":"token","token":"w1-token"}}),
+    );
+    assert_eq!(ok["op"], "ok");
+    assert_eq!(ok["participant"], "acme/w1");
+    assert_eq!(ok["heartbeat_s"], 10);
+    assert_eq!(ok["max_frame"], 1_048_576);
+    assert!(ok["session"].is_string());
+    let pong = c.request(json!({"op":"ping","id":"p1"}));
+    assert_eq!(pong, json!({"op":"ok","re":"p1"}));
+}
+
+#[test]
+fn failed_hellos_answer_unauthenticated_and_close_1008_without_saying_why() {
+    let (_nats, broker) = setup(&["w1"]);
+    let attempts = [
+        json!({"op":"hello","id":"h","ns":"acme","name":"w1","auth":{"type":"token","token":"wrong"}}),
+        json!({"op":"hello","id":"h","ns":"acme","name":"nobody","auth":{"type":"token","token":"nobody-token"}}),
+        json!({"op":"hello","id":"h","ns":"other","name":"w1","auth":{"type":"token","token":"w1-token"}}),
+        json!({"op":"ping","id":"h"}),
+    ];
+    let mut messages = Vec::new();
+    for frame in attempts {
+        let mut c = Client::connect(&broker);
+        let answer = c.request(frame.clone());
+        assert_eq!(answer["op"], "error", "{frame}");
+        assert_eq!(answer["code"], "unauthenticated", "{frame}");
+        messages.push(answer["message"].clone());
+        assert_eq!(c.closed_with(WAIT), Some(1008), "{frame}");
+    }
+    assert!(
+        messages.windows(2).all(|w| w[0] == w[1]),
+        "same words for every failure: {messages:?}"
+    );
+
+    let mut c = Client::connect(&broker);
+    c.send_text("not json");
+    let answer = c.next_frame(WAIT).expect("answer");
+    assert_eq!(answer["code"], "bad_frame", "{answer}");
+    assert_eq!(c.closed_with(WAIT), Some(1008));
+}
+
+#[test]
+fn a_message_reaches_an_online_recipient_with_the_broker_stamped_sender() {
+    let (_nats, broker) = setup(&["a", "b"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let ok = a.request(json!({"op":"send","to":"b","body":{"hello":[1,2]},"headers":{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    assert_eq!(ok["dup"], false);
+    let seq = ok["seq"].as_u64().expect("seq");
+    let msg = b.next_op("message", WAIT).expect("delivery");
+    assert_eq!(msg["seq"], seq);
+    assert_eq!(msg["from"], "acme/a");
+    assert_eq!(msg["to"], "acme/b");
+    assert_eq!(msg["body"], json!({"hello":[1,2]}));
+    assert_eq!(msg["delivery"], 1);
+    assert_eq!(msg["kind"], "message");
+    assert_eq!(
+        msg["headers"]["traceparent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+    assert!(
+        msg["ts"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z') && t.len() == 24),
+        "{msg}"
+    );
+    let acked = b.request(json!({"op":"ack","id":"a1","seq":seq}));
+    assert_eq!(acked, json!({"op":"ok","re":"a1"}));
+}
+
+#[test]
+fn messages_wait_for_an_offline_recipient_and_unacked_ones_come_again_on_the_next_session() {
+    let (_nats, broker) = setup(&["a", "b"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let first = a.request(json!({"op":"send","to":"b","body":"one"}))["seq"]
+        .as_u64()
+        .expect("seq");
+    let second = a.request(json!({"op":"send","to":"b","body":null}))["seq"]
+        .as_u64()
+        .expect("seq");
+
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let m1 = b.next_op("message", WAIT).expect("first");
+    let m2 = b.next_op("message", WAIT).expect("second");
+    assert_eq!(
+        (m1["seq"].as_u64(), m2["seq"].as_u64()),
+        (Some(first), Some(second))
+    );
+    assert_eq!(m2["body"], json!(null));
+    b.send(&json!({"op":"ack","seq":first}));
+    let confirmed = b.request(json!({"op":"ping"}));
+    assert_eq!(confirmed["op"], "ok");
+    drop(b);
+
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let again = b.next_op("message", WAIT).expect("redelivery");
+    assert_eq!(again["seq"], second);
+    assert_eq!(again["delivery"], 2);
+    assert!(
+        b.next_op("message", Duration::from_millis(500)).is_none(),
+        "the acked one stays acked"
+    );
+}
+
+#[test]
+fn nak_redelivers_and_idem_resends_answer_the_same_seq() {
+    let (_nats, broker) = setup(&["a", "b"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let one = a.request(json!({"op":"send","to":"b","body":1,"idem":"k1"}));
+    let again = a.request(json!({"op":"send","to":"b","body":1,"idem":"k1"}));
+    assert_eq!(one["dup"], false);
+    assert_eq!(again["dup"], true);
+    assert_eq!(one["seq"], again["seq"]);
+    let m = b.next_op("message", WAIT).expect("delivery");
+    b.send(&json!({"op":"nak","seq":m["seq"]}));
+    let m2 = b.next_op("message", WAIT).expect("redelivery after nak");
+    assert_eq!(m2["seq"], m["seq"]);
+    assert_eq!(m2["delivery"], 2);
+    assert!(
+        b.next_op("message", Duration::from_millis(300)).is_none(),
+        "the resend was not stored twice"
+    );
+}
+
+#[test]
+fn send_errors_name_the_member_and_leave_the_session_open() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b", "c"]);
+    config["namespaces"]["acme"]["participants"]["a"]["permissions"]["send"] = json!(["b"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let e = a.request(json!({"op":"send","to":"c","body":1}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("forbidden"), Some("/to")),
+        "{e}"
+    );
+    let e = a.request(json!({"op":"send","to":"nobody","body":1}));
+    assert_eq!(
+        e["code"], "forbidden",
+        "not permitted comes before not known: {e}"
+    );
+    let e = a.request(json!({"op":"send","to":"b","body":1,"from":"acme/c"}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("schema"), Some("/from")),
+        "{e}"
+    );
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let e = b.request(json!({"op":"send","to":"nobody","body":1}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("not_found"), Some("/to")),
+        "{e}"
+    );
+    let e = a.request(json!({"op":"ack","id":"x","seq":999}));
+    assert_eq!(e["code"], "not_found", "{e}");
+    assert_eq!(a.request(json!({"op":"ping"}))["op"], "ok");
+}
+
+#[test]
+fn bye_answers_then_closes_normally() {
+    let (_nats, broker) = setup(&["a"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    assert_eq!(
+        a.request(json!({"op":"bye","id":"z"})),
+        json!({"op":"ok","re":"z"})
+    );
+    assert_eq!(a.closed_with(WAIT), Some(1000));
+}
+
+#[test]
+fn http_endpoints_answer_health_schema_and_404() {
+    let (_nats, broker) = setup(&["a"]);
+    let (status, body) = http_get(broker.addr, "/healthz").expect("healthz");
+    assert_eq!((status, body.trim()), (200, "ok"));
+    let (status, schema) = http_get(broker.addr, "/amp/schema").expect("schema");
+    assert_eq!(status, 200);
+    assert_eq!(schema, amp_broker::amp::SCHEMA_JSON);
+    assert_eq!(http_get(broker.addr, "/nope").map(|r| r.0), Some(404));
+    let (status, metrics) = http_get(broker.addr, "/metrics").expect("metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("amp_nats_connected 1"), "{metrics}");
+}
+
+#[test]
+fn watch_reports_up_and_down_and_who_lists_present_participants() {
+    let (_nats, broker) = setup(&["a", "b"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    assert_eq!(
+        a.request(json!({"op":"watch","id":"w"})),
+        json!({"op":"ok","re":"w"})
+    );
+    let own = a.next_op("presence", WAIT).expect("a sees itself");
+    assert_eq!(
+        (own["name"].as_str(), own["state"].as_str()),
+        (Some("a"), Some("up")),
+        "{own}"
+    );
+    let b = Client::login(&broker, "acme", "b", "b-token");
+    let up = a.next_op("presence", WAIT).expect("b up");
+    assert_eq!(
+        (up["name"].as_str(), up["state"].as_str()),
+        (Some("b"), Some("up")),
+        "{up}"
+    );
+    assert_eq!(up["entry"]["name"], "b");
+    assert!(
+        up["entry"]["since"].is_string() && up["entry"]["broker"].is_string(),
+        "{up}"
+    );
+    let who = a.request(json!({"op":"who"}));
+    let mut names: Vec<&str> = who["participants"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["a", "b"]);
+    drop(b);
+    let down = a.next_op("presence", WAIT).expect("b down");
+    assert_eq!(
+        (down["name"].as_str(), down["state"].as_str()),
+        (Some("b"), Some("down")),
+        "{down}"
+    );
+}
+
+#[test]
+fn two_brokers_share_inboxes_and_presence() {
+    let nats = NatsServer::start();
+    let config = open_config(&["a", "b"]);
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&one, "acme", "a", "a-token");
+    a.request(json!({"op":"watch"}));
+    let mut b = Client::login(&two, "acme", "b", "b-token");
+    let up = a.next_op("presence", WAIT).and_then(|f| {
+        if f["name"] == "a" {
+            a.next_op("presence", WAIT)
+        } else {
+            Some(f)
+        }
+    });
+    let up = up.expect("b's presence on the other broker");
+    assert_eq!(
+        (up["name"].as_str(), up["state"].as_str()),
+        (Some("b"), Some("up")),
+        "{up}"
+    );
+    assert_ne!(up["entry"]["broker"], one_broker_id(&a));
+    let sent = a.request(json!({"op":"send","to":"b","body":"across"}));
+    let got = b.next_op("message", WAIT).expect("delivery across brokers");
+    assert_eq!(got["seq"], sent["seq"]);
+    assert_eq!(got["from"], "acme/a");
+}
+
+fn one_broker_id(c: &Client) -> serde_json::Value {
+    c.challenge["broker"].clone()
+}
+
+#[test]
+fn a_dead_brokers_participants_go_down_through_the_registry_ttl() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["limits"] = json!({"registry_ttl_s": 2});
+    let one = Broker::start(&nats.url(), &config);
+    let mut two = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&one, "acme", "a", "a-token");
+    let _b = Client::login(&two, "acme", "b", "b-token");
+    a.request(json!({"op":"watch"}));
+    let mut seen_b = false;
+    while let Some(f) = a.next_op("presence", WAIT) {
+        if f["name"] == "b" {
+            seen_b = f["state"] == "up";
+            break;
+        }
+    }
+    assert!(seen_b, "b is up before its broker dies");
+    two.kill();
+    let down = a
+        .next_op("presence", Duration::from_secs(15))
+        .expect("down after the TTL");
+    assert_eq!(
+        (down["name"].as_str(), down["state"].as_str()),
+        (Some("b"), Some("down")),
+        "{down}"
+    );
+}

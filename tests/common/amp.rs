@@ -1,0 +1,311 @@
+//! Test support for the broker: the `amp-broker` binary started as a child process against
+//! a real nats-server, and a small AMP client over a real WebSocket.
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tungstenite::protocol::WebSocket;
+use tungstenite::{ClientRequestBuilder, Message};
+
+use super::free_port;
+
+/// SHA-256 hex of a token, as the configuration stores it.
+pub fn token_hash(token: &str) -> String {
+    Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A configuration with namespace `acme` and token participants `names` (token = name +
+/// "-token"), each allowed everything.
+pub fn open_config(names: &[&str]) -> Value {
+    let all = json!([">"]);
+    let participants: serde_json::Map<String, Value> = names
+        .iter()
+        .map(|n| {
+            let p = json!({
+                "token_sha256": token_hash(&format!("{n}-token")),
+                "permissions": {"send": all, "publish": all, "subscribe": all, "submit": all, "serve": all},
+            });
+            (n.to_string(), p)
+        })
+        .collect();
+    json!({"namespaces": {"acme": {"participants": participants}}})
+}
+
+/// A running broker process, killed when dropped.
+pub struct Broker {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+}
+
+impl Broker {
+    /// Starts `amp-broker serve --nats <url> --config <config> --listen <free port>` and
+    /// waits until `/healthz` answers 200.
+    pub fn start(nats_url: &str, config: &Value) -> Broker {
+        Broker::start_with(nats_url, config, &[])
+    }
+
+    pub fn start_with(nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
+        let dir = tempfile::tempdir().expect("broker dir");
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, config.to_string()).expect("write config");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let mut args = vec![
+            "serve".to_string(),
+            "--nats".to_string(),
+            nats_url.to_string(),
+            "--config".to_string(),
+            config_path.display().to_string(),
+            "--listen".to_string(),
+            addr.to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut broker = Broker {
+            child: None,
+            addr,
+            dir,
+            args,
+        };
+        broker.spawn();
+        broker
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("broker.log")).expect("log");
+        let child = Command::new(env!("CARGO_BIN_EXE_amp-broker"))
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn amp-broker");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!(
+                    "amp-broker exited at start ({status}); log:\n{}",
+                    self.log()
+                );
+            }
+            if http_get(self.addr, "/healthz").is_some_and(|(status, _)| status == 200) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "amp-broker not healthy in time; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("broker.log")).unwrap_or_default()
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL, no chance to clean up.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
+        child.wait().ok()
+    }
+
+    /// Starts it again with the same arguments.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    pub fn url(&self) -> String {
+        format!("ws://{}/amp", self.addr)
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A plain HTTP/1.1 GET: status and body, or None if nothing answered.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let status = text.split(' ').nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// An AMP participant over a real WebSocket.
+pub struct Client {
+    ws: WebSocket<TcpStream>,
+    pub nonce: Vec<u8>,
+    pub challenge: Value,
+    backlog: VecDeque<Value>,
+    next_id: u64,
+}
+
+impl Client {
+    /// Connects with subprotocol `amp.v1` and reads the challenge.
+    pub fn connect(broker: &Broker) -> Client {
+        let uri: tungstenite::http::Uri = broker.url().parse().expect("uri");
+        let request = ClientRequestBuilder::new(uri).with_sub_protocol("amp.v1");
+        let stream = TcpStream::connect(broker.addr).expect("tcp connect");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let (ws, _) = tungstenite::client(request, stream).expect("websocket upgrade");
+        let mut client = Client {
+            ws,
+            nonce: Vec::new(),
+            challenge: Value::Null,
+            backlog: VecDeque::new(),
+            next_id: 0,
+        };
+        let challenge = client
+            .next_frame(Duration::from_secs(5))
+            .expect("challenge");
+        assert_eq!(challenge["op"], "challenge", "{challenge}");
+        use base64::Engine;
+        client.nonce = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(challenge["nonce"].as_str().expect("nonce"))
+            .expect("base64url nonce");
+        client.challenge = challenge;
+        client
+    }
+
+    /// Connects and says hello with a token; panics unless the broker answers `ok`.
+    pub fn login(broker: &Broker, ns: &str, name: &str, token: &str) -> Client {
+        let mut c = Client::connect(broker);
+        let ok = c.request(
+            json!({"op":"hello","ns":ns,"name":name,"auth":{"type":"token","token":token}}),
+        );
+        assert_eq!(ok["op"], "ok", "hello: {ok}");
+        c
+    }
+
+    pub fn send_text(&mut self, text: &str) {
+        self.ws.send(Message::text(text)).expect("send frame");
+    }
+
+    pub fn send(&mut self, frame: &Value) {
+        self.send_text(&frame.to_string());
+    }
+
+    /// Sends `frame` with a fresh `id` (unless it has one) and returns the answer to it;
+    /// other frames arriving meanwhile are kept for `next_frame`.
+    pub fn request(&mut self, mut frame: Value) -> Value {
+        if frame.get("id").is_none() {
+            self.next_id += 1;
+            frame["id"] = json!(format!("r{}", self.next_id));
+        }
+        let id = frame["id"].clone();
+        self.send(&frame);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(f) = self.read(left) else {
+                panic!("no answer to {frame}")
+            };
+            if f["re"] == id {
+                return f;
+            }
+            self.backlog.push_back(f);
+        }
+    }
+
+    /// The next frame (answers not claimed by `request` included), or None on timeout.
+    pub fn next_frame(&mut self, timeout: Duration) -> Option<Value> {
+        self.backlog.pop_front().or_else(|| self.read(timeout))
+    }
+
+    /// The next frame with this `op`, keeping others.
+    pub fn next_op(&mut self, op: &str, timeout: Duration) -> Option<Value> {
+        if let Some(i) = self.backlog.iter().position(|f| f["op"] == op) {
+            return self.backlog.remove(i);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let f = self.read(deadline.saturating_duration_since(Instant::now()))?;
+            if f["op"] == op {
+                return Some(f);
+            }
+            self.backlog.push_back(f);
+        }
+    }
+
+    fn read(&mut self, timeout: Duration) -> Option<Value> {
+        if timeout.is_zero() {
+            return None;
+        }
+        self.ws.get_mut().set_read_timeout(Some(timeout)).ok()?;
+        loop {
+            match self.ws.read() {
+                Ok(Message::Text(t)) => {
+                    return Some(serde_json::from_str(t.as_str()).expect("frame is JSON"));
+                }
+                Ok(Message::Close(frame)) => {
+                    return Some(
+                        json!({"op": "_closed", "code": frame.as_ref().map(|f| u16::from(f.code)), "reason": frame.map(|f| f.reason.to_string())}),
+                    );
+                }
+                Ok(_) => continue,
+                Err(tungstenite::Error::Io(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return None;
+                }
+                Err(_) => return Some(json!({"op": "_closed", "code": null})),
+            }
+        }
+    }
+
+    /// Waits for the close frame and returns its code.
+    pub fn closed_with(&mut self, timeout: Duration) -> Option<u16> {
+        let f = self.next_op("_closed", timeout)?;
+        f["code"].as_u64().and_then(|c| u16::try_from(c).ok())
+    }
+}
