@@ -89,7 +89,7 @@ authorization {{
             "w1": {"token_sha256": token_sha256("s3cret"), "permissions": {
                 "publish": ["orders.eu.*"], "subscribe": ["orders.>"], "send": ["w2"]}},
             "w2": {"nkey": w2.public_key(), "permissions": {
-                "submit": ["render"], "subscribe": ["news.*"]}},
+                "submit": ["render"], "serve": ["render"], "subscribe": ["news.*"]}},
         }}}})
         .to_string()
         .as_bytes(),
@@ -188,6 +188,9 @@ impl Setup {
     fn run(&self, credential: Value, subscribe: &[&str], publish: &[&str]) -> Run {
         let mut observer = self.observer();
         let watch = observer.subscribe("amp.>", None).expect("subscribe");
+        let watch_pulls = observer
+            .subscribe("$JS.API.CONSUMER.MSG.NEXT.>", None)
+            .expect("subscribe");
         observer.flush(WAIT).expect("flush");
         let done = "_INBOX.done.1";
         let mut spec = json!({
@@ -231,9 +234,11 @@ impl Setup {
         let result = rx.recv_timeout(WAIT).expect("the participant reports");
         let _ = child.wait();
         let mut observed = Vec::new();
-        while let Ok(Some(msg)) = observer.next_message(watch, Duration::from_millis(200)) {
-            if msg.payload == b"from python" {
-                observed.push(msg.subject);
+        for sid in [watch, watch_pulls] {
+            while let Ok(Some(msg)) = observer.next_message(sid, Duration::from_millis(200)) {
+                if msg.payload == b"from python" {
+                    observed.push(msg.subject);
+                }
             }
         }
         let v: Value = serde_json::from_str(&result).expect("json result");

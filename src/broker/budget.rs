@@ -433,6 +433,17 @@ impl Budgets {
         None
     }
 
+    /// Gives back a task admitted by [`try_spend`](Self::try_spend) whose `submit` then
+    /// failed for another reason (so it changes nothing); ignored once the window turned.
+    pub fn refund(&mut self, participant: &str, budget: Budget, unix_ms: u64) {
+        let window = budget.window_index(unix_ms);
+        if let Some(state) = self.states.get_mut(&participant.to_string())
+            && state.window == window
+        {
+            state.left += 1;
+        }
+    }
+
     /// Tasks reserved here for `participant` and not yet spent (for metrics and tests).
     pub fn reserved_left(&self, participant: &str) -> u64 {
         self.states
@@ -610,6 +621,24 @@ mod tests {
             Spend::Granted
         );
         assert!(bucket.keys.contains_key("acme.a.1"));
+    }
+
+    #[test]
+    fn a_refunded_task_is_admitted_again_without_a_round_trip() {
+        let mut b = Budgets::new(BudgetConfig::default());
+        let mut bucket = Bucket::default();
+        for _ in 0..25 {
+            assert_eq!(spend(&mut b, &mut bucket, "acme/a", 0).0, Spend::Granted);
+        }
+        assert_eq!(spend(&mut b, &mut bucket, "acme/a", 0).0, Spend::Exhausted);
+        b.refund("acme/a", B, 0);
+        assert_eq!(spend(&mut b, &mut bucket, "acme/a", 0), (Spend::Granted, 0));
+        b.refund("acme/a", B, 60_000);
+        assert_eq!(
+            b.reserved_left("acme/a"),
+            0,
+            "a refund for another window is ignored"
+        );
     }
 
     #[test]

@@ -148,6 +148,20 @@ impl RateLimiter {
         Ok(())
     }
 
+    /// Gives back what a successful [`try_take`](Self::try_take) took, when the request
+    /// failed later for another reason (e.g. `budget_exhausted`), so that a failed request
+    /// changes nothing a later one can observe. Capped at the buckets' capacity.
+    pub fn refund(&mut self, participant: &str, limits: &Limits, msgs: u32, bytes: u64) {
+        if let Some(b) = self.buckets.get_mut(&participant.to_string()) {
+            if limits.msgs_per_s.is_some() {
+                b.msgs = (b.msgs + f64::from(msgs)).min(limits.burst);
+            }
+            if limits.bytes_per_s.is_some() {
+                b.bytes = (b.bytes + bytes as f64).min(limits.bytes_burst);
+            }
+        }
+    }
+
     /// Forgets buckets untouched for `idle`, which should be at least the longest refill
     /// time of any participant (`burst / msgs_per_s`), so only full buckets are dropped (they
     /// are recreated full on demand).
@@ -246,6 +260,22 @@ mod tests {
         assert_eq!(
             r.try_take("p", &l, 1, 500, now + Duration::from_millis(300)),
             Ok(())
+        );
+    }
+
+    #[test]
+    fn a_refund_restores_what_was_taken_but_never_beyond_capacity() {
+        let l = limits(Some(1.0), Some(2), Some(100.0));
+        let mut r = RateLimiter::new(10);
+        let now = Instant::now();
+        assert_eq!(r.try_take("p", &l, 2, 100, now), Ok(()));
+        assert!(r.try_take("p", &l, 1, 1, now).is_err());
+        r.refund("p", &l, 2, 100);
+        assert_eq!(r.try_take("p", &l, 2, 100, now), Ok(()));
+        r.refund("p", &l, 50, 5000);
+        assert!(
+            r.try_take("p", &l, 3, 1, now).is_err(),
+            "capped at the burst"
         );
     }
 
