@@ -194,6 +194,20 @@ pub fn connect(out: &mut Vec<u8>, options: &ConnectOptions) -> serde_json::Resul
     json_line(out, b"CONNECT ", options)
 }
 
+/// `INFO <json>\r\n` from JSON already serialized (e.g. forwarded as received).
+pub fn info_raw(out: &mut Vec<u8>, json: &[u8]) {
+    out.extend_from_slice(b"INFO ");
+    out.extend_from_slice(json);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `CONNECT <json>\r\n` from JSON already serialized.
+pub fn connect_raw(out: &mut Vec<u8>, json: &[u8]) {
+    out.extend_from_slice(b"CONNECT ");
+    out.extend_from_slice(json);
+    out.extend_from_slice(b"\r\n");
+}
+
 fn json_line<T: serde::Serialize>(
     out: &mut Vec<u8>,
     op: &[u8],

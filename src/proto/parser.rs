@@ -335,10 +335,8 @@ impl Parser {
         let end = start + size;
         let total = end + 2;
         if buf.len() < total {
-            // Fail as soon as the byte after the payload is visible, as nats-server does.
-            if buf.len() > end && buf[end] != b'\r' {
-                return Err(ParseError::UnknownOperation);
-            }
+            // nats-server fails as soon as the byte after the payload is wrong; waiting for
+            // the CRLF keeps `needed` exact: before that length, nothing but Partial.
             return Ok(None);
         }
         if buf[end] != b'\r' || buf[end + 1] != b'\n' {

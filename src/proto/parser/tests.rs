@@ -269,10 +269,10 @@ fn payload_must_be_followed_by_crlf() {
         err(&p, b"PUB foo 2\r\nhix\r\n"),
         ParseError::UnknownOperation
     );
-    assert_eq!(err(&p, b"PUB foo 2\r\nhi\n"), ParseError::UnknownOperation);
+    assert_eq!(err(&p, b"PUB foo 2\r\nhi\nX"), ParseError::UnknownOperation);
     assert_eq!(err(&p, b"PUB foo 2\r\nhi\rx"), ParseError::UnknownOperation);
-    // Detected as soon as the byte after the payload is visible.
-    assert_eq!(err(&p, b"PUB foo 2\r\nhix"), ParseError::UnknownOperation);
+    // Detected once the two bytes after the payload are there (`needed` stays exact).
+    assert_eq!(partial(&p, b"PUB foo 2\r\nhix"), Some(15));
     assert_eq!(
         ParseError::UnknownOperation.to_string(),
         "Unknown Protocol Operation"
