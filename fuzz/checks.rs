@@ -56,6 +56,9 @@ fn check_op_invariants(p: &Parser, op: &Op<'_>, used: usize, available: usize) {
     // Re-encoding what was parsed gives a stream that parses to the same op.
     let mut out = Vec::new();
     encode_op(&mut out, op);
+    // Re-encoding may lengthen a line (quotes around -ERR text), so no small limits here.
+    let mut p = p.clone();
+    p.max_control_line = p.max_control_line.max(1 << 16);
     match p.parse(&out) {
         Ok(Parsed::Complete(again, n)) => {
             if let (Op::Err(text), Op::Err(got)) = (op, &again) {

@@ -249,7 +249,11 @@ impl Parser {
     /// PING, PONG, +OK: like nats-server, anything up to the LF is ignored.
     fn bare<'a>(&self, buf: &'a [u8], after: usize, kind: Kind) -> Res<'a> {
         // nats-server never bounds this skip; we do, by the control line limit.
-        let end = buf.len().min(after + self.max_control_line + 2);
+        let end = buf.len().min(
+            after
+                .saturating_add(self.max_control_line)
+                .saturating_add(2),
+        );
         match memchr(b'\n', &buf[after..end]) {
             Some(p) => {
                 let op = match kind {
@@ -259,7 +263,7 @@ impl Parser {
                 };
                 Ok(Parsed::Complete(op, after + p + 1))
             }
-            None if end - after >= self.max_control_line + 2 => {
+            None if end - after >= self.max_control_line.saturating_add(2) => {
                 Err(ParseError::MaxControlLineExceeded)
             }
             None => Ok(PARTIAL),
@@ -294,7 +298,7 @@ impl Parser {
         if start == buf.len() {
             return Ok(None);
         }
-        let window_end = buf.len().min(start + mcl + 2);
+        let window_end = buf.len().min(start.saturating_add(mcl).saturating_add(2));
         match memchr(b'\n', &buf[start..window_end]) {
             Some(p) => {
                 let lf = start + p;

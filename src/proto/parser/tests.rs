@@ -661,3 +661,20 @@ fn consecutive_operations_are_parsed_one_at_a_time() {
     };
     assert_eq!(one(&p, &stream[21..]), Op::Ok);
 }
+
+#[test]
+fn huge_limits_do_not_overflow() {
+    let mut p = server();
+    p.max_control_line = usize::MAX;
+    p.max_payload = usize::MAX;
+    assert_eq!(one(&p, b"PING\r\n"), Op::Ping);
+    assert_eq!(
+        one(&p, b"SUB a 1\r\n"),
+        Op::Sub {
+            subject: b"a",
+            queue: None,
+            sid: b"1"
+        }
+    );
+    assert_eq!(partial(&p, b"PUB a 999999999\r\n"), Some(1_000_000_018));
+}
