@@ -19,6 +19,7 @@ use super::binding;
 use super::config::Config;
 use super::envelope::{self, Envelope, Kind};
 use super::permissions::{self, Action};
+use super::pull_loop::{PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::{Change, Registry};
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
@@ -26,12 +27,15 @@ use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
 use crate::amp::reply::{self, FrameWriter};
 use crate::amp::{AmpError, ErrorCode, FrameValidator};
 use crate::jetstream::ack::{AckKind, AckMetadata};
+use crate::jetstream::api::check_error;
 use crate::jetstream::kv::{WatchAction, WatchRequestKind};
 use crate::jetstream::publish::parse_pub_ack;
 use crate::jetstream::{Delivery, JsError};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
+
+mod topics;
 
 /// A WebSocket session, as numbered by the transport.
 pub type SessionId = u64;
@@ -59,9 +63,6 @@ pub mod close {
 
 /// How long a JetStream request may take before the client hears `unavailable`.
 const JS_TIMEOUT: Duration = Duration::from_secs(5);
-/// A pull request's lifetime; a new one follows when it ends.
-const PULL_EXPIRES: Duration = Duration::from_secs(20);
-const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
 
 enum SessionState {
     AwaitingHello { nonce: [u8; 32] },
@@ -78,6 +79,7 @@ struct Session {
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
     inflight: HashMap<u64, String>,
     watching: bool,
+    subs: HashMap<String, topics::Subscription>,
 }
 
 /// A participant with at least one live session on this broker.
@@ -85,18 +87,14 @@ struct Presence {
     sessions: Vec<SessionId>,
     labels: BTreeMap<String, String>,
     since: String,
-    inbox: InboxPull,
+    inbox: PullLoop,
 }
 
-#[derive(Default)]
-struct InboxPull {
-    /// The subscription receiving this participant's pulled messages, once the consumer exists.
-    sid: Option<Sid>,
-    deliver_subject: String,
-    /// Messages the current pull request may still deliver; 0 when none is outstanding.
-    remaining: u32,
-    /// When the outstanding pull is considered over without word from the server.
-    pull_until: Option<Instant>,
+/// Whose pull loop a check timer is for.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum PullOwner {
+    Inbox(String),
+    Sub(SessionId, String),
 }
 
 /// A JetStream round trip waiting for its reply.
@@ -111,18 +109,34 @@ enum Pending {
     RegistryPut { participant: String },
     /// A request of a namespace's registry watch.
     Watch { ns: String, kind: WatchRequestKind },
+    /// Whether a durable subscription's consumer exists (its create config waits here).
+    SubLookup {
+        session: SessionId,
+        re: String,
+        sub: String,
+        config: Value,
+    },
+    /// A subscription's consumer was created.
+    SubConsumer {
+        session: SessionId,
+        re: String,
+        sub: String,
+    },
+    /// A plain subscription's consumer was recreated after a gap.
+    SubReset { session: SessionId, sub: String },
 }
 
 enum Route {
     Inbox { participant: String },
     Registry { ns: String },
+    Sub { session: SessionId, sub: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     HelloTimeout(SessionId),
     RegistryRefresh(String),
-    PullCheck(String),
+    PullCheck(PullOwner),
 }
 
 pub struct Broker {
@@ -139,6 +153,8 @@ pub struct Broker {
     rates: RateLimiter,
     /// Per namespace: the registry mirror and the subscriptions its watch asked for.
     registries: HashMap<String, (Registry, HashMap<String, Sid>)>,
+    /// Numbers generated subscription and consumer names.
+    next_sub: u64,
 }
 
 impl Broker {
@@ -157,6 +173,7 @@ impl Broker {
             throttle: HelloThrottle::new(ThrottleConfig::default()),
             rates: RateLimiter::new(65_536),
             registries: HashMap::new(),
+            next_sub: 0,
         })
     }
 
@@ -217,6 +234,7 @@ impl Broker {
                 outstanding: HashSet::new(),
                 inflight: HashMap::new(),
                 watching: false,
+                subs: HashMap::new(),
             },
         );
         let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
@@ -233,6 +251,7 @@ impl Broker {
     /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
     /// are handed back to JetStream at once, so the participant's next session gets them.
     pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        self.drop_subscriptions(conn, session);
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };
@@ -254,7 +273,11 @@ impl Broker {
                 None => false,
             };
             if last {
-                if let Some(sid) = self.presence.remove(&key).and_then(|p| p.inbox.sid) {
+                if let Some(sid) = self
+                    .presence
+                    .remove(&key)
+                    .and_then(|mut p| p.inbox.detach(conn))
+                {
                     self.routes.remove(&sid);
                     let _ = conn.unsubscribe(sid, None);
                 }
@@ -343,6 +366,11 @@ impl Broker {
             };
         }
         let first = !self.presence.contains_key(&key);
+        let window = self
+            .config
+            .namespaces
+            .get(&ns)
+            .map_or(64, |n| n.inbox.inbox_window);
         let presence = self
             .presence
             .entry(key.clone())
@@ -350,7 +378,11 @@ impl Broker {
                 sessions: Vec::new(),
                 labels,
                 since: rfc3339::format_system_time(SystemTime::now()),
-                inbox: InboxPull::default(),
+                inbox: PullLoop::new(
+                    binding::inbox_stream(&ns),
+                    binding::inbox_consumer(&name),
+                    window,
+                ),
             });
         presence.sessions.push(session);
         let limits = &self.config.limits;
@@ -405,9 +437,13 @@ impl Broker {
                 self.close(session, close::NORMAL, "bye");
             }
             ClientFrame::Send(send) => self.send(conn, session, ns, name, send, now),
-            ClientFrame::Ack(ack) => {
-                self.inbox_ack(conn, session, ack.id, ack.seq, AckKind::Ack, now)
-            }
+            ClientFrame::Ack(ack) => match ack.sub {
+                Some(sub) => self.event_ack(conn, session, ack.id, &sub, ack.seq, now),
+                None => self.inbox_ack(conn, session, ack.id, ack.seq, AckKind::Ack, now),
+            },
+            ClientFrame::Publish(p) => self.publish(conn, session, ns, name, p, now),
+            ClientFrame::Subscribe(f) => self.subscribe(conn, session, ns, name, f, now),
+            ClientFrame::Unsubscribe { id, sub } => self.unsubscribe(conn, session, id, sub),
             ClientFrame::Nak(nak) => {
                 let kind = AckKind::Nak {
                     delay: nak.delay_ms.map(Duration::from_millis),
@@ -582,18 +618,30 @@ impl Broker {
             }
             return;
         };
+        self.ack(conn, session, id, &ack_subject, kind, now);
+    }
+
+    /// Acks a delivery; with a request id, answers once JetStream confirmed it.
+    fn ack(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        ack_subject: &str,
+        kind: AckKind,
+        now: Instant,
+    ) {
         match id {
-            Some(re) => match conn.request(&ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
+            Some(re) => match conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
                 Ok(req) => {
                     self.pending.insert(req, Pending::AckSync { session, re });
                 }
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
             None => {
-                let _ = conn.publish(&ack_subject, None, None, &kind.payload());
+                let _ = conn.publish(ack_subject, None, None, &kind.payload());
             }
         }
-        self.top_up_pull(conn, session, now);
     }
 
     fn ensure_inbox_consumer(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
@@ -624,24 +672,23 @@ impl Broker {
     }
 
     fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
-        let Some(p) = self.presence.get_mut(participant) else {
+        let Some(p) = self
+            .presence
+            .get_mut(participant)
+            .filter(|p| p.inbox.sid().is_none())
+        else {
             return;
         };
-        if p.inbox.sid.is_some() {
-            return;
-        }
-        let subject = conn.new_inbox();
-        match conn.subscribe(&subject, None) {
+        match p.inbox.attach(conn) {
             Ok(sid) => {
-                p.inbox.sid = Some(sid);
-                p.inbox.deliver_subject = subject;
+                let check = p.inbox.pull(conn, now);
                 self.routes.insert(
                     sid,
                     Route::Inbox {
                         participant: participant.to_string(),
                     },
                 );
-                self.pull(conn, participant, now);
+                self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
             }
             Err(e) => log(&format!(
                 "inbox subscription failed participant={participant}: {e}"
@@ -649,54 +696,9 @@ impl Broker {
         }
     }
 
-    /// Issues a pull for as many messages as the participant's window allows.
-    fn pull(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
-        let Some((ns, name)) = participant.split_once('/') else {
-            return;
-        };
-        let Some(window) = self.config.namespaces.get(ns).map(|n| n.inbox.inbox_window) else {
-            return;
-        };
-        let Some(p) = self.presence.get_mut(participant) else {
-            return;
-        };
-        if p.inbox.sid.is_none() || p.inbox.remaining > 0 {
-            return;
-        }
-        let subject = format!(
-            "$JS.API.CONSUMER.MSG.NEXT.{}.{}",
-            binding::inbox_stream(ns),
-            binding::inbox_consumer(name)
-        );
-        let body = json!({
-            "batch": window,
-            "expires": PULL_EXPIRES.as_nanos() as u64,
-            "idle_heartbeat": PULL_HEARTBEAT.as_nanos() as u64,
-        });
-        if conn
-            .publish(
-                &subject,
-                Some(&p.inbox.deliver_subject),
-                None,
-                body.to_string().as_bytes(),
-            )
-            .is_ok()
-        {
-            p.inbox.remaining = window;
-            let until = now + PULL_EXPIRES + PULL_HEARTBEAT;
-            p.inbox.pull_until = Some(until);
-            self.timers
-                .push(Reverse((until, Timer::PullCheck(participant.to_string()))));
-        }
-    }
-
-    /// After an ack frees window space, a finished pull is renewed.
-    fn top_up_pull(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
-        if let Some(SessionState::Active { ns, name }) =
-            self.sessions.get(&session).map(|s| &s.state)
-        {
-            let key = participant_key(ns, name);
-            self.pull(conn, &key, now);
+    fn check_pull_at(&mut self, at: Option<Instant>, owner: PullOwner) {
+        if let Some(at) = at {
+            self.timers.push(Reverse((at, Timer::PullCheck(owner))));
         }
     }
 
@@ -707,27 +709,20 @@ impl Broker {
         msg: Message,
         now: Instant,
     ) {
-        let status = msg.status();
         let Some(p) = self.presence.get_mut(participant) else {
-            if let Some(reply) = &msg.reply {
+            if let Some(reply) = msg.reply.as_deref().filter(|_| msg.status().is_none()) {
                 let _ = conn.publish(reply, None, None, &AckKind::Nak { delay: None }.payload());
             }
             return;
         };
-        match status {
-            Some(100) => {
-                // Idle heartbeat: the pull is alive.
-                p.inbox.pull_until = Some(now + PULL_HEARTBEAT * 2);
-                return;
-            }
-            Some(_) => {
-                // 404/408/409: the pull request is over; start another.
-                p.inbox.remaining = 0;
-                return self.pull(conn, participant, now);
-            }
-            None => {}
+        let (pulled, check) = p.inbox.on_message(conn, msg.status(), now);
+        self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
+        if pulled != Pulled::Message {
+            return;
         }
-        p.inbox.remaining = p.inbox.remaining.saturating_sub(1);
+        let Some(p) = self.presence.get(participant) else {
+            return;
+        };
         let Some(reply) = msg.reply.clone() else {
             return;
         };
@@ -789,13 +784,6 @@ impl Broker {
             s.inflight.insert(seq, reply);
         }
         self.frame(target, text);
-        if self
-            .presence
-            .get(participant)
-            .is_some_and(|p| p.inbox.remaining == 0)
-        {
-            self.pull(conn, participant, now);
-        }
     }
 
     // ---- registry ------------------------------------------------------------------
@@ -966,6 +954,10 @@ impl Broker {
                     let participant = participant.clone();
                     self.inbox_delivery(conn, &participant, msg, now);
                 }
+                Some(Route::Sub { session, sub }) => {
+                    let (session, sub) = (*session, sub.clone());
+                    self.topic_delivery(conn, session, &sub, msg, now);
+                }
                 Some(Route::Registry { ns }) => {
                     let ns = ns.clone();
                     if let Some((registry, _)) = self.registries.get_mut(&ns) {
@@ -987,12 +979,13 @@ impl Broker {
             }
             Event::Reconnected { .. } => {
                 // Pulls in flight died with the old connection; ask again.
-                let keys: Vec<String> = self.presence.keys().cloned().collect();
-                for key in keys {
-                    if let Some(p) = self.presence.get_mut(&key) {
-                        p.inbox.remaining = 0;
-                    }
-                    self.pull(conn, &key, now);
+                let mut checks = Vec::new();
+                for (key, p) in &mut self.presence {
+                    checks.push((p.inbox.restart(conn, now), PullOwner::Inbox(key.clone())));
+                }
+                checks.extend(self.restart_subscriptions(conn, now));
+                for (at, owner) in checks {
+                    self.check_pull_at(at, owner);
                 }
             }
             _ => {}
@@ -1048,6 +1041,19 @@ impl Broker {
                     ));
                 }
             }
+            Pending::SubLookup {
+                session,
+                re,
+                sub,
+                config,
+            } => self.sub_lookup_done(conn, (session, re, sub), config, reply, now),
+            Pending::SubConsumer { session, re, sub } => {
+                self.sub_consumer_done(conn, session, re, sub, reply, now)
+            }
+            Pending::SubReset { session, sub } => {
+                let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
+                self.sub_reset_done(conn, session, sub, ok, now);
+            }
             Pending::Watch { ns, kind } => {
                 if let Some((registry, _)) = self.registries.get_mut(&ns) {
                     let reply = match &reply {
@@ -1101,18 +1107,17 @@ impl Broker {
                         self.registry_put(conn, &ns, &name, now);
                     }
                 }
-                Timer::PullCheck(key) => {
-                    let stale = self
-                        .presence
-                        .get(&key)
-                        .and_then(|p| p.inbox.pull_until)
-                        .is_some_and(|until| until <= now);
-                    if stale {
-                        if let Some(p) = self.presence.get_mut(&key) {
-                            p.inbox.remaining = 0;
-                        }
-                        self.pull(conn, &key, now);
-                    }
+                Timer::PullCheck(owner) => {
+                    let at = match &owner {
+                        PullOwner::Inbox(key) => self
+                            .presence
+                            .get_mut(key)
+                            .and_then(|p| p.inbox.check(conn, now)),
+                        PullOwner::Sub(session, sub) => self
+                            .subscription_mut(*session, sub)
+                            .and_then(|t| t.pull.check(conn, now)),
+                    };
+                    self.check_pull_at(at, owner);
                 }
             }
         }

@@ -12,6 +12,7 @@ pub mod embedded;
 pub mod envelope;
 pub mod keygen;
 pub mod permissions;
+pub mod pull_loop;
 pub mod rate_limit;
 pub mod registry;
 pub mod scoped_jwt;

@@ -1,0 +1,666 @@
+//! Topics: `publish` stores an event in `AMP_TOPICS_<ns>`; each `subscribe` is one pull
+//! consumer read by its own pull loop. A plain subscription's consumer is ephemeral and
+//! acknowledges nothing; a durable one (`sub_<name>_<sub>`) survives the session and its
+//! events must be acked. Events of a subscription reach the session in stream order:
+//! a consumer sequence that skips means a lost delivery, and the consumer is recreated
+//! from the last event the session saw.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::{Value, json};
+
+use super::{
+    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, log, participant_key, raw_body,
+    unavailable,
+};
+use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
+use crate::amp::reply::FrameWriter;
+use crate::amp::{AmpError, ErrorCode};
+use crate::broker::binding;
+use crate::broker::envelope::{self, Envelope, Kind};
+use crate::broker::permissions::{self, Action};
+use crate::broker::pull_loop::{PullLoop, Pulled};
+use crate::jetstream::AckKind;
+use crate::jetstream::ack::AckMetadata;
+use crate::jetstream::api::check_error;
+use crate::nats::{Connection, Message};
+use crate::rfc3339;
+
+/// Events a durable subscription may have unacknowledged at once.
+const DURABLE_WINDOW: u32 = 256;
+/// Events a plain subscription asks for per pull.
+const PLAIN_BATCH: u32 = 256;
+const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
+/// How long an ephemeral consumer outlives a broker that stopped reading it.
+const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
+
+pub(super) struct Subscription {
+    pub(super) pull: PullLoop,
+    ns: String,
+    filter: String,
+    durable: bool,
+    /// The stream sequence of the last event sent to the session.
+    last_seq: u64,
+    /// The consumer sequence of the last delivery, to notice a gap.
+    last_consumer_seq: u64,
+    /// Durable only: events sent and not yet acknowledged (stream sequence -> ack subject).
+    inflight: HashMap<u64, String>,
+}
+
+impl Broker {
+    pub(super) fn publish(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        p: Publish,
+        now: Instant,
+    ) {
+        let topic = p.topic.as_str();
+        let allowed = self
+            .config
+            .participant(ns, name)
+            .is_some_and(|pp| permissions::allows(&pp.permissions, Action::Publish, topic));
+        if !allowed {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("publishing to `{topic}` is not permitted"),
+            )
+            .with_path("/topic");
+            return self.fail(session, &p.id, e);
+        }
+        let body = raw_body(&p.body);
+        if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
+            return self.fail(session, &p.id, e);
+        }
+        let from = participant_key(ns, name);
+        let id = match &p.idem {
+            Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
+            None => envelope::random_id(),
+        };
+        let env = Envelope {
+            id,
+            kind: Kind::Event,
+            from,
+            to: None,
+            topic: Some(topic.to_string()),
+            job: None,
+            ts: rfc3339::format_system_time(SystemTime::now()),
+            headers: p.headers,
+            body,
+        };
+        let subject = binding::topic_subject(ns, topic);
+        self.store(conn, session, p.id, &subject, &env, now);
+    }
+
+    pub(super) fn subscribe(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        f: Subscribe,
+        now: Instant,
+    ) {
+        let allowed = self
+            .config
+            .participant(ns, name)
+            .is_some_and(|p| permissions::allows(&p.permissions, Action::Subscribe, &f.topic));
+        if !allowed {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("subscribing to `{}` is not permitted", f.topic),
+            )
+            .with_path("/topic");
+            return self.fail(session, &f.id, e);
+        }
+        let sub = match f.sub {
+            Some(sub) => sub,
+            None => {
+                self.next_sub += 1;
+                format!("s{}", self.next_sub)
+            }
+        };
+        if self.subscription_mut(session, &sub).is_some() {
+            let e = AmpError::new(
+                ErrorCode::Conflict,
+                format!("subscription `{sub}` already exists in this session"),
+            )
+            .with_path("/sub");
+            return self.fail(session, &f.id, e);
+        }
+        let filter = binding::topic_subject(ns, &f.topic);
+        let stream = binding::topics_stream(ns);
+        let (consumer, config) = if f.durable {
+            let consumer = format!("sub_{name}_{sub}");
+            let config = json!({
+                "durable_name": consumer,
+                "filter_subject": filter,
+                "ack_policy": "explicit",
+                "ack_wait": DURABLE_ACK_WAIT.as_nanos() as u64,
+                "max_deliver": -1,
+                "max_ack_pending": DURABLE_WINDOW,
+                "deliver_policy": "all",
+            });
+            (consumer, config)
+        } else {
+            self.next_sub += 1;
+            let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+            let mut config = json!({
+                "name": consumer,
+                "filter_subject": filter,
+                "ack_policy": "none",
+                "mem_storage": true,
+                "num_replicas": 1,
+                "inactive_threshold": EPHEMERAL_INACTIVE.as_nanos() as u64,
+            });
+            match deliver_from(&f.from) {
+                Ok(fields) => {
+                    for (k, v) in fields {
+                        config[k] = v;
+                    }
+                }
+                Err(e) => return self.fail(session, &f.id, e),
+            }
+            (consumer, config)
+        };
+        let subscription = Subscription {
+            pull: PullLoop::new(
+                stream.clone(),
+                consumer.clone(),
+                if f.durable {
+                    DURABLE_WINDOW
+                } else {
+                    PLAIN_BATCH
+                },
+            ),
+            ns: ns.to_string(),
+            filter: filter.clone(),
+            durable: f.durable,
+            last_seq: 0,
+            last_consumer_seq: 0,
+            inflight: HashMap::new(),
+        };
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.subs.insert(sub.clone(), subscription);
+        }
+        if f.durable {
+            // A durable subscription may already exist: resume it as it is (`from` is then
+            // ignored), unless its topic differs.
+            let subject = format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}");
+            match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+                Ok(req) => {
+                    self.pending.insert(
+                        req,
+                        Pending::SubLookup {
+                            session,
+                            re: f.id,
+                            sub: sub.clone(),
+                            config,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.drop_subscription(conn, session, &sub, false);
+                    self.fail(session, &f.id, unavailable(e));
+                }
+            }
+        } else {
+            self.create_sub_consumer(conn, session, f.id, sub.clone(), &config, now);
+        }
+    }
+
+    fn create_sub_consumer(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        sub: String,
+        config: &Value,
+        now: Instant,
+    ) {
+        // The session may have ended meanwhile; then there is nothing to create.
+        let Some((ns, consumer)) = self
+            .subscription_mut(session, &sub)
+            .map(|t| (t.ns.clone(), t.pull.consumer().to_string()))
+        else {
+            return;
+        };
+        let subject = format!(
+            "$JS.API.CONSUMER.CREATE.{}.{consumer}",
+            binding::topics_stream(&ns)
+        );
+        let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
+        match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
+            Ok(req) => {
+                self.pending
+                    .insert(req, Pending::SubConsumer { session, re, sub });
+            }
+            Err(e) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(session, &re, unavailable(e));
+            }
+        }
+    }
+
+    /// The answer to a durable subscription's consumer lookup.
+    /// `request`: the session, the subscribe frame's id and the subscription name.
+    pub(super) fn sub_lookup_done(
+        &mut self,
+        conn: &mut Connection,
+        request: (SessionId, String, String),
+        config: Value,
+        reply: Result<Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        let (session, re, sub) = request;
+        match reply.map(|m| (check_error(&m.payload), m)) {
+            Ok((Ok(()), m)) => {
+                let info: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+                let existing = info["config"]["filter_subject"]
+                    .as_str()
+                    .unwrap_or_default();
+                let wanted = config["filter_subject"].as_str().unwrap_or_default();
+                if existing != wanted {
+                    self.drop_subscription(conn, session, &sub, false);
+                    let e = AmpError::new(
+                        ErrorCode::Conflict,
+                        format!("durable subscription `{sub}` exists for another topic"),
+                    )
+                    .with_path("/sub");
+                    return self.fail(session, &re, e);
+                }
+                self.sub_ready(conn, session, re, sub, now);
+            }
+            Ok((Err(e), _)) if e.err_code() == Some(10014) => {
+                self.create_sub_consumer(conn, session, re, sub, &config, now)
+            }
+            Ok((Err(e), _)) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(
+                    session,
+                    &re,
+                    AmpError::new(
+                        ErrorCode::Internal,
+                        format!("JetStream refused the subscription: {e}"),
+                    ),
+                );
+            }
+            Err(e) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(session, &re, unavailable(e));
+            }
+        }
+    }
+
+    /// The answer to a subscription's consumer create.
+    pub(super) fn sub_consumer_done(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        sub: String,
+        reply: Result<Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        match reply.map(|m| check_error(&m.payload)) {
+            Ok(Ok(())) => self.sub_ready(conn, session, re, sub, now),
+            Ok(Err(e)) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(
+                    session,
+                    &re,
+                    AmpError::new(
+                        ErrorCode::Internal,
+                        format!("JetStream refused the subscription: {e}"),
+                    ),
+                );
+            }
+            Err(e) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(session, &re, unavailable(e));
+            }
+        }
+    }
+
+    fn sub_ready(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        sub: String,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, &sub) else {
+            return;
+        };
+        match t.pull.attach(conn) {
+            Ok(sid) => {
+                let check = t.pull.pull(conn, now);
+                self.routes.insert(
+                    sid,
+                    Route::Sub {
+                        session,
+                        sub: sub.clone(),
+                    },
+                );
+                self.check_pull_at(check, PullOwner::Sub(session, sub.clone()));
+                self.ok(session, &re, FrameWriter::ok(Some(&re)).str("sub", &sub));
+            }
+            Err(e) => {
+                self.drop_subscription(conn, session, &sub, false);
+                self.fail(session, &re, unavailable(e));
+            }
+        }
+    }
+
+    pub(super) fn unsubscribe(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: String,
+        sub: String,
+    ) {
+        if self.subscription_mut(session, &sub).is_none() {
+            let e = AmpError::new(
+                ErrorCode::NotFound,
+                format!("no subscription `{sub}` in this session"),
+            )
+            .with_path("/sub");
+            return self.fail(session, &id, e);
+        }
+        self.drop_subscription(conn, session, &sub, true);
+        self.ok(session, &id, FrameWriter::ok(Some(&id)));
+    }
+
+    /// Stops reading a subscription. Its consumer is deleted when the subscription ends
+    /// for good (`unsubscribe`, or any end of a plain one); a durable one whose session
+    /// merely ended keeps its consumer, and its unacknowledged events are handed back so
+    /// they come first when it is resumed.
+    fn drop_subscription(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        for_good: bool,
+    ) {
+        let Some(mut t) = self
+            .sessions
+            .get_mut(&session)
+            .and_then(|s| s.subs.remove(sub))
+        else {
+            return;
+        };
+        if let Some(sid) = t.pull.detach(conn) {
+            self.routes.remove(&sid);
+        }
+        if for_good || !t.durable {
+            let subject = format!(
+                "$JS.API.CONSUMER.DELETE.{}.{}",
+                binding::topics_stream(&t.ns),
+                t.pull.consumer()
+            );
+            let _ = conn.publish(&subject, None, None, b"");
+        } else {
+            for ack in t.inflight.values() {
+                let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
+            }
+        }
+    }
+
+    /// A session ended: every subscription stops.
+    pub(super) fn drop_subscriptions(&mut self, conn: &mut Connection, session: SessionId) {
+        let subs: Vec<String> = self
+            .sessions
+            .get(&session)
+            .map(|s| s.subs.keys().cloned().collect())
+            .unwrap_or_default();
+        for sub in subs {
+            self.drop_subscription(conn, session, &sub, false);
+        }
+    }
+
+    pub(super) fn subscription_mut(
+        &mut self,
+        session: SessionId,
+        sub: &str,
+    ) -> Option<&mut Subscription> {
+        self.sessions.get_mut(&session)?.subs.get_mut(sub)
+    }
+
+    /// After a reconnect: every subscription's pull starts again.
+    pub(super) fn restart_subscriptions(
+        &mut self,
+        conn: &mut Connection,
+        now: Instant,
+    ) -> Vec<(Option<Instant>, PullOwner)> {
+        let mut checks = Vec::new();
+        for (&session, s) in &mut self.sessions {
+            for (sub, t) in &mut s.subs {
+                checks.push((
+                    t.pull.restart(conn, now),
+                    PullOwner::Sub(session, sub.clone()),
+                ));
+            }
+        }
+        checks
+    }
+
+    /// One message on a subscription's pull inbox.
+    pub(super) fn topic_delivery(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        msg: Message,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
+        let (pulled, check) = t.pull.on_message(conn, msg.status(), now);
+        self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
+        if pulled != Pulled::Message {
+            return;
+        }
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let Ok(meta) = AckMetadata::parse(reply) else {
+            return log(&format!(
+                "event without ack metadata session={session} sub={sub}"
+            ));
+        };
+        let (seq, consumer_seq) = (meta.stream_sequence, meta.consumer_sequence);
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
+        if !t.durable {
+            if consumer_seq != t.last_consumer_seq + 1 && t.last_consumer_seq != 0 {
+                // A delivery went missing: start over right after the last event sent.
+                return self.reset_subscription(conn, session, sub, now);
+            }
+            t.last_consumer_seq = consumer_seq;
+            if seq <= t.last_seq {
+                return;
+            }
+        }
+        t.last_seq = seq;
+        if t.durable {
+            t.inflight.insert(seq, reply.to_string());
+        }
+        let Ok(env) = Envelope::from_json(&msg.payload) else {
+            return log(&format!("skipping malformed event seq={seq} sub={sub}"));
+        };
+        let text = FrameWriter::new(amp_frame::server_op::EVENT)
+            .str("sub", sub)
+            .str("topic", env.topic.as_deref().unwrap_or_default())
+            .value("seq", &seq)
+            .str("ts", &env.ts)
+            .str("from", &env.from)
+            .raw("body", env.body.get())
+            .value("headers", &env.headers)
+            .finish();
+        self.frame(session, text);
+    }
+
+    /// Replaces a plain subscription's consumer with one starting after the last event
+    /// the session saw.
+    fn reset_subscription(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
+        let (ns, filter, last) = (t.ns.clone(), t.filter.clone(), t.last_seq);
+        let old = t.pull.consumer().to_string();
+        if let Some(sid) = t.pull.detach(conn) {
+            self.routes.remove(&sid);
+        }
+        let _ = conn.publish(
+            &format!(
+                "$JS.API.CONSUMER.DELETE.{}.{old}",
+                binding::topics_stream(&ns)
+            ),
+            None,
+            None,
+            b"",
+        );
+        self.next_sub += 1;
+        let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+        let config = json!({
+            "name": consumer,
+            "filter_subject": filter,
+            "ack_policy": "none",
+            "mem_storage": true,
+            "num_replicas": 1,
+            "inactive_threshold": EPHEMERAL_INACTIVE.as_nanos() as u64,
+            "deliver_policy": "by_start_sequence",
+            "opt_start_seq": last + 1,
+        });
+        if let Some(t) = self.subscription_mut(session, sub) {
+            t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH);
+            t.last_consumer_seq = 0;
+        }
+        log(&format!(
+            "subscription gap session={session} sub={sub}; resuming after seq {last}"
+        ));
+        let subject = format!(
+            "$JS.API.CONSUMER.CREATE.{}.{consumer}",
+            binding::topics_stream(&ns)
+        );
+        let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
+        if let Ok(req) = conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now)
+        {
+            self.pending.insert(
+                req,
+                Pending::SubReset {
+                    session,
+                    sub: sub.to_string(),
+                },
+            );
+        }
+    }
+
+    pub(super) fn sub_reset_done(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: String,
+        ok: bool,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, &sub) else {
+            return;
+        };
+        if !ok {
+            return log(&format!(
+                "subscription could not be resumed session={session} sub={sub}"
+            ));
+        }
+        if let Ok(sid) = t.pull.attach(conn) {
+            let check = t.pull.pull(conn, now);
+            self.routes.insert(
+                sid,
+                Route::Sub {
+                    session,
+                    sub: sub.clone(),
+                },
+            );
+            self.check_pull_at(check, PullOwner::Sub(session, sub));
+        }
+    }
+
+    /// `{"op":"ack","sub":..,"seq":..}`.
+    pub(super) fn event_ack(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        sub: &str,
+        seq: u64,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, sub) else {
+            if let Some(re) = id {
+                let e = AmpError::new(
+                    ErrorCode::NotFound,
+                    format!("no subscription `{sub}` in this session"),
+                )
+                .with_path("/sub");
+                self.fail(session, &re, e);
+            }
+            return;
+        };
+        if !t.durable {
+            if let Some(re) = id {
+                self.ok(session, &re, FrameWriter::ok(Some(&re)));
+            }
+            return;
+        }
+        let Some(ack_subject) = t.inflight.remove(&seq) else {
+            if let Some(re) = id {
+                let e = AmpError::new(
+                    ErrorCode::NotFound,
+                    format!("no unacknowledged event {seq} on `{sub}`"),
+                )
+                .with_path("/seq");
+                self.fail(session, &re, e);
+            }
+            return;
+        };
+        self.ack(conn, session, id, &ack_subject, AckKind::Ack, now);
+    }
+}
+
+/// The deliver policy fields of a plain subscription's consumer.
+fn deliver_from(from: &amp_frame::From) -> Result<Vec<(&'static str, Value)>, AmpError> {
+    Ok(match from.clone().normalized() {
+        amp_frame::From::New => vec![("deliver_policy", json!("new"))],
+        amp_frame::From::Named(FromName::All) => vec![("deliver_policy", json!("all"))],
+        amp_frame::From::Named(FromName::Last) => {
+            vec![("deliver_policy", json!("last_per_subject"))]
+        }
+        amp_frame::From::Named(FromName::New) => vec![("deliver_policy", json!("new"))],
+        amp_frame::From::Seq { seq } => vec![
+            ("deliver_policy", json!("by_start_sequence")),
+            ("opt_start_seq", json!(seq.max(1))),
+        ],
+        amp_frame::From::Time { time } => {
+            let nanos = rfc3339::parse_nanos(&time).ok_or_else(|| {
+                AmpError::new(ErrorCode::Schema, "not an RFC 3339 time").with_path("/from/time")
+            })?;
+            let millis = i64::try_from(nanos / 1_000_000).unwrap_or(0);
+            vec![
+                ("deliver_policy", json!("by_start_time")),
+                ("opt_start_time", json!(rfc3339::format_millis(millis))),
+            ]
+        }
+    })
+}

@@ -1,0 +1,239 @@
+//! Topics end to end: publish, subscribe with every `from`, wildcards, unsubscribe and
+//! durable subscriptions resumed after a reconnect.
+
+mod common;
+
+use std::time::Duration;
+
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(10);
+const QUIET: Duration = Duration::from_millis(400);
+
+fn setup() -> (NatsServer, Broker) {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["pub", "sub"]));
+    (nats, broker)
+}
+
+fn publish(c: &mut Client, topic: &str, body: Value) -> u64 {
+    let ok = c.request(json!({"op":"publish","topic":topic,"body":body}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    ok["seq"].as_u64().expect("seq")
+}
+
+fn events(c: &mut Client, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| {
+            c.next_op("event", WAIT)
+                .unwrap_or_else(|| panic!("event {i} of {n}"))
+        })
+        .collect()
+}
+
+#[test]
+fn subscribers_get_new_events_in_order_with_wildcards() {
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    publish(&mut p, "orders.eu.created", json!("before"));
+    let ok = s.request(json!({"op":"subscribe","topic":"orders.*.created","sub":"eu"}));
+    assert_eq!(ok, json!({"op":"ok","re":ok["re"],"sub":"eu"}));
+    let seqs: Vec<u64> = (0..5)
+        .map(|i| {
+            publish(
+                &mut p,
+                if i % 2 == 0 {
+                    "orders.eu.created"
+                } else {
+                    "orders.us.created"
+                },
+                json!(i),
+            )
+        })
+        .collect();
+    publish(&mut p, "orders.eu.deleted", json!("not matched"));
+    let got = events(&mut s, 5);
+    assert_eq!(
+        got.iter()
+            .map(|e| e["seq"].as_u64().unwrap_or(0))
+            .collect::<Vec<_>>(),
+        seqs
+    );
+    assert_eq!(got[1]["topic"], "orders.us.created");
+    assert_eq!(got[0]["from"], "acme/pub");
+    assert_eq!(got[0]["sub"], "eu");
+    assert_eq!(got[3]["body"], json!(3));
+    assert!(s.next_op("event", QUIET).is_none(), "nothing else matched");
+}
+
+#[test]
+fn from_all_last_seq_and_time_replay_the_stream() {
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let a1 = publish(&mut p, "t.a", json!(1));
+    let b1 = publish(&mut p, "t.b", json!(2));
+    // Timestamps have millisecond precision: keep the cut clear of both neighbours.
+    std::thread::sleep(Duration::from_millis(20));
+    let middle = amp_broker::rfc3339::format_system_time(std::time::SystemTime::now());
+    std::thread::sleep(Duration::from_millis(20));
+    let a2 = publish(&mut p, "t.a", json!(3));
+
+    s.request(json!({"op":"subscribe","topic":"t.*","sub":"all","from":"all"}));
+    let all: Vec<u64> = events(&mut s, 3)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(all, [a1, b1, a2]);
+
+    s.request(json!({"op":"subscribe","topic":"t.*","sub":"last","from":"last"}));
+    let mut last: Vec<u64> = events(&mut s, 2)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    last.sort_unstable();
+    assert_eq!(last, [b1, a2], "the last event of each topic");
+
+    s.request(json!({"op":"subscribe","topic":"t.*","sub":"seq","from":{"seq":b1}}));
+    let from_seq: Vec<u64> = events(&mut s, 2)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(from_seq, [b1, a2]);
+
+    s.request(json!({"op":"subscribe","topic":"t.*","sub":"time","from":{"time":middle}}));
+    let from_time: Vec<u64> = events(&mut s, 1)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(from_time, [a2]);
+    assert!(s.next_op("event", QUIET).is_none());
+}
+
+#[test]
+fn unsubscribe_stops_events_and_unknown_subscriptions_are_not_found() {
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"x.>"}));
+    let sub = ok["sub"].as_str().expect("generated sub name").to_string();
+    publish(&mut p, "x.1", json!(1));
+    assert_eq!(events(&mut s, 1)[0]["sub"], sub.as_str());
+    let again = s.request(json!({"op":"subscribe","topic":"x.>","sub":sub}));
+    assert_eq!(
+        (again["code"].as_str(), again["path"].as_str()),
+        (Some("conflict"), Some("/sub")),
+        "{again}"
+    );
+    assert_eq!(
+        s.request(json!({"op":"unsubscribe","id":"u","sub":sub})),
+        json!({"op":"ok","re":"u"})
+    );
+    publish(&mut p, "x.2", json!(2));
+    assert!(s.next_op("event", QUIET).is_none());
+    let e = s.request(json!({"op":"unsubscribe","sub":sub}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("not_found"), Some("/sub")),
+        "{e}"
+    );
+}
+
+#[test]
+fn topic_permissions_cover_publish_and_every_topic_a_pattern_can_match() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["p"]);
+    config["namespaces"]["acme"]["participants"]["p"]["permissions"]["publish"] =
+        json!(["orders.eu.*"]);
+    config["namespaces"]["acme"]["participants"]["p"]["permissions"]["subscribe"] =
+        json!(["orders.eu.>"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut c = Client::login(&broker, "acme", "p", "p-token");
+    let e = c.request(json!({"op":"publish","topic":"orders.us.created","body":1}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("forbidden"), Some("/topic")),
+        "{e}"
+    );
+    let e = c.request(json!({"op":"subscribe","topic":"orders.*.created"}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("forbidden"), Some("/topic")),
+        "{e}"
+    );
+    assert_eq!(
+        c.request(json!({"op":"subscribe","topic":"orders.eu.*"}))["op"],
+        "ok"
+    );
+    assert_eq!(
+        c.request(json!({"op":"publish","topic":"orders.eu.created","body":1}))["op"],
+        "ok"
+    );
+}
+
+#[test]
+fn a_durable_subscription_resumes_with_unacked_events_first() {
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true}));
+    assert_eq!(ok["sub"], "keep", "{ok}");
+    let e1 = publish(&mut p, "d.1", json!(1));
+    let e2 = publish(&mut p, "d.2", json!(2));
+    let got = events(&mut s, 2);
+    assert_eq!(
+        got.iter()
+            .filter_map(|e| e["seq"].as_u64())
+            .collect::<Vec<_>>(),
+        [e1, e2]
+    );
+    assert_eq!(
+        s.request(json!({"op":"ack","id":"k","sub":"keep","seq":e1})),
+        json!({"op":"ok","re":"k"})
+    );
+    drop(s);
+    let e3 = publish(&mut p, "d.3", json!(3));
+
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok =
+        s.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true,"from":"new"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let got = events(&mut s, 2);
+    assert_eq!(
+        got.iter()
+            .filter_map(|e| e["seq"].as_u64())
+            .collect::<Vec<_>>(),
+        [e2, e3],
+        "unacked first, then new"
+    );
+    for e in &got {
+        s.send(&json!({"op":"ack","sub":"keep","seq":e["seq"]}));
+    }
+    assert!(s.next_op("event", QUIET).is_none());
+    let other = s.request(json!({"op":"subscribe","topic":"other.>","sub":"keep2","durable":true}));
+    assert_eq!(other["op"], "ok");
+    drop(s);
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let clash = s.request(json!({"op":"subscribe","topic":"d.*","sub":"keep","durable":true}));
+    assert_eq!(
+        (clash["code"].as_str(), clash["path"].as_str()),
+        (Some("conflict"), Some("/sub")),
+        "{clash}"
+    );
+}
+
+#[test]
+fn idempotent_publishes_answer_the_same_seq() {
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let a = p.request(json!({"op":"publish","topic":"i.x","body":1,"idem":"once"}));
+    let b = p.request(json!({"op":"publish","topic":"i.x","body":1,"idem":"once"}));
+    assert_eq!(
+        (a["dup"].as_bool(), b["dup"].as_bool()),
+        (Some(false), Some(true))
+    );
+    assert_eq!(a["seq"], b["seq"]);
+}
