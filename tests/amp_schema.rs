@@ -643,3 +643,35 @@ fn every_fixed_shape_object_in_the_schema_forbids_unknown_members() {
     let schema: Value = serde_json::from_str(SCHEMA_JSON).expect("schema is JSON");
     walk(&schema["$defs"], "/$defs");
 }
+
+#[test]
+fn first_frame_rules_bad_frame_without_op_else_unauthenticated() {
+    let v = validator();
+    let hello =
+        json!({"op":"hello","id":"h","ns":"a","name":"b","auth":{"type":"token","token":"t"}});
+    assert_eq!(
+        v.decode_hello(&hello.to_string()).map(|h| h.name),
+        Ok("b".to_owned())
+    );
+    let cases = [
+        ("nope".to_owned(), ErrorCode::BadFrame, None),
+        ("[]".to_owned(), ErrorCode::BadFrame, None),
+        (json!({"id":"x"}).to_string(), ErrorCode::BadFrame, Some("x")),
+        (json!({"op":"dance","id":"x"}).to_string(), ErrorCode::Unauthenticated, Some("x")),
+        (json!({"op":"ping","id":"p"}).to_string(), ErrorCode::Unauthenticated, Some("p")),
+        (json!({"op":"hello","id":"h","ns":"a","name":"b"}).to_string(), ErrorCode::Unauthenticated, Some("h")),
+        (json!({"op":"hello","id":"h","ns":"a","name":"b","auth":{"type":"token","token":"t"},"x":1}).to_string(), ErrorCode::Unauthenticated, Some("h")),
+    ];
+    for (text, code, re) in cases {
+        let rejected = v.decode_hello(&text).expect_err(&text);
+        assert_eq!(rejected.error.code, code, "{text}");
+        assert_eq!(rejected.re.as_deref(), re, "{text}");
+        if code == ErrorCode::Unauthenticated {
+            assert_eq!(
+                rejected.error.message, "authentication failed",
+                "says nothing about what was wrong"
+            );
+            assert_eq!(rejected.error.path, None);
+        }
+    }
+}

@@ -392,3 +392,28 @@ fn drain_flushes_queued_messages_then_closes_1001_and_stops_accepting() {
         "listener closed after drain"
     );
 }
+
+#[test]
+fn connections_past_max_connections_are_closed_at_once() {
+    let server = start(WsConfig {
+        max_connections: 2,
+        ..WsConfig::default()
+    });
+    let (mut a, _) = connect(&server, None).expect("first");
+    let (_b, _) = connect(&server, None).expect("second");
+    let mut third = TcpStream::connect(server.addr).expect("tcp connect is accepted by the kernel");
+    third
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let _ = third.write_all(b"GET /healthz HTTP/1.1\r\n\r\n");
+    let mut buf = Vec::new();
+    let n = third.read_to_end(&mut buf).unwrap_or(0);
+    assert_eq!(
+        n,
+        0,
+        "closed without an answer: {}",
+        String::from_utf8_lossy(&buf)
+    );
+    a.send(Message::text("unaffected")).expect("send");
+    assert_eq!(a.read().expect("echo"), Message::text("unaffected"));
+}

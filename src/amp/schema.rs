@@ -13,7 +13,7 @@ use jsonschema::{Draft, ValidationError, Validator, error::ValidationErrorKind};
 use serde_json::Value;
 
 use super::error::{AmpError, ErrorCode};
-use super::frame::{ClientFrame, Op};
+use super::frame::{ClientFrame, Hello, Op};
 use super::reply;
 
 /// The schema of every client frame, as served at `/amp/schema`.
@@ -146,6 +146,41 @@ impl FrameValidator {
             // mismatch between the two, reported as the whole frame being wrong.
             error: AmpError::new(ErrorCode::Schema, truncate(e.to_string())).with_path(""),
         })
+    }
+}
+
+impl FrameValidator {
+    /// The first frame of a session (spec 2.7, "Before `hello`"): anything that is not a
+    /// JSON object with an `op` is `bad_frame`; any other frame that is not a valid
+    /// `hello` is `unauthenticated`, without saying what was wrong. Either way the
+    /// broker then closes with 1008.
+    pub fn decode_hello(&self, text: &str) -> Result<Hello, Rejected> {
+        match self.decode(text) {
+            Ok(ClientFrame::Hello(hello)) => Ok(hello),
+            Ok(frame) => Err(unauthenticated(
+                frame.id().map(str::to_owned),
+                Some(frame.op()),
+            )),
+            Err(rejected) if rejected.error.code == ErrorCode::BadFrame && !has_op(text) => {
+                Err(rejected)
+            }
+            Err(rejected) => Err(unauthenticated(rejected.re, rejected.op)),
+        }
+    }
+}
+
+/// A JSON object with an `op` member (of any value); parsed again only on this error path.
+fn has_op(text: &str) -> bool {
+    serde_json::from_str::<Value>(text)
+        .ok()
+        .is_some_and(|v| v.as_object().is_some_and(|m| m.contains_key("op")))
+}
+
+fn unauthenticated(re: Option<String>, op: Option<Op>) -> Rejected {
+    Rejected {
+        re,
+        op,
+        error: AmpError::new(ErrorCode::Unauthenticated, "authentication failed"),
     }
 }
 

@@ -84,7 +84,8 @@ pub enum ConnEvent {
     Http { status: u16 },
     /// The WebSocket session is established.
     Opened { subprotocol: Option<&'static str> },
-    /// One complete text message.
+    /// One complete text message. It shares the session's read buffer: handle it and
+    /// drop it rather than keeping it for long.
     Text(Utf8Bytes),
     /// The session ended; no events follow. `by_peer` is true when the client sent the
     /// close (or vanished: 1006).

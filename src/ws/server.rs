@@ -29,7 +29,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token};
@@ -385,8 +385,7 @@ impl WsServer {
         loop {
             let timeout = self
                 .next_deadline()
-                .map(|d| d.saturating_duration_since(Instant::now()))
-                .map(|t| t.max(Duration::from_millis(0)));
+                .map(|d| d.saturating_duration_since(Instant::now()));
             match poll.poll(&mut events, timeout) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
