@@ -81,6 +81,21 @@ impl Broker {
         broker
     }
 
+    /// Starts a broker that is expected to refuse to start; returns what it said.
+    pub fn start_expecting_failure(nats_url: &str, config: &Value) -> String {
+        let dir = tempfile::tempdir().expect("broker dir");
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, config.to_string()).expect("write config");
+        let out = Command::new(env!("CARGO_BIN_EXE_amp-broker"))
+            .args(["serve", "--nats", nats_url, "--config"])
+            .arg(&config_path)
+            .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+            .output()
+            .expect("run amp-broker");
+        assert!(!out.status.success(), "start-up should fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
     fn spawn(&mut self) {
         let log = std::fs::File::create(self.dir.path().join("broker.log")).expect("log");
         let child = Command::new(env!("CARGO_BIN_EXE_amp-broker"))
@@ -226,6 +241,29 @@ impl Client {
 
     pub fn send_text(&mut self, text: &str) {
         self.ws.send(Message::text(text)).expect("send frame");
+    }
+
+    pub fn send_binary(&mut self, bytes: &[u8]) {
+        self.ws
+            .send(Message::binary(bytes.to_vec()))
+            .expect("send binary frame");
+    }
+
+    /// Stops reading from the socket (and shrinks the receive buffer) so the broker's
+    /// outbound queue for this session fills up.
+    pub fn stop_reading(&mut self) {
+        use std::os::fd::AsRawFd;
+        let size: libc::c_int = 4096;
+        // SAFETY: setsockopt on our own socket with a pointer to a live c_int.
+        unsafe {
+            libc::setsockopt(
+                self.ws.get_ref().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
     }
 
     pub fn send(&mut self, frame: &Value) {

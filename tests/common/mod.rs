@@ -147,6 +147,13 @@ impl NatsServer {
         }
     }
 
+    /// Starts a stopped or killed server again on the same port with the same store.
+    pub fn start_again(&mut self) {
+        if self.child.is_none() {
+            self.spawn();
+        }
+    }
+
     /// Starts it again on the same port with the same store.
     pub fn restart(&mut self) {
         self.kill();

@@ -46,6 +46,9 @@ pub(super) struct Subscription {
     last_consumer_seq: u64,
     /// Durable only: events sent and not yet acknowledged (stream sequence -> ack subject).
     inflight: HashMap<u64, String>,
+    /// Plain only: the deliver policy asked for, used again if the consumer must be
+    /// recreated before any event arrived.
+    start: Value,
 }
 
 impl Broker {
@@ -166,6 +169,11 @@ impl Broker {
             }
             (consumer, config)
         };
+        let start = json!({
+            "deliver_policy": config["deliver_policy"],
+            "opt_start_seq": config["opt_start_seq"],
+            "opt_start_time": config["opt_start_time"],
+        });
         let subscription = Subscription {
             pull: PullLoop::new(
                 stream.clone(),
@@ -182,6 +190,7 @@ impl Broker {
             last_seq: 0,
             last_consumer_seq: 0,
             inflight: HashMap::new(),
+            start,
         };
         if let Some(s) = self.sessions.get_mut(&session) {
             s.subs.insert(sub.clone(), subscription);
@@ -305,9 +314,21 @@ impl Broker {
         reply: Result<Message, crate::nats::RequestError>,
         now: Instant,
     ) {
-        match reply.map(|m| check_error(&m.payload)) {
-            Ok(Ok(())) => self.sub_ready(conn, session, re, sub, now),
-            Ok(Err(e)) => {
+        match reply.map(|m| (check_error(&m.payload), m)) {
+            Ok((Ok(()), m)) => {
+                // Where the consumer starts: a later restart resumes from here even if no
+                // event arrived before it (`from: "new"` must not turn into "all").
+                let info: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+                let start = info["delivered"]["stream_seq"].as_u64();
+                if let (Some(t), Some(seq)) = (self.subscription_mut(session, &sub), start)
+                    && !t.durable
+                    && t.last_seq == 0
+                {
+                    t.last_seq = seq;
+                }
+                self.sub_ready(conn, session, re, sub, now)
+            }
+            Ok((Err(e), _)) => {
                 self.drop_subscription(conn, session, &sub, false);
                 self.fail(
                     session,
@@ -430,20 +451,30 @@ impl Broker {
         self.sessions.get_mut(&session)?.subs.get_mut(sub)
     }
 
-    /// After a reconnect: every subscription's pull starts again.
+    /// After a reconnect: durable subscriptions pull again; plain ones get a new consumer
+    /// starting after their last event, since an in-memory consumer does not survive a
+    /// server restart.
     pub(super) fn restart_subscriptions(
         &mut self,
         conn: &mut Connection,
         now: Instant,
     ) -> Vec<(Option<Instant>, PullOwner)> {
         let mut checks = Vec::new();
+        let mut plain = Vec::new();
         for (&session, s) in &mut self.sessions {
             for (sub, t) in &mut s.subs {
-                checks.push((
-                    t.pull.restart(conn, now),
-                    PullOwner::Sub(session, sub.clone()),
-                ));
+                if t.durable {
+                    checks.push((
+                        t.pull.restart(conn, now),
+                        PullOwner::Sub(session, sub.clone()),
+                    ));
+                } else {
+                    plain.push((session, sub.clone()));
+                }
             }
+        }
+        for (session, sub) in plain {
+            self.reset_subscription(conn, session, &sub, now);
         }
         checks
     }
@@ -518,7 +549,8 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
-        let (ns, filter, last) = (t.ns.clone(), t.filter.clone(), t.last_seq);
+        let (ns, filter, last, start) =
+            (t.ns.clone(), t.filter.clone(), t.last_seq, t.start.clone());
         let old = t.pull.consumer().to_string();
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
@@ -534,16 +566,27 @@ impl Broker {
         );
         self.next_sub += 1;
         let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
-        let config = json!({
+        let mut config = json!({
             "name": consumer,
             "filter_subject": filter,
             "ack_policy": "none",
             "mem_storage": true,
             "num_replicas": 1,
             "inactive_threshold": EPHEMERAL_INACTIVE.as_nanos() as u64,
-            "deliver_policy": "by_start_sequence",
-            "opt_start_seq": last + 1,
         });
+        if last == 0 {
+            for (k, v) in start
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(_, v)| !v.is_null())
+            {
+                config[k] = v.clone();
+            }
+        } else {
+            config["deliver_policy"] = json!("by_start_sequence");
+            config["opt_start_seq"] = json!(last + 1);
+        }
         if let Some(t) = self.subscription_mut(session, sub) {
             t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH);
             t.last_consumer_seq = 0;

@@ -1,0 +1,171 @@
+//! The parts of the contract visible outside the WebSocket: what the broker stores in
+//! JetStream (stream and consumer configs, headers, envelope), close codes, the hello
+//! timeout, slow consumers and start-up refusal of an incompatible stream.
+
+mod common;
+
+use std::time::Duration;
+
+use amp_broker::jetstream::{Context, MsgSelector};
+use amp_broker::nats::{Client as NatsClient, Options};
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn js(nats: &NatsServer) -> Context {
+    Context::new(NatsClient::connect(Options::new(&nats.url())).expect("connect"))
+}
+
+#[test]
+fn stored_messages_carry_the_envelope_and_the_amp_headers() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let ok = a.request(json!({"op":"send","to":"b","body":{"n":1},"headers":{"traceparent":tp,"x":"y"},"idem":"k"}));
+    let seq = ok["seq"].as_u64().expect("seq");
+    let ev = a.request(json!({"op":"publish","topic":"orders.eu","body":[1]}));
+
+    let mut js = js(&nats);
+    let stored = js
+        .get_msg("AMP_INBOX_acme", &MsgSelector::Sequence(seq))
+        .expect("stored message");
+    assert_eq!(stored.subject, "amp.acme.inbox.b");
+    assert_eq!(stored.header("AMP-From"), Some("acme/a"));
+    assert_eq!(stored.header("AMP-Kind"), Some("message"));
+    assert_eq!(stored.header("traceparent"), Some(tp));
+    assert!(
+        stored
+            .header("Nats-Msg-Id")
+            .is_some_and(|id| !id.is_empty())
+    );
+    let env: Value = serde_json::from_slice(&stored.payload).expect("envelope is JSON");
+    assert_eq!(env["from"], "acme/a");
+    assert_eq!(env["to"], "acme/b");
+    assert_eq!(env["body"], json!({"n":1}));
+    assert_eq!(env["headers"]["x"], "y");
+    assert_eq!(env["id"], stored.header("Nats-Msg-Id").expect("id"));
+
+    let event = js
+        .get_msg(
+            "AMP_TOPICS_acme",
+            &MsgSelector::Sequence(ev["seq"].as_u64().expect("seq")),
+        )
+        .expect("event");
+    assert_eq!(event.subject, "amp.acme.topic.orders.eu");
+    assert_eq!(event.header("AMP-Kind"), Some("event"));
+    assert_eq!(
+        serde_json::from_slice::<Value>(&event.payload).expect("json")["topic"],
+        "orders.eu"
+    );
+
+    let inbox = js.stream_info("AMP_INBOX_acme").expect("inbox stream");
+    assert_eq!(inbox.config.subjects, ["amp.acme.inbox.*"]);
+    let tasks = serde_json::to_value(js.stream_info("AMP_TASKS_acme").expect("tasks").config)
+        .expect("json");
+    assert_eq!(tasks["retention"], "workqueue");
+    let registry = js
+        .stream_info("KV_AMP_REGISTRY_acme")
+        .expect("registry bucket");
+    assert_eq!(registry.config.allow_msg_ttl, Some(true));
+    assert!(
+        registry
+            .config
+            .subject_delete_marker_ttl
+            .is_some_and(|d| !d.is_zero())
+    );
+    js.stream_info("KV_AMP_TASK_STATE")
+        .expect("task store bucket");
+    let consumer = js
+        .consumer_info("AMP_INBOX_acme", "inbox_a")
+        .expect("a's inbox consumer");
+    assert_eq!(consumer.config.max_ack_pending, Some(64));
+    assert_eq!(consumer.config.ack_wait, Some(Duration::from_secs(30)));
+    assert_eq!(
+        consumer.config.filter_subject.as_deref(),
+        Some("amp.acme.inbox.a")
+    );
+}
+
+#[test]
+fn binary_frames_close_1003_and_oversized_ones_1009() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a"]);
+    config["limits"] = json!({"max_frame": 4096});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    a.send_binary(b"\x00\x01");
+    assert_eq!(a.closed_with(WAIT), Some(1003));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    a.send(&json!({"op":"send","id":"big","to":"a","body":"x".repeat(5000)}));
+    assert_eq!(a.closed_with(WAIT), Some(1009));
+}
+
+#[test]
+fn a_silent_client_is_closed_after_the_hello_timeout() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a"]);
+    config["limits"] = json!({"hello_timeout_s": 1});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut c = Client::connect(&broker);
+    assert_eq!(c.closed_with(WAIT), Some(1008));
+}
+
+#[test]
+fn a_client_that_does_not_read_is_closed_without_slowing_others() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["pub", "slow", "fast"]);
+    config["limits"] = json!({"max_outbound_bytes": 1 << 20});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut slow = Client::login(&broker, "acme", "slow", "slow-token");
+    let mut fast = Client::login(&broker, "acme", "fast", "fast-token");
+    slow.request(json!({"op":"subscribe","topic":"flood"}));
+    fast.request(json!({"op":"subscribe","topic":"flood"}));
+    slow.stop_reading();
+    let reader = std::thread::spawn(move || {
+        (0..300)
+            .take_while(|_| fast.next_op("event", WAIT).is_some())
+            .count()
+    });
+    // Far more than the kernel buffers between the broker and the client can hold.
+    let body = "y".repeat(100_000);
+    for _ in 0..300 {
+        assert_eq!(
+            p.request(json!({"op":"publish","topic":"flood","body":body}))["op"],
+            "ok"
+        );
+    }
+    assert_eq!(
+        reader.join().expect("reader"),
+        300,
+        "the reading client got every event"
+    );
+    // The close frame waits behind what the client never read, so the broker's own count
+    // is the witness: one session closed 1008 as a slow consumer.
+    let metric = |m: &str, line: &str| m.lines().any(|l| l == line);
+    assert!(common::wait_until(WAIT, || {
+        common::amp::http_get(broker.addr, "/metrics").is_some_and(|(_, m)| {
+            metric(&m, "amp_ws_slow_consumers_total 1")
+                && metric(&m, "amp_ws_closes_total{code=\"1008\"} 1")
+        })
+    }));
+    drop(slow);
+}
+
+#[test]
+fn an_incompatible_existing_stream_stops_start_up_naming_the_field() {
+    let nats = NatsServer::start();
+    let mut js = js(&nats);
+    let mut config =
+        amp_broker::jetstream::StreamConfig::new("AMP_TASKS_acme", &["amp.acme.job.*"]);
+    config.retention = serde_json::from_value(json!("limits")).ok();
+    js.create_stream(&config).expect("pre-existing stream");
+    let err = Broker::start_expecting_failure(&nats.url(), &open_config(&["a"]));
+    assert!(
+        err.contains("AMP_TASKS_acme") && err.contains("retention"),
+        "{err}"
+    );
+}
