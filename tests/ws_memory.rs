@@ -39,6 +39,9 @@ static ALLOC: Counting = Counting;
 
 const SESSIONS: usize = 500;
 
+/// The allocator counts the whole process: one measurement at a time.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn rss_bytes() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     let pages: usize = statm
@@ -60,6 +63,7 @@ fn text_frame(s: &str) -> Vec<u8> {
 
 #[test]
 fn idle_session_costs_less_than_32_kib_of_heap() {
+    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let server = start(WsConfig::default());
     let mut clients: Vec<TcpStream> = Vec::with_capacity(SESSIONS + 1);
     // Warm up: the first session grows the server's tables and the recorder once.
@@ -119,5 +123,60 @@ fn idle_session_costs_less_than_32_kib_of_heap() {
     assert!(
         clients[0].read(&mut buf).is_err(),
         "nothing unexpected queued"
+    );
+}
+
+/// A masked client text frame of any length.
+fn big_text_frame(payload: &[u8]) -> Vec<u8> {
+    let mask = [9u8, 8, 7, 6];
+    let mut f = vec![0x81, 0x80 | 127];
+    f.extend_from_slice(&(payload.len() as u64).to_be_bytes());
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+#[test]
+fn large_message_buffers_are_released_once_the_session_is_idle_again() {
+    const N: usize = 8;
+    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let server = start(WsConfig::default());
+    let mut clients: Vec<TcpStream> = (0..N).map(|_| raw_upgrade(server.addr)).collect();
+    assert!(common::wait_until(Duration::from_secs(10), || server
+        .seen
+        .opened
+        .load(Ordering::SeqCst)
+        == N));
+    if let Ok(mut e) = server.seen.events.lock() {
+        e.clear();
+        e.shrink_to_fit();
+    }
+    let heap0 = LIVE.load(Ordering::SeqCst);
+    let payload = vec![b'm'; 1 << 20];
+    for c in clients.iter_mut() {
+        c.write_all(&big_text_frame(&payload)).expect("send 1 MiB");
+        let (op, echoed) = read_frame(c).expect("echo");
+        assert_eq!((op, echoed.len()), (0x1, payload.len()));
+    }
+    drop(payload);
+    // The recorder holds the received messages; drop them as an embedder would.
+    if let Ok(mut e) = server.seen.events.lock() {
+        e.clear();
+        e.shrink_to_fit();
+    }
+    // One small message each afterwards, so every session has read past the big one.
+    for c in clients.iter_mut() {
+        c.write_all(&text_frame("small")).expect("send");
+        assert_eq!(read_frame(c).expect("echo"), (0x1, b"small".to_vec()));
+    }
+    if let Ok(mut e) = server.seen.events.lock() {
+        e.clear();
+        e.shrink_to_fit();
+    }
+    let retained = LIVE.load(Ordering::SeqCst).saturating_sub(heap0) / N;
+    eprintln!("retained after a 1 MiB message: {retained} bytes/session");
+    assert!(
+        retained < 32 << 10,
+        "{retained} bytes per session kept after a 1 MiB message"
     );
 }

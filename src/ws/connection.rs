@@ -137,6 +137,7 @@ pub struct Connection {
     last_activity: Instant,
     next_ping: Instant,
     peer_eof: bool,
+    frames: FrameBoundary,
     cfg: WsConfig,
 }
 
@@ -152,6 +153,7 @@ impl Connection {
             last_activity: now,
             next_ping: now,
             peer_eof: false,
+            frames: FrameBoundary::default(),
             cfg,
         }
     }
@@ -377,13 +379,7 @@ impl Connection {
             }
             Request::Upgrade(upgrade) => {
                 http::switching_protocols(&mut self.out, &upgrade);
-                let config = WebSocketConfig::default()
-                    .read_buffer_size(self.cfg.read_buffer_size)
-                    .write_buffer_size(0)
-                    .max_write_buffer_size(usize::MAX)
-                    .max_message_size(Some(self.cfg.max_frame))
-                    .max_frame_size(Some(self.cfg.max_frame));
-                self.ws = Some(WebSocketContext::new(Role::Server, Some(config)));
+                self.ws = Some(new_context(&self.cfg));
                 self.phase = Phase::Open;
                 self.last_activity = now;
                 self.next_ping = now + self.cfg.heartbeat;
@@ -412,6 +408,18 @@ impl Connection {
     }
 
     fn ws_input(&mut self, data: &[u8], now: Instant) {
+        self.ws_read(data, now);
+        if matches!(self.phase, Phase::Open) && self.frames.idle_after_large() {
+            // tungstenite keeps a buffer as large as the largest frame it read. Between
+            // messages its context holds no state of its own (pongs are flushed, no
+            // partial frame or message), so a fresh one gives the memory back.
+            self.ws = Some(new_context(&self.cfg));
+            self.frames.large = false;
+        }
+    }
+
+    fn ws_read(&mut self, data: &[u8], now: Instant) {
+        self.frames.feed(data, self.cfg.read_buffer_size as u64);
         let Some(ws) = self.ws.as_mut() else { return };
         let mut duplex = Duplex {
             input: data,
@@ -508,6 +516,95 @@ impl Connection {
             reason: reason.to_owned(),
             by_peer,
         });
+    }
+}
+
+fn new_context(cfg: &WsConfig) -> WebSocketContext {
+    let config = WebSocketConfig::default()
+        .read_buffer_size(cfg.read_buffer_size)
+        .write_buffer_size(0)
+        .max_write_buffer_size(usize::MAX)
+        .max_message_size(Some(cfg.max_frame))
+        .max_frame_size(Some(cfg.max_frame));
+    WebSocketContext::new(Role::Server, Some(config))
+}
+
+/// Follows client frame boundaries in the bytes fed to tungstenite, to know when its
+/// context holds nothing but buffers: every byte belongs to a complete frame and no
+/// fragmented message is open.
+#[derive(Debug, Default)]
+struct FrameBoundary {
+    header: [u8; 14],
+    header_len: u8,
+    /// Payload bytes of the current frame not seen yet.
+    remaining: u64,
+    /// A data frame without FIN started a message that is not finished.
+    fragmented: bool,
+    /// A frame larger than the read buffer was seen since the last reset.
+    large: bool,
+}
+
+impl FrameBoundary {
+    fn feed(&mut self, mut data: &[u8], large_above: u64) {
+        while !data.is_empty() {
+            if self.remaining > 0 {
+                let take = data
+                    .len()
+                    .min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
+                self.remaining -= take as u64;
+                data = data.get(take..).unwrap_or_default();
+                continue;
+            }
+            let Some((&byte, rest)) = data.split_first() else {
+                return;
+            };
+            data = rest;
+            if let Some(slot) = self.header.get_mut(usize::from(self.header_len)) {
+                *slot = byte;
+            }
+            self.header_len += 1;
+            if let Some(len) = self.complete_header() {
+                let first = self.header[0];
+                let (fin, opcode) = (first & 0x80 != 0, first & 0x0F);
+                match opcode {
+                    0x1 | 0x2 => self.fragmented = !fin,
+                    0x0 if fin => self.fragmented = false,
+                    _ => {}
+                }
+                self.large |= len > large_above;
+                self.remaining = len;
+                self.header_len = 0;
+            }
+        }
+    }
+
+    /// The payload length once the header is complete.
+    fn complete_header(&self) -> Option<u64> {
+        let n = usize::from(self.header_len);
+        if n < 2 {
+            return None;
+        }
+        let masked = self.header[1] & 0x80 != 0;
+        let (ext, len7) = match self.header[1] & 0x7F {
+            126 => (2, None),
+            127 => (8, None),
+            l => (0, Some(u64::from(l))),
+        };
+        let total = 2 + ext + if masked { 4 } else { 0 };
+        if n < total {
+            return None;
+        }
+        Some(match len7 {
+            Some(l) => l,
+            None => self
+                .header
+                .get(2..2 + ext)
+                .map_or(0, |b| b.iter().fold(0u64, |a, &x| (a << 8) | u64::from(x))),
+        })
+    }
+
+    fn idle_after_large(&self) -> bool {
+        self.large && self.header_len == 0 && self.remaining == 0 && !self.fragmented
     }
 }
 
@@ -1056,6 +1153,50 @@ mod tests {
         assert_eq!(frames[10], close_payload(1008, "slow consumer"));
         // Writing some of it frees room for nothing: the session is closing.
         assert_eq!(c.send_text("x", t0), Err(SendError::NotOpen));
+    }
+
+    #[test]
+    fn frame_boundaries_are_followed_across_splits_and_fragments() {
+        let mut b = FrameBoundary::default();
+        let big = frame(0x1, true, &[b'a'; 70_000]);
+        for chunk in big.chunks(777) {
+            assert!(!b.idle_after_large());
+            b.feed(chunk, 2048);
+        }
+        assert!(b.idle_after_large());
+        b.large = false;
+        let mut parts = frame(0x1, false, &[b'a'; 3000]);
+        b.feed(&parts, 2048);
+        assert!(!b.idle_after_large(), "message still open");
+        b.feed(&frame(0x9, true, b"p"), 2048);
+        assert!(!b.idle_after_large(), "a ping does not finish it");
+        parts = frame(0x0, true, b"end");
+        b.feed(&parts[..3], 2048);
+        assert!(!b.idle_after_large(), "inside a header");
+        b.feed(&parts[3..], 2048);
+        assert!(b.idle_after_large());
+    }
+
+    #[test]
+    fn read_buffer_grown_by_a_large_message_is_released_between_messages() {
+        let (mut c, t0) = open(WsConfig::default());
+        let big = "q".repeat(500_000);
+        let bytes = text(&big);
+        let (first, second) = bytes.split_at(100_000);
+        c.handle_input(first, t0, &HOST);
+        c.handle_input(second, t0, &HOST);
+        assert_eq!(events(&mut c), vec![ConnEvent::Text(big.as_str().into())]);
+        assert!(!c.frames.large, "context replaced after the large message");
+        // The fresh context goes on reading, fragments and control frames included.
+        let mut more = frame(0x1, false, b"a");
+        more.extend(frame(0x9, true, b"p"));
+        more.extend(frame(0x0, true, b"b"));
+        c.handle_input(&more, t0, &HOST);
+        assert_eq!(events(&mut c), vec![ConnEvent::Text("ab".into())]);
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![(0xA, b"p".to_vec())]
+        );
     }
 
     #[test]
