@@ -41,21 +41,27 @@ struct Health {
     next_probe: Instant,
 }
 
-impl HttpHost for Health {
+/// The plain HTTP endpoints' view of the broker.
+struct Host<'a> {
+    health: &'a Health,
+    broker: &'a Broker,
+}
+
+impl HttpHost for Host<'_> {
     fn health(&self) -> Result<(), String> {
-        if !self.connected {
+        if !self.health.connected {
             return Err("NATS connection is down".to_string());
         }
-        self.jetstream.clone()
+        self.health.jetstream.clone()
     }
 
     fn metrics(&self, out: &mut String) {
-        out.push_str("# HELP amp_nats_connected Whether the NATS connection is up.\n# TYPE amp_nats_connected gauge\n");
-        out.push_str(if self.connected {
-            "amp_nats_connected 1\n"
-        } else {
-            "amp_nats_connected 0\n"
-        });
+        let up = if self.health.connected { 1 } else { 0 };
+        out.push_str("# HELP amp_nats_connected Whether the NATS connection is up.\n");
+        out.push_str(&format!(
+            "# TYPE amp_nats_connected gauge\namp_nats_connected {up}\n"
+        ));
+        self.broker.render_metrics(out);
     }
 }
 
@@ -124,7 +130,15 @@ pub fn run(
                     nats.drive(poll.registry(), now);
                     ws.begin_drain(poll.registry(), now);
                 }
-                token if ws.owns(token) => ws.handle_event(poll.registry(), event, now, &health),
+                token if ws.owns(token) => ws.handle_event(
+                    poll.registry(),
+                    event,
+                    now,
+                    &Host {
+                        health: &health,
+                        broker: &broker,
+                    },
+                ),
                 _ => {}
             }
         }
@@ -224,7 +238,14 @@ pub fn run(
                     }
                 }
             }
-            ws.flush(poll.registry(), now, &health);
+            ws.flush(
+                poll.registry(),
+                now,
+                &Host {
+                    health: &health,
+                    broker: &broker,
+                },
+            );
             nats.drive(poll.registry(), now);
             if !busy && !ws.has_events() {
                 break;

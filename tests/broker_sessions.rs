@@ -206,9 +206,23 @@ fn http_endpoints_answer_health_schema_and_404() {
     assert_eq!(status, 200);
     assert_eq!(schema, amp_broker::amp::SCHEMA_JSON);
     assert_eq!(http_get(broker.addr, "/nope").map(|r| r.0), Some(404));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    a.request(json!({"op":"send","to":"a","body":1}));
+    a.request(json!({"op":"send","to":"nobody","body":1}));
     let (status, metrics) = http_get(broker.addr, "/metrics").expect("metrics");
     assert_eq!(status, 200);
-    assert!(metrics.contains("amp_nats_connected 1"), "{metrics}");
+    for line in [
+        "amp_nats_connected 1",
+        "amp_sessions 1",
+        "amp_frames_in_total{op=\"send\"} 2",
+        "amp_frames_in_total{op=\"hello\"} 1",
+        "amp_frames_out_total{op=\"challenge\"} 1",
+        "amp_errors_total{code=\"not_found\"} 1",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "missing `{line}` in\n{metrics}");
+    }
+    assert!(metrics.contains("amp_jetstream_request_seconds_count"), "{metrics}");
+    assert!(metrics.contains("amp_nats_reconnects_total"), "{metrics}");
 }
 
 #[test]

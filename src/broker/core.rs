@@ -25,7 +25,7 @@ use super::registry::{Change, Registry};
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
 use crate::amp::reply::{self, FrameWriter};
-use crate::amp::{AmpError, ErrorCode, FrameValidator};
+use crate::amp::{AmpError, ErrorCode, FrameValidator, Rejected};
 use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
 use crate::jetstream::kv::{WatchAction, WatchRequestKind};
@@ -34,6 +34,7 @@ use crate::jetstream::{Delivery, JsError};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
+use crate::ws::metrics::AmpMetrics;
 
 mod topics;
 
@@ -145,7 +146,9 @@ pub struct Broker {
     broker_id: String,
     sessions: HashMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
-    pending: HashMap<RequestId, Pending>,
+    /// JetStream round trips in flight, with when each was sent.
+    pending: HashMap<RequestId, (Pending, Instant)>,
+    metrics: AmpMetrics,
     routes: HashMap<Sid, Route>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     out: VecDeque<Output>,
@@ -167,6 +170,7 @@ impl Broker {
             sessions: HashMap::new(),
             presence: HashMap::new(),
             pending: HashMap::new(),
+            metrics: AmpMetrics::new(),
             routes: HashMap::new(),
             timers: BinaryHeap::new(),
             out: VecDeque::new(),
@@ -264,6 +268,9 @@ impl Broker {
             );
         }
         if let SessionState::Active { ns, name } = s.state {
+            self.metrics
+                .registry
+                .gauge_add(self.metrics.sessions, "", -1.0);
             let key = participant_key(&ns, &name);
             let last = match self.presence.get_mut(&key) {
                 Some(p) => {
@@ -302,13 +309,15 @@ impl Broker {
             SessionState::Closing => {}
             SessionState::AwaitingHello { nonce } => {
                 let (nonce, peer) = (*nonce, s.peer);
-                match self.validator.decode(text) {
+                let decoded = self.validator.decode(text);
+                self.count_in(&decoded);
+                match decoded {
                     Ok(ClientFrame::Hello(hello)) => {
                         self.hello(conn, session, peer, &hello, &nonce, now)
                     }
                     Ok(other) => self.refuse(session, other.id()),
                     Err(r) if r.error.code == ErrorCode::BadFrame => {
-                        self.frame(session, r.reply());
+                        self.error(session, r.re.as_deref(), &r.error);
                         self.close(session, close::POLICY, "bad frame before hello");
                     }
                     Err(r) => self.refuse(session, r.re.as_deref()),
@@ -316,9 +325,11 @@ impl Broker {
             }
             SessionState::Active { ns, name } => {
                 let (ns, name) = (ns.clone(), name.clone());
-                match self.validator.decode(text) {
+                let decoded = self.validator.decode(text);
+                self.count_in(&decoded);
+                match decoded {
                     Ok(frame) => self.dispatch(conn, session, &ns, &name, frame, now),
-                    Err(r) => self.frame(session, r.reply()),
+                    Err(r) => self.error(session, r.re.as_deref(), &r.error),
                 }
             }
         }
@@ -340,7 +351,7 @@ impl Broker {
             // Too many failures from here or for this name: not even checked, so guessing
             // stays slow; the answer says when to try again and nothing else.
             let e = AmpError::rate_limited(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
-            self.frame(session, reply::error(Some(&hello.id), &e));
+            self.error(session, Some(&hello.id), &e);
             return self.close(session, close::POLICY, "too many failed hellos");
         }
         let credential = match &hello.auth {
@@ -356,8 +367,14 @@ impl Broker {
             return self.refuse(session, Some(&hello.id));
         }
         self.throttle.record_success(peer.ip(), &key, now);
+        self.metrics
+            .registry
+            .gauge_add(self.metrics.sessions, "", 1.0);
         let id = Some(hello.id.clone());
-        let labels = participant.map(|p| p.labels.clone()).unwrap_or_default();
+        // Labels the session declares, with the configuration's on top: an operator's
+        // label cannot be overridden by the participant.
+        let mut labels = hello.labels.clone();
+        labels.extend(participant.map(|p| p.labels.clone()).unwrap_or_default());
         let (ns, name) = (ns.to_string(), name.to_string());
         if let Some(s) = self.sessions.get_mut(&session) {
             s.state = SessionState::Active {
@@ -403,7 +420,7 @@ impl Broker {
     /// The one answer to any failed `hello`: it never says which part was wrong.
     fn refuse(&mut self, session: SessionId, id: Option<&str>) {
         let e = AmpError::new(ErrorCode::Unauthenticated, "authentication failed");
-        self.frame(session, reply::error(id, &e));
+        self.error(session, id, &e);
         self.close(session, close::POLICY, "unauthenticated");
     }
 
@@ -427,7 +444,7 @@ impl Broker {
                     "id is already used by an outstanding request",
                 )
                 .with_path("/id");
-                return self.frame(session, reply::error(Some(id), &e));
+                return self.error(session, Some(id), &e);
             }
         }
         match frame {
@@ -588,7 +605,7 @@ impl Broker {
         }
         match conn.request(subject, Some(&headers), &payload, JS_TIMEOUT, now) {
             Ok(req) => {
-                self.pending.insert(req, Pending::Send { session, re });
+                self.await_reply(req, now, Pending::Send { session, re });
             }
             Err(e) => self.fail(session, &re, unavailable(e)),
         }
@@ -634,7 +651,7 @@ impl Broker {
         match id {
             Some(re) => match conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
                 Ok(req) => {
-                    self.pending.insert(req, Pending::AckSync { session, re });
+                    self.await_reply(req, now, Pending::AckSync { session, re });
                 }
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
@@ -658,8 +675,9 @@ impl Broker {
         let body = json!({"stream_name": binding::inbox_stream(ns), "config": config});
         match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => {
-                self.pending.insert(
+                self.await_reply(
                     req,
+                    now,
                     Pending::InboxConsumer {
                         participant: participant_key(ns, name),
                     },
@@ -816,8 +834,9 @@ impl Broker {
             now,
         ) {
             Ok(req) => {
-                self.pending.insert(
+                self.await_reply(
                     req,
+                    now,
                     Pending::RegistryPut {
                         participant: participant_key(ns, name),
                     },
@@ -885,12 +904,16 @@ impl Broker {
                         now,
                     ) {
                         Ok(req) => {
+                            // Field borrow: `registry` still borrows `self.registries`.
                             self.pending.insert(
                                 req,
-                                Pending::Watch {
-                                    ns: ns.to_string(),
-                                    kind,
-                                },
+                                (
+                                    Pending::Watch {
+                                        ns: ns.to_string(),
+                                        kind,
+                                    },
+                                    now,
+                                ),
                             );
                         }
                         Err(e) => registry.watcher().on_reply(
@@ -968,16 +991,23 @@ impl Broker {
                 None => {}
             },
             Event::Response { id, msg } => {
-                if let Some(p) = self.pending.remove(&id) {
+                if let Some((p, sent)) = self.pending.remove(&id) {
+                    self.metrics
+                        .registry
+                        .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
                     self.complete(conn, p, Ok(msg), now);
                 }
             }
             Event::RequestFailed { id, error } => {
-                if let Some(p) = self.pending.remove(&id) {
+                if let Some((p, sent)) = self.pending.remove(&id) {
+                    self.metrics
+                        .registry
+                        .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
                     self.complete(conn, p, Err(error), now);
                 }
             }
             Event::Reconnected { .. } => {
+                self.metrics.registry.inc(self.metrics.nats_reconnects, "");
                 // Pulls in flight died with the old connection; ask again.
                 let mut checks = Vec::new();
                 for (key, p) in &mut self.presence {
@@ -1125,8 +1155,39 @@ impl Broker {
 
     // ---- output helpers ------------------------------------------------------------
 
+    fn count_in(&mut self, decoded: &Result<ClientFrame, Rejected>) {
+        let op = match decoded {
+            Ok(frame) => frame.op().as_str(),
+            Err(r) => r.op.map_or("unknown", |op| op.as_str()),
+        };
+        self.metrics.registry.inc(self.metrics.frames_in, op);
+    }
+
+    fn await_reply(&mut self, req: RequestId, now: Instant, pending: Pending) {
+        self.pending.insert(req, (pending, now));
+    }
+
+    /// Appends the broker's metrics in Prometheus text format.
+    pub fn render_metrics(&self, out: &mut String) {
+        self.metrics.registry.render(out);
+    }
+
     fn frame(&mut self, session: SessionId, text: String) {
+        // Every frame starts with its op (`{"op":"..."`); count it by that.
+        let op = text
+            .get(7..)
+            .and_then(|t| t.split('"').next())
+            .unwrap_or("unknown");
+        self.metrics.registry.inc(self.metrics.frames_out, op);
         self.out.push_back(Output::Frame { session, text });
+    }
+
+    /// Sends an error reply (`re` when the frame had an id) and counts it by code.
+    fn error(&mut self, session: SessionId, re: Option<&str>, e: &AmpError) {
+        self.metrics
+            .registry
+            .inc(self.metrics.errors, e.code.as_str());
+        self.frame(session, reply::error(re, e));
     }
 
     fn close(&mut self, session: SessionId, code: u16, reason: &str) {
@@ -1153,7 +1214,7 @@ impl Broker {
 
     fn fail(&mut self, session: SessionId, re: &str, e: AmpError) {
         self.answered(session, re);
-        self.frame(session, reply::error(Some(re), &e));
+        self.error(session, Some(re), &e);
     }
 }
 

@@ -201,8 +201,9 @@ impl Broker {
             let subject = format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}");
             match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
                 Ok(req) => {
-                    self.pending.insert(
+                    self.await_reply(
                         req,
+                        now,
                         Pending::SubLookup {
                             session,
                             re: f.id,
@@ -244,8 +245,7 @@ impl Broker {
         let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
         match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => {
-                self.pending
-                    .insert(req, Pending::SubConsumer { session, re, sub });
+                self.await_reply(req, now, Pending::SubConsumer { session, re, sub });
             }
             Err(e) => {
                 self.drop_subscription(conn, session, &sub, false);
@@ -601,8 +601,9 @@ impl Broker {
         let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
         if let Ok(req) = conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now)
         {
-            self.pending.insert(
+            self.await_reply(
                 req,
+                now,
                 Pending::SubReset {
                     session,
                     sub: sub.to_string(),
