@@ -264,7 +264,7 @@ fn silent_client_gets_pings_then_is_closed_1001_after_three_heartbeats() {
 
 #[test]
 fn client_answering_pings_stays_connected_past_three_heartbeats() {
-    let hb = Duration::from_millis(100);
+    let hb = Duration::from_millis(300);
     let server = start(WsConfig {
         heartbeat: hb,
         ..WsConfig::default()
@@ -353,8 +353,9 @@ fn slow_consumer_is_closed_1008_without_slowing_other_sessions() {
             .collect::<Vec<_>>(),
         vec![(1008, "slow consumer".into(), false)]
     );
+    // Generous for a loaded machine; a stalled loop would stall this client for good.
     assert!(
-        worst < Duration::from_secs(1),
+        worst < Duration::from_secs(3),
         "a round trip took {worst:?}"
     );
     fast.send(Message::text("after")).expect("send");
