@@ -219,9 +219,15 @@ fn http_endpoints_answer_health_schema_and_404() {
         "amp_frames_out_total{op=\"challenge\"} 1",
         "amp_errors_total{code=\"not_found\"} 1",
     ] {
-        assert!(metrics.lines().any(|l| l == line), "missing `{line}` in\n{metrics}");
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "missing `{line}` in\n{metrics}"
+        );
     }
-    assert!(metrics.contains("amp_jetstream_request_seconds_count"), "{metrics}");
+    assert!(
+        metrics.contains("amp_jetstream_request_seconds_count"),
+        "{metrics}"
+    );
     assert!(metrics.contains("amp_nats_reconnects_total"), "{metrics}");
 }
 
