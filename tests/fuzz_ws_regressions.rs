@@ -1,0 +1,63 @@
+//! Replays the seed inputs (fuzz/seeds/{ws_stream,http_request,amp_frame}/*) and every
+//! input those fuzzers found (fuzz/regressions/<target>/*) through the checks the fuzz
+//! targets run, so `cargo test` covers them without a fuzzer.
+
+#[path = "../fuzz/ws_checks.rs"]
+mod ws_checks;
+
+use std::path::Path;
+
+fn replay(target: &str, check: fn(&[u8])) -> usize {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut n = 0;
+    for kind in ["seeds", "regressions"] {
+        let dir = root.join(kind).join(target);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            assert_eq!(kind, "regressions", "{} exists", dir.display());
+            continue;
+        };
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            eprintln!("replaying {}", path.display());
+            check(&data);
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn ws_stream_seeds_and_regressions_hold_whole_or_split() {
+    assert!(replay("ws_stream", ws_checks::check_ws_stream) >= 8);
+}
+
+#[test]
+fn http_request_seeds_and_regressions_hold() {
+    assert!(replay("http_request", ws_checks::check_http_request) >= 9);
+}
+
+#[test]
+fn amp_frame_seeds_and_regressions_hold() {
+    assert!(replay("amp_frame", ws_checks::check_amp_frame) >= 7);
+}
+
+/// The seeds with every byte after the header flipped in turn: the cheap stand-in for a
+/// fuzzing run in CI.
+#[test]
+fn ws_stream_and_http_seeds_with_each_byte_flipped_hold() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds");
+    for (target, check) in [
+        ("ws_stream", ws_checks::check_ws_stream as fn(&[u8])),
+        ("http_request", ws_checks::check_http_request),
+    ] {
+        for entry in std::fs::read_dir(root.join(target)).expect("seed directory") {
+            let data = std::fs::read(entry.expect("entry").path()).expect("seed");
+            for i in 2..data.len().min(400) {
+                let mut mutated = data.clone();
+                mutated[i] ^= 0xA5;
+                check(&mutated);
+            }
+        }
+    }
+}
