@@ -213,8 +213,7 @@ impl Broker {
                     );
                 }
                 Err(e) => {
-                    self.drop_subscription(conn, session, &sub, false);
-                    self.fail(session, &f.id, unavailable(e));
+                    self.sub_failed(conn, session, &f.id, &sub, unavailable(e));
                 }
             }
         } else {
@@ -248,8 +247,7 @@ impl Broker {
                 self.await_reply(req, now, Pending::SubConsumer { session, re, sub });
             }
             Err(e) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(session, &re, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e));
             }
         }
     }
@@ -273,13 +271,12 @@ impl Broker {
                     .unwrap_or_default();
                 let wanted = config["filter_subject"].as_str().unwrap_or_default();
                 if existing != wanted {
-                    self.drop_subscription(conn, session, &sub, false);
                     let e = AmpError::new(
                         ErrorCode::Conflict,
                         format!("durable subscription `{sub}` exists for another topic"),
                     )
                     .with_path("/sub");
-                    return self.fail(session, &re, e);
+                    return self.sub_failed(conn, session, &re, &sub, e);
                 }
                 self.sub_ready(conn, session, re, sub, now);
             }
@@ -287,19 +284,14 @@ impl Broker {
                 self.create_sub_consumer(conn, session, re, sub, &config, now)
             }
             Ok((Err(e), _)) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(
-                    session,
-                    &re,
-                    AmpError::new(
-                        ErrorCode::Internal,
-                        format!("JetStream refused the subscription: {e}"),
-                    ),
+                let e = AmpError::new(
+                    ErrorCode::Internal,
+                    format!("JetStream refused the subscription: {e}"),
                 );
+                self.sub_failed(conn, session, &re, &sub, e);
             }
             Err(e) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(session, &re, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e));
             }
         }
     }
@@ -329,19 +321,14 @@ impl Broker {
                 self.sub_ready(conn, session, re, sub, now)
             }
             Ok((Err(e), _)) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(
-                    session,
-                    &re,
-                    AmpError::new(
-                        ErrorCode::Internal,
-                        format!("JetStream refused the subscription: {e}"),
-                    ),
+                let e = AmpError::new(
+                    ErrorCode::Internal,
+                    format!("JetStream refused the subscription: {e}"),
                 );
+                self.sub_failed(conn, session, &re, &sub, e);
             }
             Err(e) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(session, &re, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e));
             }
         }
     }
@@ -371,10 +358,22 @@ impl Broker {
                 self.ok(session, &re, FrameWriter::ok(Some(&re)).str("sub", &sub));
             }
             Err(e) => {
-                self.drop_subscription(conn, session, &sub, false);
-                self.fail(session, &re, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e));
             }
         }
+    }
+
+    /// A subscribe that could not be carried out: forget it and answer the error.
+    fn sub_failed(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: &str,
+        sub: &str,
+        e: AmpError,
+    ) {
+        self.drop_subscription(conn, session, sub, false);
+        self.fail(session, re, e);
     }
 
     pub(super) fn unsubscribe(
