@@ -674,7 +674,10 @@ impl KvWatcher {
                 .collect()
         };
         let (deliver_policy, opt_start_seq) = if self.last_revision > 0 {
-            (DeliverPolicy::ByStartSequence, Some(self.last_revision + 1))
+            (
+                DeliverPolicy::ByStartSequence,
+                Some(self.last_revision.saturating_add(1)),
+            )
         } else if self.options.updates_only {
             (DeliverPolicy::New, None)
         } else if self.options.include_history {
@@ -701,7 +704,9 @@ impl KvWatcher {
             filter_subjects,
             mem_storage: Some(true),
             num_replicas: Some(1),
-            inactive_threshold: Some(Duration::from_secs(5).max(self.options.idle_heartbeat * 3)),
+            inactive_threshold: Some(
+                Duration::from_secs(5).max(self.options.idle_heartbeat.saturating_mul(3)),
+            ),
             ..ConsumerConfig::default()
         }
     }
@@ -818,7 +823,7 @@ impl KvWatcher {
             self.overflowed = true;
             return;
         }
-        if meta.consumer_sequence != self.last_consumer_seq + 1 {
+        if Some(meta.consumer_sequence) != self.last_consumer_seq.checked_add(1) {
             let reason = format!(
                 "gap: consumer sequence {} after {}",
                 meta.consumer_sequence, self.last_consumer_seq
@@ -870,7 +875,8 @@ impl KvWatcher {
                 self.events.push_back(WatchEvent::Reset {
                     reason: format!("consumer create failed: {e}"),
                 });
-                self.state = WatchState::RetryAt(now + self.options.retry_delay);
+                self.state =
+                    WatchState::RetryAt(now.checked_add(self.options.retry_delay).unwrap_or(now));
             }
         }
     }
@@ -880,9 +886,7 @@ impl KvWatcher {
         match self.state {
             WatchState::Stopped => None,
             WatchState::RetryAt(at) => Some(at),
-            WatchState::Creating | WatchState::Active => {
-                Some(self.last_activity + self.options.idle_heartbeat * 3)
-            }
+            WatchState::Creating | WatchState::Active => self.silence_deadline(),
         }
     }
 
@@ -894,12 +898,18 @@ impl KvWatcher {
                 self.generation_retry(now);
             }
             WatchState::Creating | WatchState::Active
-                if now >= self.last_activity + self.options.idle_heartbeat * 3 =>
+                if self.silence_deadline().is_some_and(|d| now >= d) =>
             {
                 self.reset("no heartbeat for three intervals".to_string(), now);
             }
             _ => {}
         }
+    }
+
+    /// Three heartbeat intervals after the last sign of life.
+    fn silence_deadline(&self) -> Option<Instant> {
+        self.last_activity
+            .checked_add(self.options.idle_heartbeat.saturating_mul(3))
     }
 
     fn generation_retry(&mut self, now: Instant) {

@@ -167,7 +167,7 @@ impl NamesPage {
 
     /// The offset of the next page, or `None` when this was the last.
     pub fn next_offset(&self) -> Option<u64> {
-        let next = self.offset + self.names().len() as u64;
+        let next = self.offset.saturating_add(self.names().len() as u64);
         (next < self.total && !self.names().is_empty()).then_some(next)
     }
 }
@@ -186,7 +186,7 @@ pub struct StreamListPage {
 impl StreamListPage {
     pub fn next_offset(&self) -> Option<u64> {
         let n = self.streams.as_ref().map_or(0, |s| s.len() as u64);
-        let next = self.offset + n;
+        let next = self.offset.saturating_add(n);
         (next < self.total && n > 0).then_some(next)
     }
 }

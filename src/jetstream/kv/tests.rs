@@ -465,3 +465,21 @@ fn bucket_config_read_back_from_its_stream_keeps_extra_fields() {
     );
     assert!(KvConfig::from_stream_config(&StreamConfig::new("ORDERS", &[])).is_err());
 }
+
+#[test]
+fn extreme_sequences_from_the_server_do_not_overflow() {
+    let Fixture { mut w, t0 } = watcher(WatchOptions::default());
+    let _ = create_of(&mut w);
+    data(&mut w, "W_1", "a", u64::MAX, 1, u64::MAX, None, t0);
+    data(&mut w, "W_1", "a", 1, u64::MAX, 0, None, t0);
+    data(&mut w, "W_1", "a", 1, 2, 0, None, t0);
+    let ev = events(&mut w, t0);
+    assert!(matches!(&ev[0], WatchEvent::Entry(e) if e.revision == u64::MAX));
+    let (_, body) = create_of(&mut w);
+    assert_eq!(body["config"]["opt_start_seq"], u64::MAX);
+    let page: crate::jetstream::NamesPage = serde_json::from_str(
+        r#"{"total":18446744073709551615,"offset":18446744073709551615,"streams":["a"]}"#,
+    )
+    .expect("page");
+    assert_eq!(page.next_offset(), None);
+}
