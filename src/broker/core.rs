@@ -18,6 +18,7 @@ use super::auth::{self, Credential};
 use super::binding;
 use super::config::Config;
 use super::envelope::{self, Envelope, Kind};
+use super::jobs::{Caller, Jobs, JobsOutput};
 use super::permissions::{self, Action};
 use super::pull_loop::{PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
@@ -158,11 +159,15 @@ pub struct Broker {
     registries: HashMap<String, (Registry, HashMap<String, Sid>)>,
     /// Numbers generated subscription and consumer names.
     next_sub: u64,
+    /// Offers, claims, leases and the task store.
+    jobs: Jobs,
 }
 
 impl Broker {
     /// Fails only if the built-in frame schema does not compile.
     pub fn new(config: Config, broker_id: String) -> Result<Broker, String> {
+        let wall_ms = rfc3339::unix_millis(SystemTime::now());
+        let jobs = Jobs::new(&broker_id, &config, Instant::now(), wall_ms)?;
         Ok(Broker {
             config,
             validator: FrameValidator::new()?,
@@ -178,6 +183,7 @@ impl Broker {
             rates: RateLimiter::new(65_536),
             registries: HashMap::new(),
             next_sub: 0,
+            jobs,
         })
     }
 
@@ -218,6 +224,7 @@ impl Broker {
             .map(|Reverse((at, _))| *at)
             .into_iter()
             .chain(watches)
+            .chain(self.jobs.next_deadline())
             .min()
     }
 
@@ -291,7 +298,8 @@ impl Broker {
                 self.registry_delete(conn, &ns, &name);
             }
         }
-        let _ = now;
+        self.jobs.session_closed(conn, session, now);
+        self.drain_jobs(conn, now);
     }
 
     /// One text frame from a session.
@@ -333,6 +341,7 @@ impl Broker {
                 }
             }
         }
+        self.drain_jobs(conn, now);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -411,6 +420,19 @@ impl Broker {
             .finish();
         self.frame(session, reply);
         log(&format!("hello session={session} participant={key}"));
+        if !hello.serve.is_empty()
+            && let (Some(participant), Some(p)) =
+                (self.config.participant(&ns, &name), self.presence.get(&key))
+        {
+            let caller = Caller {
+                session,
+                ns: &ns,
+                name: &name,
+                participant,
+                labels: &p.labels,
+            };
+            self.jobs.serve_from_hello(conn, &caller, &hello.serve, now);
+        }
         if first {
             self.registry_put(conn, &ns, &name, now);
             self.ensure_inbox_consumer(conn, &ns, &name, now);
@@ -472,6 +494,21 @@ impl Broker {
             ClientFrame::Hello(hello) => {
                 let e = AmpError::new(ErrorCode::Conflict, "this session has already said hello");
                 self.fail(session, &hello.id, e);
+            }
+            frame if Jobs::handles(&frame) => {
+                let key = participant_key(ns, name);
+                if let (Some(participant), Some(p)) =
+                    (self.config.participant(ns, name), self.presence.get(&key))
+                {
+                    let caller = Caller {
+                        session,
+                        ns,
+                        name,
+                        participant,
+                        labels: &p.labels,
+                    };
+                    self.jobs.frame(conn, &caller, frame, now);
+                }
             }
             other => {
                 let op = other.op();
@@ -808,10 +845,11 @@ impl Broker {
 
     fn registry_entry(&self, ns: &str, name: &str) -> Option<Value> {
         let p = self.presence.get(&participant_key(ns, name))?;
+        let (serve, load) = self.jobs.registry_view(ns, name);
         Some(json!({
             "name": name,
-            "serve": {},
-            "load": {},
+            "serve": serve,
+            "load": load,
             "labels": p.labels,
             "since": p.since,
             "broker": self.broker_id,
@@ -819,6 +857,17 @@ impl Broker {
     }
 
     fn registry_put(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
+        self.registry_write(conn, ns, name, now);
+        let ttl = self.config.limits.registry_ttl_s;
+        let refresh = Duration::from_secs(ttl).div_f64(3.0);
+        self.timers.push(Reverse((
+            now + refresh,
+            Timer::RegistryRefresh(participant_key(ns, name)),
+        )));
+    }
+
+    /// Writes the registry entry now, without starting another refresh cycle.
+    fn registry_write(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
         let Some(entry) = self.registry_entry(ns, name) else {
             return;
         };
@@ -844,11 +893,6 @@ impl Broker {
             }
             Err(e) => log(&format!("registry put failed participant={ns}/{name}: {e}")),
         }
-        let refresh = Duration::from_secs(ttl).div_f64(3.0);
-        self.timers.push(Reverse((
-            now + refresh,
-            Timer::RegistryRefresh(participant_key(ns, name)),
-        )));
     }
 
     fn registry_delete(&mut self, conn: &mut Connection, ns: &str, name: &str) {
@@ -988,24 +1032,32 @@ impl Broker {
                     }
                     self.drive_registry(conn, &ns, now);
                 }
-                None => {}
+                None => {
+                    self.jobs.on_message(conn, sid, &msg, now);
+                }
             },
-            Event::Response { id, msg } => {
-                if let Some((p, sent)) = self.pending.remove(&id) {
+            Event::Response { id, msg } => match self.pending.remove(&id) {
+                Some((p, sent)) => {
                     self.metrics
                         .registry
                         .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
                     self.complete(conn, p, Ok(msg), now);
                 }
-            }
-            Event::RequestFailed { id, error } => {
-                if let Some((p, sent)) = self.pending.remove(&id) {
+                None => {
+                    self.jobs.on_reply(conn, id, Ok(msg), now);
+                }
+            },
+            Event::RequestFailed { id, error } => match self.pending.remove(&id) {
+                Some((p, sent)) => {
                     self.metrics
                         .registry
                         .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
                     self.complete(conn, p, Err(error), now);
                 }
-            }
+                None => {
+                    self.jobs.on_reply(conn, id, Err(error), now);
+                }
+            },
             Event::Reconnected { .. } => {
                 self.metrics.registry.inc(self.metrics.nats_reconnects, "");
                 // Pulls in flight died with the old connection; ask again.
@@ -1017,9 +1069,11 @@ impl Broker {
                 for (at, owner) in checks {
                     self.check_pull_at(at, owner);
                 }
+                self.jobs.on_reconnected(conn, now);
             }
             _ => {}
         }
+        self.drain_jobs(conn, now);
     }
 
     fn complete(
@@ -1148,6 +1202,25 @@ impl Broker {
                             .and_then(|t| t.pull.check(conn, now)),
                     };
                     self.check_pull_at(at, owner);
+                }
+            }
+        }
+        self.jobs.handle_timeout(conn, now);
+        self.drain_jobs(conn, now);
+    }
+
+    /// Delivers what the jobs engine queued: answers, offers and revocations, and registry
+    /// rewrites when what a participant serves changed.
+    fn drain_jobs(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(out) = self.jobs.poll_output() {
+            match out {
+                JobsOutput::Reply { session, re, text } => {
+                    self.answered(session, &re);
+                    self.frame(session, text);
+                }
+                JobsOutput::Frame { session, text } => self.frame(session, text),
+                JobsOutput::ServeChanged { ns, name } => {
+                    self.registry_write(conn, &ns, &name, now);
                 }
             }
         }

@@ -1,0 +1,2225 @@
+//! The jobs engine (spec 2.4): submit, offers, claims, leases, attempts and the task
+//! store, as a sans-IO component the broker core owns and delegates to.
+//!
+//! JetStream holds each task's message on the job's work-queue stream and redelivers it
+//! when the consumer's AckWait (the lease) runs out; the task store holds the truth about
+//! who may work on it. Every ack, in-progress ack, NAK or TERM this component sends follows
+//! a successful compare-and-set on the task record proving that this broker's session owns
+//! the offer or the lease, because JetStream itself accepts acks from anyone holding an old
+//! ack subject.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::binding;
+use super::config::{Config, Job, Participant};
+use super::envelope::{self, Envelope, Kind};
+use super::permissions::{self, Action};
+use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
+use super::worker_choice::{self, Candidate};
+use crate::amp::frame::{self as amp_frame, ClientFrame, ServeSlots};
+use crate::amp::reply::{self, FrameWriter};
+use crate::amp::{AmpError, ErrorCode};
+use crate::jetstream::ack::{AckKind, AckMetadata};
+use crate::jetstream::api::{ApiPrefix, check_error};
+use crate::jetstream::error::JsError;
+use crate::jetstream::kv::Kv;
+use crate::jetstream::message::Delivery;
+use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::pull::{Inbound, PullRequest, classify};
+use crate::nats::{self, Connection, Message, RequestError, RequestId, Sid};
+use crate::proto::headers::HeaderMap;
+use crate::rfc3339;
+
+pub type SessionId = u64;
+
+/// How long a JetStream request may take before the client hears `unavailable`.
+const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// A pull request's lifetime; the server ends it with a 408 and a new one follows.
+const PULL_EXPIRES: Duration = Duration::from_secs(30);
+/// After this much silence past its expiry a pull is taken as gone.
+const PULL_GRACE: Duration = Duration::from_secs(5);
+/// A task no local session may take goes back with this delay, so that brokers with an
+/// eligible session get it first.
+const NO_TAKER_DELAY: Duration = Duration::from_millis(500);
+/// A session that declined a task (or let its offer lapse) is not offered it again for
+/// this long, so the task goes to someone else when anyone else can take it.
+const DECLINE_MEMORY: Duration = Duration::from_secs(3);
+/// Declines remembered at most; past it the oldest are forgotten early.
+const MAX_DECLINES: usize = 65_536;
+/// A task whose record cannot be read is retried after this.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Compare-and-set attempts on one change before giving up with `unavailable`.
+const MAX_CAS_TRIES: u8 = 8;
+/// Before a consumer that could not be created is tried again.
+const CONSUMER_RETRY: Duration = Duration::from_secs(2);
+/// Deliveries of a task message without a record before it is terminated.
+const MAX_ORPHAN_DELIVERIES: u64 = 5;
+
+/// What the component asks the core to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobsOutput {
+    /// The answer (`ok` or `error`) to request `re` of `session`.
+    Reply {
+        session: SessionId,
+        re: String,
+        text: String,
+    },
+    /// A frame on the broker's initiative (`offer`, `revoked`).
+    Frame { session: SessionId, text: String },
+    /// The jobs `ns/name` serves changed: its registry entry should be rewritten.
+    ServeChanged { ns: String, name: String },
+}
+
+/// The session a request comes from, as the core knows it.
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    pub session: SessionId,
+    pub ns: &'a str,
+    pub name: &'a str,
+    /// Its configuration entry: permissions.
+    pub participant: &'a Participant,
+    /// Its labels (configured and announced), for `eligible.labels`.
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+/// One job this broker serves: its consumer and the pulls it has outstanding.
+struct JobQueue {
+    ns: String,
+    job: String,
+    consumer: ConsumerState,
+    sid: Option<Sid>,
+    /// Pulls are answered on `<prefix>.<n>`: a status (408 at expiry) arrives on its own
+    /// pull's subject with the count it did not deliver. Messages carry their stream
+    /// subject, so only the total outstanding is known, which is all "one message per free
+    /// slot" needs.
+    deliver_prefix: String,
+    /// Messages asked for and not yet delivered, over all outstanding pulls.
+    requested: u32,
+    /// Outstanding pulls by number, with their batch.
+    pulls: HashMap<u64, u32>,
+    next_pull: u64,
+    /// Messages delivered whose record is being read (they hold no slot yet).
+    unplaced: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConsumerState {
+    Creating,
+    Ready,
+    Failed,
+}
+
+/// A session that serves jobs.
+struct Worker {
+    ns: String,
+    name: String,
+    labels: BTreeMap<String, String>,
+    serving: BTreeMap<String, Serving>,
+}
+
+struct Serving {
+    slots: u32,
+    /// Offers out plus leases held.
+    in_flight: u32,
+    leases: u32,
+    idle_since: Instant,
+}
+
+/// A task offered or leased through this broker.
+struct LocalTask {
+    ns: String,
+    job: String,
+    session: SessionId,
+    participant: String,
+    ack_subject: String,
+    phase: Phase,
+    record: TaskRecord,
+    revision: u64,
+    /// Set once claimed: the session's lease count includes it.
+    leased: bool,
+    /// Timers carry it; a timer for an older generation is stale.
+    generation: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// The `offered` write is in flight.
+    Offering,
+    Offered,
+    Claiming,
+    Leased,
+    /// A complete or fail is being written.
+    Finishing,
+}
+
+/// A change being written to the task store, and what follows it.
+#[derive(Debug, Clone)]
+enum Op {
+    Offer {
+        session: SessionId,
+        env: Box<Envelope>,
+    },
+    Exhaust,
+    Claim {
+        session: SessionId,
+        re: String,
+    },
+    Heartbeat {
+        session: SessionId,
+        re: String,
+    },
+    Complete {
+        session: SessionId,
+        re: String,
+        result: Option<Value>,
+    },
+    Fail {
+        session: SessionId,
+        re: String,
+        error: Value,
+        retry: bool,
+    },
+    /// A decline (`re` set) or an offer not claimed in time, or the session went away.
+    Requeue {
+        session: SessionId,
+        re: Option<String>,
+    },
+    Cancel {
+        session: SessionId,
+        re: String,
+        by: String,
+    },
+}
+
+impl Op {
+    fn answer_to(&self) -> Option<(SessionId, &str)> {
+        match self {
+            Op::Claim { session, re }
+            | Op::Heartbeat { session, re }
+            | Op::Complete { session, re, .. }
+            | Op::Fail { session, re, .. }
+            | Op::Cancel { session, re, .. } => Some((*session, re)),
+            Op::Requeue {
+                session,
+                re: Some(re),
+            } => Some((*session, re)),
+            _ => None,
+        }
+    }
+}
+
+/// The message a change was about, when the change came from a delivery.
+#[derive(Debug, Clone)]
+struct Write {
+    key: String,
+    op: Op,
+    /// The delivery's ack subject, for changes that start from a delivery.
+    ack: Option<String>,
+    tries: u8,
+}
+
+/// A JetStream round trip waiting for its reply.
+enum Pending {
+    ConsumerCreate {
+        queue: String,
+    },
+    SubmitCreate(Box<Submission>),
+    SubmitExisting(Box<Submission>),
+    SubmitPublish {
+        session: SessionId,
+        re: String,
+        task: String,
+        dup: bool,
+    },
+    /// The record of a delivered task.
+    DeliveryRead {
+        queue: String,
+        key: String,
+        ack: String,
+        delivered: u64,
+        env: Box<Envelope>,
+    },
+    /// A read before a change (cancel, or after a compare-and-set conflict).
+    Read(Write),
+    /// The compare-and-set of a change.
+    Cas {
+        write: Write,
+        next: Box<TaskRecord>,
+    },
+    Status {
+        session: SessionId,
+        re: String,
+        key: String,
+    },
+    /// A `task_result` on its way to the submitter's inbox; then the message's ack.
+    Result(Finish),
+    /// The acknowledgement of a completed task's message.
+    AckSync {
+        reply: Option<(SessionId, String, String)>,
+    },
+}
+
+/// What follows a stored outcome: the message's ack and the requester's answer.
+struct Finish {
+    ack: Option<(String, AckKind)>,
+    reply: Option<(SessionId, String, String)>,
+}
+
+struct Submission {
+    session: SessionId,
+    re: String,
+    ns: String,
+    task: String,
+    job: String,
+    digest: String,
+    subject: String,
+    headers: HeaderMap,
+    payload: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    OfferExpiry { key: String, generation: u64 },
+    LeaseExpiry { key: String, generation: u64 },
+    PullExpiry { queue: String, pull: u64 },
+    ConsumerRetry { queue: String },
+}
+
+/// The jobs engine of one broker.
+pub struct Jobs {
+    broker_id: String,
+    jobs: BTreeMap<String, BTreeMap<String, Job>>,
+    kv: Kv,
+    api: ApiPrefix,
+    clock: WallClock,
+    workers: HashMap<SessionId, Worker>,
+    queues: HashMap<String, JobQueue>,
+    tasks: HashMap<String, LocalTask>,
+    /// Recent declines: task key -> (session, when).
+    declines: HashMap<String, Vec<(SessionId, Instant)>>,
+    pending: HashMap<RequestId, Pending>,
+    routes: HashMap<Sid, String>,
+    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
+    out: VecDeque<JobsOutput>,
+    next_generation: u64,
+    stats: JobsStats,
+}
+
+/// Counters for metrics and the benchmark.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobsStats {
+    pub submitted: u64,
+    pub offers: u64,
+    pub claims: u64,
+    pub completed: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+    pub cas_conflicts: u64,
+    pub revoked: u64,
+    /// JetStream requests and acks sent for jobs.
+    pub js_ops: u64,
+}
+
+/// Wall-clock milliseconds derived from the monotonic `now` the core passes in, anchored
+/// once, so leases are stamped consistently and tests can drive a virtual clock.
+#[derive(Debug, Clone, Copy)]
+struct WallClock {
+    anchor: Instant,
+    anchor_ms: i64,
+}
+
+impl WallClock {
+    fn ms(&self, now: Instant) -> i64 {
+        match now.checked_duration_since(self.anchor) {
+            Some(d) => self.anchor_ms + i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2),
+            None => {
+                let back = self.anchor.duration_since(now);
+                self.anchor_ms - i64::try_from(back.as_millis()).unwrap_or(0)
+            }
+        }
+    }
+
+    fn instant(&self, now: Instant, ms: i64) -> Instant {
+        let delta = ms - self.ms(now);
+        now + Duration::from_millis(u64::try_from(delta).unwrap_or(0))
+    }
+}
+
+fn task_key(ns: &str, task: &str) -> String {
+    binding::task_key(ns, task)
+}
+
+fn queue_key(ns: &str, job: &str) -> String {
+    format!("{ns}/{job}")
+}
+
+fn unavailable(e: impl std::fmt::Display) -> AmpError {
+    AmpError::new(
+        ErrorCode::Unavailable,
+        format!("JetStream is unavailable: {e}"),
+    )
+}
+
+fn lease_lost(task: &str) -> AmpError {
+    AmpError::new(
+        ErrorCode::LeaseLost,
+        format!("this session holds no offer or lease of task `{task}`"),
+    )
+}
+
+fn send_error(e: &nats::Error) -> AmpError {
+    match e {
+        nats::Error::MaxPayloadExceeded { size, max } => AmpError::new(
+            ErrorCode::TooLarge,
+            format!("the stored message would be {size} bytes; the server allows {max}"),
+        ),
+        other => unavailable(other),
+    }
+}
+
+fn log(line: &str) {
+    eprintln!("amp-broker: jobs: {line}");
+}
+
+impl Jobs {
+    /// `wall_ms` is the Unix time in milliseconds at `now`.
+    pub fn new(
+        broker_id: &str,
+        config: &Config,
+        now: Instant,
+        wall_ms: i64,
+    ) -> Result<Jobs, String> {
+        let api = ApiPrefix::default();
+        let kv = Kv::new(api.clone(), binding::TASK_STATE_BUCKET).map_err(|e| e.to_string())?;
+        Ok(Jobs {
+            broker_id: broker_id.to_string(),
+            jobs: config
+                .namespaces
+                .iter()
+                .map(|(ns, n)| (ns.clone(), n.jobs.clone()))
+                .collect(),
+            kv,
+            api,
+            clock: WallClock {
+                anchor: now,
+                anchor_ms: wall_ms,
+            },
+            workers: HashMap::new(),
+            queues: HashMap::new(),
+            tasks: HashMap::new(),
+            declines: HashMap::new(),
+            pending: HashMap::new(),
+            routes: HashMap::new(),
+            timers: BinaryHeap::new(),
+            out: VecDeque::new(),
+            next_generation: 0,
+            stats: JobsStats::default(),
+        })
+    }
+
+    pub fn stats(&self) -> JobsStats {
+        self.stats
+    }
+
+    pub fn poll_output(&mut self) -> Option<JobsOutput> {
+        self.out.pop_front()
+    }
+
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.timers.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Whether `op` is one this component answers.
+    pub fn handles(frame: &ClientFrame) -> bool {
+        matches!(
+            frame,
+            ClientFrame::Serve { .. }
+                | ClientFrame::Submit(_)
+                | ClientFrame::Claim(_)
+                | ClientFrame::Decline(_)
+                | ClientFrame::Heartbeat(_)
+                | ClientFrame::Complete(_)
+                | ClientFrame::Fail(_)
+                | ClientFrame::Status(_)
+                | ClientFrame::Cancel(_)
+        )
+    }
+
+    /// The registry's `serve` and `load` of participant `ns/name` over its sessions here.
+    pub fn registry_view(
+        &self,
+        ns: &str,
+        name: &str,
+    ) -> (BTreeMap<String, u32>, BTreeMap<String, u32>) {
+        let mut serve = BTreeMap::new();
+        let mut load = BTreeMap::new();
+        for w in self
+            .workers
+            .values()
+            .filter(|w| w.ns == ns && w.name == name)
+        {
+            for (job, s) in &w.serving {
+                if s.slots > 0 {
+                    *serve.entry(job.clone()).or_insert(0) += s.slots;
+                }
+                if s.leases > 0 || s.slots > 0 {
+                    *load.entry(job.clone()).or_insert(0) += s.leases;
+                }
+            }
+        }
+        (serve, load)
+    }
+
+    fn job_config(&self, ns: &str, job: &str) -> Job {
+        self.jobs
+            .get(ns)
+            .and_then(|jobs| jobs.get(job))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn session_name(&self, session: SessionId) -> String {
+        format!("{}/{session}", self.broker_id)
+    }
+
+    // ---- frames ------------------------------------------------------------------------
+
+    /// Handles a jobs frame (those [`Jobs::handles`] says); any other frame is left
+    /// alone and `false` returned.
+    pub fn frame(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        frame: ClientFrame,
+        now: Instant,
+    ) -> bool {
+        match frame {
+            ClientFrame::Serve { id, job, slots } => {
+                match self.serve(conn, caller, &job, slots, now) {
+                    Ok(()) => self.reply(caller.session, &id, FrameWriter::ok(Some(&id))),
+                    Err(e) => self.refuse(caller.session, &id, e),
+                }
+            }
+            ClientFrame::Submit(submit) => self.submit(conn, caller, submit, now),
+            ClientFrame::Claim(t) => self.claim(conn, caller, t.id, &t.task, now),
+            ClientFrame::Decline(t) => self.decline(conn, caller, t.id, &t.task, now),
+            ClientFrame::Heartbeat(h) => self.lease_op(
+                conn,
+                caller,
+                &h.task,
+                Op::Heartbeat {
+                    session: caller.session,
+                    re: h.id,
+                },
+                now,
+            ),
+            ClientFrame::Complete(c) => self.lease_op(
+                conn,
+                caller,
+                &c.task,
+                Op::Complete {
+                    session: caller.session,
+                    re: c.id,
+                    result: c.result,
+                },
+                now,
+            ),
+            ClientFrame::Fail(f) => {
+                let error =
+                    serde_json::to_value(FailErrorView::from(&f.error)).unwrap_or(Value::Null);
+                self.lease_op(
+                    conn,
+                    caller,
+                    &f.task,
+                    Op::Fail {
+                        session: caller.session,
+                        re: f.id,
+                        error,
+                        retry: f.retry.unwrap_or(false),
+                    },
+                    now,
+                )
+            }
+            ClientFrame::Status(t) => self.status(conn, caller, t.id, &t.task, now),
+            ClientFrame::Cancel(t) => self.cancel(conn, caller, t.id, &t.task, now),
+            _ => return false,
+        }
+        true
+    }
+
+    /// The `serve` list of a `hello`: entries the participant may not serve are skipped.
+    pub fn serve_from_hello(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        serve: &[ServeSlots],
+        now: Instant,
+    ) {
+        for s in serve {
+            if let Err(e) = self.serve(conn, caller, &s.job, s.slots, now) {
+                log(&format!(
+                    "hello serve refused session={} participant={}/{} job={}: {}",
+                    caller.session, caller.ns, caller.name, s.job, e.message
+                ));
+            }
+        }
+    }
+
+    fn serve(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        job: &str,
+        slots: u32,
+        now: Instant,
+    ) -> Result<(), AmpError> {
+        if !permissions::allows(&caller.participant.permissions, Action::Serve, job) {
+            return Err(AmpError::new(
+                ErrorCode::Forbidden,
+                format!("serving `{job}` is not permitted"),
+            )
+            .with_path("/job"));
+        }
+        let worker = self
+            .workers
+            .entry(caller.session)
+            .or_insert_with(|| Worker {
+                ns: caller.ns.to_string(),
+                name: caller.name.to_string(),
+                labels: caller.labels.clone(),
+                serving: BTreeMap::new(),
+            });
+        let entry = worker.serving.entry(job.to_string()).or_insert(Serving {
+            slots: 0,
+            in_flight: 0,
+            leases: 0,
+            idle_since: now,
+        });
+        if entry.slots == 0 && slots > 0 {
+            entry.idle_since = now;
+        }
+        entry.slots = slots;
+        self.out.push_back(JobsOutput::ServeChanged {
+            ns: caller.ns.to_string(),
+            name: caller.name.to_string(),
+        });
+        if slots > 0 {
+            self.ensure_queue(conn, caller.ns, job, now);
+            self.pull_more(conn, &queue_key(caller.ns, job), now);
+        }
+        Ok(())
+    }
+
+    fn submit(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        submit: amp_frame::Submit,
+        now: Instant,
+    ) {
+        let session = caller.session;
+        let job = submit.job.as_str();
+        if !permissions::allows(&caller.participant.permissions, Action::Submit, job) {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("submitting to `{job}` is not permitted"),
+            )
+            .with_path("/job");
+            return self.refuse(session, &submit.id, e);
+        }
+        let task = submit.task.clone().unwrap_or_else(envelope::random_id);
+        let from = format!("{}/{}", caller.ns, caller.name);
+        let max_attempts = submit
+            .max_attempts
+            .unwrap_or_else(|| self.job_config(caller.ns, job).max_attempts)
+            .max(1);
+        let eligible = submit.eligible.map(|e| Eligible {
+            names: e.names,
+            labels: e.labels,
+        });
+        let now_ms = self.clock.ms(now);
+        let record = TaskRecord::submitted(
+            &task,
+            job,
+            &from,
+            &submit.body,
+            max_attempts,
+            eligible,
+            now_ms,
+        );
+        let body = serde_json::value::to_raw_value(&submit.body)
+            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let env = Envelope {
+            id: task.clone(),
+            kind: Kind::Task,
+            from: from.clone(),
+            to: None,
+            topic: None,
+            job: Some(job.to_string()),
+            ts: rfc3339::format_millis(now_ms),
+            headers: submit.headers,
+            body,
+        };
+        let mut headers = HeaderMap::new();
+        let mut stamped = vec![
+            ("Nats-Msg-Id", task.as_str()),
+            ("AMP-From", from.as_str()),
+            ("AMP-Kind", Kind::Task.as_str()),
+        ];
+        if let Some(tp) = env.headers.get("traceparent") {
+            stamped.push(("traceparent", tp.as_str()));
+        }
+        for (k, v) in stamped {
+            if let Err(e) = headers.insert(k, v) {
+                let e = AmpError::new(ErrorCode::Schema, format!("header not storable: {e}"))
+                    .with_path("/headers");
+                return self.refuse(session, &submit.id, e);
+            }
+        }
+        let payload = env.to_json();
+        let size = payload.len() + headers.encoded_len();
+        let record_json = record.to_json();
+        let max = conn.max_payload();
+        if size > max || record_json.len() > max {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the stored task would be {} bytes; the server allows {max}",
+                    size.max(record_json.len())
+                ),
+            );
+            return self.refuse(session, &submit.id, e);
+        }
+        let sub = Submission {
+            session,
+            re: submit.id.clone(),
+            ns: caller.ns.to_string(),
+            task: task.clone(),
+            job: job.to_string(),
+            digest: record.body_sha256.clone(),
+            subject: binding::job_subject(caller.ns, job),
+            headers,
+            payload,
+        };
+        let key = task_key(caller.ns, &task);
+        let req = match self.kv.create_request(&key, &record_json, None) {
+            Ok(r) => r,
+            Err(e) => {
+                let e = AmpError::new(ErrorCode::Schema, format!("task id not storable: {e}"))
+                    .with_path("/task");
+                return self.refuse(session, &submit.id, e);
+            }
+        };
+        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
+            Ok(id) => {
+                self.pending
+                    .insert(id, Pending::SubmitCreate(Box::new(sub)));
+            }
+            Err(e) => self.refuse(session, &submit.id, send_error(&e)),
+        }
+    }
+
+    fn publish_task(&mut self, conn: &mut Connection, sub: Submission, dup: bool, now: Instant) {
+        match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
+            Ok(id) => {
+                self.pending.insert(
+                    id,
+                    Pending::SubmitPublish {
+                        session: sub.session,
+                        re: sub.re,
+                        task: sub.task,
+                        dup,
+                    },
+                );
+            }
+            Err(e) => self.refuse(sub.session, &sub.re, send_error(&e)),
+        }
+    }
+
+    fn claim(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        let offered = self
+            .tasks
+            .get(&key)
+            .is_some_and(|t| t.session == caller.session && t.phase == Phase::Offered);
+        if !offered {
+            return self.refuse(caller.session, &re, lease_lost(task));
+        }
+        if let Some(t) = self.tasks.get_mut(&key) {
+            t.phase = Phase::Claiming;
+        }
+        let op = Op::Claim {
+            session: caller.session,
+            re,
+        };
+        self.write_local(conn, key, op, now);
+    }
+
+    fn decline(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        let offered = self
+            .tasks
+            .get(&key)
+            .is_some_and(|t| t.session == caller.session && t.phase == Phase::Offered);
+        if !offered {
+            return self.refuse(caller.session, &re, lease_lost(task));
+        }
+        if let Some(t) = self.tasks.get_mut(&key) {
+            // No longer claimable; the slot stays taken until the record says queued.
+            t.phase = Phase::Finishing;
+        }
+        let op = Op::Requeue {
+            session: caller.session,
+            re: Some(re),
+        };
+        self.write_local(conn, key, op, now);
+    }
+
+    /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.
+    fn lease_op(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        task: &str,
+        op: Op,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        let now_ms = self.clock.ms(now);
+        let session = self.session_name(caller.session);
+        let holds = self.tasks.get(&key).is_some_and(|t| {
+            t.session == caller.session
+                && t.phase == Phase::Leased
+                && t.record.leased_to(&session, now_ms)
+        });
+        if !holds {
+            if let Some((s, re)) = op.answer_to() {
+                let re = re.to_string();
+                self.refuse(s, &re, lease_lost(task));
+            }
+            return;
+        }
+        if matches!(op, Op::Complete { .. } | Op::Fail { .. })
+            && let Some(t) = self.tasks.get_mut(&key)
+        {
+            t.phase = Phase::Finishing;
+        }
+        self.write_local(conn, key, op, now);
+    }
+
+    fn status(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        match self.kv.get_request(&key) {
+            Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
+                Ok(id) => {
+                    self.pending.insert(
+                        id,
+                        Pending::Status {
+                            session: caller.session,
+                            re,
+                            key,
+                        },
+                    );
+                }
+                Err(e) => self.refuse(caller.session, &re, send_error(&e)),
+            },
+            Err(_) => self.refuse(caller.session, &re, not_found(task)),
+        }
+    }
+
+    fn cancel(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        let write = Write {
+            key,
+            op: Op::Cancel {
+                session: caller.session,
+                re,
+                by: format!("{}/{}", caller.ns, caller.name),
+            },
+            ack: None,
+            tries: 0,
+        };
+        self.read(conn, write, now);
+    }
+
+    /// The session is gone. Its offers go back to the queue at once; its leases stay until
+    /// they run out (the worker may still finish through another session of a restarted
+    /// process? no: leases are per session, so the task is re-offered after `lease_s`).
+    pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(worker) = self.workers.remove(&session) else {
+            return;
+        };
+        let keys: Vec<String> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.session == session)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in keys {
+            let phase = self.tasks.get(&key).map(|t| t.phase);
+            match phase {
+                Some(Phase::Offered) => {
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.phase = Phase::Finishing;
+                    }
+                    let op = Op::Requeue { session, re: None };
+                    self.write_local(conn, key, op, now);
+                }
+                Some(Phase::Leased) => {
+                    // JetStream redelivers when the lease runs out.
+                    self.tasks.remove(&key);
+                }
+                _ => {}
+            }
+        }
+        self.out.push_back(JobsOutput::ServeChanged {
+            ns: worker.ns,
+            name: worker.name,
+        });
+    }
+
+    // ---- the job queues ----------------------------------------------------------------
+
+    fn ensure_queue(&mut self, conn: &mut Connection, ns: &str, job: &str, now: Instant) {
+        let qk = queue_key(ns, job);
+        if self.queues.contains_key(&qk) {
+            return;
+        }
+        let deliver_prefix = conn.new_inbox();
+        self.queues.insert(
+            qk.clone(),
+            JobQueue {
+                ns: ns.to_string(),
+                job: job.to_string(),
+                consumer: ConsumerState::Creating,
+                sid: None,
+                deliver_prefix,
+                requested: 0,
+                pulls: HashMap::new(),
+                next_pull: 0,
+                unplaced: 0,
+            },
+        );
+        self.create_consumer(conn, &qk, now);
+    }
+
+    fn create_consumer(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
+        let Some(q) = self.queues.get(qk) else { return };
+        let lease_s = self.job_config(&q.ns, &q.job).lease_s;
+        let stream = binding::tasks_stream(&q.ns);
+        let config = binding::job_consumer_config(&q.ns, &q.job, lease_s);
+        let subject = self.api.subject(&format!(
+            "CONSUMER.CREATE.{stream}.{}.{}",
+            binding::job_consumer(&q.job),
+            binding::job_subject(&q.ns, &q.job)
+        ));
+        let body = json!({"stream_name": stream, "config": config}).to_string();
+        match self.request(conn, &subject, None, body.as_bytes(), now) {
+            Ok(id) => {
+                self.pending.insert(
+                    id,
+                    Pending::ConsumerCreate {
+                        queue: qk.to_string(),
+                    },
+                );
+                if let Some(q) = self.queues.get_mut(qk) {
+                    q.consumer = ConsumerState::Creating;
+                }
+            }
+            Err(e) => {
+                log(&format!("consumer request failed queue={qk}: {e}"));
+                self.consumer_failed(qk, now);
+            }
+        }
+    }
+
+    fn consumer_failed(&mut self, qk: &str, now: Instant) {
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.consumer = ConsumerState::Failed;
+        }
+        self.timers.push(Reverse((
+            now + CONSUMER_RETRY,
+            Timer::ConsumerRetry {
+                queue: qk.to_string(),
+            },
+        )));
+    }
+
+    fn consumer_ready(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
+        let Some(q) = self.queues.get_mut(qk) else {
+            return;
+        };
+        q.consumer = ConsumerState::Ready;
+        if q.sid.is_none() {
+            let pattern = format!("{}.*", q.deliver_prefix);
+            match conn.subscribe(&pattern, None) {
+                Ok(sid) => {
+                    q.sid = Some(sid);
+                    self.routes.insert(sid, qk.to_string());
+                }
+                Err(e) => {
+                    log(&format!("pull subscription failed queue={qk}: {e}"));
+                    return self.consumer_failed(qk, now);
+                }
+            }
+        }
+        self.pull_more(conn, qk, now);
+    }
+
+    /// Free slots of this broker's sessions serving the job.
+    fn free_slots(&self, ns: &str, job: &str) -> u32 {
+        self.workers
+            .values()
+            .filter(|w| w.ns == ns)
+            .filter_map(|w| w.serving.get(job))
+            .map(|s| s.slots.saturating_sub(s.in_flight))
+            .sum()
+    }
+
+    /// Asks for one message per free slot not already asked for.
+    fn pull_more(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
+        let Some(q) = self.queues.get(qk) else { return };
+        if q.consumer != ConsumerState::Ready || q.sid.is_none() {
+            return;
+        }
+        let requested = q.requested;
+        let free = self.free_slots(&q.ns, &q.job);
+        let want = free.saturating_sub(requested.saturating_add(q.unplaced));
+        if want == 0 {
+            return;
+        }
+        let pull = PullRequest {
+            batch: u64::from(want),
+            expires: Some(PULL_EXPIRES),
+            ..PullRequest::default()
+        };
+        let req = match self.api.pull_next(
+            &binding::tasks_stream(&q.ns),
+            &binding::job_consumer(&q.job),
+            &pull,
+        ) {
+            Ok(r) => r,
+            Err(e) => return log(&format!("pull request invalid queue={qk}: {e}")),
+        };
+        let n = q.next_pull;
+        let reply = format!("{}.{n}", q.deliver_prefix);
+        if let Err(e) = conn.publish(&req.subject, Some(&reply), None, &req.payload) {
+            return log(&format!("pull failed queue={qk}: {e}"));
+        }
+        self.stats.js_ops += 1;
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.next_pull += 1;
+            q.pulls.insert(n, want);
+            q.requested = q.requested.saturating_add(want);
+        }
+        self.timers.push(Reverse((
+            now + PULL_EXPIRES + PULL_GRACE,
+            Timer::PullExpiry {
+                queue: qk.to_string(),
+                pull: n,
+            },
+        )));
+    }
+
+    /// The NATS connection came back: pulls in flight died with the old one.
+    pub fn on_reconnected(&mut self, conn: &mut Connection, now: Instant) {
+        let keys: Vec<String> = self.queues.keys().cloned().collect();
+        for qk in keys {
+            if let Some(q) = self.queues.get_mut(&qk) {
+                q.pulls.clear();
+                q.requested = 0;
+            }
+            self.pull_more(conn, &qk, now);
+        }
+    }
+
+    /// A message on a subscription; false when the subscription is not one of ours.
+    pub fn on_message(
+        &mut self,
+        conn: &mut Connection,
+        sid: Sid,
+        msg: &Message,
+        now: Instant,
+    ) -> bool {
+        let Some(qk) = self.routes.get(&sid).cloned() else {
+            return false;
+        };
+        let pull_no = msg
+            .subject
+            .rsplit('.')
+            .next()
+            .and_then(|n| n.parse::<u64>().ok());
+        let delivery = Delivery {
+            subject: &msg.subject,
+            reply: msg.reply.as_deref(),
+            headers: msg.headers.as_ref(),
+            payload: &msg.payload,
+        };
+        let inbound = classify(&delivery);
+        if inbound != Inbound::Message {
+            if inbound.ends_pull() {
+                let undelivered = match &inbound {
+                    Inbound::RequestTimeout {
+                        pending_messages, ..
+                    } => *pending_messages,
+                    _ => msg
+                        .header("Nats-Pending-Messages")
+                        .and_then(|v| v.trim().parse::<u64>().ok()),
+                };
+                if let (Some(q), Some(n)) = (self.queues.get_mut(&qk), pull_no)
+                    && let Some(batch) = q.pulls.remove(&n)
+                {
+                    let undelivered = undelivered
+                        .map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
+                    q.requested = q.requested.saturating_sub(undelivered);
+                }
+                if let Inbound::Conflict { description } | Inbound::Status { description, .. } =
+                    &inbound
+                {
+                    log(&format!("pull ended queue={qk}: {description}"));
+                    if description.contains("Consumer Deleted") {
+                        self.create_consumer(conn, &qk, now);
+                        return true;
+                    }
+                }
+                self.pull_more(conn, &qk, now);
+            }
+            return true;
+        }
+        if let Some(q) = self.queues.get_mut(&qk) {
+            q.requested = q.requested.saturating_sub(1);
+        }
+        self.delivery(conn, &qk, msg, now);
+        true
+    }
+
+    fn delivery(&mut self, conn: &mut Connection, qk: &str, msg: &Message, now: Instant) {
+        let Some(ack) = msg.reply.clone() else {
+            return;
+        };
+        let delivered = AckMetadata::parse(&ack).map(|m| m.delivered).unwrap_or(1);
+        let Some(ns) = self.queues.get(qk).map(|q| q.ns.clone()) else {
+            return;
+        };
+        let env = match Envelope::from_json(&msg.payload) {
+            Ok(env) if env.kind == Kind::Task => env,
+            _ => {
+                log(&format!(
+                    "terminating a malformed task message queue={qk} subject={}",
+                    msg.subject
+                ));
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("malformed task envelope".into()),
+                    },
+                );
+                return self.pull_more(conn, qk, now);
+            }
+        };
+        let key = task_key(&ns, &env.id);
+        if let Some(t) = self.tasks.get_mut(&key) {
+            // A redelivery of a task this broker already handles (its in-progress acks were
+            // lost): keep the newest ack subject and carry on.
+            t.ack_subject = ack;
+            return self.pull_more(conn, qk, now);
+        }
+        match self.kv.get_request(&key) {
+            Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
+                Ok(id) => {
+                    if let Some(q) = self.queues.get_mut(qk) {
+                        q.unplaced += 1;
+                    }
+                    self.pending.insert(
+                        id,
+                        Pending::DeliveryRead {
+                            queue: qk.to_string(),
+                            key,
+                            ack,
+                            delivered,
+                            env: Box::new(env),
+                        },
+                    );
+                }
+                Err(e) => {
+                    log(&format!("task record read failed task={key}: {e}"));
+                    self.nak(conn, &ack, Some(RETRY_DELAY));
+                }
+            },
+            Err(e) => {
+                log(&format!("task id not a key task={key}: {e}"));
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("task id is not a valid key".into()),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The record of a delivered task arrived: offer it, finish it, or release it.
+    #[allow(clippy::too_many_arguments)]
+    fn placed(
+        &mut self,
+        conn: &mut Connection,
+        qk: &str,
+        key: String,
+        ack: String,
+        delivered: u64,
+        env: Box<Envelope>,
+        read: Result<(TaskRecord, u64), JsError>,
+        now: Instant,
+    ) {
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.unplaced = q.unplaced.saturating_sub(1);
+        }
+        let (record, revision) = match read {
+            Ok(r) => r,
+            Err(JsError::KeyNotFound) if delivered >= MAX_ORPHAN_DELIVERIES => {
+                log(&format!("terminating a task without a record task={key}"));
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("no task record".into()),
+                    },
+                );
+                return self.pull_more(conn, qk, now);
+            }
+            Err(e) => {
+                log(&format!("task record unreadable task={key}: {e}"));
+                self.nak(conn, &ack, Some(RETRY_DELAY));
+                return self.pull_more(conn, qk, now);
+            }
+        };
+        let now_ms = self.clock.ms(now);
+        match record.on_delivery(now_ms) {
+            OnDelivery::Finished => {
+                // A crash or a lost ack between the outcome and the ack: make sure the
+                // submitter heard (the result's message id dedupes a repeat).
+                if matches!(record.state, TaskState::Completed | TaskState::Failed) {
+                    let by = record.holder.clone().unwrap_or_default();
+                    self.publish_result(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
+                } else {
+                    self.ack(conn, &ack, AckKind::Ack);
+                }
+            }
+            OnDelivery::Held { until_ms } => {
+                let wait = u64::try_from(until_ms - now_ms).unwrap_or(0) + 50;
+                self.nak(conn, &ack, Some(Duration::from_millis(wait)));
+            }
+            OnDelivery::Exhaust => {
+                let write = Write {
+                    key,
+                    op: Op::Exhaust,
+                    ack: Some(ack),
+                    tries: 0,
+                };
+                self.cas(conn, write, &record, revision, now);
+            }
+            OnDelivery::Offer => {
+                let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
+                    self.nak(conn, &ack, Some(NO_TAKER_DELAY));
+                    return self.pull_more(conn, qk, now);
+                };
+                let Some((ns, job)) = self.queues.get(qk).map(|q| (q.ns.clone(), q.job.clone()))
+                else {
+                    return;
+                };
+                let participant = self
+                    .workers
+                    .get(&session)
+                    .map(|w| format!("{}/{}", w.ns, w.name))
+                    .unwrap_or_default();
+                self.slot_taken(session, &job);
+                self.next_generation += 1;
+                self.tasks.insert(
+                    key.clone(),
+                    LocalTask {
+                        ns,
+                        job,
+                        session,
+                        participant,
+                        ack_subject: ack.clone(),
+                        phase: Phase::Offering,
+                        record: record.clone(),
+                        revision,
+                        leased: false,
+                        generation: self.next_generation,
+                    },
+                );
+                let write = Write {
+                    key,
+                    op: Op::Offer { session, env },
+                    ack: Some(ack),
+                    tries: 0,
+                };
+                self.cas(conn, write, &record, revision, now);
+            }
+        }
+        self.pull_more(conn, qk, now);
+    }
+
+    fn choose(
+        &mut self,
+        qk: &str,
+        key: &str,
+        eligible: Option<&Eligible>,
+        now: Instant,
+    ) -> Option<SessionId> {
+        if let Some(list) = self.declines.get_mut(key) {
+            list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
+            if list.is_empty() {
+                self.declines.remove(key);
+            }
+        }
+        let declined = self.declines.get(key);
+        let q = self.queues.get(qk)?;
+        let candidates = self.workers.iter().filter_map(|(id, w)| {
+            if declined.is_some_and(|d| d.iter().any(|(s, _)| s == id)) {
+                return None;
+            }
+            let s = w.serving.get(&q.job).filter(|_| w.ns == q.ns)?;
+            Some(Candidate {
+                session: *id,
+                name: &w.name,
+                labels: &w.labels,
+                slots: s.slots,
+                in_flight: s.in_flight,
+                idle_since: s.idle_since,
+            })
+        });
+        worker_choice::choose(candidates, eligible)
+    }
+
+    fn remember_decline(&mut self, key: &str, session: SessionId, now: Instant) {
+        if self.declines.len() >= MAX_DECLINES {
+            self.declines.retain(|_, list| {
+                list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
+                !list.is_empty()
+            });
+            if self.declines.len() >= MAX_DECLINES {
+                self.declines.clear();
+            }
+        }
+        self.declines
+            .entry(key.to_string())
+            .or_default()
+            .push((session, now));
+    }
+
+    fn slot_taken(&mut self, session: SessionId, job: &str) {
+        if let Some(s) = self
+            .workers
+            .get_mut(&session)
+            .and_then(|w| w.serving.get_mut(job))
+        {
+            s.in_flight += 1;
+        }
+    }
+
+    /// The local task `key` ends here (finished, lost, released): its slot frees.
+    fn release_local(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        let Some(t) = self.tasks.remove(key) else {
+            return;
+        };
+        let was_leased = t.leased;
+        if let Some(s) = self
+            .workers
+            .get_mut(&t.session)
+            .and_then(|w| w.serving.get_mut(&t.job))
+        {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if was_leased {
+                s.leases = s.leases.saturating_sub(1);
+                s.idle_since = now;
+            }
+        }
+        self.pull_more(conn, &queue_key(&t.ns, &t.job), now);
+    }
+
+    // ---- task store changes ------------------------------------------------------------
+
+    fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
+        let Some((record, revision, ack)) = self
+            .tasks
+            .get(&key)
+            .map(|t| (t.record.clone(), t.revision, t.ack_subject.clone()))
+        else {
+            return;
+        };
+        let write = Write {
+            key,
+            op,
+            ack: Some(ack),
+            tries: 0,
+        };
+        self.cas(conn, write, &record, revision, now);
+    }
+
+    fn read(&mut self, conn: &mut Connection, write: Write, now: Instant) {
+        let req = match self.kv.get_request(&write.key) {
+            Ok(r) => r,
+            Err(_) => {
+                let task = write.key.clone();
+                return self.write_failed(conn, write, not_found(&task), now);
+            }
+        };
+        match self.request(conn, &req.subject, None, &req.payload, now) {
+            Ok(id) => {
+                self.pending.insert(id, Pending::Read(write));
+            }
+            Err(e) => self.write_failed(conn, write, send_error(&e), now),
+        }
+    }
+
+    fn change_for<'a>(&self, op: &'a Op, actor: &'a (String, String), key: &str) -> Change<'a> {
+        let lease_ms = self
+            .tasks
+            .get(key)
+            .map(|t| self.job_config(&t.ns, &t.job).lease_s)
+            .unwrap_or(30)
+            .saturating_mul(1000) as i64;
+        let by = Actor {
+            participant: &actor.0,
+            session: &actor.1,
+        };
+        match op {
+            Op::Offer { .. } => Change::Offer { to: by },
+            Op::Exhaust => Change::Exhaust { by: &actor.0 },
+            Op::Claim { .. } => Change::Claim { by, lease_ms },
+            Op::Heartbeat { .. } => Change::Heartbeat { by, lease_ms },
+            Op::Complete { result, .. } => Change::Complete {
+                by,
+                result: result.clone(),
+            },
+            Op::Fail { error, retry, .. } => Change::Fail {
+                by,
+                error: error.clone(),
+                retry: *retry,
+            },
+            Op::Requeue { .. } => Change::Requeue { by },
+            Op::Cancel { by, .. } => Change::Cancel { by },
+        }
+    }
+
+    /// Who makes the change: `ns/name` and `<broker>/<session>`.
+    fn actor_of(&self, op: &Op, key: &str) -> (String, String) {
+        let session = match op {
+            Op::Offer { session, .. }
+            | Op::Claim { session, .. }
+            | Op::Heartbeat { session, .. }
+            | Op::Complete { session, .. }
+            | Op::Fail { session, .. }
+            | Op::Requeue { session, .. }
+            | Op::Cancel { session, .. } => *session,
+            Op::Exhaust => return (format!("broker/{}", self.broker_id), String::new()),
+        };
+        let participant = match op {
+            Op::Cancel { by, .. } => by.clone(),
+            _ => self
+                .tasks
+                .get(key)
+                .map(|t| t.participant.clone())
+                .unwrap_or_default(),
+        };
+        (participant, self.session_name(session))
+    }
+
+    /// Applies the change to `record` and writes it if it applies.
+    fn cas(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: &TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let now_ms = self.clock.ms(now);
+        let actor = self.actor_of(&write.op, &write.key);
+        let next = {
+            let change = self.change_for(&write.op, &actor, &write.key);
+            record.apply(&change, now_ms)
+        };
+        let next = match next {
+            Ok(next) => next,
+            Err(refusal) => return self.refused(conn, write, record, refusal, now),
+        };
+        let req = match self
+            .kv
+            .update_request(&write.key, &next.to_json(), revision)
+        {
+            Ok(r) => r,
+            Err(e) => return self.write_failed(conn, write, unavailable(e), now),
+        };
+        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
+            Ok(id) => {
+                self.pending.insert(
+                    id,
+                    Pending::Cas {
+                        write,
+                        next: Box::new(next),
+                    },
+                );
+            }
+            Err(e) => self.write_failed(conn, write, send_error(&e), now),
+        }
+    }
+
+    /// The change cannot be made on the record as it is.
+    fn refused(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: &TaskRecord,
+        refusal: Refusal,
+        now: Instant,
+    ) {
+        let task = record.id.clone();
+        let key = write.key.clone();
+        match write.op {
+            Op::Offer { .. } => {
+                // Someone else moved the task on (another broker's offer or lease, or an
+                // outcome): this delivery is not ours to offer.
+                if let Some(ack) = &write.ack {
+                    match refusal {
+                        Refusal::LeaseHeld { until_ms } => {
+                            let wait = u64::try_from(until_ms - self.clock.ms(now)).unwrap_or(0);
+                            self.nak(conn, ack, Some(Duration::from_millis(wait + 50)));
+                        }
+                        Refusal::Finished(_) => self.ack(conn, ack, AckKind::Ack),
+                        _ => self.nak(conn, ack, Some(RETRY_DELAY)),
+                    }
+                }
+                self.release_local(conn, &key, now);
+            }
+            Op::Exhaust => {
+                if let (Some(ack), Refusal::Finished(_)) = (&write.ack, &refusal) {
+                    self.ack(conn, ack, AckKind::Ack);
+                }
+            }
+            Op::Cancel { session, re, .. } => {
+                let e = match refusal {
+                    Refusal::NotSubmitter => AmpError::new(
+                        ErrorCode::Forbidden,
+                        format!("only the submitter may cancel task `{task}`"),
+                    ),
+                    Refusal::Finished(state) => AmpError::new(
+                        ErrorCode::Conflict,
+                        format!("task `{task}` is already {}", state.as_str()),
+                    ),
+                    _ => unavailable("the task store did not settle"),
+                };
+                self.refuse(session, &re, e);
+            }
+            op => {
+                if let Some((session, re)) = op.answer_to() {
+                    let re = re.to_string();
+                    self.refuse(session, &re, lease_lost(&task));
+                }
+                // The lease or offer is gone for good when the record shows someone else
+                // or an outcome; a late heartbeat on a still-cached lease only fails.
+                let mine = self.tasks.get(&key).is_some_and(|t| {
+                    let s = self.session_name(t.session);
+                    record.offered_to(&s) || record.leased_to(&s, self.clock.ms(now))
+                });
+                if !mine {
+                    let holder = self.tasks.get(&key).map(|t| (t.session, t.phase));
+                    if let Some((session, phase)) = holder {
+                        if matches!(phase, Phase::Leased | Phase::Finishing | Phase::Claiming)
+                            && record.state != TaskState::Offered
+                        {
+                            let reason = if record.state == TaskState::Cancelled {
+                                "cancelled"
+                            } else {
+                                "lease_expired"
+                            };
+                            if phase != Phase::Claiming {
+                                self.revoke(session, &task, reason);
+                            }
+                        }
+                        if record.state == TaskState::Cancelled
+                            && let Some(ack) = &write.ack
+                        {
+                            self.ack(
+                                conn,
+                                ack,
+                                AckKind::Term {
+                                    reason: Some("cancelled".into()),
+                                },
+                            );
+                        }
+                    }
+                    self.release_local(conn, &key, now);
+                } else if let Some(t) = self.tasks.get_mut(&key) {
+                    t.record = record.clone();
+                    t.phase = if record.state == TaskState::Offered {
+                        Phase::Offered
+                    } else {
+                        Phase::Leased
+                    };
+                }
+            }
+        }
+    }
+
+    /// A request of the change failed (JetStream unreachable, or too many conflicts).
+    fn write_failed(&mut self, conn: &mut Connection, write: Write, e: AmpError, now: Instant) {
+        log(&format!("task change failed task={}: {e}", write.key));
+        if let Some((session, re)) = write.op.answer_to() {
+            let re = re.to_string();
+            self.refuse(session, &re, e);
+        }
+        match write.op {
+            Op::Offer { .. } => {
+                if let Some(ack) = &write.ack {
+                    self.nak(conn, ack, Some(RETRY_DELAY));
+                }
+                self.release_local(conn, &write.key, now);
+            }
+            Op::Requeue { .. } => {
+                // The record still says offered; JetStream redelivers after the lease and
+                // the next delivery re-offers it.
+                self.release_local(conn, &write.key, now);
+            }
+            Op::Claim { .. } => {
+                if let Some(t) = self.tasks.get_mut(&write.key) {
+                    t.phase = Phase::Offered;
+                }
+            }
+            Op::Complete { .. } | Op::Fail { .. } => {
+                if let Some(t) = self.tasks.get_mut(&write.key) {
+                    t.phase = Phase::Leased;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The change is stored as revision `revision`.
+    fn written(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let key = write.key.clone();
+        if let Some(t) = self.tasks.get_mut(&key) {
+            t.record = record.clone();
+            t.revision = revision;
+            if let Some(ack) = &write.ack
+                && t.ack_subject.is_empty()
+            {
+                t.ack_subject = ack.clone();
+            }
+        }
+        let ack = self
+            .tasks
+            .get(&key)
+            .map(|t| t.ack_subject.clone())
+            .or(write.ack.clone());
+        match write.op {
+            Op::Offer { session, env } => {
+                self.stats.offers += 1;
+                if !self.workers.contains_key(&session) {
+                    // The session went away while the offer was being written.
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.phase = Phase::Finishing;
+                    }
+                    return self.write_local(conn, key, Op::Requeue { session, re: None }, now);
+                }
+                let Some(t) = self.tasks.get_mut(&key) else {
+                    return;
+                };
+                t.phase = Phase::Offered;
+                let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
+                let cfg = self.job_config(&ns, &job);
+                let text = FrameWriter::new(amp_frame::server_op::OFFER)
+                    .str("task", &record.id)
+                    .str("job", &job)
+                    .str("from", &env.from)
+                    .raw("body", env.body.get())
+                    .value("headers", &env.headers)
+                    .value("attempt", &(record.attempt + 1))
+                    .value("max_attempts", &record.max_attempts)
+                    .value("lease_s", &cfg.lease_s)
+                    .value("offer_ms", &cfg.offer_ms)
+                    .finish();
+                self.out.push_back(JobsOutput::Frame { session, text });
+                self.timers.push(Reverse((
+                    now + Duration::from_millis(cfg.offer_ms),
+                    Timer::OfferExpiry { key, generation },
+                )));
+            }
+            Op::Claim { session, re } => {
+                self.stats.claims += 1;
+                let Some(t) = self.tasks.get_mut(&key) else {
+                    return;
+                };
+                t.phase = Phase::Leased;
+                t.leased = true;
+                let generation = t.generation;
+                let job = t.job.clone();
+                if let Some(s) = self
+                    .workers
+                    .get_mut(&session)
+                    .and_then(|w| w.serving.get_mut(&job))
+                {
+                    s.leases += 1;
+                }
+                self.leased(conn, key, session, re, &record, ack, generation, now);
+            }
+            Op::Heartbeat { session, re } => {
+                let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
+                self.leased(conn, key, session, re, &record, ack, generation, now);
+            }
+            Op::Complete { session, re, .. } => {
+                self.stats.completed += 1;
+                let by = self.participant_of(&key);
+                self.release_local(conn, &key, now);
+                let reply = Some((session, re.clone(), reply::ok(Some(&re))));
+                let ack = ack.map(|a| (a, AckKind::Ack));
+                self.publish_result(conn, &record, &by, ack, reply, now);
+            }
+            Op::Fail { session, re, .. } => {
+                let by = self.participant_of(&key);
+                self.release_local(conn, &key, now);
+                let text = FrameWriter::ok(Some(&re))
+                    .str("state", record.state.as_str())
+                    .finish();
+                if record.state == TaskState::Failed {
+                    self.stats.failed += 1;
+                    let ack = ack.map(|a| {
+                        (
+                            a,
+                            AckKind::Term {
+                                reason: Some("failed".into()),
+                            },
+                        )
+                    });
+                    self.publish_result(conn, &record, &by, ack, Some((session, re, text)), now);
+                } else {
+                    if let Some(a) = &ack {
+                        self.nak(conn, a, None);
+                    }
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+            }
+            Op::Requeue { session, re } => {
+                self.remember_decline(&key, session, now);
+                self.release_local(conn, &key, now);
+                if let Some(a) = &ack {
+                    self.nak(conn, a, None);
+                }
+                if let Some(re) = re {
+                    let text = reply::ok(Some(&re));
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+            }
+            Op::Exhaust => {
+                self.stats.failed += 1;
+                let by = format!("broker/{}", self.broker_id);
+                let ack = ack.map(|a| {
+                    (
+                        a,
+                        AckKind::Term {
+                            reason: Some("attempts exhausted".into()),
+                        },
+                    )
+                });
+                self.publish_result(conn, &record, &by, ack, None, now);
+            }
+            Op::Cancel { session, re, by } => {
+                self.stats.cancelled += 1;
+                let local = self
+                    .tasks
+                    .get(&key)
+                    .map(|t| (t.session, t.phase, t.ack_subject.clone()));
+                let mut term = None;
+                if let Some((holder, phase, ack_subject)) = local {
+                    if matches!(phase, Phase::Leased | Phase::Finishing) {
+                        self.revoke(holder, &record.id, "cancelled");
+                    }
+                    term = Some((
+                        ack_subject,
+                        AckKind::Term {
+                            reason: Some("cancelled".into()),
+                        },
+                    ));
+                    self.release_local(conn, &key, now);
+                }
+                let text = reply::ok(Some(&re));
+                self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn leased(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        session: SessionId,
+        re: String,
+        record: &TaskRecord,
+        ack: Option<String>,
+        generation: u64,
+        now: Instant,
+    ) {
+        let until_ms = record.lease_until_ms.unwrap_or_default();
+        if let Some(a) = &ack {
+            self.ack(conn, a, AckKind::InProgress);
+        }
+        let text = FrameWriter::ok(Some(&re))
+            .str("lease_until", &rfc3339::format_millis(until_ms))
+            .finish();
+        self.out.push_back(JobsOutput::Reply { session, re, text });
+        let at = self.clock.instant(now, until_ms);
+        self.timers
+            .push(Reverse((at, Timer::LeaseExpiry { key, generation })));
+    }
+
+    fn participant_of(&self, key: &str) -> String {
+        self.tasks
+            .get(key)
+            .map(|t| t.participant.clone())
+            .unwrap_or_default()
+    }
+
+    fn revoke(&mut self, session: SessionId, task: &str, reason: &str) {
+        self.stats.revoked += 1;
+        let text = FrameWriter::new(amp_frame::server_op::REVOKED)
+            .str("task", task)
+            .str("reason", reason)
+            .finish();
+        self.out.push_back(JobsOutput::Frame { session, text });
+    }
+
+    /// Sends the `task_result` to the submitter's inbox, then the message's ack, then the
+    /// answer: the result is stored before the message can go, so a crash in between
+    /// leaves a message whose redelivery publishes the result again.
+    fn publish_result(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        by: &str,
+        ack: Option<(String, AckKind)>,
+        reply: Option<(SessionId, String, String)>,
+        now: Instant,
+    ) {
+        let finish = Finish { ack, reply };
+        let Some((ns, submitter)) = record.submitted_by.split_once('/') else {
+            return self.finish(conn, finish, now);
+        };
+        let key = task_key(ns, &record.id);
+        let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
+        let body = serde_json::value::to_raw_value(&record.result_body())
+            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let env = Envelope {
+            id: id.clone(),
+            kind: Kind::TaskResult,
+            from: by.to_string(),
+            to: Some(record.submitted_by.clone()),
+            topic: None,
+            job: Some(record.job.clone()),
+            ts: rfc3339::format_millis(self.clock.ms(now)),
+            headers: BTreeMap::new(),
+            body,
+        };
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("Nats-Msg-Id", id.as_str()),
+            ("AMP-From", by),
+            ("AMP-Kind", Kind::TaskResult.as_str()),
+        ] {
+            let _ = headers.insert(k, v);
+        }
+        let subject = binding::inbox_subject(ns, submitter);
+        match self.request(conn, &subject, Some(&headers), &env.to_json(), now) {
+            Ok(rid) => {
+                self.pending.insert(rid, Pending::Result(finish));
+            }
+            Err(e) => {
+                log(&format!("task result not sent task={key}: {e}"));
+                self.finish(conn, finish, now);
+            }
+        }
+    }
+
+    fn finish(&mut self, conn: &mut Connection, finish: Finish, now: Instant) {
+        match finish.ack {
+            Some((subject, AckKind::Ack)) => {
+                match self.request(conn, &subject, None, &AckKind::Ack.payload(), now) {
+                    Ok(id) => {
+                        self.pending.insert(
+                            id,
+                            Pending::AckSync {
+                                reply: finish.reply,
+                            },
+                        );
+                        return;
+                    }
+                    Err(e) => log(&format!("ack not sent: {e}")),
+                }
+            }
+            Some((subject, kind)) => self.ack(conn, &subject, kind),
+            None => {}
+        }
+        if let Some((session, re, text)) = finish.reply {
+            self.out.push_back(JobsOutput::Reply { session, re, text });
+        }
+    }
+
+    // ---- replies and timers ------------------------------------------------------------
+
+    /// The reply to a request; false when the request is not one of ours.
+    pub fn on_reply(
+        &mut self,
+        conn: &mut Connection,
+        id: RequestId,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) -> bool {
+        let Some(pending) = self.pending.remove(&id) else {
+            return false;
+        };
+        match pending {
+            Pending::ConsumerCreate { queue } => match reply.map(|m| check_error(&m.payload)) {
+                Ok(Ok(())) => self.consumer_ready(conn, &queue, now),
+                Ok(Err(e)) => {
+                    log(&format!("consumer refused queue={queue}: {e}"));
+                    self.consumer_failed(&queue, now);
+                }
+                Err(e) => {
+                    log(&format!("consumer request failed queue={queue}: {e}"));
+                    self.consumer_failed(&queue, now);
+                }
+            },
+            Pending::SubmitCreate(sub) => {
+                match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+                    Ok(Ok(_)) => {
+                        self.stats.submitted += 1;
+                        self.publish_task(conn, *sub, false, now);
+                    }
+                    Ok(Err(JsError::WrongLastSequence(_))) => {
+                        let key = task_key(&sub.ns, &sub.task);
+                        let req = self.kv.get_request(&key);
+                        let sent = req.map_err(unavailable).and_then(|req| {
+                            self.request(conn, &req.subject, None, &req.payload, now)
+                                .map_err(|e| send_error(&e))
+                        });
+                        match sent {
+                            Ok(id) => {
+                                self.pending.insert(id, Pending::SubmitExisting(sub));
+                            }
+                            Err(e) => self.refuse(sub.session, &sub.re, e),
+                        }
+                    }
+                    Ok(Err(e)) => self.refuse(sub.session, &sub.re, unavailable(e)),
+                    Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
+                }
+            }
+            Pending::SubmitExisting(sub) => match self.parse_record(&sub.ns, &sub.task, reply) {
+                Ok((record, _)) => {
+                    if !record.same_submission(&sub.job, &sub.digest) {
+                        let e = AmpError::new(
+                            ErrorCode::Conflict,
+                            format!("task `{}` exists with a different job or body", sub.task),
+                        )
+                        .with_path("/task");
+                        self.refuse(sub.session, &sub.re, e);
+                    } else if record.state == TaskState::Queued && record.attempt == 0 {
+                        // The message may never have been stored (an `unavailable` before):
+                        // publish again; its message id makes a repeat a duplicate.
+                        self.publish_task(conn, *sub, true, now);
+                    } else {
+                        let text = FrameWriter::ok(Some(&sub.re))
+                            .str("task", &sub.task)
+                            .value("dup", &true)
+                            .finish();
+                        self.out.push_back(JobsOutput::Reply {
+                            session: sub.session,
+                            re: sub.re,
+                            text,
+                        });
+                    }
+                }
+                Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
+            },
+            Pending::SubmitPublish {
+                session,
+                re,
+                task,
+                dup,
+            } => match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+                Ok(Ok(ack)) => {
+                    let text = FrameWriter::ok(Some(&re))
+                        .str("task", &task)
+                        .value("dup", &(dup || ack.duplicate))
+                        .finish();
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+                Ok(Err(e)) => self.refuse(session, &re, unavailable(e)),
+                Err(e) => self.refuse(session, &re, unavailable(e)),
+            },
+            Pending::DeliveryRead {
+                queue,
+                key,
+                ack,
+                delivered,
+                env,
+            } => {
+                let (ns, task) = key.split_once('.').unwrap_or(("", &key));
+                let read = self.parse_record(ns, task, reply);
+                self.placed(conn, &queue, key.clone(), ack, delivered, env, read, now);
+            }
+            Pending::Read(write) => {
+                let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));
+                match self.parse_record(ns, task, reply) {
+                    Ok((record, revision)) => {
+                        if let Some(t) = self.tasks.get_mut(&write.key) {
+                            t.record = record.clone();
+                            t.revision = revision;
+                        }
+                        self.cas(conn, write, &record, revision, now);
+                    }
+                    Err(JsError::KeyNotFound) => {
+                        let task = task.to_string();
+                        self.write_failed(conn, write, not_found(&task), now);
+                    }
+                    Err(e) => self.write_failed(conn, write, unavailable(e), now),
+                }
+            }
+            Pending::Cas { mut write, next } => {
+                match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+                    Ok(Ok(ack)) => self.written(conn, write, *next, ack.seq, now),
+                    Ok(Err(JsError::WrongLastSequence(_))) => {
+                        self.stats.cas_conflicts += 1;
+                        write.tries += 1;
+                        if write.tries >= MAX_CAS_TRIES {
+                            let e = unavailable("the task record keeps changing");
+                            self.write_failed(conn, write, e, now);
+                        } else {
+                            self.read(conn, write, now);
+                        }
+                    }
+                    Ok(Err(e)) => self.write_failed(conn, write, unavailable(e), now),
+                    Err(e) => self.write_failed(conn, write, unavailable(e), now),
+                }
+            }
+            Pending::Status { session, re, key } => {
+                let (ns, task) = key.split_once('.').unwrap_or(("", ""));
+                match self.parse_record(ns, task, reply) {
+                    Ok((record, _)) => {
+                        let text = FrameWriter::ok(Some(&re))
+                            .value("task", &record.status_view())
+                            .finish();
+                        self.out.push_back(JobsOutput::Reply { session, re, text });
+                    }
+                    Err(JsError::KeyNotFound) => {
+                        let task = task.to_string();
+                        self.refuse(session, &re, not_found(&task));
+                    }
+                    Err(e) => self.refuse(session, &re, unavailable(e)),
+                }
+            }
+            Pending::Result(finish) => {
+                if let Ok(m) = &reply
+                    && let Err(e) = parse_pub_ack(m.status(), &m.payload)
+                {
+                    log(&format!("task result refused: {e}"));
+                } else if let Err(e) = &reply {
+                    log(&format!("task result unanswered: {e}"));
+                }
+                self.finish(conn, finish, now);
+            }
+            Pending::AckSync { reply: answer } => {
+                if let Err(e) = &reply {
+                    log(&format!("ack unconfirmed: {e}"));
+                }
+                if let Some((session, re, text)) = answer {
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+            }
+        }
+        true
+    }
+
+    fn parse_record(
+        &self,
+        ns: &str,
+        task: &str,
+        reply: Result<Message, RequestError>,
+    ) -> Result<(TaskRecord, u64), JsError> {
+        let m = reply.map_err(|e| JsError::Transport(e.to_string()))?;
+        let key = task_key(ns, task);
+        let entry = self.kv.parse_get(&key, m.headers.as_ref(), &m.payload)?;
+        if entry.is_deleted() {
+            return Err(JsError::KeyNotFound);
+        }
+        let record = TaskRecord::from_json(&entry.value)
+            .map_err(|e| JsError::Malformed(format!("task record {key}: {e}")))?;
+        Ok((record, entry.revision))
+    }
+
+    /// Timers due at `now`.
+    pub fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(Reverse((at, _))) = self.timers.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((_, timer))) = self.timers.pop() else {
+                break;
+            };
+            match timer {
+                Timer::OfferExpiry { key, generation } => {
+                    let due = self.tasks.get(&key).and_then(|t| {
+                        (t.generation == generation && t.phase == Phase::Offered)
+                            .then_some(t.session)
+                    });
+                    if let Some(session) = due {
+                        if let Some(t) = self.tasks.get_mut(&key) {
+                            t.phase = Phase::Finishing;
+                        }
+                        let op = Op::Requeue { session, re: None };
+                        self.write_local(conn, key, op, now);
+                    }
+                }
+                Timer::LeaseExpiry { key, generation } => {
+                    let now_ms = self.clock.ms(now);
+                    let due = self.tasks.get(&key).and_then(|t| {
+                        let expired = t.record.lease_until_ms.is_none_or(|u| u <= now_ms);
+                        (t.generation == generation && t.phase == Phase::Leased && expired)
+                            .then(|| (t.session, t.record.id.clone()))
+                    });
+                    if let Some((session, task)) = due {
+                        self.revoke(session, &task, "lease_expired");
+                        self.release_local(conn, &key, now);
+                    }
+                }
+                Timer::PullExpiry { queue, pull } => {
+                    // Every pull up to the newest has expired by now; if their 408s were
+                    // lost (a reconnect), nothing is outstanding any more.
+                    let stale = self.queues.get_mut(&queue).is_some_and(|q| {
+                        let newest = q.next_pull.checked_sub(1) == Some(pull);
+                        if newest && q.requested > 0 {
+                            q.requested = 0;
+                            q.pulls.clear();
+                        }
+                        newest
+                    });
+                    if stale {
+                        self.pull_more(conn, &queue, now);
+                    }
+                }
+                Timer::ConsumerRetry { queue } => {
+                    let failed = self
+                        .queues
+                        .get(&queue)
+                        .is_some_and(|q| q.consumer == ConsumerState::Failed);
+                    if failed {
+                        self.create_consumer(conn, &queue, now);
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- helpers -----------------------------------------------------------------------
+
+    fn request(
+        &mut self,
+        conn: &mut Connection,
+        subject: &str,
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+        now: Instant,
+    ) -> Result<RequestId, nats::Error> {
+        self.stats.js_ops += 1;
+        conn.request(subject, headers, payload, JS_TIMEOUT, now)
+    }
+
+    fn ack(&mut self, conn: &mut Connection, subject: &str, kind: AckKind) {
+        self.stats.js_ops += 1;
+        if let Err(e) = conn.publish(subject, None, None, &kind.payload()) {
+            log(&format!("ack not sent: {e}"));
+        }
+    }
+
+    fn nak(&mut self, conn: &mut Connection, subject: &str, delay: Option<Duration>) {
+        self.ack(conn, subject, AckKind::Nak { delay });
+    }
+
+    fn reply(&mut self, session: SessionId, re: &str, w: FrameWriter) {
+        self.out.push_back(JobsOutput::Reply {
+            session,
+            re: re.to_string(),
+            text: w.finish(),
+        });
+    }
+
+    fn refuse(&mut self, session: SessionId, re: &str, e: AmpError) {
+        self.out.push_back(JobsOutput::Reply {
+            session,
+            re: re.to_string(),
+            text: reply::error(Some(re), &e),
+        });
+    }
+}
+
+fn not_found(task: &str) -> AmpError {
+    AmpError::new(ErrorCode::NotFound, format!("no task `{task}`")).with_path("/task")
+}
+
+#[derive(serde::Serialize)]
+struct FailErrorView<'a> {
+    code: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<&'a str>,
+}
+
+impl<'a> From<&'a amp_frame::FailError> for FailErrorView<'a> {
+    fn from(e: &'a amp_frame::FailError) -> Self {
+        FailErrorView {
+            code: &e.code,
+            message: e.message.as_deref(),
+        }
+    }
+}

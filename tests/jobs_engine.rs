@@ -1,0 +1,815 @@
+//! The jobs engine against a real nats-server with JetStream: the `Jobs` component driven
+//! through a real NATS connection, with sessions stood in for by their ids (the frames the
+//! component queues for them are what a WebSocket client would receive).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use amp_broker::amp::{ClientFrame, FrameValidator};
+use amp_broker::broker::binding::{self, StreamSettings};
+use amp_broker::broker::config::Config;
+use amp_broker::broker::jobs::{Caller, Jobs, JobsOutput};
+use amp_broker::nats::{Client, Event, Options};
+use amp_broker::rfc3339;
+use serde_json::{Value, json};
+
+const TOKEN_SHA: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+fn config(lease_s: u64, offer_ms: u64, max_attempts: u32) -> Config {
+    let all = json!({"submit": ["*"], "serve": ["*"]});
+    let text = json!({
+        "namespaces": {"acme": {
+            "jobs": {"render": {"lease_s": lease_s, "offer_ms": offer_ms, "max_attempts": max_attempts}},
+            "participants": {
+                "app": {"token_sha256": TOKEN_SHA, "permissions": all},
+                "other": {"token_sha256": TOKEN_SHA, "permissions": all},
+                "w1": {"token_sha256": TOKEN_SHA, "permissions": all},
+                "w2": {"token_sha256": TOKEN_SHA, "permissions": all, "labels": {"gpu": "a100"}},
+                "w3": {"token_sha256": TOKEN_SHA, "permissions": all},
+                "w4": {"token_sha256": TOKEN_SHA, "permissions": all},
+                "nobody": {"token_sha256": TOKEN_SHA, "permissions": {}}
+            }
+        }}
+    });
+    Config::parse(text.to_string().as_bytes()).expect("test configuration")
+}
+
+fn wall_ms() -> i64 {
+    rfc3339::unix_millis(SystemTime::now())
+}
+
+/// Creates the streams and the bucket the jobs engine uses.
+fn provision(client: &mut Client) {
+    let s = StreamSettings::default();
+    for cfg in [
+        binding::tasks_stream_config("acme", s),
+        binding::task_state_stream_config(s),
+        binding::inbox_stream_config("acme", 0, s),
+    ] {
+        let subject = format!(
+            "$JS.API.STREAM.CREATE.{}",
+            cfg["name"].as_str().expect("name")
+        );
+        let reply = client
+            .request(
+                &subject,
+                None,
+                cfg.to_string().as_bytes(),
+                Duration::from_secs(5),
+            )
+            .expect("stream create answered");
+        let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+        assert!(v.get("error").is_none(), "stream create failed: {v}");
+    }
+}
+
+/// One broker's jobs engine on its own NATS connection.
+struct Broker {
+    client: Client,
+    jobs: Jobs,
+    config: Config,
+    validator: FrameValidator,
+    out: Vec<JobsOutput>,
+}
+
+impl Broker {
+    fn start(url: &str, id: &str, config: Config) -> Broker {
+        let mut client = Client::connect(Options::new(url)).expect("connect");
+        provision(&mut client);
+        let jobs = Jobs::new(id, &config, Instant::now(), wall_ms()).expect("jobs");
+        Broker {
+            client,
+            jobs,
+            config,
+            validator: FrameValidator::new().expect("schema"),
+            out: Vec::new(),
+        }
+    }
+
+    /// Sends a client frame from `session` of participant `name`.
+    #[track_caller]
+    fn send(&mut self, session: u64, name: &str, frame: Value) {
+        let frame: ClientFrame = self
+            .validator
+            .decode(&frame.to_string())
+            .unwrap_or_else(|e| panic!("invalid frame {frame}: {}", e.reply()));
+        let participant = self
+            .config
+            .participant("acme", name)
+            .expect("participant")
+            .clone();
+        let labels = participant.labels.clone();
+        let caller = Caller {
+            session,
+            ns: "acme",
+            name,
+            participant: &participant,
+            labels: &labels,
+        };
+        let conn = self.client.connection_mut();
+        assert!(self.jobs.frame(conn, &caller, frame, Instant::now()));
+        self.step(Duration::ZERO);
+    }
+
+    fn close_session(&mut self, session: u64) {
+        self.jobs
+            .session_closed(self.client.connection_mut(), session, Instant::now());
+        self.step(Duration::ZERO);
+    }
+
+    /// Moves bytes and events for up to `wait`, feeding the engine.
+    fn step(&mut self, wait: Duration) {
+        let mut events = Vec::new();
+        let _ = self.client.run_until(wait, |e| {
+            events.push(e.clone());
+            false
+        });
+        let now = Instant::now();
+        let conn = self.client.connection_mut();
+        for e in events {
+            match e {
+                Event::Message { sid, msg } => {
+                    self.jobs.on_message(conn, sid, &msg, now);
+                }
+                Event::Response { id, msg } => {
+                    self.jobs.on_reply(conn, id, Ok(msg), now);
+                }
+                Event::RequestFailed { id, error } => {
+                    self.jobs.on_reply(conn, id, Err(error), now);
+                }
+                Event::Reconnected { .. } => self.jobs.on_reconnected(conn, now),
+                _ => {}
+            }
+        }
+        self.jobs.handle_timeout(conn, Instant::now());
+        while let Some(o) = self.jobs.poll_output() {
+            self.out.push(o);
+        }
+        // Write what the engine queued.
+        let _ = self.client.run_until(Duration::ZERO, |_| false);
+    }
+
+    /// Waits for a frame to `session` matching `pred` and takes it (and what came before it
+    /// for that session).
+    #[track_caller]
+    fn expect(&mut self, session: u64, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(pos) = self.out.iter().position(|o| match o {
+                JobsOutput::Reply {
+                    session: s, text, ..
+                }
+                | JobsOutput::Frame { session: s, text } => *s == session && pred(&parse(text)),
+                _ => false,
+            }) {
+                let o = self.out.remove(pos);
+                return match o {
+                    JobsOutput::Reply { text, .. } | JobsOutput::Frame { text, .. } => parse(&text),
+                    _ => Value::Null,
+                };
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no matching frame for session {session}; have {:?}",
+                self.out
+            );
+            self.step(Duration::from_millis(5));
+        }
+    }
+
+    #[track_caller]
+    fn reply(&mut self, session: u64, re: &str) -> Value {
+        self.expect(session, Duration::from_secs(10), |v| v["re"] == re)
+    }
+
+    #[track_caller]
+    fn offer(&mut self, session: u64, timeout: Duration) -> Value {
+        self.expect(session, timeout, |v| v["op"] == "offer")
+    }
+
+    /// Frames queued for `session` so far (after pumping a little).
+    fn frames_for(&mut self, session: u64, wait: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + wait;
+        while Instant::now() < deadline {
+            self.step(Duration::from_millis(5));
+        }
+        self.out
+            .iter()
+            .filter_map(|o| match o {
+                JobsOutput::Reply {
+                    session: s, text, ..
+                }
+                | JobsOutput::Frame { session: s, text }
+                    if *s == session =>
+                {
+                    Some(parse(text))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[track_caller]
+    fn request(&mut self, session: u64, name: &str, frame: Value) -> Value {
+        let re = frame["id"].as_str().expect("id").to_string();
+        self.send(session, name, frame);
+        self.reply(session, &re)
+    }
+
+    #[track_caller]
+    fn status(&mut self, session: u64, task: &str) -> Value {
+        let id = format!("q-{task}-{}", Instant::now().elapsed().as_nanos());
+        let r = self.request(session, "app", json!({"op":"status","id":id,"task":task}));
+        assert_eq!(r["op"], "ok", "status: {r}");
+        r["task"].clone()
+    }
+}
+
+/// The last `task_result` stored in the submitter's inbox stream.
+fn stored_result(client: &mut Client) -> Value {
+    use base64::Engine;
+    let deadline = Instant::now() + SECS;
+    loop {
+        let reply = client
+            .request(
+                "$JS.API.STREAM.MSG.GET.AMP_INBOX_acme",
+                None,
+                br#"{"last_by_subj":"amp.acme.inbox.app"}"#,
+                SECS,
+            )
+            .expect("message get");
+        let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+        if let Some(data) = v["message"]["data"].as_str() {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(data)
+                .expect("base64");
+            let env: Value = serde_json::from_slice(&bytes).expect("envelope");
+            assert_eq!(env["kind"], "task_result");
+            return env;
+        }
+        assert!(Instant::now() < deadline, "no task_result stored: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn parse(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("frame is not JSON ({e}): {text}"))
+}
+
+fn history_states(task: &Value) -> Vec<String> {
+    task["history"]
+        .as_array()
+        .expect("history")
+        .iter()
+        .map(|h| h["state"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+const APP: u64 = 1;
+const W1: u64 = 11;
+const W2: u64 = 12;
+const W3: u64 = 13;
+const SECS: Duration = Duration::from_secs(10);
+
+#[test]
+fn a_task_is_offered_claimed_heartbeaten_completed_and_its_result_reaches_the_submitter() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut watcher = Client::connect(Options::new(&server.url())).expect("connect");
+    let inbox = watcher.subscribe("amp.acme.inbox.app", None).expect("sub");
+    watcher.flush(SECS).expect("flush");
+
+    let r = b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t1","job":"render","task":"T1","body":{"frame":7},"headers":{"traceparent":"00-aa-bb-01"}}),
+    );
+    assert_eq!(r, json!({"op":"ok","re":"t1","task":"T1","dup":false}));
+    assert_eq!(b.status(APP, "T1")["state"], "queued");
+
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v1","job":"render","slots":1}),
+    );
+    assert_eq!(r["op"], "ok");
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["task"], "T1");
+    assert_eq!(offer["job"], "render");
+    assert_eq!(offer["from"], "acme/app");
+    assert_eq!(offer["body"], json!({"frame":7}));
+    assert_eq!(offer["headers"]["traceparent"], "00-aa-bb-01");
+    assert_eq!(
+        (
+            &offer["attempt"],
+            &offer["max_attempts"],
+            &offer["lease_s"],
+            &offer["offer_ms"]
+        ),
+        (&json!(1), &json!(3), &json!(30), &json!(5000))
+    );
+    let status = b.status(APP, "T1");
+    assert_eq!(status["state"], "offered");
+    assert_eq!(status["attempt"], 0);
+
+    let r = b.request(W1, "w1", json!({"op":"claim","id":"c1","task":"T1"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let until =
+        rfc3339::parse_nanos(r["lease_until"].as_str().expect("lease_until")).expect("time");
+    let status = b.status(APP, "T1");
+    assert_eq!(status["state"], "leased");
+    assert_eq!(status["holder"], "acme/w1");
+    assert_eq!(status["attempt"], 1);
+
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"heartbeat","id":"b1","task":"T1","progress":{"pct":50}}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+    let later =
+        rfc3339::parse_nanos(r["lease_until"].as_str().expect("lease_until")).expect("time");
+    assert!(later >= until, "a heartbeat extends the lease");
+
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"complete","id":"k1","task":"T1","result":{"url":"s3://x"}}),
+    );
+    assert_eq!(r, json!({"op":"ok","re":"k1"}));
+    let status = b.status(APP, "T1");
+    assert_eq!(status["state"], "completed");
+    assert_eq!(status["result"], json!({"url":"s3://x"}));
+    assert_eq!(
+        history_states(&status),
+        ["queued", "offered", "leased", "completed"]
+    );
+    for h in status["history"].as_array().expect("history") {
+        assert!(rfc3339::parse_nanos(h["at"].as_str().expect("at")).is_some());
+    }
+    assert_eq!(status["history"][2]["by"], "acme/w1");
+
+    let msg = watcher
+        .next_message(inbox, SECS)
+        .expect("watch")
+        .expect("a task_result message");
+    assert_eq!(msg.header("AMP-Kind"), Some("task_result"));
+    let env: Value = serde_json::from_slice(&msg.payload).expect("envelope");
+    assert_eq!(env["kind"], "task_result");
+    assert_eq!(env["to"], "acme/app");
+    assert_eq!(
+        env["body"],
+        json!({"task":"T1","state":"completed","attempts":1,"result":{"url":"s3://x"}})
+    );
+    // Completing again: the lease is gone.
+    let r = b.request(W1, "w1", json!({"op":"complete","id":"k2","task":"T1"}));
+    assert_eq!(r["code"], "lease_lost");
+}
+
+#[test]
+fn resubmitting_a_task_id_is_idempotent_and_a_different_body_or_job_conflicts() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let submit = |id: &str, job: &str, body: Value| json!({"op":"submit","id":id,"job":job,"task":"T","body":body});
+    let r = b.request(APP, "app", submit("s1", "render", json!({"a":1,"b":2})));
+    assert_eq!(r["dup"], false);
+    let r = b.request(APP, "app", submit("s2", "render", json!({"b":2,"a":1})));
+    assert_eq!(r, json!({"op":"ok","re":"s2","task":"T","dup":true}));
+    let r = b.request(APP, "app", submit("s3", "render", json!({"a":1,"b":3})));
+    assert_eq!(r["code"], "conflict");
+    assert_eq!(r["path"], "/task");
+    let r = b.request(APP, "app", submit("s4", "encode", json!({"a":1,"b":2})));
+    assert_eq!(r["code"], "conflict");
+    // One message in the job stream, not two.
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":5}),
+    );
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["task"], "T");
+    let frames = b.frames_for(W1, Duration::from_millis(500));
+    assert!(
+        frames.iter().all(|f| f["op"] != "offer"),
+        "a second offer: {frames:?}"
+    );
+    let r = b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"s5","job":"render","body":null}),
+    );
+    assert_eq!(r["dup"], false);
+    assert_eq!(r["task"].as_str().map(str::len), Some(32), "a generated id");
+}
+
+#[test]
+fn decline_and_an_unclaimed_offer_go_to_another_session_without_spending_an_attempt() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 800, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["attempt"], 1);
+    // Only the session offered the task may claim or decline it.
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let r = b.request(W2, "w2", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["code"], "lease_lost");
+    let r = b.request(W1, "w1", json!({"op":"decline","id":"d","task":"T"}));
+    assert_eq!(r, json!({"op":"ok","re":"d"}));
+    let offer = b.offer(W2, SECS);
+    assert_eq!(offer["attempt"], 1, "a decline spends no attempt");
+    // W2 lets the offer lapse: it counts as a decline and W1 gets it again.
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["attempt"], 1);
+    let r = b.request(W2, "w2", json!({"op":"claim","id":"c2","task":"T"}));
+    assert_eq!(r["code"], "lease_lost", "the lapsed offer is gone");
+    let status = b.status(APP, "T");
+    assert_eq!(status["attempt"], 0);
+    assert_eq!(
+        history_states(&status),
+        [
+            "queued", "offered", "queued", "offered", "queued", "offered"
+        ]
+    );
+}
+
+#[test]
+fn an_expired_lease_is_revoked_and_reoffered_and_the_stale_holder_gets_lease_lost() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(1, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    let r = b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok");
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let revoked = b.expect(W1, SECS, |v| v["op"] == "revoked");
+    assert_eq!(
+        revoked,
+        json!({"op":"revoked","task":"T","reason":"lease_expired"})
+    );
+    for (id, op) in [("h", "heartbeat"), ("k", "complete")] {
+        let r = b.request(W1, "w1", json!({"op":op,"id":id,"task":"T"}));
+        assert_eq!(r["code"], "lease_lost", "{op} after expiry");
+    }
+    // Redelivered after the lease: offered again, as the second attempt, to the idle session.
+    let offer = b.offer(W2, SECS);
+    assert_eq!(offer["attempt"], 2);
+    let r = b.request(W2, "w2", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok");
+    let r = b.request(
+        W2,
+        "w2",
+        json!({"op":"complete","id":"k","task":"T","result":"w2"}),
+    );
+    assert_eq!(r["op"], "ok");
+    let status = b.status(APP, "T");
+    assert_eq!(status["state"], "completed");
+    assert_eq!(status["result"], "w2");
+    assert_eq!(status["attempt"], 2);
+    assert_eq!(
+        history_states(&status),
+        [
+            "queued",
+            "offered",
+            "leased",
+            "queued",
+            "offered",
+            "leased",
+            "completed"
+        ]
+    );
+}
+
+#[test]
+fn the_last_attempt_running_out_fails_the_task_and_tells_the_submitter() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(1, 5000, 3));
+    let mut watcher = Client::connect(Options::new(&server.url())).expect("connect");
+    let inbox = watcher.subscribe("amp.acme.inbox.app", None).expect("sub");
+    watcher.flush(SECS).expect("flush");
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1,"max_attempts":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    b.expect(W1, SECS, |v| v["op"] == "revoked");
+    let deadline = Instant::now() + SECS;
+    loop {
+        let s = b.status(APP, "T");
+        if s["state"] == "failed" {
+            assert_eq!(s["error"]["code"], "attempts_exhausted");
+            assert_eq!(s["attempt"], 1);
+            break;
+        }
+        assert!(Instant::now() < deadline, "never failed: {s}");
+        b.step(Duration::from_millis(50));
+    }
+    let env = stored_result(&mut watcher);
+    let _ = inbox;
+    assert_eq!(env["body"]["state"], "failed");
+    assert_eq!(env["body"]["attempts"], 1);
+    let frames = b.frames_for(W1, Duration::from_millis(300));
+    assert!(
+        frames.iter().all(|f| f["op"] != "offer"),
+        "no new offer: {frames:?}"
+    );
+}
+
+#[test]
+fn fail_with_retry_requeues_and_without_retry_fails() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"fail","id":"f","task":"T","error":{"code":"oom","message":"out of memory"},"retry":true}),
+    );
+    assert_eq!(r, json!({"op":"ok","re":"f","state":"queued"}));
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["attempt"], 2);
+    b.request(W1, "w1", json!({"op":"claim","id":"c2","task":"T"}));
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"fail","id":"f2","task":"T","error":{"code":"bad"}}),
+    );
+    assert_eq!(r, json!({"op":"ok","re":"f2","state":"failed"}));
+    let status = b.status(APP, "T");
+    assert_eq!(status["state"], "failed");
+    assert_eq!(status["error"], json!({"code":"bad"}));
+    assert_eq!(status["attempt"], 2);
+}
+
+#[test]
+fn cancel_is_for_the_submitter_and_revokes_a_running_lease() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"Q","body":1}),
+    );
+    let r = b.request(W3, "other", json!({"op":"cancel","id":"x","task":"Q"}));
+    assert_eq!(r["code"], "forbidden");
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x","task":"Q"}));
+    assert_eq!(r, json!({"op":"ok","re":"x"}));
+    assert_eq!(b.status(APP, "Q")["state"], "cancelled");
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x2","task":"Q"}));
+    assert_eq!(r["code"], "conflict");
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x3","task":"nope"}));
+    assert_eq!(r["code"], "not_found");
+    let r = b.request(APP, "app", json!({"op":"status","id":"x4","task":"nope"}));
+    assert_eq!(r["code"], "not_found");
+
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t2","job":"render","task":"L","body":2}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":2}),
+    );
+    // The cancelled task's message is acknowledged away, never offered.
+    let offer = b.offer(W1, SECS);
+    assert_eq!(offer["task"], "L");
+    b.request(W1, "w1", json!({"op":"claim","id":"c","task":"L"}));
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x5","task":"L"}));
+    assert_eq!(r["op"], "ok");
+    let revoked = b.expect(W1, SECS, |v| v["op"] == "revoked");
+    assert_eq!(
+        revoked,
+        json!({"op":"revoked","task":"L","reason":"cancelled"})
+    );
+    let r = b.request(W1, "w1", json!({"op":"complete","id":"k","task":"L"}));
+    assert_eq!(r["code"], "lease_lost");
+    assert_eq!(b.status(APP, "L")["state"], "cancelled");
+}
+
+#[test]
+fn only_eligible_sessions_get_offers_and_an_untakeable_task_stays_queued() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"G","body":1,"eligible":{"labels":{"gpu":"a100"}}}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let frames = b.frames_for(W1, Duration::from_millis(800));
+    assert!(frames.iter().all(|f| f["op"] != "offer"), "{frames:?}");
+    assert_eq!(b.status(APP, "G")["state"], "queued");
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let offer = b.offer(W2, SECS);
+    assert_eq!(offer["task"], "G");
+    let r = b.request(
+        W3,
+        "nobody",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    assert_eq!(r["code"], "forbidden");
+    let r = b.request(
+        W3,
+        "nobody",
+        json!({"op":"submit","id":"s","job":"render","body":1}),
+    );
+    assert_eq!(r["code"], "forbidden");
+}
+
+#[test]
+fn offers_go_to_the_least_loaded_session_and_never_beyond_free_slots() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    for i in 0..6 {
+        b.request(
+            APP,
+            "app",
+            json!({"op":"submit","id":format!("t{i}"),"job":"render","task":format!("T{i}"),"body":i}),
+        );
+    }
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":2}),
+    );
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let frames_w1 = b.frames_for(W1, Duration::from_millis(800));
+    let frames_w2 = b.frames_for(W2, Duration::ZERO);
+    let offers = |f: &Vec<Value>| f.iter().filter(|v| v["op"] == "offer").count();
+    assert_eq!(offers(&frames_w1), 2, "{frames_w1:?}");
+    assert_eq!(offers(&frames_w2), 1, "{frames_w2:?}");
+    let mut queued = 0;
+    for i in 0..6 {
+        if b.status(APP, &format!("T{i}"))["state"] == "queued" {
+            queued += 1;
+        }
+    }
+    assert_eq!(queued, 3, "three slots, three offers");
+}
+
+#[test]
+fn a_worker_that_disconnects_mid_lease_loses_the_task_after_the_lease() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(1, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    b.close_session(W1);
+    let started = Instant::now();
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let offer = b.offer(W2, SECS);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "not before the lease ran out"
+    );
+    assert_eq!(offer["attempt"], 2);
+    // A session closing with an offer out releases it at once.
+    let r = b.request(W2, "w2", json!({"op":"decline","id":"d","task":"T"}));
+    assert_eq!(r["op"], "ok");
+}
+
+#[test]
+fn two_brokers_never_lease_one_task_twice_and_share_the_work() {
+    let server = common::NatsServer::start();
+    let mut b1 = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut b2 = Broker::start(&server.url(), "b2", config(30, 5000, 3));
+    let n = 200;
+    for i in 0..n {
+        b1.send(APP, "app", json!({"op":"submit","id":format!("t{i}"),"job":"render","task":format!("T{i}"),"body":i}));
+    }
+    for i in 0..n {
+        b1.reply(APP, &format!("t{i}"));
+    }
+    b1.send(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":2}),
+    );
+    b2.send(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":2}),
+    );
+    let mut done: BTreeMap<String, u64> = BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut k = 0;
+    while done.len() < n && Instant::now() < deadline {
+        for (b, w, name) in [(&mut b1, W1, "w1"), (&mut b2, W2, "w2")] {
+            b.step(Duration::from_millis(2));
+            let offers: Vec<String> = b
+                .out
+                .iter()
+                .filter_map(|o| match o {
+                    JobsOutput::Frame { session, text } if *session == w => {
+                        let v = parse(text);
+                        (v["op"] == "offer")
+                            .then(|| v["task"].as_str().unwrap_or_default().to_string())
+                    }
+                    _ => None,
+                })
+                .collect();
+            b.out
+                .retain(|o| !matches!(o, JobsOutput::Frame { session, .. } if *session == w));
+            for task in offers {
+                k += 1;
+                let r = b.request(
+                    w,
+                    name,
+                    json!({"op":"claim","id":format!("c{k}"),"task":task}),
+                );
+                assert_eq!(r["op"], "ok", "{r}");
+                let r = b.request(
+                    w,
+                    name,
+                    json!({"op":"complete","id":format!("k{k}"),"task":task}),
+                );
+                assert_eq!(r["op"], "ok", "{r}");
+                *done.entry(task).or_default() += 1;
+            }
+        }
+    }
+    assert_eq!(done.len(), n, "every task completed");
+    assert!(done.values().all(|&c| c == 1), "each exactly once");
+    for i in (0..n).step_by(37) {
+        let s = b1.status(APP, &format!("T{i}"));
+        assert_eq!(s["state"], "completed");
+        let leases = history_states(&s).iter().filter(|h| *h == "leased").count();
+        assert_eq!(leases, 1);
+    }
+    let s1 = b1.jobs.stats().completed;
+    let s2 = b2.jobs.stats().completed;
+    assert_eq!(s1 + s2, n as u64);
+    assert!(s1 > 0 && s2 > 0, "both brokers worked: {s1} / {s2}");
+}
