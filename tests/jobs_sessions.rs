@@ -236,12 +236,18 @@ fn two_brokers_and_four_workers_complete_every_task_exactly_once_with_even_load(
             assert_ne!(f["op"], "error", "{f}");
         }
     }
-    let workers: Vec<_> = ["w1", "w2", "w3", "w4"]
+    // Everyone is connected before anyone serves, so nobody starts ahead.
+    let mut clients: Vec<Client> = ["w1", "w2", "w3", "w4"]
         .into_iter()
         .enumerate()
-        .map(|(i, name)| {
-            let broker = if i % 2 == 0 { &a } else { &b };
-            let mut c = login_serving(broker, name, 4);
+        .map(|(i, name)| login(if i % 2 == 0 { &a } else { &b }, name))
+        .collect();
+    for c in &mut clients {
+        c.send(&json!({"op":"serve","id":"v","job":"render","slots":4}));
+    }
+    let workers: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
             std::thread::spawn(move || {
                 let mut done = Vec::new();
                 let mut n = 0u64;
