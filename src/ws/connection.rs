@@ -149,7 +149,7 @@ impl Connection {
             out: Vec::new(),
             out_pos: 0,
             events: VecDeque::new(),
-            deadline: now + cfg.request_timeout,
+            deadline: after(now, cfg.request_timeout),
             last_activity: now,
             next_ping: now,
             peer_eof: false,
@@ -204,7 +204,7 @@ impl Connection {
             }
             Phase::Flushing => {
                 // A half-closing HTTP client still reads its response.
-                self.deadline = self.deadline.min(now + self.cfg.close_timeout);
+                self.deadline = self.deadline.min(after(now, self.cfg.close_timeout));
             }
             Phase::Closed => {}
         }
@@ -218,7 +218,7 @@ impl Connection {
                     self.close(close_code::GOING_AWAY, "idle timeout", now);
                 } else if now >= self.next_ping {
                     push_frame_header(&mut self.out, 0x9, 0);
-                    self.next_ping = now + self.cfg.heartbeat;
+                    self.next_ping = after(now, self.cfg.heartbeat);
                 }
             }
             Phase::Http { .. } | Phase::Closing | Phase::Flushing | Phase::Lingering => {
@@ -240,7 +240,7 @@ impl Connection {
     }
 
     fn idle_deadline(&self) -> Instant {
-        self.last_activity + self.cfg.heartbeat * 3
+        after(self.last_activity, self.cfg.heartbeat.saturating_mul(3))
     }
 
     /// Queues one text message.
@@ -267,7 +267,7 @@ impl Connection {
         self.emit_closed(code, reason, false);
         self.send_close(code, reason);
         self.phase = Phase::Closing;
-        self.deadline = now + self.cfg.close_timeout;
+        self.deadline = after(now, self.cfg.close_timeout);
     }
 
     /// Bytes waiting to be written to the socket.
@@ -314,7 +314,7 @@ impl Connection {
                 self.phase = Phase::Closed;
             } else {
                 self.phase = Phase::Lingering;
-                self.deadline = now + self.cfg.close_timeout;
+                self.deadline = after(now, self.cfg.close_timeout);
             }
         }
     }
@@ -382,7 +382,7 @@ impl Connection {
                 self.ws = Some(new_context(&self.cfg));
                 self.phase = Phase::Open;
                 self.last_activity = now;
-                self.next_ping = now + self.cfg.heartbeat;
+                self.next_ping = after(now, self.cfg.heartbeat);
                 self.events.push_back(ConnEvent::Opened {
                     subprotocol: upgrade.subprotocol,
                 });
@@ -404,7 +404,7 @@ impl Connection {
             status: status.code(),
         });
         self.phase = Phase::Flushing;
-        self.deadline = now + self.cfg.close_timeout;
+        self.deadline = after(now, self.cfg.close_timeout);
     }
 
     fn ws_input(&mut self, data: &[u8], now: Instant) {
@@ -452,7 +452,7 @@ impl Connection {
                             by_peer: true,
                         });
                         self.phase = Phase::Closing;
-                        self.deadline = now + self.cfg.close_timeout;
+                        self.deadline = after(now, self.cfg.close_timeout);
                     }
                     // The next read flushes the reply tungstenite queued and reports the
                     // end of the session.
@@ -461,7 +461,7 @@ impl Connection {
                 Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(WsError::ConnectionClosed | WsError::AlreadyClosed) => {
                     self.phase = Phase::Flushing;
-                    self.deadline = now + self.cfg.close_timeout;
+                    self.deadline = after(now, self.cfg.close_timeout);
                     return;
                 }
                 Err(WsError::Capacity(CapacityError::MessageTooLong { .. })) => {
@@ -491,7 +491,7 @@ impl Connection {
             self.send_close(code, reason);
         }
         self.phase = Phase::Flushing;
-        self.deadline = now + self.cfg.close_timeout;
+        self.deadline = after(now, self.cfg.close_timeout);
     }
 
     fn send_close(&mut self, code: u16, reason: &str) {
@@ -517,6 +517,12 @@ impl Connection {
             by_peer,
         });
     }
+}
+
+/// `at + d`, saturating at a year ahead so an absurd configured duration cannot overflow.
+fn after(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d.min(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(at)
 }
 
 fn new_context(cfg: &WsConfig) -> WebSocketContext {
