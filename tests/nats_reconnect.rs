@@ -299,3 +299,33 @@ fn garbage_from_a_server_closes_the_connection_with_a_protocol_error() {
     assert!(c.connection().is_closed());
     fake.join().expect("fake server");
 }
+
+#[test]
+fn a_server_that_stops_reading_fills_the_bounded_write_buffer_with_a_defined_error() {
+    let server = common::NatsServer::start();
+    let pid = server.pid().expect("pid") as i32;
+    let mut o = options(&server.url());
+    o.max_write_buffer = 1024 * 1024;
+    let mut c = Client::connect(o).expect("connect");
+    // SAFETY: kill(2) on the pid of a child this test started; no memory is shared.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let chunk = vec![b'w'; 60 * 1024];
+    let mut result = Ok(());
+    for _ in 0..10_000 {
+        // Non-blocking publishes; the pump writes what the socket takes.
+        result = c.connection_mut().publish("fill", None, None, &chunk);
+        if result.is_err() {
+            break;
+        }
+        c.run_until(Duration::from_millis(1), |_| false)
+            .expect("pump");
+    }
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(
+        result,
+        Err(Error::WriteBufferFull {
+            capacity: 1024 * 1024
+        })
+    );
+    c.flush(WAIT).expect("drains once the server reads again");
+}

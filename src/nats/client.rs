@@ -16,6 +16,9 @@ const TOKEN: Token = Token(0);
 /// Unwritten output beyond which `publish` writes at once instead of waiting for the
 /// next pump (batching small publishes into few writes).
 const WRITE_THRESHOLD: usize = 32 * 1024;
+/// Unwritten output beyond which `publish` blocks until the socket takes some: a blocking
+/// client's back-pressure, well below `max_write_buffer`.
+const BLOCK_THRESHOLD: usize = 4 * 1024 * 1024;
 
 pub struct Client {
     poll: Poll,
@@ -86,8 +89,15 @@ impl Client {
         self.driver
             .connection_mut()
             .publish(subject, reply, headers, payload)?;
-        if self.connection().output().len() >= WRITE_THRESHOLD {
+        let unwritten = self.connection().output().len();
+        if unwritten >= WRITE_THRESHOLD && !self.driver.is_write_blocked() {
             self.drive();
+        }
+        while self.connection().output().len() >= BLOCK_THRESHOLD {
+            self.drive();
+            if self.connection().output().len() >= BLOCK_THRESHOLD {
+                self.pump(Some(Instant::now() + Duration::from_millis(100)))?;
+            }
         }
         Ok(())
     }

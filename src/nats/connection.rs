@@ -269,7 +269,13 @@ impl Connection {
             options,
         };
         if conn.pool.is_empty() {
-            conn.close_for_good(Error::NoServers);
+            let reason = conn
+                .options
+                .invalid_urls
+                .first()
+                .cloned()
+                .unwrap_or(Error::NoServers);
+            conn.close_for_good(reason);
         } else {
             conn.state = State::Waiting { server: 0, at: now };
         }

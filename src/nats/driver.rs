@@ -24,6 +24,8 @@ pub struct Driver {
     socket: Option<TcpStream>,
     /// Non-blocking connect in progress.
     dialing: bool,
+    /// The last write hit `WouldBlock`; no write is tried until a writable event.
+    write_blocked: bool,
     read_buf: Vec<u8>,
 }
 
@@ -34,6 +36,7 @@ impl Driver {
             token,
             socket: None,
             dialing: false,
+            write_blocked: false,
             read_buf: vec![0; READ_CHUNK],
         }
     }
@@ -50,6 +53,11 @@ impl Driver {
         &mut self.conn
     }
 
+    /// The socket took no more bytes last time; output waits for a writable event.
+    pub fn is_write_blocked(&self) -> bool {
+        self.write_blocked
+    }
+
     /// Whether a socket is open or being dialed.
     pub fn has_socket(&self) -> bool {
         self.socket.is_some()
@@ -64,6 +72,9 @@ impl Driver {
     pub fn handle_event(&mut self, registry: &Registry, event: &mio::event::Event, now: Instant) {
         if event.token() != self.token || self.socket.is_none() {
             return;
+        }
+        if event.is_writable() {
+            self.write_blocked = false;
         }
         if self.dialing {
             self.finish_dial(registry, now);
@@ -96,7 +107,7 @@ impl Driver {
                     None => return,
                 }
             }
-            if self.dialing {
+            if self.dialing || self.write_blocked {
                 return;
             }
             if !self.write(registry, now) {
@@ -194,7 +205,10 @@ impl Driver {
                         return false;
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.write_blocked = true;
+                    return true;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.failed(registry, now, &e.to_string());
@@ -217,6 +231,7 @@ impl Driver {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         self.dialing = false;
+        self.write_blocked = false;
     }
 
     /// Deregisters and closes the socket (the connection itself is left as it is).

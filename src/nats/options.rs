@@ -27,12 +27,24 @@ impl fmt::Display for ServerAddr {
 }
 
 /// One entry of the server list: where, and credentials that came with its URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `Debug` shows no secret.
+#[derive(Clone, PartialEq, Eq)]
 pub struct ServerUrl {
     pub addr: ServerAddr,
     /// `nats://user:pass@host` gives both; `nats://token@host` only `user`, used as a token.
     pub user: Option<String>,
     pub pass: Option<String>,
+}
+
+impl fmt::Debug for ServerUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let credentials = match (&self.user, &self.pass) {
+            (Some(u), Some(_)) => format!("{u}:<redacted>@"),
+            (Some(_), None) => "<redacted>@".to_string(),
+            _ => String::new(),
+        };
+        write!(f, "ServerUrl(nats://{credentials}{})", self.addr)
+    }
 }
 
 impl ServerUrl {
@@ -120,7 +132,8 @@ fn percent_decode(s: &str) -> String {
 }
 
 /// How the connection proves who it is. URL credentials apply when this is `None`.
-#[derive(Debug, Clone, Default)]
+/// `Debug` shows no secret.
+#[derive(Clone, Default)]
 pub enum Auth {
     #[default]
     None,
@@ -138,12 +151,27 @@ pub enum Auth {
     },
 }
 
+impl fmt::Debug for Auth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Auth::None => f.write_str("None"),
+            Auth::UserPassword { user, .. } => write!(f, "UserPassword({user}, <redacted>)"),
+            Auth::Token(_) => f.write_str("Token(<redacted>)"),
+            Auth::NKey(key) => write!(f, "NKey({})", key.public_key()),
+            Auth::Jwt { key, .. } => write!(f, "Jwt({})", key.public_key()),
+        }
+    }
+}
+
 /// Everything a [`Connection`](super::Connection) is configured with. Build with
 /// [`Options::new`] and the `with_*` helpers, or set fields directly.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Servers tried in order (rotated on failure); servers from `connect_urls` are added.
     pub servers: Vec<ServerUrl>,
+    /// URLs [`Options::new`] could not parse; when no server is left, connecting fails
+    /// with the first of these.
+    pub invalid_urls: Vec<Error>,
     pub auth: Auth,
     /// Client name sent in CONNECT (shows in the server's monitoring).
     pub name: Option<String>,
@@ -189,12 +217,17 @@ impl Options {
     /// Options for one URL or a comma-separated list of URLs. Invalid URLs are reported
     /// when connecting (see [`Options::parse_servers`] to check them early).
     pub fn new(urls: &str) -> Options {
+        let mut servers = Vec::new();
+        let mut invalid_urls = Vec::new();
+        for u in urls.split(',').filter(|s| !s.trim().is_empty()) {
+            match ServerUrl::parse(u) {
+                Ok(url) => servers.push(url),
+                Err(e) => invalid_urls.push(e),
+            }
+        }
         Options {
-            servers: urls
-                .split(',')
-                .filter(|s| !s.trim().is_empty())
-                .filter_map(|u| ServerUrl::parse(u).ok())
-                .collect(),
+            servers,
+            invalid_urls,
             ..Options::default()
         }
     }
@@ -277,6 +310,7 @@ impl Default for Options {
     fn default() -> Options {
         Options {
             servers: Vec::new(),
+            invalid_urls: Vec::new(),
             auth: Auth::None,
             name: None,
             echo: true,
@@ -340,6 +374,16 @@ mod tests {
             assert!(err.to_string().contains(bad), "{err}");
         }
         assert!(Options::parse_servers("").is_err());
+    }
+
+    #[test]
+    fn debug_output_hides_passwords_and_tokens() {
+        let o = Options::new("nats://u:hunter2@h:1,nats://tok@h:2").with_token("t0ps3cret");
+        let text = format!("{o:?}");
+        for secret in ["hunter2", "tok@", "t0ps3cret"] {
+            assert!(!text.contains(secret), "{text}");
+        }
+        assert!(text.contains("u:<redacted>@h:1"), "{text}");
     }
 
     #[test]

@@ -564,3 +564,20 @@ fn user_ping_is_answered_by_its_pong_event() {
     h.conn.receive(b"PONG\r\n", h.now);
     assert_eq!(h.events(), [Event::Pong(id)]);
 }
+
+#[test]
+fn an_unparsable_url_is_the_reason_the_connection_closes() {
+    let mut h = Harness::new(Options::new("tls://h:1"));
+    assert!(h.conn.is_closed());
+    assert!(matches!(
+        &h.events()[..],
+        [Event::Closed { reason: Error::InvalidUrl(u) }] if u.contains("tls://h:1")
+    ));
+    let mut h = Harness::new(Options::default());
+    assert_eq!(
+        h.events(),
+        [Event::Closed {
+            reason: Error::NoServers
+        }]
+    );
+}
