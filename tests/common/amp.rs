@@ -239,6 +239,11 @@ impl Client {
         c
     }
 
+    /// The WebSocket itself, for load generators that pipeline frames.
+    pub fn into_websocket(self) -> WebSocket<TcpStream> {
+        self.ws
+    }
+
     pub fn send_text(&mut self, text: &str) {
         self.ws.send(Message::text(text)).expect("send frame");
     }

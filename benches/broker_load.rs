@@ -1,0 +1,602 @@
+//! Broker load: WebSocket participants messaging each other through the `amp-broker`
+//! binary (`send`, `message`, `ack`), next to a baseline measured in the same run against
+//! the same nats-server: the project's own JetStream client publishing (with PubAck) and
+//! pull-consuming the same number of messages of the same size, with the same concurrency.
+//! Then the broker's resident memory, idle and with many idle authenticated sessions.
+//!
+//! `cargo bench --bench broker_load` runs the full load (release binary). Without
+//! `--bench`, as `cargo test --all-targets` runs it, it is a smoke run of the same code
+//! with tiny sizes. Sizes of the full run come from the environment:
+//! `BROKER_LOAD_PAIRS` (16), `BROKER_LOAD_MESSAGES` per pair (2000),
+//! `BROKER_LOAD_BODY_BYTES` (256), `BROKER_LOAD_WINDOW` sends in flight per sender (16),
+//! `BROKER_LOAD_ROUNDS` (2) and `BROKER_LOAD_IDLE_SESSIONS` (1000).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+use std::sync::{Barrier, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use amp_broker::jetstream::{
+    AckKind, AckPolicy, ConsumerAction, ConsumerConfig, Context, DeliverPolicy, Delivery,
+    DiscardPolicy, Inbound, PublishOptions, PullRequest, Request, RetentionPolicy, StorageType,
+    StreamConfig, classify,
+};
+use amp_broker::nats::{Client as NatsClient, Options, Sid};
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use serde_json::Value;
+use tungstenite::{Message as Frame, WebSocket};
+
+/// The spec's default `inbox_window`: the broker's pull batch and max_ack_pending per
+/// inbox, used as the same for the baseline consumers.
+const INBOX_WINDOW: u64 = 64;
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Sizes {
+    pairs: usize,
+    messages: usize,
+    body_bytes: usize,
+    window: usize,
+    rounds: usize,
+    idle_sessions: usize,
+}
+
+impl Sizes {
+    fn full() -> Sizes {
+        let env = |name: &str, default: usize| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&v| v > 0)
+                .unwrap_or(default)
+        };
+        Sizes {
+            pairs: env("BROKER_LOAD_PAIRS", 16),
+            messages: env("BROKER_LOAD_MESSAGES", 2000),
+            body_bytes: env("BROKER_LOAD_BODY_BYTES", 256),
+            window: env("BROKER_LOAD_WINDOW", 16),
+            rounds: env("BROKER_LOAD_ROUNDS", 2),
+            idle_sessions: env("BROKER_LOAD_IDLE_SESSIONS", 1000),
+        }
+    }
+
+    fn smoke() -> Sizes {
+        Sizes {
+            pairs: 2,
+            messages: 20,
+            body_bytes: 64,
+            window: 4,
+            rounds: 1,
+            idle_sessions: 10,
+        }
+    }
+}
+
+/// Nanoseconds on one monotonic clock shared by every thread of this process.
+fn clock() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A JSON body of exactly `bytes` bytes (at least its fixed part) carrying send time `t`.
+fn body(t: u64, bytes: usize) -> String {
+    let head = format!(r#"{{"t":{t:>20},"pad":""#);
+    let pad = bytes.saturating_sub(head.len() + 2);
+    format!("{head}{}\"}}", "x".repeat(pad))
+}
+
+fn sent_at(body: &Value) -> u64 {
+    body["t"].as_u64().expect("body carries its send time")
+}
+
+/// CPU seconds (user + system) of a process so far.
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
+    let ticks: f64 = fields.get(11..13).map_or(0.0, |f| {
+        f.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
+    });
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks / per_second
+}
+
+/// VmRSS of a process in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS of the broker")
+}
+
+/// The RSS once it has stopped moving for a second (at most 15 s of waiting).
+fn settled_rss_kib(pid: u32) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = rss_kib(pid);
+    loop {
+        thread::sleep(Duration::from_secs(1));
+        let now = rss_kib(pid);
+        if now == last || Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
+}
+
+fn load_average() -> String {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    text.split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Lets this process (and the broker it starts) hold one socket per idle session.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain system calls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
+/// What one path measured in one round.
+struct Run {
+    path: &'static str,
+    messages: usize,
+    elapsed: Duration,
+    latencies: Vec<u64>,
+    /// CPU seconds of this process, the broker and the nats-server during the run.
+    cpu: [f64; 3],
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.messages as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn percentile_ms(&self, p: f64) -> f64 {
+        let i = ((self.latencies.len() as f64 * p) as usize).min(self.latencies.len() - 1);
+        self.latencies[i] as f64 / 1e6
+    }
+}
+
+/// Runs `pairs` sender/receiver thread pairs, timing from the moment all are connected
+/// and warmed up (one message each) to the last delivery; also takes CPU figures.
+fn timed_run<S, R>(path: &'static str, s: &Sizes, pids: [&str; 3], sender: S, receiver: R) -> Run
+where
+    S: Fn(usize, &Barrier) + Sync,
+    R: Fn(usize, &Barrier) -> (Vec<u64>, Instant) + Sync,
+{
+    let barrier = Barrier::new(2 * s.pairs + 1);
+    let (start, cpu_before, results) = thread::scope(|scope| {
+        let receivers: Vec<_> = (0..s.pairs)
+            .map(|i| {
+                let (receiver, barrier) = (&receiver, &barrier);
+                scope.spawn(move || receiver(i, barrier))
+            })
+            .collect();
+        for i in 0..s.pairs {
+            let (sender, barrier) = (&sender, &barrier);
+            scope.spawn(move || sender(i, barrier));
+        }
+        barrier.wait();
+        let cpu_before = pids.map(cpu_seconds);
+        let start = Instant::now();
+        let results: Vec<_> = receivers
+            .into_iter()
+            .map(|r| r.join().expect("receiver thread"))
+            .collect();
+        (start, cpu_before, results)
+    });
+    let cpu_after = pids.map(cpu_seconds);
+    let end = results.iter().map(|r| r.1).max().unwrap_or(start);
+    let mut latencies: Vec<u64> = results.into_iter().flat_map(|r| r.0).collect();
+    latencies.sort_unstable();
+    Run {
+        path,
+        messages: s.pairs * s.messages,
+        elapsed: end - start,
+        latencies,
+        cpu: [0, 1, 2].map(|k| cpu_after[k] - cpu_before[k]),
+    }
+}
+
+// The broker path: one WebSocket session per thread.
+
+fn read_text(ws: &mut WebSocket<TcpStream>) -> String {
+    loop {
+        match ws.read() {
+            Ok(Frame::Text(t)) => return t.as_str().to_string(),
+            Ok(Frame::Close(c)) => panic!("broker closed the session: {c:?}"),
+            Ok(_) => continue,
+            Err(e) => panic!("broker session: {e}"),
+        }
+    }
+}
+
+fn write_text(ws: &mut WebSocket<TcpStream>, text: String) {
+    ws.write(Frame::text(text)).expect("write frame");
+}
+
+fn login(broker: &Broker, name: &str) -> WebSocket<TcpStream> {
+    let ws = Client::login(broker, "acme", name, &format!("{name}-token")).into_websocket();
+    ws.get_ref()
+        .set_read_timeout(Some(WAIT))
+        .expect("read timeout");
+    ws
+}
+
+fn broker_sender(broker: &Broker, me: &str, to: &str, s: &Sizes, barrier: &Barrier) {
+    let mut ws = login(broker, me);
+    let send = |ws: &mut WebSocket<TcpStream>, k: usize, t: u64| {
+        let body = body(t, s.body_bytes);
+        write_text(
+            ws,
+            format!(r#"{{"op":"send","id":"{k}","to":"{to}","body":{body}}}"#),
+        );
+    };
+    let expect_ok = |ws: &mut WebSocket<TcpStream>| {
+        let answer = read_text(ws);
+        assert!(answer.starts_with(r#"{"op":"ok""#), "send: {answer}");
+    };
+    send(&mut ws, 0, 0);
+    ws.flush().expect("flush");
+    expect_ok(&mut ws);
+    barrier.wait();
+    let (mut sent, mut answered) = (0, 0);
+    while answered < s.messages {
+        while sent < s.messages && sent - answered < s.window {
+            sent += 1;
+            send(&mut ws, sent, clock());
+        }
+        ws.flush().expect("flush");
+        expect_ok(&mut ws);
+        answered += 1;
+    }
+}
+
+fn broker_receiver(broker: &Broker, me: &str, s: &Sizes, barrier: &Barrier) -> (Vec<u64>, Instant) {
+    let mut ws = login(broker, me);
+    // The send time of the next first delivery, acknowledged at once.
+    let take = |ws: &mut WebSocket<TcpStream>| loop {
+        let text = read_text(ws);
+        let frame: Value = serde_json::from_str(&text).expect("frame is JSON");
+        assert_eq!(frame["op"], "message", "{text}");
+        let seq = frame["seq"].as_u64().expect("seq");
+        write_text(ws, format!(r#"{{"op":"ack","seq":{seq}}}"#));
+        ws.flush().expect("flush");
+        if frame["delivery"] == 1 {
+            return sent_at(&frame["body"]);
+        }
+    };
+    take(&mut ws);
+    barrier.wait();
+    let latencies = (0..s.messages)
+        .map(|_| {
+            let sent = take(&mut ws);
+            clock() - sent
+        })
+        .collect();
+    (latencies, Instant::now())
+}
+
+// The baseline: the project's JetStream client straight against the nats-server.
+
+fn jetstream(url: &str) -> Context {
+    let client = NatsClient::connect(Options::new(url)).expect("connect to nats-server");
+    Context::new(client).with_timeout(WAIT)
+}
+
+fn baseline_publisher(url: &str, subject: &str, s: &Sizes, barrier: &Barrier) {
+    let mut js = jetstream(url);
+    let publish = |js: &mut Context, k: usize, t: u64| {
+        let options = PublishOptions {
+            msg_id: Some(format!("{subject}-{k}")),
+            ..PublishOptions::default()
+        };
+        js.publish_async(subject, None, body(t, s.body_bytes).as_bytes(), &options)
+            .expect("publish")
+    };
+    let first = publish(&mut js, 0, 0);
+    js.wait_pub_ack(first).expect("PubAck");
+    barrier.wait();
+    let mut in_flight = VecDeque::new();
+    for k in 1..=s.messages {
+        if in_flight.len() == s.window
+            && let Some(id) = in_flight.pop_front()
+        {
+            js.wait_pub_ack(id).expect("PubAck");
+        }
+        in_flight.push_back(publish(&mut js, k, clock()));
+    }
+    for id in in_flight {
+        js.wait_pub_ack(id).expect("PubAck");
+    }
+}
+
+/// A durable pull consumer read the way the broker reads an inbox: one pull of
+/// `INBOX_WINDOW` messages outstanding, renewed when used up or ended by a status.
+struct PullConsumer {
+    js: Context,
+    sid: Sid,
+    inbox: String,
+    pull: Request,
+    remaining: u64,
+}
+
+impl PullConsumer {
+    fn create(url: &str, stream: &str, name: &str, subject: &str) -> PullConsumer {
+        let mut js = jetstream(url);
+        let config = ConsumerConfig {
+            filter_subject: Some(subject.to_string()),
+            deliver_policy: Some(DeliverPolicy::All),
+            ack_policy: Some(AckPolicy::Explicit),
+            ack_wait: Some(Duration::from_secs(30)),
+            max_deliver: Some(-1),
+            max_ack_pending: Some(INBOX_WINDOW as i64),
+            ..ConsumerConfig::durable_pull(name)
+        };
+        js.create_consumer(stream, &config, ConsumerAction::Create)
+            .expect("create consumer");
+        let pull = PullRequest {
+            batch: INBOX_WINDOW,
+            expires: Some(Duration::from_secs(20)),
+            idle_heartbeat: Some(Duration::from_secs(5)),
+            ..PullRequest::default()
+        };
+        let pull = js.api().pull_next(stream, name, &pull).expect("pull");
+        let inbox = js.client().connection_mut().new_inbox();
+        let sid = js.client().subscribe(&inbox, None).expect("subscribe");
+        PullConsumer {
+            js,
+            sid,
+            inbox,
+            pull,
+            remaining: 0,
+        }
+    }
+
+    /// The send time of the next message, acknowledged at once.
+    fn take(&mut self) -> u64 {
+        loop {
+            if self.remaining == 0 {
+                let client = self.js.client();
+                client
+                    .publish(
+                        &self.pull.subject,
+                        Some(&self.inbox),
+                        None,
+                        &self.pull.payload,
+                    )
+                    .expect("pull");
+                self.remaining = INBOX_WINDOW;
+            }
+            let msg = self
+                .js
+                .client()
+                .next_message(self.sid, WAIT)
+                .expect("nats connection")
+                .expect("a delivery in time");
+            match classify(&Delivery::from(&msg)) {
+                Inbound::Message => {
+                    self.remaining -= 1;
+                    self.js.ack(&msg, &AckKind::Ack).expect("ack");
+                    let body: Value = serde_json::from_slice(&msg.payload).expect("JSON body");
+                    return sent_at(&body);
+                }
+                Inbound::IdleHeartbeat { .. } => {}
+                _ => self.remaining = 0,
+            }
+        }
+    }
+}
+
+fn baseline_consumer(
+    url: &str,
+    stream: &str,
+    name: &str,
+    subject: &str,
+    s: &Sizes,
+    barrier: &Barrier,
+) -> (Vec<u64>, Instant) {
+    let mut consumer = PullConsumer::create(url, stream, name, subject);
+    consumer.take();
+    barrier.wait();
+    let latencies = (0..s.messages)
+        .map(|_| {
+            let sent = consumer.take();
+            clock() - sent
+        })
+        .collect();
+    (latencies, Instant::now())
+}
+
+/// A failed client thread would leave the others waiting at a barrier forever: end the
+/// whole run instead, with the servers it started.
+fn exit_on_panic(children: [u32; 2]) {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        for pid in children {
+            // SAFETY: a signal to a child process this run started.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+        std::process::exit(101);
+    }));
+}
+
+fn as_refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn main() {
+    clock();
+    let full = std::env::args().any(|a| a == "--bench");
+    let s = if full { Sizes::full() } else { Sizes::smoke() };
+    raise_open_files_limit();
+
+    let names = |prefix: &str, n: usize| (0..n).map(|i| format!("{prefix}{i}")).collect();
+    let idle: Vec<String> = names("idle", s.idle_sessions);
+    let mut load: Vec<String> = Vec::new();
+    for round in 0..s.rounds {
+        load.extend(names(&format!("s{round}-"), s.pairs));
+        load.extend(names(&format!("r{round}-"), s.pairs));
+    }
+    let mut config = open_config(&as_refs(&load));
+    // Idle participants in their own namespace, so their inbox consumers live on a stream
+    // the load does not touch.
+    config["namespaces"]["idle"] = open_config(&as_refs(&idle))["namespaces"]["acme"].take();
+
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config);
+    let broker_pid = broker.pid().expect("broker pid");
+    let nats_pid = nats.pid().expect("nats-server pid");
+    exit_on_panic([broker_pid, nats_pid]);
+
+    println!(
+        "broker_load{}: {} pairs x {} messages, body {} B, {} sends in flight per sender, \
+         {} round(s); load average {} at start ({} CPUs)",
+        if full {
+            ""
+        } else {
+            " (smoke run; `cargo bench` runs the full one)"
+        },
+        s.pairs,
+        s.messages,
+        s.body_bytes,
+        s.window,
+        s.rounds,
+        load_average(),
+        thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+
+    // Memory first, before the load leaves freed heap behind for sessions to reuse.
+    let rss_idle = settled_rss_kib(broker_pid);
+    let sessions: Vec<Client> = idle
+        .iter()
+        .map(|n| Client::login(&broker, "idle", n, &format!("{n}-token")))
+        .collect();
+    let rss_sessions = settled_rss_kib(broker_pid);
+    drop(sessions);
+
+    let mut setup = jetstream(&nats.url());
+    let stream = StreamConfig {
+        retention: Some(RetentionPolicy::Limits),
+        storage: Some(StorageType::File),
+        num_replicas: Some(1),
+        discard: Some(DiscardPolicy::Old),
+        duplicate_window: Some(Duration::from_secs(120)),
+        ..StreamConfig::new("BENCH", &["bench.>"])
+    };
+    setup.create_stream(&stream).expect("baseline stream");
+
+    let (broker_pid, nats_pid) = (broker_pid.to_string(), nats_pid.to_string());
+    let pids = ["self", broker_pid.as_str(), nats_pid.as_str()];
+    let url = nats.url();
+    let mut runs: Vec<(usize, Run)> = Vec::new();
+    for round in 0..s.rounds {
+        let baseline = || {
+            timed_run(
+                "jetstream",
+                &s,
+                pids,
+                |i, b| baseline_publisher(&url, &format!("bench.{round}.{i}"), &s, b),
+                |i, b| {
+                    let subject = format!("bench.{round}.{i}");
+                    baseline_consumer(&url, "BENCH", &format!("c{round}-{i}"), &subject, &s, b)
+                },
+            )
+        };
+        let through_broker = || {
+            timed_run(
+                "broker",
+                &s,
+                pids,
+                |i, b| {
+                    broker_sender(
+                        &broker,
+                        &format!("s{round}-{i}"),
+                        &format!("r{round}-{i}"),
+                        &s,
+                        b,
+                    )
+                },
+                |i, b| broker_receiver(&broker, &format!("r{round}-{i}"), &s, b),
+            )
+        };
+        // Alternate the order so that neither path always runs on a warmer server.
+        if round % 2 == 0 {
+            runs.push((round, baseline()));
+            runs.push((round, through_broker()));
+        } else {
+            runs.push((round, through_broker()));
+            runs.push((round, baseline()));
+        }
+    }
+
+    println!();
+    println!(
+        "{:<6} {:<10} {:>10} {:>9} {:>9} {:>9}   {:>22}",
+        "round", "path", "msgs/s", "p50 ms", "p99 ms", "p99.9 ms", "CPU us/msg bench/broker/nats"
+    );
+    for (round, r) in &runs {
+        let per_msg = r.cpu.map(|c| c * 1e6 / r.messages as f64);
+        println!(
+            "{:<6} {:<10} {:>10.0} {:>9.2} {:>9.2} {:>9.2}   {:>8.0} {:>6.0} {:>6.0}",
+            round + 1,
+            r.path,
+            r.rate(),
+            r.percentile_ms(0.50),
+            r.percentile_ms(0.99),
+            r.percentile_ms(0.999),
+            per_msg[0],
+            per_msg[1],
+            per_msg[2],
+        );
+    }
+    let best = |path: &str| {
+        runs.iter()
+            .filter(|(_, r)| r.path == path)
+            .map(|(_, r)| r.rate())
+            .fold(0.0, f64::max)
+    };
+    let ratio = best("broker") / best("jetstream");
+    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    println!();
+    println!(
+        "throughput broker/jetstream (best of each): {:.0}%   target >= 50%: {}",
+        ratio * 100.0,
+        verdict(ratio >= 0.5)
+    );
+    let per_session = rss_sessions.saturating_sub(rss_idle) as f64 / s.idle_sessions as f64;
+    println!(
+        "broker RSS idle: {:.1} MiB   target < 16 MiB: {}",
+        rss_idle as f64 / 1024.0,
+        verdict(rss_idle < 16 * 1024)
+    );
+    println!(
+        "broker RSS with {} idle sessions: {:.1} MiB = {:.1} KiB per session   target < 32 KiB: {}",
+        s.idle_sessions,
+        rss_sessions as f64 / 1024.0,
+        per_session,
+        verdict(per_session < 32.0)
+    );
+    println!("load average {} at end", load_average());
+}
