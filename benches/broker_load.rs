@@ -472,7 +472,8 @@ fn main() {
 
     println!(
         "broker_load{}: {} pairs x {} messages, body {} B, {} sends in flight per sender, \
-         {} round(s); load average {} at start ({} CPUs)",
+         {} round(s); load average {} at start ({} CPUs); amp-broker pid {broker_pid}, \
+         nats-server pid {nats_pid}",
         if full {
             ""
         } else {
