@@ -118,7 +118,8 @@ fn nak_with_delay_is_redelivered_after_the_delay() {
 #[test]
 fn in_progress_extends_the_ack_wait_and_term_stops_redelivery() {
     let server = common::NatsServer::start();
-    let ack_wait = Duration::from_millis(800);
+    // Long enough that a loaded machine still sends each +WPI well within it.
+    let ack_wait = Duration::from_millis(1500);
     let mut js = setup(&server, ack_wait, 2);
     let msgs = fetch(&mut js, 2, Duration::from_secs(1));
     assert_eq!(msgs.len(), 2);
@@ -130,14 +131,14 @@ fn in_progress_extends_the_ack_wait_and_term_stops_redelivery() {
     )
     .expect("term");
     // Keep msgs[0] in progress for well over two ack waits.
-    let until = Instant::now() + ack_wait * 3;
+    let until = Instant::now() + ack_wait * 2 + ack_wait / 2;
     while Instant::now() < until {
         js.ack_sync(&msgs[0], &AckKind::InProgress).expect("wpi");
         assert!(
             fetch_now(&mut js).is_empty(),
             "redelivered although in progress"
         );
-        std::thread::sleep(ack_wait / 4);
+        std::thread::sleep(ack_wait / 6);
     }
     // Without +WPI it comes back after the ack wait; the terminated one never does.
     let back = fetch(&mut js, 1, ack_wait * 3);
