@@ -582,6 +582,9 @@ pub struct KvWatcher {
     consumer: String,
     state: WatchState,
     last_revision: u64,
+    /// An updates-only watch resumes after this stream sequence (the stream's last when
+    /// its first consumer was made) until it has reported an entry.
+    start_floor: u64,
     last_consumer_seq: u64,
     last_activity: Instant,
     initial_done: bool,
@@ -624,6 +627,7 @@ impl KvWatcher {
             consumer: String::new(),
             state: WatchState::Creating,
             last_revision: 0,
+            start_floor: 0,
             last_consumer_seq: 0,
             last_activity: now,
             initial_done,
@@ -673,10 +677,11 @@ impl KvWatcher {
                 .map(|k| format!("$KV.{}.{k}", self.kv.bucket))
                 .collect()
         };
-        let (deliver_policy, opt_start_seq) = if self.last_revision > 0 {
+        let resume_after = self.last_revision.max(self.start_floor);
+        let (deliver_policy, opt_start_seq) = if resume_after > 0 {
             (
                 DeliverPolicy::ByStartSequence,
-                Some(self.last_revision.saturating_add(1)),
+                Some(resume_after.saturating_add(1)),
             )
         } else if self.options.updates_only {
             (DeliverPolicy::New, None)
@@ -861,6 +866,10 @@ impl KvWatcher {
             Ok(info) => {
                 self.state = WatchState::Active;
                 self.last_activity = now;
+                if self.options.updates_only && self.start_floor == 0 {
+                    // A reset must not skip writes made between this consumer and the next.
+                    self.start_floor = info.delivered.stream_seq;
+                }
                 if !self.initial_done && info.num_pending == 0 && self.last_consumer_seq == 0 {
                     self.initial_done = true;
                     self.events.push_back(WatchEvent::InitialValuesDone);

@@ -483,3 +483,29 @@ fn extreme_sequences_from_the_server_do_not_overflow() {
     .expect("page");
     assert_eq!(page.next_offset(), None);
 }
+
+#[test]
+fn updates_only_watch_reset_before_any_entry_resumes_after_the_stream_end_it_started_at() {
+    let options = WatchOptions {
+        updates_only: true,
+        idle_heartbeat: Duration::from_secs(1),
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = create_of(&mut w);
+    let reply = serde_json::to_vec(&serde_json::json!({
+        "stream_name": "KV_cfg", "name": "W_1", "config": {}, "num_pending": 0,
+        "delivered": {"consumer_seq": 0, "stream_seq": 41}
+    }))
+    .expect("json");
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&reply),
+        t0,
+    );
+    w.handle_timeout(t0 + Duration::from_secs(3));
+    let (generation, body) = create_of(&mut w);
+    assert_eq!(generation, 2);
+    assert_eq!(body["config"]["deliver_policy"], "by_start_sequence");
+    assert_eq!(body["config"]["opt_start_seq"], 42);
+}
