@@ -261,8 +261,20 @@ impl Context {
         payload: &[u8],
         options: &PublishOptions,
     ) -> Result<RequestId, JsError> {
-        let req = publish_request(subject, headers, payload, options)?;
-        self.start(&req)
+        if !options.is_empty() {
+            let req = publish_request(subject, headers, payload, options)?;
+            return self.start(&req);
+        }
+        // No expectation headers to add: send the caller's bytes as they are.
+        self.client
+            .connection_mut()
+            .request(subject, headers, payload, self.timeout, Instant::now())
+            .map_err(|e| match e {
+                crate::nats::Error::InvalidSubject(s) => {
+                    JsError::Invalid(format!("invalid publish subject {s:?}"))
+                }
+                other => JsError::Transport(other.to_string()),
+            })
     }
 
     fn start(&mut self, req: &Request) -> Result<RequestId, JsError> {

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::api::{Request, parse_response};
-use super::error::JsError;
+use super::api::Request;
+use super::error::{ApiError, JsError};
 use crate::proto::headers::HeaderMap;
 
 pub const MSG_ID: &str = "Nats-Msg-Id";
@@ -83,7 +83,8 @@ impl PublishOptions {
         Ok(())
     }
 
-    fn is_empty(&self) -> bool {
+    /// True when no option is set (no header to add).
+    pub fn is_empty(&self) -> bool {
         *self == PublishOptions::default()
     }
 }
@@ -135,7 +136,33 @@ pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsEr
         Some(408) => return Err(JsError::Timeout),
         _ => {}
     }
-    parse_response(payload)
+    // One pass over the reply (this is the hot path of publishing): the ack or its error.
+    let reply: PubAckReply =
+        serde_json::from_slice(payload).map_err(|e| JsError::Malformed(e.to_string()))?;
+    match (reply.error, reply.stream, reply.seq) {
+        (Some(e), _, _) => Err(JsError::from_api(e)),
+        (None, Some(stream), Some(seq)) => Ok(PubAck {
+            stream,
+            seq,
+            duplicate: reply.duplicate,
+            domain: reply.domain,
+        }),
+        _ => Err(JsError::Malformed("PubAck without stream and seq".into())),
+    }
+}
+
+#[derive(Deserialize)]
+struct PubAckReply {
+    #[serde(default)]
+    error: Option<ApiError>,
+    #[serde(default)]
+    stream: Option<String>,
+    #[serde(default)]
+    seq: Option<u64>,
+    #[serde(default)]
+    duplicate: bool,
+    #[serde(default)]
+    domain: Option<String>,
 }
 
 #[cfg(test)]
@@ -187,5 +214,13 @@ mod tests {
         );
         assert!(matches!(wrong, Err(JsError::WrongLastSequence(_))));
         assert_eq!(parse_pub_ack(Some(503), b""), Err(JsError::NoResponders));
+        assert!(matches!(
+            parse_pub_ack(None, br#"{"stream":"S"}"#),
+            Err(JsError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_pub_ack(None, b"{"),
+            Err(JsError::Malformed(_))
+        ));
     }
 }
