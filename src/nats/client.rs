@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 const TOKEN: Token = Token(0);
 /// Unwritten output beyond which `publish` writes at once instead of waiting for the
 /// next pump (batching small publishes into few writes).
-const WRITE_THRESHOLD: usize = 32 * 1024;
+const WRITE_THRESHOLD: usize = 64 * 1024;
 /// Unwritten output beyond which `publish` blocks until the socket takes some: a blocking
 /// client's back-pressure, well below `max_write_buffer`.
-const BLOCK_THRESHOLD: usize = 4 * 1024 * 1024;
+const BLOCK_THRESHOLD: usize = 1024 * 1024;
 
 pub struct Client {
     poll: Poll,
