@@ -15,7 +15,7 @@ use amp_broker::jetstream::{Context, JsError};
 use amp_broker::nats::{Client, HeaderMap, Options};
 use base64::Engine;
 
-const DEADLINE: Duration = Duration::from_secs(30);
+const DEADLINE: Duration = Duration::from_secs(60);
 
 fn require_nats_py() {
     let ok = Command::new("python3")
