@@ -15,6 +15,7 @@ serve flags:
                          loopback addresses only
   --nats URL[,URL...]    use these NATS servers (repeatable) instead of starting nats-server
   --nats-creds FILE      .creds file for the broker's own NATS connection
+  --nats-nkey FILE       NKey seed file (SU...) for the broker's own NATS connection
   --data-dir DIR         where the embedded nats-server keeps its store (default ./amp-data)
   --no-sync              embedded nats-server: flush JetStream writes every 2 minutes instead of
                          before each acknowledgement (faster; an OS crash can lose acknowledged
@@ -22,11 +23,13 @@ serve flags:
   --nats-server PATH     the nats-server binary to run (default: the one on PATH)
   --broker-id ID         this broker's id in challenges and registry entries (default: random)
   --replicas N           JetStream replicas for the streams the broker creates (default 1)
+  --issuer-seed-file F   an NATS account seed (SA...): hello returns a scoped user JWT signed by
+                         it, and the broker answers the NATS auth callout ($SYS.REQ.USER.AUTH)
 ";
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     Keygen,
     Help,
     Version,
@@ -38,11 +41,13 @@ pub struct ServeArgs {
     pub config: Option<PathBuf>,
     pub nats: Vec<String>,
     pub nats_creds: Option<PathBuf>,
+    pub nats_nkey: Option<PathBuf>,
     pub data_dir: PathBuf,
     pub sync: bool,
     pub nats_server: Option<PathBuf>,
     pub broker_id: Option<String>,
     pub replicas: u32,
+    pub issuer_seed_file: Option<PathBuf>,
 }
 
 impl Default for ServeArgs {
@@ -52,11 +57,13 @@ impl Default for ServeArgs {
             config: None,
             nats: Vec::new(),
             nats_creds: None,
+            nats_nkey: None,
             data_dir: PathBuf::from("amp-data"),
             sync: true,
             nats_server: None,
             broker_id: None,
             replicas: 1,
+            issuer_seed_file: None,
         }
     }
 }
@@ -93,6 +100,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
                     "--nats-creds" => {
                         serve.nats_creds = Some(PathBuf::from(value("--nats-creds")?))
                     }
+                    "--nats-nkey" => serve.nats_nkey = Some(PathBuf::from(value("--nats-nkey")?)),
                     "--data-dir" => serve.data_dir = PathBuf::from(value("--data-dir")?),
                     "--no-sync" => serve.sync = false,
                     "--nats-server" => {
@@ -114,6 +122,9 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
                             _ => return Err(format!("--replicas: `{v}` must be 1 to 5")),
                         };
                     }
+                    "--issuer-seed-file" => {
+                        serve.issuer_seed_file = Some(PathBuf::from(value("--issuer-seed-file")?))
+                    }
                     other => return Err(format!("serve: unknown flag `{other}`")),
                 }
             }
@@ -122,7 +133,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
                     "development mode (no --config) listens on loopback addresses only".to_string(),
                 );
             }
-            Command::Serve(serve)
+            Command::Serve(Box::new(serve))
         }
         Some(other) => return Err(format!("unknown command `{other}`")),
     };
@@ -142,7 +153,7 @@ mod tests {
 
     #[test]
     fn serve_defaults_to_a_self_contained_durable_development_broker() {
-        assert_eq!(parse_str("serve"), Ok(Command::Serve(ServeArgs::default())));
+        assert_eq!(parse_str("serve"), Ok(Command::Serve(Box::default())));
         assert!(ServeArgs::default().sync);
         assert!(ServeArgs::default().listen.ip().is_loopback());
     }
@@ -151,7 +162,7 @@ mod tests {
     fn serve_reads_every_flag() {
         let cmd = parse_str(
             "serve --listen 0.0.0.0:9000 --config c.json --nats nats://a:4222,nats://b:4222 --nats nats://c:4222 \
-             --nats-creds x.creds --data-dir /d --no-sync --nats-server /bin/ns --broker-id b1 --replicas 3",
+             --nats-creds x.creds --data-dir /d --no-sync --nats-server /bin/ns --broker-id b1 --replicas 3 --issuer-seed-file acct.seed",
         );
         let Ok(Command::Serve(s)) = cmd else {
             panic!("{cmd:?}")
@@ -165,6 +176,7 @@ mod tests {
         assert_eq!(s.nats_server, Some(PathBuf::from("/bin/ns")));
         assert_eq!(s.broker_id.as_deref(), Some("b1"));
         assert_eq!(s.replicas, 3);
+        assert_eq!(s.issuer_seed_file, Some(PathBuf::from("acct.seed")));
     }
 
     #[test]

@@ -7,6 +7,7 @@ use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedSe
 use amp_broker::broker::{Broker, envelope, setup};
 use amp_broker::cli::{self, Command, ServeArgs};
 use amp_broker::nats;
+use amp_broker::nkeys::{KeyKind, KeyPair};
 use amp_broker::runtime::{self, RuntimeOptions};
 use amp_broker::ws::connection::WsConfig;
 
@@ -21,7 +22,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Ok(Command::Keygen) => keygen(),
-        Ok(Command::Serve(args)) => match serve(args) {
+        Ok(Command::Serve(args)) => match serve(*args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("amp-broker: {e}");
@@ -99,6 +100,13 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let mut options = nats::Options::parse_servers(&urls)
         .map_err(|e| format!("--nats: {e}"))?
         .with_name(&format!("amp-broker {broker_id}"));
+    if let Some(path) = &args.nats_nkey {
+        let seed = std::fs::read_to_string(path)
+            .map_err(|e| format!("--nats-nkey {}: {e}", path.display()))?;
+        options = options
+            .with_nkey_seed(seed.trim())
+            .map_err(|e| format!("--nats-nkey {}: {e}", path.display()))?;
+    }
     if let Some(creds) = &args.nats_creds {
         options = options
             .with_credentials_file(creds)
@@ -123,7 +131,24 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         max_connections: config.limits.max_sessions,
         ..WsConfig::default()
     };
-    let broker = Broker::new(config, broker_id)?;
+    let mut broker = Broker::new(config, broker_id)?;
+    if let Some(path) = &args.issuer_seed_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
+        let issuer = KeyPair::from_seed(&text)
+            .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
+        if issuer.kind() != KeyKind::Account {
+            return Err(format!(
+                "--issuer-seed-file {}: not an account seed (SA...)",
+                path.display()
+            ));
+        }
+        eprintln!(
+            "amp-broker: issuing user JWTs and answering the auth callout as account {}",
+            issuer.public_key()
+        );
+        broker = broker.with_issuer(issuer);
+    }
     runtime::run(
         broker,
         RuntimeOptions {

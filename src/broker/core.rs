@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use super::auth::{self, Credential};
 use super::binding;
+use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::config::Config;
 use super::envelope::{self, Envelope, Kind};
 use super::jobs::{Caller, Jobs, JobsOutput};
@@ -23,6 +24,7 @@ use super::permissions::{self, Action};
 use super::pull_loop::{PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::{Change, Registry};
+use super::scoped_jwt;
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
 use crate::amp::reply::{self, FrameWriter};
@@ -33,6 +35,7 @@ use crate::jetstream::kv::{WatchAction, WatchRequestKind};
 use crate::jetstream::publish::parse_pub_ack;
 use crate::jetstream::{Delivery, JsError};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
+use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
 use crate::ws::metrics::AmpMetrics;
@@ -65,6 +68,8 @@ pub mod close {
 
 /// How long a JetStream request may take before the client hears `unavailable`.
 const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// Lifetime of the scoped user JWT `hello` returns.
+const HELLO_JWT_TTL_S: u64 = 3600;
 
 enum SessionState {
     AwaitingHello { nonce: [u8; 32] },
@@ -129,9 +134,18 @@ enum Pending {
 }
 
 enum Route {
-    Inbox { participant: String },
-    Registry { ns: String },
-    Sub { session: SessionId, sub: String },
+    Inbox {
+        participant: String,
+    },
+    /// `$SYS.REQ.USER.AUTH`: the server asks who a connecting client is.
+    Callout,
+    Registry {
+        ns: String,
+    },
+    Sub {
+        session: SessionId,
+        sub: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -161,6 +175,10 @@ pub struct Broker {
     next_sub: u64,
     /// Offers, claims, leases and the task store.
     jobs: Jobs,
+    /// With an issuer account: `hello` returns a scoped user JWT, and the broker answers
+    /// the NATS auth callout.
+    callout: Option<Callout>,
+    issuer: Option<KeyPair>,
 }
 
 impl Broker {
@@ -184,11 +202,27 @@ impl Broker {
             registries: HashMap::new(),
             next_sub: 0,
             jobs,
+            callout: None,
+            issuer: None,
         })
+    }
+
+    /// Issues scoped user JWTs signed by `issuer` (an account key) in `hello`, and serves
+    /// the NATS auth callout with the same participants.
+    pub fn with_issuer(mut self, issuer: KeyPair) -> Broker {
+        self.callout = Some(Callout::new(CalloutConfig::new(issuer.clone())));
+        self.issuer = Some(issuer);
+        self
     }
 
     /// Starts what runs for the broker's whole life: one registry watch per namespace.
     pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
+        if self.callout.is_some() {
+            let sid = conn
+                .subscribe(AUTH_CALLOUT_SUBJECT, None)
+                .map_err(|e| format!("auth callout subscription: {e}"))?;
+            self.routes.insert(sid, Route::Callout);
+        }
         let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
         for ns in namespaces {
             let prefix = conn.new_inbox();
@@ -412,13 +446,18 @@ impl Broker {
             });
         presence.sessions.push(session);
         let limits = &self.config.limits;
-        let reply = FrameWriter::ok(id.as_deref())
+        let mut reply = FrameWriter::ok(id.as_deref())
             .str("session", &format!("{}-{session}", self.broker_id))
             .str("participant", &key)
             .value("heartbeat_s", &limits.heartbeat_s)
-            .value("max_frame", &limits.max_frame)
-            .finish();
-        self.frame(session, reply);
+            .value("max_frame", &limits.max_frame);
+        if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
+            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, unix_seconds(), HELLO_JWT_TTL_S) {
+                Ok(jwt) => reply = reply.str("jwt", &jwt),
+                Err(e) => log(&format!("no JWT for participant={key}: {e}")),
+            }
+        }
+        self.frame(session, reply.finish());
         log(&format!("hello session={session} participant={key}"));
         if !hello.serve.is_empty()
             && let (Some(participant), Some(p)) =
@@ -1025,6 +1064,7 @@ impl Broker {
                     let (session, sub) = (*session, sub.clone());
                     self.topic_delivery(conn, session, &sub, msg, now);
                 }
+                Some(Route::Callout) => self.answer_callout(conn, &msg, now),
                 Some(Route::Registry { ns }) => {
                     let ns = ns.clone();
                     if let Some((registry, _)) = self.registries.get_mut(&ns) {
@@ -1228,6 +1268,35 @@ impl Broker {
 
     // ---- output helpers ------------------------------------------------------------
 
+    fn answer_callout(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
+        let (Some(callout), Some(reply_to)) = (self.callout.as_mut(), msg.reply.as_deref()) else {
+            return;
+        };
+        let reply = callout.handle(
+            &self.config,
+            msg.headers.as_ref(),
+            &msg.payload,
+            now,
+            unix_seconds(),
+        );
+        match &reply.outcome {
+            Outcome::Authorized { participant } => log(&format!(
+                "auth callout authorized participant={participant}"
+            )),
+            Outcome::Refused {
+                participant,
+                reason,
+            } => log(&format!(
+                "auth callout refused participant={} reason={reason}",
+                participant.as_deref().unwrap_or("?")
+            )),
+            Outcome::BadRequest { reason } => {
+                log(&format!("auth callout ignored a bad request: {reason}"))
+            }
+        }
+        let _ = conn.publish(reply_to, None, None, &reply.payload);
+    }
+
     fn count_in(&mut self, decoded: &Result<ClientFrame, Rejected>) {
         let op = match decoded {
             Ok(frame) => frame.op().as_str(),
@@ -1320,6 +1389,12 @@ fn delivery(msg: &Message) -> Delivery<'_> {
         headers: msg.headers.as_ref(),
         payload: &msg.payload,
     }
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn participant_key(ns: &str, name: &str) -> String {
