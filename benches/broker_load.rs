@@ -110,12 +110,16 @@ fn cpu_seconds(pid: &str) -> f64 {
 
 /// VmRSS of a process in KiB.
 fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status_kib(pid, "VmRSS:").expect("VmRSS of the broker")
+}
+
+/// A `kB` field of /proc/<pid>/status.
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS of the broker")
 }
 
 /// The RSS once it has stopped moving for a second (at most 15 s of waiting).
@@ -490,6 +494,8 @@ fn main() {
 
     // Memory first, before the load leaves freed heap behind for sessions to reuse.
     let rss_idle = settled_rss_kib(broker_pid);
+    // Heap and stacks versus pages of the mapped executable (shared, reclaimable).
+    let split_idle = ["RssAnon:", "RssFile:"].map(|f| status_kib(broker_pid, f).unwrap_or(0));
     let sessions: Vec<Client> = idle
         .iter()
         .map(|n| Client::login(&broker, "idle", n, &format!("{n}-token")))
@@ -580,7 +586,21 @@ fn main() {
     };
     let ratio = best("broker") / best("jetstream");
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    let per_round: Vec<String> = (0..s.rounds)
+        .map(|round| {
+            let rate = |path: &str| {
+                runs.iter()
+                    .find(|(r, run)| *r == round && run.path == path)
+                    .map_or(0.0, |(_, run)| run.rate())
+            };
+            format!("{:.0}%", 100.0 * rate("broker") / rate("jetstream"))
+        })
+        .collect();
     println!();
+    println!(
+        "throughput broker/jetstream per round: {}",
+        per_round.join(" ")
+    );
     println!(
         "throughput broker/jetstream (best of each): {:.0}%   target >= 50%: {}",
         ratio * 100.0,
@@ -588,8 +608,10 @@ fn main() {
     );
     let per_session = rss_sessions.saturating_sub(rss_idle) as f64 / s.idle_sessions as f64;
     println!(
-        "broker RSS idle: {:.1} MiB   target < 16 MiB: {}",
+        "broker RSS idle: {:.1} MiB (anonymous {:.1}, file-backed {:.1})   target < 16 MiB: {}",
         rss_idle as f64 / 1024.0,
+        split_idle[0] as f64 / 1024.0,
+        split_idle[1] as f64 / 1024.0,
         verdict(rss_idle < 16 * 1024)
     );
     println!(
