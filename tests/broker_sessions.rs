@@ -336,3 +336,38 @@ fn a_dead_brokers_participants_go_down_through_the_registry_ttl() {
         "{down}"
     );
 }
+
+#[test]
+fn the_publish_path_is_rate_limited_with_an_honest_retry_after() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"msgs_per_s": 1, "burst": 2});
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    assert_eq!(
+        a.request(json!({"op":"send","to":"b","body":1}))["op"],
+        "ok"
+    );
+    assert_eq!(
+        a.request(json!({"op":"publish","topic":"t","body":1}))["op"],
+        "ok"
+    );
+    for frame in [
+        json!({"op":"send","to":"b","body":1}),
+        json!({"op":"publish","topic":"t","body":1}),
+        json!({"op":"submit","job":"render","body":1}),
+    ] {
+        let e = a.request(frame.clone());
+        assert_eq!(e["code"], "rate_limited", "{frame}: {e}");
+        let wait = e["retry_after_ms"].as_u64().expect("retry_after_ms");
+        assert!(wait > 0 && wait <= 1000, "{e}");
+    }
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    assert_eq!(
+        b.request(json!({"op":"send","to":"a","body":1}))["op"],
+        "ok",
+        "others are not limited"
+    );
+}

@@ -535,6 +535,12 @@ impl Broker {
                 self.fail(session, &hello.id, e);
             }
             frame if Jobs::handles(&frame) => {
+                if let ClientFrame::Submit(submit) = &frame {
+                    let bytes = serde_json::to_string(&submit.body).map_or(0, |b| b.len());
+                    if let Err(e) = self.take_rate(ns, name, bytes, now) {
+                        return self.fail(session, &submit.id, e);
+                    }
+                }
                 let key = participant_key(ns, name);
                 if let (Some(participant), Some(p)) =
                     (self.config.participant(ns, name), self.presence.get(&key))
