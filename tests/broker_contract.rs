@@ -169,3 +169,43 @@ fn an_incompatible_existing_stream_stops_start_up_naming_the_field() {
         "{err}"
     );
 }
+
+#[test]
+fn sigterm_drains_sessions_with_going_away_and_exits_zero() {
+    let nats = NatsServer::start();
+    let mut broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    a.request(json!({"op":"send","to":"b","body":1}));
+    let m = b.next_op("message", WAIT).expect("delivery");
+    b.send(&json!({"op":"ack","seq":m["seq"]}));
+    // Once the ping is answered the broker has taken the ack; the drain must deliver it.
+    assert_eq!(b.request(json!({"op":"ping"}))["op"], "ok");
+    let status = broker.terminate().expect("exit status");
+    assert!(status.success(), "{status}");
+    assert_eq!(a.closed_with(WAIT), Some(1001));
+    assert_eq!(b.closed_with(WAIT), Some(1001));
+    let mut js = js(&nats);
+    let consumer = js
+        .consumer_info("AMP_INBOX_acme", "inbox_b")
+        .expect("consumer");
+    assert_eq!(
+        consumer.num_ack_pending, 0,
+        "the ack taken just before the signal reached JetStream"
+    );
+}
+
+#[test]
+fn a_missing_or_invalid_configuration_stops_start_up_with_the_reason() {
+    let nats = NatsServer::start();
+    let err = Broker::start_expecting_failure(
+        &nats.url(),
+        &json!({"namespaces":{"acme":{"participants":{"a":{}}}}}),
+    );
+    assert!(
+        err.contains("namespaces.acme.participants.a") && err.contains("credential"),
+        "{err}"
+    );
+    let err = Broker::start_expecting_failure(&nats.url(), &json!({"limits":{"max_frames":1}}));
+    assert!(err.contains("unknown field `max_frames`"), "{err}");
+}
