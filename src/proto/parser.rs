@@ -328,6 +328,57 @@ impl Parser {
         }
     }
 
+    /// Control line and fields in one pass, for the common case only: the LF is in `buf`
+    /// within the limit, no stray CR, at most `N` fields. `None` sends the caller to the
+    /// general path (`control_line` + `split_fields`), which gives the same answer for
+    /// everything this accepts and handles the rest.
+    #[inline(always)]
+    fn fast_fields<'a, const N: usize>(
+        &self,
+        buf: &'a [u8],
+        from: usize,
+        out: &mut [&'a [u8]; N],
+    ) -> Option<(usize, usize)> {
+        // Blanks plus arguments shorter than the limit: both limits hold.
+        let limit = buf.len().min(from.saturating_add(self.max_control_line));
+        let line = buf.get(from..limit)?;
+        let mut n = 0;
+        let mut token: Option<usize> = None;
+        for (i, &b) in line.iter().enumerate() {
+            if b > b' ' {
+                if token.is_none() {
+                    token = Some(i);
+                }
+                continue;
+            }
+            let end = match b {
+                b' ' | b'\t' => false,
+                b'\n' => true,
+                b'\r' => {
+                    if line.get(i + 1) != Some(&b'\n') {
+                        return None;
+                    }
+                    true
+                }
+                _ => {
+                    if token.is_none() {
+                        token = Some(i);
+                    }
+                    continue;
+                }
+            };
+            if let Some(t) = token.take() {
+                *out.get_mut(n)? = &line[t..i];
+                n += 1;
+            }
+            if end {
+                let used = from + i + if b == b'\r' { 2 } else { 1 };
+                return Some((n, used));
+            }
+        }
+        None
+    }
+
     /// Checks the payload that follows a control line ending at `start`.
     #[inline]
     fn payload<'a>(
@@ -350,11 +401,16 @@ impl Parser {
     }
 
     fn msg<'a>(&self, buf: &'a [u8], after: usize, with_headers: bool) -> Res<'a> {
-        let Some((s, e, used)) = self.control_line(buf, after)? else {
-            return Ok(PARTIAL);
-        };
         let mut f: [&[u8]; 5] = [&[]; 5];
-        let n = split_fields(&buf[s..e], &mut f)?;
+        let (n, used) = match self.fast_fields(buf, after, &mut f) {
+            Some(fast) => fast,
+            None => {
+                let Some((s, e, used)) = self.control_line(buf, after)? else {
+                    return Ok(PARTIAL);
+                };
+                (split_fields(&buf[s..e], &mut f)?, used)
+            }
+        };
         let (subject, sid, reply, hdr, size) = match (with_headers, n) {
             (false, 3) => (f[0], f[1], None, None, f[2]),
             (false, 4) => (f[0], f[1], Some(f[2]), None, f[3]),
@@ -393,11 +449,16 @@ impl Parser {
     }
 
     fn publish<'a>(&self, buf: &'a [u8], after: usize, with_headers: bool) -> Res<'a> {
-        let Some((s, e, used)) = self.control_line(buf, after)? else {
-            return Ok(PARTIAL);
-        };
         let mut f: [&[u8]; 4] = [&[]; 4];
-        let n = split_fields(&buf[s..e], &mut f)?;
+        let (n, used) = match self.fast_fields(buf, after, &mut f) {
+            Some(fast) => fast,
+            None => {
+                let Some((s, e, used)) = self.control_line(buf, after)? else {
+                    return Ok(PARTIAL);
+                };
+                (split_fields(&buf[s..e], &mut f)?, used)
+            }
+        };
         let (subject, reply, hdr, size) = match (with_headers, n) {
             (false, 2) => (f[0], None, None, f[1]),
             (false, 3) => (f[0], Some(f[1]), None, f[2]),

@@ -678,3 +678,43 @@ fn huge_limits_do_not_overflow() {
     );
     assert_eq!(partial(&p, b"PUB a 999999999\r\n"), Some(1_000_000_018));
 }
+
+#[test]
+fn fast_path_agrees_with_the_general_path() {
+    // The one-pass field scanner must accept only what the general path accepts, with the
+    // same fields and length; everything else falls through to the general path.
+    let mut p = server();
+    p.max_control_line = 12;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let alphabet = b"ab1 \t\r\n\0\xff";
+    let mut agreed = 0;
+    for _ in 0..200_000 {
+        let len = 1 + (next() % 20) as usize;
+        let mut line = vec![b' '];
+        line.extend((0..len).map(|_| alphabet[(next() % alphabet.len() as u64) as usize]));
+        let mut fast: [&[u8]; 4] = [&[]; 4];
+        let Some((n, used)) = p.fast_fields(&line, 0, &mut fast) else {
+            continue;
+        };
+        let (s, e, used_slow) = p
+            .control_line(&line, 0)
+            .expect("general path accepts")
+            .expect("general path complete");
+        let mut slow: [&[u8]; 4] = [&[]; 4];
+        let n_slow = split_fields(&line[s..e], &mut slow).expect("general path splits");
+        assert_eq!(
+            (n, used, fast),
+            (n_slow, used_slow, slow),
+            "{:?}",
+            String::from_utf8_lossy(&line)
+        );
+        agreed += 1;
+    }
+    assert!(agreed > 1000, "the fast path was exercised ({agreed})");
+}
