@@ -607,7 +607,7 @@ impl Broker {
         }
         let id = match &send.idem {
             Some(key) => envelope::idempotent_id(Kind::Message, &from, to, key),
-            None => envelope::random_id(),
+            None => envelope::unique_id(),
         };
         let env = Envelope {
             id,

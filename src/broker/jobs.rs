@@ -631,7 +631,7 @@ impl Jobs {
             .with_path("/job");
             return self.refuse(session, &submit.id, e);
         }
-        let task = submit.task.clone().unwrap_or_else(envelope::random_id);
+        let task = submit.task.clone().unwrap_or_else(envelope::unique_id);
         let from = format!("{}/{}", caller.ns, caller.name);
         let max_attempts = submit
             .max_attempts

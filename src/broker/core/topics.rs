@@ -81,7 +81,7 @@ impl Broker {
         let from = participant_key(ns, name);
         let id = match &p.idem {
             Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
-            None => envelope::random_id(),
+            None => envelope::unique_id(),
         };
         let env = Envelope {
             id,
