@@ -6,6 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use amp_broker::nats::{Client as NatsClient, Options};
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
 use serde_json::{Value, json};
@@ -215,8 +216,8 @@ fn cancelling_a_leased_task_revokes_it_and_the_submitter_hears_cancelled() {
 }
 
 #[test]
-fn two_brokers_and_four_workers_complete_every_task_exactly_once_with_even_load() {
-    const TASKS: usize = 2000;
+fn two_brokers_and_four_workers_complete_ten_thousand_tasks_exactly_once_with_even_load() {
+    const TASKS: usize = 10_000;
     let nats = NatsServer::start();
     let names = ["app", "w1", "w2", "w3", "w4"];
     let cfg = config(&names, 30, 5000);
@@ -224,11 +225,12 @@ fn two_brokers_and_four_workers_complete_every_task_exactly_once_with_even_load(
     let b = Broker::start(&nats.url(), &cfg);
     let mut app = login(&a, "app");
     // Submit everything first (pipelined), so the work is spread by the brokers alone.
-    for i in 0..TASKS {
-        app.send(&json!({"op":"submit","id":format!("s{i}"),"job":"render","task":format!("t{i}"),"body":i}));
-    }
-    let mut acked = 0;
+    let (mut sent, mut acked) = (0, 0);
     while acked < TASKS {
+        while sent < TASKS && sent - acked < 256 {
+            app.send(&json!({"op":"submit","id":format!("s{sent}"),"job":"render","task":format!("t{sent}"),"body":sent}));
+            sent += 1;
+        }
         let f = app.next_frame(WAIT).expect("submit answers");
         if f["op"] == "ok" && f["re"].as_str().is_some_and(|r| r.starts_with('s')) {
             acked += 1;
@@ -281,8 +283,50 @@ fn two_brokers_and_four_workers_complete_every_task_exactly_once_with_even_load(
         let off = (w.len() as f64 - even).abs() / even;
         assert!(off <= 0.2, "worker {} did {} of {TASKS}", i + 1, w.len());
     }
-    for i in (0..TASKS).step_by(97) {
-        let s = status(&mut app, &format!("t{i}"));
-        assert_eq!(s["state"], "completed", "{s}");
+    // The task store's own account: every task completed once, after exactly one lease,
+    // and no lease opened while another was open.
+    let mut store = NatsClient::connect(Options::new(&nats.url())).expect("connect");
+    for i in 0..TASKS {
+        let record = task_record(&mut store, &format!("t{i}"));
+        assert_eq!(record["state"], "completed", "{record}");
+        let history = record["history"].as_array().expect("history");
+        let count = |state: &str| history.iter().filter(|h| h["state"] == state).count();
+        assert_eq!(count("completed"), 1, "{record}");
+        assert_eq!(count("leased"), 1, "{record}");
+        assert_no_overlapping_leases(history);
+    }
+}
+
+/// A task's record straight from the task store.
+fn task_record(store: &mut NatsClient, task: &str) -> Value {
+    let reply = store
+        .request(
+            &format!("$JS.API.DIRECT.GET.KV_AMP_TASK_STATE.$KV.AMP_TASK_STATE.acme.{task}"),
+            None,
+            b"",
+            WAIT,
+        )
+        .expect("direct get");
+    assert_eq!(reply.status(), None, "task {task} has a record");
+    serde_json::from_slice(&reply.payload).expect("record is JSON")
+}
+
+/// Every `leased` entry is closed (by `completed`, `failed`, `queued` or `cancelled`)
+/// before the next one, and times never go backwards.
+fn assert_no_overlapping_leases(history: &[Value]) {
+    let mut open = false;
+    let mut last = 0i128;
+    for h in history {
+        let at = amp_broker::rfc3339::parse_nanos(h["at"].as_str().expect("at")).expect("time");
+        assert!(at >= last, "history goes back in time: {history:?}");
+        last = at;
+        match h["state"].as_str() {
+            Some("leased") => {
+                assert!(!open, "a lease opened while another was held: {history:?}");
+                open = true;
+            }
+            Some("completed" | "failed" | "queued" | "cancelled") => open = false,
+            _ => {}
+        }
     }
 }

@@ -1318,6 +1318,7 @@ impl Broker {
     /// Appends the broker's metrics in Prometheus text format.
     pub fn render_metrics(&self, out: &mut String) {
         self.metrics.registry.render(out);
+        self.jobs.render_metrics(out);
     }
 
     fn frame(&mut self, session: SessionId, text: String) {

@@ -425,6 +425,43 @@ impl Jobs {
         self.stats
     }
 
+    /// Appends the jobs counters in Prometheus text format.
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let s = &self.stats;
+        for (name, help, v) in [
+            ("submitted", "Tasks created in the task store", s.submitted),
+            ("offers", "Offers sent to sessions", s.offers),
+            ("claims", "Claims that took a lease", s.claims),
+            ("completed", "Tasks completed", s.completed),
+            (
+                "failed",
+                "Tasks failed (by the worker or out of attempts)",
+                s.failed,
+            ),
+            (
+                "cancelled",
+                "Tasks cancelled by their submitter",
+                s.cancelled,
+            ),
+            (
+                "cas_conflicts",
+                "Task store compare-and-set conflicts",
+                s.cas_conflicts,
+            ),
+            ("revoked", "Leases revoked from sessions", s.revoked),
+            (
+                "jetstream_ops",
+                "JetStream requests, acks and pulls sent for jobs",
+                s.js_ops,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP amp_jobs_{name}_total {help}");
+            let _ = writeln!(out, "# TYPE amp_jobs_{name}_total counter");
+            let _ = writeln!(out, "amp_jobs_{name}_total {v}");
+        }
+    }
+
     pub fn poll_output(&mut self) -> Option<JobsOutput> {
         self.out.pop_front()
     }

@@ -1,0 +1,150 @@
+//! Jobs end to end: tasks per second from `submit` to the `task_result` in the
+//! submitter's inbox (submit -> offer -> claim -> complete -> result), with 1, 4 and 16
+//! workers on one broker process and one nats-server, and the JetStream operations the
+//! broker spent per task (its `amp_jobs_jetstream_ops_total` counter). The baseline in the
+//! same run is the inbox: messages per second from `send` to an acknowledged delivery, with
+//! the same number in flight.
+//!
+//!     cargo bench --bench jobs_throughput        (JOBS_BENCH_TASKS, default 2000)
+//!
+//! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of 20 tasks.
+//!
+//! Absolute figures drift on shared machines; the ratio to the baseline is the result.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::NatsServer;
+use common::amp::{Broker, Client, http_get, open_config};
+use serde_json::{Value, json};
+
+const IN_FLIGHT: usize = 256;
+const WAIT: Duration = Duration::from_secs(30);
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn metric(broker: &Broker, name: &str) -> f64 {
+    let (_, body) = http_get(broker.addr, "/metrics").expect("metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+fn login(broker: &Broker, name: &str) -> Client {
+    Client::login(broker, "acme", name, &format!("{name}-token"))
+}
+
+/// Sends `n` requests built by `frame(i)` with at most `IN_FLIGHT` unanswered, acking
+/// every inbox `message` that arrives meanwhile; returns when `done(received)` holds.
+fn drive(c: &mut Client, n: usize, frame: impl Fn(usize) -> Value, results_wanted: usize) {
+    let (mut sent, mut answered, mut results) = (0usize, 0usize, 0usize);
+    while answered < n || results < results_wanted {
+        while sent < n && sent - answered < IN_FLIGHT {
+            c.send(&frame(sent));
+            sent += 1;
+        }
+        let f = c.next_frame(WAIT).expect("progress");
+        match f["op"].as_str() {
+            Some("ok") => answered += 1,
+            Some("message") => {
+                results += 1;
+                c.send(&json!({"op":"ack","seq":f["seq"]}));
+            }
+            _ => panic!("unexpected frame {f}"),
+        }
+    }
+}
+
+fn tasks_per_second(workers: usize, tasks: usize) -> (f64, f64, f64) {
+    let nats = NatsServer::start();
+    let mut names = vec!["app".to_string()];
+    names.extend((1..=workers).map(|i| format!("w{i}")));
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut config = open_config(&refs);
+    config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut app = login(&broker, "app");
+    let handles: Vec<_> = (1..=workers)
+        .map(|i| {
+            let mut c = login(&broker, &format!("w{i}"));
+            c.request(json!({"op":"serve","job":"render","slots":4}));
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while let Some(f) = c.next_frame(Duration::from_secs(5)) {
+                    if f["op"] != "offer" {
+                        continue;
+                    }
+                    n += 1;
+                    let task = f["task"].clone();
+                    let r = c.request(json!({"op":"claim","id":format!("c{n}"),"task":task}));
+                    if r["op"] == "ok" {
+                        c.send(
+                            &json!({"op":"complete","id":format!("k{n}"),"task":task,"result":n}),
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    let ops_before = metric(&broker, "amp_jobs_jetstream_ops_total");
+    let started = Instant::now();
+    drive(
+        &mut app,
+        tasks,
+        |i| json!({"op":"submit","id":format!("s{i}"),"job":"render","body":{"n":i}}),
+        tasks,
+    );
+    let elapsed = started.elapsed();
+    let ops = metric(&broker, "amp_jobs_jetstream_ops_total") - ops_before;
+    let conflicts = metric(&broker, "amp_jobs_cas_conflicts_total");
+    drop(app);
+    for h in handles {
+        let _ = h.join();
+    }
+    (
+        tasks as f64 / elapsed.as_secs_f64(),
+        ops / tasks as f64,
+        conflicts,
+    )
+}
+
+fn messages_per_second(messages: usize) -> f64 {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["app"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut app = login(&broker, "app");
+    let started = Instant::now();
+    drive(
+        &mut app,
+        messages,
+        |i| json!({"op":"send","id":format!("m{i}"),"to":"app","body":{"n":i}}),
+        messages,
+    );
+    messages as f64 / started.elapsed().as_secs_f64()
+}
+
+fn main() {
+    // `cargo test --all-targets` runs this without `--bench`: a smoke run then.
+    let full = std::env::args().any(|a| a == "--bench");
+    let tasks = env_usize("JOBS_BENCH_TASKS", if full { 2000 } else { 20 });
+    let baseline = messages_per_second(tasks);
+    println!(
+        "baseline: inbox send -> delivery -> ack: {baseline:.0} messages/s ({tasks} messages)"
+    );
+    for workers in [1, 4, 16] {
+        let (rate, ops, conflicts) = tasks_per_second(workers, tasks);
+        println!(
+            "jobs, {workers:>2} workers x 4 slots: {rate:.0} tasks/s = {:.2} x baseline; \
+             {ops:.2} JetStream operations per task; {conflicts} compare-and-set conflicts",
+            rate / baseline
+        );
+    }
+}
