@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use super::auth::{self, Credential};
 use super::binding;
+use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::config::Config;
 use super::envelope::{self, Envelope, Kind};
@@ -116,6 +117,8 @@ enum Pending {
     RegistryPut { participant: String },
     /// A request of a namespace's registry watch.
     Watch { ns: String, kind: WatchRequestKind },
+    /// A read or compare-and-set write of a participant's task budget.
+    Budget { op: KvOp },
     /// Whether a durable subscription's consumer exists (its create config waits here).
     SubLookup {
         session: SessionId,
@@ -179,6 +182,10 @@ pub struct Broker {
     /// the NATS auth callout.
     callout: Option<Callout>,
     issuer: Option<KeyPair>,
+    /// Task budgets counted in JetStream, shared by every broker.
+    budgets: Budgets,
+    /// Submits waiting for a budget reservation, per participant.
+    held_submits: HashMap<String, Vec<(SessionId, ClientFrame)>>,
 }
 
 impl Broker {
@@ -204,6 +211,8 @@ impl Broker {
             jobs,
             callout: None,
             issuer: None,
+            budgets: Budgets::new(BudgetConfig::default()),
+            held_submits: HashMap::new(),
         })
     }
 
@@ -540,20 +549,11 @@ impl Broker {
                     if let Err(e) = self.take_rate(ns, name, bytes, now) {
                         return self.fail(session, &submit.id, e);
                     }
+                    if !self.spend_budget(conn, session, ns, name, &frame, now) {
+                        return;
+                    }
                 }
-                let key = participant_key(ns, name);
-                if let (Some(participant), Some(p)) =
-                    (self.config.participant(ns, name), self.presence.get(&key))
-                {
-                    let caller = Caller {
-                        session,
-                        ns,
-                        name,
-                        participant,
-                        labels: &p.labels,
-                    };
-                    self.jobs.frame(conn, &caller, frame, now);
-                }
+                self.hand_to_jobs(conn, session, ns, name, frame, now);
             }
             other => {
                 let op = other.op();
@@ -1184,6 +1184,20 @@ impl Broker {
                 let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
                 self.sub_reset_done(conn, session, sub, ok, now);
             }
+            Pending::Budget { op } => {
+                let reply = match (&reply, &op.kind) {
+                    (Ok(m), KvOpKind::Get) => {
+                        KvReply::from_get(m.status(), m.headers.as_ref(), &m.payload)
+                    }
+                    (Ok(m), KvOpKind::Write { .. }) => {
+                        KvReply::from_pub_ack(m.status(), &m.payload)
+                    }
+                    (Err(_), _) => KvReply::Failed,
+                };
+                let settled = self.budgets.on_reply(op.id, reply);
+                self.drive_budgets(conn, now);
+                self.budget_settled(conn, settled, now);
+            }
             Pending::Watch { ns, kind } => {
                 if let Some((registry, _)) = self.registries.get_mut(&ns) {
                     let reply = match &reply {
@@ -1301,6 +1315,120 @@ impl Broker {
             }
         }
         let _ = conn.publish(reply_to, None, None, &reply.payload);
+    }
+
+    fn hand_to_jobs(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: ClientFrame,
+        now: Instant,
+    ) {
+        let key = participant_key(ns, name);
+        if let (Some(participant), Some(p)) =
+            (self.config.participant(ns, name), self.presence.get(&key))
+        {
+            let caller = Caller {
+                session,
+                ns,
+                name,
+                participant,
+                labels: &p.labels,
+            };
+            self.jobs.frame(conn, &caller, frame, now);
+        }
+    }
+
+    /// Takes one task from the participant's budget. False when the submit was answered
+    /// (`budget_exhausted`) or is held until a reservation in JetStream settles.
+    fn spend_budget(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: &ClientFrame,
+        now: Instant,
+    ) -> bool {
+        let budget = self
+            .config
+            .participant(ns, name)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(Budget::from_policy);
+        let Some(budget) = budget else { return true };
+        let key = participant_key(ns, name);
+        let spend = self.budgets.try_spend(&key, budget, unix_seconds() * 1000);
+        self.drive_budgets(conn, now);
+        match spend {
+            Spend::Granted => true,
+            Spend::Exhausted => {
+                if let Some(id) = frame.id() {
+                    let e = AmpError::new(
+                        ErrorCode::BudgetExhausted,
+                        "the task budget of this window is spent",
+                    );
+                    self.fail(session, id, e);
+                }
+                false
+            }
+            Spend::Wait => {
+                self.held_submits
+                    .entry(key)
+                    .or_default()
+                    .push((session, frame.clone()));
+                false
+            }
+        }
+    }
+
+    fn drive_budgets(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(op) = self.budgets.poll_op() {
+            let req = op.request(&self.budgets.config().api_prefix);
+            match conn.request(
+                &req.subject,
+                req.headers.as_ref(),
+                &req.payload,
+                JS_TIMEOUT,
+                now,
+            ) {
+                Ok(id) => self.await_reply(id, now, Pending::Budget { op }),
+                Err(_) => {
+                    let settled = self.budgets.on_reply(op.id, KvReply::Failed);
+                    self.budget_settled(conn, settled, now);
+                }
+            }
+        }
+    }
+
+    /// A reservation ended: held submits are tried again (or answered `unavailable`).
+    fn budget_settled(&mut self, conn: &mut Connection, settled: Option<Settled>, now: Instant) {
+        let (participant, retry) = match settled {
+            Some(Settled::Retry { participant }) => (participant, true),
+            Some(Settled::Unavailable { participant }) => (participant, false),
+            None => return,
+        };
+        for (session, frame) in self.held_submits.remove(&participant).unwrap_or_default() {
+            if !retry {
+                if let Some(id) = frame.id() {
+                    self.fail(
+                        session,
+                        id,
+                        unavailable("the task budget could not be read"),
+                    );
+                }
+                continue;
+            }
+            let state = self.sessions.get(&session).map(|s| &s.state);
+            if let Some(SessionState::Active { ns, name }) = state {
+                // Already rate-limited once; only the budget is asked again.
+                let (ns, name) = (ns.clone(), name.clone());
+                if self.spend_budget(conn, session, &ns, &name, &frame, now) {
+                    self.hand_to_jobs(conn, session, &ns, &name, frame, now);
+                }
+            }
+        }
     }
 
     fn count_in(&mut self, decoded: &Result<ClientFrame, Rejected>) {

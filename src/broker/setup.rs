@@ -15,7 +15,10 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The streams the configuration needs, in creation order.
 pub fn desired_streams(config: &Config, settings: StreamSettings) -> Vec<Value> {
-    let mut streams = vec![binding::task_state_stream_config(settings)];
+    let mut streams = vec![
+        binding::task_state_stream_config(settings),
+        super::budget::budget_stream_config(settings.replicas),
+    ];
     for (ns, n) in &config.namespaces {
         streams.push(binding::inbox_stream_config(
             ns,
