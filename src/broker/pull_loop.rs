@@ -10,6 +10,7 @@ use crate::nats::{Connection, Sid};
 pub const PULL_EXPIRES: Duration = Duration::from_secs(20);
 /// The server's idle heartbeat while a pull waits; two missed ones mean it is gone.
 pub const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+const RETRY_AFTER_NO_RESPONDERS: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 pub struct PullLoop {
@@ -23,6 +24,8 @@ pub struct PullLoop {
     remaining: u32,
     /// When the outstanding pull counts as lost without word from the server.
     until: Option<Instant>,
+    /// The check timer the owner has scheduled, so there is one at a time.
+    armed_at: Option<Instant>,
 }
 
 /// What a message on the pull's subscription was.
@@ -46,6 +49,7 @@ impl PullLoop {
             deliver: String::new(),
             remaining: 0,
             until: None,
+            armed_at: None,
         }
     }
 
@@ -91,8 +95,19 @@ impl PullLoop {
         conn.publish(&subject, Some(&self.deliver), None, body.as_bytes())
             .ok()?;
         self.remaining = self.batch;
-        let until = now + PULL_EXPIRES + PULL_HEARTBEAT;
-        self.until = Some(until);
+        // The server answers a live pull with a heartbeat within PULL_HEARTBEAT; a pull
+        // that was lost (e.g. sent while JetStream was still recovering) is noticed soon.
+        self.until = Some(now + PULL_HEARTBEAT * 2);
+        self.arm()
+    }
+
+    /// A check time for the owner to schedule, unless one at or before `until` already is.
+    fn arm(&mut self) -> Option<Instant> {
+        let until = self.until?;
+        if self.armed_at.is_some_and(|at| at <= until) {
+            return None;
+        }
+        self.armed_at = Some(until);
         Some(until)
     }
 
@@ -106,7 +121,14 @@ impl PullLoop {
         match status {
             Some(100) => {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
-                (Pulled::Heartbeat, None)
+                (Pulled::Heartbeat, self.arm())
+            }
+            Some(503) => {
+                // Nobody serves the consumer yet (JetStream still starting): try again
+                // shortly rather than at once.
+                self.remaining = 0;
+                self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
+                (Pulled::Ended, self.arm())
             }
             Some(_) => {
                 self.remaining = 0;
@@ -114,18 +136,22 @@ impl PullLoop {
             }
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
-                (Pulled::Message, self.pull(conn, now))
+                self.until = Some(now + PULL_HEARTBEAT * 2);
+                (Pulled::Message, self.pull(conn, now).or_else(|| self.arm()))
             }
         }
     }
 
     /// At a check time: a pull that has been silent too long is replaced.
     pub fn check(&mut self, conn: &mut Connection, now: Instant) -> Option<Instant> {
+        if self.armed_at.is_some_and(|at| at <= now) {
+            self.armed_at = None;
+        }
         if self.until.is_some_and(|until| until <= now) {
             self.remaining = 0;
             return self.pull(conn, now);
         }
-        None
+        self.arm()
     }
 
     /// After a reconnect the outstanding pull died with the old connection.
