@@ -162,3 +162,145 @@ fn a_heartbeat_just_after_the_lease_ran_out_gets_lease_lost_and_the_next_holders
     // w1 never saw the task again.
     assert!(w1.next_op("offer", Duration::from_millis(200)).is_none());
 }
+
+/// Sends `frame` until it is answered by something other than `unavailable` (what a client
+/// does after an outage, with the same task id); returns that answer.
+fn until_available(c: &mut Client, frame: Value) -> Value {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let r = c.request(frame.clone());
+        if r["code"] != "unavailable" || std::time::Instant::now() > deadline {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Takes the next offer, claims and completes it; returns its task id.
+fn work_one(w: &mut Client) -> String {
+    let offer = w.next_op("offer", WAIT).expect("an offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(offer["attempt"], 1, "{offer}");
+    let c = w.request(json!({"op":"claim","task":task}));
+    assert_eq!(c["op"], "ok", "claim {task}: {c}");
+    let k = w.request(json!({"op":"complete","task":task,"result":format!("done {task}")}));
+    assert_eq!(k["op"], "ok", "complete {task}: {k}");
+    task
+}
+
+#[test]
+fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() {
+    let mut nats = NatsServer::start();
+    // A lease and an offer long enough to outlive the restart.
+    let broker = Broker::start(&nats.url(), &config(&["app", "w1"], 20, 30_000));
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 2);
+    let submit = |app: &mut Client, task: &str| {
+        let r = app.request(json!({"op":"submit","job":"render","task":task,"body":task}));
+        assert_eq!(r["op"], "ok", "submit {task}: {r}");
+    };
+
+    // Before: one task completed, one leased, one offered, three queued behind the two
+    // busy slots.
+    submit(&mut app, "done");
+    assert_eq!(work_one(&mut w1), "done");
+    submit(&mut app, "leased");
+    let offer = w1.next_op("offer", WAIT).expect("offer");
+    assert_eq!(offer["task"], "leased");
+    let claim = w1.request(json!({"op":"claim","task":"leased"}));
+    assert_eq!(claim["op"], "ok", "{claim}");
+    submit(&mut app, "offered");
+    let offer = w1.next_op("offer", WAIT).expect("offer");
+    assert_eq!(offer["task"], "offered");
+    let queued = ["q1", "q2", "q3"];
+    for t in queued {
+        submit(&mut app, t);
+    }
+    assert_eq!(status(&mut app, "leased")["state"], "leased");
+    assert_eq!(status(&mut app, "offered")["state"], "offered");
+    assert_eq!(status(&mut app, "q3")["state"], "queued");
+
+    nats.kill();
+    assert!(common::wait_until(WAIT, || common::amp::http_get(
+        broker.addr,
+        "/healthz"
+    )
+    .is_some_and(|(s, _)| s == 503)));
+    // Accepted or not during the outage, a submit retried with its task id lands once.
+    let during = app.request(json!({"op":"submit","job":"render","task":"during","body":"during"}));
+    assert!(
+        during["op"] == "ok" || during["code"] == "unavailable",
+        "{during}"
+    );
+    nats.start_again();
+    assert!(common::wait_until(WAIT, || common::amp::http_get(
+        broker.addr,
+        "/healthz"
+    )
+    .is_some_and(|(s, _)| s == 200)));
+
+    // Sessions stayed up through the restart.
+    assert_eq!(app.request(json!({"op":"ping"}))["op"], "ok");
+    assert_eq!(w1.request(json!({"op":"ping"}))["op"], "ok");
+    let r = until_available(
+        &mut app,
+        json!({"op":"submit","job":"render","task":"during","body":"during"}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+
+    // The lease held through the restart: heartbeat and complete.
+    let h = until_available(&mut w1, json!({"op":"heartbeat","task":"leased"}));
+    assert_eq!(h["op"], "ok", "heartbeat after the restart: {h}");
+    assert!(
+        millis(h["lease_until"].as_str().expect("lease_until"))
+            > millis(claim["lease_until"].as_str().expect("lease_until"))
+    );
+    let k = until_available(
+        &mut w1,
+        json!({"op":"complete","task":"leased","result":"done leased"}),
+    );
+    assert_eq!(k["op"], "ok", "complete after the restart: {k}");
+    // The offer made before the restart can still be claimed.
+    let c = until_available(&mut w1, json!({"op":"claim","task":"offered"}));
+    assert_eq!(c["op"], "ok", "claim after the restart: {c}");
+    let k = until_available(
+        &mut w1,
+        json!({"op":"complete","task":"offered","result":"done offered"}),
+    );
+    assert_eq!(k["op"], "ok", "{k}");
+
+    // What was queued before, submitted during, and submitted after, all get offered.
+    submit(&mut app, "after");
+    let mut rest: Vec<String> = (0..5).map(|_| work_one(&mut w1)).collect();
+    rest.sort();
+    assert_eq!(rest, ["after", "during", "q1", "q2", "q3"]);
+
+    let all = [
+        "done", "leased", "offered", "q1", "q2", "q3", "during", "after",
+    ];
+    let mut results = std::collections::BTreeMap::new();
+    while results.len() < all.len() {
+        let m = app.next_op("message", WAIT).expect("a task_result");
+        assert_eq!(m["kind"], "task_result", "{m}");
+        app.send(&json!({"op":"ack","seq":m["seq"]}));
+        let task = m["body"]["task"].as_str().expect("task").to_string();
+        assert_eq!(m["body"]["state"], "completed", "{m}");
+        assert_eq!(m["body"]["result"], format!("done {task}"), "{m}");
+        assert!(
+            results.insert(task, m["seq"].clone()).is_none(),
+            "one result per task"
+        );
+    }
+    assert!(
+        app.next_op("message", Duration::from_millis(300)).is_none(),
+        "no repeated result"
+    );
+    for task in all {
+        let s = status(&mut app, task);
+        assert_eq!(s["state"], "completed", "{s}");
+        assert_eq!(s["attempt"], 1, "{s}");
+        let history = s["history"].as_array().expect("history");
+        let count = |state: &str| history.iter().filter(|h| h["state"] == state).count();
+        assert_eq!((count("leased"), count("completed")), (1, 1), "{s}");
+    }
+}

@@ -282,13 +282,24 @@ impl Client {
             self.next_id += 1;
             frame["id"] = json!(format!("r{}", self.next_id));
         }
-        let id = frame["id"].clone();
+        let id = frame["id"].as_str().unwrap_or_default().to_string();
         self.send(&frame);
+        self.answer_to(&id)
+    }
+
+    /// The answer to the request with `id` sent earlier; other frames arriving meanwhile
+    /// are kept for `next_frame`.
+    pub fn answer_to(&mut self, id: &str) -> Value {
+        if let Some(i) = self.backlog.iter().position(|f| f["re"] == id)
+            && let Some(f) = self.backlog.remove(i)
+        {
+            return f;
+        }
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let Some(f) = self.read(left) else {
-                panic!("no answer to {frame}")
+                panic!("no answer to request {id}")
             };
             if f["re"] == id {
                 return f;
