@@ -329,11 +329,15 @@ impl Client {
     }
 
     fn read(&mut self, timeout: Duration) -> Option<Value> {
-        if timeout.is_zero() {
-            return None;
-        }
-        self.ws.get_mut().set_read_timeout(Some(timeout)).ok()?;
+        // Pings and pongs do not count: a broker pinging more often than `timeout` must
+        // not keep the wait going forever.
+        let deadline = Instant::now() + timeout;
         loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            self.ws.get_mut().set_read_timeout(Some(left)).ok()?;
             match self.ws.read() {
                 Ok(Message::Text(t)) => {
                     return Some(serde_json::from_str(t.as_str()).expect("frame is JSON"));
