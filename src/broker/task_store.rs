@@ -94,7 +94,10 @@ pub struct TaskRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,
     /// The session (`<broker>/<session>`) holding the offer or the lease: one participant
-    /// may have several sessions, each with its own in-flight state.
+    /// may have several sessions, each with its own in-flight state. After `completed` or
+    /// `failed` by the holder it names the session that reported the outcome, so that the
+    /// retry of an outcome answered `unavailable` (whose write landed after all) is known
+    /// as that session's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder_session: Option<String>,
     /// Milliseconds since the Unix epoch.
@@ -252,6 +255,13 @@ impl TaskRecord {
             && self.lease_until_ms.is_some_and(|until| until > now_ms)
     }
 
+    /// Whether `session` reported this record's outcome (`completed`, or `failed` by the
+    /// holder).
+    pub fn finished_by(&self, session: &str) -> bool {
+        matches!(self.state, TaskState::Completed | TaskState::Failed)
+            && self.holder_session.as_deref() == Some(session)
+    }
+
     pub fn offered_to(&self, session: &str) -> bool {
         self.state == TaskState::Offered && self.holder_session.as_deref() == Some(session)
     }
@@ -327,7 +337,6 @@ impl TaskRecord {
                     return Err(Refusal::LeaseLost);
                 }
                 next.state = TaskState::Completed;
-                next.holder_session = None;
                 next.lease_until_ms = None;
                 next.result = result.clone();
                 next.push_history(TaskState::Completed, now_ms, by.participant);
@@ -342,7 +351,6 @@ impl TaskRecord {
                     next.push_history(TaskState::Queued, now_ms, by.participant);
                 } else {
                     next.state = TaskState::Failed;
-                    next.holder_session = None;
                     next.lease_until_ms = None;
                     next.push_history(TaskState::Failed, now_ms, by.participant);
                 }
@@ -531,6 +539,64 @@ mod tests {
         assert_eq!(r.on_delivery(T0 + 30), OnDelivery::Finished);
         let back = TaskRecord::from_json(&r.to_json()).expect("round trip");
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn an_outcome_names_the_session_that_reported_it() {
+        let leased = task(3)
+            .apply(&Change::Offer { to: W1 }, T0)
+            .and_then(|r| {
+                r.apply(
+                    &Change::Claim {
+                        by: W1,
+                        lease_ms: LEASE,
+                    },
+                    T0,
+                )
+            })
+            .expect("leased");
+        assert!(!leased.finished_by(W1.session));
+        let done = leased
+            .apply(
+                &Change::Complete {
+                    by: W1,
+                    result: None,
+                },
+                T0 + 1,
+            )
+            .expect("complete");
+        assert!(done.finished_by(W1.session));
+        assert!(!done.finished_by("b1/2"), "another session of w1");
+        assert!(
+            !done.leased_to(W1.session, T0 + 1),
+            "no lease after the outcome"
+        );
+        let failed = leased
+            .apply(
+                &Change::Fail {
+                    by: W1,
+                    error: json!({"code":"x"}),
+                    retry: false,
+                },
+                T0 + 1,
+            )
+            .expect("fail");
+        assert!(failed.finished_by(W1.session));
+        let requeued = leased
+            .apply(
+                &Change::Fail {
+                    by: W1,
+                    error: json!({"code":"x"}),
+                    retry: true,
+                },
+                T0 + 1,
+            )
+            .expect("fail with retry");
+        assert!(!requeued.finished_by(W1.session), "queued again: nobody's");
+        let cancelled = leased
+            .apply(&Change::Cancel { by: "acme/app" }, T0 + 1)
+            .expect("cancel");
+        assert!(!cancelled.finished_by(W1.session));
     }
 
     #[test]
