@@ -304,3 +304,120 @@ fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() 
         assert_eq!((count("leased"), count("completed")), (1, 1), "{s}");
     }
 }
+/// Sends each frame without waiting, then collects the answers in order.
+fn pipelined(c: &mut Client, frames: &[Value]) -> Vec<Value> {
+    for (i, f) in frames.iter().enumerate() {
+        let mut f = f.clone();
+        f["id"] = json!(format!("p{i}"));
+        c.send(&f);
+    }
+    (0..frames.len())
+        .map(|i| c.answer_to(&format!("p{i}")))
+        .collect()
+}
+
+#[test]
+fn a_claim_and_a_complete_answered_unavailable_in_an_outage_succeed_when_retried() {
+    let mut nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["app", "w1"], 30, 60_000));
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 2);
+    for task in ["claimed", "finished"] {
+        let r = app.request(json!({"op":"submit","job":"render","task":task,"body":task}));
+        assert_eq!(r["op"], "ok", "{r}");
+        let offer = w1.next_op("offer", WAIT).expect("offer");
+        assert_eq!(offer["task"], task);
+    }
+    assert_eq!(
+        w1.request(json!({"op":"claim","task":"finished"}))["op"],
+        "ok"
+    );
+
+    // Both changes wait in the broker's reconnect buffer, time out as `unavailable`, and
+    // reach the task store once the server is back: the retries must see them as theirs.
+    nats.kill();
+    let answers = pipelined(
+        &mut w1,
+        &[
+            json!({"op":"claim","task":"claimed"}),
+            json!({"op":"complete","task":"finished","result":"done finished"}),
+        ],
+    );
+    for a in &answers {
+        assert_eq!(a["code"], "unavailable", "{a}");
+    }
+    nats.start_again();
+    let claim = until_available(&mut w1, json!({"op":"claim","task":"claimed"}));
+    assert_eq!(claim["op"], "ok", "retried claim: {claim}");
+    assert!(claim["lease_until"].is_string(), "{claim}");
+    let k = until_available(
+        &mut w1,
+        json!({"op":"complete","task":"finished","result":"done finished"}),
+    );
+    assert_eq!(k["op"], "ok", "retried complete: {k}");
+    let k = w1.request(json!({"op":"complete","task":"claimed","result":"done claimed"}));
+    assert_eq!(k["op"], "ok", "{k}");
+    assert!(
+        w1.next_op("revoked", Duration::from_millis(300)).is_none(),
+        "nothing revoked"
+    );
+
+    let mut results = std::collections::BTreeMap::new();
+    while results.len() < 2 {
+        let m = app.next_op("message", WAIT).expect("a task_result");
+        app.send(&json!({"op":"ack","seq":m["seq"]}));
+        let task = m["body"]["task"].as_str().expect("task").to_string();
+        assert_eq!(m["body"]["result"], format!("done {task}"), "{m}");
+        assert!(
+            results.insert(task, m["seq"].clone()).is_none(),
+            "one result per task"
+        );
+    }
+    for task in ["claimed", "finished"] {
+        let s = status(&mut app, task);
+        assert_eq!(
+            (&s["state"], &s["attempt"]),
+            (&json!("completed"), &json!(1)),
+            "{s}"
+        );
+        assert_eq!(lease_holders(&s), ["acme/w1"], "{s}");
+    }
+}
+
+#[test]
+fn a_claim_answered_unavailable_that_landed_later_and_is_never_retried_runs_out_and_the_task_comes_back()
+ {
+    let mut nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["app", "w1"], 3, 1000));
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = app.request(json!({"op":"submit","job":"render","task":"G","body":"g"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    assert_eq!(w1.next_op("offer", WAIT).expect("offer")["attempt"], 1);
+
+    nats.kill();
+    // The claim times out as `unavailable` (the offer lapses meanwhile) and reaches the
+    // task store only after the restart; the worker gives the task up.
+    let claim = w1.request(json!({"op":"claim","task":"G"}));
+    assert_eq!(claim["code"], "unavailable", "{claim}");
+    nats.start_again();
+
+    // The lease the late claim took runs out and the task comes back as attempt 2.
+    let offer = w1
+        .next_op("offer", Duration::from_secs(20))
+        .expect("re-offer");
+    assert_eq!(
+        (&offer["task"], &offer["attempt"]),
+        (&json!("G"), &json!(2))
+    );
+    assert_eq!(w1.request(json!({"op":"claim","task":"G"}))["op"], "ok");
+    let k = w1.request(json!({"op":"complete","task":"G","result":"second"}));
+    assert_eq!(k["op"], "ok", "{k}");
+    let m = app.next_op("message", WAIT).expect("task_result");
+    assert_eq!(
+        m["body"],
+        json!({"task":"G","state":"completed","attempts":2,"result":"second"})
+    );
+    let s = status(&mut app, "G");
+    assert_eq!(lease_holders(&s), ["acme/w1", "acme/w1"], "{s}");
+}

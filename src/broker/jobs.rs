@@ -143,6 +143,8 @@ struct LocalTask {
     leased: bool,
     /// Timers carry it; a timer for an older generation is stale.
     generation: u64,
+    /// When the offer lapses unclaimed (set when the offer goes out).
+    offer_until: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1318,6 +1320,7 @@ impl Jobs {
                         revision,
                         leased: false,
                         generation: self.next_generation,
+                        offer_until: None,
                     },
                 );
                 let write = Write {
@@ -1515,7 +1518,7 @@ impl Jobs {
         };
         let next = match next {
             Ok(next) => next,
-            Err(refusal) => return self.refused(conn, write, record, refusal, now),
+            Err(refusal) => return self.refused(conn, write, record, revision, refusal, now),
         };
         let req = match self
             .kv
@@ -1538,17 +1541,24 @@ impl Jobs {
         }
     }
 
-    /// The change cannot be made on the record as it is.
+    /// The change cannot be made on the record as it is (at `revision`).
     fn refused(
         &mut self,
         conn: &mut Connection,
         write: Write,
         record: &TaskRecord,
+        revision: u64,
         refusal: Refusal,
         now: Instant,
     ) {
         let task = record.id.clone();
         let key = write.key.clone();
+        if self.landed_earlier(&write.op, &key, record, now) {
+            // An earlier try of this very change was answered `unavailable` but reached
+            // the task store after all (it waited in the reconnect buffer): the retry
+            // finishes what that write started.
+            return self.written(conn, write, record.clone(), revision, now);
+        }
         match write.op {
             Op::Offer { .. } => {
                 // Someone else moved the task on (another broker's offer or lease, or an
@@ -1623,16 +1633,99 @@ impl Jobs {
                         }
                     }
                     self.release_local(conn, &key, now);
-                } else if let Some(t) = self.tasks.get_mut(&key) {
-                    t.record = record.clone();
-                    t.phase = if record.state == TaskState::Offered {
-                        Phase::Offered
-                    } else {
-                        Phase::Leased
-                    };
+                } else if record.state == TaskState::Offered {
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.record = record.clone();
+                        t.revision = revision;
+                        t.phase = Phase::Offered;
+                    }
+                    self.arm_offer_expiry(&key, now);
+                } else {
+                    self.adopt_lease(&key, record, revision, now);
                 }
             }
         }
+    }
+
+    /// Whether `op` is a claim or an outcome whose earlier try the record already shows
+    /// as made by the same session.
+    fn landed_earlier(&self, op: &Op, key: &str, record: &TaskRecord, now: Instant) -> bool {
+        let Some(t) = self.tasks.get(key) else {
+            return false;
+        };
+        let session = self.session_name(t.session);
+        match op {
+            Op::Claim { session: s, .. } => {
+                *s == t.session
+                    && t.phase == Phase::Claiming
+                    && record.leased_to(&session, self.clock.ms(now))
+            }
+            Op::Complete { session: s, .. } => {
+                *s == t.session
+                    && record.state == TaskState::Completed
+                    && record.finished_by(&session)
+            }
+            Op::Fail {
+                session: s,
+                retry: false,
+                ..
+            } => {
+                *s == t.session && record.state == TaskState::Failed && record.finished_by(&session)
+            }
+            _ => false,
+        }
+    }
+
+    /// The record shows this broker's session holding a lease the local state did not
+    /// know of (a claim answered `unavailable` that landed later, then the offer lapsed or
+    /// was declined): the session holds it until `lease_until`, with the slot, the lease
+    /// count and the expiry timer that go with it.
+    fn adopt_lease(&mut self, key: &str, record: &TaskRecord, revision: u64, now: Instant) {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        t.record = record.clone();
+        t.revision = revision;
+        t.phase = Phase::Leased;
+        if !t.leased {
+            t.leased = true;
+            let (session, job) = (t.session, t.job.clone());
+            if let Some(s) = self
+                .workers
+                .get_mut(&session)
+                .and_then(|w| w.serving.get_mut(&job))
+            {
+                s.leases += 1;
+            }
+        }
+        self.arm_lease_expiry(key, now);
+    }
+
+    /// A timer at the local task's `lease_until` (at once when it is past).
+    fn arm_lease_expiry(&mut self, key: &str, now: Instant) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let until_ms = t.record.lease_until_ms.unwrap_or_default();
+        let at = self.clock.instant(now, until_ms);
+        let timer = Timer::LeaseExpiry {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.timers.push(Reverse((at, timer)));
+    }
+
+    /// A timer at the local task's offer deadline (at once when it is past).
+    fn arm_offer_expiry(&mut self, key: &str, now: Instant) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let at = t.offer_until.map_or(now, |at| at.max(now));
+        let timer = Timer::OfferExpiry {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.timers.push(Reverse((at, timer)));
     }
 
     /// A request of the change failed (JetStream unreachable, or too many conflicts).
@@ -1658,11 +1751,16 @@ impl Jobs {
                 if let Some(t) = self.tasks.get_mut(&write.key) {
                     t.phase = Phase::Offered;
                 }
+                // The offer may have lapsed while the claim was out; the claim itself may
+                // still land (then the lapse finds the lease and keeps it).
+                self.arm_offer_expiry(&write.key, now);
             }
             Op::Complete { .. } | Op::Fail { .. } => {
                 if let Some(t) = self.tasks.get_mut(&write.key) {
                     t.phase = Phase::Leased;
                 }
+                // The expiry may have come and gone while the write was out.
+                self.arm_lease_expiry(&write.key, now);
             }
             _ => {}
         }
@@ -1708,6 +1806,10 @@ impl Jobs {
                 t.phase = Phase::Offered;
                 let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
                 let cfg = self.job_config(&ns, &job);
+                let offer_until = now + Duration::from_millis(cfg.offer_ms);
+                if let Some(t) = self.tasks.get_mut(&key) {
+                    t.offer_until = Some(offer_until);
+                }
                 let text = FrameWriter::new(amp_frame::server_op::OFFER)
                     .str("task", &record.id)
                     .str("job", &job)
@@ -1721,7 +1823,7 @@ impl Jobs {
                     .finish();
                 self.out.push_back(JobsOutput::Frame { session, text });
                 self.timers.push(Reverse((
-                    now + Duration::from_millis(cfg.offer_ms),
+                    offer_until,
                     Timer::OfferExpiry { key, generation },
                 )));
             }
