@@ -91,6 +91,14 @@ impl Broker {
     /// Sends a client frame from `session` of participant `name`.
     #[track_caller]
     fn send(&mut self, session: u64, name: &str, frame: Value) {
+        self.send_at(session, name, frame, Instant::now());
+        self.step(Duration::ZERO);
+    }
+
+    /// Hands the engine a client frame as if it arrived at `now`, moving no bytes and
+    /// running no timers: what the engine decides on its own state at that moment.
+    #[track_caller]
+    fn send_at(&mut self, session: u64, name: &str, frame: Value, now: Instant) {
         let frame: ClientFrame = self
             .validator
             .decode(&frame.to_string())
@@ -109,8 +117,7 @@ impl Broker {
             labels: &labels,
         };
         let conn = self.client.connection_mut();
-        assert!(self.jobs.frame(conn, &caller, frame, Instant::now()));
-        self.step(Duration::ZERO);
+        assert!(self.jobs.frame(conn, &caller, frame, now));
     }
 
     fn close_session(&mut self, session: u64) {
@@ -505,6 +512,64 @@ fn an_expired_lease_is_revoked_and_reoffered_and_the_stale_holder_gets_lease_los
             "completed"
         ]
     );
+}
+
+/// Claims task `T` for W1 and returns the claim's `lease_until` and the instant it
+/// stands for on this process's clocks.
+fn claimed(b: &mut Broker) -> (String, Instant) {
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    let r = b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let until = r["lease_until"].as_str().expect("lease_until").to_string();
+    let until_ns = rfc3339::parse_nanos(&until).expect("time");
+    let left_ms = i64::try_from(until_ns / 1_000_000).expect("ms") - wall_ms();
+    let at = Instant::now() + Duration::from_millis(u64::try_from(left_ms).expect("future"));
+    (until, at)
+}
+
+#[test]
+fn a_heartbeat_after_lease_until_is_refused_even_before_the_expiry_timer_has_run() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let (until, at) = claimed(&mut b);
+    // The frames come 100 ms past lease_until; the engine's expiry timer has not run.
+    let late = at + Duration::from_millis(100);
+    b.send_at(
+        W1,
+        "w1",
+        json!({"op":"heartbeat","id":"h","task":"T"}),
+        late,
+    );
+    b.send_at(
+        W1,
+        "w1",
+        json!({"op":"complete","id":"k","task":"T","result":"late"}),
+        late,
+    );
+    b.step(Duration::ZERO);
+    for re in ["h", "k"] {
+        let r = b.reply(W1, re);
+        assert_eq!(r["code"], "lease_lost", "{re}: {r}");
+    }
+    // Nothing was written: the lease stands as claimed, and at the real time (within it)
+    // the same holder still heartbeats.
+    let status = b.status(APP, "T");
+    assert_eq!(
+        (&status["state"], &status["lease_until"]),
+        (&json!("leased"), &json!(until))
+    );
+    let r = b.request(W1, "w1", json!({"op":"heartbeat","id":"h2","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
 }
 
 #[test]
