@@ -120,6 +120,11 @@ impl Broker {
         assert!(self.jobs.frame(conn, &caller, frame, now));
     }
 
+    /// Runs the engine's timers as if it were `now`, moving no bytes.
+    fn timers_at(&mut self, now: Instant) {
+        self.jobs.handle_timeout(self.client.connection_mut(), now);
+    }
+
     fn close_session(&mut self, session: u64) {
         self.jobs
             .session_closed(self.client.connection_mut(), session, Instant::now());
@@ -570,6 +575,45 @@ fn a_heartbeat_after_lease_until_is_refused_even_before_the_expiry_timer_has_run
     );
     let r = b.request(W1, "w1", json!({"op":"heartbeat","id":"h2","task":"T"}));
     assert_eq!(r["op"], "ok", "{r}");
+}
+
+#[test]
+fn a_heartbeat_accepted_just_before_lease_until_extends_the_lease_though_its_write_outlasts_it() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let (until, at) = claimed(&mut b);
+    // Accepted 200 ms before lease_until; the expiry falls due while its write is out.
+    b.send_at(
+        W1,
+        "w1",
+        json!({"op":"heartbeat","id":"h","task":"T"}),
+        at - Duration::from_millis(200),
+    );
+    b.timers_at(at + Duration::from_millis(200));
+    let r = b.reply(W1, "h");
+    assert_eq!(r["op"], "ok", "{r}");
+    let extended = r["lease_until"].as_str().expect("lease_until");
+    assert!(extended > until.as_str(), "{extended} after {until}");
+    let frames = b.frames_for(W1, Duration::from_millis(100));
+    assert!(
+        frames.iter().all(|f| f["op"] != "revoked"),
+        "an extended lease is not revoked: {frames:?}"
+    );
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"complete","id":"k","task":"T","result":"in time"}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+    let status = b.status(APP, "T");
+    assert_eq!(
+        (&status["state"], &status["attempt"]),
+        (&json!("completed"), &json!(1))
+    );
+    assert_eq!(
+        history_states(&status),
+        ["queued", "offered", "leased", "completed"]
+    );
 }
 
 #[test]

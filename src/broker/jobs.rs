@@ -143,6 +143,8 @@ struct LocalTask {
     leased: bool,
     /// Timers carry it; a timer for an older generation is stale.
     generation: u64,
+    /// Heartbeats being written: the lease may be extending, so its expiry waits for them.
+    extending: u32,
     /// When the offer lapses unclaimed (set when the offer goes out).
     offer_until: Option<Instant>,
 }
@@ -856,10 +858,12 @@ impl Jobs {
             }
             return;
         }
-        if matches!(op, Op::Complete { .. } | Op::Fail { .. })
-            && let Some(t) = self.tasks.get_mut(&key)
-        {
-            t.phase = Phase::Finishing;
+        if let Some(t) = self.tasks.get_mut(&key) {
+            match op {
+                Op::Complete { .. } | Op::Fail { .. } => t.phase = Phase::Finishing,
+                Op::Heartbeat { .. } => t.extending += 1,
+                _ => {}
+            }
         }
         self.write_local(conn, key, op, now);
     }
@@ -1320,6 +1324,7 @@ impl Jobs {
                         revision,
                         leased: false,
                         generation: self.next_generation,
+                        extending: 0,
                         offer_until: None,
                     },
                 );
@@ -1553,6 +1558,9 @@ impl Jobs {
     ) {
         let task = record.id.clone();
         let key = write.key.clone();
+        if let Op::Heartbeat { .. } = write.op {
+            self.extension_ended(&key);
+        }
         if self.landed_earlier(&write.op, &key, record, now) {
             // An earlier try of this very change was answered `unavailable` but reached
             // the task store after all (it waited in the reconnect buffer): the retry
@@ -1728,6 +1736,13 @@ impl Jobs {
         self.timers.push(Reverse((at, timer)));
     }
 
+    /// A heartbeat's write ended, one way or the other.
+    fn extension_ended(&mut self, key: &str) {
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.extending = t.extending.saturating_sub(1);
+        }
+    }
+
     /// A request of the change failed (JetStream unreachable, or too many conflicts).
     fn write_failed(&mut self, conn: &mut Connection, write: Write, e: AmpError, now: Instant) {
         log(&format!("task change failed task={}: {e}", write.key));
@@ -1760,6 +1775,10 @@ impl Jobs {
                     t.phase = Phase::Leased;
                 }
                 // The expiry may have come and gone while the write was out.
+                self.arm_lease_expiry(&write.key, now);
+            }
+            Op::Heartbeat { .. } => {
+                self.extension_ended(&write.key);
                 self.arm_lease_expiry(&write.key, now);
             }
             _ => {}
@@ -1846,6 +1865,7 @@ impl Jobs {
                 self.leased(conn, key, session, re, &record, ack, generation, now);
             }
             Op::Heartbeat { session, re } => {
+                self.extension_ended(&key);
                 let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
                 self.leased(conn, key, session, re, &record, ack, generation, now);
             }
@@ -2265,7 +2285,13 @@ impl Jobs {
                     let now_ms = self.clock.ms(now);
                     let due = self.tasks.get(&key).and_then(|t| {
                         let expired = t.record.lease_until_ms.is_none_or(|u| u <= now_ms);
-                        (t.generation == generation && t.phase == Phase::Leased && expired)
+                        // A heartbeat accepted before `lease_until` and still being written
+                        // decides: its outcome re-arms this timer or extends the lease.
+                        let settled = t.extending == 0;
+                        (t.generation == generation
+                            && t.phase == Phase::Leased
+                            && expired
+                            && settled)
                             .then(|| (t.session, t.record.id.clone()))
                     });
                     if let Some((session, task)) = due {
