@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
 use common::NatsServer;
@@ -176,68 +177,101 @@ fn until_available(c: &mut Client, frame: Value) -> Value {
     }
 }
 
-/// Takes the next offer, claims and completes it; returns its task id.
-fn work_one(w: &mut Client) -> String {
-    let offer = w.next_op("offer", WAIT).expect("an offer");
-    let task = offer["task"].as_str().expect("task").to_string();
-    assert_eq!(offer["attempt"], 1, "{offer}");
-    let c = w.request(json!({"op":"claim","task":task}));
-    assert_eq!(c["op"], "ok", "claim {task}: {c}");
-    let k = w.request(json!({"op":"complete","task":task,"result":format!("done {task}")}));
-    assert_eq!(k["op"], "ok", "complete {task}: {k}");
-    task
+/// Claims and completes every task offered until `tasks` are all done; returns the
+/// attempt each was done in.
+fn work_all(w: &mut Client, tasks: &[&str]) -> BTreeMap<String, u64> {
+    let mut done = BTreeMap::new();
+    while done.len() < tasks.len() {
+        let offer = w.next_op("offer", WAIT).expect("an offer");
+        let task = offer["task"].as_str().expect("task").to_string();
+        assert!(tasks.contains(&task.as_str()), "unexpected {offer}");
+        let c = w.request(json!({"op":"claim","task":task}));
+        assert_eq!(c["op"], "ok", "claim {task}: {c}");
+        let k = w.request(json!({"op":"complete","task":task,"result":format!("done {task}")}));
+        assert_eq!(k["op"], "ok", "complete {task}: {k}");
+        let attempt = offer["attempt"].as_u64().expect("attempt");
+        assert!(
+            done.insert(task, attempt).is_none(),
+            "offered again after completion"
+        );
+    }
+    done
 }
 
-#[test]
-fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() {
+fn healthz_is(broker: &Broker, status: u16) -> bool {
+    common::wait_until(WAIT, || {
+        common::amp::http_get(broker.addr, "/healthz").is_some_and(|(s, _)| s == status)
+    })
+}
+
+/// Tasks in every state, then the nats-server restarts: at once (`outage` false) or after
+/// a few seconds down with requests timing out meanwhile.
+fn restart_mid_run(outage: bool) {
     let mut nats = NatsServer::start();
-    // A lease and an offer long enough to outlive the restart.
-    let broker = Broker::start(&nats.url(), &config(&["app", "w1"], 20, 30_000));
+    let mut cfg = open_config(&["app", "w1"]);
+    // Leases and offers of `render` outlive the restart; a `quick` lease does not.
+    cfg["namespaces"]["acme"]["jobs"] = json!({
+        "render": {"lease_s": 20, "offer_ms": 30_000, "max_attempts": 3},
+        "quick": {"lease_s": 2, "offer_ms": 30_000, "max_attempts": 3},
+    });
+    let broker = Broker::start(&nats.url(), &cfg);
     let mut app = login(&broker, "app");
-    let mut w1 = login_serving(&broker, "w1", 2);
-    let submit = |app: &mut Client, task: &str| {
-        let r = app.request(json!({"op":"submit","job":"render","task":task,"body":task}));
+    let mut w1 = Client::connect(&broker);
+    let ok = w1.request(json!({
+        "op":"hello","ns":"acme","name":"w1","auth":{"type":"token","token":"w1-token"},
+        "serve":[{"job":"render","slots":2},{"job":"quick","slots":1}]
+    }));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let submit = |app: &mut Client, job: &str, task: &str| {
+        let r = app.request(json!({"op":"submit","job":job,"task":task,"body":task}));
         assert_eq!(r["op"], "ok", "submit {task}: {r}");
+    };
+    let offered = |w1: &mut Client, task: &str| {
+        let offer = w1.next_op("offer", WAIT).expect("offer");
+        assert_eq!(
+            (&offer["task"], &offer["attempt"]),
+            (&json!(task), &json!(1))
+        );
     };
 
     // Before: one task completed, one leased, one offered, three queued behind the two
-    // busy slots.
-    submit(&mut app, "done");
-    assert_eq!(work_one(&mut w1), "done");
-    submit(&mut app, "leased");
-    let offer = w1.next_op("offer", WAIT).expect("offer");
-    assert_eq!(offer["task"], "leased");
+    // busy slots, and a `quick` lease that will run out.
+    submit(&mut app, "render", "done");
+    assert_eq!(work_all(&mut w1, &["done"])["done"], 1);
+    submit(&mut app, "render", "leased");
+    offered(&mut w1, "leased");
     let claim = w1.request(json!({"op":"claim","task":"leased"}));
     assert_eq!(claim["op"], "ok", "{claim}");
-    submit(&mut app, "offered");
-    let offer = w1.next_op("offer", WAIT).expect("offer");
-    assert_eq!(offer["task"], "offered");
-    let queued = ["q1", "q2", "q3"];
-    for t in queued {
-        submit(&mut app, t);
+    submit(&mut app, "render", "offered");
+    offered(&mut w1, "offered");
+    for t in ["q1", "q2", "q3"] {
+        submit(&mut app, "render", t);
     }
+    submit(&mut app, "quick", "expires");
+    offered(&mut w1, "expires");
+    assert_eq!(
+        w1.request(json!({"op":"claim","task":"expires"}))["op"],
+        "ok"
+    );
     assert_eq!(status(&mut app, "leased")["state"], "leased");
     assert_eq!(status(&mut app, "offered")["state"], "offered");
     assert_eq!(status(&mut app, "q3")["state"], "queued");
 
-    nats.kill();
-    assert!(common::wait_until(WAIT, || common::amp::http_get(
-        broker.addr,
-        "/healthz"
-    )
-    .is_some_and(|(s, _)| s == 503)));
-    // Accepted or not during the outage, a submit retried with its task id lands once.
-    let during = app.request(json!({"op":"submit","job":"render","task":"during","body":"during"}));
-    assert!(
-        during["op"] == "ok" || during["code"] == "unavailable",
-        "{during}"
-    );
-    nats.start_again();
-    assert!(common::wait_until(WAIT, || common::amp::http_get(
-        broker.addr,
-        "/healthz"
-    )
-    .is_some_and(|(s, _)| s == 200)));
+    if outage {
+        nats.kill();
+        assert!(healthz_is(&broker, 503));
+        // Accepted or not during the outage, a submit retried with its task id lands once.
+        let during =
+            app.request(json!({"op":"submit","job":"render","task":"during","body":"during"}));
+        assert!(
+            during["op"] == "ok" || during["code"] == "unavailable",
+            "{during}"
+        );
+        nats.start_again();
+    } else {
+        nats.restart();
+    }
+    assert!(healthz_is(&broker, 200));
 
     // Sessions stayed up through the restart.
     assert_eq!(app.request(json!({"op":"ping"}))["op"], "ok");
@@ -248,13 +282,11 @@ fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() 
     );
     assert_eq!(r["op"], "ok", "{r}");
 
-    // The lease held through the restart: heartbeat and complete.
+    // The render lease held through the restart: heartbeat (extends it) and complete.
     let h = until_available(&mut w1, json!({"op":"heartbeat","task":"leased"}));
     assert_eq!(h["op"], "ok", "heartbeat after the restart: {h}");
-    assert!(
-        millis(h["lease_until"].as_str().expect("lease_until"))
-            > millis(claim["lease_until"].as_str().expect("lease_until"))
-    );
+    let until = |v: &Value| millis(v["lease_until"].as_str().expect("lease_until"));
+    assert!(until(&h) > until(&claim), "{h} extends {claim}");
     let k = until_available(
         &mut w1,
         json!({"op":"complete","task":"leased","result":"done leased"}),
@@ -269,16 +301,28 @@ fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() 
     );
     assert_eq!(k["op"], "ok", "{k}");
 
-    // What was queued before, submitted during, and submitted after, all get offered.
-    submit(&mut app, "after");
-    let mut rest: Vec<String> = (0..5).map(|_| work_one(&mut w1)).collect();
-    rest.sort();
-    assert_eq!(rest, ["after", "during", "q1", "q2", "q3"]);
+    // What was queued before, submitted during and after, and the lease that ran out,
+    // all get offered.
+    submit(&mut app, "render", "after");
+    let rest = work_all(&mut w1, &["q1", "q2", "q3", "during", "after", "expires"]);
+    let revoked = w1
+        .next_op("revoked", WAIT)
+        .expect("the quick lease revoked");
+    assert_eq!(
+        revoked,
+        json!({"op":"revoked","task":"expires","reason":"lease_expired"})
+    );
+    assert_eq!(rest["expires"], 2, "the lease that ran out came back");
+    assert!(
+        rest.iter().all(|(t, &a)| t == "expires" || a == 1),
+        "{rest:?}"
+    );
 
+    // Every task completed exactly once, with one task_result each.
     let all = [
-        "done", "leased", "offered", "q1", "q2", "q3", "during", "after",
+        "done", "leased", "offered", "q1", "q2", "q3", "during", "after", "expires",
     ];
-    let mut results = std::collections::BTreeMap::new();
+    let mut results = BTreeMap::new();
     while results.len() < all.len() {
         let m = app.next_op("message", WAIT).expect("a task_result");
         assert_eq!(m["kind"], "task_result", "{m}");
@@ -298,12 +342,24 @@ fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() 
     for task in all {
         let s = status(&mut app, task);
         assert_eq!(s["state"], "completed", "{s}");
-        assert_eq!(s["attempt"], 1, "{s}");
+        let leases = if task == "expires" { 2 } else { 1 };
+        assert_eq!(s["attempt"], leases, "{s}");
         let history = s["history"].as_array().expect("history");
         let count = |state: &str| history.iter().filter(|h| h["state"] == state).count();
-        assert_eq!((count("leased"), count("completed")), (1, 1), "{s}");
+        assert_eq!((count("leased"), count("completed")), (leases, 1), "{s}");
     }
 }
+
+#[test]
+fn a_nats_restart_mid_run_loses_no_task_and_every_task_completes_exactly_once() {
+    restart_mid_run(false);
+}
+
+#[test]
+fn a_nats_outage_of_seconds_mid_run_loses_no_task_and_every_task_completes_exactly_once() {
+    restart_mid_run(true);
+}
+
 /// Sends each frame without waiting, then collects the answers in order.
 fn pipelined(c: &mut Client, frames: &[Value]) -> Vec<Value> {
     for (i, f) in frames.iter().enumerate() {
@@ -362,7 +418,7 @@ fn a_claim_and_a_complete_answered_unavailable_in_an_outage_succeed_when_retried
         "nothing revoked"
     );
 
-    let mut results = std::collections::BTreeMap::new();
+    let mut results = BTreeMap::new();
     while results.len() < 2 {
         let m = app.next_op("message", WAIT).expect("a task_result");
         app.send(&json!({"op":"ack","seq":m["seq"]}));
