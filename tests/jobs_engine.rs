@@ -617,6 +617,31 @@ fn a_heartbeat_accepted_just_before_lease_until_extends_the_lease_though_its_wri
 }
 
 #[test]
+fn a_complete_whose_write_fails_after_lease_until_is_unavailable_and_the_lease_still_expires() {
+    let mut server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let (_, at) = claimed(&mut b);
+    // Accepted within the lease; the expiry falls due while its write is out, and then
+    // the write fails with the server gone.
+    b.send_at(
+        W1,
+        "w1",
+        json!({"op":"complete","id":"k","task":"T","result":"lost"}),
+        at - Duration::from_millis(200),
+    );
+    b.timers_at(at + Duration::from_millis(200));
+    server.kill();
+    let r = b.reply(W1, "k");
+    assert_eq!(r["code"], "unavailable", "{r}");
+    b.timers_at(at + Duration::from_millis(300));
+    let revoked = b.expect(W1, SECS, |v| v["op"] == "revoked");
+    assert_eq!(
+        revoked,
+        json!({"op":"revoked","task":"T","reason":"lease_expired"})
+    );
+}
+
+#[test]
 fn the_last_attempt_running_out_fails_the_task_and_tells_the_submitter() {
     let server = common::NatsServer::start();
     let mut b = Broker::start(&server.url(), "b1", config(1, 5000, 3));
