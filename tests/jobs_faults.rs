@@ -67,7 +67,10 @@ fn a_heartbeat_just_after_the_lease_ran_out_gets_lease_lost_and_the_next_holders
     let nats = NatsServer::start();
     let broker = Broker::start(&nats.url(), &config(&["app", "w1", "w2"], 1, 5000));
     let mut app = login(&broker, "app");
+    // Both idle, w1 longest: the first offer goes to w1, and once w1's lease has ended
+    // w2 is the longest idle.
     let mut w1 = login_serving(&broker, "w1", 1);
+    let mut w2 = login_serving(&broker, "w2", 1);
     let r = app.request(json!({"op":"submit","job":"render","task":"L","body":"work"}));
     assert_eq!(r["op"], "ok", "{r}");
     let offer = w1.next_op("offer", WAIT).expect("offer");
@@ -82,8 +85,6 @@ fn a_heartbeat_just_after_the_lease_ran_out_gets_lease_lost_and_the_next_holders
         .expect("lease_until")
         .to_string();
     let until_ms = millis(&lease_until);
-    // Joins after the claim, so it has been idle longest when the task comes back.
-    let mut w2 = login_serving(&broker, "w2", 1);
 
     // w1 goes quiet until just past lease_until, then heartbeats at once: whether or not
     // the broker has noticed the expiry yet, the lease is gone and is not extended.
@@ -392,6 +393,8 @@ fn a_claim_and_a_complete_answered_unavailable_in_an_outage_succeed_when_retried
     // Both changes wait in the broker's reconnect buffer, time out as `unavailable`, and
     // reach the task store once the server is back: the retries must see them as theirs.
     nats.kill();
+    // Sent once the broker knows the server is gone, so they wait in its reconnect buffer.
+    assert!(healthz_is(&broker, 503));
     let answers = pipelined(
         &mut w1,
         &[
@@ -452,6 +455,7 @@ fn a_claim_answered_unavailable_that_landed_later_and_is_never_retried_runs_out_
     assert_eq!(w1.next_op("offer", WAIT).expect("offer")["attempt"], 1);
 
     nats.kill();
+    assert!(healthz_is(&broker, 503));
     // The claim times out as `unavailable` (the offer lapses meanwhile) and reaches the
     // task store only after the restart; the worker gives the task up.
     let claim = w1.request(json!({"op":"claim","task":"G"}));
