@@ -481,3 +481,73 @@ fn a_claim_answered_unavailable_that_landed_later_and_is_never_retried_runs_out_
     let s = status(&mut app, "G");
     assert_eq!(lease_holders(&s), ["acme/w1", "acme/w1"], "{s}");
 }
+
+/// `amp_jobs_jetstream_ops_total` from the broker's `/metrics`.
+fn jetstream_ops(broker: &Broker) -> u64 {
+    let (_, text) = common::amp::http_get(broker.addr, "/metrics").expect("metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix("amp_jobs_jetstream_ops_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("jobs counter")
+}
+
+#[test]
+fn a_job_consumer_that_disappears_is_created_again_without_spinning_and_the_queue_carries_on() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["app", "w1"], 30, 5000));
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = app.request(json!({"op":"submit","job":"render","task":"A","body":"a"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    w1.next_op("offer", WAIT).expect("offer");
+    assert_eq!(w1.request(json!({"op":"claim","task":"A"}))["op"], "ok");
+
+    // The only slot is busy, so no pull is out when the consumer goes; the next one,
+    // after the complete, finds nobody serving it.
+    let mut admin = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+        .expect("connect");
+    let deleted = admin
+        .request(
+            "$JS.API.CONSUMER.DELETE.AMP_TASKS_acme.job_render",
+            None,
+            b"",
+            WAIT,
+        )
+        .expect("consumer delete");
+    let deleted: Value = serde_json::from_slice(&deleted.payload).expect("JSON");
+    assert_eq!(deleted["success"], true, "{deleted}");
+    let ops_before = jetstream_ops(&broker);
+    let k = w1.request(json!({"op":"complete","task":"A","result":"done A"}));
+    assert_eq!(k["op"], "ok", "{k}");
+    let r = app.request(json!({"op":"submit","job":"render","task":"B","body":"b"}));
+    assert_eq!(r["op"], "ok", "{r}");
+
+    let offer = w1
+        .next_op("offer", WAIT)
+        .expect("B offered once the consumer is back");
+    assert_eq!(
+        (&offer["task"], &offer["attempt"]),
+        (&json!("B"), &json!(1))
+    );
+    let ops = jetstream_ops(&broker) - ops_before;
+    assert!(ops < 100, "{ops} JetStream operations: the pull loop spun");
+    assert_eq!(w1.request(json!({"op":"claim","task":"B"}))["op"], "ok");
+    let k = w1.request(json!({"op":"complete","task":"B","result":"done B"}));
+    assert_eq!(k["op"], "ok", "{k}");
+    let mut results = BTreeMap::new();
+    while results.len() < 2 {
+        let m = app.next_op("message", WAIT).expect("a task_result");
+        app.send(&json!({"op":"ack","seq":m["seq"]}));
+        let task = m["body"]["task"].as_str().expect("task").to_string();
+        assert_eq!(m["body"]["result"], format!("done {task}"), "{m}");
+        assert!(results.insert(task, ()).is_none(), "one result per task");
+    }
+    for task in ["A", "B"] {
+        let s = status(&mut app, task);
+        assert_eq!(
+            (&s["state"], &s["attempt"]),
+            (&json!("completed"), &json!(1)),
+            "{s}"
+        );
+    }
+}

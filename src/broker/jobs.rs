@@ -1148,6 +1148,15 @@ impl Jobs {
                         .map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
                     q.requested = q.requested.saturating_sub(undelivered);
                 }
+                if let Inbound::Status { code: 503, .. } = &inbound {
+                    // Nobody serves the consumer: JetStream is not ready, or the consumer
+                    // is gone. Pulling again at once would spin; create it again shortly.
+                    log(&format!(
+                        "pull had no responders queue={qk}; consumer again soon"
+                    ));
+                    self.consumer_failed(&qk, now);
+                    return true;
+                }
                 if let Inbound::Conflict { description } | Inbound::Status { description, .. } =
                     &inbound
                 {
