@@ -239,8 +239,9 @@ impl Broker {
     }
 }
 
-/// The last `task_result` stored in the submitter's inbox stream.
-fn stored_result(client: &mut Client) -> Value {
+/// The last `task_result` stored in the submitter's inbox stream. The engine is pumped
+/// meanwhile: the result's publish may still sit in its connection's write buffer.
+fn stored_result(b: &mut Broker, client: &mut Client) -> Value {
     use base64::Engine;
     let deadline = Instant::now() + SECS;
     loop {
@@ -262,7 +263,7 @@ fn stored_result(client: &mut Client) -> Value {
             return env;
         }
         assert!(Instant::now() < deadline, "no task_result stored: {v}");
-        std::thread::sleep(Duration::from_millis(20));
+        b.step(Duration::from_millis(20));
     }
 }
 
@@ -672,7 +673,7 @@ fn the_last_attempt_running_out_fails_the_task_and_tells_the_submitter() {
         assert!(Instant::now() < deadline, "never failed: {s}");
         b.step(Duration::from_millis(50));
     }
-    let env = stored_result(&mut watcher);
+    let env = stored_result(&mut b, &mut watcher);
     let _ = inbox;
     assert_eq!(env["body"]["state"], "failed");
     assert_eq!(env["body"]["attempts"], 1);
