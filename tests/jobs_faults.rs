@@ -12,6 +12,9 @@ use common::amp::{Broker, Client, open_config};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
+/// A submitter's inbox pull lost in a NATS restart is replaced after two missed idle
+/// heartbeats (10 s), so a `task_result` may take that much longer to arrive.
+const RESULT_WAIT: Duration = Duration::from_secs(25);
 
 fn config(names: &[&str], lease_s: u64, offer_ms: u64) -> Value {
     let mut c = open_config(names);
@@ -49,6 +52,16 @@ fn wall_millis() -> i128 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i128)
+}
+
+/// The next `message` to the submitter, which must be a `task_result`; on a timeout the
+/// broker's log says why.
+fn task_result(app: &mut Client, broker: &Broker) -> Value {
+    let Some(m) = app.next_op("message", RESULT_WAIT) else {
+        panic!("no task_result; broker log:\n{}", broker.log());
+    };
+    assert_eq!(m["kind"], "task_result", "{m}");
+    m
 }
 
 /// Who held each lease of the task, in order, from its history.
@@ -132,7 +145,7 @@ fn a_heartbeat_just_after_the_lease_ran_out_gets_lease_lost_and_the_next_holders
     let late = w1.request(json!({"op":"complete","task":"L","result":"stale"}));
     assert_eq!(late["code"], "lease_lost", "w1 complete after w2's: {late}");
 
-    let msg = app.next_op("message", WAIT).expect("task_result");
+    let msg = task_result(&mut app, &broker);
     assert_eq!(
         msg["body"],
         json!({"task":"L","state":"completed","attempts":2,"result":"w2 result"})
@@ -325,7 +338,7 @@ fn restart_mid_run(outage: bool) {
     ];
     let mut results = BTreeMap::new();
     while results.len() < all.len() {
-        let m = app.next_op("message", WAIT).expect("a task_result");
+        let m = task_result(&mut app, &broker);
         assert_eq!(m["kind"], "task_result", "{m}");
         app.send(&json!({"op":"ack","seq":m["seq"]}));
         let task = m["body"]["task"].as_str().expect("task").to_string();
@@ -423,7 +436,7 @@ fn a_claim_and_a_complete_answered_unavailable_in_an_outage_succeed_when_retried
 
     let mut results = BTreeMap::new();
     while results.len() < 2 {
-        let m = app.next_op("message", WAIT).expect("a task_result");
+        let m = task_result(&mut app, &broker);
         app.send(&json!({"op":"ack","seq":m["seq"]}));
         let task = m["body"]["task"].as_str().expect("task").to_string();
         assert_eq!(m["body"]["result"], format!("done {task}"), "{m}");
@@ -473,7 +486,7 @@ fn a_claim_answered_unavailable_that_landed_later_and_is_never_retried_runs_out_
     assert_eq!(w1.request(json!({"op":"claim","task":"G"}))["op"], "ok");
     let k = w1.request(json!({"op":"complete","task":"G","result":"second"}));
     assert_eq!(k["op"], "ok", "{k}");
-    let m = app.next_op("message", WAIT).expect("task_result");
+    let m = task_result(&mut app, &broker);
     assert_eq!(
         m["body"],
         json!({"task":"G","state":"completed","attempts":2,"result":"second"})
@@ -536,7 +549,7 @@ fn a_job_consumer_that_disappears_is_created_again_without_spinning_and_the_queu
     assert_eq!(k["op"], "ok", "{k}");
     let mut results = BTreeMap::new();
     while results.len() < 2 {
-        let m = app.next_op("message", WAIT).expect("a task_result");
+        let m = task_result(&mut app, &broker);
         app.send(&json!({"op":"ack","seq":m["seq"]}));
         let task = m["body"]["task"].as_str().expect("task").to_string();
         assert_eq!(m["body"]["result"], format!("done {task}"), "{m}");
