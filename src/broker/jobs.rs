@@ -1054,7 +1054,9 @@ impl Jobs {
     /// Asks for one message per free slot not already asked for.
     fn pull_more(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
         let Some(q) = self.queues.get(qk) else { return };
-        if q.consumer != ConsumerState::Ready || q.sid.is_none() {
+        // While disconnected a pull would wait in the reconnect buffer and arrive next to
+        // the one `on_reconnected` sends, asking for messages twice.
+        if q.consumer != ConsumerState::Ready || q.sid.is_none() || !conn.is_connected() {
             return;
         }
         let requested = q.requested;
