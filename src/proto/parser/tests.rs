@@ -683,8 +683,6 @@ fn huge_limits_do_not_overflow() {
 fn fast_path_agrees_with_the_general_path() {
     // The one-pass field scanner must accept only what the general path accepts, with the
     // same fields and length; everything else falls through to the general path.
-    let mut p = server();
-    p.max_control_line = 12;
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         state ^= state << 13;
@@ -692,12 +690,22 @@ fn fast_path_agrees_with_the_general_path() {
         state ^= state << 17;
         state
     };
-    let alphabet = b"ab1 \t\r\n\0\xff";
+    let text = b"ab1 ";
+    let odd = b"\t\r\n\0\xff ";
     let mut agreed = 0;
-    for _ in 0..200_000 {
-        let len = 1 + (next() % 20) as usize;
+    let mut p = server();
+    for round in 0..300_000 {
+        // Short limits, and lines around the 64 bytes the fast path looks at.
+        p.max_control_line = [12, 70, 4096][round % 3];
+        let len = 1 + (next() % 90) as usize;
         let mut line = vec![b' '];
-        line.extend((0..len).map(|_| alphabet[(next() % alphabet.len() as u64) as usize]));
+        line.extend((0..len).map(|_| text[(next() % text.len() as u64) as usize]));
+        // A few odd bytes anywhere, then a line end (or not).
+        for _ in 0..next() % 3 {
+            let at = (next() % line.len() as u64) as usize;
+            line.insert(at, odd[(next() % odd.len() as u64) as usize]);
+        }
+        line.extend_from_slice([&b"\r\n"[..], b"\n", b"\r", b""][(next() % 4) as usize]);
         let mut fast: [&[u8]; 4] = [&[]; 4];
         let Some((n, used)) = p.fast_fields(&line, 0, &mut fast) else {
             continue;
@@ -716,5 +724,30 @@ fn fast_path_agrees_with_the_general_path() {
         );
         agreed += 1;
     }
-    assert!(agreed > 1000, "the fast path was exercised ({agreed})");
+    assert!(agreed > 20_000, "the fast path was exercised ({agreed})");
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[test]
+fn the_portable_byte_scan_agrees_with_the_sse2_one() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..100_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        // Bytes around the classes' edges, and lines shorter than a chunk.
+        let edges = [
+            0u8, 9, 10, 13, 31, 32, 33, 0x7f, 0x80, 0x9f, 0xa0, 0xff, b'a',
+        ];
+        let len = (state % 20) as usize;
+        let line: Vec<u8> = (0..len)
+            .map(|i| edges[((state >> (i * 3)) % edges.len() as u64) as usize])
+            .collect();
+        let (lo, hi) = (scan::swar(&line, 0), scan::swar(&line, 8));
+        assert_eq!(
+            scan::chunk(&line, 0),
+            (lo.0 | hi.0 << 8, lo.1 | hi.1 << 8),
+            "{line:?}"
+        );
+    }
 }
