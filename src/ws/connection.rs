@@ -35,7 +35,8 @@ pub struct WsConfig {
     pub request_timeout: Duration,
     /// How long a closing connection may take to finish its close handshake and flush.
     pub close_timeout: Duration,
-    /// Chunk in which tungstenite buffers incoming frames (allocated per session).
+    /// Chunk in which tungstenite buffers incoming frames (allocated per session); at
+    /// least 256 bytes are used whatever the setting.
     pub read_buffer_size: usize,
     /// Most connections open at once; further ones are accepted and closed at once.
     pub max_connections: usize,
@@ -172,14 +173,12 @@ impl Connection {
                     Parsed::Complete { request, len } => {
                         let head = std::mem::take(head);
                         self.serve(request, now, host);
-                        if matches!(self.phase, Phase::Open) {
-                            // Frames the client sent right behind its request.
-                            let early = head.get(len..).unwrap_or_default();
-                            if !early.is_empty() {
-                                self.ws_input(early, now);
-                            }
-                            if !rest.is_empty() {
-                                self.ws_input(rest, now);
+                        // Frames the client sent right behind its request; the first
+                        // piece may end the session (ws_input reads only while it lasts).
+                        let early = head.get(len..).unwrap_or_default();
+                        for piece in [early, rest] {
+                            if !piece.is_empty() {
+                                self.ws_input(piece, now);
                             }
                         }
                     }
@@ -419,7 +418,10 @@ impl Connection {
     }
 
     fn ws_read(&mut self, data: &[u8], now: Instant) {
-        self.frames.feed(data, self.cfg.read_buffer_size as u64);
+        if !matches!(self.phase, Phase::Open | Phase::Closing) {
+            return;
+        }
+        self.frames.feed(data, read_buffer_size(&self.cfg) as u64);
         let Some(ws) = self.ws.as_mut() else { return };
         let mut duplex = Duplex {
             input: data,
@@ -459,29 +461,35 @@ impl Connection {
                 }
                 Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
                 Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(WsError::ConnectionClosed | WsError::AlreadyClosed) => {
-                    self.phase = Phase::Flushing;
-                    self.deadline = after(now, self.cfg.close_timeout);
-                    return;
-                }
-                Err(WsError::Capacity(CapacityError::MessageTooLong { .. })) => {
-                    self.fail(close_code::TOO_BIG, "message too big", now);
-                    return;
-                }
-                Err(WsError::Utf8(_)) => {
-                    self.fail(close_code::INVALID_DATA, "invalid UTF-8", now);
-                    return;
-                }
-                Err(WsError::Protocol(_)) | Err(WsError::Capacity(_)) => {
-                    self.fail(close_code::PROTOCOL, "protocol error", now);
-                    return;
-                }
-                Err(_) => {
-                    self.fail(close_code::INTERNAL, "internal error", now);
+                Err(e) => {
+                    self.read_failed(e, now);
                     return;
                 }
             }
         }
+    }
+
+    /// Ends reading after any error but `WouldBlock`. The context is dropped, not kept
+    /// for later input: tungstenite keeps the header of a frame it rejected as too long
+    /// without reserving room for its payload, so reading on could fill its buffer and
+    /// ask for 0 bytes (a debug assertion in `FrameCodec::read_in`; in release the empty
+    /// read passes for EOF).
+    fn read_failed(&mut self, error: WsError, now: Instant) {
+        match error {
+            WsError::ConnectionClosed | WsError::AlreadyClosed => {
+                self.phase = Phase::Flushing;
+                self.deadline = after(now, self.cfg.close_timeout);
+            }
+            WsError::Capacity(CapacityError::MessageTooLong { .. }) => {
+                self.fail(close_code::TOO_BIG, "message too big", now)
+            }
+            WsError::Utf8(_) => self.fail(close_code::INVALID_DATA, "invalid UTF-8", now),
+            WsError::Protocol(_) | WsError::Capacity(_) => {
+                self.fail(close_code::PROTOCOL, "protocol error", now)
+            }
+            _ => self.fail(close_code::INTERNAL, "internal error", now),
+        }
+        self.ws = None;
     }
 
     /// Fails the session: close frame with `code`, then no more input is read.
@@ -525,9 +533,19 @@ fn after(at: Instant, d: Duration) -> Instant {
         .unwrap_or(at)
 }
 
+/// Floor of the read buffer. tungstenite reads at least a frame header (14 bytes) per
+/// call whatever the setting, and a frame longer than the buffer marks the context for
+/// replacement after its message: a buffer of a few bytes would only rebuild the context
+/// after nearly every message.
+const MIN_READ_BUFFER: usize = 256;
+
+fn read_buffer_size(cfg: &WsConfig) -> usize {
+    cfg.read_buffer_size.max(MIN_READ_BUFFER)
+}
+
 fn new_context(cfg: &WsConfig) -> WebSocketContext {
     let config = WebSocketConfig::default()
-        .read_buffer_size(cfg.read_buffer_size)
+        .read_buffer_size(read_buffer_size(cfg))
         .write_buffer_size(0)
         .max_write_buffer_size(usize::MAX)
         .max_message_size(Some(cfg.max_frame))
@@ -621,6 +639,9 @@ struct Duplex<'a> {
 }
 
 impl Read for Duplex<'_> {
+    /// An empty `buf` gets `Ok(0)`, which tungstenite takes for EOF: it ends the session
+    /// as a protocol error (1002). It only asks so with a full buffer, which
+    /// [`Connection::read_failed`] keeps from happening.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         if self.input.is_empty() {
             return Err(io::ErrorKind::WouldBlock.into());
@@ -829,6 +850,39 @@ mod tests {
         assert!(out.contains("Connection: close\r\n"));
         assert_eq!(ev, vec![ConnEvent::Http { status: 400 }]);
         assert!(c.wants_shutdown_write());
+    }
+
+    /// The head buffer takes at most `max_head_bytes`, so one large read reaches the
+    /// context in two pieces. When the first fails the session (here a frame over
+    /// `max_frame`), the second must not be read: tungstenite keeps the rejected header
+    /// and would read on into a full buffer (a debug assertion, or an empty read taken
+    /// for EOF in release builds).
+    #[test]
+    fn input_behind_a_frame_that_failed_the_session_in_the_upgrade_read_is_ignored() {
+        let t0 = Instant::now();
+        let cfg = WsConfig::default();
+        let mut c = Connection::new(t0, cfg);
+        let mut bytes = upgrade_request(None).into_bytes();
+        bytes.extend([0x81, 0x80 | 127]);
+        bytes.extend((cfg.max_frame as u64 * 2).to_be_bytes());
+        bytes.extend([1, 2, 3, 4]);
+        bytes.resize(cfg.max_head_bytes + 4 * cfg.read_buffer_size, b'x');
+        c.handle_input(&bytes, t0, &HOST);
+        assert_eq!(
+            events(&mut c),
+            vec![
+                ConnEvent::Opened { subprotocol: None },
+                closed(1009, "message too big", false)
+            ]
+        );
+        let out = drain_output(&mut c);
+        let body_at = out.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        assert_eq!(
+            server_frames(&out[body_at..]),
+            vec![close_payload(1009, "message too big")]
+        );
+        assert!(c.wants_shutdown_write());
+        assert!(c.ws.is_none(), "the failed context is dropped");
     }
 
     #[test]
