@@ -435,7 +435,7 @@ impl Parser {
         Ok(Some((payload, total)))
     }
 
-    #[inline]
+    #[inline(always)]
     fn msg<'a, const HEADERS: bool>(&self, buf: &'a [u8], after: usize) -> Res<'a> {
         let mut f: [&[u8]; 5] = [&[]; 5];
         // JetStream deliveries (HMSG) carry long $JS.ACK reply subjects.
