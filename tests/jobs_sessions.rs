@@ -330,3 +330,32 @@ fn assert_no_overlapping_leases(history: &[Value]) {
         }
     }
 }
+
+#[test]
+fn a_session_serves_a_bounded_number_of_jobs_and_the_next_is_refused_clearly() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["w1"], 30, 5000));
+    let mut w1 = login(&broker, "w1");
+    let most = amp_broker::broker::jobs::MAX_JOBS_PER_SESSION;
+    for i in 0..most {
+        let r = w1.request(json!({"op":"serve","job":format!("job{i}"),"slots":1}));
+        assert_eq!(r["op"], "ok", "serve job{i}: {r}");
+    }
+    let r = w1.request(json!({"op":"serve","job":"one-too-many","slots":1}));
+    assert_eq!(
+        (&r["op"], &r["code"]),
+        (&json!("error"), &json!("forbidden")),
+        "{r}"
+    );
+    assert_eq!(r["path"], "/job", "{r}");
+    // Jobs already served can still change their slots.
+    let r = w1.request(json!({"op":"serve","job":"job0","slots":3}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let r = w1.request(json!({"op":"serve","job":"one-too-many","slots":0}));
+    assert_eq!(
+        r["op"], "ok",
+        "slots 0 of a job not served changes nothing: {r}"
+    );
+    let r = w1.request(json!({"op":"serve","job":"one-too-many","slots":1}));
+    assert_eq!(r["code"], "forbidden", "and records nothing either: {r}");
+}

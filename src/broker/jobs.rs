@@ -58,6 +58,10 @@ const MAX_CAS_TRIES: u8 = 8;
 const CONSUMER_RETRY: Duration = Duration::from_secs(2);
 /// Deliveries of a task message without a record before it is terminated.
 const MAX_ORPHAN_DELIVERIES: u64 = 5;
+/// Distinct jobs one session may serve: each is a registry entry and pull bookkeeping.
+pub const MAX_JOBS_PER_SESSION: usize = 64;
+/// Distinct job queues (a durable consumer and its pulls each) one broker opens.
+pub const MAX_JOB_QUEUES: usize = 1024;
 
 /// What the component asks the core to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -624,6 +628,30 @@ impl Jobs {
                 format!("serving `{job}` is not permitted"),
             )
             .with_path("/job"));
+        }
+        let serves_it = self
+            .workers
+            .get(&caller.session)
+            .map(|w| (w.serving.contains_key(job), w.serving.len()));
+        if !serves_it.is_some_and(|(serves, _)| serves) {
+            if slots == 0 {
+                // Nothing to stop; recording it would let entries pile up unbounded.
+                return Ok(());
+            }
+            let limit = if serves_it.is_some_and(|(_, n)| n >= MAX_JOBS_PER_SESSION) {
+                Some(format!(
+                    "a session serves at most {MAX_JOBS_PER_SESSION} jobs"
+                ))
+            } else if self.queues.len() >= MAX_JOB_QUEUES
+                && !self.queues.contains_key(&queue_key(caller.ns, job))
+            {
+                Some(format!("this broker serves at most {MAX_JOB_QUEUES} jobs"))
+            } else {
+                None
+            };
+            if let Some(message) = limit {
+                return Err(AmpError::new(ErrorCode::Forbidden, message).with_path("/job"));
+            }
         }
         let worker = self
             .workers
