@@ -359,7 +359,7 @@ impl Parser {
     }
 
     /// Control line and fields in one pass, for the common case only: the line ends
-    /// within its first 64 bytes and the limit, fields are separated by spaces, no stray
+    /// within the window `W` (64 or 128 bytes) and the limit, fields are separated by spaces, no stray
     /// CR, at most `out.len()` fields. `None` sends the caller to the general path
     /// (`control_line` + `split_fields`), which gives the same answer for everything this
     /// accepts and handles the rest.
