@@ -9,40 +9,13 @@ use std::time::{Duration, SystemTime};
 
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
+use common::jobs::{config, login, login_serving, status};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
 /// A submitter's inbox pull lost in a NATS restart is replaced after two missed idle
 /// heartbeats (10 s), so a `task_result` may take that much longer to arrive.
 const RESULT_WAIT: Duration = Duration::from_secs(25);
-
-fn config(names: &[&str], lease_s: u64, offer_ms: u64) -> Value {
-    let mut c = open_config(names);
-    c["namespaces"]["acme"]["jobs"] =
-        json!({"render": {"lease_s": lease_s, "offer_ms": offer_ms, "max_attempts": 3}});
-    c
-}
-
-fn login(broker: &Broker, name: &str) -> Client {
-    Client::login(broker, "acme", name, &format!("{name}-token"))
-}
-
-fn login_serving(broker: &Broker, name: &str, slots: u32) -> Client {
-    let mut c = Client::connect(broker);
-    let ok = c.request(json!({
-        "op":"hello","ns":"acme","name":name,
-        "auth":{"type":"token","token":format!("{name}-token")},
-        "serve":[{"job":"render","slots":slots}]
-    }));
-    assert_eq!(ok["op"], "ok", "hello: {ok}");
-    c
-}
-
-fn status(c: &mut Client, task: &str) -> Value {
-    let r = c.request(json!({"op":"status","task":task}));
-    assert_eq!(r["op"], "ok", "status: {r}");
-    r["task"].clone()
-}
 
 fn millis(rfc3339: &str) -> i128 {
     amp_broker::rfc3339::parse_nanos(rfc3339).expect("RFC 3339 time") / 1_000_000

@@ -8,39 +8,11 @@ use std::time::{Duration, Instant};
 
 use amp_broker::nats::{Client as NatsClient, Options};
 use common::NatsServer;
-use common::amp::{Broker, Client, open_config};
+use common::amp::{Broker, Client};
+use common::jobs::{config, login, login_serving, status};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn config(names: &[&str], lease_s: u64, offer_ms: u64) -> Value {
-    let mut c = open_config(names);
-    c["namespaces"]["acme"]["jobs"] =
-        json!({"render": {"lease_s": lease_s, "offer_ms": offer_ms, "max_attempts": 3}});
-    c
-}
-
-fn login(broker: &Broker, name: &str) -> Client {
-    Client::login(broker, "acme", name, &format!("{name}-token"))
-}
-
-/// Logs in announcing `serve` in the hello.
-fn login_serving(broker: &Broker, name: &str, slots: u32) -> Client {
-    let mut c = Client::connect(broker);
-    let ok = c.request(json!({
-        "op":"hello","ns":"acme","name":name,
-        "auth":{"type":"token","token":format!("{name}-token")},
-        "serve":[{"job":"render","slots":slots}]
-    }));
-    assert_eq!(ok["op"], "ok", "hello: {ok}");
-    c
-}
-
-fn status(c: &mut Client, task: &str) -> Value {
-    let r = c.request(json!({"op":"status","task":task}));
-    assert_eq!(r["op"], "ok", "status: {r}");
-    r["task"].clone()
-}
 
 #[test]
 fn a_task_travels_from_submit_through_offer_claim_and_complete_to_the_submitters_inbox() {

@@ -817,17 +817,9 @@ impl Jobs {
         task: &str,
         now: Instant,
     ) {
-        let key = task_key(caller.ns, task);
-        let offered = self
-            .tasks
-            .get(&key)
-            .is_some_and(|t| t.session == caller.session && t.phase == Phase::Offered);
-        if !offered {
-            return self.refuse(caller.session, &re, lease_lost(task));
-        }
-        if let Some(t) = self.tasks.get_mut(&key) {
-            t.phase = Phase::Claiming;
-        }
+        let Some(key) = self.take_offer(caller, &re, task, Phase::Claiming) else {
+            return;
+        };
         let op = Op::Claim {
             session: caller.session,
             re,
@@ -843,23 +835,37 @@ impl Jobs {
         task: &str,
         now: Instant,
     ) {
-        let key = task_key(caller.ns, task);
-        let offered = self
-            .tasks
-            .get(&key)
-            .is_some_and(|t| t.session == caller.session && t.phase == Phase::Offered);
-        if !offered {
-            return self.refuse(caller.session, &re, lease_lost(task));
-        }
-        if let Some(t) = self.tasks.get_mut(&key) {
-            // No longer claimable; the slot stays taken until the record says queued.
-            t.phase = Phase::Finishing;
-        }
+        // No longer claimable; the slot stays taken until the record says queued.
+        let Some(key) = self.take_offer(caller, &re, task, Phase::Finishing) else {
+            return;
+        };
         let op = Op::Requeue {
             session: caller.session,
             re: Some(re),
         };
         self.write_local(conn, key, op, now);
+    }
+
+    /// The task's key when its offer is out to the caller's session, moving it to `next`;
+    /// otherwise answers `lease_lost`.
+    fn take_offer(
+        &mut self,
+        caller: &Caller<'_>,
+        re: &str,
+        task: &str,
+        next: Phase,
+    ) -> Option<String> {
+        let key = task_key(caller.ns, task);
+        match self.tasks.get_mut(&key) {
+            Some(t) if t.session == caller.session && t.phase == Phase::Offered => {
+                t.phase = next;
+                Some(key)
+            }
+            _ => {
+                self.refuse(caller.session, re, lease_lost(task));
+                None
+            }
+        }
     }
 
     /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.

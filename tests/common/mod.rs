@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod amp;
+pub mod jobs;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
