@@ -238,26 +238,53 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let l = &self.limits;
-        positive("limits.max_frame", l.max_frame as u64)?;
-        positive("limits.max_outbound_bytes", l.max_outbound_bytes as u64)?;
-        positive("limits.heartbeat_s", l.heartbeat_s)?;
-        positive("limits.hello_timeout_s", l.hello_timeout_s)?;
-        positive("limits.registry_ttl_s", l.registry_ttl_s)?;
-        positive("limits.max_sessions", l.max_sessions as u64)?;
+        within("limits.max_frame", l.max_frame, 1, 64 * MIB)?;
+        within(
+            "limits.max_outbound_bytes",
+            l.max_outbound_bytes,
+            1,
+            1024 * MIB,
+        )?;
+        within("limits.heartbeat_s", l.heartbeat_s, 1, HOUR)?;
+        within("limits.hello_timeout_s", l.hello_timeout_s, 1, HOUR)?;
+        within("limits.registry_ttl_s", l.registry_ttl_s, 1, DAY)?;
+        within("limits.max_sessions", l.max_sessions, 1, 1_000_000)?;
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");
             check_name(&at, ns_name)?;
-            positive(&format!("{at}.inbox.ack_wait_s"), ns.inbox.ack_wait_s)?;
-            positive(
+            let inbox = &ns.inbox;
+            within(&format!("{at}.inbox.ack_wait_s"), inbox.ack_wait_s, 1, DAY)?;
+            within(
                 &format!("{at}.inbox.inbox_window"),
-                u64::from(ns.inbox.inbox_window),
+                inbox.inbox_window,
+                1,
+                65_536,
+            )?;
+            within(
+                &format!("{at}.inbox.max_age_s"),
+                inbox.max_age_s,
+                0,
+                10 * YEAR,
+            )?;
+            let topics = &ns.topics;
+            within(
+                &format!("{at}.topics.max_age_s"),
+                topics.max_age_s,
+                0,
+                10 * YEAR,
+            )?;
+            within(
+                &format!("{at}.topics.max_bytes"),
+                topics.max_bytes,
+                0,
+                1 << 50,
             )?;
             for (job_name, job) in &ns.jobs {
                 let at = format!("{at}.jobs.{job_name}");
                 check_name(&at, job_name)?;
-                positive(&format!("{at}.lease_s"), job.lease_s)?;
-                positive(&format!("{at}.offer_ms"), job.offer_ms)?;
-                positive(&format!("{at}.max_attempts"), u64::from(job.max_attempts))?;
+                within(&format!("{at}.lease_s"), job.lease_s, 1, DAY)?;
+                within(&format!("{at}.offer_ms"), job.offer_ms, 1, HOUR * 1000)?;
+                within(&format!("{at}.max_attempts"), job.max_attempts, 1, 1000)?;
             }
             for (name, p) in &ns.participants {
                 let at = format!("{at}.participants.{name}");
@@ -328,34 +355,61 @@ impl Participant {
             check_name(&format!("{at}.labels"), key)?;
         }
         if let Some(policy) = &self.policy {
-            for (field, value) in [
-                ("msgs_per_s", policy.msgs_per_s),
-                ("bytes_per_s", policy.bytes_per_s),
-            ] {
-                if value.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
-                    return Err(err(
-                        format!("{at}.policy.{field}"),
-                        "must be a positive number",
-                    ));
-                }
+            let at = format!("{at}.policy");
+            if let Some(rate) = policy.msgs_per_s {
+                within_f64(&format!("{at}.msgs_per_s"), rate, 0.001, 1e6)?;
+            }
+            if let Some(rate) = policy.bytes_per_s {
+                within_f64(&format!("{at}.bytes_per_s"), rate, 1.0, 1e12)?;
+            }
+            if let Some(burst) = policy.burst {
+                within(&format!("{at}.burst"), burst, 1, 1_000_000)?;
             }
             if policy.tasks_per_window.is_some() != policy.window_s.is_some() {
-                return Err(err(
-                    format!("{at}.policy"),
-                    "`tasks_per_window` and `window_s` go together",
-                ));
+                return Err(err(at, "`tasks_per_window` and `window_s` go together"));
             }
-            if policy.window_s == Some(0) {
-                return Err(err(format!("{at}.policy.window_s"), "must be at least 1"));
+            if let Some(tasks) = policy.tasks_per_window {
+                within(&format!("{at}.tasks_per_window"), tasks, 0, 1_000_000_000)?;
+            }
+            if let Some(window) = policy.window_s {
+                within(&format!("{at}.window_s"), window, 1, 31 * DAY)?;
             }
         }
         Ok(())
     }
 }
 
-fn positive(path: &str, value: u64) -> Result<(), ConfigError> {
-    if value == 0 {
-        Err(err(path, "must be at least 1"))
+const MIB: u64 = 1 << 20;
+const HOUR: u64 = 3600;
+const DAY: u64 = 24 * HOUR;
+const YEAR: u64 = 365 * DAY;
+
+/// Checks a numeric member against its inclusive bounds. Every duration, size and count in
+/// the file goes through here (or [`within_f64`]), so an absurd value stops the broker at
+/// load, naming the member, instead of overflowing time or size arithmetic in a session.
+pub fn within<T: TryInto<u64>>(
+    path: &str,
+    value: T,
+    min: u64,
+    max: u64,
+) -> Result<(), ConfigError> {
+    // A value that does not fit u64 (only possible for u128-like types) is above any bound.
+    let value = value.try_into().unwrap_or(u64::MAX);
+    if value < min {
+        Err(err(path, format!("must be at least {min}")))
+    } else if value > max {
+        Err(err(path, format!("must be at most {max}")))
+    } else {
+        Ok(())
+    }
+}
+
+/// [`within`] for rates: also refuses NaN and infinities.
+pub fn within_f64(path: &str, value: f64, min: f64, max: f64) -> Result<(), ConfigError> {
+    if !value.is_finite() || value < min {
+        Err(err(path, format!("must be a number of at least {min}")))
+    } else if value > max {
+        Err(err(path, format!("must be at most {max}")))
     } else {
         Ok(())
     }
@@ -466,6 +520,129 @@ mod tests {
             let e = parse(&json).expect_err(&json);
             assert_eq!(e.path, path, "{json}: {e}");
         }
+    }
+
+    #[test]
+    fn refuses_values_beyond_their_bound_naming_the_member() {
+        let huge = u64::MAX;
+        let job = |m: &str| format!(r#"{{"namespaces":{{"acme":{{"jobs":{{"r":{{{m}}}}}}}}}}}"#);
+        let policy = |m: &str| {
+            format!(
+                r#"{{"namespaces":{{"acme":{{"participants":{{"w1":{{"nkey":"{KEY}","policy":{{{m}}}}}}}}}}}}}"#
+            )
+        };
+        let cases = [
+            (
+                format!(r#"{{"limits":{{"hello_timeout_s":{huge}}}}}"#),
+                "limits.hello_timeout_s",
+                "at most 3600",
+            ),
+            (
+                format!(r#"{{"limits":{{"heartbeat_s":{huge}}}}}"#),
+                "limits.heartbeat_s",
+                "at most 3600",
+            ),
+            (
+                format!(r#"{{"limits":{{"registry_ttl_s":{huge}}}}}"#),
+                "limits.registry_ttl_s",
+                "at most 86400",
+            ),
+            (
+                format!(r#"{{"limits":{{"max_frame":{huge}}}}}"#),
+                "limits.max_frame",
+                "at most 67108864",
+            ),
+            (
+                format!(r#"{{"limits":{{"max_outbound_bytes":{huge}}}}}"#),
+                "limits.max_outbound_bytes",
+                "at most",
+            ),
+            (
+                format!(r#"{{"limits":{{"max_sessions":{huge}}}}}"#),
+                "limits.max_sessions",
+                "at most 1000000",
+            ),
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"inbox":{{"ack_wait_s":{huge}}}}}}}}}"#),
+                "namespaces.acme.inbox.ack_wait_s",
+                "at most 86400",
+            ),
+            (
+                format!(
+                    r#"{{"namespaces":{{"acme":{{"inbox":{{"inbox_window":{}}}}}}}}}"#,
+                    u32::MAX
+                ),
+                "namespaces.acme.inbox.inbox_window",
+                "at most 65536",
+            ),
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"inbox":{{"max_age_s":{huge}}}}}}}}}"#),
+                "namespaces.acme.inbox.max_age_s",
+                "at most",
+            ),
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"topics":{{"max_age_s":{huge}}}}}}}}}"#),
+                "namespaces.acme.topics.max_age_s",
+                "at most",
+            ),
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"topics":{{"max_bytes":{huge}}}}}}}}}"#),
+                "namespaces.acme.topics.max_bytes",
+                "at most",
+            ),
+            (
+                job(&format!(r#""lease_s":{huge}"#)),
+                "namespaces.acme.jobs.r.lease_s",
+                "at most 86400",
+            ),
+            (
+                job(&format!(r#""offer_ms":{huge}"#)),
+                "namespaces.acme.jobs.r.offer_ms",
+                "at most 3600000",
+            ),
+            (
+                job(r#""max_attempts":4294967295"#),
+                "namespaces.acme.jobs.r.max_attempts",
+                "at most 1000",
+            ),
+            (
+                policy(r#""msgs_per_s":1e300"#),
+                "namespaces.acme.participants.w1.policy.msgs_per_s",
+                "at most",
+            ),
+            (
+                policy(r#""msgs_per_s":1e-300"#),
+                "namespaces.acme.participants.w1.policy.msgs_per_s",
+                "at least",
+            ),
+            (
+                policy(r#""bytes_per_s":1e300"#),
+                "namespaces.acme.participants.w1.policy.bytes_per_s",
+                "at most",
+            ),
+            (
+                policy(r#""msgs_per_s":5,"burst":4294967295"#),
+                "namespaces.acme.participants.w1.policy.burst",
+                "at most",
+            ),
+            (
+                policy(&format!(r#""tasks_per_window":{huge},"window_s":60"#)),
+                "namespaces.acme.participants.w1.policy.tasks_per_window",
+                "at most",
+            ),
+            (
+                policy(&format!(r#""tasks_per_window":5,"window_s":{huge}"#)),
+                "namespaces.acme.participants.w1.policy.window_s",
+                "at most",
+            ),
+        ];
+        for (json, path, text) in cases {
+            let e = parse(&json).expect_err(&json);
+            assert_eq!(e.path, path, "{json}: {e}");
+            assert!(e.problem.contains(text), "{json}: {e}");
+        }
+        let at_bounds = r#"{"limits":{"hello_timeout_s":3600,"heartbeat_s":3600,"registry_ttl_s":86400,"max_frame":67108864},"namespaces":{"acme":{"jobs":{"r":{"lease_s":86400,"offer_ms":3600000,"max_attempts":1000}},"inbox":{"ack_wait_s":86400,"inbox_window":65536}}}}"#;
+        parse(at_bounds).expect("values at their bounds are accepted");
     }
 
     #[test]
