@@ -186,6 +186,9 @@ pub struct Broker {
     budgets: Budgets,
     /// Submits waiting for a budget reservation, per participant.
     held_submits: HashMap<String, Vec<(SessionId, ClientFrame)>>,
+    /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
+    /// their sessions come and go within a refresh interval.
+    refreshing: HashSet<String>,
 }
 
 impl Broker {
@@ -213,6 +216,7 @@ impl Broker {
             issuer: None,
             budgets: Budgets::new(BudgetConfig::default()),
             held_submits: HashMap::new(),
+            refreshing: HashSet::new(),
         })
     }
 
@@ -901,14 +905,24 @@ impl Broker {
         }))
     }
 
+    /// Writes the entry and keeps it refreshed while the participant is present. A timer
+    /// still armed from an earlier presence carries on the refreshing (it fires within one
+    /// interval), so a participant never has more than one chain.
     fn registry_put(&mut self, conn: &mut Connection, ns: &str, name: &str, now: Instant) {
         self.registry_write(conn, ns, name, now);
+        let key = participant_key(ns, name);
+        if !self.refreshing.insert(key.clone()) {
+            return;
+        }
         let ttl = self.config.limits.registry_ttl_s;
         let refresh = Duration::from_secs(ttl).div_f64(3.0);
-        self.timers.push(Reverse((
-            now + refresh,
-            Timer::RegistryRefresh(participant_key(ns, name)),
-        )));
+        match now.checked_add(refresh) {
+            Some(at) => self.timers.push(Reverse((at, Timer::RegistryRefresh(key)))),
+            // Beyond the clock's range: the entry outlives the process anyway.
+            None => {
+                self.refreshing.remove(&key);
+            }
+        }
     }
 
     /// Writes the registry entry now, without starting another refresh cycle.
@@ -1243,6 +1257,7 @@ impl Broker {
                     }
                 }
                 Timer::RegistryRefresh(key) => {
+                    self.refreshing.remove(&key);
                     if let Some((ns, name)) = key
                         .split_once('/')
                         .filter(|_| self.presence.contains_key(&key))
