@@ -4,6 +4,7 @@
 pub mod amp;
 pub mod broker;
 pub mod cli;
+pub mod deadline;
 pub mod jetstream;
 pub mod jwt;
 pub mod nats;

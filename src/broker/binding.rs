@@ -8,7 +8,7 @@
 
 use serde_json::{Value, json};
 
-const NANOS_PER_SEC: u64 = 1_000_000_000;
+use crate::deadline::secs_as_nanos;
 
 /// History kept per task in the task store (the most KV allows).
 pub const TASK_STATE_HISTORY: u64 = 64;
@@ -71,7 +71,7 @@ fn base_stream(name: &str, subjects: Value, retention: &str, s: StreamSettings) 
         "storage": "file",
         "num_replicas": s.replicas,
         "discard": "old",
-        "duplicate_window": s.duplicate_window_s * NANOS_PER_SEC,
+        "duplicate_window": secs_as_nanos(s.duplicate_window_s),
     })
 }
 
@@ -82,7 +82,7 @@ pub fn inbox_stream_config(ns: &str, max_age_s: u64, s: StreamSettings) -> Value
         "limits",
         s,
     );
-    c["max_age"] = json!(max_age_s * NANOS_PER_SEC);
+    c["max_age"] = json!(secs_as_nanos(max_age_s));
     c
 }
 
@@ -93,7 +93,7 @@ pub fn topics_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamS
         "limits",
         s,
     );
-    c["max_age"] = json!(max_age_s * NANOS_PER_SEC);
+    c["max_age"] = json!(secs_as_nanos(max_age_s));
     c["max_bytes"] = if max_bytes == 0 {
         json!(-1)
     } else {
@@ -124,7 +124,7 @@ fn kv_stream_config(bucket: &str, history: u64, s: StreamSettings) -> Value {
         "allow_rollup_hdrs": true,
         "deny_delete": true,
         "allow_direct": true,
-        "duplicate_window": s.duplicate_window_s * NANOS_PER_SEC,
+        "duplicate_window": secs_as_nanos(s.duplicate_window_s),
     })
 }
 
@@ -133,7 +133,7 @@ fn kv_stream_config(bucket: &str, history: u64, s: StreamSettings) -> Value {
 pub fn registry_stream_config(ns: &str, ttl_s: u64, s: StreamSettings) -> Value {
     let mut c = kv_stream_config(&registry_bucket(ns), 1, s);
     c["allow_msg_ttl"] = json!(true);
-    c["subject_delete_marker_ttl"] = json!(ttl_s * NANOS_PER_SEC);
+    c["subject_delete_marker_ttl"] = json!(secs_as_nanos(ttl_s));
     c
 }
 
@@ -148,7 +148,7 @@ pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32)
         "filter_subject": inbox_subject(ns, name),
         "deliver_policy": "all",
         "ack_policy": "explicit",
-        "ack_wait": ack_wait_s * NANOS_PER_SEC,
+        "ack_wait": secs_as_nanos(ack_wait_s),
         "max_deliver": -1,
         "max_ack_pending": window,
     })
@@ -162,7 +162,7 @@ pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> Value {
         "filter_subject": job_subject(ns, job),
         "deliver_policy": "all",
         "ack_policy": "explicit",
-        "ack_wait": lease_s * NANOS_PER_SEC,
+        "ack_wait": secs_as_nanos(lease_s),
         "max_deliver": -1,
     })
 }
@@ -282,24 +282,44 @@ mod tests {
         assert_eq!(tasks["subjects"], json!(["amp.acme.job.*"]));
         let topics = topics_stream_config("acme", 3600, 0, s);
         assert_eq!(topics["subjects"], json!(["amp.acme.topic.>"]));
-        assert_eq!(topics["max_age"], json!(3600 * NANOS_PER_SEC));
+        assert_eq!(topics["max_age"], json!(3600 * 1_000_000_000u64));
         let registry = registry_stream_config("acme", 15, s);
         assert_eq!(registry["name"], "KV_AMP_REGISTRY_acme");
         assert_eq!(registry["allow_msg_ttl"], true);
         assert_eq!(
             registry["subject_delete_marker_ttl"],
-            json!(15 * NANOS_PER_SEC)
+            json!(15 * 1_000_000_000u64)
         );
         assert_eq!(
             task_state_stream_config(s)["max_msgs_per_subject"],
             json!(64)
         );
         let job = job_consumer_config("acme", "render", 30);
-        assert_eq!(job["ack_wait"], json!(30 * NANOS_PER_SEC));
+        assert_eq!(job["ack_wait"], json!(30 * 1_000_000_000u64));
         assert_eq!(job["max_deliver"], json!(-1));
         assert_eq!(
             inbox_consumer_config("acme", "w1", 30, 64)["max_ack_pending"],
             json!(64)
+        );
+    }
+
+    #[test]
+    fn durations_beyond_the_go_range_saturate_instead_of_wrapping() {
+        let max = json!(i64::MAX);
+        let s = StreamSettings::default();
+        assert_eq!(
+            inbox_consumer_config("acme", "a", u64::MAX, 64)["ack_wait"],
+            max
+        );
+        assert_eq!(job_consumer_config("acme", "r", u64::MAX)["ack_wait"], max);
+        assert_eq!(inbox_stream_config("acme", u64::MAX, s)["max_age"], max);
+        assert_eq!(
+            topics_stream_config("acme", 18_446_744_074, 0, s)["max_age"],
+            max
+        );
+        assert_eq!(
+            registry_stream_config("acme", u64::MAX, s)["subject_delete_marker_ttl"],
+            max
         );
     }
 
@@ -309,7 +329,7 @@ mod tests {
         let mut existing = desired.clone();
         existing["subjects"] = json!(["amp.acme.inbox.*", "legacy.>"]);
         existing["num_replicas"] = json!(3);
-        existing["max_age"] = json!(86_400 * NANOS_PER_SEC);
+        existing["max_age"] = json!(86_400 * 1_000_000_000u64);
         existing["sealed"] = json!(false);
         assert_eq!(check_compatible(&desired, &existing), Ok(()));
     }

@@ -30,6 +30,7 @@ use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
 use crate::amp::reply::{self, FrameWriter};
 use crate::amp::{AmpError, ErrorCode, FrameValidator, Rejected};
+use crate::deadline::after;
 use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
 use crate::jetstream::kv::{WatchAction, WatchRequestKind};
@@ -303,7 +304,7 @@ impl Broker {
         self.frame(session, challenge);
         let timeout = Duration::from_secs(self.config.limits.hello_timeout_s);
         self.timers
-            .push(Reverse((now + timeout, Timer::HelloTimeout(session))));
+            .push(Reverse((after(now, timeout), Timer::HelloTimeout(session))));
     }
 
     /// The session is gone (closed by either side). Its unacknowledged inbox deliveries

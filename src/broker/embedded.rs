@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::deadline::after;
+
 /// How the child's JetStream persists writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
@@ -103,7 +105,7 @@ impl EmbeddedServer {
 
     /// Waits for an INFO line announcing JetStream. Start-up only, so blocking is fine.
     fn wait_ready(&mut self) -> io::Result<()> {
-        let deadline = Instant::now() + self.opts.ready_timeout;
+        let deadline = after(Instant::now(), self.opts.ready_timeout);
         loop {
             if let Some(status) = self.exited()? {
                 return Err(io::Error::other(format!(
@@ -163,7 +165,7 @@ impl EmbeddedServer {
             // SAFETY: kill(2) on our own child's PID; the child is not yet reaped.
             unsafe { libc::kill(pid, libc::SIGTERM) };
         }
-        let deadline = Instant::now() + grace;
+        let deadline = after(Instant::now(), grace);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = child.try_wait() {
                 return;

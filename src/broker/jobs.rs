@@ -23,6 +23,7 @@ use super::worker_choice::{self, Candidate};
 use crate::amp::frame::{self as amp_frame, ClientFrame, ServeSlots};
 use crate::amp::reply::{self, FrameWriter};
 use crate::amp::{AmpError, ErrorCode};
+use crate::deadline::{after, secs_as_millis};
 use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::{ApiPrefix, check_error};
 use crate::jetstream::error::JsError;
@@ -353,7 +354,10 @@ impl WallClock {
 
     fn instant(&self, now: Instant, ms: i64) -> Instant {
         let delta = ms - self.ms(now);
-        now + Duration::from_millis(u64::try_from(delta).unwrap_or(0))
+        after(
+            now,
+            Duration::from_millis(u64::try_from(delta).unwrap_or(0)),
+        )
     }
 }
 
@@ -1499,12 +1503,11 @@ impl Jobs {
     }
 
     fn change_for<'a>(&self, op: &'a Op, actor: &'a (String, String), key: &str) -> Change<'a> {
-        let lease_ms = self
-            .tasks
-            .get(key)
-            .map(|t| self.job_config(&t.ns, &t.job).lease_s)
-            .unwrap_or(30)
-            .saturating_mul(1000) as i64;
+        let lease_ms = secs_as_millis(
+            self.tasks
+                .get(key)
+                .map_or(30, |t| self.job_config(&t.ns, &t.job).lease_s),
+        );
         let by = Actor {
             participant: &actor.0,
             session: &actor.1,
@@ -1870,7 +1873,7 @@ impl Jobs {
                 t.phase = Phase::Offered;
                 let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
                 let cfg = self.job_config(&ns, &job);
-                let offer_until = now + Duration::from_millis(cfg.offer_ms);
+                let offer_until = after(now, Duration::from_millis(cfg.offer_ms));
                 if let Some(t) = self.tasks.get_mut(&key) {
                     t.offer_until = Some(offer_until);
                 }

@@ -23,6 +23,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use super::bounded_map::BoundedMap;
+use crate::deadline::after;
 
 #[derive(Debug, Clone)]
 pub struct ThrottleConfig {
@@ -169,7 +170,7 @@ impl HelloThrottle {
                 .address_base_delay
                 .saturating_mul(factor)
                 .min(self.config.address_max_delay);
-            now + delay
+            after(now, delay)
         };
 
         let burst = f64::from(self.config.participant_burst);

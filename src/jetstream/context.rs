@@ -19,6 +19,7 @@ use super::stream::{
     StreamListPage, parse_direct_get, parse_msg_get,
 };
 use super::{AccountInfo, account};
+use crate::deadline::after;
 use crate::nats::{Client, Event, Message, RequestError, RequestId, Sid};
 use crate::proto::headers::HeaderMap;
 
@@ -291,7 +292,10 @@ impl Context {
     }
 
     pub fn wait_pub_ack(&mut self, id: RequestId) -> Result<PubAck, JsError> {
-        let deadline = Instant::now() + self.timeout + Duration::from_millis(50);
+        let deadline = after(
+            Instant::now(),
+            self.timeout.saturating_add(Duration::from_millis(50)),
+        );
         let reply = self
             .client
             .wait_response(id, deadline)
@@ -339,7 +343,7 @@ impl Context {
                 &req.payload,
             )
             .map_err(|e| JsError::Transport(e.to_string()))?;
-        let deadline = Instant::now() + wait;
+        let deadline = after(Instant::now(), wait);
         let mut out = Fetched::default();
         while (out.messages.len() as u64) < batch {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -583,7 +587,7 @@ impl BlockingWatch {
         js: &mut Context,
         timeout: Duration,
     ) -> Result<Option<WatchEvent>, JsError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = after(Instant::now(), timeout);
         loop {
             self.run_actions(js)?;
             let now = Instant::now();

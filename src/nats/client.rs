@@ -7,6 +7,7 @@ use super::error::{Error, RequestError};
 use super::options::Options;
 use super::requests::RequestId;
 use super::subscriptions::Sid;
+use crate::deadline::after;
 use crate::proto::headers::HeaderMap;
 use mio::{Events, Poll, Token};
 use std::collections::VecDeque;
@@ -117,7 +118,7 @@ impl Client {
     /// Writes everything and waits for the server's PONG: all earlier operations have been
     /// processed by the server when this returns `Ok`.
     pub fn flush(&mut self, timeout: Duration) -> Result<(), Error> {
-        let deadline = Instant::now() + timeout;
+        let deadline = after(Instant::now(), timeout);
         let id: PingId = self.driver.connection_mut().ping()?;
         let mut result = Err(Error::Timeout);
         self.run_stashing(deadline, |event| match event {
@@ -148,7 +149,7 @@ impl Client {
         {
             return Ok(Some(msg));
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = after(Instant::now(), timeout);
         let event = self.run_stashing(
             deadline,
             |event| matches!(event, Event::Message { sid: s, .. } if *s == sid),
@@ -173,7 +174,10 @@ impl Client {
             .connection_mut()
             .request(subject, headers, payload, timeout, now)?;
         self.drive();
-        self.wait_response(id, now + timeout + Duration::from_millis(50))
+        self.wait_response(
+            id,
+            after(now, timeout.saturating_add(Duration::from_millis(50))),
+        )
     }
 
     /// Waits for the outcome of a request made with `connection_mut().request(..)`.
@@ -206,7 +210,7 @@ impl Client {
         timeout: Duration,
         mut f: impl FnMut(&Event) -> bool,
     ) -> Result<bool, Error> {
-        let deadline = Instant::now() + timeout;
+        let deadline = after(Instant::now(), timeout);
         while let Some(event) = self.stash.pop_front() {
             if f(&event) {
                 return Ok(true);

@@ -15,6 +15,7 @@ use super::error::{ErrKind, Error, RequestError, classify_err};
 use super::options::{Auth, Options, ServerAddr, ServerUrl};
 use super::requests::{RequestId, RequestTable};
 use super::subscriptions::{Delivery, Sid, SubscriptionTable};
+use crate::deadline::after;
 use crate::proto::encode;
 use crate::proto::headers::HeaderMap;
 use crate::proto::info::{ConnectOptions, ServerInfo};
@@ -301,7 +302,7 @@ impl Connection {
         }
         self.state = State::Dialing {
             server,
-            deadline: now + self.options.connect_timeout,
+            deadline: after(now, self.options.connect_timeout),
         };
         Some(addr)
     }
@@ -428,7 +429,7 @@ impl Connection {
                     self.keepalive_out += 1;
                     self.pings.push_back(PingKind::Keepalive);
                     encode::ping(&mut self.out);
-                    self.next_ping = Some(now + self.options.ping_interval);
+                    self.next_ping = Some(after(now, self.options.ping_interval));
                 }
             }
             _ => {}
@@ -689,7 +690,7 @@ impl Connection {
         reply.push_str(&id.0.to_string());
         self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload)?;
         let on_wire = self.is_connected() && !self.lame_duck_move;
-        Ok(self.requests.insert(now + timeout, on_wire))
+        Ok(self.requests.insert(after(now, timeout), on_wire))
     }
 
     /// Forgets a request; a late reply is dropped. False when it already ended.
@@ -984,7 +985,7 @@ impl Connection {
         }
         self.keepalive_out = 0;
         self.pings.clear();
-        self.next_ping = Some(now + self.options.ping_interval);
+        self.next_ping = Some(after(now, self.options.ping_interval));
         // Restore subscriptions, then what was published while away.
         for (sid, sub) in self.subs.all_mut() {
             sub.delivered_at_sub = sub.delivered;
@@ -1141,14 +1142,15 @@ impl Connection {
         self.failures_in_a_row += 1;
         if let Some(e) = self.pool.get_mut(server) {
             e.failures += 1;
-            e.retry_at = Some(
-                now + backoff::delay(
+            e.retry_at = Some(after(
+                now,
+                backoff::delay(
                     self.options.reconnect_delay,
                     self.options.reconnect_delay_max,
                     e.failures,
                     &mut self.rng,
                 ),
-            );
+            ));
         }
         let first_connect = !self.ever_connected && !self.options.retry_on_failed_connect;
         if first_connect

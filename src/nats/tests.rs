@@ -254,6 +254,26 @@ fn request_times_out_at_its_deadline_on_the_virtual_clock() {
 }
 
 #[test]
+fn an_absurd_request_timeout_or_ping_interval_saturates_instead_of_panicking() {
+    let mut o = Harness::options("h:1");
+    o.ping_interval = Duration::MAX;
+    o.connect_timeout = Duration::MAX;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    h.conn
+        .request("svc", None, b"q", Duration::MAX, h.now)
+        .expect("request");
+    let next = h.conn.poll_timeout().expect("a deadline");
+    assert!(
+        next > h.now + Duration::from_secs(365 * 24 * 3600),
+        "{next:?}"
+    );
+    h.advance(Duration::from_secs(3600));
+    assert_eq!(h.conn.pending_requests(), 1);
+}
+
+#[test]
 fn replies_are_matched_by_token_and_503_ends_the_request_at_once() {
     let mut h = Harness::new(Harness::options("h:1"));
     h.connect();
