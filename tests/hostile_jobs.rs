@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use amp_broker::jetstream::Context;
@@ -10,7 +11,7 @@ use amp_broker::jetstream::kv::KvOperation;
 use amp_broker::nats::{Client as NatsClient, Options};
 use common::NatsServer;
 use common::amp::{Broker, Client};
-use common::jobs::{config, login};
+use common::jobs::{config, login, login_serving, status};
 use serde_json::json;
 
 fn jetstream(nats: &NatsServer) -> Context {
@@ -79,4 +80,161 @@ fn hello_close_churn_leaves_one_registry_refresh_per_participant() {
         after_delete,
         "no refresh once the last session is gone"
     );
+}
+
+#[test]
+fn status_answers_only_the_submitter_and_the_current_holder() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["a", "b", "w1", "w2"], 30, 5000));
+    let mut a = login(&broker, "a");
+    let mut b = login(&broker, "b");
+    let mut w2 = login(&broker, "w2");
+    let r = a.request(json!({"op":"submit","job":"render","body":{"secret":42}}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let task = r["task"].as_str().expect("generated task id").to_string();
+
+    let refused = b.request(json!({"op":"status","task":task}));
+    assert_eq!(
+        refused["code"], "forbidden",
+        "another participant: {refused}"
+    );
+    let text = refused.to_string();
+    for secret in ["secret", "render", "queued", "acme/a"] {
+        assert!(
+            !text.contains(secret),
+            "the refusal reveals nothing: {text}"
+        );
+    }
+    assert_eq!(
+        b.request(json!({"op":"status","task":"no-such-task"}))["code"],
+        "not_found"
+    );
+    assert_eq!(status(&mut a, &task)["state"], "queued");
+
+    // The holder may ask while it holds the lease; a worker that does not hold it may not.
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let offer = w1.next_op("offer", Duration::from_secs(10)).expect("offer");
+    assert_eq!(offer["task"], task.as_str());
+    let refused = w1.request(json!({"op":"status","task":task}));
+    assert_eq!(
+        refused["code"], "forbidden",
+        "an offer is no lease: {refused}"
+    );
+    let claim = w1.request(json!({"op":"claim","task":task}));
+    assert_eq!(claim["op"], "ok", "{claim}");
+    assert_eq!(status(&mut w1, &task)["holder"], "acme/w1");
+    assert_eq!(
+        w2.request(json!({"op":"status","task":task}))["code"],
+        "forbidden"
+    );
+    let done = w1.request(json!({"op":"complete","task":task,"result":{"r":1}}));
+    assert_eq!(done["op"], "ok", "{done}");
+    assert_eq!(
+        w1.request(json!({"op":"status","task":task}))["code"],
+        "forbidden",
+        "no longer the holder once finished"
+    );
+    assert_eq!(status(&mut a, &task)["state"], "completed");
+}
+
+#[test]
+fn generated_task_ids_share_no_predictable_structure() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["a"], 30, 5000));
+    let mut a = login(&broker, "a");
+    let n = 1000;
+    for i in 0..n {
+        a.send(&json!({"op":"submit","id":format!("s{i}"),"job":"render","body":i}));
+    }
+    let ids: Vec<String> = (0..n)
+        .map(|i| {
+            let r = a.answer_to(&format!("s{i}"));
+            assert_eq!(r["op"], "ok", "{r}");
+            r["task"].as_str().expect("task id").to_string()
+        })
+        .collect();
+    let distinct: HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), n, "all distinct");
+    for id in &ids {
+        assert!(
+            id.len() == 26
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b)),
+            "26 characters of lowercase base32: {id}"
+        );
+    }
+    let longest = ids
+        .windows(2)
+        .map(|w| {
+            w[0].bytes()
+                .zip(w[1].bytes())
+                .take_while(|(x, y)| x == y)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    eprintln!("longest common prefix of consecutive ids: {longest}");
+    assert!(
+        longest < 6,
+        "consecutive ids share a {longest}-character prefix"
+    );
+}
+
+#[test]
+fn a_task_id_of_another_participant_answers_conflict_whatever_its_state() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["a", "b", "w1"], 30, 5000));
+    let mut a = login(&broker, "a");
+    let mut b = login(&broker, "b");
+    let submit = json!({"op":"submit","job":"render","task":"T-a","body":{"frame":1}});
+    let r = a.request(submit.clone());
+    assert_eq!((&r["op"], &r["dup"]), (&json!("ok"), &json!(false)), "{r}");
+
+    // Same job and body, other job, other body: one answer, and it names no detail.
+    let squat = |b: &mut Client, frame: serde_json::Value| {
+        let mut e = b.request(frame);
+        assert_eq!(e["code"], "conflict", "{e}");
+        e.as_object_mut().map(|o| o.remove("re"));
+        e
+    };
+    let queued = squat(&mut b, submit.clone());
+    let other_body = squat(
+        &mut b,
+        json!({"op":"submit","job":"render","task":"T-a","body":{"frame":2}}),
+    );
+    assert_eq!(queued, other_body, "the answer does not depend on the body");
+    let text = queued.to_string();
+    assert!(!text.contains("body") && !text.contains("job"), "{text}");
+
+    let r = a.request(submit.clone());
+    assert_eq!(
+        (&r["op"], &r["dup"]),
+        (&json!("ok"), &json!(true)),
+        "the submitter's own resubmit: {r}"
+    );
+    let mut cancel = b.request(json!({"op":"cancel","task":"T-a"}));
+    assert_eq!(cancel["code"], "forbidden", "{cancel}");
+    cancel.as_object_mut().map(|o| o.remove("re"));
+
+    // Finished: B still hears the same, A still hears dup.
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let offer = w1.next_op("offer", Duration::from_secs(10)).expect("offer");
+    assert_eq!(offer["task"], "T-a");
+    assert_eq!(w1.request(json!({"op":"claim","task":"T-a"}))["op"], "ok");
+    assert_eq!(
+        w1.request(json!({"op":"complete","task":"T-a"}))["op"],
+        "ok"
+    );
+    assert_eq!(status(&mut a, "T-a")["state"], "completed");
+    assert_eq!(
+        squat(&mut b, submit.clone()),
+        queued,
+        "the state is not revealed"
+    );
+    let mut late = b.request(json!({"op":"cancel","task":"T-a"}));
+    late.as_object_mut().map(|o| o.remove("re"));
+    assert_eq!(late, cancel, "nor through cancel");
+    let r = a.request(submit);
+    assert_eq!(r["dup"], true, "{r}");
 }

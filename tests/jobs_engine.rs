@@ -414,7 +414,11 @@ fn resubmitting_a_task_id_is_idempotent_and_a_different_body_or_job_conflicts() 
         json!({"op":"submit","id":"s5","job":"render","body":null}),
     );
     assert_eq!(r["dup"], false);
-    assert_eq!(r["task"].as_str().map(str::len), Some(32), "a generated id");
+    assert_eq!(
+        r["task"].as_str().map(str::len),
+        Some(amp_broker::broker::ids::ID_LEN),
+        "a generated id"
+    );
 }
 
 #[test]

@@ -193,8 +193,10 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// Fails only if the built-in frame schema does not compile.
+    /// Fails if the built-in frame schema does not compile or the OS has no randomness.
     pub fn new(config: Config, broker_id: String) -> Result<Broker, String> {
+        // Generated task and message ids must be unguessable: no randomness, no broker.
+        super::ids::init()?;
         let wall_ms = rfc3339::unix_millis(SystemTime::now());
         let jobs = Jobs::new(&broker_id, &config, Instant::now(), wall_ms)?;
         Ok(Broker {

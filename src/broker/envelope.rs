@@ -7,8 +7,6 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What a stored message is (`AMP-Kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,15 +71,10 @@ pub fn idempotent_id(kind: Kind, from: &str, destination: &str, key: &str) -> St
     hex(&h.finalize()[..16])
 }
 
-/// A fresh id for a message or task without a client-chosen one: a random prefix drawn
-/// once per process and a counter, so ids never repeat across brokers or restarts and
-/// the hot path costs no system call.
+/// A fresh id for a message or task without a client-chosen one: unguessable and never
+/// repeated (see [`super::ids`]).
 pub fn unique_id() -> String {
-    static PREFIX: OnceLock<String> = OnceLock::new();
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let prefix = PREFIX.get_or_init(|| random_id()[..16].to_string());
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    format!("{prefix}{n:016x}")
+    super::ids::fresh()
 }
 
 /// 16 bytes from the OS random source, as hex: for secrets such as development tokens.
@@ -155,10 +148,6 @@ mod tests {
         assert_ne!(random_id(), random_id());
         let (a, b) = (unique_id(), unique_id());
         assert_ne!(a, b);
-        assert_eq!(
-            (a.len(), &a[..16]),
-            (32, &b[..16]),
-            "one prefix per process"
-        );
+        assert_eq!(a.len(), super::super::ids::ID_LEN);
     }
 }

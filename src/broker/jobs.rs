@@ -263,6 +263,8 @@ enum Pending {
         session: SessionId,
         re: String,
         key: String,
+        /// `ns/name` of the asker: only the submitter and the lease holder are answered.
+        asker: String,
     },
     /// A `task_result` on its way to the submitter's inbox; then the message's ack.
     Result(Finish),
@@ -281,6 +283,8 @@ struct Finish {
 struct Submission {
     session: SessionId,
     re: String,
+    /// `ns/name` of the submitter: a task id is namespace-wide, a resubmit is only its own.
+    from: String,
     ns: String,
     task: String,
     job: String,
@@ -770,6 +774,7 @@ impl Jobs {
         let sub = Submission {
             session,
             re: submit.id.clone(),
+            from: from.clone(),
             ns: caller.ns.to_string(),
             task: task.clone(),
             job: job.to_string(),
@@ -924,6 +929,7 @@ impl Jobs {
                             session: caller.session,
                             re,
                             key,
+                            asker: format!("{}/{}", caller.ns, caller.name),
                         },
                     );
                 }
@@ -2165,7 +2171,16 @@ impl Jobs {
             }
             Pending::SubmitExisting(sub) => match self.parse_record(&sub.ns, &sub.task, reply) {
                 Ok((record, _)) => {
-                    if !record.same_submission(&sub.job, &sub.digest) {
+                    if record.submitted_by != sub.from {
+                        // Someone else's task: the same answer whatever its job, body or
+                        // state, so a probe learns only that the id is taken.
+                        let e = AmpError::new(
+                            ErrorCode::Conflict,
+                            format!("task id `{}` is taken", sub.task),
+                        )
+                        .with_path("/task");
+                        self.refuse(sub.session, &sub.re, e);
+                    } else if !record.same_submission(&sub.job, &sub.digest) {
                         let e = AmpError::new(
                             ErrorCode::Conflict,
                             format!("task `{}` exists with a different job or body", sub.task),
@@ -2251,9 +2266,22 @@ impl Jobs {
                     Err(e) => self.write_failed(conn, write, unavailable(e), now),
                 }
             }
-            Pending::Status { session, re, key } => {
+            Pending::Status {
+                session,
+                re,
+                key,
+                asker,
+            } => {
                 let (ns, task) = key.split_once('.').unwrap_or(("", ""));
                 match self.parse_record(ns, task, reply) {
+                    Ok((record, _)) if !record.may_see_status(&asker) => {
+                        let e = AmpError::new(
+                            ErrorCode::Forbidden,
+                            format!("the status of task `{task}` is not yours to see"),
+                        )
+                        .with_path("/task");
+                        self.refuse(session, &re, e);
+                    }
                     Ok((record, _)) => {
                         let text = FrameWriter::ok(Some(&re))
                             .value("task", &record.status_view())

@@ -10,6 +10,7 @@ pub mod config;
 pub mod core;
 pub mod embedded;
 pub mod envelope;
+pub mod ids;
 pub mod jobs;
 pub mod keygen;
 pub mod permissions;

@@ -248,6 +248,13 @@ impl TaskRecord {
         self.job == job && self.body_sha256 == body_sha256
     }
 
+    /// Whether participant `who` (`ns/name`) may read this record with `status` (spec 2.7):
+    /// the submitter always, the lease holder while it holds the lease.
+    pub fn may_see_status(&self, who: &str) -> bool {
+        self.submitted_by == who
+            || (self.state == TaskState::Leased && self.holder.as_deref() == Some(who))
+    }
+
     /// Whether `session` holds a lease that has not run out at `now_ms`.
     pub fn leased_to(&self, session: &str, now_ms: i64) -> bool {
         self.state == TaskState::Leased
@@ -284,6 +291,12 @@ impl TaskRecord {
 
     /// The record after `change` at `now_ms`, or why it does not apply.
     pub fn apply(&self, change: &Change<'_>, now_ms: i64) -> Result<TaskRecord, Refusal> {
+        // Before the state: a stranger's cancel must not learn whether the task finished.
+        if let Change::Cancel { by } = change
+            && self.submitted_by != *by
+        {
+            return Err(Refusal::NotSubmitter);
+        }
         if self.state.is_terminal() {
             return Err(Refusal::Finished(self.state));
         }
@@ -809,6 +822,11 @@ mod tests {
             Err(Refusal::Finished(TaskState::Cancelled))
         );
         assert_eq!(
+            r.apply(&Change::Cancel { by: "acme/w1" }, T0),
+            Err(Refusal::NotSubmitter),
+            "a stranger does not learn that it finished"
+        );
+        assert_eq!(
             r.apply(&Change::Offer { to: W1 }, T0),
             Err(Refusal::Finished(TaskState::Cancelled))
         );
@@ -816,6 +834,38 @@ mod tests {
             r.result_body(),
             json!({"task":"T","state":"cancelled","attempts":0})
         );
+    }
+
+    #[test]
+    fn status_is_for_the_submitter_and_the_lease_holder_only() {
+        let queued = task(3);
+        assert!(queued.may_see_status("acme/app"));
+        assert!(!queued.may_see_status("acme/w1"));
+        let offered = queued.apply(&Change::Offer { to: W1 }, T0).expect("offer");
+        assert!(!offered.may_see_status("acme/w1"), "an offer is no lease");
+        let leased = offered
+            .apply(
+                &Change::Claim {
+                    by: W1,
+                    lease_ms: LEASE,
+                },
+                T0,
+            )
+            .expect("claim");
+        assert!(leased.may_see_status("acme/w1"));
+        assert!(!leased.may_see_status("acme/w2"));
+        assert!(leased.may_see_status("acme/app"));
+        let done = leased
+            .apply(
+                &Change::Complete {
+                    by: W1,
+                    result: None,
+                },
+                T0,
+            )
+            .expect("complete");
+        assert!(!done.may_see_status("acme/w1"));
+        assert!(done.may_see_status("acme/app"));
     }
 
     #[test]
