@@ -99,7 +99,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
     let mut options = nats::Options::parse_servers(&urls)
         .map_err(|e| format!("--nats: {e}"))?
-        .with_name(&format!("amp-broker {broker_id}"));
+        .with_name(&format!("amp-broker {broker_id}"))
+        .with_inbox_prefix(amp_broker::broker::scoped_jwt::BROKER_INBOX_PREFIX);
     if let Some(path) = &args.nats_nkey {
         let seed = std::fs::read_to_string(path)
             .map_err(|e| format!("--nats-nkey {}: {e}", path.display()))?;

@@ -252,6 +252,7 @@ impl Config {
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");
             check_name(&at, ns_name)?;
+            check_reply_prefixes(&self.namespaces, ns_name)?;
             let inbox = &ns.inbox;
             within(&format!("{at}.inbox.ack_wait_s"), inbox.ack_wait_s, 1, DAY)?;
             within(
@@ -416,6 +417,31 @@ pub fn within_f64(path: &str, value: f64, min: f64, max: f64) -> Result<(), Conf
 }
 
 /// `^[A-Za-z0-9_-]{1,64}$`, the spec's alphabet for namespaces, names and jobs.
+/// A participant's NATS reply prefix is `_INBOX_<ns>_<name>` (spec section 3). Two
+/// prefixes can only be equal across namespaces when one namespace is another's name plus
+/// `_` (`acme` + `eu_x` and `acme_eu` + `x`), so such pairs are refused: a participant must
+/// never be able to subscribe to another's replies.
+fn check_reply_prefixes(
+    namespaces: &BTreeMap<String, Namespace>,
+    ns: &str,
+) -> Result<(), ConfigError> {
+    let shadowed = namespaces.keys().find(|other| {
+        other
+            .strip_prefix(ns)
+            .is_some_and(|rest| rest.starts_with('_'))
+    });
+    match shadowed {
+        Some(other) => Err(err(
+            format!("namespaces.{other}"),
+            format!(
+                "clashes with namespace `{ns}`: NATS reply prefixes `_INBOX_{ns}_<name>` of the two \
+                 could be equal; rename one so that neither is the other's name followed by `_`"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 pub fn is_name(s: &str) -> bool {
     (1..=64).contains(&s.len())
         && s.bytes()
@@ -651,6 +677,14 @@ mod tests {
         assert!(e.problem.contains("unknown field `max_frames`"), "{e}");
         let e = parse("{").expect_err("truncated");
         assert!(e.problem.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn namespaces_whose_reply_prefixes_could_collide_are_refused() {
+        let e = parse(r#"{"namespaces": {"acme": {}, "acme_eu": {}}}"#).expect_err("clash");
+        assert_eq!(e.path, "namespaces.acme_eu");
+        assert!(e.problem.contains("`acme`"), "{e}");
+        assert!(parse(r#"{"namespaces": {"acme": {}, "acme-eu": {}, "acmeeu": {}}}"#).is_ok());
     }
 
     #[test]

@@ -1,21 +1,22 @@
 //! The scoped user JWT: a NATS JWT v2 user claim, signed by the broker's issuing account,
-//! whose publish and subscribe allow lists are the participant's address permissions
-//! translated to the subjects of the JetStream binding (spec section 4). `hello` returns
-//! one, and the auth callout issues one to a NATS client that authenticated as a
-//! participant, so a participant talking to NATS directly is held to the same lanes.
+//! that `hello` returns and the auth callout issues to a NATS client that authenticated as a
+//! participant. It gives the participant on NATS less than its permissions give it over
+//! WebSocket: it may read what is addressed to it and the topics it may subscribe to, and
+//! nothing else; every write that names a sender or that policy governs (sends, publishes,
+//! submits, claims, task outcomes, registry entries) goes through the broker, which stamps
+//! `from`/`kind` and applies rate limits, budgets and the task store.
 //!
-//! | permission / need | allow |
+//! | need | allow |
 //! |---|---|
-//! | `send: [n]` | pub `amp.<ns>.inbox.<n>` (`*`/`>` → `amp.<ns>.inbox.*`) |
-//! | `publish: [t]` | pub `amp.<ns>.topic.<t>` |
-//! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` |
-//! | `submit: [j]` | pub `amp.<ns>.job.<j>` |
-//! | `serve: [j]` | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_<ns>.job_<j>` and `$JS.ACK.AMP_TASKS_<ns>.job_<j>.>` (`*`/`>` → any consumer of the stream) |
-//! | own inbox | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_<ns>.inbox_<name>` and `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
-//! | replies | sub `_INBOX.>` |
+//! | replies to its own requests | sub `_INBOX_<ns>_<name>.>` (its reply prefix) |
+//! | read its own inbox | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_<ns>.inbox_<name>` and `$JS.API.CONSUMER.INFO.AMP_INBOX_<ns>.inbox_<name>` |
+//! | acknowledge its own inbox messages | pub `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
+//! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` (live events, core NATS) |
 //!
-//! An empty publish allow list would mean "everything" to NATS, so a participant that may
-//! publish nowhere gets `deny: [">"]` instead.
+//! Everything else is denied, in particular every `_INBOX.>` subject (the broker's own
+//! replies and pull deliveries travel under [`BROKER_INBOX_PREFIX`], which no participant's
+//! allow list matches), other participants' inboxes and consumers, the task stream and its
+//! acks, `$KV`, `$SYS` and the rest of `$JS.API`.
 
 use serde_json::{Map, Value, json};
 
@@ -23,6 +24,11 @@ use super::binding;
 use super::config::Permissions;
 use crate::jwt::{self, Claims, JwtError};
 use crate::nkeys::{KeyKind, KeyPair, PublicKey};
+
+/// The reply/inbox prefix of the broker's own NATS connection: request replies and pull
+/// deliveries (message bodies, `$JS.ACK` reply subjects) arrive under it, so it must be one
+/// that no participant's subscribe allow list can match.
+pub const BROKER_INBOX_PREFIX: &str = "_AMP_BROKER";
 
 /// The subjects a participant may publish to and subscribe to.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -37,50 +43,26 @@ fn push_unique(list: &mut Vec<String>, subject: String) {
     }
 }
 
-/// A name pattern (`send`, `submit`, `serve`) as one subject token.
-fn name_token(pattern: &str) -> &str {
-    if pattern == ">" { "*" } else { pattern }
+/// The inbox prefix a participant's NATS client must use (nats-py `inbox_prefix`, nats.go
+/// `nats.CustomInboxPrefix`) for replies to reach it. Injective across a configuration
+/// because `Config::validate` refuses namespaces where one is another's name plus `_`.
+pub fn reply_prefix(ns: &str, name: &str) -> String {
+    format!("_INBOX_{ns}_{name}")
 }
 
 pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
-    let mut pub_allow = Vec::new();
-    let mut sub_allow = Vec::new();
-    for n in &p.send {
-        push_unique(&mut pub_allow, binding::inbox_subject(ns, name_token(n)));
-    }
-    for t in &p.publish {
-        push_unique(&mut pub_allow, binding::topic_subject(ns, t));
-    }
-    for t in &p.subscribe {
-        push_unique(&mut sub_allow, binding::topic_subject(ns, t));
-    }
-    for j in &p.submit {
-        push_unique(&mut pub_allow, binding::job_subject(ns, name_token(j)));
-    }
-    let tasks = binding::tasks_stream(ns);
-    for j in &p.serve {
-        let consumer = match name_token(j) {
-            "*" => "*".to_string(),
-            job => binding::job_consumer(job),
-        };
-        push_unique(
-            &mut pub_allow,
-            format!("$JS.API.CONSUMER.MSG.NEXT.{tasks}.{consumer}"),
-        );
-        push_unique(&mut pub_allow, format!("$JS.ACK.{tasks}.{consumer}.>"));
-    }
     let inbox = binding::inbox_stream(ns);
     let own = binding::inbox_consumer(name);
-    push_unique(
-        &mut pub_allow,
+    let publish = vec![
         format!("$JS.API.CONSUMER.MSG.NEXT.{inbox}.{own}"),
-    );
-    push_unique(&mut pub_allow, format!("$JS.ACK.{inbox}.{own}.>"));
-    push_unique(&mut sub_allow, "_INBOX.>".to_string());
-    AllowLists {
-        publish: pub_allow,
-        subscribe: sub_allow,
+        format!("$JS.API.CONSUMER.INFO.{inbox}.{own}"),
+        format!("$JS.ACK.{inbox}.{own}.>"),
+    ];
+    let mut subscribe = vec![format!("{}.>", reply_prefix(ns, name))];
+    for t in &p.subscribe {
+        push_unique(&mut subscribe, binding::topic_subject(ns, t));
     }
+    AllowLists { publish, subscribe }
 }
 
 /// What goes into one scoped user JWT.
@@ -112,13 +94,8 @@ fn object(value: Value) -> Claims {
 /// The user claims of a grant, unsigned.
 pub fn user_claims(g: &UserGrant<'_>) -> Claims {
     let lists = allow_lists(g.ns, g.name, g.permissions);
-    let publish = if lists.publish.is_empty() {
-        json!({"deny": [">"]})
-    } else {
-        json!({"allow": lists.publish})
-    };
     let mut nats = json!({
-        "pub": publish,
+        "pub": {"allow": lists.publish},
         "sub": {"allow": lists.subscribe},
         "subs": -1,
         "data": -1,
@@ -306,32 +283,29 @@ mod tests {
     }
 
     #[test]
-    fn permissions_translate_to_the_binding_subjects() {
+    fn only_reads_of_what_is_addressed_to_the_participant_are_allowed() {
         let lists = allow_lists("acme", "w1", &perms());
         assert_eq!(
             lists.publish,
             [
-                "amp.acme.inbox.w2",
-                "amp.acme.inbox.*",
-                "amp.acme.topic.orders.eu.*",
-                "amp.acme.job.render",
-                "$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_acme.job_render",
-                "$JS.ACK.AMP_TASKS_acme.job_render.>",
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
                 "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
             ]
         );
-        assert_eq!(lists.subscribe, ["amp.acme.topic.orders.>", "_INBOX.>"]);
-        let any_job = Permissions {
-            serve: vec![">".into()],
-            ..Permissions::default()
-        };
-        let lists = allow_lists("acme", "w1", &any_job);
-        assert!(
-            lists
-                .publish
-                .contains(&"$JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_acme.*".to_string())
+        assert_eq!(
+            lists.subscribe,
+            ["_INBOX_acme_w1.>", "amp.acme.topic.orders.>"]
         );
+        // send, publish, submit and serve grant nothing on NATS: those writes go through
+        // the broker.
+        for subject in lists.publish.iter().chain(&lists.subscribe) {
+            assert!(!subject.starts_with("amp.acme.inbox"), "{subject}");
+            assert!(!subject.starts_with("amp.acme.job"), "{subject}");
+            assert!(!subject.contains("AMP_TASKS"), "{subject}");
+            assert!(!subject.starts_with("_INBOX."), "{subject}");
+            assert!(!subject.starts_with(BROKER_INBOX_PREFIX), "{subject}");
+        }
     }
 
     #[test]
@@ -356,7 +330,10 @@ mod tests {
         assert_eq!(v.claims["iss"], json!(account.public_key()));
         assert_eq!(v.claims["nats"]["type"], json!("user"));
         assert_eq!(v.claims["nats"]["version"], json!(2));
-        assert_eq!(v.claims["nats"]["sub"]["allow"][1], json!("_INBOX.>"));
+        assert_eq!(
+            v.claims["nats"]["sub"]["allow"][0],
+            json!("_INBOX_acme_w1.>")
+        );
         assert!(v.claims["jti"].as_str().is_some_and(|j| j.len() == 52));
     }
 
@@ -371,10 +348,14 @@ mod tests {
             claims["nats"]["pub"],
             json!({"allow": [
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
                 "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
             ]})
         );
-        assert_eq!(claims["nats"]["sub"], json!({"allow": ["_INBOX.>"]}));
+        assert_eq!(
+            claims["nats"]["sub"],
+            json!({"allow": ["_INBOX_acme_w1.>"]})
+        );
         assert_eq!(claims["nats"]["bearer_token"], json!(true));
         assert_eq!(claims["aud"], json!("$G"));
     }

@@ -249,6 +249,12 @@ impl Options {
         self
     }
 
+    /// The prefix of the connection's request inbox and of `new_inbox` subjects.
+    pub fn with_inbox_prefix(mut self, prefix: &str) -> Options {
+        self.inbox_prefix = prefix.to_string();
+        self
+    }
+
     pub fn with_user_password(mut self, user: &str, pass: &str) -> Options {
         self.auth = Auth::UserPassword {
             user: user.into(),

@@ -136,15 +136,14 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
         assert_eq!(
             claims["nats"]["pub"]["allow"],
             json!([
-                "amp.acme.inbox.w2",
-                "amp.acme.topic.orders.>",
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
+                "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
                 "$JS.ACK.AMP_INBOX_acme.inbox_w1.>"
             ])
         );
         assert_eq!(
             claims["nats"]["sub"]["allow"],
-            json!(["amp.acme.topic.orders.eu.*", "_INBOX.>"])
+            json!(["_INBOX_acme_w1.>", "amp.acme.topic.orders.eu.*"])
         );
         assert_eq!(claims["exp"], json!(NOW + 3600));
     }
@@ -195,8 +194,8 @@ fn nkey_must_sign_this_connections_nonce() {
     assert_eq!(authorized(&reply), Some("acme/w2"));
     let (_, claims) = response(&w, &reply, &key);
     assert_eq!(
-        claims.expect("jwt")["nats"]["pub"]["allow"][0],
-        json!("amp.acme.job.render")
+        claims.expect("jwt")["nats"]["sub"]["allow"][0],
+        json!("_INBOX_acme_w2.>")
     );
     // Standard base64 with padding, as some clients send it.
     let std_sig = STANDARD.encode(w.nkey_user.sign(NONCE.as_bytes()));
