@@ -238,3 +238,77 @@ fn a_task_id_of_another_participant_answers_conflict_whatever_its_state() {
     let r = a.request(submit);
     assert_eq!(r["dup"], true, "{r}");
 }
+
+/// SIGSTOPs a process for as long as it lives: JetStream takes requests and answers none.
+struct Frozen(u32);
+
+impl Frozen {
+    fn new(pid: u32) -> Frozen {
+        signal(pid, "-STOP");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        signal(self.0, "-CONT");
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .arg(sig)
+        .arg(pid.to_string())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
+#[test]
+fn submits_waiting_for_a_budget_reservation_are_capped_per_participant() {
+    let nats = NatsServer::start();
+    let mut c = config(&["a"], 30, 5000);
+    c["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"tasks_per_window": 100_000, "window_s": 3600});
+    c["limits"] = json!({"max_held_submits": 8});
+    let broker = Broker::start(&nats.url(), &c);
+    let mut a = login(&broker, "a");
+
+    // The first submit starts a reservation that JetStream, frozen, never answers: every
+    // submit waits for it, up to the cap.
+    let frozen = Frozen::new(nats.pid().expect("nats pid"));
+    let (cap, extra) = (8, 24);
+    let sent = Instant::now();
+    for i in 0..cap + extra {
+        a.send(&json!({"op":"submit","id":format!("s{i}"),"job":"render","body":i}));
+    }
+    let mut refused = Vec::new();
+    while refused.len() < extra {
+        let Some(f) = a.next_frame(Duration::from_secs(3)) else {
+            break;
+        };
+        refused.push(f);
+    }
+    let waited = sent.elapsed();
+    drop(frozen);
+    eprintln!(
+        "{} of {} submits answered within {waited:?} while the budget could not be read",
+        refused.len(),
+        cap + extra
+    );
+    assert_eq!(
+        refused.len(),
+        extra,
+        "those past the cap are answered at once: {refused:?}"
+    );
+    for (i, f) in refused.iter().enumerate() {
+        assert_eq!(f["re"], format!("s{}", cap + i), "{f}");
+        assert_eq!(f["code"], "unavailable", "{f}");
+        assert!(f["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{f}");
+    }
+    // The held ones are answered once the reservation settles (here: it timed out).
+    for i in 0..cap {
+        let r = a.answer_to(&format!("s{i}"));
+        assert!(r["op"] == "ok" || r["code"] == "unavailable", "{r}");
+    }
+}

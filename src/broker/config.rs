@@ -28,6 +28,9 @@ pub struct Limits {
     pub hello_timeout_s: u64,
     pub registry_ttl_s: u64,
     pub max_sessions: usize,
+    /// Submits of one participant waiting for a budget reservation (each holds its frame);
+    /// past it a submit answers `unavailable` with `retry_after_ms`.
+    pub max_held_submits: usize,
 }
 
 impl Default for Limits {
@@ -39,6 +42,7 @@ impl Default for Limits {
             hello_timeout_s: 5,
             registry_ttl_s: 15,
             max_sessions: 10_000,
+            max_held_submits: 64,
         }
     }
 }
@@ -249,6 +253,7 @@ impl Config {
         within("limits.hello_timeout_s", l.hello_timeout_s, 1, HOUR)?;
         within("limits.registry_ttl_s", l.registry_ttl_s, 1, DAY)?;
         within("limits.max_sessions", l.max_sessions, 1, 1_000_000)?;
+        within("limits.max_held_submits", l.max_held_submits, 1, 4096)?;
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");
             check_name(&at, ns_name)?;
@@ -718,6 +723,17 @@ mod tests {
             "ord*",
         ] {
             assert!(!is_topic_pattern(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn held_submits_default_to_64_and_are_bounded() {
+        assert_eq!(parse("{}").expect("empty").limits.max_held_submits, 64);
+        for (value, problem) in [("0", "at least 1"), ("4097", "at most 4096")] {
+            let e =
+                parse(&format!(r#"{{"limits":{{"max_held_submits":{value}}}}}"#)).expect_err(value);
+            assert_eq!(e.path, "limits.max_held_submits");
+            assert!(e.problem.contains(problem), "{e}");
         }
     }
 }

@@ -70,6 +70,9 @@ pub mod close {
 
 /// How long a JetStream request may take before the client hears `unavailable`.
 const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// `retry_after_ms` of a submit refused because too many wait for a budget reservation:
+/// about one reservation round trip under load.
+const HELD_SUBMIT_RETRY_MS: u64 = 1000;
 /// Lifetime of the scoped user JWT `hello` returns.
 const HELLO_JWT_TTL_S: u64 = 3600;
 
@@ -1392,6 +1395,19 @@ impl Broker {
                 false
             }
             Spend::Wait => {
+                let held = self.held_submits.get(&key).map_or(0, Vec::len);
+                if held >= self.config.limits.max_held_submits {
+                    // Each held submit keeps its frame: past the cap the client waits, not us.
+                    if let Some(id) = frame.id() {
+                        let mut e = AmpError::new(
+                            ErrorCode::Unavailable,
+                            "too many submits are waiting for the task budget",
+                        );
+                        e.retry_after_ms = Some(HELD_SUBMIT_RETRY_MS);
+                        self.fail(session, id, e);
+                    }
+                    return false;
+                }
                 self.held_submits
                     .entry(key)
                     .or_default()
