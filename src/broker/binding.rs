@@ -38,6 +38,17 @@ pub fn job_subject(ns: &str, job: &str) -> String {
 pub fn job_consumer(job: &str) -> String {
     format!("job_{job}")
 }
+/// The consumer of participant `name`'s durable subscription `sub`, in the namespace's
+/// topics stream. Both parts come from clients and may contain `_`, so the name's length
+/// is written first: `dsub_<len>_<name>_<sub>` splits one way only. The prefix differs
+/// from the `sub_<name>_<sub>` of earlier releases, so a new name can never be an old one.
+pub fn durable_sub_consumer(name: &str, sub: &str) -> String {
+    format!("{}{sub}", durable_sub_prefix(name))
+}
+/// What every durable consumer of participant `name` starts with, and no other's does.
+pub fn durable_sub_prefix(name: &str) -> String {
+    format!("dsub_{}_{name}_", name.len())
+}
 pub fn registry_bucket(ns: &str) -> String {
     format!("AMP_REGISTRY_{ns}")
 }
@@ -321,6 +332,36 @@ mod tests {
             registry_stream_config("acme", u64::MAX, s)["subject_delete_marker_ttl"],
             max
         );
+    }
+
+    #[test]
+    fn durable_names_split_one_way_only() {
+        assert_eq!(durable_sub_consumer("a", "b_c"), "dsub_1_a_b_c");
+        assert_eq!(durable_sub_consumer("a_b", "c"), "dsub_3_a_b_c");
+        let names = ["a", "a_b", "a_b_c", "1_a", "_", "-", "b"];
+        let mut seen = std::collections::HashMap::new();
+        for name in names {
+            for sub in names {
+                let consumer = durable_sub_consumer(name, sub);
+                assert_eq!(
+                    seen.insert(consumer.clone(), (name, sub)),
+                    None,
+                    "{consumer}"
+                );
+                assert!(consumer.starts_with(&durable_sub_prefix(name)));
+                for other in names.iter().filter(|o| **o != name) {
+                    assert!(
+                        !consumer.starts_with(&durable_sub_prefix(other)),
+                        "{consumer}"
+                    );
+                }
+            }
+        }
+        // The longest possible name stays a short plain token.
+        let long = "x".repeat(64);
+        let c = durable_sub_consumer(&long, &long);
+        assert!(c.len() <= 140, "{}", c.len());
+        assert!(!c.starts_with("sub_"));
     }
 
     #[test]

@@ -138,6 +138,13 @@ enum Pending {
     },
     /// A plain subscription's consumer was recreated after a gap.
     SubReset { session: SessionId, sub: String },
+    /// Unacknowledged events of an ended durable subscription wait to be handed back.
+    HandBack {
+        stream: String,
+        consumer: String,
+        acks: Vec<String>,
+        looks: u8,
+    },
 }
 
 enum Route {
@@ -315,7 +322,7 @@ impl Broker {
     /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
     /// are handed back to JetStream at once, so the participant's next session gets them.
     pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
-        self.drop_subscriptions(conn, session);
+        self.drop_subscriptions(conn, session, now);
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };
@@ -540,7 +547,7 @@ impl Broker {
             },
             ClientFrame::Publish(p) => self.publish(conn, session, ns, name, p, now),
             ClientFrame::Subscribe(f) => self.subscribe(conn, session, ns, name, f, now),
-            ClientFrame::Unsubscribe { id, sub } => self.unsubscribe(conn, session, id, sub),
+            ClientFrame::Unsubscribe { id, sub } => self.unsubscribe(conn, session, id, sub, now),
             ClientFrame::Nak(nak) => {
                 let kind = AckKind::Nak {
                     delay: nak.delay_ms.map(Duration::from_millis),
@@ -1204,6 +1211,12 @@ impl Broker {
                 let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
                 self.sub_reset_done(conn, session, sub, ok, now);
             }
+            Pending::HandBack {
+                stream,
+                consumer,
+                acks,
+                looks,
+            } => self.hand_back_done(conn, (stream, consumer, acks, looks), reply, now),
             Pending::Budget { op } => {
                 let reply = match (&reply, &op.kind) {
                     (Ok(m), KvOpKind::Get) => {

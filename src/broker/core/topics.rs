@@ -1,11 +1,11 @@
 //! Topics: `publish` stores an event in `AMP_TOPICS_<ns>`; each `subscribe` is one pull
 //! consumer read by its own pull loop. A plain subscription's consumer is ephemeral and
-//! acknowledges nothing; a durable one (`sub_<name>_<sub>`) survives the session and its
-//! events must be acked. Events of a subscription reach the session in stream order:
+//! acknowledges nothing; a durable one (`binding::durable_sub_consumer`) survives the
+//! session and its events must be acked. Events of a subscription reach the session in stream order:
 //! a consumer sequence that skips means a lost delivery, and the consumer is recreated
 //! from the last event the session saw.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Value, json};
@@ -34,6 +34,8 @@ const PLAIN_BATCH: u32 = 256;
 const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// How long an ephemeral consumer outlives a broker that stopped reading it.
 const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
+/// Consumer infos a hand-back asks for before it naks anyway.
+const HAND_BACK_LOOKS: u8 = 3;
 
 pub(super) struct Subscription {
     pub(super) pull: PullLoop,
@@ -44,8 +46,10 @@ pub(super) struct Subscription {
     last_seq: u64,
     /// The consumer sequence of the last delivery, to notice a gap.
     last_consumer_seq: u64,
-    /// Durable only: events sent and not yet acknowledged (stream sequence -> ack subject).
-    inflight: HashMap<u64, String>,
+    /// Durable only: events sent and not yet acknowledged (stream sequence -> ack subject),
+    /// in stream order so they can be handed back in that order. JetStream bounds it:
+    /// it delivers no more than `max_ack_pending` unacknowledged events.
+    inflight: BTreeMap<u64, String>,
     /// Plain only: the deliver policy asked for, used again if the consumer must be
     /// recreated before any event arrived.
     start: Value,
@@ -137,7 +141,7 @@ impl Broker {
         let filter = binding::topic_subject(ns, &f.topic);
         let stream = binding::topics_stream(ns);
         let (consumer, config) = if f.durable {
-            let consumer = format!("sub_{name}_{sub}");
+            let consumer = binding::durable_sub_consumer(name, &sub);
             let config = json!({
                 "durable_name": consumer,
                 "filter_subject": filter,
@@ -189,7 +193,7 @@ impl Broker {
             durable: f.durable,
             last_seq: 0,
             last_consumer_seq: 0,
-            inflight: HashMap::new(),
+            inflight: BTreeMap::new(),
             start,
         };
         if let Some(s) = self.sessions.get_mut(&session) {
@@ -213,7 +217,7 @@ impl Broker {
                     );
                 }
                 Err(e) => {
-                    self.sub_failed(conn, session, &f.id, &sub, unavailable(e));
+                    self.sub_failed(conn, session, &f.id, &sub, unavailable(e), now);
                 }
             }
         } else {
@@ -247,7 +251,7 @@ impl Broker {
                 self.await_reply(req, now, Pending::SubConsumer { session, re, sub });
             }
             Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
             }
         }
     }
@@ -276,7 +280,7 @@ impl Broker {
                         format!("durable subscription `{sub}` exists for another topic"),
                     )
                     .with_path("/sub");
-                    return self.sub_failed(conn, session, &re, &sub, e);
+                    return self.sub_failed(conn, session, &re, &sub, e, now);
                 }
                 self.sub_ready(conn, session, re, sub, now);
             }
@@ -288,10 +292,10 @@ impl Broker {
                     ErrorCode::Internal,
                     format!("JetStream refused the subscription: {e}"),
                 );
-                self.sub_failed(conn, session, &re, &sub, e);
+                self.sub_failed(conn, session, &re, &sub, e, now);
             }
             Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
             }
         }
     }
@@ -325,10 +329,10 @@ impl Broker {
                     ErrorCode::Internal,
                     format!("JetStream refused the subscription: {e}"),
                 );
-                self.sub_failed(conn, session, &re, &sub, e);
+                self.sub_failed(conn, session, &re, &sub, e, now);
             }
             Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
             }
         }
     }
@@ -358,7 +362,7 @@ impl Broker {
                 self.ok(session, &re, FrameWriter::ok(Some(&re)).str("sub", &sub));
             }
             Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e));
+                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
             }
         }
     }
@@ -371,8 +375,9 @@ impl Broker {
         re: &str,
         sub: &str,
         e: AmpError,
+        now: Instant,
     ) {
-        self.drop_subscription(conn, session, sub, false);
+        self.drop_subscription(conn, session, sub, false, now);
         self.fail(session, re, e);
     }
 
@@ -382,6 +387,7 @@ impl Broker {
         session: SessionId,
         id: String,
         sub: String,
+        now: Instant,
     ) {
         if self.subscription_mut(session, &sub).is_none() {
             let e = AmpError::new(
@@ -391,7 +397,7 @@ impl Broker {
             .with_path("/sub");
             return self.fail(session, &id, e);
         }
-        self.drop_subscription(conn, session, &sub, true);
+        self.drop_subscription(conn, session, &sub, true, now);
         self.ok(session, &id, FrameWriter::ok(Some(&id)));
     }
 
@@ -405,6 +411,7 @@ impl Broker {
         session: SessionId,
         sub: &str,
         for_good: bool,
+        now: Instant,
     ) {
         let Some(mut t) = self
             .sessions
@@ -424,21 +431,87 @@ impl Broker {
             );
             let _ = conn.publish(&subject, None, None, b"");
         } else {
-            for ack in t.inflight.values() {
-                let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
+            let stream = binding::topics_stream(&t.ns);
+            let consumer = t.pull.consumer().to_string();
+            let mut acks = std::mem::take(&mut t.inflight).into_values();
+            if let Some(lowest) = acks.next() {
+                nak(conn, &lowest);
+                self.hand_back(conn, stream, consumer, acks.collect(), 0, now);
             }
         }
     }
 
+    /// Hands the rest of a durable subscription's unacknowledged events back to JetStream.
+    ///
+    /// JetStream redelivers naked events first, in the order of the naks, so naking lowest
+    /// sequence first gives a resumed subscription its events in stream order (spec 2.7).
+    /// One catch: the ended session's pull is still waiting on the server, and the first
+    /// redelivery goes to it, fails, and is queued again behind the others. So the lowest
+    /// event goes alone first; the rest follow once the consumer reports no waiting pull
+    /// (or after a few looks, if another session pulls it too).
+    fn hand_back(
+        &mut self,
+        conn: &mut Connection,
+        stream: String,
+        consumer: String,
+        acks: Vec<String>,
+        looks: u8,
+        now: Instant,
+    ) {
+        if acks.is_empty() {
+            return;
+        }
+        let subject = format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}");
+        match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+            Ok(req) => self.await_reply(
+                req,
+                now,
+                Pending::HandBack {
+                    stream,
+                    consumer,
+                    acks,
+                    looks,
+                },
+            ),
+            Err(_) => acks.iter().for_each(|ack| nak(conn, ack)),
+        }
+    }
+
+    /// The consumer info a hand-back waited for.
+    pub(super) fn hand_back_done(
+        &mut self,
+        conn: &mut Connection,
+        (stream, consumer, acks, looks): (String, String, Vec<String>, u8),
+        reply: Result<Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        let waiting = reply
+            .ok()
+            .and_then(|m| serde_json::from_slice::<Value>(&m.payload).ok())
+            .and_then(|info| info["num_waiting"].as_u64())
+            .unwrap_or(0);
+        if waiting > 0 && looks < HAND_BACK_LOOKS {
+            return self.hand_back(conn, stream, consumer, acks, looks + 1, now);
+        }
+        for ack in &acks {
+            nak(conn, ack);
+        }
+    }
+
     /// A session ended: every subscription stops.
-    pub(super) fn drop_subscriptions(&mut self, conn: &mut Connection, session: SessionId) {
+    pub(super) fn drop_subscriptions(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        now: Instant,
+    ) {
         let subs: Vec<String> = self
             .sessions
             .get(&session)
             .map(|s| s.subs.keys().cloned().collect())
             .unwrap_or_default();
         for sub in subs {
-            self.drop_subscription(conn, session, &sub, false);
+            self.drop_subscription(conn, session, &sub, false, now);
         }
     }
 
@@ -706,4 +779,8 @@ fn deliver_from(from: &amp_frame::From) -> Result<Vec<(&'static str, Value)>, Am
             ]
         }
     })
+}
+
+fn nak(conn: &mut Connection, ack: &str) {
+    let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
 }
