@@ -28,7 +28,7 @@ use amp_broker::jetstream::{
 use amp_broker::nats::{Client as NatsClient, Options, Sid};
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
-use serde_json::Value;
+use serde_json::{Value, json};
 use tungstenite::{Message as Frame, WebSocket};
 
 /// The spec's default `inbox_window`: the broker's pull batch and max_ack_pending per
@@ -467,6 +467,9 @@ fn main() {
     // Idle participants in their own namespace, so their inbox consumers live on a stream
     // the load does not touch.
     config["namespaces"]["idle"] = open_config(&as_refs(&idle))["namespaces"]["acme"].take();
+    // Every session comes from 127.0.0.1.
+    config["limits"]["max_connections_per_ip"] =
+        json!(s.idle_sessions + 4 * s.pairs * s.rounds + 16);
 
     let nats = NatsServer::start();
     let broker = Broker::start(&nats.url(), &config);

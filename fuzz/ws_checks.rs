@@ -46,13 +46,28 @@ fn config(byte: u8) -> WsConfig {
         max_frame: 16 + usize::from(byte) * 64,
         max_head_bytes: 256 + usize::from(byte) * 32,
         read_buffer_size: 1 + usize::from(byte >> 4) * 64,
+        max_frames_per_s: 1 + u32::from(byte & 0x0F) * 40,
+        frame_burst: 1 + u32::from(byte >> 5) * 12,
         ..WsConfig::default()
+    }
+}
+
+/// Decodes held input as the shell would, with a virtual clock that jumps to each
+/// resume time.
+fn catch_up(c: &mut Connection, now: &mut Instant) {
+    while c.input_held() {
+        *now = (*now).max(c.resume_at());
+        assert!(
+            c.resume_input(*now),
+            "held input refused at its resume time"
+        );
     }
 }
 
 /// Feeds `input` whole or in random pieces; the events and bytes written.
 fn run(cfg: WsConfig, input: &[u8], split_seed: Option<u64>) -> (Vec<ConnEvent>, Vec<u8>) {
     let t0 = Instant::now();
+    let mut now = t0;
     let mut c = Connection::new(t0, cfg);
     let mut events = Vec::new();
     let mut out = Vec::new();
@@ -63,8 +78,9 @@ fn run(cfg: WsConfig, input: &[u8], split_seed: Option<u64>) -> (Vec<ConnEvent>,
             Some(r) => 1 + r.below(rest.len().min(300)),
             None => rest.len(),
         };
-        let (now, later) = rest.split_at(n);
-        c.handle_input(now, t0, &Host);
+        let (piece, later) = rest.split_at(n);
+        c.handle_input(piece, now, &Host);
+        catch_up(&mut c, &mut now);
         rest = later;
         while let Some(e) = c.poll_event() {
             events.push(e);
@@ -74,7 +90,7 @@ fn run(cfg: WsConfig, input: &[u8], split_seed: Option<u64>) -> (Vec<ConnEvent>,
         c.consume_output(len);
     }
     // Timers never panic either, whatever state the input left.
-    c.handle_timeout(t0 + Duration::from_secs(3600));
+    c.handle_timeout(now + Duration::from_secs(3600));
     while let Some(e) = c.poll_event() {
         events.push(e);
     }
@@ -116,6 +132,108 @@ pub fn check_ws_stream(data: &[u8]) {
     check_session_events(&whole.0, cfg.max_frame);
     let split = run(cfg, &input, Some(u64::from(*seed) + 1));
     assert_eq!(whole, split, "splitting the input changed the outcome");
+}
+
+/// A masked client frame.
+fn client_frame(out: &mut Vec<u8>, first: u8, payload_len: usize, fill: u8) {
+    out.push(first);
+    if payload_len < 126 {
+        out.push(0x80 | payload_len as u8);
+    } else if payload_len <= 0xFFFF {
+        out.push(0x80 | 126);
+        out.extend_from_slice(&(payload_len as u16).to_be_bytes());
+    } else {
+        out.push(0x80 | 127);
+        out.extend_from_slice(&(payload_len as u64).to_be_bytes());
+    }
+    let mask = [0x5a, 0x11, 0xc3, 0x7e];
+    out.extend_from_slice(&mask);
+    out.extend((0..payload_len).map(|i| fill ^ mask[i % 4]));
+}
+
+/// The bytes as a program for a client that never reads: pings, pongs, text frames and
+/// fragments of arbitrary sizes, replies queued by the embedder, and time passing; the
+/// wire bytes arrive in pieces of arbitrary sizes. Whatever the program, the queued
+/// output never passes the bound, held input stays bounded, and no text comes after
+/// the session closed.
+pub fn check_ws_never_read(data: &[u8]) {
+    let [a, b, seed, program @ ..] = data else {
+        return;
+    };
+    let cfg = WsConfig {
+        max_outbound_bytes: 1024 + usize::from(*a) * 97,
+        max_frame: 64 + usize::from(*b) * 64,
+        max_frames_per_s: 1 + u32::from(*b & 0x1F) * 100,
+        frame_burst: 1 + u32::from(*a >> 3) * 8,
+        ..WsConfig::default()
+    };
+    let bound = cfg.max_outbound_bytes;
+    let input_bound = 8 * cfg.max_frame + 2 * 4096 + cfg.max_head_bytes;
+    let t0 = Instant::now();
+    let mut now = t0;
+    let mut c = Connection::new(t0, cfg);
+    let mut rng = Rng(u64::from(*seed) << 8 | 1);
+    let mut closed = false;
+    let check = |c: &mut Connection, closed: &mut bool| {
+        assert!(
+            c.queued_bytes() <= bound,
+            "{} bytes queued, bound {bound}",
+            c.queued_bytes()
+        );
+        assert!(
+            c.input_bytes() <= input_bound,
+            "{} bytes of input held",
+            c.input_bytes()
+        );
+        while let Some(e) = c.poll_event() {
+            match e {
+                ConnEvent::Text(_) => assert!(!*closed, "text after the close"),
+                ConnEvent::Closed { .. } => *closed = true,
+                _ => {}
+            }
+        }
+    };
+    let mut feed =
+        |c: &mut Connection, wire: &mut Vec<u8>, now: &mut Instant, closed: &mut bool| {
+            let mut rest = wire.as_slice();
+            while !rest.is_empty() {
+                let n = 1 + rng.below(rest.len().min(4096));
+                let (piece, later) = rest.split_at(n);
+                c.handle_input(piece, *now, &Host);
+                check(c, closed);
+                catch_up(c, now);
+                check(c, closed);
+                rest = later;
+            }
+            wire.clear();
+        };
+    let mut wire = UPGRADE.to_vec();
+    let mut ops = program.iter().copied();
+    while let Some(op) = ops.next() {
+        let arg = usize::from(ops.next().unwrap_or(0));
+        match op % 8 {
+            0 => client_frame(&mut wire, 0x89, arg % 126, op),
+            1 => client_frame(&mut wire, 0x81, arg * 37 % (cfg.max_frame + 64), b'a'),
+            2 => client_frame(&mut wire, 0x01, arg, b'b'),
+            3 => client_frame(&mut wire, 0x00, arg, b'c'),
+            4 => client_frame(&mut wire, 0x80, arg, b'd'),
+            5 => client_frame(&mut wire, 0x8A, arg % 126, op),
+            6 => {
+                feed(&mut c, &mut wire, &mut now, &mut closed);
+                let _ = c.send_text(&"r".repeat(arg * 13), now);
+                check(&mut c, &mut closed);
+            }
+            _ => {
+                feed(&mut c, &mut wire, &mut now, &mut closed);
+                now += Duration::from_millis(arg as u64 * 40);
+                c.handle_timeout(now);
+                check(&mut c, &mut closed);
+            }
+        }
+    }
+    feed(&mut c, &mut wire, &mut now, &mut closed);
+    c.handle_timeout(now + Duration::from_secs(3600));
+    check(&mut c, &mut closed);
 }
 
 /// Any bytes as a request: either nothing yet, or one HTTP/1.1 response (or an upgrade).

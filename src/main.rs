@@ -130,6 +130,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         heartbeat: Duration::from_secs(config.limits.heartbeat_s),
         max_outbound_bytes: config.limits.max_outbound_bytes,
         max_connections: config.limits.max_sessions,
+        max_connections_per_ip: config.limits.max_connections_per_ip,
+        max_frames_per_s: config.limits.max_frames_per_s,
+        frame_burst: config.limits.frame_burst,
+        max_buffered_bytes: config.limits.max_buffered_bytes,
         ..WsConfig::default()
     };
     let mut broker = Broker::new(config, broker_id)?;

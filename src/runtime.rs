@@ -26,6 +26,10 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// How long a drain may take before the broker exits anyway.
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 const SUPERVISE_INTERVAL: Duration = Duration::from_secs(1);
+/// Rounds of moving events between the machines per loop turn. Reads are bounded per
+/// turn, so the rounds end on their own; this bound only guarantees that `poll`, the
+/// NATS socket and the timers come round again whatever the machines do.
+const MAX_ROUNDS_PER_TURN: usize = 64;
 
 pub struct RuntimeOptions {
     pub listen: SocketAddr,
@@ -100,6 +104,8 @@ pub fn run(
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
     let mut next_supervise = now + SUPERVISE_INTERVAL;
+    // Work was left over by the last turn's bounded rounds: poll without waiting.
+    let mut unfinished = false;
 
     loop {
         let deadline = [
@@ -113,7 +119,11 @@ pub fn run(
         .into_iter()
         .flatten()
         .min();
-        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let timeout = if unfinished {
+            Some(Duration::ZERO)
+        } else {
+            deadline.map(|d| d.saturating_duration_since(Instant::now()))
+        };
         match poll.poll(&mut events, timeout) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -142,7 +152,14 @@ pub fn run(
                 _ => {}
             }
         }
-        ws.handle_timeouts(poll.registry(), now);
+        ws.handle_timeouts(
+            poll.registry(),
+            now,
+            &Host {
+                health: &health,
+                broker: &broker,
+            },
+        );
         nats.drive(poll.registry(), now);
         broker.handle_timeout(nats.connection_mut(), now);
 
@@ -166,8 +183,10 @@ pub fn run(
             }
         }
 
-        // Move events between the machines until all of them are quiet.
-        loop {
+        // Move events between the machines until all of them are quiet, or the round
+        // bound is reached (the rest waits for the next turn).
+        unfinished = true;
+        for _ in 0..MAX_ROUNDS_PER_TURN {
             let mut busy = false;
             while let Some((id, event)) = ws.poll_event() {
                 busy = true;
@@ -248,6 +267,7 @@ pub fn run(
             );
             nats.drive(poll.registry(), now);
             if !busy && !ws.has_events() {
+                unfinished = false;
                 break;
             }
         }

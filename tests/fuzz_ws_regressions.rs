@@ -16,6 +16,29 @@ fn ws_stream_seeds_and_regressions_hold_whole_or_split() {
 }
 
 #[test]
+fn ws_stream_inputs_as_programs_of_a_never_reading_peer_keep_output_within_its_bound() {
+    assert!(replay("ws_stream", ws_checks::check_ws_never_read) >= 8);
+}
+
+/// A few programs built by hand: ping floods, huge texts, fragments, replies and time.
+#[test]
+fn hand_written_never_reading_programs_keep_output_within_its_bound() {
+    let ping_flood: Vec<u8> = (0..4000).flat_map(|_| [0u8, 125]).collect();
+    let mut mixed = vec![0u8, 10, 2, 200, 0, 125, 3, 255, 6, 255, 5, 100, 4, 1, 7, 50];
+    mixed.extend((0..500).flat_map(|i| [(i % 8) as u8, (i * 31 % 256) as u8]));
+    let replies: Vec<u8> = (0..300).flat_map(|_| [6u8, 255, 0, 125]).collect();
+    for (a, b) in [(0u8, 0u8), (255, 255), (7, 31), (200, 3)] {
+        for body in [&ping_flood, &mixed, &replies] {
+            for seed in [0u8, 1, 77] {
+                let mut data = vec![a, b, seed];
+                data.extend_from_slice(body);
+                ws_checks::check_ws_never_read(&data);
+            }
+        }
+    }
+}
+
+#[test]
 fn http_request_seeds_and_regressions_hold() {
     assert!(replay("http_request", ws_checks::check_http_request) >= 9);
 }

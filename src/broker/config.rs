@@ -31,6 +31,13 @@ pub struct Limits {
     /// Submits of one participant waiting for a budget reservation (each holds its frame);
     /// past it a submit answers `unavailable` with `retry_after_ms`.
     pub max_held_submits: usize,
+    /// Connections open at once from one address (IPv6: one /64).
+    pub max_connections_per_ip: usize,
+    /// Frames a session may send per second, sustained, and at once.
+    pub max_frames_per_s: u32,
+    pub frame_burst: u32,
+    /// Input held and output queued over all connections.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for Limits {
@@ -43,6 +50,10 @@ impl Default for Limits {
             registry_ttl_s: 15,
             max_sessions: 10_000,
             max_held_submits: 64,
+            max_connections_per_ip: 256,
+            max_frames_per_s: 1_000,
+            frame_burst: 2_000,
+            max_buffered_bytes: 256 << 20,
         }
     }
 }
@@ -254,6 +265,20 @@ impl Config {
         within("limits.registry_ttl_s", l.registry_ttl_s, 1, DAY)?;
         within("limits.max_sessions", l.max_sessions, 1, 1_000_000)?;
         within("limits.max_held_submits", l.max_held_submits, 1, 4096)?;
+        within(
+            "limits.max_connections_per_ip",
+            l.max_connections_per_ip,
+            1,
+            1_000_000,
+        )?;
+        within("limits.max_frames_per_s", l.max_frames_per_s, 1, 1_000_000)?;
+        within("limits.frame_burst", l.frame_burst, 1, 1_000_000)?;
+        within(
+            "limits.max_buffered_bytes",
+            l.max_buffered_bytes,
+            1,
+            64 * 1024 * MIB,
+        )?;
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");
             check_name(&at, ns_name)?;
@@ -545,6 +570,22 @@ mod tests {
             (
                 r#"{"limits":{"max_frame":0}}"#.to_string(),
                 "limits.max_frame",
+            ),
+            (
+                r#"{"limits":{"max_frames_per_s":1000001}}"#.to_string(),
+                "limits.max_frames_per_s",
+            ),
+            (
+                r#"{"limits":{"frame_burst":0}}"#.to_string(),
+                "limits.frame_burst",
+            ),
+            (
+                r#"{"limits":{"max_connections_per_ip":18446744073709551615}}"#.to_string(),
+                "limits.max_connections_per_ip",
+            ),
+            (
+                r#"{"limits":{"max_buffered_bytes":68719476737}}"#.to_string(),
+                "limits.max_buffered_bytes",
             ),
         ];
         for (json, path) in cases {

@@ -16,6 +16,9 @@ use std::time::Instant;
 
 /// Bytes read per `read` call.
 const READ_CHUNK: usize = 64 * 1024;
+/// `read` calls per readiness event or `drive`: the rest of a flood waits for the next
+/// `drive`, so the caller's loop serves its other sockets and timers in between.
+const MAX_READS_PER_PASS: usize = 16;
 
 #[derive(Debug)]
 pub struct Driver {
@@ -26,6 +29,8 @@ pub struct Driver {
     dialing: bool,
     /// The last write hit `WouldBlock`; no write is tried until a writable event.
     write_blocked: bool,
+    /// A read pass ended at its budget with input possibly left in the socket.
+    read_more: bool,
     read_buf: Vec<u8>,
 }
 
@@ -37,6 +42,7 @@ impl Driver {
             socket: None,
             dialing: false,
             write_blocked: false,
+            read_more: false,
             read_buf: vec![0; READ_CHUNK],
         }
     }
@@ -65,6 +71,9 @@ impl Driver {
 
     /// The next instant [`Driver::drive`] must run even without readiness.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.read_more {
+            return Some(Instant::now());
+        }
         self.conn.poll_timeout()
     }
 
@@ -87,6 +96,9 @@ impl Driver {
 
     /// Timers, dialing, closing and writing: everything not driven by readiness.
     pub fn drive(&mut self, registry: &Registry, now: Instant) {
+        if self.read_more && !self.dialing && self.socket.is_some() {
+            self.read(registry, now);
+        }
         // Bounded: each pass either changes state or stops.
         for _ in 0..16 {
             if self.conn.poll_close() {
@@ -159,7 +171,8 @@ impl Driver {
     }
 
     fn read(&mut self, registry: &Registry, now: Instant) {
-        loop {
+        self.read_more = false;
+        for _ in 0..MAX_READS_PER_PASS {
             let Some(stream) = self.socket.as_mut() else {
                 return;
             };
@@ -180,6 +193,7 @@ impl Driver {
                 Err(e) => return self.failed(registry, now, &e.to_string()),
             }
         }
+        self.read_more = true;
     }
 
     /// Writes until the output is empty or the socket would block. False when the socket
@@ -232,6 +246,7 @@ impl Driver {
         }
         self.dialing = false;
         self.write_blocked = false;
+        self.read_more = false;
     }
 
     /// Deregisters and closes the socket (the connection itself is left as it is).

@@ -40,6 +40,18 @@ pub struct WsConfig {
     pub read_buffer_size: usize,
     /// Most connections open at once; further ones are accepted and closed at once.
     pub max_connections: usize,
+    /// Most connections open at once from one address (IPv6: one /64); further ones are
+    /// accepted and closed at once.
+    pub max_connections_per_ip: usize,
+    /// Frames (messages and control frames) a session may send per second, sustained;
+    /// past it its socket is not read until the allowance refills.
+    pub max_frames_per_s: u32,
+    /// Frames a session may send at once after a quiet spell.
+    pub frame_burst: u32,
+    /// Input held (request heads, partial messages, input waiting for the frame
+    /// allowance) and output queued, summed over every connection. Past it the connection
+    /// holding the most input is closed (1008) and new connections are refused.
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for WsConfig {
@@ -53,6 +65,10 @@ impl Default for WsConfig {
             close_timeout: Duration::from_secs(5),
             read_buffer_size: 2 << 10,
             max_connections: 10_000,
+            max_connections_per_ip: 256,
+            max_frames_per_s: 1_000,
+            frame_burst: 2_000,
+            max_buffered_bytes: 256 << 20,
         }
     }
 }
@@ -126,6 +142,18 @@ enum Phase {
 /// Beyond this capacity an emptied output buffer is released instead of kept.
 const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
 
+/// Output room kept free of text frames and pongs: one more pong (tungstenite writes it
+/// before the bound is checked again) and the close frame always fit within the bound.
+const CONTROL_ROOM: usize = 256;
+/// Smallest effective `max_outbound_bytes`, so an upgrade response and the control room
+/// always fit.
+const MIN_OUTBOUND: usize = 1024;
+/// Frames decoded per call before the connection yields to others.
+const MAX_FRAMES_PER_CALL: usize = 32;
+/// A throttled session resumes once this many frames (or its burst) are allowed again,
+/// rather than waking for each single frame.
+const RESUME_FRAMES: f64 = 16.0;
+
 #[derive(Debug)]
 pub struct Connection {
     phase: Phase,
@@ -139,6 +167,14 @@ pub struct Connection {
     next_ping: Instant,
     peer_eof: bool,
     frames: FrameBoundary,
+    /// Input handed in but not decoded yet: the frame allowance or the per-call frame
+    /// budget ran out. At most one read's worth (plus an upgrade request's tail).
+    pending: Vec<u8>,
+    /// Decoding stopped early; `pending` or tungstenite's buffer may hold frames.
+    held: bool,
+    /// Frame allowance (token bucket) as of `tokens_at`.
+    tokens: f64,
+    tokens_at: Instant,
     cfg: WsConfig,
 }
 
@@ -155,6 +191,10 @@ impl Connection {
             next_ping: now,
             peer_eof: false,
             frames: FrameBoundary::default(),
+            pending: Vec::new(),
+            held: false,
+            tokens: f64::from(cfg.frame_burst.max(1)),
+            tokens_at: now,
             cfg,
         }
     }
@@ -213,12 +253,25 @@ impl Connection {
     pub fn handle_timeout(&mut self, now: Instant) {
         match self.phase {
             Phase::Open => {
+                if self.held {
+                    self.resume_input(now);
+                }
+                if !matches!(self.phase, Phase::Open) {
+                    return;
+                }
                 if now >= self.idle_deadline() {
                     self.close(close_code::GOING_AWAY, "idle timeout", now);
                 } else if now >= self.next_ping {
-                    push_frame_header(&mut self.out, 0x9, 0);
-                    self.next_ping = after(now, self.cfg.heartbeat);
+                    if self.queued_bytes() + 2 > self.data_limit() {
+                        self.close(close_code::POLICY, "slow consumer", now);
+                    } else {
+                        push_frame_header(&mut self.out, 0x9, 0);
+                        self.next_ping = after(now, self.cfg.heartbeat);
+                    }
                 }
+            }
+            Phase::Closing if self.held && now < self.deadline => {
+                self.resume_input(now);
             }
             Phase::Http { .. } | Phase::Closing | Phase::Flushing | Phase::Lingering => {
                 if now >= self.deadline {
@@ -231,11 +284,108 @@ impl Connection {
 
     /// When [`handle_timeout`](Self::handle_timeout) has work next.
     pub fn next_deadline(&self) -> Option<Instant> {
-        match self.phase {
+        let resume = self.held.then(|| self.resume_at());
+        let own = match self.phase {
             Phase::Open => Some(self.next_ping.min(self.idle_deadline())),
             Phase::Closed => None,
             _ => Some(self.deadline),
+        };
+        match (own, resume) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
+    }
+
+    /// Decoding stopped early (frame allowance or per-call budget); the shell must not
+    /// read the socket until [`resume_input`](Self::resume_input) has caught up.
+    pub fn input_held(&self) -> bool {
+        self.held
+    }
+
+    /// When held input may be decoded again.
+    pub fn resume_at(&self) -> Instant {
+        let rate = f64::from(self.cfg.max_frames_per_s.max(1));
+        let want = RESUME_FRAMES.min(f64::from(self.cfg.frame_burst.max(1)));
+        let missing = (want - self.tokens).max(0.0);
+        let wait = Duration::try_from_secs_f64(missing / rate).unwrap_or(Duration::MAX);
+        after(self.tokens_at, wait)
+    }
+
+    /// Decodes held input if the frame allowance permits at `now`; false when it does
+    /// not yet (the input stays held until [`resume_at`](Self::resume_at)).
+    pub fn resume_input(&mut self, now: Instant) -> bool {
+        if !self.held {
+            return true;
+        }
+        self.refill(now);
+        if now < self.resume_at() && self.tokens < 1.0 {
+            return false;
+        }
+        self.held = false;
+        let mut pending = std::mem::take(&mut self.pending);
+        let used = self.ws_input_from(&pending, now);
+        if self.held {
+            pending.drain(..used.min(pending.len()));
+            self.pending = pending;
+        }
+        true
+    }
+
+    /// Input held by this connection: request head, partial frame or message inside the
+    /// decoder, input waiting for the frame allowance.
+    pub fn input_bytes(&self) -> usize {
+        let head = match &self.phase {
+            Phase::Http { head } => head.len(),
+            _ => 0,
+        };
+        let partial = if self.ws.is_some() {
+            usize::try_from(self.frames.held).unwrap_or(usize::MAX)
+        } else {
+            0
+        };
+        head.saturating_add(partial)
+            .saturating_add(self.pending.len())
+    }
+
+    /// Input held plus output queued.
+    pub fn buffered_bytes(&self) -> usize {
+        self.input_bytes().saturating_add(self.queued_bytes())
+    }
+
+    /// Closes the session (1008 `memory budget`) and releases its input buffers at once;
+    /// used when the transport's memory budget is exhausted.
+    pub fn shed(&mut self, now: Instant) {
+        match self.phase {
+            Phase::Http { .. } => self.phase = Phase::Closed,
+            Phase::Open => {
+                self.fail(close_code::POLICY, "memory budget", now);
+                self.ws = None;
+            }
+            _ => {
+                self.ws = None;
+                self.phase = Phase::Flushing;
+                self.deadline = self.deadline.min(after(now, self.cfg.close_timeout));
+            }
+        }
+        self.pending = Vec::new();
+        self.held = false;
+        self.frames = FrameBoundary::default();
+    }
+
+    /// Most bytes text frames and pongs may fill; the rest of the bound is the control room.
+    fn data_limit(&self) -> usize {
+        self.cfg.max_outbound_bytes.max(MIN_OUTBOUND) - CONTROL_ROOM
+    }
+
+    fn refill(&mut self, now: Instant) {
+        if now <= self.tokens_at {
+            return;
+        }
+        let rate = f64::from(self.cfg.max_frames_per_s.max(1));
+        let burst = f64::from(self.cfg.frame_burst.max(1));
+        let elapsed = now.saturating_duration_since(self.tokens_at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * rate).min(burst);
+        self.tokens_at = now;
     }
 
     fn idle_deadline(&self) -> Instant {
@@ -247,8 +397,8 @@ impl Connection {
         if !matches!(self.phase, Phase::Open) {
             return Err(SendError::NotOpen);
         }
-        let frame_len = text.len() + frame_header_len(text.len());
-        if self.queued_bytes() + frame_len > self.cfg.max_outbound_bytes {
+        let frame_len = text.len().saturating_add(frame_header_len(text.len()));
+        if self.queued_bytes().saturating_add(frame_len) > self.data_limit() {
             self.close(close_code::POLICY, "slow consumer", now);
             return Err(SendError::SlowConsumer);
         }
@@ -325,6 +475,8 @@ impl Connection {
         }
         self.out = Vec::new();
         self.out_pos = 0;
+        self.pending = Vec::new();
+        self.held = false;
         self.phase = Phase::Closed;
     }
 
@@ -398,7 +550,20 @@ impl Connection {
     }
 
     fn respond(&mut self, status: Status, content_type: &str, body: &[u8], now: Instant) {
+        let mut status = status;
         http::response(&mut self.out, status, content_type, body);
+        if self.queued_bytes() > self.cfg.max_outbound_bytes.max(MIN_OUTBOUND) {
+            // A response over the connection's output bound (a huge /metrics) is not sent.
+            self.out.clear();
+            self.out_pos = 0;
+            status = Status::Unavailable;
+            http::response(
+                &mut self.out,
+                status,
+                "text/plain; charset=utf-8",
+                b"response exceeds max_outbound_bytes\n",
+            );
+        }
         self.events.push_back(ConnEvent::Http {
             status: status.code(),
         });
@@ -407,41 +572,75 @@ impl Connection {
     }
 
     fn ws_input(&mut self, data: &[u8], now: Instant) {
-        self.ws_read(data, now);
-        if matches!(self.phase, Phase::Open) && self.frames.idle_after_large() {
+        if self.held {
+            // Behind held input (only the upgrade read hands in two pieces); the shell
+            // reads nothing more until it is decoded.
+            self.pending.extend_from_slice(data);
+            return;
+        }
+        let used = self.ws_input_from(data, now);
+        if self.held {
+            self.pending = data.get(used..).unwrap_or_default().to_vec();
+        }
+    }
+
+    /// Decodes from `data`; how many of its bytes the decoder took.
+    fn ws_input_from(&mut self, data: &[u8], now: Instant) -> usize {
+        self.last_activity = now;
+        let used = self.ws_read(data, now);
+        if !matches!(self.phase, Phase::Open | Phase::Closing) {
+            self.held = false;
+            self.pending = Vec::new();
+        }
+        if !self.held && matches!(self.phase, Phase::Open) && self.frames.idle_after_large() {
             // tungstenite keeps a buffer as large as the largest frame it read. Between
             // messages its context holds no state of its own (pongs are flushed, no
             // partial frame or message), so a fresh one gives the memory back.
             self.ws = Some(new_context(&self.cfg));
             self.frames.large = false;
         }
+        used
     }
 
-    fn ws_read(&mut self, data: &[u8], now: Instant) {
+    /// Decodes frames from `data` until it runs out, the frame allowance or per-call
+    /// budget is spent (`held` is set), or the session fails; returns the bytes taken.
+    fn ws_read(&mut self, data: &[u8], now: Instant) -> usize {
         if !matches!(self.phase, Phase::Open | Phase::Closing) {
-            return;
+            return data.len();
         }
-        self.frames.feed(data, read_buffer_size(&self.cfg) as u64);
-        let Some(ws) = self.ws.as_mut() else { return };
+        let limit = self.data_limit();
+        self.refill(now);
+        let Some(ws) = self.ws.as_mut() else {
+            return data.len();
+        };
         let mut duplex = Duplex {
             input: data,
             out: &mut self.out,
+            out_pos: self.out_pos,
+            over: false,
+            limit,
         };
-        loop {
-            match ws.read(&mut duplex) {
+        let mut decoded = 0;
+        let stop = loop {
+            if duplex.over {
+                break Stop::Over;
+            }
+            if self.tokens < 1.0 || decoded == MAX_FRAMES_PER_CALL {
+                self.held = true;
+                break Stop::Held;
+            }
+            let message = ws.read(&mut duplex);
+            if !matches!(&message, Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock) {
+                decoded += 1;
+                self.tokens -= 1.0;
+            }
+            match message {
                 Ok(Message::Text(text)) => {
                     if matches!(self.phase, Phase::Open) {
                         self.events.push_back(ConnEvent::Text(text));
                     }
                 }
-                Ok(Message::Binary(_)) => {
-                    self.fail(
-                        close_code::UNSUPPORTED_DATA,
-                        "binary frames are not accepted",
-                        now,
-                    );
-                    return;
-                }
+                Ok(Message::Binary(_)) => break Stop::Binary,
                 Ok(Message::Close(frame)) => {
                     if matches!(self.phase, Phase::Open) {
                         let (code, reason) = match frame {
@@ -460,13 +659,41 @@ impl Connection {
                     // end of the session.
                 }
                 Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
-                Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) => {
-                    self.read_failed(e, now);
-                    return;
+                Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
+                    break Stop::Drained;
                 }
+                Err(e) => break Stop::Failed(e),
+            }
+        };
+        let used = data.len() - duplex.input.len();
+        let over = duplex.over;
+        self.frames.feed(
+            data.get(..used).unwrap_or_default(),
+            read_buffer_size(&self.cfg) as u64,
+        );
+        let stop = if over { Stop::Over } else { stop };
+        match stop {
+            Stop::Drained | Stop::Held => {}
+            Stop::Over => {
+                // A control reply did not fit: the client sends but does not read.
+                self.held = false;
+                self.fail(close_code::POLICY, "slow consumer", now);
+                self.ws = None;
+            }
+            Stop::Binary => {
+                self.held = false;
+                self.fail(
+                    close_code::UNSUPPORTED_DATA,
+                    "binary frames are not accepted",
+                    now,
+                );
+            }
+            Stop::Failed(e) => {
+                self.held = false;
+                self.read_failed(e, now);
             }
         }
+        used
     }
 
     /// Ends reading after any error but `WouldBlock`. The context is dropped, not kept
@@ -504,9 +731,13 @@ impl Connection {
 
     fn send_close(&mut self, code: u16, reason: &str) {
         if let Some(ws) = self.ws.as_mut() {
+            // The control room keeps space for this frame within the bound.
             let mut duplex = Duplex {
                 input: &[],
                 out: &mut self.out,
+                out_pos: self.out_pos,
+                over: false,
+                limit: usize::MAX,
             };
             let frame = CloseFrame {
                 code: CloseCode::from(code),
@@ -525,6 +756,18 @@ impl Connection {
             by_peer,
         });
     }
+}
+
+/// Why decoding stopped.
+enum Stop {
+    /// The input ran out.
+    Drained,
+    /// The frame allowance or per-call budget ran out.
+    Held,
+    /// The output passed its bound.
+    Over,
+    Binary,
+    Failed(WsError),
 }
 
 /// `at + d`, saturating at a year ahead so an absurd configured duration cannot overflow.
@@ -566,16 +809,23 @@ struct FrameBoundary {
     fragmented: bool,
     /// A frame larger than the read buffer was seen since the last reset.
     large: bool,
+    /// Bytes fed since the last point between messages: what the decoder holds of a
+    /// partial frame or unfinished fragmented message.
+    held: u64,
 }
 
 impl FrameBoundary {
     fn feed(&mut self, mut data: &[u8], large_above: u64) {
         while !data.is_empty() {
+            if self.between_messages() {
+                self.held = 0;
+            }
             if self.remaining > 0 {
                 let take = data
                     .len()
                     .min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
                 self.remaining -= take as u64;
+                self.held = self.held.saturating_add(take as u64);
                 data = data.get(take..).unwrap_or_default();
                 continue;
             }
@@ -583,6 +833,7 @@ impl FrameBoundary {
                 return;
             };
             data = rest;
+            self.held = self.held.saturating_add(1);
             if let Some(slot) = self.header.get_mut(usize::from(self.header_len)) {
                 *slot = byte;
             }
@@ -599,6 +850,9 @@ impl FrameBoundary {
                 self.remaining = len;
                 self.header_len = 0;
             }
+        }
+        if self.between_messages() {
+            self.held = 0;
         }
     }
 
@@ -627,15 +881,24 @@ impl FrameBoundary {
         })
     }
 
+    fn between_messages(&self) -> bool {
+        self.header_len == 0 && self.remaining == 0 && !self.fragmented
+    }
+
     fn idle_after_large(&self) -> bool {
-        self.large && self.header_len == 0 && self.remaining == 0 && !self.fragmented
+        self.large && self.between_messages()
     }
 }
 
-/// The bytes handed in as a non-blocking reader, the output buffer as a writer.
+/// The bytes handed in as a non-blocking reader, the output buffer as a writer. A write
+/// that takes the queue past `limit` is still taken (it is at most one control frame,
+/// covered by the control room) but marks the session as over its bound.
 struct Duplex<'a> {
     input: &'a [u8],
     out: &'a mut Vec<u8>,
+    out_pos: usize,
+    over: bool,
+    limit: usize,
 }
 
 impl Read for Duplex<'_> {
@@ -657,6 +920,9 @@ impl Read for Duplex<'_> {
 impl Write for Duplex<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.out.extend_from_slice(buf);
+        if self.out.len() - self.out_pos > self.limit {
+            self.over = true;
+        }
         Ok(buf.len())
     }
 
@@ -1194,8 +1460,9 @@ mod tests {
 
     #[test]
     fn slow_consumer_is_closed_1008_once_the_queue_would_pass_its_bound() {
+        // Text may fill the bound less its control room.
         let cfg = WsConfig {
-            max_outbound_bytes: 1000,
+            max_outbound_bytes: 1000 + CONTROL_ROOM,
             ..WsConfig::default()
         };
         let (mut c, t0) = open(cfg);
@@ -1270,5 +1537,172 @@ mod tests {
         c.consume_output(total - 30_000);
         assert_eq!(c.queued_bytes(), 0);
         assert!(c.out.capacity() <= KEEP_OUTPUT_CAPACITY);
+    }
+
+    /// Decodes everything handed in, resuming held input with a virtual clock that
+    /// advances to each resume time; returns the events and the final time.
+    fn feed_all(c: &mut Connection, input: &[u8], t0: Instant) -> (Vec<ConnEvent>, Instant) {
+        let mut now = t0;
+        c.handle_input(input, now, &HOST);
+        let mut ev = events(c);
+        while c.input_held() {
+            now = now.max(c.resume_at());
+            assert!(c.resume_input(now));
+            ev.extend(events(c));
+        }
+        (ev, now)
+    }
+
+    #[test]
+    fn ping_flood_from_a_peer_that_never_reads_stays_within_the_bound_and_closes_1008() {
+        let cfg = WsConfig {
+            max_outbound_bytes: 8 << 10,
+            max_frames_per_s: u32::MAX,
+            frame_burst: u32::MAX,
+            ..WsConfig::default()
+        };
+        let (mut c, t0) = open(cfg);
+        let ping = frame(0x9, true, &[b'p'; 125]);
+        let mut most = 0;
+        for _ in 0..1000 {
+            c.handle_input(&ping, t0, &HOST);
+            while c.input_held() {
+                assert!(c.resume_input(t0));
+            }
+            most = most.max(c.queued_bytes());
+            assert!(
+                c.queued_bytes() <= cfg.max_outbound_bytes,
+                "{}",
+                c.queued_bytes()
+            );
+        }
+        assert!(most > cfg.max_outbound_bytes - 2 * CONTROL_ROOM, "{most}");
+        assert_eq!(events(&mut c), vec![closed(1008, "slow consumer", false)]);
+        let frames = server_frames(c.output());
+        assert!(frames.iter().all(|(op, _)| *op == 0xA || *op == 0x8));
+        assert_eq!(frames.last(), Some(&close_payload(1008, "slow consumer")));
+        assert_eq!(c.input_bytes(), 0, "nothing is kept once failed");
+    }
+
+    #[test]
+    fn a_heartbeat_ping_that_does_not_fit_closes_1008() {
+        let cfg = WsConfig {
+            max_outbound_bytes: 2048,
+            ..WsConfig::default()
+        };
+        let (mut c, t0) = open(cfg);
+        let fill = "f".repeat(2048 - CONTROL_ROOM - 4 - 1);
+        c.send_text(&fill, t0).unwrap();
+        c.handle_timeout(t0 + cfg.heartbeat);
+        assert_eq!(events(&mut c), vec![closed(1008, "slow consumer", false)]);
+        assert!(c.queued_bytes() <= cfg.max_outbound_bytes);
+    }
+
+    #[test]
+    fn frames_past_the_allowance_wait_for_it_to_refill_and_none_is_lost() {
+        let cfg = WsConfig {
+            max_frames_per_s: 100,
+            frame_burst: 20,
+            ..WsConfig::default()
+        };
+        let (mut c, t0) = open(cfg);
+        let mut input = Vec::new();
+        for i in 0..120 {
+            if i % 10 == 0 {
+                input.extend(frame(0x9, true, b"x"));
+            }
+            input.extend(text(&format!("m{i}")));
+        }
+        c.handle_input(&input, t0, &HOST);
+        assert_eq!(events(&mut c).len(), 18, "the burst: 18 texts and 2 pings");
+        assert!(c.input_held());
+        assert!(!c.resume_input(t0 + Duration::from_millis(5)), "not yet");
+        let (ev, end) = feed_all(&mut c, &[], t0);
+        let texts: Vec<_> = ev
+            .iter()
+            .map(|e| match e {
+                ConnEvent::Text(t) => t.to_string(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(texts.len(), 102);
+        assert_eq!(texts.first().map(String::as_str), Some("m18"));
+        assert_eq!(texts.last().map(String::as_str), Some("m119"));
+        // 132 frames, 20 at once, the rest at 100/s.
+        let took = end - t0;
+        assert!(
+            took >= Duration::from_millis(1100) && took <= Duration::from_millis(1300),
+            "{took:?}"
+        );
+        assert!(c.is_open());
+        assert_eq!(
+            server_frames(&drain_output(&mut c)).len(),
+            12,
+            "every ping answered"
+        );
+    }
+
+    #[test]
+    fn one_call_decodes_a_bounded_number_of_frames() {
+        let cfg = WsConfig {
+            max_frames_per_s: u32::MAX,
+            frame_burst: u32::MAX,
+            ..WsConfig::default()
+        };
+        let (mut c, t0) = open(cfg);
+        let input: Vec<u8> = (0..100).flat_map(|i| text(&format!("{i}"))).collect();
+        c.handle_input(&input, t0, &HOST);
+        assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
+        assert!(c.input_held());
+        assert_eq!(c.next_deadline(), Some(t0), "due at once");
+        let (ev, _) = feed_all(&mut c, &[], t0);
+        assert_eq!(ev.len(), 100 - MAX_FRAMES_PER_CALL);
+        assert_eq!(c.input_bytes(), 0);
+    }
+
+    #[test]
+    fn a_half_sent_message_counts_as_held_input_until_shed() {
+        let (mut c, t0) = open(WsConfig::default());
+        let big = text(&"h".repeat(300_000));
+        c.handle_input(&big[..200_000], t0, &HOST);
+        assert!(c.input_bytes() >= 200_000, "{}", c.input_bytes());
+        c.shed(t0);
+        assert_eq!(events(&mut c), vec![closed(1008, "memory budget", false)]);
+        assert_eq!(c.input_bytes(), 0);
+        c.handle_input(&big[200_000..], t0, &HOST);
+        assert!(events(&mut c).is_empty());
+        assert_eq!(
+            server_frames(&drain_output(&mut c)),
+            vec![close_payload(1008, "memory budget")]
+        );
+        // A complete message leaves nothing held.
+        let (mut c, t0) = open(WsConfig::default());
+        c.handle_input(&big, t0, &HOST);
+        assert_eq!(events(&mut c).len(), 1);
+        assert_eq!(c.input_bytes(), 0);
+    }
+
+    #[test]
+    fn an_http_response_over_the_bound_is_replaced_by_503() {
+        struct Big;
+        impl HttpHost for Big {
+            fn health(&self) -> Result<(), String> {
+                Ok(())
+            }
+            fn metrics(&self, out: &mut String) {
+                out.push_str(&"x".repeat(10_000));
+            }
+        }
+        let t0 = Instant::now();
+        let cfg = WsConfig {
+            max_outbound_bytes: 4096,
+            ..WsConfig::default()
+        };
+        let mut c = Connection::new(t0, cfg);
+        c.handle_input(b"GET /metrics HTTP/1.1\r\n\r\n", t0, &Big);
+        assert!(c.queued_bytes() <= 4096);
+        let out = String::from_utf8(drain_output(&mut c)).unwrap();
+        assert!(out.starts_with("HTTP/1.1 503 "), "{out}");
+        assert_eq!(events(&mut c), vec![ConnEvent::Http { status: 503 }]);
     }
 }

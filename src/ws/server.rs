@@ -13,7 +13,7 @@
 //!     for e in &events {
 //!         if ws.owns(e.token()) { ws.handle_event(poll.registry(), e, now, &host) } else { .. }
 //!     }
-//!     ws.handle_timeouts(poll.registry(), now);
+//!     ws.handle_timeouts(poll.registry(), now, &host);   // also resumes reads cut short
 //!     loop {
 //!         while let Some((session, event)) = ws.poll_event() { .. ws.send_text(session, ..) .. }
 //!         ws.flush(poll.registry(), now, &host);   // writes what the handlers queued
@@ -24,9 +24,14 @@
 //!
 //! [`WsServer::run`] is that loop for a server alone (tests, tools). Tokens: the listener
 //! has its own; connection `i` has `first_conn_token + i`, for `i < max_connections`.
+//!
+//! Fairness: one readiness event reads at most `MAX_READS_PER_TURN` chunks (each decoding
+//! at most a few dozen frames) from a connection; the rest waits for the next
+//! `handle_timeouts`, i.e. the next loop turn, so the embedder's other sockets and timers
+//! are served in between. `flush` only writes; it never reads.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr};
 use std::time::Instant;
@@ -36,6 +41,7 @@ use mio::{Events, Interest, Poll, Registry, Token};
 
 use super::connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
 use super::metrics::{CounterId, GaugeId, Registry as Metrics};
+use crate::broker::throttle::AddressKey;
 use tungstenite::Utf8Bytes;
 
 /// Bytes read from one socket per pass before other connections get their turn.
@@ -89,14 +95,22 @@ struct Slot {
     peer: SocketAddr,
     /// The deadline this slot has in the heap, if any.
     scheduled: Option<Instant>,
+    ip: AddressKey,
+    /// Reads stopped because the connection held input back (frame allowance); the socket
+    /// is read again once it has caught up.
+    stalled: bool,
+    /// This connection's share of [`WsServer::buffered`] as last counted.
+    accounted: usize,
 }
 
 #[derive(Debug)]
 struct TransportMetrics {
     registry: Metrics,
     accepted: CounterId,
-    rejected: CounterId,
+    refused: CounterId,
     connections: GaugeId,
+    buffered: GaugeId,
+    shed: CounterId,
     ws_sessions: GaugeId,
     http_responses: CounterId,
     closes: CounterId,
@@ -112,12 +126,22 @@ impl TransportMetrics {
                 "TCP connections accepted.",
                 None,
             ),
-            rejected: r.counter(
-                "amp_ws_connections_rejected_total",
-                "TCP connections closed at once because the connection table was full.",
-                None,
+            refused: r.counter(
+                "amp_ws_connections_refused_total",
+                "TCP connections closed at once, by reason (table_full, per_ip, memory).",
+                Some("reason"),
             ),
             connections: r.gauge("amp_ws_connections", "TCP connections open.", None),
+            buffered: r.gauge(
+                "amp_ws_buffered_bytes",
+                "Input held and output queued over all connections.",
+                None,
+            ),
+            shed: r.counter(
+                "amp_ws_memory_sheds_total",
+                "Connections closed (1008 memory budget) because the buffered bytes passed max_buffered_bytes.",
+                None,
+            ),
             ws_sessions: r.gauge("amp_ws_sessions", "WebSocket sessions open.", None),
             http_responses: r.counter(
                 "amp_http_responses_total",
@@ -170,6 +194,10 @@ pub struct WsServer {
     dirty: Vec<usize>,
     /// Connections that still had input when their read turn ended.
     backlog: Vec<usize>,
+    /// Open connections per source address (IPv6: per /64).
+    per_ip: HashMap<AddressKey, usize>,
+    /// Input held and output queued over all connections.
+    buffered: usize,
     scratch: Vec<u8>,
     metrics: TransportMetrics,
     draining: bool,
@@ -211,6 +239,8 @@ impl WsServer {
             events: VecDeque::new(),
             dirty: Vec::new(),
             backlog: Vec::new(),
+            per_ip: HashMap::new(),
+            buffered: 0,
             scratch: vec![0; READ_CHUNK],
             metrics: TransportMetrics::new(),
             draining: false,
@@ -235,6 +265,11 @@ impl WsServer {
     /// Connections open (HTTP, WebSocket and closing ones).
     pub fn connection_count(&self) -> usize {
         self.open
+    }
+
+    /// Input held and output queued over all connections, as last counted.
+    pub fn buffered_bytes(&self) -> usize {
+        self.buffered
     }
 
     /// Renders the transport's own `amp_ws_*`/`amp_http_*` metrics.
@@ -266,8 +301,22 @@ impl WsServer {
         self.settle(registry, index, now);
     }
 
-    /// Runs the connection timers due at `now`.
-    pub fn handle_timeouts(&mut self, registry: &Registry, now: Instant) {
+    /// Runs the connection timers due at `now` and continues the reads that were cut
+    /// short for fairness. Call it once per loop turn.
+    pub fn handle_timeouts(&mut self, registry: &Registry, now: Instant, host: &dyn HttpHost) {
+        let mut backlog = std::mem::take(&mut self.backlog);
+        backlog.sort_unstable();
+        backlog.dedup();
+        for &index in &backlog {
+            if matches!(self.slots.get(index), Some(Some(_))) {
+                self.read(index, now, host);
+                self.settle(registry, index, now);
+            }
+        }
+        backlog.clear();
+        if self.backlog.is_empty() {
+            self.backlog = backlog;
+        }
         while let Some(Reverse((at, index, generation))) = self.timers.peek().copied() {
             if at > now {
                 break;
@@ -330,16 +379,9 @@ impl WsServer {
         self.slot(id).is_some_and(|s| s.conn.is_open())
     }
 
-    /// Writes what handlers queued, continues reads cut short for fairness, and
-    /// surfaces the events that produced.
-    pub fn flush(&mut self, registry: &Registry, now: Instant, host: &dyn HttpHost) {
-        let backlog = std::mem::take(&mut self.backlog);
-        for index in backlog {
-            if matches!(self.slots.get(index), Some(Some(_))) {
-                self.read(index, now, host);
-                self.dirty.push(index);
-            }
-        }
+    /// Writes what handlers queued and surfaces the events that produced. It reads
+    /// nothing, so a loop that flushes until the server is quiet ends.
+    pub fn flush(&mut self, registry: &Registry, now: Instant, _host: &dyn HttpHost) {
         let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
         dirty.dedup();
@@ -397,7 +439,7 @@ impl WsServer {
                     self.handle_event(poll.registry(), event, now, host);
                 }
             }
-            self.handle_timeouts(poll.registry(), now);
+            self.handle_timeouts(poll.registry(), now, host);
             loop {
                 while let Some((id, event)) = self.poll_event() {
                     on_event(self, id, event, now);
@@ -444,8 +486,20 @@ impl WsServer {
                 }
             };
             self.metrics.registry.inc(self.metrics.accepted, "");
-            if self.open >= self.cfg.max_connections {
-                self.metrics.registry.inc(self.metrics.rejected, "");
+            let ip = AddressKey::of(peer.ip());
+            let refused = if self.open >= self.cfg.max_connections {
+                Some("table_full")
+            } else if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.cfg.max_connections_per_ip
+            {
+                Some("per_ip")
+            } else if self.buffered >= self.cfg.max_buffered_bytes {
+                Some("memory")
+            } else {
+                None
+            };
+            if let Some(reason) = refused {
+                // Dropping the stream closes it: no bytes are spent on a refused peer.
+                self.metrics.registry.inc(self.metrics.refused, reason);
                 continue;
             }
             let index = match self.free.pop() {
@@ -471,8 +525,12 @@ impl WsServer {
                     stream,
                     peer,
                     scheduled: None,
+                    ip,
+                    stalled: false,
+                    accounted: 0,
                 });
             }
+            *self.per_ip.entry(ip).or_insert(0) += 1;
             self.open += 1;
             self.metrics
                 .registry
@@ -490,29 +548,84 @@ impl WsServer {
             metrics: &self.metrics.registry,
         };
         for turn in 0.. {
-            if !slot.conn.wants_input() {
-                return;
-            }
             if turn == MAX_READS_PER_TURN {
                 self.backlog.push(index);
-                return;
+                break;
+            }
+            if slot.conn.input_held() {
+                if slot.conn.resume_input(now) {
+                    continue;
+                }
+                // Over its frame allowance: its timer resumes it.
+                slot.stalled = true;
+                break;
+            }
+            if !slot.conn.wants_input() {
+                break;
             }
             match slot.stream.read(&mut self.scratch) {
                 Ok(0) => {
                     slot.conn.handle_eof(now);
-                    return;
+                    break;
                 }
                 Ok(n) => {
                     slot.conn
                         .handle_input(self.scratch.get(..n).unwrap_or_default(), now, &host)
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
                     slot.conn.abort();
-                    return;
+                    break;
                 }
             }
+        }
+        self.account(index);
+        if self.buffered > self.cfg.max_buffered_bytes {
+            self.shed(now);
+        }
+    }
+
+    /// Brings `buffered` up to date with one connection's holdings.
+    fn account(&mut self, index: usize) {
+        let Some(Some(slot)) = self.slots.get_mut(index) else {
+            return;
+        };
+        let now_held = slot.conn.buffered_bytes();
+        self.buffered = self
+            .buffered
+            .saturating_sub(slot.accounted)
+            .saturating_add(now_held);
+        slot.accounted = now_held;
+        self.metrics
+            .registry
+            .set(self.metrics.buffered, "", self.buffered as f64);
+    }
+
+    /// Over the memory budget: closes the connections holding the most input (partial
+    /// messages, request heads, throttled input) until the total is within it again.
+    /// Output is not shed here: it is bounded per session and drains or times out.
+    fn shed(&mut self, now: Instant) {
+        while self.buffered > self.cfg.max_buffered_bytes {
+            let largest = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| s.as_ref().map(|s| (s.conn.input_bytes(), i)))
+                .max();
+            let Some((held, index)) = largest.filter(|(held, _)| *held > 0) else {
+                return;
+            };
+            if let Some(Some(slot)) = self.slots.get_mut(index) {
+                eprintln!(
+                    "ws: peer {} closed 1008 memory budget: it held {held} bytes of input, {} buffered in all, limit {}",
+                    slot.peer, self.buffered, self.cfg.max_buffered_bytes
+                );
+                slot.conn.shed(now);
+            }
+            self.metrics.registry.inc(self.metrics.shed, "");
+            self.account(index);
+            self.dirty.push(index);
         }
     }
 
@@ -579,9 +692,23 @@ impl WsServer {
             };
             self.events.push_back((id, event));
         }
+        if slot.stalled && !slot.conn.input_held() {
+            slot.stalled = false;
+            self.backlog.push(index);
+        }
         if slot.conn.is_closed() {
             if let Some(Some(mut slot)) = self.slots.get_mut(index).map(Option::take) {
                 let _ = registry.deregister(&mut slot.stream);
+                self.buffered = self.buffered.saturating_sub(slot.accounted);
+                self.metrics
+                    .registry
+                    .set(self.metrics.buffered, "", self.buffered as f64);
+                if let Some(count) = self.per_ip.get_mut(&slot.ip) {
+                    *count = count.saturating_sub(1);
+                    if *count == 0 {
+                        self.per_ip.remove(&slot.ip);
+                    }
+                }
             }
             if let Some(generation) = self.generations.get_mut(index) {
                 *generation = generation.wrapping_add(1);
@@ -593,6 +720,7 @@ impl WsServer {
                 .set(self.metrics.connections, "", self.open as f64);
             return;
         }
+        self.account(index);
         self.schedule(index);
     }
 

@@ -1,0 +1,440 @@
+//! Hostile clients against the broker binary and a real nats-server: a ping flood from a
+//! client that never reads, an ack flood from a logged-in session, more connections from
+//! one address than allowed, and many half-sent large frames. Each checks both that the
+//! attacker is contained and that honest sessions are still served meanwhile.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::amp::{Broker, Client, open_config};
+use common::{NatsServer, wait_until};
+use serde_json::{Value, json};
+use tungstenite::Message;
+
+/// The broker child's resident set, from `/proc/<pid>/status`.
+fn rss_bytes(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// One sample of a metric from `/metrics` (`name` with its labels, as rendered), asked
+/// from an address of its own so per-address caps do not get in the way.
+fn metric(broker: &Broker, series: &str) -> f64 {
+    let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 9), broker.addr);
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A masked client frame.
+fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [0x3a, 0x91, 0x5c, 0x07];
+    let mut f = vec![0x80 | opcode];
+    let len = payload.len();
+    if len < 126 {
+        f.push(0x80 | len as u8);
+    } else if len <= 0xFFFF {
+        f.push(0x80 | 126);
+        f.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        f.push(0x80 | 127);
+        f.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+fn set_rcvbuf(stream: &TcpStream, size: libc::c_int) {
+    // SAFETY: setsockopt on our own socket with a pointer to a live c_int.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+/// A TCP connection to `to` from the loopback address `from` (127.0.0.0/8 is all ours).
+fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    let SocketAddr::V4(to) = to else {
+        panic!("IPv4 only")
+    };
+    let sockaddr = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor we own, with live sockaddr_in values;
+    // the descriptor is handed to TcpStream, which closes it.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket");
+        let local = sockaddr(from, 0);
+        assert_eq!(
+            libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len),
+            0,
+            "bind {from}"
+        );
+        let remote = sockaddr(*to.ip(), to.port());
+        assert_eq!(
+            libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len),
+            0,
+            "connect {to}"
+        );
+        TcpStream::from_raw_fd(fd)
+    }
+}
+
+const UPGRADE: &[u8] =
+    b"GET /amp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+Sec-WebSocket-Protocol: amp.v1\r\n\r\n";
+
+/// Sends the upgrade request and reads the response head; false when the connection was
+/// closed (or answered otherwise) instead.
+fn upgrade(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    if s.write_all(UPGRADE).is_err() {
+        return false;
+    }
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match s.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return false,
+        }
+    }
+    head.starts_with(b"HTTP/1.1 101 ")
+}
+
+/// One unmasked server frame (small ones only), or None on timeout or EOF.
+fn read_server_frame(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut head = [0u8; 2];
+    s.read_exact(&mut head).ok()?;
+    let len = match head[1] & 0x7F {
+        126 => {
+            let mut b = [0u8; 2];
+            s.read_exact(&mut b).ok()?;
+            usize::from(u16::from_be_bytes(b))
+        }
+        127 => return None,
+        n => usize::from(n),
+    };
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload).ok()?;
+    Some((head[0] & 0x0F, payload))
+}
+
+fn login(broker: &Broker, name: &str) -> Client {
+    Client::login(broker, "acme", name, &format!("{name}-token"))
+}
+
+/// How long an AMP ping takes to be answered.
+fn ping_rtt(c: &mut Client, n: u64) -> Duration {
+    let t = Instant::now();
+    let answer = c.request(json!({"op":"ping","id":format!("p{n}")}));
+    assert_eq!(answer["re"], format!("p{n}"), "{answer}");
+    t.elapsed()
+}
+
+const FLOODERS: usize = 3;
+
+fn ping_flood_from_a_reader_that_never_reads(limits: Value, expect_code: Option<u16>) {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["honest"]);
+    config["limits"] = limits;
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+    let rss0 = rss_bytes(pid);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    let mut floods = Vec::new();
+    for _ in 0..FLOODERS {
+        let mut attacker = TcpStream::connect(broker.addr).expect("connect");
+        assert!(upgrade(&mut attacker), "upgrade");
+        set_rcvbuf(&attacker, 4096);
+        attacker
+            .set_write_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        let stop = stop.clone();
+        let mut s = attacker.try_clone().expect("clone");
+        attackers.push(attacker);
+        floods.push(std::thread::spawn(move || {
+            let burst: Vec<u8> = (0..500)
+                .flat_map(|_| client_frame(0x9, &[b'p'; 125]))
+                .collect();
+            let (mut sent, started) = (0usize, Instant::now());
+            while !stop.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(4) {
+                match s.write(&burst) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                    Err(_) => break,
+                }
+            }
+            sent
+        }));
+    }
+    let mut honest = login(&broker, "honest");
+    let (mut peak, mut worst, mut n) = (rss0, Duration::ZERO, 0);
+    while !floods.iter().all(|f| f.is_finished()) {
+        peak = peak.max(rss_bytes(pid));
+        n += 1;
+        worst = worst.max(ping_rtt(&mut honest, n));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sent: usize = floods
+        .into_iter()
+        .map(|f| f.join().expect("flood thread"))
+        .sum();
+    peak = peak.max(rss_bytes(pid));
+    let growth = peak.saturating_sub(rss0);
+    eprintln!(
+        "ping flood: {} MiB of pings sent by {FLOODERS} connections in 4 s; broker RSS {} -> peak {} MiB (+{} MiB); \
+         honest ping worst {worst:?}",
+        sent >> 20,
+        rss0 >> 20,
+        peak >> 20,
+        growth >> 20
+    );
+    assert!(growth < 64 << 20, "broker RSS grew {} MiB", growth >> 20);
+    // The attackers are closed: their sockets are dropped after the close timeout at the
+    // latest.
+    stop.store(true, Ordering::SeqCst);
+    for attacker in &mut attackers {
+        let closed = wait_until(Duration::from_secs(20), || {
+            attacker
+                .write(&client_frame(0x9, b"x"))
+                .is_err_and(|e| e.kind() != std::io::ErrorKind::TimedOut)
+        });
+        assert!(closed, "a flooding connection is still open");
+    }
+    if let Some(code) = expect_code {
+        let series = format!("amp_ws_closes_total{{code=\"{code}\"}}");
+        assert!(
+            metric(&broker, &series) >= 1.0,
+            "{series}; log:\n{}",
+            broker.log()
+        );
+    }
+    n += 1;
+    ping_rtt(&mut honest, n);
+}
+
+/// Item: every byte queued for a connection counts against its bound. With the default
+/// frame allowance the flood is read at 1,000 frames/s and the session ends at its hello
+/// timeout; memory stays flat either way.
+#[test]
+fn ping_flood_before_hello_from_a_client_that_never_reads_keeps_memory_bounded() {
+    ping_flood_from_a_reader_that_never_reads(json!({}), None);
+}
+
+/// With the frame allowance out of the way, the pongs fill the output bound and the
+/// session is closed 1008 `slow consumer`.
+#[test]
+fn unthrottled_ping_flood_fills_the_output_bound_and_is_closed_slow_consumer() {
+    ping_flood_from_a_reader_that_never_reads(
+        json!({"max_frames_per_s": 1_000_000, "frame_burst": 1_000_000,
+               "max_outbound_bytes": 1_048_576}),
+        Some(1008),
+    );
+}
+
+/// Item: one session streaming frames that get no reply must not hold up the loop.
+#[test]
+fn ack_flood_from_one_session_does_not_delay_other_sessions_or_new_connections() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["flooder", "honest"]));
+    let flooder = login(&broker, "flooder").into_websocket();
+    let mut honest = login(&broker, "honest");
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let stop = stop.clone();
+        let mut ws = flooder;
+        ws.get_mut()
+            .set_write_timeout(Some(Duration::from_millis(100)))
+            .expect("timeout");
+        std::thread::spawn(move || {
+            let mut sent = 0u64;
+            let frame = r#"{"op":"ack","seq":1}"#;
+            while !stop.load(Ordering::SeqCst) {
+                for _ in 0..256 {
+                    if ws.write(Message::text(frame)).is_err() {
+                        break;
+                    }
+                    sent += 1;
+                }
+                let _ = ws.flush();
+            }
+            sent
+        })
+    };
+    // Let the flood get going.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let (mut worst_ping, mut worst_challenge, mut n) = (Duration::ZERO, Duration::ZERO, 0);
+    while started.elapsed() < Duration::from_secs(3) {
+        n += 1;
+        worst_ping = worst_ping.max(ping_rtt(&mut honest, n));
+        if n % 5 == 0 {
+            let t = Instant::now();
+            let c = Client::connect(&broker);
+            worst_challenge = worst_challenge.max(t.elapsed());
+            drop(c);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let sent = flood.join().expect("flood thread");
+    eprintln!(
+        "ack flood: {sent} acks sent in {:?}; honest ping worst {worst_ping:?} over {n}; \
+         new connection's challenge worst {worst_challenge:?}",
+        started.elapsed() + Duration::from_millis(300)
+    );
+    assert!(
+        worst_ping < Duration::from_millis(250),
+        "a ping took {worst_ping:?}"
+    );
+    assert!(
+        worst_challenge < Duration::from_millis(250),
+        "a challenge took {worst_challenge:?}"
+    );
+}
+
+/// Item: a per-address connection cap. Connections past it are accepted and closed at
+/// once; another address is served meanwhile.
+#[test]
+fn connections_past_the_per_address_cap_are_refused_while_another_address_is_served() {
+    const CAP: usize = 256; // the default
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["honest"]));
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..CAP + 20 {
+        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 1), broker.addr);
+        if upgrade(&mut s) {
+            held.push(s);
+        } else {
+            refused += 1;
+        }
+    }
+    eprintln!(
+        "{} of {} connections from 127.0.0.1 upgraded, {refused} refused",
+        held.len(),
+        CAP + 20
+    );
+    // The test's own health check also counted against 127.0.0.1 but is closed by now.
+    assert!(
+        held.len() <= CAP && held.len() >= CAP - 2,
+        "{} upgraded",
+        held.len()
+    );
+    assert!(refused >= 20, "{refused} refused");
+    let mut other = connect_from(Ipv4Addr::new(127, 0, 0, 2), broker.addr);
+    assert!(upgrade(&mut other), "a second address is served");
+    assert!(
+        metric(
+            &broker,
+            "amp_ws_connections_refused_total{reason=\"per_ip\"}"
+        ) >= 20.0
+    );
+    // Room again once some close.
+    held.truncate(CAP - 10);
+    assert!(wait_until(Duration::from_secs(10), || {
+        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 1), broker.addr);
+        upgrade(&mut s)
+    }));
+}
+
+/// Item: a global budget for buffered input and output. Many clients each holding a
+/// large half-sent frame: the largest holders are closed 1008 `memory budget` and the
+/// total stays within the budget; an honest session is served throughout.
+#[test]
+fn half_sent_large_frames_past_the_memory_budget_are_shed() {
+    const BUDGET: usize = 4 << 20;
+    const CLIENTS: usize = 16;
+    const HELD: usize = 600 << 10;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["honest"]);
+    config["limits"] = json!({"max_buffered_bytes": BUDGET, "hello_timeout_s": 60});
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+    let rss0 = rss_bytes(pid);
+    let mut honest = login(&broker, "honest");
+    let frame = client_frame(0x1, &vec![b'a'; 1 << 20]);
+    let mut clients = Vec::new();
+    for i in 0..CLIENTS {
+        let mut s = TcpStream::connect(broker.addr).expect("connect");
+        assert!(upgrade(&mut s), "upgrade {i}");
+        let _ = s.write_all(&frame[..HELD]);
+        clients.push(s);
+        ping_rtt(&mut honest, i as u64);
+    }
+    // Every byte sent has been read: either held or shed.
+    let settled = wait_until(Duration::from_secs(10), || {
+        let shed = metric(&broker, "amp_ws_memory_sheds_total") as usize;
+        let held = metric(&broker, "amp_ws_buffered_bytes") as usize;
+        held + shed * HELD >= CLIENTS * HELD - (CLIENTS << 12)
+    });
+    let shed = metric(&broker, "amp_ws_memory_sheds_total") as usize;
+    let buffered = metric(&broker, "amp_ws_buffered_bytes") as usize;
+    let rss = rss_bytes(pid).saturating_sub(rss0);
+    eprintln!(
+        "{CLIENTS} clients x {} KiB half-sent: {shed} shed, {} KiB buffered (budget {} KiB), \
+         RSS +{} MiB",
+        HELD >> 10,
+        buffered >> 10,
+        BUDGET >> 10,
+        rss >> 20
+    );
+    assert!(
+        settled,
+        "the broker did not read the input; log:\n{}",
+        broker.log()
+    );
+    assert!(buffered <= BUDGET, "{buffered} bytes buffered");
+    assert!(shed >= CLIENTS - BUDGET / HELD, "{shed} shed");
+    // The shed ones got a close frame with 1008 `memory budget` (after their challenge).
+    let mut closes = 0;
+    for s in &mut clients {
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        while let Some((opcode, payload)) = read_server_frame(s) {
+            if opcode == 0x8 {
+                assert_eq!(payload[..2], 1008u16.to_be_bytes());
+                assert_eq!(&payload[2..], b"memory budget");
+                closes += 1;
+                break;
+            }
+        }
+    }
+    assert_eq!(closes, shed, "every shed client got its close frame");
+    ping_rtt(&mut honest, 99);
+}
