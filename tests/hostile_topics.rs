@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
@@ -43,6 +43,12 @@ fn ack(c: &mut Client, sub: &str, seq: u64) {
 fn bye(mut c: Client) {
     assert_eq!(c.request(json!({"op":"bye"}))["op"], "ok");
     assert_eq!(c.closed_with(WAIT), Some(1000), "closed after bye");
+}
+
+fn topics_config(names: &[&str], topics: Value) -> Value {
+    let mut config = open_config(names);
+    config["namespaces"]["acme"]["topics"] = topics;
+    config
 }
 
 fn admin(nats: &NatsServer) -> amp_broker::nats::Client {
@@ -208,4 +214,201 @@ fn the_broker_nats_connection_refuses_subscriptions_beyond_its_bound() {
     );
     c.unsubscribe(a, None).expect("unsubscribe");
     c.subscribe("c", None).expect("room again");
+}
+
+fn refusal(answer: &Value) -> (Option<&str>, String) {
+    (
+        answer["code"].as_str(),
+        answer["message"].as_str().unwrap_or_default().to_string(),
+    )
+}
+
+#[test]
+fn a_session_holds_at_most_max_subscriptions_per_session() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s"], json!({"max_subscriptions_per_session": 3}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    for i in 0..3 {
+        let ok = s.request(json!({"op":"subscribe","topic":"x.>","sub":format!("p{i}")}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let e = s.request(json!({"op":"subscribe","topic":"x.>","sub":"p3"}));
+    let (code, message) = refusal(&e);
+    assert_eq!(code, Some("forbidden"), "{e}");
+    assert!(message.contains("at most 3 subscriptions"), "{e}");
+    let e = subscribe_durable(&mut s, "x.>", "d");
+    assert_eq!(refusal(&e).0, Some("forbidden"), "{e}");
+    // Room again after an unsubscribe.
+    assert_eq!(
+        s.request(json!({"op":"unsubscribe","sub":"p0"}))["op"],
+        "ok"
+    );
+    assert_eq!(subscribe_durable(&mut s, "x.>", "d")["op"], "ok");
+}
+
+#[test]
+fn a_participant_holds_at_most_max_durables_per_participant_across_sessions() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s", "t"], json!({"max_durables_per_participant": 3}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    for i in 0..2 {
+        assert_eq!(
+            subscribe_durable(&mut s, "x.>", &format!("d{i}"))["op"],
+            "ok"
+        );
+    }
+    bye(s);
+    // Left behind by the earlier session, they still count.
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    assert_eq!(subscribe_durable(&mut s, "x.>", "d2")["op"], "ok");
+    let e = subscribe_durable(&mut s, "x.>", "d3");
+    let (code, message) = refusal(&e);
+    assert_eq!(code, Some("forbidden"), "{e}");
+    assert!(message.contains("at most 3 durable subscriptions"), "{e}");
+    // Plain subscriptions and resuming an existing durable are not affected.
+    assert_eq!(
+        s.request(json!({"op":"subscribe","topic":"x.>","sub":"plain"}))["op"],
+        "ok"
+    );
+    bye(s);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    assert_eq!(subscribe_durable(&mut s, "x.>", "d0")["op"], "ok");
+    // Another participant has its own allowance.
+    let mut t = Client::login(&broker, "acme", "t", "t-token");
+    assert_eq!(subscribe_durable(&mut t, "x.>", "d3")["op"], "ok");
+    // An unsubscribe deletes the durable and makes room, once JetStream has done so.
+    assert_eq!(
+        s.request(json!({"op":"unsubscribe","sub":"d0"}))["op"],
+        "ok"
+    );
+    let mut admin = admin(&nats);
+    let deadline = Instant::now() + WAIT;
+    while durables(&mut admin).iter().any(|n| n.ends_with("_s_d0")) {
+        assert!(Instant::now() < deadline, "d0 not deleted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(subscribe_durable(&mut s, "x.>", "d3")["op"], "ok");
+}
+
+#[test]
+fn a_broker_holds_at_most_max_topic_subscriptions() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["s", "t"]);
+    config["limits"] = json!({"max_topic_subscriptions": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    let mut t = Client::login(&broker, "acme", "t", "t-token");
+    assert_eq!(
+        s.request(json!({"op":"subscribe","topic":"x.>"}))["op"],
+        "ok"
+    );
+    assert_eq!(subscribe_durable(&mut t, "x.>", "d")["op"], "ok");
+    let e = s.request(json!({"op":"subscribe","topic":"y.>"}));
+    let (code, message) = refusal(&e);
+    assert_eq!(code, Some("forbidden"), "{e}");
+    assert!(message.contains("at most 2 topic subscriptions"), "{e}");
+    // A session that ends gives its subscriptions back.
+    bye(t);
+    assert_eq!(
+        s.request(json!({"op":"subscribe","topic":"y.>"}))["op"],
+        "ok"
+    );
+}
+
+#[test]
+fn the_topics_stream_caps_consumers_and_the_refusal_is_clear() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s", "t"], json!({"max_consumers": 2}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut admin = admin(&nats);
+    let info = js(&mut admin, "$JS.API.STREAM.INFO.AMP_TOPICS_acme", b"");
+    assert_eq!(info["config"]["max_consumers"], 2, "{info}");
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    let mut t = Client::login(&broker, "acme", "t", "t-token");
+    assert_eq!(subscribe_durable(&mut s, "x.>", "d")["op"], "ok");
+    assert_eq!(
+        t.request(json!({"op":"subscribe","topic":"x.>"}))["op"],
+        "ok"
+    );
+    let e = subscribe_durable(&mut t, "x.>", "d");
+    let (code, message) = refusal(&e);
+    assert_eq!(code, Some("forbidden"), "{e}");
+    assert!(message.contains("at its maximum of consumers"), "{e}");
+}
+
+#[test]
+fn durables_of_a_subscriber_that_does_not_come_back_expire() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s"], json!({"durable_inactive_s": 1}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut admin = admin(&nats);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    assert_eq!(subscribe_durable(&mut s, "x.>", "gone")["op"], "ok");
+    assert_eq!(subscribe_durable(&mut s, "x.>", "kept")["op"], "ok");
+    assert_eq!(durables(&mut admin).len(), 2);
+    // A durable being read stays, however long.
+    let name = durables(&mut admin)
+        .into_iter()
+        .find(|n| n.ends_with("_kept"))
+        .expect("kept");
+    let info = js(
+        &mut admin,
+        &format!("$JS.API.CONSUMER.INFO.AMP_TOPICS_acme.{name}"),
+        b"",
+    );
+    assert_eq!(
+        info["config"]["inactive_threshold"],
+        json!(1_000_000_000u64),
+        "{info}"
+    );
+    // Both are being read: they outlive the threshold.
+    std::thread::sleep(Duration::from_millis(1500));
+    let left = durables(&mut admin);
+    assert_eq!(left.len(), 2, "read durables do not expire: {left:?}");
+    bye(s);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let left = durables(&mut admin);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "durables still there: {left:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn one_participant_cannot_exhaust_the_namespace_consumers() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["x", "y"]));
+    // `x` opens durables, session after session, until the broker says no.
+    let mut created = 0;
+    let mut refused = None;
+    'sessions: for _ in 0..10 {
+        let mut x = Client::login(&broker, "acme", "x", "x-token");
+        for _ in 0..100 {
+            let answer = subscribe_durable(&mut x, "x.>", &format!("d{created}"));
+            if answer["op"] == "ok" {
+                created += 1;
+                continue;
+            }
+            let (code, message) = refusal(&answer);
+            assert_eq!(code, Some("forbidden"), "{answer}");
+            if message.contains("durable subscriptions") {
+                refused = Some(message);
+                break 'sessions;
+            }
+            break;
+        }
+        bye(x);
+    }
+    assert_eq!(created, 128, "{refused:?}");
+    let mut y = Client::login(&broker, "acme", "y", "y-token");
+    assert_eq!(subscribe_durable(&mut y, "x.>", "mine")["op"], "ok");
+    assert_eq!(
+        y.request(json!({"op":"subscribe","topic":"x.>"}))["op"],
+        "ok"
+    );
 }

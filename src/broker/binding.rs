@@ -97,7 +97,16 @@ pub fn inbox_stream_config(ns: &str, max_age_s: u64, s: StreamSettings) -> Value
     c
 }
 
-pub fn topics_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamSettings) -> Value {
+/// `max_consumers` is the hard backstop behind the broker's own caps on subscriptions:
+/// however many participants and brokers there are, the namespace's topics never hold
+/// more consumers than this.
+pub fn topics_stream_config(
+    ns: &str,
+    max_age_s: u64,
+    max_bytes: u64,
+    max_consumers: u64,
+    s: StreamSettings,
+) -> Value {
     let mut c = base_stream(
         &topics_stream(ns),
         json!([format!("amp.{ns}.topic.>")]),
@@ -110,6 +119,7 @@ pub fn topics_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamS
     } else {
         json!(max_bytes)
     };
+    c["max_consumers"] = json!(max_consumers);
     c
 }
 
@@ -178,6 +188,29 @@ pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> Value {
     })
 }
 
+/// The durable pull consumer of participant `name`'s subscription `sub` to `filter`:
+/// every event must be acked; JetStream deletes it once nobody has pulled or acked for
+/// `inactive_s` (a subscriber that does not come back).
+pub fn durable_sub_config(
+    name: &str,
+    sub: &str,
+    filter: &str,
+    ack_wait_s: u64,
+    window: u32,
+    inactive_s: u64,
+) -> Value {
+    json!({
+        "durable_name": durable_sub_consumer(name, sub),
+        "filter_subject": filter,
+        "ack_policy": "explicit",
+        "ack_wait": secs_as_nanos(ack_wait_s),
+        "max_deliver": -1,
+        "max_ack_pending": window,
+        "deliver_policy": "all",
+        "inactive_threshold": secs_as_nanos(inactive_s),
+    })
+}
+
 /// What an existing stream or consumer must agree on for the broker to adopt it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rule {
@@ -195,9 +228,8 @@ fn rule(field: &str) -> Rule {
     match field {
         "subjects" => Rule::CoversSubjects,
         "subject_delete_marker_ttl" => Rule::Positive,
-        "num_replicas" | "max_age" | "max_bytes" | "duplicate_window" | "discard" | "storage" => {
-            Rule::Tunable
-        }
+        "num_replicas" | "max_age" | "max_bytes" | "max_consumers" | "duplicate_window"
+        | "discard" | "storage" => Rule::Tunable,
         _ => Rule::Same,
     }
 }
@@ -291,7 +323,7 @@ mod tests {
         let tasks = tasks_stream_config("acme", s);
         assert_eq!(tasks["retention"], "workqueue");
         assert_eq!(tasks["subjects"], json!(["amp.acme.job.*"]));
-        let topics = topics_stream_config("acme", 3600, 0, s);
+        let topics = topics_stream_config("acme", 3600, 0, 10, s);
         assert_eq!(topics["subjects"], json!(["amp.acme.topic.>"]));
         assert_eq!(topics["max_age"], json!(3600 * 1_000_000_000u64));
         let registry = registry_stream_config("acme", 15, s);
@@ -325,7 +357,7 @@ mod tests {
         assert_eq!(job_consumer_config("acme", "r", u64::MAX)["ack_wait"], max);
         assert_eq!(inbox_stream_config("acme", u64::MAX, s)["max_age"], max);
         assert_eq!(
-            topics_stream_config("acme", 18_446_744_074, 0, s)["max_age"],
+            topics_stream_config("acme", 18_446_744_074, 0, 10, s)["max_age"],
             max
         );
         assert_eq!(

@@ -38,6 +38,9 @@ pub struct Limits {
     pub frame_burst: u32,
     /// Input held and output queued over all connections.
     pub max_buffered_bytes: usize,
+    /// Topic subscriptions of all sessions of this broker (each one NATS subscription and
+    /// one consumer); past it `subscribe` answers `forbidden`.
+    pub max_topic_subscriptions: usize,
 }
 
 impl Default for Limits {
@@ -54,6 +57,7 @@ impl Default for Limits {
             max_frames_per_s: 1_000,
             frame_burst: 2_000,
             max_buffered_bytes: 256 << 20,
+            max_topic_subscriptions: 16_384,
         }
     }
 }
@@ -147,13 +151,35 @@ impl Default for Inbox {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Topics {
     /// 0 keeps events until the stream's other limits remove them.
     pub max_age_s: u64,
     /// 0 is unlimited.
     pub max_bytes: u64,
+    /// Subscriptions, plain and durable, one session holds at once.
+    pub max_subscriptions_per_session: usize,
+    /// Durable subscriptions one participant has in the namespace, counted in JetStream
+    /// when a new one would be created.
+    pub max_durables_per_participant: usize,
+    /// A durable subscription nobody pulls or acks for this long is deleted by JetStream.
+    pub durable_inactive_s: u64,
+    /// The topics stream's `max_consumers`, set when the broker creates the stream.
+    pub max_consumers: u64,
+}
+
+impl Default for Topics {
+    fn default() -> Self {
+        Topics {
+            max_age_s: 0,
+            max_bytes: 0,
+            max_subscriptions_per_session: 64,
+            max_durables_per_participant: 128,
+            durable_inactive_s: DAY,
+            max_consumers: 10_000,
+        }
+    }
 }
 
 /// Publish-path policy for one participant.
@@ -279,6 +305,12 @@ impl Config {
             1,
             64 * 1024 * MIB,
         )?;
+        within(
+            "limits.max_topic_subscriptions",
+            l.max_topic_subscriptions,
+            1,
+            32_768,
+        )?;
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");
             check_name(&at, ns_name)?;
@@ -309,6 +341,30 @@ impl Config {
                 topics.max_bytes,
                 0,
                 1 << 50,
+            )?;
+            within(
+                &format!("{at}.topics.max_subscriptions_per_session"),
+                topics.max_subscriptions_per_session,
+                1,
+                1024,
+            )?;
+            within(
+                &format!("{at}.topics.max_durables_per_participant"),
+                topics.max_durables_per_participant,
+                1,
+                10_000,
+            )?;
+            within(
+                &format!("{at}.topics.durable_inactive_s"),
+                topics.durable_inactive_s,
+                1,
+                YEAR,
+            )?;
+            within(
+                &format!("{at}.topics.max_consumers"),
+                topics.max_consumers,
+                1,
+                100_000,
             )?;
             for (job_name, job) in &ns.jobs {
                 let at = format!("{at}.jobs.{job_name}");
@@ -776,5 +832,34 @@ mod tests {
             assert_eq!(e.path, "limits.max_held_submits");
             assert!(e.problem.contains(problem), "{e}");
         }
+    }
+
+    #[test]
+    fn topic_caps_have_defaults_and_bounds_named_at_load() {
+        let c = parse(r#"{"namespaces":{"acme":{}}}"#).expect("defaults");
+        let t = &c.namespaces["acme"].topics;
+        assert_eq!(
+            (
+                t.max_subscriptions_per_session,
+                t.max_durables_per_participant,
+                t.durable_inactive_s,
+                t.max_consumers
+            ),
+            (64, 128, 86_400, 10_000)
+        );
+        assert_eq!(c.limits.max_topic_subscriptions, 16_384);
+        for (member, bad) in [
+            ("max_subscriptions_per_session", "1025"),
+            ("max_durables_per_participant", "10001"),
+            ("durable_inactive_s", "31536001"),
+            ("max_consumers", "100001"),
+            ("max_consumers", "0"),
+        ] {
+            let json = format!(r#"{{"namespaces":{{"acme":{{"topics":{{"{member}":{bad}}}}}}}}}"#);
+            let e = parse(&json).expect_err(&json);
+            assert_eq!(e.path, format!("namespaces.acme.topics.{member}"), "{e}");
+        }
+        let e = parse(r#"{"limits":{"max_topic_subscriptions":32769}}"#).expect_err("too many");
+        assert_eq!(e.path, "limits.max_topic_subscriptions");
     }
 }

@@ -138,6 +138,8 @@ enum Pending {
     },
     /// A plain subscription's consumer was recreated after a gap.
     SubReset { session: SessionId, sub: String },
+    /// A page of consumer names, counting a participant's durables.
+    DurableCount(topics::DurableCount),
     /// Unacknowledged events of an ended durable subscription wait to be handed back.
     HandBack {
         stream: String,
@@ -1211,6 +1213,7 @@ impl Broker {
                 let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
                 self.sub_reset_done(conn, session, sub, ok, now);
             }
+            Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::HandBack {
                 stream,
                 consumer,

@@ -29,6 +29,7 @@ pub fn desired_streams(config: &Config, settings: StreamSettings) -> Vec<Value> 
             ns,
             n.topics.max_age_s,
             n.topics.max_bytes,
+            n.topics.max_consumers,
             settings,
         ));
         streams.push(binding::tasks_stream_config(ns, settings));

@@ -18,6 +18,7 @@ use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
 use crate::amp::reply::FrameWriter;
 use crate::amp::{AmpError, ErrorCode};
 use crate::broker::binding;
+use crate::broker::config::Topics;
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{PullLoop, Pulled};
@@ -34,12 +35,29 @@ const PLAIN_BATCH: u32 = 256;
 const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// How long an ephemeral consumer outlives a broker that stopped reading it.
 const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
+/// JetStream's "maximum consumers limit reached".
+const MAX_CONSUMERS_REACHED: u32 = 10026;
 /// Consumer infos a hand-back asks for before it naks anyway.
 const HAND_BACK_LOOKS: u8 = 3;
+
+/// A durable subscription waiting for its owner's durables to be counted.
+pub(super) struct DurableCount {
+    session: SessionId,
+    re: String,
+    sub: String,
+    /// The create configuration, used once the count allows it.
+    config: Value,
+    /// Consumer names read so far.
+    offset: usize,
+    /// Of those, the owner's durables.
+    found: usize,
+}
 
 pub(super) struct Subscription {
     pub(super) pull: PullLoop,
     ns: String,
+    /// The participant whose subscription it is.
+    owner: String,
     filter: String,
     durable: bool,
     /// The stream sequence of the last event sent to the session.
@@ -138,19 +156,22 @@ impl Broker {
             .with_path("/sub");
             return self.fail(session, &f.id, e);
         }
+        let caps = self.topic_caps(ns);
+        if let Err(e) = self.check_subscription_caps(session, &caps) {
+            return self.fail(session, &f.id, e);
+        }
         let filter = binding::topic_subject(ns, &f.topic);
         let stream = binding::topics_stream(ns);
         let (consumer, config) = if f.durable {
             let consumer = binding::durable_sub_consumer(name, &sub);
-            let config = json!({
-                "durable_name": consumer,
-                "filter_subject": filter,
-                "ack_policy": "explicit",
-                "ack_wait": DURABLE_ACK_WAIT.as_nanos() as u64,
-                "max_deliver": -1,
-                "max_ack_pending": DURABLE_WINDOW,
-                "deliver_policy": "all",
-            });
+            let config = binding::durable_sub_config(
+                name,
+                &sub,
+                &filter,
+                DURABLE_ACK_WAIT.as_secs(),
+                DURABLE_WINDOW,
+                caps.durable_inactive_s,
+            );
             (consumer, config)
         } else {
             self.next_sub += 1;
@@ -189,6 +210,7 @@ impl Broker {
                 },
             ),
             ns: ns.to_string(),
+            owner: name.to_string(),
             filter: filter.clone(),
             durable: f.durable,
             last_seq: 0,
@@ -285,7 +307,15 @@ impl Broker {
                 self.sub_ready(conn, session, re, sub, now);
             }
             Ok((Err(e), _)) if e.err_code() == Some(10014) => {
-                self.create_sub_consumer(conn, session, re, sub, &config, now)
+                let count = DurableCount {
+                    session,
+                    re,
+                    sub,
+                    config,
+                    offset: 0,
+                    found: 0,
+                };
+                self.count_durables(conn, count, now)
             }
             Ok((Err(e), _)) => {
                 let e = AmpError::new(
@@ -298,6 +328,117 @@ impl Broker {
                 self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
             }
         }
+    }
+
+    /// Counts the participant's durables in JetStream, one page of consumer names at a
+    /// time, before a new one is created: they outlive sessions and brokers, so only
+    /// JetStream knows how many there are.
+    fn count_durables(&mut self, conn: &mut Connection, count: DurableCount, now: Instant) {
+        let Some(ns) = self
+            .subscription_mut(count.session, &count.sub)
+            .map(|t| t.ns.clone())
+        else {
+            return;
+        };
+        let subject = format!("$JS.API.CONSUMER.NAMES.{}", binding::topics_stream(&ns));
+        let body = json!({"offset": count.offset}).to_string();
+        match conn.request(&subject, None, body.as_bytes(), JS_TIMEOUT, now) {
+            Ok(req) => self.await_reply(req, now, Pending::DurableCount(count)),
+            Err(e) => {
+                let (session, re, sub) = (count.session, count.re, count.sub);
+                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
+            }
+        }
+    }
+
+    /// One page of consumer names for [`Self::count_durables`].
+    pub(super) fn durable_count_done(
+        &mut self,
+        conn: &mut Connection,
+        mut count: DurableCount,
+        reply: Result<Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        let Some((ns, owner)) = self
+            .subscription_mut(count.session, &count.sub)
+            .map(|t| (t.ns.clone(), t.owner.clone()))
+        else {
+            return;
+        };
+        let page = match reply.map(|m| (check_error(&m.payload), m)) {
+            Ok((Ok(()), m)) => serde_json::from_slice::<Value>(&m.payload).unwrap_or(Value::Null),
+            Ok((Err(e), _)) => {
+                let e = AmpError::new(
+                    ErrorCode::Internal,
+                    format!("JetStream refused the subscription: {e}"),
+                );
+                let (session, re, sub) = (count.session, count.re, count.sub);
+                return self.sub_failed(conn, session, &re, &sub, e, now);
+            }
+            Err(e) => {
+                let (session, re, sub) = (count.session, count.re, count.sub);
+                return self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
+            }
+        };
+        let prefix = binding::durable_sub_prefix(&owner);
+        let names = page["consumers"].as_array().map_or(&[][..], Vec::as_slice);
+        count.found += names
+            .iter()
+            .filter_map(Value::as_str)
+            .filter(|n| n.starts_with(&prefix))
+            .count();
+        count.offset += names.len();
+        let total = page["total"].as_u64().unwrap_or(0);
+        let cap = self.topic_caps(&ns).max_durables_per_participant;
+        if count.found >= cap {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("a participant holds at most {cap} durable subscriptions in a namespace"),
+            )
+            .with_path("/durable");
+            let (session, re, sub) = (count.session, count.re, count.sub);
+            return self.sub_failed(conn, session, &re, &sub, e, now);
+        }
+        // The stream's max_consumers bounds the pages; an empty page ends a list that
+        // shrank meanwhile.
+        if names.is_empty() || count.offset as u64 >= total {
+            let (session, re, sub, config) = (count.session, count.re, count.sub, count.config);
+            return self.create_sub_consumer(conn, session, re, sub, &config, now);
+        }
+        self.count_durables(conn, count, now);
+    }
+
+    /// The caps of a namespace's topics (the defaults for a namespace not configured).
+    fn topic_caps(&self, ns: &str) -> Topics {
+        self.config
+            .namespaces
+            .get(ns)
+            .map(|n| n.topics.clone())
+            .unwrap_or_default()
+    }
+
+    /// Refuses a subscription past the session's or the broker's cap; each holds one NATS
+    /// subscription on the broker's connection and one consumer.
+    fn check_subscription_caps(&self, session: SessionId, caps: &Topics) -> Result<(), AmpError> {
+        let mine = self.sessions.get(&session).map_or(0, |s| s.subs.len());
+        if mine >= caps.max_subscriptions_per_session {
+            return Err(AmpError::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "a session holds at most {} subscriptions",
+                    caps.max_subscriptions_per_session
+                ),
+            ));
+        }
+        let all: usize = self.sessions.values().map(|s| s.subs.len()).sum();
+        let max = self.config.limits.max_topic_subscriptions;
+        if all >= max {
+            return Err(AmpError::new(
+                ErrorCode::Forbidden,
+                format!("this broker holds at most {max} topic subscriptions"),
+            ));
+        }
+        Ok(())
     }
 
     /// The answer to a subscription's consumer create.
@@ -323,6 +464,20 @@ impl Broker {
                     t.last_seq = seq;
                 }
                 self.sub_ready(conn, session, re, sub, now)
+            }
+            Ok((Err(e), _)) if e.err_code() == Some(MAX_CONSUMERS_REACHED) => {
+                let stream = self
+                    .subscription_mut(session, &sub)
+                    .map(|t| binding::topics_stream(&t.ns))
+                    .unwrap_or_default();
+                let e = AmpError::new(
+                    ErrorCode::Forbidden,
+                    format!(
+                        "the topics stream `{stream}` is at its maximum of consumers; \
+                         subscriptions that end or expire make room"
+                    ),
+                );
+                self.sub_failed(conn, session, &re, &sub, e, now);
             }
             Ok((Err(e), _)) => {
                 let e = AmpError::new(
@@ -360,6 +515,17 @@ impl Broker {
                 );
                 self.check_pull_at(check, PullOwner::Sub(session, sub.clone()));
                 self.ok(session, &re, FrameWriter::ok(Some(&re)).str("sub", &sub));
+            }
+            Err(crate::nats::Error::TooManySubscriptions { max }) => {
+                // Not JetStream's doing: the connection's own bound, which the broker's
+                // caps normally keep it below.
+                let e = AmpError::new(
+                    ErrorCode::Unavailable,
+                    format!(
+                        "the broker's NATS connection holds its maximum of {max} subscriptions"
+                    ),
+                );
+                self.sub_failed(conn, session, &re, &sub, e, now);
             }
             Err(e) => {
                 self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
