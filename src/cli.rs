@@ -25,6 +25,9 @@ serve flags:
   --replicas N           JetStream replicas for the streams the broker creates (default 1)
   --issuer-seed-file F   an NATS account seed (SA...): hello returns a scoped user JWT signed by
                          it, and the broker answers the NATS auth callout ($SYS.REQ.USER.AUTH)
+  --callout-server-key K answer auth callout requests signed by this nats-server public key
+                         (N..., the server's INFO server_id; repeatable, at most 64); without
+                         it, the servers the broker's own NATS connection has met
 ";
 
 #[derive(Debug, Clone, PartialEq)]
@@ -48,6 +51,7 @@ pub struct ServeArgs {
     pub broker_id: Option<String>,
     pub replicas: u32,
     pub issuer_seed_file: Option<PathBuf>,
+    pub callout_server_keys: Vec<String>,
 }
 
 impl Default for ServeArgs {
@@ -64,6 +68,7 @@ impl Default for ServeArgs {
             broker_id: None,
             replicas: 1,
             issuer_seed_file: None,
+            callout_server_keys: Vec::new(),
         }
     }
 }
@@ -125,6 +130,18 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
                     "--issuer-seed-file" => {
                         serve.issuer_seed_file = Some(PathBuf::from(value("--issuer-seed-file")?))
                     }
+                    "--callout-server-key" => {
+                        let v = value("--callout-server-key")?;
+                        if !crate::broker::config::is_server_key(&v) {
+                            return Err(format!(
+                                "--callout-server-key: `{v}` is not a server public key (N..., 56 characters)"
+                            ));
+                        }
+                        if serve.callout_server_keys.len() >= 64 {
+                            return Err("--callout-server-key: at most 64".to_string());
+                        }
+                        serve.callout_server_keys.push(v);
+                    }
                     other => return Err(format!("serve: unknown flag `{other}`")),
                 }
             }
@@ -180,6 +197,26 @@ mod tests {
     }
 
     #[test]
+    fn callout_server_keys_repeat() {
+        use crate::nkeys::{KeyKind, KeyPair};
+        let keys: Vec<String> = (0..2)
+            .map(|_| {
+                KeyPair::generate(KeyKind::Server)
+                    .expect("key")
+                    .public_key()
+            })
+            .collect();
+        let cmd = parse_str(&format!(
+            "serve --callout-server-key {} --callout-server-key {}",
+            keys[0], keys[1]
+        ));
+        let Ok(Command::Serve(s)) = cmd else {
+            panic!("{cmd:?}")
+        };
+        assert_eq!(s.callout_server_keys, keys);
+    }
+
+    #[test]
     fn mistakes_are_named() {
         assert_eq!(
             parse_str("serve --listen"),
@@ -189,6 +226,10 @@ mod tests {
         assert!(parse_str("serve --bogus").is_err_and(|e| e.contains("--bogus")));
         assert!(parse_str("serve --replicas 0").is_err());
         assert!(parse_str("serve --broker-id a.b").is_err());
+        assert!(
+            parse_str("serve --callout-server-key UDXU4RCSJNZOIQHZNWXHXORDPRTGNJAHAHFRGZNEEJCPQTT2M7NLCNF4")
+                .is_err_and(|e| e.contains("--callout-server-key"))
+        );
         assert!(parse_str("serve --listen 0.0.0.0:1").is_err_and(|e| e.contains("loopback")));
         assert!(parse_str("frobnicate").is_err());
         assert!(parse_str("keygen extra").is_err());

@@ -152,7 +152,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             "amp-broker: issuing user JWTs and answering the auth callout as account {}",
             issuer.public_key()
         );
-        broker = broker.with_issuer(issuer);
+        broker = broker.with_issuer(issuer, &args.callout_server_keys);
     }
     runtime::run(
         broker,

@@ -116,6 +116,10 @@ authorization {{
             client.flush(WAIT).expect("flush");
             let _ = ready_tx.send(());
             let mut callout = Callout::new(CalloutConfig::new(issuer));
+            // Unpinned, the callout trusts the servers its own connection has met.
+            if let Some(info) = client.connection().server_info() {
+                callout.learn_server(&info.server_id);
+            }
             while !stop.load(Ordering::SeqCst) {
                 let Ok(Some(msg)) = client.next_message(sid, Duration::from_millis(100)) else {
                     continue;

@@ -22,7 +22,16 @@
 //! the runtime subscribes to [`AUTH_CALLOUT_SUBJECT`] and publishes the payload to the
 //! request's reply subject. Encrypted requests (an `xkey` in the server's callout
 //! configuration) are not supported and are refused.
+//!
+//! A request is answered only when it is signed by a trusted server key (the pinned keys,
+//! or without pins the keys of the servers the broker's own connection has met), carries an
+//! `exp` at most [`MAX_REQUEST_AHEAD_S`] ahead, and is the first within its lifetime for its
+//! `user_nkey`: anyone able to publish on the callout subject could otherwise sign requests
+//! with a key of their own or replay a captured one. The request id is the `user_nkey`, not
+//! the `jti`: nats-server 2.15 gives every request signed within one second the same `jti`,
+//! while it generates a fresh `user_nkey` per connecting client and binds the response to it.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Instant;
 
@@ -48,6 +57,15 @@ pub const SERVER_XKEY_HEADER: &str = "Nats-Server-Xkey";
 /// The error text sent back for every refused credential.
 const REFUSED: &str = "authentication failed";
 
+/// How far ahead a request's `exp` may be; nats-server sets it a few seconds ahead (its
+/// auth timeout), so this only refuses requests built to be replayable for long.
+pub const MAX_REQUEST_AHEAD_S: u64 = 300;
+/// Request ids remembered for replay detection. Each is kept until its request expires
+/// (at most [`MAX_REQUEST_AHEAD_S`]); past this many live ids new requests are refused.
+pub const MAX_REMEMBERED_REQUESTS: usize = 16_384;
+/// Server keys learned from the broker's own connection (without pins).
+const MAX_LEARNED_SERVERS: usize = 64;
+
 #[derive(Debug, Clone)]
 pub struct CalloutConfig {
     /// The account whose public key is the `issuer` in the server's `auth_callout` block.
@@ -56,7 +74,8 @@ pub struct CalloutConfig {
     pub account: String,
     /// Lifetime of issued user JWTs; the server disconnects the client when it ends.
     pub jwt_ttl_s: u64,
-    /// When not empty, only requests signed by these server keys (`N...`) are answered.
+    /// Pinned server keys (`N...`): when not empty, only requests signed by one of these
+    /// are answered. When empty, the keys of servers the broker's own connection has met.
     pub trusted_servers: Vec<String>,
     pub throttle: ThrottleConfig,
 }
@@ -141,6 +160,11 @@ struct ConnectOpts {
 pub struct Callout {
     config: CalloutConfig,
     throttle: HelloThrottle,
+    /// Server keys seen in the INFO of the broker's own connection; trusted when nothing is
+    /// pinned.
+    learned_servers: Vec<String>,
+    /// `user_nkey` of each answered request that has not expired yet, with its `exp`.
+    seen: HashMap<String, u64>,
 }
 
 impl Callout {
@@ -148,7 +172,48 @@ impl Callout {
         Callout {
             throttle: HelloThrottle::new(config.throttle.clone()),
             config,
+            learned_servers: Vec::new(),
+            seen: HashMap::new(),
         }
+    }
+
+    /// Trusts `server_id` (from the INFO of the broker's own connection; a server's id is
+    /// its public key) while no server key is pinned. Anything not a server key is ignored.
+    pub fn learn_server(&mut self, server_id: &str) {
+        if self.learned_servers.iter().any(|k| k == server_id)
+            || !crate::nkeys::is_valid_public_key(server_id, KeyKind::Server)
+        {
+            return;
+        }
+        if self.learned_servers.len() >= MAX_LEARNED_SERVERS {
+            self.learned_servers.remove(0);
+        }
+        self.learned_servers.push(server_id.to_string());
+    }
+
+    fn trusts(&self, server_key: &str) -> bool {
+        let trusted = if self.config.trusted_servers.is_empty() {
+            &self.learned_servers
+        } else {
+            &self.config.trusted_servers
+        };
+        trusted.iter().any(|k| k == server_key)
+    }
+
+    /// Remembers a request id until `exp`; false when it was seen before (a replay) or
+    /// when too many live ids are remembered to take another.
+    fn remember(&mut self, id: &str, exp: u64, unix_s: u64) -> Result<(), String> {
+        if self.seen.contains_key(id) {
+            return Err("replayed authorization request".into());
+        }
+        if self.seen.len() >= MAX_REMEMBERED_REQUESTS {
+            self.seen.retain(|_, until| *until > unix_s);
+            if self.seen.len() >= MAX_REMEMBERED_REQUESTS {
+                return Err("too many authorization requests in flight".into());
+            }
+        }
+        self.seen.insert(id.to_string(), exp);
+        Ok(())
     }
 
     /// The issuing account's public key, for the server's `auth_callout { issuer }`.
@@ -241,23 +306,31 @@ impl Callout {
         }
     }
 
-    fn decode_request(&self, payload: &[u8], unix_s: u64) -> Result<Request, String> {
+    fn decode_request(&mut self, payload: &[u8], unix_s: u64) -> Result<Request, String> {
         let text = std::str::from_utf8(payload).map_err(|_| "request is not UTF-8".to_string())?;
         let decoded = jwt::decode(text).map_err(|e| e.to_string())?;
         if decoded.issuer.kind() != KeyKind::Server {
             return Err("request not signed by a server key".into());
         }
         let server_key = decoded.issuer.encode();
-        if !self.config.trusted_servers.is_empty()
-            && !self.config.trusted_servers.contains(&server_key)
-        {
-            return Err(format!("request signed by untrusted server {server_key}"));
+        if !self.trusts(&server_key) {
+            return Err(format!(
+                "request signed by untrusted server {server_key} (pin it with --callout-server-key)"
+            ));
         }
         if decoded.claim_type() != Some("authorization_request") {
             return Err("not an authorization request".into());
         }
         if decoded.claims.get("aud").and_then(Value::as_str) != Some(AUTH_REQUEST_AUDIENCE) {
             return Err("authorization request with the wrong audience".into());
+        }
+        let Some(exp) = decoded.claims.get("exp").and_then(Value::as_u64) else {
+            return Err("authorization request without exp".into());
+        };
+        if exp > unix_s.saturating_add(MAX_REQUEST_AHEAD_S) {
+            return Err(format!(
+                "authorization request expires more than {MAX_REQUEST_AHEAD_S} s ahead"
+            ));
         }
         let now = i64::try_from(unix_s).unwrap_or(i64::MAX);
         scoped_jwt::check_times(&decoded.claims, now).map_err(|e| e.to_string())?;
@@ -270,6 +343,8 @@ impl Callout {
         if request.server_id.id.is_empty() {
             return Err("authorization request without server_id.id".into());
         }
+        // Last, so a request refused for another reason does not burn its id.
+        self.remember(&request.user_nkey, exp, unix_s)?;
         Ok(request)
     }
 
@@ -380,8 +455,9 @@ impl Callout {
     }
 
     /// Drops throttling state that no longer matters; call now and then.
-    pub fn prune(&mut self, now: Instant) {
+    pub fn prune(&mut self, now: Instant, unix_s: u64) {
         self.throttle.prune(now);
+        self.seen.retain(|_, exp| *exp > unix_s);
     }
 }
 

@@ -16,6 +16,19 @@ pub struct Config {
     pub limits: Limits,
     #[serde(default)]
     pub namespaces: BTreeMap<String, Namespace>,
+    #[serde(default)]
+    pub callout: CalloutTrust,
+}
+
+/// Which nats-servers the auth callout answers.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CalloutTrust {
+    /// Server public keys (`N...`, a server's INFO `server_id`) whose authorization
+    /// requests are answered; added to those given with `--callout-server-key`. Empty
+    /// (and no flag): the servers the broker's own NATS connection has met.
+    #[serde(default)]
+    pub server_keys: Vec<String>,
 }
 
 /// Per-session and per-broker limits (spec 2.7 defaults).
@@ -257,6 +270,7 @@ impl Config {
         Config {
             limits: Limits::default(),
             namespaces: BTreeMap::from([("dev".to_string(), dev)]),
+            callout: CalloutTrust::default(),
         }
     }
 
@@ -278,6 +292,15 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        within("callout.server_keys", self.callout.server_keys.len(), 0, 64)?;
+        for (i, key) in self.callout.server_keys.iter().enumerate() {
+            if !is_server_key(key) {
+                return Err(err(
+                    format!("callout.server_keys[{i}]"),
+                    "not an NKey server public key (N..., 56 characters)",
+                ));
+            }
+        }
         let l = &self.limits;
         within("limits.max_frame", l.max_frame, 1, 64 * MIB)?;
         within(
@@ -562,6 +585,11 @@ pub fn is_topic_pattern(p: &str) -> bool {
         .all(|(i, t)| *t == "*" || (*t == ">" && i == last) || is_name(t))
 }
 
+/// A server's public NKey, as its INFO `server_id` and the `iss` of its callout requests.
+pub fn is_server_key(key: &str) -> bool {
+    crate::nkeys::is_valid_public_key(key, crate::nkeys::KeyKind::Server)
+}
+
 fn looks_like_user_nkey(key: &str) -> bool {
     key.len() == 56
         && key.starts_with('U')
@@ -771,6 +799,20 @@ mod tests {
         }
         let at_bounds = r#"{"limits":{"hello_timeout_s":3600,"heartbeat_s":3600,"registry_ttl_s":86400,"max_frame":67108864},"namespaces":{"acme":{"jobs":{"r":{"lease_s":86400,"offer_ms":3600000,"max_attempts":1000}},"inbox":{"ack_wait_s":86400,"inbox_window":65536}}}}"#;
         parse(at_bounds).expect("values at their bounds are accepted");
+    }
+
+    #[test]
+    fn callout_server_keys_must_be_server_public_keys() {
+        let server = crate::nkeys::KeyPair::generate(crate::nkeys::KeyKind::Server)
+            .expect("key")
+            .public_key();
+        let c = parse(&format!(r#"{{"callout":{{"server_keys":["{server}"]}}}}"#)).expect("valid");
+        assert_eq!(c.callout.server_keys, std::slice::from_ref(&server));
+        let e = parse(&format!(
+            r#"{{"callout":{{"server_keys":["{server}","{KEY}"]}}}}"#
+        ))
+        .expect_err("a user key");
+        assert_eq!(e.path, "callout.server_keys[1]", "{e}");
     }
 
     #[test]

@@ -237,8 +237,17 @@ impl Broker {
 
     /// Issues scoped user JWTs signed by `issuer` (an account key) in `hello`, and serves
     /// the NATS auth callout with the same participants.
-    pub fn with_issuer(mut self, issuer: KeyPair) -> Broker {
-        self.callout = Some(Callout::new(CalloutConfig::new(issuer.clone())));
+    /// `server_keys` pins the nats-servers whose callout requests are answered (see
+    /// [`CalloutConfig::trusted_servers`]); the configuration's `callout.server_keys` are added.
+    pub fn with_issuer(mut self, issuer: KeyPair, server_keys: &[String]) -> Broker {
+        let mut callout = CalloutConfig::new(issuer.clone());
+        callout.trusted_servers = server_keys.to_vec();
+        for key in &self.config.callout.server_keys {
+            if !callout.trusted_servers.contains(key) {
+                callout.trusted_servers.push(key.clone());
+            }
+        }
+        self.callout = Some(Callout::new(callout));
         self.issuer = Some(issuer);
         self
     }
@@ -1329,6 +1338,9 @@ impl Broker {
         let (Some(callout), Some(reply_to)) = (self.callout.as_mut(), msg.reply.as_deref()) else {
             return;
         };
+        if let Some(info) = conn.server_info() {
+            callout.learn_server(&info.server_id);
+        }
         let reply = callout.handle(
             &self.config,
             msg.headers.as_ref(),

@@ -29,6 +29,7 @@ fn world() -> World {
     let config = Config::parse(json.as_bytes()).expect("config");
     let mut cfg = CalloutConfig::new(account.clone());
     cfg.throttle.address_free_failures = 3;
+    cfg.trusted_servers = vec![server.public_key()];
     World {
         server,
         account,
@@ -63,6 +64,34 @@ fn request(server: &KeyPair, user_nkey: &str, connect_opts: Value, nonce: bool) 
         unreachable!("a JSON object literal")
     };
     jwt::encode(&claims, server).expect("encode").into_bytes()
+}
+
+/// A callout without throttling history that pins the world's server key.
+fn fresh(w: &World) -> Callout {
+    let mut cfg = CalloutConfig::new(w.account.clone());
+    cfg.trusted_servers = vec![w.server.public_key()];
+    Callout::new(cfg)
+}
+
+/// A request with these claims changed (`Value::Null` removes one), re-signed by `signer`.
+fn request_with(signer: &KeyPair, changes: &[(&str, Value)]) -> Vec<u8> {
+    let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
+    let base = request(
+        signer,
+        &user,
+        json!({"user": "acme/w1", "pass": "s3cret"}),
+        true,
+    );
+    let text = std::str::from_utf8(&base).expect("utf-8");
+    let mut claims = jwt::decode(text).expect("decode").claims;
+    for (name, value) in changes {
+        if value.is_null() {
+            claims.remove(*name);
+        } else {
+            claims.insert(name.to_string(), value.clone());
+        }
+    }
+    jwt::encode(&claims, signer).expect("encode").into_bytes()
 }
 
 fn sign_nonce(key: &KeyPair, nonce: &str) -> String {
@@ -172,7 +201,7 @@ fn wrong_token_unknown_participant_and_no_credential_are_refused_alike() {
     ];
     for (opts, why) in cases {
         // A fresh broker each time, so throttling does not mask the check.
-        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        w.callout = fresh(&w);
         let (reply, key) = w.ask(opts);
         assert_refused(&w, &reply, &key, why);
     }
@@ -224,7 +253,7 @@ fn nkey_must_sign_this_connections_nonce() {
         ),
     ];
     for (opts, why) in cases {
-        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        w.callout = fresh(&w);
         let (reply, key) = w.ask(opts);
         assert_refused(&w, &reply, &key, why);
     }
@@ -301,7 +330,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         (json!({"jwt": "eyJ.not.ajwt"}), "malformed jwt"),
     ];
     for (opts, why) in cases {
-        w.callout = Callout::new(CalloutConfig::new(w.account.clone()));
+        w.callout = fresh(&w);
         let (reply, key) = w.ask(opts);
         assert_refused(&w, &reply, &key, why);
     }
@@ -312,7 +341,7 @@ fn requests_not_from_a_server_or_stale_or_encrypted_get_an_empty_reply() {
     let w = world();
     let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
     let opts = json!({"user": "acme/w1", "pass": "s3cret"});
-    let mut callout = Callout::new(CalloutConfig::new(w.account.clone()));
+    let mut callout = fresh(&w);
     let mut ask = |payload: Vec<u8>, headers: Option<&HeaderMap>, unix: u64| {
         callout.handle(&w.config, headers, &payload, w.start, unix)
     };
@@ -373,4 +402,126 @@ fn repeated_failures_from_a_host_are_throttled_even_with_the_right_token() {
         Duration::from_secs(2),
     );
     assert_eq!(authorized(&reply), Some("acme/w1"));
+}
+
+#[test]
+fn a_request_signed_by_an_unpinned_server_key_is_refused() {
+    let w = world();
+    let stranger = KeyPair::generate(KeyKind::Server).expect("key");
+    let mut callout = fresh(&w);
+    let reply = callout.handle(&w.config, None, &request_with(&stranger, &[]), w.start, NOW);
+    assert!(
+        matches!(&reply.outcome, Outcome::BadRequest { reason } if reason.contains("untrusted server")),
+        "{:?}",
+        reply.outcome
+    );
+    assert!(reply.payload.is_empty());
+    let reply = callout.handle(&w.config, None, &request_with(&w.server, &[]), w.start, NOW);
+    assert!(
+        matches!(reply.outcome, Outcome::Authorized { .. }),
+        "{:?}",
+        reply.outcome
+    );
+}
+
+#[test]
+fn without_pins_only_servers_the_broker_has_met_are_trusted() {
+    let w = world();
+    let mut callout = Callout::new(CalloutConfig::new(w.account.clone()));
+    let ask =
+        |c: &mut Callout| c.handle(&w.config, None, &request_with(&w.server, &[]), w.start, NOW);
+    assert!(
+        matches!(ask(&mut callout).outcome, Outcome::BadRequest { .. }),
+        "nothing met yet"
+    );
+    callout.learn_server("not a key");
+    callout.learn_server(&w.account.public_key());
+    assert!(
+        matches!(ask(&mut callout).outcome, Outcome::BadRequest { .. }),
+        "only server keys are learned"
+    );
+    callout.learn_server(&w.server.public_key());
+    assert!(matches!(
+        ask(&mut callout).outcome,
+        Outcome::Authorized { .. }
+    ));
+}
+
+#[test]
+fn a_request_without_exp_or_expiring_far_ahead_is_refused() {
+    let w = world();
+    let mut callout = fresh(&w);
+    let cases = [
+        (
+            request_with(&w.server, &[("exp", Value::Null)]),
+            "without exp",
+        ),
+        (
+            request_with(&w.server, &[("exp", json!("soon"))]),
+            "without exp",
+        ),
+        (
+            request_with(&w.server, &[("exp", json!(NOW + MAX_REQUEST_AHEAD_S + 1))]),
+            "expires more than 300 s ahead",
+        ),
+    ];
+    for (payload, why) in cases {
+        let reply = callout.handle(&w.config, None, &payload, w.start, NOW);
+        assert!(
+            matches!(&reply.outcome, Outcome::BadRequest { reason } if reason.contains(why)),
+            "{why}: {:?}",
+            reply.outcome
+        );
+        assert!(reply.payload.is_empty(), "{why}");
+    }
+    let at_limit = request_with(&w.server, &[("exp", json!(NOW + MAX_REQUEST_AHEAD_S))]);
+    let reply = callout.handle(&w.config, None, &at_limit, w.start, NOW);
+    assert!(
+        matches!(reply.outcome, Outcome::Authorized { .. }),
+        "{:?}",
+        reply.outcome
+    );
+}
+
+#[test]
+fn a_replayed_request_is_refused_until_and_after_it_expires() {
+    let w = world();
+    let mut callout = fresh(&w);
+    let payload = request_with(&w.server, &[]);
+    let first = callout.handle(&w.config, None, &payload, w.start, NOW);
+    assert!(
+        matches!(first.outcome, Outcome::Authorized { .. }),
+        "{:?}",
+        first.outcome
+    );
+    let again = callout.handle(&w.config, None, &payload, w.start, NOW + 1);
+    assert!(
+        matches!(&again.outcome, Outcome::BadRequest { reason } if reason.contains("replayed")),
+        "{:?}",
+        again.outcome
+    );
+    assert!(again.payload.is_empty());
+    // Once expired it is refused as expired, and its id is forgotten.
+    let late = callout.handle(&w.config, None, &payload, w.start, NOW + 2);
+    assert!(matches!(late.outcome, Outcome::BadRequest { .. }));
+    callout.prune(w.start, NOW + 2);
+    assert!(callout.seen.is_empty());
+}
+
+#[test]
+fn remembered_request_ids_are_bounded() {
+    let w = world();
+    let mut callout = fresh(&w);
+    for i in 0..MAX_REMEMBERED_REQUESTS {
+        callout
+            .remember(&format!("id{i}"), NOW + 2, NOW)
+            .expect("room");
+    }
+    let full = callout.remember("one-more", NOW + 2, NOW);
+    assert!(full.is_err_and(|e| e.contains("too many")));
+    // Expired ids make room again.
+    callout
+        .remember("one-more", NOW + 5, NOW + 2)
+        .expect("room after expiry");
+    assert_eq!(callout.seen.len(), 1);
 }
