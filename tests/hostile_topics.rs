@@ -412,3 +412,32 @@ fn one_participant_cannot_exhaust_the_namespace_consumers() {
         "ok"
     );
 }
+
+#[test]
+fn a_durable_subscribed_again_right_after_unsubscribe_is_a_fresh_live_one() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["pub", "s"]));
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    let old = publish(&mut p, "u.x", json!("old"));
+    for round in 0..20 {
+        let sub = format!("d{round}");
+        assert_eq!(subscribe_durable(&mut s, "u.>", &sub)["op"], "ok");
+        let unsub = s.request(json!({"op":"unsubscribe","sub":sub}));
+        assert_eq!(unsub["op"], "ok", "{unsub}");
+        // At once again: a new durable, read from the start, still alive afterwards.
+        assert_eq!(subscribe_durable(&mut s, "u.>", &sub)["op"], "ok");
+        let new = publish(&mut p, "u.y", json!(round));
+        let mut got = Vec::new();
+        while got.last() != Some(&new) {
+            let Some(e) = s.next_op("event", WAIT) else {
+                panic!("round {round}: got {got:?}, no event {new}")
+            };
+            if e["sub"] == sub.as_str() {
+                got.push(e["seq"].as_u64().expect("seq"));
+            }
+        }
+        assert_eq!(got.first(), Some(&old), "round {round}: {got:?}");
+        assert_eq!(s.request(json!({"op":"unsubscribe","sub":sub}))["op"], "ok");
+    }
+}

@@ -138,6 +138,8 @@ enum Pending {
     },
     /// A plain subscription's consumer was recreated after a gap.
     SubReset { session: SessionId, sub: String },
+    /// A durable's delete after `unsubscribe`: answer `ok` once it is done.
+    SubDeleted { session: SessionId, re: String },
     /// A page of consumer names, counting a participant's durables.
     DurableCount(topics::DurableCount),
     /// Unacknowledged events of an ended durable subscription wait to be handed back.
@@ -1223,6 +1225,7 @@ impl Broker {
                 let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
                 self.sub_reset_done(conn, session, sub, ok, now);
             }
+            Pending::SubDeleted { session, re } => self.sub_deleted(session, re, reply),
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::HandBack {
                 stream,

@@ -543,7 +543,7 @@ impl Broker {
         e: AmpError,
         now: Instant,
     ) {
-        self.drop_subscription(conn, session, sub, false, now);
+        let _ = self.drop_subscription(conn, session, sub, false, now);
         self.fail(session, re, e);
     }
 
@@ -563,14 +563,45 @@ impl Broker {
             .with_path("/sub");
             return self.fail(session, &id, e);
         }
-        self.drop_subscription(conn, session, &sub, true, now);
-        self.ok(session, &id, FrameWriter::ok(Some(&id)));
+        let Some(subject) = self.drop_subscription(conn, session, &sub, true, now) else {
+            return self.ok(session, &id, FrameWriter::ok(Some(&id)));
+        };
+        // A durable's name is reused by the next subscribe of that `sub`: the answer waits
+        // until the consumer is gone, or that subscribe could find it and resume it just
+        // before the delete lands.
+        match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+            Ok(req) => self.await_reply(req, now, Pending::SubDeleted { session, re: id }),
+            Err(e) => {
+                log(&format!(
+                    "durable delete not sent session={session} sub={sub}: {e}"
+                ));
+                self.ok(session, &id, FrameWriter::ok(Some(&id)));
+            }
+        }
+    }
+
+    /// A durable's delete after `unsubscribe` was answered. The subscription is over in
+    /// the session either way; a consumer JetStream did not delete expires unread.
+    pub(super) fn sub_deleted(
+        &mut self,
+        session: SessionId,
+        re: String,
+        reply: Result<Message, crate::nats::RequestError>,
+    ) {
+        match reply.map(|m| check_error(&m.payload)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.err_code() == Some(10014) => {}
+            Ok(Err(e)) => log(&format!("durable delete refused session={session}: {e}")),
+            Err(e) => log(&format!("durable delete unanswered session={session}: {e}")),
+        }
+        self.ok(session, &re, FrameWriter::ok(Some(&re)));
     }
 
     /// Stops reading a subscription. Its consumer is deleted when the subscription ends
     /// for good (`unsubscribe`, or any end of a plain one); a durable one whose session
     /// merely ended keeps its consumer, and its unacknowledged events are handed back so
-    /// they come first when it is resumed.
+    /// they come first when it is resumed. A durable ended for good is left for the caller
+    /// to delete: the delete subject is returned.
     fn drop_subscription(
         &mut self,
         conn: &mut Connection,
@@ -578,24 +609,24 @@ impl Broker {
         sub: &str,
         for_good: bool,
         now: Instant,
-    ) {
-        let Some(mut t) = self
+    ) -> Option<String> {
+        let mut t = self
             .sessions
             .get_mut(&session)
-            .and_then(|s| s.subs.remove(sub))
-        else {
-            return;
-        };
+            .and_then(|s| s.subs.remove(sub))?;
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
-        if for_good || !t.durable {
-            let subject = format!(
-                "$JS.API.CONSUMER.DELETE.{}.{}",
-                binding::topics_stream(&t.ns),
-                t.pull.consumer()
-            );
-            let _ = conn.publish(&subject, None, None, b"");
+        let delete = format!(
+            "$JS.API.CONSUMER.DELETE.{}.{}",
+            binding::topics_stream(&t.ns),
+            t.pull.consumer()
+        );
+        if t.durable && for_good {
+            return Some(delete);
+        }
+        if !t.durable {
+            let _ = conn.publish(&delete, None, None, b"");
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
@@ -605,6 +636,7 @@ impl Broker {
                 self.hand_back(conn, stream, consumer, acks.collect(), 0, now);
             }
         }
+        None
     }
 
     /// Hands the rest of a durable subscription's unacknowledged events back to JetStream.
@@ -677,7 +709,7 @@ impl Broker {
             .map(|s| s.subs.keys().cloned().collect())
             .unwrap_or_default();
         for sub in subs {
-            self.drop_subscription(conn, session, &sub, false, now);
+            let _ = self.drop_subscription(conn, session, &sub, false, now);
         }
     }
 
