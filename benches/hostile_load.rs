@@ -10,7 +10,8 @@
 //! code. `-- --secs N` or `HOSTILE_LOAD_SECS` sets the seconds per phase (20). Other
 //! sizes: `HOSTILE_LOAD_PAIRS` (16), `HOSTILE_LOAD_RATE` sends/s per sender (100),
 //! `HOSTILE_LOAD_WINDOW` (16), `HOSTILE_LOAD_BODY_BYTES` (256), `HOSTILE_LOAD_ATTACKERS`
-//! (50, dealt round-robin over the six kinds), `HOSTILE_LOAD_CHURN_PER_S` per churn
+//! (50, dealt round-robin over the kinds), `HOSTILE_LOAD_KINDS` (a comma-separated subset
+//! of `ping,ack,hello,partial,subscribe,churn`; all), `HOSTILE_LOAD_CHURN_PER_S` per churn
 //! connection (50), `HOSTILE_LOAD_DRAIN_SECS` (15), `HOSTILE_LOAD_ATTACK_FROM`
 //! (127.0.0.2; honest clients use 127.0.0.1), `HOSTILE_LOAD_BROKER_MAX_MIB` (1024, the
 //! broker's address-space cap, so a broker that grows without bound fails alone
@@ -51,6 +52,7 @@ pub struct Sizes {
     pub window: usize,
     pub body_bytes: usize,
     pub attackers: usize,
+    pub kinds: Vec<Kind>,
     pub churn_per_s: u32,
     pub drain_secs: u64,
     pub attack_from: Ipv4Addr,
@@ -78,6 +80,7 @@ impl Sizes {
             window: env("HOSTILE_LOAD_WINDOW", 16usize).max(1),
             body_bytes: env("HOSTILE_LOAD_BODY_BYTES", 256usize),
             attackers: env("HOSTILE_LOAD_ATTACKERS", 50usize),
+            kinds: kinds_from_env(),
             churn_per_s: env("HOSTILE_LOAD_CHURN_PER_S", 50u32).max(1),
             drain_secs: env("HOSTILE_LOAD_DRAIN_SECS", 15u64),
             attack_from: env("HOSTILE_LOAD_ATTACK_FROM", Ipv4Addr::new(127, 0, 0, 2)),
@@ -93,6 +96,7 @@ impl Sizes {
             window: 4,
             body_bytes: 64,
             attackers: Kind::ALL.len(),
+            kinds: Kind::ALL.to_vec(),
             churn_per_s: 5,
             drain_secs: 10,
             attack_from: Ipv4Addr::new(127, 0, 0, 2),
@@ -101,10 +105,31 @@ impl Sizes {
     }
 }
 
-/// The `index`-th attacker's kind and its number among attackers of that kind.
-fn attacker(index: usize) -> (Kind, usize) {
-    let n = Kind::ALL.len();
-    (Kind::ALL[index % n], index / n)
+/// The kinds named in `HOSTILE_LOAD_KINDS` (unknown names are ignored), else all.
+fn kinds_from_env() -> Vec<Kind> {
+    let named = std::env::var("HOSTILE_LOAD_KINDS").unwrap_or_default();
+    let kinds: Vec<Kind> = Kind::ALL
+        .into_iter()
+        .filter(|k| named.split(',').any(|n| n.trim() == k.short()))
+        .collect();
+    if kinds.is_empty() {
+        Kind::ALL.to_vec()
+    } else {
+        kinds
+    }
+}
+
+impl Sizes {
+    /// The `index`-th attacker's kind and its number among attackers of that kind.
+    fn attacker(&self, index: usize) -> (Kind, usize) {
+        let n = self.kinds.len().max(1);
+        let kind = self
+            .kinds
+            .get(index % n)
+            .copied()
+            .unwrap_or(Kind::PingFlood);
+        (kind, index / n)
+    }
 }
 
 /// Watches the broker process: its VmRSS every 50 ms (peak per phase) and whether it
@@ -197,7 +222,10 @@ fn run_phase(
     load: &Load,
     target: attack::Target,
     watch: &Watch,
+    pids: [u32; 2],
 ) -> Phase {
+    let pids = ["self".to_string(), pids[0].to_string(), pids[1].to_string()];
+    let cpu = || pids.clone().map(|p| report::cpu_seconds(&p));
     let flags = Flags::default();
     flags.sending.store(true, Ordering::Relaxed);
     flags.receiving.store(true, Ordering::Relaxed);
@@ -226,7 +254,7 @@ fn run_phase(
         let attackers: Vec<_> = if attacked {
             let started: Vec<_> = (0..s.attackers)
                 .map(|j| {
-                    let (kind, index) = attacker(j);
+                    let (kind, index) = s.attacker(j);
                     let stats =
                         &attack_stats[Kind::ALL.iter().position(|k| *k == kind).unwrap_or(0)];
                     let stop = &stop_attack;
@@ -245,9 +273,12 @@ fn run_phase(
         gates[1].wait();
         let started = Instant::now();
         phase.start_ns = clock();
+        let cpu_before = cpu();
         thread::sleep(Duration::from_secs(s.secs));
         flags.sending.store(false, Ordering::Relaxed);
         phase.end_ns = clock();
+        let cpu_after = cpu();
+        phase.cpu = [0, 1, 2].map(|k| cpu_after[k] - cpu_before[k]);
         phase.elapsed = started.elapsed();
         phase.peak_rss_kib = watch.peak_rss_kib[number].load(Ordering::Relaxed);
         // The drain runs without the attack: a message counts as lost only if it never
@@ -278,7 +309,9 @@ fn run_phase(
         .iter()
         .zip(&attack_stats)
         .map(|(kind, st)| {
-            let count = (0..s.attackers).filter(|&j| attacker(j).0 == *kind).count();
+            let count = (0..s.attackers)
+                .filter(|&j| s.attacker(j).0 == *kind)
+                .count();
             report::AttackRow::new(*kind, count, st)
         })
         .collect();
@@ -303,7 +336,7 @@ fn main() {
         }
     }
     names.extend((0..s.attackers).filter_map(|j| {
-        let (kind, index) = attacker(j);
+        let (kind, index) = s.attacker(j);
         kind.participant(index)
     }));
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -332,7 +365,7 @@ fn main() {
     let load_at_start = report::load_average();
     println!(
         "hostile_load{}: {} pairs x {} sends/s, {} in flight per sender, body {} B, {} s per \
-         phase; {} attacking connections from {}; load average {} at start ({} CPUs); \
+         phase; {} attacking connections ({}) from {}; load average {} at start ({} CPUs); \
          amp-broker pid {broker_pid}, nats-server pid {nats_pid}",
         if full {
             ""
@@ -345,23 +378,29 @@ fn main() {
         s.body_bytes,
         s.secs,
         s.attackers,
+        s.kinds
+            .iter()
+            .map(|k| k.short())
+            .collect::<Vec<_>>()
+            .join(","),
         s.attack_from,
         load_at_start,
         thread::available_parallelism().map_or(0, |n| n.get()),
     );
 
+    let pids = [broker_pid, nats_pid];
     let watch = Watch::default();
     let summary = thread::scope(|scope| {
         scope.spawn(|| watch.run(broker_pid));
         watch.phase.store(1, Ordering::Relaxed);
-        let mut quiet = run_phase(1, false, &s, &load, target, &watch);
+        let mut quiet = run_phase(1, false, &s, &load, target, &watch, pids);
         quiet.hwm_kib = broker_hwm_kib(broker_pid);
         println!(
             "phase 1 (no attack) done; load average {}",
             report::load_average()
         );
         watch.phase.store(2, Ordering::Relaxed);
-        let mut attacked = run_phase(2, true, &s, &load, target, &watch);
+        let mut attacked = run_phase(2, true, &s, &load, target, &watch, pids);
         attacked.hwm_kib = broker_hwm_kib(broker_pid);
         println!(
             "phase 2 (attack) done; load average {}",

@@ -6,8 +6,8 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,18 @@ impl Kind {
         Kind::ConnectionChurn,
     ];
 
+    /// The name `HOSTILE_LOAD_KINDS` uses.
+    pub fn short(self) -> &'static str {
+        match self {
+            Kind::PingFlood => "ping",
+            Kind::AckFlood => "ack",
+            Kind::HelloChurn => "hello",
+            Kind::PartialFrame => "partial",
+            Kind::SubscribeSpam => "subscribe",
+            Kind::ConnectionChurn => "churn",
+        }
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             Kind::PingFlood => "ping flood, never reads",
@@ -83,11 +95,31 @@ pub struct Stats {
     /// Connects that failed or timed out, and upgrades refused.
     pub refused: AtomicU64,
     pub bytes_sent: AtomicU64,
+    /// The first refusal the broker gave in words (an error frame or a close reason).
+    pub first_refusal: Mutex<Option<String>>,
+    /// The first close reason of a session the broker ended (when the attacker reads).
+    pub first_close: Mutex<Option<String>>,
 }
 
 impl Stats {
     fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn note(slot: &Mutex<Option<String>>, frame: &ServerFrame) {
+        let text = if frame.opcode == CLOSE {
+            let code = frame
+                .head
+                .get(..2)
+                .map_or(0, |c| u16::from_be_bytes([c[0], c[1]]));
+            let reason = String::from_utf8_lossy(frame.head.get(2..).unwrap_or_default());
+            format!("close {code} {reason}")
+        } else {
+            String::from_utf8_lossy(&frame.head).into_owned()
+        };
+        if let Ok(mut first) = slot.lock() {
+            first.get_or_insert(text);
+        }
     }
 }
 
@@ -180,10 +212,11 @@ fn judge(
 ) {
     reader.feed(bytes, |f| {
         if verdict.is_none() {
+            let wanted = want(&f);
             *verdict = if f.opcode == CLOSE {
                 Some(false)
             } else {
-                want(&f)
+                wanted
             };
         }
     });
@@ -215,7 +248,7 @@ fn wait_for(
 }
 
 /// An upgraded connection logged in as `name` (token `<name>-token`).
-fn login(target: Target, name: &str) -> Result<(TcpStream, FrameReader), End> {
+fn login(target: Target, name: &str, stats: &Stats) -> Result<(TcpStream, FrameReader), End> {
     let (mut s, rest) = open(target, SocketOptions::default())?;
     let mut reader = FrameReader::default();
     let hello = format!(
@@ -224,21 +257,23 @@ fn login(target: Target, name: &str) -> Result<(TcpStream, FrameReader), End> {
     );
     let mut out = Vec::new();
     raw_ws::frame(TEXT, true, hello.as_bytes(), &mut out);
-    s.write_all(&out).map_err(|_| End::Broker)?;
+    // A hello the broker does not answer `ok` counts as a refusal, like a failed connect.
+    s.write_all(&out).map_err(|_| End::Refused)?;
     let ok = wait_for(&mut s, &mut reader, &rest, |f| {
         if f.text_starts_with(r#"{"op":"ok""#) {
             Some(true)
-        } else if f.text_starts_with(r#"{"op":"error""#) {
+        } else if f.opcode == CLOSE || f.text_starts_with(r#"{"op":"error""#) {
+            Stats::note(&stats.first_refusal, f);
             Some(false)
         } else {
             None
         }
     })
-    .map_err(|_| End::Broker)?;
+    .map_err(|_| End::Refused)?;
     if ok {
         Ok((s, reader))
     } else {
-        Err(End::Broker)
+        Err(End::Refused)
     }
 }
 
@@ -359,7 +394,7 @@ fn logged_in_flood(
     let Some(name) = kind.participant(index) else {
         return End::Stop;
     };
-    let (mut s, mut reader) = match login(target, &name) {
+    let (mut s, mut reader) = match login(target, &name, stats) {
         Ok(v) => v,
         Err(end) => return end,
     };
@@ -377,6 +412,7 @@ fn logged_in_flood(
                     Ok(0) => break,
                     Ok(n) => reader.feed(&buf[..n], |f| {
                         if f.opcode == CLOSE {
+                            Stats::note(&stats.first_close, &f);
                             closed.store(true, Ordering::Relaxed);
                         }
                     }),
@@ -466,7 +502,10 @@ fn hold(
                 let mut closed = false;
                 reader.feed(&buf[..n], |f| match f.opcode {
                     PING if answer_pings => raw_ws::frame(PONG, true, &f.head, &mut pongs),
-                    CLOSE => closed = true,
+                    CLOSE => {
+                        Stats::note(&stats.first_close, &f);
+                        closed = true;
+                    }
                     _ => {}
                 });
                 if closed {
@@ -510,7 +549,7 @@ fn partial_fragment(
     let Some(name) = kind.participant(index) else {
         return End::Stop;
     };
-    let (mut s, mut reader) = match login(target, &name) {
+    let (mut s, mut reader) = match login(target, &name, stats) {
         Ok(v) => v,
         Err(end) => return end,
     };

@@ -28,6 +28,21 @@ pub fn status_kib(status: &str, field: &str) -> Option<u64> {
         .ok()
 }
 
+/// CPU seconds (user + system) of a process so far; `pid` may be "self".
+pub fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
+    let ticks: f64 = fields.get(11..13).map_or(0.0, |f| {
+        f.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
+    });
+    // SAFETY: sysconf only reads a configuration value.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks / per_second
+}
+
 pub fn load_average() -> String {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     text.split_whitespace()
@@ -47,6 +62,8 @@ pub struct AttackRow {
     ended_by_broker: u64,
     refused: u64,
     bytes_sent: u64,
+    first_refusal: Option<String>,
+    first_close: Option<String>,
 }
 
 impl AttackRow {
@@ -58,6 +75,8 @@ impl AttackRow {
             ended_by_broker: stats.ended_by_broker.load(Ordering::Relaxed),
             refused: stats.refused.load(Ordering::Relaxed),
             bytes_sent: stats.bytes_sent.load(Ordering::Relaxed),
+            first_refusal: stats.first_refusal.lock().ok().and_then(|f| f.clone()),
+            first_close: stats.first_close.lock().ok().and_then(|f| f.clone()),
         }
     }
 }
@@ -68,6 +87,8 @@ pub struct Phase {
     pub start_ns: u64,
     pub end_ns: u64,
     pub elapsed: Duration,
+    /// CPU seconds of the bench, the broker and the nats-server during the phase.
+    pub cpu: [f64; 3],
     sent: u64,
     confirmed: u64,
     confirmed_in_phase: u64,
@@ -214,6 +235,9 @@ impl Summary {
         row("honest sessions without warm-up", &|p| {
             p.not_warmed_up.to_string()
         });
+        row("CPU s bench / broker / nats, in phase", &|p| {
+            format!("{:.0}/{:.0}/{:.0}", p.cpu[0], p.cpu[1], p.cpu[2])
+        });
         row("broker VmRSS peak sampled MiB", &|p| {
             format!("{:.1}", mib(p.peak_rss_kib))
         });
@@ -226,7 +250,7 @@ impl Summary {
             "{:<30} {:>5} {:>10} {:>10} {:>10} {:>10}",
             "attack (phase 2)", "conns", "sessions", "ended", "refused", "MiB sent"
         );
-        for r in &a.attack {
+        for r in a.attack.iter().filter(|r| r.connections > 0) {
             println!(
                 "{:<30} {:>5} {:>10} {:>10} {:>10} {:>10.1}",
                 r.kind.label(),
@@ -241,6 +265,13 @@ impl Summary {
             "(sessions: got as far as the attack; ended: by the broker; refused: connect, \
              upgrade or login failed)"
         );
+        for r in &a.attack {
+            for (what, text) in [("refused", &r.first_refusal), ("closed", &r.first_close)] {
+                if let Some(text) = text {
+                    println!("  {} first {what}: {text}", r.kind.short());
+                }
+            }
+        }
 
         println!();
         let (qp99, ap99) = (q.p99_ms(), a.p99_ms());
