@@ -185,7 +185,9 @@ def parse_server_stream(buf):
         line = bytes(buf[i:j])
         kind = line.split(b" ", 1)[0].split(b"\t", 1)[0].upper().decode(errors="replace")
         if kind in ("MSG", "HMSG"):
-            args = line.split()
+            # Fields are split on spaces and tabs only, as nats-server writes them: a
+            # subject may hold any other byte (see msg-odd-subjects).
+            args = [a for a in re.split(rb"[ \t]+", line) if a]
             total = int(args[-1])
             hlen = int(args[-2]) if kind == "HMSG" else 0
             fixed = 5 if kind == "MSG" else 6
@@ -498,6 +500,32 @@ def msg_hmsg(server, out):
         assert k in kinds, kinds
     out.s2c(c)
     out.c2s(c)
+
+
+@scenario("msg-odd-subjects")
+def msg_odd_subjects(server, out):
+    """Subjects and a reply subject holding bytes outside the subject rules: a CR
+    (alone, first, doubled, in the reply), control bytes (NUL, 0x01, ESC, VT, FF, DEL) and
+    bytes that are not UTF-8. This non-pedantic server takes every PUB (PONG, no -ERR) and
+    delivers each to the wildcard subscription with the bytes unchanged: only a space, a tab
+    or the LF ends a field. A tab in a PUB subject splits it instead (the server reads
+    `fix.odd.t<TAB>x` as subject `fix.odd.t` with reply `x`). Only the s2c file is kept:
+    the broker's server-role parser refuses a CR in a client's arguments."""
+    c = server.conn()
+    c.connect(echo=True)
+    c.send(b"SUB fix.> 1\r\n")
+    odd = [b"fix.odd.x\r", b"fix.odd.\rx", b"fix.odd.x\r\r", b"fix.odd.\x00x", b"fix.odd.x\x01",
+           b"fix.odd.\x1bx", b"fix.odd.x\x0b", b"fix.odd.x\x0c", b"fix.odd.x\x7f", b"fix.odd.\xff\xfe"]
+    for subject in odd:
+        c.send(pub(subject, b"hi"))
+    c.send(pub(b"fix.odd.r", b"hi", b"_INBOX.x\r"))
+    c.send(hpub(b"fix.odd.h\r", b"NATS/1.0\r\n\r\n", b"hi"))
+    c.send(b"PUB fix.odd.t\tx 2\r\nhi\r\n")
+    c.ping()
+    got = [o.subject for o in c.ops() if o.kind in ("MSG", "HMSG")]
+    assert got == odd + [b"fix.odd.r", b"fix.odd.h\r", b"fix.odd.t"], got
+    assert not any(o.kind == "-ERR" for o in c.ops()), c.ops()
+    out.s2c(c)
 
 
 @scenario("verbose-ok")
@@ -913,6 +941,8 @@ class Output:
 
 def show_bytes(data):
     text = data.decode("utf-8", errors="backslashreplace").replace("\r\n", "\\r\\n\n")
+    # Any other control byte (a CR inside a subject, say) is written as an escape.
+    text = "".join(ch if ch == "\n" or " " <= ch != "\x7f" else "\\x%02x" % ord(ch) for ch in text)
     return "\n".join("    " + line for line in text.rstrip("\n").split("\n"))
 
 

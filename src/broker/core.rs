@@ -1145,6 +1145,20 @@ impl Broker {
                     self.jobs.on_reply(conn, id, Err(error), now);
                 }
             },
+            Event::InvalidMessages { dropped } => {
+                let before = self
+                    .metrics
+                    .registry
+                    .value("amp_nats_invalid_messages_total", "")
+                    .unwrap_or(0.0);
+                if before < 1.0 {
+                    log(
+                        "dropped a NATS message with an invalid subject (counted in amp_nats_invalid_messages_total)",
+                    );
+                }
+                let id = self.metrics.nats_invalid_messages;
+                self.metrics.registry.add(id, "", dropped as f64);
+            }
             Event::Reconnected { .. } => {
                 self.metrics.registry.inc(self.metrics.nats_reconnects, "");
                 // Pulls in flight died with the old connection; ask again.

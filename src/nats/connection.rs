@@ -104,6 +104,12 @@ pub enum Event {
     SlowConsumer {
         dropped: u64,
     },
+    /// Messages were dropped because their subject or reply subject is not a valid
+    /// subject (a CR, a control byte, not UTF-8: nats-server delivers whatever another
+    /// client published). At most one per `receive`.
+    InvalidMessages {
+        dropped: u64,
+    },
     /// For good: `close()`, refused credentials on first connect, reconnect attempts used
     /// up, or no server reachable at first connect.
     Closed {
@@ -120,6 +126,8 @@ pub struct Stats {
     pub out_bytes: u64,
     pub reconnects: u64,
     pub dropped_msgs: u64,
+    /// Messages dropped for an invalid subject or reply subject.
+    pub invalid_msgs: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,6 +208,7 @@ pub struct Connection {
     events: VecDeque<Event>,
     queued_messages: usize,
     dropped_since_report: u64,
+    invalid_since_report: u64,
 
     pings: VecDeque<PingKind>,
     keepalive_out: u32,
@@ -260,6 +269,7 @@ impl Connection {
             events: VecDeque::new(),
             queued_messages: 0,
             dropped_since_report: 0,
+            invalid_since_report: 0,
             pings: VecDeque::new(),
             keepalive_out: 0,
             next_ping: None,
@@ -361,6 +371,10 @@ impl Connection {
                 self.rbuf = buf;
                 self.rbuf.drain(..used.min(self.rbuf.len()));
             }
+        }
+        if self.invalid_since_report > 0 {
+            let dropped = std::mem::take(&mut self.invalid_since_report);
+            self.events.push_back(Event::InvalidMessages { dropped });
         }
     }
 
@@ -1056,6 +1070,11 @@ impl Connection {
         let Some(sid) = parse_u64(sid).map(Sid) else {
             return;
         };
+        if !deliverable(subject) || reply.is_some_and(|r| !deliverable(r)) {
+            self.stats.invalid_msgs += 1;
+            self.invalid_since_report += 1;
+            return;
+        }
         self.stats.in_msgs += 1;
         self.stats.in_bytes += (payload.len() + headers.map_or(0, <[u8]>::len)) as u64;
         if Some(sid) == self.resp_sid {
@@ -1242,6 +1261,15 @@ fn parse_u64(bytes: &[u8]) -> Option<u64> {
     bytes.iter().try_fold(0u64, |acc, &b| {
         b.is_ascii_digit().then(|| acc * 10 + u64::from(b - b'0'))
     })
+}
+
+/// A subject the parser took as data is handed on only when it is a valid literal subject
+/// in UTF-8 without control bytes; anything else came from a publisher nats-server did not
+/// check (it is not pedantic) and means nothing to a subscriber.
+fn deliverable(subject: &[u8]) -> bool {
+    validate_subject(subject).is_ok()
+        && !subject.iter().any(|&b| b < 0x20 || b == 0x7f)
+        && std::str::from_utf8(subject).is_ok()
 }
 
 fn make_message(

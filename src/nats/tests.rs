@@ -335,6 +335,57 @@ fn messages_split_across_reads_are_delivered_once_complete() {
 }
 
 #[test]
+fn a_delivered_subject_with_a_cr_or_control_byte_is_dropped_and_counted_not_fatal() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("amp.>", None).expect("sub");
+    h.take_output();
+    let id = h
+        .conn
+        .request("svc", None, b"q", Duration::from_secs(5), h.now)
+        .expect("request");
+    let inbox = ops(&h.take_output())[0]
+        .split(' ')
+        .nth(1)
+        .map(|s| s.trim_end_matches('*').to_string())
+        .expect("inbox");
+    // Bytes nats-server 2.15.1 delivers when another client publishes such subjects.
+    let mut wire = Vec::new();
+    for bad in [
+        &b"amp.acme.topic.x\r"[..],
+        b"amp.acme.topic.\x01x",
+        b"amp.acme.topic.\xff",
+    ] {
+        wire.extend_from_slice(b"MSG ");
+        wire.extend_from_slice(bad);
+        wire.extend_from_slice(format!(" {sid} 2\r\nhi\r\n").as_bytes());
+    }
+    wire.extend_from_slice(format!("MSG amp.acme.topic.y {sid} _INBOX.r\r 2\r\nhi\r\n").as_bytes());
+    wire.extend_from_slice(format!("MSG {inbox}\r {sid} 2\r\nhi\r\n").as_bytes());
+    wire.extend_from_slice(format!("MSG amp.acme.topic.ok {sid} 2\r\nok\r\n").as_bytes());
+    h.conn.receive(&wire, h.now);
+    assert!(h.conn.is_connected(), "the connection survives");
+    let events = h.events();
+    assert!(
+        matches!(&events[0], Event::Message { msg, .. } if msg.subject == "amp.acme.topic.ok"),
+        "{events:?}"
+    );
+    assert_eq!(
+        events[1],
+        Event::InvalidMessages { dropped: 5 },
+        "{events:?}"
+    );
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(h.conn.stats().invalid_msgs, 5);
+    assert_eq!(
+        h.conn.pending_requests(),
+        1,
+        "the request {id:?} still waits"
+    );
+}
+
+#[test]
 fn reconnect_restores_subscriptions_then_writes_buffered_publishes() {
     let mut o = Harness::options("h:1");
     o.reconnect_delay = Duration::from_millis(100);

@@ -21,6 +21,10 @@ const MAX_SIZE_DIGITS: usize = 9;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     /// We are a client: parse what a server sends (INFO, MSG, HMSG, PING, PONG, +OK, -ERR).
+    /// MSG/HMSG fields are split on spaces and tabs only and any other byte (CR, control
+    /// bytes, non-UTF-8) is part of the field: nats-server accepts such subjects from any
+    /// publisher and delivers them, so refusing them would let one publisher break every
+    /// subscriber's connection. The caller validates subjects per message.
     Client,
     /// We are a server: parse what a client sends (CONNECT, PUB, HPUB, SUB, UNSUB, PING,
     /// PONG, and INFO, +OK, -ERR which nats-server also accepts from clients).
@@ -100,7 +104,8 @@ pub enum Malformed {
     HeaderSizeExceedsTotal,
     /// A MSG/HMSG sid that is not a decimal number (nats.go rejects these).
     Sid,
-    /// A carriage return inside a control line (only the one before LF is allowed).
+    /// A carriage return inside a client's control line (only the one before LF is
+    /// allowed). A server's MSG/HMSG may carry one in a field: see [`Role::Client`].
     StrayCarriageReturn,
 }
 
@@ -119,7 +124,8 @@ pub enum ParseError {
 impl fmt::Display for ParseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            ParseError::MaxControlLineExceeded => "Maximum Control Line Exceeded",
+            // nats-server 2.15 sends this one in lower case.
+            ParseError::MaxControlLineExceeded => "maximum control line exceeded",
             ParseError::MaxPayloadViolation => "Maximum Payload Violation",
             ParseError::UnknownOperation => "Unknown Protocol Operation",
             ParseError::Parser(_) => "Parser Error",
@@ -355,7 +361,9 @@ impl Parser {
         let Some((s, e, used)) = self.control_line(buf, after)? else {
             return Ok(None);
         };
-        Ok(Some((split_fields(&buf[s..e], out)?, used)))
+        // Only a server's MSG/HMSG come here in the client role.
+        let cr_is_data = self.role == Role::Client;
+        Ok(Some((split_fields(&buf[s..e], out, cr_is_data)?, used)))
     }
 
     /// Control line and fields in one pass, for the common case only: the line ends
@@ -548,7 +556,7 @@ impl Parser {
             return Ok(PARTIAL);
         };
         let mut f: [&[u8]; 3] = [&[]; 3];
-        let op = match split_fields(&buf[s..e], &mut f)? {
+        let op = match split_fields(&buf[s..e], &mut f, false)? {
             2 => Op::Sub {
                 subject: f[0],
                 queue: None,
@@ -569,7 +577,7 @@ impl Parser {
             return Ok(PARTIAL);
         };
         let mut f: [&[u8]; 2] = [&[]; 2];
-        let op = match split_fields(&buf[s..e], &mut f)? {
+        let op = match split_fields(&buf[s..e], &mut f, false)? {
             1 => Op::Unsub {
                 sid: f[0],
                 max_msgs: None,
@@ -718,9 +726,13 @@ fn name_byte_eq(b: u8, name: u8) -> bool {
 }
 
 /// Splits on runs of spaces/tabs into `out`; returns the count, or an error when there
-/// are more fields than `out` holds or a CR appears.
+/// are more fields than `out` holds or, unless `cr_is_data`, a CR appears.
 #[inline]
-fn split_fields<'a>(arg: &'a [u8], out: &mut [&'a [u8]]) -> Result<usize, ParseError> {
+fn split_fields<'a>(
+    arg: &'a [u8],
+    out: &mut [&'a [u8]],
+    cr_is_data: bool,
+) -> Result<usize, ParseError> {
     let mut n = 0;
     let mut i = 0;
     let len = arg.len();
@@ -733,7 +745,7 @@ fn split_fields<'a>(arg: &'a [u8], out: &mut [&'a [u8]]) -> Result<usize, ParseE
         }
         let start = i;
         while i < len && !is_ws(arg[i]) {
-            if arg[i] == b'\r' {
+            if arg[i] == b'\r' && !cr_is_data {
                 return Err(ParseError::Parser(Malformed::StrayCarriageReturn));
             }
             i += 1;

@@ -261,6 +261,8 @@ pub struct AmpMetrics {
     /// JetStream API request round trips, in seconds.
     pub js_request_seconds: HistogramId,
     pub nats_reconnects: CounterId,
+    /// NATS messages dropped for an invalid subject or reply subject.
+    pub nats_invalid_messages: CounterId,
 }
 
 impl AmpMetrics {
@@ -292,6 +294,11 @@ impl AmpMetrics {
             "Reconnections to the NATS server.",
             None,
         );
+        let nats_invalid_messages = r.counter(
+            "amp_nats_invalid_messages_total",
+            "NATS messages dropped because their subject or reply subject is invalid.",
+            None,
+        );
         AmpMetrics {
             registry: r,
             frames_in,
@@ -300,6 +307,7 @@ impl AmpMetrics {
             sessions,
             js_request_seconds,
             nats_reconnects,
+            nats_invalid_messages,
         }
     }
 }

@@ -512,6 +512,68 @@ fn each_role_rejects_the_other_sides_operations() {
 }
 
 #[test]
+fn a_client_takes_every_msg_nats_server_delivers_with_odd_bytes_as_data() {
+    // Recorded from nats-server 2.15.1 (proto-fixtures/s2c-msg-odd-subjects.bin): any
+    // client may publish these, and the server delivers them to matching subscriptions.
+    // Fields are split on spaces and tabs only; every other byte is the field's.
+    let c = client();
+    for subject in [
+        &b"amp.acme.topic.x\r"[..],
+        b"amp.acme.topic.\rx",
+        b"amp.acme.topic.x\r\r",
+        b"amp.acme.topic.x\x01",
+        b"amp.acme.topic.\x00x",
+        b"amp.acme.topic.x\x7f",
+        b"amp.acme.topic.\x1bx",
+        b"amp.acme.topic.x\x0b",
+        b"amp.acme.topic.x\x0c",
+        b"amp.acme.topic.\xff\xfe",
+        b"_INBOX.abc.\r",
+    ] {
+        let mut wire = b"MSG ".to_vec();
+        wire.extend_from_slice(subject);
+        wire.extend_from_slice(b" 1 2\r\nhi\r\n");
+        assert_eq!(
+            one(&c, &wire),
+            Op::Msg {
+                subject,
+                sid: b"1",
+                reply: None,
+                payload: b"hi"
+            },
+            "{wire:?}"
+        );
+    }
+    assert_eq!(
+        one(&c, b"MSG amp.acme.topic.r 1 _INBOX.x\r 2\r\nhi\r\n"),
+        Op::Msg {
+            subject: b"amp.acme.topic.r",
+            sid: b"1",
+            reply: Some(b"_INBOX.x\r"),
+            payload: b"hi"
+        }
+    );
+    assert_eq!(
+        one(
+            &c,
+            b"HMSG amp.acme.topic.h\r 1 12 14\r\nNATS/1.0\r\n\r\nhi\r\n"
+        ),
+        Op::Hmsg {
+            subject: b"amp.acme.topic.h\r",
+            sid: b"1",
+            reply: None,
+            headers: b"NATS/1.0\r\n\r\n",
+            payload: b"hi"
+        }
+    );
+    // A CR in the size is still not a size.
+    assert_eq!(
+        err(&c, b"MSG a 1 2\r\r\nhi\r\n"),
+        ParseError::Parser(Malformed::Size)
+    );
+}
+
+#[test]
 fn a_stray_carriage_return_in_arguments_is_a_parser_error() {
     assert_eq!(
         err(&server(), b"PUB fo\ro 1\r\nx\r\n"),
@@ -559,9 +621,10 @@ fn control_line_limit_counts_the_arguments() {
         ParseError::MaxControlLineExceeded
     );
     assert_eq!(partial(&p, b"SUB 0123456789abcd 1\r"), None);
+    // nats-server 2.15's wire text, in lower case (proto-fixtures/s2c-err-max-control-line.bin).
     assert_eq!(
         ParseError::MaxControlLineExceeded.to_string(),
-        "Maximum Control Line Exceeded"
+        "maximum control line exceeded"
     );
 }
 
@@ -719,14 +782,18 @@ fn fast_path_agrees_with_the_general_path() {
                 .control_line(&line, 0)
                 .expect("general path accepts")
                 .expect("general path complete");
-            let mut slow: [&[u8]; 4] = [&[]; 4];
-            let n_slow = split_fields(&line[s..e], &mut slow).expect("general path splits");
-            assert_eq!(
-                (n, used, fast),
-                (n_slow, used_slow, slow),
-                "{:?}",
-                String::from_utf8_lossy(&line)
-            );
+            // Both splits (a client's, where a CR is data, and a server's) agree with it.
+            for cr_is_data in [false, true] {
+                let mut slow: [&[u8]; 4] = [&[]; 4];
+                let n_slow =
+                    split_fields(&line[s..e], &mut slow, cr_is_data).expect("general path splits");
+                assert_eq!(
+                    (n, used, fast),
+                    (n_slow, used_slow, slow),
+                    "{:?}",
+                    String::from_utf8_lossy(&line)
+                );
+            }
             agreed[window] += 1;
         }
     }

@@ -1,0 +1,123 @@
+//! A hostile NATS client: nats-server (not pedantic) accepts any byte but a blank or LF in
+//! a published subject and delivers it to matching subscriptions. Such a message reaching
+//! one of the broker's subscriptions must be dropped and counted, never break the broker's
+//! NATS connection (which every session shares).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::amp::{Broker, Client, http_get, open_config};
+use common::{NatsServer, wait_until};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A plain NATS client on a raw socket.
+fn raw_client(nats: &NatsServer) -> TcpStream {
+    let mut s = TcpStream::connect(nats.addr()).expect("connect");
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    s.write_all(b"CONNECT {\"verbose\":false,\"pedantic\":false,\"protocol\":1}\r\nPING\r\n")
+        .expect("write");
+    s
+}
+
+fn metric(broker: &Broker, name: &str) -> Option<f64> {
+    let (_, body) = http_get(broker.addr, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+fn round_trip(a: &mut Client, b: &mut Client, n: u64) {
+    let ok = a.request(json!({"op":"send","to":"b","body":{"n":n}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let m = b.next_op("message", WAIT).expect("delivery");
+    assert_eq!(m["body"]["n"], n);
+    b.send(&json!({"op":"ack","seq":m["seq"]}));
+}
+
+/// Subjects the broker's connection subscribes to, learned from the reply subjects of its
+/// JetStream API requests and pull requests (`_AMP_BROKER.<token>` for pull deliveries,
+/// `_AMP_BROKER.<token>.<n>` under its wildcard request inbox).
+fn sniff_broker_subjects(sniffer: &mut TcpStream, a: &mut Client, b: &mut Client) -> Vec<String> {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 65536];
+    let deadline = Instant::now() + WAIT;
+    let mut n = 0;
+    while Instant::now() < deadline {
+        n += 1;
+        round_trip(a, b, n);
+        while let Ok(got) = sniffer.read(&mut buf) {
+            if got == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..got]);
+        }
+        let text = String::from_utf8_lossy(&seen);
+        let mut subjects: Vec<String> = text
+            .split([' ', '\r', '\n'])
+            .filter(|t| t.starts_with("_AMP_BROKER."))
+            .map(str::to_string)
+            .collect();
+        subjects.sort();
+        subjects.dedup();
+        let wildcard = subjects.iter().any(|s| s.matches('.').count() == 2);
+        let exact = subjects.iter().any(|s| s.matches('.').count() == 1);
+        if wildcard && exact {
+            return subjects;
+        }
+    }
+    panic!(
+        "no broker subjects seen: {}",
+        String::from_utf8_lossy(&seen)
+    );
+}
+
+#[test]
+fn a_cr_in_a_delivered_subject_is_dropped_and_counted_and_the_nats_link_survives() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+
+    let mut sniffer = raw_client(&nats);
+    sniffer.write_all(b"SUB > 1\r\nPING\r\n").expect("sub");
+    let subjects = sniff_broker_subjects(&mut sniffer, &mut a, &mut b);
+    assert_eq!(metric(&broker, "amp_nats_reconnects_total"), Some(0.0));
+
+    let mut attacker = raw_client(&nats);
+    let mut attack = Vec::new();
+    for s in &subjects {
+        match s.rsplit_once('.') {
+            // Under the wildcard request inbox: a CR as the last token matches it.
+            Some((prefix, _)) if s.matches('.').count() == 2 => {
+                attack.extend_from_slice(format!("PUB {prefix}.\r 2\r\nhi\r\n").as_bytes());
+                attack.extend_from_slice(format!("PUB {prefix}.\x01 2\r\nhi\r\n").as_bytes());
+            }
+            // A pull delivery subject: delivered as is, with a CR in the reply subject.
+            _ => attack.extend_from_slice(format!("PUB {s} _INBOX.x\r 2\r\nhi\r\n").as_bytes()),
+        }
+    }
+    attack.extend_from_slice(b"PING\r\n");
+    attacker.write_all(&attack).expect("attack");
+
+    assert!(
+        wait_until(WAIT, || metric(&broker, "amp_nats_invalid_messages_total")
+            .is_some_and(|n| n >= 2.0)),
+        "the bad messages are counted; reconnects {:?}; log:\n{}",
+        metric(&broker, "amp_nats_reconnects_total"),
+        broker.log()
+    );
+    round_trip(&mut a, &mut b, 1000);
+    assert_eq!(
+        metric(&broker, "amp_nats_reconnects_total"),
+        Some(0.0),
+        "the broker's NATS connection never dropped; log:\n{}",
+        broker.log()
+    );
+    assert_eq!(metric(&broker, "amp_nats_connected"), Some(1.0));
+    assert!(!broker.log().contains("protocol error"), "{}", broker.log());
+}
