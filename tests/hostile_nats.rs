@@ -121,3 +121,46 @@ fn a_cr_in_a_delivered_subject_is_dropped_and_counted_and_the_nats_link_survives
     assert_eq!(metric(&broker, "amp_nats_connected"), Some(1.0));
     assert!(!broker.log().contains("protocol error"), "{}", broker.log());
 }
+
+#[test]
+fn a_stored_event_with_a_cr_in_its_subject_is_terminated_not_redelivered_forever() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["p", "s"]));
+    let mut p = Client::login(&broker, "acme", "p", "p-token");
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    // The topics stream (`amp.acme.topic.>`) stores what a plain client publishes there,
+    // CR and all, and the durable consumer delivers it to the broker.
+    let mut attacker = raw_client(&nats);
+    attacker
+        .write_all(b"PUB amp.acme.topic.d.x\r 2\r\nhi\r\nPING\r\n")
+        .expect("attack");
+    let ok = p.request(json!({"op":"publish","topic":"d.ok","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let event = s.next_op("event", WAIT).expect("the good event");
+    assert_eq!(event["topic"], "d.ok", "{event}");
+    s.send(&json!({"op":"ack","sub":"keep","seq":event["seq"]}));
+
+    let mut js = amp_broker::jetstream::Context::new(
+        amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+            .expect("connect"),
+    );
+    let consumer = amp_broker::broker::binding::durable_sub_consumer("s", "keep");
+    let mut last = None;
+    let settled = wait_until(WAIT, || {
+        let info = js.consumer_info("AMP_TOPICS_acme", &consumer);
+        let done = info
+            .as_ref()
+            .is_ok_and(|i| i.num_ack_pending == 0 && i.delivered.stream_seq >= 2);
+        last = Some(format!("{info:?}"));
+        done
+    });
+    assert!(
+        settled,
+        "nothing stays pending (the bad event was terminated): {last:?}"
+    );
+    assert!(metric(&broker, "amp_nats_invalid_messages_total").is_some_and(|n| n >= 1.0));
+    assert_eq!(metric(&broker, "amp_nats_reconnects_total"), Some(0.0));
+}

@@ -1073,6 +1073,11 @@ impl Connection {
         if !deliverable(subject) || reply.is_some_and(|r| !deliverable(r)) {
             self.stats.invalid_msgs += 1;
             self.invalid_since_report += 1;
+            // A JetStream delivery (JetStream stores such subjects too) would come again
+            // after every ack wait and hold a slot of its consumer's window: end it.
+            if let Some(ack) = reply.filter(|r| r.starts_with(b"$JS.ACK.") && deliverable(r)) {
+                let _ = self.publish_unchecked(ack, None, None, b"+TERM");
+            }
             return;
         }
         self.stats.in_msgs += 1;

@@ -386,6 +386,27 @@ fn a_delivered_subject_with_a_cr_or_control_byte_is_dropped_and_counted_not_fata
 }
 
 #[test]
+fn a_dropped_jetstream_delivery_is_terminated_so_it_does_not_come_back() {
+    // JetStream stores what a client published on `amp.acme.topic.x\r` (the stream's
+    // `amp.acme.topic.>` matches it) and delivers it with an ack reply; unacked it would
+    // come again after every ack wait and hold a slot of the consumer's window.
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("_AMP_BROKER.pull", None).expect("sub");
+    h.take_output();
+    let ack = "$JS.ACK.AMP_TOPICS_acme.sub_a.1.7.7.1796155404000000000.0";
+    let wire = format!("MSG amp.acme.topic.x\r {sid} {ack} 2\r\nhi\r\n");
+    h.conn.receive(wire.as_bytes(), h.now);
+    assert_eq!(h.events(), [Event::InvalidMessages { dropped: 1 }]);
+    assert_eq!(ops(&h.take_output()), [format!("PUB {ack} +TERM")]);
+    // A reply that is not a JetStream ack subject is never written to.
+    let wire = format!("MSG amp.acme.topic.x\r {sid} _INBOX.someone 2\r\nhi\r\n");
+    h.conn.receive(wire.as_bytes(), h.now);
+    assert!(h.take_output().is_empty());
+}
+
+#[test]
 fn reconnect_restores_subscriptions_then_writes_buffered_publishes() {
     let mut o = Harness::options("h:1");
     o.reconnect_delay = Duration::from_millis(100);
