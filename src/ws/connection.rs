@@ -307,7 +307,14 @@ impl Connection {
         let rate = f64::from(self.cfg.max_frames_per_s.max(1));
         let want = RESUME_FRAMES.min(f64::from(self.cfg.frame_burst.max(1)));
         let missing = (want - self.tokens).max(0.0);
-        let wait = Duration::try_from_secs_f64(missing / rate).unwrap_or(Duration::MAX);
+        if missing == 0.0 {
+            return self.tokens_at;
+        }
+        // A microsecond past the exact moment, so rounding cannot leave the allowance a
+        // hair short of a frame at the resume time (a resume that decodes nothing).
+        let wait = Duration::try_from_secs_f64(missing / rate)
+            .unwrap_or(Duration::MAX)
+            .saturating_add(Duration::from_micros(1));
         after(self.tokens_at, wait)
     }
 
@@ -318,7 +325,7 @@ impl Connection {
             return true;
         }
         self.refill(now);
-        if now < self.resume_at() && self.tokens < 1.0 {
+        if self.tokens < 1.0 {
             return false;
         }
         self.held = false;
@@ -1704,5 +1711,33 @@ mod tests {
         let out = String::from_utf8(drain_output(&mut c)).unwrap();
         assert!(out.starts_with("HTTP/1.1 503 "), "{out}");
         assert_eq!(events(&mut c), vec![ConnEvent::Http { status: 503 }]);
+    }
+
+    /// The allowance is fractional: resuming at `resume_at` must always make progress,
+    /// whatever rounding the rate leaves (a resume time equal to the last refill would
+    /// spin without decoding anything).
+    #[test]
+    fn resuming_at_the_resume_time_always_decodes_something() {
+        for rate in (1..=1001).step_by(40).chain([3, 7, 999_999, u32::MAX]) {
+            for burst in (1..=97).step_by(12).chain([16, 17]) {
+                let cfg = WsConfig {
+                    max_frames_per_s: rate,
+                    frame_burst: burst,
+                    ..WsConfig::default()
+                };
+                let (mut c, t0) = open(cfg);
+                let input: Vec<u8> = (0..300).flat_map(|_| frame(0x9, true, b"")).collect();
+                c.handle_input(&input, t0, &HOST);
+                let mut now = t0;
+                let mut turns = 0;
+                while c.input_held() {
+                    turns += 1;
+                    assert!(turns < 1000, "no progress at rate {rate}, burst {burst}");
+                    now = now.max(c.resume_at());
+                    assert!(c.resume_input(now), "refused at its resume time");
+                }
+                assert_eq!(server_frames(&drain_output(&mut c)).len(), 300);
+            }
+        }
     }
 }
