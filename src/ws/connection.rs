@@ -142,9 +142,11 @@ enum Phase {
 /// Beyond this capacity an emptied output buffer is released instead of kept.
 const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
 
-/// Output room kept free of text frames and pongs: one more pong (tungstenite writes it
-/// before the bound is checked again) and the close frame always fit within the bound.
-const CONTROL_ROOM: usize = 256;
+/// Output room kept free of text frames and pongs, so what can follow the last check
+/// always fits within the bound: the pong that crossed it, the close frame, and a pong
+/// tungstenite still had queued (its `close` writes that behind the close frame). Each
+/// is at most 127 bytes.
+const CONTROL_ROOM: usize = 512;
 /// Smallest effective `max_outbound_bytes`, so an upgrade response and the control room
 /// always fit.
 const MIN_OUTBOUND: usize = 1024;
