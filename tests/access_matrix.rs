@@ -6,10 +6,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use amp_broker::broker::binding;
@@ -18,6 +14,7 @@ use amp_broker::jetstream::consumer::{ConsumerAction, ConsumerConfig};
 use amp_broker::nats::{Client as NatsClient, Options};
 use amp_broker::nkeys::{KeyKind, KeyPair};
 use common::amp::{Broker, Client, token_hash};
+use common::python::Py;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -85,23 +82,9 @@ fn world() -> World {
     }
 }
 
-fn python() -> String {
-    let ok = Command::new("python3")
-        .args(["-c", "import nats, nkeys"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "the interop tests need python3 with nats-py and nkeys: \
-         `python3 -m pip install nats-py nkeys` (or run scripts/ensure-deps.sh --test)"
-    );
-    "python3".to_string()
-}
-
 /// A running `tests/interop/access_probe.py`.
 struct Probe {
-    child: Child,
-    lines: mpsc::Receiver<String>,
+    py: Py,
     done: String,
 }
 
@@ -151,38 +134,20 @@ impl World {
         if let (Some(spec), Some(steps)) = (spec.as_object_mut(), steps.as_object()) {
             spec.extend(steps.clone());
         }
-        let script =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/access_probe.py");
-        let mut child = Command::new(python())
-            .arg(script)
-            .arg(spec.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 runs");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let ready = lines.recv_timeout(WAIT).expect("the probe reports READY");
-        assert_eq!(ready, "READY");
-        Probe { child, lines, done }
+        let py = Py::spawn("access_probe.py", &[&spec.to_string()]);
+        assert_eq!(py.line(), "READY");
+        Probe { py, done }
     }
 
     /// Ends the probe's run and returns what it saw.
-    fn finish(&self, mut probe: Probe) -> Seen {
+    fn finish(&self, probe: Probe) -> Seen {
         let mut observer = self.observer();
         observer
             .publish(&probe.done, None, None, b"")
             .expect("publish");
         observer.flush(WAIT).expect("flush");
-        let result = probe.lines.recv_timeout(WAIT).expect("the probe reports");
-        let _ = probe.child.wait();
+        let result = probe.py.line();
+        probe.py.finish();
         let v: Value = serde_json::from_str(&result).expect("json result");
         let list = |key: &str| v[key].as_array().cloned().unwrap_or_default();
         Seen {

@@ -4,104 +4,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use amp_broker::jetstream::kv::{KvConfig, KvOperation};
 use amp_broker::jetstream::{Context, JsError};
 use amp_broker::nats::{Client, HeaderMap, Options};
 use base64::Engine;
-
-const DEADLINE: Duration = Duration::from_secs(60);
-
-fn require_nats_py() {
-    let ok = Command::new("python3")
-        .args(["-c", "import nats"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    assert!(
-        ok,
-        "the interop tests need python3 with nats-py: `pip install nats-py` \
-         (or run scripts/ensure-deps.sh --test)"
-    );
-}
-
-fn script(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/interop")
-        .join(name)
-}
-
-/// A running Python script; killed (by PID) if still running when dropped.
-struct Py {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    started: Instant,
-}
-
-impl Py {
-    fn spawn(name: &str, args: &[&str]) -> Py {
-        require_nats_py();
-        let mut child = Command::new("python3")
-            .arg(script(name))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("run python3");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Py {
-            child,
-            lines,
-            started: Instant::now(),
-        }
-    }
-
-    fn line(&self) -> String {
-        let left = DEADLINE.saturating_sub(self.started.elapsed());
-        self.lines
-            .recv_timeout(left)
-            .unwrap_or_else(|_| panic!("no output from the Python script within {DEADLINE:?}"))
-    }
-
-    fn finish(mut self) {
-        let deadline = self.started + DEADLINE;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                assert!(status.success(), "python script failed: {status}");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "python script overran its deadline"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Py {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
+use common::python::Py;
 
 fn connect(server: &common::NatsServer) -> Context {
     let client = Client::connect(Options::new(&server.url())).expect("connect");

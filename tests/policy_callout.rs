@@ -14,10 +14,8 @@ use amp_broker::broker::keygen::token_sha256;
 use amp_broker::broker::scoped_jwt;
 use amp_broker::nats::{Client, Options};
 use amp_broker::nkeys::{KeyKind, KeyPair};
+use common::python::Py;
 use serde_json::{Value, json};
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -31,19 +29,6 @@ fn unix_s() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-fn python() -> String {
-    let ok = Command::new("python3")
-        .args(["-c", "import nats, nkeys"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "the interop tests need python3 with nats-py and nkeys: \
-         `python3 -m pip install nats-py nkeys` (or run scripts/ensure-deps.sh --test)"
-    );
-    "python3".to_string()
 }
 
 struct Setup {
@@ -201,34 +186,14 @@ impl Setup {
         let mut spec = json!({
             "url": self.server.url(),
             "subscribe": subscribe,
-            "publish": publish,
+            "publish": publish.iter().map(|s| [*s, "from python"]).collect::<Vec<_>>(),
             "done": done,
         });
         if let (Some(spec), Some(cred)) = (spec.as_object_mut(), credential.as_object()) {
             spec.extend(cred.clone());
         }
-        let script =
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/callout_client.py");
-        let mut child = Command::new(python())
-            .arg(script)
-            .arg(spec.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 runs");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let ready = rx
-            .recv_timeout(WAIT)
-            .expect("the participant reports READY");
-        assert_eq!(ready, "READY");
+        let py = Py::spawn("access_probe.py", &[&spec.to_string()]);
+        assert_eq!(py.line(), "READY");
         for subject in subscribe.iter().filter(|s| !s.contains(['*', '>'])) {
             observer
                 .publish(subject, None, None, b"from observer")
@@ -236,8 +201,8 @@ impl Setup {
         }
         observer.publish(done, None, None, b"").expect("publish");
         observer.flush(WAIT).expect("flush");
-        let result = rx.recv_timeout(WAIT).expect("the participant reports");
-        let _ = child.wait();
+        let result = py.line();
+        py.finish();
         let mut observed = Vec::new();
         for sid in [watch, watch_pulls] {
             while let Ok(Some(msg)) = observer.next_message(sid, Duration::from_millis(200)) {
@@ -247,12 +212,14 @@ impl Setup {
             }
         }
         let v: Value = serde_json::from_str(&result).expect("json result");
+        // Errors are strings; received messages are {subject, data}.
         let strings = |key: &str| -> Vec<String> {
             v[key]
                 .as_array()
                 .map(|a| {
                     a.iter()
-                        .filter_map(|s| s.as_str().map(str::to_string))
+                        .filter_map(|s| s.as_str().or(s["subject"].as_str()))
+                        .map(str::to_string)
                         .collect()
                 })
                 .unwrap_or_default()

@@ -4,6 +4,7 @@
 
 pub mod amp;
 pub mod jobs;
+pub mod python;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};

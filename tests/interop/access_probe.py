@@ -1,8 +1,10 @@
 """A participant on NATS with the official Python client (nats-py), probing what its scoped
-JWT lets it do, for tests/access_matrix.rs. The server asks the broker's auth callout.
+JWT lets it do, for tests/access_matrix.rs and tests/policy_callout.rs. The server asks the
+broker's auth callout.
 
 Usage: access_probe.py '<json>' where the JSON has
-  url; one credential: user+password | token; inbox_prefix (nats-py `inbox_prefix`);
+  url; one credential: user+password | token | nkeys_seed (a file) | user_credentials (a
+  .creds file); inbox_prefix (nats-py `inbox_prefix`, optional); timeout (requests, s);
   subscribe: subjects to subscribe to (everything received is reported);
   publish: [subject, payload] pairs to publish;
   pull: [subject, payload] JetStream pull requests (MSG.NEXT) made with `request`; each
@@ -45,7 +47,7 @@ async def main(spec):
         "connect_timeout": 3,
         "max_reconnect_attempts": 0,
     }
-    for key in ("user", "password", "token", "inbox_prefix"):
+    for key in ("user", "password", "token", "nkeys_seed", "user_credentials", "inbox_prefix"):
         if key in spec:
             opts[key] = spec[key]
     try:
