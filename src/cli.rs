@@ -1,14 +1,19 @@
-//! The command line: `amp-broker serve [flags]`, `amp-broker keygen`, `--help`, `--version`.
+//! The command line: `amp-broker serve [flags]`, `amp-broker check-config FILE`,
+//! `amp-broker keygen`, `--help`, `--version`.
+//!
+//! Every serve flag can also come from the environment (for containers): `--nats-creds`
+//! is `AMP_NATS_CREDS`, i.e. `AMP_` + the flag without `--`, upper case, `-` as `_`. A flag
+//! given on the command line wins over its variable. Parsing takes the environment as data
+//! so it stays a pure function of its inputs.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-pub const USAGE: &str = "\
-usage: amp-broker serve [flags]     run the broker
-       amp-broker keygen            print a new participant credential (NKey seed and public key)
-       amp-broker --help | --version
+use crate::broker::config::{Config, Limits};
 
-serve flags:
+const SERVE_FLAGS: &str = "\
+serve flags (each also read from the environment, see below):
   --listen ADDR          WebSocket/HTTP listen address (default 127.0.0.1:7420)
   --config FILE          configuration file (JSON); without it the broker runs in development
                          mode: namespace `dev`, any participant name, a token printed at start,
@@ -28,13 +33,83 @@ serve flags:
   --callout-server-key K answer auth callout requests signed by this nats-server public key
                          (N..., the server's INFO server_id; repeatable, at most 64); without
                          it, the servers the broker's own NATS connection has met
+  -h, --help             print this help
+
+environment: every flag has a variable named AMP_ + the flag without `--`, upper case, `-`
+as `_` (AMP_LISTEN, AMP_NATS_CREDS, AMP_CALLOUT_SERVER_KEY, ...); AMP_NATS and
+AMP_CALLOUT_SERVER_KEY take comma-separated lists, AMP_NO_SYNC takes 1/true/yes or
+0/false/no. A flag on the command line wins over its variable.
 ";
+
+const COMMANDS: &str = "\
+usage: amp-broker serve [flags]          run the broker
+       amp-broker check-config [FILE]    validate a configuration (default: $AMP_CONFIG) and
+                                         print what it would serve
+       amp-broker keygen                 print a new participant credential (NKey seed and
+                                         public key, token and its SHA-256)
+       amp-broker COMMAND --help         help for one command
+       amp-broker --help | --version
+";
+
+pub const SERVE_USAGE: &str = "usage: amp-broker serve [flags]    run the broker\n\n";
+
+pub const KEYGEN_HELP: &str = "\
+usage: amp-broker keygen
+
+Prints a new participant credential: an NKey user seed (keep it secret) with its public key
+(`nkey` in the configuration), and a random token with its SHA-256 (`token_sha256`). Takes no
+flags.
+
+  -h, --help             print this help
+";
+
+pub const CHECK_CONFIG_HELP: &str = "\
+usage: amp-broker check-config [FILE]
+
+Loads FILE (default: the AMP_CONFIG environment variable) exactly as `serve --config` does and
+prints what it would serve: namespaces, participants, jobs and the limits that differ from the
+defaults. Exits 0 when the file is valid; otherwise prints the problem with the member it
+concerns and exits 1.
+
+  -h, --help             print this help
+";
+
+/// The overview `amp-broker --help` prints.
+pub fn usage() -> String {
+    format!("{COMMANDS}\n{SERVE_FLAGS}")
+}
+
+/// `amp-broker serve --help`.
+pub fn serve_help() -> String {
+    format!("{SERVE_USAGE}{SERVE_FLAGS}")
+}
+
+/// Which help text to print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Help {
+    Overview,
+    Serve,
+    Keygen,
+    CheckConfig,
+}
+
+impl Help {
+    pub fn text(self) -> String {
+        match self {
+            Help::Overview => usage(),
+            Help::Serve => serve_help(),
+            Help::Keygen => KEYGEN_HELP.to_string(),
+            Help::CheckConfig => CHECK_CONFIG_HELP.to_string(),
+        }
+    }
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     Serve(Box<ServeArgs>),
+    CheckConfig(PathBuf),
     Keygen,
-    Help,
+    Help(Help),
     Version,
 }
 
@@ -73,85 +148,94 @@ impl Default for ServeArgs {
     }
 }
 
-/// Parses the arguments after the program name.
-pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Takes one value.
+    Value,
+    /// Takes one value; its variable holds a comma-separated list (one flag per item).
+    List,
+    /// Takes no value; its variable holds a boolean.
+    Switch,
+}
+
+/// Every serve flag. The environment variables derive from these names, so a new flag is
+/// settable from the environment without further code.
+const FLAGS: &[(&str, Kind)] = &[
+    ("--listen", Kind::Value),
+    ("--config", Kind::Value),
+    ("--nats", Kind::List),
+    ("--nats-creds", Kind::Value),
+    ("--nats-nkey", Kind::Value),
+    ("--data-dir", Kind::Value),
+    ("--no-sync", Kind::Switch),
+    ("--nats-server", Kind::Value),
+    ("--broker-id", Kind::Value),
+    ("--replicas", Kind::Value),
+    ("--issuer-seed-file", Kind::Value),
+    ("--callout-server-key", Kind::List),
+];
+
+/// At most this many `--callout-server-key`s, flags and variable together.
+const MAX_CALLOUT_SERVER_KEYS: usize = 64;
+
+/// `--nats-creds` → `AMP_NATS_CREDS`.
+pub fn env_name(flag: &str) -> String {
+    format!(
+        "AMP_{}",
+        flag.trim_start_matches('-')
+            .to_ascii_uppercase()
+            .replace('-', "_")
+    )
+}
+
+/// The process environment's `AMP_*` variables; one that is not UTF-8 is an error naming it.
+pub fn environment() -> Result<BTreeMap<String, String>, String> {
+    let mut vars = BTreeMap::new();
+    for (name, value) in std::env::vars_os() {
+        let Some(name) = name.to_str().filter(|n| n.starts_with("AMP_")) else {
+            continue;
+        };
+        let value = value
+            .into_string()
+            .map_err(|_| format!("{name}: the value is not valid UTF-8"))?;
+        vars.insert(name.to_string(), value);
+    }
+    Ok(vars)
+}
+
+/// Parses the arguments after the program name, with the environment's `AMP_*` variables.
+pub fn parse<I: IntoIterator<Item = String>>(
+    args: I,
+    env: &BTreeMap<String, String>,
+) -> Result<Command, String> {
     let mut args = args.into_iter();
     let command = match args.next().as_deref() {
-        None | Some("-h") | Some("--help") | Some("help") => return Ok(Command::Help),
+        None | Some("-h") | Some("--help") => return Ok(Command::Help(Help::Overview)),
+        Some("help") => match args.next().as_deref() {
+            None => Command::Help(Help::Overview),
+            Some("serve") => Command::Help(Help::Serve),
+            Some("keygen") => Command::Help(Help::Keygen),
+            Some("check-config") => Command::Help(Help::CheckConfig),
+            Some(other) => return Err(format!("help: unknown command `{other}`")),
+        },
         Some("-V") | Some("--version") => return Ok(Command::Version),
-        Some("keygen") => Command::Keygen,
-        Some("serve") => {
-            let mut serve = ServeArgs::default();
-            while let Some(flag) = args.next() {
-                let mut value =
-                    |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
-                match flag.as_str() {
-                    "--listen" => {
-                        let v = value("--listen")?;
-                        serve.listen = v.parse().map_err(|_| {
-                            format!("--listen: `{v}` is not an address like 127.0.0.1:7420")
-                        })?;
-                    }
-                    "--config" => serve.config = Some(PathBuf::from(value("--config")?)),
-                    "--nats" => {
-                        let v = value("--nats")?;
-                        serve.nats.extend(
-                            v.split(',')
-                                .map(str::trim)
-                                .filter(|s| !s.is_empty())
-                                .map(String::from),
-                        );
-                    }
-                    "--nats-creds" => {
-                        serve.nats_creds = Some(PathBuf::from(value("--nats-creds")?))
-                    }
-                    "--nats-nkey" => serve.nats_nkey = Some(PathBuf::from(value("--nats-nkey")?)),
-                    "--data-dir" => serve.data_dir = PathBuf::from(value("--data-dir")?),
-                    "--no-sync" => serve.sync = false,
-                    "--nats-server" => {
-                        serve.nats_server = Some(PathBuf::from(value("--nats-server")?))
-                    }
-                    "--broker-id" => {
-                        let v = value("--broker-id")?;
-                        if !crate::broker::config::is_name(&v) {
-                            return Err(format!(
-                                "--broker-id: `{v}` must be 1-64 of A-Z a-z 0-9 _ -"
-                            ));
-                        }
-                        serve.broker_id = Some(v);
-                    }
-                    "--replicas" => {
-                        let v = value("--replicas")?;
-                        serve.replicas = match v.parse() {
-                            Ok(n @ 1..=5) => n,
-                            _ => return Err(format!("--replicas: `{v}` must be 1 to 5")),
-                        };
-                    }
-                    "--issuer-seed-file" => {
-                        serve.issuer_seed_file = Some(PathBuf::from(value("--issuer-seed-file")?))
-                    }
-                    "--callout-server-key" => {
-                        let v = value("--callout-server-key")?;
-                        if !crate::broker::config::is_server_key(&v) {
-                            return Err(format!(
-                                "--callout-server-key: `{v}` is not a server public key (N..., 56 characters)"
-                            ));
-                        }
-                        if serve.callout_server_keys.len() >= 64 {
-                            return Err("--callout-server-key: at most 64".to_string());
-                        }
-                        serve.callout_server_keys.push(v);
-                    }
-                    other => return Err(format!("serve: unknown flag `{other}`")),
-                }
+        Some("keygen") => match args.next().as_deref() {
+            Some("-h") | Some("--help") => Command::Help(Help::Keygen),
+            Some(extra) => return Err(format!("keygen: unexpected argument `{extra}`")),
+            None => Command::Keygen,
+        },
+        Some("check-config") => match args.next().as_deref() {
+            Some("-h") | Some("--help") => Command::Help(Help::CheckConfig),
+            Some(flag) if flag.starts_with('-') => {
+                return Err(format!("check-config: unknown flag `{flag}`"));
             }
-            if serve.config.is_none() && !serve.listen.ip().is_loopback() {
-                return Err(
-                    "development mode (no --config) listens on loopback addresses only".to_string(),
-                );
-            }
-            Command::Serve(Box::new(serve))
-        }
+            Some(file) => Command::CheckConfig(PathBuf::from(file)),
+            None => match env.get("AMP_CONFIG").filter(|v| !v.is_empty()) {
+                Some(file) => Command::CheckConfig(PathBuf::from(file)),
+                None => return Err("check-config needs a FILE (or AMP_CONFIG)".to_string()),
+            },
+        },
+        Some("serve") => return parse_serve(args, env),
         Some(other) => return Err(format!("unknown command `{other}`")),
     };
     match args.next() {
@@ -160,12 +244,262 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Command, String>
     }
 }
 
+fn parse_serve(
+    mut args: impl Iterator<Item = String>,
+    env: &BTreeMap<String, String>,
+) -> Result<Command, String> {
+    let mut given: Vec<(&'static str, Option<String>)> = Vec::new();
+    while let Some(arg) = args.next() {
+        if arg == "-h" || arg == "--help" {
+            return Ok(Command::Help(Help::Serve));
+        }
+        let Some(&(flag, kind)) = FLAGS.iter().find(|(name, _)| *name == arg) else {
+            return Err(format!("serve: unknown flag `{arg}`"));
+        };
+        let value = match kind {
+            Kind::Switch => None,
+            Kind::Value | Kind::List => {
+                Some(args.next().ok_or_else(|| format!("{flag} needs a value"))?)
+            }
+        };
+        given.push((flag, value));
+    }
+
+    let mut serve = ServeArgs::default();
+    for &(flag, kind) in FLAGS {
+        if given.iter().any(|(name, _)| *name == flag) {
+            continue;
+        }
+        let var = env_name(flag);
+        // Empty counts as unset: container templates often pass every variable.
+        let Some(raw) = env.get(&var).filter(|v| !v.is_empty()) else {
+            continue;
+        };
+        let named = |e: String| format!("{var}: {e}");
+        match kind {
+            Kind::Switch => {
+                if parse_bool(raw).map_err(named)? {
+                    apply(&mut serve, flag, None).map_err(named)?;
+                }
+            }
+            Kind::Value => apply(&mut serve, flag, Some(raw)).map_err(named)?,
+            Kind::List => {
+                for item in raw.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                    apply(&mut serve, flag, Some(item)).map_err(named)?;
+                }
+            }
+        }
+    }
+    for (flag, value) in &given {
+        apply(&mut serve, flag, value.as_deref()).map_err(|e| format!("{flag}: {e}"))?;
+    }
+
+    if serve.config.is_none() && !serve.listen.ip().is_loopback() {
+        return Err(
+            "development mode (no --config) listens on loopback addresses only".to_string(),
+        );
+    }
+    Ok(Command::Serve(Box::new(serve)))
+}
+
+fn parse_bool(v: &str) -> Result<bool, String> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("`{v}` is not a boolean (1/true/yes or 0/false/no)")),
+    }
+}
+
+/// Sets one flag; `value` is `None` only for switches. The error leaves out which flag or
+/// variable it came from, the caller names that.
+fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), String> {
+    let v = value.unwrap_or_default();
+    match flag {
+        "--listen" => {
+            serve.listen = v
+                .parse()
+                .map_err(|_| format!("`{v}` is not an address like 127.0.0.1:7420"))?;
+        }
+        "--config" => serve.config = Some(PathBuf::from(v)),
+        "--nats" => serve.nats.extend(
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from),
+        ),
+        "--nats-creds" => serve.nats_creds = Some(PathBuf::from(v)),
+        "--nats-nkey" => serve.nats_nkey = Some(PathBuf::from(v)),
+        "--data-dir" => serve.data_dir = PathBuf::from(v),
+        "--no-sync" => serve.sync = false,
+        "--nats-server" => serve.nats_server = Some(PathBuf::from(v)),
+        "--broker-id" => {
+            if !crate::broker::config::is_name(v) {
+                return Err(format!("`{v}` must be 1-64 of A-Z a-z 0-9 _ -"));
+            }
+            serve.broker_id = Some(v.to_string());
+        }
+        "--replicas" => {
+            serve.replicas = match v.parse() {
+                Ok(n @ 1..=5) => n,
+                _ => return Err(format!("`{v}` must be 1 to 5")),
+            };
+        }
+        "--issuer-seed-file" => serve.issuer_seed_file = Some(PathBuf::from(v)),
+        "--callout-server-key" => {
+            if !crate::broker::config::is_server_key(v) {
+                return Err(format!(
+                    "`{v}` is not a server public key (N..., 56 characters)"
+                ));
+            }
+            if serve.callout_server_keys.len() >= MAX_CALLOUT_SERVER_KEYS {
+                return Err(format!("at most {MAX_CALLOUT_SERVER_KEYS}"));
+            }
+            serve.callout_server_keys.push(v.to_string());
+        }
+        other => return Err(format!("unknown flag `{other}`")),
+    }
+    Ok(())
+}
+
+/// Participant names shown per namespace before the rest is counted.
+const NAMES_SHOWN: usize = 10;
+
+/// What `check-config` prints for a valid configuration: short enough to read at a glance.
+pub fn describe(config: &Config) -> String {
+    let mut out = String::new();
+    let participants: usize = config
+        .namespaces
+        .values()
+        .map(|n| n.participants.len())
+        .sum();
+    out.push_str(&format!(
+        "{} namespace(s), {} participant(s)\n",
+        config.namespaces.len(),
+        participants
+    ));
+    for (name, ns) in &config.namespaces {
+        let mut names: Vec<&str> = ns.participants.keys().map(String::as_str).collect();
+        let hidden = names.len().saturating_sub(NAMES_SHOWN);
+        names.truncate(NAMES_SHOWN);
+        let mut list = names.join(", ");
+        if hidden > 0 {
+            list.push_str(&format!(", and {hidden} more"));
+        }
+        let nkeys = ns
+            .participants
+            .values()
+            .filter(|p| p.nkey.is_some())
+            .count();
+        let tokens = ns
+            .participants
+            .values()
+            .filter(|p| p.token_sha256.is_some())
+            .count();
+        let policies = ns
+            .participants
+            .values()
+            .filter(|p| p.policy.is_some())
+            .count();
+        out.push_str(&format!(
+            "namespace {name}: {} participant(s) ({nkeys} nkey, {tokens} token, {policies} with a policy){}{}\n",
+            ns.participants.len(),
+            if list.is_empty() { String::new() } else { format!(": {list}") },
+            if ns.open.is_some() { "; open to any name" } else { "" },
+        ));
+        for (job, j) in &ns.jobs {
+            out.push_str(&format!(
+                "  job {job}: lease {} s, offer {} ms, at most {} attempt(s)\n",
+                j.lease_s, j.offer_ms, j.max_attempts
+            ));
+        }
+    }
+    let changed = changed_limits(&config.limits);
+    if changed.is_empty() {
+        out.push_str("limits: defaults\n");
+    } else {
+        out.push_str(&format!("limits (not default): {}\n", changed.join(", ")));
+    }
+    if !config.callout.server_keys.is_empty() {
+        out.push_str(&format!(
+            "auth callout: {} trusted server key(s)\n",
+            config.callout.server_keys.len()
+        ));
+    }
+    out
+}
+
+fn changed_limits(l: &Limits) -> Vec<String> {
+    let d = Limits::default();
+    let pairs: [(&str, u64, u64); 12] = [
+        ("max_frame", l.max_frame as u64, d.max_frame as u64),
+        (
+            "max_outbound_bytes",
+            l.max_outbound_bytes as u64,
+            d.max_outbound_bytes as u64,
+        ),
+        ("heartbeat_s", l.heartbeat_s, d.heartbeat_s),
+        ("hello_timeout_s", l.hello_timeout_s, d.hello_timeout_s),
+        ("registry_ttl_s", l.registry_ttl_s, d.registry_ttl_s),
+        ("max_sessions", l.max_sessions as u64, d.max_sessions as u64),
+        (
+            "max_held_submits",
+            l.max_held_submits as u64,
+            d.max_held_submits as u64,
+        ),
+        (
+            "max_connections_per_ip",
+            l.max_connections_per_ip as u64,
+            d.max_connections_per_ip as u64,
+        ),
+        (
+            "max_frames_per_s",
+            u64::from(l.max_frames_per_s),
+            u64::from(d.max_frames_per_s),
+        ),
+        (
+            "frame_burst",
+            u64::from(l.frame_burst),
+            u64::from(d.frame_burst),
+        ),
+        (
+            "max_buffered_bytes",
+            l.max_buffered_bytes as u64,
+            d.max_buffered_bytes as u64,
+        ),
+        (
+            "max_topic_subscriptions",
+            l.max_topic_subscriptions as u64,
+            d.max_topic_subscriptions as u64,
+        ),
+    ];
+    pairs
+        .iter()
+        .filter(|(_, value, default)| value != default)
+        .map(|(name, value, _)| format!("{name} {value}"))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn parse_env(s: &str, env: &[(&str, &str)]) -> Result<Command, String> {
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        parse(s.split_whitespace().map(String::from), &env)
+    }
+
     fn parse_str(s: &str) -> Result<Command, String> {
-        parse(s.split_whitespace().map(String::from))
+        parse_env(s, &[])
+    }
+
+    fn serve(s: &str, env: &[(&str, &str)]) -> ServeArgs {
+        match parse_env(s, env) {
+            Ok(Command::Serve(args)) => *args,
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -177,13 +511,11 @@ mod tests {
 
     #[test]
     fn serve_reads_every_flag() {
-        let cmd = parse_str(
+        let s = serve(
             "serve --listen 0.0.0.0:9000 --config c.json --nats nats://a:4222,nats://b:4222 --nats nats://c:4222 \
              --nats-creds x.creds --data-dir /d --no-sync --nats-server /bin/ns --broker-id b1 --replicas 3 --issuer-seed-file acct.seed",
+            &[],
         );
-        let Ok(Command::Serve(s)) = cmd else {
-            panic!("{cmd:?}")
-        };
         assert_eq!(s.listen, "0.0.0.0:9000".parse().expect("addr"));
         assert_eq!(s.config, Some(PathBuf::from("c.json")));
         assert_eq!(s.nats, ["nats://a:4222", "nats://b:4222", "nats://c:4222"]);
@@ -196,24 +528,202 @@ mod tests {
         assert_eq!(s.issuer_seed_file, Some(PathBuf::from("acct.seed")));
     }
 
-    #[test]
-    fn callout_server_keys_repeat() {
+    fn server_keys(n: usize) -> Vec<String> {
         use crate::nkeys::{KeyKind, KeyPair};
-        let keys: Vec<String> = (0..2)
+        (0..n)
             .map(|_| {
                 KeyPair::generate(KeyKind::Server)
                     .expect("key")
                     .public_key()
             })
-            .collect();
-        let cmd = parse_str(&format!(
-            "serve --callout-server-key {} --callout-server-key {}",
-            keys[0], keys[1]
-        ));
-        let Ok(Command::Serve(s)) = cmd else {
-            panic!("{cmd:?}")
-        };
+            .collect()
+    }
+
+    #[test]
+    fn callout_server_keys_repeat() {
+        let keys = server_keys(2);
+        let s = serve(
+            &format!(
+                "serve --callout-server-key {} --callout-server-key {}",
+                keys[0], keys[1]
+            ),
+            &[],
+        );
         assert_eq!(s.callout_server_keys, keys);
+    }
+
+    #[test]
+    fn every_flag_has_its_variable() {
+        let keys = server_keys(2);
+        let joined = keys.join(",");
+        let env = [
+            ("AMP_LISTEN", "0.0.0.0:9000"),
+            ("AMP_CONFIG", "c.json"),
+            ("AMP_NATS", "nats://a:4222, nats://b:4222"),
+            ("AMP_NATS_CREDS", "x.creds"),
+            ("AMP_NATS_NKEY", "x.nk"),
+            ("AMP_DATA_DIR", "/d"),
+            ("AMP_NO_SYNC", "true"),
+            ("AMP_NATS_SERVER", "/bin/ns"),
+            ("AMP_BROKER_ID", "b1"),
+            ("AMP_REPLICAS", "3"),
+            ("AMP_ISSUER_SEED_FILE", "acct.seed"),
+            ("AMP_CALLOUT_SERVER_KEY", joined.as_str()),
+        ];
+        assert_eq!(env.len(), FLAGS.len());
+        for (flag, _) in FLAGS {
+            assert!(env.iter().any(|(var, _)| *var == env_name(flag)), "{flag}");
+        }
+        let s = serve("serve", &env);
+        assert_eq!(s.listen, "0.0.0.0:9000".parse().expect("addr"));
+        assert_eq!(s.config, Some(PathBuf::from("c.json")));
+        assert_eq!(s.nats, ["nats://a:4222", "nats://b:4222"]);
+        assert_eq!(s.nats_creds, Some(PathBuf::from("x.creds")));
+        assert_eq!(s.nats_nkey, Some(PathBuf::from("x.nk")));
+        assert_eq!(s.data_dir, PathBuf::from("/d"));
+        assert!(!s.sync);
+        assert_eq!(s.nats_server, Some(PathBuf::from("/bin/ns")));
+        assert_eq!(s.broker_id.as_deref(), Some("b1"));
+        assert_eq!(s.replicas, 3);
+        assert_eq!(s.issuer_seed_file, Some(PathBuf::from("acct.seed")));
+        assert_eq!(s.callout_server_keys, keys);
+    }
+
+    #[test]
+    fn flags_win_over_variables_and_lists_are_replaced_not_merged() {
+        let env = [
+            ("AMP_LISTEN", "127.0.0.1:1111"),
+            ("AMP_NATS", "nats://env:4222"),
+            ("AMP_REPLICAS", "2"),
+            ("AMP_NO_SYNC", "0"),
+        ];
+        let s = serve(
+            "serve --listen 127.0.0.1:2222 --nats nats://flag:4222",
+            &env,
+        );
+        assert_eq!(s.listen, "127.0.0.1:2222".parse().expect("addr"));
+        assert_eq!(s.nats, ["nats://flag:4222"]);
+        assert_eq!(s.replicas, 2);
+        assert!(s.sync, "AMP_NO_SYNC=0 keeps sync on");
+        assert!(!serve("serve --no-sync", &[("AMP_NO_SYNC", "no")]).sync);
+        // Empty is unset.
+        assert_eq!(serve("serve", &[("AMP_REPLICAS", "")]).replicas, 1);
+        // Variables that name no flag are ignored, as other programs' AMP_* may be set.
+        assert_eq!(serve("serve", &[("AMP_OTHER", "x")]), ServeArgs::default());
+    }
+
+    #[test]
+    fn a_bad_variable_is_named() {
+        for (var, value) in [
+            ("AMP_LISTEN", "nowhere"),
+            ("AMP_REPLICAS", "9"),
+            ("AMP_NO_SYNC", "maybe"),
+            ("AMP_BROKER_ID", "a.b"),
+            ("AMP_CALLOUT_SERVER_KEY", "Nbogus"),
+        ] {
+            let e = parse_env("serve", &[(var, value)]).expect_err(var);
+            assert!(e.starts_with(&format!("{var}: ")), "{e}");
+            assert!(e.contains(value), "{e}");
+        }
+        // A variable the command line overrides is never looked at.
+        assert!(parse_env("serve --replicas 2", &[("AMP_REPLICAS", "9")]).is_ok());
+        // The loopback rule holds whichever side the address came from.
+        assert!(
+            parse_env("serve", &[("AMP_LISTEN", "0.0.0.0:1")])
+                .is_err_and(|e| e.contains("loopback"))
+        );
+        assert!(parse_env("serve", &[("AMP_LISTEN", "0.0.0.0:1"), ("AMP_CONFIG", "c")]).is_ok());
+    }
+
+    #[test]
+    fn callout_keys_stay_bounded_across_flag_and_variable() {
+        let keys = server_keys(MAX_CALLOUT_SERVER_KEYS + 1);
+        let joined = keys.join(",");
+        assert!(
+            parse_env("serve", &[("AMP_CALLOUT_SERVER_KEY", joined.as_str())])
+                .is_err_and(|e| e.contains("AMP_CALLOUT_SERVER_KEY") && e.contains("at most"))
+        );
+    }
+
+    #[test]
+    fn help_for_each_command() {
+        for s in ["", "-h", "--help", "help"] {
+            assert_eq!(parse_str(s), Ok(Command::Help(Help::Overview)), "{s}");
+        }
+        for s in [
+            "serve --help",
+            "serve -h",
+            "serve --no-sync --help",
+            "help serve",
+        ] {
+            assert_eq!(parse_str(s), Ok(Command::Help(Help::Serve)), "{s}");
+        }
+        // Help comes before the environment is looked at, so a broken variable cannot hide it.
+        assert_eq!(
+            parse_env("serve --help", &[("AMP_LISTEN", "nowhere")]),
+            Ok(Command::Help(Help::Serve))
+        );
+        for s in ["keygen --help", "keygen -h", "help keygen"] {
+            assert_eq!(parse_str(s), Ok(Command::Help(Help::Keygen)), "{s}");
+        }
+        for s in [
+            "check-config --help",
+            "check-config -h",
+            "help check-config",
+        ] {
+            assert_eq!(parse_str(s), Ok(Command::Help(Help::CheckConfig)), "{s}");
+        }
+        assert!(serve_help().contains("--callout-server-key"));
+        assert!(serve_help().contains("AMP_"));
+        assert!(usage().contains("check-config"));
+        assert!(KEYGEN_HELP.contains("keygen"));
+    }
+
+    #[test]
+    fn check_config_takes_a_file_or_amp_config() {
+        assert_eq!(
+            parse_str("check-config c.json"),
+            Ok(Command::CheckConfig(PathBuf::from("c.json")))
+        );
+        assert_eq!(
+            parse_env("check-config", &[("AMP_CONFIG", "e.json")]),
+            Ok(Command::CheckConfig(PathBuf::from("e.json")))
+        );
+        assert_eq!(
+            parse_env("check-config c.json", &[("AMP_CONFIG", "e.json")]),
+            Ok(Command::CheckConfig(PathBuf::from("c.json")))
+        );
+        assert!(parse_str("check-config").is_err_and(|e| e.contains("AMP_CONFIG")));
+        assert!(parse_str("check-config a b").is_err_and(|e| e.contains("`b`")));
+        assert!(parse_str("check-config --bogus").is_err_and(|e| e.contains("--bogus")));
+    }
+
+    #[test]
+    fn describe_names_what_differs_from_the_defaults() {
+        let text = r#"{"limits": {"max_sessions": 500},
+            "namespaces": {"acme": {"participants": {
+                "alice": {"token_sha256": "2bd806c97f0e00af1a1fc3328fa763a9269723c8db8fac4f93af71db186d6e90"}},
+              "jobs": {"resize": {"lease_s": 60}}}}}"#;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("c.json");
+        std::fs::write(&path, text).expect("write");
+        let config = Config::load(&path).expect("valid");
+        let out = describe(&config);
+        assert!(out.contains("1 namespace(s), 1 participant(s)"), "{out}");
+        assert!(
+            out.contains("namespace acme: 1 participant(s) (0 nkey, 1 token"),
+            "{out}"
+        );
+        assert!(out.contains(": alice"), "{out}");
+        assert!(
+            out.contains("job resize: lease 60 s, offer 5000 ms"),
+            "{out}"
+        );
+        assert!(
+            out.contains("limits (not default): max_sessions 500\n"),
+            "{out}"
+        );
+        assert!(describe(&Config::development(String::new())).contains("limits: defaults"));
     }
 
     #[test]
@@ -234,6 +744,5 @@ mod tests {
         assert!(parse_str("frobnicate").is_err());
         assert!(parse_str("keygen extra").is_err());
         assert_eq!(parse_str("keygen"), Ok(Command::Keygen));
-        assert_eq!(parse_str(""), Ok(Command::Help));
     }
 }

@@ -12,9 +12,10 @@ use amp_broker::runtime::{self, RuntimeOptions};
 use amp_broker::ws::connection::WsConfig;
 
 fn main() -> ExitCode {
-    match cli::parse(std::env::args().skip(1)) {
-        Ok(Command::Help) => {
-            print!("{}", cli::USAGE);
+    let parsed = cli::environment().and_then(|env| cli::parse(std::env::args().skip(1), &env));
+    match parsed {
+        Ok(Command::Help(topic)) => {
+            print!("{}", topic.text());
             ExitCode::SUCCESS
         }
         Ok(Command::Version) => {
@@ -22,6 +23,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Ok(Command::Keygen) => keygen(),
+        Ok(Command::CheckConfig(path)) => check_config(&path),
         Ok(Command::Serve(args)) => match serve(*args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -30,8 +32,22 @@ fn main() -> ExitCode {
             }
         },
         Err(e) => {
-            eprintln!("amp-broker: {e}\n\n{}", cli::USAGE);
+            eprintln!("amp-broker: {e}\n\n{}", cli::usage());
             ExitCode::from(2)
+        }
+    }
+}
+
+fn check_config(path: &std::path::Path) -> ExitCode {
+    match Config::load(path) {
+        Ok(config) => {
+            println!("configuration {} is valid", path.display());
+            print!("{}", cli::describe(&config));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("amp-broker: configuration: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -271,56 +271,16 @@ pub fn crc16(data: &[u8]) -> u16 {
     crc
 }
 
-const BASE32_ALPHABET: &[u8; 32] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
-
 /// RFC 4648 base32, no padding.
 pub fn base32_encode(data: &[u8]) -> String {
-    let mut out = String::with_capacity(data.len().div_ceil(5) * 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0u32;
-    for &byte in data {
-        buffer = (buffer << 8) | u32::from(byte);
-        bits += 8;
-        while bits >= 5 {
-            bits -= 5;
-            out.push(char::from(
-                BASE32_ALPHABET[((buffer >> bits) & 31) as usize],
-            ));
-        }
-        buffer &= (1 << bits) - 1;
-    }
-    if bits > 0 {
-        out.push(char::from(
-            BASE32_ALPHABET[((buffer << (5 - bits)) & 31) as usize],
-        ));
-    }
-    out
+    data_encoding::BASE32_NOPAD.encode(data)
 }
 
-/// RFC 4648 base32 without padding; `None` on a character outside the alphabet or leftover
-/// bits that are not zero (a non-canonical encoding).
+/// RFC 4648 base32 without padding; `None` on a character outside the alphabet (lower case
+/// included), a length no encoding has, or leftover bits that are not zero (a non-canonical
+/// encoding), so each key has exactly one text form.
 pub fn base32_decode(text: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(text.len() * 5 / 8);
-    let mut buffer: u32 = 0;
-    let mut bits = 0u32;
-    for &c in text {
-        let value = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'2'..=b'7' => c - b'2' + 26,
-            _ => return None,
-        };
-        buffer = (buffer << 5) | u32::from(value);
-        bits += 5;
-        if bits >= 8 {
-            bits -= 8;
-            out.push(((buffer >> bits) & 0xff) as u8);
-        }
-        buffer &= (1 << bits) - 1;
-    }
-    if bits >= 5 || buffer != 0 {
-        return None;
-    }
-    Some(out)
+    data_encoding::BASE32_NOPAD.decode(text).ok()
 }
 
 #[cfg(test)]
@@ -378,6 +338,16 @@ mod tests {
         }
         assert_eq!(base32_decode(b"MZ1"), None);
         assert_eq!(base32_decode(b"mzxw6"), None);
+    }
+
+    #[test]
+    fn base32_refuses_non_canonical_text() {
+        // "MY" is "f"; "MZ" differs only in the unused low bit, and a key has one text form.
+        assert_eq!(base32_decode(b"MZ"), None);
+        // Lengths no encoding produces (1, 3 and 6 characters mod 8), and padding.
+        for text in ["M", "MZX", "MZXW6Y", "MY======"] {
+            assert_eq!(base32_decode(text.as_bytes()), None, "{text}");
+        }
     }
 
     #[test]

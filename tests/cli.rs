@@ -1,0 +1,217 @@
+//! The operator's command line, run as the built binary: help for each command,
+//! `check-config`, and serve flags taken from the environment.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::amp::{http_get, open_config};
+use common::{NatsServer, free_port};
+use serde_json::json;
+
+fn amp_broker() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_amp-broker"));
+    // The tests set the environment they mean; nothing leaks in from the caller's.
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|n| n.starts_with("AMP_")) {
+            cmd.env_remove(name);
+        }
+    }
+    cmd
+}
+
+fn run(args: &[&str]) -> Output {
+    amp_broker().args(args).output().expect("run amp-broker")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn each_command_prints_its_own_help_and_exits_0() {
+    for args in [
+        &["serve", "--help"][..],
+        &["serve", "-h"],
+        &["help", "serve"],
+    ] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        let text = stdout(&out);
+        assert!(
+            text.starts_with("usage: amp-broker serve"),
+            "{args:?}: {text}"
+        );
+        for flag in [
+            "--listen",
+            "--nats-creds",
+            "--callout-server-key",
+            "AMP_NATS",
+        ] {
+            assert!(text.contains(flag), "{args:?} lacks {flag}: {text}");
+        }
+    }
+    for args in [&["keygen", "--help"][..], &["keygen", "-h"]] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+        assert!(
+            stdout(&out).starts_with("usage: amp-broker keygen"),
+            "{}",
+            stdout(&out)
+        );
+    }
+    let out = run(&["check-config", "--help"]);
+    assert!(out.status.success());
+    assert!(stdout(&out).starts_with("usage: amp-broker check-config"));
+
+    let out = run(&["--help"]);
+    assert!(out.status.success());
+    let overview = stdout(&out);
+    for command in [
+        "amp-broker serve",
+        "amp-broker keygen",
+        "amp-broker check-config",
+    ] {
+        assert!(overview.contains(command), "{overview}");
+    }
+
+    let out = run(&["serve", "--bogus"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("unknown flag `--bogus`"));
+}
+
+#[test]
+fn check_config_describes_a_valid_file_and_names_the_member_of_a_bad_one() {
+    let dir = tempfile::tempdir().expect("dir");
+    let good = dir.path().join("good.json");
+    let mut config = open_config(&["alice", "bob"]);
+    config["limits"] = json!({"max_sessions": 500});
+    config["namespaces"]["acme"]["jobs"] = json!({"resize": {"lease_s": 60}});
+    std::fs::write(&good, config.to_string()).expect("write");
+    let out = run(&["check-config", &good.display().to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for expected in [
+        "is valid",
+        "namespace acme: 2 participant(s) (0 nkey, 2 token, 0 with a policy): alice, bob",
+        "job resize: lease 60 s",
+        "limits (not default): max_sessions 500",
+    ] {
+        assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
+    }
+
+    // The same file through AMP_CONFIG.
+    let out = amp_broker()
+        .arg("check-config")
+        .env("AMP_CONFIG", &good)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("alice, bob"));
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(
+        &bad,
+        json!({"namespaces": {"acme": {"participants": {"a": {}}}}}).to_string(),
+    )
+    .expect("write");
+    let out = run(&["check-config", &bad.display().to_string()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(
+        err.contains("namespaces.acme.participants.a") && err.contains("credential"),
+        "{err}"
+    );
+    assert!(stdout(&out).is_empty());
+
+    let out = run(&[
+        "check-config",
+        &dir.path().join("absent.json").display().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("absent.json"), "{}", stderr(&out));
+}
+
+/// The broker process, killed when the test ends however it ends.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn serve_takes_listen_nats_and_config_from_the_environment() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().expect("dir");
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, open_config(&["alice"]).to_string()).expect("write");
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let log = std::fs::File::create(dir.path().join("broker.log")).expect("log");
+    let mut broker = Running(
+        amp_broker()
+            .arg("serve")
+            .env("AMP_LISTEN", addr.to_string())
+            .env("AMP_NATS", nats.url())
+            .env("AMP_CONFIG", &config)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn"),
+    );
+    let read_log = || std::fs::read_to_string(dir.path().join("broker.log")).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(Some(status)) = broker.0.try_wait() {
+            panic!("amp-broker exited ({status}):\n{}", read_log());
+        }
+        if http_get(addr, "/healthz").is_some_and(|(status, _)| status == 200) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no /healthz on the AMP_LISTEN address:\n{}",
+            read_log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Configured (not development) mode: the file from AMP_CONFIG is the one served.
+    assert!(!read_log().contains("DEVELOPMENT MODE"), "{}", read_log());
+}
+
+#[test]
+fn a_bad_environment_value_stops_serve_with_the_variable_named() {
+    let out = amp_broker()
+        .arg("serve")
+        .env("AMP_REPLICAS", "9")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("AMP_REPLICAS: `9` must be 1 to 5"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A flag overrides its variable, which then is never read: what stops this start is the
+    // loopback rule checked after every value is in.
+    let out = amp_broker()
+        .args(["serve", "--replicas", "1", "--listen", "0.0.0.0:1"])
+        .env("AMP_REPLICAS", "9")
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("loopback") && !err.contains("AMP_REPLICAS"),
+        "{err}"
+    );
+}
