@@ -6,7 +6,7 @@
 //! given on the command line wins over its variable. Parsing takes the environment as data
 //! so it stays a pure function of its inputs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -188,26 +188,60 @@ pub fn env_name(flag: &str) -> String {
     )
 }
 
-/// The process environment's `AMP_*` variables; one that is not UTF-8 is an error naming it.
-pub fn environment() -> Result<BTreeMap<String, String>, String> {
-    let mut vars = BTreeMap::new();
-    for (name, value) in std::env::vars_os() {
-        let Some(name) = name.to_str().filter(|n| n.starts_with("AMP_")) else {
-            continue;
-        };
-        let value = value
-            .into_string()
-            .map_err(|_| format!("{name}: the value is not valid UTF-8"))?;
-        vars.insert(name.to_string(), value);
+/// The `AMP_*` environment variables, taken as data so parsing stays pure. A value that is
+/// not UTF-8 is kept as such and becomes an error only where it is read, so it cannot
+/// stop `--help` or a command that does not use it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Env {
+    vars: BTreeMap<String, String>,
+    not_utf8: BTreeSet<String>,
+}
+
+impl Env {
+    /// The process environment's `AMP_*` variables.
+    pub fn from_process() -> Env {
+        let mut env = Env::default();
+        for (name, value) in std::env::vars_os() {
+            let Some(name) = name.to_str().filter(|n| n.starts_with("AMP_")) else {
+                continue;
+            };
+            match value.into_string() {
+                Ok(value) => {
+                    env.vars.insert(name.to_string(), value);
+                }
+                Err(_) => {
+                    env.not_utf8.insert(name.to_string());
+                }
+            }
+        }
+        env
     }
-    Ok(vars)
+
+    /// The variable's value; empty counts as unset, as container templates often pass every
+    /// name.
+    pub fn get(&self, name: &str) -> Result<Option<&str>, String> {
+        if self.not_utf8.contains(name) {
+            return Err(format!("{name}: the value is not valid UTF-8"));
+        }
+        Ok(self
+            .vars
+            .get(name)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty()))
+    }
+}
+
+impl FromIterator<(String, String)> for Env {
+    fn from_iter<I: IntoIterator<Item = (String, String)>>(iter: I) -> Env {
+        Env {
+            vars: iter.into_iter().collect(),
+            not_utf8: BTreeSet::new(),
+        }
+    }
 }
 
 /// Parses the arguments after the program name, with the environment's `AMP_*` variables.
-pub fn parse<I: IntoIterator<Item = String>>(
-    args: I,
-    env: &BTreeMap<String, String>,
-) -> Result<Command, String> {
+pub fn parse<I: IntoIterator<Item = String>>(args: I, env: &Env) -> Result<Command, String> {
     let mut args = args.into_iter();
     let command = match args.next().as_deref() {
         None | Some("-h") | Some("--help") => return Ok(Command::Help(Help::Overview)),
@@ -230,7 +264,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
                 return Err(format!("check-config: unknown flag `{flag}`"));
             }
             Some(file) => Command::CheckConfig(PathBuf::from(file)),
-            None => match env.get("AMP_CONFIG").filter(|v| !v.is_empty()) {
+            None => match env.get("AMP_CONFIG")? {
                 Some(file) => Command::CheckConfig(PathBuf::from(file)),
                 None => return Err("check-config needs a FILE (or AMP_CONFIG)".to_string()),
             },
@@ -244,10 +278,7 @@ pub fn parse<I: IntoIterator<Item = String>>(
     }
 }
 
-fn parse_serve(
-    mut args: impl Iterator<Item = String>,
-    env: &BTreeMap<String, String>,
-) -> Result<Command, String> {
+fn parse_serve(mut args: impl Iterator<Item = String>, env: &Env) -> Result<Command, String> {
     let mut given: Vec<(&'static str, Option<String>)> = Vec::new();
     while let Some(arg) = args.next() {
         if arg == "-h" || arg == "--help" {
@@ -271,8 +302,7 @@ fn parse_serve(
             continue;
         }
         let var = env_name(flag);
-        // Empty counts as unset: container templates often pass every variable.
-        let Some(raw) = env.get(&var).filter(|v| !v.is_empty()) else {
+        let Some(raw) = env.get(&var)? else {
             continue;
         };
         let named = |e: String| format!("{var}: {e}");
@@ -633,6 +663,25 @@ mod tests {
                 .is_err_and(|e| e.contains("loopback"))
         );
         assert!(parse_env("serve", &[("AMP_LISTEN", "0.0.0.0:1"), ("AMP_CONFIG", "c")]).is_ok());
+    }
+
+    #[test]
+    fn a_variable_that_is_not_utf8_matters_only_where_it_is_read() {
+        let env = Env {
+            not_utf8: BTreeSet::from(["AMP_LISTEN".to_string()]),
+            ..Env::default()
+        };
+        let args = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
+        assert_eq!(
+            parse(args("serve"), &env),
+            Err("AMP_LISTEN: the value is not valid UTF-8".to_string())
+        );
+        assert_eq!(
+            parse(args("serve --help"), &env),
+            Ok(Command::Help(Help::Serve))
+        );
+        assert!(parse(args("serve --listen 127.0.0.1:1"), &env).is_ok());
+        assert_eq!(parse(args("keygen"), &env), Ok(Command::Keygen));
     }
 
     #[test]

@@ -12,8 +12,7 @@ use amp_broker::runtime::{self, RuntimeOptions};
 use amp_broker::ws::connection::WsConfig;
 
 fn main() -> ExitCode {
-    let parsed = cli::environment().and_then(|env| cli::parse(std::env::args().skip(1), &env));
-    match parsed {
+    match cli::parse(std::env::args().skip(1), &cli::Env::from_process()) {
         Ok(Command::Help(topic)) => {
             print!("{}", topic.text());
             ExitCode::SUCCESS

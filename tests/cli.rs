@@ -4,6 +4,7 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::os::unix::ffi::OsStrExt;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -200,6 +201,26 @@ fn a_bad_environment_value_stops_serve_with_the_variable_named() {
         "{}",
         stderr(&out)
     );
+
+    // A value that is not UTF-8 is named where it is read, and does not stop `--help`.
+    let not_utf8 = std::ffi::OsStr::from_bytes(b"/etc/\xff.json");
+    let out = amp_broker()
+        .arg("serve")
+        .env("AMP_CONFIG", not_utf8)
+        .output()
+        .expect("run");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("AMP_CONFIG: the value is not valid UTF-8"),
+        "{}",
+        stderr(&out)
+    );
+    let out = amp_broker()
+        .args(["serve", "--help"])
+        .env("AMP_CONFIG", not_utf8)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", stderr(&out));
 
     // A flag overrides its variable, which then is never read: what stops this start is the
     // loopback rule checked after every value is in.
