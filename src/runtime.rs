@@ -14,6 +14,7 @@ use crate::broker::embedded::EmbeddedServer;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestId};
 use crate::signals::Signals;
 use crate::ws::connection::{HttpHost, WsConfig};
+use crate::ws::metrics;
 use crate::ws::server::{SessionEvent, SessionId, WsServer};
 
 const LISTENER: Token = Token(0);
@@ -30,6 +31,13 @@ const SUPERVISE_INTERVAL: Duration = Duration::from_secs(1);
 /// turn, so the rounds end on their own; this bound only guarantees that `poll`, the
 /// NATS socket and the timers come round again whatever the machines do.
 const MAX_ROUNDS_PER_TURN: usize = 64;
+/// The loop wakes at least this often, so a stalled loop shows as a late wake-up even
+/// when nothing else is scheduled.
+const LIVENESS_TICK: Duration = Duration::from_secs(1);
+/// A wake-up this much past its deadline counts as a stall of the loop.
+const LIVENESS_MAX_LAG: Duration = Duration::from_secs(2);
+/// How long `/livez` keeps answering 503 after a stall.
+const LIVENESS_WINDOW: Duration = Duration::from_secs(5);
 
 pub struct RuntimeOptions {
     pub listen: SocketAddr,
@@ -45,10 +53,50 @@ struct Health {
     next_probe: Instant,
 }
 
+/// What `/livez` reports: whether the loop's recent wake-ups came on time. A loop that is
+/// blocked right now answers nothing at all, which is why probes need a timeout.
+#[derive(Debug, Default)]
+struct Liveness {
+    /// The last stall: when the loop woke up and how late it was.
+    last_stall: Option<(Instant, Duration)>,
+    /// The worst lag seen, for `/metrics`.
+    max_lag: Duration,
+    stalls: u64,
+}
+
+impl Liveness {
+    /// Records a wake-up at `now` for a deadline of `due` (none when the loop woke for
+    /// events before any deadline).
+    fn woke(&mut self, due: Option<Instant>, now: Instant) {
+        let Some(due) = due else {
+            return;
+        };
+        let lag = now.saturating_duration_since(due);
+        self.max_lag = self.max_lag.max(lag);
+        if lag > LIVENESS_MAX_LAG {
+            self.last_stall = Some((now, lag));
+            self.stalls = self.stalls.saturating_add(1);
+        }
+    }
+
+    fn check(&self, now: Instant) -> Result<(), String> {
+        match self.last_stall {
+            Some((at, lag)) if now.saturating_duration_since(at) < LIVENESS_WINDOW => Err(format!(
+                "event loop stalled: a timer fired {} ms late",
+                lag.as_millis()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The plain HTTP endpoints' view of the broker.
 struct Host<'a> {
     health: &'a Health,
+    liveness: &'a Liveness,
     broker: &'a Broker,
+    /// NATS socket bytes (in, out) as of this turn.
+    nats_bytes: (u64, u64),
 }
 
 impl HttpHost for Host<'_> {
@@ -59,12 +107,42 @@ impl HttpHost for Host<'_> {
         self.health.jetstream.clone()
     }
 
+    fn live(&self) -> Result<(), String> {
+        self.liveness.check(Instant::now())
+    }
+
     fn metrics(&self, out: &mut String) {
+        use std::fmt::Write as _;
         let up = if self.health.connected { 1 } else { 0 };
         out.push_str("# HELP amp_nats_connected Whether the NATS connection is up.\n");
         out.push_str(&format!(
             "# TYPE amp_nats_connected gauge\namp_nats_connected {up}\n"
         ));
+        let (nats_in, nats_out) = self.nats_bytes;
+        out.push_str("# HELP amp_nats_bytes_total Bytes read from (in) and written to (out) the NATS server socket.\n");
+        let _ = writeln!(
+            out,
+            "# TYPE amp_nats_bytes_total counter\namp_nats_bytes_total{{direction=\"in\"}} {nats_in}\namp_nats_bytes_total{{direction=\"out\"}} {nats_out}"
+        );
+        let l = self.liveness;
+        out.push_str(
+            "# HELP amp_event_loop_stalls_total Loop wake-ups more than 2 s past their deadline.\n",
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE amp_event_loop_stalls_total counter\namp_event_loop_stalls_total {}",
+            l.stalls
+        );
+        out.push_str(
+            "# HELP amp_event_loop_max_lag_seconds The latest any loop wake-up came after its deadline.\n",
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE amp_event_loop_max_lag_seconds gauge\namp_event_loop_max_lag_seconds {}",
+            l.max_lag.as_secs_f64()
+        );
+        metrics::render_build_info(out);
+        metrics::render_process(out);
         self.broker.render_metrics(out);
     }
 }
@@ -104,6 +182,8 @@ pub fn run(
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
     let mut next_supervise = now + SUPERVISE_INTERVAL;
+    let mut liveness = Liveness::default();
+    let mut next_tick = now + LIVENESS_TICK;
     // Work was left over by the last turn's bounded rounds: poll without waiting.
     let mut unfinished = false;
 
@@ -115,6 +195,7 @@ pub fn run(
             Some(health.next_probe),
             embedded.as_ref().map(|_| next_supervise),
             drain_until,
+            Some(next_tick),
         ]
         .into_iter()
         .flatten()
@@ -130,6 +211,12 @@ pub fn run(
             Err(e) => return Err(e),
         }
         let now = Instant::now();
+        // Lag is measured before any work of this turn, so the first probe served after a
+        // stall already sees it.
+        liveness.woke(deadline.filter(|d| *d <= now), now);
+        if now >= next_tick {
+            next_tick = now + LIVENESS_TICK;
+        }
         for event in events.iter() {
             match event.token() {
                 NATS => nats.handle_event(poll.registry(), event, now),
@@ -146,7 +233,9 @@ pub fn run(
                     now,
                     &Host {
                         health: &health,
+                        liveness: &liveness,
                         broker: &broker,
+                        nats_bytes: nats.bytes(),
                     },
                 ),
                 _ => {}
@@ -157,7 +246,9 @@ pub fn run(
             now,
             &Host {
                 health: &health,
+                liveness: &liveness,
                 broker: &broker,
+                nats_bytes: nats.bytes(),
             },
         );
         nats.drive(poll.registry(), now);
@@ -262,7 +353,9 @@ pub fn run(
                 now,
                 &Host {
                     health: &health,
+                    liveness: &liveness,
                     broker: &broker,
+                    nats_bytes: nats.bytes(),
                 },
             );
             nats.drive(poll.registry(), now);
@@ -282,4 +375,32 @@ pub fn run(
 
 fn log(line: &str) {
     eprintln!("amp-broker: {line}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_fails_for_a_window_after_a_late_wake_up() {
+        let t0 = Instant::now();
+        let mut l = Liveness::default();
+        l.woke(None, t0);
+        l.woke(Some(t0), t0 + Duration::from_millis(1500));
+        assert!(
+            l.check(t0 + Duration::from_secs(2)).is_ok(),
+            "lag under the bound"
+        );
+        let woke = t0 + Duration::from_secs(10);
+        l.woke(Some(t0 + Duration::from_secs(7)), woke);
+        let err = l.check(woke).err().unwrap_or_default();
+        assert!(err.contains("3000 ms late"), "{err}");
+        assert!(
+            l.check(woke + LIVENESS_WINDOW - Duration::from_millis(1))
+                .is_err()
+        );
+        assert!(l.check(woke + LIVENESS_WINDOW).is_ok());
+        assert_eq!(l.stalls, 1);
+        assert_eq!(l.max_lag, Duration::from_secs(3));
+    }
 }

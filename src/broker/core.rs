@@ -40,7 +40,7 @@ use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
-use crate::ws::metrics::AmpMetrics;
+use crate::ws::metrics::{AmpMetrics, NatsOp};
 
 mod topics;
 
@@ -149,6 +149,35 @@ enum Pending {
         acks: Vec<String>,
         looks: u8,
     },
+}
+
+impl Pending {
+    /// The kind of NATS operation this request is, for the round-trip histogram.
+    fn op(&self) -> NatsOp {
+        match self {
+            Pending::Send { .. } => NatsOp::StreamPublish,
+            Pending::AckSync { .. } => NatsOp::AckSync,
+            Pending::InboxConsumer { .. }
+            | Pending::SubConsumer { .. }
+            | Pending::SubReset { .. }
+            | Pending::Watch {
+                kind: WatchRequestKind::CreateConsumer { .. },
+                ..
+            } => NatsOp::ConsumerCreate,
+            Pending::Watch {
+                kind: WatchRequestKind::DeleteConsumer,
+                ..
+            }
+            | Pending::SubDeleted { .. } => NatsOp::ConsumerDelete,
+            Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
+            Pending::DurableCount(_) => NatsOp::ConsumerList,
+            Pending::RegistryPut { .. } => NatsOp::KvPut,
+            Pending::Budget { op } => match op.kind {
+                KvOpKind::Get => NatsOp::KvGet,
+                KvOpKind::Write { .. } => NatsOp::KvPut,
+            },
+        }
+    }
 }
 
 enum Route {
@@ -1125,9 +1154,7 @@ impl Broker {
             },
             Event::Response { id, msg } => match self.pending.remove(&id) {
                 Some((p, sent)) => {
-                    self.metrics
-                        .registry
-                        .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
+                    self.observe_round_trip(&p, sent, now);
                     self.complete(conn, p, Ok(msg), now);
                 }
                 None => {
@@ -1136,9 +1163,7 @@ impl Broker {
             },
             Event::RequestFailed { id, error } => match self.pending.remove(&id) {
                 Some((p, sent)) => {
-                    self.metrics
-                        .registry
-                        .observe(self.metrics.js_request_seconds, (now - sent).as_secs_f64());
+                    self.observe_round_trip(&p, sent, now);
                     self.complete(conn, p, Err(error), now);
                 }
                 None => {
@@ -1521,6 +1546,14 @@ impl Broker {
 
     fn await_reply(&mut self, req: RequestId, now: Instant, pending: Pending) {
         self.pending.insert(req, (pending, now));
+    }
+
+    fn observe_round_trip(&mut self, p: &Pending, sent: Instant, now: Instant) {
+        let seconds = now.saturating_duration_since(sent).as_secs_f64();
+        let m = &mut self.metrics;
+        m.registry.observe(m.js_request_seconds, seconds);
+        m.registry
+            .observe_at(m.nats_request_seconds, p.op().index(), seconds);
     }
 
     /// Appends the broker's metrics in Prometheus text format.

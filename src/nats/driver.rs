@@ -32,6 +32,9 @@ pub struct Driver {
     /// A read pass ended at its budget with input possibly left in the socket.
     read_more: bool,
     read_buf: Vec<u8>,
+    /// Bytes read from and written to the server socket since start, for `/metrics`.
+    bytes_in: u64,
+    bytes_out: u64,
 }
 
 impl Driver {
@@ -44,7 +47,14 @@ impl Driver {
             write_blocked: false,
             read_more: false,
             read_buf: vec![0; READ_CHUNK],
+            bytes_in: 0,
+            bytes_out: 0,
         }
+    }
+
+    /// Bytes read from and written to the server since start (over all reconnections).
+    pub fn bytes(&self) -> (u64, u64) {
+        (self.bytes_in, self.bytes_out)
     }
 
     pub fn token(&self) -> Token {
@@ -179,6 +189,7 @@ impl Driver {
             match stream.read(&mut self.read_buf) {
                 Ok(0) => return self.failed(registry, now, "connection closed by server"),
                 Ok(n) => {
+                    self.bytes_in = self.bytes_in.saturating_add(n as u64);
                     let Some(bytes) = self.read_buf.get(..n) else {
                         return;
                     };
@@ -213,6 +224,7 @@ impl Driver {
                     return false;
                 }
                 Ok(n) => {
+                    self.bytes_out = self.bytes_out.saturating_add(n as u64);
                     self.conn.consume_output(n);
                     if self.conn.poll_close() {
                         self.drop_socket(registry);

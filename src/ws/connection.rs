@@ -77,6 +77,11 @@ impl Default for WsConfig {
 pub trait HttpHost {
     /// `Ok` while the broker can serve (NATS up, JetStream answering), else the reason.
     fn health(&self) -> Result<(), String>;
+    /// `Ok` while the event loop keeps its timers; an embedder without a loop of its own
+    /// is always live.
+    fn live(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// Appends the Prometheus text exposition.
     fn metrics(&self, out: &mut String);
 }
@@ -499,25 +504,41 @@ impl Connection {
         matches!(self.phase, Phase::Open)
     }
 
+    /// The `state` label of `amp_ws_connections_by_state`: `http` (request head or a plain
+    /// HTTP answer), `open` (WebSocket), `closing` (close handshake, flush, linger).
+    pub fn state_label(&self) -> &'static str {
+        match self.phase {
+            Phase::Http { .. } => "http",
+            Phase::Open => "open",
+            Phase::Closing | Phase::Flushing | Phase::Lingering | Phase::Closed => "closing",
+        }
+    }
+
     /// Whether input is still of interest (the shell may stop reading otherwise).
     pub fn wants_input(&self) -> bool {
         !matches!(self.phase, Phase::Closed)
     }
 
+    /// A probe's answer: 200 `ok`, or 503 with the reason.
+    fn respond_check(&mut self, check: Result<(), String>, now: Instant) {
+        match check {
+            Ok(()) => self.respond(Status::Ok, "text/plain; charset=utf-8", b"ok\n", now),
+            Err(reason) => {
+                let body = format!("{reason}\n");
+                self.respond(
+                    Status::Unavailable,
+                    "text/plain; charset=utf-8",
+                    body.as_bytes(),
+                    now,
+                )
+            }
+        }
+    }
+
     fn serve(&mut self, request: Request, now: Instant, host: &dyn HttpHost) {
         match request {
-            Request::Health => match host.health() {
-                Ok(()) => self.respond(Status::Ok, "text/plain; charset=utf-8", b"ok\n", now),
-                Err(reason) => {
-                    let body = format!("{reason}\n");
-                    self.respond(
-                        Status::Unavailable,
-                        "text/plain; charset=utf-8",
-                        body.as_bytes(),
-                        now,
-                    )
-                }
-            },
+            Request::Health => self.respond_check(host.health(), now),
+            Request::Live => self.respond_check(host.live(), now),
             Request::Metrics => {
                 let mut body = String::new();
                 host.metrics(&mut body);

@@ -18,7 +18,10 @@ pub const MAX_HEADERS: usize = 32;
 /// What a complete request head asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
+    /// `/healthz` and `/readyz`: NATS up and JetStream answering.
     Health,
+    /// `/livez`: the event loop turns on time, whatever NATS does.
+    Live,
     Metrics,
     Schema,
     /// A valid WebSocket upgrade on `/amp`.
@@ -106,7 +109,8 @@ fn route(req: &httparse::Request<'_, '_>) -> Request {
         return Request::Reject(Status::NotFound, "not found\n");
     }
     match path {
-        "/healthz" => Request::Health,
+        "/healthz" | "/readyz" => Request::Health,
+        "/livez" => Request::Live,
         "/metrics" => Request::Metrics,
         "/amp/schema" => Request::Schema,
         "/amp" => upgrade(req),
@@ -261,6 +265,8 @@ mod tests {
     #[test]
     fn routes_the_plain_endpoints_and_404s_the_rest() {
         assert_eq!(request("GET /healthz HTTP/1.1\r\n\r\n"), Request::Health);
+        assert_eq!(request("GET /readyz HTTP/1.1\r\n\r\n"), Request::Health);
+        assert_eq!(request("GET /livez HTTP/1.1\r\n\r\n"), Request::Live);
         assert_eq!(
             request("GET /metrics?x=1 HTTP/1.1\r\n\r\n"),
             Request::Metrics

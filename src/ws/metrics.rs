@@ -20,6 +20,15 @@ pub struct CounterId(usize);
 pub struct GaugeId(usize);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HistogramId(usize);
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LabelledHistogramId(usize);
+
+/// Upper bounds (seconds) of NATS round-trip buckets: a local JetStream answers in
+/// tenths of a millisecond to a few milliseconds, a struggling one in seconds.
+pub const ROUND_TRIP_BUCKETS: [f64; 15] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0,
+];
 
 #[derive(Debug)]
 enum Values {
@@ -32,6 +41,17 @@ enum Values {
         counts: Vec<u64>,
         sum: f64,
         count: u64,
+    },
+    /// One histogram per value of a label fixed at registration, so an observation is an
+    /// index and a few additions, never a lookup or an allocation.
+    LabelledHistogram {
+        label: &'static str,
+        label_values: &'static [&'static str],
+        bounds: &'static [f64],
+        /// `label_values.len() * bounds.len()` bucket counts, one row per label value.
+        counts: Vec<u64>,
+        sums: Vec<f64>,
+        totals: Vec<u64>,
     },
 }
 
@@ -90,6 +110,67 @@ impl Registry {
             },
         });
         HistogramId(self.families.len() - 1)
+    }
+
+    /// A histogram per value of `label`; observations name the value by its index.
+    pub fn labelled_histogram(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        label: &'static str,
+        label_values: &'static [&'static str],
+        bounds: &'static [f64],
+    ) -> LabelledHistogramId {
+        self.families.push(Family {
+            name,
+            help,
+            kind: "histogram",
+            values: Values::LabelledHistogram {
+                label,
+                label_values,
+                bounds,
+                counts: vec![0; label_values.len() * bounds.len()],
+                sums: vec![0.0; label_values.len()],
+                totals: vec![0; label_values.len()],
+            },
+        });
+        LabelledHistogramId(self.families.len() - 1)
+    }
+
+    /// Records one observation under `label_values[index]`; an index out of range is ignored.
+    pub fn observe_at(&mut self, id: LabelledHistogramId, index: usize, value: f64) {
+        let Some(Family {
+            values:
+                Values::LabelledHistogram {
+                    label_values,
+                    bounds,
+                    counts,
+                    sums,
+                    totals,
+                    ..
+                },
+            ..
+        }) = self.families.get_mut(id.0)
+        else {
+            return;
+        };
+        if index >= label_values.len() {
+            return;
+        }
+        let row = index * bounds.len();
+        if let Some(row) = counts.get_mut(row..row + bounds.len()) {
+            for (bound, c) in bounds.iter().zip(row.iter_mut()) {
+                if value <= *bound {
+                    *c += 1;
+                }
+            }
+        }
+        if let Some(sum) = sums.get_mut(index) {
+            *sum += value;
+        }
+        if let Some(total) = totals.get_mut(index) {
+            *total += 1;
+        }
     }
 
     fn scalar(
@@ -168,6 +249,15 @@ impl Registry {
                     .find(|(l, _)| l == label_value)
                     .map(|(_, v)| *v),
                 Values::Histogram { count, .. } => Some(*count as f64),
+                Values::LabelledHistogram {
+                    label_values,
+                    totals,
+                    ..
+                } => label_values
+                    .iter()
+                    .position(|v| *v == label_value)
+                    .and_then(|i| totals.get(i))
+                    .map(|t| *t as f64),
             })
     }
 
@@ -230,6 +320,33 @@ impl Registry {
                     let _ = writeln!(out, "{}_sum {sum}", f.name);
                     let _ = writeln!(out, "{}_count {count}", f.name);
                 }
+                Values::LabelledHistogram {
+                    label,
+                    label_values,
+                    bounds,
+                    counts,
+                    sums,
+                    totals,
+                } => {
+                    let name = f.name;
+                    for (i, value) in label_values.iter().enumerate() {
+                        let row = counts.get(i * bounds.len()..).unwrap_or_default();
+                        for (bound, c) in bounds.iter().zip(row) {
+                            let _ = writeln!(
+                                out,
+                                "{name}_bucket{{{label}=\"{value}\",le=\"{bound}\"}} {c}"
+                            );
+                        }
+                        let total = totals.get(i).copied().unwrap_or(0);
+                        let sum = sums.get(i).copied().unwrap_or(0.0);
+                        let _ = writeln!(
+                            out,
+                            "{name}_bucket{{{label}=\"{value}\",le=\"+Inf\"}} {total}"
+                        );
+                        let _ = writeln!(out, "{name}_sum{{{label}=\"{value}\"}} {sum}");
+                        let _ = writeln!(out, "{name}_count{{{label}=\"{value}\"}} {total}");
+                    }
+                }
             }
         }
     }
@@ -260,6 +377,8 @@ pub struct AmpMetrics {
     pub sessions: GaugeId,
     /// JetStream API request round trips, in seconds.
     pub js_request_seconds: HistogramId,
+    /// NATS request round trips, in seconds, by [`NatsOp`].
+    pub nats_request_seconds: LabelledHistogramId,
     pub nats_reconnects: CounterId,
     /// NATS messages dropped for an invalid subject or reply subject.
     pub nats_invalid_messages: CounterId,
@@ -289,6 +408,13 @@ impl AmpMetrics {
             "Round trip of JetStream API requests.",
             &LATENCY_BUCKETS,
         );
+        let nats_request_seconds = r.labelled_histogram(
+            "amp_nats_request_duration_seconds",
+            "Round trip of the broker's NATS requests, by the kind of operation.",
+            "op",
+            &NatsOp::LABELS,
+            &ROUND_TRIP_BUCKETS,
+        );
         let nats_reconnects = r.counter(
             "amp_nats_reconnects_total",
             "Reconnections to the NATS server.",
@@ -306,9 +432,129 @@ impl AmpMetrics {
             errors,
             sessions,
             js_request_seconds,
+            nats_request_seconds,
             nats_reconnects,
             nats_invalid_messages,
         }
+    }
+}
+
+/// The kinds of NATS request the broker makes, the `op` label of
+/// `amp_nats_request_duration_seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NatsOp {
+    StreamPublish,
+    AckSync,
+    ConsumerCreate,
+    ConsumerInfo,
+    ConsumerDelete,
+    ConsumerList,
+    KvGet,
+    KvPut,
+}
+
+impl NatsOp {
+    /// Label values, indexed by the variant's position.
+    pub const LABELS: [&'static str; 8] = [
+        "stream_publish",
+        "ack_sync",
+        "consumer_create",
+        "consumer_info",
+        "consumer_delete",
+        "consumer_list",
+        "kv_get",
+        "kv_put",
+    ];
+
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    pub const fn label(self) -> &'static str {
+        Self::LABELS[self as usize]
+    }
+}
+
+/// `amp_build_info`: the version from Cargo and the commit recorded by `build.rs`.
+pub fn render_build_info(out: &mut String) {
+    out.push_str(
+        "# HELP amp_build_info The broker's version and the git commit it was built from.\n",
+    );
+    out.push_str("# TYPE amp_build_info gauge\n");
+    let _ = writeln!(
+        out,
+        "amp_build_info{{version=\"{}\",git_commit=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION"),
+        env!("AMP_GIT_COMMIT")
+    );
+}
+
+/// The standard `process_*` families, read from `/proc/self` when asked for; a family
+/// whose source cannot be read is left out rather than reported as zero.
+pub fn render_process(out: &mut String) {
+    if let Some(rss) = process::resident_bytes() {
+        out.push_str("# HELP process_resident_memory_bytes Resident memory size in bytes.\n");
+        let _ = writeln!(
+            out,
+            "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes {rss}"
+        );
+    }
+    if let Some(cpu) = process::cpu_seconds() {
+        out.push_str(
+            "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n",
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total {cpu}"
+        );
+    }
+    if let Some(fds) = process::open_fds() {
+        out.push_str("# HELP process_open_fds Number of open file descriptors.\n");
+        let _ = writeln!(out, "# TYPE process_open_fds gauge\nprocess_open_fds {fds}");
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod process {
+    /// `VmRSS` of `/proc/self/status`, which is in kB whatever the page size.
+    pub fn resident_bytes() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb.saturating_mul(1024))
+    }
+
+    /// `utime + stime` of `/proc/self/stat`, in clock ticks.
+    pub fn cpu_seconds() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // The command name may hold spaces and parentheses; the fields follow the last ')'.
+        let (_, rest) = stat.rsplit_once(')')?;
+        let mut fields = rest.split_whitespace();
+        // After ')' come state (field 3) .. ; utime and stime are fields 14 and 15.
+        let utime: u64 = fields.nth(11)?.parse().ok()?;
+        let stime: u64 = fields.next()?.parse().ok()?;
+        // SAFETY: sysconf has no preconditions; it only reads a system constant.
+        let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        (ticks > 0).then(|| utime.saturating_add(stime) as f64 / ticks as f64)
+    }
+
+    pub fn open_fds() -> Option<u64> {
+        let dir = std::fs::read_dir("/proc/self/fd").ok()?;
+        // The directory's own descriptor, open while it is read, is not the process's.
+        Some((dir.count() as u64).saturating_sub(1))
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod process {
+    pub fn resident_bytes() -> Option<u64> {
+        None
+    }
+    pub fn cpu_seconds() -> Option<f64> {
+        None
+    }
+    pub fn open_fds() -> Option<u64> {
+        None
     }
 }
 
@@ -344,6 +590,45 @@ mod tests {
         assert!(out.contains("amp_jetstream_request_seconds_bucket{le=\"0.005\"} 1\n"));
         assert!(out.contains("amp_jetstream_request_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(out.contains("amp_jetstream_request_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn labelled_histograms_keep_one_series_per_value() {
+        let mut m = AmpMetrics::new();
+        let id = m.nats_request_seconds;
+        m.registry.observe_at(id, NatsOp::KvGet.index(), 0.000_3);
+        m.registry.observe_at(id, NatsOp::KvGet.index(), 0.02);
+        m.registry
+            .observe_at(id, NatsOp::StreamPublish.index(), 0.001);
+        m.registry.observe_at(id, NatsOp::LABELS.len(), 1.0);
+        let mut out = String::new();
+        m.registry.render(&mut out);
+        let name = "amp_nats_request_duration_seconds";
+        assert!(out.contains(&format!("{name}_bucket{{op=\"kv_get\",le=\"0.0001\"}} 0\n")));
+        assert!(out.contains(&format!("{name}_bucket{{op=\"kv_get\",le=\"0.0005\"}} 1\n")));
+        assert!(out.contains(&format!("{name}_bucket{{op=\"kv_get\",le=\"0.025\"}} 2\n")));
+        assert!(out.contains(&format!("{name}_count{{op=\"kv_get\"}} 2\n")));
+        assert!(out.contains(&format!(
+            "{name}_bucket{{op=\"stream_publish\",le=\"0.001\"}} 1\n"
+        )));
+        assert!(out.contains(&format!("{name}_count{{op=\"consumer_list\"}} 0\n")));
+        assert_eq!(m.registry.value(name, NatsOp::KvGet.label()), Some(2.0));
+    }
+
+    #[test]
+    fn build_info_and_process_families_render() {
+        let mut out = String::new();
+        render_build_info(&mut out);
+        assert!(out.contains(&format!(
+            "amp_build_info{{version=\"{}\",git_commit=\"",
+            env!("CARGO_PKG_VERSION")
+        )));
+        render_process(&mut out);
+        if cfg!(target_os = "linux") {
+            assert!(out.contains("\nprocess_resident_memory_bytes "));
+            assert!(out.contains("\nprocess_cpu_seconds_total "));
+            assert!(out.contains("\nprocess_open_fds "));
+        }
     }
 
     #[test]

@@ -101,6 +101,10 @@ struct Slot {
     stalled: bool,
     /// This connection's share of [`WsServer::buffered`] as last counted.
     accounted: usize,
+    /// This connection's share of [`WsServer::queued`] as last counted.
+    queued: usize,
+    /// The state it is counted under in `amp_ws_connections_by_state`.
+    state: &'static str,
 }
 
 #[derive(Debug)]
@@ -115,6 +119,9 @@ struct TransportMetrics {
     http_responses: CounterId,
     closes: CounterId,
     slow_consumers: CounterId,
+    bytes: CounterId,
+    by_state: GaugeId,
+    queued: GaugeId,
 }
 
 impl TransportMetrics {
@@ -158,6 +165,21 @@ impl TransportMetrics {
                 "Sessions closed because their outbound queue passed its bound.",
                 None,
             ),
+            bytes: r.counter(
+                "amp_ws_bytes_total",
+                "Bytes read from (in) and written to (out) client sockets.",
+                Some("direction"),
+            ),
+            by_state: r.gauge(
+                "amp_ws_connections_by_state",
+                "Connections open, by state (http, open, closing).",
+                Some("state"),
+            ),
+            queued: r.gauge(
+                "amp_ws_outbound_queued_bytes",
+                "Bytes queued for clients over all connections, not yet written.",
+                None,
+            ),
             registry: r,
         }
     }
@@ -172,6 +194,9 @@ struct WithTransport<'a> {
 impl HttpHost for WithTransport<'_> {
     fn health(&self) -> Result<(), String> {
         self.host.health()
+    }
+    fn live(&self) -> Result<(), String> {
+        self.host.live()
     }
     fn metrics(&self, out: &mut String) {
         self.host.metrics(out);
@@ -199,6 +224,8 @@ pub struct WsServer {
     /// Input held and output queued over all connections.
     buffered: usize,
     scratch: Vec<u8>,
+    /// Output queued over all connections.
+    queued: usize,
     metrics: TransportMetrics,
     draining: bool,
 }
@@ -242,6 +269,7 @@ impl WsServer {
             per_ip: HashMap::new(),
             buffered: 0,
             scratch: vec![0; READ_CHUNK],
+            queued: 0,
             metrics: TransportMetrics::new(),
             draining: false,
         })
@@ -528,7 +556,12 @@ impl WsServer {
                     ip,
                     stalled: false,
                     accounted: 0,
+                    queued: 0,
+                    state: "http",
                 });
+                self.metrics
+                    .registry
+                    .gauge_add(self.metrics.by_state, "http", 1.0);
             }
             *self.per_ip.entry(ip).or_insert(0) += 1;
             self.open += 1;
@@ -547,6 +580,7 @@ impl WsServer {
             host,
             metrics: &self.metrics.registry,
         };
+        let mut read_bytes = 0u64;
         for turn in 0.. {
             if turn == MAX_READS_PER_TURN {
                 self.backlog.push(index);
@@ -569,6 +603,7 @@ impl WsServer {
                     break;
                 }
                 Ok(n) => {
+                    read_bytes = read_bytes.saturating_add(n as u64);
                     slot.conn
                         .handle_input(self.scratch.get(..n).unwrap_or_default(), now, &host)
                 }
@@ -580,6 +615,9 @@ impl WsServer {
                 }
             }
         }
+        self.metrics
+            .registry
+            .add(self.metrics.bytes, "in", read_bytes as f64);
         self.account(index);
         if self.buffered > self.cfg.max_buffered_bytes {
             self.shed(now);
@@ -635,13 +673,17 @@ impl WsServer {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
+        let mut written = 0u64;
         while !slot.conn.output().is_empty() {
             match slot.stream.write(slot.conn.output()) {
                 Ok(0) => {
                     slot.conn.abort();
                     break;
                 }
-                Ok(n) => slot.conn.consume_output(n),
+                Ok(n) => {
+                    written = written.saturating_add(n as u64);
+                    slot.conn.consume_output(n)
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
@@ -696,9 +738,32 @@ impl WsServer {
             slot.stalled = false;
             self.backlog.push(index);
         }
+        let m = &mut self.metrics;
+        if written > 0 {
+            m.registry.add(m.bytes, "out", written as f64);
+        }
+        let state = slot.conn.state_label();
+        if state != slot.state {
+            m.registry.gauge_add(m.by_state, slot.state, -1.0);
+            m.registry.gauge_add(m.by_state, state, 1.0);
+            slot.state = state;
+        }
+        let queued = slot.conn.queued_bytes();
+        if queued != slot.queued {
+            self.queued = self
+                .queued
+                .saturating_sub(slot.queued)
+                .saturating_add(queued);
+            slot.queued = queued;
+            m.registry.set(m.queued, "", self.queued as f64);
+        }
         if slot.conn.is_closed() {
             if let Some(Some(mut slot)) = self.slots.get_mut(index).map(Option::take) {
                 let _ = registry.deregister(&mut slot.stream);
+                let m = &mut self.metrics;
+                m.registry.gauge_add(m.by_state, slot.state, -1.0);
+                self.queued = self.queued.saturating_sub(slot.queued);
+                m.registry.set(m.queued, "", self.queued as f64);
                 self.buffered = self.buffered.saturating_sub(slot.accounted);
                 self.metrics
                     .registry
