@@ -33,6 +33,8 @@ serve flags (each also read from the environment, see below):
   --callout-server-key K answer auth callout requests signed by this nats-server public key
                          (N..., the server's INFO server_id; repeatable, at most 64); without
                          it, the servers the broker's own NATS connection has met
+  --log-level LEVEL      error, warn, info, debug or trace (default info)
+  --log-format FORMAT    text or json: one line per event with time, level and ids (default text)
   -h, --help             print this help
 
 environment: every flag has a variable named AMP_ + the flag without `--`, upper case, `-`
@@ -127,6 +129,8 @@ pub struct ServeArgs {
     pub replicas: u32,
     pub issuer_seed_file: Option<PathBuf>,
     pub callout_server_keys: Vec<String>,
+    pub log_level: log::LevelFilter,
+    pub log_format: crate::logging::Format,
 }
 
 impl Default for ServeArgs {
@@ -144,6 +148,8 @@ impl Default for ServeArgs {
             replicas: 1,
             issuer_seed_file: None,
             callout_server_keys: Vec::new(),
+            log_level: log::LevelFilter::Info,
+            log_format: crate::logging::Format::Text,
         }
     }
 }
@@ -173,6 +179,8 @@ const FLAGS: &[(&str, Kind)] = &[
     ("--replicas", Kind::Value),
     ("--issuer-seed-file", Kind::Value),
     ("--callout-server-key", Kind::List),
+    ("--log-level", Kind::Value),
+    ("--log-format", Kind::Value),
 ];
 
 /// At most this many `--callout-server-key`s, flags and variable together.
@@ -374,6 +382,8 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
                 _ => return Err(format!("`{v}` must be 1 to 5")),
             };
         }
+        "--log-level" => serve.log_level = crate::logging::parse_level(v)?,
+        "--log-format" => serve.log_format = crate::logging::Format::parse(v)?,
         "--issuer-seed-file" => serve.issuer_seed_file = Some(PathBuf::from(v)),
         "--callout-server-key" => {
             if !crate::broker::config::is_server_key(v) {
@@ -599,6 +609,8 @@ mod tests {
             ("AMP_REPLICAS", "3"),
             ("AMP_ISSUER_SEED_FILE", "acct.seed"),
             ("AMP_CALLOUT_SERVER_KEY", joined.as_str()),
+            ("AMP_LOG_LEVEL", "debug"),
+            ("AMP_LOG_FORMAT", "json"),
         ];
         assert_eq!(env.len(), FLAGS.len());
         for (flag, _) in FLAGS {
@@ -617,6 +629,22 @@ mod tests {
         assert_eq!(s.replicas, 3);
         assert_eq!(s.issuer_seed_file, Some(PathBuf::from("acct.seed")));
         assert_eq!(s.callout_server_keys, keys);
+        assert_eq!(s.log_level, log::LevelFilter::Debug);
+        assert_eq!(s.log_format, crate::logging::Format::Json);
+    }
+
+    #[test]
+    fn log_flags_default_to_info_text_and_refuse_unknown_values() {
+        let s = serve("serve", &[]);
+        assert_eq!(s.log_level, log::LevelFilter::Info);
+        assert_eq!(s.log_format, crate::logging::Format::Text);
+        let s = serve("serve --log-level warn --log-format json", &[]);
+        assert_eq!(s.log_level, log::LevelFilter::Warn);
+        assert_eq!(s.log_format, crate::logging::Format::Json);
+        let e = parse_env("serve --log-level loud", &[]).expect_err("bad level");
+        assert!(e.contains("--log-level") && e.contains("loud"), "{e}");
+        let e = parse_env("serve", &[("AMP_LOG_FORMAT", "xml")]).expect_err("bad format");
+        assert!(e.contains("AMP_LOG_FORMAT") && e.contains("xml"), "{e}");
     }
 
     #[test]

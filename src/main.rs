@@ -6,6 +6,7 @@ use amp_broker::broker::config::Config;
 use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer};
 use amp_broker::broker::{Broker, envelope, setup};
 use amp_broker::cli::{self, Command, ServeArgs};
+use amp_broker::logging;
 use amp_broker::nats;
 use amp_broker::nkeys::{KeyKind, KeyPair};
 use amp_broker::runtime::{self, RuntimeOptions};
@@ -26,7 +27,7 @@ fn main() -> ExitCode {
         Ok(Command::Serve(args)) => match serve(*args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("amp-broker: {e}");
+                log::error!("amp-broker: {e}");
                 ExitCode::FAILURE
             }
         },
@@ -65,13 +66,16 @@ fn keygen() -> ExitCode {
 }
 
 fn serve(args: ServeArgs) -> Result<(), String> {
+    logging::init(args.log_level, args.log_format);
     let config = match &args.config {
         Some(path) => Config::load(path).map_err(|e| format!("configuration: {e}"))?,
         None => {
             let token = envelope::random_id();
-            eprintln!(
-                "amp-broker: DEVELOPMENT MODE (no --config): namespace `dev`, any participant name, \
-                 token `{token}`, every permission; listening on loopback only"
+            // The token is a credential: it goes to standard output, never into the log.
+            println!("development token: {token}");
+            log::warn!(
+                "DEVELOPMENT MODE (no --config): namespace `dev`, any participant name, \
+                 the token printed on standard output, every permission; listening on loopback only"
             );
             Config::development(amp_broker::broker::keygen::token_sha256(&token))
         }
@@ -100,8 +104,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             ready_timeout: Duration::from_secs(30),
         })
         .map_err(|e| format!("embedded nats-server: {e}"))?;
-        eprintln!(
-            "amp-broker: embedded nats-server at {} (store under {})",
+        log::info!(
+            "embedded nats-server at {} (store under {})",
             server.url(),
             args.data_dir.display()
         );
@@ -136,7 +140,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let mut client = nats::Client::connect(options.clone())
         .map_err(|e| format!("cannot reach NATS at {urls}: {e}"))?;
     for line in setup::ensure_streams(&mut client, &config, settings)? {
-        eprintln!("amp-broker: {line}");
+        log::info!("{line}");
     }
     drop(client);
 
@@ -163,8 +167,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 path.display()
             ));
         }
-        eprintln!(
-            "amp-broker: issuing user JWTs and answering the auth callout as account {}",
+        log::info!(
+            "issuing user JWTs and answering the auth callout as account {}",
             issuer.public_key()
         );
         broker = broker.with_issuer(issuer, &args.callout_server_keys);

@@ -165,7 +165,7 @@ pub fn run(
         LISTENER,
         FIRST_SESSION,
     )?;
-    log(&format!("listening on ws://{}/amp", ws.local_addr()));
+    log::info!("listening on ws://{}/amp", ws.local_addr());
     let now = Instant::now();
     let mut nats = Driver::new(nats::Connection::new(opts.nats, now), NATS);
     broker
@@ -221,7 +221,7 @@ pub fn run(
             match event.token() {
                 NATS => nats.handle_event(poll.registry(), event, now),
                 SIGNALS if !signals.take().is_empty() && drain_until.is_none() => {
-                    log("signal received: draining");
+                    log::info!("signal received: draining");
                     drain_until = Some(now + DRAIN_LIMIT);
                     // Acks and pending publishes go out before sessions are told to leave.
                     nats.drive(poll.registry(), now);
@@ -266,11 +266,11 @@ pub fn run(
         if let Some(server) = embedded.as_mut().filter(|_| now >= next_supervise) {
             next_supervise = now + SUPERVISE_INTERVAL;
             match server.supervise() {
-                Ok(Some(status)) => log(&format!(
-                    "embedded nats-server exited ({status}); restarted it"
-                )),
+                Ok(Some(status)) => {
+                    log::info!("embedded nats-server exited ({status}); restarted it")
+                }
                 Ok(None) => {}
-                Err(e) => log(&format!("embedded nats-server could not be restarted: {e}")),
+                Err(e) => log::warn!("embedded nats-server could not be restarted: {e}"),
             }
         }
 
@@ -302,13 +302,13 @@ pub fn run(
                     NatsEvent::Connected { .. } | NatsEvent::Reconnected { .. } => {
                         health.connected = true;
                         health.next_probe = now;
-                        log("NATS connection up");
+                        log::info!("NATS connection up");
                     }
                     NatsEvent::Disconnected { reason } => {
                         health.connected = false;
                         health.jetstream = Err("NATS connection is down".to_string());
                         health.probe = None;
-                        log(&format!("NATS connection down: {reason}"));
+                        log::warn!("NATS connection down: {reason}");
                     }
                     NatsEvent::Response { id, msg } if health.probe == Some(*id) => {
                         health.probe = None;
@@ -367,14 +367,10 @@ pub fn run(
 
         if drain_until.is_some_and(|limit| ws.is_drained() || now >= limit) {
             nats.drive(poll.registry(), now);
-            log(&format!("drained; {} sessions left", ws.connection_count()));
+            log::info!("drained; {} sessions left", ws.connection_count());
             return Ok(());
         }
     }
-}
-
-fn log(line: &str) {
-    eprintln!("amp-broker: {line}");
 }
 
 #[cfg(test)]

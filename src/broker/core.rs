@@ -472,9 +472,8 @@ impl Broker {
         let participant = self.config.participant(ns, name);
         // Checked whether or not the participant exists: the same work either way.
         if !auth::verify(participant, credential, nonce) {
-            log(&format!(
-                "hello refused session={session} participant={key} peer={peer}"
-            ));
+            log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key, peer:% = peer; "hello refused"
+            );
             self.throttle.record_failure(peer.ip(), &key, now);
             return self.refuse(session, Some(&hello.id));
         }
@@ -523,11 +522,11 @@ impl Broker {
         if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
             match scoped_jwt::hello_jwt(issuer, &ns, &name, p, unix_seconds(), HELLO_JWT_TTL_S) {
                 Ok(jwt) => reply = reply.str("jwt", &jwt),
-                Err(e) => log(&format!("no JWT for participant={key}: {e}")),
+                Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
             }
         }
         self.frame(session, reply.finish());
-        log(&format!("hello session={session} participant={key}"));
+        log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key; "hello");
         if !hello.serve.is_empty()
             && let (Some(participant), Some(p)) =
                 (self.config.participant(&ns, &name), self.presence.get(&key))
@@ -825,9 +824,10 @@ impl Broker {
                     },
                 );
             }
-            Err(e) => log(&format!(
-                "inbox consumer request failed participant={ns}/{name}: {e}"
-            )),
+            Err(e) => {
+                log::warn!(participant:% = format_args!("{ns}/{name}"); "inbox consumer request failed: {e}"
+                )
+            }
         }
     }
 
@@ -850,9 +850,8 @@ impl Broker {
                 );
                 self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
             }
-            Err(e) => log(&format!(
-                "inbox subscription failed participant={participant}: {e}"
-            )),
+            Err(e) => log::warn!(participant:% = participant; "inbox subscription failed: {e}"
+            ),
         }
     }
 
@@ -889,9 +888,8 @@ impl Broker {
         let meta = match AckMetadata::parse(&reply) {
             Ok(m) => (m.stream_sequence, m.delivered),
             Err(e) => {
-                return log(&format!(
-                    "inbox delivery without ack metadata participant={participant}: {e}"
-                ));
+                return log::warn!(participant:% = participant; "inbox delivery without ack metadata: {e}"
+                );
             }
         };
         let (seq, delivered) = meta;
@@ -908,9 +906,8 @@ impl Broker {
             Ok(env) => env,
             Err(e) => {
                 // Not an AMP envelope: nobody can use it; terminate it so it is not redelivered forever.
-                log(&format!(
-                    "terminating malformed inbox message seq={seq} participant={participant}: {e}"
-                ));
+                log::warn!(seq:% = seq, participant:% = participant; "terminating malformed inbox message: {e}"
+                );
                 let _ = conn.publish(
                     &reply,
                     None,
@@ -1006,7 +1003,9 @@ impl Broker {
                     },
                 );
             }
-            Err(e) => log(&format!("registry put failed participant={ns}/{name}: {e}")),
+            Err(e) => {
+                log::warn!(participant:% = format_args!("{ns}/{name}"); "registry put failed: {e}")
+            }
         }
     }
 
@@ -1096,7 +1095,7 @@ impl Broker {
                             .insert(sid, Route::Registry { ns: ns.to_string() });
                         subs.insert(subject, sid);
                     }
-                    Err(e) => log(&format!("registry watch subscription failed ns={ns}: {e}")),
+                    Err(e) => log::warn!(ns:% = ns; "registry watch subscription failed: {e}"),
                 },
                 WatchAction::Unsubscribe { subject } => {
                     if let Some(sid) = subs.remove(&subject) {
@@ -1177,7 +1176,7 @@ impl Broker {
                     .value("amp_nats_invalid_messages_total", "")
                     .unwrap_or(0.0);
                 if before < 1.0 {
-                    log(
+                    log::warn!(
                         "dropped a NATS message with an invalid subject (counted in amp_nats_invalid_messages_total)",
                     );
                 }
@@ -1236,19 +1235,20 @@ impl Broker {
             Pending::InboxConsumer { participant } => {
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
-                    Ok(Err(e)) => log(&format!(
-                        "inbox consumer refused participant={participant}: {e}"
-                    )),
-                    Err(e) => log(&format!(
-                        "inbox consumer request failed participant={participant}: {e}"
-                    )),
+                    Ok(Err(e)) => {
+                        log::warn!(participant:% = participant; "inbox consumer refused: {e}"
+                        )
+                    }
+                    Err(e) => {
+                        log::warn!(participant:% = participant; "inbox consumer request failed: {e}"
+                        )
+                    }
                 }
             }
             Pending::RegistryPut { participant } => {
                 if let Err(e) = reply {
-                    log(&format!(
-                        "registry put unanswered participant={participant}: {e}"
-                    ));
+                    log::warn!(participant:% = participant; "registry put unanswered: {e}"
+                    );
                 }
             }
             Pending::SubLookup {
@@ -1392,18 +1392,19 @@ impl Broker {
             unix_seconds(),
         );
         match &reply.outcome {
-            Outcome::Authorized { participant } => log(&format!(
-                "auth callout authorized participant={participant}"
-            )),
+            Outcome::Authorized { participant } => {
+                log::info!(participant:% = participant; "auth callout authorized"
+                )
+            }
             Outcome::Refused {
                 participant,
                 reason,
-            } => log(&format!(
-                "auth callout refused participant={} reason={reason}",
-                participant.as_deref().unwrap_or("?")
-            )),
+            } => log::info!(
+                participant:% = participant.as_deref().unwrap_or("?"), reason:% = reason;
+                "auth callout refused"
+            ),
             Outcome::BadRequest { reason } => {
-                log(&format!("auth callout ignored a bad request: {reason}"))
+                log::warn!("auth callout ignored a bad request: {reason}")
             }
         }
         let _ = conn.publish(reply_to, None, None, &reply.payload);
@@ -1657,8 +1658,4 @@ fn raw_body(v: &Value) -> Box<RawValue> {
 fn base64_url(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
-}
-
-fn log(line: &str) {
-    eprintln!("amp-broker: {line}");
 }

@@ -397,10 +397,6 @@ fn send_error(e: &nats::Error) -> AmpError {
     }
 }
 
-fn log(line: &str) {
-    eprintln!("amp-broker: jobs: {line}");
-}
-
 impl Jobs {
     /// `wall_ms` is the Unix time in milliseconds at `now`.
     pub fn new(
@@ -614,10 +610,14 @@ impl Jobs {
     ) {
         for s in serve {
             if let Err(e) = self.serve(conn, caller, &s.job, s.slots, now) {
-                log(&format!(
+                log::warn!(
                     "hello serve refused session={} participant={}/{} job={}: {}",
-                    caller.session, caller.ns, caller.name, s.job, e.message
-                ));
+                    caller.session,
+                    caller.ns,
+                    caller.name,
+                    s.job,
+                    e.message
+                );
             }
         }
     }
@@ -1046,7 +1046,7 @@ impl Jobs {
                 }
             }
             Err(e) => {
-                log(&format!("consumer request failed queue={qk}: {e}"));
+                log::warn!(queue:% = qk; "consumer request failed: {e}");
                 self.consumer_failed(qk, now);
             }
         }
@@ -1077,7 +1077,7 @@ impl Jobs {
                     self.routes.insert(sid, qk.to_string());
                 }
                 Err(e) => {
-                    log(&format!("pull subscription failed queue={qk}: {e}"));
+                    log::warn!(queue:% = qk; "pull subscription failed: {e}");
                     return self.consumer_failed(qk, now);
                 }
             }
@@ -1120,12 +1120,12 @@ impl Jobs {
             &pull,
         ) {
             Ok(r) => r,
-            Err(e) => return log(&format!("pull request invalid queue={qk}: {e}")),
+            Err(e) => return log::warn!(queue:% = qk; "pull request invalid: {e}"),
         };
         let n = q.next_pull;
         let reply = format!("{}.{n}", q.deliver_prefix);
         if let Err(e) = conn.publish(&req.subject, Some(&reply), None, &req.payload) {
-            return log(&format!("pull failed queue={qk}: {e}"));
+            return log::warn!(queue:% = qk; "pull failed: {e}");
         }
         self.stats.js_ops += 1;
         if let Some(q) = self.queues.get_mut(qk) {
@@ -1197,16 +1197,15 @@ impl Jobs {
                 if let Inbound::Status { code: 503, .. } = &inbound {
                     // Nobody serves the consumer: JetStream is not ready, or the consumer
                     // is gone. Pulling again at once would spin; create it again shortly.
-                    log(&format!(
-                        "pull had no responders queue={qk}; consumer again soon"
-                    ));
+                    log::warn!(queue:% = qk; "pull had no responders; consumer again soon"
+                    );
                     self.consumer_failed(&qk, now);
                     return true;
                 }
                 if let Inbound::Conflict { description } | Inbound::Status { description, .. } =
                     &inbound
                 {
-                    log(&format!("pull ended queue={qk}: {description}"));
+                    log::warn!(queue:% = qk; "pull ended: {description}");
                     if description.contains("Consumer Deleted") {
                         self.create_consumer(conn, &qk, now);
                         return true;
@@ -1234,10 +1233,10 @@ impl Jobs {
         let env = match Envelope::from_json(&msg.payload) {
             Ok(env) if env.kind == Kind::Task => env,
             _ => {
-                log(&format!(
-                    "terminating a malformed task message queue={qk} subject={}",
-                    msg.subject
-                ));
+                log::warn!(
+                    queue:% = qk, subject:% = msg.subject;
+                    "terminating a malformed task message"
+                );
                 self.ack(
                     conn,
                     &ack,
@@ -1273,12 +1272,12 @@ impl Jobs {
                     );
                 }
                 Err(e) => {
-                    log(&format!("task record read failed task={key}: {e}"));
+                    log::warn!(task:% = key; "task record read failed: {e}");
                     self.nak(conn, &ack, Some(RETRY_DELAY));
                 }
             },
             Err(e) => {
-                log(&format!("task id not a key task={key}: {e}"));
+                log::warn!(task:% = key; "task id not a key: {e}");
                 self.ack(
                     conn,
                     &ack,
@@ -1309,7 +1308,7 @@ impl Jobs {
         let (record, revision) = match read {
             Ok(r) => r,
             Err(JsError::KeyNotFound) if delivered >= MAX_ORPHAN_DELIVERIES => {
-                log(&format!("terminating a task without a record task={key}"));
+                log::warn!(task:% = key; "terminating a task without a record");
                 self.ack(
                     conn,
                     &ack,
@@ -1320,7 +1319,7 @@ impl Jobs {
                 return self.pull_more(conn, qk, now);
             }
             Err(e) => {
-                log(&format!("task record unreadable task={key}: {e}"));
+                log::warn!(task:% = key; "task record unreadable: {e}");
                 self.nak(conn, &ack, Some(RETRY_DELAY));
                 return self.pull_more(conn, qk, now);
             }
@@ -1799,7 +1798,7 @@ impl Jobs {
 
     /// A request of the change failed (JetStream unreachable, or too many conflicts).
     fn write_failed(&mut self, conn: &mut Connection, write: Write, e: AmpError, now: Instant) {
-        log(&format!("task change failed task={}: {e}", write.key));
+        log::warn!(task:% = write.key; "task change failed: {e}");
         if let Some((session, re)) = write.op.answer_to() {
             let re = re.to_string();
             self.refuse(session, &re, e);
@@ -2090,7 +2089,7 @@ impl Jobs {
                 self.pending.insert(rid, Pending::Result(finish));
             }
             Err(e) => {
-                log(&format!("task result not sent task={key}: {e}"));
+                log::warn!(task:% = key; "task result not sent: {e}");
                 self.finish(conn, finish, now);
             }
         }
@@ -2109,7 +2108,7 @@ impl Jobs {
                         );
                         return;
                     }
-                    Err(e) => log(&format!("ack not sent: {e}")),
+                    Err(e) => log::warn!("ack not sent: {e}"),
                 }
             }
             Some((subject, kind)) => self.ack(conn, &subject, kind),
@@ -2137,11 +2136,11 @@ impl Jobs {
             Pending::ConsumerCreate { queue } => match reply.map(|m| check_error(&m.payload)) {
                 Ok(Ok(())) => self.consumer_ready(conn, &queue, now),
                 Ok(Err(e)) => {
-                    log(&format!("consumer refused queue={queue}: {e}"));
+                    log::warn!(queue:% = queue; "consumer refused: {e}");
                     self.consumer_failed(&queue, now);
                 }
                 Err(e) => {
-                    log(&format!("consumer request failed queue={queue}: {e}"));
+                    log::warn!(queue:% = queue; "consumer request failed: {e}");
                     self.consumer_failed(&queue, now);
                 }
             },
@@ -2299,15 +2298,15 @@ impl Jobs {
                 if let Ok(m) = &reply
                     && let Err(e) = parse_pub_ack(m.status(), &m.payload)
                 {
-                    log(&format!("task result refused: {e}"));
+                    log::warn!("task result refused: {e}");
                 } else if let Err(e) = &reply {
-                    log(&format!("task result unanswered: {e}"));
+                    log::warn!("task result unanswered: {e}");
                 }
                 self.finish(conn, finish, now);
             }
             Pending::AckSync { reply: answer } => {
                 if let Err(e) = &reply {
-                    log(&format!("ack unconfirmed: {e}"));
+                    log::warn!("ack unconfirmed: {e}");
                 }
                 if let Some((session, re, text)) = answer {
                     self.out.push_back(JobsOutput::Reply { session, re, text });
@@ -2420,7 +2419,7 @@ impl Jobs {
     fn ack(&mut self, conn: &mut Connection, subject: &str, kind: AckKind) {
         self.stats.js_ops += 1;
         if let Err(e) = conn.publish(subject, None, None, &kind.payload()) {
-            log(&format!("ack not sent: {e}"));
+            log::warn!("ack not sent: {e}");
         }
     }
 

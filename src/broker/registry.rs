@@ -108,9 +108,9 @@ impl Registry {
                 }
                 WatchEvent::InitialValuesDone => self.ready = true,
                 WatchEvent::Reset { reason } => {
-                    eprintln!("amp-broker: registry watch reset: {reason}")
+                    log::info!("registry watch reset: {reason}")
                 }
-                WatchEvent::Failed(e) => eprintln!("amp-broker: registry watch failed: {e}"),
+                WatchEvent::Failed(e) => log::warn!("registry watch failed: {e}"),
             }
         }
         changes

@@ -509,7 +509,7 @@ impl WsServer {
                 Err(e) => {
                     // Out of descriptors and the like: the pending connections wait
                     // for the next readiness event.
-                    eprintln!("ws: accept failed: {e}");
+                    log::warn!("ws: accept failed: {e}");
                     return;
                 }
             };
@@ -543,7 +543,7 @@ impl WsServer {
             if let Err(e) =
                 registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
             {
-                eprintln!("ws: cannot register connection from {peer}: {e}");
+                log::warn!(peer:% = peer; "ws: cannot register the connection: {e}");
                 self.free.push(index);
                 continue;
             }
@@ -655,9 +655,10 @@ impl WsServer {
                 return;
             };
             if let Some(Some(slot)) = self.slots.get_mut(index) {
-                eprintln!(
-                    "ws: peer {} closed 1008 memory budget: it held {held} bytes of input, {} buffered in all, limit {}",
-                    slot.peer, self.buffered, self.cfg.max_buffered_bytes
+                log::warn!(
+                    peer:% = slot.peer;
+                    "ws: closed 1008 memory budget: it held {held} bytes of input, {} buffered in all, limit {}",
+                    self.buffered, self.cfg.max_buffered_bytes
                 );
                 slot.conn.shed(now);
             }
@@ -720,8 +721,9 @@ impl WsServer {
                     m.registry.inc(m.closes, &code.to_string());
                     if code == close_code::POLICY && reason == "slow consumer" {
                         m.registry.inc(m.slow_consumers, "");
-                        eprintln!(
-                            "ws: session {id} peer {peer} closed 1008 slow consumer: {queued} bytes queued, limit {}",
+                        log::warn!(
+                            connection:% = id, peer:% = peer;
+                            "ws: closed 1008 slow consumer: {queued} bytes queued, limit {}",
                             self.cfg.max_outbound_bytes
                         );
                     }

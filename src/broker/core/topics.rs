@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{Value, json};
 
 use super::{
-    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, log, participant_key, raw_body,
+    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, participant_key, raw_body,
     unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
@@ -572,9 +572,8 @@ impl Broker {
         match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
             Ok(req) => self.await_reply(req, now, Pending::SubDeleted { session, re: id }),
             Err(e) => {
-                log(&format!(
-                    "durable delete not sent session={session} sub={sub}: {e}"
-                ));
+                log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "durable delete not sent: {e}"
+                );
                 self.ok(session, &id, FrameWriter::ok(Some(&id)));
             }
         }
@@ -591,8 +590,12 @@ impl Broker {
         match reply.map(|m| check_error(&m.payload)) {
             Ok(Ok(())) => {}
             Ok(Err(e)) if e.err_code() == Some(10014) => {}
-            Ok(Err(e)) => log(&format!("durable delete refused session={session}: {e}")),
-            Err(e) => log(&format!("durable delete unanswered session={session}: {e}")),
+            Ok(Err(e)) => {
+                log::warn!(session:% = format_args!("{}-{session}", self.broker_id); "durable delete refused: {e}")
+            }
+            Err(e) => {
+                log::warn!(session:% = format_args!("{}-{session}", self.broker_id); "durable delete unanswered: {e}")
+            }
         }
         self.ok(session, &re, FrameWriter::ok(Some(&re)));
     }
@@ -770,9 +773,8 @@ impl Broker {
             return;
         };
         let Ok(meta) = AckMetadata::parse(reply) else {
-            return log(&format!(
-                "event without ack metadata session={session} sub={sub}"
-            ));
+            return log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "event without ack metadata"
+            );
         };
         let (seq, consumer_seq) = (meta.stream_sequence, meta.consumer_sequence);
         let Some(t) = self.subscription_mut(session, sub) else {
@@ -793,7 +795,7 @@ impl Broker {
             t.inflight.insert(seq, reply.to_string());
         }
         let Ok(env) = Envelope::from_json(&msg.payload) else {
-            return log(&format!("skipping malformed event seq={seq} sub={sub}"));
+            return log::warn!(seq:% = seq, sub:% = sub; "skipping malformed event");
         };
         let text = FrameWriter::new(amp_frame::server_op::EVENT)
             .str("sub", sub)
@@ -861,9 +863,8 @@ impl Broker {
             t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH);
             t.last_consumer_seq = 0;
         }
-        log(&format!(
-            "subscription gap session={session} sub={sub}; resuming after seq {last}"
-        ));
+        log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription gap; resuming after seq {last}"
+        );
         let subject = format!(
             "$JS.API.CONSUMER.CREATE.{}.{consumer}",
             binding::topics_stream(&ns)
@@ -894,9 +895,8 @@ impl Broker {
             return;
         };
         if !ok {
-            return log(&format!(
-                "subscription could not be resumed session={session} sub={sub}"
-            ));
+            return log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription could not be resumed"
+            );
         }
         if let Ok(sid) = t.pull.attach(conn) {
             let check = t.pull.pull(conn, now);

@@ -1,0 +1,84 @@
+//! The broker's log against the binary and a real nats-server: with `--log-format json`
+//! every line is one JSON object with a time, a level and a message, the hello line carries
+//! the session and participant as fields, and no token a client sent appears anywhere.
+
+mod common;
+
+use std::time::Duration;
+
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn lines(log: &str) -> Vec<Value> {
+    log.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+#[test]
+fn json_log_lines_carry_ids_and_never_the_token() {
+    let nats = NatsServer::start();
+    let mut broker = Broker::start_with(
+        &nats.url(),
+        &open_config(&["a"]),
+        &["--log-format", "json", "--log-level", "debug"],
+    );
+    let mut a = Client::connect(&broker);
+    let ok = a.request(json!({"op":"hello","ns":"acme","name":"a",
+        "auth":{"type":"token","token":"a-token"}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut wrong = Client::connect(&broker);
+    let refused = wrong.request(json!({"op":"hello","ns":"acme","name":"a",
+        "auth":{"type":"token","token":"wrong-secret-token"}}));
+    assert_eq!(refused["op"], "error", "{refused}");
+
+    let hello = |log: &str| {
+        lines(log)
+            .into_iter()
+            .find(|l| l["msg"] == "hello" && l["participant"] == "acme/a")
+    };
+    assert!(
+        common::wait_until(WAIT, || hello(&broker.log()).is_some()),
+        "no hello line; log:\n{}",
+        broker.log()
+    );
+    assert!(
+        common::wait_until(WAIT, || broker.log().contains("hello refused")),
+        "no refusal line; log:\n{}",
+        broker.log()
+    );
+    let status = broker.terminate();
+    assert!(status.is_some_and(|s| s.success()), "exit {status:?}");
+
+    let log = broker.log();
+    let all = lines(&log);
+    assert!(all.len() >= 4, "{log}");
+    for l in &all {
+        let ts = l["ts"].as_str().unwrap_or_default();
+        assert!(
+            ts.len() == 24 && ts.ends_with('Z') && ts.as_bytes()[19] == b'.',
+            "ts {ts}"
+        );
+        assert!(
+            ["error", "warn", "info", "debug", "trace"]
+                .contains(&l["level"].as_str().unwrap_or("")),
+            "{l}"
+        );
+        assert!(l["msg"].is_string(), "{l}");
+    }
+    let hello = hello(&log).expect("hello line");
+    assert_eq!(hello["level"], "info");
+    assert_eq!(hello["session"], ok["session"], "{hello}");
+    let refused = all
+        .iter()
+        .find(|l| l["msg"] == "hello refused")
+        .expect("refusal line");
+    assert_eq!(refused["participant"], "acme/a", "{refused}");
+    assert!(refused["peer"].is_string(), "{refused}");
+    assert!(log.contains("listening on ws://"), "{log}");
+    assert!(!log.contains("a-token"), "{log}");
+    assert!(!log.contains("wrong-secret-token"), "{log}");
+}
