@@ -138,7 +138,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         ..StreamSettings::default()
     };
     let mut client = nats::Client::connect(options.clone())
-        .map_err(|e| format!("cannot reach NATS at {urls}: {e}"))?;
+        .map_err(|e| format!("cannot reach NATS at {}: {e}", nats::redacted(&urls)))?;
     for line in setup::ensure_streams(&mut client, &config, settings)? {
         log::info!("{line}");
     }

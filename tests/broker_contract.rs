@@ -209,3 +209,12 @@ fn a_missing_or_invalid_configuration_stops_start_up_with_the_reason() {
     let err = Broker::start_expecting_failure(&nats.url(), &json!({"limits":{"max_frames":1}}));
     assert!(err.contains("unknown field `max_frames`"), "{err}");
 }
+
+#[test]
+fn a_password_in_the_nats_url_is_not_printed_when_nats_cannot_be_reached() {
+    let closed = format!("nats://alice:hunter2@127.0.0.1:{}", common::free_port());
+    let err = Broker::start_expecting_failure(&closed, &open_config(&["a"]));
+    assert!(err.contains("cannot reach NATS"), "{err}");
+    assert!(err.contains("alice:<redacted>@127.0.0.1"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}

@@ -46,7 +46,7 @@ pub use client::Client;
 pub use connection::{Connection, Event, Message, PingId, Stats};
 pub use driver::Driver;
 pub use error::{Error, RequestError};
-pub use options::{Auth, Options, ServerAddr, ServerUrl};
+pub use options::{Auth, Options, ServerAddr, ServerUrl, redacted};
 pub use requests::RequestId;
 pub use subscriptions::Sid;
 

@@ -47,11 +47,35 @@ impl fmt::Debug for ServerUrl {
     }
 }
 
+/// A server list as given (`nats://user:pass@host,...`) with the credentials in it
+/// replaced, for error messages and logs: a password or token never leaves in a message.
+pub fn redacted(urls: &str) -> String {
+    urls.split(',')
+        .map(|one| {
+            let (scheme, rest) = match one.split_once("://") {
+                Some((scheme, rest)) => (&one[..scheme.len() + 3], rest),
+                None => ("", one),
+            };
+            match rest.rsplit_once('@') {
+                Some((userinfo, host)) => {
+                    let shown = match userinfo.split_once(':') {
+                        Some((user, _)) => format!("{user}:<redacted>"),
+                        None => "<redacted>".to_string(),
+                    };
+                    format!("{scheme}{shown}@{host}")
+                }
+                None => one.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 impl ServerUrl {
     /// Parses `nats://[user[:pass]@]host[:port]`, also without a scheme and with IPv6 hosts
     /// in brackets. `tls://` is refused: this client speaks plain TCP.
     pub fn parse(text: &str) -> Result<ServerUrl, Error> {
-        let bad = |why: &str| Error::InvalidUrl(format!("{text:?}: {why}"));
+        let bad = |why: &str| Error::InvalidUrl(format!("{:?}: {why}", redacted(text)));
         let text = text.trim();
         let rest = match text.split_once("://") {
             Some((scheme, rest)) => {
@@ -345,6 +369,16 @@ impl Default for Options {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_urls_never_reach_a_message() {
+        assert_eq!(
+            redacted("nats://alice:hunter2@a:4222,tls://tok3n@b,c:4222"),
+            "nats://alice:<redacted>@a:4222,tls://<redacted>@b,c:4222"
+        );
+        let e = ServerUrl::parse("http://alice:hunter2@a").expect_err("scheme");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+    }
 
     #[test]
     fn urls_with_credentials_ports_and_ipv6_parse() {
