@@ -35,6 +35,8 @@ serve flags (each also read from the environment, see below):
                          it, the servers the broker's own NATS connection has met
   --log-level LEVEL      error, warn, info, debug or trace (default info)
   --log-format FORMAT    text or json: one line per event with time, level and ids (default text)
+  --drain-timeout SECS   lame duck period (SIGUSR2): sessions are closed one by one over it
+                         (default 30, 1 to 3600)
   -h, --help             print this help
 
 environment: every flag has a variable named AMP_ + the flag without `--`, upper case, `-`
@@ -131,6 +133,8 @@ pub struct ServeArgs {
     pub callout_server_keys: Vec<String>,
     pub log_level: log::LevelFilter,
     pub log_format: crate::logging::Format,
+    /// The lame duck period, seconds.
+    pub drain_timeout_s: u64,
 }
 
 impl Default for ServeArgs {
@@ -150,6 +154,7 @@ impl Default for ServeArgs {
             callout_server_keys: Vec::new(),
             log_level: log::LevelFilter::Info,
             log_format: crate::logging::Format::Text,
+            drain_timeout_s: 30,
         }
     }
 }
@@ -181,6 +186,7 @@ const FLAGS: &[(&str, Kind)] = &[
     ("--callout-server-key", Kind::List),
     ("--log-level", Kind::Value),
     ("--log-format", Kind::Value),
+    ("--drain-timeout", Kind::Value),
 ];
 
 /// At most this many `--callout-server-key`s, flags and variable together.
@@ -395,6 +401,12 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
                 return Err(format!("at most {MAX_CALLOUT_SERVER_KEYS}"));
             }
             serve.callout_server_keys.push(v.to_string());
+        }
+        "--drain-timeout" => {
+            serve.drain_timeout_s = match v.parse() {
+                Ok(n @ 1..=3600) => n,
+                _ => return Err(format!("`{v}` must be 1 to 3600 seconds")),
+            };
         }
         other => return Err(format!("unknown flag `{other}`")),
     }
@@ -611,6 +623,7 @@ mod tests {
             ("AMP_CALLOUT_SERVER_KEY", joined.as_str()),
             ("AMP_LOG_LEVEL", "debug"),
             ("AMP_LOG_FORMAT", "json"),
+            ("AMP_DRAIN_TIMEOUT", "5"),
         ];
         assert_eq!(env.len(), FLAGS.len());
         for (flag, _) in FLAGS {
@@ -631,6 +644,22 @@ mod tests {
         assert_eq!(s.callout_server_keys, keys);
         assert_eq!(s.log_level, log::LevelFilter::Debug);
         assert_eq!(s.log_format, crate::logging::Format::Json);
+        assert_eq!(s.drain_timeout_s, 5);
+    }
+
+    #[test]
+    fn the_drain_timeout_is_bounded() {
+        assert_eq!(serve("serve", &[]).drain_timeout_s, 30);
+        assert_eq!(
+            serve("serve --drain-timeout 3600", &[]).drain_timeout_s,
+            3600
+        );
+        for bad in ["0", "3601", "-1", "soon"] {
+            assert!(
+                parse_str(&format!("serve --drain-timeout {bad}")).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

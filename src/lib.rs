@@ -7,6 +7,7 @@ pub mod cli;
 pub mod deadline;
 pub mod jetstream;
 pub mod jwt;
+pub mod lame_duck;
 pub mod logging;
 pub mod nats;
 pub mod nkeys;

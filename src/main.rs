@@ -179,6 +179,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             listen: args.listen,
             ws,
             nats: options,
+            config_path: args.config.clone(),
+            drain_timeout: Duration::from_secs(args.drain_timeout_s),
         },
         embedded_server,
     )

@@ -5,14 +5,17 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
 
+use crate::broker::config::Config;
 use crate::broker::core::{Broker, Output};
 use crate::broker::embedded::EmbeddedServer;
+use crate::lame_duck::LameDuck;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestId};
-use crate::signals::Signals;
+use crate::signals::{Request, Signals};
 use crate::ws::connection::{HttpHost, WsConfig};
 use crate::ws::metrics;
 use crate::ws::server::{SessionEvent, SessionId, WsServer};
@@ -21,6 +24,7 @@ const LISTENER: Token = Token(0);
 const NATS: Token = Token(1);
 const SIGNALS: Token = Token(2);
 const FIRST_SESSION: usize = 16;
+const GOING_AWAY: u16 = crate::broker::core::close::GOING_AWAY;
 
 /// How often JetStream is asked whether it answers, for `/healthz`.
 const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
@@ -43,6 +47,10 @@ pub struct RuntimeOptions {
     pub listen: SocketAddr,
     pub ws: WsConfig,
     pub nats: nats::Options,
+    /// The file SIGHUP re-reads; none in development mode.
+    pub config_path: Option<PathBuf>,
+    /// The lame duck period (SIGUSR2).
+    pub drain_timeout: Duration,
 }
 
 /// What `/healthz` reports: the NATS connection and JetStream's last answer.
@@ -181,6 +189,7 @@ pub fn run(
     let mut ids: HashMap<u64, SessionId> = HashMap::new();
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
+    let mut lame_duck: Option<LameDuck> = None;
     let mut next_supervise = now + SUPERVISE_INTERVAL;
     let mut liveness = Liveness::default();
     let mut next_tick = now + LIVENESS_TICK;
@@ -195,6 +204,7 @@ pub fn run(
             Some(health.next_probe),
             embedded.as_ref().map(|_| next_supervise),
             drain_until,
+            lame_duck.as_ref().and_then(LameDuck::next_deadline),
             Some(next_tick),
         ]
         .into_iter()
@@ -220,12 +230,30 @@ pub fn run(
         for event in events.iter() {
             match event.token() {
                 NATS => nats.handle_event(poll.registry(), event, now),
-                SIGNALS if !signals.take().is_empty() && drain_until.is_none() => {
-                    log::info!("signal received: draining");
-                    drain_until = Some(now + DRAIN_LIMIT);
-                    // Acks and pending publishes go out before sessions are told to leave.
-                    nats.drive(poll.registry(), now);
-                    ws.begin_drain(poll.registry(), now);
+                SIGNALS => {
+                    for request in signals.take() {
+                        match request {
+                            Request::Reload => reload(&mut broker, opts.config_path.as_ref()),
+                            Request::LameDuck if lame_duck.is_none() && drain_until.is_none() => {
+                                ws.stop_accepting(poll.registry());
+                                let sessions: Vec<u64> = ids.keys().copied().collect();
+                                log::info!(
+                                    "SIGUSR2: lame duck, listener closed; closing {} sessions over {} s",
+                                    sessions.len(),
+                                    opts.drain_timeout.as_secs()
+                                );
+                                lame_duck = Some(LameDuck::new(sessions, now, opts.drain_timeout));
+                            }
+                            Request::Stop if drain_until.is_none() => {
+                                log::info!("signal received: draining");
+                                drain_until = Some(now + DRAIN_LIMIT);
+                                // Acks and pending publishes go out before sessions are told to leave.
+                                nats.drive(poll.registry(), now);
+                                ws.begin_drain(poll.registry(), now);
+                            }
+                            Request::LameDuck | Request::Stop => {}
+                        }
+                    }
                 }
                 token if ws.owns(token) => ws.handle_event(
                     poll.registry(),
@@ -239,6 +267,21 @@ pub fn run(
                     },
                 ),
                 _ => {}
+            }
+        }
+        if let Some(duck) = lame_duck.as_mut().filter(|_| drain_until.is_none()) {
+            for session in duck.due(now) {
+                if let Some(&id) = ids.get(&session) {
+                    ws.close(id, GOING_AWAY, "going away", now);
+                }
+            }
+            if duck.next_deadline().is_none() {
+                // Every session has had its turn: what is left (handshakes, HTTP
+                // requests) goes the fast way.
+                log::info!("lame duck period over: draining");
+                drain_until = Some(now + DRAIN_LIMIT);
+                nats.drive(poll.registry(), now);
+                ws.begin_drain(poll.registry(), now);
             }
         }
         ws.handle_timeouts(
@@ -370,6 +413,32 @@ pub fn run(
             log::info!("drained; {} sessions left", ws.connection_count());
             return Ok(());
         }
+    }
+}
+
+/// SIGHUP: the file is re-read and swapped in whole, or refused whole with the old
+/// configuration kept.
+fn reload(broker: &mut Broker, path: Option<&PathBuf>) {
+    let Some(path) = path else {
+        log::warn!("SIGHUP: development mode has no configuration file; nothing reloaded");
+        return;
+    };
+    let config = match Config::load(path) {
+        Ok(config) => config,
+        Err(e) => {
+            log::error!("SIGHUP: reload refused, the running configuration is kept: {e}");
+            return;
+        }
+    };
+    match broker.reload(config) {
+        Ok(closed) => log::info!(
+            "SIGHUP: configuration {} reloaded; {closed} sessions closed",
+            path.display()
+        ),
+        Err(e) => log::error!(
+            "SIGHUP: reload of {} refused, the running configuration is kept: {e}",
+            path.display()
+        ),
     }
 }
 

@@ -1,67 +1,50 @@
-//! SIGINT/SIGTERM as readiness events on the mio loop (the self-pipe trick): the handler
-//! only writes the signal number to a non-blocking pipe, which the loop polls like a socket.
+//! The signals the broker acts on, as readiness events on the mio loop.
+//!
+//! `signal-hook-mio` does the self-pipe: its handler only writes to a socket pair (saving
+//! and restoring `errno`, which a hand-written handler easily forgets), and the loop polls
+//! the read end like any socket.
 
 use std::io;
-use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicI32, Ordering};
 
 use mio::event::Source;
-use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR2};
 
-static WRITE_FD: AtomicI32 = AtomicI32::new(-1);
-
-extern "C" fn on_signal(signal: libc::c_int) {
-    let fd = WRITE_FD.load(Ordering::Relaxed);
-    if fd >= 0 {
-        let byte = signal as u8;
-        // SAFETY: write(2) is async-signal-safe; a full pipe drops the byte, which is fine
-        // because one pending byte already wakes the loop.
-        unsafe { libc::write(fd, (&byte as *const u8).cast(), 1) };
-    }
+/// What a signal asks of the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// SIGTERM, SIGINT: drain now and exit.
+    Stop,
+    /// SIGHUP: re-read the configuration file.
+    Reload,
+    /// SIGUSR2: stop accepting, close sessions spread over the drain timeout, exit.
+    LameDuck,
 }
 
-/// The read end of the signal pipe. One per process.
+/// The broker's signal source. One per process.
 pub struct Signals {
-    read_fd: RawFd,
+    inner: signal_hook_mio::v1_0::Signals,
 }
 
 impl Signals {
-    /// Routes SIGINT and SIGTERM to the returned pipe.
+    /// Routes SIGINT, SIGTERM, SIGHUP and SIGUSR2 to the returned source.
     pub fn install() -> io::Result<Signals> {
-        let mut fds = [0 as libc::c_int; 2];
-        // SAFETY: pipe2 fills the two-element array it is given.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        WRITE_FD.store(fds[1], Ordering::Relaxed);
-        for signal in [libc::SIGINT, libc::SIGTERM] {
-            // SAFETY: a zeroed sigaction with a plain handler and an empty mask is valid.
-            unsafe {
-                let mut action: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = on_signal as *const () as usize;
-                action.sa_flags = libc::SA_RESTART;
-                libc::sigemptyset(&mut action.sa_mask);
-                if libc::sigaction(signal, &action, std::ptr::null_mut()) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-        }
-        Ok(Signals { read_fd: fds[0] })
+        let inner = signal_hook_mio::v1_0::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR2])?;
+        Ok(Signals { inner })
     }
 
-    /// The signals received since the last call, oldest first.
-    pub fn take(&mut self) -> Vec<i32> {
-        let mut received = Vec::new();
-        let mut buf = [0u8; 64];
-        loop {
-            // SAFETY: reads into a buffer of the given length from our own pipe.
-            let n = unsafe { libc::read(self.read_fd, buf.as_mut_ptr().cast(), buf.len()) };
-            if n <= 0 {
-                return received;
-            }
-            received.extend(buf.iter().take(n as usize).map(|&b| i32::from(b)));
-        }
+    /// The requests received since the last call, oldest first (a signal sent twice before
+    /// the loop looks may be reported once).
+    pub fn take(&mut self) -> Vec<Request> {
+        self.inner
+            .pending()
+            .filter_map(|signal| match signal {
+                SIGINT | SIGTERM => Some(Request::Stop),
+                SIGHUP => Some(Request::Reload),
+                SIGUSR2 => Some(Request::LameDuck),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -72,7 +55,7 @@ impl Source for Signals {
         token: Token,
         interests: Interest,
     ) -> io::Result<()> {
-        SourceFd(&self.read_fd).register(registry, token, interests)
+        self.inner.register(registry, token, interests)
     }
 
     fn reregister(
@@ -81,33 +64,37 @@ impl Source for Signals {
         token: Token,
         interests: Interest,
     ) -> io::Result<()> {
-        SourceFd(&self.read_fd).reregister(registry, token, interests)
+        self.inner.reregister(registry, token, interests)
     }
 
     fn deregister(&mut self, registry: &Registry) -> io::Result<()> {
-        SourceFd(&self.read_fd).deregister(registry)
+        self.inner.deregister(registry)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     #[test]
-    fn a_sigterm_wakes_the_poll_and_is_reported_once() {
+    fn signals_wake_the_poll_and_are_reported_once() {
         let mut signals = Signals::install().expect("install");
         let mut poll = mio::Poll::new().expect("poll");
         poll.registry()
             .register(&mut signals, Token(7), Interest::READABLE)
             .expect("register");
         // SAFETY: raise(3) sends the signal to this process; the handler above catches it.
-        assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+        assert_eq!(unsafe { libc::raise(libc::SIGHUP) }, 0);
         let mut events = mio::Events::with_capacity(4);
-        poll.poll(&mut events, Some(Duration::from_secs(5)))
-            .expect("poll");
-        assert!(events.iter().any(|e| e.token() == Token(7)));
-        assert_eq!(signals.take(), vec![libc::SIGTERM]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen = Vec::new();
+        while seen.is_empty() && Instant::now() < deadline {
+            poll.poll(&mut events, Some(Duration::from_millis(100)))
+                .expect("poll");
+            seen = signals.take();
+        }
+        assert_eq!(seen, vec![Request::Reload]);
         assert!(signals.take().is_empty());
     }
 }

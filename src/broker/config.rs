@@ -21,7 +21,7 @@ pub struct Config {
 }
 
 /// Which nats-servers the auth callout answers.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CalloutTrust {
     /// Server public keys (`N...`, a server's INFO `server_id`) whose authorization
@@ -32,7 +32,7 @@ pub struct CalloutTrust {
 }
 
 /// Per-session and per-broker limits (spec 2.7 defaults).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     pub max_frame: usize,
@@ -92,7 +92,7 @@ pub struct Namespace {
     pub open: Option<Participant>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Participant {
     /// NKey user public key (`U...`); the participant signs the challenge nonce with it.
@@ -112,7 +112,7 @@ pub struct Participant {
 /// Address permissions: each a list of patterns. Names (`send`, `submit`, `serve`) are
 /// single tokens, so their patterns are a name or `*`/`>` (any); topic patterns may use
 /// `*` for one token and a trailing `>`. An absent list allows nothing.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Permissions {
     #[serde(default)]
@@ -127,7 +127,7 @@ pub struct Permissions {
     pub serve: Vec<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Job {
     pub lease_s: u64,
@@ -145,7 +145,7 @@ impl Default for Job {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Inbox {
     pub ack_wait_s: u64,
@@ -164,7 +164,7 @@ impl Default for Inbox {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Topics {
     /// 0 keeps events until the stream's other limits remove them.

@@ -25,6 +25,7 @@ use super::permissions::{self, Action};
 use super::pull_loop::{PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::{Change, Registry};
+use super::reload;
 use super::scoped_jwt;
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
@@ -302,6 +303,40 @@ impl Broker {
             self.drive_registry(conn, &ns, now);
         }
         Ok(())
+    }
+
+    /// Swaps in a re-read configuration. Refused, with the members named, when it changes
+    /// what only a restart applies (see [`reload`]); otherwise sessions whose participant
+    /// is gone or whose credential changed are closed (1008) and every other session goes
+    /// on under the new permissions from its next frame. Returns how many were closed.
+    pub fn reload(&mut self, new: Config) -> Result<usize, String> {
+        let restart = reload::restart_only_changes(&self.config, &new);
+        if !restart.is_empty() {
+            return Err(format!(
+                "these members change only with a restart: {}",
+                restart.join(", ")
+            ));
+        }
+        let mut ended: Vec<(SessionId, &'static str)> = self
+            .sessions
+            .iter()
+            .filter_map(|(&id, s)| match &s.state {
+                SessionState::Active { ns, name } => {
+                    let serving = self.jobs.is_worker(id);
+                    reload::session_verdict(&self.config, &new, ns, name, serving)
+                        .map(|why| (id, why))
+                }
+                _ => None,
+            })
+            .collect();
+        ended.sort_unstable();
+        self.config = new;
+        self.jobs.reload_settings(&self.config);
+        for &(session, why) in &ended {
+            log::info!(session:% = format_args!("{}-{session}", self.broker_id); "reload closes the session: {why}");
+            self.close(session, close::POLICY, "configuration changed");
+        }
+        Ok(ended.len())
     }
 
     pub fn config(&self) -> &Config {

@@ -523,6 +523,21 @@ impl Jobs {
         (serve, load)
     }
 
+    /// Takes the job settings of a reloaded configuration; tasks already offered or
+    /// leased keep the lease they were given.
+    pub fn reload_settings(&mut self, config: &Config) {
+        self.jobs = config
+            .namespaces
+            .iter()
+            .map(|(ns, n)| (ns.clone(), n.jobs.clone()))
+            .collect();
+    }
+
+    /// Whether the session serves at least one job.
+    pub fn is_worker(&self, session: SessionId) -> bool {
+        self.workers.contains_key(&session)
+    }
+
     fn job_config(&self, ns: &str, job: &str) -> Job {
         self.jobs
             .get(ns)

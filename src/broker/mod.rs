@@ -17,6 +17,7 @@ pub mod permissions;
 pub mod pull_loop;
 pub mod rate_limit;
 pub mod registry;
+pub mod reload;
 pub mod scoped_jwt;
 pub mod setup;
 pub mod task_store;

@@ -426,14 +426,20 @@ impl WsServer {
     /// queued for it is sent.
     pub fn begin_drain(&mut self, registry: &Registry, now: Instant) {
         self.draining = true;
-        if let Some(mut listener) = self.listener.take() {
-            let _ = registry.deregister(&mut listener);
-        }
+        self.stop_accepting(registry);
         for index in 0..self.slots.len() {
             if let Some(Some(slot)) = self.slots.get_mut(index) {
                 slot.conn.close(close_code::GOING_AWAY, "going away", now);
                 self.dirty.push(index);
             }
+        }
+    }
+
+    /// Closes the listening socket, so new connections are refused while the open ones
+    /// carry on (lame duck).
+    pub fn stop_accepting(&mut self, registry: &Registry) {
+        if let Some(mut listener) = self.listener.take() {
+            let _ = registry.deregister(&mut listener);
         }
     }
 

@@ -155,6 +155,38 @@ impl Broker {
         child.wait().ok()
     }
 
+    /// Sends `signal` to the broker process (kill(2)).
+    pub fn signal(&self, signal: i32) {
+        let pid = self.pid().expect("broker is running");
+        let pid = i32::try_from(pid).expect("pid fits");
+        // SAFETY: kill(2) with our own child's pid.
+        assert_eq!(
+            unsafe { libc::kill(pid, signal) },
+            0,
+            "kill({pid}, {signal})"
+        );
+    }
+
+    /// Waits up to `timeout` for the process to exit on its own; its status, or None.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The configuration file the broker was started with (SIGHUP re-reads it).
+    pub fn config_path(&self) -> std::path::PathBuf {
+        self.dir.path().join("config.json")
+    }
+
     /// Starts it again with the same arguments.
     pub fn restart(&mut self) {
         self.kill();

@@ -1,0 +1,199 @@
+//! What a configuration reload (SIGHUP) may change, and which sessions it ends.
+//!
+//! Participants, credentials, permissions, policies and job settings are read per frame or
+//! per task, so swapping them is enough. Members that were turned into sockets, streams or
+//! subscriptions at start (limits, the set of namespaces, their inbox and topics stream
+//! settings, the callout's trusted servers) are not: a reload that changes one of them is
+//! refused as a whole, so what runs is always exactly one file's content.
+
+use super::config::{Config, Participant};
+
+/// The members of `new` that differ from `old` but only take effect after a restart,
+/// named as in the file (`limits.max_frame`, `namespaces.acme.inbox`, ...).
+pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
+    let mut changed = Vec::new();
+    let (a, b) = (&old.limits, &new.limits);
+    macro_rules! limits {
+        ($($field:ident),*) => {
+            $(if a.$field != b.$field {
+                changed.push(concat!("limits.", stringify!($field)).to_string());
+            })*
+        };
+    }
+    limits!(
+        max_frame,
+        max_outbound_bytes,
+        heartbeat_s,
+        hello_timeout_s,
+        registry_ttl_s,
+        max_sessions,
+        max_held_submits,
+        max_connections_per_ip,
+        max_frames_per_s,
+        frame_burst,
+        max_buffered_bytes,
+        max_topic_subscriptions
+    );
+    if old.callout != new.callout {
+        changed.push("callout.server_keys".to_string());
+    }
+    for name in old.namespaces.keys() {
+        if !new.namespaces.contains_key(name) {
+            changed.push(format!("namespaces.{name} (removed)"));
+        }
+    }
+    for (name, ns) in &new.namespaces {
+        let Some(before) = old.namespaces.get(name) else {
+            changed.push(format!("namespaces.{name} (added)"));
+            continue;
+        };
+        if before.inbox != ns.inbox {
+            changed.push(format!("namespaces.{name}.inbox"));
+        }
+        if before.topics != ns.topics {
+            changed.push(format!("namespaces.{name}.topics"));
+        }
+    }
+    changed
+}
+
+/// Why a reload ends an authenticated session of `ns/name`, if it does. `serving` says
+/// whether the session serves jobs: its offers were admitted under the old `serve`
+/// permission, which is checked only when serving starts.
+pub fn session_verdict(
+    old: &Config,
+    new: &Config,
+    ns: &str,
+    name: &str,
+    serving: bool,
+) -> Option<&'static str> {
+    let Some(after) = new.participant(ns, name) else {
+        return Some("participant removed");
+    };
+    let Some(before) = old.participant(ns, name) else {
+        // Not reachable for a session that said hello under `old`; treat it as new.
+        return Some("credential changed");
+    };
+    if !same_credential(before, after) {
+        return Some("credential changed");
+    }
+    if serving && before.permissions.serve != after.permissions.serve {
+        return Some("serve permission changed");
+    }
+    None
+}
+
+fn same_credential(a: &Participant, b: &Participant) -> bool {
+    a.nkey == b.nkey && a.token_sha256 == b.token_sha256
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Config {
+        match Config::parse(text.as_bytes()) {
+            Ok(c) => c,
+            Err(e) => panic!("test configuration: {e}"),
+        }
+    }
+
+    const TOKEN_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    const TOKEN_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+    fn base(extra_limits: &str, alice_token: &str, alice_perms: &str, more: &str) -> Config {
+        config(&format!(
+            r#"{{"limits": {{{extra_limits}}},
+                "namespaces": {{"acme": {{"participants": {{
+                  "alice": {{"token_sha256": "{alice_token}", "permissions": {alice_perms}}},
+                  "bob": {{"token_sha256": "{TOKEN_A}"}}{more}
+                }}}}}}}}"#
+        ))
+    }
+
+    #[test]
+    fn participants_and_permissions_are_reloadable() {
+        let old = base("", TOKEN_A, r#"{"send": [">"]}"#, "");
+        let new = base(
+            "",
+            TOKEN_B,
+            r#"{"send": []}"#,
+            &format!(r#", "carol": {{"token_sha256": "{TOKEN_A}"}}"#),
+        );
+        assert!(restart_only_changes(&old, &new).is_empty());
+    }
+
+    #[test]
+    fn limits_namespaces_and_stream_settings_are_named() {
+        let old = base("", TOKEN_A, "{}", "");
+        let new = config(&format!(
+            r#"{{"limits": {{"max_frame": 1024, "heartbeat_s": 7}},
+                "namespaces": {{
+                  "acme": {{"inbox": {{"ack_wait_s": 5}}, "topics": {{"max_bytes": 9}},
+                            "participants": {{"bob": {{"token_sha256": "{TOKEN_A}"}}}}}},
+                  "other": {{}}}}}}"#
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &new),
+            vec![
+                "limits.max_frame",
+                "limits.heartbeat_s",
+                "namespaces.acme.inbox",
+                "namespaces.acme.topics",
+                "namespaces.other (added)",
+            ]
+        );
+        assert_eq!(
+            restart_only_changes(&new, &old),
+            vec![
+                "limits.max_frame",
+                "limits.heartbeat_s",
+                "namespaces.other (removed)",
+                "namespaces.acme.inbox",
+                "namespaces.acme.topics",
+            ]
+        );
+    }
+
+    #[test]
+    fn removed_or_rekeyed_participants_lose_their_sessions() {
+        let old = base("", TOKEN_A, r#"{"serve": ["ocr"]}"#, "");
+        let same = base("", TOKEN_A, r#"{"serve": ["ocr"]}"#, "");
+        assert_eq!(session_verdict(&old, &same, "acme", "alice", true), None);
+
+        let rekeyed = base("", TOKEN_B, r#"{"serve": ["ocr"]}"#, "");
+        assert_eq!(
+            session_verdict(&old, &rekeyed, "acme", "alice", false),
+            Some("credential changed")
+        );
+        assert_eq!(session_verdict(&old, &rekeyed, "acme", "bob", false), None);
+
+        let without_bob = config(&format!(
+            r#"{{"namespaces": {{"acme": {{"participants": {{
+                 "alice": {{"token_sha256": "{TOKEN_A}", "permissions": {{"serve": ["ocr"]}}}}}}}}}}}}"#
+        ));
+        assert_eq!(
+            session_verdict(&old, &without_bob, "acme", "bob", false),
+            Some("participant removed")
+        );
+    }
+
+    #[test]
+    fn permission_changes_keep_the_session_unless_it_serves_under_them() {
+        let old = base("", TOKEN_A, r#"{"send": [">"], "serve": ["ocr"]}"#, "");
+        let fewer_sends = base("", TOKEN_A, r#"{"serve": ["ocr"]}"#, "");
+        assert_eq!(
+            session_verdict(&old, &fewer_sends, "acme", "alice", true),
+            None
+        );
+        let no_serve = base("", TOKEN_A, r#"{"send": [">"]}"#, "");
+        assert_eq!(
+            session_verdict(&old, &no_serve, "acme", "alice", false),
+            None
+        );
+        assert_eq!(
+            session_verdict(&old, &no_serve, "acme", "alice", true),
+            Some("serve permission changed")
+        );
+    }
+}

@@ -1,0 +1,195 @@
+//! Operator signals end to end: SIGHUP re-reads the configuration file under live sessions,
+//! SIGUSR2 drains the broker slowly (lame duck). The broker binary on a real nats-server,
+//! participants over real WebSockets, signals sent with kill(2).
+
+mod common;
+
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::amp::{Broker, Client, open_config};
+use common::{NatsServer, wait_until};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn write_config(broker: &Broker, config: &Value) {
+    std::fs::write(broker.config_path(), config.to_string()).expect("write config");
+}
+
+/// Rewrites the file, sends SIGHUP and waits until the broker has logged the outcome
+/// (`marker`) once more than before.
+fn reload(broker: &Broker, config: &Value, marker: &str) {
+    let before = broker.log().matches(marker).count();
+    write_config(broker, config);
+    broker.signal(libc::SIGHUP);
+    assert!(
+        wait_until(WAIT, || broker.log().matches(marker).count() > before),
+        "no `{marker}` after SIGHUP; log:\n{}",
+        broker.log()
+    );
+}
+
+fn ping_ok(c: &mut Client) {
+    let ok = c.request(json!({"op":"ping"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
+fn sighup_closes_the_session_of_a_removed_participant_and_keeps_the_others() {
+    let nats = NatsServer::start();
+    let config = open_config(&["alice", "bob", "carol"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+    let mut bob = Client::login(&broker, "acme", "bob", "bob-token");
+
+    let mut without_bob = config.clone();
+    without_bob["namespaces"]["acme"]["participants"]
+        .as_object_mut()
+        .expect("participants")
+        .remove("bob");
+    reload(&broker, &without_bob, "reloaded");
+
+    let closed = bob.next_op("_closed", WAIT).expect("bob's session closes");
+    assert_eq!(
+        (closed["code"].as_u64(), closed["reason"].as_str()),
+        (Some(1008), Some("configuration changed")),
+        "{closed}"
+    );
+    ping_ok(&mut alice);
+    let ok = alice.request(json!({"op":"send","to":"carol","body":{"after":"reload"}}));
+    assert_eq!(ok["op"], "ok", "alice still sends: {ok}");
+    let gone = alice.request(json!({"op":"send","to":"bob","body":1}));
+    assert_eq!(
+        gone["code"], "not_found",
+        "bob is no participant now: {gone}"
+    );
+}
+
+#[test]
+fn sighup_applies_a_removed_permission_from_the_next_frame() {
+    let nats = NatsServer::start();
+    let config = open_config(&["alice", "bob"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+    let ok = alice.request(json!({"op":"send","to":"bob","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    let mut fewer = config.clone();
+    fewer["namespaces"]["acme"]["participants"]["alice"]["permissions"]["send"] = json!([]);
+    reload(&broker, &fewer, "reloaded");
+
+    let e = alice.request(json!({"op":"send","to":"bob","body":2}));
+    assert_eq!(
+        (e["code"].as_str(), e["path"].as_str()),
+        (Some("forbidden"), Some("/to")),
+        "{e}"
+    );
+    ping_ok(&mut alice);
+}
+
+#[test]
+fn sighup_closes_the_session_whose_token_changed() {
+    let nats = NatsServer::start();
+    let config = open_config(&["alice", "bob"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+    let mut bob = Client::login(&broker, "acme", "bob", "bob-token");
+
+    let mut rekeyed = config.clone();
+    rekeyed["namespaces"]["acme"]["participants"]["bob"]["token_sha256"] =
+        json!(common::amp::token_hash("bob-new-token"));
+    reload(&broker, &rekeyed, "reloaded");
+
+    assert_eq!(bob.closed_with(WAIT), Some(1008));
+    ping_ok(&mut alice);
+    let _bob_again = Client::login(&broker, "acme", "bob", "bob-new-token");
+    let mut old = Client::connect(&broker);
+    let e = old.request(
+        json!({"op":"hello","ns":"acme","name":"bob","auth":{"type":"token","token":"bob-token"}}),
+    );
+    assert_eq!(e["code"], "unauthenticated", "the old token is gone: {e}");
+}
+
+#[test]
+fn sighup_refuses_an_invalid_file_names_the_member_and_keeps_serving() {
+    let nats = NatsServer::start();
+    let config = open_config(&["alice", "bob"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+
+    let mut invalid = config.clone();
+    invalid["namespaces"]["acme"]["participants"]["bob"]["token_sha256"] = json!("not-hex");
+    reload(&broker, &invalid, "reload refused");
+    let log = broker.log();
+    assert!(
+        log.contains("namespaces.acme.participants.bob.token_sha256"),
+        "the member is named; log:\n{log}"
+    );
+    ping_ok(&mut alice);
+    let _bob = Client::login(&broker, "acme", "bob", "bob-token");
+
+    // A member only a restart applies: refused as a whole, named, old file kept.
+    let mut bigger = config.clone();
+    bigger["limits"] = json!({"max_frame": 4096});
+    bigger["namespaces"]["acme"]["participants"]
+        .as_object_mut()
+        .expect("participants")
+        .remove("bob");
+    reload(&broker, &bigger, "refused");
+    let log = broker.log();
+    assert!(log.contains("limits.max_frame"), "named; log:\n{log}");
+    let _bob = Client::login(&broker, "acme", "bob", "bob-token");
+    ping_ok(&mut alice);
+}
+
+#[test]
+fn sigusr2_refuses_new_connections_spreads_the_closes_and_exits_zero() {
+    let nats = NatsServer::start();
+    let names: Vec<String> = (0..10).map(|i| format!("p{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut broker =
+        Broker::start_with(&nats.url(), &open_config(&refs), &["--drain-timeout", "2"]);
+    let clients: Vec<Client> = names
+        .iter()
+        .map(|n| Client::login(&broker, "acme", n, &format!("{n}-token")))
+        .collect();
+    let readers: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || {
+                let code = c.closed_with(Duration::from_secs(15));
+                (code, Instant::now())
+            })
+        })
+        .collect();
+
+    let signalled = Instant::now();
+    broker.signal(libc::SIGUSR2);
+    assert!(
+        wait_until(Duration::from_secs(1), || TcpStream::connect(broker.addr)
+            .is_err()),
+        "the listener closes at once"
+    );
+
+    let mut closes: Vec<Instant> = Vec::new();
+    for reader in readers {
+        let (code, at) = reader.join().expect("reader thread");
+        assert_eq!(code, Some(1001), "going away");
+        closes.push(at);
+    }
+    closes.sort();
+    let (first, last) = (closes[0], closes[closes.len() - 1]);
+    let spread = last.duration_since(first);
+    eprintln!("lame duck: {} closes spread over {spread:?}", closes.len());
+    assert!(
+        spread >= Duration::from_millis(1000),
+        "closes spread over the period, got {spread:?}"
+    );
+    assert!(
+        first.duration_since(signalled) >= Duration::from_millis(100),
+        "not all at once at the signal"
+    );
+    let status = broker.wait_exit(WAIT).expect("the broker exits");
+    assert!(status.success(), "exit status {status}");
+}
