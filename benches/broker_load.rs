@@ -468,8 +468,9 @@ fn main() {
     // the load does not touch.
     config["namespaces"]["idle"] = open_config(&as_refs(&idle))["namespaces"]["acme"].take();
     // Every session comes from 127.0.0.1.
-    config["limits"]["max_connections_per_ip"] =
-        json!(s.idle_sessions + 4 * s.pairs * s.rounds + 16);
+    let sessions = s.idle_sessions + 4 * s.pairs * s.rounds + 16;
+    config["limits"]["max_connections_per_ip"] = json!(sessions);
+    config["limits"]["connect_burst_per_ip"] = json!(sessions);
 
     let nats = NatsServer::start();
     let broker = Broker::start(&nats.url(), &config);

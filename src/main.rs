@@ -150,6 +150,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         max_outbound_bytes: config.limits.max_outbound_bytes,
         max_connections: config.limits.max_sessions,
         max_connections_per_ip: config.limits.max_connections_per_ip,
+        connects_per_ip_per_s: config.limits.connects_per_ip_per_s,
+        connect_burst_per_ip: config.limits.connect_burst_per_ip,
         max_frames_per_s: config.limits.max_frames_per_s,
         frame_burst: config.limits.frame_burst,
         max_buffered_bytes: config.limits.max_buffered_bytes,

@@ -438,3 +438,35 @@ fn half_sent_large_frames_past_the_memory_budget_are_shed() {
     assert_eq!(closes, shed, "every shed client got its close frame");
     ping_rtt(&mut honest, 99);
 }
+
+/// Connection churn: one address connecting and dropping in a loop gets its burst, then
+/// its rate (`limits.connects_per_ip_per_s`); the rest are closed at accept, before any
+/// request head or challenge is spent on them, and another address is unaffected.
+#[test]
+fn connection_churn_from_one_address_is_held_to_its_connect_rate() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["honest"]);
+    config["limits"] = json!({"connects_per_ip_per_s": 20, "connect_burst_per_ip": 40});
+    let broker = Broker::start(&nats.url(), &config);
+    let started = Instant::now();
+    let mut upgraded = 0;
+    for _ in 0..200 {
+        let mut s = connect_from(Ipv4Addr::new(127, 0, 0, 2), broker.addr);
+        if upgrade(&mut s) {
+            upgraded += 1;
+        }
+    }
+    let allowed = 40.0 + 20.0 * started.elapsed().as_secs_f64();
+    eprintln!(
+        "{upgraded} of 200 churned connections upgraded in {:?} (allowance {allowed:.0})",
+        started.elapsed()
+    );
+    assert!(upgraded >= 40, "the burst is served: {upgraded}");
+    assert!(
+        f64::from(upgraded) <= allowed + 1.0,
+        "{upgraded} upgraded, allowance {allowed:.0}"
+    );
+    assert!(metric(&broker, "amp_ws_connections_refused_total{reason=\"rate\"}") >= 1.0);
+    let mut other = connect_from(Ipv4Addr::new(127, 0, 0, 3), broker.addr);
+    assert!(upgrade(&mut other), "another address is served");
+}

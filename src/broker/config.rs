@@ -46,6 +46,8 @@ pub struct Limits {
     pub max_held_submits: usize,
     /// Connections open at once from one address (IPv6: one /64).
     pub max_connections_per_ip: usize,
+    pub connects_per_ip_per_s: u32,
+    pub connect_burst_per_ip: u32,
     /// Frames a session may send per second, sustained, and at once.
     pub max_frames_per_s: u32,
     pub frame_burst: u32,
@@ -67,6 +69,8 @@ impl Default for Limits {
             max_sessions: 10_000,
             max_held_submits: 64,
             max_connections_per_ip: 256,
+            connects_per_ip_per_s: 256,
+            connect_burst_per_ip: 1024,
             max_frames_per_s: 1_000,
             frame_burst: 2_000,
             max_buffered_bytes: 256 << 20,
@@ -317,6 +321,18 @@ impl Config {
         within(
             "limits.max_connections_per_ip",
             l.max_connections_per_ip,
+            1,
+            1_000_000,
+        )?;
+        within(
+            "limits.connects_per_ip_per_s",
+            l.connects_per_ip_per_s,
+            1,
+            1_000_000,
+        )?;
+        within(
+            "limits.connect_burst_per_ip",
+            l.connect_burst_per_ip,
             1,
             1_000_000,
         )?;

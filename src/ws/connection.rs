@@ -43,6 +43,10 @@ pub struct WsConfig {
     /// Most connections open at once from one address (IPv6: one /64); further ones are
     /// accepted and closed at once.
     pub max_connections_per_ip: usize,
+    /// Connections one address (IPv6: one /64) may open per second, sustained, and at
+    /// once after a quiet spell; further ones are accepted and closed at once.
+    pub connects_per_ip_per_s: u32,
+    pub connect_burst_per_ip: u32,
     /// Frames (messages and control frames) a session may send per second, sustained;
     /// past it its socket is not read until the allowance refills.
     pub max_frames_per_s: u32,
@@ -66,6 +70,8 @@ impl Default for WsConfig {
             read_buffer_size: 2 << 10,
             max_connections: 10_000,
             max_connections_per_ip: 256,
+            connects_per_ip_per_s: 256,
+            connect_burst_per_ip: 1024,
             max_frames_per_s: 1_000,
             frame_burst: 2_000,
             max_buffered_bytes: 256 << 20,

@@ -4,6 +4,7 @@
 //! [`server::WsServer`] is the thin `mio` shell that accepts connections and moves bytes
 //! between sockets and machines, embeddable in the broker's own event loop.
 
+pub mod connect_rate;
 pub mod connection;
 pub mod http;
 pub mod metrics;

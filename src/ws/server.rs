@@ -39,6 +39,7 @@ use std::time::Instant;
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token};
 
+use super::connect_rate::ConnectRate;
 use super::connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
 use super::metrics::{CounterId, GaugeId, Registry as Metrics};
 use crate::broker::throttle::AddressKey;
@@ -135,7 +136,7 @@ impl TransportMetrics {
             ),
             refused: r.counter(
                 "amp_ws_connections_refused_total",
-                "TCP connections closed at once, by reason (table_full, per_ip, memory).",
+                "TCP connections closed at once, by reason (table_full, rate, per_ip, memory).",
                 Some("reason"),
             ),
             connections: r.gauge("amp_ws_connections", "TCP connections open.", None),
@@ -221,6 +222,7 @@ pub struct WsServer {
     backlog: Vec<usize>,
     /// Open connections per source address (IPv6: per /64).
     per_ip: HashMap<AddressKey, usize>,
+    connect_rate: ConnectRate,
     /// Input held and output queued over all connections.
     buffered: usize,
     scratch: Vec<u8>,
@@ -267,6 +269,7 @@ impl WsServer {
             dirty: Vec::new(),
             backlog: Vec::new(),
             per_ip: HashMap::new(),
+            connect_rate: ConnectRate::new(cfg.connects_per_ip_per_s, cfg.connect_burst_per_ip),
             buffered: 0,
             scratch: vec![0; READ_CHUNK],
             queued: 0,
@@ -523,6 +526,8 @@ impl WsServer {
             let ip = AddressKey::of(peer.ip());
             let refused = if self.open >= self.cfg.max_connections {
                 Some("table_full")
+            } else if !self.connect_rate.allow(ip, now) {
+                Some("rate")
             } else if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.cfg.max_connections_per_ip
             {
                 Some("per_ip")
