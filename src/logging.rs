@@ -11,6 +11,7 @@ use std::time::SystemTime;
 use log::kv::{Key, Value, VisitSource};
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
+use crate::amp::reply::push_json_str;
 use crate::rfc3339;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,19 +92,19 @@ impl Sink {
             }
             Format::Json => {
                 out.push_str("{\"ts\":");
-                push_json(&mut out, &ts);
+                push_json_str(&mut out, &ts);
                 out.push_str(",\"level\":");
-                push_json(&mut out, level_name(record.level()));
+                push_json_str(&mut out, level_name(record.level()));
                 out.push_str(",\"msg\":");
-                push_json(&mut out, &msg);
+                push_json_str(&mut out, &msg);
                 for (k, v) in &fields.0 {
                     if matches!(k.as_str(), "ts" | "level" | "msg") {
                         continue;
                     }
                     out.push(',');
-                    push_json(&mut out, k);
+                    push_json_str(&mut out, k);
                     out.push(':');
-                    push_json(&mut out, v);
+                    push_json_str(&mut out, v);
                 }
                 out.push('}');
             }
@@ -191,24 +192,6 @@ fn push_text(out: &mut String, s: &str) {
             c => out.push(c),
         }
     }
-}
-
-fn push_json(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 || c == '\u{7f}' => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]

@@ -12,17 +12,16 @@ use amp_broker::broker::binding;
 use amp_broker::jetstream::Context;
 use amp_broker::jetstream::consumer::{ConsumerAction, ConsumerConfig};
 use amp_broker::nats::{Client as NatsClient, Options};
-use amp_broker::nkeys::{KeyKind, KeyPair};
-use common::amp::{Broker, Client, token_hash};
+use common::amp::{Broker, CalloutServer, Client, token_hash};
 use common::python::Py;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(15);
 
 struct World {
-    nats: common::NatsServer,
+    // Dropped after the broker that answers its callout.
     broker: Broker,
-    broker_key: KeyPair,
+    callout: CalloutServer,
 }
 
 fn participant(perms: Value) -> Value {
@@ -30,13 +29,7 @@ fn participant(perms: Value) -> Value {
 }
 
 fn world() -> World {
-    let broker_key = KeyPair::generate(KeyKind::User).expect("key");
-    let account = KeyPair::generate(KeyKind::Account).expect("key");
-    let nats = common::NatsServer::with_config(&format!(
-        "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n",
-        b = broker_key.public_key(),
-        a = account.public_key()
-    ));
+    let callout = CalloutServer::start();
     let mut participants = serde_json::Map::new();
     for (name, perms) in [
         (
@@ -60,26 +53,8 @@ fn world() -> World {
         "participants": participants,
         "jobs": {"render": {}},
     }}});
-    let dir = tempfile::tempdir().expect("dir");
-    let broker_seed = dir.path().join("broker.seed");
-    let issuer_seed = dir.path().join("issuer.seed");
-    std::fs::write(&broker_seed, broker_key.seed()).expect("write");
-    std::fs::write(&issuer_seed, account.seed()).expect("write");
-    let broker = Broker::start_with(
-        &nats.url(),
-        &config,
-        &[
-            "--nats-nkey",
-            &broker_seed.display().to_string(),
-            "--issuer-seed-file",
-            &issuer_seed.display().to_string(),
-        ],
-    );
-    World {
-        nats,
-        broker,
-        broker_key,
-    }
+    let broker = callout.broker(&config, &[]);
+    World { broker, callout }
 }
 
 /// A running `tests/interop/access_probe.py`.
@@ -114,8 +89,8 @@ impl Seen {
 
 impl World {
     fn observer(&self) -> NatsClient {
-        let options = Options::new(&self.nats.url())
-            .with_nkey_seed(&self.broker_key.seed())
+        let options = Options::new(&self.callout.nats.url())
+            .with_nkey_seed(&self.callout.broker_key.seed())
             .expect("seed");
         NatsClient::connect(options).expect("observer connects")
     }
@@ -125,7 +100,7 @@ impl World {
     fn probe(&self, name: &str, steps: Value) -> Probe {
         let done = format!("_INBOX_acme_{name}.done");
         let mut spec = json!({
-            "url": self.nats.url(),
+            "url": self.callout.nats.url(),
             "user": format!("acme/{name}"),
             "password": format!("{name}-token"),
             "inbox_prefix": format!("_INBOX_acme_{name}"),

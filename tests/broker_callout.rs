@@ -9,36 +9,17 @@ use std::time::Duration;
 use amp_broker::broker::scoped_jwt;
 use amp_broker::nats::{Client as NatsClient, Event, Options};
 use amp_broker::nkeys::{KeyKind, KeyPair};
-use common::amp::{Broker, Client, open_config};
+use common::amp::{CalloutServer, Client, open_config};
 use serde_json::json;
 
 #[test]
 fn the_broker_answers_the_auth_callout_and_hello_returns_a_scoped_jwt() {
-    let broker_key = KeyPair::generate(KeyKind::User).expect("key");
-    let account = KeyPair::generate(KeyKind::Account).expect("key");
-    let nats = common::NatsServer::with_config(&format!(
-        "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n",
-        b = broker_key.public_key(),
-        a = account.public_key()
-    ));
-    let dir = tempfile::tempdir().expect("dir");
-    let broker_seed = dir.path().join("broker.seed");
-    let issuer_seed = dir.path().join("issuer.seed");
-    std::fs::write(&broker_seed, broker_key.seed()).expect("write");
-    std::fs::write(&issuer_seed, account.seed()).expect("write");
+    let callout = CalloutServer::start();
+    let (nats, account) = (&callout.nats, &callout.account);
     let mut config = open_config(&["a"]);
     config["namespaces"]["acme"]["participants"]["a"]["permissions"]["publish"] =
         json!(["orders.*"]);
-    let broker = Broker::start_with(
-        &nats.url(),
-        &config,
-        &[
-            "--nats-nkey",
-            &broker_seed.display().to_string(),
-            "--issuer-seed-file",
-            &issuer_seed.display().to_string(),
-        ],
-    );
+    let broker = callout.broker(&config, &[]);
 
     let mut c = Client::connect(&broker);
     let ok = c.request(
@@ -113,40 +94,10 @@ fn forged_request(server: &KeyPair, user: &str, pass: &str) -> Vec<u8> {
         .into_bytes()
 }
 
-fn callout_broker(
-    nats: &common::NatsServer,
-    broker_key: &KeyPair,
-    account: &KeyPair,
-    pin: &str,
-) -> Broker {
-    let dir = tempfile::tempdir().expect("dir");
-    let broker_seed = dir.path().join("broker.seed");
-    let issuer_seed = dir.path().join("issuer.seed");
-    std::fs::write(&broker_seed, broker_key.seed()).expect("write");
-    std::fs::write(&issuer_seed, account.seed()).expect("write");
-    Broker::start_with(
-        &nats.url(),
-        &open_config(&["a"]),
-        &[
-            "--nats-nkey",
-            &broker_seed.display().to_string(),
-            "--issuer-seed-file",
-            &issuer_seed.display().to_string(),
-            "--callout-server-key",
-            pin,
-        ],
-    )
-}
-
 #[test]
 fn the_callout_answers_only_requests_signed_by_the_pinned_server_key() {
-    let broker_key = KeyPair::generate(KeyKind::User).expect("key");
-    let account = KeyPair::generate(KeyKind::Account).expect("key");
-    let nats = common::NatsServer::with_config(&format!(
-        "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n",
-        b = broker_key.public_key(),
-        a = account.public_key()
-    ));
+    let callout = CalloutServer::start();
+    let (nats, broker_key) = (&callout.nats, &callout.broker_key);
     // An operator learns the key to pin from the server's INFO: its server_id is the
     // server's public NKey, the `iss` of every callout request it signs.
     let options = Options::new(&nats.url())
@@ -167,7 +118,7 @@ fn the_callout_answers_only_requests_signed_by_the_pinned_server_key() {
     let other_key = KeyPair::generate(KeyKind::Server)
         .expect("key")
         .public_key();
-    let mut wrong_pin = callout_broker(&nats, &broker_key, &account, &other_key);
+    let mut wrong_pin = callout.broker(&open_config(&["a"]), &["--callout-server-key", &other_key]);
     assert!(
         NatsClient::connect(participant()).is_err(),
         "a broker pinned to another server key does not answer this server"
@@ -181,7 +132,7 @@ fn the_callout_answers_only_requests_signed_by_the_pinned_server_key() {
     );
     wrong_pin.kill();
 
-    let _pinned = callout_broker(&nats, &broker_key, &account, &server_key);
+    let _pinned = callout.broker(&open_config(&["a"]), &["--callout-server-key", &server_key]);
     NatsClient::connect(participant()).expect("the pinned server's requests are answered");
 
     // nats-server itself refuses client publishes on the callout subject, so forged and

@@ -91,7 +91,10 @@ pub fn error(re: Option<&str>, err: &AmpError) -> String {
     w.finish()
 }
 
-fn push_json_str(out: &mut String, s: &str) {
+/// `s` as a JSON string. DEL is escaped too (valid JSON either way), so the same text is
+/// safe in a log line read on a terminal.
+pub(crate) fn push_json_str(out: &mut String, s: &str) {
+    use std::fmt::Write;
     out.push('"');
     for c in s.chars() {
         match c {
@@ -100,8 +103,8 @@ fn push_json_str(out: &mut String, s: &str) {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                out.push_str(&format!("\\u{:04x}", c as u32));
+            c if u32::from(c) < 0x20 || c == '\u{7f}' => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
             }
             c => out.push(c),
         }

@@ -399,3 +399,54 @@ impl Client {
         f["code"].as_u64().and_then(|c| u16::try_from(c).ok())
     }
 }
+
+/// nats-server with `auth_callout` whose auth user is the broker's NKey, and the flags
+/// that make the broker binary the callout and the issuer of scoped JWTs.
+pub struct CalloutServer {
+    pub nats: super::NatsServer,
+    pub broker_key: amp_broker::nkeys::KeyPair,
+    pub account: amp_broker::nkeys::KeyPair,
+    dir: tempfile::TempDir,
+}
+
+impl CalloutServer {
+    pub fn start() -> CalloutServer {
+        use amp_broker::nkeys::{KeyKind, KeyPair};
+        let broker_key = KeyPair::generate(KeyKind::User).expect("key");
+        let account = KeyPair::generate(KeyKind::Account).expect("key");
+        let nats = super::NatsServer::with_config(&format!(
+            "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n",
+            b = broker_key.public_key(),
+            a = account.public_key()
+        ));
+        let dir = tempfile::tempdir().expect("dir");
+        std::fs::write(dir.path().join("broker.seed"), broker_key.seed()).expect("write");
+        std::fs::write(dir.path().join("issuer.seed"), account.seed()).expect("write");
+        CalloutServer {
+            nats,
+            broker_key,
+            account,
+            dir,
+        }
+    }
+
+    /// `--nats-nkey` and `--issuer-seed-file` for the broker, then `extra`.
+    pub fn broker_args(&self, extra: &[&str]) -> Vec<String> {
+        let seed = |name: &str| self.dir.path().join(name).display().to_string();
+        let mut args = vec![
+            "--nats-nkey".to_string(),
+            seed("broker.seed"),
+            "--issuer-seed-file".to_string(),
+            seed("issuer.seed"),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// The broker binary as this server's callout, with `config`.
+    pub fn broker(&self, config: &Value, extra: &[&str]) -> Broker {
+        let args = self.broker_args(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Broker::start_with(&self.nats.url(), config, &args)
+    }
+}
