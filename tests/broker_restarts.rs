@@ -52,7 +52,12 @@ fn sessions_survive_a_nats_restart_and_requests_during_the_outage_are_unavailabl
             bodies.push(m["body"].clone());
         }
     }
-    assert_eq!(bodies, [json!("during"), json!("after")]);
+    assert_eq!(
+        bodies,
+        [json!("during"), json!("after")],
+        "broker log:\n{}",
+        broker.log()
+    );
 
     let published = a.request(json!({"op":"publish","topic":"news.x","body":1}));
     assert_eq!(published["op"], "ok", "{published}");

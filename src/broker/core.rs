@@ -201,7 +201,13 @@ enum Timer {
     HelloTimeout(SessionId),
     RegistryRefresh(String),
     PullCheck(PullOwner),
+    /// The inbox consumer request of a present participant was lost (NATS went away
+    /// while it was in flight): ask again, or its inbox is never read.
+    InboxConsumerRetry(String),
 }
+
+/// How long after a lost inbox consumer request it is sent again.
+const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
 
 pub struct Broker {
     config: Config,
@@ -861,9 +867,16 @@ impl Broker {
             }
             Err(e) => {
                 log::warn!(participant:% = format_args!("{ns}/{name}"); "inbox consumer request failed: {e}"
-                )
+                );
+                self.retry_inbox_consumer(participant_key(ns, name), now);
             }
         }
+    }
+
+    fn retry_inbox_consumer(&mut self, participant: String, now: Instant) {
+        let at = crate::deadline::after(now, INBOX_CONSUMER_RETRY);
+        self.timers
+            .push(Reverse((at, Timer::InboxConsumerRetry(participant))));
     }
 
     fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
@@ -1276,7 +1289,8 @@ impl Broker {
                     }
                     Err(e) => {
                         log::warn!(participant:% = participant; "inbox consumer request failed: {e}"
-                        )
+                        );
+                        self.retry_inbox_consumer(participant, now);
                     }
                 }
             }
@@ -1373,6 +1387,16 @@ impl Broker {
                     {
                         let (ns, name) = (ns.to_string(), name.to_string());
                         self.registry_put(conn, &ns, &name, now);
+                    }
+                }
+                Timer::InboxConsumerRetry(key) => {
+                    let unread = self
+                        .presence
+                        .get(&key)
+                        .is_some_and(|p| p.inbox.sid().is_none());
+                    if let Some((ns, name)) = key.split_once('/').filter(|_| unread) {
+                        let (ns, name) = (ns.to_string(), name.to_string());
+                        self.ensure_inbox_consumer(conn, &ns, &name, now);
                     }
                 }
                 Timer::PullCheck(owner) => {
