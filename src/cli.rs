@@ -26,6 +26,15 @@ serve flags (each also read from the environment, see below):
                          before each acknowledgement (faster; an OS crash can lose acknowledged
                          messages)
   --nats-server PATH     the nats-server binary to run (default: the one on PATH)
+  --js-max-memory SIZE   embedded nats-server: JetStream max_memory_store (default 64MiB;
+                         SIZE is bytes or a number with KiB, MiB or GiB)
+  --js-max-file SIZE     embedded nats-server: JetStream max_file_store (default 1GiB)
+  --nats-mem-limit SIZE  embedded nats-server: GOMEMLIMIT of the child (default 256MiB)
+  --leaf-remote URL      embedded nats-server: connect as a leaf node to this hub
+                         (nats-leaf://[user:password@]host:port)
+  --leaf-creds FILE      .creds file for the leaf connection
+  --js-domain NAME       embedded nats-server: its JetStream domain (default with
+                         --leaf-remote: the broker id)
   --broker-id ID         this broker's id in challenges and registry entries (default: random)
   --replicas N           JetStream replicas for the streams the broker creates (default 1)
   --issuer-seed-file F   an NATS account seed (SA...): hello returns a scoped user JWT signed by
@@ -127,6 +136,10 @@ pub struct ServeArgs {
     pub data_dir: PathBuf,
     pub sync: bool,
     pub nats_server: Option<PathBuf>,
+    pub sizing: crate::broker::embedded::Sizing,
+    pub leaf_remote: Option<String>,
+    pub leaf_creds: Option<PathBuf>,
+    pub js_domain: Option<String>,
     pub broker_id: Option<String>,
     pub replicas: u32,
     pub issuer_seed_file: Option<PathBuf>,
@@ -148,6 +161,10 @@ impl Default for ServeArgs {
             data_dir: PathBuf::from("amp-data"),
             sync: true,
             nats_server: None,
+            sizing: crate::broker::embedded::Sizing::default(),
+            leaf_remote: None,
+            leaf_creds: None,
+            js_domain: None,
             broker_id: None,
             replicas: 1,
             issuer_seed_file: None,
@@ -180,6 +197,12 @@ const FLAGS: &[(&str, Kind)] = &[
     ("--data-dir", Kind::Value),
     ("--no-sync", Kind::Switch),
     ("--nats-server", Kind::Value),
+    ("--js-max-memory", Kind::Value),
+    ("--js-max-file", Kind::Value),
+    ("--nats-mem-limit", Kind::Value),
+    ("--leaf-remote", Kind::Value),
+    ("--leaf-creds", Kind::Value),
+    ("--js-domain", Kind::Value),
     ("--broker-id", Kind::Value),
     ("--replicas", Kind::Value),
     ("--issuer-seed-file", Kind::Value),
@@ -338,6 +361,28 @@ fn parse_serve(mut args: impl Iterator<Item = String>, env: &Env) -> Result<Comm
         apply(&mut serve, flag, value.as_deref()).map_err(|e| format!("{flag}: {e}"))?;
     }
 
+    if !serve.nats.is_empty() {
+        let embedded_only = [
+            ("--leaf-remote", serve.leaf_remote.is_some()),
+            ("--leaf-creds", serve.leaf_creds.is_some()),
+            ("--js-domain", serve.js_domain.is_some()),
+        ];
+        if let Some((flag, _)) = embedded_only.iter().find(|(_, set)| *set) {
+            return Err(format!(
+                "{flag} configures the embedded nats-server; with --nats configure the server itself"
+            ));
+        }
+    }
+    if serve.nats.is_empty() && (serve.nats_creds.is_some() || serve.nats_nkey.is_some()) {
+        return Err(
+            "--nats-creds and --nats-nkey are for --nats servers; the embedded one gets a \
+             credential generated at start"
+                .to_string(),
+        );
+    }
+    if serve.leaf_creds.is_some() && serve.leaf_remote.is_none() {
+        return Err("--leaf-creds needs --leaf-remote".to_string());
+    }
     if serve.config.is_none() && !serve.listen.ip().is_loopback() {
         return Err(
             "development mode (no --config) listens on loopback addresses only".to_string(),
@@ -376,6 +421,20 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
         "--data-dir" => serve.data_dir = PathBuf::from(v),
         "--no-sync" => serve.sync = false,
         "--nats-server" => serve.nats_server = Some(PathBuf::from(v)),
+        "--js-max-memory" => serve.sizing.max_memory_store = parse_size(v)?,
+        "--js-max-file" => serve.sizing.max_file_store = parse_size(v)?,
+        "--nats-mem-limit" => serve.sizing.go_mem_limit = parse_size(v)?,
+        "--leaf-remote" => {
+            check_leaf_url(v)?;
+            serve.leaf_remote = Some(v.to_string());
+        }
+        "--leaf-creds" => serve.leaf_creds = Some(PathBuf::from(v)),
+        "--js-domain" => {
+            if !crate::broker::config::is_name(v) {
+                return Err(format!("`{v}` must be 1-64 of A-Z a-z 0-9 _ -"));
+            }
+            serve.js_domain = Some(v.to_string());
+        }
         "--broker-id" => {
             if !crate::broker::config::is_name(v) {
                 return Err(format!("`{v}` must be 1-64 of A-Z a-z 0-9 _ -"));
@@ -409,6 +468,45 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
             };
         }
         other => return Err(format!("unknown flag `{other}`")),
+    }
+    Ok(())
+}
+
+/// Sizes from 1 MiB to 1 TiB: bytes, or a number followed by KiB, MiB or GiB (K, M, G and
+/// KB, MB, GB mean the same binary units, as in nats-server's own configuration).
+fn parse_size(v: &str) -> Result<u64, String> {
+    let digits = v.bytes().take_while(u8::is_ascii_digit).count();
+    let (number, unit) = v.split_at(digits);
+    let scale: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("`{v}`: the unit must be KiB, MiB or GiB")),
+    };
+    let bytes = number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|b| (1 << 20..=1 << 40).contains(b));
+    bytes.ok_or_else(|| format!("`{v}` must be a size from 1MiB to 1024GiB"))
+}
+
+/// A hub address the embedded server can dial as a leaf node. TLS (`tls://`) waits for
+/// the leaf link's TLS options.
+fn check_leaf_url(v: &str) -> Result<(), String> {
+    let rest = v
+        .strip_prefix("nats-leaf://")
+        .or_else(|| v.strip_prefix("nats://"))
+        .ok_or_else(|| format!("`{v}` must be nats-leaf://[user:password@]host:port"))?;
+    let host_port = rest.rsplit('@').next().unwrap_or(rest);
+    let port_ok = host_port
+        .rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+    if !port_ok || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "`{v}` must be nats-leaf://[user:password@]host:port"
+        ));
     }
     Ok(())
 }
@@ -625,10 +723,34 @@ mod tests {
             ("AMP_LOG_FORMAT", "json"),
             ("AMP_DRAIN_TIMEOUT", "5"),
         ];
-        assert_eq!(env.len(), FLAGS.len());
+        // The embedded server's own flags cannot go with AMP_NATS.
+        let embedded = [
+            ("AMP_JS_MAX_MEMORY", "32MiB"),
+            ("AMP_JS_MAX_FILE", "2GiB"),
+            ("AMP_NATS_MEM_LIMIT", "100M"),
+            ("AMP_LEAF_REMOTE", "nats-leaf://leaf:pw@hub.example:7422"),
+            ("AMP_LEAF_CREDS", "leaf.creds"),
+            ("AMP_JS_DOMAIN", "site1"),
+        ];
+        assert_eq!(env.len() + embedded.len(), FLAGS.len());
         for (flag, _) in FLAGS {
-            assert!(env.iter().any(|(var, _)| *var == env_name(flag)), "{flag}");
+            assert!(
+                env.iter()
+                    .chain(&embedded)
+                    .any(|(var, _)| *var == env_name(flag)),
+                "{flag}"
+            );
         }
+        let e = serve("serve", &embedded);
+        assert_eq!(e.sizing.max_memory_store, 32 << 20);
+        assert_eq!(e.sizing.max_file_store, 2 << 30);
+        assert_eq!(e.sizing.go_mem_limit, 100 << 20);
+        assert_eq!(
+            e.leaf_remote.as_deref(),
+            Some("nats-leaf://leaf:pw@hub.example:7422")
+        );
+        assert_eq!(e.leaf_creds, Some(PathBuf::from("leaf.creds")));
+        assert_eq!(e.js_domain.as_deref(), Some("site1"));
         let s = serve("serve", &env);
         assert_eq!(s.listen, "0.0.0.0:9000".parse().expect("addr"));
         assert_eq!(s.config, Some(PathBuf::from("c.json")));
@@ -848,6 +970,22 @@ mod tests {
         );
         assert!(parse_str("serve --listen 0.0.0.0:1").is_err_and(|e| e.contains("loopback")));
         assert!(parse_str("frobnicate").is_err());
+        for bad in [
+            "serve --js-max-memory 1000",
+            "serve --js-max-memory 2TiB",
+            "serve --js-max-file 5XB",
+            "serve --nats-mem-limit -1",
+            "serve --leaf-remote hub:7422",
+            "serve --leaf-remote nats-leaf://hub",
+            "serve --leaf-remote tls://hub:7422",
+            "serve --js-domain a.b",
+            "serve --leaf-creds x.creds",
+            "serve --nats nats://a:4222 --leaf-remote nats-leaf://hub:7422",
+            "serve --nats nats://a:4222 --js-domain d",
+            "serve --nats-nkey x.nk",
+        ] {
+            assert!(parse_str(bad).is_err(), "{bad}");
+        }
         assert!(parse_str("keygen extra").is_err());
         assert_eq!(parse_str("keygen"), Ok(Command::Keygen));
     }

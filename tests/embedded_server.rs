@@ -4,7 +4,11 @@ use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use amp_broker::broker::embedded::{Durability, EmbeddedOptions, EmbeddedServer};
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+
+use amp_broker::broker::embedded::{EmbeddedOptions, EmbeddedServer};
+use amp_broker::nats;
 
 fn info_line(url: &str) -> String {
     let addr = url.trim_start_matches("nats://");
@@ -27,10 +31,8 @@ fn pid_alive(pid: u32) -> bool {
 fn embedded_server_runs_jetstream_is_restarted_after_a_crash_and_stops_on_request() {
     let dir = tempfile::tempdir().expect("data dir");
     let mut server = EmbeddedServer::start(EmbeddedOptions {
-        binary: common::nats_server_bin(),
-        data_dir: dir.path().to_path_buf(),
-        durability: Durability::Always,
         ready_timeout: Duration::from_secs(20),
+        ..EmbeddedOptions::new(common::nats_server_bin(), dir.path().to_path_buf())
     })
     .expect("embedded nats-server starts");
     assert!(info_line(&server.url()).contains("\"jetstream\":true"));
@@ -65,12 +67,91 @@ fn embedded_server_runs_jetstream_is_restarted_after_a_crash_and_stops_on_reques
 fn embedded_server_reports_a_binary_that_cannot_start() {
     let dir = tempfile::tempdir().expect("data dir");
     let err = EmbeddedServer::start(EmbeddedOptions {
-        binary: dir.path().join("no-such-nats-server"),
-        data_dir: dir.path().to_path_buf(),
-        durability: Durability::Always,
         ready_timeout: Duration::from_secs(5),
+        ..EmbeddedOptions::new(
+            dir.path().join("no-such-nats-server"),
+            dir.path().to_path_buf(),
+        )
     })
     .err()
     .expect("start fails");
     assert!(err.to_string().contains("no-such-nats-server"), "{err}");
+}
+
+/// What a local process gets after CONNECT `connect` and PING: the first line after INFO.
+fn answer_to_connect(url: &str, connect: &str) -> String {
+    let addr = url.trim_start_matches("nats://");
+    let mut stream = TcpStream::connect(addr).expect("connect to the embedded server");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let mut info = String::new();
+    reader.read_line(&mut info).expect("INFO");
+    assert!(info.starts_with("INFO "), "{info}");
+    stream
+        .write_all(format!("CONNECT {connect}\r\nPING\r\n").as_bytes())
+        .expect("write");
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("answer");
+    line
+}
+
+#[test]
+fn embedded_server_refuses_local_clients_without_the_generated_credential() {
+    let dir = tempfile::tempdir().expect("data dir");
+    let server = EmbeddedServer::start(EmbeddedOptions {
+        ready_timeout: Duration::from_secs(20),
+        ..EmbeddedOptions::new(common::nats_server_bin(), dir.path().to_path_buf())
+    })
+    .expect("embedded nats-server starts");
+
+    for connect in [
+        r#"{"verbose":false}"#,
+        r#"{"verbose":false,"user":"broker","pass":"broker"}"#,
+        r#"{"verbose":false,"auth_token":"anything"}"#,
+    ] {
+        let answer = answer_to_connect(&server.url(), connect);
+        assert!(
+            answer.starts_with("-ERR 'Authorization Violation'"),
+            "{connect}: {answer}"
+        );
+    }
+    // Another NKey cannot sign for the broker's.
+    let other =
+        amp_broker::nkeys::KeyPair::generate(amp_broker::nkeys::KeyKind::User).expect("key");
+    let stranger = nats::Options::parse_servers(&server.url())
+        .expect("url")
+        .with_nkey_seed(&other.seed())
+        .expect("seed");
+    assert!(nats::Client::connect(stranger).is_err());
+
+    let file = server.credential_path();
+    let mode = std::fs::metadata(&file)
+        .expect("credential file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "{}", file.display());
+    let conf = dir.path().join("nats-server.conf");
+    let mode = std::fs::metadata(&conf)
+        .expect("config")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let seed = std::fs::read_to_string(&file).expect("read seed");
+    assert_eq!(seed.trim(), server.nkey_seed());
+
+    let broker = nats::Options::parse_servers(&server.url())
+        .expect("url")
+        .with_nkey_seed(seed.trim())
+        .expect("seed");
+    let mut client = nats::Client::connect(broker).expect("the broker's credential is accepted");
+    let reply = client
+        .request("$JS.API.INFO", None, b"", Duration::from_secs(5))
+        .expect("JetStream answers the broker");
+    assert!(
+        String::from_utf8_lossy(&reply.payload).contains("account_info_response"),
+        "{:?}",
+        String::from_utf8_lossy(&reply.payload)
+    );
 }

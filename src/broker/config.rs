@@ -8,6 +8,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::jetstream::ApiPrefix;
+
 /// A validated configuration.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -94,6 +96,30 @@ pub struct Namespace {
     /// permissions. Development mode uses it; in production every participant is listed.
     #[serde(default)]
     pub open: Option<Participant>,
+    /// The JetStream domain that holds this namespace's streams, consumers and buckets,
+    /// used through `$JS.<domain>.API`; `None`: the JetStream the broker is connected to.
+    #[serde(default)]
+    pub jetstream_domain: Option<String>,
+}
+
+impl Namespace {
+    /// Where this namespace's JetStream API lives.
+    pub fn js_api(&self) -> ApiPrefix {
+        self.jetstream_domain
+            .as_deref()
+            .and_then(|d| ApiPrefix::domain(d).ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Config {
+    /// The JetStream API of namespace `ns` (the local one for an unknown namespace).
+    pub fn js_api(&self, ns: &str) -> ApiPrefix {
+        self.namespaces
+            .get(ns)
+            .map(Namespace::js_api)
+            .unwrap_or_default()
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -419,6 +445,9 @@ impl Config {
             }
             if let Some(open) = &ns.open {
                 open.validate(&format!("{at}.open"))?;
+            }
+            if let Some(domain) = &ns.jetstream_domain {
+                check_name(&format!("{at}.jetstream_domain"), domain)?;
             }
         }
         Ok(())

@@ -302,7 +302,7 @@ impl Broker {
         for ns in namespaces {
             let prefix = conn.new_inbox();
             let base = format!("amp_registry_{}_{ns}", self.broker_id);
-            let registry = Registry::new(&ns, &prefix, &base, now)
+            let registry = Registry::new(&ns, self.config.js_api(&ns), &prefix, &base, now)
                 .map_err(|e| format!("registry watch of {ns}: {e}"))?;
             self.registries
                 .insert(ns.clone(), (registry, HashMap::new()));
@@ -551,7 +551,8 @@ impl Broker {
                     binding::inbox_stream(&ns),
                     binding::inbox_consumer(&name),
                     window,
-                ),
+                )
+                .in_domain(self.config.js_api(&ns)),
             });
         presence.sessions.push(session);
         let limits = &self.config.limits;
@@ -849,7 +850,8 @@ impl Broker {
         };
         let config = binding::inbox_consumer_config(ns, name, inbox.ack_wait_s, inbox.inbox_window);
         let subject = format!(
-            "$JS.API.CONSUMER.CREATE.{}.{}.{}",
+            "{}.CONSUMER.CREATE.{}.{}.{}",
+            self.config.js_api(ns).as_str(),
             binding::inbox_stream(ns),
             binding::inbox_consumer(name),
             binding::inbox_subject(ns, name)
@@ -1034,7 +1036,10 @@ impl Broker {
         let ttl = self.config.limits.registry_ttl_s;
         let mut headers = HeaderMap::new();
         let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
-        let subject = format!("$KV.{}.{name}", binding::registry_bucket(ns));
+        let subject = self
+            .config
+            .js_api(ns)
+            .kv_write_subject(&binding::registry_bucket(ns), name);
         match conn.request(
             &subject,
             Some(&headers),
@@ -1060,7 +1065,10 @@ impl Broker {
     fn registry_delete(&mut self, conn: &mut Connection, ns: &str, name: &str) {
         let mut headers = HeaderMap::new();
         let _ = headers.insert("KV-Operation", "DEL");
-        let subject = format!("$KV.{}.{name}", binding::registry_bucket(ns));
+        let subject = self
+            .config
+            .js_api(ns)
+            .kv_write_subject(&binding::registry_bucket(ns), name);
         let _ = conn.publish(&subject, None, Some(&headers), b"");
     }
 

@@ -1,6 +1,13 @@
 //! The `nats-server` child that `serve` runs when no `--nats` URL is given: JetStream on,
 //! store under the data directory, a free loopback port, restarted when it dies and
 //! stopped when the broker exits.
+//!
+//! It is locked down: the only user is an NKey generated at start, whose seed is written
+//! to `<data dir>/broker.nk` (mode 0600) and used by the broker's own connection, so no
+//! other local process can read or write the broker's streams. With an issuer account the
+//! same user is the auth callout's, so participants get their scoped credentials exactly
+//! as on an external server. Optionally it is a leaf node of a hub, with its own
+//! JetStream domain.
 
 use std::io::{self, BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
@@ -9,6 +16,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::deadline::after;
+use crate::nkeys::{KeyKind, KeyPair};
 
 /// How the child's JetStream persists writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,20 +30,82 @@ pub enum Durability {
     Default,
 }
 
+/// How much the child may use. nats-server's own defaults (75% of memory, 1 TB of disk)
+/// suit a dedicated server, not an edge node shared with other programs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizing {
+    /// JetStream `max_memory_store`, bytes.
+    pub max_memory_store: u64,
+    /// JetStream `max_file_store`, bytes.
+    pub max_file_store: u64,
+    /// `GOMEMLIMIT` of the child, bytes: the Go runtime collects harder near it instead
+    /// of growing until the kernel's OOM killer ends JetStream.
+    pub go_mem_limit: u64,
+}
+
+const MIB: u64 = 1024 * 1024;
+
+impl Default for Sizing {
+    fn default() -> Self {
+        Sizing {
+            max_memory_store: 64 * MIB,
+            max_file_store: 1024 * MIB,
+            go_mem_limit: 256 * MIB,
+        }
+    }
+}
+
+/// The hub the child connects to as a leaf node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafRemote {
+    /// `nats-leaf://[user:password@]host:port`.
+    pub url: String,
+    /// A `.creds` file (user JWT and seed) for the leaf connection.
+    pub creds: Option<PathBuf>,
+}
+
 #[derive(Debug, Clone)]
 pub struct EmbeddedOptions {
     pub binary: PathBuf,
     pub data_dir: PathBuf,
     pub durability: Durability,
     pub ready_timeout: Duration,
+    pub sizing: Sizing,
+    /// The JetStream domain (also the server's name); `None` keeps JetStream unnamed.
+    pub domain: Option<String>,
+    pub leaf: Option<LeafRemote>,
+    /// The broker's issuing account (`A...`): the child sends every other client to the
+    /// broker's auth callout.
+    pub callout_issuer: Option<String>,
+}
+
+impl EmbeddedOptions {
+    /// Durable, edge-sized, unnamed, not a leaf node, no callout.
+    pub fn new(binary: PathBuf, data_dir: PathBuf) -> EmbeddedOptions {
+        EmbeddedOptions {
+            binary,
+            data_dir,
+            durability: Durability::Always,
+            ready_timeout: Duration::from_secs(30),
+            sizing: Sizing::default(),
+            domain: None,
+            leaf: None,
+            callout_issuer: None,
+        }
+    }
 }
 
 pub struct EmbeddedServer {
     opts: EmbeddedOptions,
     port: u16,
+    /// The only user the child accepts (besides callout-authorised participants).
+    user: KeyPair,
     child: Option<Child>,
     restarts: u32,
 }
+
+/// Where the broker's NKey seed for the child is kept.
+pub const CREDENTIAL_FILE: &str = "broker.nk";
 
 /// The `nats-server` on PATH, if any.
 pub fn find_binary() -> Option<PathBuf> {
@@ -50,9 +120,12 @@ impl EmbeddedServer {
     pub fn start(opts: EmbeddedOptions) -> io::Result<EmbeddedServer> {
         std::fs::create_dir_all(&opts.data_dir)?;
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let user = KeyPair::generate(KeyKind::User).map_err(|e| io::Error::other(e.to_string()))?;
+        write_private(&opts.data_dir.join(CREDENTIAL_FILE), &user.seed())?;
         let mut server = EmbeddedServer {
             opts,
             port,
+            user,
             child: None,
             restarts: 0,
         };
@@ -62,6 +135,15 @@ impl EmbeddedServer {
 
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The seed of the broker's user (secret; also in [`Self::credential_path`]).
+    pub fn nkey_seed(&self) -> String {
+        self.user.seed()
+    }
+
+    pub fn credential_path(&self) -> PathBuf {
+        self.opts.data_dir.join(CREDENTIAL_FILE)
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -81,7 +163,8 @@ impl EmbeddedServer {
     }
 
     fn spawn(&mut self) -> io::Result<()> {
-        std::fs::write(self.config_path(), config_text(self.port, &self.opts))?;
+        let text = config_text(self.port, &self.user.public_key(), &self.opts);
+        write_private(&self.config_path(), &text)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -89,6 +172,7 @@ impl EmbeddedServer {
         let child = Command::new(&self.opts.binary)
             .arg("-c")
             .arg(self.config_path())
+            .env("GOMEMLIMIT", self.opts.sizing.go_mem_limit.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -183,17 +267,67 @@ impl Drop for EmbeddedServer {
     }
 }
 
-fn config_text(port: u16, opts: &EmbeddedOptions) -> String {
-    let sync = match opts.durability {
-        Durability::Always => "  sync_interval: always\n",
-        Durability::Default => "",
-    };
-    format!(
+/// Creates or truncates `path` readable and writable by this user only. An existing file
+/// is narrowed to 0600 before anything is written to it.
+fn write_private(path: &Path, text: &str) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(text.as_bytes())
+}
+
+fn config_text(port: u16, user: &str, opts: &EmbeddedOptions) -> String {
+    let user = json_string(user);
+    let mut text = format!(
         "# Written by amp-broker for its embedded server; rewritten at every start.\n\
          listen: 127.0.0.1:{port}\n\
-         jetstream {{\n  store_dir: {}\n{sync}}}\n",
+         authorization {{\n  timeout: 3\n  users: [ {{ nkey: {user} }} ]\n"
+    );
+    if let Some(issuer) = &opts.callout_issuer {
+        text.push_str(&format!(
+            "  auth_callout {{\n    issuer: {}\n    auth_users: [ {user} ]\n  }}\n",
+            json_string(issuer)
+        ));
+    }
+    text.push_str("}\n");
+    if let Some(domain) = &opts.domain {
+        // A leaf node's JetStream needs a name that survives restarts.
+        text.push_str(&format!("server_name: {}\n", json_string(domain)));
+    }
+    let s = &opts.sizing;
+    text.push_str(&format!(
+        "jetstream {{\n  store_dir: {}\n  max_memory_store: {}\n  max_file_store: {}\n",
         json_string(&store_dir(&opts.data_dir)),
-    )
+        s.max_memory_store,
+        s.max_file_store
+    ));
+    if let Some(domain) = &opts.domain {
+        text.push_str(&format!("  domain: {}\n", json_string(domain)));
+    }
+    if opts.durability == Durability::Always {
+        text.push_str("  sync_interval: always\n");
+    }
+    text.push_str("}\n");
+    if let Some(leaf) = &opts.leaf {
+        text.push_str(&format!(
+            "leafnodes {{\n  remotes [ {{\n    url: {}\n",
+            json_string(&leaf.url)
+        ));
+        if let Some(creds) = &leaf.creds {
+            text.push_str(&format!(
+                "    credentials: {}\n",
+                json_string(&creds.to_string_lossy())
+            ));
+        }
+        text.push_str("  } ]\n}\n");
+    }
+    text
 }
 
 /// nats-server keeps JetStream data in `<store_dir>/jetstream`.
@@ -210,15 +344,17 @@ fn json_string(s: &str) -> String {
 mod tests {
     use super::*;
 
+    fn opts() -> EmbeddedOptions {
+        EmbeddedOptions::new(
+            PathBuf::from("nats-server"),
+            PathBuf::from("/var/lib/amp \"x\""),
+        )
+    }
+
     #[test]
     fn durable_config_flushes_every_write() {
-        let mut opts = EmbeddedOptions {
-            binary: PathBuf::from("nats-server"),
-            data_dir: PathBuf::from("/var/lib/amp \"x\""),
-            durability: Durability::Always,
-            ready_timeout: Duration::from_secs(1),
-        };
-        let text = config_text(4321, &opts);
+        let mut opts = opts();
+        let text = config_text(4321, "UKEY", &opts);
         assert!(text.contains("listen: 127.0.0.1:4321\n"), "{text}");
         assert!(text.contains("sync_interval: always"), "{text}");
         assert!(
@@ -226,6 +362,40 @@ mod tests {
             "{text}"
         );
         opts.durability = Durability::Default;
-        assert!(!config_text(4321, &opts).contains("sync_interval"));
+        assert!(!config_text(4321, "UKEY", &opts).contains("sync_interval"));
+    }
+
+    #[test]
+    fn config_admits_only_the_broker_user_and_sizes_jetstream_for_an_edge_node() {
+        let text = config_text(4321, "UKEY", &opts());
+        assert!(text.contains(r#"users: [ { nkey: "UKEY" } ]"#), "{text}");
+        assert!(text.contains("max_memory_store: 67108864\n"), "{text}");
+        assert!(text.contains("max_file_store: 1073741824\n"), "{text}");
+        assert!(!text.contains("auth_callout"), "{text}");
+        assert!(!text.contains("leafnodes"), "{text}");
+        assert!(!text.contains("domain"), "{text}");
+    }
+
+    #[test]
+    fn config_names_the_domain_the_leaf_remote_and_the_callout() {
+        let mut opts = opts();
+        opts.domain = Some("site1".to_string());
+        opts.leaf = Some(LeafRemote {
+            url: "nats-leaf://hub:7422".to_string(),
+            creds: Some(PathBuf::from("/etc/amp/leaf.creds")),
+        });
+        opts.callout_issuer = Some("AISSUER".to_string());
+        let text = config_text(4321, "UKEY", &opts);
+        assert!(text.contains("server_name: \"site1\"\n"), "{text}");
+        assert!(text.contains("  domain: \"site1\"\n"), "{text}");
+        assert!(text.contains("url: \"nats-leaf://hub:7422\"\n"), "{text}");
+        assert!(
+            text.contains("credentials: \"/etc/amp/leaf.creds\"\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("issuer: \"AISSUER\"\n    auth_users: [ \"UKEY\" ]"),
+            "{text}"
+        );
     }
 }

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 
 use super::binding;
 use super::config::{Config, Job, Participant};
+use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
 use super::permissions::{self, Action};
 use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
@@ -25,9 +26,8 @@ use crate::amp::reply::{self, FrameWriter};
 use crate::amp::{AmpError, ErrorCode};
 use crate::deadline::{after, secs_as_millis};
 use crate::jetstream::ack::{AckKind, AckMetadata};
-use crate::jetstream::api::{ApiPrefix, check_error};
+use crate::jetstream::api::check_error;
 use crate::jetstream::error::JsError;
-use crate::jetstream::kv::Kv;
 use crate::jetstream::message::Delivery;
 use crate::jetstream::publish::parse_pub_ack;
 use crate::jetstream::pull::{Inbound, PullRequest, classify};
@@ -306,8 +306,8 @@ enum Timer {
 pub struct Jobs {
     broker_id: String,
     jobs: BTreeMap<String, BTreeMap<String, Job>>,
-    kv: Kv,
-    api: ApiPrefix,
+    kv: TaskKv,
+    api: JsApis,
     clock: WallClock,
     workers: HashMap<SessionId, Worker>,
     queues: HashMap<String, JobQueue>,
@@ -405,8 +405,8 @@ impl Jobs {
         now: Instant,
         wall_ms: i64,
     ) -> Result<Jobs, String> {
-        let api = ApiPrefix::default();
-        let kv = Kv::new(api.clone(), binding::TASK_STATE_BUCKET).map_err(|e| e.to_string())?;
+        let api = JsApis::new(config);
+        let kv = TaskKv::new(config).map_err(|e| e.to_string())?;
         Ok(Jobs {
             broker_id: broker_id.to_string(),
             jobs: config
@@ -1042,7 +1042,7 @@ impl Jobs {
         let lease_s = self.job_config(&q.ns, &q.job).lease_s;
         let stream = binding::tasks_stream(&q.ns);
         let config = binding::job_consumer_config(&q.ns, &q.job, lease_s);
-        let subject = self.api.subject(&format!(
+        let subject = self.api.of(&q.ns).subject(&format!(
             "CONSUMER.CREATE.{stream}.{}.{}",
             binding::job_consumer(&q.job),
             binding::job_subject(&q.ns, &q.job)
@@ -1129,7 +1129,7 @@ impl Jobs {
             expires: Some(PULL_EXPIRES),
             ..PullRequest::default()
         };
-        let req = match self.api.pull_next(
+        let req = match self.api.of(&q.ns).pull_next(
             &binding::tasks_stream(&q.ns),
             &binding::job_consumer(&q.job),
             &pull,

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::jetstream::ApiPrefix;
 use crate::nats::{Connection, Sid};
 
 /// A pull request's lifetime; the next one follows when it ends.
@@ -14,6 +15,8 @@ const RETRY_AFTER_NO_RESPONDERS: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 pub struct PullLoop {
+    /// The JetStream API the consumer lives under (`$JS.API` or a domain's).
+    api: ApiPrefix,
     stream: String,
     consumer: String,
     batch: u32,
@@ -42,6 +45,7 @@ pub enum Pulled {
 impl PullLoop {
     pub fn new(stream: String, consumer: String, batch: u32) -> PullLoop {
         PullLoop {
+            api: ApiPrefix::default(),
             stream,
             consumer,
             batch: batch.max(1),
@@ -51,6 +55,12 @@ impl PullLoop {
             until: None,
             armed_at: None,
         }
+    }
+
+    /// The same loop on a consumer in another JetStream domain.
+    pub fn in_domain(mut self, api: ApiPrefix) -> PullLoop {
+        self.api = api;
+        self
     }
 
     pub fn consumer(&self) -> &str {
@@ -83,8 +93,10 @@ impl PullLoop {
             return None;
         }
         let subject = format!(
-            "$JS.API.CONSUMER.MSG.NEXT.{}.{}",
-            self.stream, self.consumer
+            "{}.CONSUMER.MSG.NEXT.{}.{}",
+            self.api.as_str(),
+            self.stream,
+            self.consumer
         );
         let body = format!(
             r#"{{"batch":{},"expires":{},"idle_heartbeat":{}}}"#,

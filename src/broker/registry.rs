@@ -40,11 +40,12 @@ impl Registry {
     /// consumer name prefix (both per broker and namespace).
     pub fn new(
         ns: &str,
+        api: ApiPrefix,
         deliver_prefix: &str,
         consumer_base: &str,
         now: Instant,
     ) -> Result<Registry, JsError> {
-        let kv = Kv::new(ApiPrefix::new(), &binding::registry_bucket(ns))?;
+        let kv = Kv::new(api, &binding::registry_bucket(ns))?;
         let watcher = KvWatcher::new(
             kv,
             WatchOptions::default(),

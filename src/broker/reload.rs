@@ -53,6 +53,9 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         if before.topics != ns.topics {
             changed.push(format!("namespaces.{name}.topics"));
         }
+        if before.jetstream_domain != ns.jetstream_domain {
+            changed.push(format!("namespaces.{name}.jetstream_domain"));
+        }
     }
     changed
 }

@@ -59,6 +59,20 @@ impl ApiPrefix {
         &self.prefix
     }
 
+    /// Where a write of `key` in `bucket` is published. A bucket in another domain is
+    /// written through that domain's prefix (`$JS.<domain>.API.$KV.<bucket>.<key>`, which
+    /// nats-server forwards to the domain and stores under the plain key subject): plain
+    /// `$KV.>` subjects do not cross a leaf connection between domains, and a bucket of
+    /// the same name in the local domain would capture them. nats.go does the same.
+    pub fn kv_write_subject(&self, bucket: &str, key: &str) -> String {
+        let plain = format!("$KV.{bucket}.{key}");
+        if self.prefix == DEFAULT_API_PREFIX {
+            plain
+        } else {
+            self.subject(&plain)
+        }
+    }
+
     /// `<prefix>.<suffix>`.
     pub fn subject(&self, suffix: &str) -> String {
         let mut s = String::with_capacity(self.prefix.len() + 1 + suffix.len());

@@ -303,6 +303,12 @@ impl Kv {
         Ok(format!("{}{key}", self.prefix))
     }
 
+    /// Where a write of `key` is published (see [`ApiPrefix::kv_write_subject`]).
+    pub fn write_subject(&self, key: &str) -> Result<String, JsError> {
+        validate_key(key)?;
+        Ok(self.api.kv_write_subject(&self.bucket, key))
+    }
+
     /// `STREAM.INFO.KV_<bucket>`, to bind (reply: [`StreamInfo`]).
     pub fn info_request(&self) -> Result<Request, JsError> {
         self.api.stream_info(&self.stream)
@@ -381,7 +387,7 @@ impl Kv {
             ttl,
             ..PublishOptions::default()
         };
-        publish_request(&self.key_subject(key)?, None, value, &opts)
+        publish_request(&self.write_subject(key)?, None, value, &opts)
     }
 
     /// Writes only if the key has no message at all (`Nats-Expected-Last-Subject-Sequence: 0`).
@@ -429,7 +435,7 @@ impl Kv {
             ttl,
             ..PublishOptions::default()
         };
-        publish_request(&self.key_subject(key)?, None, value, &opts)
+        publish_request(&self.write_subject(key)?, None, value, &opts)
     }
 
     /// A delete marker (`KV-Operation: DEL`), history kept; optionally only if the
@@ -442,7 +448,7 @@ impl Kv {
             expected_last_subject_sequence: revision,
             ..PublishOptions::default()
         };
-        publish_request(&self.key_subject(key)?, Some(&h), b"", &opts)
+        publish_request(&self.write_subject(key)?, Some(&h), b"", &opts)
     }
 
     /// A purge marker (`KV-Operation: PURGE`, `Nats-Rollup: sub`) that drops the
@@ -456,7 +462,7 @@ impl Kv {
             ttl: marker_ttl,
             ..PublishOptions::default()
         };
-        publish_request(&self.key_subject(key)?, Some(&h), b"", &opts)
+        publish_request(&self.write_subject(key)?, Some(&h), b"", &opts)
     }
 
     /// The entry a watch delivery carries.

@@ -81,6 +81,35 @@ impl Broker {
         broker
     }
 
+    /// Starts `amp-broker serve` with its embedded nats-server (store under the broker's
+    /// directory), `--config <config> --listen <free port>`, then `extra`.
+    pub fn start_embedded(config: &Value, extra: &[&str]) -> Broker {
+        let dir = tempfile::tempdir().expect("broker dir");
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, config.to_string()).expect("write config");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let mut args = vec![
+            "serve".to_string(),
+            "--config".to_string(),
+            config_path.display().to_string(),
+            "--listen".to_string(),
+            addr.to_string(),
+            "--data-dir".to_string(),
+            dir.path().join("data").display().to_string(),
+            "--nats-server".to_string(),
+            super::nats_server_bin().display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut broker = Broker {
+            child: None,
+            addr,
+            dir,
+            args,
+        };
+        broker.spawn();
+        broker
+    }
+
     /// Starts a broker that is expected to refuse to start; returns what it said.
     pub fn start_expecting_failure(nats_url: &str, config: &Value) -> String {
         let dir = tempfile::tempdir().expect("broker dir");

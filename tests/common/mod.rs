@@ -5,6 +5,7 @@
 pub mod amp;
 pub mod jobs;
 pub mod python;
+pub mod relay;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
@@ -45,6 +46,8 @@ pub struct NatsServer {
     pub port: u16,
     dir: tempfile::TempDir,
     config: String,
+    /// Extra lines inside the `jetstream { }` block (a domain, limits).
+    js_config: String,
 }
 
 impl NatsServer {
@@ -55,6 +58,11 @@ impl NatsServer {
 
     /// JetStream on, plus `extra` lines of nats-server configuration (auth blocks etc.).
     pub fn with_config(extra: &str) -> NatsServer {
+        NatsServer::with_jetstream("", extra)
+    }
+
+    /// `js` goes inside the `jetstream { }` block, `extra` after it.
+    pub fn with_jetstream(js: &str, extra: &str) -> NatsServer {
         let dir = tempfile::tempdir().expect("temporary store directory");
         let port = free_port();
         let mut server = NatsServer {
@@ -62,6 +70,7 @@ impl NatsServer {
             port,
             dir,
             config: extra.to_string(),
+            js_config: js.to_string(),
         };
         server.spawn();
         server
@@ -87,9 +96,10 @@ impl NatsServer {
         let store = self.dir.path().join("js");
         let conf = self.dir.path().join("server.conf");
         let text = format!(
-            "listen: 127.0.0.1:{}\njetstream {{\n  store_dir: \"{}\"\n}}\n{}\n",
+            "listen: 127.0.0.1:{}\njetstream {{\n  store_dir: \"{}\"\n{}\n}}\n{}\n",
             self.port,
             store.display(),
+            self.js_config,
             self.config
         );
         std::fs::write(&conf, text).expect("write nats-server config");

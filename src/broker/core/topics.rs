@@ -208,7 +208,8 @@ impl Broker {
                 } else {
                     PLAIN_BATCH
                 },
-            ),
+            )
+            .in_domain(self.config.js_api(ns)),
             ns: ns.to_string(),
             owner: name.to_string(),
             filter: filter.clone(),
@@ -224,7 +225,10 @@ impl Broker {
         if f.durable {
             // A durable subscription may already exist: resume it as it is (`from` is then
             // ignored), unless its topic differs.
-            let subject = format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}");
+            let subject = format!(
+                "{}.CONSUMER.INFO.{stream}.{consumer}",
+                self.config.js_api(ns).as_str()
+            );
             match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
                 Ok(req) => {
                     self.await_reply(
@@ -264,7 +268,8 @@ impl Broker {
             return;
         };
         let subject = format!(
-            "$JS.API.CONSUMER.CREATE.{}.{consumer}",
+            "{}.CONSUMER.CREATE.{}.{consumer}",
+            self.config.js_api(&ns).as_str(),
             binding::topics_stream(&ns)
         );
         let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
@@ -340,7 +345,11 @@ impl Broker {
         else {
             return;
         };
-        let subject = format!("$JS.API.CONSUMER.NAMES.{}", binding::topics_stream(&ns));
+        let subject = format!(
+            "{}.CONSUMER.NAMES.{}",
+            self.config.js_api(&ns).as_str(),
+            binding::topics_stream(&ns)
+        );
         let body = json!({"offset": count.offset}).to_string();
         match conn.request(&subject, None, body.as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => self.await_reply(req, now, Pending::DurableCount(count)),
@@ -621,7 +630,8 @@ impl Broker {
             self.routes.remove(&sid);
         }
         let delete = format!(
-            "$JS.API.CONSUMER.DELETE.{}.{}",
+            "{}.CONSUMER.DELETE.{}.{}",
+            self.config.js_api(&t.ns).as_str(),
             binding::topics_stream(&t.ns),
             t.pull.consumer()
         );
@@ -662,7 +672,13 @@ impl Broker {
         if acks.is_empty() {
             return;
         }
-        let subject = format!("$JS.API.CONSUMER.INFO.{stream}.{consumer}");
+        let ns = stream
+            .strip_prefix(&binding::topics_stream(""))
+            .unwrap_or_default();
+        let subject = format!(
+            "{}.CONSUMER.INFO.{stream}.{consumer}",
+            self.config.js_api(ns).as_str()
+        );
         match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
             Ok(req) => self.await_reply(
                 req,
@@ -829,7 +845,8 @@ impl Broker {
         }
         let _ = conn.publish(
             &format!(
-                "$JS.API.CONSUMER.DELETE.{}.{old}",
+                "{}.CONSUMER.DELETE.{}.{old}",
+                self.config.js_api(&ns).as_str(),
                 binding::topics_stream(&ns)
             ),
             None,
@@ -859,14 +876,17 @@ impl Broker {
             config["deliver_policy"] = json!("by_start_sequence");
             config["opt_start_seq"] = json!(last + 1);
         }
+        let api = self.config.js_api(&ns);
         if let Some(t) = self.subscription_mut(session, sub) {
-            t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH);
+            t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH)
+                .in_domain(api);
             t.last_consumer_seq = 0;
         }
         log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription gap; resuming after seq {last}"
         );
         let subject = format!(
-            "$JS.API.CONSUMER.CREATE.{}.{consumer}",
+            "{}.CONSUMER.CREATE.{}.{consumer}",
+            self.config.js_api(&ns).as_str(),
             binding::topics_stream(&ns)
         );
         let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});

@@ -1,0 +1,298 @@
+//! Leaf-node sites: a hub nats-server (JetStream domain `hub`) with its broker, and a site
+//! broker whose embedded nats-server is a leaf node of the hub (domain `site1`) through a
+//! TCP relay the test owns, so the link can be cut and restored. Namespace `fleet` lives
+//! in the hub's domain and is served at both; namespace `local` lives at the site.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::NatsServer;
+use common::amp::{Broker, Client, token_hash};
+use common::relay::Relay;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn participants(names: &[&str]) -> Value {
+    let all = json!([">"]);
+    names
+        .iter()
+        .map(|n| {
+            let p = json!({
+                "token_sha256": token_hash(&format!("{n}-token")),
+                "permissions": {"send": all, "publish": all, "subscribe": all, "submit": all, "serve": all},
+            });
+            (n.to_string(), p)
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
+fn fleet() -> Value {
+    json!({
+        "jetstream_domain": "hub",
+        "participants": participants(&["alice", "bob"]),
+        "jobs": {"render": {"lease_s": 30, "offer_ms": 5000, "max_attempts": 3}},
+        "inbox": {"ack_wait_s": 5},
+    })
+}
+
+fn hub_config() -> Value {
+    json!({"namespaces": {"fleet": fleet()}})
+}
+
+fn site_config() -> Value {
+    json!({"namespaces": {
+        "fleet": fleet(),
+        "local": {"participants": participants(&["carol", "dave"])},
+    }})
+}
+
+/// A hub: JetStream domain `hub`, leaf nodes accepted on a free port.
+fn hub() -> (NatsServer, u16) {
+    let leaf_port = common::free_port();
+    let server = NatsServer::with_jetstream(
+        "  domain: hub",
+        &format!("server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n"),
+    );
+    (server, leaf_port)
+}
+
+fn site_broker(relay: &Relay) -> Broker {
+    Broker::start_embedded(
+        &site_config(),
+        &[
+            "--broker-id",
+            "site1",
+            "--leaf-remote",
+            &format!("nats-leaf://{}", relay.addr()),
+            "--js-domain",
+            "site1",
+        ],
+    )
+}
+
+fn login(broker: &Broker, ns: &str, name: &str) -> Client {
+    Client::login(broker, ns, name, &format!("{name}-token"))
+}
+
+/// Sends until the broker answers `ok` (the leaf link needs a moment after start or
+/// restore); every try uses the same `idem`, so the message is stored once.
+fn send_until_ok(c: &mut Client, to: &str, body: Value, idem: &str) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = c.request(json!({"op":"send","to":to,"body":body,"idem":idem}));
+        if r["op"] == "ok" || Instant::now() >= deadline {
+            return r;
+        }
+        assert_eq!(r["code"], "unavailable", "{r}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Reads and acks messages until `n` arrived or nothing more comes within a second.
+fn receive(c: &mut Client, n: usize) -> Vec<Value> {
+    let mut got = Vec::new();
+    let deadline = Instant::now() + WAIT;
+    while got.len() < n && Instant::now() < deadline {
+        if let Some(m) = c.next_op("message", Duration::from_secs(1)) {
+            c.send(&json!({"op":"ack","seq":m["seq"]}));
+            got.push(m);
+        }
+    }
+    // Anything past n is a duplicate.
+    while let Some(m) = c.next_op("message", Duration::from_secs(1)) {
+        got.push(m);
+    }
+    got
+}
+
+fn names(who: &Value) -> Vec<String> {
+    let mut names: Vec<String> = who["participants"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_leaf_site_serves_fleet_and_local_namespaces_and_rides_out_a_cut_uplink() {
+    let (hub, leaf_port) = hub();
+    let relay = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let hub_broker = Broker::start_with(&hub.url(), &hub_config(), &["--broker-id", "hub"]);
+    let site = site_broker(&relay);
+
+    let mut alice = login(&hub_broker, "fleet", "alice");
+    let mut bob = Client::connect(&site);
+    let ok = bob.request(json!({
+        "op":"hello","ns":"fleet","name":"bob",
+        "auth":{"type":"token","token":"bob-token"},
+        "serve":[{"job":"render","slots":1}]
+    }));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut carol = login(&site, "local", "carol");
+    let mut dave = login(&site, "local", "dave");
+
+    // Fleet traffic crosses the leaf link both ways.
+    let r = send_until_ok(&mut bob, "alice", json!("from the site"), "b1");
+    assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
+    let r = send_until_ok(&mut alice, "bob", json!("from the hub"), "a1");
+    assert_eq!(r["op"], "ok", "{r}");
+    let got = receive(&mut alice, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"], "from the site");
+    assert_eq!(got[0]["from"], "fleet/bob");
+    let got = receive(&mut bob, 1);
+    assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
+    assert_eq!(got[0]["body"], "from the hub");
+
+    // A task submitted at the hub is offered to the worker at the site.
+    let r = alice.request(json!({"op":"submit","job":"render","task":"T1","body":{"frame":1}}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = bob.next_op("offer", WAIT).expect("offer at the site");
+    assert_eq!(offer["task"], "T1", "{offer}");
+    assert_eq!(bob.request(json!({"op":"claim","task":"T1"}))["op"], "ok");
+    assert_eq!(
+        bob.request(json!({"op":"complete","task":"T1","result":"done"}))["op"],
+        "ok"
+    );
+    let result = alice
+        .next_op("message", WAIT)
+        .expect("task_result at the hub");
+    assert_eq!(result["kind"], "task_result", "{result}");
+    alice.send(&json!({"op":"ack","seq":result["seq"]}));
+
+    // Presence of the fleet namespace spans hub and site.
+    let deadline = Instant::now() + WAIT;
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        seen = names(&alice.request(json!({"op":"who"})));
+        if seen == ["alice", "bob"] {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        seen,
+        ["alice", "bob"],
+        "who at the hub\nsite log:\n{}\nhub broker log:\n{}",
+        site.log(),
+        hub_broker.log()
+    );
+    assert_eq!(names(&bob.request(json!({"op":"who"}))), ["alice", "bob"]);
+
+    // The link goes down.
+    relay.cut();
+    let cut_at = Instant::now();
+    let during = loop {
+        let r = bob.request(json!({"op":"send","to":"alice","body":"during","idem":"b2"}));
+        if r["op"] != "ok" || cut_at.elapsed() > WAIT {
+            break r;
+        }
+        // The leaf connection may not have noticed yet: that send was stored at the hub.
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(during["code"], "unavailable", "{during}");
+    let first_unavailable = cut_at.elapsed();
+    assert!(
+        first_unavailable < Duration::from_secs(5),
+        "unavailable after {first_unavailable:?}"
+    );
+    let started = Instant::now();
+    let r = bob.request(json!({"op":"send","to":"alice","body":"during","idem":"b2"}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let r = bob.request(json!({"op":"submit","job":"render","task":"T2","body":1}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    assert_eq!(
+        bob.request(json!({"op":"ping"}))["op"],
+        "ok",
+        "the session stays up"
+    );
+    // The local namespace does not need the hub.
+    assert_eq!(
+        carol.request(json!({"op":"send","to":"dave","body":"offline"}))["op"],
+        "ok"
+    );
+    let got = receive(&mut dave, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"], "offline");
+    // The hub side keeps working too; its message for bob waits in the hub's stream.
+    assert_eq!(
+        alice.request(json!({"op":"send","to":"bob","body":"while cut","idem":"a2"}))["op"],
+        "ok"
+    );
+
+    // The link returns: everything resumes by itself.
+    relay.restore();
+    let restored_at = Instant::now();
+    let r = send_until_ok(&mut bob, "alice", json!("during"), "b2");
+    assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
+    eprintln!(
+        "leaf link: unavailable {:?} after the cut; sends ok {:?} after the restore",
+        first_unavailable,
+        restored_at.elapsed()
+    );
+    let got = receive(&mut bob, 1);
+    assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
+    assert_eq!(got[0]["body"], "while cut");
+    let r = bob.request(json!({"op":"submit","job":"render","task":"T2","body":2}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = bob.next_op("offer", WAIT).expect("offer after the restore");
+    assert_eq!(offer["task"], "T2");
+    let got = receive(&mut alice, 1);
+    let bodies: Vec<&Value> = got.iter().map(|m| &m["body"]).collect();
+    assert_eq!(bodies, [&json!("during")], "stored once");
+}
+
+#[test]
+fn a_site_whose_hub_is_unreachable_at_start_serves_local_namespaces_until_the_hub_appears() {
+    let leaf_port = common::free_port();
+    let relay = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let site = site_broker(&relay);
+
+    let mut carol = login(&site, "local", "carol");
+    let mut dave = login(&site, "local", "dave");
+    assert_eq!(
+        carol.request(json!({"op":"send","to":"dave","body":1}))["op"],
+        "ok"
+    );
+    assert_eq!(receive(&mut dave, 1).len(), 1);
+
+    let mut bob = login(&site, "fleet", "bob");
+    let started = Instant::now();
+    let r = bob.request(json!({"op":"send","to":"alice","body":"early","idem":"e1"}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    // The hub comes up on the port the site dials, with its broker.
+    let hub = NatsServer::with_jetstream(
+        "  domain: hub",
+        &format!("server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n"),
+    );
+    let hub_broker = Broker::start_with(&hub.url(), &hub_config(), &["--broker-id", "hub"]);
+    let mut alice = login(&hub_broker, "fleet", "alice");
+    let r = send_until_ok(&mut bob, "alice", json!("early"), "e1");
+    assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
+    let got = receive(&mut alice, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"], "early");
+    // Bob's inbox, missing when he logged in, is read once the hub is there.
+    assert_eq!(
+        alice.request(json!({"op":"send","to":"bob","body":"welcome"}))["op"],
+        "ok"
+    );
+    let got = receive(&mut bob, 1);
+    assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
+    assert_eq!(got[0]["body"], "welcome");
+}
