@@ -49,14 +49,20 @@ fn site_config() -> Value {
     }})
 }
 
-/// A hub: JetStream domain `hub`, leaf nodes accepted on a free port.
+/// A hub on `leaf_port`: JetStream domain `hub`, leaf nodes only with the leaf password.
+fn hub_on(leaf_port: u16) -> NatsServer {
+    NatsServer::with_jetstream(
+        "  domain: hub",
+        &format!(
+            "server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n  \
+             authorization {{ user: site, password: leaf-secret }}\n}}\n"
+        ),
+    )
+}
+
 fn hub() -> (NatsServer, u16) {
     let leaf_port = common::free_port();
-    let server = NatsServer::with_jetstream(
-        "  domain: hub",
-        &format!("server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n"),
-    );
-    (server, leaf_port)
+    (hub_on(leaf_port), leaf_port)
 }
 
 fn site_broker(relay: &Relay) -> Broker {
@@ -66,7 +72,7 @@ fn site_broker(relay: &Relay) -> Broker {
             "--broker-id",
             "site1",
             "--leaf-remote",
-            &format!("nats-leaf://{}", relay.addr()),
+            &format!("nats-leaf://site:leaf-secret@{}", relay.addr()),
             "--js-domain",
             "site1",
         ],
@@ -276,10 +282,7 @@ fn a_site_whose_hub_is_unreachable_at_start_serves_local_namespaces_until_the_hu
     assert!(started.elapsed() < Duration::from_secs(5));
 
     // The hub comes up on the port the site dials, with its broker.
-    let hub = NatsServer::with_jetstream(
-        "  domain: hub",
-        &format!("server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n"),
-    );
+    let hub = hub_on(leaf_port);
     let hub_broker = Broker::start_with(&hub.url(), &hub_config(), &["--broker-id", "hub"]);
     let mut alice = login(&hub_broker, "fleet", "alice");
     let r = send_until_ok(&mut bob, "alice", json!("early"), "e1");
@@ -295,4 +298,33 @@ fn a_site_whose_hub_is_unreachable_at_start_serves_local_namespaces_until_the_hu
     let got = receive(&mut bob, 1);
     assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
     assert_eq!(got[0]["body"], "welcome");
+}
+
+#[test]
+fn a_leaf_link_without_the_hub_password_is_refused() {
+    let (hub, leaf_port) = hub();
+    let relay = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let _hub_broker = Broker::start_with(&hub.url(), &hub_config(), &["--broker-id", "hub"]);
+    let site = Broker::start_embedded(
+        &site_config(),
+        &[
+            "--broker-id",
+            "site1",
+            "--leaf-remote",
+            &format!("nats-leaf://site:wrong@{}", relay.addr()),
+        ],
+    );
+    assert!(
+        common::wait_until(WAIT, || hub.log().contains("authentication error")),
+        "hub log:\n{}",
+        hub.log()
+    );
+    let mut bob = login(&site, "fleet", "bob");
+    let r = bob.request(json!({"op":"send","to":"alice","body":"x"}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    let mut carol = login(&site, "local", "carol");
+    assert_eq!(
+        carol.request(json!({"op":"send","to":"dave","body":1}))["op"],
+        "ok"
+    );
 }
