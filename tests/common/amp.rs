@@ -110,6 +110,18 @@ impl Broker {
         broker
     }
 
+    /// Starts `amp-broker <args>` as given; `args` must listen on `addr`.
+    pub fn start_raw(args: Vec<String>, addr: SocketAddr) -> Broker {
+        let mut broker = Broker {
+            child: None,
+            addr,
+            dir: tempfile::tempdir().expect("broker dir"),
+            args,
+        };
+        broker.spawn();
+        broker
+    }
+
     /// Starts a broker that is expected to refuse to start; returns what it said.
     pub fn start_expecting_failure(nats_url: &str, config: &Value) -> String {
         let dir = tempfile::tempdir().expect("broker dir");
