@@ -155,3 +155,45 @@ fn embedded_server_refuses_local_clients_without_the_generated_credential() {
         String::from_utf8_lossy(&reply.payload)
     );
 }
+
+/// The embedded server's URL, from the broker's start-up line.
+fn embedded_url(log: &str) -> String {
+    let rest = log
+        .split("embedded nats-server at ")
+        .nth(1)
+        .expect("start-up line");
+    rest.split_whitespace().next().expect("url").to_string()
+}
+
+#[test]
+fn behind_the_lock_participants_still_get_in_through_the_auth_callout() {
+    let dir = tempfile::tempdir().expect("dir");
+    let seed = dir.path().join("issuer.seed");
+    let issuer =
+        amp_broker::nkeys::KeyPair::generate(amp_broker::nkeys::KeyKind::Account).expect("key");
+    std::fs::write(&seed, issuer.seed()).expect("write seed");
+    let broker = common::amp::Broker::start_embedded(
+        &common::amp::open_config(&["bob"]),
+        &["--issuer-seed-file", &seed.display().to_string()],
+    );
+    let url = embedded_url(&broker.log());
+    let conf = std::fs::read_to_string(broker.dir().join("data").join("nats-server.conf"))
+        .expect("embedded config");
+    assert!(conf.contains(&issuer.public_key()), "{conf}");
+
+    let participant = |pass: &str| {
+        nats::Options::parse_servers(&url)
+            .expect("url")
+            .with_user_password("acme/bob", pass)
+            .with_inbox_prefix("_INBOX_acme_bob")
+    };
+    assert!(
+        nats::Client::connect(participant("wrong")).is_err(),
+        "a wrong token is refused by the callout"
+    );
+    let mut bob = nats::Client::connect(participant("bob-token"))
+        .expect("the callout admits bob with his token");
+    // Scoped: bob's own inbox consumer is his to read, JetStream's account info is not.
+    let refused = bob.request("$JS.API.INFO", None, b"", Duration::from_secs(2));
+    assert!(refused.is_err(), "{refused:?}");
+}
