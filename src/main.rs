@@ -207,6 +207,14 @@ fn start_embedded(
              is random and changes at the next start"
         );
     }
+    // nats-server would resolve a relative path against its own working directory.
+    let leaf_creds = match &args.leaf_creds {
+        Some(path) => Some(
+            std::fs::canonicalize(path)
+                .map_err(|e| format!("--leaf-creds {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
     let server = EmbeddedServer::start(EmbeddedOptions {
         durability: if args.sync {
             Durability::Always
@@ -217,7 +225,7 @@ fn start_embedded(
         domain: domain.clone(),
         leaf: args.leaf_remote.as_ref().map(|url| LeafRemote {
             url: url.clone(),
-            creds: args.leaf_creds.clone(),
+            creds: leaf_creds.clone(),
         }),
         callout_issuer: issuer.map(KeyPair::public_key),
         ..EmbeddedOptions::new(binary, args.data_dir.clone())

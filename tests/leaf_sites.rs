@@ -205,9 +205,11 @@ fn a_leaf_site_serves_fleet_and_local_namespaces_and_rides_out_a_cut_uplink() {
         std::thread::sleep(Duration::from_millis(100));
     };
     assert_eq!(during["code"], "unavailable", "{during}");
+    // A request caught in flight by the cut waits for the broker's 5 s JetStream timeout;
+    // requests made while the link is down are answered at once (below).
     let first_unavailable = cut_at.elapsed();
     assert!(
-        first_unavailable < Duration::from_secs(5),
+        first_unavailable < Duration::from_secs(6),
         "unavailable after {first_unavailable:?}"
     );
     let started = Instant::now();

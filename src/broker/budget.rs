@@ -161,6 +161,13 @@ impl KvOp {
                 // Names and values are fixed ASCII and digits: they always encode.
                 let _ = h.insert("Nats-Expected-Last-Subject-Sequence", &revision.to_string());
                 let _ = h.insert("Nats-TTL", &format!("{ttl_s}s"));
+                // In another domain the write goes through its prefix, as every KV write
+                // (see `ApiPrefix::kv_write_subject`).
+                let subject = if api_prefix == crate::jetstream::api::DEFAULT_API_PREFIX {
+                    subject
+                } else {
+                    format!("{api_prefix}.{subject}")
+                };
                 NatsRequest {
                     subject,
                     headers: Some(h),
@@ -725,6 +732,10 @@ mod tests {
         };
         let r = op.request("$JS.API");
         assert_eq!(r.subject, "$KV.AMP_BUDGET.acme.a.3");
+        assert_eq!(
+            op.request("$JS.hub.API").subject,
+            "$JS.hub.API.$KV.AMP_BUDGET.acme.a.3"
+        );
         let h = r.headers.expect("headers");
         assert_eq!(h.get("Nats-Expected-Last-Subject-Sequence"), Some("9"));
         assert_eq!(h.get("Nats-TTL"), Some("120s"));

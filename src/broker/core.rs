@@ -1558,7 +1558,9 @@ impl Broker {
 
     fn drive_budgets(&mut self, conn: &mut Connection, now: Instant) {
         while let Some(op) = self.budgets.poll_op() {
-            let req = op.request(&self.budgets.config().api_prefix);
+            // Keys are `<ns>.<name>.<window>`: a fleet namespace counts in its domain.
+            let ns = op.key.split('.').next().unwrap_or_default();
+            let req = op.request(self.config.js_api(ns).as_str());
             match conn.request(
                 &req.subject,
                 req.headers.as_ref(),

@@ -15,16 +15,16 @@ use crate::nats::Client;
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The streams the configuration needs in one JetStream domain (`None`: the local one),
-/// in creation order. Every domain in use gets its own task store.
+/// in creation order. Every domain in use gets its own task store and budget bucket.
 pub fn desired_streams(
     config: &Config,
     domain: Option<&str>,
     settings: StreamSettings,
 ) -> Vec<Value> {
-    let mut streams = vec![binding::task_state_stream_config(settings)];
-    if domain.is_none() {
-        streams.push(super::budget::budget_stream_config(settings.replicas));
-    }
+    let mut streams = vec![
+        binding::task_state_stream_config(settings),
+        super::budget::budget_stream_config(settings.replicas),
+    ];
     for (ns, n) in &config.namespaces {
         if n.jetstream_domain.as_deref() != domain {
             continue;
