@@ -330,3 +330,44 @@ fn a_leaf_link_without_the_hub_password_is_refused() {
         "ok"
     );
 }
+
+#[test]
+fn a_link_that_dies_silently_is_noticed_by_pings_and_fleet_requests_meanwhile_time_out_as_unavailable()
+ {
+    let (hub, leaf_port) = hub();
+    let relay = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let hub_broker = Broker::start_with(&hub.url(), &hub_config(), &["--broker-id", "hub"]);
+    let site = site_broker(&relay);
+    let mut alice = login(&hub_broker, "fleet", "alice");
+    let mut bob = login(&site, "fleet", "bob");
+    let r = send_until_ok(&mut bob, "alice", json!("before"), "f1");
+    assert_eq!(r["op"], "ok", "{r}");
+    assert_eq!(receive(&mut alice, 1).len(), 1);
+
+    relay.freeze();
+    let frozen_at = Instant::now();
+    // Until the site's pings notice, requests go into the dead link and time out.
+    let mut slowest = Duration::ZERO;
+    let noticed = loop {
+        let started = Instant::now();
+        let r = bob.request(json!({"op":"send","to":"alice","body":"lost?","idem":"f2"}));
+        let took = started.elapsed();
+        slowest = slowest.max(took);
+        assert_eq!(r["code"], "unavailable", "{r}");
+        assert!(took < Duration::from_secs(6), "answered after {took:?}");
+        if took < Duration::from_millis(500) {
+            break frozen_at.elapsed();
+        }
+        assert!(
+            frozen_at.elapsed() < Duration::from_secs(30),
+            "the dead link was not noticed"
+        );
+    };
+    eprintln!("silent link death noticed after {noticed:?}; slowest answer meanwhile {slowest:?}");
+
+    relay.restore();
+    let r = send_until_ok(&mut bob, "alice", json!("lost?"), "f2");
+    assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
+    let got = receive(&mut alice, 1);
+    assert_eq!(got.len(), 1, "stored once: {got:?}");
+}

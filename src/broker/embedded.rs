@@ -315,6 +315,9 @@ fn config_text(port: u16, user: &str, opts: &EmbeddedOptions) -> String {
     }
     text.push_str("}\n");
     if let Some(leaf) = &opts.leaf {
+        // nats-server's default (a ping every 2 minutes, 2 unanswered) would keep a leaf
+        // link that died without a word for minutes; these notice it within ~15 s.
+        text.push_str("ping_interval: \"5s\"\nping_max: 2\n");
         text.push_str(&format!(
             "leafnodes {{\n  remotes [ {{\n    url: {}\n",
             json_string(&leaf.url)
@@ -387,6 +390,10 @@ mod tests {
         opts.callout_issuer = Some("AISSUER".to_string());
         let text = config_text(4321, "UKEY", &opts);
         assert!(text.contains("server_name: \"site1\"\n"), "{text}");
+        assert!(
+            text.contains("ping_interval: \"5s\"\nping_max: 2\n"),
+            "{text}"
+        );
         assert!(text.contains("  domain: \"site1\"\n"), "{text}");
         assert!(text.contains("url: \"nats-leaf://hub:7422\"\n"), "{text}");
         assert!(

@@ -11,6 +11,8 @@ use std::thread::JoinHandle;
 pub struct Relay {
     pub port: u16,
     open: Arc<AtomicBool>,
+    /// Connections stay open but carry nothing: a link that died without a word.
+    frozen: Arc<AtomicBool>,
     stopping: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
     acceptor: Option<JoinHandle<()>>,
@@ -22,11 +24,17 @@ impl Relay {
         let listener = TcpListener::bind("127.0.0.1:0").expect("relay port");
         let port = listener.local_addr().expect("relay addr").port();
         let open = Arc::new(AtomicBool::new(true));
+        let frozen = Arc::new(AtomicBool::new(false));
         let stopping = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let target = target.to_string();
         let acceptor = {
-            let (open, stopping, conns) = (open.clone(), stopping.clone(), conns.clone());
+            let (open, frozen, stopping, conns) = (
+                open.clone(),
+                frozen.clone(),
+                stopping.clone(),
+                conns.clone(),
+            );
             std::thread::spawn(move || {
                 for inbound in listener.incoming() {
                     if stopping.load(Ordering::SeqCst) {
@@ -46,14 +54,15 @@ impl Relay {
                         }
                     }
                     drop(list);
-                    pipe(&inbound, &outbound);
-                    pipe(&outbound, &inbound);
+                    pipe(&inbound, &outbound, &frozen);
+                    pipe(&outbound, &inbound, &frozen);
                 }
             })
         };
         Relay {
             port,
             open,
+            frozen,
             stopping,
             conns,
             acceptor: Some(acceptor),
@@ -74,18 +83,33 @@ impl Relay {
 
     pub fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
+        self.frozen.store(false, Ordering::SeqCst);
+    }
+
+    /// Drops everything in both directions from now on, closing nothing: only the
+    /// endpoints' own pings can tell the link is gone.
+    pub fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
     }
 }
 
-/// Copies `from` to `to` on a thread until either side closes.
-fn pipe(from: &TcpStream, to: &TcpStream) {
+/// Copies `from` to `to` on a thread until either side closes; drops the bytes while
+/// `frozen`.
+fn pipe(from: &TcpStream, to: &TcpStream, frozen: &Arc<AtomicBool>) {
     let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
         return;
     };
+    let frozen = frozen.clone();
     std::thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         while let Ok(n) = from.read(&mut buf) {
-            if n == 0 || to.write_all(&buf[..n]).is_err() {
+            if n == 0 {
+                break;
+            }
+            if frozen.load(Ordering::SeqCst) {
+                continue;
+            }
+            if to.write_all(&buf[..n]).is_err() {
                 break;
             }
         }
