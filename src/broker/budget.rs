@@ -161,15 +161,12 @@ impl KvOp {
                 // Names and values are fixed ASCII and digits: they always encode.
                 let _ = h.insert("Nats-Expected-Last-Subject-Sequence", &revision.to_string());
                 let _ = h.insert("Nats-TTL", &format!("{ttl_s}s"));
-                // In another domain the write goes through its prefix, as every KV write
-                // (see `ApiPrefix::kv_write_subject`).
-                let subject = if api_prefix == crate::jetstream::api::DEFAULT_API_PREFIX {
-                    subject
-                } else {
-                    format!("{api_prefix}.{subject}")
-                };
                 NatsRequest {
-                    subject,
+                    subject: crate::jetstream::api::kv_write_subject(
+                        api_prefix,
+                        BUDGET_BUCKET,
+                        &self.key,
+                    ),
                     headers: Some(h),
                     payload: count.to_string().into_bytes(),
                 }

@@ -12,7 +12,7 @@ use crate::jetstream::{ApiPrefix, JsError, MsgTtl, Request};
 use crate::proto::headers::HeaderMap;
 
 /// The JetStream API of every namespace.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct JsApis {
     local: ApiPrefix,
     by_ns: BTreeMap<String, ApiPrefix>,

@@ -65,12 +65,7 @@ impl ApiPrefix {
     /// `$KV.>` subjects do not cross a leaf connection between domains, and a bucket of
     /// the same name in the local domain would capture them. nats.go does the same.
     pub fn kv_write_subject(&self, bucket: &str, key: &str) -> String {
-        let plain = format!("$KV.{bucket}.{key}");
-        if self.prefix == DEFAULT_API_PREFIX {
-            plain
-        } else {
-            self.subject(&plain)
-        }
+        kv_write_subject(&self.prefix, bucket, key)
     }
 
     /// `<prefix>.<suffix>`.
@@ -80,6 +75,15 @@ impl ApiPrefix {
         s.push('.');
         s.push_str(suffix);
         s
+    }
+}
+
+/// [`ApiPrefix::kv_write_subject`] for a prefix held as text.
+pub fn kv_write_subject(prefix: &str, bucket: &str, key: &str) -> String {
+    if prefix == DEFAULT_API_PREFIX {
+        format!("$KV.{bucket}.{key}")
+    } else {
+        format!("{prefix}.$KV.{bucket}.{key}")
     }
 }
 
