@@ -293,12 +293,22 @@ fn a_cluster_loses_no_acknowledged_send_and_leases_no_task_twice_when_its_stream
     let log = send_log.lock().expect("log");
     let received = received.lock().expect("received");
     let lost: Vec<&u64> = log.acked.difference(&received).collect();
-    assert!(
-        all_done,
-        "run did not finish: {} of {sends} received, {} of {tasks} results",
-        received.len(),
-        results.lock().expect("results").len()
-    );
+    if !all_done {
+        let results = results.lock().expect("results");
+        let missing: Vec<Value> = (0..tasks)
+            .map(|t| format!("T{t}"))
+            .filter(|t| !results.contains_key(t))
+            .map(|t| app.request(json!({"op":"status","task":t})))
+            .collect();
+        panic!(
+            "run did not finish: {} of {sends} received, {} of {tasks} results; \
+             without a result: {missing:?}\nbroker a log:\n{}\nbroker b log:\n{}",
+            received.len(),
+            results.len(),
+            a.log(),
+            b.log()
+        );
+    }
     assert_eq!(log.acked.len(), sends);
     assert!(lost.is_empty(), "acknowledged sends lost: {lost:?}");
 

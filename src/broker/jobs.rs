@@ -278,6 +278,24 @@ enum Pending {
 struct Finish {
     ack: Option<(String, AckKind)>,
     reply: Option<(SessionId, String, String)>,
+    /// A redelivery of the task message publishes the result again (completed, failed).
+    redelivery_resends: bool,
+}
+
+impl Finish {
+    /// The result did not reach the submitter's inbox (e.g. while its stream elects a
+    /// leader): leave the task message for redelivery, which sends the result again
+    /// (deduplicated by its message id), instead of acknowledging it away.
+    fn result_unsent(mut self) -> Finish {
+        if self.redelivery_resends
+            && let Some((_, kind)) = &mut self.ack
+        {
+            *kind = AckKind::Nak {
+                delay: Some(RETRY_DELAY),
+            };
+        }
+        self
+    }
 }
 
 struct Submission {
@@ -2071,7 +2089,11 @@ impl Jobs {
         reply: Option<(SessionId, String, String)>,
         now: Instant,
     ) {
-        let finish = Finish { ack, reply };
+        let finish = Finish {
+            ack,
+            reply,
+            redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
+        };
         let Some((ns, submitter)) = record.submitted_by.split_once('/') else {
             return self.finish(conn, finish, now);
         };
@@ -2105,7 +2127,7 @@ impl Jobs {
             }
             Err(e) => {
                 log::warn!(task:% = key; "task result not sent: {e}");
-                self.finish(conn, finish, now);
+                self.finish(conn, finish.result_unsent(), now);
             }
         }
     }
@@ -2310,13 +2332,20 @@ impl Jobs {
                 }
             }
             Pending::Result(finish) => {
-                if let Ok(m) = &reply
-                    && let Err(e) = parse_pub_ack(m.status(), &m.payload)
-                {
-                    log::warn!("task result refused: {e}");
-                } else if let Err(e) = &reply {
-                    log::warn!("task result unanswered: {e}");
-                }
+                let finish = match &reply {
+                    Ok(m) => match parse_pub_ack(m.status(), &m.payload) {
+                        Ok(_) => finish,
+                        // A refusal would only repeat: the result is given up.
+                        Err(e) => {
+                            log::warn!("task result refused: {e}");
+                            finish
+                        }
+                    },
+                    Err(e) => {
+                        log::warn!("task result unanswered: {e}");
+                        finish.result_unsent()
+                    }
+                };
                 self.finish(conn, finish, now);
             }
             Pending::AckSync { reply: answer } => {
