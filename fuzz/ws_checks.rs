@@ -277,7 +277,8 @@ fn validator() -> &'static FrameValidator {
 }
 
 /// Any text as a client frame: a typed frame of the op it names, or an error reply that
-/// is JSON, carries a spec code, and echoes a string `id` as `re`.
+/// is JSON, carries a spec code, and echoes a string `id` as `re`; and the same outcome
+/// with or without the fast path.
 pub fn check_amp_frame(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
@@ -311,5 +312,11 @@ pub fn check_amp_frame(data: &[u8]) {
             }
         }
     }
+    // The fast path for common frames decides exactly as the schema does.
+    assert_eq!(
+        validator().decode(text),
+        validator().decode_full(text),
+        "fast path and schema differ"
+    );
     let _ = validator().decode_hello(text);
 }

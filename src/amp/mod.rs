@@ -5,6 +5,7 @@
 //! with [`reply`].
 
 pub mod error;
+pub mod fast;
 pub mod frame;
 pub mod reply;
 pub mod schema;

@@ -1,0 +1,181 @@
+//! A fast path for the frames every message costs (`send`, `ack`, `nak`, `ping`): one
+//! typed parse of the text and hand-written checks of exactly the schema's rules for
+//! that op, instead of a `Value` tree, the JSON Schema validator and a second conversion.
+//!
+//! It only ever accepts. Whatever it is not sure of (another op, `op` written with spaces,
+//! an escaped string, a duplicate or unknown member, a value outside the rules,
+//! `null` where the schema wants a type) returns `None` and the frame takes the full
+//! path, so every rejection and its error text still come from the schema. A frame it
+//! accepts must be one the schema accepts, decoded to the same `ClientFrame`:
+//! `tests/amp_fast_path.rs` checks both over generated and fixture frames, and the
+//! `amp_frame` fuzz target asserts it for any input.
+
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
+
+use super::frame::{Ack, ClientFrame, Headers, Nak, Send};
+
+/// Schema `id`: 1 to 64 characters. Checked on bytes, which is stricter: a string of at
+/// most 64 bytes has at most 64 characters.
+const MAX_ID: usize = 64;
+/// Schema `name`: `^[A-Za-z0-9_-]{1,64}$`.
+const MAX_NAME: usize = 64;
+/// Schema `idem`: `^[!-~]{1,128}$`.
+const MAX_IDEM: usize = 128;
+/// Schema `headers`: names `^[!-9;-~]{1,256}$`, values at most 8192 characters without
+/// CR or LF (bytes again: stricter).
+const MAX_HEADER_NAME: usize = 256;
+const MAX_HEADER_VALUE: usize = 8192;
+/// Schema `seq`: 1 to 2^53 - 1.
+const MAX_SEQ: u64 = 9_007_199_254_740_991;
+/// `nak`'s `delay_ms`: 0 to one day.
+const MAX_DELAY_MS: u64 = 86_400_000;
+
+/// The frame, when it is one of the common ops and certainly valid; `None` otherwise.
+pub fn decode(text: &str) -> Option<ClientFrame> {
+    // Only a guess at which struct to try (the first `"op":"` could sit in a nested
+    // object): the typed parse checks the real member.
+    const OP: &str = r#""op":""#;
+    let start = memchr::memmem::find(text.as_bytes(), OP.as_bytes())? + OP.len();
+    let rest = text.get(start..)?;
+    let op = rest.get(..memchr::memchr(b'"', rest.as_bytes())?)?;
+    match op {
+        "send" => send(text),
+        "ack" => ack(text),
+        "nak" => nak(text),
+        "ping" => ping(text),
+        _ => None,
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SendFrame<'a> {
+    op: &'a str,
+    id: &'a str,
+    to: &'a str,
+    body: Value,
+    #[serde(default)]
+    headers: Headers,
+    #[serde(default, deserialize_with = "present")]
+    idem: Option<&'a str>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AckFrame<'a> {
+    op: &'a str,
+    #[serde(default, deserialize_with = "present")]
+    id: Option<&'a str>,
+    seq: u64,
+    #[serde(default, deserialize_with = "present")]
+    sub: Option<&'a str>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NakFrame<'a> {
+    op: &'a str,
+    #[serde(default, deserialize_with = "present")]
+    id: Option<&'a str>,
+    seq: u64,
+    #[serde(default, deserialize_with = "present")]
+    delay_ms: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PingFrame<'a> {
+    op: &'a str,
+    id: &'a str,
+}
+
+/// An optional member that, when present, must hold a value of its type: `null` is not
+/// "absent" to the schema, so it fails here and the frame takes the full path.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
+fn send(text: &str) -> Option<ClientFrame> {
+    let f: SendFrame = serde_json::from_str(text).ok()?;
+    let valid = f.op == "send"
+        && is_id(f.id)
+        && is_name(f.to)
+        && f.idem.is_none_or(is_idem)
+        && f.headers.iter().all(|(k, v)| is_header(k, v));
+    valid.then(|| {
+        ClientFrame::Send(Send {
+            id: f.id.to_owned(),
+            to: f.to.to_owned(),
+            body: f.body,
+            headers: f.headers,
+            idem: f.idem.map(str::to_owned),
+        })
+    })
+}
+
+fn ack(text: &str) -> Option<ClientFrame> {
+    let f: AckFrame = serde_json::from_str(text).ok()?;
+    let valid =
+        f.op == "ack" && f.id.is_none_or(is_id) && is_seq(f.seq) && f.sub.is_none_or(is_name);
+    valid.then(|| {
+        ClientFrame::Ack(Ack {
+            id: f.id.map(str::to_owned),
+            seq: f.seq,
+            sub: f.sub.map(str::to_owned),
+        })
+    })
+}
+
+fn nak(text: &str) -> Option<ClientFrame> {
+    let f: NakFrame = serde_json::from_str(text).ok()?;
+    let valid = f.op == "nak"
+        && f.id.is_none_or(is_id)
+        && is_seq(f.seq)
+        && f.delay_ms.is_none_or(|d| d <= MAX_DELAY_MS);
+    valid.then(|| {
+        ClientFrame::Nak(Nak {
+            id: f.id.map(str::to_owned),
+            seq: f.seq,
+            delay_ms: f.delay_ms,
+        })
+    })
+}
+
+fn ping(text: &str) -> Option<ClientFrame> {
+    let f: PingFrame = serde_json::from_str(text).ok()?;
+    (f.op == "ping" && is_id(f.id)).then(|| ClientFrame::Ping {
+        id: f.id.to_owned(),
+    })
+}
+
+fn is_id(s: &str) -> bool {
+    (1..=MAX_ID).contains(&s.len())
+}
+
+fn is_name(s: &str) -> bool {
+    (1..=MAX_NAME).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn is_idem(s: &str) -> bool {
+    (1..=MAX_IDEM).contains(&s.len()) && s.bytes().all(|b| (b'!'..=b'~').contains(&b))
+}
+
+fn is_header(name: &str, value: &str) -> bool {
+    (1..=MAX_HEADER_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| (b'!'..=b'9').contains(&b) || (b';'..=b'~').contains(&b))
+        && value.len() <= MAX_HEADER_VALUE
+        && !value.bytes().any(|b| b == b'\r' || b == b'\n')
+}
+
+fn is_seq(seq: u64) -> bool {
+    (1..=MAX_SEQ).contains(&seq)
+}
