@@ -15,7 +15,26 @@ pub fn format_millis(ms: i64) -> String {
         rem / 1000 % 60,
         rem % 1000,
     );
-    format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z")
+    if !(0..=9999).contains(&y) {
+        return format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z");
+    }
+    // Every `send` stamps one: digits written directly, without the formatting machinery.
+    let mut out = String::with_capacity(24);
+    let mut digits = |n: i64, width: u32, then: char| {
+        for k in (0..width).rev() {
+            let digit = (n / 10i64.pow(k)) % 10;
+            out.push(char::from(b'0' + digit as u8));
+        }
+        out.push(then);
+    };
+    digits(y, 4, '-');
+    digits(m, 2, '-');
+    digits(d, 2, 'T');
+    digits(h, 2, ':');
+    digits(min, 2, ':');
+    digits(s, 2, '.');
+    digits(milli, 3, 'Z');
+    out
 }
 
 pub fn format_system_time(t: SystemTime) -> String {
@@ -152,6 +171,35 @@ mod tests {
         assert_eq!(format_millis(1_795_939_860_123), "2026-11-29T08:11:00.123Z");
         assert_eq!(format_millis(951_782_400_000), "2000-02-29T00:00:00.000Z");
         assert_eq!(format_millis(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn direct_digits_are_what_format_writes() {
+        let reference = |ms: i64| {
+            let (days, rem) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000));
+            let (y, m, d) = civil_from_days(days);
+            let (h, min, s, milli) = (
+                rem / 3_600_000,
+                rem / 60_000 % 60,
+                rem / 1000 % 60,
+                rem % 1000,
+            );
+            format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z")
+        };
+        let mut ms: i64 = -62_200_000_000_000;
+        while ms < 260_000_000_000_000 {
+            assert_eq!(format_millis(ms), reference(ms), "{ms}");
+            ms += 7_777_777_777;
+        }
+        for ms in [
+            0,
+            -1,
+            253_402_300_799_999,
+            253_402_300_800_000,
+            -62_167_219_200_001,
+        ] {
+            assert_eq!(format_millis(ms), reference(ms), "{ms}");
+        }
     }
 
     #[test]

@@ -15,7 +15,12 @@ pub struct FrameWriter {
 impl FrameWriter {
     /// Starts a frame with the given `op`.
     pub fn new(op: &str) -> Self {
-        let mut out = String::with_capacity(64);
+        FrameWriter::with_capacity(op, 64)
+    }
+
+    /// Starts a frame expected to take about `bytes`, so it is allocated once.
+    pub fn with_capacity(op: &str, bytes: usize) -> Self {
+        let mut out = String::with_capacity(bytes);
         out.push_str("{\"op\":");
         push_json_str(&mut out, op);
         FrameWriter { out }
@@ -45,6 +50,20 @@ impl FrameWriter {
             Ok(json) => self.out.push_str(&json),
             Err(_) => self.out.push_str("null"),
         }
+        self
+    }
+
+    /// An integer member, written without a temporary string.
+    pub fn uint(mut self, key: &str, value: u64) -> Self {
+        use std::fmt::Write;
+        self.key(key);
+        let _ = write!(self.out, "{value}");
+        self
+    }
+
+    pub fn bool(mut self, key: &str, value: bool) -> Self {
+        self.key(key);
+        self.out.push_str(if value { "true" } else { "false" });
         self
     }
 
@@ -96,7 +115,13 @@ pub fn error(re: Option<&str>, err: &AmpError) -> String {
 pub(crate) fn push_json_str(out: &mut String, s: &str) {
     use std::fmt::Write;
     out.push('"');
-    for c in s.chars() {
+    // Every byte that needs an escape is ASCII, so runs without one are copied whole
+    // (the common case: names, ids, timestamps); only the rest goes char by char.
+    let plain = |b: &u8| *b >= 0x20 && *b != b'"' && *b != b'\\' && *b != 0x7f;
+    let run = s.bytes().position(|b| !plain(&b)).unwrap_or(s.len());
+    let (head, rest) = s.split_at(run);
+    out.push_str(head);
+    for c in rest.chars() {
         match c {
             '"' => out.push_str("\\\""),
             '\\' => out.push_str("\\\\"),
@@ -129,6 +154,58 @@ mod tests {
             .value("dup", &false)
             .finish();
         assert_eq!(frame, r#"{"op":"ok","re":"s1","seq":42,"dup":false}"#);
+    }
+
+    #[test]
+    fn strings_are_escaped_the_same_with_or_without_a_plain_head() {
+        let slow = |s: &str| {
+            let mut out = String::from("\"");
+            for c in s.chars() {
+                match c {
+                    '"' => out.push_str("\\\""),
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    c if u32::from(c) < 0x20 || c == '\u{7f}' => {
+                        out.push_str(&format!("\\u{:04x}", u32::from(c)))
+                    }
+                    c => out.push(c),
+                }
+            }
+            out.push('"');
+            out
+        };
+        for s in [
+            "",
+            "acme/w1",
+            "é\"x",
+            "a\\b\nc",
+            "\u{7f}",
+            "tab\there\u{1}",
+            "日本\r",
+        ] {
+            let mut fast = String::new();
+            push_json_str(&mut fast, s);
+            assert_eq!(fast, slow(s), "{s:?}");
+            assert_eq!(serde_json::from_str::<String>(&fast).expect("JSON"), s);
+        }
+    }
+
+    #[test]
+    fn integer_and_boolean_members_match_their_serialised_form() {
+        for n in [0u64, 7, 42, u64::MAX] {
+            assert_eq!(
+                FrameWriter::new("x").uint("n", n).finish(),
+                FrameWriter::new("x").value("n", &n).finish()
+            );
+        }
+        for b in [true, false] {
+            assert_eq!(
+                FrameWriter::new("x").bool("b", b).finish(),
+                FrameWriter::new("x").value("b", &b).finish()
+            );
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
+use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::value::RawValue;
@@ -19,7 +20,8 @@ use super::binding;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::config::Config;
-use super::envelope::{self, Envelope, Kind};
+use super::envelope::{self, Envelope, EnvelopeView, Kind};
+use super::id_map::IdMap;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::permissions::{self, Action};
 use super::pull_loop::{PullLoop, Pulled};
@@ -78,8 +80,14 @@ const HELD_SUBMIT_RETRY_MS: u64 = 1000;
 const HELLO_JWT_TTL_S: u64 = 3600;
 
 enum SessionState {
-    AwaitingHello { nonce: [u8; 32] },
-    Active { ns: String, name: String },
+    AwaitingHello {
+        nonce: [u8; 32],
+    },
+    /// Shared, so handing them to each frame's handler costs no copy.
+    Active {
+        ns: Rc<str>,
+        name: Rc<str>,
+    },
     Closing,
 }
 
@@ -90,7 +98,7 @@ struct Session {
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: HashSet<String>,
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
-    inflight: HashMap<u64, String>,
+    inflight: IdMap<u64, String>,
     watching: bool,
     subs: HashMap<String, topics::Subscription>,
 }
@@ -182,8 +190,9 @@ impl Pending {
 }
 
 enum Route {
+    /// Shared: every delivery hands it on.
     Inbox {
-        participant: String,
+        participant: Rc<str>,
     },
     /// `$SYS.REQ.USER.AUTH`: the server asks who a connecting client is.
     Callout,
@@ -213,12 +222,12 @@ pub struct Broker {
     config: Config,
     validator: FrameValidator,
     broker_id: String,
-    sessions: HashMap<SessionId, Session>,
+    sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
     /// JetStream round trips in flight, with when each was sent.
-    pending: HashMap<RequestId, (Pending, Instant)>,
+    pending: IdMap<RequestId, (Pending, Instant)>,
     metrics: AmpMetrics,
-    routes: HashMap<Sid, Route>,
+    routes: IdMap<Sid, Route>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     out: VecDeque<Output>,
     throttle: HelloThrottle,
@@ -253,11 +262,11 @@ impl Broker {
             config,
             validator: FrameValidator::new()?,
             broker_id,
-            sessions: HashMap::new(),
+            sessions: IdMap::default(),
             presence: HashMap::new(),
-            pending: HashMap::new(),
+            pending: IdMap::default(),
             metrics: AmpMetrics::new(),
-            routes: HashMap::new(),
+            routes: IdMap::default(),
             timers: BinaryHeap::new(),
             out: VecDeque::new(),
             throttle: HelloThrottle::new(ThrottleConfig::default()),
@@ -386,7 +395,7 @@ impl Broker {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 outstanding: HashSet::new(),
-                inflight: HashMap::new(),
+                inflight: IdMap::default(),
                 watching: false,
                 subs: HashMap::new(),
             },
@@ -530,8 +539,8 @@ impl Broker {
         let (ns, name) = (ns.to_string(), name.to_string());
         if let Some(s) = self.sessions.get_mut(&session) {
             s.state = SessionState::Active {
-                ns: ns.clone(),
-                name: name.clone(),
+                ns: Rc::from(ns.as_str()),
+                name: Rc::from(name.as_str()),
             };
         }
         let first = !self.presence.contains_key(&key);
@@ -762,7 +771,7 @@ impl Broker {
         now: Instant,
     ) {
         let payload = env.to_json();
-        let mut headers = HeaderMap::new();
+        let mut headers = HeaderMap::with_capacity(128, 4);
         let stamped = [
             ("Nats-Msg-Id", env.id.as_str()),
             ("AMP-From", env.from.as_str()),
@@ -895,7 +904,7 @@ impl Broker {
                 self.routes.insert(
                     sid,
                     Route::Inbox {
-                        participant: participant.to_string(),
+                        participant: Rc::from(participant),
                     },
                 );
                 self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
@@ -915,7 +924,7 @@ impl Broker {
         &mut self,
         conn: &mut Connection,
         participant: &str,
-        msg: Message,
+        mut msg: Message,
         now: Instant,
     ) {
         let Some(p) = self.presence.get_mut(participant) else {
@@ -925,14 +934,16 @@ impl Broker {
             return;
         };
         let (pulled, check) = p.inbox.on_message(conn, msg.status(), now);
-        self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
+        if check.is_some() {
+            self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
+        }
         if pulled != Pulled::Message {
             return;
         }
         let Some(p) = self.presence.get(participant) else {
             return;
         };
-        let Some(reply) = msg.reply.clone() else {
+        let Some(reply) = msg.reply.take() else {
             return;
         };
         let meta = match AckMetadata::parse(&reply) {
@@ -952,7 +963,7 @@ impl Broker {
             let _ = conn.publish(&reply, None, None, &AckKind::Nak { delay: None }.payload());
             return;
         };
-        let env = match Envelope::from_json(&msg.payload) {
+        let env = match EnvelopeView::parse(&msg.payload) {
             Ok(env) => env,
             Err(e) => {
                 // Not an AMP envelope: nobody can use it; terminate it so it is not redelivered forever.
@@ -970,12 +981,13 @@ impl Broker {
                 return;
             }
         };
-        let text = FrameWriter::new(amp_frame::server_op::MESSAGE)
-            .value("seq", &seq)
-            .str("from", &env.from)
-            .str("to", env.to.as_deref().unwrap_or(participant))
-            .str("ts", &env.ts)
-            .value("delivery", &delivered)
+        let size = msg.payload.len() + 64;
+        let text = FrameWriter::with_capacity(amp_frame::server_op::MESSAGE, size)
+            .uint("seq", seq)
+            .str("from", env.from.as_str())
+            .str("to", env.to.as_ref().map_or(participant, |t| t.as_str()))
+            .str("ts", env.ts.as_str())
+            .uint("delivery", delivered)
             .raw("body", env.body.get())
             .value("headers", &env.headers)
             .str(
@@ -1169,7 +1181,8 @@ impl Broker {
             .sessions
             .iter()
             .filter(|(_, s)| {
-                s.watching && matches!(&s.state, SessionState::Active { ns: sns, .. } if sns == ns)
+                s.watching
+                    && matches!(&s.state, SessionState::Active { ns: sns, .. } if **sns == *ns)
             })
             .map(|(id, _)| *id)
             .collect();
@@ -1188,7 +1201,7 @@ impl Broker {
         match event {
             Event::Message { sid, msg } => match self.routes.get(&sid) {
                 Some(Route::Inbox { participant }) => {
-                    let participant = participant.clone();
+                    let participant = Rc::clone(participant);
                     self.inbox_delivery(conn, &participant, msg, now);
                 }
                 Some(Route::Sub { session, sub }) => {
@@ -1269,8 +1282,8 @@ impl Broker {
                 Ok(msg) => match parse_pub_ack(msg.status(), &msg.payload) {
                     Ok(ack) => {
                         let answer = FrameWriter::ok(Some(&re))
-                            .value("seq", &ack.seq)
-                            .value("dup", &ack.duplicate);
+                            .uint("seq", ack.seq)
+                            .bool("dup", ack.duplicate);
                         self.ok(session, &re, answer)
                     }
                     Err(e) => self.fail(
@@ -1716,7 +1729,12 @@ fn unix_seconds() -> u64 {
 }
 
 fn participant_key(ns: &str, name: &str) -> String {
-    format!("{ns}/{name}")
+    // Built for several frames of every message: plainly, not through `format!`.
+    let mut key = String::with_capacity(ns.len() + 1 + name.len());
+    key.push_str(ns);
+    key.push('/');
+    key.push_str(name);
+    key
 }
 
 fn raw_body(v: &Value) -> Box<RawValue> {

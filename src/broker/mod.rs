@@ -11,6 +11,7 @@ pub mod core;
 pub mod domains;
 pub mod embedded;
 pub mod envelope;
+pub mod id_map;
 pub mod ids;
 pub mod jobs;
 pub mod keygen;

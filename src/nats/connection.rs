@@ -24,6 +24,7 @@ use crate::proto::{Op, Parsed, Parser, Role};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use std::collections::VecDeque;
+use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 /// Until the server's INFO says otherwise.
@@ -701,7 +702,7 @@ impl Connection {
         let id = self.requests.next_id();
         let mut reply = String::with_capacity(self.resp_prefix.len() + 20);
         reply.push_str(&self.resp_prefix);
-        reply.push_str(&id.0.to_string());
+        let _ = write!(reply, "{}", id.0);
         self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload)?;
         let on_wire = self.is_connected() && !self.lame_duck_move;
         Ok(self.requests.insert(after(now, timeout), on_wire))
@@ -1271,10 +1272,26 @@ fn parse_u64(bytes: &[u8]) -> Option<u64> {
 /// A subject the parser took as data is handed on only when it is a valid literal subject
 /// in UTF-8 without control bytes; anything else came from a publisher nats-server did not
 /// check (it is not pedantic) and means nothing to a subscriber.
-fn deliverable(subject: &[u8]) -> bool {
-    validate_subject(subject).is_ok()
-        && !subject.iter().any(|&b| b < 0x20 || b == 0x7f)
-        && std::str::from_utf8(subject).is_ok()
+///
+/// One pass, as it runs for every message: no byte at or below space or DEL (which also
+/// rules out the whitespace `validate_subject` refuses), no empty token and no `*` or `>`
+/// token, then UTF-8.
+pub(crate) fn deliverable(subject: &[u8]) -> bool {
+    let literal = |token: &[u8]| !matches!(token, b"" | b"*" | b">");
+    let mut start = 0;
+    for (i, &b) in subject.iter().enumerate() {
+        if b <= b' ' || b == 0x7f {
+            return false;
+        }
+        if b == b'.' {
+            if !literal(subject.get(start..i).unwrap_or_default()) {
+                return false;
+            }
+            start = i + 1;
+        }
+    }
+    literal(subject.get(start..).unwrap_or_default())
+        && (subject.is_ascii() || std::str::from_utf8(subject).is_ok())
 }
 
 fn make_message(

@@ -673,3 +673,48 @@ fn an_unparsable_url_is_the_reason_the_connection_closes() {
         }]
     );
 }
+
+#[test]
+fn deliverable_in_one_pass_is_the_subject_rules_plus_no_control_bytes_and_utf8() {
+    use crate::proto::subject::validate_subject;
+    let reference = |s: &[u8]| {
+        validate_subject(s).is_ok()
+            && !s.iter().any(|&b| b < 0x20 || b == 0x7f)
+            && std::str::from_utf8(s).is_ok()
+    };
+    // Every string of up to 5 symbols over an alphabet holding each rule's edge.
+    let alphabet: &[&[u8]] = &[
+        b"a",
+        b".",
+        b"*",
+        b">",
+        b" ",
+        b"\t",
+        b"\x7f",
+        b"\x1f",
+        b"\xc3\xa9",
+        b"\xc3",
+        b"\xff",
+    ];
+    let mut cases: Vec<Vec<u8>> = vec![Vec::new()];
+    let mut checked = 0;
+    for _ in 0..5 {
+        let mut next = Vec::new();
+        for case in &cases {
+            for symbol in alphabet {
+                let mut longer = case.clone();
+                longer.extend_from_slice(symbol);
+                assert_eq!(
+                    super::connection::deliverable(&longer),
+                    reference(&longer),
+                    "{longer:?}"
+                );
+                checked += 1;
+                next.push(longer);
+            }
+        }
+        cases = next;
+    }
+    assert!(!super::connection::deliverable(b""));
+    assert!(checked > 100_000, "{checked}");
+}

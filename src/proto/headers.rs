@@ -131,16 +131,31 @@ impl<'a> Headers<'a> {
 }
 
 /// Owned, insertion-ordered, case-preserving, multi-value headers.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// Names and values live back to back in one string, so a map read from the wire (one
+/// for every message a connection receives) costs two allocations, not two per field.
+#[derive(Clone, Default)]
 pub struct HeaderMap {
     status: Option<u16>,
     description: Option<String>,
-    fields: Vec<(String, String)>,
+    text: String,
+    /// Per field: where its name ends and where its value ends in `text`; it starts
+    /// where the one before it ended.
+    fields: Vec<(usize, usize)>,
 }
 
 impl HeaderMap {
     pub fn new() -> Self {
         HeaderMap::default()
+    }
+
+    /// An empty map with room for `fields` fields of `bytes` of names and values.
+    pub fn with_capacity(bytes: usize, fields: usize) -> Self {
+        HeaderMap {
+            text: String::with_capacity(bytes),
+            fields: Vec::with_capacity(fields),
+            ..HeaderMap::default()
+        }
     }
 
     /// A map whose version line carries `status` and, when not empty, `description`.
@@ -154,7 +169,7 @@ impl HeaderMap {
         Ok(HeaderMap {
             status: Some(status),
             description: (!description.is_empty()).then(|| description.to_owned()),
-            fields: Vec::new(),
+            ..HeaderMap::default()
         })
     }
 
@@ -171,16 +186,20 @@ impl HeaderMap {
         check_name(name)?;
         check_value(value)?;
         let value = value.trim_start_matches([' ', '\t']);
-        match self.fields.iter().position(|(n, _)| n == name) {
+        let first = self.iter().position(|(n, _)| n == name);
+        match first {
             Some(first) => {
-                self.fields[first].1 = value.to_owned();
-                let mut i = 0;
-                self.fields.retain(|(n, _)| {
-                    i += 1;
-                    i - 1 == first || n != name
-                });
+                let fields: Vec<(String, String)> = self
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, (n, _))| *i == first || *n != name)
+                    .map(|(i, (n, v))| {
+                        (n.to_owned(), if i == first { value } else { v }.to_owned())
+                    })
+                    .collect();
+                self.replace_fields(&fields);
             }
-            None => self.fields.push((name.to_owned(), value.to_owned())),
+            None => self.push(name, value),
         }
         Ok(())
     }
@@ -189,16 +208,22 @@ impl HeaderMap {
     pub fn append(&mut self, name: &str, value: &str) -> Result<(), HeaderError> {
         check_name(name)?;
         check_value(value)?;
-        let value = value.trim_start_matches([' ', '\t']);
-        self.fields.push((name.to_owned(), value.to_owned()));
+        self.push(name, value.trim_start_matches([' ', '\t']));
         Ok(())
     }
 
     /// Removes every value of `name`; true when there was one.
     pub fn remove(&mut self, name: &str) -> bool {
-        let before = self.fields.len();
-        self.fields.retain(|(n, _)| n != name);
-        before != self.fields.len()
+        let kept: Vec<(String, String)> = self
+            .iter()
+            .filter(|(n, _)| *n != name)
+            .map(|(n, v)| (n.to_owned(), v.to_owned()))
+            .collect();
+        let removed = kept.len() != self.fields.len();
+        if removed {
+            self.replace_fields(&kept);
+        }
+        removed
     }
 
     pub fn get(&self, name: &str) -> Option<&str> {
@@ -206,14 +231,20 @@ impl HeaderMap {
     }
 
     pub fn get_all<'s, 'n>(&'s self, name: &'n str) -> impl Iterator<Item = &'s str> + use<'s, 'n> {
-        self.fields
-            .iter()
-            .filter(move |(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
+        self.iter().filter(move |(n, _)| *n == name).map(|(_, v)| v)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.fields.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+        let starts = std::iter::once(0).chain(self.fields.iter().map(|&(_, end)| end));
+        self.fields
+            .iter()
+            .zip(starts)
+            .map(|(&(name_end, value_end), start)| {
+                (
+                    self.text.get(start..name_end).unwrap_or_default(),
+                    self.text.get(name_end..value_end).unwrap_or_default(),
+                )
+            })
     }
 
     pub fn status(&self) -> Option<u16> {
@@ -241,10 +272,8 @@ impl HeaderMap {
                 n += 1 + d.len();
             }
         }
-        for (name, value) in &self.fields {
-            n += name.len() + 2 + value.len() + 2;
-        }
-        n
+        // Each field adds ": " and CRLF to its name and value.
+        n + self.text.len() + 4 * self.fields.len()
     }
 
     /// Appends the block (version line through the final empty line) to `out`.
@@ -264,7 +293,7 @@ impl HeaderMap {
             }
         }
         out.extend_from_slice(b"\r\n");
-        for (name, value) in &self.fields {
+        for (name, value) in self.iter() {
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b": ");
             out.extend_from_slice(value.as_bytes());
@@ -279,18 +308,56 @@ impl HeaderMap {
         self.encode_into(&mut out);
         out
     }
+
+    /// Adds a field already checked.
+    fn push(&mut self, name: &str, value: &str) {
+        self.text.push_str(name);
+        let name_end = self.text.len();
+        self.text.push_str(value);
+        self.fields.push((name_end, self.text.len()));
+    }
+
+    fn replace_fields(&mut self, fields: &[(String, String)]) {
+        self.text.clear();
+        self.fields.clear();
+        for (name, value) in fields {
+            self.push(name, value);
+        }
+    }
+}
+
+impl PartialEq for HeaderMap {
+    fn eq(&self, other: &Self) -> bool {
+        self.status == other.status
+            && self.description == other.description
+            && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for HeaderMap {}
+
+impl fmt::Debug for HeaderMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeaderMap")
+            .field("status", &self.status)
+            .field("description", &self.description)
+            .field("fields", &self.iter().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl From<&Headers<'_>> for HeaderMap {
     fn from(h: &Headers<'_>) -> Self {
-        HeaderMap {
+        let mut map = HeaderMap {
             status: h.status,
             description: h.description.map(str::to_owned),
-            fields: h
-                .iter()
-                .map(|(n, v)| (n.to_owned(), v.to_owned()))
-                .collect(),
+            text: String::with_capacity(h.fields.len()),
+            fields: Vec::new(),
+        };
+        for (name, value) in h.iter() {
+            map.push(name, value);
         }
+        map
     }
 }
 

@@ -19,7 +19,7 @@ use crate::amp::reply::FrameWriter;
 use crate::amp::{AmpError, ErrorCode};
 use crate::broker::binding;
 use crate::broker::config::Topics;
-use crate::broker::envelope::{self, Envelope, Kind};
+use crate::broker::envelope::{self, Envelope, EnvelopeView, Kind};
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{PullLoop, Pulled};
 use crate::jetstream::AckKind;
@@ -781,7 +781,9 @@ impl Broker {
             return;
         };
         let (pulled, check) = t.pull.on_message(conn, msg.status(), now);
-        self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
+        if check.is_some() {
+            self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
+        }
         if pulled != Pulled::Message {
             return;
         }
@@ -810,15 +812,16 @@ impl Broker {
         if t.durable {
             t.inflight.insert(seq, reply.to_string());
         }
-        let Ok(env) = Envelope::from_json(&msg.payload) else {
+        let Ok(env) = EnvelopeView::parse(&msg.payload) else {
             return log::warn!(seq:% = seq, sub:% = sub; "skipping malformed event");
         };
-        let text = FrameWriter::new(amp_frame::server_op::EVENT)
+        let size = msg.payload.len() + 64;
+        let text = FrameWriter::with_capacity(amp_frame::server_op::EVENT, size)
             .str("sub", sub)
-            .str("topic", env.topic.as_deref().unwrap_or_default())
-            .value("seq", &seq)
-            .str("ts", &env.ts)
-            .str("from", &env.from)
+            .str("topic", env.topic.as_ref().map_or("", |t| t.as_str()))
+            .uint("seq", seq)
+            .str("ts", env.ts.as_str())
+            .str("from", env.from.as_str())
             .raw("body", env.body.get())
             .value("headers", &env.headers)
             .finish();
