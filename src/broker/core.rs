@@ -1441,6 +1441,12 @@ impl Broker {
     /// Delivers what the jobs engine queued: answers, offers and revocations, and registry
     /// rewrites when what a participant serves changed.
     fn drain_jobs(&mut self, conn: &mut Connection, now: Instant) {
+        let m = &mut self.metrics;
+        self.jobs.drain_round_trips(|op, seconds| {
+            m.registry.observe(m.js_request_seconds, seconds);
+            m.registry
+                .observe_at(m.nats_request_seconds, op.index(), seconds);
+        });
         while let Some(out) = self.jobs.poll_output() {
             match out {
                 JobsOutput::Reply { session, re, text } => {

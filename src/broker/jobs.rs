@@ -34,6 +34,7 @@ use crate::jetstream::pull::{Inbound, PullRequest, classify};
 use crate::nats::{self, Connection, Message, RequestError, RequestId, Sid};
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
+use crate::ws::metrics::NatsOp;
 
 pub type SessionId = u64;
 
@@ -63,6 +64,19 @@ const MAX_ORPHAN_DELIVERIES: u64 = 5;
 pub const MAX_JOBS_PER_SESSION: usize = 64;
 /// Distinct job queues (a durable consumer and its pulls each) one broker opens.
 pub const MAX_JOB_QUEUES: usize = 1024;
+/// Offers out at once that other brokers can ask about (one NATS subscription each, see
+/// `offer_subject`); an offer past it is written to the task store instead.
+const MAX_OFFER_WATCHES: usize = 4096;
+/// How long a `status` waits for the broker holding an offer to say so.
+const OFFER_ASK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Round-trip samples kept between two `drain_round_trips`; past it they are dropped.
+const MAX_ROUND_TRIPS: usize = 4096;
+
+/// Where the broker holding an unwritten offer of task `<ns>.<task>` answers `status`:
+/// under the brokers' own reply prefix, which no participant's NATS credential reaches.
+fn offer_subject(key: &str) -> String {
+    format!("{}.OFFER.{key}", super::scoped_jwt::BROKER_INBOX_PREFIX)
+}
 
 /// What the component asks the core to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -104,11 +118,21 @@ struct JobQueue {
     deliver_prefix: String,
     /// Messages asked for and not yet delivered, over all outstanding pulls.
     requested: u32,
-    /// Outstanding pulls by number, with their batch.
-    pulls: HashMap<u64, u32>,
+    /// Outstanding pulls by number.
+    pulls: HashMap<u64, PullOut>,
     next_pull: u64,
     /// Messages delivered whose record is being read (they hold no slot yet).
     unplaced: u32,
+}
+
+/// A pull sent and not yet used up.
+#[derive(Debug, Clone, Copy)]
+struct PullOut {
+    /// Messages it may still deliver.
+    left: u32,
+    /// When it was sent: JetStream started the AckWait of each message it delivers after
+    /// this, so a lease needs no in-progress ack before `sent + lease_s`.
+    sent: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,11 +176,20 @@ struct LocalTask {
     extending: u32,
     /// When the offer lapses unclaimed (set when the offer goes out).
     offer_until: Option<Instant>,
+    /// When the offer went out (ms): the claim or decline records it in the history.
+    offered_at_ms: i64,
+    /// When the armed `Progress` timer fires, if one is.
+    progress_at: Option<Instant>,
+    /// The subscription answering `status` for this unwritten offer (`offer_subject`).
+    watch: Option<Sid>,
+    /// No earlier than the start of JetStream's AckWait of the message: the pull's or the
+    /// last in-progress ack's sending. Unknown: the claim sends its in-progress ack at once.
+    ack_basis: Option<Instant>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
-    /// The `offered` write is in flight.
+    /// The `offered` write is in flight (offers past `MAX_OFFER_WATCHES`).
     Offering,
     Offered,
     Claiming,
@@ -251,6 +284,7 @@ enum Pending {
         ack: String,
         delivered: u64,
         env: Box<Envelope>,
+        ack_basis: Option<Instant>,
     },
     /// A read before a change (cancel, or after a compare-and-set conflict).
     Read(Write),
@@ -266,12 +300,31 @@ enum Pending {
         /// `ns/name` of the asker: only the submitter and the lease holder are answered.
         asker: String,
     },
+    /// A queued task's status waits for the broker holding an unwritten offer, if any.
+    StatusOffer {
+        session: SessionId,
+        re: String,
+        record: Box<TaskRecord>,
+    },
     /// A `task_result` on its way to the submitter's inbox; then the message's ack.
     Result(Finish),
-    /// The acknowledgement of a completed task's message.
-    AckSync {
-        reply: Option<(SessionId, String, String)>,
-    },
+}
+
+impl Pending {
+    /// The kind of JetStream request, for the round-trip histogram; `None` for requests
+    /// to other brokers.
+    fn op(&self) -> Option<NatsOp> {
+        Some(match self {
+            Pending::ConsumerCreate { .. } => NatsOp::ConsumerCreate,
+            Pending::SubmitCreate(_) | Pending::Cas { .. } => NatsOp::KvPut,
+            Pending::SubmitExisting(_)
+            | Pending::DeliveryRead { .. }
+            | Pending::Read(_)
+            | Pending::Status { .. } => NatsOp::KvGet,
+            Pending::SubmitPublish { .. } | Pending::Result(_) => NatsOp::StreamPublish,
+            Pending::StatusOffer { .. } => return None,
+        })
+    }
 }
 
 /// What follows a stored outcome: the message's ack and the requester's answer.
@@ -314,10 +367,26 @@ struct Submission {
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
-    OfferExpiry { key: String, generation: u64 },
-    LeaseExpiry { key: String, generation: u64 },
-    PullExpiry { queue: String, pull: u64 },
-    ConsumerRetry { queue: String },
+    OfferExpiry {
+        key: String,
+        generation: u64,
+    },
+    LeaseExpiry {
+        key: String,
+        generation: u64,
+    },
+    /// The lease outlives the message's AckWait: an in-progress ack is due.
+    Progress {
+        key: String,
+        generation: u64,
+    },
+    PullExpiry {
+        queue: String,
+        pull: u64,
+    },
+    ConsumerRetry {
+        queue: String,
+    },
 }
 
 /// The jobs engine of one broker.
@@ -332,8 +401,12 @@ pub struct Jobs {
     tasks: HashMap<String, LocalTask>,
     /// Recent declines: task key -> (session, when).
     declines: HashMap<String, Vec<(SessionId, Instant)>>,
-    pending: HashMap<RequestId, Pending>,
+    /// Requests in flight, with when each was sent.
+    pending: HashMap<RequestId, (Pending, Instant)>,
     routes: HashMap<Sid, String>,
+    /// Offer watches: subscription -> task key.
+    watches: HashMap<Sid, String>,
+    round_trips: Vec<(NatsOp, f64)>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     out: VecDeque<JobsOutput>,
     next_generation: u64,
@@ -444,6 +517,8 @@ impl Jobs {
             declines: HashMap::new(),
             pending: HashMap::new(),
             routes: HashMap::new(),
+            watches: HashMap::new(),
+            round_trips: Vec::new(),
             timers: BinaryHeap::new(),
             out: VecDeque::new(),
             next_generation: 0,
@@ -489,6 +564,14 @@ impl Jobs {
             let _ = writeln!(out, "# HELP amp_jobs_{name}_total {help}");
             let _ = writeln!(out, "# TYPE amp_jobs_{name}_total counter");
             let _ = writeln!(out, "amp_jobs_{name}_total {v}");
+        }
+    }
+
+    /// Hands over the round trips of the JetStream requests answered since the last call,
+    /// for `amp_nats_request_duration_seconds{op}`.
+    pub fn drain_round_trips(&mut self, mut observe: impl FnMut(NatsOp, f64)) {
+        for (op, seconds) in self.round_trips.drain(..) {
+            observe(op, seconds);
         }
     }
 
@@ -827,8 +910,7 @@ impl Jobs {
         };
         match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
             Ok(id) => {
-                self.pending
-                    .insert(id, Pending::SubmitCreate(Box::new(sub)));
+                self.await_reply(id, now, Pending::SubmitCreate(Box::new(sub)));
             }
             Err(e) => self.refuse(session, &submit.id, send_error(&e)),
         }
@@ -837,8 +919,9 @@ impl Jobs {
     fn publish_task(&mut self, conn: &mut Connection, sub: Submission, dup: bool, now: Instant) {
         match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
             Ok(id) => {
-                self.pending.insert(
+                self.await_reply(
                     id,
+                    now,
                     Pending::SubmitPublish {
                         session: sub.session,
                         re: sub.re,
@@ -956,8 +1039,9 @@ impl Jobs {
         match self.kv.get_request(&key) {
             Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
                 Ok(id) => {
-                    self.pending.insert(
+                    self.await_reply(
                         id,
+                        now,
                         Pending::Status {
                             session: caller.session,
                             re,
@@ -1068,8 +1152,9 @@ impl Jobs {
         let body = json!({"stream_name": stream, "config": config}).to_string();
         match self.request(conn, &subject, None, body.as_bytes(), now) {
             Ok(id) => {
-                self.pending.insert(
+                self.await_reply(
                     id,
+                    now,
                     Pending::ConsumerCreate {
                         queue: qk.to_string(),
                     },
@@ -1118,14 +1203,18 @@ impl Jobs {
         self.pull_more(conn, qk, now);
     }
 
-    /// Free slots of this broker's sessions serving the job.
-    fn free_slots(&self, ns: &str, job: &str) -> u32 {
+    /// Slots and free slots of this broker's sessions serving the job.
+    fn slots(&self, ns: &str, job: &str) -> (u32, u32) {
         self.workers
             .values()
             .filter(|w| w.ns == ns)
             .filter_map(|w| w.serving.get(job))
-            .map(|s| s.slots.saturating_sub(s.in_flight))
-            .sum()
+            .fold((0u32, 0u32), |(all, free), s| {
+                (
+                    all.saturating_add(s.slots),
+                    free.saturating_add(s.slots.saturating_sub(s.in_flight)),
+                )
+            })
     }
 
     /// Asks for one message per free slot not already asked for.
@@ -1136,10 +1225,12 @@ impl Jobs {
         if q.consumer != ConsumerState::Ready || q.sid.is_none() || !conn.is_connected() {
             return;
         }
-        let requested = q.requested;
-        let free = self.free_slots(&q.ns, &q.job);
-        let want = free.saturating_sub(requested.saturating_add(q.unplaced));
-        if want == 0 {
+        let outstanding = q.requested.saturating_add(q.unplaced);
+        let (slots, free) = self.slots(&q.ns, &q.job);
+        let want = free.saturating_sub(outstanding);
+        // While messages are still coming, freed slots wait until a quarter of the job's
+        // slots are free: one pull then serves several tasks instead of one each.
+        if want == 0 || (outstanding > 0 && want < (slots / 4).max(1)) {
             return;
         }
         let pull = PullRequest {
@@ -1163,7 +1254,13 @@ impl Jobs {
         self.stats.js_ops += 1;
         if let Some(q) = self.queues.get_mut(qk) {
             q.next_pull += 1;
-            q.pulls.insert(n, want);
+            q.pulls.insert(
+                n,
+                PullOut {
+                    left: want,
+                    sent: now,
+                },
+            );
             q.requested = q.requested.saturating_add(want);
         }
         self.timers.push(Reverse((
@@ -1195,6 +1292,10 @@ impl Jobs {
         msg: &Message,
         now: Instant,
     ) -> bool {
+        if let Some(key) = self.watches.get(&sid).cloned() {
+            self.answer_offer_watch(conn, &key, msg);
+            return true;
+        }
         let Some(qk) = self.routes.get(&sid).cloned() else {
             return false;
         };
@@ -1221,10 +1322,11 @@ impl Jobs {
                         .and_then(|v| v.trim().parse::<u64>().ok()),
                 };
                 if let (Some(q), Some(n)) = (self.queues.get_mut(&qk), pull_no)
-                    && let Some(batch) = q.pulls.remove(&n)
+                    && let Some(out) = q.pulls.remove(&n)
                 {
+                    let left = out.left;
                     let undelivered = undelivered
-                        .map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
+                        .map_or(left, |p| u32::try_from(p).unwrap_or(u32::MAX).min(left));
                     q.requested = q.requested.saturating_sub(undelivered);
                 }
                 if let Inbound::Status { code: 503, .. } = &inbound {
@@ -1248,14 +1350,48 @@ impl Jobs {
             }
             return true;
         }
+        let mut ack_basis = None;
         if let Some(q) = self.queues.get_mut(&qk) {
             q.requested = q.requested.saturating_sub(1);
+            if let Some(n) = pull_no
+                && let Some(out) = q.pulls.get_mut(&n)
+            {
+                ack_basis = Some(out.sent);
+                out.left = out.left.saturating_sub(1);
+                if out.left == 0 {
+                    // Used up: the server sends nothing more for it.
+                    q.pulls.remove(&n);
+                }
+            }
         }
-        self.delivery(conn, &qk, msg, now);
+        self.delivery(conn, &qk, msg, ack_basis, now);
         true
     }
 
-    fn delivery(&mut self, conn: &mut Connection, qk: &str, msg: &Message, now: Instant) {
+    /// Another broker asks (for a `status`) whether the offer of `key` is out here.
+    fn answer_offer_watch(&mut self, conn: &mut Connection, key: &str, msg: &Message) {
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let answer = match self.tasks.get(key) {
+            Some(t) if matches!(t.phase, Phase::Offered | Phase::Claiming) => {
+                json!({"by": t.participant, "at_ms": t.offered_at_ms})
+            }
+            _ => json!({}),
+        };
+        if let Err(e) = conn.publish(reply, None, None, answer.to_string().as_bytes()) {
+            log::warn!(task:% = key; "offer watch answer not sent: {e}");
+        }
+    }
+
+    fn delivery(
+        &mut self,
+        conn: &mut Connection,
+        qk: &str,
+        msg: &Message,
+        ack_basis: Option<Instant>,
+        now: Instant,
+    ) {
         let Some(ack) = msg.reply.clone() else {
             return;
         };
@@ -1285,6 +1421,7 @@ impl Jobs {
             // A redelivery of a task this broker already handles (its in-progress acks were
             // lost): keep the newest ack subject and carry on.
             t.ack_subject = ack;
+            t.ack_basis = ack_basis;
             return self.pull_more(conn, qk, now);
         }
         match self.kv.get_request(&key) {
@@ -1293,14 +1430,16 @@ impl Jobs {
                     if let Some(q) = self.queues.get_mut(qk) {
                         q.unplaced += 1;
                     }
-                    self.pending.insert(
+                    self.await_reply(
                         id,
+                        now,
                         Pending::DeliveryRead {
                             queue: qk.to_string(),
                             key,
                             ack,
                             delivered,
                             env: Box::new(env),
+                            ack_basis,
                         },
                     );
                 }
@@ -1333,6 +1472,7 @@ impl Jobs {
         delivered: u64,
         env: Box<Envelope>,
         read: Result<(TaskRecord, u64), JsError>,
+        ack_basis: Option<Instant>,
         now: Instant,
     ) {
         if let Some(q) = self.queues.get_mut(qk) {
@@ -1398,6 +1538,21 @@ impl Jobs {
                     .unwrap_or_default();
                 self.slot_taken(session, &job);
                 self.next_generation += 1;
+                // An offer made on a record that already names another offer would have to
+                // replace it, so it is written; so is one past the watches this broker keeps.
+                let watch = if record.state != TaskState::Offered
+                    && self.watches.len() < MAX_OFFER_WATCHES
+                {
+                    match conn.subscribe(&offer_subject(&key), None) {
+                        Ok(sid) => Some(sid),
+                        Err(e) => {
+                            log::warn!(task:% = key; "offer watch not made: {e}");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
                 self.tasks.insert(
                     key.clone(),
                     LocalTask {
@@ -1413,15 +1568,27 @@ impl Jobs {
                         generation: self.next_generation,
                         extending: 0,
                         offer_until: None,
+                        offered_at_ms: self.clock.ms(now),
+                        watch,
+                        ack_basis,
+                        progress_at: None,
                     },
                 );
-                let write = Write {
-                    key,
-                    op: Op::Offer { session, env },
-                    ack: Some(ack),
-                    tries: 0,
-                };
-                self.cas(conn, write, &record, revision, now);
+                match watch {
+                    Some(sid) => {
+                        self.watches.insert(sid, key.clone());
+                        self.send_offer(&key, session, &env, &record, now);
+                    }
+                    None => {
+                        let write = Write {
+                            key,
+                            op: Op::Offer { session, env },
+                            ack: Some(ack),
+                            tries: 0,
+                        };
+                        self.cas(conn, write, &record, revision, now);
+                    }
+                }
             }
         }
         self.pull_more(conn, qk, now);
@@ -1487,6 +1654,7 @@ impl Jobs {
 
     /// The local task `key` ends here (finished, lost, released): its slot frees.
     fn release_local(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        self.unwatch(conn, key);
         let Some(t) = self.tasks.remove(key) else {
             return;
         };
@@ -1534,7 +1702,7 @@ impl Jobs {
         };
         match self.request(conn, &req.subject, None, &req.payload, now) {
             Ok(id) => {
-                self.pending.insert(id, Pending::Read(write));
+                self.await_reply(id, now, Pending::Read(write));
             }
             Err(e) => self.write_failed(conn, write, send_error(&e), now),
         }
@@ -1546,6 +1714,7 @@ impl Jobs {
                 .get(key)
                 .map_or(30, |t| self.job_config(&t.ns, &t.job).lease_s),
         );
+        let offered_at_ms = self.tasks.get(key).map_or(0, |t| t.offered_at_ms);
         let by = Actor {
             participant: &actor.0,
             session: &actor.1,
@@ -1553,7 +1722,11 @@ impl Jobs {
         match op {
             Op::Offer { .. } => Change::Offer { to: by },
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
-            Op::Claim { .. } => Change::Claim { by, lease_ms },
+            Op::Claim { .. } => Change::Claim {
+                by,
+                lease_ms,
+                offered_at_ms,
+            },
             Op::Heartbeat { .. } => Change::Heartbeat { by, lease_ms },
             Op::Complete { result, .. } => Change::Complete {
                 by,
@@ -1564,7 +1737,7 @@ impl Jobs {
                 error: error.clone(),
                 retry: *retry,
             },
-            Op::Requeue { .. } => Change::Requeue { by },
+            Op::Requeue { .. } => Change::Requeue { by, offered_at_ms },
             Op::Cancel { by, .. } => Change::Cancel { by },
         }
     }
@@ -1620,8 +1793,9 @@ impl Jobs {
         };
         match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
             Ok(id) => {
-                self.pending.insert(
+                self.await_reply(
                     id,
+                    now,
                     Pending::Cas {
                         write,
                         next: Box::new(next),
@@ -1735,6 +1909,7 @@ impl Jobs {
                     }
                     self.arm_offer_expiry(&key, now);
                 } else {
+                    self.unwatch(conn, &key);
                     self.adopt_lease(&key, record, revision, now);
                 }
             }
@@ -1897,7 +2072,6 @@ impl Jobs {
             .or(write.ack.clone());
         match write.op {
             Op::Offer { session, env } => {
-                self.stats.offers += 1;
                 if !self.workers.contains_key(&session) {
                     // The session went away while the offer was being written.
                     if let Some(t) = self.tasks.get_mut(&key) {
@@ -1905,32 +2079,10 @@ impl Jobs {
                     }
                     return self.write_local(conn, key, Op::Requeue { session, re: None }, now);
                 }
-                let Some(t) = self.tasks.get_mut(&key) else {
-                    return;
-                };
-                t.phase = Phase::Offered;
-                let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
-                let cfg = self.job_config(&ns, &job);
-                let offer_until = after(now, Duration::from_millis(cfg.offer_ms));
                 if let Some(t) = self.tasks.get_mut(&key) {
-                    t.offer_until = Some(offer_until);
+                    t.offered_at_ms = self.clock.ms(now);
                 }
-                let text = FrameWriter::new(amp_frame::server_op::OFFER)
-                    .str("task", &record.id)
-                    .str("job", &job)
-                    .str("from", &env.from)
-                    .raw("body", env.body.get())
-                    .value("headers", &env.headers)
-                    .value("attempt", &(record.attempt + 1))
-                    .value("max_attempts", &record.max_attempts)
-                    .value("lease_s", &cfg.lease_s)
-                    .value("offer_ms", &cfg.offer_ms)
-                    .finish();
-                self.out.push_back(JobsOutput::Frame { session, text });
-                self.timers.push(Reverse((
-                    offer_until,
-                    Timer::OfferExpiry { key, generation },
-                )));
+                self.send_offer(&key, session, &env, &record, now);
             }
             Op::Claim { session, re } => {
                 self.stats.claims += 1;
@@ -1948,12 +2100,13 @@ impl Jobs {
                 {
                     s.leases += 1;
                 }
-                self.leased(conn, key, session, re, &record, ack, generation, now);
+                self.unwatch(conn, &key);
+                self.leased(conn, key, session, re, &record, ack, generation, false, now);
             }
             Op::Heartbeat { session, re } => {
                 self.extension_ended(&key);
                 let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
-                self.leased(conn, key, session, re, &record, ack, generation, now);
+                self.leased(conn, key, session, re, &record, ack, generation, true, now);
             }
             Op::Complete { session, re, .. } => {
                 self.stats.completed += 1;
@@ -2036,6 +2189,103 @@ impl Jobs {
         }
     }
 
+    /// The offer of local task `key` goes to `session`, lapsing after the job's `offer_ms`.
+    fn send_offer(
+        &mut self,
+        key: &str,
+        session: SessionId,
+        env: &Envelope,
+        record: &TaskRecord,
+        now: Instant,
+    ) {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        t.phase = Phase::Offered;
+        let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
+        let cfg = self.job_config(&ns, &job);
+        let offer_until = after(now, Duration::from_millis(cfg.offer_ms));
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.offer_until = Some(offer_until);
+        }
+        self.stats.offers += 1;
+        let text = FrameWriter::new(amp_frame::server_op::OFFER)
+            .str("task", &record.id)
+            .str("job", &job)
+            .str("from", &env.from)
+            .raw("body", env.body.get())
+            .value("headers", &env.headers)
+            .value("attempt", &(record.attempt + 1))
+            .value("max_attempts", &record.max_attempts)
+            .value("lease_s", &cfg.lease_s)
+            .value("offer_ms", &cfg.offer_ms)
+            .finish();
+        self.out.push_back(JobsOutput::Frame { session, text });
+        let key = key.to_string();
+        self.timers.push(Reverse((
+            offer_until,
+            Timer::OfferExpiry { key, generation },
+        )));
+    }
+
+    /// The subscription answering `status` for the offer of `key` ends.
+    fn unwatch(&mut self, conn: &mut Connection, key: &str) {
+        let Some(sid) = self.tasks.get_mut(key).and_then(|t| t.watch.take()) else {
+            return;
+        };
+        self.watches.remove(&sid);
+        if let Err(e) = conn.unsubscribe(sid, None) {
+            log::warn!(task:% = key; "offer watch not ended: {e}");
+        }
+    }
+
+    /// Sends the in-progress ack that keeps the message of the lease `key` from being
+    /// redelivered when it is due, or arms the timer for when it will be. JetStream
+    /// restarts the AckWait (`lease_s`) at each in-progress ack; a lease that ends before
+    /// the AckWait started at the delivery needs none, which is the common case of a task
+    /// completed well within its lease.
+    fn keep_message(&mut self, conn: &mut Connection, key: &str, force: bool, now: Instant) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let ack_wait = Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1));
+        // Sent this long before the AckWait runs out, for the loop's and the wire's delays.
+        let margin = (ack_wait / 10)
+            .max(Duration::from_millis(100))
+            .min(ack_wait / 2);
+        let lease_end = self
+            .clock
+            .instant(now, t.record.lease_until_ms.unwrap_or_default());
+        let due = t.ack_basis.map(|basis| after(basis, ack_wait - margin));
+        if force || due.is_none_or(|due| due <= now) {
+            let subject = t.ack_subject.clone();
+            if !subject.is_empty() {
+                self.ack(conn, &subject, AckKind::InProgress);
+            }
+            if let Some(t) = self.tasks.get_mut(key) {
+                t.ack_basis = Some(now);
+            }
+        }
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        let basis = t.ack_basis.unwrap_or(now);
+        if lease_end <= after(basis, ack_wait) {
+            return;
+        }
+        let at = after(basis, ack_wait - margin).max(now);
+        if t.progress_at.is_some_and(|armed| armed <= at) {
+            // An earlier check is coming; it looks again.
+            return;
+        }
+        t.progress_at = Some(at);
+        let timer = Timer::Progress {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.timers.push(Reverse((at, timer)));
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn leased(
         &mut self,
@@ -2046,12 +2296,18 @@ impl Jobs {
         record: &TaskRecord,
         ack: Option<String>,
         generation: u64,
+        heartbeat: bool,
         now: Instant,
     ) {
         let until_ms = record.lease_until_ms.unwrap_or_default();
-        if let Some(a) = &ack {
-            self.ack(conn, a, AckKind::InProgress);
+        if let Some(t) = self.tasks.get_mut(&key)
+            && let Some(a) = ack
+            && t.ack_subject.is_empty()
+        {
+            t.ack_subject = a;
         }
+        // A heartbeat restarts the AckWait at once; a claim only when it must.
+        self.keep_message(conn, &key, heartbeat, now);
         let text = FrameWriter::ok(Some(&re))
             .str("lease_until", &rfc3339::format_millis(until_ms))
             .finish();
@@ -2095,7 +2351,7 @@ impl Jobs {
             redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
         };
         let Some((ns, submitter)) = record.submitted_by.split_once('/') else {
-            return self.finish(conn, finish, now);
+            return self.finish(conn, finish);
         };
         let key = task_key(ns, &record.id);
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
@@ -2123,33 +2379,21 @@ impl Jobs {
         let subject = binding::inbox_subject(ns, submitter);
         match self.request(conn, &subject, Some(&headers), &env.to_json(), now) {
             Ok(rid) => {
-                self.pending.insert(rid, Pending::Result(finish));
+                self.await_reply(rid, now, Pending::Result(finish));
             }
             Err(e) => {
                 log::warn!(task:% = key; "task result not sent: {e}");
-                self.finish(conn, finish.result_unsent(), now);
+                self.finish(conn, finish.result_unsent());
             }
         }
     }
 
-    fn finish(&mut self, conn: &mut Connection, finish: Finish, now: Instant) {
-        match finish.ack {
-            Some((subject, AckKind::Ack)) => {
-                match self.request(conn, &subject, None, &AckKind::Ack.payload(), now) {
-                    Ok(id) => {
-                        self.pending.insert(
-                            id,
-                            Pending::AckSync {
-                                reply: finish.reply,
-                            },
-                        );
-                        return;
-                    }
-                    Err(e) => log::warn!("ack not sent: {e}"),
-                }
-            }
-            Some((subject, kind)) => self.ack(conn, &subject, kind),
-            None => {}
+    /// The outcome is stored and its `task_result` too: the message goes and the requester
+    /// hears. The ack is not confirmed: one that is lost leaves the message to be
+    /// redelivered after the lease, and that delivery finds the outcome and acks it away.
+    fn finish(&mut self, conn: &mut Connection, finish: Finish) {
+        if let Some((subject, kind)) = finish.ack {
+            self.ack(conn, &subject, kind);
         }
         if let Some((session, re, text)) = finish.reply {
             self.out.push_back(JobsOutput::Reply { session, re, text });
@@ -2166,9 +2410,15 @@ impl Jobs {
         reply: Result<Message, RequestError>,
         now: Instant,
     ) -> bool {
-        let Some(pending) = self.pending.remove(&id) else {
+        let Some((pending, sent)) = self.pending.remove(&id) else {
             return false;
         };
+        if let Some(op) = pending.op()
+            && self.round_trips.len() < MAX_ROUND_TRIPS
+        {
+            let seconds = now.saturating_duration_since(sent).as_secs_f64();
+            self.round_trips.push((op, seconds));
+        }
         match pending {
             Pending::ConsumerCreate { queue } => match reply.map(|m| check_error(&m.payload)) {
                 Ok(Ok(())) => self.consumer_ready(conn, &queue, now),
@@ -2196,7 +2446,7 @@ impl Jobs {
                         });
                         match sent {
                             Ok(id) => {
-                                self.pending.insert(id, Pending::SubmitExisting(sub));
+                                self.await_reply(id, now, Pending::SubmitExisting(sub));
                             }
                             Err(e) => self.refuse(sub.session, &sub.re, e),
                         }
@@ -2263,10 +2513,12 @@ impl Jobs {
                 ack,
                 delivered,
                 env,
+                ack_basis,
             } => {
                 let (ns, task) = key.split_once('.').unwrap_or(("", &key));
                 let read = self.parse_record(ns, task, reply);
-                self.placed(conn, &queue, key.clone(), ack, delivered, env, read, now);
+                let key = key.clone();
+                self.placed(conn, &queue, key, ack, delivered, env, read, ack_basis, now);
             }
             Pending::Read(write) => {
                 let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));
@@ -2318,17 +2570,33 @@ impl Jobs {
                         .with_path("/task");
                         self.refuse(session, &re, e);
                     }
-                    Ok((record, _)) => {
-                        let text = FrameWriter::ok(Some(&re))
-                            .value("task", &record.status_view())
-                            .finish();
-                        self.out.push_back(JobsOutput::Reply { session, re, text });
+                    Ok((record, _)) if record.state == TaskState::Queued => {
+                        self.status_of_queued(conn, session, re, &key, record, now);
                     }
+                    Ok((record, _)) => self.answer_status(session, re, &record),
                     Err(JsError::KeyNotFound) => {
                         let task = task.to_string();
                         self.refuse(session, &re, not_found(&task));
                     }
                     Err(e) => self.refuse(session, &re, unavailable(e)),
+                }
+            }
+            Pending::StatusOffer {
+                session,
+                re,
+                record,
+            } => {
+                let offer = reply
+                    .ok()
+                    .and_then(|m| serde_json::from_slice::<OfferAnswer>(&m.payload).ok())
+                    .and_then(|a| Some((a.by?, a.at_ms?)))
+                    .filter(|(by, _)| by.len() <= 129 && by.contains('/'));
+                match offer {
+                    Some((by, at_ms)) => {
+                        let view = record.with_unwritten_offer(&by, at_ms);
+                        self.answer_status(session, re, &view);
+                    }
+                    None => self.answer_status(session, re, &record),
                 }
             }
             Pending::Result(finish) => {
@@ -2346,18 +2614,53 @@ impl Jobs {
                         finish.result_unsent()
                     }
                 };
-                self.finish(conn, finish, now);
-            }
-            Pending::AckSync { reply: answer } => {
-                if let Err(e) = &reply {
-                    log::warn!("ack unconfirmed: {e}");
-                }
-                if let Some((session, re, text)) = answer {
-                    self.out.push_back(JobsOutput::Reply { session, re, text });
-                }
+                self.finish(conn, finish);
             }
         }
         true
+    }
+
+    /// The record says `queued`: an offer may be out without having been written, here or
+    /// at another broker, which answers on the offer's subject (nobody does: none is out).
+    fn status_of_queued(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        key: &str,
+        record: TaskRecord,
+        now: Instant,
+    ) {
+        let here = self
+            .tasks
+            .get(key)
+            .filter(|t| t.watch.is_some() && matches!(t.phase, Phase::Offered | Phase::Claiming));
+        if let Some(t) = here {
+            let view = record.with_unwritten_offer(&t.participant, t.offered_at_ms);
+            return self.answer_status(session, re, &view);
+        }
+        match conn.request(&offer_subject(key), None, b"", OFFER_ASK_TIMEOUT, now) {
+            Ok(id) => {
+                let record = Box::new(record);
+                self.await_reply(
+                    id,
+                    now,
+                    Pending::StatusOffer {
+                        session,
+                        re,
+                        record,
+                    },
+                );
+            }
+            Err(_) => self.answer_status(session, re, &record),
+        }
+    }
+
+    fn answer_status(&mut self, session: SessionId, re: String, record: &TaskRecord) {
+        let text = FrameWriter::ok(Some(&re))
+            .value("task", &record.status_view())
+            .finish();
+        self.out.push_back(JobsOutput::Reply { session, re, text });
     }
 
     fn parse_record(
@@ -2383,7 +2686,7 @@ impl Jobs {
             if *at > now {
                 break;
             }
-            let Some(Reverse((_, timer))) = self.timers.pop() else {
+            let Some(Reverse((at, timer))) = self.timers.pop() else {
                 break;
             };
             match timer {
@@ -2416,6 +2719,18 @@ impl Jobs {
                     if let Some((session, task)) = due {
                         self.revoke(session, &task, "lease_expired");
                         self.release_local(conn, &key, now);
+                    }
+                }
+                Timer::Progress { key, generation } => {
+                    let held = self.tasks.get_mut(&key).is_some_and(|t| {
+                        let mine = t.generation == generation && t.progress_at == Some(at);
+                        if mine {
+                            t.progress_at = None;
+                        }
+                        mine && matches!(t.phase, Phase::Leased | Phase::Finishing)
+                    });
+                    if held {
+                        self.keep_message(conn, &key, false, now);
                     }
                 }
                 Timer::PullExpiry { queue, pull } => {
@@ -2460,6 +2775,10 @@ impl Jobs {
         conn.request(subject, headers, payload, JS_TIMEOUT, now)
     }
 
+    fn await_reply(&mut self, id: RequestId, now: Instant, pending: Pending) {
+        self.pending.insert(id, (pending, now));
+    }
+
     fn ack(&mut self, conn: &mut Connection, subject: &str, kind: AckKind) {
         self.stats.js_ops += 1;
         if let Err(e) = conn.publish(subject, None, None, &kind.payload()) {
@@ -2486,6 +2805,13 @@ impl Jobs {
             text: reply::error(Some(re), &e),
         });
     }
+}
+
+/// What the broker holding an unwritten offer says about it (`{}`: none is out).
+#[derive(serde::Deserialize)]
+struct OfferAnswer {
+    by: Option<String>,
+    at_ms: Option<i64>,
 }
 
 fn not_found(task: &str) -> AmpError {

@@ -132,13 +132,19 @@ pub enum Change<'a> {
     Offer {
         to: Actor<'a>,
     },
-    /// The offer was declined or not claimed in time.
+    /// The offer was declined or not claimed in time. `offered_at_ms` is when the offer
+    /// went out: an offer that was never written (the record still says what it said at
+    /// the delivery) is recorded in the history with it.
     Requeue {
         by: Actor<'a>,
+        offered_at_ms: i64,
     },
+    /// The offered session takes the lease. The offer itself is recorded here when it was
+    /// not written before (see `Requeue`).
     Claim {
         by: Actor<'a>,
         lease_ms: i64,
+        offered_at_ms: i64,
     },
     Heartbeat {
         by: Actor<'a>,
@@ -322,15 +328,18 @@ impl TaskRecord {
                 next.lease_until_ms = None;
                 next.push_history(TaskState::Offered, now_ms, to.participant);
             }
-            Change::Requeue { by } => {
-                if !self.offered_to(by.session) {
-                    return Err(Refusal::LeaseLost);
-                }
+            Change::Requeue { by, offered_at_ms } => {
+                next = self.with_offer(*by, *offered_at_ms)?;
                 next.release();
                 next.push_history(TaskState::Queued, now_ms, by.participant);
             }
-            Change::Claim { by, lease_ms } => {
-                if !self.offered_to(by.session) || self.attempt >= self.max_attempts {
+            Change::Claim {
+                by,
+                lease_ms,
+                offered_at_ms,
+            } => {
+                next = self.with_offer(*by, *offered_at_ms)?;
+                if next.attempt >= next.max_attempts {
                     return Err(Refusal::LeaseLost);
                 }
                 next.state = TaskState::Leased;
@@ -403,6 +412,25 @@ impl TaskRecord {
         Ok(next)
     }
 
+    /// The record with the offer to `to` made at `at_ms`: as it is when the offer was
+    /// written (to `to` and no one else), else as the offer would have written it.
+    /// Refused when no offer could be made on it (someone else's running lease, an
+    /// outcome, no attempts left).
+    fn with_offer(&self, to: Actor<'_>, at_ms: i64) -> Result<TaskRecord, Refusal> {
+        if self.state == TaskState::Offered {
+            return if self.offered_to(to.session) {
+                Ok(self.clone())
+            } else {
+                Err(Refusal::LeaseLost)
+            };
+        }
+        self.apply(&Change::Offer { to }, at_ms)
+            .map_err(|r| match r {
+                Refusal::Finished(state) => Refusal::Finished(state),
+                _ => Refusal::LeaseLost,
+            })
+    }
+
     fn release(&mut self) {
         self.state = TaskState::Queued;
         self.holder = None;
@@ -419,6 +447,16 @@ impl TaskRecord {
             at: rfc3339::format_millis(at_ms),
             by: by.to_string(),
         });
+    }
+
+    /// The record as `status` shows it while an offer to `to` (`ns/name`) made at `at_ms`
+    /// is out without having been written.
+    pub fn with_unwritten_offer(&self, to: &str, at_ms: i64) -> TaskRecord {
+        let mut r = self.clone();
+        r.state = TaskState::Offered;
+        r.holder = Some(to.to_string());
+        r.push_history(TaskState::Offered, at_ms, to);
+        r
     }
 
     /// The `task` member of a `status` answer.
@@ -515,6 +553,7 @@ mod tests {
                 &Change::Claim {
                     by: W1,
                     lease_ms: LEASE,
+                    offered_at_ms: T0,
                 },
                 T0 + 2,
             )
@@ -555,6 +594,61 @@ mod tests {
     }
 
     #[test]
+    fn an_offer_never_written_is_recorded_by_the_claim_or_the_decline() {
+        let claim = |r: &TaskRecord, by, at| {
+            r.apply(
+                &Change::Claim {
+                    by,
+                    lease_ms: LEASE,
+                    offered_at_ms: at - 4,
+                },
+                at,
+            )
+        };
+        let r = claim(&task(3), W1, T0 + 5).expect("claim of a queued task");
+        assert_eq!((r.state, r.attempt), (TaskState::Leased, 1));
+        assert_eq!(states(&r), ["queued", "offered", "leased"]);
+        assert_eq!(r.history[1].at, rfc3339::format_millis(T0 + 1));
+        assert_eq!(r.history[1].by, "acme/w1");
+        assert_eq!(r.lease_until_ms, Some(T0 + 5 + LEASE));
+        assert_eq!(
+            claim(&r, W2, T0 + 6),
+            Err(Refusal::LeaseLost),
+            "a running lease is nobody else's to claim"
+        );
+        let again = claim(&r, W2, T0 + 9 + LEASE).expect("claim after the lease ran out");
+        assert_eq!(again.attempt, 2);
+        assert_eq!(
+            states(&again),
+            ["queued", "offered", "leased", "queued", "offered", "leased"]
+        );
+        let declined = task(3)
+            .apply(
+                &Change::Requeue {
+                    by: W1,
+                    offered_at_ms: T0 + 1,
+                },
+                T0 + 2,
+            )
+            .expect("decline");
+        assert_eq!((declined.state, declined.attempt), (TaskState::Queued, 0));
+        assert_eq!(states(&declined), ["queued", "offered", "queued"]);
+        let written = task(3).apply(&Change::Offer { to: W1 }, T0).expect("offer");
+        assert_eq!(
+            claim(&written, W2, T0 + 5),
+            Err(Refusal::LeaseLost),
+            "a written offer binds the claim to its session"
+        );
+        let cancelled = task(3)
+            .apply(&Change::Cancel { by: "acme/app" }, T0)
+            .expect("cancel");
+        assert_eq!(
+            claim(&cancelled, W1, T0 + 5),
+            Err(Refusal::Finished(TaskState::Cancelled))
+        );
+    }
+
+    #[test]
     fn an_outcome_names_the_session_that_reported_it() {
         let leased = task(3)
             .apply(&Change::Offer { to: W1 }, T0)
@@ -563,6 +657,7 @@ mod tests {
                     &Change::Claim {
                         by: W1,
                         lease_ms: LEASE,
+                        offered_at_ms: T0,
                     },
                     T0,
                 )
@@ -624,7 +719,8 @@ mod tests {
                 r.apply(
                     &Change::Claim {
                         by,
-                        lease_ms: LEASE
+                        lease_ms: LEASE,
+                        offered_at_ms: T0
                     },
                     T0
                 ),
@@ -642,6 +738,7 @@ mod tests {
                     &Change::Claim {
                         by: W1,
                         lease_ms: LEASE,
+                        offered_at_ms: T0,
                     },
                     T0,
                 )
@@ -701,6 +798,7 @@ mod tests {
                     &Change::Claim {
                         by: W1,
                         lease_ms: LEASE,
+                        offered_at_ms: T0,
                     },
                     T0,
                 )
@@ -739,6 +837,7 @@ mod tests {
                     &Change::Claim {
                         by: W1,
                         lease_ms: LEASE,
+                        offered_at_ms: T0,
                     },
                     T0,
                 )
@@ -767,6 +866,7 @@ mod tests {
                         &Change::Claim {
                             by: W1,
                             lease_ms: LEASE,
+                            offered_at_ms: T0,
                         },
                         at,
                     )
@@ -798,10 +898,24 @@ mod tests {
     fn a_decline_requeues_without_spending_an_attempt() {
         let r = task(3).apply(&Change::Offer { to: W1 }, T0).expect("offer");
         assert_eq!(
-            r.apply(&Change::Requeue { by: W2 }, T0),
+            r.apply(
+                &Change::Requeue {
+                    by: W2,
+                    offered_at_ms: T0
+                },
+                T0
+            ),
             Err(Refusal::LeaseLost)
         );
-        let r = r.apply(&Change::Requeue { by: W1 }, T0).expect("decline");
+        let r = r
+            .apply(
+                &Change::Requeue {
+                    by: W1,
+                    offered_at_ms: T0,
+                },
+                T0,
+            )
+            .expect("decline");
         assert_eq!((r.state, r.attempt), (TaskState::Queued, 0));
         assert_eq!(r.on_delivery(T0), OnDelivery::Offer);
     }
@@ -848,6 +962,7 @@ mod tests {
                 &Change::Claim {
                     by: W1,
                     lease_ms: LEASE,
+                    offered_at_ms: T0,
                 },
                 T0,
             )
@@ -905,7 +1020,15 @@ mod tests {
         for i in 0..(MAX_HISTORY as i64 * 2) {
             r = r
                 .apply(&Change::Offer { to: W1 }, T0 + i)
-                .and_then(|r| r.apply(&Change::Requeue { by: W1 }, T0 + i))
+                .and_then(|r| {
+                    r.apply(
+                        &Change::Requeue {
+                            by: W1,
+                            offered_at_ms: T0,
+                        },
+                        T0 + i,
+                    )
+                })
                 .expect("offer and decline");
         }
         assert_eq!(r.history.len(), MAX_HISTORY);
