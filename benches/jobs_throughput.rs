@@ -1,23 +1,31 @@
 //! Jobs end to end: tasks per second from `submit` to the `task_result` in the
-//! submitter's inbox (submit -> offer -> claim -> complete -> result), with 1, 4 and 16
-//! workers on one broker process and one nats-server, and the JetStream operations the
-//! broker spent per task (its `amp_jobs_jetstream_ops_total` counter). The baseline in the
-//! same run is the inbox: messages per second from `send` to an acknowledged delivery, with
-//! the same number in flight.
+//! submitter's inbox, acknowledged (submit -> offer -> claim -> complete -> result -> ack),
+//! with 1, 4 and 16 workers on one broker process and one nats-server, and the JetStream
+//! operations spent per task: the broker's `amp_jobs_jetstream_ops_total` (the jobs
+//! engine's own) and every message the broker sent to nats-server as the server counts
+//! them (its `/connz` `in_msgs`: the engine's operations plus the inbox's pulls and acks of
+//! the `task_result`s). The baseline in the same run is the inbox: messages per second from
+//! `send` to an acknowledged delivery, with the same number in flight.
 //!
 //!     cargo bench --bench jobs_throughput        (JOBS_BENCH_TASKS, default 2000)
+//!     JOBS_BENCH_OLD_BROKER=path/to/amp-broker cargo bench --bench jobs_throughput
+//!
+//! With `JOBS_BENCH_OLD_BROKER` each jobs run is made with that build of the broker too,
+//! right before this one, and the ratio of the two is printed.
 //!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of 20 tasks.
 //!
-//! Absolute figures drift on shared machines; the ratio to the baseline is the result.
+//! Absolute figures drift on shared machines; the ratios within one run are the result.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::NatsServer;
 use common::amp::{Broker, Client, http_get, open_config};
+use common::{NatsServer, free_port};
 use serde_json::{Value, json};
 
 const IN_FLIGHT: usize = 256;
@@ -62,14 +70,40 @@ fn drive(c: &mut Client, n: usize, frame: impl Fn(usize) -> Value, results_wante
     }
 }
 
-fn tasks_per_second(workers: usize, tasks: usize) -> (f64, f64, f64) {
-    let nats = NatsServer::start();
+/// A nats-server with its monitoring port, and that port's address.
+fn monitored_nats() -> (NatsServer, SocketAddr) {
+    let port = free_port();
+    let nats = NatsServer::with_config(&format!("http: 127.0.0.1:{port}"));
+    (nats, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+/// Messages the server received from its clients (the broker is the only one).
+fn server_in_msgs(monitor: SocketAddr) -> f64 {
+    let (_, body) = http_get(monitor, "/connz").expect("connz");
+    let v: Value = serde_json::from_str(&body).expect("connz JSON");
+    v["connections"].as_array().map_or(0.0, |c| {
+        c.iter().filter_map(|c| c["in_msgs"].as_f64()).sum()
+    })
+}
+
+struct JobsRun {
+    rate: f64,
+    engine_ops: f64,
+    server_msgs: f64,
+    conflicts: f64,
+}
+
+fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun {
+    let (nats, monitor) = monitored_nats();
     let mut names = vec!["app".to_string()];
     names.extend((1..=workers).map(|i| format!("w{i}")));
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut config = open_config(&refs);
     config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
-    let broker = Broker::start(&nats.url(), &config);
+    let broker = match bin {
+        Some(bin) => Broker::start_bin(bin, &nats.url(), &config),
+        None => Broker::start(&nats.url(), &config),
+    };
     let mut app = login(&broker, "app");
     let handles: Vec<_> = (1..=workers)
         .map(|i| {
@@ -94,6 +128,7 @@ fn tasks_per_second(workers: usize, tasks: usize) -> (f64, f64, f64) {
         })
         .collect();
     let ops_before = metric(&broker, "amp_jobs_jetstream_ops_total");
+    let msgs_before = server_in_msgs(monitor);
     let started = Instant::now();
     drive(
         &mut app,
@@ -103,16 +138,18 @@ fn tasks_per_second(workers: usize, tasks: usize) -> (f64, f64, f64) {
     );
     let elapsed = started.elapsed();
     let ops = metric(&broker, "amp_jobs_jetstream_ops_total") - ops_before;
+    let msgs = server_in_msgs(monitor) - msgs_before;
     let conflicts = metric(&broker, "amp_jobs_cas_conflicts_total");
     drop(app);
     for h in handles {
         let _ = h.join();
     }
-    (
-        tasks as f64 / elapsed.as_secs_f64(),
-        ops / tasks as f64,
+    JobsRun {
+        rate: tasks as f64 / elapsed.as_secs_f64(),
+        engine_ops: ops / tasks as f64,
+        server_msgs: msgs / tasks as f64,
         conflicts,
-    )
+    }
 }
 
 fn messages_per_second(messages: usize) -> f64 {
@@ -139,12 +176,33 @@ fn main() {
     println!(
         "baseline: inbox send -> delivery -> ack: {baseline:.0} messages/s ({tasks} messages)"
     );
-    for workers in [1, 4, 16] {
-        let (rate, ops, conflicts) = tasks_per_second(workers, tasks);
+    let old = std::env::var_os("JOBS_BENCH_OLD_BROKER").map(PathBuf::from);
+    let report = |label: &str, workers: usize, r: &JobsRun| {
         println!(
-            "jobs, {workers:>2} workers x 4 slots: {rate:.0} tasks/s = {:.2} x baseline; \
-             {ops:.2} JetStream operations per task; {conflicts} compare-and-set conflicts",
-            rate / baseline
+            "jobs ({label}), {workers:>2} workers x 4 slots: {:.0} tasks/s = {:.2} x baseline; \
+             {:.2} JetStream operations per task by the jobs engine, {:.2} messages per task \
+             from the broker to nats-server; {} compare-and-set conflicts",
+            r.rate,
+            r.rate / baseline,
+            r.engine_ops,
+            r.server_msgs,
+            r.conflicts
         );
+    };
+    for workers in [1, 4, 16] {
+        let before = old
+            .as_deref()
+            .map(|bin| tasks_per_second(Some(bin), workers, tasks));
+        let now = tasks_per_second(None, workers, tasks);
+        if let Some(before) = &before {
+            report("old", workers, before);
+        }
+        report("this build", workers, &now);
+        if let Some(before) = &before {
+            println!(
+                "jobs, {workers:>2} workers: this build / old = {:.2} x tasks/s",
+                now.rate / before.rate
+            );
+        }
     }
 }

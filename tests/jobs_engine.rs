@@ -952,3 +952,139 @@ fn two_brokers_never_lease_one_task_twice_and_share_the_work() {
     assert_eq!(s1 + s2, n as u64);
     assert!(s1 > 0 && s2 > 0, "both brokers worked: {s1} / {s2}");
 }
+
+#[test]
+fn status_through_another_broker_says_offered_while_an_unwritten_offer_is_out() {
+    let server = common::NatsServer::start();
+    let mut b1 = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut b2 = Broker::start(&server.url(), "b2", config(30, 5000, 3));
+    b2.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b1.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b1.offer(W1, SECS);
+    // b2 knows nothing of the offer; it asks, and b1 (pumped here) answers.
+    let ask = |b1: &mut Broker, b2: &mut Broker, id: &str| {
+        b2.send(APP, "app", json!({"op":"status","id":id,"task":"T"}));
+        let deadline = Instant::now() + SECS;
+        loop {
+            b1.step(Duration::from_millis(2));
+            b2.step(Duration::from_millis(2));
+            let pos = b2.out.iter().position(|o| {
+                matches!(o, JobsOutput::Reply { session, re, .. } if *session == APP && re == id)
+            });
+            if let Some(JobsOutput::Reply { text, .. }) = pos.map(|p| b2.out.remove(p)) {
+                return parse(&text);
+            }
+            assert!(Instant::now() < deadline, "no status answer");
+        }
+    };
+    let asked = Instant::now();
+    let r = ask(&mut b1, &mut b2, "q1");
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "the holder answers at once"
+    );
+    let status = &r["task"];
+    assert_eq!(status["state"], "offered", "{r}");
+    assert_eq!(status["attempt"], 0);
+    assert!(status.get("holder").is_none(), "an offer is no lease: {r}");
+    assert_eq!(history_states(status), ["queued", "offered"]);
+    assert_eq!(status["history"][1]["by"], "acme/w1");
+
+    let r = b1.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let r = ask(&mut b1, &mut b2, "q2");
+    assert_eq!(r["task"]["state"], "leased", "{r}");
+    assert_eq!(
+        history_states(&r["task"]),
+        ["queued", "offered", "leased"],
+        "the claim wrote the offer it took"
+    );
+    // Nobody holds an offer of a queued task: nobody answers, and at once.
+    b2.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t2","job":"render","task":"U","body":2}),
+    );
+    let asked = Instant::now();
+    b2.send(APP, "app", json!({"op":"status","id":"q3","task":"U"}));
+    let r = b2.reply(APP, "q3");
+    assert_eq!(r["task"]["state"], "queued", "{r}");
+    assert!(asked.elapsed() < Duration::from_secs(1), "no waiting");
+}
+
+/// The job consumer's delivery count and redeliveries, as JetStream reports them.
+fn job_deliveries(client: &mut Client) -> (u64, u64) {
+    let reply = client
+        .request(
+            "$JS.API.CONSUMER.INFO.AMP_TASKS_acme.job_render",
+            None,
+            b"",
+            SECS,
+        )
+        .expect("consumer info");
+    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+    let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(u64::MAX);
+    (n("/delivered/consumer_seq"), n("/num_redelivered"))
+}
+
+#[test]
+fn a_lease_outliving_its_deliverys_ack_wait_keeps_the_message_without_a_heartbeat() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(2, 5000, 3));
+    let mut client = Client::connect(Options::new(&server.url())).expect("connect");
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    // A free slot keeps a pull waiting, so a message whose AckWait ran out would come back.
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    // Claimed 1.2 s into the 2 s AckWait: the lease ends 1.2 s after the AckWait would.
+    let _ = b.frames_for(W1, Duration::from_millis(1200));
+    let ops = b.jobs.stats().js_ops;
+    let r = b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    assert_eq!(
+        b.jobs.stats().js_ops - ops,
+        1,
+        "the claim is its compare-and-set alone"
+    );
+    assert_eq!(
+        job_deliveries(&mut client),
+        (1, 0),
+        "no in-progress ack was needed yet"
+    );
+    // Past the AckWait of the delivery, within the lease, with no heartbeat.
+    let frames = b.frames_for(W1, Duration::from_millis(1500));
+    assert!(frames.iter().all(|f| f["op"] != "revoked"), "{frames:?}");
+    assert_eq!(
+        job_deliveries(&mut client),
+        (1, 0),
+        "the broker's in-progress ack kept the message from being redelivered"
+    );
+    let r = b.request(
+        W1,
+        "w1",
+        json!({"op":"complete","id":"k","task":"T","result":"kept"}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+    assert_eq!(b.status(APP, "T")["state"], "completed");
+}

@@ -155,6 +155,69 @@ fn a_broker_killed_mid_lease_lets_another_broker_reoffer_the_task_after_the_leas
     assert_eq!(holders, ["acme/w1", "acme/w2"]);
 }
 
+/// An offer is not written to the task store, so a broker killed with one out leaves the
+/// record as it was: the message comes back after its AckWait and another broker offers
+/// it, as the same attempt, and the dead offer is nowhere in the history.
+#[test]
+fn a_broker_killed_with_an_offer_out_lets_another_broker_offer_the_task_again() {
+    let nats = NatsServer::start();
+    let cfg = config(&["app", "w1", "w2"], 2, 60_000);
+    let mut a = Broker::start(&nats.url(), &cfg);
+    let b = Broker::start(&nats.url(), &cfg);
+    let mut app = login(&b, "app");
+    let mut w1 = login_serving(&a, "w1", 1);
+    app.request(json!({"op":"submit","job":"render","task":"O","body":"work"}));
+    let offer = w1.next_op("offer", WAIT).expect("offer on broker A");
+    assert_eq!(offer["task"], "O");
+    assert_eq!(status(&mut app, "O")["state"], "offered", "asked through B");
+    a.kill();
+    let killed = Instant::now();
+    assert_eq!(
+        status(&mut app, "O")["state"],
+        "queued",
+        "nobody holds an offer now"
+    );
+    let mut w2 = login_serving(&b, "w2", 1);
+    let offer = w2
+        .next_op("offer", WAIT)
+        .expect("offered again by broker B");
+    assert!(
+        killed.elapsed() >= Duration::from_millis(500),
+        "not before the AckWait of A's delivery ran out"
+    );
+    assert_eq!(offer["attempt"], 1, "an offer spends no attempt");
+    assert_eq!(w2.request(json!({"op":"claim","task":"O"}))["op"], "ok");
+    assert_eq!(
+        w2.request(json!({"op":"complete","task":"O","result":"done"}))["op"],
+        "ok"
+    );
+    let s = status(&mut app, "O");
+    assert_eq!(
+        (&s["state"], &s["attempt"]),
+        (&json!("completed"), &json!(1))
+    );
+    let history: Vec<(&str, &str)> = s["history"]
+        .as_array()
+        .expect("history")
+        .iter()
+        .map(|h| {
+            (
+                h["state"].as_str().unwrap_or(""),
+                h["by"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        history,
+        [
+            ("queued", "acme/app"),
+            ("offered", "acme/w2"),
+            ("leased", "acme/w2"),
+            ("completed", "acme/w2")
+        ]
+    );
+}
+
 #[test]
 fn cancelling_a_leased_task_revokes_it_and_the_submitter_hears_cancelled() {
     let nats = NatsServer::start();

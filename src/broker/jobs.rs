@@ -118,21 +118,11 @@ struct JobQueue {
     deliver_prefix: String,
     /// Messages asked for and not yet delivered, over all outstanding pulls.
     requested: u32,
-    /// Outstanding pulls by number.
-    pulls: HashMap<u64, PullOut>,
+    /// Outstanding pulls by number, with their batch.
+    pulls: HashMap<u64, u32>,
     next_pull: u64,
     /// Messages delivered whose record is being read (they hold no slot yet).
     unplaced: u32,
-}
-
-/// A pull sent and not yet used up.
-#[derive(Debug, Clone, Copy)]
-struct PullOut {
-    /// Messages it may still deliver.
-    left: u32,
-    /// When it was sent: JetStream started the AckWait of each message it delivers after
-    /// this, so a lease needs no in-progress ack before `sent + lease_s`.
-    sent: Instant,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,8 +172,8 @@ struct LocalTask {
     progress_at: Option<Instant>,
     /// The subscription answering `status` for this unwritten offer (`offer_subject`).
     watch: Option<Sid>,
-    /// No earlier than the start of JetStream's AckWait of the message: the pull's or the
-    /// last in-progress ack's sending. Unknown: the claim sends its in-progress ack at once.
+    /// When JetStream (re)started the message's AckWait, as near as this broker knows: the
+    /// delivery's arrival or the last in-progress ack. Unknown: the claim sends one at once.
     ack_basis: Option<Instant>,
 }
 
@@ -1254,13 +1244,7 @@ impl Jobs {
         self.stats.js_ops += 1;
         if let Some(q) = self.queues.get_mut(qk) {
             q.next_pull += 1;
-            q.pulls.insert(
-                n,
-                PullOut {
-                    left: want,
-                    sent: now,
-                },
-            );
+            q.pulls.insert(n, want);
             q.requested = q.requested.saturating_add(want);
         }
         self.timers.push(Reverse((
@@ -1322,11 +1306,10 @@ impl Jobs {
                         .and_then(|v| v.trim().parse::<u64>().ok()),
                 };
                 if let (Some(q), Some(n)) = (self.queues.get_mut(&qk), pull_no)
-                    && let Some(out) = q.pulls.remove(&n)
+                    && let Some(batch) = q.pulls.remove(&n)
                 {
-                    let left = out.left;
                     let undelivered = undelivered
-                        .map_or(left, |p| u32::try_from(p).unwrap_or(u32::MAX).min(left));
+                        .map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
                     q.requested = q.requested.saturating_sub(undelivered);
                 }
                 if let Inbound::Status { code: 503, .. } = &inbound {
@@ -1350,21 +1333,10 @@ impl Jobs {
             }
             return true;
         }
-        let mut ack_basis = None;
         if let Some(q) = self.queues.get_mut(&qk) {
             q.requested = q.requested.saturating_sub(1);
-            if let Some(n) = pull_no
-                && let Some(out) = q.pulls.get_mut(&n)
-            {
-                ack_basis = Some(out.sent);
-                out.left = out.left.saturating_sub(1);
-                if out.left == 0 {
-                    // Used up: the server sends nothing more for it.
-                    q.pulls.remove(&n);
-                }
-            }
         }
-        self.delivery(conn, &qk, msg, ack_basis, now);
+        self.delivery(conn, &qk, msg, now);
         true
     }
 
@@ -1384,14 +1356,10 @@ impl Jobs {
         }
     }
 
-    fn delivery(
-        &mut self,
-        conn: &mut Connection,
-        qk: &str,
-        msg: &Message,
-        ack_basis: Option<Instant>,
-        now: Instant,
-    ) {
+    fn delivery(&mut self, conn: &mut Connection, qk: &str, msg: &Message, now: Instant) {
+        // JetStream started the message's AckWait when it sent it, a moment before `now`;
+        // `keep_message`'s margin covers the moment.
+        let ack_basis = Some(now);
         let Some(ack) = msg.reply.clone() else {
             return;
         };
@@ -2249,7 +2217,9 @@ impl Jobs {
             return;
         };
         let ack_wait = Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1));
-        // Sent this long before the AckWait runs out, for the loop's and the wire's delays.
+        // Sent this long before the AckWait runs out: for the delivery's way here (the basis
+        // is its arrival, a little after JetStream started the AckWait), the loop's delays
+        // and the in-progress ack's way back.
         let margin = (ack_wait / 10)
             .max(Duration::from_millis(100))
             .min(ack_wait / 2);

@@ -47,6 +47,8 @@ pub struct Broker {
     pub addr: SocketAddr,
     dir: tempfile::TempDir,
     args: Vec<String>,
+    /// Another build of the broker (a benchmark's baseline); this crate's when None.
+    bin: Option<std::path::PathBuf>,
 }
 
 impl Broker {
@@ -57,6 +59,20 @@ impl Broker {
     }
 
     pub fn start_with(nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
+        let mut broker = Broker::unstarted(nats_url, config, extra);
+        broker.spawn();
+        broker
+    }
+
+    /// Like `start`, with the broker binary at `bin`.
+    pub fn start_bin(bin: &Path, nats_url: &str, config: &Value) -> Broker {
+        let mut broker = Broker::unstarted(nats_url, config, &[]);
+        broker.bin = Some(bin.to_path_buf());
+        broker.spawn();
+        broker
+    }
+
+    fn unstarted(nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
         let dir = tempfile::tempdir().expect("broker dir");
         let config_path = dir.path().join("config.json");
         std::fs::write(&config_path, config.to_string()).expect("write config");
@@ -71,14 +87,13 @@ impl Broker {
             addr.to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut broker = Broker {
+        Broker {
             child: None,
             addr,
             dir,
             args,
-        };
-        broker.spawn();
-        broker
+            bin: None,
+        }
     }
 
     /// Starts `amp-broker serve` with its embedded nats-server (store under the broker's
@@ -105,6 +120,7 @@ impl Broker {
             addr,
             dir,
             args,
+            bin: None,
         };
         broker.spawn();
         broker
@@ -117,6 +133,7 @@ impl Broker {
             addr,
             dir: tempfile::tempdir().expect("broker dir"),
             args,
+            bin: None,
         };
         broker.spawn();
         broker
@@ -141,15 +158,19 @@ impl Broker {
         let log = std::fs::File::create(self.dir.path().join("broker.log")).expect("log");
         // A profiler in front of the broker (`valgrind --tool=callgrind ...`): it keeps
         // the broker's pid, so the CPU and memory figures of benches stay its own.
+        let bin = self
+            .bin
+            .clone()
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_amp-broker").into());
         let wrapper = std::env::var("AMP_BROKER_WRAPPER").unwrap_or_default();
         let mut words = wrapper.split_whitespace();
         let mut command = match words.next() {
             Some(program) => {
                 let mut c = Command::new(program);
-                c.args(words).arg(env!("CARGO_BIN_EXE_amp-broker"));
+                c.args(words).arg(&bin);
                 c
             }
-            None => Command::new(env!("CARGO_BIN_EXE_amp-broker")),
+            None => Command::new(&bin),
         };
         let child = command
             .args(&self.args)
