@@ -2069,12 +2069,12 @@ impl Jobs {
                     s.leases += 1;
                 }
                 self.unwatch(conn, &key);
-                self.leased(conn, key, session, re, &record, ack, generation, false, now);
+                self.leased(conn, key, session, re, &record, generation, false, now);
             }
             Op::Heartbeat { session, re } => {
                 self.extension_ended(&key);
                 let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
-                self.leased(conn, key, session, re, &record, ack, generation, true, now);
+                self.leased(conn, key, session, re, &record, generation, true, now);
             }
             Op::Complete { session, re, .. } => {
                 self.stats.completed += 1;
@@ -2239,11 +2239,11 @@ impl Jobs {
         let Some(t) = self.tasks.get_mut(key) else {
             return;
         };
-        let basis = t.ack_basis.unwrap_or(now);
-        if lease_end <= after(basis, ack_wait) {
+        let at = after(t.ack_basis.unwrap_or(now), ack_wait - margin);
+        if lease_end <= at {
             return;
         }
-        let at = after(basis, ack_wait - margin).max(now);
+        let at = at.max(now);
         if t.progress_at.is_some_and(|armed| armed <= at) {
             // An earlier check is coming; it looks again.
             return;
@@ -2264,18 +2264,11 @@ impl Jobs {
         session: SessionId,
         re: String,
         record: &TaskRecord,
-        ack: Option<String>,
         generation: u64,
         heartbeat: bool,
         now: Instant,
     ) {
         let until_ms = record.lease_until_ms.unwrap_or_default();
-        if let Some(t) = self.tasks.get_mut(&key)
-            && let Some(a) = ack
-            && t.ack_subject.is_empty()
-        {
-            t.ack_subject = a;
-        }
         // A heartbeat restarts the AckWait at once; a claim only when it must.
         self.keep_message(conn, &key, heartbeat, now);
         let text = FrameWriter::ok(Some(&re))
