@@ -1345,11 +1345,9 @@ impl Jobs {
         let Some(reply) = msg.reply.as_deref() else {
             return;
         };
-        let answer = match self.tasks.get(key) {
-            Some(t) if matches!(t.phase, Phase::Offered | Phase::Claiming) => {
-                json!({"by": t.participant, "at_ms": t.offered_at_ms})
-            }
-            _ => json!({}),
+        let answer = match self.unwritten_offer(key) {
+            Some((by, at_ms)) => json!({"by": by, "at_ms": at_ms}),
+            None => json!({}),
         };
         if let Err(e) = conn.publish(reply, None, None, answer.to_string().as_bytes()) {
             log::warn!(task:% = key; "offer watch answer not sent: {e}");
@@ -2594,12 +2592,8 @@ impl Jobs {
         record: TaskRecord,
         now: Instant,
     ) {
-        let here = self
-            .tasks
-            .get(key)
-            .filter(|t| t.watch.is_some() && matches!(t.phase, Phase::Offered | Phase::Claiming));
-        if let Some(t) = here {
-            let view = record.with_unwritten_offer(&t.participant, t.offered_at_ms);
+        if let Some((by, at_ms)) = self.unwritten_offer(key) {
+            let view = record.with_unwritten_offer(&by, at_ms);
             return self.answer_status(session, re, &view);
         }
         match conn.request(&offer_subject(key), None, b"", OFFER_ASK_TIMEOUT, now) {
@@ -2617,6 +2611,14 @@ impl Jobs {
             }
             Err(_) => self.answer_status(session, re, &record),
         }
+    }
+
+    /// The offer of `key` out from here without having been written: to whom, since when.
+    fn unwritten_offer(&self, key: &str) -> Option<(String, i64)> {
+        self.tasks
+            .get(key)
+            .filter(|t| t.watch.is_some() && matches!(t.phase, Phase::Offered | Phase::Claiming))
+            .map(|t| (t.participant.clone(), t.offered_at_ms))
     }
 
     fn answer_status(&mut self, session: SessionId, re: String, record: &TaskRecord) {
