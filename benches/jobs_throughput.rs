@@ -11,7 +11,10 @@
 //!     JOBS_BENCH_OLD_BROKER=path/to/amp-broker cargo bench --bench jobs_throughput
 //!
 //! With `JOBS_BENCH_OLD_BROKER` each jobs run is made with that build of the broker too,
-//! right before this one, and the ratio of the two is printed.
+//! right before this one, and the ratio of the two is printed. `JOBS_BENCH_BROKER` runs
+//! another binary as "this build" (e.g. a release broker under a debug harness). Each run
+//! also reports the CPU time nats-server and the broker spent per task (`/proc`), which a
+//! loaded machine disturbs far less than tasks per second.
 //!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of 20 tasks.
 //!
@@ -91,6 +94,29 @@ struct JobsRun {
     engine_ops: f64,
     server_msgs: f64,
     conflicts: f64,
+    /// CPU microseconds per task of nats-server and of the broker.
+    nats_us: f64,
+    broker_us: f64,
+}
+
+/// User and system CPU seconds of process `pid` so far (0 where /proc has none).
+fn cpu_seconds(pid: Option<u32>) -> f64 {
+    let Some(stat) = pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+    else {
+        return 0.0;
+    };
+    // Fields after the command name, which ends at the last ')': utime and stime are the
+    // 12th and 13th of them, in clock ticks (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (tick(11) + tick(12)) / 100.0
 }
 
 fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun {
@@ -100,7 +126,8 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let mut config = open_config(&refs);
     config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
-    let broker = match bin {
+    let this = std::env::var_os("JOBS_BENCH_BROKER").map(PathBuf::from);
+    let broker = match bin.or(this.as_deref()) {
         Some(bin) => Broker::start_bin(bin, &nats.url(), &config),
         None => Broker::start(&nats.url(), &config),
     };
@@ -129,6 +156,7 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
         .collect();
     let ops_before = metric(&broker, "amp_jobs_jetstream_ops_total");
     let msgs_before = server_in_msgs(monitor);
+    let cpu_before = (cpu_seconds(nats.pid()), cpu_seconds(broker.pid()));
     let started = Instant::now();
     drive(
         &mut app,
@@ -139,6 +167,9 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
     let elapsed = started.elapsed();
     let ops = metric(&broker, "amp_jobs_jetstream_ops_total") - ops_before;
     let msgs = server_in_msgs(monitor) - msgs_before;
+    let per_task_us = |s: f64| s * 1e6 / tasks as f64;
+    let nats_us = per_task_us(cpu_seconds(nats.pid()) - cpu_before.0);
+    let broker_us = per_task_us(cpu_seconds(broker.pid()) - cpu_before.1);
     let conflicts = metric(&broker, "amp_jobs_cas_conflicts_total");
     drop(app);
     for h in handles {
@@ -149,6 +180,8 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
         engine_ops: ops / tasks as f64,
         server_msgs: msgs / tasks as f64,
         conflicts,
+        nats_us,
+        broker_us,
     }
 }
 
@@ -181,12 +214,15 @@ fn main() {
         println!(
             "jobs ({label}), {workers:>2} workers x 4 slots: {:.0} tasks/s = {:.2} x baseline; \
              {:.2} JetStream operations per task by the jobs engine, {:.2} messages per task \
-             from the broker to nats-server; {} compare-and-set conflicts",
+             from the broker to nats-server; {} compare-and-set conflicts; CPU per task: \
+             nats-server {:.0} us, broker {:.0} us",
             r.rate,
             r.rate / baseline,
             r.engine_ops,
             r.server_msgs,
-            r.conflicts
+            r.conflicts,
+            r.nats_us,
+            r.broker_us
         );
     };
     for workers in [1, 4, 16] {
@@ -199,9 +235,12 @@ fn main() {
         }
         report("this build", workers, &now);
         if let Some(before) = &before {
+            let cpu = |r: &JobsRun| r.nats_us + r.broker_us;
             println!(
-                "jobs, {workers:>2} workers: this build / old = {:.2} x tasks/s",
-                now.rate / before.rate
+                "jobs, {workers:>2} workers: this build / old = {:.2} x tasks/s, {:.2} x the \
+                 CPU per task (nats-server and broker)",
+                now.rate / before.rate,
+                cpu(&now) / cpu(&before)
             );
         }
     }
