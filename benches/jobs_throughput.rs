@@ -240,7 +240,7 @@ fn main() {
                 "jobs, {workers:>2} workers: this build / old = {:.2} x tasks/s, {:.2} x the \
                  CPU per task (nats-server and broker)",
                 now.rate / before.rate,
-                cpu(&now) / cpu(&before)
+                cpu(&now) / cpu(before)
             );
         }
     }
