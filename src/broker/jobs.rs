@@ -2702,6 +2702,9 @@ impl Jobs {
                     // Every pull up to the newest has expired by now; if their 408s were
                     // lost (a reconnect), nothing is outstanding any more.
                     let stale = self.queues.get_mut(&queue).is_some_and(|q| {
+                        // Past its expiry a pull is over whether or not a status said so
+                        // (a fully answered pull gets none): its entry goes.
+                        q.pulls.remove(&pull);
                         let newest = q.next_pull.checked_sub(1) == Some(pull);
                         if newest && q.requested > 0 {
                             q.requested = 0;
