@@ -123,10 +123,15 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     };
     let mut client = nats::Client::connect(options.clone())
         .map_err(|e| format!("cannot reach NATS at {}: {e}", nats::redacted(&urls)))?;
-    for line in setup::ensure_streams(&mut client, &config, settings)? {
+    let set_up = setup::ensure_streams(&mut client, &config, settings)?;
+    for line in &set_up.report {
         log::info!("{line}");
     }
     drop(client);
+    if !set_up.away.is_empty() {
+        setup::retry_away_domains(options.clone(), config.clone(), settings, set_up.away)
+            .map_err(|e| format!("domain setup thread: {e}"))?;
+    }
 
     let ws = WsConfig {
         max_frame: config.limits.max_frame,

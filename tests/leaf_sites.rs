@@ -7,6 +7,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use amp_broker::broker::binding;
+use amp_broker::nats;
 use common::NatsServer;
 use common::amp::{Broker, Client, token_hash};
 use common::relay::Relay;
@@ -300,6 +302,56 @@ fn a_site_whose_hub_is_unreachable_at_start_serves_local_namespaces_until_the_hu
     let got = receive(&mut bob, 1);
     assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
     assert_eq!(got[0]["body"], "welcome");
+}
+
+#[test]
+fn a_site_that_started_offline_sets_up_the_fleet_streams_itself_when_no_hub_broker_exists() {
+    let leaf_port = common::free_port();
+    let relay = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let site = site_broker(&relay);
+    let mut bob = Client::connect(&site);
+    let ok = bob.request(json!({
+        "op":"hello","ns":"fleet","name":"bob",
+        "auth":{"type":"token","token":"bob-token"},
+        "serve":[{"job":"render","slots":1}]
+    }));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut alice = login(&site, "fleet", "alice");
+
+    // A bare hub nats-server: no broker there ever creates the fleet streams.
+    let hub = hub_on(leaf_port);
+    let r = send_until_ok(&mut bob, "alice", json!("offline start"), "o1");
+    assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
+    let got = receive(&mut alice, 1);
+    assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
+    assert_eq!(got[0]["body"], "offline start");
+
+    let r = alice.request(json!({"op":"submit","job":"render","task":"T1","body":{"frame":1}}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = bob.next_op("offer", WAIT).expect("offer at the site");
+    assert_eq!(offer["task"], "T1", "{offer}\nsite log:\n{}", site.log());
+    assert_eq!(bob.request(json!({"op":"claim","task":"T1"}))["op"], "ok");
+    assert_eq!(
+        bob.request(json!({"op":"complete","task":"T1","result":"done"}))["op"],
+        "ok"
+    );
+    let result = alice.next_op("message", WAIT).expect("task_result");
+    assert_eq!(result["kind"], "task_result", "{result}");
+
+    // The streams live in the hub's domain, not the site's.
+    let options = nats::Options::parse_servers(&hub.url()).expect("hub url");
+    let mut client = nats::Client::connect(options).expect("connect to the hub");
+    let stream = binding::inbox_stream("fleet");
+    let info = client
+        .request(
+            &format!("$JS.hub.API.STREAM.INFO.{stream}"),
+            None,
+            b"",
+            WAIT,
+        )
+        .expect("stream info");
+    let info: Value = serde_json::from_slice(&info.payload).expect("json");
+    assert_eq!(info["config"]["name"], stream.as_str(), "{info}");
 }
 
 #[test]

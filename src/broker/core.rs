@@ -1306,7 +1306,11 @@ impl Broker {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
                     Ok(Err(e)) => {
                         log::warn!(participant:% = participant; "inbox consumer refused: {e}"
-                        )
+                        );
+                        // A domain that just came back may not have its streams yet.
+                        if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) {
+                            self.retry_inbox_consumer(participant, now);
+                        }
                     }
                     Err(e) => {
                         log::warn!(participant:% = participant; "inbox consumer request failed: {e}"

@@ -1,6 +1,7 @@
 //! Start-up: every stream and bucket of the JetStream binding is created when missing and
 //! adopted when compatible; an incompatible one stops the broker with the field named.
-//! Runs once before the event loop starts, so it may block on its own connection.
+//! Runs once before the event loop starts, so it may block on its own connection; a
+//! domain that does not answer then is set up later on a thread of its own.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use super::binding::{self, StreamSettings};
 use super::config::Config;
 use crate::jetstream::ApiPrefix;
 use crate::jetstream::api::check_error;
-use crate::nats::Client;
+use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -51,17 +52,45 @@ pub fn desired_streams(
     streams
 }
 
+/// What start-up set up, and the domains it could not reach.
+pub struct Setup {
+    /// A line per stream saying whether it was created or adopted.
+    pub report: Vec<String>,
+    /// Domains that did not answer; [`retry_away_domains`] sets them up later.
+    pub away: Vec<String>,
+}
+
 /// Creates or adopts every stream, in the local JetStream and in each domain the
-/// namespaces name; returns a line per stream saying which. A domain that does not answer
-/// (a leaf node whose hub is away) is skipped with a line saying so, so a site starts
-/// and serves its local namespaces without its hub; that domain's streams are then
-/// the hub's own broker's to create.
+/// namespaces name. A domain that does not answer (a leaf node whose hub is away) is
+/// skipped with a line saying so and listed in [`Setup::away`], so a site starts and
+/// serves its local namespaces without its hub.
 pub fn ensure_streams(
     client: &mut Client,
     config: &Config,
     settings: StreamSettings,
-) -> Result<Vec<String>, String> {
-    let mut report = Vec::new();
+) -> Result<Setup, String> {
+    let mut setup = Setup {
+        report: Vec::new(),
+        away: Vec::new(),
+    };
+    for domain in domains(config) {
+        match ensure_domain(client, config, domain, settings) {
+            Ok(lines) => setup.report.extend(lines),
+            Err(Failure::Away(e)) if domain.is_some() => {
+                setup.report.push(format!(
+                    "JetStream domain {} did not answer ({e}); its streams are set up once it does",
+                    domain.unwrap_or_default()
+                ));
+                setup.away.extend(domain.map(String::from));
+            }
+            Err(Failure::Away(e) | Failure::Fatal(e)) => return Err(e),
+        }
+    }
+    Ok(setup)
+}
+
+/// The local JetStream (`None`) and every domain a namespace names, each once.
+fn domains(config: &Config) -> Vec<Option<&str>> {
     let mut domains: Vec<Option<&str>> = vec![None];
     for n in config.namespaces.values() {
         let d = n.jetstream_domain.as_deref();
@@ -69,27 +98,77 @@ pub fn ensure_streams(
             domains.push(d);
         }
     }
-    for domain in domains {
-        let api = match domain {
-            Some(d) => ApiPrefix::domain(d).map_err(|e| e.to_string())?,
-            None => ApiPrefix::default(),
-        };
-        for desired in desired_streams(config, domain, settings) {
-            match ensure_stream(client, &api, &desired) {
-                Ok(line) => report.push(line),
-                Err(Failure::Away(e)) if domain.is_some() => {
-                    report.push(format!(
-                        "JetStream domain {} did not answer ({e}); its streams are left to \
-                         the brokers that reach it",
-                        api.as_str()
-                    ));
-                    break;
-                }
-                Err(Failure::Away(e) | Failure::Fatal(e)) => return Err(e),
+    domains
+}
+
+fn ensure_domain(
+    client: &mut Client,
+    config: &Config,
+    domain: Option<&str>,
+    settings: StreamSettings,
+) -> Result<Vec<String>, Failure> {
+    let api = match domain {
+        Some(d) => ApiPrefix::domain(d).map_err(|e| Failure::Fatal(e.to_string()))?,
+        None => ApiPrefix::default(),
+    };
+    desired_streams(config, domain, settings)
+        .iter()
+        .map(|desired| ensure_stream(client, &api, desired))
+        .collect()
+}
+
+/// The first wait before a domain that was away is tried again, doubled after each miss.
+pub const RETRY_FIRST: Duration = Duration::from_secs(1);
+/// The longest wait between two tries.
+pub const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Sets up the domains start-up could not reach, on a thread of its own with its own
+/// connection, so the event loop never waits for a hub. Each domain is tried with a
+/// backoff until it answers: a site whose hub was down at start, and for which no hub
+/// broker ever created the fleet streams, gets them once the leaf link is up. An
+/// incompatible stream found then is logged and that domain is given up.
+pub fn retry_away_domains(
+    options: Options,
+    config: Config,
+    settings: StreamSettings,
+    away: Vec<String>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("domain-setup".to_string())
+        .spawn(move || {
+            let mut away = away;
+            let mut wait = RETRY_FIRST;
+            while !away.is_empty() {
+                std::thread::sleep(wait);
+                wait = (wait * 2).min(RETRY_MAX);
+                let mut client = match Client::connect(options.clone()) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        log::debug!("domain setup: cannot reach NATS: {e}");
+                        continue;
+                    }
+                };
+                away.retain(
+                    |d| match ensure_domain(&mut client, &config, Some(d), settings) {
+                        Ok(lines) => {
+                            for line in lines {
+                                log::info!("{line}");
+                            }
+                            log::info!("JetStream domain {d} answers: its streams are set up");
+                            false
+                        }
+                        Err(Failure::Away(e)) => {
+                            log::debug!("JetStream domain {d} still away: {e}");
+                            true
+                        }
+                        Err(Failure::Fatal(e)) => {
+                            log::error!("JetStream domain {d}: {e}; its streams are not set up");
+                            false
+                        }
+                    },
+                );
             }
-        }
-    }
-    Ok(report)
+        })
 }
 
 enum Failure {
