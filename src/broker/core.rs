@@ -71,8 +71,10 @@ pub mod close {
     pub const POLICY: u16 = 1008;
 }
 
-/// How long a JetStream request may take before the client hears `unavailable`.
-const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a JetStream request may take before the client hears `unavailable`: under
+/// the 5 s within which a fleet request caught by a dying leaf link must be answered,
+/// with a second to spare for the answer's way back on a loaded node.
+const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// `retry_after_ms` of a submit refused because too many wait for a budget reservation:
 /// about one reservation round trip under load.
 const HELD_SUBMIT_RETRY_MS: u64 = 1000;

@@ -38,8 +38,10 @@ use crate::ws::metrics::NatsOp;
 
 pub type SessionId = u64;
 
-/// How long a JetStream request may take before the client hears `unavailable`.
-const JS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a JetStream request may take before the client hears `unavailable`: under
+/// the 5 s within which a fleet request caught by a dying leaf link must be answered,
+/// with a second to spare for the answer's way back on a loaded node.
+const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows.
 const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// After this much silence past its expiry a pull is taken as gone.
