@@ -1,3 +1,4 @@
+use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -14,14 +15,8 @@ use amp_broker::ws::connection::WsConfig;
 
 fn main() -> ExitCode {
     match cli::parse(std::env::args().skip(1), &cli::Env::from_process()) {
-        Ok(Command::Help(topic)) => {
-            print!("{}", topic.text());
-            ExitCode::SUCCESS
-        }
-        Ok(Command::Version) => {
-            println!("amp-broker {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
-        }
+        Ok(Command::Help(topic)) => print_out(&topic.text()),
+        Ok(Command::Version) => print_out(&format!("amp-broker {}\n", env!("CARGO_PKG_VERSION"))),
         Ok(Command::Keygen) => keygen(),
         Ok(Command::CheckConfig(path)) => check_config(&path),
         Ok(Command::Serve(args)) => match serve(*args) {
@@ -40,11 +35,11 @@ fn main() -> ExitCode {
 
 fn check_config(path: &std::path::Path) -> ExitCode {
     match Config::load(path) {
-        Ok(config) => {
-            println!("configuration {} is valid", path.display());
-            print!("{}", cli::describe(&config));
-            ExitCode::SUCCESS
-        }
+        Ok(config) => print_out(&format!(
+            "configuration {} is valid\n{}",
+            path.display(),
+            cli::describe(&config)
+        )),
         Err(e) => {
             eprintln!("amp-broker: configuration: {e}");
             ExitCode::FAILURE
@@ -52,12 +47,24 @@ fn check_config(path: &std::path::Path) -> ExitCode {
     }
 }
 
+/// Writes a command's output. A reader that left early (`| head`) ends the command
+/// quietly with success, as the output it wanted was had; any other failure to write is
+/// an error. (`print!` would panic on both.)
+fn print_out(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("amp-broker: standard output: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn keygen() -> ExitCode {
     match amp_broker::broker::keygen::keygen_text() {
-        Ok(text) => {
-            print!("{text}");
-            ExitCode::SUCCESS
-        }
+        Ok(text) => print_out(&text),
         Err(e) => {
             eprintln!("amp-broker: keygen: {e}");
             ExitCode::FAILURE
@@ -72,7 +79,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => {
             let token = envelope::random_id();
             // The token is a credential: it goes to standard output, never into the log.
-            println!("development token: {token}");
+            writeln!(std::io::stdout(), "development token: {token}")
+                .map_err(|e| format!("printing the development token: {e}"))?;
             log::warn!(
                 "DEVELOPMENT MODE (no --config): namespace `dev`, any participant name, \
                  the token printed on standard output, every permission; listening on loopback only"

@@ -139,6 +139,32 @@ fn check_config_describes_a_valid_file_and_names_the_member_of_a_bad_one() {
     assert!(stderr(&out).contains("absent.json"), "{}", stderr(&out));
 }
 
+#[test]
+fn printing_to_a_closed_pipe_ends_quietly() {
+    let dir = tempfile::tempdir().expect("dir");
+    let good = dir.path().join("good.json");
+    std::fs::write(&good, open_config(&["alice"]).to_string()).expect("write");
+    let file = good.display().to_string();
+    for args in [
+        vec!["check-config", file.as_str()],
+        vec!["--help"],
+        vec!["--version"],
+        vec!["keygen"],
+    ] {
+        // The reader is gone before the broker writes, as with `| head` once it has its lines.
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let out = amp_broker()
+            .args(&args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .expect("run amp-broker");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).is_empty(), "{args:?}: {}", stderr(&out));
+    }
+}
+
 /// The broker process, killed when the test ends however it ends.
 struct Running(Child);
 
