@@ -8,7 +8,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use amp_broker::broker::binding;
-use amp_broker::nats;
+use amp_broker::jwt;
+use amp_broker::nats::{self, creds};
+use amp_broker::nkeys::{KeyKind, KeyPair};
 use common::NatsServer;
 use common::amp::{Broker, Client, token_hash};
 use common::relay::Relay;
@@ -433,4 +435,101 @@ fn a_link_that_dies_silently_is_noticed_by_pings_and_fleet_requests_meanwhile_ti
     assert_eq!(r["op"], "ok", "{r}\nsite log:\n{}", site.log());
     let got = receive(&mut alice, 1);
     assert_eq!(got.len(), 1, "stored once: {got:?}");
+}
+
+/// An operator-mode hub (JWTs in a memory resolver) with a leaf node listener on
+/// `leaf_port`; returns it and the account whose users may link.
+fn operator_hub(leaf_port: u16) -> (NatsServer, KeyPair) {
+    let key = |kind| KeyPair::generate(kind).expect("key");
+    let (operator, account, system) = (
+        key(KeyKind::Operator),
+        key(KeyKind::Account),
+        key(KeyKind::Account),
+    );
+    let sign = |claims, signer: &KeyPair| jwt::encode(&claims, signer).expect("jwt");
+    let operator_jwt = sign(
+        jwt::operator_claims(&operator.public_key(), "op"),
+        &operator,
+    );
+    let account_jwt = sign(
+        jwt::account_claims(&account.public_key(), "fleet"),
+        &operator,
+    );
+    let system_jwt = sign(
+        jwt::system_account_claims(&system.public_key(), "SYS"),
+        &operator,
+    );
+    let hub = NatsServer::with_jetstream(
+        "  domain: hub",
+        &format!(
+            "server_name: hub\noperator: {operator_jwt}\nsystem_account: {sys}\n\
+             resolver: MEMORY\nresolver_preload: {{\n  {acc}: {account_jwt}\n  {sys}: {system_jwt}\n}}\n\
+             leafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n",
+            acc = account.public_key(),
+            sys = system.public_key(),
+        ),
+    );
+    (hub, account)
+}
+
+/// A creds file for a new user signed by `account`.
+fn user_creds(dir: &std::path::Path, name: &str, account: &KeyPair) -> std::path::PathBuf {
+    let user = KeyPair::generate(KeyKind::User).expect("user");
+    let token =
+        jwt::encode(&jwt::user_claims(&user.public_key(), name, None), account).expect("user jwt");
+    let path = dir.join(format!("{name}.creds"));
+    std::fs::write(&path, creds::format(&token, &user.seed())).expect("write creds");
+    path
+}
+
+#[test]
+fn leaf_creds_link_a_site_to_an_operator_mode_hub_and_creds_of_another_account_are_refused() {
+    let leaf_port = common::free_port();
+    let (hub, account) = operator_hub(leaf_port);
+    let dir = tempfile::tempdir().expect("dir");
+    let site_with = |creds: &std::path::Path, id: &str| {
+        Broker::start_embedded(
+            &site_config(),
+            &[
+                "--broker-id",
+                id,
+                "--leaf-remote",
+                &format!("nats-leaf://127.0.0.1:{leaf_port}"),
+                "--leaf-creds",
+                &creds.display().to_string(),
+            ],
+        )
+    };
+
+    // Creds of a user of another account (one the hub does not trust).
+    let stranger = KeyPair::generate(KeyKind::Account).expect("account");
+    let refused = site_with(&user_creds(dir.path(), "stranger", &stranger), "site2");
+    assert!(
+        common::wait_until(WAIT, || hub.log().contains("Authorization Violation")
+            || hub.log().contains("authentication error")),
+        "hub log:\n{}",
+        hub.log()
+    );
+    let mut bob = login(&refused, "fleet", "bob");
+    let r = bob.request(json!({"op":"send","to":"alice","body":"x"}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    drop(bob);
+    drop(refused);
+
+    // The site's user: the link comes up and the fleet namespace is served in the hub's
+    // domain (its streams set up by the site itself; no hub broker here).
+    let site = site_with(&user_creds(dir.path(), "site1", &account), "site1");
+    let mut bob = login(&site, "fleet", "bob");
+    let mut alice = login(&site, "fleet", "alice");
+    let r = send_until_ok(&mut bob, "alice", json!("over JWT creds"), "j1");
+    assert_eq!(
+        r["op"],
+        "ok",
+        "{r}\nsite log:\n{}\nhub log:\n{}",
+        site.log(),
+        hub.log()
+    );
+    let got = receive(&mut alice, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"], "over JWT creds");
 }
