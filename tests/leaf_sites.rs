@@ -264,7 +264,7 @@ fn a_leaf_site_serves_fleet_and_local_namespaces_and_rides_out_a_cut_uplink() {
     assert_eq!(offer["task"], "T2");
     let got = receive(&mut alice, 1);
     let bodies: Vec<&Value> = got.iter().map(|m| &m["body"]).collect();
-    assert_eq!(bodies, [&json!("during")], "stored once");
+    assert_eq!(bodies, [&json!("during")], "stored once: {got:?}");
 }
 
 #[test]
