@@ -101,20 +101,26 @@ fn send_until_ok(c: &mut Client, to: &str, body: Value, idem: &str) -> Value {
     }
 }
 
-/// Reads and acks messages until `n` arrived or nothing more comes within a second.
+/// Reads and acks messages until `n` first deliveries arrived or nothing more comes
+/// within a second. A redelivery (`delivery` > 1: the inbox is at-least-once, and a
+/// message left unread past `ack_wait_s` while the test waits on something else comes
+/// again) is acked and left out; its first delivery was read, or is missing here.
 fn receive(c: &mut Client, n: usize) -> Vec<Value> {
     let mut got = Vec::new();
     let deadline = Instant::now() + WAIT;
-    while got.len() < n && Instant::now() < deadline {
-        if let Some(m) = c.next_op("message", Duration::from_secs(1)) {
-            c.send(&json!({"op":"ack","seq":m["seq"]}));
+    while Instant::now() < deadline {
+        let Some(m) = c.next_op("message", Duration::from_secs(1)) else {
+            if got.len() >= n {
+                break;
+            }
+            continue;
+        };
+        c.send(&json!({"op":"ack","seq":m["seq"]}));
+        if m["delivery"].as_u64().is_none_or(|d| d <= 1) {
             got.push(m);
         }
     }
-    // Anything past n is a duplicate.
-    while let Some(m) = c.next_op("message", Duration::from_secs(1)) {
-        got.push(m);
-    }
+    // Anything past n is a second store.
     got
 }
 
