@@ -20,6 +20,8 @@ pub struct Config {
     pub namespaces: BTreeMap<String, Namespace>,
     #[serde(default)]
     pub callout: CalloutTrust,
+    #[serde(default)]
+    pub mig: super::mig::config::MigSettings,
 }
 
 /// Which nats-servers the auth callout answers.
@@ -163,6 +165,10 @@ pub struct Job {
     pub lease_s: u64,
     pub offer_ms: u64,
     pub max_attempts: u32,
+    /// Tasks waiting or running past which a MIG invoke answers `MIG_BACKPRESSURE`.
+    pub max_queued: Option<u64>,
+    /// The job as a MIG capability.
+    pub mig: Option<super::mig::config::Capability>,
 }
 
 impl Default for Job {
@@ -171,6 +177,8 @@ impl Default for Job {
             lease_s: 30,
             offer_ms: 5000,
             max_attempts: 3,
+            max_queued: None,
+            mig: None,
         }
     }
 }
@@ -301,6 +309,7 @@ impl Config {
             limits: Limits::default(),
             namespaces: BTreeMap::from([("dev".to_string(), dev)]),
             callout: CalloutTrust::default(),
+            mig: Default::default(),
         }
     }
 
@@ -322,6 +331,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        super::mig::config::validate_settings(&self.mig)?;
         within("callout.server_keys", self.callout.server_keys.len(), 0, 64)?;
         for (i, key) in self.callout.server_keys.iter().enumerate() {
             if !is_server_key(key) {
@@ -449,6 +459,7 @@ impl Config {
             if let Some(domain) = &ns.jetstream_domain {
                 check_name(&format!("{at}.jetstream_domain"), domain)?;
             }
+            super::mig::config::validate_namespace(&at, ns)?;
         }
         Ok(())
     }

@@ -45,6 +45,7 @@ use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
 use crate::ws::metrics::{AmpMetrics, NatsOp};
 
+mod mig_front;
 mod topics;
 
 /// A WebSocket session, as numbered by the transport.
@@ -251,6 +252,8 @@ pub struct Broker {
     /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
     /// their sessions come and go within a refresh interval.
     refreshing: HashSet<String>,
+    /// The MIG/NATS front end over the same jobs.
+    mig: super::mig::Mig,
 }
 
 impl Broker {
@@ -260,6 +263,7 @@ impl Broker {
         super::ids::init()?;
         let wall_ms = rfc3339::unix_millis(SystemTime::now());
         let jobs = Jobs::new(&broker_id, &config, Instant::now(), wall_ms)?;
+        let mig = super::mig::Mig::new(&broker_id, Instant::now(), wall_ms)?;
         Ok(Broker {
             config,
             validator: FrameValidator::new()?,
@@ -281,6 +285,7 @@ impl Broker {
             budgets: Budgets::new(BudgetConfig::default()),
             held_submits: HashMap::new(),
             refreshing: HashSet::new(),
+            mig,
         })
     }
 
@@ -297,6 +302,7 @@ impl Broker {
             }
         }
         self.callout = Some(Callout::new(callout));
+        self.mig.set_issuer(issuer.public_key());
         self.issuer = Some(issuer);
         self
     }
@@ -309,6 +315,7 @@ impl Broker {
                 .map_err(|e| format!("auth callout subscription: {e}"))?;
             self.routes.insert(sid, Route::Callout);
         }
+        self.mig.start(conn, &self.config)?;
         let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
         for ns in namespaces {
             let prefix = conn.new_inbox();
@@ -379,6 +386,7 @@ impl Broker {
             .into_iter()
             .chain(watches)
             .chain(self.jobs.next_deadline())
+            .chain(self.mig.next_deadline())
             .min()
     }
 
@@ -1219,7 +1227,9 @@ impl Broker {
                     self.drive_registry(conn, &ns, now);
                 }
                 None => {
-                    self.jobs.on_message(conn, sid, &msg, now);
+                    if !self.mig_message(conn, sid, &msg, now) {
+                        self.jobs.on_message(conn, sid, &msg, now);
+                    }
                 }
             },
             Event::Response { id, msg } => match self.pending.remove(&id) {
@@ -1228,7 +1238,9 @@ impl Broker {
                     self.complete(conn, p, Ok(msg), now);
                 }
                 None => {
-                    self.jobs.on_reply(conn, id, Ok(msg), now);
+                    if let Some(reply) = self.mig_reply(conn, id, Ok(msg), now) {
+                        self.jobs.on_reply(conn, id, reply, now);
+                    }
                 }
             },
             Event::RequestFailed { id, error } => match self.pending.remove(&id) {
@@ -1237,7 +1249,9 @@ impl Broker {
                     self.complete(conn, p, Err(error), now);
                 }
                 None => {
-                    self.jobs.on_reply(conn, id, Err(error), now);
+                    if let Some(reply) = self.mig_reply(conn, id, Err(error), now) {
+                        self.jobs.on_reply(conn, id, reply, now);
+                    }
                 }
             },
             Event::InvalidMessages { dropped } => {
@@ -1441,6 +1455,7 @@ impl Broker {
             }
         }
         self.jobs.handle_timeout(conn, now);
+        self.mig_timeout(conn, now);
         self.drain_jobs(conn, now);
     }
 
@@ -1455,6 +1470,10 @@ impl Broker {
         });
         while let Some(out) = self.jobs.poll_output() {
             match out {
+                JobsOutput::Reply { session, text, .. } if super::mig::is_mig_session(session) => {
+                    self.mig_jobs_reply(conn, session, &text, now);
+                }
+                JobsOutput::Frame { session, .. } if super::mig::is_mig_session(session) => {}
                 JobsOutput::Reply { session, re, text } => {
                     self.answered(session, &re);
                     self.frame(session, text);
@@ -1655,6 +1674,7 @@ impl Broker {
     pub fn render_metrics(&self, out: &mut String) {
         self.metrics.registry.render(out);
         self.jobs.render_metrics(out);
+        self.mig.render_metrics(out);
     }
 
     fn frame(&mut self, session: SessionId, text: String) {

@@ -15,6 +15,7 @@ pub mod id_map;
 pub mod ids;
 pub mod jobs;
 pub mod keygen;
+pub mod mig;
 pub mod permissions;
 pub mod pull_loop;
 pub mod rate_limit;

@@ -12,6 +12,7 @@
 //! | read its own inbox | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_<ns>.inbox_<name>` and `$JS.API.CONSUMER.INFO.AMP_INBOX_<ns>.inbox_<name>` |
 //! | acknowledge its own inbox messages | pub `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
 //! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` (live events, core NATS) |
+//! | MIG requests (README "MIG over NATS") | pub `mig.v0_1.<ns>.{hello,discover,invoke.>,control.>}` |
 //!
 //! Everything else is denied, in particular every `_INBOX.>` subject (the broker's own
 //! replies and pull deliveries travel under [`BROKER_INBOX_PREFIX`], which no participant's
@@ -53,11 +54,15 @@ pub fn reply_prefix(ns: &str, name: &str) -> String {
 pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
     let inbox = binding::inbox_stream(ns);
     let own = binding::inbox_consumer(name);
-    let publish = vec![
+    let mut publish = vec![
         format!("$JS.API.CONSUMER.MSG.NEXT.{inbox}.{own}"),
         format!("$JS.API.CONSUMER.INFO.{inbox}.{own}"),
         format!("$JS.ACK.{inbox}.{own}.>"),
     ];
+    // MIG requests: the broker authenticates each one and answers only under the
+    // caller's reply prefix, so publishing them lets a participant do nothing it could
+    // not do over WebSocket.
+    publish.extend(super::mig::subjects::request_publish_allow(ns));
     let mut subscribe = vec![format!("{}.>", reply_prefix(ns, name))];
     for t in &p.subscribe {
         push_unique(&mut subscribe, binding::topic_subject(ns, t));
@@ -291,6 +296,10 @@ mod tests {
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
                 "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
                 "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
+                "mig.v0_1.acme.hello",
+                "mig.v0_1.acme.discover",
+                "mig.v0_1.acme.invoke.>",
+                "mig.v0_1.acme.control.>",
             ]
         );
         assert_eq!(
@@ -350,6 +359,10 @@ mod tests {
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
                 "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
                 "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
+                "mig.v0_1.acme.hello",
+                "mig.v0_1.acme.discover",
+                "mig.v0_1.acme.invoke.>",
+                "mig.v0_1.acme.control.>",
             ]})
         );
         assert_eq!(

@@ -167,7 +167,11 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
             json!([
                 "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
                 "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
-                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>"
+                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
+                "mig.v0_1.acme.hello",
+                "mig.v0_1.acme.discover",
+                "mig.v0_1.acme.invoke.>",
+                "mig.v0_1.acme.control.>"
             ])
         );
         assert_eq!(

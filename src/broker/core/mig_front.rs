@@ -1,0 +1,71 @@
+//! The core's side of the MIG front end (`broker::mig`): lends it the configuration, the
+//! jobs engine and the rate limiter for each step, and routes what belongs to it.
+
+use std::time::Instant;
+
+use super::{Broker, SessionId};
+use crate::broker::mig::{self, Ctx};
+use crate::nats::{Connection, Message, RequestError, RequestId, Sid};
+
+impl Broker {
+    /// The front end and what it borrows, for a request of tenant `ns`.
+    fn mig_parts(&mut self, ns: Option<&str>) -> (&mut mig::Mig, Ctx<'_>) {
+        let registry = ns.and_then(|ns| self.registries.get(ns)).map(|(r, _)| r);
+        let ctx = Ctx {
+            config: &self.config,
+            jobs: &mut self.jobs,
+            rates: &mut self.rates,
+            registry,
+        };
+        (&mut self.mig, ctx)
+    }
+
+    /// A NATS message on one of the front end's subscriptions; false when it is not one.
+    pub(super) fn mig_message(
+        &mut self,
+        conn: &mut Connection,
+        sid: Sid,
+        msg: &Message,
+        now: Instant,
+    ) -> bool {
+        if !self.mig.owns(sid) {
+            return false;
+        }
+        let (front, mut ctx) = self.mig_parts(mig::tenant_of(&msg.subject));
+        front.on_message(conn, &mut ctx, sid, msg, now);
+        true
+    }
+
+    /// A reply to a request of the front end; handed back when it is not one.
+    pub(super) fn mig_reply(
+        &mut self,
+        conn: &mut Connection,
+        id: RequestId,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) -> Option<Result<Message, RequestError>> {
+        if !self.mig.awaits(id) {
+            return Some(reply);
+        }
+        let (front, mut ctx) = self.mig_parts(None);
+        front.on_reply(conn, &mut ctx, id, reply, now);
+        None
+    }
+
+    /// A jobs engine answer to one of the front end's pseudo sessions.
+    pub(super) fn mig_jobs_reply(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        text: &str,
+        now: Instant,
+    ) {
+        let (front, mut ctx) = self.mig_parts(None);
+        front.on_jobs_reply(conn, &mut ctx, session, text, now);
+    }
+
+    pub(super) fn mig_timeout(&mut self, conn: &mut Connection, now: Instant) {
+        let (front, mut ctx) = self.mig_parts(None);
+        front.handle_timeout(conn, &mut ctx, now);
+    }
+}

@@ -1,0 +1,390 @@
+//! Who sent a MIG request (mig-nats.md section 1): the `Authorization` NATS header proves
+//! a participant (a token, a scoped user JWT the broker issued, or an NKey signature over
+//! message id, timestamp and subject), and the reply subject must lie under that
+//! participant's own reply prefix.
+//!
+//! Failures all answer the same `MIG_UNAUTHORIZED`. Guessing is throttled per claimed
+//! participant like failed `hello`s (NATS does not tell the broker the client's address,
+//! so only the per-participant bucket applies).
+
+use std::collections::{HashSet, VecDeque};
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use crate::broker::auth::{self, Credential};
+use crate::broker::config::Config;
+use crate::broker::throttle::{HelloThrottle, ThrottleConfig, Verdict};
+use crate::jwt;
+use crate::nkeys::{KeyKind, PublicKey};
+
+use super::subjects;
+
+/// How far an NKey-signed request's timestamp may be from the broker's clock.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(120);
+/// Signed message ids remembered at once; past it signed requests are refused until some
+/// leave the window.
+pub const MAX_REMEMBERED: usize = 65_536;
+
+/// Why a request is not served.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    /// No answer: the reply subject is missing or not the caller's (counted by `reason`).
+    Drop(&'static str),
+    Unauthorized,
+    /// Too many failures for this participant: try again after this long.
+    Throttled(Duration),
+}
+
+/// The request facts authentication looks at.
+pub struct Presented<'a> {
+    pub ns: &'a str,
+    pub subject: &'a str,
+    pub reply: Option<&'a str>,
+    pub authorization: Option<&'a str>,
+    /// The caller's own `message_id` and `timestamp` (signed requests need both).
+    pub message_id: Option<&'a str>,
+    pub timestamp: Option<&'a str>,
+}
+
+pub struct Authenticator {
+    throttle: HelloThrottle,
+    seen: HashSet<String>,
+    seen_order: VecDeque<(i64, String)>,
+}
+
+impl Default for Authenticator {
+    fn default() -> Self {
+        Authenticator::new()
+    }
+}
+
+impl Authenticator {
+    pub fn new() -> Authenticator {
+        let config = ThrottleConfig {
+            // Every caller shares one "address" here; only the participant bucket counts.
+            address_free_failures: u32::MAX,
+            ..ThrottleConfig::default()
+        };
+        Authenticator {
+            throttle: HelloThrottle::new(config),
+            seen: HashSet::new(),
+            seen_order: VecDeque::new(),
+        }
+    }
+
+    /// The participant name the request proves, or why not.
+    pub fn authenticate(
+        &mut self,
+        config: &Config,
+        issuer: Option<&str>,
+        req: &Presented<'_>,
+        now: Instant,
+        wall_ms: i64,
+    ) -> Result<String, Refusal> {
+        let reply = req.reply.ok_or(Refusal::Drop("no_reply_subject"))?;
+        let owner = subjects::reply_owner(req.ns, reply).ok_or(Refusal::Drop("reply_subject"))?;
+        let key = format!("{}/{owner}", req.ns);
+        if let Verdict::Delay(d) = self.throttle.check(ANY, &key, now) {
+            return Err(Refusal::Throttled(d));
+        }
+        let proved = self.prove(config, issuer, req, wall_ms);
+        match proved {
+            Some(name) if name == owner => Ok(name),
+            // A real credential with someone else's reply subject: answer nothing.
+            Some(_) => Err(Refusal::Drop("reply_subject")),
+            None => {
+                self.throttle.record_failure(ANY, &key, now);
+                Err(Refusal::Unauthorized)
+            }
+        }
+    }
+
+    fn prove(
+        &mut self,
+        config: &Config,
+        issuer: Option<&str>,
+        req: &Presented<'_>,
+        wall_ms: i64,
+    ) -> Option<String> {
+        let value = req.authorization?.trim();
+        let owner = subjects::reply_owner(req.ns, req.reply?)?;
+        if let Some(token) = value.strip_prefix("Bearer ") {
+            let token = token.trim();
+            if token.matches('.').count() == 2 {
+                return verify_jwt(issuer?, req.ns, token, wall_ms);
+            }
+            return who_presented(
+                config,
+                req.ns,
+                owner,
+                &auth::present(Credential::Token(token), b""),
+            );
+        }
+        if let Some(rest) = value.strip_prefix("NKey ") {
+            let (nkey, sig) = rest.trim().split_once(' ')?;
+            let (id, ts) = (req.message_id?, req.timestamp?);
+            let ts_ms = crate::rfc3339::parse_nanos(ts)? / 1_000_000;
+            let window = REPLAY_WINDOW.as_millis() as i128;
+            if (ts_ms - i128::from(wall_ms)).abs() > window {
+                return None;
+            }
+            let signed = format!("{id}\n{ts}\n{}", req.subject);
+            let credential = Credential::NKey {
+                nkey,
+                sig: sig.trim(),
+            };
+            let name = who_presented(
+                config,
+                req.ns,
+                owner,
+                &auth::present(credential, signed.as_bytes()),
+            )?;
+            return self
+                .remember(format!("{}/{name}/{id}", req.ns), wall_ms)
+                .then_some(name);
+        }
+        None
+    }
+
+    /// Accepts a signed message id once within the window.
+    fn remember(&mut self, key: String, wall_ms: i64) -> bool {
+        let window = REPLAY_WINDOW.as_millis() as i64;
+        while let Some((at, _)) = self.seen_order.front() {
+            if *at + 2 * window >= wall_ms {
+                break;
+            }
+            if let Some((_, k)) = self.seen_order.pop_front() {
+                self.seen.remove(&k);
+            }
+        }
+        if self.seen.contains(&key) || self.seen.len() >= MAX_REMEMBERED {
+            return false;
+        }
+        self.seen.insert(key.clone());
+        self.seen_order.push_back((wall_ms, key));
+        true
+    }
+}
+
+/// The listed participant whose credential was presented; else, when the namespace's
+/// `open` entry accepts it, the reply subject's owner (open entries take any name).
+fn who_presented(
+    config: &Config,
+    ns: &str,
+    owner: &str,
+    presented: &auth::Presented<'_>,
+) -> Option<String> {
+    let namespace = config.namespaces.get(ns)?;
+    let mut found = None;
+    for (name, p) in &namespace.participants {
+        if auth::accepts(Some(p), presented) && found.is_none() {
+            found = Some(name.clone());
+        }
+    }
+    found.or_else(|| {
+        let open = namespace
+            .open
+            .as_ref()
+            .filter(|_| !namespace.participants.contains_key(owner));
+        (open.is_some() && auth::accepts(open, presented)).then(|| owner.to_string())
+    })
+}
+
+/// The stand-in address of every MIG caller in the throttle.
+const ANY: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+
+/// A user JWT signed by the broker's issuing account, not expired, for a participant of
+/// `ns`: the name it was issued to.
+fn verify_jwt(issuer: &str, ns: &str, token: &str, wall_ms: i64) -> Option<String> {
+    let decoded = jwt::decode(token).ok()?;
+    let issuer = PublicKey::decode_kind(issuer, KeyKind::Account).ok()?;
+    if decoded.issuer != issuer || decoded.claim_type() != Some("user") {
+        return None;
+    }
+    let exp = decoded.expires()?;
+    if exp.saturating_mul(1000) <= wall_ms {
+        return None;
+    }
+    let name = decoded.claims.get("name")?.as_str()?;
+    let (jwt_ns, who) = name.split_once('/')?;
+    (jwt_ns == ns && crate::broker::config::is_name(who)).then(|| who.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nkeys::KeyPair;
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+
+    fn config(nkey: &str) -> Config {
+        let hash = hex(&Sha256::digest(b"bob-token"));
+        let v = serde_json::json!({"namespaces": {"acme": {"participants": {
+            "bob": {"token_sha256": hash},
+            "ann": {"nkey": nkey},
+        }}}});
+        Config::parse(v.to_string().as_bytes()).expect("config")
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    fn req<'a>(reply: &'a str, authorization: &'a str) -> Presented<'a> {
+        Presented {
+            ns: "acme",
+            subject: "mig.v0_1.acme.discover",
+            reply: Some(reply),
+            authorization: Some(authorization),
+            message_id: Some("m1"),
+            timestamp: Some("2026-12-01T00:00:00Z"),
+        }
+    }
+
+    const NOW_MS: i64 = 1_796_083_200_000; // 2026-12-01T00:00:00Z
+
+    #[test]
+    fn tokens_jwts_and_signatures_prove_their_participant() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let c = config(&ann.public_key());
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        assert_eq!(
+            a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.1", "Bearer bob-token"),
+                now,
+                NOW_MS
+            ),
+            Ok("bob".into())
+        );
+        assert_eq!(
+            a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.1", "Bearer wrong"),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Unauthorized)
+        );
+        // Bob's token with Ann's reply subject: no answer.
+        assert_eq!(
+            a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_ann.1", "Bearer bob-token"),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Drop("reply_subject"))
+        );
+        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
+        let auth = format!("NKey {} {sig}", ann.public_key());
+        assert_eq!(
+            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            Ok("ann".into())
+        );
+        // The same message id again is a replay.
+        assert_eq!(
+            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            Err(Refusal::Unauthorized)
+        );
+        // Ann's valid signature with Bob's reply subject: no answer.
+        let mut other = Authenticator::new();
+        assert_eq!(
+            other.authenticate(&c, None, &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
+            Err(Refusal::Drop("reply_subject"))
+        );
+        // Too old.
+        let mut late = Authenticator::new();
+        assert_eq!(
+            late.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_ann.1", &auth),
+                now,
+                NOW_MS + 121_000
+            ),
+            Err(Refusal::Unauthorized)
+        );
+        assert_eq!(
+            a.authenticate(&c, None, &req("_INBOX.x", "Bearer bob-token"), now, NOW_MS),
+            Err(Refusal::Drop("reply_subject"))
+        );
+    }
+
+    #[test]
+    fn a_jwt_for_one_participant_with_anothers_reply_subject_is_dropped() {
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let c = config(&KeyPair::generate(KeyKind::User).expect("key").public_key());
+        let p = c.participant("acme", "bob").expect("bob").clone();
+        let token = crate::broker::scoped_jwt::hello_jwt(
+            &issuer,
+            "acme",
+            "bob",
+            &p,
+            (NOW_MS / 1000) as u64,
+            3600,
+        )
+        .expect("jwt");
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let auth = format!("Bearer {token}");
+        let pk = issuer.public_key();
+        assert_eq!(
+            a.authenticate(&c, Some(&pk), &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
+            Ok("bob".into())
+        );
+        assert_eq!(
+            a.authenticate(&c, Some(&pk), &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            Err(Refusal::Drop("reply_subject"))
+        );
+        let other = KeyPair::generate(KeyKind::Account)
+            .expect("key")
+            .public_key();
+        assert_eq!(
+            a.authenticate(
+                &c,
+                Some(&other),
+                &req("_INBOX_acme_bob.1", &auth),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Unauthorized)
+        );
+        assert_eq!(
+            a.authenticate(
+                &c,
+                Some(&pk),
+                &req("_INBOX_acme_bob.1", &auth),
+                now,
+                NOW_MS + 3_601_000
+            ),
+            Err(Refusal::Unauthorized)
+        );
+    }
+
+    #[test]
+    fn guessing_one_participant_is_throttled() {
+        let c = config(&KeyPair::generate(KeyKind::User).expect("key").public_key());
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let mut throttled = false;
+        for _ in 0..30 {
+            if let Err(Refusal::Throttled(_)) = a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.1", "Bearer guess"),
+                now,
+                NOW_MS,
+            ) {
+                throttled = true;
+            }
+        }
+        assert!(throttled);
+    }
+}

@@ -1,0 +1,244 @@
+//! INVOKE as an AMP task (mig-nats.md section 4): which job a request names, the task id
+//! it gets, and how the task's outcome reads as a MIG answer.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::amp::frame::{Headers, Submit};
+use crate::broker::config::{Config, Participant};
+use crate::broker::permissions::{self, Action};
+use crate::broker::task_store::{TaskRecord, TaskState};
+
+use super::CancelRequest;
+use super::envelope::{Code, Echo, Header, MigError};
+
+/// One INVOKE as it arrived.
+pub struct Request<'a> {
+    pub ns: &'a str,
+    pub caller: &'a str,
+    pub participant: &'a Participant,
+    pub capability: &'a str,
+    pub reply: &'a str,
+    pub header: &'a Header,
+    pub body: &'a Map<String, Value>,
+}
+
+/// How far an invocation got. Ordered: a later stage has done what the earlier did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stage {
+    /// Reading the task record (a retry finds its first try's task).
+    Looking,
+    /// Counting the job's queue against `max_queued`.
+    Counting,
+    /// The submit is with the jobs engine.
+    Submitting,
+    /// The task exists; its record's changes are watched.
+    Waiting,
+}
+
+pub struct Invocation {
+    pub ns: String,
+    pub caller: String,
+    pub capability: String,
+    pub job: String,
+    pub task: String,
+    pub reply: String,
+    pub echo: Echo,
+    pub received: Instant,
+    pub deadline: Instant,
+    pub stage: Stage,
+    pub watch: Option<crate::nats::Sid>,
+    pub payload: Value,
+    pub headers: Headers,
+    pub cancel_reason: Option<String>,
+    /// A cancel that came while the submit was out.
+    pub cancel_after_submit: Option<CancelRequest>,
+}
+
+/// The job the request may invoke, or the MIG error that refuses it.
+pub fn accept(config: &Config, r: &Request<'_>) -> Result<String, MigError> {
+    if let Some(named) = r.body.get("capability")
+        && named.as_str() != Some(r.capability)
+    {
+        return Err(MigError::new(
+            Code::InvalidRequest,
+            "capability is not the capability of the subject",
+        ));
+    }
+    let found = config
+        .namespaces
+        .get(r.ns)
+        .into_iter()
+        .flat_map(|n| n.jobs.iter())
+        .find(|(_, j)| j.mig.as_ref().is_some_and(|c| c.id == r.capability));
+    let Some((job, j)) = found else {
+        return Err(MigError::new(
+            Code::UnsupportedCapability,
+            format!("tenant `{}` has no capability `{}`", r.ns, r.capability),
+        ));
+    };
+    if !permissions::allows(&r.participant.permissions, Action::Submit, job) {
+        return Err(MigError::new(
+            Code::Forbidden,
+            format!("invoking `{}` is not permitted", r.capability),
+        )
+        .detail("amp_code", json!("forbidden")));
+    }
+    match r.body.get("payload") {
+        Some(Value::Object(_)) => {}
+        _ => {
+            return Err(MigError::new(
+                Code::InvalidRequest,
+                "payload is required and must be a JSON object",
+            ));
+        }
+    }
+    match r.body.get("stream_preference").and_then(Value::as_str) {
+        None | Some("unary") => {}
+        Some(mode) => {
+            let declared = j
+                .mig
+                .as_ref()
+                .is_some_and(|c| c.modes.iter().any(|m| m == mode));
+            let why = if declared {
+                "is not available on this broker"
+            } else {
+                "is not a mode of this capability"
+            };
+            return Err(MigError::new(
+                Code::UnsupportedCapability,
+                format!("stream_preference `{mode}` {why}"),
+            ));
+        }
+    }
+    Ok(job.clone())
+}
+
+/// The task id of an invocation: a digest of the caller and its `idempotency_key` (else
+/// its `message_id`), so one caller's key always names one task, across brokers and
+/// restarts, and no two callers (or a key and a message id) share one. Fields are length
+/// prefixed, so the encoding before hashing is injective.
+pub fn task_id(ns: &str, caller: &str, idempotency_key: Option<&str>, message_id: &str) -> String {
+    let (kind, value) = match idempotency_key {
+        Some(k) => ("key", k),
+        None => ("msg", message_id),
+    };
+    let mut h = Sha256::new();
+    for part in ["mig", ns, caller, kind, value] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let digest = h.finalize();
+    format!(
+        "mig-{}",
+        data_encoding::BASE32_NOPAD
+            .encode(&digest)
+            .to_ascii_lowercase()
+    )
+}
+
+/// The answer of an invoke whose task was cancelled.
+pub fn cancelled(reason: &str) -> MigError {
+    let mut e = MigError::new(Code::Timeout, format!("cancelled: {reason}"));
+    e.retryable = Some(false);
+    e
+}
+
+impl Invocation {
+    pub fn new(r: &Request<'_>, job: String, deadline_ms: u64, now: Instant) -> Invocation {
+        let h = r.header;
+        let task = task_id(r.ns, r.caller, h.idempotency_key.as_deref(), &h.message_id);
+        let mut headers = Headers::new();
+        headers.insert("mig_version".into(), super::envelope::MIG_VERSION.into());
+        headers.insert("message_id".into(), h.message_id.clone());
+        headers.insert("tenant_id".into(), h.tenant_id.clone());
+        headers.insert("mig_capability".into(), r.capability.to_string());
+        headers.insert("deadline_ms".into(), deadline_ms.to_string());
+        for (k, v) in [
+            ("session_id", &h.session_id),
+            ("traceparent", &h.traceparent),
+            ("idempotency_key", &h.idempotency_key),
+        ] {
+            if let Some(v) = v {
+                headers.insert(k.into(), v.clone());
+            }
+        }
+        Invocation {
+            ns: r.ns.to_string(),
+            caller: r.caller.to_string(),
+            capability: r.capability.to_string(),
+            job,
+            task,
+            reply: r.reply.to_string(),
+            echo: Echo::of(h),
+            received: now,
+            deadline: crate::deadline::after(now, Duration::from_millis(deadline_ms)),
+            stage: Stage::Looking,
+            watch: None,
+            payload: r.body.get("payload").cloned().unwrap_or(Value::Null),
+            headers,
+            cancel_reason: None,
+            cancel_after_submit: None,
+        }
+    }
+
+    pub fn submit_frame(&self) -> Submit {
+        Submit {
+            id: "submit".to_string(),
+            job: self.job.clone(),
+            body: self.payload.clone(),
+            task: Some(self.task.clone()),
+            max_attempts: None,
+            eligible: None,
+            headers: self.headers.clone(),
+        }
+    }
+
+    /// A finished task's record as the invoke's answer.
+    pub fn outcome(&self, record: &TaskRecord) -> Result<Value, MigError> {
+        match record.state {
+            TaskState::Completed => Ok(json!({
+                "capability": self.capability,
+                "payload": record.result.clone().unwrap_or(Value::Null),
+            })),
+            TaskState::Cancelled => Err(cancelled(
+                self.cancel_reason
+                    .as_deref()
+                    .unwrap_or("the task was cancelled"),
+            )),
+            _ => Err(failure(record)),
+        }
+    }
+}
+
+/// A failed task: a worker's MIG code passes through, anything else is `MIG_INTERNAL`.
+fn failure(record: &TaskRecord) -> MigError {
+    let error = record.error.clone().unwrap_or(Value::Null);
+    let code = error.get("code").and_then(Value::as_str).unwrap_or("");
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .unwrap_or("the task failed");
+    let mig = Code::parse(code).unwrap_or(Code::Internal);
+    MigError::new(mig, message)
+        .detail("task", json!(record.id))
+        .detail("attempts", json!(record.attempt))
+        .detail("worker_error", error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_ids_are_per_caller_and_key() {
+        let a = task_id("acme", "bob", Some("k1"), "m1");
+        assert_eq!(a, task_id("acme", "bob", Some("k1"), "m2"));
+        assert_ne!(a, task_id("acme", "ann", Some("k1"), "m1"));
+        assert_ne!(a, task_id("acme", "bob", None, "k1"));
+        assert_ne!(task_id("a", "bc", None, "x"), task_id("ab", "c", None, "x"));
+        assert!(a.len() <= 128 && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    }
+}

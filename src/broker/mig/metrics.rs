@@ -1,0 +1,121 @@
+//! MIG metrics (`amp_mig_requests_total{op,capability,code}`, the latency histogram,
+//! `amp_mig_rejected_total{reason}`) and the audit line of each invocation.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, in seconds.
+const BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Distinct `(op, capability, code)` label sets kept; more are counted under `capability="other"`.
+const MAX_SERIES: usize = 4096;
+
+#[derive(Default)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    requests: BTreeMap<(&'static str, String, &'static str), u64>,
+    latency: BTreeMap<&'static str, Histogram>,
+    rejected: BTreeMap<&'static str, u64>,
+}
+
+impl Metrics {
+    /// One answered request: `code` is `OK` or a MIG error code.
+    pub fn request(
+        &mut self,
+        op: &'static str,
+        capability: &str,
+        code: &'static str,
+        took: Duration,
+    ) {
+        let mut key = (op, capability.to_string(), code);
+        if !self.requests.contains_key(&key) && self.requests.len() >= MAX_SERIES {
+            key.1 = "other".to_string();
+        }
+        *self.requests.entry(key).or_insert(0) += 1;
+        let h = self.latency.entry(op).or_default();
+        if h.counts.is_empty() {
+            h.counts = vec![0; BUCKETS.len()];
+        }
+        let secs = took.as_secs_f64();
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            if secs <= *bound
+                && let Some(c) = h.counts.get_mut(i)
+            {
+                *c += 1;
+            }
+        }
+        h.sum += secs;
+        h.count += 1;
+    }
+
+    pub fn rejected(&mut self, reason: &'static str) {
+        *self.rejected.entry(reason).or_insert(0) += 1;
+    }
+
+    pub fn render(&self, out: &mut String) {
+        out.push_str("# HELP amp_mig_requests_total MIG requests answered, by operation, capability and code.\n");
+        out.push_str("# TYPE amp_mig_requests_total counter\n");
+        for ((op, cap, code), n) in &self.requests {
+            let _ = writeln!(
+                out,
+                "amp_mig_requests_total{{op=\"{op}\",capability=\"{cap}\",code=\"{code}\"}} {n}"
+            );
+        }
+        out.push_str("# HELP amp_mig_request_seconds Time from a MIG request to its answer.\n");
+        out.push_str("# TYPE amp_mig_request_seconds histogram\n");
+        for (op, h) in &self.latency {
+            for (bound, c) in BUCKETS.iter().zip(&h.counts) {
+                let _ = writeln!(
+                    out,
+                    "amp_mig_request_seconds_bucket{{op=\"{op}\",le=\"{bound}\"}} {c}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "amp_mig_request_seconds_bucket{{op=\"{op}\",le=\"+Inf\"}} {}",
+                h.count
+            );
+            let _ = writeln!(out, "amp_mig_request_seconds_sum{{op=\"{op}\"}} {}", h.sum);
+            let _ = writeln!(
+                out,
+                "amp_mig_request_seconds_count{{op=\"{op}\"}} {}",
+                h.count
+            );
+        }
+        out.push_str(
+            "# HELP amp_mig_rejected_total MIG requests answered with nothing, by reason.\n",
+        );
+        out.push_str("# TYPE amp_mig_rejected_total counter\n");
+        for (reason, n) in &self.rejected {
+            let _ = writeln!(out, "amp_mig_rejected_total{{reason=\"{reason}\"}} {n}");
+        }
+    }
+}
+
+/// The audit line of one finished invocation (MIG "full" profile: actor, tenant,
+/// capability, outcome, timestamp).
+pub fn audit(
+    actor: &str,
+    tenant: &str,
+    capability: &str,
+    outcome: &str,
+    timestamp: &str,
+    message_id: &str,
+    task: &str,
+) {
+    log::info!(
+        target: "amp_broker::audit",
+        actor:% = actor, tenant:% = tenant, capability:% = capability, outcome:% = outcome,
+        timestamp:% = timestamp, message_id:% = message_id, task:% = task;
+        "mig invocation"
+    );
+}

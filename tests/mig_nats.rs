@@ -1,0 +1,795 @@
+//! MIG v0.1 over NATS (README "MIG over NATS", mig-nats.md): nats-py as the MIG client on a
+//! real nats-server whose auth callout is the broker, AMP workers over WebSocket.
+//! TLS on the NATS side is not used yet; it comes with the TLS work on `src/nats`.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use amp_broker::nkeys::{KeyKind, KeyPair};
+use common::amp::{Broker, CalloutServer, Client, http_get, token_hash};
+use common::python::require_nats_py;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(20);
+const INFER: &str = "observatory.models.infer";
+
+/// A running `tests/interop/mig_client.py`.
+struct Mig {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<Value>,
+    /// Answers read while waiting for another tag.
+    early: HashMap<String, Value>,
+    next: u64,
+    name: String,
+}
+
+impl Mig {
+    /// Connects as `acme/<name>` with its token and its reply prefix as inbox prefix.
+    fn connect(world: &World, name: &str) -> Mig {
+        require_nats_py();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/mig_client.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("run python3");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let v: Value = serde_json::from_str(&line).unwrap_or(Value::String(line));
+                if tx.send(v).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut m = Mig {
+            child,
+            stdin,
+            lines,
+            early: HashMap::new(),
+            next: 0,
+            name: name.to_string(),
+        };
+        let r = m.call(json!({
+            "cmd": "connect", "url": world.callout.nats.url(),
+            "user": format!("acme/{name}"), "password": format!("{name}-token"),
+            "inbox_prefix": format!("_INBOX_acme_{name}"),
+        }));
+        assert_eq!(r["ok"], true, "connect: {r}");
+        m
+    }
+
+    fn send(&mut self, mut cmd: Value) -> String {
+        self.next += 1;
+        let tag = format!("t{}", self.next);
+        cmd["tag"] = json!(tag);
+        writeln!(self.stdin, "{cmd}").expect("write to python");
+        self.stdin.flush().expect("flush");
+        tag
+    }
+
+    fn wait(&mut self, tag: &str) -> Value {
+        if let Some(v) = self.early.remove(tag) {
+            return v;
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let v = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no answer for {tag} from the python client"));
+            let t = v["tag"].as_str().unwrap_or("").to_string();
+            if t == tag {
+                return v;
+            }
+            self.early.insert(t, v);
+        }
+    }
+
+    fn call(&mut self, cmd: Value) -> Value {
+        let tag = self.send(cmd);
+        self.wait(&tag)
+    }
+
+    /// A MIG request with the caller's token as `Authorization`; the reply body.
+    fn request(&mut self, op: &str, body: Value) -> Value {
+        let auth = format!("Bearer {}-token", self.name);
+        self.request_with(op, body, json!({"Authorization": auth}))
+    }
+
+    fn request_with(&mut self, op: &str, body: Value, headers: Value) -> Value {
+        let r = self.call(
+            json!({"cmd": "request", "subject": format!("mig.v0_1.acme.{op}"),
+            "body": body, "headers": headers, "timeout": 15}),
+        );
+        assert!(r.get("error").is_none(), "{op}: {r}");
+        r["reply"].clone()
+    }
+
+    /// Sends an invoke in the background; `wait` gives its answer.
+    fn invoke_later(&mut self, capability: &str, body: Value) -> String {
+        let auth = format!("Bearer {}-token", self.name);
+        self.send(
+            json!({"cmd": "request", "subject": format!("mig.v0_1.acme.invoke.{capability}"),
+            "body": body, "headers": {"Authorization": auth}, "timeout": 15, "wait": false}),
+        )
+    }
+}
+
+impl Drop for Mig {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", json!({"cmd": "exit"}));
+        let _ = self.stdin.flush();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct World {
+    brokers: Vec<Broker>,
+    callout: CalloutServer,
+    ann: KeyPair,
+    config: Value,
+    _dir: tempfile::TempDir,
+}
+
+fn config(ann: &KeyPair) -> Value {
+    let token = |name: &str| json!(token_hash(&format!("{name}-token")));
+    let cap = |id: &str| {
+        json!({"id": id, "version": "1.2.0", "modes": ["unary", "server_stream"],
+        "input_schema_uri": format!("schema://{id}/in"), "output_schema_uri": format!("schema://{id}/out"),
+        "auth_scopes": ["capability:infer"]})
+    };
+    json!({
+        "mig": {"enabled": true},
+        "namespaces": {"acme": {
+            "participants": {
+                "alice": {"token_sha256": token("alice"), "permissions": {"submit": ["infer", "idle", "small"]}},
+                "bob": {"token_sha256": token("bob"), "permissions": {"submit": ["infer"]}},
+                "carol": {"token_sha256": token("carol"), "permissions": {}},
+                "dave": {"token_sha256": token("dave"), "permissions": {"submit": ["infer"]},
+                         "policy": {"msgs_per_s": 0.01, "burst": 1}},
+                "ann": {"nkey": ann.public_key(), "permissions": {"submit": ["infer"]}},
+                "worker": {"token_sha256": token("worker"), "permissions": {"serve": ["infer", "idle", "small"]}}
+            },
+            "jobs": {
+                "infer": {"max_attempts": 1, "mig": cap(INFER)},
+                "idle": {"mig": {"id": "observatory.idle"}},
+                "small": {"max_queued": 1, "mig": {"id": "observatory.small"}},
+                "plain": {}
+            }
+        }}
+    })
+}
+
+fn world(brokers: usize) -> World {
+    let ann = KeyPair::generate(KeyKind::User).expect("key");
+    let callout = CalloutServer::start();
+    let config = config(&ann);
+    let brokers = (0..brokers).map(|_| callout.broker(&config, &[])).collect();
+    let dir = tempfile::tempdir().expect("dir");
+    std::fs::write(dir.path().join("ann.seed"), ann.seed()).expect("seed");
+    let w = World {
+        brokers,
+        callout,
+        ann,
+        config,
+        _dir: dir,
+    };
+    w.await_mig();
+    w
+}
+
+impl World {
+    /// Waits until every broker answers MIG requests.
+    fn await_mig(&self) {
+        let mut m = Mig::connect(self, "alice");
+        let deadline = Instant::now() + WAIT;
+        let mut answered = 0;
+        while answered < self.brokers.len() * 4 {
+            let r = m.call(json!({"cmd": "request", "subject": "mig.v0_1.acme.hello",
+                "body": {"header": {"tenant_id": "acme"}}, "headers": {"Authorization": "Bearer alice-token"}, "timeout": 1}));
+            if r.get("reply").is_some() {
+                answered += 1;
+            }
+            assert!(Instant::now() < deadline, "MIG not answering: {r}");
+        }
+    }
+
+    fn worker(&self, broker: usize, job: &str, slots: u32) -> Client {
+        let mut c = Client::connect(&self.brokers[broker]);
+        let ok = c.request(json!({
+            "op":"hello","ns":"acme","name":"worker",
+            "auth":{"type":"token","token":"worker-token"},
+            "serve":[{"job":job,"slots":slots}]
+        }));
+        assert_eq!(ok["op"], "ok", "hello: {ok}");
+        c
+    }
+
+    fn metrics(&self, broker: usize) -> String {
+        http_get(self.brokers[broker].addr, "/metrics")
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
+}
+
+fn header(extra: Value) -> Value {
+    let mut h = json!({"tenant_id": "acme"});
+    if let (Some(h), Some(e)) = (h.as_object_mut(), extra.as_object()) {
+        h.extend(e.clone());
+    }
+    h
+}
+
+fn error_code(reply: &Value) -> &str {
+    reply["error"]["code"].as_str().unwrap_or("")
+}
+
+/// Takes the next offer and answers it with `answer` (`complete` with a result, or `fail`).
+fn serve_one(worker: &mut Client, answer: Value) -> Value {
+    let offer = worker.next_op("offer", WAIT).expect("an offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    let claim = worker.request(json!({"op":"claim","task":task}));
+    assert_eq!(claim["op"], "ok", "claim: {claim}");
+    let mut frame = answer;
+    frame["task"] = json!(task);
+    let done = worker.request(frame);
+    assert_eq!(done["op"], "ok", "outcome: {done}");
+    offer
+}
+
+#[test]
+fn migd_smoke_checks_hello_discover_and_an_invoke_with_only_a_tenant() {
+    let w = world(1);
+    let mut worker = w.worker(0, "infer", 2);
+    let mut alice = Mig::connect(&w, "alice");
+
+    let hello = alice.request(
+        "hello",
+        json!({"header": header(json!({})), "supported_versions": ["0.1"], "requested_bindings": ["nats"]}),
+    );
+    assert!(hello.get("error").is_none(), "{hello}");
+    assert_eq!(hello["selected_version"], "0.1");
+    assert_eq!(hello["selected_binding"], "nats");
+    assert_eq!(hello["header"]["tenant_id"], "acme");
+
+    let discover = alice.request("discover", json!({"header": header(json!({}))}));
+    assert!(discover.get("error").is_none(), "{discover}");
+    let ids: Vec<&str> = discover["capabilities"]
+        .as_array()
+        .expect("capabilities")
+        .iter()
+        .filter_map(|c| c["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["observatory.idle", INFER, "observatory.small"]);
+    let infer = &discover["capabilities"][1];
+    assert_eq!(infer["version"], "1.2.0");
+    assert_eq!(infer["input_schema_uri"], format!("schema://{INFER}/in"));
+    assert_eq!(infer["qos"]["delivery_semantics"], "at_least_once");
+    assert_eq!(infer["qos"]["supports_replay"], true);
+
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme"}, "payload": {"input": "x"}}),
+    );
+    let offer = serve_one(
+        &mut worker,
+        json!({"op":"complete","result":{"output":"y"}}),
+    );
+    assert_eq!(offer["body"], json!({"input": "x"}));
+    assert_eq!(offer["from"], "acme/alice");
+    assert_eq!(offer["headers"]["tenant_id"], "acme");
+    let r = alice.wait(&tag);
+    let reply = &r["reply"];
+    assert!(reply.get("error").is_none(), "{r}");
+    assert_eq!(reply["capability"], INFER);
+    assert_eq!(reply["payload"], json!({"output": "y"}));
+    assert_eq!(r["headers"]["tenant_id"], "acme");
+    assert_eq!(r["headers"]["mig_version"], "0.1");
+    assert_eq!(r["headers"]["message_id"], reply["header"]["message_id"]);
+
+    // Discover is scoped to what the caller may invoke.
+    let mut carol = Mig::connect(&w, "carol");
+    let none = carol.request("discover", json!({"header": header(json!({}))}));
+    assert_eq!(none["capabilities"], json!([]));
+    let some = alice.request(
+        "discover",
+        json!({"header": header(json!({})), "query": "small", "include_qos": false, "include_schema_refs": false}),
+    );
+    assert_eq!(some["capabilities"].as_array().map(Vec::len), Some(1));
+    assert!(some["capabilities"][0].get("qos").is_none());
+    assert!(some["capabilities"][0].get("input_schema_uri").is_none());
+
+    let metrics = w.metrics(0);
+    assert!(
+        metrics.contains(&format!(
+            "amp_mig_requests_total{{op=\"invoke\",capability=\"{INFER}\",code=\"OK\"}} 1"
+        )),
+        "{metrics}"
+    );
+    assert!(metrics.contains("amp_mig_request_seconds_count{op=\"invoke\"} 1"));
+    let log = w.brokers[0].log();
+    assert!(
+        log.contains("mig invocation")
+            && log.contains("actor=acme/alice")
+            && log.contains("outcome=success"),
+        "{log}"
+    );
+}
+
+#[test]
+fn every_error_code_with_a_trigger() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let h = || json!({"tenant_id": "acme"});
+
+    // Credentials.
+    let r = alice.request_with(
+        "discover",
+        json!({"header": h()}),
+        json!({"Authorization": "Bearer wrong"}),
+    );
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "{r}");
+    assert_eq!(r["error"]["retryable"], false);
+    assert!(r["error"]["details"].is_object());
+    let r = alice.request_with("discover", json!({"header": h()}), json!({}));
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "{r}");
+
+    // Body and header.
+    let r = alice.request("discover", json!("not json {"));
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    let r = alice.request_with(
+        "discover",
+        json!({"header": {"tenant_id": "acme", "message_id": "a"}}),
+        json!({"Authorization": "Bearer alice-token", "message_id": "b"}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    let r = alice.request(
+        "discover",
+        json!({"header": {"tenant_id": "acme", "mig_version": "0.2"}}),
+    );
+    assert_eq!(error_code(&r), "MIG_VERSION_MISMATCH", "{r}");
+    let r = alice.request("hello", json!({"header": h(), "supported_versions": ["0.2", "1.0"], "requested_bindings": ["nats"]}));
+    assert_eq!(error_code(&r), "MIG_VERSION_MISMATCH", "{r}");
+    let r = alice.request("discover", json!({"header": {"tenant_id": "other"}}));
+    assert_eq!(error_code(&r), "MIG_FORBIDDEN", "{r}");
+
+    // Capabilities.
+    let r = alice.request(
+        "invoke.observatory.nothing",
+        json!({"header": h(), "payload": {}}),
+    );
+    assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
+    let r = alice.request("invoke.plain", json!({"header": h(), "payload": {}}));
+    assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
+    let mut carol = Mig::connect(&w, "carol");
+    let r = carol.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": h(), "payload": {}}),
+    );
+    assert_eq!(error_code(&r), "MIG_FORBIDDEN", "{r}");
+    let r = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": h(), "payload": 7}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+
+    // A deadline nobody meets: MIG_TIMEOUT, retryable, and the task is cancelled.
+    let started = Instant::now();
+    let r = alice.request(
+        "invoke.observatory.idle",
+        json!({"header": {"tenant_id": "acme", "deadline_ms": 300}, "payload": {}}),
+    );
+    assert_eq!(error_code(&r), "MIG_TIMEOUT", "{r}");
+    assert_eq!(r["error"]["retryable"], true);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+
+    // Backpressure: `small` holds at most one task.
+    let first = alice.invoke_later(
+        "observatory.small",
+        json!({"header": {"tenant_id": "acme", "deadline_ms": 3000}, "payload": {}}),
+    );
+    let deadline = Instant::now() + WAIT;
+    let r = loop {
+        let r = alice.request(
+            "invoke.observatory.small",
+            json!({"header": {"tenant_id": "acme", "deadline_ms": 3000}, "payload": {}}),
+        );
+        if error_code(&r) != "MIG_TIMEOUT" || Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(error_code(&r), "MIG_BACKPRESSURE", "{r}");
+    assert_eq!(r["error"]["retryable"], true);
+    assert!(r["error"]["details"]["retry_after_ms"].as_u64().is_some());
+    assert_eq!(error_code(&alice.wait(&first)["reply"]), "MIG_TIMEOUT");
+
+    // Rate limits apply as on WebSocket.
+    let mut dave = Mig::connect(&w, "dave");
+    let body = json!({"header": {"tenant_id": "acme", "deadline_ms": 200}, "payload": {}});
+    let _ = dave.request(&format!("invoke.{INFER}"), body.clone());
+    let r = dave.request(&format!("invoke.{INFER}"), body);
+    assert_eq!(error_code(&r), "MIG_RATE_LIMITED", "{r}");
+    assert!(r["error"]["details"]["retry_after_ms"].as_u64().is_some());
+    assert_eq!(r["error"]["details"]["amp_code"], "rate_limited");
+
+    // Worker failures: a MIG code passes through, anything else is MIG_INTERNAL.
+    let mut worker = w.worker(0, "infer", 1);
+    for (code, expect) in [
+        ("MIG_NOT_FOUND", "MIG_NOT_FOUND"),
+        ("MIG_UNAVAILABLE", "MIG_UNAVAILABLE"),
+        ("disk_full", "MIG_INTERNAL"),
+    ] {
+        let tag = alice.invoke_later(INFER, json!({"header": h(), "payload": {}}));
+        serve_one(
+            &mut worker,
+            json!({"op":"fail","error":{"code":code,"message":"no"}}),
+        );
+        let r = alice.wait(&tag);
+        assert_eq!(error_code(&r["reply"]), expect, "{r}");
+        assert_eq!(
+            r["reply"]["error"]["retryable"],
+            expect == "MIG_UNAVAILABLE",
+            "{r}"
+        );
+    }
+    let metrics = w.metrics(0);
+    assert!(metrics.contains("code=\"MIG_BACKPRESSURE\""), "{metrics}");
+    assert!(metrics.contains("code=\"MIG_UNAUTHORIZED\""), "{metrics}");
+}
+
+#[test]
+fn cancel_while_queued_while_leased_and_by_someone_else() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let mut bob = Mig::connect(&w, "bob");
+
+    // Queued: nobody serves `idle`.
+    let tag = alice.invoke_later(
+        "observatory.idle",
+        json!({"header": {"tenant_id": "acme", "message_id": "q1"}, "payload": {}}),
+    );
+    let deadline = Instant::now() + WAIT;
+    let ack = loop {
+        let ack = alice.request(
+            "control.cancel.q1",
+            json!({"header": {"tenant_id": "acme"}, "reason": "changed my mind"}),
+        );
+        if ack["status"] != "not_found" || Instant::now() > deadline {
+            break ack;
+        }
+    };
+    assert_eq!(ack["accepted"], true, "{ack}");
+    assert_eq!(ack["status"], "cancelled");
+    assert_eq!(ack["target_message_id"], "q1");
+    let r = alice.wait(&tag)["reply"].clone();
+    assert_eq!(error_code(&r), "MIG_TIMEOUT", "{r}");
+    assert_eq!(r["error"]["message"], "cancelled: changed my mind");
+    assert_eq!(r["error"]["retryable"], false);
+
+    // Leased: the holder hears `revoked`.
+    let mut worker = w.worker(0, "infer", 1);
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme", "message_id": "l1"}, "payload": {}}),
+    );
+    let offer = worker.next_op("offer", WAIT).expect("offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(
+        worker.request(json!({"op":"claim","task":task}))["op"],
+        "ok"
+    );
+    let r = bob.request(
+        "control.cancel.l1",
+        json!({"header": {"tenant_id": "acme"}}),
+    );
+    assert_eq!(error_code(&r), "MIG_FORBIDDEN", "{r}");
+    let ack = alice.request(
+        "control.cancel.l1",
+        json!({"header": {"tenant_id": "acme"}, "target_message_id": "l1"}),
+    );
+    assert_eq!(ack["status"], "cancelled", "{ack}");
+    let revoked = worker.next_op("revoked", WAIT).expect("revoked");
+    assert_eq!(revoked["reason"], "cancelled");
+    assert_eq!(error_code(&alice.wait(&tag)["reply"]), "MIG_TIMEOUT");
+
+    // Finished and unknown.
+    let ack = alice.request(
+        "control.cancel.l1",
+        json!({"header": {"tenant_id": "acme"}}),
+    );
+    assert_eq!(
+        (ack["accepted"].clone(), ack["status"].clone()),
+        (json!(false), json!("already_finished")),
+        "{ack}"
+    );
+    let ack = alice.request(
+        "control.cancel.nope",
+        json!({"header": {"tenant_id": "acme"}}),
+    );
+    assert_eq!(ack["status"], "not_found", "{ack}");
+    assert_eq!(ack["accepted"], false);
+}
+
+#[test]
+fn forged_credentials_and_foreign_reply_subjects_are_refused() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let mut bob = Mig::connect(&w, "bob");
+    alice.call(json!({"cmd": "subscribe", "sub": "seen", "subject": "_INBOX_acme_alice.>"}));
+
+    // Bob's own credential, Alice's reply subject: no answer, counted.
+    bob.call(
+        json!({"cmd": "publish", "subject": "mig.v0_1.acme.discover",
+        "reply": "_INBOX_acme_alice.stolen", "body": {"header": {"tenant_id": "acme"}},
+        "headers": {"Authorization": "Bearer bob-token"}}),
+    );
+    // A reply subject outside every participant's prefix: no answer either.
+    bob.call(
+        json!({"cmd": "publish", "subject": "mig.v0_1.acme.discover",
+        "reply": "_INBOX.anyone", "body": {"header": {"tenant_id": "acme"}},
+        "headers": {"Authorization": "Bearer bob-token"}}),
+    );
+    let deadline = Instant::now() + WAIT;
+    while !w
+        .metrics(0)
+        .contains("amp_mig_rejected_total{reason=\"reply_subject\"} 2")
+    {
+        assert!(Instant::now() < deadline, "{}", w.metrics(0));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Alice's own request still answers, and nothing else reached her prefix.
+    let ok = alice.request("discover", json!({"header": {"tenant_id": "acme"}}));
+    assert!(ok.get("error").is_none(), "{ok}");
+    let got = alice.call(json!({"cmd": "collected", "sub": "seen"}));
+    let subjects: Vec<&str> = got["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["subject"].as_str())
+        .collect();
+    assert!(!subjects.contains(&"_INBOX_acme_alice.stolen"), "{got}");
+
+    // A JWT signed by another account.
+    let other = KeyPair::generate(KeyKind::Account).expect("key");
+    let claims = amp_broker::jwt::user_claims(
+        &KeyPair::generate(KeyKind::User).expect("key").public_key(),
+        "acme/alice",
+        None,
+    );
+    let mut claims = claims;
+    claims.insert("exp".into(), json!(u64::MAX / 4));
+    let forged = amp_broker::jwt::encode(&claims, &other).expect("jwt");
+    let r = alice.request_with(
+        "discover",
+        json!({"header": {"tenant_id": "acme"}}),
+        json!({"Authorization": format!("Bearer {forged}")}),
+    );
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "{r}");
+
+    // NKey signatures: accepted once, a replay and a wrong subject are refused.
+    let mut ann = Mig::connect_nkey(&w);
+    let ts = amp_broker::rfc3339::format_system_time(std::time::SystemTime::now());
+    let subject = "mig.v0_1.acme.discover";
+    let sig = ann.call(
+        json!({"cmd": "sign", "seed_file": w._dir.path().join("ann.seed"),
+        "message": format!("n1\n{ts}\n{subject}")}),
+    )["sig"]
+        .as_str()
+        .expect("sig")
+        .to_string();
+    let auth = json!({"Authorization": format!("NKey {} {sig}", w.ann.public_key())});
+    let body = json!({"header": {"tenant_id": "acme", "message_id": "n1", "timestamp": ts}});
+    let r = ann.request_with("discover", body.clone(), auth.clone());
+    assert_eq!(r["capabilities"][0]["id"], INFER, "{r}");
+    let r = ann.request_with("discover", body.clone(), auth.clone());
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "replay: {r}");
+    let r = ann.request_with("control.heartbeat", body, auth);
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "other subject: {r}");
+}
+
+impl Mig {
+    /// Ann connects to NATS with her NKey seed.
+    fn connect_nkey(world: &World) -> Mig {
+        let mut m = Mig::connect_as(
+            world,
+            "ann",
+            json!({"nkeys_seed": world._dir.path().join("ann.seed")}),
+        );
+        m.name = "ann".into();
+        m
+    }
+
+    fn connect_as(world: &World, name: &str, credential: Value) -> Mig {
+        require_nats_py();
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/mig_client.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("run python3");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let v: Value = serde_json::from_str(&line).unwrap_or(Value::String(line));
+                if tx.send(v).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut m = Mig {
+            child,
+            stdin,
+            lines,
+            early: HashMap::new(),
+            next: 0,
+            name: name.to_string(),
+        };
+        let mut cmd = json!({"cmd": "connect", "url": world.callout.nats.url(),
+            "inbox_prefix": format!("_INBOX_acme_{name}")});
+        if let (Some(c), Some(extra)) = (cmd.as_object_mut(), credential.as_object()) {
+            c.extend(extra.clone());
+        }
+        let r = m.call(cmd);
+        assert_eq!(r["ok"], true, "connect: {r}");
+        m
+    }
+}
+
+#[test]
+fn an_idempotent_retry_after_a_broker_restart_gets_the_first_outcome() {
+    let mut w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let mut worker = w.worker(0, "infer", 1);
+    let body = |id: &str| json!({"header": {"tenant_id": "acme", "message_id": id, "idempotency_key": "order-7"}, "payload": {"n": 7}});
+    let tag = alice.invoke_later(INFER, body("first"));
+    serve_one(&mut worker, json!({"op":"complete","result":{"n": 49}}));
+    let first = alice.wait(&tag)["reply"].clone();
+    assert_eq!(first["payload"], json!({"n": 49}), "{first}");
+    drop(worker);
+
+    w.brokers[0].restart();
+    w.await_mig();
+    let mut worker = w.worker(0, "infer", 1);
+    let again = alice.request(&format!("invoke.{INFER}"), body("second"));
+    assert_eq!(again["payload"], json!({"n": 49}), "{again}");
+    assert_eq!(again["header"]["message_id"], "second");
+    assert_eq!(again["header"]["idempotency_key"], "order-7");
+    assert!(
+        worker
+            .next_op("offer", Duration::from_millis(500))
+            .is_none(),
+        "no second task"
+    );
+
+    // The same key with another payload is a different request.
+    let other = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme", "idempotency_key": "order-7"}, "payload": {"n": 8}}),
+    );
+    assert_eq!(error_code(&other), "MIG_INVALID_REQUEST", "{other}");
+    let _ = &w.config;
+}
+
+#[test]
+fn two_brokers_answer_each_request_once() {
+    let w = world(2);
+    let mut worker = w.worker(1, "infer", 4);
+    let mut alice = Mig::connect(&w, "alice");
+    alice
+        .call(json!({"cmd": "subscribe", "sub": "replies", "subject": "_INBOX_acme_alice.many.>"}));
+    let n = 12;
+    for i in 0..n {
+        alice.call(json!({"cmd": "publish", "subject": format!("mig.v0_1.acme.invoke.{INFER}"),
+            "reply": format!("_INBOX_acme_alice.many.{i}"),
+            "body": {"header": {"tenant_id": "acme", "message_id": format!("m{i}")}, "payload": {"i": i}},
+            "headers": {"Authorization": "Bearer alice-token"}}));
+    }
+    for _ in 0..n {
+        let offer = worker.next_op("offer", WAIT).expect("offer");
+        let task = offer["task"].as_str().expect("task").to_string();
+        assert_eq!(
+            worker.request(json!({"op":"claim","task":task}))["op"],
+            "ok"
+        );
+        let done = worker.request(json!({"op":"complete","task":task,"result":offer["body"]}));
+        assert_eq!(done["op"], "ok");
+    }
+    let deadline = Instant::now() + WAIT;
+    let got = loop {
+        let got = alice.call(json!({"cmd": "collected", "sub": "replies"}));
+        if got["messages"].as_array().map_or(0, Vec::len) >= n || Instant::now() > deadline {
+            break got;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Nothing more arrives.
+    std::thread::sleep(Duration::from_millis(300));
+    let got_late = alice.call(json!({"cmd": "collected", "sub": "replies"}));
+    assert_eq!(got["messages"], got_late["messages"]);
+    let mut subjects: Vec<String> = got["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| {
+            assert_eq!(
+                m["body"]["payload"]["i"]
+                    .as_u64()
+                    .map(|i| format!("_INBOX_acme_alice.many.{i}"))
+                    .as_deref(),
+                m["subject"].as_str(),
+                "{m}"
+            );
+            m["subject"].as_str().unwrap_or("").to_string()
+        })
+        .collect();
+    subjects.sort();
+    subjects.dedup();
+    assert_eq!(
+        subjects.len(),
+        n,
+        "{got}\n{}\n{}",
+        w.brokers[0].log(),
+        w.brokers[1].log()
+    );
+    assert!(
+        worker
+            .next_op("offer", Duration::from_millis(300))
+            .is_none()
+    );
+    // Both brokers served some of them (queue groups spread the requests).
+    let answered = |i: usize| {
+        let m = w.metrics(i);
+        m.lines()
+            .filter(|l| l.starts_with("amp_mig_requests_total{op=\"invoke\""))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<u64>().ok()))
+            .sum::<u64>()
+    };
+    assert_eq!(answered(0) + answered(1), n as u64);
+}
+
+#[test]
+fn heartbeat_reports_load_of_the_tenants_capabilities() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let r = alice.request(
+        "control.heartbeat",
+        json!({"header": {"tenant_id": "acme"}}),
+    );
+    assert_eq!(r["suggested_interval_ms"], 5000, "{r}");
+    assert_eq!(r["load_factor"], 0.0);
+    let r = alice.request(
+        "control.heartbeat",
+        json!({"header": {"tenant_id": "acme"}, "interval_ms": 10}),
+    );
+    assert_eq!(r["suggested_interval_ms"], 1000, "{r}");
+    let r = alice.request(
+        "control.heartbeat",
+        json!({"header": {"tenant_id": "acme"}, "interval_ms": "x"}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+}
