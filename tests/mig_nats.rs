@@ -793,3 +793,105 @@ fn heartbeat_reports_load_of_the_tenants_capabilities() {
     );
     assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
 }
+
+#[test]
+fn a_streaming_invoke_sends_progress_then_the_result_in_numbered_frames() {
+    let w = world(1);
+    let mut worker = w.worker(0, "infer", 1);
+    let mut alice = Mig::connect(&w, "alice");
+    alice.call(json!({"cmd": "subscribe", "sub": "s1", "subject": "mig.v0_1.acme.stream.s1"}));
+    let started = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme", "message_id": "s1"}, "payload": {"q": 1}, "stream_preference": "server_stream"}),
+    );
+    assert_eq!(started["kind"], "control", "{started}");
+    assert_eq!(started["stream_id"], "s1");
+    assert_eq!(started["payload"]["status"], "started");
+    assert_eq!(started["header"]["meta"]["amp.seq"], 1);
+
+    let offer = worker.next_op("offer", WAIT).expect("offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(
+        worker.request(json!({"op":"claim","task":task}))["op"],
+        "ok"
+    );
+    for pct in [25, 50] {
+        let hb = worker.request(json!({"op":"heartbeat","task":task,"progress":{"pct":pct}}));
+        assert_eq!(hb["op"], "ok", "{hb}");
+    }
+    assert_eq!(
+        worker.request(json!({"op":"heartbeat","task":task}))["op"],
+        "ok"
+    );
+    let done = worker.request(json!({"op":"complete","task":task,"result":{"answer":42}}));
+    assert_eq!(done["op"], "ok");
+
+    let deadline = Instant::now() + WAIT;
+    let frames = loop {
+        let got = alice.call(json!({"cmd": "collected", "sub": "s1"}));
+        let frames = got["messages"].as_array().cloned().unwrap_or_default();
+        if frames.iter().any(|f| f["body"]["end_stream"] == true) || Instant::now() > deadline {
+            break frames;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let bodies: Vec<Value> = frames.iter().map(|f| f["body"].clone()).collect();
+    let seqs: Vec<u64> = bodies
+        .iter()
+        .filter_map(|b| b["header"]["meta"]["amp.seq"].as_u64())
+        .collect();
+    assert_eq!(seqs, [2, 3, 4], "{bodies:?}");
+    assert_eq!(bodies[0]["kind"], "response");
+    assert_eq!(bodies[0]["end_stream"], false);
+    assert_eq!(bodies[0]["payload"], json!({"pct": 25}));
+    assert_eq!(bodies[1]["payload"], json!({"pct": 50}));
+    assert_eq!(bodies[2]["end_stream"], true);
+    assert_eq!(bodies[2]["payload"], json!({"answer": 42}));
+    assert_eq!(frames[2]["headers"]["message_id"], "s1");
+
+    // Cancel during a stream ends it with an error frame.
+    alice.call(json!({"cmd": "subscribe", "sub": "s2", "subject": "mig.v0_1.acme.stream.s2"}));
+    let started = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme", "message_id": "s2"}, "payload": {}, "stream_preference": "server_stream"}),
+    );
+    assert_eq!(started["kind"], "control", "{started}");
+    let offer = worker.next_op("offer", WAIT).expect("offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(
+        worker.request(json!({"op":"claim","task":task}))["op"],
+        "ok"
+    );
+    let ack = alice.request(
+        "control.cancel.s2",
+        json!({"header": {"tenant_id": "acme"}, "reason": "enough"}),
+    );
+    assert_eq!(ack["status"], "cancelled", "{ack}");
+    let deadline = Instant::now() + WAIT;
+    let last = loop {
+        let got = alice.call(json!({"cmd": "collected", "sub": "s2"}));
+        if let Some(f) = got["messages"].as_array().and_then(|m| m.last()).cloned()
+            && f["body"]["end_stream"] == true
+        {
+            break f["body"].clone();
+        }
+        assert!(Instant::now() < deadline, "{got}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(last["kind"], "error", "{last}");
+    assert_eq!(last["error"]["code"], "MIG_TIMEOUT");
+    assert_eq!(last["error"]["message"], "cancelled: enough");
+    assert_eq!(last["header"]["meta"]["amp.seq"], 2);
+
+    // A stream id must be one subject token.
+    let r = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme", "message_id": "a.b"}, "payload": {}, "stream_preference": "server_stream"}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    let r = alice.request(
+        "invoke.observatory.idle",
+        json!({"header": {"tenant_id": "acme"}, "payload": {}, "stream_preference": "server_stream"}),
+    );
+    assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
+}

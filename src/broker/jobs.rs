@@ -205,6 +205,8 @@ enum Op {
     Heartbeat {
         session: SessionId,
         re: String,
+        /// Kept in the record, where MIG streams it to the caller.
+        progress: Option<Value>,
     },
     Complete {
         session: SessionId,
@@ -233,7 +235,7 @@ impl Op {
     fn answer_to(&self) -> Option<(SessionId, &str)> {
         match self {
             Op::Claim { session, re }
-            | Op::Heartbeat { session, re }
+            | Op::Heartbeat { session, re, .. }
             | Op::Complete { session, re, .. }
             | Op::Fail { session, re, .. }
             | Op::Cancel { session, re, .. } => Some((*session, re)),
@@ -671,6 +673,7 @@ impl Jobs {
                 Op::Heartbeat {
                     session: caller.session,
                     re: h.id,
+                    progress: h.progress,
                 },
                 now,
             ),
@@ -1695,7 +1698,11 @@ impl Jobs {
                 lease_ms,
                 offered_at_ms,
             },
-            Op::Heartbeat { .. } => Change::Heartbeat { by, lease_ms },
+            Op::Heartbeat { progress, .. } => Change::Heartbeat {
+                by,
+                lease_ms,
+                progress: progress.as_ref(),
+            },
             Op::Complete { result, .. } => Change::Complete {
                 by,
                 result: result.clone(),
@@ -2071,7 +2078,7 @@ impl Jobs {
                 self.unwatch(conn, &key);
                 self.leased(conn, key, session, re, &record, generation, false, now);
             }
-            Op::Heartbeat { session, re } => {
+            Op::Heartbeat { session, re, .. } => {
                 self.extension_ended(&key);
                 let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
                 self.leased(conn, key, session, re, &record, generation, true, now);

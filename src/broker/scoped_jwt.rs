@@ -13,6 +13,7 @@
 //! | acknowledge its own inbox messages | pub `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
 //! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` (live events, core NATS) |
 //! | MIG requests (README "MIG over NATS") | pub `mig.v0_1.<ns>.{hello,discover,invoke.>,control.>}` |
+//! | MIG stream frames | sub `mig.v0_1.<ns>.stream.>` |
 //!
 //! Everything else is denied, in particular every `_INBOX.>` subject (the broker's own
 //! replies and pull deliveries travel under [`BROKER_INBOX_PREFIX`], which no participant's
@@ -67,6 +68,10 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
     for t in &p.subscribe {
         push_unique(&mut subscribe, binding::topic_subject(ns, t));
     }
+    push_unique(
+        &mut subscribe,
+        super::mig::subjects::stream_subscribe_allow(ns),
+    );
     AllowLists { publish, subscribe }
 }
 
@@ -304,7 +309,11 @@ mod tests {
         );
         assert_eq!(
             lists.subscribe,
-            ["_INBOX_acme_w1.>", "amp.acme.topic.orders.>"]
+            [
+                "_INBOX_acme_w1.>",
+                "amp.acme.topic.orders.>",
+                "mig.v0_1.acme.stream.>"
+            ]
         );
         // send, publish, submit and serve grant nothing on NATS: those writes go through
         // the broker.
@@ -367,7 +376,7 @@ mod tests {
         );
         assert_eq!(
             claims["nats"]["sub"],
-            json!({"allow": ["_INBOX_acme_w1.>"]})
+            json!({"allow": ["_INBOX_acme_w1.>", "mig.v0_1.acme.stream.>"]})
         );
         assert_eq!(claims["nats"]["bearer_token"], json!(true));
         assert_eq!(claims["aud"], json!("$G"));

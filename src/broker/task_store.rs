@@ -114,6 +114,15 @@ pub struct TaskRecord {
     pub error: Option<Value>,
     #[serde(default)]
     pub history: Vec<HistoryEntry>,
+    /// The last `progress` a heartbeat reported, and how many heartbeats reported one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Value>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub progress_n: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A participant acting through one session.
@@ -149,6 +158,7 @@ pub enum Change<'a> {
     Heartbeat {
         by: Actor<'a>,
         lease_ms: i64,
+        progress: Option<&'a Value>,
     },
     Complete {
         by: Actor<'a>,
@@ -237,6 +247,8 @@ impl TaskRecord {
                 at: rfc3339::format_millis(now_ms),
                 by: submitted_by.to_string(),
             }],
+            progress: None,
+            progress_n: 0,
         }
     }
 
@@ -348,11 +360,19 @@ impl TaskRecord {
                 next.lease_until_ms = Some(now_ms + lease_ms);
                 next.push_history(TaskState::Leased, now_ms, by.participant);
             }
-            Change::Heartbeat { by, lease_ms } => {
+            Change::Heartbeat {
+                by,
+                lease_ms,
+                progress,
+            } => {
                 if !self.leased_to(by.session, now_ms) {
                     return Err(Refusal::LeaseLost);
                 }
                 next.lease_until_ms = Some(now_ms + lease_ms);
+                if let Some(p) = progress {
+                    next.progress = Some((*p).clone());
+                    next.progress_n = next.progress_n.saturating_add(1);
+                }
             }
             Change::Complete { by, result } => {
                 if !self.leased_to(by.session, now_ms) {
@@ -568,6 +588,7 @@ mod tests {
                 &Change::Heartbeat {
                     by: W1,
                     lease_ms: LEASE,
+                    progress: None,
                 },
                 T0 + 10,
             )
@@ -749,7 +770,8 @@ mod tests {
             r.apply(
                 &Change::Heartbeat {
                     by: W1,
-                    lease_ms: LEASE
+                    lease_ms: LEASE,
+                    progress: None,
                 },
                 late
             ),

@@ -176,7 +176,11 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
         );
         assert_eq!(
             claims["nats"]["sub"]["allow"],
-            json!(["_INBOX_acme_w1.>", "amp.acme.topic.orders.eu.*"])
+            json!([
+                "_INBOX_acme_w1.>",
+                "amp.acme.topic.orders.eu.*",
+                "mig.v0_1.acme.stream.>"
+            ])
         );
         assert_eq!(claims["exp"], json!(NOW + 3600));
     }

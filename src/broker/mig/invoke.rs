@@ -55,10 +55,27 @@ pub struct Invocation {
     pub cancel_reason: Option<String>,
     /// A cancel that came while the submit was out.
     pub cancel_after_submit: Option<CancelRequest>,
+    /// For `server_stream`: where frames go and how far they got.
+    pub stream: Option<Stream>,
+}
+
+/// The frames of one streaming invoke.
+pub struct Stream {
+    pub subject: String,
+    /// `header.meta["amp.seq"]` of the last frame sent (the `started` reply is 1).
+    pub seq: u64,
+    /// `progress_n` of the task record when its last progress frame was sent.
+    pub progress_n: u32,
+}
+
+/// What an accepted invoke is: the job, and whether the caller asked for a stream.
+pub struct Accepted {
+    pub job: String,
+    pub streaming: bool,
 }
 
 /// The job the request may invoke, or the MIG error that refuses it.
-pub fn accept(config: &Config, r: &Request<'_>) -> Result<String, MigError> {
+pub fn accept(config: &Config, r: &Request<'_>) -> Result<Accepted, MigError> {
     if let Some(named) = r.body.get("capability")
         && named.as_str() != Some(r.capability)
     {
@@ -95,25 +112,47 @@ pub fn accept(config: &Config, r: &Request<'_>) -> Result<String, MigError> {
             ));
         }
     }
-    match r.body.get("stream_preference").and_then(Value::as_str) {
-        None | Some("unary") => {}
+    let streaming = match r.body.get("stream_preference") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(mode)) if mode == "unary" => false,
+        Some(Value::String(mode)) if mode == "server_stream" => true,
         Some(mode) => {
-            let declared = j
-                .mig
-                .as_ref()
-                .is_some_and(|c| c.modes.iter().any(|m| m == mode));
-            let why = if declared {
-                "is not available on this broker"
-            } else {
-                "is not a mode of this capability"
-            };
             return Err(MigError::new(
                 Code::UnsupportedCapability,
-                format!("stream_preference `{mode}` {why}"),
+                format!("stream_preference {mode} is not available on this broker"),
+            ));
+        }
+    };
+    if streaming {
+        let declared = j
+            .mig
+            .as_ref()
+            .is_some_and(|c| c.modes.iter().any(|m| m == "server_stream"));
+        if !declared {
+            return Err(MigError::new(
+                Code::UnsupportedCapability,
+                "server_stream is not a mode of this capability",
+            ));
+        }
+        // The stream id is the message id, and it is a subject token.
+        if !is_token(&r.header.message_id) {
+            return Err(MigError::new(
+                Code::InvalidRequest,
+                "a streaming invoke's message_id must be one subject token (no `.`, `*`, `>` or spaces)",
             ));
         }
     }
-    Ok(job.clone())
+    Ok(Accepted {
+        job: job.clone(),
+        streaming,
+    })
+}
+
+/// A single NATS subject token.
+pub fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b > b' ' && b != b'.' && b != b'*' && b != b'>' && b != 0x7f)
 }
 
 /// The task id of an invocation: a digest of the caller and its `idempotency_key` (else
@@ -147,7 +186,7 @@ pub fn cancelled(reason: &str) -> MigError {
 }
 
 impl Invocation {
-    pub fn new(r: &Request<'_>, job: String, deadline_ms: u64, now: Instant) -> Invocation {
+    pub fn new(r: &Request<'_>, accepted: Accepted, deadline_ms: u64, now: Instant) -> Invocation {
         let h = r.header;
         let task = task_id(r.ns, r.caller, h.idempotency_key.as_deref(), &h.message_id);
         let mut headers = Headers::new();
@@ -169,7 +208,12 @@ impl Invocation {
             ns: r.ns.to_string(),
             caller: r.caller.to_string(),
             capability: r.capability.to_string(),
-            job,
+            job: accepted.job,
+            stream: accepted.streaming.then(|| Stream {
+                subject: format!("{}.{}.stream.{}", super::subjects::ROOT, r.ns, h.message_id),
+                seq: 0,
+                progress_n: 0,
+            }),
             task,
             reply: r.reply.to_string(),
             echo: Echo::of(h),

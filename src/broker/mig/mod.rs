@@ -47,7 +47,7 @@ pub fn is_mig_session(session: SessionId) -> bool {
 pub use subjects::tenant_of;
 
 /// Features `hello` can enable: the ones this broker implements.
-pub const FEATURES: &[&str] = &["cancel", "heartbeat", "idempotency"];
+pub const FEATURES: &[&str] = &["streaming", "cancel", "heartbeat", "idempotency"];
 /// Versions this broker speaks, highest first.
 const VERSIONS: &[&str] = &[envelope::MIG_VERSION];
 /// `suggested_interval_ms` of a heartbeat that asks for none, and its bounds.
@@ -504,8 +504,8 @@ impl Mig {
             }
             Ok(job)
         });
-        let job = match accepted {
-            Ok(job) => job,
+        let accepted = match accepted {
+            Ok(a) => a,
             Err(e) => return self.respond(conn, &answer, Err(e), now),
         };
         let session = self.new_session();
@@ -515,7 +515,7 @@ impl Mig {
             .deadline_ms
             .unwrap_or(settings.default_deadline_ms)
             .min(settings.max_deadline_ms);
-        let inv = Invocation::new(&r, job, deadline_ms, now);
+        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
         let key = super::binding::task_key(r.ns, &inv.task);
         let watched = self
             .kv
@@ -555,8 +555,13 @@ impl Mig {
             ))
             .or_default()
             .push(session);
-        let mut inv = inv;
         inv.watch = Some(sid);
+        if inv.stream.is_some() {
+            // The reply is the stream's first frame; the rest follow on the stream subject.
+            let started = json!({"kind": "control", "payload": {"status": "started"}});
+            let reply = inv.reply.clone();
+            self.stream_frame(conn, &mut inv, Some(&reply), started, now);
+        }
         self.invocations.insert(session, inv);
     }
 
@@ -735,10 +740,63 @@ impl Mig {
             return self.finish(conn, session, Err(e), now);
         }
         if !record.state.is_terminal() {
-            return;
+            return self.progress(conn, session, record, now);
         }
         let outcome = inv.outcome(&record);
         self.finish(conn, session, outcome, now);
+    }
+
+    /// A running task's record: a progress frame when a heartbeat reported new progress.
+    fn progress(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        record: super::task_store::TaskRecord,
+        now: Instant,
+    ) {
+        let Some(mut inv) = self.invocations.remove(&session) else {
+            return;
+        };
+        if let (Some(stream), Some(progress)) = (inv.stream.as_mut(), record.progress)
+            && record.progress_n > stream.progress_n
+        {
+            stream.progress_n = record.progress_n;
+            let frame = json!({"kind": "response", "end_stream": false, "payload": progress});
+            self.stream_frame(conn, &mut inv, None, frame, now);
+        }
+        self.invocations.insert(session, inv);
+    }
+
+    /// Publishes the next frame of a streaming invoke: on `reply` (the `started` frame) or
+    /// on the stream subject, numbered in `header.meta["amp.seq"]`.
+    fn stream_frame(
+        &mut self,
+        conn: &mut Connection,
+        inv: &mut Invocation,
+        reply: Option<&str>,
+        fields: Value,
+        now: Instant,
+    ) {
+        let ts = self.timestamp(now);
+        let Some(stream) = inv.stream.as_mut() else {
+            return;
+        };
+        stream.seq += 1;
+        let mut header = inv.echo.header(&ts);
+        header["meta"] = json!({"amp.seq": stream.seq});
+        let mut frame = json!({
+            "header": header,
+            "stream_id": inv.echo.message_id,
+            "capability": inv.capability,
+        });
+        if let (Some(f), Some(extra)) = (frame.as_object_mut(), fields.as_object()) {
+            f.extend(extra.clone());
+        }
+        let subject = reply.unwrap_or(&stream.subject);
+        let headers = inv.echo.nats_headers();
+        if let Err(e) = conn.publish(subject, None, Some(&headers), frame.to_string().as_bytes()) {
+            log::warn!(subject:% = subject; "MIG stream frame not sent: {e}");
+        }
     }
 
     /// Answers an invocation and forgets it.
@@ -779,6 +837,18 @@ impl Mig {
             &message_id,
             &inv.task,
         );
+        if inv.stream.is_some() {
+            let mut inv = inv;
+            let frame = match &result {
+                Ok(v) => json!({"kind": "response", "end_stream": true, "payload": v["payload"]}),
+                Err(e) => json!({"kind": "error", "end_stream": true, "error": e.to_value()}),
+            };
+            self.stream_frame(conn, &mut inv, None, frame, now);
+            let code = result.as_ref().err().map_or("OK", |e| e.code.as_str());
+            let took = now.saturating_duration_since(inv.received);
+            self.metrics.request("invoke", &inv.capability, code, took);
+            return;
+        }
         let answer = Answer {
             reply: &inv.reply,
             echo: &inv.echo,

@@ -75,6 +75,13 @@ pub fn request_publish_allow(ns: &str) -> [String; 4] {
     ]
 }
 
+/// What a participant of `ns` may subscribe to for MIG: stream frames. The subject names
+/// only the stream id (the caller's message id), so any participant of the tenant may
+/// listen; callers choose unguessable message ids for streams.
+pub fn stream_subscribe_allow(ns: &str) -> String {
+    format!("{ROOT}.{ns}.stream.>")
+}
+
 /// The participant name a reply subject belongs to: `_INBOX_<ns>_<name>.<anything>`.
 pub fn reply_owner<'a>(ns: &str, reply: &'a str) -> Option<&'a str> {
     let rest = reply
