@@ -163,8 +163,9 @@ fn config(ann: &KeyPair) -> Value {
         "mig": {"enabled": true},
         "namespaces": {"acme": {
             "participants": {
-                "alice": {"token_sha256": token("alice"), "permissions": {"submit": ["infer", "idle", "small"]}},
-                "bob": {"token_sha256": token("bob"), "permissions": {"submit": ["infer"]}},
+                "alice": {"token_sha256": token("alice"), "permissions": {"submit": ["infer", "idle", "small"],
+                          "publish": ["orders.>"], "subscribe": ["orders.>"]}},
+                "bob": {"token_sha256": token("bob"), "permissions": {"submit": ["infer"], "subscribe": ["news.*"]}},
                 "carol": {"token_sha256": token("carol"), "permissions": {}},
                 "dave": {"token_sha256": token("dave"), "permissions": {"submit": ["infer"]},
                          "policy": {"msgs_per_s": 0.01, "burst": 1}},
@@ -894,4 +895,126 @@ fn a_streaming_invoke_sends_progress_then_the_result_in_numbered_frames() {
         json!({"header": {"tenant_id": "acme"}, "payload": {}, "stream_preference": "server_stream"}),
     );
     assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
+}
+
+#[test]
+fn published_events_replay_in_pages_and_stitch_to_the_live_subject_once_each() {
+    let w = world(2);
+    let mut alice = Mig::connect(&w, "alice");
+    let publish = |m: &mut Mig, n: u64| {
+        let r = m.request(
+            "events.orders.eu",
+            json!({"header": {"tenant_id": "acme"}, "payload": {"n": n}}),
+        );
+        assert_eq!(r["accepted"], true, "{r}");
+        assert_eq!(r["topic"], "orders.eu");
+        r["sequence"].as_u64().expect("sequence")
+    };
+    let before: Vec<u64> = (1..=3).map(|n| publish(&mut alice, n)).collect();
+    // The subscriber listens live first, then pages through what is stored.
+    alice.call(
+        json!({"cmd": "subscribe", "sub": "live", "subject": "mig.v0_1.acme.events.orders.>"}),
+    );
+    let after: Vec<u64> = (4..=5).map(|n| publish(&mut alice, n)).collect();
+    // An event published over AMP is the same kind of event.
+    let mut amp = Client::login(&w.brokers[0], "acme", "alice", "alice-token");
+    let ok = amp.request(json!({"op":"publish","topic":"orders.us","body":{"n": 6}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    let mut seen: Vec<u64> = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut body =
+            json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "max_inflight": 2});
+        if let Some(c) = &cursor {
+            body["resume_cursor"] = json!(c);
+        }
+        let page = alice.request("control.subscribe", body);
+        assert!(page.get("error").is_none(), "{page}");
+        for e in page["events"].as_array().expect("events") {
+            assert_eq!(e["replay"], true);
+            seen.push(e["sequence"].as_u64().expect("seq"));
+        }
+        cursor = page["next_cursor"].as_str().map(str::to_string);
+        if page["caught_up"] == true {
+            break;
+        }
+        assert!(seen.len() <= 20, "{page}");
+    }
+    // Live events: each once although two brokers run, none before the subscription.
+    let deadline = Instant::now() + WAIT;
+    let live = loop {
+        let got = alice.call(json!({"cmd": "collected", "sub": "live"}));
+        let live: Vec<Value> = got["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|m| m["body"].clone())
+            .filter(|b| b.get("event_id").is_some())
+            .collect();
+        if live.len() >= 3 || Instant::now() > deadline {
+            break live;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let live_seqs: Vec<u64> = live.iter().filter_map(|e| e["sequence"].as_u64()).collect();
+    assert!(live.iter().all(|e| e["replay"] == false));
+    assert_eq!(live_seqs.len(), 3, "{live:?}");
+    let mut all = seen.clone();
+    for s in &live_seqs {
+        if !all.contains(s) {
+            all.push(*s);
+        }
+    }
+    all.sort_unstable();
+    let mut expected: Vec<u64> = before.iter().chain(&after).copied().collect();
+    expected.push(*live_seqs.iter().max().expect("seq"));
+    expected.sort_unstable();
+    expected.dedup();
+    assert_eq!(all, expected, "replayed {seen:?}, live {live_seqs:?}");
+    let mut sorted = seen.clone();
+    sorted.dedup();
+    assert_eq!(sorted, seen, "pages are in order without duplicates");
+    let amp_event = live
+        .iter()
+        .find(|e| e["topic"] == "orders.us")
+        .expect("AMP event live");
+    assert_eq!(amp_event["payload"], json!({"n": 6}));
+
+    // A cursor is exclusive.
+    let page = alice.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "orders.eu", "resume_cursor": before[1].to_string()}),
+    );
+    let seqs: Vec<u64> = page["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["sequence"].as_u64())
+        .collect();
+    assert_eq!(seqs, [before[2], after[0], after[1]], "{page}");
+
+    // Permissions.
+    let mut bob = Mig::connect(&w, "bob");
+    let r = bob.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "orders.>"}),
+    );
+    assert_eq!(error_code(&r), "MIG_FORBIDDEN", "{r}");
+    // Bob may not publish on NATS at all: his JWT refuses the request before the broker.
+    let r = bob.call(
+        json!({"cmd": "request", "subject": "mig.v0_1.acme.events.news.x",
+        "body": {"header": {"tenant_id": "acme"}, "payload": {}},
+        "headers": {"Authorization": "Bearer bob-token"}, "timeout": 1}),
+    );
+    assert!(
+        r["error"].as_str().is_some_and(|e| e.contains("imeout")),
+        "{r}"
+    );
+    let r = alice.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "resume_cursor": "x"}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
 }

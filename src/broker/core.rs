@@ -315,7 +315,7 @@ impl Broker {
                 .map_err(|e| format!("auth callout subscription: {e}"))?;
             self.routes.insert(sid, Route::Callout);
         }
-        self.mig.start(conn, &self.config)?;
+        self.mig.start(conn, &self.config, now)?;
         let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
         for ns in namespaces {
             let prefix = conn.new_inbox();
@@ -1280,6 +1280,7 @@ impl Broker {
                     self.check_pull_at(at, owner);
                 }
                 self.jobs.on_reconnected(conn, now);
+                self.mig.after_reconnect(conn, now);
             }
             _ => {}
         }

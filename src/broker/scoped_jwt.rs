@@ -14,6 +14,7 @@
 //! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` (live events, core NATS) |
 //! | MIG requests (README "MIG over NATS") | pub `mig.v0_1.<ns>.{hello,discover,invoke.>,control.>}` |
 //! | MIG stream frames | sub `mig.v0_1.<ns>.stream.>` |
+//! | MIG `publish: [t]` / `subscribe: [t]` | pub / sub `mig.v0_1.<ns>.events.<t>` |
 //!
 //! Everything else is denied, in particular every `_INBOX.>` subject (the broker's own
 //! replies and pull deliveries travel under [`BROKER_INBOX_PREFIX`], which no participant's
@@ -64,9 +65,15 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
     // caller's reply prefix, so publishing them lets a participant do nothing it could
     // not do over WebSocket.
     publish.extend(super::mig::subjects::request_publish_allow(ns));
+    for t in &p.publish {
+        push_unique(&mut publish, super::mig::subjects::events_subject(ns, t));
+    }
     let mut subscribe = vec![format!("{}.>", reply_prefix(ns, name))];
     for t in &p.subscribe {
         push_unique(&mut subscribe, binding::topic_subject(ns, t));
+    }
+    for t in &p.subscribe {
+        push_unique(&mut subscribe, super::mig::subjects::events_subject(ns, t));
     }
     push_unique(
         &mut subscribe,
@@ -305,6 +312,7 @@ mod tests {
                 "mig.v0_1.acme.discover",
                 "mig.v0_1.acme.invoke.>",
                 "mig.v0_1.acme.control.>",
+                "mig.v0_1.acme.events.orders.eu.*",
             ]
         );
         assert_eq!(
@@ -312,6 +320,7 @@ mod tests {
             [
                 "_INBOX_acme_w1.>",
                 "amp.acme.topic.orders.>",
+                "mig.v0_1.acme.events.orders.>",
                 "mig.v0_1.acme.stream.>"
             ]
         );

@@ -171,7 +171,8 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
                 "mig.v0_1.acme.hello",
                 "mig.v0_1.acme.discover",
                 "mig.v0_1.acme.invoke.>",
-                "mig.v0_1.acme.control.>"
+                "mig.v0_1.acme.control.>",
+                "mig.v0_1.acme.events.orders.>"
             ])
         );
         assert_eq!(
@@ -179,6 +180,7 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
             json!([
                 "_INBOX_acme_w1.>",
                 "amp.acme.topic.orders.eu.*",
+                "mig.v0_1.acme.events.orders.eu.*",
                 "mig.v0_1.acme.stream.>"
             ])
         );

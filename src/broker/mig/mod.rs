@@ -11,6 +11,7 @@
 pub mod caller;
 pub mod config;
 pub mod envelope;
+mod events;
 mod invoke;
 mod metrics;
 pub mod subjects;
@@ -47,7 +48,7 @@ pub fn is_mig_session(session: SessionId) -> bool {
 pub use subjects::tenant_of;
 
 /// Features `hello` can enable: the ones this broker implements.
-pub const FEATURES: &[&str] = &["streaming", "cancel", "heartbeat", "idempotency"];
+pub const FEATURES: &[&str] = &["streaming", "replay", "cancel", "heartbeat", "idempotency"];
 /// Versions this broker speaks, highest first.
 const VERSIONS: &[&str] = &[envelope::MIG_VERSION];
 /// `suggested_interval_ms` of a heartbeat that asks for none, and its bounds.
@@ -71,6 +72,8 @@ pub struct Ctx<'a> {
 
 enum Sub {
     Requests,
+    /// Deliveries of a tenant's live event feed (index into `live`).
+    Live(usize),
     /// Changes of one invocation's task record.
     Task(SessionId),
 }
@@ -78,6 +81,9 @@ enum Sub {
 enum Pending {
     Record(SessionId),
     Depth(SessionId),
+    LiveConsumer(usize),
+    Publish(Box<events::PublishRequest>),
+    Replay(Box<events::ReplayPage>),
 }
 
 /// A `cancel` waiting for the jobs engine.
@@ -111,6 +117,8 @@ pub struct Mig {
     anchor: (Instant, i64),
     /// The issuing account's public key (`A...`), when the broker issues JWTs.
     issuer: Option<String>,
+    live: Vec<events::LiveFeed>,
+    live_checks: BinaryHeap<Reverse<(Instant, usize)>>,
 }
 
 /// Where an answer goes and what it is counted as.
@@ -145,12 +153,19 @@ impl Mig {
             kv,
             anchor: (now, wall_ms),
             issuer: None,
+            live: Vec::new(),
+            live_checks: BinaryHeap::new(),
         })
     }
 
     /// Subscribes to every tenant's request subjects (one queue group per operation, so
     /// each request is answered by one broker) when MIG is enabled.
-    pub fn start(&mut self, conn: &mut Connection, config: &Config) -> Result<(), String> {
+    pub fn start(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        now: Instant,
+    ) -> Result<(), String> {
         if !config.mig.enabled {
             return Ok(());
         }
@@ -162,7 +177,7 @@ impl Mig {
                 self.subs.insert(sid, Sub::Requests);
             }
         }
-        Ok(())
+        self.start_live(conn, config, now)
     }
 
     /// Accept the scoped user JWTs this account signs as `Bearer` credentials.
@@ -179,7 +194,13 @@ impl Mig {
     }
 
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.deadlines.peek().map(|Reverse((at, _))| *at)
+        let live = self.live_checks.peek().map(|Reverse((at, _))| *at);
+        self.deadlines
+            .peek()
+            .map(|Reverse((at, _))| *at)
+            .into_iter()
+            .chain(live)
+            .min()
     }
 
     pub fn render_metrics(&self, out: &mut String) {
@@ -217,6 +238,10 @@ impl Mig {
     ) {
         match self.subs.get(&sid) {
             Some(Sub::Requests) => self.on_request(conn, ctx, msg, now),
+            Some(Sub::Live(feed)) => {
+                let feed = *feed;
+                self.live_delivery(conn, feed, msg, now);
+            }
             Some(Sub::Task(session)) => {
                 let session = *session;
                 if crate::jetstream::kv::operation_of(msg.headers.as_ref()).0
@@ -247,6 +272,13 @@ impl Mig {
         match p {
             Pending::Record(session) => self.record_read(conn, ctx, session, reply, now),
             Pending::Depth(session) => self.depth_read(conn, ctx, session, reply, now),
+            Pending::LiveConsumer(feed) => {
+                let ok =
+                    reply.is_ok_and(|m| crate::jetstream::api::check_error(&m.payload).is_ok());
+                self.live_consumer_ready(conn, feed, ok, now);
+            }
+            Pending::Publish(p) => self.published(conn, *p, reply, now),
+            Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
         }
         true
     }
@@ -291,6 +323,7 @@ impl Mig {
     }
 
     pub fn handle_timeout(&mut self, conn: &mut Connection, ctx: &mut Ctx<'_>, now: Instant) {
+        self.live_timeouts(conn, now);
         while let Some(Reverse((at, session))) = self.deadlines.peek().copied() {
             if at > now {
                 break;
@@ -327,6 +360,10 @@ impl Mig {
         let Some((ns, op)) = subjects::parse(&msg.subject) else {
             return;
         };
+        if matches!(op, subjects::Op::Publish(_)) && msg.reply.is_none() {
+            // A delivered event (ours or anyone's) shares the subject: not a request.
+            return;
+        }
         let body: Option<Map<String, Value>> = match serde_json::from_slice(&msg.payload) {
             Ok(Value::Object(m)) => Some(m),
             _ => None,
@@ -446,6 +483,23 @@ impl Mig {
                     body: &body,
                 };
                 return self.invoke(conn, ctx, inv, now);
+            }
+            subjects::Op::Publish(topic) => {
+                return self.publish(
+                    conn,
+                    ctx,
+                    ns,
+                    &name,
+                    participant,
+                    topic,
+                    &answer,
+                    &header,
+                    &body,
+                    now,
+                );
+            }
+            subjects::Op::Subscribe => {
+                return self.replay(conn, ns, participant, &answer, &body, now);
             }
             subjects::Op::Cancel(target) => {
                 return self.cancel(conn, ctx, ns, &name, target, reply, &header, &body, now);

@@ -12,6 +12,9 @@ pub enum Op<'a> {
     Invoke(&'a str),
     Cancel(&'a str),
     Heartbeat,
+    /// Every token after `events`: a PUBLISH when it has a reply subject.
+    Publish(&'a str),
+    Subscribe,
 }
 
 impl Op<'_> {
@@ -23,6 +26,8 @@ impl Op<'_> {
             Op::Invoke(_) => "invoke",
             Op::Cancel(_) => "cancel",
             Op::Heartbeat => "heartbeat",
+            Op::Publish(_) => "publish",
+            Op::Subscribe => "subscribe",
         }
     }
 }
@@ -41,11 +46,14 @@ pub fn parse(subject: &str) -> Option<(&str, Op<'_>)> {
         "hello" => Op::Hello,
         "discover" => Op::Discover,
         "control.heartbeat" => Op::Heartbeat,
+        "control.subscribe" => Op::Subscribe,
         _ => {
             if let Some(cap) = rest.strip_prefix("invoke.") {
                 Op::Invoke(cap)
             } else if let Some(id) = rest.strip_prefix("control.cancel.") {
                 Op::Cancel(id)
+            } else if let Some(topic) = rest.strip_prefix("events.") {
+                Op::Publish(topic)
             } else {
                 return None;
             }
@@ -56,8 +64,9 @@ pub fn parse(subject: &str) -> Option<(&str, Op<'_>)> {
 
 /// What the brokers of tenant `ns` subscribe to, each with its queue group, so that one of
 /// them answers each request.
-pub fn request_subscriptions(ns: &str) -> [(String, &'static str); 4] {
+pub fn request_subscriptions(ns: &str) -> [(String, &'static str); 5] {
     [
+        (format!("{ROOT}.{ns}.events.>"), "amp_mig_events"),
         (format!("{ROOT}.{ns}.hello"), "amp_mig_hello"),
         (format!("{ROOT}.{ns}.discover"), "amp_mig_discover"),
         (format!("{ROOT}.{ns}.invoke.>"), "amp_mig_invoke"),
@@ -73,6 +82,11 @@ pub fn request_publish_allow(ns: &str) -> [String; 4] {
         format!("{ROOT}.{ns}.invoke.>"),
         format!("{ROOT}.{ns}.control.>"),
     ]
+}
+
+/// The live subject of a topic (or pattern) `t` of `ns`; PUBLISH goes there too.
+pub fn events_subject(ns: &str, t: &str) -> String {
+    format!("{ROOT}.{ns}.events.{t}")
 }
 
 /// What a participant of `ns` may subscribe to for MIG: stream frames. The subject names

@@ -1,0 +1,510 @@
+//! MIG events over AMP topics (mig-nats.md section 4): PUBLISH stores an AMP event, one
+//! durable consumer per tenant (`mig_events`, shared by every broker) feeds the live
+//! subjects, and SUBSCRIBE pages through the stored events from an exclusive cursor.
+
+use std::time::Instant;
+
+use serde_json::{Map, Value, json};
+
+use super::envelope::{Code, Echo, MigError};
+use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub};
+use crate::broker::binding;
+use crate::broker::config::{Config, Participant, is_topic_pattern};
+use crate::broker::envelope::{self, Envelope, Kind};
+use crate::broker::permissions::{self, Action};
+use crate::broker::pull_loop::{PullLoop, Pulled};
+use crate::jetstream::ack::AckKind;
+use crate::jetstream::ack::AckMetadata;
+use crate::jetstream::api::ApiPrefix;
+use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::stream::{MsgSelector, parse_msg_get};
+use crate::nats::{Connection, Message, RequestError};
+use crate::proto::headers::HeaderMap;
+
+/// The durable consumer on `AMP_TOPICS_<ns>` that feeds the live event subjects.
+pub const LIVE_CONSUMER: &str = "mig_events";
+/// Its bound on unacknowledged events.
+const LIVE_MAX_ACK_PENDING: u64 = 1000;
+/// Events pulled at once for the live subjects.
+const LIVE_BATCH: u32 = 64;
+/// SUBSCRIBE page size: default and most.
+const PAGE_DEFAULT: u64 = 100;
+const PAGE_MAX: u64 = 1000;
+
+/// A PUBLISH waiting for its PubAck.
+pub struct PublishRequest {
+    reply: String,
+    echo: Echo,
+    topic: String,
+    event_id: String,
+    received: Instant,
+}
+
+/// A SUBSCRIBE page being read, one stored event after another.
+pub struct ReplayPage {
+    reply: String,
+    echo: Echo,
+    ns: String,
+    filter: String,
+    /// The next sequence to read from (inclusive).
+    from: u64,
+    /// The exclusive cursor the page started from.
+    cursor: u64,
+    left: u64,
+    events: Vec<Value>,
+    /// The answer must fit in one NATS message.
+    bytes: usize,
+    limit: usize,
+    received: Instant,
+}
+
+/// The live feed of one tenant.
+pub struct LiveFeed {
+    ns: String,
+    pull: PullLoop,
+}
+
+fn is_topic(t: &str) -> bool {
+    is_topic_pattern(t) && !t.contains('*') && !t.contains('>')
+}
+
+/// An EventMessage of a stored AMP event.
+fn event_message(ns: &str, seq: u64, env: &Envelope, replay: bool, timestamp: &str) -> Value {
+    let topic = env.topic.clone().unwrap_or_default();
+    let payload: Value = serde_json::from_str(env.body.get()).unwrap_or(Value::Null);
+    json!({
+        "header": {"mig_version": super::envelope::MIG_VERSION, "tenant_id": ns,
+                   "message_id": env.id, "timestamp": timestamp},
+        "topic": topic,
+        "event_id": env.id,
+        "sequence": seq,
+        "payload": payload,
+        "published_at": env.ts,
+        "replay": replay,
+    })
+}
+
+impl Mig {
+    /// Creates each tenant's live-feed consumer (idempotent: every broker asks for the
+    /// same one) and starts pulling it.
+    pub(super) fn start_live(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        now: Instant,
+    ) -> Result<(), String> {
+        for ns in config.namespaces.keys() {
+            let stream = binding::topics_stream(ns);
+            let create = json!({"stream_name": stream, "config": {
+                "durable_name": LIVE_CONSUMER,
+                "ack_policy": "explicit",
+                "deliver_policy": "new",
+                "max_ack_pending": LIVE_MAX_ACK_PENDING,
+                "ack_wait": 30_000_000_000u64,
+            }});
+            let subject = format!("$JS.API.CONSUMER.CREATE.{stream}.{LIVE_CONSUMER}");
+            let id = conn
+                .request(
+                    &subject,
+                    None,
+                    create.to_string().as_bytes(),
+                    JS_TIMEOUT,
+                    now,
+                )
+                .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
+            let mut pull = PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH);
+            let sid = pull.attach(conn).map_err(|e| e.to_string())?;
+            self.subs.insert(sid, Sub::Live(self.live.len()));
+            self.pending
+                .insert(id, Pending::LiveConsumer(self.live.len()));
+            self.live.push(LiveFeed {
+                ns: ns.clone(),
+                pull,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn live_consumer_ready(
+        &mut self,
+        conn: &mut Connection,
+        feed: usize,
+        ok: bool,
+        now: Instant,
+    ) {
+        let Some(f) = self.live.get_mut(feed) else {
+            return;
+        };
+        if !ok {
+            log::warn!(ns:% = f.ns; "MIG live event consumer not created; live events are off for this tenant");
+            return;
+        }
+        let at = f.pull.pull(conn, now);
+        self.arm_live(feed, at);
+    }
+
+    pub(super) fn arm_live(&mut self, feed: usize, at: Option<Instant>) {
+        if let Some(at) = at {
+            self.live_checks.push(std::cmp::Reverse((at, feed)));
+        }
+    }
+
+    pub(super) fn live_timeouts(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(std::cmp::Reverse((at, feed))) = self.live_checks.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.live_checks.pop();
+            let next = self
+                .live
+                .get_mut(feed)
+                .and_then(|f| f.pull.check(conn, now));
+            self.arm_live(feed, next);
+        }
+    }
+
+    /// Pulls in flight died with the old connection.
+    pub fn after_reconnect(&mut self, conn: &mut Connection, now: Instant) {
+        for feed in 0..self.live.len() {
+            let at = self
+                .live
+                .get_mut(feed)
+                .and_then(|f| f.pull.restart(conn, now));
+            self.arm_live(feed, at);
+        }
+    }
+
+    /// One delivery of a tenant's live feed: published once on its live subject, then acked.
+    pub(super) fn live_delivery(
+        &mut self,
+        conn: &mut Connection,
+        feed: usize,
+        msg: &Message,
+        now: Instant,
+    ) {
+        let Some(f) = self.live.get_mut(feed) else {
+            return;
+        };
+        let (pulled, at) = f.pull.on_message(conn, msg.status(), now);
+        let ns = f.ns.clone();
+        self.arm_live(feed, at);
+        if pulled != Pulled::Message {
+            return;
+        }
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let seq = AckMetadata::parse(reply)
+            .map(|m| m.stream_sequence)
+            .unwrap_or(0);
+        if let Ok(env) = Envelope::from_json(&msg.payload)
+            && let Some(topic) = env.topic.as_deref().filter(|t| is_topic(t))
+        {
+            let ts = self.timestamp(now);
+            let event = event_message(&ns, seq, &env, false, &ts);
+            let subject = format!("{}.{ns}.events.{topic}", super::subjects::ROOT);
+            let echo = Echo {
+                tenant_id: ns.clone(),
+                message_id: Some(env.id.clone()),
+                ..Echo::default()
+            };
+            if let Err(e) = conn.publish(
+                &subject,
+                None,
+                Some(&echo.nats_headers()),
+                event.to_string().as_bytes(),
+            ) {
+                log::warn!(subject:% = subject; "MIG live event not sent: {e}");
+            }
+        }
+        let _ = conn.publish(reply, None, None, &AckKind::Ack.payload());
+    }
+
+    // ---- PUBLISH ---------------------------------------------------------------------
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn publish(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut super::Ctx<'_>,
+        ns: &str,
+        name: &str,
+        participant: &Participant,
+        topic: &str,
+        answer: &Answer<'_>,
+        header: &super::envelope::Header,
+        body: &Map<String, Value>,
+        now: Instant,
+    ) {
+        let refused = |code: Code, m: &str| Err(MigError::new(code, m));
+        let check = if body.get("topic").is_some_and(|t| t.as_str() != Some(topic)) {
+            refused(
+                Code::InvalidRequest,
+                "topic is not the topic of the subject",
+            )
+        } else if !is_topic(topic) {
+            refused(
+                Code::InvalidRequest,
+                "the topic is 1-16 dot-separated tokens of A-Z a-z 0-9 _ -",
+            )
+        } else if !permissions::allows(&participant.permissions, Action::Publish, topic) {
+            refused(Code::Forbidden, "publishing to this topic is not permitted")
+        } else if !matches!(body.get("payload"), Some(Value::Object(_))) {
+            refused(
+                Code::InvalidRequest,
+                "payload is required and must be a JSON object",
+            )
+        } else {
+            let bytes = body.get("payload").map_or(0, |p| p.to_string().len());
+            super::take_rate(ctx.rates, participant, ns, name, bytes, now)
+        };
+        if let Err(e) = check {
+            return self.respond(conn, answer, Err(e), now);
+        }
+        let from = format!("{ns}/{name}");
+        let id = match &header.idempotency_key {
+            Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
+            None => envelope::unique_id(),
+        };
+        let payload = body.get("payload").cloned().unwrap_or(Value::Null);
+        let mut headers = std::collections::BTreeMap::new();
+        if let Some(tp) = &header.traceparent {
+            headers.insert("traceparent".to_string(), tp.clone());
+        }
+        let env = Envelope {
+            id: id.clone(),
+            kind: Kind::Event,
+            from: from.clone(),
+            to: None,
+            topic: Some(topic.to_string()),
+            job: None,
+            ts: self.timestamp(now),
+            headers,
+            body: serde_json::value::to_raw_value(&payload)
+                .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned()),
+        };
+        let mut nats = HeaderMap::new();
+        for (k, v) in [
+            ("Nats-Msg-Id", id.as_str()),
+            ("AMP-From", from.as_str()),
+            ("AMP-Kind", Kind::Event.as_str()),
+        ] {
+            let _ = nats.insert(k, v);
+        }
+        if let Some(tp) = &header.traceparent {
+            let _ = nats.insert("traceparent", tp);
+        }
+        let bytes = env.to_json();
+        if bytes.len() + nats.encoded_len() > conn.max_payload() {
+            let e = MigError::new(
+                Code::InvalidRequest,
+                "the event is larger than the server's max_payload",
+            )
+            .detail("amp_code", json!("too_large"));
+            return self.respond(conn, answer, Err(e), now);
+        }
+        let subject = binding::topic_subject(ns, topic);
+        match conn.request(&subject, Some(&nats), &bytes, JS_TIMEOUT, now) {
+            Ok(req) => {
+                let p = PublishRequest {
+                    reply: answer.reply.to_string(),
+                    echo: answer.echo.clone(),
+                    topic: topic.to_string(),
+                    event_id: id,
+                    received: now,
+                };
+                self.pending.insert(req, Pending::Publish(Box::new(p)));
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                self.respond(conn, answer, Err(e), now);
+            }
+        }
+    }
+
+    pub(super) fn published(
+        &mut self,
+        conn: &mut Connection,
+        p: PublishRequest,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let result = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+            Ok(Ok(ack)) => Ok(
+                json!({"topic": p.topic, "event_id": p.event_id, "sequence": ack.seq, "accepted": true}),
+            ),
+            Ok(Err(e)) => Err(MigError::new(
+                Code::Internal,
+                format!("JetStream refused the event: {e}"),
+            )),
+            Err(e) => Err(MigError::new(
+                Code::Unavailable,
+                format!("JetStream did not answer: {e}"),
+            )),
+        };
+        let answer = Answer {
+            reply: &p.reply,
+            echo: &p.echo,
+            op: "publish",
+            capability: "",
+            received: p.received,
+        };
+        self.respond(conn, &answer, result, now);
+    }
+
+    // ---- SUBSCRIBE (replay pages) ----------------------------------------------------
+
+    pub(super) fn replay(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        participant: &Participant,
+        answer: &Answer<'_>,
+        body: &Map<String, Value>,
+        now: Instant,
+    ) {
+        let topic = body.get("topic").and_then(Value::as_str).unwrap_or("");
+        let cursor = match body.get("resume_cursor") {
+            None | Some(Value::Null) => Some(0),
+            Some(Value::String(s)) => s.parse::<u64>().ok(),
+            Some(v) => v.as_u64(),
+        };
+        let size = match body.get("max_inflight") {
+            None | Some(Value::Null) => Some(PAGE_DEFAULT),
+            Some(v) => v.as_u64().filter(|n| *n >= 1).map(|n| n.min(PAGE_MAX)),
+        };
+        let check = if !is_topic_pattern(topic) {
+            Err(MigError::new(
+                Code::InvalidRequest,
+                "topic must be a topic pattern (`*` for one token, a trailing `>`)",
+            ))
+        } else if !permissions::allows(&participant.permissions, Action::Subscribe, topic) {
+            Err(MigError::new(
+                Code::Forbidden,
+                "subscribing to this topic is not permitted",
+            ))
+        } else {
+            match (cursor, size) {
+                (Some(c), Some(s)) => Ok((c, s)),
+                (None, _) => Err(MigError::new(
+                    Code::InvalidRequest,
+                    "resume_cursor must be a stream sequence",
+                )),
+                (_, None) => Err(MigError::new(
+                    Code::InvalidRequest,
+                    "max_inflight must be a positive integer",
+                )),
+            }
+        };
+        let (cursor, size) = match check {
+            Ok(v) => v,
+            Err(e) => return self.respond(conn, answer, Err(e), now),
+        };
+        let page = ReplayPage {
+            reply: answer.reply.to_string(),
+            echo: answer.echo.clone(),
+            ns: ns.to_string(),
+            filter: binding::topic_subject(ns, topic),
+            from: cursor.saturating_add(1),
+            cursor,
+            left: size,
+            events: Vec::new(),
+            bytes: 0,
+            limit: conn.max_payload().saturating_sub(4096),
+            received: now,
+        };
+        self.read_next(conn, page, now);
+    }
+
+    fn read_next(&mut self, conn: &mut Connection, page: ReplayPage, now: Instant) {
+        let which = MsgSelector::NextBySubject {
+            subject: page.filter.clone(),
+            from: page.from,
+        };
+        let stream = binding::topics_stream(&page.ns);
+        let sent = ApiPrefix::default()
+            .msg_get(&stream, &which)
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
+            Ok(id) => {
+                self.pending.insert(id, Pending::Replay(Box::new(page)));
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                self.page_done(conn, page, Err(e), now);
+            }
+        }
+    }
+
+    pub(super) fn replay_read(
+        &mut self,
+        conn: &mut Connection,
+        mut page: ReplayPage,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let stored = match reply {
+            Ok(m) => parse_msg_get(&m.payload),
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}"));
+                return self.page_done(conn, page, Err(e), now);
+            }
+        };
+        match stored {
+            Ok(m) => {
+                if let Ok(env) = Envelope::from_json(&m.payload) {
+                    let ts = self.timestamp(now);
+                    let event = event_message(&page.ns, m.sequence, &env, true, &ts);
+                    let size = event.to_string().len() + 1;
+                    if page.bytes + size > page.limit {
+                        // The rest goes in the next page.
+                        return self.page_done(conn, page, Ok(false), now);
+                    }
+                    page.bytes += size;
+                    page.events.push(event);
+                }
+                page.from = m.sequence.saturating_add(1);
+                page.left = page.left.saturating_sub(1);
+                if page.left == 0 {
+                    return self.page_done(conn, page, Ok(false), now);
+                }
+                self.read_next(conn, page, now);
+            }
+            Err(crate::jetstream::JsError::MessageNotFound(_)) => {
+                self.page_done(conn, page, Ok(true), now)
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("JetStream refused: {e}"));
+                self.page_done(conn, page, Err(e), now)
+            }
+        }
+    }
+
+    /// Answers a page: its events, the cursor after the last one, and whether it reached
+    /// the end of what is stored.
+    fn page_done(
+        &mut self,
+        conn: &mut Connection,
+        page: ReplayPage,
+        caught_up: Result<bool, MigError>,
+        now: Instant,
+    ) {
+        // Past every event read, including any that were not events (skipped).
+        let next = page.from.saturating_sub(1).max(page.cursor);
+        let result = caught_up.map(|caught_up| {
+            json!({"events": page.events, "next_cursor": next.to_string(), "caught_up": caught_up})
+        });
+        let answer = Answer {
+            reply: &page.reply,
+            echo: &page.echo,
+            op: "subscribe",
+            capability: "",
+            received: page.received,
+        };
+        self.respond(conn, &answer, result, now);
+    }
+}
