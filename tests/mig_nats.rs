@@ -161,6 +161,8 @@ fn config(ann: &KeyPair) -> Value {
     };
     json!({
         "mig": {"enabled": true},
+        // Registry entries (serving slots and leases, for HEARTBEAT) refresh every second.
+        "limits": {"registry_ttl_s": 3},
         "namespaces": {"acme": {
             "participants": {
                 "alice": {"token_sha256": token("alice"), "permissions": {"submit": ["infer", "idle", "small"],
@@ -788,6 +790,35 @@ fn heartbeat_reports_load_of_the_tenants_capabilities() {
         json!({"header": {"tenant_id": "acme"}, "interval_ms": 10}),
     );
     assert_eq!(r["suggested_interval_ms"], 1000, "{r}");
+    // A worker with two slots holding one lease: half loaded.
+    let mut worker = w.worker(0, "infer", 2);
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme"}, "payload": {}}),
+    );
+    let offer = worker.next_op("offer", WAIT).expect("offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(
+        worker.request(json!({"op":"claim","task":task}))["op"],
+        "ok"
+    );
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = alice.request(
+            "control.heartbeat",
+            json!({"header": {"tenant_id": "acme"}}),
+        );
+        if r["load_factor"] == 0.5 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{r}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        worker.request(json!({"op":"complete","task":task}))["op"],
+        "ok"
+    );
+    assert!(alice.wait(&tag)["reply"].get("error").is_none());
     let r = alice.request(
         "control.heartbeat",
         json!({"header": {"tenant_id": "acme"}, "interval_ms": "x"}),
@@ -1017,4 +1048,49 @@ fn published_events_replay_in_pages_and_stitch_to_the_live_subject_once_each() {
         json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "resume_cursor": "x"}),
     );
     assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+}
+
+#[test]
+fn the_readme_example_runs_as_written() {
+    let readme =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+            .expect("README");
+    let example = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/mig_example.py"),
+    )
+    .expect("example");
+    let indented: String = example
+        .lines()
+        .map(|l| {
+            if l.is_empty() {
+                "\n".to_string()
+            } else {
+                format!("    {l}\n")
+            }
+        })
+        .collect();
+    assert!(
+        readme.contains(&indented),
+        "README's MIG example differs from tests/interop/mig_example.py"
+    );
+
+    let w = world(1);
+    let mut worker = w.worker(0, "infer", 1);
+    let url = w.callout.nats.url();
+    let py = common::python::Py::spawn(
+        "mig_example.py",
+        &[&url, "acme", "alice", "alice-token", INFER],
+    );
+    assert_eq!(py.line(), "version 0.1");
+    assert_eq!(
+        py.line(),
+        format!("capabilities observatory.idle {INFER} observatory.small")
+    );
+    let offer = serve_one(
+        &mut worker,
+        json!({"op":"complete","result":{"output":"HELLO"}}),
+    );
+    assert_eq!(offer["body"], json!({"input": "hello"}));
+    assert_eq!(py.line(), "result {\"output\": \"HELLO\"}");
+    py.finish();
 }

@@ -250,7 +250,7 @@ impl Mig {
                     return;
                 }
                 if let Ok(record) = super::task_store::TaskRecord::from_json(&msg.payload) {
-                    self.on_record(conn, ctx, session, record, now);
+                    self.on_record(conn, session, record, now);
                 }
             }
             None => {}
@@ -648,7 +648,7 @@ impl Mig {
                         if let Some(inv) = self.invocations.get_mut(&session) {
                             inv.stage = Stage::Waiting;
                         }
-                        self.on_record(conn, ctx, session, record, now)
+                        self.on_record(conn, session, record, now)
                     }
                     Err(_) => self.finish(
                         conn,
@@ -771,7 +771,6 @@ impl Mig {
     fn on_record(
         &mut self,
         conn: &mut Connection,
-        _ctx: &mut Ctx<'_>,
         session: SessionId,
         record: super::task_store::TaskRecord,
         now: Instant,
