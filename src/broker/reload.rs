@@ -37,6 +37,10 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     if old.callout != new.callout {
         changed.push("callout.server_keys".to_string());
     }
+    // The MIG subscriptions and live-event consumers are made at start.
+    if old.mig.enabled != new.mig.enabled {
+        changed.push("mig.enabled".to_string());
+    }
     for name in old.namespaces.keys() {
         if !new.namespaces.contains_key(name) {
             changed.push(format!("namespaces.{name} (removed)"));

@@ -181,6 +181,24 @@ mod tests {
     }
 
     #[test]
+    fn turning_mig_on_or_off_takes_a_restart_and_descriptors_reload() {
+        let off =
+            parse(serde_json::json!({"namespaces": {"a": {"jobs": {"j": {}}}}})).expect("off");
+        let on = parse(
+            serde_json::json!({"mig": {"enabled": true}, "namespaces": {"a": {"jobs": {"j": {}}}}}),
+        )
+        .expect("on");
+        let described = parse(
+            serde_json::json!({"mig": {"enabled": true}, "namespaces": {"a": {"jobs": {
+            "j": {"max_queued": 5, "mig": {"id": "a.j"}}}}}}),
+        )
+        .expect("described");
+        use crate::broker::reload::restart_only_changes;
+        assert_eq!(restart_only_changes(&off, &on), ["mig.enabled"]);
+        assert!(restart_only_changes(&on, &described).is_empty());
+    }
+
+    #[test]
     fn unknown_members_and_bad_values_name_the_member() {
         for (v, needle) in [
             (

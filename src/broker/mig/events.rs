@@ -163,7 +163,8 @@ impl Mig {
         }
     }
 
-    /// Pulls in flight died with the old connection.
+    /// Pulls in flight died with the old connection, and record changes may have been
+    /// missed.
     pub fn after_reconnect(&mut self, conn: &mut Connection, now: Instant) {
         for feed in 0..self.live.len() {
             let at = self
@@ -172,6 +173,7 @@ impl Mig {
                 .and_then(|f| f.pull.restart(conn, now));
             self.arm_live(feed, at);
         }
+        self.reread_records(conn, now);
     }
 
     /// One delivery of a tenant's live feed: published once on its live subject, then acked.

@@ -11,7 +11,7 @@ use crate::broker::config::{Config, Participant};
 use crate::broker::permissions::{self, Action};
 use crate::broker::task_store::{TaskRecord, TaskState};
 
-use super::CancelRequest;
+use super::cancel::CancelRequest;
 use super::envelope::{Code, Echo, Header, MigError};
 
 /// One INVOKE as it arrived.

@@ -9,11 +9,14 @@
 //! come back through the core's usual drain and are routed here.
 
 pub mod caller;
+mod cancel;
 pub mod config;
 pub mod envelope;
 mod events;
+mod invocations;
 mod invoke;
 mod metrics;
+mod ops;
 pub mod subjects;
 
 use std::cmp::Reverse;
@@ -25,14 +28,14 @@ use serde_json::{Map, Value, json};
 use super::bounded_map::BoundedMap;
 use super::config::{Config, Participant};
 use super::jobs::{Caller, Jobs, SessionId};
-use super::permissions::{self, Action};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::Registry;
-use crate::amp::frame::{ClientFrame, TaskRef};
+use crate::amp::frame::ClientFrame;
 use crate::nats::{Connection, Message, RequestError, RequestId, Sid};
 use crate::rfc3339;
 
 use caller::{Authenticator, Presented, Refusal};
+use cancel::{CancelRequest, cancel_frame};
 use envelope::{Code, Echo, HeaderError, MigError};
 use invoke::{Invocation, Stage};
 use metrics::Metrics;
@@ -47,14 +50,7 @@ pub fn is_mig_session(session: SessionId) -> bool {
 
 pub use subjects::tenant_of;
 
-/// Features `hello` can enable: the ones this broker implements.
-pub const FEATURES: &[&str] = &["streaming", "replay", "cancel", "heartbeat", "idempotency"];
-/// Versions this broker speaks, highest first.
-const VERSIONS: &[&str] = &[envelope::MIG_VERSION];
-/// `suggested_interval_ms` of a heartbeat that asks for none, and its bounds.
-const HEARTBEAT_DEFAULT_MS: u64 = 5000;
-const HEARTBEAT_MIN_MS: u64 = 1000;
-const HEARTBEAT_MAX_MS: u64 = 300_000;
+pub use ops::FEATURES;
 /// `retry_after_ms` of `MIG_BACKPRESSURE`.
 const BACKPRESSURE_RETRY_MS: u64 = 1000;
 /// Finished invocations remembered for `cancel` (`already_finished`).
@@ -84,16 +80,6 @@ enum Pending {
     LiveConsumer(usize),
     Publish(Box<events::PublishRequest>),
     Replay(Box<events::ReplayPage>),
-}
-
-/// A `cancel` waiting for the jobs engine.
-struct CancelRequest {
-    reply: String,
-    echo: Echo,
-    target: String,
-    received: Instant,
-    /// The local invocation it ends, if any.
-    invocation: Option<SessionId>,
 }
 
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
@@ -178,6 +164,24 @@ impl Mig {
             }
         }
         self.start_live(conn, config, now)
+    }
+
+    /// Record changes made while the connection was down were missed: read the record of
+    /// every invocation waiting on one again.
+    fn reread_records(&mut self, conn: &mut Connection, now: Instant) {
+        let waiting: Vec<(SessionId, String)> = self
+            .invocations
+            .iter()
+            .filter(|(_, i)| i.stage == Stage::Waiting)
+            .map(|(s, i)| (*s, super::binding::task_key(&i.ns, &i.task)))
+            .collect();
+        for (session, key) in waiting {
+            if let Ok(req) = self.kv.get_request(&key)
+                && let Ok(id) = conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+            {
+                self.pending.insert(id, Pending::Record(session));
+            }
+        }
     }
 
     /// Accept the scoped user JWTs this account signs as `Bearer` credentials.
@@ -463,15 +467,15 @@ impl Mig {
             return self.respond(conn, &answer, Err(e), now);
         };
         let result = match op {
-            subjects::Op::Hello => hello(&body, &self.broker_id),
-            subjects::Op::Discover => Ok(discover(
+            subjects::Op::Hello => ops::hello(&body, &self.broker_id),
+            subjects::Op::Discover => Ok(ops::discover(
                 ctx.config,
                 ns,
                 participant,
                 &body,
                 conn.max_payload(),
             )),
-            subjects::Op::Heartbeat => heartbeat(ctx, ns, &body),
+            subjects::Op::Heartbeat => ops::heartbeat(ctx, ns, &body),
             subjects::Op::Invoke(cap) => {
                 let inv = invoke::Request {
                     ns,
@@ -528,549 +532,6 @@ impl Mig {
         let took = now.saturating_duration_since(a.received);
         self.metrics.request(a.op, a.capability, code, took);
     }
-
-    // ---- invoke ----------------------------------------------------------------------
-
-    fn invoke(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        r: invoke::Request<'_>,
-        now: Instant,
-    ) {
-        let echo = Echo::of(r.header);
-        let answer = Answer {
-            reply: r.reply,
-            echo: &echo,
-            op: "invoke",
-            capability: r.capability,
-            received: now,
-        };
-        let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
-            let bytes = r.body.get("payload").map_or(0, |p| p.to_string().len());
-            take_rate(ctx.rates, r.participant, r.ns, r.caller, bytes, now)?;
-            if self.invocations.len() >= ctx.config.mig.max_pending {
-                return Err(MigError::new(
-                    Code::Backpressure,
-                    "this broker waits on too many invocations",
-                )
-                .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS)));
-            }
-            Ok(job)
-        });
-        let accepted = match accepted {
-            Ok(a) => a,
-            Err(e) => return self.respond(conn, &answer, Err(e), now),
-        };
-        let session = self.new_session();
-        let settings = &ctx.config.mig;
-        let deadline_ms = r
-            .header
-            .deadline_ms
-            .unwrap_or(settings.default_deadline_ms)
-            .min(settings.max_deadline_ms);
-        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
-        let key = super::binding::task_key(r.ns, &inv.task);
-        let watched = self
-            .kv
-            .key_subject(&key)
-            .map_err(|e| e.to_string())
-            .and_then(|subject| conn.subscribe(&subject, None).map_err(|e| e.to_string()));
-        let sid = match watched {
-            Ok(sid) => sid,
-            Err(e) => {
-                let e = MigError::new(Code::Unavailable, format!("cannot watch the task: {e}"));
-                return self.respond(conn, &answer, Err(e), now);
-            }
-        };
-        let read = self
-            .kv
-            .get_request(&key)
-            .map_err(|e| e.to_string())
-            .and_then(|req| {
-                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
-        let id = match read {
-            Ok(id) => id,
-            Err(e) => {
-                let _ = conn.unsubscribe(sid, None);
-                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
-                return self.respond(conn, &answer, Err(e), now);
-            }
-        };
-        self.subs.insert(sid, Sub::Task(session));
-        self.pending.insert(id, Pending::Record(session));
-        self.deadlines.push(Reverse((inv.deadline, session)));
-        self.by_message
-            .entry((
-                inv.ns.clone(),
-                inv.echo.message_id.clone().unwrap_or_default(),
-            ))
-            .or_default()
-            .push(session);
-        inv.watch = Some(sid);
-        if inv.stream.is_some() {
-            // The reply is the stream's first frame; the rest follow on the stream subject.
-            let started = json!({"kind": "control", "payload": {"status": "started"}});
-            let reply = inv.reply.clone();
-            self.stream_frame(conn, &mut inv, Some(&reply), started, now);
-        }
-        self.invocations.insert(session, inv);
-    }
-
-    fn record_read(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        session: SessionId,
-        reply: Result<Message, RequestError>,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get(&session) else {
-            return;
-        };
-        let key = super::binding::task_key(&inv.ns, &inv.task);
-        let entry = match reply {
-            Ok(m) => self.kv.parse_get(&key, m.headers.as_ref(), &m.payload),
-            Err(e) => {
-                let e = MigError::new(
-                    Code::Unavailable,
-                    format!("the task store did not answer: {e}"),
-                );
-                return self.finish(conn, session, Err(e), now);
-            }
-        };
-        match entry {
-            Ok(entry) if entry.operation == crate::jetstream::kv::KvOperation::Put => {
-                match super::task_store::TaskRecord::from_json(&entry.value) {
-                    Ok(record) => {
-                        if let Some(inv) = self.invocations.get_mut(&session) {
-                            inv.stage = Stage::Waiting;
-                        }
-                        self.on_record(conn, session, record, now)
-                    }
-                    Err(_) => self.finish(
-                        conn,
-                        session,
-                        Err(MigError::new(
-                            Code::Internal,
-                            "the task record is unreadable",
-                        )),
-                        now,
-                    ),
-                }
-            }
-            Ok(_) | Err(crate::jetstream::JsError::KeyNotFound) => {
-                self.count_queue(conn, ctx, session, now)
-            }
-            Err(e) => {
-                let e = MigError::new(Code::Unavailable, format!("the task store refused: {e}"));
-                self.finish(conn, session, Err(e), now)
-            }
-        }
-    }
-
-    /// Before a new task: how many the job holds, when it has a `max_queued`.
-    fn count_queue(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        session: SessionId,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get_mut(&session) else {
-            return;
-        };
-        let max = ctx
-            .config
-            .namespaces
-            .get(&inv.ns)
-            .and_then(|n| n.jobs.get(&inv.job))
-            .and_then(|j| j.max_queued);
-        if max.is_none() {
-            return self.submit(conn, ctx, session, now);
-        }
-        inv.stage = Stage::Counting;
-        let subject = format!(
-            "$JS.API.STREAM.INFO.{}",
-            super::binding::tasks_stream(&inv.ns)
-        );
-        let filter = json!({"subjects_filter": super::binding::job_subject(&inv.ns, &inv.job)});
-        match conn.request(
-            &subject,
-            None,
-            filter.to_string().as_bytes(),
-            JS_TIMEOUT,
-            now,
-        ) {
-            Ok(id) => {
-                self.pending.insert(id, Pending::Depth(session));
-            }
-            Err(e) => {
-                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
-                self.finish(conn, session, Err(e), now)
-            }
-        }
-    }
-
-    fn depth_read(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        session: SessionId,
-        reply: Result<Message, RequestError>,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get(&session) else {
-            return;
-        };
-        let max = ctx
-            .config
-            .namespaces
-            .get(&inv.ns)
-            .and_then(|n| n.jobs.get(&inv.job))
-            .and_then(|j| j.max_queued)
-            .unwrap_or(u64::MAX);
-        let subject = super::binding::job_subject(&inv.ns, &inv.job);
-        let info: Option<Value> = reply
-            .ok()
-            .and_then(|m| serde_json::from_slice(&m.payload).ok());
-        let Some(info) = info.filter(|v| v.get("error").is_none()) else {
-            let e = MigError::new(Code::Unavailable, "the task stream did not answer");
-            return self.finish(conn, session, Err(e), now);
-        };
-        let queued = info["state"]["subjects"][&subject].as_u64().unwrap_or(0);
-        if queued >= max {
-            let e = MigError::new(
-                Code::Backpressure,
-                format!("the capability has {queued} tasks waiting or running (max_queued {max})"),
-            )
-            .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS));
-            return self.finish(conn, session, Err(e), now);
-        }
-        self.submit(conn, ctx, session, now);
-    }
-
-    fn submit(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        session: SessionId,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get_mut(&session) else {
-            return;
-        };
-        inv.stage = Stage::Submitting;
-        let frame = ClientFrame::Submit(inv.submit_frame());
-        let (ns, caller) = (inv.ns.clone(), inv.caller.clone());
-        jobs_frame(conn, ctx, session, &ns, &caller, frame, now);
-    }
-
-    fn on_record(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        record: super::task_store::TaskRecord,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get(&session) else {
-            return;
-        };
-        if record.submitted_by != format!("{}/{}", inv.ns, inv.caller) {
-            let e = MigError::new(Code::Internal, "the task belongs to someone else");
-            return self.finish(conn, session, Err(e), now);
-        }
-        if record.job != inv.job
-            || record.body_sha256 != super::task_store::body_digest(&inv.payload)
-        {
-            let e = MigError::new(
-                Code::InvalidRequest,
-                "this idempotency_key was used with another capability or payload",
-            )
-            .detail("amp_code", json!("conflict"));
-            return self.finish(conn, session, Err(e), now);
-        }
-        if !record.state.is_terminal() {
-            return self.progress(conn, session, record, now);
-        }
-        let outcome = inv.outcome(&record);
-        self.finish(conn, session, outcome, now);
-    }
-
-    /// A running task's record: a progress frame when a heartbeat reported new progress.
-    fn progress(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        record: super::task_store::TaskRecord,
-        now: Instant,
-    ) {
-        let Some(mut inv) = self.invocations.remove(&session) else {
-            return;
-        };
-        if let (Some(stream), Some(progress)) = (inv.stream.as_mut(), record.progress)
-            && record.progress_n > stream.progress_n
-        {
-            stream.progress_n = record.progress_n;
-            let frame = json!({"kind": "response", "end_stream": false, "payload": progress});
-            self.stream_frame(conn, &mut inv, None, frame, now);
-        }
-        self.invocations.insert(session, inv);
-    }
-
-    /// Publishes the next frame of a streaming invoke: on `reply` (the `started` frame) or
-    /// on the stream subject, numbered in `header.meta["amp.seq"]`.
-    fn stream_frame(
-        &mut self,
-        conn: &mut Connection,
-        inv: &mut Invocation,
-        reply: Option<&str>,
-        fields: Value,
-        now: Instant,
-    ) {
-        let ts = self.timestamp(now);
-        let Some(stream) = inv.stream.as_mut() else {
-            return;
-        };
-        stream.seq += 1;
-        let mut header = inv.echo.header(&ts);
-        header["meta"] = json!({"amp.seq": stream.seq});
-        let mut frame = json!({
-            "header": header,
-            "stream_id": inv.echo.message_id,
-            "capability": inv.capability,
-        });
-        if let (Some(f), Some(extra)) = (frame.as_object_mut(), fields.as_object()) {
-            f.extend(extra.clone());
-        }
-        let subject = reply.unwrap_or(&stream.subject);
-        let headers = inv.echo.nats_headers();
-        if let Err(e) = conn.publish(subject, None, Some(&headers), frame.to_string().as_bytes()) {
-            log::warn!(subject:% = subject; "MIG stream frame not sent: {e}");
-        }
-    }
-
-    /// Answers an invocation and forgets it.
-    fn finish(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        result: Result<Value, MigError>,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.remove(&session) else {
-            return;
-        };
-        if let Some(sid) = inv.watch {
-            self.subs.remove(&sid);
-            let _ = conn.unsubscribe(sid, None);
-        }
-        let message_id = inv.echo.message_id.clone().unwrap_or_default();
-        let key = (inv.ns.clone(), message_id.clone());
-        if let Some(list) = self.by_message.get_mut(&key) {
-            list.retain(|s| *s != session);
-            if list.is_empty() {
-                self.by_message.remove(&key);
-            }
-        }
-        *self.finished.get_or_insert_with(key, String::new) = inv.caller.clone();
-        let outcome = match &result {
-            Ok(_) => "success",
-            Err(e) => e.code.as_str(),
-        };
-        let ts = self.timestamp(now);
-        metrics::audit(
-            &format!("{}/{}", inv.ns, inv.caller),
-            &inv.ns,
-            &inv.capability,
-            outcome,
-            &ts,
-            &message_id,
-            &inv.task,
-        );
-        if inv.stream.is_some() {
-            let mut inv = inv;
-            let frame = match &result {
-                Ok(v) => json!({"kind": "response", "end_stream": true, "payload": v["payload"]}),
-                Err(e) => json!({"kind": "error", "end_stream": true, "error": e.to_value()}),
-            };
-            self.stream_frame(conn, &mut inv, None, frame, now);
-            let code = result.as_ref().err().map_or("OK", |e| e.code.as_str());
-            let took = now.saturating_duration_since(inv.received);
-            self.metrics.request("invoke", &inv.capability, code, took);
-            return;
-        }
-        let answer = Answer {
-            reply: &inv.reply,
-            echo: &inv.echo,
-            op: "invoke",
-            capability: &inv.capability,
-            received: inv.received,
-        };
-        self.respond(conn, &answer, result, now);
-    }
-
-    // ---- cancel ----------------------------------------------------------------------
-
-    #[allow(clippy::too_many_arguments)]
-    fn cancel(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        ns: &str,
-        name: &str,
-        target: &str,
-        reply: &str,
-        header: &envelope::Header,
-        body: &Map<String, Value>,
-        now: Instant,
-    ) {
-        let echo = Echo::of(header);
-        let answer = Answer {
-            reply,
-            echo: &echo,
-            op: "cancel",
-            capability: "",
-            received: now,
-        };
-        let named = body.get("target_message_id").and_then(Value::as_str);
-        if named.is_some_and(|t| t != target) || target.contains('.') || target.is_empty() {
-            let e = MigError::new(
-                Code::InvalidRequest,
-                "target_message_id is not the message id of the subject",
-            );
-            return self.respond(conn, &answer, Err(e), now);
-        }
-        let reason = body
-            .get("reason")
-            .and_then(Value::as_str)
-            .unwrap_or("cancelled by the caller")
-            .chars()
-            .take(256)
-            .collect::<String>();
-        let key = (ns.to_string(), target.to_string());
-        let local: Vec<SessionId> = self.by_message.get(&key).cloned().unwrap_or_default();
-        let mine = local
-            .iter()
-            .copied()
-            .find(|s| self.invocations.get(s).is_some_and(|i| i.caller == name));
-        let foreign = !local.is_empty() || self.finished.get(&key).is_some_and(|c| c != name);
-        let request = CancelRequest {
-            reply: reply.to_string(),
-            echo: echo.clone(),
-            target: target.to_string(),
-            received: now,
-            invocation: mine,
-        };
-        match mine {
-            Some(s) => {
-                if let Some(inv) = self.invocations.get_mut(&s) {
-                    inv.cancel_reason = Some(reason);
-                }
-                self.cancel_task(conn, ctx, s, request, now);
-            }
-            None if foreign => {
-                let e = MigError::new(
-                    Code::Forbidden,
-                    "only the caller of an invocation may cancel it",
-                );
-                self.respond(conn, &answer, Err(e), now);
-            }
-            None if self.finished.get(&key).is_some() => {
-                let ack = cancel_ack(target, false, "already_finished");
-                self.respond(conn, &answer, Ok(ack), now);
-            }
-            None => {
-                // Another broker's invocation, or none: ask the task store.
-                let task = invoke::task_id(ns, name, None, target);
-                let s = self.new_session();
-                self.cancels.insert(s, request);
-                jobs_frame(conn, ctx, s, ns, name, cancel_frame(&task), now);
-            }
-        }
-    }
-
-    /// Cancels the task of local invocation `session` on behalf of `request`.
-    fn cancel_task(
-        &mut self,
-        conn: &mut Connection,
-        ctx: &mut Ctx<'_>,
-        session: SessionId,
-        request: CancelRequest,
-        now: Instant,
-    ) {
-        let Some(inv) = self.invocations.get_mut(&session) else {
-            return;
-        };
-        match inv.stage {
-            Stage::Looking | Stage::Counting => {
-                // Nothing submitted yet: nothing to cancel in the store.
-                let reason = inv.cancel_reason.clone().unwrap_or_default();
-                self.finish(conn, session, Err(invoke::cancelled(&reason)), now);
-                self.cancel_answered(conn, request, None, now);
-            }
-            Stage::Submitting => inv.cancel_after_submit = Some(request),
-            Stage::Waiting => {
-                let (ns, caller, task) = (inv.ns.clone(), inv.caller.clone(), inv.task.clone());
-                let s = self.new_session();
-                self.cancels.insert(s, request);
-                jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
-            }
-        }
-    }
-
-    fn cancel_answered(
-        &mut self,
-        conn: &mut Connection,
-        c: CancelRequest,
-        error: Option<Value>,
-        now: Instant,
-    ) {
-        let amp = error
-            .as_ref()
-            .and_then(|e| e.get("code"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let result = match amp.as_deref() {
-            None => {
-                if let Some(s) = c.invocation {
-                    let reason = self
-                        .invocations
-                        .get(&s)
-                        .and_then(|i| i.cancel_reason.clone())
-                        .unwrap_or_default();
-                    self.finish(conn, s, Err(invoke::cancelled(&reason)), now);
-                }
-                Ok(cancel_ack(&c.target, true, "cancelled"))
-            }
-            Some("conflict") => Ok(cancel_ack(&c.target, false, "already_finished")),
-            Some("not_found") => Ok(cancel_ack(&c.target, false, "not_found")),
-            Some(_) => Err(MigError::from_amp_error(
-                error.as_ref().unwrap_or(&Value::Null),
-            )),
-        };
-        let answer = Answer {
-            reply: &c.reply,
-            echo: &c.echo,
-            op: "cancel",
-            capability: "",
-            received: c.received,
-        };
-        self.respond(conn, &answer, result, now);
-    }
-}
-
-fn cancel_ack(target: &str, accepted: bool, status: &str) -> Value {
-    json!({"target_message_id": target, "accepted": accepted, "status": status})
-}
-
-fn cancel_frame(task: &str) -> ClientFrame {
-    ClientFrame::Cancel(TaskRef {
-        id: "cancel".to_string(),
-        task: task.to_string(),
-    })
 }
 
 /// Hands a frame to the jobs engine as pseudo session `session` of `ns/name`.
@@ -1119,153 +580,4 @@ fn take_rate(
                 .detail("retry_after_ms", json!(r.retry_after_ms))
                 .detail("amp_code", json!("rate_limited"))
         })
-}
-
-fn strings(body: &Map<String, Value>, name: &str) -> Result<Option<Vec<String>>, MigError> {
-    match body.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(items)) if items.len() <= 64 => items
-            .iter()
-            .map(|v| v.as_str().map(|s| s.trim().to_string()))
-            .collect::<Option<Vec<String>>>()
-            .map(Some)
-            .ok_or_else(|| MigError::new(Code::InvalidRequest, format!("{name} must be strings"))),
-        Some(_) => Err(MigError::new(
-            Code::InvalidRequest,
-            format!("{name} must be an array of at most 64 strings"),
-        )),
-    }
-}
-
-fn hello(body: &Map<String, Value>, server_id: &str) -> Result<Value, MigError> {
-    let versions = strings(body, "supported_versions")?.unwrap_or_default();
-    let bindings = strings(body, "requested_bindings")?.unwrap_or_default();
-    let requested = strings(body, "requested_features")?;
-    // The highest version both sides speak; an empty list means this one.
-    let selected = if versions.is_empty() {
-        VERSIONS.first().copied()
-    } else {
-        VERSIONS
-            .iter()
-            .copied()
-            .find(|v| versions.iter().any(|c| c == v))
-    };
-    let Some(selected) = selected else {
-        return Err(MigError::new(
-            Code::VersionMismatch,
-            format!(
-                "no common version: this broker speaks {}",
-                VERSIONS.join(", ")
-            ),
-        ));
-    };
-    if !bindings.is_empty() && !bindings.iter().any(|b| b == "nats") {
-        return Err(MigError::new(
-            Code::InvalidRequest,
-            "this is the NATS binding; requested_bindings does not include nats",
-        ));
-    }
-    let enabled: Vec<&str> = FEATURES
-        .iter()
-        .copied()
-        .filter(|f| {
-            requested
-                .as_ref()
-                .is_none_or(|r| r.is_empty() || r.iter().any(|x| x == f))
-        })
-        .collect();
-    Ok(json!({
-        "selected_version": selected,
-        "selected_binding": "nats",
-        "enabled_features": enabled,
-        "server_id": server_id,
-    }))
-}
-
-fn discover(
-    config: &Config,
-    ns: &str,
-    participant: &Participant,
-    body: &Map<String, Value>,
-    max_payload: usize,
-) -> Value {
-    let query = body.get("query").and_then(Value::as_str).unwrap_or("");
-    let schemas = body
-        .get("include_schema_refs")
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
-    let qos = body
-        .get("include_qos")
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
-    let mut caps: Vec<Value> = config
-        .namespaces
-        .get(ns)
-        .into_iter()
-        .flat_map(|n| n.jobs.iter())
-        .filter(|(job, _)| permissions::allows(&participant.permissions, Action::Submit, job))
-        .filter_map(|(_, j)| j.mig.as_ref())
-        .filter(|c| c.id.contains(query))
-        .map(|c| {
-            let mut d = json!({
-                "id": c.id,
-                "version": c.version,
-                "modes": c.modes,
-                "auth_scopes": c.auth_scopes,
-                "event_topics": c.event_topics,
-            });
-            if schemas {
-                d["input_schema_uri"] = json!(c.input_schema_uri);
-                d["output_schema_uri"] = json!(c.output_schema_uri);
-            }
-            if qos {
-                d["qos"] = json!({
-                    "max_payload_bytes": max_payload,
-                    "supports_replay": true,
-                    "delivery_semantics": "at_least_once",
-                    "supports_ordering": true,
-                });
-            }
-            d
-        })
-        .collect();
-    caps.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
-    json!({"capabilities": caps})
-}
-
-fn heartbeat(ctx: &Ctx<'_>, ns: &str, body: &Map<String, Value>) -> Result<Value, MigError> {
-    let interval = match body.get("interval_ms") {
-        None | Some(Value::Null) => HEARTBEAT_DEFAULT_MS,
-        Some(v) => v.as_u64().filter(|&ms| ms >= 1).ok_or_else(|| {
-            MigError::new(
-                Code::InvalidRequest,
-                "interval_ms must be a positive integer",
-            )
-        })?,
-    };
-    let capabilities: Vec<&str> = ctx
-        .config
-        .namespaces
-        .get(ns)
-        .into_iter()
-        .flat_map(|n| n.jobs.iter())
-        .filter(|(_, j)| j.mig.is_some())
-        .map(|(job, _)| job.as_str())
-        .collect();
-    let (mut leases, mut slots) = (0u64, 0u64);
-    for (_, entry) in ctx.registry.into_iter().flat_map(Registry::entries) {
-        for job in &capabilities {
-            slots += entry["serve"][job].as_u64().unwrap_or(0);
-            leases += entry["load"][job].as_u64().unwrap_or(0);
-        }
-    }
-    let load = if slots == 0 {
-        0.0
-    } else {
-        leases as f64 / slots as f64
-    };
-    Ok(json!({
-        "suggested_interval_ms": interval.clamp(HEARTBEAT_MIN_MS, HEARTBEAT_MAX_MS),
-        "load_factor": load,
-    }))
 }

@@ -1,0 +1,191 @@
+//! CANCEL (mig-nats.md section 4): only the caller of an invocation may cancel it; the task
+//! is cancelled through the jobs engine, so its holder hears `revoked`.
+
+use std::time::Instant;
+
+use serde_json::{Map, Value, json};
+
+use super::envelope::{self, Code, Echo, MigError};
+use super::invoke::{self, Stage};
+use super::{Answer, BACKPRESSURE_RETRY_MS, Ctx, Mig, jobs_frame};
+use crate::amp::frame::{ClientFrame, TaskRef};
+use crate::broker::jobs::SessionId;
+use crate::nats::Connection;
+
+/// A `cancel` waiting for the jobs engine.
+pub struct CancelRequest {
+    reply: String,
+    echo: Echo,
+    target: String,
+    received: Instant,
+    /// The local invocation it ends, if any.
+    invocation: Option<SessionId>,
+}
+
+impl Mig {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cancel(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        ns: &str,
+        name: &str,
+        target: &str,
+        reply: &str,
+        header: &envelope::Header,
+        body: &Map<String, Value>,
+        now: Instant,
+    ) {
+        let echo = Echo::of(header);
+        let answer = Answer {
+            reply,
+            echo: &echo,
+            op: "cancel",
+            capability: "",
+            received: now,
+        };
+        let named = body.get("target_message_id").and_then(Value::as_str);
+        if named.is_some_and(|t| t != target) || target.contains('.') || target.is_empty() {
+            let e = MigError::new(
+                Code::InvalidRequest,
+                "target_message_id is not the message id of the subject",
+            );
+            return self.respond(conn, &answer, Err(e), now);
+        }
+        let reason = body
+            .get("reason")
+            .and_then(Value::as_str)
+            .unwrap_or("cancelled by the caller")
+            .chars()
+            .take(256)
+            .collect::<String>();
+        let key = (ns.to_string(), target.to_string());
+        let local: Vec<SessionId> = self.by_message.get(&key).cloned().unwrap_or_default();
+        let mine = local
+            .iter()
+            .copied()
+            .find(|s| self.invocations.get(s).is_some_and(|i| i.caller == name));
+        let foreign = !local.is_empty() || self.finished.get(&key).is_some_and(|c| c != name);
+        if self.cancels.len() >= ctx.config.mig.max_pending {
+            let e = MigError::new(
+                Code::Backpressure,
+                "this broker has too many cancels in flight",
+            )
+            .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS));
+            return self.respond(conn, &answer, Err(e), now);
+        }
+        let request = CancelRequest {
+            reply: reply.to_string(),
+            echo: echo.clone(),
+            target: target.to_string(),
+            received: now,
+            invocation: mine,
+        };
+        match mine {
+            Some(s) => {
+                if let Some(inv) = self.invocations.get_mut(&s) {
+                    inv.cancel_reason = Some(reason);
+                }
+                self.cancel_task(conn, ctx, s, request, now);
+            }
+            None if foreign => {
+                let e = MigError::new(
+                    Code::Forbidden,
+                    "only the caller of an invocation may cancel it",
+                );
+                self.respond(conn, &answer, Err(e), now);
+            }
+            None if self.finished.get(&key).is_some() => {
+                let ack = cancel_ack(target, false, "already_finished");
+                self.respond(conn, &answer, Ok(ack), now);
+            }
+            None => {
+                // Another broker's invocation, or none: ask the task store.
+                let task = invoke::task_id(ns, name, None, target);
+                let s = self.new_session();
+                self.cancels.insert(s, request);
+                jobs_frame(conn, ctx, s, ns, name, cancel_frame(&task), now);
+            }
+        }
+    }
+
+    /// Cancels the task of local invocation `session` on behalf of `request`.
+    pub(super) fn cancel_task(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        request: CancelRequest,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        match inv.stage {
+            Stage::Looking | Stage::Counting => {
+                // Nothing submitted yet: nothing to cancel in the store.
+                let reason = inv.cancel_reason.clone().unwrap_or_default();
+                self.finish(conn, session, Err(invoke::cancelled(&reason)), now);
+                self.cancel_answered(conn, request, None, now);
+            }
+            Stage::Submitting => inv.cancel_after_submit = Some(request),
+            Stage::Waiting => {
+                let (ns, caller, task) = (inv.ns.clone(), inv.caller.clone(), inv.task.clone());
+                let s = self.new_session();
+                self.cancels.insert(s, request);
+                jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
+            }
+        }
+    }
+
+    pub(super) fn cancel_answered(
+        &mut self,
+        conn: &mut Connection,
+        c: CancelRequest,
+        error: Option<Value>,
+        now: Instant,
+    ) {
+        let amp = error
+            .as_ref()
+            .and_then(|e| e.get("code"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let result = match amp.as_deref() {
+            None => {
+                if let Some(s) = c.invocation {
+                    let reason = self
+                        .invocations
+                        .get(&s)
+                        .and_then(|i| i.cancel_reason.clone())
+                        .unwrap_or_default();
+                    self.finish(conn, s, Err(invoke::cancelled(&reason)), now);
+                }
+                Ok(cancel_ack(&c.target, true, "cancelled"))
+            }
+            Some("conflict") => Ok(cancel_ack(&c.target, false, "already_finished")),
+            Some("not_found") => Ok(cancel_ack(&c.target, false, "not_found")),
+            Some(_) => Err(MigError::from_amp_error(
+                error.as_ref().unwrap_or(&Value::Null),
+            )),
+        };
+        let answer = Answer {
+            reply: &c.reply,
+            echo: &c.echo,
+            op: "cancel",
+            capability: "",
+            received: c.received,
+        };
+        self.respond(conn, &answer, result, now);
+    }
+}
+
+pub(super) fn cancel_ack(target: &str, accepted: bool, status: &str) -> Value {
+    json!({"target_message_id": target, "accepted": accepted, "status": status})
+}
+
+pub(super) fn cancel_frame(task: &str) -> ClientFrame {
+    ClientFrame::Cancel(TaskRef {
+        id: "cancel".to_string(),
+        task: task.to_string(),
+    })
+}

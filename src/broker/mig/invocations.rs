@@ -1,0 +1,408 @@
+//! The life of an invocation: the task record is watched and read (a retry finds its
+//! first try's task), the job's queue counted against `max_queued`, the task submitted
+//! through the jobs engine, and its outcome answered as a reply or as stream frames.
+
+use std::cmp::Reverse;
+use std::time::Instant;
+
+use serde_json::{Value, json};
+
+use super::envelope::{Code, Echo, MigError};
+use super::invoke::{self, Invocation, Stage};
+use super::{
+    Answer, BACKPRESSURE_RETRY_MS, Ctx, JS_TIMEOUT, Mig, Pending, Sub, jobs_frame, metrics,
+    take_rate,
+};
+use crate::amp::frame::ClientFrame;
+use crate::broker::jobs::SessionId;
+use crate::broker::task_store::{TaskRecord, body_digest};
+use crate::nats::{Connection, Message, RequestError};
+
+impl Mig {
+    pub(super) fn invoke(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        r: invoke::Request<'_>,
+        now: Instant,
+    ) {
+        let echo = Echo::of(r.header);
+        let answer = Answer {
+            reply: r.reply,
+            echo: &echo,
+            op: "invoke",
+            capability: r.capability,
+            received: now,
+        };
+        let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
+            let bytes = r.body.get("payload").map_or(0, |p| p.to_string().len());
+            take_rate(ctx.rates, r.participant, r.ns, r.caller, bytes, now)?;
+            if self.invocations.len() >= ctx.config.mig.max_pending {
+                return Err(MigError::new(
+                    Code::Backpressure,
+                    "this broker waits on too many invocations",
+                )
+                .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS)));
+            }
+            Ok(job)
+        });
+        let accepted = match accepted {
+            Ok(a) => a,
+            Err(e) => return self.respond(conn, &answer, Err(e), now),
+        };
+        let session = self.new_session();
+        let settings = &ctx.config.mig;
+        let deadline_ms = r
+            .header
+            .deadline_ms
+            .unwrap_or(settings.default_deadline_ms)
+            .min(settings.max_deadline_ms);
+        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
+        let key = crate::broker::binding::task_key(r.ns, &inv.task);
+        let watched = self
+            .kv
+            .key_subject(&key)
+            .map_err(|e| e.to_string())
+            .and_then(|subject| conn.subscribe(&subject, None).map_err(|e| e.to_string()));
+        let sid = match watched {
+            Ok(sid) => sid,
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("cannot watch the task: {e}"));
+                return self.respond(conn, &answer, Err(e), now);
+            }
+        };
+        let read = self
+            .kv
+            .get_request(&key)
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        let id = match read {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = conn.unsubscribe(sid, None);
+                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                return self.respond(conn, &answer, Err(e), now);
+            }
+        };
+        self.subs.insert(sid, Sub::Task(session));
+        self.pending.insert(id, Pending::Record(session));
+        self.deadlines.push(Reverse((inv.deadline, session)));
+        self.by_message
+            .entry((
+                inv.ns.clone(),
+                inv.echo.message_id.clone().unwrap_or_default(),
+            ))
+            .or_default()
+            .push(session);
+        inv.watch = Some(sid);
+        if inv.stream.is_some() {
+            // The reply is the stream's first frame; the rest follow on the stream subject.
+            let started = json!({"kind": "control", "payload": {"status": "started"}});
+            let reply = inv.reply.clone();
+            self.stream_frame(conn, &mut inv, Some(&reply), started, now);
+        }
+        self.invocations.insert(session, inv);
+    }
+
+    pub(super) fn record_read(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get(&session) else {
+            return;
+        };
+        let key = crate::broker::binding::task_key(&inv.ns, &inv.task);
+        let entry = match reply {
+            Ok(m) => self.kv.parse_get(&key, m.headers.as_ref(), &m.payload),
+            Err(e) => {
+                let e = MigError::new(
+                    Code::Unavailable,
+                    format!("the task store did not answer: {e}"),
+                );
+                return self.finish(conn, session, Err(e), now);
+            }
+        };
+        match entry {
+            Ok(entry) if entry.operation == crate::jetstream::kv::KvOperation::Put => {
+                match TaskRecord::from_json(&entry.value) {
+                    Ok(record) => {
+                        if let Some(inv) = self.invocations.get_mut(&session) {
+                            inv.stage = Stage::Waiting;
+                        }
+                        self.on_record(conn, session, record, now)
+                    }
+                    Err(_) => self.finish(
+                        conn,
+                        session,
+                        Err(MigError::new(
+                            Code::Internal,
+                            "the task record is unreadable",
+                        )),
+                        now,
+                    ),
+                }
+            }
+            Ok(_) | Err(crate::jetstream::JsError::KeyNotFound) => {
+                // Only a new invocation submits; a re-read (after a reconnect) waits on.
+                if self
+                    .invocations
+                    .get(&session)
+                    .is_some_and(|i| i.stage == Stage::Looking)
+                {
+                    self.count_queue(conn, ctx, session, now)
+                }
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("the task store refused: {e}"));
+                self.finish(conn, session, Err(e), now)
+            }
+        }
+    }
+
+    /// Before a new task: how many the job holds, when it has a `max_queued`.
+    pub(super) fn count_queue(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        let max = ctx
+            .config
+            .namespaces
+            .get(&inv.ns)
+            .and_then(|n| n.jobs.get(&inv.job))
+            .and_then(|j| j.max_queued);
+        if max.is_none() {
+            return self.submit(conn, ctx, session, now);
+        }
+        inv.stage = Stage::Counting;
+        let subject = format!(
+            "$JS.API.STREAM.INFO.{}",
+            crate::broker::binding::tasks_stream(&inv.ns)
+        );
+        let filter =
+            json!({"subjects_filter": crate::broker::binding::job_subject(&inv.ns, &inv.job)});
+        match conn.request(
+            &subject,
+            None,
+            filter.to_string().as_bytes(),
+            JS_TIMEOUT,
+            now,
+        ) {
+            Ok(id) => {
+                self.pending.insert(id, Pending::Depth(session));
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                self.finish(conn, session, Err(e), now)
+            }
+        }
+    }
+
+    pub(super) fn depth_read(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get(&session) else {
+            return;
+        };
+        let max = ctx
+            .config
+            .namespaces
+            .get(&inv.ns)
+            .and_then(|n| n.jobs.get(&inv.job))
+            .and_then(|j| j.max_queued)
+            .unwrap_or(u64::MAX);
+        let subject = crate::broker::binding::job_subject(&inv.ns, &inv.job);
+        let info: Option<Value> = reply
+            .ok()
+            .and_then(|m| serde_json::from_slice(&m.payload).ok());
+        let Some(info) = info.filter(|v| v.get("error").is_none()) else {
+            let e = MigError::new(Code::Unavailable, "the task stream did not answer");
+            return self.finish(conn, session, Err(e), now);
+        };
+        let queued = info["state"]["subjects"][&subject].as_u64().unwrap_or(0);
+        if queued >= max {
+            let e = MigError::new(
+                Code::Backpressure,
+                format!("the capability has {queued} tasks waiting or running (max_queued {max})"),
+            )
+            .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS));
+            return self.finish(conn, session, Err(e), now);
+        }
+        self.submit(conn, ctx, session, now);
+    }
+
+    pub(super) fn submit(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        inv.stage = Stage::Submitting;
+        let frame = ClientFrame::Submit(inv.submit_frame());
+        let (ns, caller) = (inv.ns.clone(), inv.caller.clone());
+        jobs_frame(conn, ctx, session, &ns, &caller, frame, now);
+    }
+
+    pub(super) fn on_record(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        record: TaskRecord,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get(&session) else {
+            return;
+        };
+        if record.submitted_by != format!("{}/{}", inv.ns, inv.caller) {
+            let e = MigError::new(Code::Internal, "the task belongs to someone else");
+            return self.finish(conn, session, Err(e), now);
+        }
+        if record.job != inv.job || record.body_sha256 != body_digest(&inv.payload) {
+            let e = MigError::new(
+                Code::InvalidRequest,
+                "this idempotency_key was used with another capability or payload",
+            )
+            .detail("amp_code", json!("conflict"));
+            return self.finish(conn, session, Err(e), now);
+        }
+        if !record.state.is_terminal() {
+            return self.progress(conn, session, record, now);
+        }
+        let outcome = inv.outcome(&record);
+        self.finish(conn, session, outcome, now);
+    }
+
+    /// A running task's record: a progress frame when a heartbeat reported new progress.
+    pub(super) fn progress(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        record: TaskRecord,
+        now: Instant,
+    ) {
+        let Some(mut inv) = self.invocations.remove(&session) else {
+            return;
+        };
+        if let (Some(stream), Some(progress)) = (inv.stream.as_mut(), record.progress)
+            && record.progress_n > stream.progress_n
+        {
+            stream.progress_n = record.progress_n;
+            let frame = json!({"kind": "response", "end_stream": false, "payload": progress});
+            self.stream_frame(conn, &mut inv, None, frame, now);
+        }
+        self.invocations.insert(session, inv);
+    }
+
+    /// Publishes the next frame of a streaming invoke: on `reply` (the `started` frame) or
+    /// on the stream subject, numbered in `header.meta["amp.seq"]`.
+    pub(super) fn stream_frame(
+        &mut self,
+        conn: &mut Connection,
+        inv: &mut Invocation,
+        reply: Option<&str>,
+        fields: Value,
+        now: Instant,
+    ) {
+        let ts = self.timestamp(now);
+        let Some(stream) = inv.stream.as_mut() else {
+            return;
+        };
+        stream.seq += 1;
+        let mut header = inv.echo.header(&ts);
+        header["meta"] = json!({"amp.seq": stream.seq});
+        let mut frame = json!({
+            "header": header,
+            "stream_id": inv.echo.message_id,
+            "capability": inv.capability,
+        });
+        if let (Some(f), Some(extra)) = (frame.as_object_mut(), fields.as_object()) {
+            f.extend(extra.clone());
+        }
+        let subject = reply.unwrap_or(&stream.subject);
+        let headers = inv.echo.nats_headers();
+        if let Err(e) = conn.publish(subject, None, Some(&headers), frame.to_string().as_bytes()) {
+            log::warn!(subject:% = subject; "MIG stream frame not sent: {e}");
+        }
+    }
+
+    /// Answers an invocation and forgets it.
+    pub(super) fn finish(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        result: Result<Value, MigError>,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.remove(&session) else {
+            return;
+        };
+        if let Some(sid) = inv.watch {
+            self.subs.remove(&sid);
+            let _ = conn.unsubscribe(sid, None);
+        }
+        let message_id = inv.echo.message_id.clone().unwrap_or_default();
+        let key = (inv.ns.clone(), message_id.clone());
+        if let Some(list) = self.by_message.get_mut(&key) {
+            list.retain(|s| *s != session);
+            if list.is_empty() {
+                self.by_message.remove(&key);
+            }
+        }
+        *self.finished.get_or_insert_with(key, String::new) = inv.caller.clone();
+        let outcome = match &result {
+            Ok(_) => "success",
+            Err(e) => e.code.as_str(),
+        };
+        let ts = self.timestamp(now);
+        metrics::audit(
+            &format!("{}/{}", inv.ns, inv.caller),
+            &inv.ns,
+            &inv.capability,
+            outcome,
+            &ts,
+            &message_id,
+            &inv.task,
+        );
+        if inv.stream.is_some() {
+            let mut inv = inv;
+            let frame = match &result {
+                Ok(v) => json!({"kind": "response", "end_stream": true, "payload": v["payload"]}),
+                Err(e) => json!({"kind": "error", "end_stream": true, "error": e.to_value()}),
+            };
+            self.stream_frame(conn, &mut inv, None, frame, now);
+            let code = result.as_ref().err().map_or("OK", |e| e.code.as_str());
+            let took = now.saturating_duration_since(inv.received);
+            self.metrics.request("invoke", &inv.capability, code, took);
+            return;
+        }
+        let answer = Answer {
+            reply: &inv.reply,
+            echo: &inv.echo,
+            op: "invoke",
+            capability: &inv.capability,
+            received: inv.received,
+        };
+        self.respond(conn, &answer, result, now);
+    }
+}
