@@ -148,8 +148,8 @@ struct World {
     brokers: Vec<Broker>,
     callout: CalloutServer,
     ann: KeyPair,
-    config: Value,
-    _dir: tempfile::TempDir,
+    /// Holds Ann's seed file.
+    dir: tempfile::TempDir,
 }
 
 fn config(ann: &KeyPair) -> Value {
@@ -195,8 +195,7 @@ fn world(brokers: usize) -> World {
         brokers,
         callout,
         ann,
-        config,
-        _dir: dir,
+        dir,
     };
     w.await_mig();
     w
@@ -595,7 +594,7 @@ fn forged_credentials_and_foreign_reply_subjects_are_refused() {
     let ts = amp_broker::rfc3339::format_system_time(std::time::SystemTime::now());
     let subject = "mig.v0_1.acme.discover";
     let sig = ann.call(
-        json!({"cmd": "sign", "seed_file": w._dir.path().join("ann.seed"),
+        json!({"cmd": "sign", "seed_file": w.dir.path().join("ann.seed"),
         "message": format!("n1\n{ts}\n{subject}")}),
     )["sig"]
         .as_str()
@@ -617,7 +616,7 @@ impl Mig {
         let mut m = Mig::connect_as(
             world,
             "ann",
-            json!({"nkeys_seed": world._dir.path().join("ann.seed")}),
+            json!({"nkeys_seed": world.dir.path().join("ann.seed")}),
         );
         m.name = "ann".into();
         m
@@ -695,7 +694,6 @@ fn an_idempotent_retry_after_a_broker_restart_gets_the_first_outcome() {
         json!({"header": {"tenant_id": "acme", "idempotency_key": "order-7"}, "payload": {"n": 8}}),
     );
     assert_eq!(error_code(&other), "MIG_INVALID_REQUEST", "{other}");
-    let _ = &w.config;
 }
 
 #[test]
