@@ -269,6 +269,7 @@ impl Callout {
                     ttl_s: self.config.jwt_ttl_s,
                     bearer: false,
                     audience: Some(&self.config.account),
+                    mig: participants.mig.enabled,
                 };
                 match scoped_jwt::issue(&self.config.issuer, &grant) {
                     Ok(user_jwt) => Reply {

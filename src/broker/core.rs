@@ -581,7 +581,9 @@ impl Broker {
             .value("heartbeat_s", &limits.heartbeat_s)
             .value("max_frame", &limits.max_frame);
         if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
-            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, unix_seconds(), HELLO_JWT_TTL_S) {
+            let mig = self.config.mig.enabled;
+            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, unix_seconds(), HELLO_JWT_TTL_S, mig)
+            {
                 Ok(jwt) => reply = reply.str("jwt", &jwt),
                 Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
             }

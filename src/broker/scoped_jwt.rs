@@ -53,7 +53,7 @@ pub fn reply_prefix(ns: &str, name: &str) -> String {
     format!("_INBOX_{ns}_{name}")
 }
 
-pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
+pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: bool) -> AllowLists {
     let inbox = binding::inbox_stream(ns);
     let own = binding::inbox_consumer(name);
     let mut publish = vec![
@@ -61,24 +61,26 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions) -> AllowLists {
         format!("$JS.API.CONSUMER.INFO.{inbox}.{own}"),
         format!("$JS.ACK.{inbox}.{own}.>"),
     ];
-    // MIG requests: the broker authenticates each one and answers only under the
-    // caller's reply prefix, so publishing them lets a participant do nothing it could
-    // not do over WebSocket.
-    publish.extend(super::mig::subjects::request_publish_allow(ns));
-    for t in &p.publish {
-        push_unique(&mut publish, super::mig::subjects::events_subject(ns, t));
-    }
     let mut subscribe = vec![format!("{}.>", reply_prefix(ns, name))];
     for t in &p.subscribe {
         push_unique(&mut subscribe, binding::topic_subject(ns, t));
     }
-    for t in &p.subscribe {
-        push_unique(&mut subscribe, super::mig::subjects::events_subject(ns, t));
+    // With MIG off nothing of it is granted. With it on: the broker authenticates each
+    // MIG request and answers only under the caller's reply prefix, so publishing them
+    // lets a participant do nothing it could not do over WebSocket.
+    if mig {
+        publish.extend(super::mig::subjects::request_publish_allow(ns));
+        for t in &p.publish {
+            push_unique(&mut publish, super::mig::subjects::events_subject(ns, t));
+        }
+        for t in &p.subscribe {
+            push_unique(&mut subscribe, super::mig::subjects::events_subject(ns, t));
+        }
+        push_unique(
+            &mut subscribe,
+            super::mig::subjects::stream_subscribe_allow(ns),
+        );
     }
-    push_unique(
-        &mut subscribe,
-        super::mig::subjects::stream_subscribe_allow(ns),
-    );
     AllowLists { publish, subscribe }
 }
 
@@ -99,6 +101,8 @@ pub struct UserGrant<'a> {
     /// `aud`: in server-configuration mode the auth callout names the account to place the
     /// user in (`$G` for the global account).
     pub audience: Option<&'a str>,
+    /// MIG over NATS is enabled: the grant includes its subjects.
+    pub mig: bool,
 }
 
 fn object(value: Value) -> Claims {
@@ -110,7 +114,7 @@ fn object(value: Value) -> Claims {
 
 /// The user claims of a grant, unsigned.
 pub fn user_claims(g: &UserGrant<'_>) -> Claims {
-    let lists = allow_lists(g.ns, g.name, g.permissions);
+    let lists = allow_lists(g.ns, g.name, g.permissions, g.mig);
     let mut nats = json!({
         "pub": {"allow": lists.publish},
         "sub": {"allow": lists.subscribe},
@@ -153,6 +157,7 @@ pub fn hello_jwt(
     participant: &super::config::Participant,
     unix_s: u64,
     ttl_s: u64,
+    mig: bool,
 ) -> Result<String, JwtError> {
     let (user_key, bearer) = match &participant.nkey {
         Some(nkey) => (nkey.clone(), false),
@@ -174,6 +179,7 @@ pub fn hello_jwt(
             ttl_s,
             bearer,
             audience: None,
+            mig,
         },
     )
 }
@@ -296,12 +302,21 @@ mod tests {
             ttl_s: 3600,
             bearer: false,
             audience: None,
+            mig: true,
         }
     }
 
     #[test]
+    fn with_mig_off_no_mig_subject_is_granted() {
+        let lists = allow_lists("acme", "w1", &perms(), false);
+        let all = lists.publish.iter().chain(&lists.subscribe);
+        assert!(all.clone().count() > 0);
+        assert!(all.clone().all(|s| !s.starts_with("mig.")), "{lists:?}");
+    }
+
+    #[test]
     fn only_reads_of_what_is_addressed_to_the_participant_are_allowed() {
-        let lists = allow_lists("acme", "w1", &perms());
+        let lists = allow_lists("acme", "w1", &perms(), true);
         assert_eq!(
             lists.publish,
             [

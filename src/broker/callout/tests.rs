@@ -280,6 +280,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w2"],
         NOW - 10,
         600,
+        true,
     )
     .expect("jwt");
     let bearer_jwt = scoped_jwt::hello_jwt(
@@ -289,6 +290,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w1"],
         NOW - 10,
         600,
+        true,
     )
     .expect("jwt");
     let sig = sign_nonce(&w.nkey_user, NONCE);
@@ -307,6 +309,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w2"],
         NOW - 700,
         600,
+        true,
     )
     .expect("jwt");
     let foreign_account = KeyPair::generate(KeyKind::Account).expect("key");
@@ -317,6 +320,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w1"],
         NOW,
         600,
+        true,
     )
     .expect("jwt");
     let mut parts: Vec<String> = bearer_jwt.split('.').map(str::to_string).collect();

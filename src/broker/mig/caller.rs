@@ -329,6 +329,7 @@ mod tests {
             &p,
             (NOW_MS / 1000) as u64,
             3600,
+            true,
         )
         .expect("jwt");
         let mut a = Authenticator::new();
