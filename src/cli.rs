@@ -42,6 +42,21 @@ serve flags (each also read from the environment, see below):
   --callout-server-key K answer auth callout requests signed by this nats-server public key
                          (N..., the server's INFO server_id; repeatable, at most 64); without
                          it, the servers the broker's own NATS connection has met
+  --tls-cert FILE        PEM certificate chain (leaf first): the listener serves wss:// and
+                         https:// (TLS 1.2/1.3); reloaded on SIGHUP
+  --tls-key FILE         PEM private key of --tls-cert
+  --tls-client-ca FILE   verify client certificates against these CAs (optional for clients
+                         unless --tls-require-client-cert)
+  --tls-require-client-cert  refuse TLS clients without a certificate
+  --plain-listen ADDR    a second, plain HTTP/WebSocket listener for internal use (metrics on
+                         loopback) beside the TLS one
+  --allowed-origin O     a browser Origin (https://app.example.com) that may open sessions
+                         (repeatable, `*` for any); default: the same host only
+  --nats-tls-ca FILE     CAs that sign the NATS servers' certificates (asks for TLS; default
+                         for tls:// URLs: the system's CA bundle)
+  --nats-tls-cert FILE   client certificate for mutual TLS with NATS
+  --nats-tls-key FILE    its private key
+  --nats-tls-first       start TLS before the server's INFO (nats-server handshake_first)
   --log-level LEVEL      error, warn, info, debug or trace (default info)
   --log-format FORMAT    text or json: one line per event with time, level and ids (default text)
   --drain-timeout SECS   lame duck period (SIGUSR2): sessions are closed one by one over it
@@ -148,6 +163,9 @@ pub struct ServeArgs {
     pub log_format: crate::logging::Format,
     /// The lame duck period, seconds.
     pub drain_timeout_s: u64,
+    pub listener_tls: crate::tls::ListenerTls,
+    pub nats_tls: crate::tls::NatsTls,
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for ServeArgs {
@@ -172,6 +190,9 @@ impl Default for ServeArgs {
             log_level: log::LevelFilter::Info,
             log_format: crate::logging::Format::Text,
             drain_timeout_s: 30,
+            listener_tls: crate::tls::ListenerTls::default(),
+            nats_tls: crate::tls::NatsTls::default(),
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -210,7 +231,20 @@ const FLAGS: &[(&str, Kind)] = &[
     ("--log-level", Kind::Value),
     ("--log-format", Kind::Value),
     ("--drain-timeout", Kind::Value),
+    ("--tls-cert", Kind::Value),
+    ("--tls-key", Kind::Value),
+    ("--tls-client-ca", Kind::Value),
+    ("--tls-require-client-cert", Kind::Switch),
+    ("--plain-listen", Kind::Value),
+    ("--allowed-origin", Kind::List),
+    ("--nats-tls-ca", Kind::Value),
+    ("--nats-tls-cert", Kind::Value),
+    ("--nats-tls-key", Kind::Value),
+    ("--nats-tls-first", Kind::Switch),
 ];
+
+/// At most this many `--allowed-origin`s.
+const MAX_ALLOWED_ORIGINS: usize = 256;
 
 /// At most this many `--callout-server-key`s, flags and variable together.
 const MAX_CALLOUT_SERVER_KEYS: usize = 64;
@@ -467,6 +501,26 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
                 _ => return Err(format!("`{v}` must be 1 to 3600 seconds")),
             };
         }
+        "--tls-cert" => serve.listener_tls.cert = Some(PathBuf::from(v)),
+        "--tls-key" => serve.listener_tls.key = Some(PathBuf::from(v)),
+        "--tls-client-ca" => serve.listener_tls.client_ca = Some(PathBuf::from(v)),
+        "--tls-require-client-cert" => serve.listener_tls.require_client_cert = true,
+        "--plain-listen" => {
+            serve.listener_tls.plain_listen = Some(
+                v.parse()
+                    .map_err(|_| format!("`{v}` is not an address like 127.0.0.1:7421"))?,
+            );
+        }
+        "--allowed-origin" => {
+            if serve.allowed_origins.len() >= MAX_ALLOWED_ORIGINS {
+                return Err(format!("at most {MAX_ALLOWED_ORIGINS}"));
+            }
+            serve.allowed_origins.push(v.to_string());
+        }
+        "--nats-tls-ca" => serve.nats_tls.ca = Some(PathBuf::from(v)),
+        "--nats-tls-cert" => serve.nats_tls.cert = Some(PathBuf::from(v)),
+        "--nats-tls-key" => serve.nats_tls.key = Some(PathBuf::from(v)),
+        "--nats-tls-first" => serve.nats_tls.handshake_first = true,
         other => return Err(format!("unknown flag `{other}`")),
     }
     Ok(())
@@ -703,6 +757,31 @@ mod tests {
     }
 
     #[test]
+    fn tls_flags_fill_the_listener_and_nats_settings() {
+        let s = serve(
+            "serve --tls-cert c.pem --tls-key k.pem --tls-client-ca ca.pem --tls-require-client-cert \
+             --plain-listen 127.0.0.1:9001 --allowed-origin https://a --allowed-origin https://b \
+             --nats-tls-ca n.pem --nats-tls-cert nc.pem --nats-tls-key nk.pem --nats-tls-first",
+            &[],
+        );
+        let l = &s.listener_tls;
+        assert_eq!(l.cert, Some(PathBuf::from("c.pem")));
+        assert_eq!(l.key, Some(PathBuf::from("k.pem")));
+        assert_eq!(l.client_ca, Some(PathBuf::from("ca.pem")));
+        assert!(l.require_client_cert);
+        assert_eq!(
+            l.plain_listen,
+            Some("127.0.0.1:9001".parse().expect("addr"))
+        );
+        assert_eq!(s.allowed_origins, ["https://a", "https://b"]);
+        assert_eq!(s.nats_tls.ca, Some(PathBuf::from("n.pem")));
+        assert_eq!(s.nats_tls.cert, Some(PathBuf::from("nc.pem")));
+        assert_eq!(s.nats_tls.key, Some(PathBuf::from("nk.pem")));
+        assert!(s.nats_tls.handshake_first);
+        assert!(parse_str("serve --plain-listen nowhere").is_err());
+    }
+
+    #[test]
     fn every_flag_has_its_variable() {
         let keys = server_keys(2);
         let joined = keys.join(",");
@@ -722,6 +801,16 @@ mod tests {
             ("AMP_LOG_LEVEL", "debug"),
             ("AMP_LOG_FORMAT", "json"),
             ("AMP_DRAIN_TIMEOUT", "5"),
+            ("AMP_TLS_CERT", "c.pem"),
+            ("AMP_TLS_KEY", "k.pem"),
+            ("AMP_TLS_CLIENT_CA", "ca.pem"),
+            ("AMP_TLS_REQUIRE_CLIENT_CERT", "yes"),
+            ("AMP_PLAIN_LISTEN", "127.0.0.1:9001"),
+            ("AMP_ALLOWED_ORIGIN", "https://a.example, https://b.example"),
+            ("AMP_NATS_TLS_CA", "nca.pem"),
+            ("AMP_NATS_TLS_CERT", "nc.pem"),
+            ("AMP_NATS_TLS_KEY", "nk.pem"),
+            ("AMP_NATS_TLS_FIRST", "1"),
         ];
         // The embedded server's own flags cannot go with AMP_NATS.
         let embedded = [

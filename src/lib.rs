@@ -15,4 +15,5 @@ pub mod proto;
 pub mod rfc3339;
 pub mod runtime;
 pub mod signals;
+pub mod tls;
 pub mod ws;

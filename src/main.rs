@@ -97,6 +97,24 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         Some(path) => Some(read_issuer(path)?),
         None => None,
     };
+    let listener_tls = args.listener_tls.over(&config.tls);
+    let nats_tls = args.nats_tls.over(&config.nats_tls);
+    let listener_files = listener_tls.files()?;
+    let server_tls = match &listener_files {
+        Some(files) => Some(files.load().map_err(|e| format!("listener TLS: {e}"))?),
+        None => None,
+    };
+    let any_origin = args.config.is_none();
+    if any_origin {
+        log::warn!("DEVELOPMENT MODE: WebSocket upgrades from any Origin are accepted");
+    }
+    if args.nats.is_empty() && (nats_tls.files().is_some() || nats_tls.handshake_first) {
+        return Err(
+            "--nats-tls-* need --nats URL: the embedded nats-server listens on \
+                    loopback without TLS"
+                .into(),
+        );
+    }
 
     let mut embedded_server = None;
     let (urls, mut options) = if args.nats.is_empty() {
@@ -124,6 +142,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .with_credentials_file(creds)
             .map_err(|e| format!("--nats-creds: {e}"))?;
     }
+    if let Some(files) = nats_tls.files() {
+        options = options.with_tls(files.load().map_err(|e| format!("NATS TLS: {e}"))?);
+    }
+    options.tls_handshake_first = nats_tls.handshake_first;
 
     let settings = StreamSettings {
         replicas: args.replicas,
@@ -170,6 +192,11 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             nats: options,
             config_path: args.config.clone(),
             drain_timeout: Duration::from_secs(args.drain_timeout_s),
+            tls: server_tls,
+            tls_flags: args.listener_tls.clone(),
+            origin_flags: args.allowed_origins.clone(),
+            any_origin,
+            plain_listen: listener_tls.plain_listen,
         },
         embedded_server,
     )

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token};
@@ -16,13 +17,16 @@ use crate::broker::embedded::EmbeddedServer;
 use crate::lame_duck::LameDuck;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestId};
 use crate::signals::{Request, Signals};
+use crate::tls::ListenerTls;
 use crate::ws::connection::{HttpHost, WsConfig};
 use crate::ws::metrics;
+use crate::ws::origin::OriginPolicy;
 use crate::ws::server::{SessionEvent, SessionId, WsServer};
 
 const LISTENER: Token = Token(0);
 const NATS: Token = Token(1);
 const SIGNALS: Token = Token(2);
+const PLAIN_LISTENER: Token = Token(3);
 const FIRST_SESSION: usize = 16;
 const GOING_AWAY: u16 = crate::broker::core::close::GOING_AWAY;
 
@@ -51,6 +55,25 @@ pub struct RuntimeOptions {
     pub config_path: Option<PathBuf>,
     /// The lame duck period (SIGUSR2).
     pub drain_timeout: Duration,
+    /// The listener's TLS configuration; `None`: plain ws:// and http://.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// The TLS flags, laid over the file's `tls` again at each SIGHUP.
+    pub tls_flags: ListenerTls,
+    /// `--allowed-origin`s, joined with the file's `allowed_origins` at each SIGHUP.
+    pub origin_flags: Vec<String>,
+    /// Development mode: any origin.
+    pub any_origin: bool,
+    /// A second, plain listener beside the TLS one.
+    pub plain_listen: Option<SocketAddr>,
+}
+
+/// The origin policy of the flags and the file's list together.
+pub fn origin_policy(any: bool, flags: &[String], file: &[String]) -> OriginPolicy {
+    if any {
+        return OriginPolicy::Any;
+    }
+    let all: Vec<String> = flags.iter().chain(file).cloned().collect();
+    OriginPolicy::from_list(&all)
 }
 
 /// What `/healthz` reports: the NATS connection and JetStream's last answer.
@@ -173,9 +196,27 @@ pub fn run(
         LISTENER,
         FIRST_SESSION,
     )?;
-    log::info!("listening on ws://{}/amp", ws.local_addr());
+    let tls = opts.tls.is_some();
+    ws.set_tls(opts.tls.clone());
+    let file_origins = match &opts.config_path {
+        Some(path) => Config::load(path)
+            .map(|c| c.allowed_origins)
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+    ws.set_origin_policy(origin_policy(
+        opts.any_origin,
+        &opts.origin_flags,
+        &file_origins,
+    ));
+    let scheme = if tls { "wss" } else { "ws" };
+    log::info!("listening on {scheme}://{}/amp", ws.local_addr());
+    if let Some(addr) = opts.plain_listen {
+        let local = ws.bind_plain(addr, poll.registry(), PLAIN_LISTENER)?;
+        log::info!("listening on ws://{local}/amp (plain, for internal use)");
+    }
     let now = Instant::now();
-    let mut nats = Driver::new(nats::Connection::new(opts.nats, now), NATS);
+    let mut nats = Driver::new(nats::Connection::new(opts.nats.clone(), now), NATS);
     broker
         .start(nats.connection_mut(), now)
         .map_err(io::Error::other)?;
@@ -233,7 +274,7 @@ pub fn run(
                 SIGNALS => {
                     for request in signals.take() {
                         match request {
-                            Request::Reload => reload(&mut broker, opts.config_path.as_ref()),
+                            Request::Reload => reload(&mut broker, &mut ws, &opts),
                             Request::LameDuck if lame_duck.is_none() && drain_until.is_none() => {
                                 ws.stop_accepting(poll.registry());
                                 let sessions: Vec<u64> = ids.keys().copied().collect();
@@ -417,10 +458,12 @@ pub fn run(
 }
 
 /// SIGHUP: the file is re-read and swapped in whole, or refused whole with the old
-/// configuration kept.
-fn reload(broker: &mut Broker, path: Option<&PathBuf>) {
-    let Some(path) = path else {
-        log::warn!("SIGHUP: development mode has no configuration file; nothing reloaded");
+/// configuration kept. The listener's certificate and key are read again with it (also
+/// in development mode, from the flags).
+fn reload(broker: &mut Broker, ws: &mut WsServer, opts: &RuntimeOptions) {
+    let Some(path) = opts.config_path.as_ref() else {
+        reload_tls(ws, &opts.tls_flags);
+        log::warn!("SIGHUP: development mode has no configuration file; nothing else reloaded");
         return;
     };
     let config = match Config::load(path) {
@@ -430,15 +473,43 @@ fn reload(broker: &mut Broker, path: Option<&PathBuf>) {
             return;
         }
     };
+    let tls = opts.tls_flags.over(&config.tls);
+    let origins = origin_policy(opts.any_origin, &opts.origin_flags, &config.allowed_origins);
     match broker.reload(config) {
-        Ok(closed) => log::info!(
-            "SIGHUP: configuration {} reloaded; {closed} sessions closed",
-            path.display()
-        ),
+        Ok(closed) => {
+            reload_tls(ws, &tls);
+            ws.set_origin_policy(origins);
+            log::info!(
+                "SIGHUP: configuration {} reloaded; {closed} sessions closed",
+                path.display()
+            )
+        }
         Err(e) => log::error!(
             "SIGHUP: reload of {} refused, the running configuration is kept: {e}",
             path.display()
         ),
+    }
+}
+
+/// New handshakes use the pair read now; open sessions keep theirs. A pair that does not
+/// load leaves the running one in place.
+fn reload_tls(ws: &mut WsServer, tls: &ListenerTls) {
+    if !ws.is_tls() {
+        return;
+    }
+    let loaded = tls.files().and_then(|files| {
+        let files = files.ok_or("the configuration no longer names a certificate".to_string())?;
+        files.load().map(|config| (files, config))
+    });
+    match loaded {
+        Ok((files, config)) => {
+            ws.set_tls(Some(config));
+            log::info!(
+                "SIGHUP: TLS certificate {} reloaded; new handshakes use it",
+                files.cert.display()
+            );
+        }
+        Err(e) => log::error!("SIGHUP: TLS certificate not reloaded, the old one is kept: {e}"),
     }
 }
 

@@ -22,6 +22,15 @@ pub struct Config {
     pub callout: CalloutTrust,
     #[serde(default)]
     pub mig: super::mig::config::MigSettings,
+    /// The listener's TLS (see the README's TLS section); flags win over it.
+    #[serde(default)]
+    pub tls: crate::tls::ListenerTls,
+    /// The broker's own NATS connection's TLS.
+    #[serde(default)]
+    pub nats_tls: crate::tls::NatsTls,
+    /// Origins whose pages may open sessions (besides `--allowed-origin`).
+    #[serde(default)]
+    pub allowed_origins: Vec<String>,
 }
 
 /// Which nats-servers the auth callout answers.
@@ -310,6 +319,9 @@ impl Config {
             namespaces: BTreeMap::from([("dev".to_string(), dev)]),
             callout: CalloutTrust::default(),
             mig: Default::default(),
+            tls: crate::tls::ListenerTls::default(),
+            nats_tls: crate::tls::NatsTls::default(),
+            allowed_origins: Vec::new(),
         }
     }
 
@@ -333,6 +345,7 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         super::mig::config::validate_settings(&self.mig)?;
         within("callout.server_keys", self.callout.server_keys.len(), 0, 64)?;
+        within("allowed_origins", self.allowed_origins.len(), 0, 256)?;
         for (i, key) in self.callout.server_keys.iter().enumerate() {
             if !is_server_key(key) {
                 return Err(err(

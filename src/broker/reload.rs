@@ -41,6 +41,12 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     if old.mig.enabled != new.mig.enabled {
         changed.push("mig.enabled".to_string());
     }
+    if old.nats_tls != new.nats_tls {
+        changed.push("nats_tls".to_string());
+    }
+    if old.tls.plain_listen != new.tls.plain_listen {
+        changed.push("tls.plain_listen".to_string());
+    }
     for name in old.namespaces.keys() {
         if !new.namespaces.contains_key(name) {
             changed.push(format!("namespaces.{name} (removed)"));

@@ -219,6 +219,14 @@ pub struct Connection {
     stats: Stats,
     /// The latest `now` passed in, for the few calls that take none.
     last_now: Instant,
+    /// Every transport must be TLS (all-or-nothing over the pool, so servers learned from
+    /// `connect_urls` keep it).
+    tls_required: bool,
+    /// The current transport is (or is becoming) TLS.
+    tls_active: bool,
+    /// The shell must put TLS under the transport now, verifying this server name,
+    /// before it writes `output()`.
+    start_tls: Option<String>,
 }
 
 impl Connection {
@@ -278,6 +286,9 @@ impl Connection {
             lame_duck_move: false,
             stats: Stats::default(),
             last_now: now,
+            tls_required: options.tls_required(),
+            tls_active: false,
+            start_tls: None,
             options,
         };
         if conn.pool.is_empty() {
@@ -326,7 +337,29 @@ impl Connection {
             self.out_pos = 0;
             self.last_now = now;
             self.state = State::AwaitInfo { server, deadline };
+            self.tls_active = false;
+            self.start_tls = None;
+            if self.tls_required && self.options.tls_handshake_first {
+                self.begin_tls(server);
+            }
         }
+    }
+
+    /// Once per transport that must become TLS: the server name to verify. The shell puts
+    /// a TLS session under the socket before it writes `output()` again; every byte it
+    /// reads from then on is ciphertext.
+    pub fn poll_start_tls(&mut self) -> Option<String> {
+        self.start_tls.take()
+    }
+
+    /// Whether the current transport is TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls_active
+    }
+
+    fn begin_tls(&mut self, server: usize) {
+        self.tls_active = true;
+        self.start_tls = self.pool.get(server).map(|e| e.url.addr.host.clone());
     }
 
     /// The socket failed to connect, or was closed by the peer or by an error.
@@ -789,6 +822,19 @@ impl Connection {
                 Ok(Parsed::Complete(op, used)) => {
                     start += used.max(1);
                     self.handle_op(op, now);
+                    if self.start_tls.is_some() {
+                        // The server must wait for our ClientHello: plaintext after the
+                        // INFO that starts TLS is an injection, not the server talking.
+                        if start < buf.len() {
+                            self.close_transport = true;
+                            self.start_tls = None;
+                            self.attempt_failed(
+                                now,
+                                Error::Tls("plaintext after the INFO that starts TLS".into()),
+                            );
+                        }
+                        break;
+                    }
                 }
                 Ok(Parsed::Partial { .. }) => break,
                 Err(e) => {
@@ -856,6 +902,35 @@ impl Connection {
         }
         match self.state {
             State::AwaitInfo { server, deadline } => {
+                if !self.tls_active {
+                    let offered = info.tls_required
+                        || info
+                            .extra
+                            .get("tls_available")
+                            .and_then(serde_json::Value::as_bool)
+                            .unwrap_or(false);
+                    let refusal = match (self.tls_required, offered) {
+                        (true, true) => {
+                            self.begin_tls(server);
+                            None
+                        }
+                        (true, false) => Some(format!(
+                            "{} offers no TLS but TLS was asked for: not connecting in plaintext",
+                            self.addr_of(server)
+                        )),
+                        (false, _) if info.tls_required => Some(format!(
+                            "{} requires TLS: use a tls:// URL (and a CA with --nats-tls-ca)",
+                            self.addr_of(server)
+                        )),
+                        (false, _) => None,
+                    };
+                    if let Some(reason) = refusal {
+                        self.info = Some(info);
+                        self.close_transport = true;
+                        self.attempt_failed(now, Error::Tls(reason));
+                        return;
+                    }
+                }
                 let connect = self.connect_options(&info, server);
                 self.info = Some(info);
                 if encode::connect(&mut self.out, &connect).is_err() {
@@ -931,6 +1006,7 @@ impl Connection {
         let mut c = ConnectOptions {
             name: self.options.name.clone(),
             echo: self.options.echo,
+            tls_required: self.tls_active,
             ..ConnectOptions::default()
         };
         let sign = |key: &crate::nkeys::KeyPair| {
@@ -1226,6 +1302,8 @@ impl Connection {
     }
 
     fn reset_transport(&mut self) {
+        self.tls_active = false;
+        self.start_tls = None;
         self.rbuf = Vec::new();
         self.out.clear();
         self.out_pos = 0;

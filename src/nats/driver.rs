@@ -2,16 +2,22 @@
 //! [`Connection`]. It registers with whatever `mio::Poll` the caller runs (the broker's
 //! single event loop, or [`Client`](super::Client)'s small one) under the caller's token.
 //!
+//! TLS sits here, under the connection: when the connection asks for it
+//! ([`Connection::poll_start_tls`]) the driver wraps the socket in a [`TlsSession`], and
+//! from then on moves ciphertext on the socket and plaintext to and from the connection.
+//!
 //! Loop contract: call [`Driver::handle_event`] for readiness events carrying the driver's
 //! token, [`Driver::drive`] after anything else touched the connection (a publish, a
 //! subscribe) and whenever [`Driver::poll_timeout`] has passed. Both do all IO that can be
 //! done without blocking.
 
 use super::connection::Connection;
+use crate::tls::{ClientFiles, Received, TlsSession};
 use mio::net::TcpStream;
 use mio::{Interest, Registry, Token};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Bytes read per `read` call.
@@ -32,6 +38,12 @@ pub struct Driver {
     /// A read pass ended at its budget with input possibly left in the socket.
     read_more: bool,
     read_buf: Vec<u8>,
+    /// The TLS session under the current socket, once the connection asked for one.
+    tls: Option<TlsSession>,
+    /// The TLS configuration: the options', or the system's CA bundle loaded on first use.
+    tls_config: Option<Arc<rustls::ClientConfig>>,
+    /// Where decrypted bytes land on their way to the connection (empty without TLS).
+    plain_buf: Vec<u8>,
     /// Bytes read from and written to the server socket since start, for `/metrics`.
     bytes_in: u64,
     bytes_out: u64,
@@ -39,7 +51,11 @@ pub struct Driver {
 
 impl Driver {
     pub fn new(conn: Connection, token: Token) -> Driver {
+        let tls_config = conn.options().tls.clone();
         Driver {
+            tls: None,
+            tls_config,
+            plain_buf: Vec::new(),
             conn,
             token,
             socket: None,
@@ -174,6 +190,7 @@ impl Driver {
             Ok(_) => {
                 self.dialing = false;
                 self.conn.on_transport_open(now);
+                self.start_tls(registry, now);
             }
             Err(e) if e.kind() == io::ErrorKind::NotConnected => {}
             Err(e) => self.failed(registry, now, &e.to_string()),
@@ -193,11 +210,28 @@ impl Driver {
                     let Some(bytes) = self.read_buf.get(..n) else {
                         return;
                     };
-                    self.conn.receive(bytes, now);
+                    match self.tls.as_mut() {
+                        None => self.conn.receive(bytes, now),
+                        Some(tls) => {
+                            let conn = &mut self.conn;
+                            match tls.receive(bytes, &mut self.plain_buf, |p| conn.receive(p, now))
+                            {
+                                Ok(Received::Open) => {}
+                                Ok(Received::Closed) => {
+                                    return self.failed(registry, now, "TLS closed by server");
+                                }
+                                Err(e) => {
+                                    self.send_alert();
+                                    return self.failed(registry, now, &format!("TLS: {e}"));
+                                }
+                            }
+                        }
+                    }
                     if self.conn.poll_close() {
                         self.drop_socket(registry);
                         return;
                     }
+                    self.start_tls(registry, now);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -207,9 +241,43 @@ impl Driver {
         self.read_more = true;
     }
 
+    /// Puts TLS under the socket when the connection asks for it.
+    fn start_tls(&mut self, registry: &Registry, now: Instant) {
+        let Some(name) = self.conn.poll_start_tls() else {
+            return;
+        };
+        let config = match self.tls_config.clone() {
+            Some(config) => Ok(config),
+            None => ClientFiles::default().load(),
+        };
+        let session = config.and_then(|config| {
+            self.tls_config = Some(config.clone());
+            TlsSession::client(config, &name)
+        });
+        match session {
+            Ok(session) => {
+                if self.plain_buf.is_empty() {
+                    self.plain_buf = vec![0; READ_CHUNK];
+                }
+                self.tls = Some(session);
+            }
+            Err(e) => self.failed(registry, now, &format!("TLS: {e}")),
+        }
+    }
+
+    /// Best effort: the alert that says why the handshake or session failed.
+    fn send_alert(&mut self) {
+        if let (Some(tls), Some(stream)) = (self.tls.as_mut(), self.socket.as_mut()) {
+            let _ = tls.write_to(stream);
+        }
+    }
+
     /// Writes until the output is empty or the socket would block. False when the socket
     /// failed (state changed).
     fn write(&mut self, registry: &Registry, now: Instant) -> bool {
+        if self.tls.is_some() {
+            return self.write_tls(registry, now);
+        }
         loop {
             let Some(stream) = self.socket.as_mut() else {
                 return true;
@@ -244,6 +312,39 @@ impl Driver {
         }
     }
 
+    /// `write` through the TLS session: plaintext in as the session's bound allows,
+    /// ciphertext out until the socket would block.
+    fn write_tls(&mut self, registry: &Registry, now: Instant) -> bool {
+        loop {
+            let (Some(stream), Some(tls)) = (self.socket.as_mut(), self.tls.as_mut()) else {
+                return true;
+            };
+            let taken = tls.send(self.conn.output());
+            if taken > 0 {
+                self.conn.consume_output(taken);
+            }
+            match tls.write_to(stream) {
+                Ok(n) => self.bytes_out = self.bytes_out.saturating_add(n as u64),
+                Err(e) => {
+                    self.failed(registry, now, &e.to_string());
+                    return false;
+                }
+            }
+            if self.conn.poll_close() {
+                self.drop_socket(registry);
+                return false;
+            }
+            let tls_pending = self.tls.as_ref().is_some_and(|t| !t.output().is_empty());
+            if tls_pending {
+                self.write_blocked = true;
+                return true;
+            }
+            if taken == 0 {
+                return true;
+            }
+        }
+    }
+
     fn failed(&mut self, registry: &Registry, now: Instant, reason: &str) {
         self.drop_socket(registry);
         self.conn.on_transport_closed(now, reason);
@@ -256,6 +357,7 @@ impl Driver {
             let _ = registry.deregister(&mut stream);
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
+        self.tls = None;
         self.dialing = false;
         self.write_blocked = false;
         self.read_more = false;

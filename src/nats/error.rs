@@ -45,6 +45,9 @@ pub enum Error {
     Timeout,
     /// The socket failed (blocking client).
     Io(String),
+    /// TLS was asked for and the server did not offer it, or the server requires TLS and
+    /// none was configured (a TLS handshake that fails is a `ConnectFailed`).
+    Tls(String),
 }
 
 impl fmt::Display for Error {
@@ -81,6 +84,7 @@ impl fmt::Display for Error {
             Error::Closed(e) => write!(f, "connection closed: {e}"),
             Error::Timeout => f.write_str("timed out"),
             Error::Io(e) => write!(f, "i/o: {e}"),
+            Error::Tls(e) => write!(f, "TLS: {e}"),
         }
     }
 }

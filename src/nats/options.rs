@@ -5,6 +5,7 @@ use super::error::Error;
 use crate::nkeys::KeyPair;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub const DEFAULT_PORT: u16 = 4222;
@@ -34,6 +35,8 @@ pub struct ServerUrl {
     /// `nats://user:pass@host` gives both; `nats://token@host` only `user`, used as a token.
     pub user: Option<String>,
     pub pass: Option<String>,
+    /// Given as `tls://`: the whole connection then requires TLS.
+    pub tls: bool,
 }
 
 impl fmt::Debug for ServerUrl {
@@ -43,7 +46,8 @@ impl fmt::Debug for ServerUrl {
             (Some(_), None) => "<redacted>@".to_string(),
             _ => String::new(),
         };
-        write!(f, "ServerUrl(nats://{credentials}{})", self.addr)
+        let scheme = if self.tls { "tls" } else { "nats" };
+        write!(f, "ServerUrl({scheme}://{credentials}{})", self.addr)
     }
 }
 
@@ -72,19 +76,22 @@ pub fn redacted(urls: &str) -> String {
 }
 
 impl ServerUrl {
-    /// Parses `nats://[user[:pass]@]host[:port]`, also without a scheme and with IPv6 hosts
-    /// in brackets. `tls://` is refused: this client speaks plain TCP.
+    /// Parses `nats://[user[:pass]@]host[:port]` (or `tls://...`), also without a scheme
+    /// and with IPv6 hosts in brackets.
     pub fn parse(text: &str) -> Result<ServerUrl, Error> {
         let bad = |why: &str| Error::InvalidUrl(format!("{:?}: {why}", redacted(text)));
         let text = text.trim();
-        let rest = match text.split_once("://") {
+        let (tls, rest) = match text.split_once("://") {
             Some((scheme, rest)) => {
-                if !scheme.eq_ignore_ascii_case("nats") {
-                    return Err(bad("only nats:// is supported"));
+                if scheme.eq_ignore_ascii_case("tls") {
+                    (true, rest)
+                } else if scheme.eq_ignore_ascii_case("nats") {
+                    (false, rest)
+                } else {
+                    return Err(bad("only nats:// and tls:// are supported"));
                 }
-                rest
             }
-            None => text,
+            None => (false, text),
         };
         let rest = rest.trim_end_matches('/');
         if rest.contains('/') || rest.contains('?') {
@@ -129,6 +136,7 @@ impl ServerUrl {
             },
             user: user.filter(|u| !u.is_empty()),
             pass,
+            tls,
         })
     }
 }
@@ -235,6 +243,12 @@ pub struct Options {
     pub no_randomize: bool,
     /// Largest control line accepted from the server.
     pub max_control_line: usize,
+    /// TLS for every server (a `tls://` URL asks for it too; without a configuration the
+    /// system's CA bundle is trusted). Never downgraded to plaintext.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// Start TLS before the server's INFO (nats-server `handshake_first`), instead of
+    /// upgrading after it.
+    pub tls_handshake_first: bool,
 }
 
 impl Options {
@@ -329,6 +343,17 @@ impl Options {
         self
     }
 
+    /// TLS with this configuration (trust anchors, client certificate) for every server.
+    pub fn with_tls(mut self, config: Arc<rustls::ClientConfig>) -> Options {
+        self.tls = Some(config);
+        self
+    }
+
+    /// Whether the connection must be TLS: a configuration or a `tls://` URL.
+    pub fn tls_required(&self) -> bool {
+        self.tls.is_some() || self.tls_handshake_first || self.servers.iter().any(|s| s.tls)
+    }
+
     pub fn with_reconnect_delay(mut self, first: Duration, max: Duration) -> Options {
         self.reconnect_delay = first;
         self.reconnect_delay_max = max;
@@ -362,6 +387,8 @@ impl Default for Options {
             inbox_prefix: "_INBOX".into(),
             no_randomize: false,
             max_control_line: 4096,
+            tls: None,
+            tls_handshake_first: false,
         }
     }
 }
@@ -404,7 +431,7 @@ mod tests {
     #[test]
     fn bad_urls_are_refused_with_the_url_in_the_error() {
         for bad in [
-            "tls://h:1",
+            "http://h:1",
             "nats://:4222",
             "nats://h:99999",
             "nats://h:1/path",
@@ -424,6 +451,19 @@ mod tests {
             assert!(!text.contains(secret), "{text}");
         }
         assert!(text.contains("u:<redacted>@h:1"), "{text}");
+    }
+
+    #[test]
+    fn a_tls_url_asks_for_tls_for_the_whole_connection() {
+        let u = ServerUrl::parse("TLS://alice:pw@[::1]:4443").expect("url");
+        assert!(u.tls);
+        assert_eq!(u.addr.to_string(), "[::1]:4443");
+        assert_eq!(
+            format!("{u:?}"),
+            "ServerUrl(tls://alice:<redacted>@[::1]:4443)"
+        );
+        assert!(Options::new("nats://a:1,tls://b:2").tls_required());
+        assert!(!Options::new("nats://a:1").tls_required());
     }
 
     #[test]

@@ -659,11 +659,11 @@ fn user_ping_is_answered_by_its_pong_event() {
 
 #[test]
 fn an_unparsable_url_is_the_reason_the_connection_closes() {
-    let mut h = Harness::new(Options::new("tls://h:1"));
+    let mut h = Harness::new(Options::new("http://h:1"));
     assert!(h.conn.is_closed());
     assert!(matches!(
         &h.events()[..],
-        [Event::Closed { reason: Error::InvalidUrl(u) }] if u.contains("tls://h:1")
+        [Event::Closed { reason: Error::InvalidUrl(u) }] if u.contains("http://h:1")
     ));
     let mut h = Harness::new(Options::default());
     assert_eq!(
@@ -717,4 +717,117 @@ fn deliverable_in_one_pass_is_the_subject_rules_plus_no_control_bytes_and_utf8()
     }
     assert!(!super::connection::deliverable(b""));
     assert!(checked > 100_000, "{checked}");
+}
+
+const TLS_INFO: &str = "INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576,\"tls_required\":true}\r\n";
+
+fn closed_reason(events: &[Event]) -> Option<&Error> {
+    events.iter().find_map(|e| match e {
+        Event::Closed { reason } => Some(reason),
+        _ => None,
+    })
+}
+
+#[test]
+fn tls_starts_after_the_info_that_offers_it_and_connect_says_so() {
+    let mut h = Harness::new(Harness::options("tls://127.0.0.1:1"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    assert_eq!(
+        h.conn.poll_start_tls(),
+        None,
+        "not before INFO without handshake_first"
+    );
+    h.conn.receive(TLS_INFO.as_bytes(), h.now);
+    assert_eq!(h.conn.poll_start_tls().as_deref(), Some("127.0.0.1"));
+    assert!(h.conn.is_tls());
+    let out = ops(&h.take_output());
+    assert!(out[0].contains("\"tls_required\":true"), "{out:?}");
+    h.conn.receive(b"PONG\r\n", h.now);
+    assert!(h.conn.is_connected());
+}
+
+#[test]
+fn a_server_without_tls_is_refused_when_tls_was_asked_for_never_downgraded() {
+    let mut h = Harness::new(Harness::options("tls://h:1"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    assert_eq!(h.conn.poll_start_tls(), None);
+    assert!(h.conn.poll_close(), "the plaintext transport is dropped");
+    assert!(h.take_output().is_empty(), "no CONNECT in plaintext");
+    let events = h.events();
+    assert!(
+        matches!(closed_reason(&events), Some(Error::Tls(r)) if r.contains("offers no TLS")),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn a_server_requiring_tls_is_a_clear_error_without_tls_configured() {
+    let mut h = Harness::new(Harness::options("nats://h:1"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(TLS_INFO.as_bytes(), h.now);
+    assert!(h.take_output().is_empty());
+    let events = h.events();
+    assert!(
+        matches!(closed_reason(&events), Some(Error::Tls(r)) if r.contains("requires TLS")),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn plaintext_injected_after_the_info_that_starts_tls_is_refused() {
+    let mut h = Harness::new(Harness::options("tls://h:1"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    let injected = format!("{TLS_INFO}PONG\r\n");
+    h.conn.receive(injected.as_bytes(), h.now);
+    assert_eq!(
+        h.conn.poll_start_tls(),
+        None,
+        "no session for this transport"
+    );
+    assert!(h.conn.poll_close());
+    assert!(!h.conn.is_connected());
+    let events = h.events();
+    assert!(
+        matches!(closed_reason(&events), Some(Error::Tls(r)) if r.contains("plaintext after")),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn handshake_first_starts_tls_at_once_and_servers_learned_later_keep_tls() {
+    let mut o = Harness::options("tls://a:1");
+    o.tls_handshake_first = true;
+    let mut h = Harness::new(o);
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    assert_eq!(h.conn.poll_start_tls().as_deref(), Some("a"));
+    let info = TLS_INFO.replace(
+        "\"tls_required\":true",
+        "\"tls_required\":true,\"connect_urls\":[\"10.0.0.2:4222\"]",
+    );
+    h.conn.receive(info.as_bytes(), h.now);
+    h.take_output();
+    h.conn.receive(b"PONG\r\n", h.now);
+    assert!(h.conn.is_connected());
+    assert!(h.conn.servers().iter().any(|s| s.host == "10.0.0.2"));
+
+    // Lost; the learned server is dialled with TLS first as well, verified by its IP.
+    h.conn.on_transport_closed(h.now, "gone");
+    for _ in 0..4 {
+        h.advance(Duration::from_secs(5));
+        if let Some(addr) = h.conn.poll_connect(h.now) {
+            h.conn.on_transport_open(h.now);
+            assert_eq!(h.conn.poll_start_tls(), Some(addr.host.clone()), "{addr}");
+            if addr.host == "10.0.0.2" {
+                return;
+            }
+            h.conn.on_transport_closed(h.now, "refused");
+        }
+    }
+    panic!("the learned server was never dialled");
 }

@@ -90,6 +90,11 @@ pub trait HttpHost {
     }
     /// Appends the Prometheus text exposition.
     fn metrics(&self, out: &mut String);
+    /// Whether a WebSocket upgrade carrying this `Origin` header (sent to this `Host`) is
+    /// served (else 403). Upgrades without the header are not asked about.
+    fn origin_allowed(&self, _origin: &str, _host: Option<&str>) -> bool {
+        true
+    }
 }
 
 /// Close codes the transport uses (RFC 6455 section 7.4.1).
@@ -563,6 +568,19 @@ impl Connection {
             ),
             Request::Reject(status, text) => {
                 self.respond(status, "text/plain; charset=utf-8", text.as_bytes(), now)
+            }
+            Request::Upgrade(upgrade)
+                if upgrade
+                    .origin
+                    .as_deref()
+                    .is_some_and(|o| !host.origin_allowed(o, upgrade.host.as_deref())) =>
+            {
+                self.respond(
+                    Status::Forbidden,
+                    "text/plain; charset=utf-8",
+                    b"origin not allowed\n",
+                    now,
+                )
             }
             Request::Upgrade(upgrade) => {
                 http::switching_protocols(&mut self.out, &upgrade);

@@ -36,12 +36,17 @@ pub struct Upgrade {
     pub accept: String,
     /// `Some(SUBPROTOCOL)` when the client offered it.
     pub subprotocol: Option<&'static str>,
+    /// The `Origin` header (browsers send it; other clients usually do not).
+    pub origin: Option<String>,
+    /// The `Host` header, for the same-host origin check.
+    pub host: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
     Ok,
     BadRequest,
+    Forbidden,
     NotFound,
     UpgradeRequired,
     HeadersTooLarge,
@@ -53,6 +58,7 @@ impl Status {
         match self {
             Status::Ok => 200,
             Status::BadRequest => 400,
+            Status::Forbidden => 403,
             Status::NotFound => 404,
             Status::UpgradeRequired => 426,
             Status::HeadersTooLarge => 431,
@@ -64,6 +70,7 @@ impl Status {
         match self {
             Status::Ok => "OK",
             Status::BadRequest => "Bad Request",
+            Status::Forbidden => "Forbidden",
             Status::NotFound => "Not Found",
             Status::UpgradeRequired => "Upgrade Required",
             Status::HeadersTooLarge => "Request Header Fields Too Large",
@@ -128,9 +135,18 @@ fn upgrade(req: &httparse::Request<'_, '_>) -> Request {
     let mut key: Option<&[u8]> = None;
     let mut offered_any = false;
     let mut offered_amp = false;
+    let mut origin: Option<&[u8]> = None;
+    let mut host: Option<&[u8]> = None;
     for h in req.headers.iter() {
         let name = h.name;
-        if name.eq_ignore_ascii_case("upgrade") {
+        if name.eq_ignore_ascii_case("origin") {
+            if origin.is_some() {
+                return Request::Reject(Status::BadRequest, "repeated Origin\n");
+            }
+            origin = Some(h.value);
+        } else if name.eq_ignore_ascii_case("host") {
+            host = Some(h.value);
+        } else if name.eq_ignore_ascii_case("upgrade") {
             upgrade_websocket |= has_token(h.value, "websocket");
         } else if name.eq_ignore_ascii_case("connection") {
             connection_upgrade |= has_token(h.value, "upgrade");
@@ -173,6 +189,8 @@ fn upgrade(req: &httparse::Request<'_, '_>) -> Request {
     Request::Upgrade(Upgrade {
         accept: accept_key(key),
         subprotocol: offered_amp.then_some(SUBPROTOCOL),
+        origin: origin.map(|o| String::from_utf8_lossy(trim(o)).into_owned()),
+        host: host.map(|h| String::from_utf8_lossy(trim(h)).into_owned()),
     })
 }
 

@@ -8,6 +8,7 @@ pub mod connect_rate;
 pub mod connection;
 pub mod http;
 pub mod metrics;
+pub mod origin;
 pub mod server;
 
 pub use connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};

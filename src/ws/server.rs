@@ -34,6 +34,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr};
+use std::sync::Arc;
 use std::time::Instant;
 
 use mio::net::{TcpListener, TcpStream};
@@ -42,12 +43,18 @@ use mio::{Events, Interest, Poll, Registry, Token};
 use super::connect_rate::ConnectRate;
 use super::connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
 use super::metrics::{CounterId, GaugeId, Registry as Metrics};
+use super::origin::OriginPolicy;
 use crate::broker::throttle::AddressKey;
+use crate::tls::{Received, TlsSession};
 use tungstenite::Utf8Bytes;
 
 /// Bytes read from one socket per pass before other connections get their turn.
 const READ_CHUNK: usize = 64 << 10;
 const MAX_READS_PER_TURN: usize = 8;
+/// Decrypted bytes per step on their way from a TLS session to its connection.
+const PLAIN_CHUNK: usize = 16 << 10;
+/// The first byte of a TLS record carrying a handshake.
+const TLS_HANDSHAKE: u8 = 0x16;
 
 /// A session (one connection) as the embedder sees it; never reused for another one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -92,6 +99,8 @@ pub enum SessionEvent {
 #[derive(Debug)]
 struct Slot {
     conn: Connection,
+    /// The TLS session under `conn`, for a connection on the TLS listener.
+    tls: Option<TlsSession>,
     stream: TcpStream,
     peer: SocketAddr,
     /// The deadline this slot has in the heap, if any.
@@ -123,6 +132,7 @@ struct TransportMetrics {
     bytes: CounterId,
     by_state: GaugeId,
     queued: GaugeId,
+    tls_failures: CounterId,
 }
 
 impl TransportMetrics {
@@ -181,6 +191,11 @@ impl TransportMetrics {
                 "Bytes queued for clients over all connections, not yet written.",
                 None,
             ),
+            tls_failures: r.counter(
+                "amp_tls_handshake_failures_total",
+                "Connections closed because TLS failed (handshake, bad record, plaintext on the TLS port, TLS on a plain port).",
+                None,
+            ),
             registry: r,
         }
     }
@@ -190,6 +205,7 @@ impl TransportMetrics {
 struct WithTransport<'a> {
     host: &'a dyn HttpHost,
     metrics: &'a Metrics,
+    origins: &'a OriginPolicy,
 }
 
 impl HttpHost for WithTransport<'_> {
@@ -202,6 +218,9 @@ impl HttpHost for WithTransport<'_> {
     fn metrics(&self, out: &mut String) {
         self.host.metrics(out);
         self.metrics.render(out);
+    }
+    fn origin_allowed(&self, origin: &str, host: Option<&str>) -> bool {
+        self.origins.allows(origin, host) && self.host.origin_allowed(origin, host)
     }
 }
 
@@ -230,6 +249,13 @@ pub struct WsServer {
     queued: usize,
     metrics: TransportMetrics,
     draining: bool,
+    /// The configuration new TLS handshakes on the listener use; `None`: plain.
+    tls: Option<Arc<rustls::ServerConfig>>,
+    /// A second, plain listener (internal use: metrics on loopback) beside a TLS one.
+    plain_listener: Option<(TcpListener, Token)>,
+    origins: OriginPolicy,
+    /// Where decrypted bytes land on their way to a connection (allocated with TLS).
+    plain: Vec<u8>,
 }
 
 impl std::fmt::Debug for WsServer {
@@ -275,7 +301,45 @@ impl WsServer {
             queued: 0,
             metrics: TransportMetrics::new(),
             draining: false,
+            tls: None,
+            plain_listener: None,
+            origins: OriginPolicy::default(),
+            plain: Vec::new(),
         })
+    }
+
+    /// Serves TLS (wss://, https://) on the listener from now on; `None` goes back to
+    /// plain. Connections already open keep what they have, so a new certificate reaches
+    /// only new handshakes and no session is dropped.
+    pub fn set_tls(&mut self, config: Option<Arc<rustls::ServerConfig>>) {
+        if config.is_some() && self.plain.is_empty() {
+            self.plain = vec![0; PLAIN_CHUNK];
+        }
+        self.tls = config;
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Which `Origin` may open WebSocket sessions.
+    pub fn set_origin_policy(&mut self, policy: OriginPolicy) {
+        self.origins = policy;
+    }
+
+    /// Opens a second listener that serves plain HTTP/WebSocket whatever the first one
+    /// does; it shares the connection table and every bound with it.
+    pub fn bind_plain(
+        &mut self,
+        addr: SocketAddr,
+        registry: &Registry,
+        token: Token,
+    ) -> io::Result<SocketAddr> {
+        let mut listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        registry.register(&mut listener, token, Interest::READABLE)?;
+        self.plain_listener = Some((listener, token));
+        Ok(local)
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -289,6 +353,10 @@ impl WsServer {
     /// Whether `token` is the listener's or one of the connections'.
     pub fn owns(&self, token: Token) -> bool {
         token == self.listener_token
+            || self
+                .plain_listener
+                .as_ref()
+                .is_some_and(|(_, t)| *t == token)
             || (token.0 >= self.first_token
                 && token.0 - self.first_token < self.cfg.max_connections)
     }
@@ -317,7 +385,15 @@ impl WsServer {
     ) {
         let token = event.token();
         if token == self.listener_token {
-            self.accept(registry, now);
+            self.accept(registry, now, false);
+            return;
+        }
+        if self
+            .plain_listener
+            .as_ref()
+            .is_some_and(|(_, t)| *t == token)
+        {
+            self.accept(registry, now, true);
             return;
         }
         let Some(index) = token.0.checked_sub(self.first_token) else {
@@ -444,6 +520,9 @@ impl WsServer {
         if let Some(mut listener) = self.listener.take() {
             let _ = registry.deregister(&mut listener);
         }
+        if let Some((mut listener, _)) = self.plain_listener.take() {
+            let _ = registry.deregister(&mut listener);
+        }
     }
 
     /// Draining and every connection is gone.
@@ -506,9 +585,15 @@ impl WsServer {
         self.slots.get_mut(id.index()).and_then(Option::as_mut)
     }
 
-    fn accept(&mut self, registry: &Registry, now: Instant) {
+    /// Accepts what waits on the listener, or on the plain one when `plain`.
+    fn accept(&mut self, registry: &Registry, now: Instant, plain: bool) {
         loop {
-            let Some(listener) = self.listener.as_ref() else {
+            let listener = if plain {
+                self.plain_listener.as_ref().map(|(l, _)| l)
+            } else {
+                self.listener.as_ref()
+            };
+            let Some(listener) = listener else {
                 return;
             };
             let (mut stream, peer) = match listener.accept() {
@@ -549,6 +634,17 @@ impl WsServer {
                     self.slots.len() - 1
                 }
             };
+            let tls = match self.tls.as_ref().filter(|_| !plain) {
+                None => None,
+                Some(config) => match TlsSession::server(config.clone()) {
+                    Ok(session) => Some(session),
+                    Err(e) => {
+                        log::warn!(peer:% = peer; "ws: cannot start TLS: {e}");
+                        self.free.push(index);
+                        continue;
+                    }
+                },
+            };
             let _ = stream.set_nodelay(true);
             let token = Token(self.first_token + index);
             if let Err(e) =
@@ -561,6 +657,7 @@ impl WsServer {
             if let Some(entry) = self.slots.get_mut(index) {
                 *entry = Some(Slot {
                     conn: Connection::new(now, self.cfg),
+                    tls,
                     stream,
                     peer,
                     scheduled: None,
@@ -590,8 +687,10 @@ impl WsServer {
         let host = WithTransport {
             host,
             metrics: &self.metrics.registry,
+            origins: &self.origins,
         };
         let mut read_bytes = 0u64;
+        let mut tls_failure: Option<String> = None;
         for turn in 0.. {
             if turn == MAX_READS_PER_TURN {
                 self.backlog.push(index);
@@ -615,8 +714,34 @@ impl WsServer {
                 }
                 Ok(n) => {
                     read_bytes = read_bytes.saturating_add(n as u64);
-                    slot.conn
-                        .handle_input(self.scratch.get(..n).unwrap_or_default(), now, &host)
+                    let bytes = self.scratch.get(..n).unwrap_or_default();
+                    let conn = &mut slot.conn;
+                    match slot.tls.as_mut() {
+                        None if read_bytes == n as u64
+                            && bytes.first() == Some(&TLS_HANDSHAKE)
+                            && conn.state_label() == "http"
+                            && conn.input_bytes() == 0 =>
+                        {
+                            tls_failure = Some("a TLS handshake on a plain listener".into());
+                            conn.abort();
+                            break;
+                        }
+                        None => conn.handle_input(bytes, now, &host),
+                        Some(tls) => {
+                            match tls.receive(bytes, &mut self.plain, |p| {
+                                conn.handle_input(p, now, &host)
+                            }) {
+                                Ok(Received::Open) => {}
+                                Ok(Received::Closed) => conn.handle_eof(now),
+                                Err(e) => {
+                                    let _ = tls.write_to(&mut slot.stream);
+                                    tls_failure = Some(e);
+                                    conn.abort();
+                                    break;
+                                }
+                            }
+                        }
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -625,6 +750,12 @@ impl WsServer {
                     break;
                 }
             }
+        }
+        if let Some(reason) = tls_failure {
+            let handshaking = slot.tls.as_ref().is_none_or(TlsSession::is_handshaking);
+            let during = if handshaking { "handshake" } else { "session" };
+            log::info!(peer:% = slot.peer; "ws: TLS {during} failed, connection closed: {reason}");
+            self.metrics.registry.inc(self.metrics.tls_failures, "");
         }
         self.metrics
             .registry
@@ -640,7 +771,7 @@ impl WsServer {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
-        let now_held = slot.conn.buffered_bytes();
+        let now_held = slot.conn.buffered_bytes() + slot.tls.as_ref().map_or(0, TlsSession::queued);
         self.buffered = self
             .buffered
             .saturating_sub(slot.accounted)
@@ -686,7 +817,21 @@ impl WsServer {
             return;
         };
         let mut written = 0u64;
-        while !slot.conn.output().is_empty() {
+        while let Some(tls) = slot.tls.as_mut() {
+            let taken = tls.send(slot.conn.output());
+            slot.conn.consume_output(taken);
+            match tls.write_to(&mut slot.stream) {
+                Ok(n) => written = written.saturating_add(n as u64),
+                Err(_) => {
+                    slot.conn.abort();
+                    break;
+                }
+            }
+            if taken == 0 || !tls.output().is_empty() {
+                break;
+            }
+        }
+        while slot.tls.is_none() && !slot.conn.output().is_empty() {
             match slot.stream.write(slot.conn.output()) {
                 Ok(0) => {
                     slot.conn.abort();
@@ -704,7 +849,12 @@ impl WsServer {
                 }
             }
         }
-        if slot.conn.wants_shutdown_write() {
+        let tls_flushed = slot.tls.as_ref().is_none_or(|t| t.output().is_empty());
+        if slot.conn.wants_shutdown_write() && tls_flushed {
+            if let Some(tls) = slot.tls.as_mut() {
+                tls.close();
+                let _ = tls.write_to(&mut slot.stream);
+            }
             let _ = slot.stream.shutdown(Shutdown::Write);
             slot.conn.write_shut_down(now);
         }

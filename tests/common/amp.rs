@@ -59,24 +59,31 @@ impl Broker {
     }
 
     pub fn start_with(nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
-        let mut broker = Broker::unstarted(nats_url, config, extra);
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        Broker::start_at(addr, nats_url, config, extra)
+    }
+
+    /// Like `start_with`, probing `/healthz` in plain HTTP at `addr` (the `--listen`
+    /// address unless `extra` moves it, e.g. to `--plain-listen` beside a TLS one).
+    pub fn start_at(addr: SocketAddr, nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
+        let mut broker = Broker::unstarted(addr, nats_url, config, extra);
         broker.spawn();
         broker
     }
 
     /// Like `start`, with the broker binary at `bin`.
     pub fn start_bin(bin: &Path, nats_url: &str, config: &Value) -> Broker {
-        let mut broker = Broker::unstarted(nats_url, config, &[]);
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let mut broker = Broker::unstarted(addr, nats_url, config, &[]);
         broker.bin = Some(bin.to_path_buf());
         broker.spawn();
         broker
     }
 
-    fn unstarted(nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
+    fn unstarted(addr: SocketAddr, nats_url: &str, config: &Value, extra: &[&str]) -> Broker {
         let dir = tempfile::tempdir().expect("broker dir");
         let config_path = dir.path().join("config.json");
         std::fs::write(&config_path, config.to_string()).expect("write config");
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
         let mut args = vec![
             "serve".to_string(),
             "--nats".to_string(),

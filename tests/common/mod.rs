@@ -6,6 +6,7 @@ pub mod amp;
 pub mod jobs;
 pub mod python;
 pub mod relay;
+pub mod tls;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
@@ -115,14 +116,19 @@ impl NatsServer {
         self.wait_ready();
     }
 
-    /// Waits until the server sends its INFO line on a fresh connection.
+    /// Waits until the server sends its INFO line on a fresh connection (a server that
+    /// wants TLS first sends none: then until its log says it is ready).
     fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
+        let tls_first = self.config.contains("handshake_first");
         loop {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
                 panic!("nats-server exited early ({status}); log:\n{}", self.log());
             }
-            if let Ok(stream) = TcpStream::connect(self.addr()) {
+            if tls_first && self.log().contains("Server is ready") {
+                return;
+            }
+            if let Some(stream) = TcpStream::connect(self.addr()).ok().filter(|_| !tls_first) {
                 stream.set_read_timeout(Some(Duration::from_secs(2))).ok();
                 let mut line = String::new();
                 if BufReader::new(stream).read_line(&mut line).is_ok() && line.starts_with("INFO ")
