@@ -5,7 +5,8 @@
 //!     cargo bench --bench nats_core_publish            (NATS_BENCH_MSGS, NATS_BENCH_SIZE)
 //!
 //! Prints messages per second for both and the ratio; absolute figures drift on shared
-//! machines, the ratio is the result.
+//! machines, the ratio is the result. A TLS round publishes the same through `tls://` to
+//! the same server (`allow_non_tls`), against the client's plaintext figure.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -51,8 +52,8 @@ fn raw(addr: &str, wire: &[u8]) -> Duration {
     started.elapsed()
 }
 
-fn client(url: &str, msgs: usize, payload: &[u8]) -> Duration {
-    let mut c = Client::connect(Options::new(url)).expect("connect");
+fn client(options: Options, msgs: usize, payload: &[u8]) -> Duration {
+    let mut c = Client::connect(options).expect("connect");
     let started = Instant::now();
     for _ in 0..msgs {
         c.publish("bench.core", None, None, payload)
@@ -69,7 +70,14 @@ fn main() {
     let msgs = env_usize("NATS_BENCH_MSGS", if quick { 10_000 } else { 1_000_000 });
     let size = env_usize("NATS_BENCH_SIZE", 128);
     let rounds = if quick { 1 } else { 5 };
-    let server = common::NatsServer::start();
+    let pki = common::tls::Pki::new();
+    let tls_and_plain = format!(
+        "{}allow_non_tls: true\n",
+        pki.nats_tls_block(&pki.server, "")
+    );
+    let server = common::NatsServer::with_config(&tls_and_plain);
+    let tls_url = format!("tls://127.0.0.1:{}", server.port);
+    let tls_options = Options::new(&tls_url).with_tls(pki.client_config(false));
     let payload = vec![b'x'; size];
     let mut wire = Vec::with_capacity(msgs * (size + 32));
     for _ in 0..msgs {
@@ -77,9 +85,11 @@ fn main() {
     }
     let mut best_raw = Duration::MAX;
     let mut best_client = Duration::MAX;
+    let mut best_tls = Duration::MAX;
     for _ in 0..rounds {
         best_raw = best_raw.min(raw(&server.addr(), &wire));
-        best_client = best_client.min(client(&server.url(), msgs, &payload));
+        best_client = best_client.min(client(Options::new(&server.url()), msgs, &payload));
+        best_tls = best_tls.min(client(tls_options.clone(), msgs, &payload));
     }
     let rate = |d: Duration| msgs as f64 / d.as_secs_f64();
     println!(
@@ -87,5 +97,12 @@ fn main() {
         rate(best_raw),
         rate(best_client),
         100.0 * rate(best_client) / rate(best_raw)
+    );
+    let tls_ratio = rate(best_tls) / rate(best_client);
+    println!(
+        "core publish over TLS: {:.0} msg/s, {:.1}% of plaintext nats::Client   target >= 70%: {}",
+        rate(best_tls),
+        100.0 * tls_ratio,
+        if tls_ratio >= 0.7 { "met" } else { "MISSED" }
     );
 }

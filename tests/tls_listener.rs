@@ -9,6 +9,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use common::amp::{Broker, http_get, open_config};
+use common::python::Py;
 use common::tls::{self, Pki, TlsStream};
 use common::{NatsServer, free_port, wait_until};
 use serde_json::{Value, json};
@@ -158,6 +159,13 @@ fn bad_input_on_either_port_closes_that_connection_only() {
     let (broker, tls_addr) = tls_broker(&nats, &pki, &open_config(&["a"]), &[]);
     let mut wss = Wss::connect(tls_addr, pki.client_config(false));
     wss.login("a");
+    // A handshake that never finishes: half a ClientHello, then silence. The request head
+    // deadline (10 s) ends it; checked last.
+    let mut stalled = TcpStream::connect(tls_addr).expect("tcp");
+    stalled
+        .write_all(&[0x16, 0x03, 0x01, 0x00, 0x80, 0x01])
+        .expect("write");
+    let stalled_at = std::time::Instant::now();
 
     // Plaintext HTTP to the TLS port: no HTTP answer, only a TLS alert, then closed.
     let mut plain = TcpStream::connect(tls_addr).expect("tcp");
@@ -223,6 +231,25 @@ fn bad_input_on_either_port_closes_that_connection_only() {
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or(0.0);
     assert!(failures >= 3.0, "{metrics}");
+
+    stalled
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("timeout");
+    let mut buf = [0u8; 64];
+    let end = stalled.read(&mut buf);
+    assert!(
+        matches!(end, Ok(0))
+            || end
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "a stalled handshake was not closed: {end:?}"
+    );
+    let took = stalled_at.elapsed();
+    assert!(
+        took >= Duration::from_secs(8) && took < Duration::from_secs(14),
+        "{took:?}"
+    );
+    alive(&mut wss, 5);
 }
 
 #[test]
@@ -365,4 +392,28 @@ fn origins_outside_the_list_get_403_and_requests_without_one_pass() {
         403
     );
     assert_eq!(upgrade_status(plain.addr, None), 101);
+}
+
+#[test]
+fn the_readme_session_runs_over_wss_with_python_websockets() {
+    let pki = Pki::new();
+    let nats = NatsServer::start();
+    let (_broker, tls_addr) = tls_broker(&nats, &pki, &open_config(&["alice", "bob"]), &[]);
+    let url = format!("wss://localhost:{}/amp", tls_addr.port());
+    let py = Py::spawn("wss_session.py", &[&url, &pki.ca_arg(), "acme"]);
+    let lines: Vec<String> = (0..7).map(|_| py.line()).collect();
+    assert_eq!(
+        lines,
+        [
+            "challenge",
+            "ok",
+            "challenge",
+            "ok",
+            "ok",
+            "message acme/alice {\"hi\": 1}",
+            "ok"
+        ]
+    );
+    assert_eq!(py.line(), "done");
+    py.finish();
 }

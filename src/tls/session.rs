@@ -182,3 +182,95 @@ impl TlsSession {
         Ok(written)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+    fn pair() -> (TlsSession, TlsSession) {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).expect("params");
+        let cert = params.self_signed(&key).expect("cert");
+        let der = CertificateDer::from(cert.der().to_vec());
+        let provider = super::super::files::provider();
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![der.clone()],
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+            )
+            .expect("server config");
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).expect("root");
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        (
+            TlsSession::client(Arc::new(client), "localhost").expect("client"),
+            TlsSession::server(Arc::new(server)).expect("server"),
+        )
+    }
+
+    /// Moves ciphertext from `from` to `to`; the plaintext `to` yields.
+    fn shuttle(from: &mut TlsSession, to: &mut TlsSession) -> Result<Vec<u8>, String> {
+        let bytes = from.output().to_vec();
+        from.consume_output(bytes.len());
+        let mut plain = Vec::new();
+        let mut scratch = [0u8; 1024];
+        to.receive(&bytes, &mut scratch, |p| plain.extend_from_slice(p))?;
+        Ok(plain)
+    }
+
+    #[test]
+    fn a_pair_handshakes_and_carries_bytes_both_ways_in_memory() {
+        let (mut c, mut s) = pair();
+        assert_eq!(
+            c.send(b"early"),
+            5,
+            "plaintext before the handshake waits in rustls"
+        );
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.extend(shuttle(&mut c, &mut s).expect("to server"));
+            shuttle(&mut s, &mut c).expect("to client");
+        }
+        assert!(!c.is_handshaking() && !s.is_handshaking());
+        assert_eq!(got, b"early");
+        assert_eq!(s.send(b"reply"), 5);
+        assert_eq!(shuttle(&mut s, &mut c).expect("reply"), b"reply");
+        c.close();
+        let bytes = c.output().to_vec();
+        let mut scratch = [0u8; 64];
+        assert_eq!(
+            s.receive(&bytes, &mut scratch, |_| {}),
+            Ok(Received::Closed)
+        );
+    }
+
+    #[test]
+    fn plaintext_is_an_error_with_an_alert_and_output_is_bounded() {
+        let (_, mut s) = pair();
+        let mut scratch = [0u8; 64];
+        let e = s
+            .receive(b"GET / HTTP/1.1\r\n\r\n", &mut scratch, |_| {})
+            .expect_err("not TLS");
+        assert!(!e.is_empty());
+        assert!(!s.output().is_empty(), "an alert says why");
+
+        let (mut c, mut s) = pair();
+        for _ in 0..4 {
+            shuttle(&mut c, &mut s).expect("to server");
+            shuttle(&mut s, &mut c).expect("to client");
+        }
+        let big = vec![7u8; 1 << 20];
+        let taken = s.send(&big);
+        assert!(taken <= MAX_QUEUED_CIPHERTEXT, "{taken}");
+        assert_eq!(s.send(&big), 0, "nothing more while the queue is full");
+        assert!(s.queued() <= MAX_QUEUED_CIPHERTEXT + 1024, "{}", s.queued());
+    }
+}

@@ -89,3 +89,62 @@ impl NatsTls {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::config::Config;
+
+    #[test]
+    fn the_file_members_parse_and_flags_win_over_them() {
+        let c = Config::parse(
+            br#"{"tls":{"cert":"f.pem","key":"fk.pem","plain_listen":"127.0.0.1:7421"},
+                 "nats_tls":{"ca":"ca.pem","handshake_first":true},
+                 "allowed_origins":["https://app.example"]}"#,
+        )
+        .expect("valid");
+        assert_eq!(c.allowed_origins, ["https://app.example"]);
+        let flags = ListenerTls {
+            cert: Some("flag.pem".into()),
+            key: Some("flagk.pem".into()),
+            ..ListenerTls::default()
+        };
+        let merged = flags.over(&c.tls);
+        assert_eq!(merged.cert, Some(PathBuf::from("flag.pem")));
+        assert_eq!(
+            merged.plain_listen,
+            Some("127.0.0.1:7421".parse().expect("addr"))
+        );
+        let files = merged.files().expect("files").expect("TLS");
+        assert_eq!(files.key, PathBuf::from("flagk.pem"));
+        let nats = NatsTls::default().over(&c.nats_tls);
+        assert!(nats.handshake_first);
+        assert_eq!(
+            nats.files().and_then(|f| f.ca),
+            Some(PathBuf::from("ca.pem"))
+        );
+        assert!(Config::parse(br#"{"tls":{"certificate":"x"}}"#).is_err());
+    }
+
+    #[test]
+    fn half_a_pair_or_client_certificates_without_a_pair_are_refused() {
+        let only_cert = ListenerTls {
+            cert: Some("c.pem".into()),
+            ..ListenerTls::default()
+        };
+        assert!(only_cert.files().is_err());
+        let ca_alone = ListenerTls {
+            client_ca: Some("ca.pem".into()),
+            ..ListenerTls::default()
+        };
+        assert!(ca_alone.files().is_err());
+        let required_without_ca = ListenerTls {
+            cert: Some("c.pem".into()),
+            key: Some("k.pem".into()),
+            require_client_cert: true,
+            ..ListenerTls::default()
+        };
+        assert!(required_without_ca.files().is_err());
+        assert_eq!(ListenerTls::default().files(), Ok(None));
+    }
+}
