@@ -105,6 +105,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         None => None,
     };
     let any_origin = args.config.is_none();
+    let config_origins = config.allowed_origins.clone();
     if any_origin {
         log::warn!("DEVELOPMENT MODE: WebSocket upgrades from any Origin are accepted");
     }
@@ -196,6 +197,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             tls_flags: args.listener_tls.clone(),
             origin_flags: args.allowed_origins.clone(),
             any_origin,
+            origins: runtime::origin_policy(any_origin, &args.allowed_origins, &config_origins),
             plain_listen: listener_tls.plain_listen,
         },
         embedded_server,

@@ -63,6 +63,8 @@ pub struct RuntimeOptions {
     pub origin_flags: Vec<String>,
     /// Development mode: any origin.
     pub any_origin: bool,
+    /// The origin policy at start (flags and file).
+    pub origins: OriginPolicy,
     /// A second, plain listener beside the TLS one.
     pub plain_listen: Option<SocketAddr>,
 }
@@ -198,17 +200,7 @@ pub fn run(
     )?;
     let tls = opts.tls.is_some();
     ws.set_tls(opts.tls.clone());
-    let file_origins = match &opts.config_path {
-        Some(path) => Config::load(path)
-            .map(|c| c.allowed_origins)
-            .unwrap_or_default(),
-        None => Vec::new(),
-    };
-    ws.set_origin_policy(origin_policy(
-        opts.any_origin,
-        &opts.origin_flags,
-        &file_origins,
-    ));
+    ws.set_origin_policy(opts.origins.clone());
     let scheme = if tls { "wss" } else { "ws" };
     log::info!("listening on {scheme}://{}/amp", ws.local_addr());
     if let Some(addr) = opts.plain_listen {
