@@ -279,6 +279,8 @@ enum Pending {
         delivered: u64,
         env: Box<Envelope>,
         ack_basis: Option<Instant>,
+        /// The offer watch, made before the read (see `delivery`).
+        watch: Option<Sid>,
     },
     /// A read before a change (cancel, or after a compare-and-set conflict).
     Read(Write),
@@ -1401,6 +1403,10 @@ impl Jobs {
                     if let Some(q) = self.queues.get_mut(qk) {
                         q.unplaced += 1;
                     }
+                    // The offer watch is made before the record's answer comes back on this
+                    // connection, so the server has it before the offer can reach anybody:
+                    // a `status` asked through another broker after the offer finds it.
+                    let watch = self.watch(conn, &key);
                     self.await_reply(
                         id,
                         now,
@@ -1411,6 +1417,7 @@ impl Jobs {
                             delivered,
                             env: Box::new(env),
                             ack_basis,
+                            watch,
                         },
                     );
                 }
@@ -1444,6 +1451,7 @@ impl Jobs {
         env: Box<Envelope>,
         read: Result<(TaskRecord, u64), JsError>,
         ack_basis: Option<Instant>,
+        premade_watch: Option<Sid>,
         now: Instant,
     ) {
         if let Some(q) = self.queues.get_mut(qk) {
@@ -1511,19 +1519,7 @@ impl Jobs {
                 self.next_generation += 1;
                 // An offer made on a record that already names another offer would have to
                 // replace it, so it is written; so is one past the watches this broker keeps.
-                let watch = if record.state != TaskState::Offered
-                    && self.watches.len() < MAX_OFFER_WATCHES
-                {
-                    match conn.subscribe(&offer_subject(&key), None) {
-                        Ok(sid) => Some(sid),
-                        Err(e) => {
-                            log::warn!(task:% = key; "offer watch not made: {e}");
-                            None
-                        }
-                    }
-                } else {
-                    None
-                };
+                let watch = premade_watch.filter(|_| record.state != TaskState::Offered);
                 self.tasks.insert(
                     key.clone(),
                     LocalTask {
@@ -1546,10 +1542,7 @@ impl Jobs {
                     },
                 );
                 match watch {
-                    Some(sid) => {
-                        self.watches.insert(sid, key.clone());
-                        self.send_offer(&key, session, &env, &record, now);
-                    }
+                    Some(_) => self.send_offer(&key, session, &env, &record, now),
                     None => {
                         let write = Write {
                             key,
@@ -2203,14 +2196,35 @@ impl Jobs {
         )));
     }
 
+    /// A subscription that will answer `status` for an offer of `key` made here; none
+    /// past the watches this broker keeps (such an offer is written instead).
+    fn watch(&mut self, conn: &mut Connection, key: &str) -> Option<Sid> {
+        if self.watches.len() >= MAX_OFFER_WATCHES {
+            return None;
+        }
+        match conn.subscribe(&offer_subject(key), None) {
+            Ok(sid) => {
+                self.watches.insert(sid, key.to_string());
+                Some(sid)
+            }
+            Err(e) => {
+                log::warn!(task:% = key; "offer watch not made: {e}");
+                None
+            }
+        }
+    }
+
     /// The subscription answering `status` for the offer of `key` ends.
     fn unwatch(&mut self, conn: &mut Connection, key: &str) {
-        let Some(sid) = self.tasks.get_mut(key).and_then(|t| t.watch.take()) else {
-            return;
-        };
+        if let Some(sid) = self.tasks.get_mut(key).and_then(|t| t.watch.take()) {
+            self.drop_watch(conn, sid);
+        }
+    }
+
+    fn drop_watch(&mut self, conn: &mut Connection, sid: Sid) {
         self.watches.remove(&sid);
         if let Err(e) = conn.unsubscribe(sid, None) {
-            log::warn!(task:% = key; "offer watch not ended: {e}");
+            log::warn!("offer watch not ended: {e}");
         }
     }
 
@@ -2484,11 +2498,28 @@ impl Jobs {
                 delivered,
                 env,
                 ack_basis,
+                watch,
             } => {
                 let (ns, task) = key.split_once('.').unwrap_or(("", &key));
                 let read = self.parse_record(ns, task, reply);
-                let key = key.clone();
-                self.placed(conn, &queue, key, ack, delivered, env, read, ack_basis, now);
+                self.placed(
+                    conn,
+                    &queue,
+                    key.clone(),
+                    ack,
+                    delivered,
+                    env,
+                    read,
+                    ack_basis,
+                    watch,
+                    now,
+                );
+                // A watch that no offer took ends here.
+                if let Some(sid) = watch
+                    && self.tasks.get(&key).is_none_or(|t| t.watch != Some(sid))
+                {
+                    self.drop_watch(conn, sid);
+                }
             }
             Pending::Read(write) => {
                 let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));
