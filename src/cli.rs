@@ -33,6 +33,10 @@ serve flags (each also read from the environment, see below):
   --leaf-remote URL      embedded nats-server: connect as a leaf node to this hub
                          (nats-leaf://[user:password@]host:port)
   --leaf-creds FILE      .creds file for the leaf connection
+  --leaf-tls-ca FILE     CAs that sign the hub's leaf certificate (turns TLS on; default for
+                         tls:// URLs: the system's CA bundle)
+  --leaf-tls-cert FILE   client certificate for a hub that verifies leaf nodes (turns TLS on)
+  --leaf-tls-key FILE    its private key
   --js-domain NAME       embedded nats-server: its JetStream domain (default with
                          --leaf-remote: the broker id)
   --broker-id ID         this broker's id in challenges and registry entries (default: random)
@@ -154,6 +158,7 @@ pub struct ServeArgs {
     pub sizing: crate::broker::embedded::Sizing,
     pub leaf_remote: Option<String>,
     pub leaf_creds: Option<PathBuf>,
+    pub leaf_tls: crate::broker::embedded::LeafTls,
     pub js_domain: Option<String>,
     pub broker_id: Option<String>,
     pub replicas: u32,
@@ -182,6 +187,7 @@ impl Default for ServeArgs {
             sizing: crate::broker::embedded::Sizing::default(),
             leaf_remote: None,
             leaf_creds: None,
+            leaf_tls: crate::broker::embedded::LeafTls::default(),
             js_domain: None,
             broker_id: None,
             replicas: 1,
@@ -223,6 +229,9 @@ const FLAGS: &[(&str, Kind)] = &[
     ("--nats-mem-limit", Kind::Value),
     ("--leaf-remote", Kind::Value),
     ("--leaf-creds", Kind::Value),
+    ("--leaf-tls-ca", Kind::Value),
+    ("--leaf-tls-cert", Kind::Value),
+    ("--leaf-tls-key", Kind::Value),
     ("--js-domain", Kind::Value),
     ("--broker-id", Kind::Value),
     ("--replicas", Kind::Value),
@@ -399,6 +408,9 @@ fn parse_serve(mut args: impl Iterator<Item = String>, env: &Env) -> Result<Comm
         let embedded_only = [
             ("--leaf-remote", serve.leaf_remote.is_some()),
             ("--leaf-creds", serve.leaf_creds.is_some()),
+            ("--leaf-tls-ca", serve.leaf_tls.ca.is_some()),
+            ("--leaf-tls-cert", serve.leaf_tls.cert.is_some()),
+            ("--leaf-tls-key", serve.leaf_tls.key.is_some()),
             ("--js-domain", serve.js_domain.is_some()),
         ];
         if let Some((flag, _)) = embedded_only.iter().find(|(_, set)| *set) {
@@ -414,8 +426,20 @@ fn parse_serve(mut args: impl Iterator<Item = String>, env: &Env) -> Result<Comm
                 .to_string(),
         );
     }
-    if serve.leaf_creds.is_some() && serve.leaf_remote.is_none() {
-        return Err("--leaf-creds needs --leaf-remote".to_string());
+    let leaf_tls = &serve.leaf_tls;
+    let leaf_only = [
+        ("--leaf-creds", serve.leaf_creds.is_some()),
+        ("--leaf-tls-ca", leaf_tls.ca.is_some()),
+        ("--leaf-tls-cert", leaf_tls.cert.is_some()),
+        ("--leaf-tls-key", leaf_tls.key.is_some()),
+    ];
+    if serve.leaf_remote.is_none()
+        && let Some((flag, _)) = leaf_only.iter().find(|(_, set)| *set)
+    {
+        return Err(format!("{flag} needs --leaf-remote"));
+    }
+    if leaf_tls.cert.is_some() != leaf_tls.key.is_some() {
+        return Err("--leaf-tls-cert and --leaf-tls-key go together".to_string());
     }
     if serve.config.is_none() && !serve.listen.ip().is_loopback() {
         return Err(
@@ -463,6 +487,9 @@ fn apply(serve: &mut ServeArgs, flag: &str, value: Option<&str>) -> Result<(), S
             serve.leaf_remote = Some(v.to_string());
         }
         "--leaf-creds" => serve.leaf_creds = Some(PathBuf::from(v)),
+        "--leaf-tls-ca" => serve.leaf_tls.ca = Some(PathBuf::from(v)),
+        "--leaf-tls-cert" => serve.leaf_tls.cert = Some(PathBuf::from(v)),
+        "--leaf-tls-key" => serve.leaf_tls.key = Some(PathBuf::from(v)),
         "--js-domain" => {
             if !crate::broker::config::is_name(v) {
                 return Err(format!("`{v}` must be 1-64 of A-Z a-z 0-9 _ -"));
@@ -546,21 +573,20 @@ fn parse_size(v: &str) -> Result<u64, String> {
     bytes.ok_or_else(|| format!("`{v}` must be a size from 1MiB to 1024GiB"))
 }
 
-/// A hub address the embedded server can dial as a leaf node. TLS (`tls://`) waits for
-/// the leaf link's TLS options.
+const LEAF_URL_FORM: &str = "nats-leaf:// or tls://, then [user:password@]host:port";
+
+/// A hub address the embedded server can dial as a leaf node.
 fn check_leaf_url(v: &str) -> Result<(), String> {
-    let rest = v
-        .strip_prefix("nats-leaf://")
-        .or_else(|| v.strip_prefix("nats://"))
-        .ok_or_else(|| format!("`{v}` must be nats-leaf://[user:password@]host:port"))?;
+    let rest = ["nats-leaf://", "nats://", "tls://"]
+        .iter()
+        .find_map(|scheme| v.strip_prefix(scheme))
+        .ok_or_else(|| format!("`{v}` must be {LEAF_URL_FORM}"))?;
     let host_port = rest.rsplit('@').next().unwrap_or(rest);
     let port_ok = host_port
         .rsplit_once(':')
         .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
     if !port_ok || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!(
-            "`{v}` must be nats-leaf://[user:password@]host:port"
-        ));
+        return Err(format!("`{v}` must be {LEAF_URL_FORM}"));
     }
     Ok(())
 }
@@ -819,6 +845,9 @@ mod tests {
             ("AMP_NATS_MEM_LIMIT", "100M"),
             ("AMP_LEAF_REMOTE", "nats-leaf://leaf:pw@hub.example:7422"),
             ("AMP_LEAF_CREDS", "leaf.creds"),
+            ("AMP_LEAF_TLS_CA", "hub-ca.pem"),
+            ("AMP_LEAF_TLS_CERT", "site.pem"),
+            ("AMP_LEAF_TLS_KEY", "site-key.pem"),
             ("AMP_JS_DOMAIN", "site1"),
         ];
         assert_eq!(env.len() + embedded.len(), FLAGS.len());
@@ -839,6 +868,9 @@ mod tests {
             Some("nats-leaf://leaf:pw@hub.example:7422")
         );
         assert_eq!(e.leaf_creds, Some(PathBuf::from("leaf.creds")));
+        assert_eq!(e.leaf_tls.ca, Some(PathBuf::from("hub-ca.pem")));
+        assert_eq!(e.leaf_tls.cert, Some(PathBuf::from("site.pem")));
+        assert_eq!(e.leaf_tls.key, Some(PathBuf::from("site-key.pem")));
         assert_eq!(e.js_domain.as_deref(), Some("site1"));
         let s = serve("serve", &env);
         assert_eq!(s.listen, "0.0.0.0:9000".parse().expect("addr"));
@@ -1066,7 +1098,11 @@ mod tests {
             "serve --nats-mem-limit -1",
             "serve --leaf-remote hub:7422",
             "serve --leaf-remote nats-leaf://hub",
-            "serve --leaf-remote tls://hub:7422",
+            "serve --leaf-remote tls://hub",
+            "serve --leaf-tls-ca ca.pem",
+            "serve --leaf-remote tls://hub:7422 --leaf-tls-cert c.pem",
+            "serve --leaf-remote tls://hub:7422 --leaf-tls-key k.pem",
+            "serve --nats nats://a:4222 --leaf-tls-ca ca.pem",
             "serve --js-domain a.b",
             "serve --leaf-creds x.creds",
             "serve --nats nats://a:4222 --leaf-remote nats-leaf://hub:7422",
@@ -1075,6 +1111,9 @@ mod tests {
         ] {
             assert!(parse_str(bad).is_err(), "{bad}");
         }
+        assert!(
+            parse_str("serve --leaf-remote tls://site:pw@hub:7422 --leaf-tls-ca ca.pem").is_ok()
+        );
         assert!(parse_str("keygen extra").is_err());
         assert_eq!(parse_str("keygen"), Ok(Command::Keygen));
     }

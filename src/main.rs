@@ -1,4 +1,5 @@
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -226,6 +227,19 @@ fn nats_options(urls: &str, broker_id: &str) -> Result<nats::Options, String> {
         .with_inbox_prefix(amp_broker::broker::scoped_jwt::BROKER_INBOX_PREFIX))
 }
 
+/// A file for the embedded nats-server, made absolute (nats-server would resolve a
+/// relative path against its own working directory) and opened once, so a missing or
+/// unreadable file stops the start here rather than in the child's log.
+fn readable_file(flag: &str, path: Option<&Path>) -> Result<Option<PathBuf>, String> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let named = |e: std::io::Error| format!("{flag} {}: {e}", path.display());
+    let absolute = std::fs::canonicalize(path).map_err(named)?;
+    std::fs::File::open(&absolute).map_err(named)?;
+    Ok(Some(absolute))
+}
+
 /// The embedded nats-server: locked to a credential generated now, sized by the flags, a
 /// leaf node of `--leaf-remote` with its own JetStream domain when given.
 fn start_embedded(
@@ -249,13 +263,11 @@ fn start_embedded(
              is random and changes at the next start"
         );
     }
-    // nats-server would resolve a relative path against its own working directory.
-    let leaf_creds = match &args.leaf_creds {
-        Some(path) => Some(
-            std::fs::canonicalize(path)
-                .map_err(|e| format!("--leaf-creds {}: {e}", path.display()))?,
-        ),
-        None => None,
+    let leaf_creds = readable_file("--leaf-creds", args.leaf_creds.as_deref())?;
+    let leaf_tls = embedded::LeafTls {
+        ca: readable_file("--leaf-tls-ca", args.leaf_tls.ca.as_deref())?,
+        cert: readable_file("--leaf-tls-cert", args.leaf_tls.cert.as_deref())?,
+        key: readable_file("--leaf-tls-key", args.leaf_tls.key.as_deref())?,
     };
     let server = EmbeddedServer::start(EmbeddedOptions {
         durability: if args.sync {
@@ -268,6 +280,7 @@ fn start_embedded(
         leaf: args.leaf_remote.as_ref().map(|url| LeafRemote {
             url: url.clone(),
             creds: leaf_creds.clone(),
+            tls: leaf_tls.clone(),
         }),
         callout_issuer: issuer.map(KeyPair::public_key),
         ..EmbeddedOptions::new(binary, args.data_dir.clone())

@@ -58,10 +58,22 @@ impl Default for Sizing {
 /// The hub the child connects to as a leaf node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeafRemote {
-    /// `nats-leaf://[user:password@]host:port`.
+    /// `nats-leaf://` or `tls://`, `[user:password@]host:port`.
     pub url: String,
     /// A `.creds` file (user JWT and seed) for the leaf connection.
     pub creds: Option<PathBuf>,
+    pub tls: LeafTls,
+}
+
+/// TLS files of the leaf connection. Any of them turns TLS on, as a `tls` block does in
+/// nats-server's own remote configuration, whatever the URL's scheme.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LeafTls {
+    /// CAs that sign the hub's certificate (default: the system's).
+    pub ca: Option<PathBuf>,
+    /// Client certificate and key, for a hub that verifies leaf nodes.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -328,6 +340,23 @@ fn config_text(port: u16, user: &str, opts: &EmbeddedOptions) -> String {
                 json_string(&creds.to_string_lossy())
             ));
         }
+        let files = [
+            ("ca_file", &leaf.tls.ca),
+            ("cert_file", &leaf.tls.cert),
+            ("key_file", &leaf.tls.key),
+        ];
+        if files.iter().any(|(_, f)| f.is_some()) {
+            text.push_str("    tls {\n");
+            for (name, file) in files {
+                if let Some(file) = file {
+                    text.push_str(&format!(
+                        "      {name}: {}\n",
+                        json_string(&file.to_string_lossy())
+                    ));
+                }
+            }
+            text.push_str("    }\n");
+        }
         text.push_str("  } ]\n}\n");
     }
     text
@@ -386,6 +415,7 @@ mod tests {
         opts.leaf = Some(LeafRemote {
             url: "nats-leaf://hub:7422".to_string(),
             creds: Some(PathBuf::from("/etc/amp/leaf.creds")),
+            tls: LeafTls::default(),
         });
         opts.callout_issuer = Some("AISSUER".to_string());
         let text = config_text(4321, "UKEY", &opts);
@@ -402,6 +432,29 @@ mod tests {
         );
         assert!(
             text.contains("issuer: \"AISSUER\"\n    auth_users: [ \"UKEY\" ]"),
+            "{text}"
+        );
+        assert!(!text.contains("tls"), "{text}");
+    }
+
+    #[test]
+    fn leaf_tls_files_go_into_the_remote() {
+        let mut opts = opts();
+        opts.leaf = Some(LeafRemote {
+            url: "tls://hub:7422".to_string(),
+            creds: None,
+            tls: LeafTls {
+                ca: Some(PathBuf::from("/etc/amp/hub-ca.pem")),
+                cert: Some(PathBuf::from("/etc/amp/site.pem")),
+                key: Some(PathBuf::from("/etc/amp/site-key.pem")),
+            },
+        });
+        let text = config_text(4321, "UKEY", &opts);
+        assert!(
+            text.contains(
+                "    url: \"tls://hub:7422\"\n    tls {\n      ca_file: \"/etc/amp/hub-ca.pem\"\n      \
+                 cert_file: \"/etc/amp/site.pem\"\n      key_file: \"/etc/amp/site-key.pem\"\n    }\n  } ]\n"
+            ),
             "{text}"
         );
     }
