@@ -31,7 +31,7 @@ serve flags (each also read from the environment, see below):
   --js-max-file SIZE     embedded nats-server: JetStream max_file_store (default 1GiB)
   --nats-mem-limit SIZE  embedded nats-server: GOMEMLIMIT of the child (default 256MiB)
   --leaf-remote URL      embedded nats-server: connect as a leaf node to this hub
-                         (nats-leaf://[user:password@]host:port)
+                         (nats-leaf:// or tls://, [user:password@]host:port)
   --leaf-creds FILE      .creds file for the leaf connection
   --leaf-tls-ca FILE     CAs that sign the hub's leaf certificate (turns TLS on; default for
                          tls:// URLs: the system's CA bundle)
