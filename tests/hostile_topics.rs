@@ -426,7 +426,8 @@ fn a_durable_subscribed_again_right_after_unsubscribe_is_a_fresh_live_one() {
         let unsub = s.request(json!({"op":"unsubscribe","sub":sub}));
         assert_eq!(unsub["op"], "ok", "{unsub}");
         // At once again: a new durable, read from the start, still alive afterwards.
-        assert_eq!(subscribe_durable(&mut s, "u.>", &sub)["op"], "ok");
+        let again = subscribe_durable(&mut s, "u.>", &sub);
+        assert_eq!(again["op"], "ok", "round {round}: {again}");
         let new = publish(&mut p, "u.y", json!(round));
         let mut got = Vec::new();
         while got.last() != Some(&new) {
