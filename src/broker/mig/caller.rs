@@ -7,7 +7,7 @@
 //! participant like failed `hello`s (NATS does not tell the broker the client's address,
 //! so only the per-participant bucket applies).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,9 @@ pub const REPLAY_WINDOW: Duration = Duration::from_secs(120);
 /// Signed message ids remembered at once; past it signed requests are refused until some
 /// leave the window.
 pub const MAX_REMEMBERED: usize = 65_536;
+/// One caller's share of it: a participant signing as fast as it can fills its own share,
+/// not the cache every other NKey caller needs.
+const MAX_REMEMBERED_PER_CALLER: usize = 4_096;
 
 /// Why a request is not served.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +53,8 @@ pub struct Authenticator {
     throttle: HelloThrottle,
     seen: HashSet<String>,
     seen_order: VecDeque<(i64, String)>,
+    /// Remembered ids per caller (`ns/name`).
+    per_caller: HashMap<String, usize>,
 }
 
 impl Default for Authenticator {
@@ -69,6 +74,7 @@ impl Authenticator {
             throttle: HelloThrottle::new(config),
             seen: HashSet::new(),
             seen_order: VecDeque::new(),
+            per_caller: HashMap::new(),
         }
     }
 
@@ -140,14 +146,14 @@ impl Authenticator {
                 &auth::present(credential, signed.as_bytes()),
             )?;
             return self
-                .remember(format!("{}/{name}/{id}", req.ns), wall_ms)
+                .remember(format!("{}/{name}", req.ns), id, wall_ms)
                 .then_some(name);
         }
         None
     }
 
     /// Accepts a signed message id once within the window.
-    fn remember(&mut self, key: String, wall_ms: i64) -> bool {
+    fn remember(&mut self, caller: String, id: &str, wall_ms: i64) -> bool {
         let window = REPLAY_WINDOW.as_millis() as i64;
         while let Some((at, _)) = self.seen_order.front() {
             if *at + 2 * window >= wall_ms {
@@ -155,13 +161,27 @@ impl Authenticator {
             }
             if let Some((_, k)) = self.seen_order.pop_front() {
                 self.seen.remove(&k);
+                // `ns/name/id`: names hold no `/`, an id may.
+                let owner = k.match_indices('/').nth(1).map_or("", |(i, _)| &k[..i]);
+                if let Some(n) = self.per_caller.get_mut(owner) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.per_caller.remove(owner);
+                    }
+                }
             }
         }
-        if self.seen.contains(&key) || self.seen.len() >= MAX_REMEMBERED {
+        let key = format!("{caller}/{id}");
+        let share = self.per_caller.get(&caller).copied().unwrap_or(0);
+        if self.seen.contains(&key)
+            || self.seen.len() >= MAX_REMEMBERED
+            || share >= MAX_REMEMBERED_PER_CALLER
+        {
             return false;
         }
         self.seen.insert(key.clone());
         self.seen_order.push_back((wall_ms, key));
+        *self.per_caller.entry(caller).or_insert(0) += 1;
         true
     }
 }
@@ -387,5 +407,23 @@ mod tests {
             }
         }
         assert!(throttled);
+    }
+
+    #[test]
+    fn one_caller_fills_only_its_own_share_of_the_replay_cache() {
+        let mut a = Authenticator::new();
+        for n in 0..MAX_REMEMBERED_PER_CALLER {
+            assert!(a.remember("acme/x".into(), &format!("m/{n}"), NOW_MS));
+        }
+        assert!(!a.remember("acme/x".into(), "one more", NOW_MS));
+        assert!(
+            a.remember("acme/y".into(), "m/0", NOW_MS),
+            "another caller still has room"
+        );
+        assert!(!a.remember("acme/y".into(), "m/0", NOW_MS), "a replay");
+        // Past two windows the share is free again.
+        let later = NOW_MS + 3 * REPLAY_WINDOW.as_millis() as i64;
+        assert!(a.remember("acme/x".into(), "after", later));
+        assert_eq!(a.per_caller.get("acme/x"), Some(&1));
     }
 }
