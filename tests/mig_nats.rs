@@ -406,25 +406,37 @@ fn every_error_code_with_a_trigger() {
     assert_eq!(r["error"]["retryable"], true);
     assert!(started.elapsed() >= Duration::from_millis(300));
 
-    // Backpressure: `small` holds at most one task.
+    // Backpressure: `small` holds at most one task. The first is known to be stored once
+    // a worker is offered it; a second invoke racing it could be counted first.
+    let mut small = w.worker(0, "small", 1);
     let first = alice.invoke_later(
         "observatory.small",
         json!({"header": {"tenant_id": "acme", "deadline_ms": 3000}, "payload": {}}),
     );
-    let deadline = Instant::now() + WAIT;
-    let r = loop {
-        let r = alice.request(
-            "invoke.observatory.small",
-            json!({"header": {"tenant_id": "acme", "deadline_ms": 3000}, "payload": {}}),
-        );
-        if error_code(&r) != "MIG_TIMEOUT" || Instant::now() > deadline {
-            break r;
-        }
-    };
+    small
+        .next_op("offer", WAIT)
+        .expect("offer of the first small task");
+    let r = alice.request(
+        "invoke.observatory.small",
+        json!({"header": {"tenant_id": "acme", "deadline_ms": 3000}, "payload": {}}),
+    );
     assert_eq!(error_code(&r), "MIG_BACKPRESSURE", "{r}");
     assert_eq!(r["error"]["retryable"], true);
     assert!(r["error"]["details"]["retry_after_ms"].as_u64().is_some());
     assert_eq!(error_code(&alice.wait(&first)["reply"]), "MIG_TIMEOUT");
+    drop(small);
+    // The timed-out task was cancelled, so it no longer holds the capability's one place.
+    let deadline = Instant::now() + WAIT;
+    let r = loop {
+        let r = alice.request(
+            "invoke.observatory.small",
+            json!({"header": {"tenant_id": "acme", "deadline_ms": 300}, "payload": {}}),
+        );
+        if error_code(&r) != "MIG_BACKPRESSURE" || Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(error_code(&r), "MIG_TIMEOUT", "{r}");
 
     // Rate limits apply as on WebSocket.
     let mut dave = Mig::connect(&w, "dave");
