@@ -197,3 +197,40 @@ fn behind_the_lock_participants_still_get_in_through_the_auth_callout() {
     let refused = bob.request("$JS.API.INFO", None, b"", Duration::from_secs(2));
     assert!(refused.is_err(), "{refused:?}");
 }
+
+/// The nats-server a broker started, found by its parent PID.
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).unwrap_or_default();
+        // Fields after the command name in parentheses: state, then the parent's PID.
+        let after = stat.rsplit_once(") ").map_or("", |(_, rest)| rest);
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            found.push(child);
+        }
+    }
+    found
+}
+
+#[test]
+fn a_broker_killed_outright_takes_its_embedded_server_with_it() {
+    let mut broker = common::amp::Broker::start_embedded(&common::amp::open_config(&["bob"]), &[]);
+    let pid = broker.pid().expect("broker running");
+    let children = children_of(pid);
+    assert_eq!(children.len(), 1, "one embedded nats-server: {children:?}");
+    let server = children[0];
+    assert!(pid_alive(server));
+    // SIGKILL: the broker gets no chance to stop its child itself.
+    broker.kill();
+    assert!(
+        common::wait_until(Duration::from_secs(20), || !pid_alive(server)),
+        "the embedded nats-server {server} outlived its broker"
+    );
+}

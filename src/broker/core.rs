@@ -1229,8 +1229,10 @@ impl Broker {
                     self.drive_registry(conn, &ns, now);
                 }
                 None => {
-                    if !self.mig_message(conn, sid, &msg, now) {
-                        self.jobs.on_message(conn, sid, &msg, now);
+                    if !self.mig_message(conn, sid, &msg, now)
+                        && !self.jobs.on_message(conn, sid, &msg, now)
+                    {
+                        self.unmatched("message", &msg.subject);
                     }
                 }
             },
@@ -1240,8 +1242,10 @@ impl Broker {
                     self.complete(conn, p, Ok(msg), now);
                 }
                 None => {
-                    if let Some(reply) = self.mig_reply(conn, id, Ok(msg), now) {
-                        self.jobs.on_reply(conn, id, reply, now);
+                    if let Some(reply) = self.mig_reply(conn, id, Ok(msg), now)
+                        && !self.jobs.on_reply(conn, id, reply, now)
+                    {
+                        self.unmatched("reply", "");
                     }
                 }
             },
@@ -1251,8 +1255,10 @@ impl Broker {
                     self.complete(conn, p, Err(error), now);
                 }
                 None => {
-                    if let Some(reply) = self.mig_reply(conn, id, Err(error), now) {
-                        self.jobs.on_reply(conn, id, reply, now);
+                    if let Some(reply) = self.mig_reply(conn, id, Err(error), now)
+                        && !self.jobs.on_reply(conn, id, reply, now)
+                    {
+                        self.unmatched("reply", "");
                     }
                 }
             },
@@ -1659,6 +1665,13 @@ impl Broker {
             Err(r) => r.op.map_or("unknown", |op| op.as_str()),
         };
         self.metrics.registry.inc(self.metrics.frames_in, op);
+    }
+
+    /// A reply or message nobody waits for: normal in small numbers (a message already in
+    /// flight when its subscription ended), a bug when it grows, so never dropped unseen.
+    fn unmatched(&mut self, kind: &str, subject: &str) {
+        log::debug!(kind = kind, subject = subject; "NATS {kind} nothing was waiting for (counted in amp_nats_unmatched_total)");
+        self.metrics.registry.inc(self.metrics.nats_unmatched, kind);
     }
 
     fn await_reply(&mut self, req: RequestId, now: Instant, pending: Pending) {

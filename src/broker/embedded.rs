@@ -181,7 +181,9 @@ impl EmbeddedServer {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let child = Command::new(&self.opts.binary)
+        let mut command = Command::new(&self.opts.binary);
+        die_with_parent(&mut command);
+        let child = command
             .arg("-c")
             .arg(self.config_path())
             .env("GOMEMLIMIT", self.opts.sizing.go_mem_limit.to_string())
@@ -293,6 +295,36 @@ fn write_private(path: &Path, text: &str) -> io::Result<()> {
     file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     file.write_all(text.as_bytes())
 }
+
+/// A broker that dies without stopping its server (SIGKILL, the OOM killer) would leave
+/// it running on the data directory and port, and the next broker could not start one:
+/// on Linux the child is sent SIGTERM when the broker exits. The broker spawns it from the
+/// thread that runs the event loop for the whole life of the process, which is the thread
+/// the kernel watches.
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: `getpid` before the fork; between fork and exec only async-signal-safe
+    // calls (`prctl`, `getppid`), no allocation.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent died between fork and prctl: nobody would stop this child.
+            if libc::getppid() != parent {
+                return Err(io::Error::other(
+                    "the broker exited while starting nats-server",
+                ));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
 
 fn config_text(port: u16, user: &str, opts: &EmbeddedOptions) -> String {
     let user = json_string(user);

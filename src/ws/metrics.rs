@@ -382,6 +382,8 @@ pub struct AmpMetrics {
     pub nats_reconnects: CounterId,
     /// NATS messages dropped for an invalid subject or reply subject.
     pub nats_invalid_messages: CounterId,
+    /// NATS replies and messages no part of the broker was waiting for, by `kind`.
+    pub nats_unmatched: CounterId,
 }
 
 impl AmpMetrics {
@@ -425,6 +427,11 @@ impl AmpMetrics {
             "NATS messages dropped because their subject or reply subject is invalid.",
             None,
         );
+        let nats_unmatched = r.counter(
+            "amp_nats_unmatched_total",
+            "NATS replies and messages nothing in the broker was waiting for (late, or for a subscription already gone), by kind.",
+            Some("kind"),
+        );
         AmpMetrics {
             registry: r,
             frames_in,
@@ -435,6 +442,7 @@ impl AmpMetrics {
             nats_request_seconds,
             nats_reconnects,
             nats_invalid_messages,
+            nats_unmatched,
         }
     }
 }
