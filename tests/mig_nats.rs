@@ -406,6 +406,24 @@ fn every_error_code_with_a_trigger() {
     assert_eq!(r["error"]["retryable"], true);
     assert!(started.elapsed() >= Duration::from_millis(300));
 
+    // A task cancelled while it waits (its deadline passed, no worker serves `small`)
+    // gives its `max_queued` place back: the next invoke queues and times out in turn.
+    let wait_ms = json!({"header": {"tenant_id": "acme", "deadline_ms": 300}, "payload": {}});
+    let r = alice.request("invoke.observatory.small", wait_ms.clone());
+    assert_eq!(error_code(&r), "MIG_TIMEOUT", "{r}");
+    let until = Instant::now() + WAIT;
+    loop {
+        let r = alice.request("invoke.observatory.small", wait_ms.clone());
+        if error_code(&r) == "MIG_TIMEOUT" {
+            break;
+        }
+        assert_eq!(error_code(&r), "MIG_BACKPRESSURE", "{r}");
+        assert!(
+            Instant::now() < until,
+            "the cancelled task still holds the only place: {r}"
+        );
+    }
+
     // Backpressure: `small` holds at most one task. The first is known to be stored once
     // a worker is offered it; a second invoke racing it could be counted first.
     let mut small = w.worker(0, "small", 1);

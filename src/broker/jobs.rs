@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::binding;
+use super::bounded_map::BoundedMap;
 use super::config::{Config, Job, Participant};
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
@@ -41,6 +42,8 @@ pub type SessionId = u64;
 /// How long a JetStream request may take before the client hears `unavailable`: under
 /// the 5 s within which a fleet request caught by a dying leaf link must be answered,
 /// with a second to spare for the answer's way back on a loaded node.
+/// Task messages whose sequence is remembered for a cancel (about 200 bytes each).
+const PUBLISHED_SEQS: usize = 2048;
 const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows.
 const PULL_EXPIRES: Duration = Duration::from_secs(30);
@@ -268,8 +271,13 @@ enum Pending {
     SubmitPublish {
         session: SessionId,
         re: String,
+        ns: String,
         task: String,
         dup: bool,
+    },
+    /// The removal of a cancelled task's message from the job's queue.
+    MessageDelete {
+        key: String,
     },
     /// The record of a delivered task.
     DeliveryRead {
@@ -318,6 +326,7 @@ impl Pending {
             | Pending::Read(_)
             | Pending::Status { .. } => NatsOp::KvGet,
             Pending::SubmitPublish { .. } | Pending::Result(_) => NatsOp::StreamPublish,
+            Pending::MessageDelete { .. } => NatsOp::StreamMsgDelete,
             Pending::StatusOffer { .. } => return None,
         })
     }
@@ -403,6 +412,10 @@ pub struct Jobs {
     /// Offer watches: subscription -> task key.
     watches: HashMap<Sid, String>,
     round_trips: Vec<(NatsOp, f64)>,
+    /// The stream sequence of each task message this broker published (task key -> seq),
+    /// so a task cancelled while it waits can be taken out of the queue: otherwise it
+    /// counts against `max_queued` until a serving broker pulls it.
+    published: BoundedMap<String, u64>,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     out: VecDeque<JobsOutput>,
     next_generation: u64,
@@ -515,6 +528,7 @@ impl Jobs {
             routes: HashMap::new(),
             watches: HashMap::new(),
             round_trips: Vec::new(),
+            published: BoundedMap::new(PUBLISHED_SEQS),
             timers: BinaryHeap::new(),
             out: VecDeque::new(),
             next_generation: 0,
@@ -922,6 +936,7 @@ impl Jobs {
                     Pending::SubmitPublish {
                         session: sub.session,
                         re: sub.re,
+                        ns: sub.ns,
                         task: sub.task,
                         dup,
                     },
@@ -2151,9 +2166,37 @@ impl Jobs {
                     ));
                     self.release_local(conn, &key, now);
                 }
+                let published = self.published.remove(&key);
+                if term.is_none()
+                    && let Some(seq) = published
+                {
+                    self.delete_message(conn, &key, seq, now);
+                }
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
+        }
+    }
+
+    /// Takes the message of cancelled task `key` out of its job's queue. No broker held it
+    /// (else its ack terminates it), so it would wait there, counted by `max_queued`, until
+    /// a serving broker pulled it only to find it cancelled.
+    fn delete_message(&mut self, conn: &mut Connection, key: &str, seq: u64, now: Instant) {
+        let ns = key.split_once('.').map_or(key, |(ns, _)| ns);
+        let req = match self
+            .api
+            .of(ns)
+            .msg_delete(&binding::tasks_stream(ns), seq, false)
+        {
+            Ok(r) => r,
+            Err(e) => return log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
+        };
+        match self.request(conn, &req.subject, None, &req.payload, now) {
+            Ok(id) => {
+                let key = key.to_string();
+                self.await_reply(id, now, Pending::MessageDelete { key });
+            }
+            Err(e) => log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
         }
     }
 
@@ -2478,10 +2521,14 @@ impl Jobs {
             Pending::SubmitPublish {
                 session,
                 re,
+                ns,
                 task,
                 dup,
             } => match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
                 Ok(Ok(ack)) => {
+                    *self
+                        .published
+                        .get_or_insert_with(task_key(&ns, &task), || ack.seq) = ack.seq;
                     let text = FrameWriter::ok(Some(&re))
                         .str("task", &task)
                         .value("dup", &(dup || ack.duplicate))
@@ -2598,6 +2645,16 @@ impl Jobs {
                         self.answer_status(session, re, &view);
                     }
                     None => self.answer_status(session, re, &record),
+                }
+            }
+            Pending::MessageDelete { key } => {
+                // A message already gone (pulled and acked meanwhile) is the same outcome.
+                if let Err(e) = reply
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| check_error(&m.payload).map_err(|e| e.to_string()))
+                    && !e.contains("no message found")
+                {
+                    log::warn!(task:% = key; "cancelled task not dequeued: {e}");
                 }
             }
             Pending::Result(finish) => {

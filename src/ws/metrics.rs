@@ -459,11 +459,12 @@ pub enum NatsOp {
     ConsumerList,
     KvGet,
     KvPut,
+    StreamMsgDelete,
 }
 
 impl NatsOp {
     /// Label values, indexed by the variant's position.
-    pub const LABELS: [&'static str; 8] = [
+    pub const LABELS: [&'static str; 9] = [
         "stream_publish",
         "ack_sync",
         "consumer_create",
@@ -472,6 +473,7 @@ impl NatsOp {
         "consumer_list",
         "kv_get",
         "kv_put",
+        "stream_msg_delete",
     ];
 
     pub const fn index(self) -> usize {
