@@ -58,6 +58,9 @@ fn valid_frames() -> Vec<Value> {
         json!({"op":"who","id":"w1"}),
         json!({"op":"who","id":"w1","job":"render"}),
         json!({"op":"watch","id":"w2"}),
+        json!({"op":"dead_letters","id":"l1","job":"render"}),
+        json!({"op":"dead_letters","id":"l1","job":"render","from":{"seq":3}}),
+        json!({"op":"redrive","id":"r1","job":"render","seq":3}),
     ]
 }
 
@@ -487,6 +490,19 @@ fn invalid_frames() -> Vec<(
             Schema,
             Some("/job"),
             Some("w"),
+        ),
+        // dead letters
+        (
+            j(json!({"op":"dead_letters","id":"l","job":"render","from":{"seq":0}})),
+            Schema,
+            Some("/from/seq"),
+            Some("l"),
+        ),
+        (
+            j(json!({"op":"redrive","id":"r","job":"render"})),
+            Schema,
+            Some("/seq"),
+            Some("r"),
         ),
     ]
 }

@@ -30,10 +30,12 @@ pub enum Op {
     Cancel,
     Who,
     Watch,
+    DeadLetters,
+    Redrive,
 }
 
 impl Op {
-    pub const ALL: [Op; 20] = [
+    pub const ALL: [Op; 22] = [
         Op::Hello,
         Op::Ping,
         Op::Bye,
@@ -54,6 +56,8 @@ impl Op {
         Op::Cancel,
         Op::Who,
         Op::Watch,
+        Op::DeadLetters,
+        Op::Redrive,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -78,6 +82,8 @@ impl Op {
             Op::Cancel => "cancel",
             Op::Who => "who",
             Op::Watch => "watch",
+            Op::DeadLetters => "dead_letters",
+            Op::Redrive => "redrive",
         }
     }
 
@@ -130,6 +136,8 @@ pub enum ClientFrame {
     Cancel(TaskRef),
     Who { id: String, job: Option<String> },
     Watch { id: String },
+    DeadLetters(DeadLetters),
+    Redrive { id: String, job: String, seq: u64 },
 }
 
 impl ClientFrame {
@@ -155,6 +163,8 @@ impl ClientFrame {
             ClientFrame::Cancel(_) => Op::Cancel,
             ClientFrame::Who { .. } => Op::Who,
             ClientFrame::Watch { .. } => Op::Watch,
+            ClientFrame::DeadLetters(_) => Op::DeadLetters,
+            ClientFrame::Redrive { .. } => Op::Redrive,
         }
     }
 
@@ -167,7 +177,9 @@ impl ClientFrame {
             | ClientFrame::Unsubscribe { id, .. }
             | ClientFrame::Serve { id, .. }
             | ClientFrame::Who { id, .. }
-            | ClientFrame::Watch { id } => Some(id),
+            | ClientFrame::Watch { id }
+            | ClientFrame::Redrive { id, .. } => Some(id),
+            ClientFrame::DeadLetters(f) => Some(&f.id),
             ClientFrame::Send(f) => Some(&f.id),
             ClientFrame::Ack(f) => f.id.as_deref(),
             ClientFrame::Nak(f) => f.id.as_deref(),
@@ -314,6 +326,19 @@ pub struct Submit {
 pub struct Eligible {
     pub names: Option<Vec<String>>,
     pub labels: Option<Labels>,
+}
+
+/// `dead_letters`: a page of a job's dead letters from `from.seq` on.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct DeadLetters {
+    pub id: String,
+    pub job: String,
+    pub from: Option<SeqFrom>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct SeqFrom {
+    pub seq: u64,
 }
 
 /// `claim`, `decline`, `status` and `cancel`: a request about one task.

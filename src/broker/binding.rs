@@ -35,6 +35,12 @@ pub fn tasks_stream(ns: &str) -> String {
 pub fn job_subject(ns: &str, job: &str) -> String {
     format!("amp.{ns}.job.{job}")
 }
+pub fn dlq_stream(ns: &str) -> String {
+    format!("AMP_DLQ_{ns}")
+}
+pub fn dlq_subject(ns: &str, job: &str) -> String {
+    format!("amp.{ns}.dlq.{job}")
+}
 pub fn job_consumer(job: &str) -> String {
     format!("job_{job}")
 }
@@ -130,6 +136,24 @@ pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> Value {
         "workqueue",
         s,
     )
+}
+
+/// Dead letters are kept for inspection and redrive, not consumed: limits retention,
+/// oldest out first.
+pub fn dlq_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamSettings) -> Value {
+    let mut c = base_stream(
+        &dlq_stream(ns),
+        json!([format!("amp.{ns}.dlq.*")]),
+        "limits",
+        s,
+    );
+    c["max_age"] = json!(secs_as_nanos(max_age_s));
+    c["max_bytes"] = if max_bytes == 0 {
+        json!(-1)
+    } else {
+        json!(max_bytes)
+    };
+    c
 }
 
 /// A KV bucket's stream as ADR-8 lays it out.

@@ -103,6 +103,8 @@ pub struct Namespace {
     pub inbox: Inbox,
     #[serde(default)]
     pub topics: Topics,
+    #[serde(default)]
+    pub dead_letters: DeadLetters,
     /// Accepts any valid participant name not listed above, with this credential and these
     /// permissions. Development mode uses it; in production every participant is listed.
     #[serde(default)]
@@ -207,6 +209,25 @@ impl Default for Inbox {
             ack_wait_s: 30,
             inbox_window: 64,
             max_age_s: 0,
+        }
+    }
+}
+
+/// `AMP_DLQ_<ns>`: tasks failed with no attempts left (mig-nats.md section 6).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeadLetters {
+    /// 0 keeps letters until `max_bytes` pushes the oldest out.
+    pub max_age_s: u64,
+    /// 0 is unlimited.
+    pub max_bytes: u64,
+}
+
+impl Default for DeadLetters {
+    fn default() -> Self {
+        DeadLetters {
+            max_age_s: 7 * DAY,
+            max_bytes: 256 << 20,
         }
     }
 }
@@ -416,6 +437,19 @@ impl Config {
                 inbox.max_age_s,
                 0,
                 10 * YEAR,
+            )?;
+            let dlq = &ns.dead_letters;
+            within(
+                &format!("{at}.dead_letters.max_age_s"),
+                dlq.max_age_s,
+                0,
+                10 * YEAR,
+            )?;
+            within(
+                &format!("{at}.dead_letters.max_bytes"),
+                dlq.max_bytes,
+                0,
+                1 << 50,
             )?;
             let topics = &ns.topics;
             within(

@@ -666,10 +666,17 @@ impl Broker {
                 self.fail(session, &hello.id, e);
             }
             frame if Jobs::handles(&frame) => {
-                if let ClientFrame::Submit(submit) = &frame {
-                    let bytes = serde_json::to_string(&submit.body).map_or(0, |b| b.len());
+                // A redrive is a submit whose body is already stored.
+                let submitting = match &frame {
+                    ClientFrame::Submit(s) => {
+                        Some((&s.id, serde_json::to_string(&s.body).map_or(0, |b| b.len())))
+                    }
+                    ClientFrame::Redrive { id, .. } => Some((id, 0)),
+                    _ => None,
+                };
+                if let Some((id, bytes)) = submitting {
                     if let Err(e) = self.take_rate(ns, name, bytes, now) {
-                        return self.fail(session, &submit.id, e);
+                        return self.fail(session, id, e);
                     }
                     if !self.spend_budget(conn, session, ns, name, &frame, now) {
                         return;

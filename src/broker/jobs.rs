@@ -8,6 +8,8 @@
 //! the offer or the lease, because JetStream itself accepts acks from anyone holding an old
 //! ack subject.
 
+mod letters;
+
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -17,6 +19,7 @@ use serde_json::{Value, json};
 use super::binding;
 use super::bounded_map::BoundedMap;
 use super::config::{Config, Job, Participant};
+use super::dead_letters::Letter;
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
 use super::permissions::{self, Action};
@@ -312,6 +315,17 @@ enum Pending {
     },
     /// A `task_result` on its way to the submitter's inbox; then the message's ack.
     Result(Finish),
+    /// A failed task's message, read for its dead letter.
+    LetterRead(Box<Outcome>),
+    /// Its dead letter being stored.
+    LetterStore {
+        outcome: Box<Outcome>,
+        letter: Box<Letter>,
+    },
+    /// A `dead_letters` page, read one letter after another.
+    LetterPage(Box<letters::LetterPage>),
+    /// A `redrive`'s letter.
+    Redrive(Box<letters::RedriveRead>),
 }
 
 impl Pending {
@@ -325,11 +339,25 @@ impl Pending {
             | Pending::DeliveryRead { .. }
             | Pending::Read(_)
             | Pending::Status { .. } => NatsOp::KvGet,
-            Pending::SubmitPublish { .. } | Pending::Result(_) => NatsOp::StreamPublish,
+            Pending::SubmitPublish { .. } | Pending::Result(_) | Pending::LetterStore { .. } => {
+                NatsOp::StreamPublish
+            }
+            Pending::LetterRead(_) | Pending::LetterPage(_) | Pending::Redrive(_) => {
+                NatsOp::StreamMsgGet
+            }
             Pending::MessageDelete { .. } => NatsOp::StreamMsgDelete,
             Pending::StatusOffer { .. } => return None,
         })
     }
+}
+
+/// A stored outcome to announce: who reached it, the task message's ack and the
+/// requester's answer.
+struct Outcome {
+    record: TaskRecord,
+    by: String,
+    ack: Option<(String, AckKind)>,
+    reply: Option<(SessionId, String, String)>,
 }
 
 /// What follows a stored outcome: the message's ack and the requester's answer.
@@ -416,6 +444,8 @@ pub struct Jobs {
     /// so a task cancelled while it waits can be taken out of the queue: otherwise it
     /// counts against `max_queued` until a serving broker pulls it.
     published: BoundedMap<String, u64>,
+    /// MIG over NATS is on: dead letters of capabilities are published there too.
+    mig_enabled: bool,
     timers: BinaryHeap<Reverse<(Instant, Timer)>>,
     out: VecDeque<JobsOutput>,
     next_generation: u64,
@@ -435,6 +465,8 @@ pub struct JobsStats {
     pub revoked: u64,
     /// JetStream requests and acks sent for jobs.
     pub js_ops: u64,
+    /// Dead letters stored (a repeat of one is counted again).
+    pub dead_letters: u64,
 }
 
 /// Wall-clock milliseconds derived from the monotonic `now` the core passes in, anchored
@@ -465,12 +497,25 @@ impl WallClock {
     }
 }
 
+/// The namespace of a task: its submitter's (task ids are namespace-wide).
+fn ns_of(record: &TaskRecord) -> &str {
+    record.submitted_by.split_once('/').map_or("", |(ns, _)| ns)
+}
+
 fn task_key(ns: &str, task: &str) -> String {
     binding::task_key(ns, task)
 }
 
 fn queue_key(ns: &str, job: &str) -> String {
     format!("{ns}/{job}")
+}
+
+fn not_permitted(what: &str, job: &str) -> AmpError {
+    AmpError::new(
+        ErrorCode::Forbidden,
+        format!("{what} `{job}` is not permitted"),
+    )
+    .with_path("/job")
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {
@@ -529,6 +574,7 @@ impl Jobs {
             watches: HashMap::new(),
             round_trips: Vec::new(),
             published: BoundedMap::new(PUBLISHED_SEQS),
+            mig_enabled: config.mig.enabled,
             timers: BinaryHeap::new(),
             out: VecDeque::new(),
             next_generation: 0,
@@ -565,6 +611,11 @@ impl Jobs {
                 s.cas_conflicts,
             ),
             ("revoked", "Leases revoked from sessions", s.revoked),
+            (
+                "dead_letters",
+                "Dead letters stored for tasks failed with no attempts left",
+                s.dead_letters,
+            ),
             (
                 "jetstream_ops",
                 "JetStream requests, acks and pulls sent for jobs",
@@ -606,6 +657,8 @@ impl Jobs {
                 | ClientFrame::Fail(_)
                 | ClientFrame::Status(_)
                 | ClientFrame::Cancel(_)
+                | ClientFrame::DeadLetters(_)
+                | ClientFrame::Redrive { .. }
         )
     }
 
@@ -637,6 +690,7 @@ impl Jobs {
     /// Takes the job settings of a reloaded configuration; tasks already offered or
     /// leased keep the lease they were given.
     pub fn reload_settings(&mut self, config: &Config) {
+        self.mig_enabled = config.mig.enabled;
         self.jobs = config
             .namespaces
             .iter()
@@ -722,6 +776,10 @@ impl Jobs {
             }
             ClientFrame::Status(t) => self.status(conn, caller, t.id, &t.task, now),
             ClientFrame::Cancel(t) => self.cancel(conn, caller, t.id, &t.task, now),
+            ClientFrame::DeadLetters(d) => self.dead_letters(conn, caller, d, now),
+            ClientFrame::Redrive { id, job, seq } => {
+                self.redrive(conn, caller, (id, job, seq), now)
+            }
             _ => return false,
         }
         true
@@ -835,11 +893,25 @@ impl Jobs {
             .with_path("/job");
             return self.refuse(session, &submit.id, e);
         }
+        self.submit_as(conn, session, caller.ns, caller.name, submit, now);
+    }
+
+    /// A submit by participant `ns/name`, whose permission to submit was checked.
+    fn submit_as(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        submit: amp_frame::Submit,
+        now: Instant,
+    ) {
+        let job = submit.job.as_str();
         let task = submit.task.clone().unwrap_or_else(envelope::unique_id);
-        let from = format!("{}/{}", caller.ns, caller.name);
+        let from = format!("{ns}/{name}");
         let max_attempts = submit
             .max_attempts
-            .unwrap_or_else(|| self.job_config(caller.ns, job).max_attempts)
+            .unwrap_or_else(|| self.job_config(ns, job).max_attempts)
             .max(1);
         let eligible = submit.eligible.map(|e| Eligible {
             names: e.names,
@@ -902,15 +974,15 @@ impl Jobs {
             session,
             re: submit.id.clone(),
             from: from.clone(),
-            ns: caller.ns.to_string(),
+            ns: ns.to_string(),
             task: task.clone(),
             job: job.to_string(),
             digest: record.body_sha256.clone(),
-            subject: binding::job_subject(caller.ns, job),
+            subject: binding::job_subject(ns, job),
             headers,
             payload,
         };
-        let key = task_key(caller.ns, &task);
+        let key = task_key(ns, &task);
         let req = match self.kv.create_request(&key, &record_json, None) {
             Ok(r) => r,
             Err(e) => {
@@ -1498,7 +1570,7 @@ impl Jobs {
                 // submitter heard (the result's message id dedupes a repeat).
                 if matches!(record.state, TaskState::Completed | TaskState::Failed) {
                     let by = record.holder.clone().unwrap_or_default();
-                    self.publish_result(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
+                    self.outcome(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
                 } else {
                     self.ack(conn, &ack, AckKind::Ack);
                 }
@@ -2115,7 +2187,7 @@ impl Jobs {
                             },
                         )
                     });
-                    self.publish_result(conn, &record, &by, ack, Some((session, re, text)), now);
+                    self.outcome(conn, &record, &by, ack, Some((session, re, text)), now);
                 } else {
                     if let Some(a) = &ack {
                         self.nak(conn, a, None);
@@ -2145,7 +2217,7 @@ impl Jobs {
                         },
                     )
                 });
-                self.publish_result(conn, &record, &by, ack, None, now);
+                self.outcome(conn, &record, &by, ack, None, now);
             }
             Op::Cancel { session, re, by } => {
                 self.stats.cancelled += 1;
@@ -2647,6 +2719,12 @@ impl Jobs {
                     None => self.answer_status(session, re, &record),
                 }
             }
+            Pending::LetterRead(outcome) => self.letter_read(conn, outcome, reply, now),
+            Pending::LetterStore { outcome, letter } => {
+                self.letter_stored(conn, outcome, &letter, reply, now)
+            }
+            Pending::LetterPage(page) => self.letter_page(conn, *page, reply, now),
+            Pending::Redrive(r) => self.redrive_read(conn, *r, reply, now),
             Pending::MessageDelete { key } => {
                 // A message already gone (pulled and acked meanwhile) is the same outcome.
                 if let Err(e) = reply

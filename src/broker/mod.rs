@@ -8,6 +8,7 @@ pub mod budget;
 pub mod callout;
 pub mod config;
 pub mod core;
+pub mod dead_letters;
 pub mod domains;
 pub mod embedded;
 pub mod envelope;

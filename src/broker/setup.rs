@@ -43,6 +43,12 @@ pub fn desired_streams(
             settings,
         ));
         streams.push(binding::tasks_stream_config(ns, settings));
+        streams.push(binding::dlq_stream_config(
+            ns,
+            n.dead_letters.max_age_s,
+            n.dead_letters.max_bytes,
+            settings,
+        ));
         streams.push(binding::registry_stream_config(
             ns,
             config.limits.registry_ttl_s,

@@ -460,11 +460,12 @@ pub enum NatsOp {
     KvGet,
     KvPut,
     StreamMsgDelete,
+    StreamMsgGet,
 }
 
 impl NatsOp {
     /// Label values, indexed by the variant's position.
-    pub const LABELS: [&'static str; 9] = [
+    pub const LABELS: [&'static str; 10] = [
         "stream_publish",
         "ack_sync",
         "consumer_create",
@@ -474,6 +475,7 @@ impl NatsOp {
         "kv_get",
         "kv_put",
         "stream_msg_delete",
+        "stream_msg_get",
     ];
 
     pub const fn index(self) -> usize {

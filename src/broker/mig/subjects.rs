@@ -89,6 +89,11 @@ pub fn events_subject(ns: &str, t: &str) -> String {
     format!("{ROOT}.{ns}.events.{t}")
 }
 
+/// Where the dead letters of capability `capability` of `ns` are published as they fail.
+pub fn dlq_subject(ns: &str, capability: &str) -> String {
+    format!("{ROOT}.{ns}.dlq.{capability}")
+}
+
 /// What a participant of `ns` may subscribe to for MIG: stream frames. The subject names
 /// only the stream id (the caller's message id), so any participant of the tenant may
 /// listen; callers choose unguessable message ids for streams.

@@ -1,0 +1,226 @@
+//! Dead letters (mig-nats.md section 6): a task that ends `failed` with no attempts left is
+//! copied, with its last error, its attempts and its original body, to
+//! `amp.<ns>.dlq.<job>` in `AMP_DLQ_<ns>` before its task message is terminated. AMP
+//! `dead_letters` lists a job's letters and `redrive` submits one again as a new task.
+//!
+//! The letter is read from the task message itself (`STREAM.MSG.GET` by the sequence in
+//! its ack subject), so no broker keeps task bodies while they run. The letter's
+//! `Nats-Msg-Id` is the task id: a redelivery after a crash between the letter and the
+//! terminate stores nothing twice.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::envelope::EnvelopeView;
+use super::task_store::{Eligible, TaskRecord, TaskState};
+use crate::proto::headers::HeaderMap;
+
+/// Letters in one `dead_letters` answer, at most.
+pub const PAGE: usize = 20;
+/// Stored letters one `dead_letters` request reads, visible to the caller or not; past it
+/// the answer ends early with its `next` cursor.
+pub const SCAN: usize = 200;
+/// The letters of one answer stop growing past this many bytes (one letter always fits).
+pub const PAGE_BYTES: usize = 256 * 1024;
+
+/// Whether a stored outcome is one that is dead-lettered: failed with every attempt spent.
+/// A worker's `fail` with `retry: false` before the last attempt is its own verdict on the
+/// task and is not.
+pub fn is_dead(record: &TaskRecord) -> bool {
+    record.state == TaskState::Failed && record.attempt >= record.max_attempts
+}
+
+/// One stored dead letter.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Letter {
+    pub task: String,
+    pub job: String,
+    /// `ns/name` of the submitter.
+    pub submitted_by: String,
+    pub attempts: u32,
+    pub max_attempts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eligible: Option<Eligible>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    pub body: Box<RawValue>,
+    /// When the task failed (RFC 3339).
+    pub failed_at: String,
+}
+
+impl Letter {
+    /// The letter of failed task `record`, whose stored task message is `task_message`.
+    pub fn new(
+        record: &TaskRecord,
+        task_message: &[u8],
+        failed_at: String,
+    ) -> Result<Letter, String> {
+        let env = EnvelopeView::parse(task_message)
+            .map_err(|e| format!("the task message is not an envelope: {e}"))?;
+        if env.id.as_str() != record.id {
+            return Err(format!(
+                "the message holds task `{}`, not `{}`",
+                env.id.as_str(),
+                record.id
+            ));
+        }
+        Ok(Letter {
+            task: record.id.clone(),
+            job: record.job.clone(),
+            submitted_by: record.submitted_by.clone(),
+            attempts: record.attempt,
+            max_attempts: record.max_attempts,
+            error: record.error.clone(),
+            eligible: record.eligible.clone(),
+            headers: env
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
+                .collect(),
+            body: env.body.to_owned(),
+            failed_at,
+        })
+    }
+
+    pub fn parse(stored: &[u8]) -> Result<Letter, serde_json::Error> {
+        serde_json::from_slice(stored)
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        // Strings, maps and already-valid JSON always serialise.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// The headers it is stored with.
+    pub fn headers(&self, broker: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        let from = format!("broker/{broker}");
+        for (k, v) in [
+            ("Nats-Msg-Id", self.task.as_str()),
+            ("AMP-From", from.as_str()),
+            ("AMP-Kind", "dead_letter"),
+        ] {
+            // Task ids and broker ids are header-safe tokens.
+            let _ = h.insert(k, v);
+        }
+        h
+    }
+
+    /// Whether participant `who` (`ns/name`) may read it: its submitter, or anyone who may
+    /// serve the job (workers see task bodies in offers anyway). Another submitter's task
+    /// body is not for everyone who may submit.
+    pub fn visible_to(&self, who: &str, may_serve: bool) -> bool {
+        may_serve || self.submitted_by == who
+    }
+
+    /// The entry of a `dead_letters` answer.
+    pub fn view(&self, seq: u64) -> Value {
+        let mut v = json!({
+            "seq": seq,
+            "task": self.task,
+            "job": self.job,
+            "submitted_by": self.submitted_by,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "failed_at": self.failed_at,
+            "headers": self.headers,
+            "body": self.body,
+        });
+        if let Some(e) = &self.error {
+            v["error"] = e.clone();
+        }
+        v
+    }
+
+    /// The id of the task a redrive of letter `seq` submits. Derived, so a retried redrive
+    /// (its answer lost) is answered `dup` with the same task instead of making a second;
+    /// the original task id is part of it, so a recreated stream's sequences never name
+    /// an older letter's redrive.
+    pub fn redrive_task(&self, seq: u64) -> String {
+        let mut h = Sha256::new();
+        for part in ["redrive", self.task.as_str(), &seq.to_string()] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        let digest = h.finalize();
+        let hex: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
+        format!("redrive-{hex}")
+    }
+
+    /// The MIG message published on `mig.v0_1.<ns>.dlq.<capability>`.
+    pub fn mig_message(&self, ns: &str, capability: &str, seq: u64, message_id: &str) -> Value {
+        json!({
+            "header": {"mig_version": super::mig::envelope::MIG_VERSION, "tenant_id": ns,
+                       "message_id": message_id, "timestamp": self.failed_at},
+            "capability": capability,
+            "sequence": seq,
+            "task_id": self.task,
+            "attempts": self.attempts,
+            "error": self.error,
+            "payload": self.body,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: TaskState, attempt: u32, max: u32) -> TaskRecord {
+        let mut r = TaskRecord::submitted("T1", "infer", "acme/alice", &json!(1), max, None, 0);
+        r.state = state;
+        r.attempt = attempt;
+        r.error = Some(json!({"code": "boom"}));
+        r
+    }
+
+    #[test]
+    fn only_failures_with_no_attempt_left_are_dead() {
+        assert!(is_dead(&record(TaskState::Failed, 3, 3)));
+        assert!(!is_dead(&record(TaskState::Failed, 1, 3)), "retry: false");
+        assert!(!is_dead(&record(TaskState::Completed, 3, 3)));
+        assert!(!is_dead(&record(TaskState::Cancelled, 3, 3)));
+    }
+
+    #[test]
+    fn a_letter_keeps_the_body_headers_and_last_error_of_its_own_task() {
+        let r = record(TaskState::Failed, 2, 2);
+        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{"traceparent":"00-x"},"body":{"n":[1,2]}}"#;
+        let l = Letter::new(&r, msg, "2026-12-03T00:00:00.000Z".into()).expect("letter");
+        let back = Letter::parse(&l.to_json()).expect("parse");
+        assert_eq!(back.body.get(), r#"{"n":[1,2]}"#);
+        assert_eq!(back.headers["traceparent"], "00-x");
+        assert_eq!(back.view(7)["error"]["code"], "boom");
+        assert_eq!(back.view(7)["seq"], 7);
+        let other = br#"{"id":"T2","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
+        assert!(Letter::new(&r, other, String::new()).is_err());
+        assert!(Letter::new(&r, b"not json", String::new()).is_err());
+    }
+
+    #[test]
+    fn letters_are_read_by_their_submitter_and_the_job_s_workers_only() {
+        let r = record(TaskState::Failed, 1, 1);
+        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
+        let l = Letter::new(&r, msg, String::new()).expect("letter");
+        assert!(l.visible_to("acme/alice", false));
+        assert!(!l.visible_to("acme/bob", false));
+        assert!(l.visible_to("acme/bob", true));
+    }
+
+    #[test]
+    fn a_redrive_names_one_task_per_letter() {
+        let r = record(TaskState::Failed, 1, 1);
+        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
+        let l = Letter::new(&r, msg, String::new()).expect("letter");
+        assert_eq!(l.redrive_task(4), l.redrive_task(4));
+        assert_ne!(l.redrive_task(4), l.redrive_task(5));
+        let id = l.redrive_task(4);
+        assert!(id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    }
+}

@@ -1,0 +1,396 @@
+//! The jobs engine's dead letters (mig-nats.md section 6, [`crate::broker::dead_letters`]):
+//! storing one before a failed task's message is terminated, and the AMP `dead_letters`
+//! and `redrive` requests.
+
+use std::time::Instant;
+
+use serde_json::{Value, json};
+
+use super::{
+    Caller, Jobs, Outcome, Pending, RETRY_DELAY, SessionId, not_permitted, ns_of, task_key,
+};
+use crate::amp::frame::{self as amp_frame, DeadLetters};
+use crate::amp::reply::FrameWriter;
+use crate::amp::{AmpError, ErrorCode};
+use crate::broker::binding;
+use crate::broker::dead_letters::{self, Letter, PAGE, PAGE_BYTES, SCAN};
+use crate::broker::envelope::{self, Kind};
+use crate::broker::permissions::{self, Action};
+use crate::broker::task_store::TaskRecord;
+use crate::jetstream::ack::{AckKind, AckMetadata};
+use crate::jetstream::error::JsError;
+use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::stream::{MsgSelector, StoredMessage, parse_msg_get};
+use crate::nats::{Connection, Message, RequestError};
+use crate::rfc3339;
+
+/// A `dead_letters` page being read, one stored letter after another.
+pub(super) struct LetterPage {
+    session: SessionId,
+    re: String,
+    ns: String,
+    job: String,
+    /// `ns/name` of the asker, and whether it may serve the job (then it sees every letter).
+    who: String,
+    may_serve: bool,
+    next: u64,
+    scanned: usize,
+    letters: Vec<Value>,
+    bytes: usize,
+}
+
+/// A `redrive` waiting for its letter.
+pub(super) struct RedriveRead {
+    session: SessionId,
+    re: String,
+    ns: String,
+    name: String,
+    job: String,
+    seq: u64,
+    may_serve: bool,
+}
+
+impl Jobs {
+    /// Announces a stored failure or completion; a failure with no attempts left is
+    /// dead-lettered first, so its message is terminated only once the letter is stored.
+    pub(super) fn outcome(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        by: &str,
+        ack: Option<(String, AckKind)>,
+        reply: Option<(SessionId, String, String)>,
+        now: Instant,
+    ) {
+        let seq = ack
+            .as_ref()
+            .and_then(|(a, _)| AckMetadata::parse(a).ok())
+            .map(|m| m.stream_sequence);
+        let ns = record.submitted_by.split_once('/').map(|(ns, _)| ns);
+        let (true, Some(seq), Some(ns)) = (dead_letters::is_dead(record), seq, ns) else {
+            return self.publish_result(conn, record, by, ack, reply, now);
+        };
+        let outcome = Box::new(Outcome {
+            record: record.clone(),
+            by: by.to_string(),
+            ack,
+            reply,
+        });
+        let req = self
+            .api
+            .of(ns)
+            .msg_get(&binding::tasks_stream(ns), &MsgSelector::Sequence(seq));
+        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
+            self.request(conn, &req.subject, None, &req.payload, now)
+                .map_err(|e| e.to_string())
+        });
+        match sent {
+            Ok(id) => self.await_reply(id, now, Pending::LetterRead(outcome)),
+            Err(e) => self.letter_failed(conn, *outcome, &e, now),
+        }
+    }
+
+    /// The failed task's message, read back: its letter is stored.
+    pub(super) fn letter_read(
+        &mut self,
+        conn: &mut Connection,
+        outcome: Box<Outcome>,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let stored = match reply.map(|m| parse_msg_get(&m.payload)) {
+            Ok(Ok(m)) => m,
+            Ok(Err(JsError::MessageNotFound(_))) => {
+                // Gone already (terminated by an earlier delivery of this outcome): the
+                // letter was stored before that, or the stream's limits removed it.
+                let o = *outcome;
+                return self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+            }
+            Ok(Err(e)) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
+            Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
+        };
+        let failed_at = rfc3339::format_millis(self.clock.ms(now));
+        let letter = match Letter::new(&outcome.record, &stored.payload, failed_at) {
+            Ok(l) => l,
+            Err(e) => {
+                // Not a task envelope: nothing to redrive; the outcome stands.
+                let key = task_key(ns_of(&outcome.record), &outcome.record.id);
+                log::warn!(task:% = key; "no dead letter: {e}");
+                let o = *outcome;
+                return self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+            }
+        };
+        let subject = binding::dlq_subject(ns_of(&outcome.record), &letter.job);
+        let headers = letter.headers(&self.broker_id);
+        match self.request(conn, &subject, Some(&headers), &letter.to_json(), now) {
+            Ok(id) => self.await_reply(
+                id,
+                now,
+                Pending::LetterStore {
+                    outcome,
+                    letter: Box::new(letter),
+                },
+            ),
+            Err(e) => self.letter_failed(conn, *outcome, &e.to_string(), now),
+        }
+    }
+
+    /// The letter is stored: MIG hears of it (once: not for a duplicate), and the outcome
+    /// is announced.
+    pub(super) fn letter_stored(
+        &mut self,
+        conn: &mut Connection,
+        outcome: Box<Outcome>,
+        letter: &Letter,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let ack = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+            Ok(Ok(ack)) => ack,
+            Ok(Err(e)) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
+            Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
+        };
+        self.stats.dead_letters += 1;
+        let ns = ns_of(&outcome.record);
+        let capability = self
+            .jobs
+            .get(ns)
+            .and_then(|j| j.get(&letter.job))
+            .and_then(|j| j.mig.as_ref())
+            .map(|m| m.id.clone());
+        if let (false, true, Some(cap)) = (ack.duplicate, self.mig_enabled, capability.as_deref()) {
+            let message_id = envelope::idempotent_id(Kind::Task, "dlq", ns, &letter.task);
+            let msg = letter.mig_message(ns, cap, ack.seq, &message_id);
+            let subject = crate::broker::mig::subjects::dlq_subject(ns, cap);
+            if let Err(e) = conn.publish(&subject, None, None, msg.to_string().as_bytes()) {
+                log::warn!("dead letter not published on {subject}: {e}");
+            }
+        }
+        let o = *outcome;
+        self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+    }
+
+    /// The letter could not be stored: the outcome stands and is announced, but the task
+    /// message stays (a NAK with delay, not a terminate) so its redelivery tries again.
+    fn letter_failed(&mut self, conn: &mut Connection, mut o: Outcome, e: &str, now: Instant) {
+        let key = task_key(ns_of(&o.record), &o.record.id);
+        log::warn!(task:% = key; "dead letter not stored yet: {e}");
+        if let Some((_, kind)) = &mut o.ack {
+            *kind = AckKind::Nak {
+                delay: Some(RETRY_DELAY),
+            };
+        }
+        self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+    }
+
+    // ---- dead_letters and redrive ------------------------------------------------------
+
+    /// Who may read a job's letters at all: those who may submit to it or serve it.
+    fn letter_access(caller: &Caller<'_>, job: &str) -> Result<bool, AmpError> {
+        let p = &caller.participant.permissions;
+        let may_serve = permissions::allows(p, Action::Serve, job);
+        if may_serve || permissions::allows(p, Action::Submit, job) {
+            Ok(may_serve)
+        } else {
+            Err(not_permitted("reading the dead letters of", job))
+        }
+    }
+
+    pub(super) fn dead_letters(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        req: DeadLetters,
+        now: Instant,
+    ) {
+        let may_serve = match Self::letter_access(caller, &req.job) {
+            Ok(s) => s,
+            Err(e) => return self.refuse(caller.session, &req.id, e),
+        };
+        let page = LetterPage {
+            session: caller.session,
+            re: req.id,
+            ns: caller.ns.to_string(),
+            job: req.job,
+            who: format!("{}/{}", caller.ns, caller.name),
+            may_serve,
+            next: req.from.map_or(1, |f| f.seq.max(1)),
+            scanned: 0,
+            letters: Vec::new(),
+            bytes: 0,
+        };
+        self.read_letter(conn, page, now);
+    }
+
+    fn read_letter(&mut self, conn: &mut Connection, page: LetterPage, now: Instant) {
+        let which = MsgSelector::NextBySubject {
+            subject: binding::dlq_subject(&page.ns, &page.job),
+            from: page.next,
+        };
+        let req = self
+            .api
+            .of(&page.ns)
+            .msg_get(&binding::dlq_stream(&page.ns), &which);
+        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
+            self.request(conn, &req.subject, None, &req.payload, now)
+                .map_err(|e| e.to_string())
+        });
+        match sent {
+            Ok(id) => self.await_reply(id, now, Pending::LetterPage(Box::new(page))),
+            Err(e) => {
+                let e = AmpError::new(
+                    ErrorCode::Unavailable,
+                    format!("dead letters unreadable: {e}"),
+                );
+                self.refuse(page.session, &page.re, e)
+            }
+        }
+    }
+
+    pub(super) fn letter_page(
+        &mut self,
+        conn: &mut Connection,
+        mut page: LetterPage,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let stored = match read_stored(reply) {
+            Ok(Some(m)) => m,
+            // The end of the job's letters (or no stream holding any yet).
+            Ok(None) => return self.answer_page(page, false),
+            Err(e) => {
+                let e = AmpError::new(
+                    ErrorCode::Unavailable,
+                    format!("dead letters unreadable: {e}"),
+                );
+                return self.refuse(page.session, &page.re, e);
+            }
+        };
+        page.next = stored.sequence + 1;
+        page.scanned += 1;
+        match Letter::parse(&stored.payload) {
+            Ok(l) if l.visible_to(&page.who, page.may_serve) => {
+                let view = l.view(stored.sequence);
+                page.bytes += stored.payload.len();
+                page.letters.push(view);
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("dead letter {} unreadable: {e}", stored.sequence),
+        }
+        if page.letters.len() >= PAGE || page.bytes >= PAGE_BYTES || page.scanned >= SCAN {
+            return self.answer_page(page, true);
+        }
+        self.read_letter(conn, page, now);
+    }
+
+    /// `more`: the page ended at a bound, not at the last letter; `next` says where the
+    /// following page starts.
+    fn answer_page(&mut self, page: LetterPage, more: bool) {
+        let mut w = FrameWriter::ok(Some(&page.re)).value("letters", &page.letters);
+        if more {
+            w = w.value("next", &json!({"seq": page.next}));
+        }
+        self.reply(page.session, &page.re, w);
+    }
+
+    pub(super) fn redrive(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        (id, job, seq): (String, String, u64),
+        now: Instant,
+    ) {
+        let p = &caller.participant.permissions;
+        if !permissions::allows(p, Action::Submit, &job) {
+            let e = not_permitted("redriving the dead letters of", &job);
+            return self.refuse(caller.session, &id, e);
+        }
+        let may_serve = permissions::allows(p, Action::Serve, &job);
+        let req = self
+            .api
+            .of(caller.ns)
+            .msg_get(&binding::dlq_stream(caller.ns), &MsgSelector::Sequence(seq));
+        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
+            self.request(conn, &req.subject, None, &req.payload, now)
+                .map_err(|e| e.to_string())
+        });
+        let read = RedriveRead {
+            session: caller.session,
+            re: id,
+            ns: caller.ns.to_string(),
+            name: caller.name.to_string(),
+            job,
+            seq,
+            may_serve,
+        };
+        match sent {
+            Ok(rid) => self.await_reply(rid, now, Pending::Redrive(Box::new(read))),
+            Err(e) => {
+                let e = AmpError::new(
+                    ErrorCode::Unavailable,
+                    format!("dead letter unreadable: {e}"),
+                );
+                self.refuse(read.session, &read.re, e)
+            }
+        }
+    }
+
+    pub(super) fn redrive_read(
+        &mut self,
+        conn: &mut Connection,
+        r: RedriveRead,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let who = format!("{}/{}", r.ns, r.name);
+        let letter = match read_stored(reply) {
+            // Another job's letter, or one the asker may not read, is as good as absent.
+            Ok(Some(m)) if m.subject == binding::dlq_subject(&r.ns, &r.job) => {
+                Letter::parse(&m.payload)
+                    .ok()
+                    .filter(|l| l.visible_to(&who, r.may_serve))
+            }
+            Ok(_) => None,
+            Err(e) => {
+                let e = AmpError::new(
+                    ErrorCode::Unavailable,
+                    format!("dead letter unreadable: {e}"),
+                );
+                return self.refuse(r.session, &r.re, e);
+            }
+        };
+        let Some(letter) = letter else {
+            let e = AmpError::new(
+                ErrorCode::NotFound,
+                format!("job `{}` has no dead letter {}", r.job, r.seq),
+            )
+            .with_path("/seq");
+            return self.refuse(r.session, &r.re, e);
+        };
+        let body = serde_json::from_str(letter.body.get()).unwrap_or(Value::Null);
+        let submit = amp_frame::Submit {
+            id: r.re,
+            job: r.job,
+            body,
+            task: Some(letter.redrive_task(r.seq)),
+            max_attempts: None,
+            eligible: letter.eligible.map(|e| amp_frame::Eligible {
+                names: e.names,
+                labels: e.labels,
+            }),
+            headers: letter.headers,
+        };
+        self.submit_as(conn, r.session, &r.ns, &r.name, submit, now);
+    }
+}
+
+/// A `STREAM.MSG.GET` answer: the message, `None` when there is none (or no stream), or
+/// what went wrong.
+fn read_stored(reply: Result<Message, RequestError>) -> Result<Option<StoredMessage>, String> {
+    match reply.map(|m| parse_msg_get(&m.payload)) {
+        Ok(Ok(m)) => Ok(Some(m)),
+        Ok(Err(JsError::MessageNotFound(_) | JsError::StreamNotFound(_))) => Ok(None),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}

@@ -1,0 +1,177 @@
+//! Dead letters (README "Dead letters", mig-nats.md section 6), end to end on a real
+//! nats-server with workers and submitters over WebSocket: a task failed with no attempts
+//! left is stored in `AMP_DLQ_<ns>` with its body, last error and attempts, whether the
+//! worker's last `fail` or the last lease running out spent them; `dead_letters` lists a
+//! job's letters to their submitter and the job's workers only; `redrive` submits one
+//! again, once.
+
+mod common;
+
+use std::time::Duration;
+
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use common::jobs::{login, login_serving};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(15);
+
+fn config() -> Value {
+    let mut c = open_config(&["app", "w1", "bob", "nobody"]);
+    let p = &mut c["namespaces"]["acme"]["participants"];
+    // bob may submit to `render` but not serve it; nobody may do neither.
+    p["bob"]["permissions"]["serve"] = json!([]);
+    p["nobody"]["permissions"]["serve"] = json!([]);
+    p["nobody"]["permissions"]["submit"] = json!([]);
+    c["namespaces"]["acme"]["jobs"] =
+        json!({"render": {"lease_s": 1, "offer_ms": 5000, "max_attempts": 2}});
+    c
+}
+
+fn task_result(app: &mut Client, broker: &Broker) -> Value {
+    let Some(m) = app.next_op("message", WAIT) else {
+        panic!("no task_result; broker log:\n{}", broker.log());
+    };
+    assert_eq!(m["kind"], "task_result", "{m}");
+    let ack = app.request(json!({"op":"ack","seq":m["seq"]}));
+    assert_eq!(ack["op"], "ok", "{ack}");
+    m
+}
+
+/// Offered and claimed: the offer.
+fn claim(w: &mut Client, task: &str) -> Value {
+    let offer = w.next_op("offer", WAIT).expect("offer");
+    assert_eq!(offer["task"], task, "{offer}");
+    let r = w.request(json!({"op":"claim","task":task}));
+    assert_eq!(r["op"], "ok", "{r}");
+    offer
+}
+
+fn letters(c: &mut Client, from: Option<u64>) -> Value {
+    let mut req = json!({"op":"dead_letters","job":"render"});
+    if let Some(seq) = from {
+        req["from"] = json!({"seq": seq});
+    }
+    let r = c.request(req);
+    assert_eq!(r["op"], "ok", "{r}");
+    r
+}
+
+#[test]
+fn failures_with_no_attempt_left_are_dead_lettered_listed_to_the_right_people_and_redriven_once() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config());
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+
+    // Attempt 1 fails asking for a retry, attempt 2 fails again: no attempt left.
+    let body = json!({"frame": 7, "text": "caf\u{e9}"});
+    let r = app.request(json!({"op":"submit","job":"render","task":"F","body":body,
+                               "headers":{"traceparent":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}));
+    assert_eq!(r["op"], "ok", "{r}");
+    for attempt in 1..=2 {
+        assert_eq!(claim(&mut w1, "F")["attempt"], attempt);
+        let f = w1.request(json!({"op":"fail","task":"F","retry":true,
+                                  "error":{"code":"gpu_lost","message":format!("attempt {attempt}")}}));
+        assert_eq!(f["op"], "ok", "{f}");
+    }
+    let m = task_result(&mut app, &broker);
+    assert_eq!(m["body"]["state"], "failed", "{m}");
+
+    // A worker's `fail` with retry false before the last attempt is its own verdict: no
+    // letter.
+    let r = app.request(json!({"op":"submit","job":"render","task":"V","body":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "V");
+    let f = w1.request(json!({"op":"fail","task":"V","retry":false,
+                              "error":{"code":"bad_input","message":"no"}}));
+    assert_eq!(f["op"], "ok", "{f}");
+    assert_eq!(task_result(&mut app, &broker)["body"]["state"], "failed");
+
+    // The last lease running out spends the last attempt too (max_attempts 1).
+    let r = app
+        .request(json!({"op":"submit","job":"render","task":"X","body":"lost","max_attempts":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "X");
+    let revoked = w1.next_op("revoked", WAIT).expect("lease runs out");
+    assert_eq!(revoked["task"], "X");
+    let m = task_result(&mut app, &broker);
+    assert_eq!(m["body"]["error"]["code"], "attempts_exhausted", "{m}");
+
+    // The submitter lists both letters, oldest first, with what failed them.
+    let page = letters(&mut app, None);
+    let list = page["letters"].as_array().expect("letters").clone();
+    let tasks: Vec<&str> = list.iter().filter_map(|l| l["task"].as_str()).collect();
+    assert_eq!(tasks, ["F", "X"], "{page}");
+    assert!(page.get("next").is_none(), "{page}");
+    let f = &list[0];
+    assert_eq!(f["body"], body);
+    assert_eq!(
+        f["headers"]["traceparent"],
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    );
+    assert_eq!((&f["attempts"], &f["max_attempts"]), (&json!(2), &json!(2)));
+    assert_eq!(f["error"]["code"], "gpu_lost");
+    assert_eq!(f["error"]["message"], "attempt 2");
+    assert_eq!(f["submitted_by"], "acme/app");
+    let seq_f = f["seq"].as_u64().expect("seq");
+    let seq_x = list[1]["seq"].as_u64().expect("seq");
+    assert!(seq_x > seq_f);
+    let after = letters(&mut app, Some(seq_f + 1));
+    assert_eq!(
+        after["letters"].as_array().map(Vec::len),
+        Some(1),
+        "{after}"
+    );
+
+    // The job's worker sees them; another submitter does not, and cannot redrive them;
+    // someone who may neither submit nor serve is refused.
+    assert_eq!(
+        letters(&mut w1, None)["letters"].as_array().map(Vec::len),
+        Some(2)
+    );
+    let mut bob = login(&broker, "bob");
+    assert_eq!(letters(&mut bob, None)["letters"], json!([]));
+    let r = bob.request(json!({"op":"redrive","job":"render","seq":seq_f}));
+    assert_eq!(r["code"], "not_found", "{r}");
+    let mut nobody = login(&broker, "nobody");
+    let r = nobody.request(json!({"op":"dead_letters","job":"render"}));
+    assert_eq!(r["code"], "forbidden", "{r}");
+    let r = nobody.request(json!({"op":"redrive","job":"render","seq":seq_f}));
+    assert_eq!(r["code"], "forbidden", "{r}");
+    let r = app.request(json!({"op":"redrive","job":"render","seq":seq_x + 100}));
+    assert_eq!(r["code"], "not_found", "{r}");
+    let r = app.request(json!({"op":"redrive","job":"render","seq":0}));
+    assert_eq!(r["code"], "schema", "{r}");
+
+    // Redrive: a new task with the same body and headers, answered to the redriver; a
+    // repeated redrive of the same letter is the same task, not a second one.
+    let r = app.request(json!({"op":"redrive","job":"render","seq":seq_f}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let task = r["task"].as_str().expect("task").to_string();
+    assert_ne!(task, "F");
+    let again = app.request(json!({"op":"redrive","job":"render","seq":seq_f}));
+    assert_eq!(
+        (&again["task"], &again["dup"]),
+        (&json!(task), &json!(true)),
+        "{again}"
+    );
+    let offer = claim(&mut w1, &task);
+    assert_eq!(offer["body"], body, "{offer}");
+    assert_eq!(offer["attempt"], 1);
+    let k = w1.request(json!({"op":"complete","task":task,"result":{"ok":true}}));
+    assert_eq!(k["op"], "ok", "{k}");
+    let m = task_result(&mut app, &broker);
+    assert_eq!(
+        (&m["body"]["task"], &m["body"]["state"]),
+        (&json!(task), &json!("completed")),
+        "{m}"
+    );
+    let metrics = common::amp::http_get(broker.addr, "/metrics")
+        .expect("metrics")
+        .1;
+    assert!(
+        metrics.contains("amp_jobs_dead_letters_total 2"),
+        "{metrics}"
+    );
+}
