@@ -368,6 +368,13 @@ impl Client {
             .expect("send binary frame");
     }
 
+    /// Turns Nagle off on the socket (the broker's side has it off): a benchmark's small
+    /// frame written right after one the broker never answers (an `ack`) otherwise waits
+    /// for the broker's delayed ACK, some 40 ms.
+    pub fn set_nodelay(&mut self) {
+        self.ws.get_ref().set_nodelay(true).expect("TCP_NODELAY");
+    }
+
     /// Stops reading from the socket (and shrinks the receive buffer) so the broker's
     /// outbound queue for this session fills up.
     pub fn stop_reading(&mut self) {
