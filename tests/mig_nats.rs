@@ -228,6 +228,10 @@ impl World {
         c
     }
 
+    fn amp_client(&self, broker: usize, name: &str) -> Client {
+        Client::login(&self.brokers[broker], "acme", name, &format!("{name}-token"))
+    }
+
     fn metrics(&self, broker: usize) -> String {
         http_get(self.brokers[broker].addr, "/metrics")
             .map(|(_, body)| body)
@@ -1109,4 +1113,65 @@ fn the_readme_example_runs_as_written() {
     assert_eq!(offer["body"], json!({"input": "hello"}));
     assert_eq!(py.line(), "result {\"output\": \"HELLO\"}");
     py.finish();
+}
+
+#[test]
+fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_may_redrive() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    // The worker's grant lets it listen to the dead letters of what it serves; alice, who
+    // only submits, is refused the subscription by the server.
+    let mut watcher = Mig::connect(&w, "worker");
+    let dlq = format!("mig.v0_1.acme.dlq.{INFER}");
+    watcher.call(json!({"cmd": "subscribe", "sub": "dlq", "subject": dlq}));
+    alice.call(json!({"cmd": "subscribe", "sub": "dlq", "subject": dlq}));
+    let mut worker = w.worker(0, "infer", 1);
+
+    // `infer` has max_attempts 1: the worker's fail spends the last attempt.
+    let body = json!({"prompt": "the last one"});
+    let tag = alice.invoke_later(INFER, json!({"header": {"tenant_id": "acme"}, "payload": body}));
+    serve_one(
+        &mut worker,
+        json!({"op":"fail","retry":true,"error":{"code":"gpu_lost","message":"fell over"}}),
+    );
+    assert_eq!(error_code(&alice.wait(&tag)["reply"]), "MIG_INTERNAL");
+
+    let mut letter = Value::Null;
+    let heard = common::wait_until(WAIT, || {
+        let got = watcher.call(json!({"cmd": "collected", "sub": "dlq"}));
+        letter = got["messages"][0]["body"].clone();
+        !letter.is_null()
+    });
+    assert!(heard, "no dead letter on {dlq}");
+    assert_eq!(letter["capability"], INFER, "{letter}");
+    assert_eq!(letter["payload"], body, "{letter}");
+    assert_eq!(letter["error"]["code"], "gpu_lost", "{letter}");
+    assert_eq!(letter["attempts"], 1, "{letter}");
+    assert_eq!(letter["header"]["tenant_id"], "acme");
+    let seq = letter["sequence"].as_u64().expect("sequence");
+    let got = alice.call(json!({"cmd": "collected", "sub": "dlq"}));
+    assert_eq!(got["messages"], json!([]), "{got}");
+    assert!(
+        got["errors"].to_string().to_lowercase().contains("permissions violation"),
+        "{got}"
+    );
+
+    // The same letter over AMP, and a redrive by the worker's side is refused (it may
+    // serve, not submit) while the submitter's goes to the worker again.
+    let page = worker.request(json!({"op":"dead_letters","job":"infer"}));
+    let seqs: Vec<u64> = page["letters"]
+        .as_array()
+        .expect("letters")
+        .iter()
+        .filter_map(|l| l["seq"].as_u64())
+        .collect();
+    assert!(seqs.contains(&seq), "{page}");
+    let r = worker.request(json!({"op":"redrive","job":"infer","seq":seq}));
+    assert_eq!(r["code"], "forbidden", "{r}");
+    let mut app = w.amp_client(0, "alice");
+    let r = app.request(json!({"op":"redrive","job":"infer","seq":seq}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = worker.next_op("offer", WAIT).expect("the redriven task");
+    assert_eq!(offer["task"], r["task"], "{offer}");
+    assert_eq!(offer["body"], body, "{offer}");
 }

@@ -42,6 +42,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::config::{Config, Participant};
+use super::mig::config::readable_dead_letters;
 use super::scoped_jwt::{self, UserGrant, VerifyError};
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::jwt::{self, Claims, JwtError};
@@ -260,6 +261,7 @@ impl Callout {
                 let Some(p) = lookup(participants, &ns, &name) else {
                     return self.refuse(&request, unix_s, None, "vanished".into());
                 };
+                let dlq = readable_dead_letters(participants, &ns, p);
                 let grant = UserGrant {
                     ns: &ns,
                     name: &name,
@@ -269,7 +271,7 @@ impl Callout {
                     ttl_s: self.config.jwt_ttl_s,
                     bearer: false,
                     audience: Some(&self.config.account),
-                    mig: participants.mig.enabled,
+                    mig: dlq.as_deref(),
                 };
                 match scoped_jwt::issue(&self.config.issuer, &grant) {
                     Ok(user_jwt) => Reply {

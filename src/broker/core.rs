@@ -23,6 +23,7 @@ use super::config::Config;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::id_map::IdMap;
 use super::jobs::{Caller, Jobs, JobsOutput};
+use super::mig::config::readable_dead_letters;
 use super::permissions::{self, Action};
 use super::pull_loop::{PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
@@ -581,9 +582,9 @@ impl Broker {
             .value("heartbeat_s", &limits.heartbeat_s)
             .value("max_frame", &limits.max_frame);
         if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
-            let mig = self.config.mig.enabled;
-            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, unix_seconds(), HELLO_JWT_TTL_S, mig)
-            {
+            let mig = readable_dead_letters(&self.config, &ns, p);
+            let (now_s, ttl) = (unix_seconds(), HELLO_JWT_TTL_S);
+            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, now_s, ttl, mig.as_deref()) {
                 Ok(jwt) => reply = reply.str("jwt", &jwt),
                 Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
             }

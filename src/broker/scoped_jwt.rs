@@ -53,7 +53,9 @@ pub fn reply_prefix(ns: &str, name: &str) -> String {
     format!("_INBOX_{ns}_{name}")
 }
 
-pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: bool) -> AllowLists {
+/// `mig`: MIG over NATS is on, with the capabilities whose dead letters the participant
+/// may read (those of jobs it may serve: their task bodies reach it in offers anyway).
+pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: Option<&[String]>) -> AllowLists {
     let inbox = binding::inbox_stream(ns);
     let own = binding::inbox_consumer(name);
     let mut publish = vec![
@@ -68,7 +70,7 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: bool) -> AllowLis
     // With MIG off nothing of it is granted. With it on: the broker authenticates each
     // MIG request and answers only under the caller's reply prefix, so publishing them
     // lets a participant do nothing it could not do over WebSocket.
-    if mig {
+    if let Some(dlq) = mig {
         publish.extend(super::mig::subjects::request_publish_allow(ns));
         for t in &p.publish {
             push_unique(&mut publish, super::mig::subjects::events_subject(ns, t));
@@ -80,6 +82,9 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: bool) -> AllowLis
             &mut subscribe,
             super::mig::subjects::stream_subscribe_allow(ns),
         );
+        for cap in dlq {
+            push_unique(&mut subscribe, super::mig::subjects::dlq_subject(ns, cap));
+        }
     }
     AllowLists { publish, subscribe }
 }
@@ -101,8 +106,8 @@ pub struct UserGrant<'a> {
     /// `aud`: in server-configuration mode the auth callout names the account to place the
     /// user in (`$G` for the global account).
     pub audience: Option<&'a str>,
-    /// MIG over NATS is enabled: the grant includes its subjects.
-    pub mig: bool,
+    /// MIG over NATS is enabled: the grant includes its subjects (see [`allow_lists`]).
+    pub mig: Option<&'a [String]>,
 }
 
 fn object(value: Value) -> Claims {
@@ -157,7 +162,7 @@ pub fn hello_jwt(
     participant: &super::config::Participant,
     unix_s: u64,
     ttl_s: u64,
-    mig: bool,
+    mig: Option<&[String]>,
 ) -> Result<String, JwtError> {
     let (user_key, bearer) = match &participant.nkey {
         Some(nkey) => (nkey.clone(), false),
@@ -302,13 +307,13 @@ mod tests {
             ttl_s: 3600,
             bearer: false,
             audience: None,
-            mig: true,
+            mig: Some(&[]),
         }
     }
 
     #[test]
     fn with_mig_off_no_mig_subject_is_granted() {
-        let lists = allow_lists("acme", "w1", &perms(), false);
+        let lists = allow_lists("acme", "w1", &perms(), None);
         let all = lists.publish.iter().chain(&lists.subscribe);
         assert!(all.clone().count() > 0);
         assert!(all.clone().all(|s| !s.starts_with("mig.")), "{lists:?}");
@@ -316,7 +321,7 @@ mod tests {
 
     #[test]
     fn only_reads_of_what_is_addressed_to_the_participant_are_allowed() {
-        let lists = allow_lists("acme", "w1", &perms(), true);
+        let lists = allow_lists("acme", "w1", &perms(), Some(&[]));
         assert_eq!(
             lists.publish,
             [

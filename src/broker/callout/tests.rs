@@ -270,7 +270,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w2"],
         NOW - 10,
         600,
-        true,
+        Some(&[]),
     )
     .expect("jwt");
     let bearer_jwt = scoped_jwt::hello_jwt(
@@ -280,7 +280,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w1"],
         NOW - 10,
         600,
-        true,
+        Some(&[]),
     )
     .expect("jwt");
     let sig = sign_nonce(&w.nkey_user, NONCE);
@@ -299,7 +299,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w2"],
         NOW - 700,
         600,
-        true,
+        Some(&[]),
     )
     .expect("jwt");
     let foreign_account = KeyPair::generate(KeyKind::Account).expect("key");
@@ -310,7 +310,7 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
         &acme.participants["w1"],
         NOW,
         600,
-        true,
+        Some(&[]),
     )
     .expect("jwt");
     let mut parts: Vec<String> = bearer_jwt.split('.').map(str::to_string).collect();

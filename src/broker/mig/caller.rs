@@ -349,7 +349,7 @@ mod tests {
             &p,
             (NOW_MS / 1000) as u64,
             3600,
-            true,
+            Some(&[]),
         )
         .expect("jwt");
         let mut a = Authenticator::new();

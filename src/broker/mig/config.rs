@@ -50,6 +50,27 @@ pub struct Capability {
     pub event_topics: Vec<String>,
 }
 
+/// The capabilities of `ns` whose dead letters participant `p` may read over MIG: those
+/// of the jobs it may serve. `None` when MIG is off.
+pub fn readable_dead_letters(
+    config: &crate::broker::config::Config,
+    ns: &str,
+    p: &crate::broker::config::Participant,
+) -> Option<Vec<String>> {
+    use crate::broker::permissions::{Action, allows};
+    if !config.mig.enabled {
+        return None;
+    }
+    let jobs = config.namespaces.get(ns).map(|n| &n.jobs);
+    Some(
+        jobs.into_iter()
+            .flatten()
+            .filter(|(job, _)| allows(&p.permissions, Action::Serve, job))
+            .filter_map(|(_, j)| j.mig.as_ref().map(|m| m.id.clone()))
+            .collect(),
+    )
+}
+
 fn default_version() -> String {
     "1.0.0".to_string()
 }

@@ -10,7 +10,14 @@ use crate::broker::permissions::{self, Action};
 use crate::broker::registry::Registry;
 
 /// Features `hello` can enable: the ones this broker implements.
-pub const FEATURES: &[&str] = &["streaming", "replay", "cancel", "heartbeat", "idempotency"];
+pub const FEATURES: &[&str] = &[
+    "streaming",
+    "replay",
+    "cancel",
+    "heartbeat",
+    "idempotency",
+    "dead_letter",
+];
 /// Versions this broker speaks, highest first.
 const VERSIONS: &[&str] = &[super::envelope::MIG_VERSION];
 /// `suggested_interval_ms` of a heartbeat that asks for none, and its bounds.
