@@ -229,7 +229,12 @@ impl World {
     }
 
     fn amp_client(&self, broker: usize, name: &str) -> Client {
-        Client::login(&self.brokers[broker], "acme", name, &format!("{name}-token"))
+        Client::login(
+            &self.brokers[broker],
+            "acme",
+            name,
+            &format!("{name}-token"),
+        )
     }
 
     fn metrics(&self, broker: usize) -> String {
@@ -1129,7 +1134,10 @@ fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_ma
 
     // `infer` has max_attempts 1: the worker's fail spends the last attempt.
     let body = json!({"prompt": "the last one"});
-    let tag = alice.invoke_later(INFER, json!({"header": {"tenant_id": "acme"}, "payload": body}));
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme"}, "payload": body}),
+    );
     serve_one(
         &mut worker,
         json!({"op":"fail","retry":true,"error":{"code":"gpu_lost","message":"fell over"}}),
@@ -1152,7 +1160,10 @@ fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_ma
     let got = alice.call(json!({"cmd": "collected", "sub": "dlq"}));
     assert_eq!(got["messages"], json!([]), "{got}");
     assert!(
-        got["errors"].to_string().to_lowercase().contains("permissions violation"),
+        got["errors"]
+            .to_string()
+            .to_lowercase()
+            .contains("permissions violation"),
         "{got}"
     );
 
