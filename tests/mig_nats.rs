@@ -172,6 +172,8 @@ fn config(ann: &KeyPair) -> Value {
                 "dave": {"token_sha256": token("dave"), "permissions": {"submit": ["infer"]},
                          "policy": {"msgs_per_s": 0.01, "burst": 1}},
                 "ann": {"nkey": ann.public_key(), "permissions": {"submit": ["infer"]}},
+                "erin": {"token_sha256": token("erin"), "permissions": {"submit": ["infer"]},
+                         "policy": {"tasks_per_window": 2, "window_s": 3600}},
                 "worker": {"token_sha256": token("worker"), "permissions": {"serve": ["infer", "idle", "small"]}}
             },
             "jobs": {
@@ -1185,4 +1187,24 @@ fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_ma
     let offer = worker.next_op("offer", WAIT).expect("the redriven task");
     assert_eq!(offer["task"], r["task"], "{offer}");
     assert_eq!(offer["body"], body, "{offer}");
+}
+
+#[test]
+fn a_task_budget_counts_mig_invokes_that_create_a_task_and_no_retry() {
+    let w = world(1);
+    let mut erin = Mig::connect(&w, "erin");
+    let mut worker = w.worker(0, "infer", 1);
+    let invoke = |key: &str| json!({"header": {"tenant_id": "acme", "idempotency_key": key}, "payload": {"n": key}});
+    for key in ["k1", "k2"] {
+        let tag = erin.invoke_later(INFER, invoke(key));
+        serve_one(&mut worker, json!({"op":"complete","result":{"done":key}}));
+        let r = erin.wait(&tag);
+        assert_eq!(r["reply"]["payload"], json!({"done": key}), "{r}");
+    }
+    // The budget of 2 is spent: a third task is refused, a retry of the first is not.
+    let r = erin.request(&format!("invoke.{INFER}"), invoke("k3"));
+    assert_eq!(error_code(&r), "MIG_RATE_LIMITED", "{r}");
+    assert_eq!(r["error"]["details"]["amp_code"], "budget_exhausted", "{r}");
+    let r = erin.request(&format!("invoke.{INFER}"), invoke("k1"));
+    assert_eq!(r["payload"], json!({"done": "k1"}), "{r}");
 }

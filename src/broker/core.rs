@@ -1645,6 +1645,7 @@ impl Broker {
             Some(Settled::Unavailable { participant }) => (participant, false),
             None => return,
         };
+        self.mig_budget_settled(conn, &participant, retry, now);
         for (session, frame) in self.held_submits.remove(&participant).unwrap_or_default() {
             if !retry {
                 if let Some(id) = frame.id() {

@@ -15,6 +15,7 @@ impl Broker {
             config: &self.config,
             jobs: &mut self.jobs,
             rates: &mut self.rates,
+            budgets: &mut self.budgets,
             registry,
         };
         (&mut self.mig, ctx)
@@ -33,6 +34,7 @@ impl Broker {
         }
         let (front, mut ctx) = self.mig_parts(mig::tenant_of(&msg.subject));
         front.on_message(conn, &mut ctx, sid, msg, now);
+        self.drive_budgets(conn, now);
         true
     }
 
@@ -49,6 +51,7 @@ impl Broker {
         }
         let (front, mut ctx) = self.mig_parts(None);
         front.on_reply(conn, &mut ctx, id, reply, now);
+        self.drive_budgets(conn, now);
         None
     }
 
@@ -62,10 +65,25 @@ impl Broker {
     ) {
         let (front, mut ctx) = self.mig_parts(None);
         front.on_jobs_reply(conn, &mut ctx, session, text, now);
+        self.drive_budgets(conn, now);
     }
 
     pub(super) fn mig_timeout(&mut self, conn: &mut Connection, now: Instant) {
         let (front, mut ctx) = self.mig_parts(None);
         front.handle_timeout(conn, &mut ctx, now);
+        self.drive_budgets(conn, now);
+    }
+
+    /// A participant's task budget settled: MIG invocations waiting for it go on.
+    pub(super) fn mig_budget_settled(
+        &mut self,
+        conn: &mut Connection,
+        participant: &str,
+        ok: bool,
+        now: Instant,
+    ) {
+        let (front, mut ctx) = self.mig_parts(None);
+        front.budget_settled(conn, &mut ctx, participant, ok, now);
+        self.drive_budgets(conn, now);
     }
 }

@@ -122,7 +122,7 @@ impl Mig {
             return;
         };
         match inv.stage {
-            Stage::Looking | Stage::Counting => {
+            Stage::Looking | Stage::Budget | Stage::Counting => {
                 // Nothing submitted yet: nothing to cancel in the store.
                 let reason = inv.cancel_reason.clone().unwrap_or_default();
                 self.finish(conn, session, Err(invoke::cancelled(&reason)), now);

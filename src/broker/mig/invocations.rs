@@ -14,6 +14,7 @@ use super::{
     take_rate,
 };
 use crate::amp::frame::ClientFrame;
+use crate::broker::budget::Spend;
 use crate::broker::jobs::SessionId;
 use crate::broker::task_store::{TaskRecord, body_digest};
 use crate::nats::{Connection, Message, RequestError};
@@ -156,12 +157,75 @@ impl Mig {
                     .get(&session)
                     .is_some_and(|i| i.stage == Stage::Looking)
                 {
-                    self.count_queue(conn, ctx, session, now)
+                    self.spend_budget(conn, ctx, session, now)
                 }
             }
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("the task store refused: {e}"));
                 self.finish(conn, session, Err(e), now)
+            }
+        }
+    }
+
+    /// Before a new task: the caller's task budget, as a WebSocket `submit` spends it (a
+    /// retry that finds its first try's task spends nothing).
+    pub(super) fn spend_budget(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        let budget = ctx
+            .config
+            .participant(&inv.ns, &inv.caller)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(crate::broker::budget::Budget::from_policy);
+        let Some(budget) = budget else {
+            return self.count_queue(conn, ctx, session, now);
+        };
+        let key = format!("{}/{}", inv.ns, inv.caller);
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        match ctx.budgets.try_spend(&key, budget, unix_ms) {
+            Spend::Granted => self.count_queue(conn, ctx, session, now),
+            Spend::Exhausted => {
+                let e = MigError::new(Code::RateLimited, "the task budget of this window is spent")
+                    .detail("amp_code", json!("budget_exhausted"));
+                self.finish(conn, session, Err(e), now)
+            }
+            Spend::Wait => inv.stage = Stage::Budget,
+        }
+    }
+
+    /// The budget of participant `ns/name` was read or reserved (`ok`) or could not be:
+    /// the invocations waiting for it go on, or end `MIG_UNAVAILABLE`.
+    pub fn budget_settled(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        participant: &str,
+        ok: bool,
+        now: Instant,
+    ) {
+        let waiting: Vec<SessionId> = self
+            .invocations
+            .iter()
+            .filter(|(_, i)| {
+                i.stage == Stage::Budget && format!("{}/{}", i.ns, i.caller) == participant
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        for session in waiting {
+            if ok {
+                self.spend_budget(conn, ctx, session, now);
+            } else {
+                let e = MigError::new(Code::Unavailable, "the task budget could not be read");
+                self.finish(conn, session, Err(e), now);
             }
         }
     }

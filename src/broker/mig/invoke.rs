@@ -30,6 +30,8 @@ pub struct Request<'a> {
 pub enum Stage {
     /// Reading the task record (a retry finds its first try's task).
     Looking,
+    /// Waiting for the caller's task budget to be read or reserved.
+    Budget,
     /// Counting the job's queue against `max_queued`.
     Counting,
     /// The submit is with the jobs engine.

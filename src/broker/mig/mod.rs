@@ -62,6 +62,8 @@ pub struct Ctx<'a> {
     pub config: &'a Config,
     pub jobs: &'a mut Jobs,
     pub rates: &'a mut RateLimiter,
+    /// Task budgets (`tasks_per_window`), spent by each invoke that creates a task.
+    pub budgets: &'a mut crate::broker::budget::Budgets,
     /// The registry of the request's tenant (serving slots and leases, for heartbeats).
     pub registry: Option<&'a Registry>,
 }
