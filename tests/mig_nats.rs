@@ -1208,3 +1208,51 @@ fn a_task_budget_counts_mig_invokes_that_create_a_task_and_no_retry() {
     let r = erin.request(&format!("invoke.{INFER}"), invoke("k1"));
     assert_eq!(r["payload"], json!({"done": "k1"}), "{r}");
 }
+
+#[test]
+fn a_keyed_invocation_is_cancelled_through_any_broker() {
+    let w = world(2);
+    let mut alice = Mig::connect(&w, "alice");
+    let mut bob = Mig::connect(&w, "bob");
+    // Requests go to either broker (queue groups): with a dozen invocations, some cancels
+    // reach the broker that does not hold theirs, which can only find a keyed one by
+    // asking the holder (its task id comes from the key, not the message id).
+    for i in 0..12 {
+        let id = format!("k{i}");
+        let tag = alice.invoke_later(
+            "observatory.idle",
+            json!({"header": {"tenant_id": "acme", "message_id": id, "idempotency_key": format!("key-{i}")},
+                   "payload": {}}),
+        );
+        let cancel = |who: &mut Mig| {
+            who.request(
+                &format!("control.cancel.{id}"),
+                json!({"header": {"tenant_id": "acme"}, "reason": "no longer needed"}),
+            )
+        };
+        let mut ack = Value::Null;
+        let found = common::wait_until(WAIT, || {
+            ack = cancel(&mut bob);
+            ack["error"]["code"] == "MIG_FORBIDDEN"
+        });
+        assert!(found, "bob's cancel of {id}: {ack}");
+        let ack = cancel(&mut alice);
+        assert_eq!(
+            (&ack["accepted"], &ack["status"]),
+            (&json!(true), &json!("cancelled")),
+            "{id}: {ack}"
+        );
+        let r = alice.wait(&tag)["reply"].clone();
+        assert_eq!(r["error"]["message"], "cancelled: no longer needed", "{r}");
+    }
+    let forwarded: u64 = (0..2)
+        .map(|b| {
+            w.metrics(b)
+                .lines()
+                .find_map(|l| l.strip_prefix("amp_mig_cancels_forwarded_total "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(forwarded > 0, "no cancel went through the other broker");
+}

@@ -20,7 +20,20 @@ pub struct CancelRequest {
     received: Instant,
     /// The local invocation it ends, if any.
     invocation: Option<SessionId>,
+    /// Forwarded by another broker: `reply` is that broker's, which answers the caller
+    /// (and counts the request); the outcome goes back as `{result}` or `{error}`.
+    forwarded: bool,
 }
+
+/// A cancel sent to the broker holding the keyed invocation, if one does.
+pub struct Forwarded {
+    request: CancelRequest,
+    ns: String,
+    name: String,
+}
+
+/// How long the broker holding a keyed invocation has to answer a forwarded cancel.
+const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl Mig {
     #[allow(clippy::too_many_arguments)]
@@ -80,6 +93,7 @@ impl Mig {
             target: target.to_string(),
             received: now,
             invocation: mine,
+            forwarded: false,
         };
         match mine {
             Some(s) => {
@@ -100,12 +114,129 @@ impl Mig {
                 self.respond(conn, &answer, Ok(ack), now);
             }
             None => {
-                // Another broker's invocation, or none: ask the task store.
-                let task = invoke::task_id(ns, name, None, target);
-                let s = self.new_session();
-                self.cancels.insert(s, request);
-                jobs_frame(conn, ctx, s, ns, name, cancel_frame(&task), now);
+                // Another broker's invocation, or none. A keyed one's holder listens on a
+                // subject of its message id; with nobody there, the task store decides.
+                let subject = super::subjects::forwarded_cancel_subject(ns, target);
+                let body = json!({"caller": name, "reason": reason}).to_string();
+                let f = Forwarded {
+                    request,
+                    ns: ns.to_string(),
+                    name: name.to_string(),
+                };
+                match conn.request(&subject, None, body.as_bytes(), FORWARD_TIMEOUT, now) {
+                    Ok(id) => {
+                        self.pending
+                            .insert(id, super::Pending::Forwarded(Box::new(f)));
+                    }
+                    Err(_) => self.cancel_in_store(conn, ctx, f, now),
+                }
             }
+        }
+    }
+
+    /// The unkeyed task of `message_id`, cancelled through the task store.
+    fn cancel_in_store(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        f: Forwarded,
+        now: Instant,
+    ) {
+        let task = invoke::task_id(&f.ns, &f.name, None, &f.request.target);
+        let s = self.new_session();
+        self.cancels.insert(s, f.request);
+        jobs_frame(conn, ctx, s, &f.ns, &f.name, cancel_frame(&task), now);
+    }
+
+    /// The holder's answer to a forwarded cancel; no responders (or none in time): no
+    /// broker holds a keyed invocation of that message id.
+    pub(super) fn forward_answered(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        f: Forwarded,
+        reply: Result<crate::nats::Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        let answer: Option<Value> = reply
+            .ok()
+            .filter(|m| m.status().is_none())
+            .and_then(|m| serde_json::from_slice(&m.payload).ok());
+        let Some(answer) = answer else {
+            return self.cancel_in_store(conn, ctx, f, now);
+        };
+        self.metrics.forwarded_cancel();
+        let result = match answer.get("error") {
+            Some(e) => Err(MigError::from_value(e)),
+            None => Ok(answer.get("result").cloned().unwrap_or(Value::Null)),
+        };
+        let c = f.request;
+        let answer = Answer {
+            reply: &c.reply,
+            echo: &c.echo,
+            op: "cancel",
+            capability: "",
+            received: c.received,
+        };
+        self.respond(conn, &answer, result, now);
+    }
+
+    /// A cancel another broker forwarded for local keyed invocation `session`.
+    pub(super) fn forwarded_cancel(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        session: SessionId,
+        msg: &crate::nats::Message,
+        now: Instant,
+    ) {
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let body: Value = serde_json::from_slice(&msg.payload).unwrap_or(Value::Null);
+        let caller = body
+            .get("caller")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        let target = inv.echo.message_id.clone().unwrap_or_default();
+        let request = CancelRequest {
+            reply: reply.to_string(),
+            echo: inv.echo.clone(),
+            target,
+            received: now,
+            invocation: Some(session),
+            forwarded: true,
+        };
+        if inv.caller != caller {
+            let e = MigError::new(
+                Code::Forbidden,
+                "only the caller of an invocation may cancel it",
+            );
+            return self.answer_forwarded(conn, &request, Err(e));
+        }
+        let reason = body
+            .get("reason")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        inv.cancel_reason = Some(reason.chars().take(256).collect());
+        self.cancel_task(conn, ctx, session, request, now);
+    }
+
+    fn answer_forwarded(
+        &mut self,
+        conn: &mut Connection,
+        c: &CancelRequest,
+        result: Result<Value, MigError>,
+    ) {
+        let body = match result {
+            Ok(v) => json!({"result": v}),
+            Err(e) => json!({"error": e.to_value()}),
+        };
+        if let Err(e) = conn.publish(&c.reply, None, None, body.to_string().as_bytes()) {
+            log::warn!("forwarded cancel not answered: {e}");
         }
     }
 
@@ -168,6 +299,9 @@ impl Mig {
                 error.as_ref().unwrap_or(&Value::Null),
             )),
         };
+        if c.forwarded {
+            return self.answer_forwarded(conn, &c, result);
+        }
         let answer = Answer {
             reply: &c.reply,
             echo: &c.echo,

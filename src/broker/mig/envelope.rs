@@ -126,6 +126,22 @@ impl MigError {
         m
     }
 
+    /// The error [`MigError::to_value`] wrote (another broker's answer).
+    pub fn from_value(v: &Value) -> MigError {
+        let code = v
+            .get("code")
+            .and_then(Value::as_str)
+            .and_then(Code::parse)
+            .unwrap_or(Code::Internal);
+        let message = v.get("message").and_then(Value::as_str).unwrap_or_default();
+        let mut e = MigError::new(code, message);
+        e.retryable = v.get("retryable").and_then(Value::as_bool);
+        if let Some(d) = v.get("details").and_then(Value::as_object) {
+            e.details = d.clone();
+        }
+        e
+    }
+
     pub fn to_value(&self) -> Value {
         json!({
             "code": self.code.as_str(),

@@ -99,6 +99,18 @@ impl Mig {
             .or_default()
             .push(session);
         inv.watch = Some(sid);
+        if inv.echo.idempotency_key.is_some() {
+            let message_id = inv.echo.message_id.as_deref().unwrap_or_default();
+            let subject = super::subjects::forwarded_cancel_subject(&inv.ns, message_id);
+            match conn.subscribe(&subject, None) {
+                Ok(sid) => {
+                    self.subs.insert(sid, Sub::ForwardedCancel(session));
+                    inv.cancel_watch = Some(sid);
+                }
+                // Only a cancel through another broker is lost: it answers `not_found`.
+                Err(e) => log::warn!("no forwarded cancels for an invocation: {e}"),
+            }
+        }
         if inv.stream.is_some() {
             // The reply is the stream's first frame; the rest follow on the stream subject.
             let started = json!({"kind": "control", "payload": {"status": "started"}});
@@ -421,7 +433,7 @@ impl Mig {
         let Some(inv) = self.invocations.remove(&session) else {
             return;
         };
-        if let Some(sid) = inv.watch {
+        for sid in [inv.watch, inv.cancel_watch].into_iter().flatten() {
             self.subs.remove(&sid);
             let _ = conn.unsubscribe(sid, None);
         }

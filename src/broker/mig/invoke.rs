@@ -52,6 +52,9 @@ pub struct Invocation {
     pub deadline: Instant,
     pub stage: Stage,
     pub watch: Option<crate::nats::Sid>,
+    /// A keyed invocation listens for cancels other brokers forward
+    /// ([`super::subjects::forwarded_cancel_subject`]).
+    pub cancel_watch: Option<crate::nats::Sid>,
     pub payload: Value,
     pub headers: Headers,
     pub cancel_reason: Option<String>,
@@ -226,6 +229,7 @@ impl Invocation {
             payload: r.body.get("payload").cloned().unwrap_or(Value::Null),
             headers,
             cancel_reason: None,
+            cancel_watch: None,
             cancel_after_submit: None,
         }
     }

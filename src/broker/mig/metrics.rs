@@ -25,6 +25,7 @@ pub struct Metrics {
     requests: BTreeMap<(&'static str, String, &'static str), u64>,
     latency: BTreeMap<&'static str, Histogram>,
     rejected: BTreeMap<&'static str, u64>,
+    forwarded_cancels: u64,
 }
 
 impl Metrics {
@@ -55,6 +56,11 @@ impl Metrics {
         }
         h.sum += secs;
         h.count += 1;
+    }
+
+    /// A cancel answered by the broker holding its keyed invocation.
+    pub fn forwarded_cancel(&mut self) {
+        self.forwarded_cancels += 1;
     }
 
     pub fn rejected(&mut self, reason: &'static str) {
@@ -98,6 +104,13 @@ impl Metrics {
         for (reason, n) in &self.rejected {
             let _ = writeln!(out, "amp_mig_rejected_total{{reason=\"{reason}\"}} {n}");
         }
+        out.push_str("# HELP amp_mig_cancels_forwarded_total CANCELs answered by the broker holding their keyed invocation.\n");
+        out.push_str("# TYPE amp_mig_cancels_forwarded_total counter\n");
+        let _ = writeln!(
+            out,
+            "amp_mig_cancels_forwarded_total {}",
+            self.forwarded_cancels
+        );
     }
 }
 

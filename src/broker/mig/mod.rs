@@ -74,6 +74,8 @@ enum Sub {
     Live(usize),
     /// Changes of one invocation's task record.
     Task(SessionId),
+    /// Cancels of one keyed invocation forwarded by other brokers.
+    ForwardedCancel(SessionId),
 }
 
 enum Pending {
@@ -82,6 +84,8 @@ enum Pending {
     LiveConsumer(usize),
     Publish(Box<events::PublishRequest>),
     Replay(Box<events::ReplayPage>),
+    /// A cancel forwarded to the broker that may hold its invocation.
+    Forwarded(Box<cancel::Forwarded>),
 }
 
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
@@ -259,6 +263,10 @@ impl Mig {
                     self.on_record(conn, session, record, now);
                 }
             }
+            Some(Sub::ForwardedCancel(session)) => {
+                let session = *session;
+                self.forwarded_cancel(conn, ctx, session, msg, now);
+            }
             None => {}
         }
     }
@@ -285,6 +293,7 @@ impl Mig {
             }
             Pending::Publish(p) => self.published(conn, *p, reply, now),
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
+            Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
         }
         true
     }

@@ -94,6 +94,27 @@ pub fn dlq_subject(ns: &str, capability: &str) -> String {
     format!("{ROOT}.{ns}.dlq.{capability}")
 }
 
+/// Where the broker holding keyed invocation `message_id` of `ns` takes cancels another
+/// broker forwards (a keyed invocation's task id cannot be derived from its message id).
+/// Under the brokers' own prefix, which no participant's credential reaches; the message
+/// id is hashed, as it need not be a subject token.
+pub fn forwarded_cancel_subject(ns: &str, message_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [ns, message_id] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    let hex: String = h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "{}.MIG.CANCEL.{ns}.{hex}",
+        crate::broker::scoped_jwt::BROKER_INBOX_PREFIX
+    )
+}
+
 /// What a participant of `ns` may subscribe to for MIG: stream frames. The subject names
 /// only the stream id (the caller's message id), so any participant of the tenant may
 /// listen; callers choose unguessable message ids for streams.
