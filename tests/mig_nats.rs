@@ -33,41 +33,9 @@ struct Mig {
 impl Mig {
     /// Connects as `acme/<name>` with its token and its reply prefix as inbox prefix.
     fn connect(world: &World, name: &str) -> Mig {
-        require_nats_py();
-        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/interop/mig_client.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("run python3");
-        let stdin = child.stdin.take().expect("stdin");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let v: Value = serde_json::from_str(&line).unwrap_or(Value::String(line));
-                if tx.send(v).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut m = Mig {
-            child,
-            stdin,
-            lines,
-            early: HashMap::new(),
-            next: 0,
-            name: name.to_string(),
-        };
-        let r = m.call(json!({
-            "cmd": "connect", "url": world.callout.nats.url(),
-            "user": format!("acme/{name}"), "password": format!("{name}-token"),
-            "inbox_prefix": format!("_INBOX_acme_{name}"),
-        }));
-        assert_eq!(r["ok"], true, "connect: {r}");
-        m
+        let credential =
+            json!({"user": format!("acme/{name}"), "password": format!("{name}-token")});
+        Mig::connect_as(world, name, credential)
     }
 
     fn send(&mut self, mut cmd: Value) -> String {
@@ -150,6 +118,8 @@ struct World {
     ann: KeyPair,
     /// Holds Ann's seed file.
     dir: tempfile::TempDir,
+    /// The NATS side runs TLS with this PKI (brokers and MIG clients verify its CA).
+    tls: Option<common::tls::Pki>,
 }
 
 fn config(ann: &KeyPair) -> Value {
@@ -187,10 +157,35 @@ fn config(ann: &KeyPair) -> Value {
 }
 
 fn world(brokers: usize) -> World {
+    world_with(brokers, None)
+}
+
+/// The NATS side on TLS (the broker's connection and every MIG client's), with the auth
+/// callout as always.
+fn tls_world(brokers: usize) -> World {
+    world_with(brokers, Some(common::tls::Pki::new()))
+}
+
+fn world_with(brokers: usize, tls: Option<common::tls::Pki>) -> World {
     let ann = KeyPair::generate(KeyKind::User).expect("key");
-    let callout = CalloutServer::start();
+    let tls_block = tls
+        .as_ref()
+        .map(|pki| pki.nats_tls_block(&pki.server, ""))
+        .unwrap_or_default();
+    let callout = CalloutServer::start_with(&tls_block);
     let config = config(&ann);
-    let brokers = (0..brokers).map(|_| callout.broker(&config, &[])).collect();
+    let url = match &tls {
+        Some(_) => format!("tls://{}", callout.nats.addr()),
+        None => callout.nats.url(),
+    };
+    let ca = tls.as_ref().map(|pki| pki.ca_arg());
+    let extra: Vec<&str> = match &ca {
+        Some(ca) => vec!["--nats-tls-ca", ca],
+        None => Vec::new(),
+    };
+    let brokers = (0..brokers)
+        .map(|_| callout.broker_at(&url, &config, &extra))
+        .collect();
     let dir = tempfile::tempdir().expect("dir");
     std::fs::write(dir.path().join("ann.seed"), ann.seed()).expect("seed");
     let w = World {
@@ -198,12 +193,20 @@ fn world(brokers: usize) -> World {
         callout,
         ann,
         dir,
+        tls,
     };
     w.await_mig();
     w
 }
 
 impl World {
+    fn nats_url(&self) -> String {
+        match &self.tls {
+            Some(_) => format!("tls://{}", self.callout.nats.addr()),
+            None => self.callout.nats.url(),
+        }
+    }
+
     /// Waits until every broker answers MIG requests.
     fn await_mig(&self) {
         let mut m = Mig::connect(self, "alice");
@@ -273,7 +276,8 @@ fn serve_one(worker: &mut Client, answer: Value) -> Value {
 
 #[test]
 fn migd_smoke_checks_hello_discover_and_an_invoke_with_only_a_tenant() {
-    let w = world(1);
+    // Over TLS on the NATS side, as an exposed deployment runs it.
+    let w = tls_world(1);
     let mut worker = w.worker(0, "infer", 2);
     let mut alice = Mig::connect(&w, "alice");
 
@@ -680,8 +684,11 @@ impl Mig {
             next: 0,
             name: name.to_string(),
         };
-        let mut cmd = json!({"cmd": "connect", "url": world.callout.nats.url(),
+        let mut cmd = json!({"cmd": "connect", "url": world.nats_url(),
             "inbox_prefix": format!("_INBOX_acme_{name}")});
+        if let Some(pki) = &world.tls {
+            cmd["ca_file"] = json!(pki.ca_arg());
+        }
         if let (Some(c), Some(extra)) = (cmd.as_object_mut(), credential.as_object()) {
             c.extend(extra.clone());
         }

@@ -500,11 +500,16 @@ pub struct CalloutServer {
 
 impl CalloutServer {
     pub fn start() -> CalloutServer {
+        CalloutServer::start_with("")
+    }
+
+    /// With `extra` server configuration (e.g. a `tls {}` block).
+    pub fn start_with(extra: &str) -> CalloutServer {
         use amp_broker::nkeys::{KeyKind, KeyPair};
         let broker_key = KeyPair::generate(KeyKind::User).expect("key");
         let account = KeyPair::generate(KeyKind::Account).expect("key");
         let nats = super::NatsServer::with_config(&format!(
-            "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n",
+            "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n{extra}",
             b = broker_key.public_key(),
             a = account.public_key()
         ));
@@ -534,8 +539,13 @@ impl CalloutServer {
 
     /// The broker binary as this server's callout, with `config`.
     pub fn broker(&self, config: &Value, extra: &[&str]) -> Broker {
+        self.broker_at(&self.nats.url(), config, extra)
+    }
+
+    /// The same, connecting to `url` (a `tls://` one for a TLS server).
+    pub fn broker_at(&self, url: &str, config: &Value, extra: &[&str]) -> Broker {
         let args = self.broker_args(extra);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Broker::start_with(&self.nats.url(), config, &args)
+        Broker::start_with(url, config, &args)
     }
 }

@@ -19,6 +19,7 @@ failure {"error": "..."}.
 import asyncio
 import base64
 import json
+import ssl
 import sys
 
 try:
@@ -73,6 +74,8 @@ async def main():
             for key in ("user", "password", "token", "nkeys_seed", "inbox_prefix"):
                 if key in cmd:
                     opts[key] = cmd[key]
+            if "ca_file" in cmd:
+                opts["tls"] = ssl.create_default_context(cafile=cmd["ca_file"])
             try:
                 nc = await nats.connect(**opts)
                 out({"tag": tag, "ok": True})
