@@ -1263,3 +1263,40 @@ fn a_keyed_invocation_is_cancelled_through_any_broker() {
         .sum();
     assert!(forwarded > 0, "no cancel went through the other broker");
 }
+
+#[test]
+fn a_broker_killed_mid_invocation_leaves_the_task_to_another_and_the_retry_gets_its_result() {
+    let mut w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let body = |id: &str| {
+        json!({"header": {"tenant_id": "acme", "message_id": id, "idempotency_key": "order-9"},
+               "payload": {"n": 9}})
+    };
+    // Broker 0, the only one, takes the invocation; nobody there serves the job.
+    let _lost = alice.invoke_later(INFER, body("first"));
+    let submitted =
+        common::wait_until(WAIT, || w.metrics(0).contains("amp_jobs_submitted_total 1"));
+    assert!(submitted, "the invocation did not submit its task");
+
+    // A second broker comes, its worker takes the task, and broker 0 dies with the
+    // invocation it was waiting on.
+    let second = w.callout.broker(&config(&w.ann), &[]);
+    w.brokers.push(second);
+    let mut worker = w.worker(1, "infer", 1);
+    let offer = worker
+        .next_op("offer", WAIT)
+        .expect("the task reaches broker 1");
+    let task = offer["task"].as_str().expect("task").to_string();
+    assert_eq!(
+        worker.request(json!({"op":"claim","task":task}))["op"],
+        "ok"
+    );
+    w.brokers[0].kill();
+    let done = worker.request(json!({"op":"complete","task":task,"result":{"n": 81}}));
+    assert_eq!(done["op"], "ok", "{done}");
+
+    // The caller's retry with the same key reaches broker 1 and gets the first outcome.
+    let again = alice.request(&format!("invoke.{INFER}"), body("retry"));
+    assert_eq!(again["payload"], json!({"n": 81}), "{again}");
+    assert_eq!(again["header"]["message_id"], "retry");
+}
