@@ -82,7 +82,6 @@ fn workers(broker: &Broker, stop: &Arc<AtomicBool>) -> Vec<JoinHandle<u64>> {
     (0..WORKERS)
         .map(|_| {
             let mut c = Client::connect(broker);
-            c.set_nodelay();
             let ok = c.request(json!({
                 "op":"hello","ns":"acme","name":"worker",
                 "auth":{"type":"token","token":"worker-token"},

@@ -323,6 +323,10 @@ impl Client {
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
+        // Nagle off, as browsers have it for WebSockets: with it on, a frame the broker
+        // never answers (an `ack`) followed by another (the next `submit`) holds the
+        // second one until the broker's delayed ACK, some 40 ms.
+        stream.set_nodelay(true).expect("TCP_NODELAY");
         let (ws, _) = tungstenite::client(request, stream).expect("websocket upgrade");
         let mut client = Client {
             ws,
@@ -366,13 +370,6 @@ impl Client {
         self.ws
             .send(Message::binary(bytes.to_vec()))
             .expect("send binary frame");
-    }
-
-    /// Turns Nagle off on the socket (the broker's side has it off): a benchmark's small
-    /// frame written right after one the broker never answers (an `ack`) otherwise waits
-    /// for the broker's delayed ACK, some 40 ms.
-    pub fn set_nodelay(&mut self) {
-        self.ws.get_ref().set_nodelay(true).expect("TCP_NODELAY");
     }
 
     /// Stops reading from the socket (and shrinks the receive buffer) so the broker's
