@@ -5,6 +5,7 @@ pub mod amp;
 pub mod broker;
 pub mod cli;
 pub mod deadline;
+pub mod heap;
 pub mod jetstream;
 pub mod jwt;
 pub mod lame_duck;

@@ -226,6 +226,7 @@ pub fn run(
     let mut next_supervise = now + SUPERVISE_INTERVAL;
     let mut liveness = Liveness::default();
     let mut next_tick = now + LIVENESS_TICK;
+    let mut trimmer = crate::heap::Trimmer::new(now);
     // Work was left over by the last turn's bounded rounds: poll without waiting.
     let mut unfinished = false;
 
@@ -239,6 +240,7 @@ pub fn run(
             drain_until,
             lame_duck.as_ref().and_then(LameDuck::next_deadline),
             Some(next_tick),
+            Some(trimmer.deadline()),
         ]
         .into_iter()
         .flatten()
@@ -441,6 +443,9 @@ pub fn run(
             }
         }
 
+        if !unfinished {
+            trimmer.tick(now);
+        }
         if drain_until.is_some_and(|limit| ws.is_drained() || now >= limit) {
             nats.drive(poll.registry(), now);
             log::info!("drained; {} sessions left", ws.connection_count());

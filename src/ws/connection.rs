@@ -155,7 +155,7 @@ enum Phase {
     Closed,
 }
 
-/// Beyond this capacity an emptied output buffer is released instead of kept.
+/// A partly written output buffer is compacted once this much of it is written.
 const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
 
 /// Output room kept free of text frames and pongs, so what can follow the last check
@@ -176,6 +176,10 @@ const RESUME_FRAMES: f64 = 16.0;
 pub struct Connection {
     phase: Phase,
     ws: Option<WebSocketContext>,
+    /// The decoder was dropped between messages (`ws` is `None` but reading goes on): an
+    /// idle session then holds no read buffer, and the next input or close frame makes a
+    /// fresh one. Its buffer (2 KiB) was most of an idle session's memory.
+    parked: bool,
     out: Vec<u8>,
     out_pos: usize,
     events: VecDeque<ConnEvent>,
@@ -201,6 +205,7 @@ impl Connection {
         Connection {
             phase: Phase::Http { head: Vec::new() },
             ws: None,
+            parked: false,
             out: Vec::new(),
             out_pos: 0,
             events: VecDeque::new(),
@@ -385,9 +390,11 @@ impl Connection {
             Phase::Open => {
                 self.fail(close_code::POLICY, "memory budget", now);
                 self.ws = None;
+                self.parked = false;
             }
             _ => {
                 self.ws = None;
+                self.parked = false;
                 self.phase = Phase::Flushing;
                 self.deadline = self.deadline.min(after(now, self.cfg.close_timeout));
             }
@@ -453,11 +460,10 @@ impl Connection {
     pub fn consume_output(&mut self, n: usize) {
         self.out_pos = (self.out_pos + n).min(self.out.len());
         if self.out_pos == self.out.len() {
-            self.out.clear();
+            // Released, not kept: most sessions are idle most of the time, and an
+            // allocation per flush is cheaper than a buffer per idle session.
+            self.out = Vec::new();
             self.out_pos = 0;
-            if self.out.capacity() > KEEP_OUTPUT_CAPACITY {
-                self.out = Vec::new();
-            }
         } else if self.out_pos >= KEEP_OUTPUT_CAPACITY && self.out_pos * 2 >= self.out.len() {
             self.out.drain(..self.out_pos);
             self.out_pos = 0;
@@ -584,7 +590,8 @@ impl Connection {
             }
             Request::Upgrade(upgrade) => {
                 http::switching_protocols(&mut self.out, &upgrade);
-                self.ws = Some(new_context(&self.cfg));
+                // The decoder comes with the first frame.
+                self.parked = true;
                 self.phase = Phase::Open;
                 self.last_activity = now;
                 self.next_ping = after(now, self.cfg.heartbeat);
@@ -646,12 +653,16 @@ impl Connection {
             self.held = false;
             self.pending = Vec::new();
         }
-        if !self.held && matches!(self.phase, Phase::Open) && self.frames.idle_after_large() {
-            // tungstenite keeps a buffer as large as the largest frame it read. Between
-            // messages its context holds no state of its own (pongs are flushed, no
-            // partial frame or message), so a fresh one gives the memory back.
-            self.ws = Some(new_context(&self.cfg));
-            self.frames.large = false;
+        if !self.held
+            && matches!(self.phase, Phase::Open)
+            && self.ws.is_some()
+            && self.frames.between_messages()
+        {
+            // Between messages the context holds no state of its own (pongs are flushed,
+            // no partial frame or message), only buffers (as large as the largest frame
+            // read): it is dropped, and made again when input comes.
+            self.ws = None;
+            self.parked = true;
         }
         used
     }
@@ -664,6 +675,7 @@ impl Connection {
         }
         let limit = self.data_limit();
         self.refill(now);
+        self.unpark();
         let Some(ws) = self.ws.as_mut() else {
             return data.len();
         };
@@ -721,10 +733,7 @@ impl Connection {
         };
         let used = data.len() - duplex.input.len();
         let over = duplex.over;
-        self.frames.feed(
-            data.get(..used).unwrap_or_default(),
-            read_buffer_size(&self.cfg) as u64,
-        );
+        self.frames.feed(data.get(..used).unwrap_or_default());
         let stop = if over { Stop::Over } else { stop };
         match stop {
             Stop::Drained | Stop::Held => {}
@@ -733,6 +742,7 @@ impl Connection {
                 self.held = false;
                 self.fail(close_code::POLICY, "slow consumer", now);
                 self.ws = None;
+                self.parked = false;
             }
             Stop::Binary => {
                 self.held = false;
@@ -771,6 +781,7 @@ impl Connection {
             _ => self.fail(close_code::INTERNAL, "internal error", now),
         }
         self.ws = None;
+        self.parked = false;
     }
 
     /// Fails the session: close frame with `code`, then no more input is read.
@@ -783,7 +794,16 @@ impl Connection {
         self.deadline = after(now, self.cfg.close_timeout);
     }
 
+    /// The decoder back after it was dropped between messages.
+    fn unpark(&mut self) {
+        if self.parked && self.ws.is_none() {
+            self.ws = Some(new_context(&self.cfg));
+        }
+        self.parked = false;
+    }
+
     fn send_close(&mut self, code: u16, reason: &str) {
+        self.unpark();
         if let Some(ws) = self.ws.as_mut() {
             // The control room keeps space for this frame within the bound.
             let mut duplex = Duplex {
@@ -831,9 +851,8 @@ fn after(at: Instant, d: Duration) -> Instant {
 }
 
 /// Floor of the read buffer. tungstenite reads at least a frame header (14 bytes) per
-/// call whatever the setting, and a frame longer than the buffer marks the context for
-/// replacement after its message: a buffer of a few bytes would only rebuild the context
-/// after nearly every message.
+/// call whatever the setting; a buffer of a few bytes would only make it read in tiny
+/// steps.
 const MIN_READ_BUFFER: usize = 256;
 
 fn read_buffer_size(cfg: &WsConfig) -> usize {
@@ -861,15 +880,13 @@ struct FrameBoundary {
     remaining: u64,
     /// A data frame without FIN started a message that is not finished.
     fragmented: bool,
-    /// A frame larger than the read buffer was seen since the last reset.
-    large: bool,
     /// Bytes fed since the last point between messages: what the decoder holds of a
     /// partial frame or unfinished fragmented message.
     held: u64,
 }
 
 impl FrameBoundary {
-    fn feed(&mut self, mut data: &[u8], large_above: u64) {
+    fn feed(&mut self, mut data: &[u8]) {
         while !data.is_empty() {
             if self.between_messages() {
                 self.held = 0;
@@ -900,7 +917,6 @@ impl FrameBoundary {
                     0x0 if fin => self.fragmented = false,
                     _ => {}
                 }
-                self.large |= len > large_above;
                 self.remaining = len;
                 self.header_len = 0;
             }
@@ -937,10 +953,6 @@ impl FrameBoundary {
 
     fn between_messages(&self) -> bool {
         self.header_len == 0 && self.remaining == 0 && !self.fragmented
-    }
-
-    fn idle_after_large(&self) -> bool {
-        self.large && self.between_messages()
     }
 }
 
@@ -1540,22 +1552,21 @@ mod tests {
     fn frame_boundaries_are_followed_across_splits_and_fragments() {
         let mut b = FrameBoundary::default();
         let big = frame(0x1, true, &[b'a'; 70_000]);
-        for chunk in big.chunks(777) {
-            assert!(!b.idle_after_large());
-            b.feed(chunk, 2048);
+        let chunks: Vec<&[u8]> = big.chunks(777).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            b.feed(chunk);
+            assert_eq!(b.between_messages(), i + 1 == chunks.len(), "chunk {i}");
         }
-        assert!(b.idle_after_large());
-        b.large = false;
         let mut parts = frame(0x1, false, &[b'a'; 3000]);
-        b.feed(&parts, 2048);
-        assert!(!b.idle_after_large(), "message still open");
-        b.feed(&frame(0x9, true, b"p"), 2048);
-        assert!(!b.idle_after_large(), "a ping does not finish it");
+        b.feed(&parts);
+        assert!(!b.between_messages(), "message still open");
+        b.feed(&frame(0x9, true, b"p"));
+        assert!(!b.between_messages(), "a ping does not finish it");
         parts = frame(0x0, true, b"end");
-        b.feed(&parts[..3], 2048);
-        assert!(!b.idle_after_large(), "inside a header");
-        b.feed(&parts[3..], 2048);
-        assert!(b.idle_after_large());
+        b.feed(&parts[..3]);
+        assert!(!b.between_messages(), "inside a header");
+        b.feed(&parts[3..]);
+        assert!(b.between_messages());
     }
 
     #[test]
@@ -1567,7 +1578,10 @@ mod tests {
         c.handle_input(first, t0, &HOST);
         c.handle_input(second, t0, &HOST);
         assert_eq!(events(&mut c), vec![ConnEvent::Text(big.as_str().into())]);
-        assert!(!c.frames.large, "context replaced after the large message");
+        assert!(
+            c.ws.is_none() && c.parked,
+            "no decoder kept after the message"
+        );
         // The fresh context goes on reading, fragments and control frames included.
         let mut more = frame(0x1, false, b"a");
         more.extend(frame(0x9, true, b"p"));

@@ -99,8 +99,9 @@ pub enum SessionEvent {
 #[derive(Debug)]
 struct Slot {
     conn: Connection,
-    /// The TLS session under `conn`, for a connection on the TLS listener.
-    tls: Option<TlsSession>,
+    /// The TLS session under `conn`, for a connection on the TLS listener. Boxed: it is
+    /// 1.2 KiB, which a plain session should not carry.
+    tls: Option<Box<TlsSession>>,
     stream: TcpStream,
     peer: SocketAddr,
     /// The deadline this slot has in the heap, if any.
@@ -657,7 +658,7 @@ impl WsServer {
             if let Some(entry) = self.slots.get_mut(index) {
                 *entry = Some(Slot {
                     conn: Connection::new(now, self.cfg),
-                    tls,
+                    tls: tls.map(Box::new),
                     stream,
                     peer,
                     scheduled: None,
@@ -752,7 +753,7 @@ impl WsServer {
             }
         }
         if let Some(reason) = tls_failure {
-            let handshaking = slot.tls.as_ref().is_none_or(TlsSession::is_handshaking);
+            let handshaking = slot.tls.as_deref().is_none_or(TlsSession::is_handshaking);
             let during = if handshaking { "handshake" } else { "session" };
             log::info!(peer:% = slot.peer; "ws: TLS {during} failed, connection closed: {reason}");
             self.metrics.registry.inc(self.metrics.tls_failures, "");
@@ -771,7 +772,8 @@ impl WsServer {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
-        let now_held = slot.conn.buffered_bytes() + slot.tls.as_ref().map_or(0, TlsSession::queued);
+        let now_held =
+            slot.conn.buffered_bytes() + slot.tls.as_deref().map_or(0, TlsSession::queued);
         self.buffered = self
             .buffered
             .saturating_sub(slot.accounted)
