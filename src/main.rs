@@ -4,9 +4,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use amp_broker::broker::binding::StreamSettings;
+use amp_broker::broker::clock::{self, Clock};
 use amp_broker::broker::config::Config;
 use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer, LeafRemote};
-use amp_broker::broker::{Broker, envelope, setup};
+use amp_broker::broker::{Broker, setup};
 use amp_broker::cli::{self, Command, ServeArgs};
 use amp_broker::logging;
 use amp_broker::nats;
@@ -78,7 +79,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     let config = match &args.config {
         Some(path) => Config::load(path).map_err(|e| format!("configuration: {e}"))?,
         None => {
-            let token = envelope::random_id();
+            let token = clock::random_token()?;
             // The token is a credential: it goes to standard output, never into the log.
             writeln!(std::io::stdout(), "development token: {token}")
                 .map_err(|e| format!("printing the development token: {e}"))?;
@@ -89,10 +90,10 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             Config::development(amp_broker::broker::keygen::token_sha256(&token))
         }
     };
-    let broker_id = args
-        .broker_id
-        .clone()
-        .unwrap_or_else(|| format!("b{}", &envelope::random_id()[..12]));
+    let broker_id = match &args.broker_id {
+        Some(id) => id.clone(),
+        None => format!("b{}", &clock::random_token()?[..12]),
+    };
 
     let issuer = match &args.issuer_seed_file {
         Some(path) => Some(read_issuer(path)?),
@@ -178,7 +179,9 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         max_buffered_bytes: config.limits.max_buffered_bytes,
         ..WsConfig::default()
     };
-    let mut broker = Broker::new(config, broker_id)?;
+    // The core reads no clock and no random source: both are handed to it here, once.
+    // Generated task and message ids must be unguessable: no randomness, no broker.
+    let mut broker = Broker::new(config, broker_id, Clock::system(), clock::os_seed()?)?;
     if let Some(issuer) = issuer {
         log::info!(
             "issuing user JWTs and answering the auth callout as account {}",

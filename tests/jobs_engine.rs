@@ -9,7 +9,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use amp_broker::amp::{ClientFrame, FrameValidator};
 use amp_broker::broker::binding::{self, StreamSettings};
+use amp_broker::broker::clock::{self, Clock};
 use amp_broker::broker::config::Config;
+use amp_broker::broker::ids::IdSource;
 use amp_broker::broker::jobs::{Caller, Jobs, JobsOutput};
 use amp_broker::nats::{Client, Event, Options};
 use amp_broker::rfc3339;
@@ -78,7 +80,10 @@ impl Broker {
     fn start(url: &str, id: &str, config: Config) -> Broker {
         let mut client = Client::connect(Options::new(url)).expect("connect");
         provision(&mut client);
-        let jobs = Jobs::new(id, &config, Instant::now(), wall_ms()).expect("jobs");
+        // Each broker its own seed, as under the runtime: two brokers never share ids.
+        let ids = IdSource::from_seed(clock::os_seed().expect("OS randomness"));
+        let jobs =
+            Jobs::new(id, &config, Clock::new(Instant::now(), wall_ms()), ids).expect("jobs");
         Broker {
             client,
             jobs,

@@ -10,7 +10,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
@@ -19,9 +19,11 @@ use super::auth::{self, Credential};
 use super::binding;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
+use super::clock::Clock;
 use super::config::Config;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::id_map::IdMap;
+use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::mig::config::readable_dead_letters;
 use super::permissions::{self, Action};
@@ -43,7 +45,6 @@ use crate::jetstream::{Delivery, JsError};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
-use crate::rfc3339;
 use crate::ws::metrics::{AmpMetrics, NatsOp};
 
 mod mig_front;
@@ -255,16 +256,28 @@ pub struct Broker {
     refreshing: HashSet<String>,
     /// The MIG/NATS front end over the same jobs.
     mig: super::mig::Mig,
+    /// Wall time at each `now` (timestamps, JWT times, budget windows).
+    clock: Clock,
+    /// Ids of messages and events sent without an idempotency key.
+    ids: IdSource,
+    /// Hello challenges.
+    nonces: IdSource,
 }
 
 impl Broker {
-    /// Fails if the built-in frame schema does not compile or the OS has no randomness.
-    pub fn new(config: Config, broker_id: String) -> Result<Broker, String> {
-        // Generated task and message ids must be unguessable: no randomness, no broker.
-        super::ids::init()?;
-        let wall_ms = rfc3339::unix_millis(SystemTime::now());
-        let jobs = Jobs::new(&broker_id, &config, Instant::now(), wall_ms)?;
-        let mig = super::mig::Mig::new(&broker_id, Instant::now(), wall_ms)?;
+    /// A broker that reads no clock and no random source of its own: `clock` gives the
+    /// wall time at every `now` it is handed, and `seed` (32 secret random bytes; the
+    /// runtime draws them from the OS, see [`super::clock`]) makes every generated id and
+    /// hello challenge. Fails if the built-in frame schema does not compile.
+    pub fn new(
+        config: Config,
+        broker_id: String,
+        clock: Clock,
+        seed: [u8; 32],
+    ) -> Result<Broker, String> {
+        let root = IdSource::from_seed(seed);
+        let jobs = Jobs::new(&broker_id, &config, clock, root.derive("jobs"))?;
+        let mig = super::mig::Mig::new(&broker_id, clock, root.derive("mig"))?;
         Ok(Broker {
             config,
             validator: FrameValidator::new()?,
@@ -287,6 +300,9 @@ impl Broker {
             held_submits: HashMap::new(),
             refreshing: HashSet::new(),
             mig,
+            clock,
+            ids: root.derive("core"),
+            nonces: root.derive("nonces"),
         })
     }
 
@@ -395,11 +411,7 @@ impl Broker {
 
     /// A WebSocket session was upgraded: send the challenge and start the hello clock.
     pub fn session_opened(&mut self, session: SessionId, peer: SocketAddr, now: Instant) {
-        let mut nonce = [0u8; 32];
-        if getrandom::fill(&mut nonce).is_err() {
-            self.close(session, close::POLICY, "no randomness for a challenge");
-            return;
-        }
+        let nonce = self.nonces.next_nonce();
         self.sessions.insert(
             session,
             Session {
@@ -566,7 +578,7 @@ impl Broker {
             .or_insert_with(|| Presence {
                 sessions: Vec::new(),
                 labels,
-                since: rfc3339::format_system_time(SystemTime::now()),
+                since: self.clock.timestamp(now),
                 inbox: PullLoop::new(
                     binding::inbox_stream(&ns),
                     binding::inbox_consumer(&name),
@@ -583,7 +595,7 @@ impl Broker {
             .value("max_frame", &limits.max_frame);
         if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
             let mig = readable_dead_letters(&self.config, &ns, p);
-            let (now_s, ttl) = (unix_seconds(), HELLO_JWT_TTL_S);
+            let (now_s, ttl) = (self.clock.unix_seconds(now), HELLO_JWT_TTL_S);
             match scoped_jwt::hello_jwt(issuer, &ns, &name, p, now_s, ttl, mig.as_deref()) {
                 Ok(jwt) => reply = reply.str("jwt", &jwt),
                 Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
@@ -737,7 +749,7 @@ impl Broker {
         }
         let id = match &send.idem {
             Some(key) => envelope::idempotent_id(Kind::Message, &from, to, key),
-            None => envelope::unique_id(),
+            None => self.ids.next_id(),
         };
         let env = Envelope {
             id,
@@ -746,7 +758,7 @@ impl Broker {
             to: Some(participant_key(ns, to)),
             topic: None,
             job: None,
-            ts: rfc3339::format_system_time(SystemTime::now()),
+            ts: self.clock.timestamp(now),
             headers: send.headers,
             body,
         };
@@ -1517,7 +1529,7 @@ impl Broker {
             msg.headers.as_ref(),
             &msg.payload,
             now,
-            unix_seconds(),
+            self.clock.unix_seconds(now),
         );
         match &reply.outcome {
             Outcome::Authorized { participant } => {
@@ -1580,7 +1592,9 @@ impl Broker {
             .and_then(Budget::from_policy);
         let Some(budget) = budget else { return true };
         let key = participant_key(ns, name);
-        let spend = self.budgets.try_spend(&key, budget, unix_seconds() * 1000);
+        let spend = self
+            .budgets
+            .try_spend(&key, budget, self.clock.unix_seconds(now) * 1000);
         self.drive_budgets(conn, now);
         match spend {
             Spend::Granted => true,
@@ -1779,12 +1793,6 @@ fn delivery(msg: &Message) -> Delivery<'_> {
     }
 }
 
-fn unix_seconds() -> u64 {
-    SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
 fn participant_key(ns: &str, name: &str) -> String {
     // Built for several frames of every message: plainly, not through `format!`.
     let mut key = String::with_capacity(ns.len() + 1 + name.len());
@@ -1802,4 +1810,106 @@ fn raw_body(v: &Value) -> Box<RawValue> {
 fn base64_url(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The core on an injected clock and a fixed seed: no OS clock, no OS randomness.
+
+    use super::*;
+    use crate::nats::Options;
+
+    const TOKEN: &str = "test-token";
+    const WALL_MS: i64 = 1_800_000_000_000; // 2027-01-15T08:00:00.000Z
+
+    fn broker(t0: Instant, seed: [u8; 32]) -> Broker {
+        let config = Config::development(super::super::keygen::token_sha256(TOKEN));
+        Broker::new(config, "b1".into(), Clock::new(t0, WALL_MS), seed).expect("broker")
+    }
+
+    fn frames(b: &mut Broker) -> Vec<Value> {
+        std::iter::from_fn(|| b.poll_output())
+            .filter_map(|o| match o {
+                Output::Frame { text, .. } => serde_json::from_str(&text).ok(),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn challenge_nonce(b: &mut Broker, session: SessionId, now: Instant) -> String {
+        let peer: SocketAddr = "127.0.0.1:4000".parse().expect("addr");
+        b.session_opened(session, peer, now);
+        let f = frames(b);
+        assert_eq!(f[0]["op"], "challenge", "{f:?}");
+        f[0]["nonce"].as_str().expect("nonce").to_string()
+    }
+
+    /// A NATS connection through its handshake, on the same virtual clock.
+    fn connected(now: Instant) -> Connection {
+        let mut conn = Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        conn.poll_connect(now).expect("a server to dial");
+        conn.on_transport_open(now);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+            now,
+        );
+        conn.receive(b"PONG\r\n", now);
+        assert!(conn.is_connected());
+        let n = conn.output().len();
+        conn.consume_output(n);
+        conn
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_challenges_and_another_seed_others() {
+        let t0 = Instant::now();
+        let (mut a, mut b, mut c) = (
+            broker(t0, [9; 32]),
+            broker(t0, [9; 32]),
+            broker(t0, [8; 32]),
+        );
+        let a1 = challenge_nonce(&mut a, 1, t0);
+        let a2 = challenge_nonce(&mut a, 2, t0);
+        assert_ne!(a1, a2, "every session its own challenge");
+        assert_eq!(a1, challenge_nonce(&mut b, 1, t0));
+        assert_eq!(a2, challenge_nonce(&mut b, 2, t0));
+        assert_ne!(a1, challenge_nonce(&mut c, 1, t0));
+    }
+
+    #[test]
+    fn a_stored_message_is_stamped_from_the_injected_clock() {
+        let t0 = Instant::now();
+        let mut b = broker(t0, [3; 32]);
+        let mut conn = connected(t0);
+        challenge_nonce(&mut b, 1, t0);
+        let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+            "auth":{"type":"token","token":TOKEN}});
+        b.session_frame(&mut conn, 1, &hello.to_string(), t0);
+        let ok = frames(&mut b);
+        assert!(ok.iter().any(|f| f["op"] == "ok"), "{ok:?}");
+        // Ninety virtual seconds later, however long the test really took.
+        let later = t0 + Duration::from_millis(90_250);
+        let n = conn.output().len();
+        conn.consume_output(n);
+        let send = json!({"op":"send","id":"s","to":"bob","body":{"x":1}});
+        b.session_frame(&mut conn, 1, &send.to_string(), later);
+        let wire = String::from_utf8_lossy(conn.output()).into_owned();
+        assert!(
+            wire.contains(r#""ts":"2027-01-15T08:01:30.250Z""#),
+            "the envelope's ts follows the injected wall clock: {wire}"
+        );
+        // The message id comes from the seed too: a second broker with it makes the same.
+        let id = |w: &str| {
+            let at = w.find(r#"{"id":""#).expect("envelope") + 7;
+            w[at..at + super::super::ids::ID_LEN].to_string()
+        };
+        let mut twin = broker(t0, [3; 32]);
+        let mut conn2 = connected(t0);
+        challenge_nonce(&mut twin, 1, t0);
+        twin.session_frame(&mut conn2, 1, &hello.to_string(), t0);
+        let n = conn2.output().len();
+        conn2.consume_output(n);
+        twin.session_frame(&mut conn2, 1, &send.to_string(), later);
+        assert_eq!(id(&wire), id(&String::from_utf8_lossy(conn2.output())));
+    }
 }

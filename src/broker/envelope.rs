@@ -145,28 +145,7 @@ pub fn idempotent_id(kind: Kind, from: &str, destination: &str, key: &str) -> St
     hex(&h.finalize()[..16])
 }
 
-/// A fresh id for a message or task without a client-chosen one: unguessable and never
-/// repeated (see [`super::ids`]).
-pub fn unique_id() -> String {
-    super::ids::fresh()
-}
-
-/// 16 bytes from the OS random source, as hex: for secrets such as development tokens.
-pub fn random_id() -> String {
-    let mut bytes = [0u8; 16];
-    // The OS random source failing is not recoverable in any useful way; an all-zero id
-    // would only risk a false duplicate, so fall back to the clock to stay unique.
-    if getrandom::fill(&mut bytes).is_err() {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        bytes = nanos.to_le_bytes();
-    }
-    hex(&bytes)
-}
-
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
@@ -260,9 +239,5 @@ mod tests {
             idempotent_id(Kind::Message, "a", "bc", "k"),
             idempotent_id(Kind::Message, "a", "b", "ck")
         );
-        assert_ne!(random_id(), random_id());
-        let (a, b) = (unique_id(), unique_id());
-        assert_ne!(a, b);
-        assert_eq!(a.len(), super::super::ids::ID_LEN);
     }
 }

@@ -1,92 +1,69 @@
 //! The ids the broker makes up for tasks and messages that come without a client-chosen
 //! one. They are capabilities in all but name: a task id is the key to its record and its
 //! `Nats-Msg-Id`, so anyone who can predict the next one can pre-submit it (squatting) or
-//! probe it. Each id is therefore SHA-256(seed || counter) truncated to 128 bits, the seed
-//! being 32 bytes from the OS random source drawn once; the counter makes ids distinct
-//! without a system call per id, the hash makes them unpredictable without the seed.
+//! probe it. Each id is therefore SHA-256(seed || counter) truncated to 128 bits. The seed
+//! is 32 bytes from the OS random source that the runtime draws once and hands to
+//! `Broker::new` (its parts get [derived](IdSource::derive) seeds); this module reads no
+//! OS source and holds no global. The counter makes ids distinct without a system call per
+//! id, the hash makes them unpredictable without the seed.
 //!
 //! Format: 26 characters of lowercase RFC 4648 base32 (`a-z`, `2-7`), no padding, within
 //! the spec's task id alphabet and valid in a KV key and a NATS header.
-
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
 /// Length of every generated id.
 pub const ID_LEN: usize = 26;
 
-/// A generator of unguessable ids from one seed.
+/// A generator of unguessable ids (and challenge nonces) from one seed. It reads no OS
+/// source itself: the runtime draws the seed (see [`super::clock::os_seed`]) and the
+/// broker owns the generator, handing [derived](IdSource::derive) ones to its parts.
+#[derive(Debug)]
 pub struct IdSource {
     seed: [u8; 32],
-    counter: AtomicU64,
+    counter: u64,
 }
 
 impl IdSource {
-    /// A generator with a given seed (tests, or a caller with its own random source).
+    /// A generator with a given seed: the OS's under the runtime, a fixed one in tests.
     pub const fn from_seed(seed: [u8; 32]) -> IdSource {
-        IdSource {
-            seed,
-            counter: AtomicU64::new(0),
-        }
+        IdSource { seed, counter: 0 }
     }
 
-    /// A generator seeded from the OS random source; fails when that source does.
-    pub fn from_os() -> Result<IdSource, String> {
-        let mut seed = [0u8; 32];
-        getrandom::fill(&mut seed).map_err(|e| format!("no OS randomness for ids: {e}"))?;
-        Ok(IdSource::from_seed(seed))
+    /// An independent generator for one part of the broker (`label` names it): its
+    /// sequence is unrelated to this one's and as unguessable, and the same seed and
+    /// label always give the same sequence.
+    pub fn derive(&self, label: &str) -> IdSource {
+        let seed = Sha256::new()
+            .chain_update(b"amp-broker id source\0")
+            .chain_update((label.len() as u64).to_be_bytes())
+            .chain_update(label.as_bytes())
+            .chain_update(self.seed)
+            .finalize();
+        IdSource::from_seed(seed.into())
     }
 
-    pub fn next_id(&self) -> String {
-        let n = self.counter.fetch_add(1, Ordering::Relaxed);
-        let digest = Sha256::new()
+    fn next_block(&mut self) -> [u8; 32] {
+        let n = self.counter;
+        self.counter = self.counter.wrapping_add(1);
+        Sha256::new()
             .chain_update(self.seed)
             .chain_update(n.to_be_bytes())
-            .finalize();
+            .finalize()
+            .into()
+    }
+
+    pub fn next_id(&mut self) -> String {
+        let digest = self.next_block();
         let mut bits = [0u8; 16];
         bits.copy_from_slice(&digest[..16]);
         base32(u128::from_be_bytes(bits))
     }
-}
 
-static PROCESS: OnceLock<IdSource> = OnceLock::new();
-
-/// Seeds the process's generator from the OS random source, once; the broker calls it at
-/// start so that a missing random source stops it instead of yielding guessable ids.
-pub fn init() -> Result<(), String> {
-    if PROCESS.get().is_none() {
-        let source = IdSource::from_os()?;
-        let _ = PROCESS.set(source);
+    /// 32 unpredictable bytes (a session's hello challenge).
+    pub fn next_nonce(&mut self) -> [u8; 32] {
+        self.next_block()
     }
-    Ok(())
-}
-
-/// A fresh id from the process's generator.
-pub fn fresh() -> String {
-    match PROCESS.get() {
-        Some(source) => source.next_id(),
-        None => match init() {
-            Ok(()) => fresh(),
-            // Only reachable without `init` (the broker calls it and stops on failure):
-            // a seed from the clock and an address keeps ids distinct, not secret.
-            Err(_) => PROCESS.get_or_init(fallback).next_id(),
-        },
-    }
-}
-
-fn fallback() -> IdSource {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default();
-    let here = &nanos as *const u128 as usize;
-    let seed = Sha256::new()
-        .chain_update(nanos.to_le_bytes())
-        .chain_update(here.to_le_bytes())
-        .chain_update(std::process::id().to_le_bytes())
-        .finalize();
-    IdSource::from_seed(seed.into())
 }
 
 fn base32(mut v: u128) -> String {
@@ -107,7 +84,7 @@ mod tests {
 
     #[test]
     fn ids_are_26_base32_characters_and_never_repeat() {
-        let source = IdSource::from_seed([1; 32]);
+        let mut source = IdSource::from_seed([1; 32]);
         let ids: Vec<String> = (0..10_000).map(|_| source.next_id()).collect();
         assert!(ids.iter().all(|id| {
             id.len() == ID_LEN
@@ -120,9 +97,9 @@ mod tests {
 
     #[test]
     fn the_sequence_depends_on_the_seed_and_shares_no_prefix() {
-        let a = IdSource::from_seed([1; 32]);
-        let b = IdSource::from_seed([1; 32]);
-        let c = IdSource::from_seed([2; 32]);
+        let mut a = IdSource::from_seed([1; 32]);
+        let mut b = IdSource::from_seed([1; 32]);
+        let mut c = IdSource::from_seed([2; 32]);
         let (a1, a2) = (a.next_id(), a.next_id());
         assert_eq!(a1, b.next_id(), "the same seed gives the same ids");
         assert_ne!(a1, c.next_id(), "another seed, other ids");
@@ -142,10 +119,14 @@ mod tests {
     }
 
     #[test]
-    fn the_process_generator_is_seeded_from_the_os() {
-        init().expect("OS randomness");
-        let (x, y) = (fresh(), fresh());
-        assert_ne!(x, y);
-        assert_eq!(x.len(), ID_LEN);
+    fn derived_sources_are_distinct_and_reproducible() {
+        let root = IdSource::from_seed([7; 32]);
+        let (mut x, mut y) = (root.derive("jobs"), root.derive("mig"));
+        let x1 = x.next_id();
+        assert_ne!(x1, y.next_id());
+        assert_eq!(x1, root.derive("jobs").next_id());
+        assert_ne!(x1, IdSource::from_seed([7; 32]).next_id());
+        let mut n = root.derive("nonces");
+        assert_ne!(n.next_nonce(), n.next_nonce());
     }
 }

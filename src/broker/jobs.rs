@@ -18,10 +18,12 @@ use serde_json::{Value, json};
 
 use super::binding;
 use super::bounded_map::BoundedMap;
+use super::clock::Clock;
 use super::config::{Config, Job, Participant};
 use super::dead_letters::Letter;
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
+use super::ids::IdSource;
 use super::permissions::{self, Action};
 use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
 use super::worker_choice::{self, Candidate};
@@ -428,7 +430,9 @@ pub struct Jobs {
     jobs: BTreeMap<String, BTreeMap<String, Job>>,
     kv: TaskKv,
     api: JsApis,
-    clock: WallClock,
+    clock: Clock,
+    /// Ids of tasks submitted without one.
+    ids: IdSource,
     workers: HashMap<SessionId, Worker>,
     queues: HashMap<String, JobQueue>,
     tasks: HashMap<String, LocalTask>,
@@ -467,34 +471,6 @@ pub struct JobsStats {
     pub js_ops: u64,
     /// Dead letters stored (a repeat of one is counted again).
     pub dead_letters: u64,
-}
-
-/// Wall-clock milliseconds derived from the monotonic `now` the core passes in, anchored
-/// once, so leases are stamped consistently and tests can drive a virtual clock.
-#[derive(Debug, Clone, Copy)]
-struct WallClock {
-    anchor: Instant,
-    anchor_ms: i64,
-}
-
-impl WallClock {
-    fn ms(&self, now: Instant) -> i64 {
-        match now.checked_duration_since(self.anchor) {
-            Some(d) => self.anchor_ms + i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2),
-            None => {
-                let back = self.anchor.duration_since(now);
-                self.anchor_ms - i64::try_from(back.as_millis()).unwrap_or(0)
-            }
-        }
-    }
-
-    fn instant(&self, now: Instant, ms: i64) -> Instant {
-        let delta = ms - self.ms(now);
-        after(
-            now,
-            Duration::from_millis(u64::try_from(delta).unwrap_or(0)),
-        )
-    }
 }
 
 /// The namespace of a task: its submitter's (task ids are namespace-wide).
@@ -543,12 +519,13 @@ fn send_error(e: &nats::Error) -> AmpError {
 }
 
 impl Jobs {
-    /// `wall_ms` is the Unix time in milliseconds at `now`.
+    /// `clock` gives the wall time at each `now`; `ids` makes the ids of tasks submitted
+    /// without one.
     pub fn new(
         broker_id: &str,
         config: &Config,
-        now: Instant,
-        wall_ms: i64,
+        clock: Clock,
+        ids: IdSource,
     ) -> Result<Jobs, String> {
         let api = JsApis::new(config);
         let kv = TaskKv::new(config).map_err(|e| e.to_string())?;
@@ -561,10 +538,8 @@ impl Jobs {
                 .collect(),
             kv,
             api,
-            clock: WallClock {
-                anchor: now,
-                anchor_ms: wall_ms,
-            },
+            clock,
+            ids,
             workers: HashMap::new(),
             queues: HashMap::new(),
             tasks: HashMap::new(),
@@ -907,7 +882,7 @@ impl Jobs {
         now: Instant,
     ) {
         let job = submit.job.as_str();
-        let task = submit.task.clone().unwrap_or_else(envelope::unique_id);
+        let task = submit.task.clone().unwrap_or_else(|| self.ids.next_id());
         let from = format!("{ns}/{name}");
         let max_attempts = submit
             .max_attempts

@@ -6,6 +6,7 @@ pub mod binding;
 pub mod bounded_map;
 pub mod budget;
 pub mod callout;
+pub mod clock;
 pub mod config;
 pub mod core;
 pub mod dead_letters;

@@ -6,7 +6,7 @@
 //! from the last event the session saw.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -103,7 +103,7 @@ impl Broker {
         let from = participant_key(ns, name);
         let id = match &p.idem {
             Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
-            None => envelope::unique_id(),
+            None => self.ids.next_id(),
         };
         let env = Envelope {
             id,
@@ -112,7 +112,7 @@ impl Broker {
             to: None,
             topic: Some(topic.to_string()),
             job: None,
-            ts: rfc3339::format_system_time(SystemTime::now()),
+            ts: self.clock.timestamp(now),
             headers: p.headers,
             body,
         };

@@ -266,7 +266,7 @@ impl Mig {
         let from = format!("{ns}/{name}");
         let id = match &header.idempotency_key {
             Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
-            None => envelope::unique_id(),
+            None => self.ids.next_id(),
         };
         let payload = body.get("payload").cloned().unwrap_or(Value::Null);
         let mut headers = std::collections::BTreeMap::new();

@@ -200,9 +200,7 @@ impl Mig {
             return self.count_queue(conn, ctx, session, now);
         };
         let key = format!("{}/{}", inv.ns, inv.caller);
-        let unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let unix_ms = u64::try_from(self.clock.ms(now)).unwrap_or(0);
         match ctx.budgets.try_spend(&key, budget, unix_ms) {
             Spend::Granted => self.count_queue(conn, ctx, session, now),
             Spend::Exhausted => {

@@ -26,13 +26,14 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 
 use super::bounded_map::BoundedMap;
+use super::clock::Clock;
 use super::config::{Config, Participant};
+use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, SessionId};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::Registry;
 use crate::amp::frame::ClientFrame;
 use crate::nats::{Connection, Message, RequestError, RequestId, Sid};
-use crate::rfc3339;
 
 use caller::{Authenticator, Presented, Refusal};
 use cancel::{CancelRequest, cancel_frame};
@@ -106,7 +107,9 @@ pub struct Mig {
     auth: Authenticator,
     metrics: Metrics,
     kv: crate::jetstream::kv::Kv,
-    anchor: (Instant, i64),
+    clock: Clock,
+    /// Message ids of requests and events that come without one.
+    ids: IdSource,
     /// The issuing account's public key (`A...`), when the broker issues JWTs.
     issuer: Option<String>,
     live: Vec<events::LiveFeed>,
@@ -123,8 +126,8 @@ struct Answer<'a> {
 }
 
 impl Mig {
-    /// `wall_ms` is the Unix time in milliseconds at `now`.
-    pub fn new(broker_id: &str, now: Instant, wall_ms: i64) -> Result<Mig, String> {
+    /// `clock` gives the wall time at each `now`; `ids` makes message ids.
+    pub fn new(broker_id: &str, clock: Clock, ids: IdSource) -> Result<Mig, String> {
         let kv = crate::jetstream::kv::Kv::new(
             crate::jetstream::api::ApiPrefix::default(),
             super::binding::TASK_STATE_BUCKET,
@@ -143,7 +146,8 @@ impl Mig {
             auth: Authenticator::new(),
             metrics: Metrics::default(),
             kv,
-            anchor: (now, wall_ms),
+            clock,
+            ids,
             issuer: None,
             live: Vec::new(),
             live_checks: BinaryHeap::new(),
@@ -218,16 +222,11 @@ impl Mig {
     }
 
     fn wall_ms(&self, now: Instant) -> i64 {
-        let (anchor, ms) = self.anchor;
-        match now.checked_duration_since(anchor) {
-            Some(d) => ms.saturating_add(i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 2)),
-            None => ms
-                .saturating_sub(i64::try_from(anchor.duration_since(now).as_millis()).unwrap_or(0)),
-        }
+        self.clock.ms(now)
     }
 
     fn timestamp(&self, now: Instant) -> String {
-        rfc3339::format_millis(self.wall_ms(now))
+        self.clock.timestamp(now)
     }
 
     fn new_session(&mut self) -> SessionId {
@@ -385,7 +384,7 @@ impl Mig {
         };
         let header = body
             .as_ref()
-            .map(|b| envelope::parse_header(b, msg.headers.as_ref(), super::envelope::unique_id));
+            .map(|b| envelope::parse_header(b, msg.headers.as_ref(), || self.ids.next_id()));
         let (message_id, timestamp) = match &header {
             Some(Ok(h)) => (
                 h.message_id_given.then_some(h.message_id.as_str()),
