@@ -119,14 +119,19 @@ pub fn topics_stream_config(
         "limits",
         s,
     );
+    aged(&mut c, max_age_s, max_bytes);
+    c["max_consumers"] = json!(max_consumers);
+    c
+}
+
+/// A limits stream's `max_age` and `max_bytes` (0: unlimited for either).
+fn aged(c: &mut Value, max_age_s: u64, max_bytes: u64) {
     c["max_age"] = json!(secs_as_nanos(max_age_s));
     c["max_bytes"] = if max_bytes == 0 {
         json!(-1)
     } else {
         json!(max_bytes)
     };
-    c["max_consumers"] = json!(max_consumers);
-    c
 }
 
 pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> Value {
@@ -147,12 +152,7 @@ pub fn dlq_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamSett
         "limits",
         s,
     );
-    c["max_age"] = json!(secs_as_nanos(max_age_s));
-    c["max_bytes"] = if max_bytes == 0 {
-        json!(-1)
-    } else {
-        json!(max_bytes)
-    };
+    aged(&mut c, max_age_s, max_bytes);
     c
 }
 

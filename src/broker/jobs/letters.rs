@@ -76,15 +76,8 @@ impl Jobs {
             ack,
             reply,
         });
-        let req = self
-            .api
-            .of(ns)
-            .msg_get(&binding::tasks_stream(ns), &MsgSelector::Sequence(seq));
-        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
-            self.request(conn, &req.subject, None, &req.payload, now)
-                .map_err(|e| e.to_string())
-        });
-        match sent {
+        let which = MsgSelector::Sequence(seq);
+        match self.msg_get(conn, ns, &binding::tasks_stream(ns), &which, now) {
             Ok(id) => self.await_reply(id, now, Pending::LetterRead(outcome)),
             Err(e) => self.letter_failed(conn, *outcome, &e, now),
         }
@@ -183,6 +176,24 @@ impl Jobs {
         self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
     }
 
+    /// Sends `STREAM.MSG.GET` for `which` of `stream` in namespace `ns`'s domain.
+    fn msg_get(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        stream: &str,
+        which: &MsgSelector,
+        now: Instant,
+    ) -> Result<crate::nats::RequestId, String> {
+        let req = self
+            .api
+            .of(ns)
+            .msg_get(stream, which)
+            .map_err(|e| e.to_string())?;
+        self.request(conn, &req.subject, None, &req.payload, now)
+            .map_err(|e| e.to_string())
+    }
+
     // ---- dead_letters and redrive ------------------------------------------------------
 
     /// Who may read a job's letters at all: those who may submit to it or serve it.
@@ -227,15 +238,8 @@ impl Jobs {
             subject: binding::dlq_subject(&page.ns, &page.job),
             from: page.next,
         };
-        let req = self
-            .api
-            .of(&page.ns)
-            .msg_get(&binding::dlq_stream(&page.ns), &which);
-        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
-            self.request(conn, &req.subject, None, &req.payload, now)
-                .map_err(|e| e.to_string())
-        });
-        match sent {
+        let stream = binding::dlq_stream(&page.ns);
+        match self.msg_get(conn, &page.ns, &stream, &which, now) {
             Ok(id) => self.await_reply(id, now, Pending::LetterPage(Box::new(page))),
             Err(e) => {
                 let e = AmpError::new(
@@ -306,14 +310,8 @@ impl Jobs {
             return self.refuse(caller.session, &id, e);
         }
         let may_serve = permissions::allows(p, Action::Serve, &job);
-        let req = self
-            .api
-            .of(caller.ns)
-            .msg_get(&binding::dlq_stream(caller.ns), &MsgSelector::Sequence(seq));
-        let sent = req.map_err(|e| e.to_string()).and_then(|req| {
-            self.request(conn, &req.subject, None, &req.payload, now)
-                .map_err(|e| e.to_string())
-        });
+        let stream = binding::dlq_stream(caller.ns);
+        let sent = self.msg_get(conn, caller.ns, &stream, &MsgSelector::Sequence(seq), now);
         let read = RedriveRead {
             session: caller.session,
             re: id,
