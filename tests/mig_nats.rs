@@ -1214,6 +1214,11 @@ fn a_task_budget_counts_mig_invokes_that_create_a_task_and_no_retry() {
     assert_eq!(r["error"]["details"]["amp_code"], "budget_exhausted", "{r}");
     let r = erin.request(&format!("invoke.{INFER}"), invoke("k1"));
     assert_eq!(r["payload"], json!({"done": "k1"}), "{r}");
+
+    // The outcomes were the replies: nothing of them waits in erin's AMP inbox.
+    let mut amp = w.amp_client(0, "erin");
+    let stray = amp.next_op("message", Duration::from_secs(1));
+    assert!(stray.is_none(), "a MIG outcome in the AMP inbox: {stray:?}");
 }
 
 #[test]

@@ -893,7 +893,7 @@ impl Jobs {
             labels: e.labels,
         });
         let now_ms = self.clock.ms(now);
-        let record = TaskRecord::submitted(
+        let mut record = TaskRecord::submitted(
             &task,
             job,
             &from,
@@ -902,6 +902,8 @@ impl Jobs {
             eligible,
             now_ms,
         );
+        // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
+        record.via_mig = submit.headers.contains_key("mig_capability");
         let body = serde_json::value::to_raw_value(&submit.body)
             .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
         let env = Envelope {
@@ -2424,7 +2426,11 @@ impl Jobs {
             reply,
             redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
         };
-        let Some((ns, submitter)) = record.submitted_by.split_once('/') else {
+        let Some((ns, submitter)) = record
+            .submitted_by
+            .split_once('/')
+            .filter(|_| !record.via_mig)
+        else {
             return self.finish(conn, finish);
         };
         let key = task_key(ns, &record.id);

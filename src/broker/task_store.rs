@@ -119,6 +119,14 @@ pub struct TaskRecord {
     pub progress: Option<Value>,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub progress_n: u32,
+    /// Submitted by a MIG invoke (task header `mig_capability`): the caller hears the
+    /// outcome as its reply, from the record, so no `task_result` goes to its AMP inbox.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub via_mig: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -249,6 +257,7 @@ impl TaskRecord {
             }],
             progress: None,
             progress_n: 0,
+            via_mig: false,
         }
     }
 
