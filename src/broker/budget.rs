@@ -39,6 +39,14 @@ pub struct Budget {
 }
 
 impl Budget {
+    /// The task budget of participant `ns/name`, if its policy sets one.
+    pub fn of(config: &super::config::Config, ns: &str, name: &str) -> Option<Budget> {
+        config
+            .participant(ns, name)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(Budget::from_policy)
+    }
+
     pub fn from_policy(policy: &super::config::Policy) -> Option<Budget> {
         match (policy.tasks_per_window, policy.window_s) {
             (Some(tasks_per_window), Some(window_s)) if window_s > 0 => Some(Budget {

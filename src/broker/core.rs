@@ -1585,11 +1585,7 @@ impl Broker {
         frame: &ClientFrame,
         now: Instant,
     ) -> bool {
-        let budget = self
-            .config
-            .participant(ns, name)
-            .and_then(|p| p.policy.as_ref())
-            .and_then(Budget::from_policy);
+        let budget = Budget::of(&self.config, ns, name);
         let Some(budget) = budget else { return true };
         let key = participant_key(ns, name);
         let spend = self

@@ -96,8 +96,7 @@ impl Jobs {
             Ok(Err(JsError::MessageNotFound(_))) => {
                 // Gone already (terminated by an earlier delivery of this outcome): the
                 // letter was stored before that, or the stream's limits removed it.
-                let o = *outcome;
-                return self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+                return self.announce(conn, *outcome, now);
             }
             Ok(Err(e)) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
             Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
@@ -109,8 +108,7 @@ impl Jobs {
                 // Not a task envelope: nothing to redrive; the outcome stands.
                 let key = task_key(ns_of(&outcome.record), &outcome.record.id);
                 log::warn!(task:% = key; "no dead letter: {e}");
-                let o = *outcome;
-                return self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+                return self.announce(conn, *outcome, now);
             }
         };
         let subject = binding::dlq_subject(ns_of(&outcome.record), &letter.job);
@@ -159,7 +157,10 @@ impl Jobs {
                 log::warn!("dead letter not published on {subject}: {e}");
             }
         }
-        let o = *outcome;
+        self.announce(conn, *outcome, now);
+    }
+
+    fn announce(&mut self, conn: &mut Connection, o: Outcome, now: Instant) {
         self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
     }
 
@@ -173,7 +174,7 @@ impl Jobs {
                 delay: Some(RETRY_DELAY),
             };
         }
-        self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+        self.announce(conn, o, now);
     }
 
     /// Sends `STREAM.MSG.GET` for `which` of `stream` in namespace `ns`'s domain.
@@ -242,10 +243,7 @@ impl Jobs {
         match self.msg_get(conn, &page.ns, &stream, &which, now) {
             Ok(id) => self.await_reply(id, now, Pending::LetterPage(Box::new(page))),
             Err(e) => {
-                let e = AmpError::new(
-                    ErrorCode::Unavailable,
-                    format!("dead letters unreadable: {e}"),
-                );
+                let e = unreadable(e);
                 self.refuse(page.session, &page.re, e)
             }
         }
@@ -263,10 +261,7 @@ impl Jobs {
             // The end of the job's letters (or no stream holding any yet).
             Ok(None) => return self.answer_page(page, false),
             Err(e) => {
-                let e = AmpError::new(
-                    ErrorCode::Unavailable,
-                    format!("dead letters unreadable: {e}"),
-                );
+                let e = unreadable(e);
                 return self.refuse(page.session, &page.re, e);
             }
         };
@@ -324,10 +319,7 @@ impl Jobs {
         match sent {
             Ok(rid) => self.await_reply(rid, now, Pending::Redrive(Box::new(read))),
             Err(e) => {
-                let e = AmpError::new(
-                    ErrorCode::Unavailable,
-                    format!("dead letter unreadable: {e}"),
-                );
+                let e = unreadable(e);
                 self.refuse(read.session, &read.re, e)
             }
         }
@@ -350,10 +342,7 @@ impl Jobs {
             }
             Ok(_) => None,
             Err(e) => {
-                let e = AmpError::new(
-                    ErrorCode::Unavailable,
-                    format!("dead letter unreadable: {e}"),
-                );
+                let e = unreadable(e);
                 return self.refuse(r.session, &r.re, e);
             }
         };
@@ -380,6 +369,13 @@ impl Jobs {
         };
         self.submit_as(conn, r.session, &r.ns, &r.name, submit, now);
     }
+}
+
+fn unreadable(e: String) -> AmpError {
+    AmpError::new(
+        ErrorCode::Unavailable,
+        format!("dead letters unreadable: {e}"),
+    )
 }
 
 /// A `STREAM.MSG.GET` answer: the message, `None` when there is none (or no stream), or

@@ -170,7 +170,17 @@ impl Mig {
             Some(e) => Err(MigError::from_value(e)),
             None => Ok(answer.get("result").cloned().unwrap_or(Value::Null)),
         };
-        let c = f.request;
+        self.answer_cancel(conn, &f.request, result, now);
+    }
+
+    /// The caller's answer to its cancel.
+    fn answer_cancel(
+        &mut self,
+        conn: &mut Connection,
+        c: &CancelRequest,
+        result: Result<Value, MigError>,
+        now: Instant,
+    ) {
         let answer = Answer {
             reply: &c.reply,
             echo: &c.echo,
@@ -302,14 +312,7 @@ impl Mig {
         if c.forwarded {
             return self.answer_forwarded(conn, &c, result);
         }
-        let answer = Answer {
-            reply: &c.reply,
-            echo: &c.echo,
-            op: "cancel",
-            capability: "",
-            received: c.received,
-        };
-        self.respond(conn, &answer, result, now);
+        self.answer_cancel(conn, &c, result, now);
     }
 }
 

@@ -191,11 +191,7 @@ impl Mig {
         let Some(inv) = self.invocations.get_mut(&session) else {
             return;
         };
-        let budget = ctx
-            .config
-            .participant(&inv.ns, &inv.caller)
-            .and_then(|p| p.policy.as_ref())
-            .and_then(crate::broker::budget::Budget::from_policy);
+        let budget = crate::broker::budget::Budget::of(ctx.config, &inv.ns, &inv.caller);
         let Some(budget) = budget else {
             return self.count_queue(conn, ctx, session, now);
         };
