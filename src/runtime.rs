@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use mio::{Events, Interest, Poll, Token};
 
 use crate::broker::config::Config;
-use crate::broker::core::{Broker, Output};
+use crate::broker::core::{Broker, Input, Output};
 use crate::broker::embedded::EmbeddedServer;
 use crate::lame_duck::LameDuck;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestId};
@@ -234,7 +234,7 @@ pub fn run(
         let deadline = [
             ws.next_deadline(),
             nats.poll_timeout(),
-            broker.next_deadline(),
+            broker.poll_timeout(),
             Some(health.next_probe),
             embedded.as_ref().map(|_| next_supervise),
             drain_until,
@@ -330,7 +330,7 @@ pub fn run(
             },
         );
         nats.drive(poll.registry(), now);
-        broker.handle_timeout(nats.connection_mut(), now);
+        broker.handle(nats.connection_mut(), Input::Timeout, now);
 
         if now >= health.next_probe {
             health.next_probe = now + HEALTH_INTERVAL;
@@ -363,14 +363,32 @@ pub fn run(
                 match event {
                     SessionEvent::Opened { peer, .. } => {
                         ids.insert(id.as_u64(), id);
-                        broker.session_opened(id.as_u64(), peer, now);
+                        broker.handle(
+                            conn,
+                            Input::SessionOpened {
+                                session: id.as_u64(),
+                                peer,
+                            },
+                            now,
+                        );
                     }
-                    SessionEvent::Text(text) => {
-                        broker.session_frame(conn, id.as_u64(), text.as_str(), now)
-                    }
+                    SessionEvent::Text(text) => broker.handle(
+                        conn,
+                        Input::Frame {
+                            session: id.as_u64(),
+                            text: text.as_str(),
+                        },
+                        now,
+                    ),
                     SessionEvent::Closed { .. } => {
                         ids.remove(&id.as_u64());
-                        broker.session_closed(conn, id.as_u64(), now);
+                        broker.handle(
+                            conn,
+                            Input::SessionClosed {
+                                session: id.as_u64(),
+                            },
+                            now,
+                        );
                     }
                 }
             }
@@ -404,7 +422,7 @@ pub fn run(
                     }
                     _ => {}
                 }
-                broker.nats_event(nats.connection_mut(), event, now);
+                broker.handle(nats.connection_mut(), Input::Nats(event), now);
             }
             while let Some(out) = broker.poll_output() {
                 busy = true;

@@ -11,8 +11,10 @@ use amp_broker::amp::{ClientFrame, FrameValidator};
 use amp_broker::broker::binding::{self, StreamSettings};
 use amp_broker::broker::clock::{self, Clock};
 use amp_broker::broker::config::Config;
+use amp_broker::broker::continuations::Continuations;
 use amp_broker::broker::ids::IdSource;
 use amp_broker::broker::jobs::{Caller, Jobs, JobsOutput};
+use amp_broker::broker::timers::Timers;
 use amp_broker::nats::{Client, Event, Options};
 use amp_broker::rfc3339;
 use serde_json::{Value, json};
@@ -71,6 +73,10 @@ fn provision(client: &mut Client) {
 struct Broker {
     client: Client,
     jobs: Jobs,
+    /// The engine's round trips in flight and its timers (the core keeps these tables
+    /// under the runtime).
+    table: Continuations,
+    timers: Timers,
     config: Config,
     validator: FrameValidator,
     out: Vec<JobsOutput>,
@@ -87,6 +93,8 @@ impl Broker {
         Broker {
             client,
             jobs,
+            table: Continuations::default(),
+            timers: Timers::default(),
             config,
             validator: FrameValidator::new().expect("schema"),
             out: Vec::new(),
@@ -127,7 +135,8 @@ impl Broker {
 
     /// Runs the engine's timers as if it were `now`, moving no bytes.
     fn timers_at(&mut self, now: Instant) {
-        self.jobs.handle_timeout(self.client.connection_mut(), now);
+        self.jobs
+            .timers_due(&mut self.timers, self.client.connection_mut(), now);
     }
 
     fn close_session(&mut self, session: u64) {
@@ -151,16 +160,17 @@ impl Broker {
                     self.jobs.on_message(conn, sid, &msg, now);
                 }
                 Event::Response { id, msg } => {
-                    self.jobs.on_reply(conn, id, Ok(msg), now);
+                    self.jobs.reply_to(&mut self.table, conn, id, Ok(msg), now);
                 }
                 Event::RequestFailed { id, error } => {
-                    self.jobs.on_reply(conn, id, Err(error), now);
+                    self.jobs
+                        .reply_to(&mut self.table, conn, id, Err(error), now);
                 }
                 Event::Reconnected { .. } => self.jobs.on_reconnected(conn, now),
                 _ => {}
             }
         }
-        self.jobs.handle_timeout(conn, Instant::now());
+        self.jobs.timers_due(&mut self.timers, conn, Instant::now());
         while let Some(o) = self.jobs.poll_output() {
             self.out.push(o);
         }

@@ -6,8 +6,7 @@
 //! frames and closes for sessions (`poll_output`). Every JetStream round trip is a
 //! continuation stored under its request id (`Pending`), so nothing ever waits.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -21,6 +20,7 @@ use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Sett
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::clock::Clock;
 use super::config::Config;
+use super::continuations::{Continuation, Continuations};
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::id_map::IdMap;
 use super::ids::IdSource;
@@ -33,6 +33,7 @@ use super::registry::{Change, Registry};
 use super::reload;
 use super::scoped_jwt;
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
+use super::timers::{Timers, Wake};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
 use crate::amp::reply::{self, FrameWriter};
 use crate::amp::{AmpError, ErrorCode, FrameValidator, Rejected};
@@ -65,6 +66,28 @@ pub enum Output {
         code: u16,
         reason: String,
     },
+}
+
+/// What the runtime hands the core. The core touches no socket, clock or random source:
+/// every input comes with the `now` it happened at, and everything the core wants done
+/// comes back as an [`Output`] (to sessions) or as commands on the sans-IO NATS
+/// [`Connection`] it is lent (bytes the runtime writes to the server).
+#[derive(Debug)]
+pub enum Input<'a> {
+    /// A WebSocket session was upgraded.
+    SessionOpened {
+        session: SessionId,
+        peer: SocketAddr,
+    },
+    /// A text frame of a session.
+    Frame { session: SessionId, text: &'a str },
+    /// A session ended (closed by either side, or its transport failed).
+    SessionClosed { session: SessionId },
+    /// What the NATS connection reported: up (with the server's facts) or down, a
+    /// message on one of the core's subscriptions, a reply or a failed request.
+    Nats(Event),
+    /// A deadline [`Broker::poll_timeout`] gave has passed.
+    Timeout,
 }
 
 /// WebSocket close codes the core uses.
@@ -122,6 +145,9 @@ enum PullOwner {
     Inbox(String),
     Sub(SessionId, String),
 }
+
+/// A continuation of the core, opaque to the table that keeps it.
+pub struct Awaiting(Pending);
 
 /// A JetStream round trip waiting for its reply.
 enum Pending {
@@ -210,7 +236,10 @@ enum Route {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+/// A timer of the core, opaque to the table that keeps it.
+pub struct Alarm(Timer);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Timer {
     HelloTimeout(SessionId),
     RegistryRefresh(String),
@@ -229,11 +258,12 @@ pub struct Broker {
     broker_id: String,
     sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
-    /// JetStream round trips in flight, with when each was sent.
-    pending: IdMap<RequestId, (Pending, Instant)>,
+    /// Every NATS round trip in flight, of every capability.
+    continuations: Continuations,
     metrics: AmpMetrics,
     routes: IdMap<Sid, Route>,
-    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
+    /// Every deadline, of every capability.
+    timers: Timers,
     out: VecDeque<Output>,
     throttle: HelloThrottle,
     rates: RateLimiter,
@@ -284,10 +314,10 @@ impl Broker {
             broker_id,
             sessions: IdMap::default(),
             presence: HashMap::new(),
-            pending: IdMap::default(),
+            continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
             routes: IdMap::default(),
-            timers: BinaryHeap::new(),
+            timers: Timers::default(),
             out: VecDeque::new(),
             throttle: HelloThrottle::new(ThrottleConfig::default()),
             rates: RateLimiter::new(65_536),
@@ -392,25 +422,34 @@ impl Broker {
         self.out.pop_front()
     }
 
-    pub fn next_deadline(&self) -> Option<Instant> {
+    /// Hands the core one input; then drain [`Broker::poll_output`], write what the
+    /// connection buffered, and call again with [`Input::Timeout`] by
+    /// [`Broker::poll_timeout`].
+    pub fn handle(&mut self, conn: &mut Connection, input: Input<'_>, now: Instant) {
+        match input {
+            Input::SessionOpened { session, peer } => self.session_opened(session, peer, now),
+            Input::Frame { session, text } => self.session_frame(conn, session, text, now),
+            Input::SessionClosed { session } => self.session_closed(conn, session, now),
+            Input::Nats(event) => self.nats_event(conn, event, now),
+            Input::Timeout => self.handle_timeout(conn, now),
+        }
+        self.file_continuations();
+        self.file_timers();
+    }
+
+    /// When the core next wants [`Input::Timeout`].
+    pub fn poll_timeout(&self) -> Option<Instant> {
         let watches = self
             .registries
             .values()
             .filter_map(|(r, _)| r.watcher_timeout());
-        self.timers
-            .peek()
-            .map(|Reverse((at, _))| *at)
-            .into_iter()
-            .chain(watches)
-            .chain(self.jobs.next_deadline())
-            .chain(self.mig.next_deadline())
-            .min()
+        self.timers.next_at().into_iter().chain(watches).min()
     }
 
     // ---- sessions ------------------------------------------------------------------
 
     /// A WebSocket session was upgraded: send the challenge and start the hello clock.
-    pub fn session_opened(&mut self, session: SessionId, peer: SocketAddr, now: Instant) {
+    fn session_opened(&mut self, session: SessionId, peer: SocketAddr, now: Instant) {
         let nonce = self.nonces.next_nonce();
         self.sessions.insert(
             session,
@@ -430,13 +469,12 @@ impl Broker {
             .finish();
         self.frame(session, challenge);
         let timeout = Duration::from_secs(self.config.limits.hello_timeout_s);
-        self.timers
-            .push(Reverse((after(now, timeout), Timer::HelloTimeout(session))));
+        self.set_timer(after(now, timeout), Timer::HelloTimeout(session));
     }
 
     /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
     /// are handed back to JetStream at once, so the participant's next session gets them.
-    pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+    fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         self.drop_subscriptions(conn, session, now);
         let Some(s) = self.sessions.remove(&session) else {
             return;
@@ -478,7 +516,7 @@ impl Broker {
     }
 
     /// One text frame from a session.
-    pub fn session_frame(
+    fn session_frame(
         &mut self,
         conn: &mut Connection,
         session: SessionId,
@@ -918,8 +956,7 @@ impl Broker {
 
     fn retry_inbox_consumer(&mut self, participant: String, now: Instant) {
         let at = crate::deadline::after(now, INBOX_CONSUMER_RETRY);
-        self.timers
-            .push(Reverse((at, Timer::InboxConsumerRetry(participant))));
+        self.set_timer(at, Timer::InboxConsumerRetry(participant));
     }
 
     fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
@@ -948,7 +985,7 @@ impl Broker {
 
     fn check_pull_at(&mut self, at: Option<Instant>, owner: PullOwner) {
         if let Some(at) = at {
-            self.timers.push(Reverse((at, Timer::PullCheck(owner))));
+            self.set_timer(at, Timer::PullCheck(owner));
         }
     }
 
@@ -1064,7 +1101,7 @@ impl Broker {
         let ttl = self.config.limits.registry_ttl_s;
         let refresh = Duration::from_secs(ttl).div_f64(3.0);
         match now.checked_add(refresh) {
-            Some(at) => self.timers.push(Reverse((at, Timer::RegistryRefresh(key)))),
+            Some(at) => self.set_timer(at, Timer::RegistryRefresh(key)),
             // Beyond the clock's range: the entry outlives the process anyway.
             None => {
                 self.refreshing.remove(&key);
@@ -1163,15 +1200,13 @@ impl Broker {
                     ) {
                         Ok(req) => {
                             // Field borrow: `registry` still borrows `self.registries`.
-                            self.pending.insert(
+                            self.continuations.insert(
                                 req,
-                                (
-                                    Pending::Watch {
-                                        ns: ns.to_string(),
-                                        kind,
-                                    },
-                                    now,
-                                ),
+                                Continuation::Core(Awaiting(Pending::Watch {
+                                    ns: ns.to_string(),
+                                    kind,
+                                })),
+                                now,
                             );
                         }
                         Err(e) => registry.watcher().on_reply(
@@ -1229,7 +1264,7 @@ impl Broker {
     // ---- NATS side -----------------------------------------------------------------
 
     /// An event from the NATS connection.
-    pub fn nats_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
+    fn nats_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
         match event {
             Event::Message { sid, msg } => match self.routes.get(&sid) {
                 Some(Route::Inbox { participant }) => {
@@ -1256,32 +1291,8 @@ impl Broker {
                     }
                 }
             },
-            Event::Response { id, msg } => match self.pending.remove(&id) {
-                Some((p, sent)) => {
-                    self.observe_round_trip(&p, sent, now);
-                    self.complete(conn, p, Ok(msg), now);
-                }
-                None => {
-                    if let Some(reply) = self.mig_reply(conn, id, Ok(msg), now)
-                        && !self.jobs.on_reply(conn, id, reply, now)
-                    {
-                        self.unmatched("reply", "");
-                    }
-                }
-            },
-            Event::RequestFailed { id, error } => match self.pending.remove(&id) {
-                Some((p, sent)) => {
-                    self.observe_round_trip(&p, sent, now);
-                    self.complete(conn, p, Err(error), now);
-                }
-                None => {
-                    if let Some(reply) = self.mig_reply(conn, id, Err(error), now)
-                        && !self.jobs.on_reply(conn, id, reply, now)
-                    {
-                        self.unmatched("reply", "");
-                    }
-                }
-            },
+            Event::Response { id, msg } => self.reply(conn, id, Ok(msg), now),
+            Event::RequestFailed { id, error } => self.reply(conn, id, Err(error), now),
             Event::InvalidMessages { dropped } => {
                 let before = self
                     .metrics
@@ -1420,7 +1431,7 @@ impl Broker {
     }
 
     /// Timers due at `now`.
-    pub fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
+    fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
         let due: Vec<String> = self
             .registries
             .iter()
@@ -1433,59 +1444,63 @@ impl Broker {
             }
             self.drive_registry(conn, &ns, now);
         }
-        while let Some(Reverse((at, _))) = self.timers.peek() {
-            if *at > now {
-                break;
-            }
-            let Some(Reverse((_, timer))) = self.timers.pop() else {
+        loop {
+            self.file_timers();
+            let Some((at, wake)) = self.timers.pop_due(now) else {
                 break;
             };
-            match timer {
-                Timer::HelloTimeout(session) => {
-                    if matches!(
-                        self.sessions.get(&session).map(|s| &s.state),
-                        Some(SessionState::AwaitingHello { .. })
-                    ) {
-                        self.close(session, close::POLICY, "hello timeout");
-                    }
-                }
-                Timer::RegistryRefresh(key) => {
-                    self.refreshing.remove(&key);
-                    if let Some((ns, name)) = key
-                        .split_once('/')
-                        .filter(|_| self.presence.contains_key(&key))
-                    {
-                        let (ns, name) = (ns.to_string(), name.to_string());
-                        self.registry_put(conn, &ns, &name, now);
-                    }
-                }
-                Timer::InboxConsumerRetry(key) => {
-                    let unread = self
-                        .presence
-                        .get(&key)
-                        .is_some_and(|p| p.inbox.sid().is_none());
-                    if let Some((ns, name)) = key.split_once('/').filter(|_| unread) {
-                        let (ns, name) = (ns.to_string(), name.to_string());
-                        self.ensure_inbox_consumer(conn, &ns, &name, now);
-                    }
-                }
-                Timer::PullCheck(owner) => {
-                    let at = match &owner {
-                        PullOwner::Inbox(key) => self
-                            .presence
-                            .get_mut(key)
-                            .and_then(|p| p.inbox.check(conn, now)),
-                        PullOwner::Sub(session, sub) => self
-                            .subscription_mut(*session, sub)
-                            .and_then(|t| t.pull.check(conn, now)),
-                    };
-                    self.check_pull_at(at, owner);
-                }
+            match wake {
+                Wake::Core(Alarm(timer)) => self.core_alarm(conn, timer, now),
+                Wake::Jobs(alarm) => self.jobs.on_alarm(conn, alarm, at, now),
+                Wake::Mig(alarm) => self.mig_alarm(conn, alarm, now),
             }
         }
-        self.jobs.handle_timeout(conn, now);
-        self.mig_timeout(conn, now);
         self.drain_jobs(conn, now);
+    }
+
+    fn core_alarm(&mut self, conn: &mut Connection, timer: Timer, now: Instant) {
+        match timer {
+            Timer::HelloTimeout(session) => {
+                if matches!(
+                    self.sessions.get(&session).map(|s| &s.state),
+                    Some(SessionState::AwaitingHello { .. })
+                ) {
+                    self.close(session, close::POLICY, "hello timeout");
+                }
+            }
+            Timer::RegistryRefresh(key) => {
+                self.refreshing.remove(&key);
+                if let Some((ns, name)) = key
+                    .split_once('/')
+                    .filter(|_| self.presence.contains_key(&key))
+                {
+                    let (ns, name) = (ns.to_string(), name.to_string());
+                    self.registry_put(conn, &ns, &name, now);
+                }
+            }
+            Timer::InboxConsumerRetry(key) => {
+                let unread = self
+                    .presence
+                    .get(&key)
+                    .is_some_and(|p| p.inbox.sid().is_none());
+                if let Some((ns, name)) = key.split_once('/').filter(|_| unread) {
+                    let (ns, name) = (ns.to_string(), name.to_string());
+                    self.ensure_inbox_consumer(conn, &ns, &name, now);
+                }
+            }
+            Timer::PullCheck(owner) => {
+                let at = match &owner {
+                    PullOwner::Inbox(key) => self
+                        .presence
+                        .get_mut(key)
+                        .and_then(|p| p.inbox.check(conn, now)),
+                    PullOwner::Sub(session, sub) => self
+                        .subscription_mut(*session, sub)
+                        .and_then(|t| t.pull.check(conn, now)),
+                };
+                self.check_pull_at(at, owner);
+            }
+        }
     }
 
     /// Delivers what the jobs engine queued: answers, offers and revocations, and registry
@@ -1694,7 +1709,50 @@ impl Broker {
     }
 
     fn await_reply(&mut self, req: RequestId, now: Instant, pending: Pending) {
-        self.pending.insert(req, (pending, now));
+        self.continuations
+            .insert(req, Continuation::Core(Awaiting(pending)), now);
+    }
+
+    fn set_timer(&mut self, at: Instant, timer: Timer) {
+        self.timers.schedule(at, Wake::Core(Alarm(timer)));
+    }
+
+    /// Files the deadlines the capabilities set (see [`Later`]).
+    ///
+    /// [`Later`]: super::timers::Later
+    fn file_timers(&mut self) {
+        self.timers.file(&mut self.jobs.later, Wake::Jobs);
+        self.timers.file(&mut self.mig.later, Wake::Mig);
+    }
+
+    /// Files the round trips the capabilities started (see [`Staged`]).
+    ///
+    /// [`Staged`]: super::continuations::Staged
+    fn file_continuations(&mut self) {
+        self.continuations
+            .file(&mut self.jobs.staged, Continuation::Jobs);
+        self.continuations
+            .file(&mut self.mig.staged, Continuation::Mig);
+    }
+
+    /// A reply, or the failure of a request, handed to the capability that asked.
+    fn reply(
+        &mut self,
+        conn: &mut Connection,
+        id: RequestId,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        self.file_continuations();
+        match self.continuations.take(id) {
+            Some((Continuation::Core(Awaiting(p)), sent)) => {
+                self.observe_round_trip(&p, sent, now);
+                self.complete(conn, p, reply, now);
+            }
+            Some((Continuation::Jobs(p), sent)) => self.jobs.on_reply(conn, p, sent, reply, now),
+            Some((Continuation::Mig(p), _)) => self.mig_reply(conn, p, reply, now),
+            None => self.unmatched("reply", ""),
+        }
     }
 
     fn observe_round_trip(&mut self, p: &Pending, sent: Instant, now: Instant) {
@@ -1707,7 +1765,13 @@ impl Broker {
 
     /// Appends the broker's metrics in Prometheus text format.
     pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write as _;
         self.metrics.registry.render(out);
+        let _ = writeln!(
+            out,
+            "# HELP amp_nats_requests_in_flight NATS requests waiting for their reply, of every capability.\n# TYPE amp_nats_requests_in_flight gauge\namp_nats_requests_in_flight {}",
+            self.continuations.in_flight()
+        );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);
     }

@@ -8,10 +8,15 @@
 //! the offer or the lease, because JetStream itself accepts acks from anyone holding an old
 //! ack subject.
 
+mod lease;
 mod letters;
+mod offer;
+mod outcome;
+mod queue;
+mod store;
+mod submit;
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -20,12 +25,14 @@ use super::binding;
 use super::bounded_map::BoundedMap;
 use super::clock::Clock;
 use super::config::{Config, Job, Participant};
+use super::continuations::{Continuation, Continuations, Staged};
 use super::dead_letters::Letter;
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
 use super::ids::IdSource;
 use super::permissions::{self, Action};
 use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
+use super::timers::{Later, Timers, Wake};
 use super::worker_choice::{self, Candidate};
 use crate::amp::frame::{self as amp_frame, ClientFrame, ServeSlots};
 use crate::amp::reply::{self, FrameWriter};
@@ -353,6 +360,9 @@ impl Pending {
     }
 }
 
+/// A continuation of this module, opaque to the core's table that keeps it.
+pub struct Awaiting(Pending);
+
 /// A stored outcome to announce: who reached it, the task message's ack and the
 /// requester's answer.
 struct Outcome {
@@ -400,7 +410,10 @@ struct Submission {
     payload: Vec<u8>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+/// A timer of this engine, opaque to the core's table that keeps it.
+pub struct Alarm(Timer);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Timer {
     OfferExpiry {
         key: String,
@@ -438,8 +451,8 @@ pub struct Jobs {
     tasks: HashMap<String, LocalTask>,
     /// Recent declines: task key -> (session, when).
     declines: HashMap<String, Vec<(SessionId, Instant)>>,
-    /// Requests in flight, with when each was sent.
-    pending: HashMap<RequestId, (Pending, Instant)>,
+    /// Requests sent since the core last filed them in its continuation table.
+    pub(crate) staged: Staged<Awaiting>,
     routes: HashMap<Sid, String>,
     /// Offer watches: subscription -> task key.
     watches: HashMap<Sid, String>,
@@ -450,7 +463,8 @@ pub struct Jobs {
     published: BoundedMap<String, u64>,
     /// MIG over NATS is on: dead letters of capabilities are published there too.
     mig_enabled: bool,
-    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
+    /// Deadlines set since the core last filed them in its timer table.
+    pub(crate) later: Later<Alarm>,
     out: VecDeque<JobsOutput>,
     next_generation: u64,
     stats: JobsStats,
@@ -544,13 +558,13 @@ impl Jobs {
             queues: HashMap::new(),
             tasks: HashMap::new(),
             declines: HashMap::new(),
-            pending: HashMap::new(),
+            staged: Staged::default(),
             routes: HashMap::new(),
             watches: HashMap::new(),
             round_trips: Vec::new(),
             published: BoundedMap::new(PUBLISHED_SEQS),
             mig_enabled: config.mig.enabled,
-            timers: BinaryHeap::new(),
+            later: Later::default(),
             out: VecDeque::new(),
             next_generation: 0,
             stats: JobsStats::default(),
@@ -613,10 +627,6 @@ impl Jobs {
 
     pub fn poll_output(&mut self) -> Option<JobsOutput> {
         self.out.pop_front()
-    }
-
-    pub fn next_deadline(&self) -> Option<Instant> {
-        self.timers.peek().map(|Reverse((at, _))| *at)
     }
 
     /// Whether `op` is one this component answers.
@@ -851,243 +861,6 @@ impl Jobs {
         Ok(())
     }
 
-    fn submit(
-        &mut self,
-        conn: &mut Connection,
-        caller: &Caller<'_>,
-        submit: amp_frame::Submit,
-        now: Instant,
-    ) {
-        let session = caller.session;
-        let job = submit.job.as_str();
-        if !permissions::allows(&caller.participant.permissions, Action::Submit, job) {
-            let e = AmpError::new(
-                ErrorCode::Forbidden,
-                format!("submitting to `{job}` is not permitted"),
-            )
-            .with_path("/job");
-            return self.refuse(session, &submit.id, e);
-        }
-        self.submit_as(conn, session, caller.ns, caller.name, submit, now);
-    }
-
-    /// A submit by participant `ns/name`, whose permission to submit was checked.
-    fn submit_as(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        ns: &str,
-        name: &str,
-        submit: amp_frame::Submit,
-        now: Instant,
-    ) {
-        let job = submit.job.as_str();
-        let task = submit.task.clone().unwrap_or_else(|| self.ids.next_id());
-        let from = format!("{ns}/{name}");
-        let max_attempts = submit
-            .max_attempts
-            .unwrap_or_else(|| self.job_config(ns, job).max_attempts)
-            .max(1);
-        let eligible = submit.eligible.map(|e| Eligible {
-            names: e.names,
-            labels: e.labels,
-        });
-        let now_ms = self.clock.ms(now);
-        let mut record = TaskRecord::submitted(
-            &task,
-            job,
-            &from,
-            &submit.body,
-            max_attempts,
-            eligible,
-            now_ms,
-        );
-        // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
-        record.via_mig = submit.headers.contains_key("mig_capability");
-        let body = serde_json::value::to_raw_value(&submit.body)
-            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
-        let env = Envelope {
-            id: task.clone(),
-            kind: Kind::Task,
-            from: from.clone(),
-            to: None,
-            topic: None,
-            job: Some(job.to_string()),
-            ts: rfc3339::format_millis(now_ms),
-            headers: submit.headers,
-            body,
-        };
-        let mut headers = HeaderMap::new();
-        let mut stamped = vec![
-            ("Nats-Msg-Id", task.as_str()),
-            ("AMP-From", from.as_str()),
-            ("AMP-Kind", Kind::Task.as_str()),
-        ];
-        if let Some(tp) = env.headers.get("traceparent") {
-            stamped.push(("traceparent", tp.as_str()));
-        }
-        for (k, v) in stamped {
-            if let Err(e) = headers.insert(k, v) {
-                let e = AmpError::new(ErrorCode::Schema, format!("header not storable: {e}"))
-                    .with_path("/headers");
-                return self.refuse(session, &submit.id, e);
-            }
-        }
-        let payload = env.to_json();
-        let size = payload.len() + headers.encoded_len();
-        let record_json = record.to_json();
-        let max = conn.max_payload();
-        if size > max || record_json.len() > max {
-            let e = AmpError::new(
-                ErrorCode::TooLarge,
-                format!(
-                    "the stored task would be {} bytes; the server allows {max}",
-                    size.max(record_json.len())
-                ),
-            );
-            return self.refuse(session, &submit.id, e);
-        }
-        let sub = Submission {
-            session,
-            re: submit.id.clone(),
-            from: from.clone(),
-            ns: ns.to_string(),
-            task: task.clone(),
-            job: job.to_string(),
-            digest: record.body_sha256.clone(),
-            subject: binding::job_subject(ns, job),
-            headers,
-            payload,
-        };
-        let key = task_key(ns, &task);
-        let req = match self.kv.create_request(&key, &record_json, None) {
-            Ok(r) => r,
-            Err(e) => {
-                let e = AmpError::new(ErrorCode::Schema, format!("task id not storable: {e}"))
-                    .with_path("/task");
-                return self.refuse(session, &submit.id, e);
-            }
-        };
-        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
-            Ok(id) => {
-                self.await_reply(id, now, Pending::SubmitCreate(Box::new(sub)));
-            }
-            Err(e) => self.refuse(session, &submit.id, send_error(&e)),
-        }
-    }
-
-    fn publish_task(&mut self, conn: &mut Connection, sub: Submission, dup: bool, now: Instant) {
-        match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
-            Ok(id) => {
-                self.await_reply(
-                    id,
-                    now,
-                    Pending::SubmitPublish {
-                        session: sub.session,
-                        re: sub.re,
-                        ns: sub.ns,
-                        task: sub.task,
-                        dup,
-                    },
-                );
-            }
-            Err(e) => self.refuse(sub.session, &sub.re, send_error(&e)),
-        }
-    }
-
-    fn claim(
-        &mut self,
-        conn: &mut Connection,
-        caller: &Caller<'_>,
-        re: String,
-        task: &str,
-        now: Instant,
-    ) {
-        let Some(key) = self.take_offer(caller, &re, task, Phase::Claiming) else {
-            return;
-        };
-        let op = Op::Claim {
-            session: caller.session,
-            re,
-        };
-        self.write_local(conn, key, op, now);
-    }
-
-    fn decline(
-        &mut self,
-        conn: &mut Connection,
-        caller: &Caller<'_>,
-        re: String,
-        task: &str,
-        now: Instant,
-    ) {
-        // No longer claimable; the slot stays taken until the record says queued.
-        let Some(key) = self.take_offer(caller, &re, task, Phase::Finishing) else {
-            return;
-        };
-        let op = Op::Requeue {
-            session: caller.session,
-            re: Some(re),
-        };
-        self.write_local(conn, key, op, now);
-    }
-
-    /// The task's key when its offer is out to the caller's session, moving it to `next`;
-    /// otherwise answers `lease_lost`.
-    fn take_offer(
-        &mut self,
-        caller: &Caller<'_>,
-        re: &str,
-        task: &str,
-        next: Phase,
-    ) -> Option<String> {
-        let key = task_key(caller.ns, task);
-        match self.tasks.get_mut(&key) {
-            Some(t) if t.session == caller.session && t.phase == Phase::Offered => {
-                t.phase = next;
-                Some(key)
-            }
-            _ => {
-                self.refuse(caller.session, re, lease_lost(task));
-                None
-            }
-        }
-    }
-
-    /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.
-    fn lease_op(
-        &mut self,
-        conn: &mut Connection,
-        caller: &Caller<'_>,
-        task: &str,
-        op: Op,
-        now: Instant,
-    ) {
-        let key = task_key(caller.ns, task);
-        let now_ms = self.clock.ms(now);
-        let session = self.session_name(caller.session);
-        let holds = self.tasks.get(&key).is_some_and(|t| {
-            t.session == caller.session
-                && t.phase == Phase::Leased
-                && t.record.leased_to(&session, now_ms)
-        });
-        if !holds {
-            if let Some((s, re)) = op.answer_to() {
-                let re = re.to_string();
-                self.refuse(s, &re, lease_lost(task));
-            }
-            return;
-        }
-        if let Some(t) = self.tasks.get_mut(&key) {
-            match op {
-                Op::Complete { .. } | Op::Fail { .. } => t.phase = Phase::Finishing,
-                Op::Heartbeat { .. } => t.extending += 1,
-                _ => {}
-            }
-        }
-        self.write_local(conn, key, op, now);
-    }
-
     fn status(
         &mut self,
         conn: &mut Connection,
@@ -1177,156 +950,6 @@ impl Jobs {
 
     // ---- the job queues ----------------------------------------------------------------
 
-    fn ensure_queue(&mut self, conn: &mut Connection, ns: &str, job: &str, now: Instant) {
-        let qk = queue_key(ns, job);
-        if self.queues.contains_key(&qk) {
-            return;
-        }
-        let deliver_prefix = conn.new_inbox();
-        self.queues.insert(
-            qk.clone(),
-            JobQueue {
-                ns: ns.to_string(),
-                job: job.to_string(),
-                consumer: ConsumerState::Creating,
-                sid: None,
-                deliver_prefix,
-                requested: 0,
-                pulls: HashMap::new(),
-                next_pull: 0,
-                unplaced: 0,
-            },
-        );
-        self.create_consumer(conn, &qk, now);
-    }
-
-    fn create_consumer(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
-        let Some(q) = self.queues.get(qk) else { return };
-        let lease_s = self.job_config(&q.ns, &q.job).lease_s;
-        let stream = binding::tasks_stream(&q.ns);
-        let config = binding::job_consumer_config(&q.ns, &q.job, lease_s);
-        let subject = self.api.of(&q.ns).subject(&format!(
-            "CONSUMER.CREATE.{stream}.{}.{}",
-            binding::job_consumer(&q.job),
-            binding::job_subject(&q.ns, &q.job)
-        ));
-        let body = json!({"stream_name": stream, "config": config}).to_string();
-        match self.request(conn, &subject, None, body.as_bytes(), now) {
-            Ok(id) => {
-                self.await_reply(
-                    id,
-                    now,
-                    Pending::ConsumerCreate {
-                        queue: qk.to_string(),
-                    },
-                );
-                if let Some(q) = self.queues.get_mut(qk) {
-                    q.consumer = ConsumerState::Creating;
-                }
-            }
-            Err(e) => {
-                log::warn!(queue:% = qk; "consumer request failed: {e}");
-                self.consumer_failed(qk, now);
-            }
-        }
-    }
-
-    fn consumer_failed(&mut self, qk: &str, now: Instant) {
-        if let Some(q) = self.queues.get_mut(qk) {
-            q.consumer = ConsumerState::Failed;
-        }
-        self.timers.push(Reverse((
-            now + CONSUMER_RETRY,
-            Timer::ConsumerRetry {
-                queue: qk.to_string(),
-            },
-        )));
-    }
-
-    fn consumer_ready(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
-        let Some(q) = self.queues.get_mut(qk) else {
-            return;
-        };
-        q.consumer = ConsumerState::Ready;
-        if q.sid.is_none() {
-            let pattern = format!("{}.*", q.deliver_prefix);
-            match conn.subscribe(&pattern, None) {
-                Ok(sid) => {
-                    q.sid = Some(sid);
-                    self.routes.insert(sid, qk.to_string());
-                }
-                Err(e) => {
-                    log::warn!(queue:% = qk; "pull subscription failed: {e}");
-                    return self.consumer_failed(qk, now);
-                }
-            }
-        }
-        self.pull_more(conn, qk, now);
-    }
-
-    /// Slots and free slots of this broker's sessions serving the job.
-    fn slots(&self, ns: &str, job: &str) -> (u32, u32) {
-        self.workers
-            .values()
-            .filter(|w| w.ns == ns)
-            .filter_map(|w| w.serving.get(job))
-            .fold((0u32, 0u32), |(all, free), s| {
-                (
-                    all.saturating_add(s.slots),
-                    free.saturating_add(s.slots.saturating_sub(s.in_flight)),
-                )
-            })
-    }
-
-    /// Asks for one message per free slot not already asked for.
-    fn pull_more(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
-        let Some(q) = self.queues.get(qk) else { return };
-        // While disconnected a pull would wait in the reconnect buffer and arrive next to
-        // the one `on_reconnected` sends, asking for messages twice.
-        if q.consumer != ConsumerState::Ready || q.sid.is_none() || !conn.is_connected() {
-            return;
-        }
-        let outstanding = q.requested.saturating_add(q.unplaced);
-        let (slots, free) = self.slots(&q.ns, &q.job);
-        let want = free.saturating_sub(outstanding);
-        // While messages are still coming, freed slots wait until a quarter of the job's
-        // slots are free: one pull then serves several tasks instead of one each.
-        if want == 0 || (outstanding > 0 && want < (slots / 4).max(1)) {
-            return;
-        }
-        let pull = PullRequest {
-            batch: u64::from(want),
-            expires: Some(PULL_EXPIRES),
-            ..PullRequest::default()
-        };
-        let req = match self.api.of(&q.ns).pull_next(
-            &binding::tasks_stream(&q.ns),
-            &binding::job_consumer(&q.job),
-            &pull,
-        ) {
-            Ok(r) => r,
-            Err(e) => return log::warn!(queue:% = qk; "pull request invalid: {e}"),
-        };
-        let n = q.next_pull;
-        let reply = format!("{}.{n}", q.deliver_prefix);
-        if let Err(e) = conn.publish(&req.subject, Some(&reply), None, &req.payload) {
-            return log::warn!(queue:% = qk; "pull failed: {e}");
-        }
-        self.stats.js_ops += 1;
-        if let Some(q) = self.queues.get_mut(qk) {
-            q.next_pull += 1;
-            q.pulls.insert(n, want);
-            q.requested = q.requested.saturating_add(want);
-        }
-        self.timers.push(Reverse((
-            now + PULL_EXPIRES + PULL_GRACE,
-            Timer::PullExpiry {
-                queue: qk.to_string(),
-                pull: n,
-            },
-        )));
-    }
-
     /// The NATS connection came back: pulls in flight died with the old one.
     pub fn on_reconnected(&mut self, conn: &mut Connection, now: Instant) {
         let keys: Vec<String> = self.queues.keys().cloned().collect();
@@ -1411,987 +1034,7 @@ impl Jobs {
         true
     }
 
-    /// Another broker asks (for a `status`) whether the offer of `key` is out here.
-    fn answer_offer_watch(&mut self, conn: &mut Connection, key: &str, msg: &Message) {
-        let Some(reply) = msg.reply.as_deref() else {
-            return;
-        };
-        let answer = match self.unwritten_offer(key) {
-            Some((by, at_ms)) => json!({"by": by, "at_ms": at_ms}),
-            None => json!({}),
-        };
-        if let Err(e) = conn.publish(reply, None, None, answer.to_string().as_bytes()) {
-            log::warn!(task:% = key; "offer watch answer not sent: {e}");
-        }
-    }
-
-    fn delivery(&mut self, conn: &mut Connection, qk: &str, msg: &Message, now: Instant) {
-        // JetStream started the message's AckWait when it sent it, a moment before `now`;
-        // `keep_message`'s margin covers the moment.
-        let ack_basis = Some(now);
-        let Some(ack) = msg.reply.clone() else {
-            return;
-        };
-        let delivered = AckMetadata::parse(&ack).map(|m| m.delivered).unwrap_or(1);
-        let Some(ns) = self.queues.get(qk).map(|q| q.ns.clone()) else {
-            return;
-        };
-        let env = match Envelope::from_json(&msg.payload) {
-            Ok(env) if env.kind == Kind::Task => env,
-            _ => {
-                log::warn!(
-                    queue:% = qk, subject:% = msg.subject;
-                    "terminating a malformed task message"
-                );
-                self.ack(
-                    conn,
-                    &ack,
-                    AckKind::Term {
-                        reason: Some("malformed task envelope".into()),
-                    },
-                );
-                return self.pull_more(conn, qk, now);
-            }
-        };
-        let key = task_key(&ns, &env.id);
-        if let Some(t) = self.tasks.get_mut(&key) {
-            // A redelivery of a task this broker already handles (its in-progress acks were
-            // lost): keep the newest ack subject and carry on.
-            t.ack_subject = ack;
-            t.ack_basis = ack_basis;
-            return self.pull_more(conn, qk, now);
-        }
-        match self.kv.get_request(&key) {
-            Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
-                Ok(id) => {
-                    if let Some(q) = self.queues.get_mut(qk) {
-                        q.unplaced += 1;
-                    }
-                    // The offer watch is made before the record's answer comes back on this
-                    // connection, so the server has it before the offer can reach anybody:
-                    // a `status` asked through another broker after the offer finds it.
-                    let watch = self.watch(conn, &key);
-                    self.await_reply(
-                        id,
-                        now,
-                        Pending::DeliveryRead {
-                            queue: qk.to_string(),
-                            key,
-                            ack,
-                            delivered,
-                            env: Box::new(env),
-                            ack_basis,
-                            watch,
-                        },
-                    );
-                }
-                Err(e) => {
-                    log::warn!(task:% = key; "task record read failed: {e}");
-                    self.nak(conn, &ack, Some(RETRY_DELAY));
-                }
-            },
-            Err(e) => {
-                log::warn!(task:% = key; "task id not a key: {e}");
-                self.ack(
-                    conn,
-                    &ack,
-                    AckKind::Term {
-                        reason: Some("task id is not a valid key".into()),
-                    },
-                );
-            }
-        }
-    }
-
-    /// The record of a delivered task arrived: offer it, finish it, or release it.
-    #[allow(clippy::too_many_arguments)]
-    fn placed(
-        &mut self,
-        conn: &mut Connection,
-        qk: &str,
-        key: String,
-        ack: String,
-        delivered: u64,
-        env: Box<Envelope>,
-        read: Result<(TaskRecord, u64), JsError>,
-        ack_basis: Option<Instant>,
-        premade_watch: Option<Sid>,
-        now: Instant,
-    ) {
-        if let Some(q) = self.queues.get_mut(qk) {
-            q.unplaced = q.unplaced.saturating_sub(1);
-        }
-        let (record, revision) = match read {
-            Ok(r) => r,
-            Err(JsError::KeyNotFound) if delivered >= MAX_ORPHAN_DELIVERIES => {
-                log::warn!(task:% = key; "terminating a task without a record");
-                self.ack(
-                    conn,
-                    &ack,
-                    AckKind::Term {
-                        reason: Some("no task record".into()),
-                    },
-                );
-                return self.pull_more(conn, qk, now);
-            }
-            Err(e) => {
-                log::warn!(task:% = key; "task record unreadable: {e}");
-                self.nak(conn, &ack, Some(RETRY_DELAY));
-                return self.pull_more(conn, qk, now);
-            }
-        };
-        let now_ms = self.clock.ms(now);
-        match record.on_delivery(now_ms) {
-            OnDelivery::Finished => {
-                // A crash or a lost ack between the outcome and the ack: make sure the
-                // submitter heard (the result's message id dedupes a repeat).
-                if matches!(record.state, TaskState::Completed | TaskState::Failed) {
-                    let by = record.holder.clone().unwrap_or_default();
-                    self.outcome(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
-                } else {
-                    self.ack(conn, &ack, AckKind::Ack);
-                }
-            }
-            OnDelivery::Held { until_ms } => {
-                let wait = u64::try_from(until_ms - now_ms).unwrap_or(0) + 50;
-                self.nak(conn, &ack, Some(Duration::from_millis(wait)));
-            }
-            OnDelivery::Exhaust => {
-                let write = Write {
-                    key,
-                    op: Op::Exhaust,
-                    ack: Some(ack),
-                    tries: 0,
-                };
-                self.cas(conn, write, &record, revision, now);
-            }
-            OnDelivery::Offer => {
-                let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
-                    self.nak(conn, &ack, Some(NO_TAKER_DELAY));
-                    return self.pull_more(conn, qk, now);
-                };
-                let Some((ns, job)) = self.queues.get(qk).map(|q| (q.ns.clone(), q.job.clone()))
-                else {
-                    return;
-                };
-                let participant = self
-                    .workers
-                    .get(&session)
-                    .map(|w| format!("{}/{}", w.ns, w.name))
-                    .unwrap_or_default();
-                self.slot_taken(session, &job);
-                self.next_generation += 1;
-                // An offer made on a record that already names another offer would have to
-                // replace it, so it is written; so is one past the watches this broker keeps.
-                let watch = premade_watch.filter(|_| record.state != TaskState::Offered);
-                self.tasks.insert(
-                    key.clone(),
-                    LocalTask {
-                        ns,
-                        job,
-                        session,
-                        participant,
-                        ack_subject: ack.clone(),
-                        phase: Phase::Offering,
-                        record: record.clone(),
-                        revision,
-                        leased: false,
-                        generation: self.next_generation,
-                        extending: 0,
-                        offer_until: None,
-                        offered_at_ms: self.clock.ms(now),
-                        watch,
-                        ack_basis,
-                        progress_at: None,
-                    },
-                );
-                match watch {
-                    Some(_) => self.send_offer(&key, session, &env, &record, now),
-                    None => {
-                        let write = Write {
-                            key,
-                            op: Op::Offer { session, env },
-                            ack: Some(ack),
-                            tries: 0,
-                        };
-                        self.cas(conn, write, &record, revision, now);
-                    }
-                }
-            }
-        }
-        self.pull_more(conn, qk, now);
-    }
-
-    fn choose(
-        &mut self,
-        qk: &str,
-        key: &str,
-        eligible: Option<&Eligible>,
-        now: Instant,
-    ) -> Option<SessionId> {
-        if let Some(list) = self.declines.get_mut(key) {
-            list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
-            if list.is_empty() {
-                self.declines.remove(key);
-            }
-        }
-        let declined = self.declines.get(key);
-        let q = self.queues.get(qk)?;
-        let candidates = self.workers.iter().filter_map(|(id, w)| {
-            if declined.is_some_and(|d| d.iter().any(|(s, _)| s == id)) {
-                return None;
-            }
-            let s = w.serving.get(&q.job).filter(|_| w.ns == q.ns)?;
-            Some(Candidate {
-                session: *id,
-                name: &w.name,
-                labels: &w.labels,
-                slots: s.slots,
-                in_flight: s.in_flight,
-                idle_since: s.idle_since,
-            })
-        });
-        worker_choice::choose(candidates, eligible)
-    }
-
-    fn remember_decline(&mut self, key: &str, session: SessionId, now: Instant) {
-        if self.declines.len() >= MAX_DECLINES {
-            self.declines.retain(|_, list| {
-                list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
-                !list.is_empty()
-            });
-            if self.declines.len() >= MAX_DECLINES {
-                self.declines.clear();
-            }
-        }
-        self.declines
-            .entry(key.to_string())
-            .or_default()
-            .push((session, now));
-    }
-
-    fn slot_taken(&mut self, session: SessionId, job: &str) {
-        if let Some(s) = self
-            .workers
-            .get_mut(&session)
-            .and_then(|w| w.serving.get_mut(job))
-        {
-            s.in_flight += 1;
-        }
-    }
-
-    /// The local task `key` ends here (finished, lost, released): its slot frees.
-    fn release_local(&mut self, conn: &mut Connection, key: &str, now: Instant) {
-        self.unwatch(conn, key);
-        let Some(t) = self.tasks.remove(key) else {
-            return;
-        };
-        let was_leased = t.leased;
-        if let Some(s) = self
-            .workers
-            .get_mut(&t.session)
-            .and_then(|w| w.serving.get_mut(&t.job))
-        {
-            s.in_flight = s.in_flight.saturating_sub(1);
-            if was_leased {
-                s.leases = s.leases.saturating_sub(1);
-                s.idle_since = now;
-            }
-        }
-        self.pull_more(conn, &queue_key(&t.ns, &t.job), now);
-    }
-
     // ---- task store changes ------------------------------------------------------------
-
-    fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
-        let Some((record, revision, ack)) = self
-            .tasks
-            .get(&key)
-            .map(|t| (t.record.clone(), t.revision, t.ack_subject.clone()))
-        else {
-            return;
-        };
-        let write = Write {
-            key,
-            op,
-            ack: Some(ack),
-            tries: 0,
-        };
-        self.cas(conn, write, &record, revision, now);
-    }
-
-    fn read(&mut self, conn: &mut Connection, write: Write, now: Instant) {
-        let req = match self.kv.get_request(&write.key) {
-            Ok(r) => r,
-            Err(_) => {
-                let task = write.key.clone();
-                return self.write_failed(conn, write, not_found(&task), now);
-            }
-        };
-        match self.request(conn, &req.subject, None, &req.payload, now) {
-            Ok(id) => {
-                self.await_reply(id, now, Pending::Read(write));
-            }
-            Err(e) => self.write_failed(conn, write, send_error(&e), now),
-        }
-    }
-
-    fn change_for<'a>(&self, op: &'a Op, actor: &'a (String, String), key: &str) -> Change<'a> {
-        let lease_ms = secs_as_millis(
-            self.tasks
-                .get(key)
-                .map_or(30, |t| self.job_config(&t.ns, &t.job).lease_s),
-        );
-        let offered_at_ms = self.tasks.get(key).map_or(0, |t| t.offered_at_ms);
-        let by = Actor {
-            participant: &actor.0,
-            session: &actor.1,
-        };
-        match op {
-            Op::Offer { .. } => Change::Offer { to: by },
-            Op::Exhaust => Change::Exhaust { by: &actor.0 },
-            Op::Claim { .. } => Change::Claim {
-                by,
-                lease_ms,
-                offered_at_ms,
-            },
-            Op::Heartbeat { progress, .. } => Change::Heartbeat {
-                by,
-                lease_ms,
-                progress: progress.as_ref(),
-            },
-            Op::Complete { result, .. } => Change::Complete {
-                by,
-                result: result.clone(),
-            },
-            Op::Fail { error, retry, .. } => Change::Fail {
-                by,
-                error: error.clone(),
-                retry: *retry,
-            },
-            Op::Requeue { .. } => Change::Requeue { by, offered_at_ms },
-            Op::Cancel { by, .. } => Change::Cancel { by },
-        }
-    }
-
-    /// Who makes the change: `ns/name` and `<broker>/<session>`.
-    fn actor_of(&self, op: &Op, key: &str) -> (String, String) {
-        let session = match op {
-            Op::Offer { session, .. }
-            | Op::Claim { session, .. }
-            | Op::Heartbeat { session, .. }
-            | Op::Complete { session, .. }
-            | Op::Fail { session, .. }
-            | Op::Requeue { session, .. }
-            | Op::Cancel { session, .. } => *session,
-            Op::Exhaust => return (format!("broker/{}", self.broker_id), String::new()),
-        };
-        let participant = match op {
-            Op::Cancel { by, .. } => by.clone(),
-            _ => self
-                .tasks
-                .get(key)
-                .map(|t| t.participant.clone())
-                .unwrap_or_default(),
-        };
-        (participant, self.session_name(session))
-    }
-
-    /// Applies the change to `record` and writes it if it applies.
-    fn cas(
-        &mut self,
-        conn: &mut Connection,
-        write: Write,
-        record: &TaskRecord,
-        revision: u64,
-        now: Instant,
-    ) {
-        let now_ms = self.clock.ms(now);
-        let actor = self.actor_of(&write.op, &write.key);
-        let next = {
-            let change = self.change_for(&write.op, &actor, &write.key);
-            record.apply(&change, now_ms)
-        };
-        let next = match next {
-            Ok(next) => next,
-            Err(refusal) => return self.refused(conn, write, record, revision, refusal, now),
-        };
-        let req = match self
-            .kv
-            .update_request(&write.key, &next.to_json(), revision)
-        {
-            Ok(r) => r,
-            Err(e) => return self.write_failed(conn, write, unavailable(e), now),
-        };
-        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
-            Ok(id) => {
-                self.await_reply(
-                    id,
-                    now,
-                    Pending::Cas {
-                        write,
-                        next: Box::new(next),
-                    },
-                );
-            }
-            Err(e) => self.write_failed(conn, write, send_error(&e), now),
-        }
-    }
-
-    /// The change cannot be made on the record as it is (at `revision`).
-    fn refused(
-        &mut self,
-        conn: &mut Connection,
-        write: Write,
-        record: &TaskRecord,
-        revision: u64,
-        refusal: Refusal,
-        now: Instant,
-    ) {
-        let task = record.id.clone();
-        let key = write.key.clone();
-        if let Op::Heartbeat { .. } = write.op {
-            self.extension_ended(&key);
-        }
-        if self.landed_earlier(&write.op, &key, record, now) {
-            // An earlier try of this very change was answered `unavailable` but reached
-            // the task store after all (it waited in the reconnect buffer): the retry
-            // finishes what that write started.
-            return self.written(conn, write, record.clone(), revision, now);
-        }
-        match write.op {
-            Op::Offer { .. } => {
-                // Someone else moved the task on (another broker's offer or lease, or an
-                // outcome): this delivery is not ours to offer.
-                if let Some(ack) = &write.ack {
-                    match refusal {
-                        Refusal::LeaseHeld { until_ms } => {
-                            let wait = u64::try_from(until_ms - self.clock.ms(now)).unwrap_or(0);
-                            self.nak(conn, ack, Some(Duration::from_millis(wait + 50)));
-                        }
-                        Refusal::Finished(_) => self.ack(conn, ack, AckKind::Ack),
-                        _ => self.nak(conn, ack, Some(RETRY_DELAY)),
-                    }
-                }
-                self.release_local(conn, &key, now);
-            }
-            Op::Exhaust => {
-                if let (Some(ack), Refusal::Finished(_)) = (&write.ack, &refusal) {
-                    self.ack(conn, ack, AckKind::Ack);
-                }
-            }
-            Op::Cancel { session, re, .. } => {
-                let e = match refusal {
-                    Refusal::NotSubmitter => AmpError::new(
-                        ErrorCode::Forbidden,
-                        format!("only the submitter may cancel task `{task}`"),
-                    ),
-                    Refusal::Finished(state) => AmpError::new(
-                        ErrorCode::Conflict,
-                        format!("task `{task}` is already {}", state.as_str()),
-                    ),
-                    _ => unavailable("the task store did not settle"),
-                };
-                self.refuse(session, &re, e);
-            }
-            op => {
-                if let Some((session, re)) = op.answer_to() {
-                    let re = re.to_string();
-                    self.refuse(session, &re, lease_lost(&task));
-                }
-                // The lease or offer is gone for good when the record shows someone else
-                // or an outcome; a late heartbeat on a still-cached lease only fails.
-                let mine = self.tasks.get(&key).is_some_and(|t| {
-                    let s = self.session_name(t.session);
-                    record.offered_to(&s) || record.leased_to(&s, self.clock.ms(now))
-                });
-                if !mine {
-                    let holder = self.tasks.get(&key).map(|t| (t.session, t.phase));
-                    if let Some((session, phase)) = holder {
-                        if matches!(phase, Phase::Leased | Phase::Finishing | Phase::Claiming)
-                            && record.state != TaskState::Offered
-                        {
-                            let reason = if record.state == TaskState::Cancelled {
-                                "cancelled"
-                            } else {
-                                "lease_expired"
-                            };
-                            if phase != Phase::Claiming {
-                                self.revoke(session, &task, reason);
-                            }
-                        }
-                        if record.state == TaskState::Cancelled
-                            && let Some(ack) = &write.ack
-                        {
-                            self.ack(
-                                conn,
-                                ack,
-                                AckKind::Term {
-                                    reason: Some("cancelled".into()),
-                                },
-                            );
-                        }
-                    }
-                    self.release_local(conn, &key, now);
-                } else if record.state == TaskState::Offered {
-                    if let Some(t) = self.tasks.get_mut(&key) {
-                        t.record = record.clone();
-                        t.revision = revision;
-                        t.phase = Phase::Offered;
-                    }
-                    self.arm_offer_expiry(&key, now);
-                } else {
-                    self.unwatch(conn, &key);
-                    self.adopt_lease(&key, record, revision, now);
-                }
-            }
-        }
-    }
-
-    /// Whether `op` is a claim or an outcome whose earlier try the record already shows
-    /// as made by the same session.
-    fn landed_earlier(&self, op: &Op, key: &str, record: &TaskRecord, now: Instant) -> bool {
-        let Some(t) = self.tasks.get(key) else {
-            return false;
-        };
-        let session = self.session_name(t.session);
-        match op {
-            Op::Claim { session: s, .. } => {
-                *s == t.session
-                    && t.phase == Phase::Claiming
-                    && record.leased_to(&session, self.clock.ms(now))
-            }
-            Op::Complete { session: s, .. } => {
-                *s == t.session
-                    && record.state == TaskState::Completed
-                    && record.finished_by(&session)
-            }
-            Op::Fail {
-                session: s,
-                retry: false,
-                ..
-            } => {
-                *s == t.session && record.state == TaskState::Failed && record.finished_by(&session)
-            }
-            _ => false,
-        }
-    }
-
-    /// The record shows this broker's session holding a lease the local state did not
-    /// know of (a claim answered `unavailable` that landed later, then the offer lapsed or
-    /// was declined): the session holds it until `lease_until`, with the slot, the lease
-    /// count and the expiry timer that go with it.
-    fn adopt_lease(&mut self, key: &str, record: &TaskRecord, revision: u64, now: Instant) {
-        let Some(t) = self.tasks.get_mut(key) else {
-            return;
-        };
-        t.record = record.clone();
-        t.revision = revision;
-        t.phase = Phase::Leased;
-        if !t.leased {
-            t.leased = true;
-            let (session, job) = (t.session, t.job.clone());
-            if let Some(s) = self
-                .workers
-                .get_mut(&session)
-                .and_then(|w| w.serving.get_mut(&job))
-            {
-                s.leases += 1;
-            }
-        }
-        self.arm_lease_expiry(key, now);
-    }
-
-    /// A timer at the local task's `lease_until` (at once when it is past).
-    fn arm_lease_expiry(&mut self, key: &str, now: Instant) {
-        let Some(t) = self.tasks.get(key) else {
-            return;
-        };
-        let until_ms = t.record.lease_until_ms.unwrap_or_default();
-        let at = self.clock.instant(now, until_ms);
-        let timer = Timer::LeaseExpiry {
-            key: key.to_string(),
-            generation: t.generation,
-        };
-        self.timers.push(Reverse((at, timer)));
-    }
-
-    /// A timer at the local task's offer deadline (at once when it is past).
-    fn arm_offer_expiry(&mut self, key: &str, now: Instant) {
-        let Some(t) = self.tasks.get(key) else {
-            return;
-        };
-        let at = t.offer_until.map_or(now, |at| at.max(now));
-        let timer = Timer::OfferExpiry {
-            key: key.to_string(),
-            generation: t.generation,
-        };
-        self.timers.push(Reverse((at, timer)));
-    }
-
-    /// A heartbeat's write ended, one way or the other.
-    fn extension_ended(&mut self, key: &str) {
-        if let Some(t) = self.tasks.get_mut(key) {
-            t.extending = t.extending.saturating_sub(1);
-        }
-    }
-
-    /// A request of the change failed (JetStream unreachable, or too many conflicts).
-    fn write_failed(&mut self, conn: &mut Connection, write: Write, e: AmpError, now: Instant) {
-        log::warn!(task:% = write.key; "task change failed: {e}");
-        if let Some((session, re)) = write.op.answer_to() {
-            let re = re.to_string();
-            self.refuse(session, &re, e);
-        }
-        match write.op {
-            Op::Offer { .. } => {
-                if let Some(ack) = &write.ack {
-                    self.nak(conn, ack, Some(RETRY_DELAY));
-                }
-                self.release_local(conn, &write.key, now);
-            }
-            Op::Requeue { .. } => {
-                // The record still says offered; JetStream redelivers after the lease and
-                // the next delivery re-offers it.
-                self.release_local(conn, &write.key, now);
-            }
-            Op::Claim { .. } => {
-                if let Some(t) = self.tasks.get_mut(&write.key) {
-                    t.phase = Phase::Offered;
-                }
-                // The offer may have lapsed while the claim was out; the claim itself may
-                // still land (then the lapse finds the lease and keeps it).
-                self.arm_offer_expiry(&write.key, now);
-            }
-            Op::Complete { .. } | Op::Fail { .. } => {
-                if let Some(t) = self.tasks.get_mut(&write.key) {
-                    t.phase = Phase::Leased;
-                }
-                // The expiry may have come and gone while the write was out.
-                self.arm_lease_expiry(&write.key, now);
-            }
-            Op::Heartbeat { .. } => {
-                self.extension_ended(&write.key);
-                self.arm_lease_expiry(&write.key, now);
-            }
-            _ => {}
-        }
-    }
-
-    /// The change is stored as revision `revision`.
-    fn written(
-        &mut self,
-        conn: &mut Connection,
-        write: Write,
-        record: TaskRecord,
-        revision: u64,
-        now: Instant,
-    ) {
-        let key = write.key.clone();
-        if let Some(t) = self.tasks.get_mut(&key) {
-            t.record = record.clone();
-            t.revision = revision;
-            if let Some(ack) = &write.ack
-                && t.ack_subject.is_empty()
-            {
-                t.ack_subject = ack.clone();
-            }
-        }
-        let ack = self
-            .tasks
-            .get(&key)
-            .map(|t| t.ack_subject.clone())
-            .or(write.ack.clone());
-        match write.op {
-            Op::Offer { session, env } => {
-                if !self.workers.contains_key(&session) {
-                    // The session went away while the offer was being written.
-                    if let Some(t) = self.tasks.get_mut(&key) {
-                        t.phase = Phase::Finishing;
-                    }
-                    return self.write_local(conn, key, Op::Requeue { session, re: None }, now);
-                }
-                if let Some(t) = self.tasks.get_mut(&key) {
-                    t.offered_at_ms = self.clock.ms(now);
-                }
-                self.send_offer(&key, session, &env, &record, now);
-            }
-            Op::Claim { session, re } => {
-                self.stats.claims += 1;
-                let Some(t) = self.tasks.get_mut(&key) else {
-                    return;
-                };
-                t.phase = Phase::Leased;
-                t.leased = true;
-                let generation = t.generation;
-                let job = t.job.clone();
-                if let Some(s) = self
-                    .workers
-                    .get_mut(&session)
-                    .and_then(|w| w.serving.get_mut(&job))
-                {
-                    s.leases += 1;
-                }
-                self.unwatch(conn, &key);
-                self.leased(conn, key, session, re, &record, generation, false, now);
-            }
-            Op::Heartbeat { session, re, .. } => {
-                self.extension_ended(&key);
-                let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
-                self.leased(conn, key, session, re, &record, generation, true, now);
-            }
-            Op::Complete { session, re, .. } => {
-                self.stats.completed += 1;
-                let by = self.participant_of(&key);
-                self.release_local(conn, &key, now);
-                let reply = Some((session, re.clone(), reply::ok(Some(&re))));
-                let ack = ack.map(|a| (a, AckKind::Ack));
-                self.publish_result(conn, &record, &by, ack, reply, now);
-            }
-            Op::Fail { session, re, .. } => {
-                let by = self.participant_of(&key);
-                self.release_local(conn, &key, now);
-                let text = FrameWriter::ok(Some(&re))
-                    .str("state", record.state.as_str())
-                    .finish();
-                if record.state == TaskState::Failed {
-                    self.stats.failed += 1;
-                    let ack = ack.map(|a| {
-                        (
-                            a,
-                            AckKind::Term {
-                                reason: Some("failed".into()),
-                            },
-                        )
-                    });
-                    self.outcome(conn, &record, &by, ack, Some((session, re, text)), now);
-                } else {
-                    if let Some(a) = &ack {
-                        self.nak(conn, a, None);
-                    }
-                    self.out.push_back(JobsOutput::Reply { session, re, text });
-                }
-            }
-            Op::Requeue { session, re } => {
-                self.remember_decline(&key, session, now);
-                self.release_local(conn, &key, now);
-                if let Some(a) = &ack {
-                    self.nak(conn, a, None);
-                }
-                if let Some(re) = re {
-                    let text = reply::ok(Some(&re));
-                    self.out.push_back(JobsOutput::Reply { session, re, text });
-                }
-            }
-            Op::Exhaust => {
-                self.stats.failed += 1;
-                let by = format!("broker/{}", self.broker_id);
-                let ack = ack.map(|a| {
-                    (
-                        a,
-                        AckKind::Term {
-                            reason: Some("attempts exhausted".into()),
-                        },
-                    )
-                });
-                self.outcome(conn, &record, &by, ack, None, now);
-            }
-            Op::Cancel { session, re, by } => {
-                self.stats.cancelled += 1;
-                let local = self
-                    .tasks
-                    .get(&key)
-                    .map(|t| (t.session, t.phase, t.ack_subject.clone()));
-                let mut term = None;
-                if let Some((holder, phase, ack_subject)) = local {
-                    if matches!(phase, Phase::Leased | Phase::Finishing) {
-                        self.revoke(holder, &record.id, "cancelled");
-                    }
-                    term = Some((
-                        ack_subject,
-                        AckKind::Term {
-                            reason: Some("cancelled".into()),
-                        },
-                    ));
-                    self.release_local(conn, &key, now);
-                }
-                let published = self.published.remove(&key);
-                if term.is_none()
-                    && let Some(seq) = published
-                {
-                    self.delete_message(conn, &key, seq, now);
-                }
-                let text = reply::ok(Some(&re));
-                self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
-            }
-        }
-    }
-
-    /// Takes the message of cancelled task `key` out of its job's queue. No broker held it
-    /// (else its ack terminates it), so it would wait there, counted by `max_queued`, until
-    /// a serving broker pulled it only to find it cancelled.
-    fn delete_message(&mut self, conn: &mut Connection, key: &str, seq: u64, now: Instant) {
-        let ns = key.split_once('.').map_or(key, |(ns, _)| ns);
-        let req = match self
-            .api
-            .of(ns)
-            .msg_delete(&binding::tasks_stream(ns), seq, false)
-        {
-            Ok(r) => r,
-            Err(e) => return log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
-        };
-        match self.request(conn, &req.subject, None, &req.payload, now) {
-            Ok(id) => {
-                let key = key.to_string();
-                self.await_reply(id, now, Pending::MessageDelete { key });
-            }
-            Err(e) => log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
-        }
-    }
-
-    /// The offer of local task `key` goes to `session`, lapsing after the job's `offer_ms`.
-    fn send_offer(
-        &mut self,
-        key: &str,
-        session: SessionId,
-        env: &Envelope,
-        record: &TaskRecord,
-        now: Instant,
-    ) {
-        let Some(t) = self.tasks.get_mut(key) else {
-            return;
-        };
-        t.phase = Phase::Offered;
-        let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
-        let cfg = self.job_config(&ns, &job);
-        let offer_until = after(now, Duration::from_millis(cfg.offer_ms));
-        if let Some(t) = self.tasks.get_mut(key) {
-            t.offer_until = Some(offer_until);
-        }
-        self.stats.offers += 1;
-        let text = FrameWriter::new(amp_frame::server_op::OFFER)
-            .str("task", &record.id)
-            .str("job", &job)
-            .str("from", &env.from)
-            .raw("body", env.body.get())
-            .value("headers", &env.headers)
-            .value("attempt", &(record.attempt + 1))
-            .value("max_attempts", &record.max_attempts)
-            .value("lease_s", &cfg.lease_s)
-            .value("offer_ms", &cfg.offer_ms)
-            .finish();
-        self.out.push_back(JobsOutput::Frame { session, text });
-        let key = key.to_string();
-        self.timers.push(Reverse((
-            offer_until,
-            Timer::OfferExpiry { key, generation },
-        )));
-    }
-
-    /// A subscription that will answer `status` for an offer of `key` made here; none
-    /// past the watches this broker keeps (such an offer is written instead).
-    fn watch(&mut self, conn: &mut Connection, key: &str) -> Option<Sid> {
-        if self.watches.len() >= MAX_OFFER_WATCHES {
-            return None;
-        }
-        match conn.subscribe(&offer_subject(key), None) {
-            Ok(sid) => {
-                self.watches.insert(sid, key.to_string());
-                Some(sid)
-            }
-            Err(e) => {
-                log::warn!(task:% = key; "offer watch not made: {e}");
-                None
-            }
-        }
-    }
-
-    /// The subscription answering `status` for the offer of `key` ends.
-    fn unwatch(&mut self, conn: &mut Connection, key: &str) {
-        if let Some(sid) = self.tasks.get_mut(key).and_then(|t| t.watch.take()) {
-            self.drop_watch(conn, sid);
-        }
-    }
-
-    fn drop_watch(&mut self, conn: &mut Connection, sid: Sid) {
-        self.watches.remove(&sid);
-        if let Err(e) = conn.unsubscribe(sid, None) {
-            log::warn!("offer watch not ended: {e}");
-        }
-    }
-
-    /// Sends the in-progress ack that keeps the message of the lease `key` from being
-    /// redelivered when it is due, or arms the timer for when it will be. JetStream
-    /// restarts the AckWait (`lease_s`) at each in-progress ack; a lease that ends before
-    /// the AckWait started at the delivery needs none, which is the common case of a task
-    /// completed well within its lease.
-    fn keep_message(&mut self, conn: &mut Connection, key: &str, force: bool, now: Instant) {
-        let Some(t) = self.tasks.get(key) else {
-            return;
-        };
-        let ack_wait = Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1));
-        // Sent this long before the AckWait runs out: for the delivery's way here (the basis
-        // is its arrival, a little after JetStream started the AckWait), the loop's delays
-        // and the in-progress ack's way back.
-        let margin = (ack_wait / 10)
-            .max(Duration::from_millis(100))
-            .min(ack_wait / 2);
-        let lease_end = self
-            .clock
-            .instant(now, t.record.lease_until_ms.unwrap_or_default());
-        let due = t.ack_basis.map(|basis| after(basis, ack_wait - margin));
-        if force || due.is_none_or(|due| due <= now) {
-            let subject = t.ack_subject.clone();
-            if !subject.is_empty() {
-                self.ack(conn, &subject, AckKind::InProgress);
-            }
-            if let Some(t) = self.tasks.get_mut(key) {
-                t.ack_basis = Some(now);
-            }
-        }
-        let Some(t) = self.tasks.get_mut(key) else {
-            return;
-        };
-        let at = after(t.ack_basis.unwrap_or(now), ack_wait - margin);
-        if lease_end <= at {
-            return;
-        }
-        let at = at.max(now);
-        if t.progress_at.is_some_and(|armed| armed <= at) {
-            // An earlier check is coming; it looks again.
-            return;
-        }
-        t.progress_at = Some(at);
-        let timer = Timer::Progress {
-            key: key.to_string(),
-            generation: t.generation,
-        };
-        self.timers.push(Reverse((at, timer)));
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn leased(
-        &mut self,
-        conn: &mut Connection,
-        key: String,
-        session: SessionId,
-        re: String,
-        record: &TaskRecord,
-        generation: u64,
-        heartbeat: bool,
-        now: Instant,
-    ) {
-        let until_ms = record.lease_until_ms.unwrap_or_default();
-        // A heartbeat restarts the AckWait at once; a claim only when it must.
-        self.keep_message(conn, &key, heartbeat, now);
-        let text = FrameWriter::ok(Some(&re))
-            .str("lease_until", &rfc3339::format_millis(until_ms))
-            .finish();
-        self.out.push_back(JobsOutput::Reply { session, re, text });
-        let at = self.clock.instant(now, until_ms);
-        self.timers
-            .push(Reverse((at, Timer::LeaseExpiry { key, generation })));
-    }
 
     fn participant_of(&self, key: &str) -> String {
         self.tasks
@@ -2400,99 +1043,42 @@ impl Jobs {
             .unwrap_or_default()
     }
 
-    fn revoke(&mut self, session: SessionId, task: &str, reason: &str) {
-        self.stats.revoked += 1;
-        let text = FrameWriter::new(amp_frame::server_op::REVOKED)
-            .str("task", task)
-            .str("reason", reason)
-            .finish();
-        self.out.push_back(JobsOutput::Frame { session, text });
-    }
-
-    /// Sends the `task_result` to the submitter's inbox, then the message's ack, then the
-    /// answer: the result is stored before the message can go, so a crash in between
-    /// leaves a message whose redelivery publishes the result again.
-    fn publish_result(
-        &mut self,
-        conn: &mut Connection,
-        record: &TaskRecord,
-        by: &str,
-        ack: Option<(String, AckKind)>,
-        reply: Option<(SessionId, String, String)>,
-        now: Instant,
-    ) {
-        let finish = Finish {
-            ack,
-            reply,
-            redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
-        };
-        let Some((ns, submitter)) = record
-            .submitted_by
-            .split_once('/')
-            .filter(|_| !record.via_mig)
-        else {
-            return self.finish(conn, finish);
-        };
-        let key = task_key(ns, &record.id);
-        let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
-        let body = serde_json::value::to_raw_value(&record.result_body())
-            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
-        let env = Envelope {
-            id: id.clone(),
-            kind: Kind::TaskResult,
-            from: by.to_string(),
-            to: Some(record.submitted_by.clone()),
-            topic: None,
-            job: Some(record.job.clone()),
-            ts: rfc3339::format_millis(self.clock.ms(now)),
-            headers: BTreeMap::new(),
-            body,
-        };
-        let mut headers = HeaderMap::new();
-        for (k, v) in [
-            ("Nats-Msg-Id", id.as_str()),
-            ("AMP-From", by),
-            ("AMP-Kind", Kind::TaskResult.as_str()),
-        ] {
-            let _ = headers.insert(k, v);
-        }
-        let subject = binding::inbox_subject(ns, submitter);
-        match self.request(conn, &subject, Some(&headers), &env.to_json(), now) {
-            Ok(rid) => {
-                self.await_reply(rid, now, Pending::Result(finish));
-            }
-            Err(e) => {
-                log::warn!(task:% = key; "task result not sent: {e}");
-                self.finish(conn, finish.result_unsent());
-            }
-        }
-    }
-
-    /// The outcome is stored and its `task_result` too: the message goes and the requester
-    /// hears. The ack is not confirmed: one that is lost leaves the message to be
-    /// redelivered after the lease, and that delivery finds the outcome and acks it away.
-    fn finish(&mut self, conn: &mut Connection, finish: Finish) {
-        if let Some((subject, kind)) = finish.ack {
-            self.ack(conn, &subject, kind);
-        }
-        if let Some((session, re, text)) = finish.reply {
-            self.out.push_back(JobsOutput::Reply { session, re, text });
-        }
-    }
-
     // ---- replies and timers ------------------------------------------------------------
 
     /// The reply to a request; false when the request is not one of ours.
-    pub fn on_reply(
+    /// The reply to request `id`, for a driver that runs this engine without the core
+    /// (tests, benchmarks) and keeps `table` for it; false when the engine did not ask.
+    pub fn reply_to(
         &mut self,
+        table: &mut Continuations,
         conn: &mut Connection,
         id: RequestId,
         reply: Result<Message, RequestError>,
         now: Instant,
     ) -> bool {
-        let Some((pending, sent)) = self.pending.remove(&id) else {
-            return false;
-        };
+        table.file(&mut self.staged, Continuation::Jobs);
+        match table.take(id) {
+            Some((Continuation::Jobs(pending), sent)) => {
+                self.on_reply(conn, pending, sent, reply, now);
+                true
+            }
+            Some((other, sent)) => {
+                table.insert(id, other, sent);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// The reply to a request this engine made (see [`Staged`]).
+    pub(crate) fn on_reply(
+        &mut self,
+        conn: &mut Connection,
+        Awaiting(pending): Awaiting,
+        sent: Instant,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
         if let Some(op) = pending.op()
             && self.round_trips.len() < MAX_ROUND_TRIPS
         {
@@ -2734,7 +1320,6 @@ impl Jobs {
                 self.finish(conn, finish);
             }
         }
-        true
     }
 
     /// The record says `queued`: an offer may be out without having been written, here or
@@ -2802,84 +1387,92 @@ impl Jobs {
     }
 
     /// Timers due at `now`.
-    pub fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
-        while let Some(Reverse((at, _))) = self.timers.peek() {
-            if *at > now {
-                break;
+    /// Runs this engine's timers due at `now`, for a driver that runs it without the
+    /// core (tests, benchmarks) and keeps `table` for it.
+    pub fn timers_due(&mut self, table: &mut Timers, conn: &mut Connection, now: Instant) {
+        loop {
+            table.file(&mut self.later, Wake::Jobs);
+            match table.pop_due(now) {
+                Some((at, Wake::Jobs(alarm))) => self.on_alarm(conn, alarm, at, now),
+                Some(_) => {}
+                None => return,
             }
-            let Some(Reverse((at, timer))) = self.timers.pop() else {
-                break;
-            };
-            match timer {
-                Timer::OfferExpiry { key, generation } => {
-                    let due = self.tasks.get(&key).and_then(|t| {
-                        (t.generation == generation && t.phase == Phase::Offered)
-                            .then_some(t.session)
-                    });
-                    if let Some(session) = due {
-                        if let Some(t) = self.tasks.get_mut(&key) {
-                            t.phase = Phase::Finishing;
-                        }
-                        let op = Op::Requeue { session, re: None };
-                        self.write_local(conn, key, op, now);
+        }
+    }
+
+    /// A timer of this engine set for `at` fired.
+    pub(crate) fn on_alarm(
+        &mut self,
+        conn: &mut Connection,
+        Alarm(timer): Alarm,
+        at: Instant,
+        now: Instant,
+    ) {
+        match timer {
+            Timer::OfferExpiry { key, generation } => {
+                let due = self.tasks.get(&key).and_then(|t| {
+                    (t.generation == generation && t.phase == Phase::Offered).then_some(t.session)
+                });
+                if let Some(session) = due {
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.phase = Phase::Finishing;
                     }
+                    let op = Op::Requeue { session, re: None };
+                    self.write_local(conn, key, op, now);
                 }
-                Timer::LeaseExpiry { key, generation } => {
-                    let now_ms = self.clock.ms(now);
-                    let due = self.tasks.get(&key).and_then(|t| {
-                        let expired = t.record.lease_until_ms.is_none_or(|u| u <= now_ms);
-                        // A heartbeat accepted before `lease_until` and still being written
-                        // decides: its outcome re-arms this timer or extends the lease.
-                        let settled = t.extending == 0;
-                        (t.generation == generation
-                            && t.phase == Phase::Leased
-                            && expired
-                            && settled)
-                            .then(|| (t.session, t.record.id.clone()))
-                    });
-                    if let Some((session, task)) = due {
-                        self.revoke(session, &task, "lease_expired");
-                        self.release_local(conn, &key, now);
-                    }
+            }
+            Timer::LeaseExpiry { key, generation } => {
+                let now_ms = self.clock.ms(now);
+                let due = self.tasks.get(&key).and_then(|t| {
+                    let expired = t.record.lease_until_ms.is_none_or(|u| u <= now_ms);
+                    // A heartbeat accepted before `lease_until` and still being written
+                    // decides: its outcome re-arms this timer or extends the lease.
+                    let settled = t.extending == 0;
+                    (t.generation == generation && t.phase == Phase::Leased && expired && settled)
+                        .then(|| (t.session, t.record.id.clone()))
+                });
+                if let Some((session, task)) = due {
+                    self.revoke(session, &task, "lease_expired");
+                    self.release_local(conn, &key, now);
                 }
-                Timer::Progress { key, generation } => {
-                    let held = self.tasks.get_mut(&key).is_some_and(|t| {
-                        let mine = t.generation == generation && t.progress_at == Some(at);
-                        if mine {
-                            t.progress_at = None;
-                        }
-                        mine && matches!(t.phase, Phase::Leased | Phase::Finishing)
-                    });
-                    if held {
-                        self.keep_message(conn, &key, false, now);
+            }
+            Timer::Progress { key, generation } => {
+                let held = self.tasks.get_mut(&key).is_some_and(|t| {
+                    let mine = t.generation == generation && t.progress_at == Some(at);
+                    if mine {
+                        t.progress_at = None;
                     }
+                    mine && matches!(t.phase, Phase::Leased | Phase::Finishing)
+                });
+                if held {
+                    self.keep_message(conn, &key, false, now);
                 }
-                Timer::PullExpiry { queue, pull } => {
-                    // Every pull up to the newest has expired by now; if their 408s were
-                    // lost (a reconnect), nothing is outstanding any more.
-                    let stale = self.queues.get_mut(&queue).is_some_and(|q| {
-                        // Past its expiry a pull is over whether or not a status said so
-                        // (a fully answered pull gets none): its entry goes.
-                        q.pulls.remove(&pull);
-                        let newest = q.next_pull.checked_sub(1) == Some(pull);
-                        if newest && q.requested > 0 {
-                            q.requested = 0;
-                            q.pulls.clear();
-                        }
-                        newest
-                    });
-                    if stale {
-                        self.pull_more(conn, &queue, now);
+            }
+            Timer::PullExpiry { queue, pull } => {
+                // Every pull up to the newest has expired by now; if their 408s were
+                // lost (a reconnect), nothing is outstanding any more.
+                let stale = self.queues.get_mut(&queue).is_some_and(|q| {
+                    // Past its expiry a pull is over whether or not a status said so
+                    // (a fully answered pull gets none): its entry goes.
+                    q.pulls.remove(&pull);
+                    let newest = q.next_pull.checked_sub(1) == Some(pull);
+                    if newest && q.requested > 0 {
+                        q.requested = 0;
+                        q.pulls.clear();
                     }
+                    newest
+                });
+                if stale {
+                    self.pull_more(conn, &queue, now);
                 }
-                Timer::ConsumerRetry { queue } => {
-                    let failed = self
-                        .queues
-                        .get(&queue)
-                        .is_some_and(|q| q.consumer == ConsumerState::Failed);
-                    if failed {
-                        self.create_consumer(conn, &queue, now);
-                    }
+            }
+            Timer::ConsumerRetry { queue } => {
+                let failed = self
+                    .queues
+                    .get(&queue)
+                    .is_some_and(|q| q.consumer == ConsumerState::Failed);
+                if failed {
+                    self.create_consumer(conn, &queue, now);
                 }
             }
         }
@@ -2900,7 +1493,7 @@ impl Jobs {
     }
 
     fn await_reply(&mut self, id: RequestId, now: Instant, pending: Pending) {
-        self.pending.insert(id, (pending, now));
+        self.staged.push(id, Awaiting(pending), now);
     }
 
     fn ack(&mut self, conn: &mut Connection, subject: &str, kind: AckKind) {

@@ -8,6 +8,7 @@ pub mod budget;
 pub mod callout;
 pub mod clock;
 pub mod config;
+pub mod continuations;
 pub mod core;
 pub mod dead_letters;
 pub mod domains;
@@ -27,6 +28,7 @@ pub mod scoped_jwt;
 pub mod setup;
 pub mod task_store;
 pub mod throttle;
+pub mod timers;
 pub mod worker_choice;
 
-pub use self::core::{Broker, Output, SessionId};
+pub use self::core::{Broker, Input, Output, SessionId};

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::{Broker, SessionId};
 use crate::broker::mig::{self, Ctx};
-use crate::nats::{Connection, Message, RequestError, RequestId, Sid};
+use crate::nats::{Connection, Message, RequestError, Sid};
 
 impl Broker {
     /// The front end and what it borrows, for a request of tenant `ns`.
@@ -38,21 +38,17 @@ impl Broker {
         true
     }
 
-    /// A reply to a request of the front end; handed back when it is not one.
+    /// A reply to a request of the front end.
     pub(super) fn mig_reply(
         &mut self,
         conn: &mut Connection,
-        id: RequestId,
+        pending: mig::Awaiting,
         reply: Result<Message, RequestError>,
         now: Instant,
-    ) -> Option<Result<Message, RequestError>> {
-        if !self.mig.awaits(id) {
-            return Some(reply);
-        }
+    ) {
         let (front, mut ctx) = self.mig_parts(None);
-        front.on_reply(conn, &mut ctx, id, reply, now);
+        front.on_reply(conn, &mut ctx, pending, reply, now);
         self.drive_budgets(conn, now);
-        None
     }
 
     /// A jobs engine answer to one of the front end's pseudo sessions.
@@ -68,9 +64,9 @@ impl Broker {
         self.drive_budgets(conn, now);
     }
 
-    pub(super) fn mig_timeout(&mut self, conn: &mut Connection, now: Instant) {
+    pub(super) fn mig_alarm(&mut self, conn: &mut Connection, alarm: mig::Alarm, now: Instant) {
         let (front, mut ctx) = self.mig_parts(None);
-        front.handle_timeout(conn, &mut ctx, now);
+        front.on_alarm(conn, &mut ctx, alarm, now);
         self.drive_budgets(conn, now);
     }
 

@@ -125,8 +125,11 @@ impl Mig {
                 };
                 match conn.request(&subject, None, body.as_bytes(), FORWARD_TIMEOUT, now) {
                     Ok(id) => {
-                        self.pending
-                            .insert(id, super::Pending::Forwarded(Box::new(f)));
+                        self.staged.push(
+                            id,
+                            super::Awaiting(super::Pending::Forwarded(Box::new(f))),
+                            now,
+                        );
                     }
                     Err(_) => self.cancel_in_store(conn, ctx, f, now),
                 }

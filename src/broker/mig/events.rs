@@ -115,8 +115,11 @@ impl Mig {
             let mut pull = PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH);
             let sid = pull.attach(conn).map_err(|e| e.to_string())?;
             self.subs.insert(sid, Sub::Live(self.live.len()));
-            self.pending
-                .insert(id, Pending::LiveConsumer(self.live.len()));
+            self.staged.push(
+                id,
+                super::Awaiting(Pending::LiveConsumer(self.live.len())),
+                now,
+            );
             self.live.push(LiveFeed {
                 ns: ns.clone(),
                 pull,
@@ -145,22 +148,16 @@ impl Mig {
 
     pub(super) fn arm_live(&mut self, feed: usize, at: Option<Instant>) {
         if let Some(at) = at {
-            self.live_checks.push(std::cmp::Reverse((at, feed)));
+            self.later.push(at, super::Alarm::LiveCheck(feed));
         }
     }
 
-    pub(super) fn live_timeouts(&mut self, conn: &mut Connection, now: Instant) {
-        while let Some(std::cmp::Reverse((at, feed))) = self.live_checks.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.live_checks.pop();
-            let next = self
-                .live
-                .get_mut(feed)
-                .and_then(|f| f.pull.check(conn, now));
-            self.arm_live(feed, next);
-        }
+    pub(super) fn live_check(&mut self, conn: &mut Connection, feed: usize, now: Instant) {
+        let next = self
+            .live
+            .get_mut(feed)
+            .and_then(|f| f.pull.check(conn, now));
+        self.arm_live(feed, next);
     }
 
     /// Pulls in flight died with the old connection, and record changes may have been
@@ -315,7 +312,8 @@ impl Mig {
                     event_id: id,
                     received: now,
                 };
-                self.pending.insert(req, Pending::Publish(Box::new(p)));
+                self.staged
+                    .push(req, super::Awaiting(Pending::Publish(Box::new(p))), now);
             }
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
@@ -433,7 +431,8 @@ impl Mig {
             });
         match sent {
             Ok(id) => {
-                self.pending.insert(id, Pending::Replay(Box::new(page)));
+                self.staged
+                    .push(id, super::Awaiting(Pending::Replay(Box::new(page))), now);
             }
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));

@@ -2,7 +2,6 @@
 //! first try's task), the job's queue counted against `max_queued`, the task submitted
 //! through the jobs engine, and its outcome answered as a reply or as stream frames.
 
-use std::cmp::Reverse;
 use std::time::Instant;
 
 use serde_json::{Value, json};
@@ -89,8 +88,10 @@ impl Mig {
             }
         };
         self.subs.insert(sid, Sub::Task(session));
-        self.pending.insert(id, Pending::Record(session));
-        self.deadlines.push(Reverse((inv.deadline, session)));
+        self.staged
+            .push(id, super::Awaiting(Pending::Record(session)), now);
+        self.later
+            .push(inv.deadline, super::Alarm::Deadline(session));
         self.by_message
             .entry((
                 inv.ns.clone(),
@@ -271,7 +272,8 @@ impl Mig {
             now,
         ) {
             Ok(id) => {
-                self.pending.insert(id, Pending::Depth(session));
+                self.staged
+                    .push(id, super::Awaiting(Pending::Depth(session)), now);
             }
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));

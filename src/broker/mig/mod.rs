@@ -19,8 +19,7 @@ mod metrics;
 mod ops;
 pub mod subjects;
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
@@ -28,12 +27,14 @@ use serde_json::{Map, Value, json};
 use super::bounded_map::BoundedMap;
 use super::clock::Clock;
 use super::config::{Config, Participant};
+use super::continuations::Staged;
 use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, SessionId};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::Registry;
+use super::timers::Later;
 use crate::amp::frame::ClientFrame;
-use crate::nats::{Connection, Message, RequestError, RequestId, Sid};
+use crate::nats::{Connection, Message, RequestError, Sid};
 
 use caller::{Authenticator, Presented, Refusal};
 use cancel::{CancelRequest, cancel_frame};
@@ -89,20 +90,31 @@ enum Pending {
     Forwarded(Box<cancel::Forwarded>),
 }
 
+/// A continuation of this module, opaque to the core's table that keeps it.
+pub struct Awaiting(Pending);
+
+/// A timer of the front end, in the core's table.
+pub enum Alarm {
+    /// An invocation's deadline.
+    Deadline(SessionId),
+    /// A live event feed's pull check (index into `live`).
+    LiveCheck(usize),
+}
+
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
 static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
 
 pub struct Mig {
     broker_id: String,
     subs: HashMap<Sid, Sub>,
-    pending: HashMap<RequestId, Pending>,
+    /// Requests sent since the core last filed them in its continuation table.
+    pub(crate) staged: Staged<Awaiting>,
     invocations: HashMap<SessionId, Invocation>,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
     /// `(tenant, message_id)` of finished invocations -> caller.
     finished: BoundedMap<(String, String), String>,
-    deadlines: BinaryHeap<Reverse<(Instant, SessionId)>>,
     next_session: SessionId,
     auth: Authenticator,
     metrics: Metrics,
@@ -113,7 +125,8 @@ pub struct Mig {
     /// The issuing account's public key (`A...`), when the broker issues JWTs.
     issuer: Option<String>,
     live: Vec<events::LiveFeed>,
-    live_checks: BinaryHeap<Reverse<(Instant, usize)>>,
+    /// Deadlines set since the core last filed them in its timer table.
+    pub(crate) later: Later<Alarm>,
 }
 
 /// Where an answer goes and what it is counted as.
@@ -136,12 +149,11 @@ impl Mig {
         Ok(Mig {
             broker_id: broker_id.to_string(),
             subs: HashMap::new(),
-            pending: HashMap::new(),
+            staged: Staged::default(),
             invocations: HashMap::new(),
             cancels: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),
-            deadlines: BinaryHeap::new(),
             next_session: SESSION_BASE,
             auth: Authenticator::new(),
             metrics: Metrics::default(),
@@ -150,7 +162,7 @@ impl Mig {
             ids,
             issuer: None,
             live: Vec::new(),
-            live_checks: BinaryHeap::new(),
+            later: Later::default(),
         })
     }
 
@@ -189,7 +201,8 @@ impl Mig {
             if let Ok(req) = self.kv.get_request(&key)
                 && let Ok(id) = conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
             {
-                self.pending.insert(id, Pending::Record(session));
+                self.staged
+                    .push(id, Awaiting(Pending::Record(session)), now);
             }
         }
     }
@@ -199,22 +212,8 @@ impl Mig {
         self.issuer = Some(account_public_key);
     }
 
-    pub fn awaits(&self, id: RequestId) -> bool {
-        self.pending.contains_key(&id)
-    }
-
     pub fn owns(&self, sid: Sid) -> bool {
         self.subs.contains_key(&sid)
-    }
-
-    pub fn next_deadline(&self) -> Option<Instant> {
-        let live = self.live_checks.peek().map(|Reverse((at, _))| *at);
-        self.deadlines
-            .peek()
-            .map(|Reverse((at, _))| *at)
-            .into_iter()
-            .chain(live)
-            .min()
     }
 
     pub fn render_metrics(&self, out: &mut String) {
@@ -271,17 +270,14 @@ impl Mig {
     }
 
     /// A reply to a request this front end made; false when it is not one.
-    pub fn on_reply(
+    pub(crate) fn on_reply(
         &mut self,
         conn: &mut Connection,
         ctx: &mut Ctx<'_>,
-        id: RequestId,
+        Awaiting(p): Awaiting,
         reply: Result<Message, RequestError>,
         now: Instant,
-    ) -> bool {
-        let Some(p) = self.pending.remove(&id) else {
-            return false;
-        };
+    ) {
         match p {
             Pending::Record(session) => self.record_read(conn, ctx, session, reply, now),
             Pending::Depth(session) => self.depth_read(conn, ctx, session, reply, now),
@@ -294,7 +290,6 @@ impl Mig {
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
         }
-        true
     }
 
     /// An answer of the jobs engine to one of the pseudo sessions.
@@ -336,29 +331,33 @@ impl Mig {
         }
     }
 
-    pub fn handle_timeout(&mut self, conn: &mut Connection, ctx: &mut Ctx<'_>, now: Instant) {
-        self.live_timeouts(conn, now);
-        while let Some(Reverse((at, session))) = self.deadlines.peek().copied() {
-            if at > now {
-                break;
-            }
-            self.deadlines.pop();
-            let Some(inv) = self.invocations.get(&session) else {
-                continue;
-            };
-            let submitted = inv.stage >= Stage::Submitting;
-            let (ns, caller, task) = (inv.ns.clone(), inv.caller.clone(), inv.task.clone());
-            self.finish(
-                conn,
-                session,
-                Err(MigError::new(Code::Timeout, "deadline exceeded")),
-                now,
-            );
-            if submitted {
-                // The holder gets `revoked`; the answer is nobody's business.
-                let s = self.new_session();
-                jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
-            }
+    /// A timer of the front end fired.
+    pub(crate) fn on_alarm(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &mut Ctx<'_>,
+        alarm: Alarm,
+        now: Instant,
+    ) {
+        let session = match alarm {
+            Alarm::LiveCheck(feed) => return self.live_check(conn, feed, now),
+            Alarm::Deadline(session) => session,
+        };
+        let Some(inv) = self.invocations.get(&session) else {
+            return;
+        };
+        let submitted = inv.stage >= Stage::Submitting;
+        let (ns, caller, task) = (inv.ns.clone(), inv.caller.clone(), inv.task.clone());
+        self.finish(
+            conn,
+            session,
+            Err(MigError::new(Code::Timeout, "deadline exceeded")),
+            now,
+        );
+        if submitted {
+            // The holder gets `revoked`; the answer is nobody's business.
+            let s = self.new_session();
+            jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
         }
     }
 

@@ -1,0 +1,213 @@
+//! Leases: claims, heartbeats and in-progress acks, expiry and revocation.
+
+use super::*;
+
+impl Jobs {
+    /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.
+    pub(super) fn lease_op(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        task: &str,
+        op: Op,
+        now: Instant,
+    ) {
+        let key = task_key(caller.ns, task);
+        let now_ms = self.clock.ms(now);
+        let session = self.session_name(caller.session);
+        let holds = self.tasks.get(&key).is_some_and(|t| {
+            t.session == caller.session
+                && t.phase == Phase::Leased
+                && t.record.leased_to(&session, now_ms)
+        });
+        if !holds {
+            if let Some((s, re)) = op.answer_to() {
+                let re = re.to_string();
+                self.refuse(s, &re, lease_lost(task));
+            }
+            return;
+        }
+        if let Some(t) = self.tasks.get_mut(&key) {
+            match op {
+                Op::Complete { .. } | Op::Fail { .. } => t.phase = Phase::Finishing,
+                Op::Heartbeat { .. } => t.extending += 1,
+                _ => {}
+            }
+        }
+        self.write_local(conn, key, op, now);
+    }
+
+    /// The local task `key` ends here (finished, lost, released): its slot frees.
+    pub(super) fn release_local(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        self.unwatch(conn, key);
+        let Some(t) = self.tasks.remove(key) else {
+            return;
+        };
+        let was_leased = t.leased;
+        if let Some(s) = self
+            .workers
+            .get_mut(&t.session)
+            .and_then(|w| w.serving.get_mut(&t.job))
+        {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if was_leased {
+                s.leases = s.leases.saturating_sub(1);
+                s.idle_since = now;
+            }
+        }
+        self.pull_more(conn, &queue_key(&t.ns, &t.job), now);
+    }
+
+    /// The record shows this broker's session holding a lease the local state did not
+    /// know of (a claim answered `unavailable` that landed later, then the offer lapsed or
+    /// was declined): the session holds it until `lease_until`, with the slot, the lease
+    /// count and the expiry timer that go with it.
+    pub(super) fn adopt_lease(
+        &mut self,
+        key: &str,
+        record: &TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        t.record = record.clone();
+        t.revision = revision;
+        t.phase = Phase::Leased;
+        if !t.leased {
+            t.leased = true;
+            let (session, job) = (t.session, t.job.clone());
+            if let Some(s) = self
+                .workers
+                .get_mut(&session)
+                .and_then(|w| w.serving.get_mut(&job))
+            {
+                s.leases += 1;
+            }
+        }
+        self.arm_lease_expiry(key, now);
+    }
+
+    /// A timer at the local task's `lease_until` (at once when it is past).
+    pub(super) fn arm_lease_expiry(&mut self, key: &str, now: Instant) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let until_ms = t.record.lease_until_ms.unwrap_or_default();
+        let at = self.clock.instant(now, until_ms);
+        let timer = Timer::LeaseExpiry {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.later.push(at, Alarm(timer));
+    }
+
+    /// A timer at the local task's offer deadline (at once when it is past).
+    pub(super) fn arm_offer_expiry(&mut self, key: &str, now: Instant) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let at = t.offer_until.map_or(now, |at| at.max(now));
+        let timer = Timer::OfferExpiry {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.later.push(at, Alarm(timer));
+    }
+
+    /// A heartbeat's write ended, one way or the other.
+    pub(super) fn extension_ended(&mut self, key: &str) {
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.extending = t.extending.saturating_sub(1);
+        }
+    }
+
+    /// Sends the in-progress ack that keeps the message of the lease `key` from being
+    /// redelivered when it is due, or arms the timer for when it will be. JetStream
+    /// restarts the AckWait (`lease_s`) at each in-progress ack; a lease that ends before
+    /// the AckWait started at the delivery needs none, which is the common case of a task
+    /// completed well within its lease.
+    pub(super) fn keep_message(
+        &mut self,
+        conn: &mut Connection,
+        key: &str,
+        force: bool,
+        now: Instant,
+    ) {
+        let Some(t) = self.tasks.get(key) else {
+            return;
+        };
+        let ack_wait = Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1));
+        // Sent this long before the AckWait runs out: for the delivery's way here (the basis
+        // is its arrival, a little after JetStream started the AckWait), the loop's delays
+        // and the in-progress ack's way back.
+        let margin = (ack_wait / 10)
+            .max(Duration::from_millis(100))
+            .min(ack_wait / 2);
+        let lease_end = self
+            .clock
+            .instant(now, t.record.lease_until_ms.unwrap_or_default());
+        let due = t.ack_basis.map(|basis| after(basis, ack_wait - margin));
+        if force || due.is_none_or(|due| due <= now) {
+            let subject = t.ack_subject.clone();
+            if !subject.is_empty() {
+                self.ack(conn, &subject, AckKind::InProgress);
+            }
+            if let Some(t) = self.tasks.get_mut(key) {
+                t.ack_basis = Some(now);
+            }
+        }
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        let at = after(t.ack_basis.unwrap_or(now), ack_wait - margin);
+        if lease_end <= at {
+            return;
+        }
+        let at = at.max(now);
+        if t.progress_at.is_some_and(|armed| armed <= at) {
+            // An earlier check is coming; it looks again.
+            return;
+        }
+        t.progress_at = Some(at);
+        let timer = Timer::Progress {
+            key: key.to_string(),
+            generation: t.generation,
+        };
+        self.later.push(at, Alarm(timer));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn leased(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        session: SessionId,
+        re: String,
+        record: &TaskRecord,
+        generation: u64,
+        heartbeat: bool,
+        now: Instant,
+    ) {
+        let until_ms = record.lease_until_ms.unwrap_or_default();
+        // A heartbeat restarts the AckWait at once; a claim only when it must.
+        self.keep_message(conn, &key, heartbeat, now);
+        let text = FrameWriter::ok(Some(&re))
+            .str("lease_until", &rfc3339::format_millis(until_ms))
+            .finish();
+        self.out.push_back(JobsOutput::Reply { session, re, text });
+        let at = self.clock.instant(now, until_ms);
+        self.later
+            .push(at, Alarm(Timer::LeaseExpiry { key, generation }));
+    }
+
+    pub(super) fn revoke(&mut self, session: SessionId, task: &str, reason: &str) {
+        self.stats.revoked += 1;
+        let text = FrameWriter::new(amp_frame::server_op::REVOKED)
+            .str("task", task)
+            .str("reason", reason)
+            .finish();
+        self.out.push_back(JobsOutput::Frame { session, text });
+    }
+}

@@ -1,0 +1,409 @@
+//! Offering a delivered task: the record read, the choice of a serving session, the
+//! offer frame and its watch, a claim or decline of it.
+
+use super::*;
+
+impl Jobs {
+    pub(super) fn claim(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        let Some(key) = self.take_offer(caller, &re, task, Phase::Claiming) else {
+            return;
+        };
+        let op = Op::Claim {
+            session: caller.session,
+            re,
+        };
+        self.write_local(conn, key, op, now);
+    }
+
+    pub(super) fn decline(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        re: String,
+        task: &str,
+        now: Instant,
+    ) {
+        // No longer claimable; the slot stays taken until the record says queued.
+        let Some(key) = self.take_offer(caller, &re, task, Phase::Finishing) else {
+            return;
+        };
+        let op = Op::Requeue {
+            session: caller.session,
+            re: Some(re),
+        };
+        self.write_local(conn, key, op, now);
+    }
+
+    /// The task's key when its offer is out to the caller's session, moving it to `next`;
+    /// otherwise answers `lease_lost`.
+    pub(super) fn take_offer(
+        &mut self,
+        caller: &Caller<'_>,
+        re: &str,
+        task: &str,
+        next: Phase,
+    ) -> Option<String> {
+        let key = task_key(caller.ns, task);
+        match self.tasks.get_mut(&key) {
+            Some(t) if t.session == caller.session && t.phase == Phase::Offered => {
+                t.phase = next;
+                Some(key)
+            }
+            _ => {
+                self.refuse(caller.session, re, lease_lost(task));
+                None
+            }
+        }
+    }
+
+    /// Another broker asks (for a `status`) whether the offer of `key` is out here.
+    pub(super) fn answer_offer_watch(&mut self, conn: &mut Connection, key: &str, msg: &Message) {
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let answer = match self.unwritten_offer(key) {
+            Some((by, at_ms)) => json!({"by": by, "at_ms": at_ms}),
+            None => json!({}),
+        };
+        if let Err(e) = conn.publish(reply, None, None, answer.to_string().as_bytes()) {
+            log::warn!(task:% = key; "offer watch answer not sent: {e}");
+        }
+    }
+
+    pub(super) fn delivery(
+        &mut self,
+        conn: &mut Connection,
+        qk: &str,
+        msg: &Message,
+        now: Instant,
+    ) {
+        // JetStream started the message's AckWait when it sent it, a moment before `now`;
+        // `keep_message`'s margin covers the moment.
+        let ack_basis = Some(now);
+        let Some(ack) = msg.reply.clone() else {
+            return;
+        };
+        let delivered = AckMetadata::parse(&ack).map(|m| m.delivered).unwrap_or(1);
+        let Some(ns) = self.queues.get(qk).map(|q| q.ns.clone()) else {
+            return;
+        };
+        let env = match Envelope::from_json(&msg.payload) {
+            Ok(env) if env.kind == Kind::Task => env,
+            _ => {
+                log::warn!(
+                    queue:% = qk, subject:% = msg.subject;
+                    "terminating a malformed task message"
+                );
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("malformed task envelope".into()),
+                    },
+                );
+                return self.pull_more(conn, qk, now);
+            }
+        };
+        let key = task_key(&ns, &env.id);
+        if let Some(t) = self.tasks.get_mut(&key) {
+            // A redelivery of a task this broker already handles (its in-progress acks were
+            // lost): keep the newest ack subject and carry on.
+            t.ack_subject = ack;
+            t.ack_basis = ack_basis;
+            return self.pull_more(conn, qk, now);
+        }
+        match self.kv.get_request(&key) {
+            Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
+                Ok(id) => {
+                    if let Some(q) = self.queues.get_mut(qk) {
+                        q.unplaced += 1;
+                    }
+                    // The offer watch is made before the record's answer comes back on this
+                    // connection, so the server has it before the offer can reach anybody:
+                    // a `status` asked through another broker after the offer finds it.
+                    let watch = self.watch(conn, &key);
+                    self.await_reply(
+                        id,
+                        now,
+                        Pending::DeliveryRead {
+                            queue: qk.to_string(),
+                            key,
+                            ack,
+                            delivered,
+                            env: Box::new(env),
+                            ack_basis,
+                            watch,
+                        },
+                    );
+                }
+                Err(e) => {
+                    log::warn!(task:% = key; "task record read failed: {e}");
+                    self.nak(conn, &ack, Some(RETRY_DELAY));
+                }
+            },
+            Err(e) => {
+                log::warn!(task:% = key; "task id not a key: {e}");
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("task id is not a valid key".into()),
+                    },
+                );
+            }
+        }
+    }
+
+    /// The record of a delivered task arrived: offer it, finish it, or release it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn placed(
+        &mut self,
+        conn: &mut Connection,
+        qk: &str,
+        key: String,
+        ack: String,
+        delivered: u64,
+        env: Box<Envelope>,
+        read: Result<(TaskRecord, u64), JsError>,
+        ack_basis: Option<Instant>,
+        premade_watch: Option<Sid>,
+        now: Instant,
+    ) {
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.unplaced = q.unplaced.saturating_sub(1);
+        }
+        let (record, revision) = match read {
+            Ok(r) => r,
+            Err(JsError::KeyNotFound) if delivered >= MAX_ORPHAN_DELIVERIES => {
+                log::warn!(task:% = key; "terminating a task without a record");
+                self.ack(
+                    conn,
+                    &ack,
+                    AckKind::Term {
+                        reason: Some("no task record".into()),
+                    },
+                );
+                return self.pull_more(conn, qk, now);
+            }
+            Err(e) => {
+                log::warn!(task:% = key; "task record unreadable: {e}");
+                self.nak(conn, &ack, Some(RETRY_DELAY));
+                return self.pull_more(conn, qk, now);
+            }
+        };
+        let now_ms = self.clock.ms(now);
+        match record.on_delivery(now_ms) {
+            OnDelivery::Finished => {
+                // A crash or a lost ack between the outcome and the ack: make sure the
+                // submitter heard (the result's message id dedupes a repeat).
+                if matches!(record.state, TaskState::Completed | TaskState::Failed) {
+                    let by = record.holder.clone().unwrap_or_default();
+                    self.outcome(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
+                } else {
+                    self.ack(conn, &ack, AckKind::Ack);
+                }
+            }
+            OnDelivery::Held { until_ms } => {
+                let wait = u64::try_from(until_ms - now_ms).unwrap_or(0) + 50;
+                self.nak(conn, &ack, Some(Duration::from_millis(wait)));
+            }
+            OnDelivery::Exhaust => {
+                let write = Write {
+                    key,
+                    op: Op::Exhaust,
+                    ack: Some(ack),
+                    tries: 0,
+                };
+                self.cas(conn, write, &record, revision, now);
+            }
+            OnDelivery::Offer => {
+                let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
+                    self.nak(conn, &ack, Some(NO_TAKER_DELAY));
+                    return self.pull_more(conn, qk, now);
+                };
+                let Some((ns, job)) = self.queues.get(qk).map(|q| (q.ns.clone(), q.job.clone()))
+                else {
+                    return;
+                };
+                let participant = self
+                    .workers
+                    .get(&session)
+                    .map(|w| format!("{}/{}", w.ns, w.name))
+                    .unwrap_or_default();
+                self.slot_taken(session, &job);
+                self.next_generation += 1;
+                // An offer made on a record that already names another offer would have to
+                // replace it, so it is written; so is one past the watches this broker keeps.
+                let watch = premade_watch.filter(|_| record.state != TaskState::Offered);
+                self.tasks.insert(
+                    key.clone(),
+                    LocalTask {
+                        ns,
+                        job,
+                        session,
+                        participant,
+                        ack_subject: ack.clone(),
+                        phase: Phase::Offering,
+                        record: record.clone(),
+                        revision,
+                        leased: false,
+                        generation: self.next_generation,
+                        extending: 0,
+                        offer_until: None,
+                        offered_at_ms: self.clock.ms(now),
+                        watch,
+                        ack_basis,
+                        progress_at: None,
+                    },
+                );
+                match watch {
+                    Some(_) => self.send_offer(&key, session, &env, &record, now),
+                    None => {
+                        let write = Write {
+                            key,
+                            op: Op::Offer { session, env },
+                            ack: Some(ack),
+                            tries: 0,
+                        };
+                        self.cas(conn, write, &record, revision, now);
+                    }
+                }
+            }
+        }
+        self.pull_more(conn, qk, now);
+    }
+
+    pub(super) fn choose(
+        &mut self,
+        qk: &str,
+        key: &str,
+        eligible: Option<&Eligible>,
+        now: Instant,
+    ) -> Option<SessionId> {
+        if let Some(list) = self.declines.get_mut(key) {
+            list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
+            if list.is_empty() {
+                self.declines.remove(key);
+            }
+        }
+        let declined = self.declines.get(key);
+        let q = self.queues.get(qk)?;
+        let candidates = self.workers.iter().filter_map(|(id, w)| {
+            if declined.is_some_and(|d| d.iter().any(|(s, _)| s == id)) {
+                return None;
+            }
+            let s = w.serving.get(&q.job).filter(|_| w.ns == q.ns)?;
+            Some(Candidate {
+                session: *id,
+                name: &w.name,
+                labels: &w.labels,
+                slots: s.slots,
+                in_flight: s.in_flight,
+                idle_since: s.idle_since,
+            })
+        });
+        worker_choice::choose(candidates, eligible)
+    }
+
+    pub(super) fn remember_decline(&mut self, key: &str, session: SessionId, now: Instant) {
+        if self.declines.len() >= MAX_DECLINES {
+            self.declines.retain(|_, list| {
+                list.retain(|(_, at)| now.saturating_duration_since(*at) < DECLINE_MEMORY);
+                !list.is_empty()
+            });
+            if self.declines.len() >= MAX_DECLINES {
+                self.declines.clear();
+            }
+        }
+        self.declines
+            .entry(key.to_string())
+            .or_default()
+            .push((session, now));
+    }
+
+    pub(super) fn slot_taken(&mut self, session: SessionId, job: &str) {
+        if let Some(s) = self
+            .workers
+            .get_mut(&session)
+            .and_then(|w| w.serving.get_mut(job))
+        {
+            s.in_flight += 1;
+        }
+    }
+
+    /// The offer of local task `key` goes to `session`, lapsing after the job's `offer_ms`.
+    pub(super) fn send_offer(
+        &mut self,
+        key: &str,
+        session: SessionId,
+        env: &Envelope,
+        record: &TaskRecord,
+        now: Instant,
+    ) {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        t.phase = Phase::Offered;
+        let (ns, job, generation) = (t.ns.clone(), t.job.clone(), t.generation);
+        let cfg = self.job_config(&ns, &job);
+        let offer_until = after(now, Duration::from_millis(cfg.offer_ms));
+        if let Some(t) = self.tasks.get_mut(key) {
+            t.offer_until = Some(offer_until);
+        }
+        self.stats.offers += 1;
+        let text = FrameWriter::new(amp_frame::server_op::OFFER)
+            .str("task", &record.id)
+            .str("job", &job)
+            .str("from", &env.from)
+            .raw("body", env.body.get())
+            .value("headers", &env.headers)
+            .value("attempt", &(record.attempt + 1))
+            .value("max_attempts", &record.max_attempts)
+            .value("lease_s", &cfg.lease_s)
+            .value("offer_ms", &cfg.offer_ms)
+            .finish();
+        self.out.push_back(JobsOutput::Frame { session, text });
+        let key = key.to_string();
+        self.later
+            .push(offer_until, Alarm(Timer::OfferExpiry { key, generation }));
+    }
+
+    /// A subscription that will answer `status` for an offer of `key` made here; none
+    /// past the watches this broker keeps (such an offer is written instead).
+    pub(super) fn watch(&mut self, conn: &mut Connection, key: &str) -> Option<Sid> {
+        if self.watches.len() >= MAX_OFFER_WATCHES {
+            return None;
+        }
+        match conn.subscribe(&offer_subject(key), None) {
+            Ok(sid) => {
+                self.watches.insert(sid, key.to_string());
+                Some(sid)
+            }
+            Err(e) => {
+                log::warn!(task:% = key; "offer watch not made: {e}");
+                None
+            }
+        }
+    }
+
+    /// The subscription answering `status` for the offer of `key` ends.
+    pub(super) fn unwatch(&mut self, conn: &mut Connection, key: &str) {
+        if let Some(sid) = self.tasks.get_mut(key).and_then(|t| t.watch.take()) {
+            self.drop_watch(conn, sid);
+        }
+    }
+
+    pub(super) fn drop_watch(&mut self, conn: &mut Connection, sid: Sid) {
+        self.watches.remove(&sid);
+        if let Err(e) = conn.unsubscribe(sid, None) {
+            log::warn!("offer watch not ended: {e}");
+        }
+    }
+}

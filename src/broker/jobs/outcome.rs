@@ -1,0 +1,105 @@
+//! Outcomes: the `task_result` to the submitter's inbox, the task message's ack, and
+//! the removal of a cancelled task from its queue.
+
+use super::*;
+
+impl Jobs {
+    /// Takes the message of cancelled task `key` out of its job's queue. No broker held it
+    /// (else its ack terminates it), so it would wait there, counted by `max_queued`, until
+    /// a serving broker pulled it only to find it cancelled.
+    pub(super) fn delete_message(
+        &mut self,
+        conn: &mut Connection,
+        key: &str,
+        seq: u64,
+        now: Instant,
+    ) {
+        let ns = key.split_once('.').map_or(key, |(ns, _)| ns);
+        let req = match self
+            .api
+            .of(ns)
+            .msg_delete(&binding::tasks_stream(ns), seq, false)
+        {
+            Ok(r) => r,
+            Err(e) => return log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
+        };
+        match self.request(conn, &req.subject, None, &req.payload, now) {
+            Ok(id) => {
+                let key = key.to_string();
+                self.await_reply(id, now, Pending::MessageDelete { key });
+            }
+            Err(e) => log::warn!(task:% = key; "cancelled task not dequeued: {e}"),
+        }
+    }
+
+    /// Sends the `task_result` to the submitter's inbox, then the message's ack, then the
+    /// answer: the result is stored before the message can go, so a crash in between
+    /// leaves a message whose redelivery publishes the result again.
+    pub(super) fn publish_result(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        by: &str,
+        ack: Option<(String, AckKind)>,
+        reply: Option<(SessionId, String, String)>,
+        now: Instant,
+    ) {
+        let finish = Finish {
+            ack,
+            reply,
+            redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
+        };
+        let Some((ns, submitter)) = record
+            .submitted_by
+            .split_once('/')
+            .filter(|_| !record.via_mig)
+        else {
+            return self.finish(conn, finish);
+        };
+        let key = task_key(ns, &record.id);
+        let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
+        let body = serde_json::value::to_raw_value(&record.result_body())
+            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let env = Envelope {
+            id: id.clone(),
+            kind: Kind::TaskResult,
+            from: by.to_string(),
+            to: Some(record.submitted_by.clone()),
+            topic: None,
+            job: Some(record.job.clone()),
+            ts: rfc3339::format_millis(self.clock.ms(now)),
+            headers: BTreeMap::new(),
+            body,
+        };
+        let mut headers = HeaderMap::new();
+        for (k, v) in [
+            ("Nats-Msg-Id", id.as_str()),
+            ("AMP-From", by),
+            ("AMP-Kind", Kind::TaskResult.as_str()),
+        ] {
+            let _ = headers.insert(k, v);
+        }
+        let subject = binding::inbox_subject(ns, submitter);
+        match self.request(conn, &subject, Some(&headers), &env.to_json(), now) {
+            Ok(rid) => {
+                self.await_reply(rid, now, Pending::Result(finish));
+            }
+            Err(e) => {
+                log::warn!(task:% = key; "task result not sent: {e}");
+                self.finish(conn, finish.result_unsent());
+            }
+        }
+    }
+
+    /// The outcome is stored and its `task_result` too: the message goes and the requester
+    /// hears. The ack is not confirmed: one that is lost leaves the message to be
+    /// redelivered after the lease, and that delivery finds the outcome and acks it away.
+    pub(super) fn finish(&mut self, conn: &mut Connection, finish: Finish) {
+        if let Some((subject, kind)) = finish.ack {
+            self.ack(conn, &subject, kind);
+        }
+        if let Some((session, re, text)) = finish.reply {
+            self.out.push_back(JobsOutput::Reply { session, re, text });
+        }
+    }
+}

@@ -1,0 +1,489 @@
+//! The one read-apply-write driver of the task store: every change (claim, heartbeat,
+//! complete, fail, requeue, cancel) is a compare-and-set on the record's revision,
+//! re-read and re-applied on conflict.
+
+use super::*;
+
+impl Jobs {
+    pub(super) fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
+        let Some((record, revision, ack)) = self
+            .tasks
+            .get(&key)
+            .map(|t| (t.record.clone(), t.revision, t.ack_subject.clone()))
+        else {
+            return;
+        };
+        let write = Write {
+            key,
+            op,
+            ack: Some(ack),
+            tries: 0,
+        };
+        self.cas(conn, write, &record, revision, now);
+    }
+
+    pub(super) fn read(&mut self, conn: &mut Connection, write: Write, now: Instant) {
+        let req = match self.kv.get_request(&write.key) {
+            Ok(r) => r,
+            Err(_) => {
+                let task = write.key.clone();
+                return self.write_failed(conn, write, not_found(&task), now);
+            }
+        };
+        match self.request(conn, &req.subject, None, &req.payload, now) {
+            Ok(id) => {
+                self.await_reply(id, now, Pending::Read(write));
+            }
+            Err(e) => self.write_failed(conn, write, send_error(&e), now),
+        }
+    }
+
+    pub(super) fn change_for<'a>(
+        &self,
+        op: &'a Op,
+        actor: &'a (String, String),
+        key: &str,
+    ) -> Change<'a> {
+        let lease_ms = secs_as_millis(
+            self.tasks
+                .get(key)
+                .map_or(30, |t| self.job_config(&t.ns, &t.job).lease_s),
+        );
+        let offered_at_ms = self.tasks.get(key).map_or(0, |t| t.offered_at_ms);
+        let by = Actor {
+            participant: &actor.0,
+            session: &actor.1,
+        };
+        match op {
+            Op::Offer { .. } => Change::Offer { to: by },
+            Op::Exhaust => Change::Exhaust { by: &actor.0 },
+            Op::Claim { .. } => Change::Claim {
+                by,
+                lease_ms,
+                offered_at_ms,
+            },
+            Op::Heartbeat { progress, .. } => Change::Heartbeat {
+                by,
+                lease_ms,
+                progress: progress.as_ref(),
+            },
+            Op::Complete { result, .. } => Change::Complete {
+                by,
+                result: result.clone(),
+            },
+            Op::Fail { error, retry, .. } => Change::Fail {
+                by,
+                error: error.clone(),
+                retry: *retry,
+            },
+            Op::Requeue { .. } => Change::Requeue { by, offered_at_ms },
+            Op::Cancel { by, .. } => Change::Cancel { by },
+        }
+    }
+
+    /// Who makes the change: `ns/name` and `<broker>/<session>`.
+    pub(super) fn actor_of(&self, op: &Op, key: &str) -> (String, String) {
+        let session = match op {
+            Op::Offer { session, .. }
+            | Op::Claim { session, .. }
+            | Op::Heartbeat { session, .. }
+            | Op::Complete { session, .. }
+            | Op::Fail { session, .. }
+            | Op::Requeue { session, .. }
+            | Op::Cancel { session, .. } => *session,
+            Op::Exhaust => return (format!("broker/{}", self.broker_id), String::new()),
+        };
+        let participant = match op {
+            Op::Cancel { by, .. } => by.clone(),
+            _ => self
+                .tasks
+                .get(key)
+                .map(|t| t.participant.clone())
+                .unwrap_or_default(),
+        };
+        (participant, self.session_name(session))
+    }
+
+    /// Applies the change to `record` and writes it if it applies.
+    pub(super) fn cas(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: &TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let now_ms = self.clock.ms(now);
+        let actor = self.actor_of(&write.op, &write.key);
+        let next = {
+            let change = self.change_for(&write.op, &actor, &write.key);
+            record.apply(&change, now_ms)
+        };
+        let next = match next {
+            Ok(next) => next,
+            Err(refusal) => return self.refused(conn, write, record, revision, refusal, now),
+        };
+        let req = match self
+            .kv
+            .update_request(&write.key, &next.to_json(), revision)
+        {
+            Ok(r) => r,
+            Err(e) => return self.write_failed(conn, write, unavailable(e), now),
+        };
+        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
+            Ok(id) => {
+                self.await_reply(
+                    id,
+                    now,
+                    Pending::Cas {
+                        write,
+                        next: Box::new(next),
+                    },
+                );
+            }
+            Err(e) => self.write_failed(conn, write, send_error(&e), now),
+        }
+    }
+
+    /// The change cannot be made on the record as it is (at `revision`).
+    pub(super) fn refused(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: &TaskRecord,
+        revision: u64,
+        refusal: Refusal,
+        now: Instant,
+    ) {
+        let task = record.id.clone();
+        let key = write.key.clone();
+        if let Op::Heartbeat { .. } = write.op {
+            self.extension_ended(&key);
+        }
+        if self.landed_earlier(&write.op, &key, record, now) {
+            // An earlier try of this very change was answered `unavailable` but reached
+            // the task store after all (it waited in the reconnect buffer): the retry
+            // finishes what that write started.
+            return self.written(conn, write, record.clone(), revision, now);
+        }
+        match write.op {
+            Op::Offer { .. } => {
+                // Someone else moved the task on (another broker's offer or lease, or an
+                // outcome): this delivery is not ours to offer.
+                if let Some(ack) = &write.ack {
+                    match refusal {
+                        Refusal::LeaseHeld { until_ms } => {
+                            let wait = u64::try_from(until_ms - self.clock.ms(now)).unwrap_or(0);
+                            self.nak(conn, ack, Some(Duration::from_millis(wait + 50)));
+                        }
+                        Refusal::Finished(_) => self.ack(conn, ack, AckKind::Ack),
+                        _ => self.nak(conn, ack, Some(RETRY_DELAY)),
+                    }
+                }
+                self.release_local(conn, &key, now);
+            }
+            Op::Exhaust => {
+                if let (Some(ack), Refusal::Finished(_)) = (&write.ack, &refusal) {
+                    self.ack(conn, ack, AckKind::Ack);
+                }
+            }
+            Op::Cancel { session, re, .. } => {
+                let e = match refusal {
+                    Refusal::NotSubmitter => AmpError::new(
+                        ErrorCode::Forbidden,
+                        format!("only the submitter may cancel task `{task}`"),
+                    ),
+                    Refusal::Finished(state) => AmpError::new(
+                        ErrorCode::Conflict,
+                        format!("task `{task}` is already {}", state.as_str()),
+                    ),
+                    _ => unavailable("the task store did not settle"),
+                };
+                self.refuse(session, &re, e);
+            }
+            op => {
+                if let Some((session, re)) = op.answer_to() {
+                    let re = re.to_string();
+                    self.refuse(session, &re, lease_lost(&task));
+                }
+                // The lease or offer is gone for good when the record shows someone else
+                // or an outcome; a late heartbeat on a still-cached lease only fails.
+                let mine = self.tasks.get(&key).is_some_and(|t| {
+                    let s = self.session_name(t.session);
+                    record.offered_to(&s) || record.leased_to(&s, self.clock.ms(now))
+                });
+                if !mine {
+                    let holder = self.tasks.get(&key).map(|t| (t.session, t.phase));
+                    if let Some((session, phase)) = holder {
+                        if matches!(phase, Phase::Leased | Phase::Finishing | Phase::Claiming)
+                            && record.state != TaskState::Offered
+                        {
+                            let reason = if record.state == TaskState::Cancelled {
+                                "cancelled"
+                            } else {
+                                "lease_expired"
+                            };
+                            if phase != Phase::Claiming {
+                                self.revoke(session, &task, reason);
+                            }
+                        }
+                        if record.state == TaskState::Cancelled
+                            && let Some(ack) = &write.ack
+                        {
+                            self.ack(
+                                conn,
+                                ack,
+                                AckKind::Term {
+                                    reason: Some("cancelled".into()),
+                                },
+                            );
+                        }
+                    }
+                    self.release_local(conn, &key, now);
+                } else if record.state == TaskState::Offered {
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.record = record.clone();
+                        t.revision = revision;
+                        t.phase = Phase::Offered;
+                    }
+                    self.arm_offer_expiry(&key, now);
+                } else {
+                    self.unwatch(conn, &key);
+                    self.adopt_lease(&key, record, revision, now);
+                }
+            }
+        }
+    }
+
+    /// Whether `op` is a claim or an outcome whose earlier try the record already shows
+    /// as made by the same session.
+    pub(super) fn landed_earlier(
+        &self,
+        op: &Op,
+        key: &str,
+        record: &TaskRecord,
+        now: Instant,
+    ) -> bool {
+        let Some(t) = self.tasks.get(key) else {
+            return false;
+        };
+        let session = self.session_name(t.session);
+        match op {
+            Op::Claim { session: s, .. } => {
+                *s == t.session
+                    && t.phase == Phase::Claiming
+                    && record.leased_to(&session, self.clock.ms(now))
+            }
+            Op::Complete { session: s, .. } => {
+                *s == t.session
+                    && record.state == TaskState::Completed
+                    && record.finished_by(&session)
+            }
+            Op::Fail {
+                session: s,
+                retry: false,
+                ..
+            } => {
+                *s == t.session && record.state == TaskState::Failed && record.finished_by(&session)
+            }
+            _ => false,
+        }
+    }
+
+    /// A request of the change failed (JetStream unreachable, or too many conflicts).
+    pub(super) fn write_failed(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        e: AmpError,
+        now: Instant,
+    ) {
+        log::warn!(task:% = write.key; "task change failed: {e}");
+        if let Some((session, re)) = write.op.answer_to() {
+            let re = re.to_string();
+            self.refuse(session, &re, e);
+        }
+        match write.op {
+            Op::Offer { .. } => {
+                if let Some(ack) = &write.ack {
+                    self.nak(conn, ack, Some(RETRY_DELAY));
+                }
+                self.release_local(conn, &write.key, now);
+            }
+            Op::Requeue { .. } => {
+                // The record still says offered; JetStream redelivers after the lease and
+                // the next delivery re-offers it.
+                self.release_local(conn, &write.key, now);
+            }
+            Op::Claim { .. } => {
+                if let Some(t) = self.tasks.get_mut(&write.key) {
+                    t.phase = Phase::Offered;
+                }
+                // The offer may have lapsed while the claim was out; the claim itself may
+                // still land (then the lapse finds the lease and keeps it).
+                self.arm_offer_expiry(&write.key, now);
+            }
+            Op::Complete { .. } | Op::Fail { .. } => {
+                if let Some(t) = self.tasks.get_mut(&write.key) {
+                    t.phase = Phase::Leased;
+                }
+                // The expiry may have come and gone while the write was out.
+                self.arm_lease_expiry(&write.key, now);
+            }
+            Op::Heartbeat { .. } => {
+                self.extension_ended(&write.key);
+                self.arm_lease_expiry(&write.key, now);
+            }
+            _ => {}
+        }
+    }
+
+    /// The change is stored as revision `revision`.
+    pub(super) fn written(
+        &mut self,
+        conn: &mut Connection,
+        write: Write,
+        record: TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let key = write.key.clone();
+        if let Some(t) = self.tasks.get_mut(&key) {
+            t.record = record.clone();
+            t.revision = revision;
+            if let Some(ack) = &write.ack
+                && t.ack_subject.is_empty()
+            {
+                t.ack_subject = ack.clone();
+            }
+        }
+        let ack = self
+            .tasks
+            .get(&key)
+            .map(|t| t.ack_subject.clone())
+            .or(write.ack.clone());
+        match write.op {
+            Op::Offer { session, env } => {
+                if !self.workers.contains_key(&session) {
+                    // The session went away while the offer was being written.
+                    if let Some(t) = self.tasks.get_mut(&key) {
+                        t.phase = Phase::Finishing;
+                    }
+                    return self.write_local(conn, key, Op::Requeue { session, re: None }, now);
+                }
+                if let Some(t) = self.tasks.get_mut(&key) {
+                    t.offered_at_ms = self.clock.ms(now);
+                }
+                self.send_offer(&key, session, &env, &record, now);
+            }
+            Op::Claim { session, re } => {
+                self.stats.claims += 1;
+                let Some(t) = self.tasks.get_mut(&key) else {
+                    return;
+                };
+                t.phase = Phase::Leased;
+                t.leased = true;
+                let generation = t.generation;
+                let job = t.job.clone();
+                if let Some(s) = self
+                    .workers
+                    .get_mut(&session)
+                    .and_then(|w| w.serving.get_mut(&job))
+                {
+                    s.leases += 1;
+                }
+                self.unwatch(conn, &key);
+                self.leased(conn, key, session, re, &record, generation, false, now);
+            }
+            Op::Heartbeat { session, re, .. } => {
+                self.extension_ended(&key);
+                let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
+                self.leased(conn, key, session, re, &record, generation, true, now);
+            }
+            Op::Complete { session, re, .. } => {
+                self.stats.completed += 1;
+                let by = self.participant_of(&key);
+                self.release_local(conn, &key, now);
+                let reply = Some((session, re.clone(), reply::ok(Some(&re))));
+                let ack = ack.map(|a| (a, AckKind::Ack));
+                self.publish_result(conn, &record, &by, ack, reply, now);
+            }
+            Op::Fail { session, re, .. } => {
+                let by = self.participant_of(&key);
+                self.release_local(conn, &key, now);
+                let text = FrameWriter::ok(Some(&re))
+                    .str("state", record.state.as_str())
+                    .finish();
+                if record.state == TaskState::Failed {
+                    self.stats.failed += 1;
+                    let ack = ack.map(|a| {
+                        (
+                            a,
+                            AckKind::Term {
+                                reason: Some("failed".into()),
+                            },
+                        )
+                    });
+                    self.outcome(conn, &record, &by, ack, Some((session, re, text)), now);
+                } else {
+                    if let Some(a) = &ack {
+                        self.nak(conn, a, None);
+                    }
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+            }
+            Op::Requeue { session, re } => {
+                self.remember_decline(&key, session, now);
+                self.release_local(conn, &key, now);
+                if let Some(a) = &ack {
+                    self.nak(conn, a, None);
+                }
+                if let Some(re) = re {
+                    let text = reply::ok(Some(&re));
+                    self.out.push_back(JobsOutput::Reply { session, re, text });
+                }
+            }
+            Op::Exhaust => {
+                self.stats.failed += 1;
+                let by = format!("broker/{}", self.broker_id);
+                let ack = ack.map(|a| {
+                    (
+                        a,
+                        AckKind::Term {
+                            reason: Some("attempts exhausted".into()),
+                        },
+                    )
+                });
+                self.outcome(conn, &record, &by, ack, None, now);
+            }
+            Op::Cancel { session, re, by } => {
+                self.stats.cancelled += 1;
+                let local = self
+                    .tasks
+                    .get(&key)
+                    .map(|t| (t.session, t.phase, t.ack_subject.clone()));
+                let mut term = None;
+                if let Some((holder, phase, ack_subject)) = local {
+                    if matches!(phase, Phase::Leased | Phase::Finishing) {
+                        self.revoke(holder, &record.id, "cancelled");
+                    }
+                    term = Some((
+                        ack_subject,
+                        AckKind::Term {
+                            reason: Some("cancelled".into()),
+                        },
+                    ));
+                    self.release_local(conn, &key, now);
+                }
+                let published = self.published.remove(&key);
+                if term.is_none()
+                    && let Some(seq) = published
+                {
+                    self.delete_message(conn, &key, seq, now);
+                }
+                let text = reply::ok(Some(&re));
+                self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! Submitting a task: the task store record is created first (it decides whether the
+//! id is new), then the task message goes to the job's queue.
+
+use super::*;
+
+impl Jobs {
+    pub(super) fn submit(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        submit: amp_frame::Submit,
+        now: Instant,
+    ) {
+        let session = caller.session;
+        let job = submit.job.as_str();
+        if !permissions::allows(&caller.participant.permissions, Action::Submit, job) {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("submitting to `{job}` is not permitted"),
+            )
+            .with_path("/job");
+            return self.refuse(session, &submit.id, e);
+        }
+        self.submit_as(conn, session, caller.ns, caller.name, submit, now);
+    }
+
+    /// A submit by participant `ns/name`, whose permission to submit was checked.
+    pub(super) fn submit_as(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        submit: amp_frame::Submit,
+        now: Instant,
+    ) {
+        let job = submit.job.as_str();
+        let task = submit.task.clone().unwrap_or_else(|| self.ids.next_id());
+        let from = format!("{ns}/{name}");
+        let max_attempts = submit
+            .max_attempts
+            .unwrap_or_else(|| self.job_config(ns, job).max_attempts)
+            .max(1);
+        let eligible = submit.eligible.map(|e| Eligible {
+            names: e.names,
+            labels: e.labels,
+        });
+        let now_ms = self.clock.ms(now);
+        let mut record = TaskRecord::submitted(
+            &task,
+            job,
+            &from,
+            &submit.body,
+            max_attempts,
+            eligible,
+            now_ms,
+        );
+        // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
+        record.via_mig = submit.headers.contains_key("mig_capability");
+        let body = serde_json::value::to_raw_value(&submit.body)
+            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let env = Envelope {
+            id: task.clone(),
+            kind: Kind::Task,
+            from: from.clone(),
+            to: None,
+            topic: None,
+            job: Some(job.to_string()),
+            ts: rfc3339::format_millis(now_ms),
+            headers: submit.headers,
+            body,
+        };
+        let mut headers = HeaderMap::new();
+        let mut stamped = vec![
+            ("Nats-Msg-Id", task.as_str()),
+            ("AMP-From", from.as_str()),
+            ("AMP-Kind", Kind::Task.as_str()),
+        ];
+        if let Some(tp) = env.headers.get("traceparent") {
+            stamped.push(("traceparent", tp.as_str()));
+        }
+        for (k, v) in stamped {
+            if let Err(e) = headers.insert(k, v) {
+                let e = AmpError::new(ErrorCode::Schema, format!("header not storable: {e}"))
+                    .with_path("/headers");
+                return self.refuse(session, &submit.id, e);
+            }
+        }
+        let payload = env.to_json();
+        let size = payload.len() + headers.encoded_len();
+        let record_json = record.to_json();
+        let max = conn.max_payload();
+        if size > max || record_json.len() > max {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the stored task would be {} bytes; the server allows {max}",
+                    size.max(record_json.len())
+                ),
+            );
+            return self.refuse(session, &submit.id, e);
+        }
+        let sub = Submission {
+            session,
+            re: submit.id.clone(),
+            from: from.clone(),
+            ns: ns.to_string(),
+            task: task.clone(),
+            job: job.to_string(),
+            digest: record.body_sha256.clone(),
+            subject: binding::job_subject(ns, job),
+            headers,
+            payload,
+        };
+        let key = task_key(ns, &task);
+        let req = match self.kv.create_request(&key, &record_json, None) {
+            Ok(r) => r,
+            Err(e) => {
+                let e = AmpError::new(ErrorCode::Schema, format!("task id not storable: {e}"))
+                    .with_path("/task");
+                return self.refuse(session, &submit.id, e);
+            }
+        };
+        match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
+            Ok(id) => {
+                self.await_reply(id, now, Pending::SubmitCreate(Box::new(sub)));
+            }
+            Err(e) => self.refuse(session, &submit.id, send_error(&e)),
+        }
+    }
+
+    pub(super) fn publish_task(
+        &mut self,
+        conn: &mut Connection,
+        sub: Submission,
+        dup: bool,
+        now: Instant,
+    ) {
+        match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
+            Ok(id) => {
+                self.await_reply(
+                    id,
+                    now,
+                    Pending::SubmitPublish {
+                        session: sub.session,
+                        re: sub.re,
+                        ns: sub.ns,
+                        task: sub.task,
+                        dup,
+                    },
+                );
+            }
+            Err(e) => self.refuse(sub.session, &sub.re, send_error(&e)),
+        }
+    }
+}
