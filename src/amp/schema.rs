@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 
 use jsonschema::{Draft, ValidationError, Validator, error::ValidationErrorKind};
 use serde_json::Value;
@@ -41,7 +42,9 @@ impl Rejected {
 
 /// Compiled validators, one per client op. Build it once at start-up.
 pub struct FrameValidator {
-    by_op: HashMap<Op, Validator>,
+    /// Compiled once per process and shared: compiling takes a large part of a second in
+    /// a debug build, and the simulator and fuzzers build many brokers.
+    by_op: Arc<HashMap<Op, Validator>>,
 }
 
 impl std::fmt::Debug for FrameValidator {
@@ -56,6 +59,14 @@ impl FrameValidator {
     /// Compiles the embedded schema. It is part of the program, so an error here is a
     /// build defect; it is still returned rather than panicking.
     pub fn new() -> Result<Self, String> {
+        static COMPILED: OnceLock<Result<Arc<HashMap<Op, Validator>>, String>> = OnceLock::new();
+        let by_op = COMPILED
+            .get_or_init(|| Self::compile().map(Arc::new))
+            .clone()?;
+        Ok(FrameValidator { by_op })
+    }
+
+    fn compile() -> Result<HashMap<Op, Validator>, String> {
         let schema: Value =
             serde_json::from_str(SCHEMA_JSON).map_err(|e| format!("schema is not JSON: {e}"))?;
         let map = jsonschema::options()
@@ -70,7 +81,7 @@ impl FrameValidator {
                 .ok_or_else(|| format!("schema has no definition {pointer}"))?;
             by_op.insert(op, validator.clone());
         }
-        Ok(FrameValidator { by_op })
+        Ok(by_op)
     }
 
     /// Classifies and validates one text frame, returning its op and parsed value.
