@@ -1,0 +1,38 @@
+//! Identity: the NATS auth callout this broker answers for the participants it knows.
+
+use super::*;
+
+impl Broker {
+    pub(super) fn answer_callout(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
+        let (Some(callout), Some(reply_to)) = (self.callout.as_mut(), msg.reply.as_deref()) else {
+            return;
+        };
+        if let Some(info) = conn.server_info() {
+            callout.learn_server(&info.server_id);
+        }
+        let reply = callout.handle(
+            &self.config,
+            msg.headers.as_ref(),
+            &msg.payload,
+            now,
+            self.clock.unix_seconds(now),
+        );
+        match &reply.outcome {
+            Outcome::Authorized { participant } => {
+                log::info!(participant:% = participant; "auth callout authorized"
+                )
+            }
+            Outcome::Refused {
+                participant,
+                reason,
+            } => log::info!(
+                participant:% = participant.as_deref().unwrap_or("?"), reason:% = reason;
+                "auth callout refused"
+            ),
+            Outcome::BadRequest { reason } => {
+                log::warn!("auth callout ignored a bad request: {reason}")
+            }
+        }
+        let _ = conn.publish(reply_to, None, None, &reply.payload);
+    }
+}

@@ -1,0 +1,310 @@
+//! The inbox: `send` stored in the recipient's inbox stream, its pull consumer, the
+//! deliveries to the participant's sessions and their acks.
+
+use super::*;
+
+impl Broker {
+    pub(super) fn send(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        send: amp_frame::Send,
+        now: Instant,
+    ) {
+        let to = send.to.as_str();
+        let allowed = self
+            .config
+            .participant(ns, name)
+            .is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
+        if !allowed {
+            let e = AmpError::new(
+                ErrorCode::Forbidden,
+                format!("sending to `{to}` is not permitted"),
+            )
+            .with_path("/to");
+            return self.fail(session, &send.id, e);
+        }
+        if self.config.participant(ns, to).is_none() {
+            let e = AmpError::new(
+                ErrorCode::NotFound,
+                format!("`{to}` is not a participant of `{ns}`"),
+            )
+            .with_path("/to");
+            return self.fail(session, &send.id, e);
+        }
+        let from = participant_key(ns, name);
+        let body = raw_body(&send.body);
+        if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
+            return self.fail(session, &send.id, e);
+        }
+        let id = match &send.idem {
+            Some(key) => envelope::idempotent_id(Kind::Message, &from, to, key),
+            None => self.ids.next_id(),
+        };
+        let env = Envelope {
+            id,
+            kind: Kind::Message,
+            from,
+            to: Some(participant_key(ns, to)),
+            topic: None,
+            job: None,
+            ts: self.clock.timestamp(now),
+            headers: send.headers,
+            body,
+        };
+        let subject = binding::inbox_subject(ns, to);
+        self.store(conn, session, send.id, &subject, &env, now);
+    }
+
+    /// Publishes an envelope to its stream and answers the request when JetStream acks.
+    pub(super) fn store(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        re: String,
+        subject: &str,
+        env: &Envelope,
+        now: Instant,
+    ) {
+        let payload = env.to_json();
+        let mut headers = HeaderMap::with_capacity(128, 4);
+        let stamped = [
+            ("Nats-Msg-Id", env.id.as_str()),
+            ("AMP-From", env.from.as_str()),
+            ("AMP-Kind", env.kind.as_str()),
+        ];
+        for (k, value) in stamped {
+            let _ = headers.insert(k, value);
+        }
+        if let Some(tp) = env.headers.get("traceparent") {
+            let _ = headers.insert("traceparent", tp);
+        }
+        let max = conn
+            .server_info()
+            .map(|i| i.max_payload as usize)
+            .unwrap_or(1 << 20);
+        if payload.len() + headers.encoded_len() > max {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!("the stored message would exceed the server's max_payload of {max} bytes"),
+            )
+            .with_path("");
+            return self.fail(session, &re, e);
+        }
+        match conn.request(subject, Some(&headers), &payload, JS_TIMEOUT, now) {
+            Ok(req) => {
+                self.await_reply(req, now, Pending::Send { session, re });
+            }
+            Err(e) => self.fail(session, &re, unavailable(e)),
+        }
+    }
+
+    pub(super) fn inbox_ack(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        seq: u64,
+        kind: AckKind,
+        now: Instant,
+    ) {
+        let ack_subject = self
+            .sessions
+            .get_mut(&session)
+            .and_then(|s| s.inflight.remove(&seq));
+        let Some(ack_subject) = ack_subject else {
+            if let Some(re) = id {
+                let e = AmpError::new(
+                    ErrorCode::NotFound,
+                    format!("no unacknowledged message {seq} in this session"),
+                )
+                .with_path("/seq");
+                self.fail(session, &re, e);
+            }
+            return;
+        };
+        self.ack(conn, session, id, &ack_subject, kind, now);
+    }
+
+    /// Acks a delivery; with a request id, answers once JetStream confirmed it.
+    pub(super) fn ack(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        ack_subject: &str,
+        kind: AckKind,
+        now: Instant,
+    ) {
+        match id {
+            Some(re) => match conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
+                Ok(req) => {
+                    self.await_reply(req, now, Pending::AckSync { session, re });
+                }
+                Err(e) => self.fail(session, &re, unavailable(e)),
+            },
+            None => {
+                let _ = conn.publish(ack_subject, None, None, &kind.payload());
+            }
+        }
+    }
+
+    pub(super) fn ensure_inbox_consumer(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        name: &str,
+        now: Instant,
+    ) {
+        let Some(inbox) = self.config.namespaces.get(ns).map(|n| n.inbox.clone()) else {
+            return;
+        };
+        let config = binding::inbox_consumer_config(ns, name, inbox.ack_wait_s, inbox.inbox_window);
+        let subject = format!(
+            "{}.CONSUMER.CREATE.{}.{}.{}",
+            self.config.js_api(ns).as_str(),
+            binding::inbox_stream(ns),
+            binding::inbox_consumer(name),
+            binding::inbox_subject(ns, name)
+        );
+        let body = json!({"stream_name": binding::inbox_stream(ns), "config": config});
+        match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
+            Ok(req) => {
+                self.await_reply(
+                    req,
+                    now,
+                    Pending::InboxConsumer {
+                        participant: participant_key(ns, name),
+                    },
+                );
+            }
+            Err(e) => {
+                log::warn!(participant:% = format_args!("{ns}/{name}"); "inbox consumer request failed: {e}"
+                );
+                self.retry_inbox_consumer(participant_key(ns, name), now);
+            }
+        }
+    }
+
+    pub(super) fn retry_inbox_consumer(&mut self, participant: String, now: Instant) {
+        let at = crate::deadline::after(now, INBOX_CONSUMER_RETRY);
+        self.set_timer(at, Timer::InboxConsumerRetry(participant));
+    }
+
+    pub(super) fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
+        let Some(p) = self
+            .presence
+            .get_mut(participant)
+            .filter(|p| p.inbox.sid().is_none())
+        else {
+            return;
+        };
+        match p.inbox.attach(conn) {
+            Ok(sid) => {
+                let check = p.inbox.pull(conn, now);
+                self.routes.insert(
+                    sid,
+                    Route::Inbox {
+                        participant: Rc::from(participant),
+                    },
+                );
+                self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
+            }
+            Err(e) => log::warn!(participant:% = participant; "inbox subscription failed: {e}"
+            ),
+        }
+    }
+
+    pub(super) fn check_pull_at(&mut self, at: Option<Instant>, owner: PullOwner) {
+        if let Some(at) = at {
+            self.set_timer(at, Timer::PullCheck(owner));
+        }
+    }
+
+    pub(super) fn inbox_delivery(
+        &mut self,
+        conn: &mut Connection,
+        participant: &str,
+        mut msg: Message,
+        now: Instant,
+    ) {
+        let Some(p) = self.presence.get_mut(participant) else {
+            if let Some(reply) = msg.reply.as_deref().filter(|_| msg.status().is_none()) {
+                let _ = conn.publish(reply, None, None, &AckKind::Nak { delay: None }.payload());
+            }
+            return;
+        };
+        let (pulled, check) = p.inbox.on_message(conn, msg.status(), now);
+        if check.is_some() {
+            self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
+        }
+        if pulled != Pulled::Message {
+            return;
+        }
+        let Some(p) = self.presence.get(participant) else {
+            return;
+        };
+        let Some(reply) = msg.reply.take() else {
+            return;
+        };
+        let meta = match AckMetadata::parse(&reply) {
+            Ok(m) => (m.stream_sequence, m.delivered),
+            Err(e) => {
+                return log::warn!(participant:% = participant; "inbox delivery without ack metadata: {e}"
+                );
+            }
+        };
+        let (seq, delivered) = meta;
+        let target = p.sessions.iter().copied().min_by_key(|id| {
+            self.sessions
+                .get(id)
+                .map_or(usize::MAX, |s| s.inflight.len())
+        });
+        let Some(target) = target else {
+            let _ = conn.publish(&reply, None, None, &AckKind::Nak { delay: None }.payload());
+            return;
+        };
+        let env = match EnvelopeView::parse(&msg.payload) {
+            Ok(env) => env,
+            Err(e) => {
+                // Not an AMP envelope: nobody can use it; terminate it so it is not redelivered forever.
+                log::warn!(seq:% = seq, participant:% = participant; "terminating malformed inbox message: {e}"
+                );
+                let _ = conn.publish(
+                    &reply,
+                    None,
+                    None,
+                    &AckKind::Term {
+                        reason: Some("malformed envelope".into()),
+                    }
+                    .payload(),
+                );
+                return;
+            }
+        };
+        let size = msg.payload.len() + 64;
+        let text = FrameWriter::with_capacity(amp_frame::server_op::MESSAGE, size)
+            .uint("seq", seq)
+            .str("from", env.from.as_str())
+            .str("to", env.to.as_ref().map_or(participant, |t| t.as_str()))
+            .str("ts", env.ts.as_str())
+            .uint("delivery", delivered)
+            .raw("body", env.body.get())
+            .value("headers", &env.headers)
+            .str(
+                "kind",
+                if env.kind == Kind::TaskResult {
+                    "task_result"
+                } else {
+                    "message"
+                },
+            )
+            .finish();
+        if let Some(s) = self.sessions.get_mut(&target) {
+            s.inflight.insert(seq, reply);
+        }
+        self.frame(target, text);
+    }
+}

@@ -1,0 +1,165 @@
+//! Policy: per-participant rate limits and task budgets (counted in JetStream and
+//! shared by every broker) before a frame reaches the jobs engine.
+
+use super::*;
+
+impl Broker {
+    /// The publish-path token buckets (`send`, `publish`, `submit`): one message and the
+    /// body's bytes.
+    pub(super) fn take_rate(
+        &mut self,
+        ns: &str,
+        name: &str,
+        body_bytes: usize,
+        now: Instant,
+    ) -> Result<(), AmpError> {
+        let limits = self
+            .config
+            .participant(ns, name)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(rate_limit::Limits::from_policy);
+        let Some(limits) = limits else { return Ok(()) };
+        self.rates
+            .try_take(
+                &participant_key(ns, name),
+                &limits,
+                1,
+                body_bytes as u64,
+                now,
+            )
+            .map_err(|r| AmpError::rate_limited(r.retry_after_ms))
+    }
+
+    pub(super) fn hand_to_jobs(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: ClientFrame,
+        now: Instant,
+    ) {
+        let key = participant_key(ns, name);
+        if let (Some(participant), Some(p)) =
+            (self.config.participant(ns, name), self.presence.get(&key))
+        {
+            let caller = Caller {
+                session,
+                ns,
+                name,
+                participant,
+                labels: &p.labels,
+            };
+            self.jobs.frame(conn, &caller, frame, now);
+        }
+    }
+
+    /// Takes one task from the participant's budget. False when the submit was answered
+    /// (`budget_exhausted`) or is held until a reservation in JetStream settles.
+    pub(super) fn spend_budget(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: &ClientFrame,
+        now: Instant,
+    ) -> bool {
+        let budget = Budget::of(&self.config, ns, name);
+        let Some(budget) = budget else { return true };
+        let key = participant_key(ns, name);
+        let spend = self
+            .budgets
+            .try_spend(&key, budget, self.clock.unix_seconds(now) * 1000);
+        self.drive_budgets(conn, now);
+        match spend {
+            Spend::Granted => true,
+            Spend::Exhausted => {
+                if let Some(id) = frame.id() {
+                    let e = AmpError::new(
+                        ErrorCode::BudgetExhausted,
+                        "the task budget of this window is spent",
+                    );
+                    self.fail(session, id, e);
+                }
+                false
+            }
+            Spend::Wait => {
+                let held = self.held_submits.get(&key).map_or(0, Vec::len);
+                if held >= self.config.limits.max_held_submits {
+                    // Each held submit keeps its frame: past the cap the client waits, not us.
+                    if let Some(id) = frame.id() {
+                        let mut e = AmpError::new(
+                            ErrorCode::Unavailable,
+                            "too many submits are waiting for the task budget",
+                        );
+                        e.retry_after_ms = Some(HELD_SUBMIT_RETRY_MS);
+                        self.fail(session, id, e);
+                    }
+                    return false;
+                }
+                self.held_submits
+                    .entry(key)
+                    .or_default()
+                    .push((session, frame.clone()));
+                false
+            }
+        }
+    }
+
+    pub(super) fn drive_budgets(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(op) = self.budgets.poll_op() {
+            // Keys are `<ns>.<name>.<window>`: a fleet namespace counts in its domain.
+            let ns = op.key.split('.').next().unwrap_or_default();
+            let req = op.request(self.config.js_api(ns).as_str());
+            match conn.request(
+                &req.subject,
+                req.headers.as_ref(),
+                &req.payload,
+                JS_TIMEOUT,
+                now,
+            ) {
+                Ok(id) => self.await_reply(id, now, Pending::Budget { op }),
+                Err(_) => {
+                    let settled = self.budgets.on_reply(op.id, KvReply::Failed);
+                    self.budget_settled(conn, settled, now);
+                }
+            }
+        }
+    }
+
+    /// A reservation ended: held submits are tried again (or answered `unavailable`).
+    pub(super) fn budget_settled(
+        &mut self,
+        conn: &mut Connection,
+        settled: Option<Settled>,
+        now: Instant,
+    ) {
+        let (participant, retry) = match settled {
+            Some(Settled::Retry { participant }) => (participant, true),
+            Some(Settled::Unavailable { participant }) => (participant, false),
+            None => return,
+        };
+        self.mig_budget_settled(conn, &participant, retry, now);
+        for (session, frame) in self.held_submits.remove(&participant).unwrap_or_default() {
+            if !retry {
+                if let Some(id) = frame.id() {
+                    self.fail(
+                        session,
+                        id,
+                        unavailable("the task budget could not be read"),
+                    );
+                }
+                continue;
+            }
+            let state = self.sessions.get(&session).map(|s| &s.state);
+            if let Some(SessionState::Active { ns, name }) = state {
+                // Already rate-limited once; only the budget is asked again.
+                let (ns, name) = (ns.clone(), name.clone());
+                if self.spend_budget(conn, session, &ns, &name, &frame, now) {
+                    self.hand_to_jobs(conn, session, &ns, &name, frame, now);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! Sessions: the challenge, `hello` (authentication, the throttle of failed ones, the
+//! scoped JWT), the dispatch of every later frame, and the end of a session.
+
+use super::*;
+
+impl Broker {
+    /// A WebSocket session was upgraded: send the challenge and start the hello clock.
+    pub(super) fn session_opened(&mut self, session: SessionId, peer: SocketAddr, now: Instant) {
+        let nonce = self.nonces.next_nonce();
+        self.sessions.insert(
+            session,
+            Session {
+                state: SessionState::AwaitingHello { nonce },
+                peer,
+                outstanding: HashSet::new(),
+                inflight: IdMap::default(),
+                watching: false,
+                subs: HashMap::new(),
+            },
+        );
+        let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
+            .str("nonce", &base64_url(&nonce))
+            .str("broker", &self.broker_id)
+            .str("amp", "1")
+            .finish();
+        self.frame(session, challenge);
+        let timeout = Duration::from_secs(self.config.limits.hello_timeout_s);
+        self.set_timer(after(now, timeout), Timer::HelloTimeout(session));
+    }
+
+    /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
+    /// are handed back to JetStream at once, so the participant's next session gets them.
+    pub(super) fn session_closed(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        now: Instant,
+    ) {
+        self.drop_subscriptions(conn, session, now);
+        let Some(s) = self.sessions.remove(&session) else {
+            return;
+        };
+        for ack_subject in s.inflight.values() {
+            let _ = conn.publish(
+                ack_subject,
+                None,
+                None,
+                &AckKind::Nak { delay: None }.payload(),
+            );
+        }
+        if let SessionState::Active { ns, name } = s.state {
+            self.metrics
+                .registry
+                .gauge_add(self.metrics.sessions, "", -1.0);
+            let key = participant_key(&ns, &name);
+            let last = match self.presence.get_mut(&key) {
+                Some(p) => {
+                    p.sessions.retain(|&x| x != session);
+                    p.sessions.is_empty()
+                }
+                None => false,
+            };
+            if last {
+                if let Some(sid) = self
+                    .presence
+                    .remove(&key)
+                    .and_then(|mut p| p.inbox.detach(conn))
+                {
+                    self.routes.remove(&sid);
+                    let _ = conn.unsubscribe(sid, None);
+                }
+                self.registry_delete(conn, &ns, &name);
+            }
+        }
+        self.jobs.session_closed(conn, session, now);
+        self.drain_jobs(conn, now);
+    }
+
+    /// One text frame from a session.
+    pub(super) fn session_frame(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        text: &str,
+        now: Instant,
+    ) {
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        match &s.state {
+            SessionState::Closing => {}
+            SessionState::AwaitingHello { nonce } => {
+                let (nonce, peer) = (*nonce, s.peer);
+                let decoded = self.validator.decode(text);
+                self.count_in(&decoded);
+                match decoded {
+                    Ok(ClientFrame::Hello(hello)) => {
+                        self.hello(conn, session, peer, &hello, &nonce, now)
+                    }
+                    Ok(other) => self.refuse(session, other.id()),
+                    Err(r) if r.error.code == ErrorCode::BadFrame => {
+                        self.error(session, r.re.as_deref(), &r.error);
+                        self.close(session, close::POLICY, "bad frame before hello");
+                    }
+                    Err(r) => self.refuse(session, r.re.as_deref()),
+                }
+            }
+            SessionState::Active { ns, name } => {
+                let (ns, name) = (ns.clone(), name.clone());
+                let decoded = self.validator.decode(text);
+                self.count_in(&decoded);
+                match decoded {
+                    Ok(frame) => self.dispatch(conn, session, &ns, &name, frame, now),
+                    Err(r) => self.error(session, r.re.as_deref(), &r.error),
+                }
+            }
+        }
+        self.drain_jobs(conn, now);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hello(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        peer: SocketAddr,
+        hello: &Hello,
+        nonce: &[u8; 32],
+        now: Instant,
+    ) {
+        let (ns, name) = (hello.ns.as_str(), hello.name.as_str());
+        let key = participant_key(ns, name);
+        if let Verdict::Delay(wait) = self.throttle.check(peer.ip(), &key, now) {
+            // Too many failures from here or for this name: not even checked, so guessing
+            // stays slow; the answer says when to try again and nothing else.
+            let e = AmpError::rate_limited(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
+            self.error(session, Some(&hello.id), &e);
+            return self.close(session, close::POLICY, "too many failed hellos");
+        }
+        let credential = match &hello.auth {
+            Auth::Token { token } => Credential::Token(token),
+            Auth::Nkey { nkey, sig } => Credential::NKey { nkey, sig },
+        };
+        let participant = self.config.participant(ns, name);
+        // Checked whether or not the participant exists: the same work either way.
+        if !auth::verify(participant, credential, nonce) {
+            log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key, peer:% = peer; "hello refused"
+            );
+            self.throttle.record_failure(peer.ip(), &key, now);
+            return self.refuse(session, Some(&hello.id));
+        }
+        self.throttle.record_success(peer.ip(), &key, now);
+        self.metrics
+            .registry
+            .gauge_add(self.metrics.sessions, "", 1.0);
+        let id = Some(hello.id.clone());
+        // Labels the session declares, with the configuration's on top: an operator's
+        // label cannot be overridden by the participant.
+        let mut labels = hello.labels.clone();
+        labels.extend(participant.map(|p| p.labels.clone()).unwrap_or_default());
+        let (ns, name) = (ns.to_string(), name.to_string());
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.state = SessionState::Active {
+                ns: Rc::from(ns.as_str()),
+                name: Rc::from(name.as_str()),
+            };
+        }
+        let first = !self.presence.contains_key(&key);
+        let window = self
+            .config
+            .namespaces
+            .get(&ns)
+            .map_or(64, |n| n.inbox.inbox_window);
+        let presence = self
+            .presence
+            .entry(key.clone())
+            .or_insert_with(|| Presence {
+                sessions: Vec::new(),
+                labels,
+                since: self.clock.timestamp(now),
+                inbox: PullLoop::new(
+                    binding::inbox_stream(&ns),
+                    binding::inbox_consumer(&name),
+                    window,
+                )
+                .in_domain(self.config.js_api(&ns)),
+            });
+        presence.sessions.push(session);
+        let limits = &self.config.limits;
+        let mut reply = FrameWriter::ok(id.as_deref())
+            .str("session", &format!("{}-{session}", self.broker_id))
+            .str("participant", &key)
+            .value("heartbeat_s", &limits.heartbeat_s)
+            .value("max_frame", &limits.max_frame);
+        if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
+            let mig = readable_dead_letters(&self.config, &ns, p);
+            let (now_s, ttl) = (self.clock.unix_seconds(now), HELLO_JWT_TTL_S);
+            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, now_s, ttl, mig.as_deref()) {
+                Ok(jwt) => reply = reply.str("jwt", &jwt),
+                Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
+            }
+        }
+        self.frame(session, reply.finish());
+        log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key; "hello");
+        if !hello.serve.is_empty()
+            && let (Some(participant), Some(p)) =
+                (self.config.participant(&ns, &name), self.presence.get(&key))
+        {
+            let caller = Caller {
+                session,
+                ns: &ns,
+                name: &name,
+                participant,
+                labels: &p.labels,
+            };
+            self.jobs.serve_from_hello(conn, &caller, &hello.serve, now);
+        }
+        if first {
+            self.registry_put(conn, &ns, &name, now);
+            self.ensure_inbox_consumer(conn, &ns, &name, now);
+        }
+    }
+
+    /// The one answer to any failed `hello`: it never says which part was wrong.
+    pub(super) fn refuse(&mut self, session: SessionId, id: Option<&str>) {
+        let e = AmpError::new(ErrorCode::Unauthenticated, "authentication failed");
+        self.error(session, id, &e);
+        self.close(session, close::POLICY, "unauthenticated");
+    }
+
+    pub(super) fn dispatch(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: ClientFrame,
+        now: Instant,
+    ) {
+        if let Some(id) = frame.id() {
+            let fresh = self
+                .sessions
+                .get_mut(&session)
+                .is_some_and(|s| s.outstanding.insert(id.to_string()));
+            if !fresh {
+                let e = AmpError::new(
+                    ErrorCode::Schema,
+                    "id is already used by an outstanding request",
+                )
+                .with_path("/id");
+                return self.error(session, Some(id), &e);
+            }
+        }
+        match frame {
+            ClientFrame::Ping { id } => self.ok(session, &id, FrameWriter::ok(Some(&id))),
+            ClientFrame::Bye { id } => {
+                self.ok(session, &id, FrameWriter::ok(Some(&id)));
+                self.close(session, close::NORMAL, "bye");
+            }
+            ClientFrame::Send(send) => self.send(conn, session, ns, name, send, now),
+            ClientFrame::Ack(ack) => match ack.sub {
+                Some(sub) => self.event_ack(conn, session, ack.id, &sub, ack.seq, now),
+                None => self.inbox_ack(conn, session, ack.id, ack.seq, AckKind::Ack, now),
+            },
+            ClientFrame::Publish(p) => self.publish(conn, session, ns, name, p, now),
+            ClientFrame::Subscribe(f) => self.subscribe(conn, session, ns, name, f, now),
+            ClientFrame::Unsubscribe { id, sub } => self.unsubscribe(conn, session, id, sub, now),
+            ClientFrame::Nak(nak) => {
+                let kind = AckKind::Nak {
+                    delay: nak.delay_ms.map(Duration::from_millis),
+                };
+                self.inbox_ack(conn, session, nak.id, nak.seq, kind, now)
+            }
+            ClientFrame::Who { id, job } => self.who(session, ns, &id, job.as_deref()),
+            ClientFrame::Watch { id } => self.watch(session, ns, &id),
+            ClientFrame::Hello(hello) => {
+                let e = AmpError::new(ErrorCode::Conflict, "this session has already said hello");
+                self.fail(session, &hello.id, e);
+            }
+            frame if Jobs::handles(&frame) => {
+                // A redrive is a submit whose body is already stored.
+                let submitting = match &frame {
+                    ClientFrame::Submit(s) => {
+                        Some((&s.id, serde_json::to_string(&s.body).map_or(0, |b| b.len())))
+                    }
+                    ClientFrame::Redrive { id, .. } => Some((id, 0)),
+                    _ => None,
+                };
+                if let Some((id, bytes)) = submitting {
+                    if let Err(e) = self.take_rate(ns, name, bytes, now) {
+                        return self.fail(session, id, e);
+                    }
+                    if !self.spend_budget(conn, session, ns, name, &frame, now) {
+                        return;
+                    }
+                }
+                self.hand_to_jobs(conn, session, ns, name, frame, now);
+            }
+            other => {
+                let op = other.op();
+                let e = AmpError::new(
+                    ErrorCode::Internal,
+                    format!("`{}` is not available on this broker yet", op.as_str()),
+                );
+                if let Some(id) = other.id() {
+                    self.fail(session, id, e);
+                }
+            }
+        }
+    }
+}
