@@ -505,6 +505,15 @@ impl Config {
             }
             if let Some(domain) = &ns.jetstream_domain {
                 check_name(&format!("{at}.jetstream_domain"), domain)?;
+                // MIG reads task records, queue depths and events through the local
+                // JetStream API and watches record changes on local subjects: over a
+                // domain it would answer from the wrong store.
+                if self.mig.enabled {
+                    return Err(err(
+                        format!("{at}.jetstream_domain"),
+                        "MIG over NATS (mig.enabled) does not serve namespaces on another JetStream domain yet".to_string(),
+                    ));
+                }
             }
             super::mig::config::validate_namespace(&at, ns)?;
         }
@@ -707,6 +716,19 @@ mod tests {
 
     fn parse(json: &str) -> Result<Config, ConfigError> {
         Config::parse(json.as_bytes())
+    }
+
+    #[test]
+    fn mig_is_refused_beside_a_namespace_on_another_jetstream_domain() {
+        let e =
+            parse(r#"{"mig":{"enabled":true},"namespaces":{"acme":{"jetstream_domain":"hub"}}}"#)
+                .expect_err("refused");
+        assert!(
+            e.to_string().contains("namespaces.acme.jetstream_domain"),
+            "{e}"
+        );
+        parse(r#"{"mig":{"enabled":true},"namespaces":{"acme":{}}}"#).expect("no domain: fine");
+        parse(r#"{"namespaces":{"acme":{"jetstream_domain":"hub"}}}"#).expect("no MIG: fine");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use crate::jetstream::ApiPrefix;
+use crate::jetstream::pull::PullRequest;
 use crate::nats::{Connection, Sid};
 
 /// A pull request's lifetime; the next one follows when it ends.
@@ -92,19 +93,16 @@ impl PullLoop {
         if self.sid.is_none() || self.remaining > 0 {
             return None;
         }
-        let subject = format!(
-            "{}.CONSUMER.MSG.NEXT.{}.{}",
-            self.api.as_str(),
-            self.stream,
-            self.consumer
-        );
-        let body = format!(
-            r#"{{"batch":{},"expires":{},"idle_heartbeat":{}}}"#,
-            self.batch,
-            PULL_EXPIRES.as_nanos(),
-            PULL_HEARTBEAT.as_nanos()
-        );
-        conn.publish(&subject, Some(&self.deliver), None, body.as_bytes())
+        let pull = PullRequest {
+            expires: Some(PULL_EXPIRES),
+            idle_heartbeat: Some(PULL_HEARTBEAT),
+            ..PullRequest::batch(u64::from(self.batch))
+        };
+        let req = self
+            .api
+            .pull_next(&self.stream, &self.consumer, &pull)
+            .ok()?;
+        conn.publish(&req.subject, Some(&self.deliver), None, &req.payload)
             .ok()?;
         self.remaining = self.batch;
         // The server answers a live pull with a heartbeat within PULL_HEARTBEAT; a pull

@@ -282,6 +282,16 @@ impl ApiPrefix {
         ))
     }
 
+    /// `STREAM.INFO.<name>` with the message count of every subject matching `filter`
+    /// (in `state.subjects`) → [`StreamInfo`].
+    pub fn stream_info_subjects(&self, stream: &str, filter: &str) -> Result<Request, JsError> {
+        validate_name("stream", stream)?;
+        Ok(Request::json(
+            self.subject(&format!("STREAM.INFO.{stream}")),
+            &serde_json::json!({ "subjects_filter": filter }),
+        ))
+    }
+
     /// `STREAM.DELETE.<name>` → [`SuccessResponse`](super::api::SuccessResponse).
     pub fn stream_delete(&self, stream: &str) -> Result<Request, JsError> {
         validate_name("stream", stream)?;

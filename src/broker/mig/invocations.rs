@@ -16,6 +16,7 @@ use crate::amp::frame::ClientFrame;
 use crate::broker::budget::Spend;
 use crate::broker::jobs::SessionId;
 use crate::broker::task_store::{TaskRecord, body_digest};
+use crate::jetstream::ApiPrefix;
 use crate::nats::{Connection, Message, RequestError};
 
 impl Mig {
@@ -258,19 +259,17 @@ impl Mig {
             return self.submit(conn, ctx, session, now);
         }
         inv.stage = Stage::Counting;
-        let subject = format!(
-            "$JS.API.STREAM.INFO.{}",
-            crate::broker::binding::tasks_stream(&inv.ns)
-        );
-        let filter =
-            json!({"subjects_filter": crate::broker::binding::job_subject(&inv.ns, &inv.job)});
-        match conn.request(
-            &subject,
-            None,
-            filter.to_string().as_bytes(),
-            JS_TIMEOUT,
-            now,
-        ) {
+        let sent = ApiPrefix::default()
+            .stream_info_subjects(
+                &crate::broker::binding::tasks_stream(&inv.ns),
+                &crate::broker::binding::job_subject(&inv.ns, &inv.job),
+            )
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
             Ok(id) => {
                 self.staged
                     .push(id, super::Awaiting(Pending::Depth(session)), now);
