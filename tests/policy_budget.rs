@@ -5,9 +5,10 @@
 mod common;
 
 use amp_broker::broker::budget::{
-    BUDGET_BUCKET, Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend,
+    BUDGET_BUCKET, Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend, bucket,
     budget_key, budget_stream_config,
 };
+use amp_broker::jetstream::ApiPrefix;
 use amp_broker::nats::{Client, Options};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -31,7 +32,8 @@ impl Broker {
 
     fn send(&mut self, op: &KvOp) -> KvReply {
         self.round_trips += 1;
-        let req = op.request(&self.budgets.config().api_prefix);
+        let kv = bucket(ApiPrefix::default()).expect("budget bucket");
+        let req = op.request(&kv).expect("budget request");
         match self
             .client
             .request(&req.subject, req.headers.as_ref(), &req.payload, WAIT)
@@ -90,7 +92,9 @@ fn stored_count(server: &common::NatsServer, key: &str) -> KvReply {
         key: key.to_string(),
         kind: KvOpKind::Get,
     };
-    let req = op.request("$JS.API");
+    let req = op
+        .request(&bucket(ApiPrefix::default()).expect("budget bucket"))
+        .expect("budget request");
     let msg = c
         .request(&req.subject, None, &req.payload, WAIT)
         .expect("direct get");

@@ -23,10 +23,15 @@
 //! [`KvOp::request`]) and whose reply it feeds back with [`Budgets::on_reply`].
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::bounded_map::BoundedMap;
+use crate::jetstream::api::Request;
+use crate::jetstream::kv::Kv;
+use crate::jetstream::publish::MsgTtl;
+use crate::jetstream::{ApiPrefix, JsError};
 use crate::proto::headers::HeaderMap;
 
 pub const BUDGET_BUCKET: &str = "AMP_BUDGET";
@@ -70,8 +75,6 @@ pub struct BudgetConfig {
     pub max_conflicts: u32,
     /// Participants tracked at once.
     pub max_participants: usize,
-    /// The JetStream API prefix (`$JS.API`, or a domain's).
-    pub api_prefix: String,
 }
 
 impl Default for BudgetConfig {
@@ -80,7 +83,6 @@ impl Default for BudgetConfig {
             chunk: 10,
             max_conflicts: 8,
             max_participants: 65_536,
-            api_prefix: "$JS.API".to_string(),
         }
     }
 }
@@ -141,46 +143,29 @@ pub enum KvOpKind {
     },
 }
 
-/// A NATS request: subject, headers, payload.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NatsRequest {
-    pub subject: String,
-    pub headers: Option<HeaderMap>,
-    pub payload: Vec<u8>,
-}
-
 impl KvOp {
-    /// The request to send for this operation (its reply goes to [`KvReply::from_get`] or
-    /// [`KvReply::from_pub_ack`] as the kind says).
-    pub fn request(&self, api_prefix: &str) -> NatsRequest {
-        let subject = format!("$KV.{BUDGET_BUCKET}.{}", self.key);
+    /// The request to send for this operation on the budget bucket `kv` (its reply goes
+    /// to [`KvReply::from_get`] or [`KvReply::from_pub_ack`] as the kind says).
+    pub fn request(&self, kv: &Kv) -> Result<Request, JsError> {
         match &self.kind {
-            KvOpKind::Get => NatsRequest {
-                subject: format!("{api_prefix}.DIRECT.GET.KV_{BUDGET_BUCKET}.{subject}"),
-                headers: None,
-                payload: Vec::new(),
-            },
+            KvOpKind::Get => kv.get_request(&self.key),
             KvOpKind::Write {
                 count,
                 revision,
                 ttl_s,
-            } => {
-                let mut h = HeaderMap::new();
-                // Names and values are fixed ASCII and digits: they always encode.
-                let _ = h.insert("Nats-Expected-Last-Subject-Sequence", &revision.to_string());
-                let _ = h.insert("Nats-TTL", &format!("{ttl_s}s"));
-                NatsRequest {
-                    subject: crate::jetstream::api::kv_write_subject(
-                        api_prefix,
-                        BUDGET_BUCKET,
-                        &self.key,
-                    ),
-                    headers: Some(h),
-                    payload: count.to_string().into_bytes(),
-                }
-            }
+            } => kv.update_ttl_request(
+                &self.key,
+                count.to_string().as_bytes(),
+                *revision,
+                MsgTtl::After(Duration::from_secs(*ttl_s)),
+            ),
         }
     }
+}
+
+/// The budget bucket under `api` (a namespace's JetStream).
+pub fn bucket(api: ApiPrefix) -> Result<Kv, JsError> {
+    Kv::new(api, BUDGET_BUCKET)
 }
 
 /// A reply to a [`KvOp`], as the caller decoded it.
@@ -735,10 +720,12 @@ mod tests {
                 ttl_s: 120,
             },
         };
-        let r = op.request("$JS.API");
+        let local = bucket(ApiPrefix::default()).expect("bucket");
+        let hub = bucket(ApiPrefix::domain("hub").expect("domain")).expect("bucket");
+        let r = op.request(&local).expect("request");
         assert_eq!(r.subject, "$KV.AMP_BUDGET.acme.a.3");
         assert_eq!(
-            op.request("$JS.hub.API").subject,
+            op.request(&hub).expect("request").subject,
             "$JS.hub.API.$KV.AMP_BUDGET.acme.a.3"
         );
         let h = r.headers.expect("headers");
@@ -750,7 +737,7 @@ mod tests {
             ..op
         };
         assert_eq!(
-            get.request("$JS.API").subject,
+            get.request(&local).expect("request").subject,
             "$JS.API.DIRECT.GET.KV_AMP_BUDGET.$KV.AMP_BUDGET.acme.a.3"
         );
     }

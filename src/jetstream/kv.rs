@@ -423,6 +423,17 @@ impl Kv {
         self.cas_request(key, value, revision, None)
     }
 
+    /// [`Kv::update_request`] with a per-message TTL (revision 0: only if absent).
+    pub fn update_ttl_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        revision: u64,
+        ttl: MsgTtl,
+    ) -> Result<Request, JsError> {
+        self.cas_request(key, value, revision, Some(ttl))
+    }
+
     fn cas_request(
         &self,
         key: &str,

@@ -111,14 +111,20 @@ impl Broker {
         while let Some(op) = self.budgets.poll_op() {
             // Keys are `<ns>.<name>.<window>`: a fleet namespace counts in its domain.
             let ns = op.key.split('.').next().unwrap_or_default();
-            let req = op.request(self.config.js_api(ns).as_str());
-            match conn.request(
-                &req.subject,
-                req.headers.as_ref(),
-                &req.payload,
-                JS_TIMEOUT,
-                now,
-            ) {
+            let sent = crate::broker::budget::bucket(self.config.js_api(ns))
+                .and_then(|kv| op.request(&kv))
+                .map_err(|e| e.to_string())
+                .and_then(|req| {
+                    conn.request(
+                        &req.subject,
+                        req.headers.as_ref(),
+                        &req.payload,
+                        JS_TIMEOUT,
+                        now,
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            match sent {
                 Ok(id) => self.await_reply(id, now, Pending::Budget { op }),
                 Err(_) => {
                     let settled = self.budgets.on_reply(op.id, KvReply::Failed);
