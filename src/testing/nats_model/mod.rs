@@ -41,7 +41,7 @@ use serde_json::json;
 
 use crate::proto::encode;
 use crate::proto::subject::{validate_pattern, validate_subject};
-use crate::proto::{ConnectOptions, Op, Parsed, Parser, Role};
+use crate::proto::{Op, Parsed, Parser, Role};
 
 use clock::WallClock;
 use consumer::Outbound;
@@ -296,7 +296,7 @@ impl Server {
 
     fn send_err(&mut self, client: ClientId, text: &str) {
         if let Some(c) = self.clients.get_mut(&client) {
-            encode::err(&mut c.out, format!("'{text}'"));
+            encode::err(&mut c.out, text);
         }
     }
 
@@ -311,17 +311,22 @@ impl Server {
     fn handle_op(&mut self, client: ClientId, op: Op<'_>) {
         let verbose = self.clients.get(&client).is_some_and(|c| c.verbose);
         let ok = match op {
-            Op::Connect(json) => match ConnectOptions::from_json(json) {
-                Ok(o) => {
+            Op::Connect(json) => match serde_json::from_slice::<serde_json::Value>(json) {
+                // nats-server's defaults for absent fields: echo on, the rest off.
+                Ok(o) if o.is_object() => {
+                    let flag = |k: &str, d: bool| {
+                        o.get(k).and_then(serde_json::Value::as_bool).unwrap_or(d)
+                    };
+                    let verbose = flag("verbose", false);
                     if let Some(c) = self.clients.get_mut(&client) {
-                        c.echo = o.echo;
-                        c.headers = o.headers;
-                        c.no_responders = o.no_responders && o.headers;
-                        c.verbose = o.verbose;
+                        c.echo = flag("echo", true);
+                        c.headers = flag("headers", false);
+                        c.no_responders = flag("no_responders", false) && c.headers;
+                        c.verbose = verbose;
                     }
-                    o.verbose
+                    verbose
                 }
-                Err(_) => {
+                _ => {
                     self.protocol_error(client, "Invalid CONNECT");
                     return;
                 }
@@ -362,10 +367,11 @@ impl Server {
                 return;
             }
         };
-        if verbose && ok {
-            if let Some(c) = self.clients.get_mut(&client) {
-                encode::ok(&mut c.out);
-            }
+        if verbose
+            && ok
+            && let Some(c) = self.clients.get_mut(&client)
+        {
+            encode::ok(&mut c.out);
         }
     }
 
