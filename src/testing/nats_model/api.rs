@@ -510,6 +510,11 @@ impl JetStream {
             if action == "update" {
                 return Err(errors::consumer_missing());
             }
+            if let Some(max) = e.stream.cfg.max_consumers.filter(|m| *m > 0)
+                && e.consumers.len() as i64 >= max
+            {
+                return Err(errors::max_consumers());
+            }
             let c = Consumer::new(&name, &e.stream, config, cfg, format_nanos(wall), now);
             e.consumers.insert(name.clone(), c);
         }

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::json;
 
 use crate::proto::encode;
-use crate::proto::subject::{validate_pattern, validate_subject};
+use crate::proto::subject::validate_pattern;
 use crate::proto::{Op, Parsed, Parser, Role};
 
 use clock::WallClock;
@@ -422,19 +422,14 @@ impl Server {
         headers: Option<&[u8]>,
         payload: &[u8],
     ) -> bool {
-        let subject_ok = validate_subject(subject).is_ok();
-        let reply_ok = reply.is_none_or(|r| validate_subject(r).is_ok());
-        let (Ok(subject), true, true) = (std::str::from_utf8(subject), subject_ok, reply_ok) else {
+        // Like nats-server without `pedantic`, any bytes go as a subject; only text is
+        // representable here.
+        let (Ok(subject), Ok(reply)) = (
+            std::str::from_utf8(subject),
+            reply.map(std::str::from_utf8).transpose(),
+        ) else {
             self.send_err(client, "Invalid Publish Subject");
             return false;
-        };
-        let reply = match reply.map(std::str::from_utf8) {
-            Some(Ok(r)) => Some(r),
-            None => None,
-            Some(Err(_)) => {
-                self.send_err(client, "Invalid Publish Subject");
-                return false;
-            }
         };
         self.publish(Some(client), subject, reply, headers, payload);
         true

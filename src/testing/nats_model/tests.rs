@@ -200,10 +200,7 @@ fn a_protocol_error_is_answered_and_closes_the_connection() {
     assert!(h.server.is_closed(c));
     assert_eq!(h.send(c, b"PING\r\n"), "");
     let c = h.client();
-    assert_eq!(
-        h.send(c, b"PUB a.* 0\r\n\r\n"),
-        "-ERR 'Invalid Publish Subject'\r\n"
-    );
+    assert_eq!(h.send(c, b"SUB a..b 1\r\n"), "-ERR 'Invalid Subject'\r\n");
     assert!(!h.server.is_closed(c));
 }
 
