@@ -12,7 +12,6 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::auth::{self, Credential};
@@ -681,9 +680,7 @@ impl Broker {
             frame if Jobs::handles(&frame) => {
                 // A redrive is a submit whose body is already stored.
                 let submitting = match &frame {
-                    ClientFrame::Submit(s) => {
-                        Some((&s.id, serde_json::to_string(&s.body).map_or(0, |b| b.len())))
-                    }
+                    ClientFrame::Submit(s) => Some((&s.id, s.body.get().len())),
                     ClientFrame::Redrive { id, .. } => Some((id, 0)),
                     _ => None,
                 };
@@ -743,7 +740,7 @@ impl Broker {
             return self.fail(session, &send.id, e);
         }
         let from = participant_key(ns, name);
-        let body = raw_body(&send.body);
+        let body = send.body.into_raw();
         if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
             return self.fail(session, &send.id, e);
         }
@@ -1796,11 +1793,6 @@ fn participant_key(ns: &str, name: &str) -> String {
     key.push('/');
     key.push_str(name);
     key
-}
-
-fn raw_body(v: &Value) -> Box<RawValue> {
-    // A Value always serialises; `null` stands in for the impossible failure.
-    serde_json::value::to_raw_value(v).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 fn base64_url(bytes: &[u8]) -> String {
