@@ -224,6 +224,12 @@ pub fn check_parser(data: &[u8]) {
 
 /// Target `headers`: a block that parses survives HeaderMap and re-encoding unchanged.
 pub fn check_headers(data: &[u8]) {
+    // The one-pass owned parse accepts, refuses and reads exactly as the view does.
+    assert_eq!(
+        HeaderMap::parse(data),
+        Headers::parse(data).map(|v| HeaderMap::from(&v)),
+        "HeaderMap::parse differs from Headers::parse"
+    );
     let Ok(view) = Headers::parse(data) else {
         return;
     };

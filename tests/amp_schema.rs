@@ -560,7 +560,73 @@ fn null_body_is_a_body() {
     let ClientFrame::Send(send) = frame else {
         panic!("not a send: {frame:?}")
     };
-    assert_eq!(send.body, Value::Null);
+    assert_eq!(send.body.get(), "null");
+}
+
+/// The body a receiver gets is the text the sender wrote: key order, whitespace, number
+/// spelling and escapes, on the fast path and on the schema path, for every op with one.
+#[test]
+fn bodies_are_kept_as_written() {
+    let v = validator();
+    let body =
+        r#"{ "z" : 1.50, "a":[1 , 2e0],"big":123456789012345678901234567890,"s":"\u00e9\n\/" }"#;
+    let frames = [
+        format!(r#"{{"op":"send","id":"s","to":"w","body":{body}}}"#),
+        format!(r#"{{"op":"send","id":"s","to":"w","body" :	{body} , "headers":{{}}}}"#),
+        format!(r#"{{"op":"publish","id":"p","topic":"t.a","body":{body}}}"#),
+        format!(r#"{{"op":"submit","id":"j","job":"render","body":{body}}}"#),
+        // Written twice: the last one counts, as it did for the parsed value.
+        format!(r#"{{"op":"send","id":"s","to":"w","body":[0],"body":{body}}}"#),
+    ];
+    for frame in &frames {
+        for decoded in [v.decode(frame), v.decode_full(frame)] {
+            let got = match decoded.expect("valid") {
+                ClientFrame::Send(f) => f.body,
+                ClientFrame::Publish(f) => f.body,
+                ClientFrame::Submit(f) => f.body,
+                other => panic!("unexpected {other:?}"),
+            };
+            assert_eq!(got.get(), body, "{frame}");
+            assert_eq!(
+                got.to_value(),
+                serde_json::from_str::<Value>(body).expect("json")
+            );
+        }
+    }
+}
+
+/// What a body may hold did not change with it being kept as text: the fast path still
+/// refuses exactly what the parsed value refused, with the same error.
+#[test]
+fn bodies_are_checked_as_strictly_as_before() {
+    let v = validator();
+    let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+    let mut bodies: Vec<String> = [
+        r#""\ud800""#,
+        r#""\udc00 x""#,
+        r#"{"\ud83d":1}"#,
+        "1e999",
+        "-1e400",
+        "[1,]",
+        "{\"a\":1,}",
+        "\"tab\tinside\"",
+        "01",
+        "nul",
+        r#""\x41""#,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    bodies.extend([deep(125), deep(126), deep(127), deep(128)]);
+    for body in &bodies {
+        let frame = format!(r#"{{"op":"send","id":"s","to":"w","body":{body}}}"#);
+        let old = serde_json::from_str::<Value>(&frame).is_ok();
+        let fast = v.decode(&frame);
+        assert_eq!(fast.is_ok(), old, "{body}");
+        assert_eq!(fast.err(), v.decode_full(&frame).err(), "{body}");
+    }
+    let frame = r#"{"op":"send","id":"s","to":"w","body":"\ud800"}"#;
+    let err = v.decode(frame).expect_err("lone surrogate");
+    assert_eq!(err.error.code, ErrorCode::BadFrame);
 }
 
 #[test]

@@ -11,8 +11,9 @@
 //! `amp_frame` fuzz target asserts it for any input.
 
 use serde::{Deserialize, Deserializer};
-use serde_json::Value;
+use serde_json::value::RawValue;
 
+use super::body::Body;
 use super::frame::{Ack, ClientFrame, Headers, Nak, Send};
 
 /// Schema `id`: 1 to 64 characters. Checked on bytes, which is stricter: a string of at
@@ -54,7 +55,8 @@ struct SendFrame<'a> {
     op: &'a str,
     id: &'a str,
     to: &'a str,
-    body: Value,
+    #[serde(borrow)]
+    body: &'a RawValue,
     #[serde(default)]
     headers: Headers,
     #[serde(default, deserialize_with = "present")]
@@ -107,15 +109,18 @@ fn send(text: &str) -> Option<ClientFrame> {
         && is_name(f.to)
         && f.idem.is_none_or(is_idem)
         && f.headers.iter().all(|(k, v)| is_header(k, v));
-    valid.then(|| {
-        ClientFrame::Send(Send {
-            id: f.id.to_owned(),
-            to: f.to.to_owned(),
-            body: f.body,
-            headers: f.headers,
-            idem: f.idem.map(str::to_owned),
-        })
-    })
+    if !valid {
+        return None;
+    }
+    // The client's text, once checked as strictly as the schema path's `Value` parse.
+    let body = Body::from_raw(f.body)?;
+    Some(ClientFrame::Send(Send {
+        id: f.id.to_owned(),
+        to: f.to.to_owned(),
+        body,
+        headers: f.headers,
+        idem: f.idem.map(str::to_owned),
+    }))
 }
 
 fn ack(text: &str) -> Option<ClientFrame> {

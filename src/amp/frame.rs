@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::body::Body;
+
 /// The `op` of a client frame (spec section 2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
@@ -232,7 +234,7 @@ pub struct ServeSlots {
 pub struct Send {
     pub id: String,
     pub to: String,
-    pub body: Value,
+    pub body: Body,
     #[serde(default)]
     pub headers: Headers,
     pub idem: Option<String>,
@@ -257,7 +259,7 @@ pub struct Nak {
 pub struct Publish {
     pub id: String,
     pub topic: String,
-    pub body: Value,
+    pub body: Body,
     #[serde(default)]
     pub headers: Headers,
     pub idem: Option<String>,
@@ -314,7 +316,7 @@ impl From {
 pub struct Submit {
     pub id: String,
     pub job: String,
-    pub body: Value,
+    pub body: Body,
     pub task: Option<String>,
     pub max_attempts: Option<u32>,
     pub eligible: Option<Eligible>,

@@ -13,8 +13,9 @@ use std::sync::{Arc, OnceLock};
 use jsonschema::{Draft, ValidationError, Validator, error::ValidationErrorKind};
 use serde_json::Value;
 
+use super::body::{Body, top_level_body};
 use super::error::{AmpError, ErrorCode};
-use super::frame::{ClientFrame, Hello, Op};
+use super::frame::{ClientFrame, Hello, Op, Publish, Send, Submit};
 use super::reply;
 
 /// The schema of every client frame, as served at `/amp/schema`.
@@ -159,13 +160,23 @@ impl FrameValidator {
     pub fn decode_full(&self, text: &str) -> Result<ClientFrame, Rejected> {
         let (op, value) = self.check(text)?;
         let re = value.get("id").and_then(Value::as_str).map(str::to_owned);
-        serde_json::from_value(value).map_err(|e| Rejected {
+        let mut frame: ClientFrame = serde_json::from_value(value).map_err(|e| Rejected {
             re,
             op: Some(op),
             // The schema admits only what the types can hold; reaching this is a
             // mismatch between the two, reported as the whole frame being wrong.
             error: AmpError::new(ErrorCode::Schema, truncate(e.to_string())).with_path(""),
-        })
+        })?;
+        // The body as the client wrote it, not the `Value`'s rendering (the parse above
+        // has checked it as JSON, so taking its text as it stands is safe).
+        if let ClientFrame::Send(Send { body, .. })
+        | ClientFrame::Publish(Publish { body, .. })
+        | ClientFrame::Submit(Submit { body, .. }) = &mut frame
+            && let Some(raw) = top_level_body(text)
+        {
+            *body = Body::from_trusted(raw);
+        }
+        Ok(frame)
     }
 }
 

@@ -11,7 +11,6 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::auth::{self, Credential};
@@ -889,11 +888,6 @@ fn participant_key(ns: &str, name: &str) -> String {
     key.push('/');
     key.push_str(name);
     key
-}
-
-fn raw_body(v: &Value) -> Box<RawValue> {
-    // A Value always serialises; `null` stands in for the impossible failure.
-    serde_json::value::to_raw_value(v).unwrap_or_else(|_| RawValue::NULL.to_owned())
 }
 
 fn base64_url(bytes: &[u8]) -> String {

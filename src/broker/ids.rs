@@ -1,11 +1,14 @@
 //! The ids the broker makes up for tasks and messages that come without a client-chosen
 //! one. They are capabilities in all but name: a task id is the key to its record and its
 //! `Nats-Msg-Id`, so anyone who can predict the next one can pre-submit it (squatting) or
-//! probe it. Each id is therefore SHA-256(seed || counter) truncated to 128 bits. The seed
-//! is 32 bytes from the OS random source that the runtime draws once and hands to
+//! probe it. Each id is therefore 128 bits of a ChaCha20 keystream (ring's, as rustls
+//! uses it) under a key derived from a secret seed: a stream cipher's output is a
+//! cryptographic pseudo-random sequence, so without the key no id says anything about the
+//! others. The stream is made 512 bytes (32 ids) at a time, each refill under its own
+//! nonce, so an id costs a few dozen instructions instead of a SHA-256 compression. The
+//! seed is 32 bytes from the OS random source that the runtime draws once and hands to
 //! `Broker::new` (its parts get [derived](IdSource::derive) seeds); this module reads no
-//! OS source and holds no global. The counter makes ids distinct without a system call per
-//! id, the hash makes them unpredictable without the seed.
+//! OS source and holds no global.
 //!
 //! Format: 26 characters of lowercase RFC 4648 base32 (`a-z`, `2-7`), no padding, within
 //! the spec's task id alphabet and valid in a KV key and a NATS header.
@@ -15,19 +18,47 @@ use sha2::{Digest, Sha256};
 /// Length of every generated id.
 pub const ID_LEN: usize = 26;
 
+/// Bytes of keystream made per refill: 32 ids.
+const POOL: usize = 512;
+
 /// A generator of unguessable ids (and challenge nonces) from one seed. It reads no OS
 /// source itself: the runtime draws the seed (see [`super::clock::os_seed`]) and the
 /// broker owns the generator, handing [derived](IdSource::derive) ones to its parts.
-#[derive(Debug)]
 pub struct IdSource {
     seed: [u8; 32],
-    counter: u64,
+    /// The ChaCha20 key, derived from the seed.
+    key: [u8; 32],
+    /// Refills so far: the nonce of the next one.
+    refills: u64,
+    pool: [u8; POOL],
+    /// Bytes of `pool` already handed out.
+    used: usize,
+}
+
+impl std::fmt::Debug for IdSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The seed and the stream are secrets.
+        f.debug_struct("IdSource")
+            .field("refills", &self.refills)
+            .finish_non_exhaustive()
+    }
 }
 
 impl IdSource {
     /// A generator with a given seed: the OS's under the runtime, a fixed one in tests.
-    pub const fn from_seed(seed: [u8; 32]) -> IdSource {
-        IdSource { seed, counter: 0 }
+    pub fn from_seed(seed: [u8; 32]) -> IdSource {
+        let key = Sha256::new()
+            .chain_update(b"amp-broker id stream\0")
+            .chain_update(seed)
+            .finalize()
+            .into();
+        IdSource {
+            seed,
+            key,
+            refills: 0,
+            pool: [0; POOL],
+            used: POOL,
+        }
     }
 
     /// An independent generator for one part of the broker (`label` names it): its
@@ -43,26 +74,57 @@ impl IdSource {
         IdSource::from_seed(seed.into())
     }
 
-    fn next_block(&mut self) -> [u8; 32] {
-        let n = self.counter;
-        self.counter = self.counter.wrapping_add(1);
-        Sha256::new()
-            .chain_update(self.seed)
-            .chain_update(n.to_be_bytes())
-            .finalize()
-            .into()
+    /// The next `N` bytes of the stream.
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        if self.used + N > POOL {
+            self.refill();
+        }
+        let mut out = [0u8; N];
+        if let Some(bytes) = self.pool.get(self.used..self.used + N) {
+            out.copy_from_slice(bytes);
+        }
+        self.used += N;
+        out
+    }
+
+    /// The next 512 bytes of keystream: zeros encrypted under the key with a nonce used
+    /// once (the refill count).
+    fn refill(&mut self) {
+        use ring::aead::{Aad, CHACHA20_POLY1305, LessSafeKey, Nonce, UnboundKey};
+        let n = self.refills;
+        self.refills = self.refills.wrapping_add(1);
+        let mut nonce = [0u8; 12];
+        nonce[4..].copy_from_slice(&n.to_be_bytes());
+        self.pool = [0; POOL];
+        let sealed = UnboundKey::new(&CHACHA20_POLY1305, &self.key).and_then(|key| {
+            LessSafeKey::new(key).seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::empty(),
+                &mut self.pool,
+            )
+        });
+        if sealed.is_err() {
+            // Not reachable (a 32-byte key, 512 bytes of input); should it ever be, the
+            // pool is SHA-256(key || refill || block), still unpredictable.
+            for (i, chunk) in self.pool.chunks_mut(32).enumerate() {
+                let block = Sha256::new()
+                    .chain_update(self.key)
+                    .chain_update(n.to_be_bytes())
+                    .chain_update((i as u64).to_be_bytes())
+                    .finalize();
+                chunk.copy_from_slice(&block[..chunk.len()]);
+            }
+        }
+        self.used = 0;
     }
 
     pub fn next_id(&mut self) -> String {
-        let digest = self.next_block();
-        let mut bits = [0u8; 16];
-        bits.copy_from_slice(&digest[..16]);
-        base32(u128::from_be_bytes(bits))
+        base32(u128::from_be_bytes(self.take::<16>()))
     }
 
     /// 32 unpredictable bytes (a session's hello challenge).
     pub fn next_nonce(&mut self) -> [u8; 32] {
-        self.next_block()
+        self.take::<32>()
     }
 }
 
@@ -109,6 +171,24 @@ mod tests {
             .take_while(|(x, y)| x == y)
             .count();
         assert!(common < 4, "consecutive ids look unrelated: {a1} {a2}");
+    }
+
+    #[test]
+    fn ids_continue_across_refills_without_repeating_a_block() {
+        let mut source = IdSource::from_seed([3; 32]);
+        // Three refills' worth of ids and nonces, interleaved so a take straddles none.
+        let mut seen = HashSet::new();
+        for i in 0..100 {
+            let id = if i % 7 == 0 {
+                base32(u128::from_be_bytes(
+                    source.next_nonce()[..16].try_into().expect("16"),
+                ))
+            } else {
+                source.next_id()
+            };
+            assert!(seen.insert(id), "repeat at {i}");
+        }
+        assert!(source.refills >= 3);
     }
 
     #[test]

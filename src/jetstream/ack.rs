@@ -64,11 +64,15 @@ impl<'a> AckMetadata<'a> {
         let bad = |why: &str| JsError::Malformed(format!("ack subject {reply:?}: {why}"));
         let mut tokens = [""; 12];
         let mut count = 0;
-        for t in reply.split('.') {
+        // Split at each `.` (memchr: an ASCII byte, so every piece is a `str` slice).
+        let mut start = 0;
+        let ends = memchr::memchr_iter(b'.', reply.as_bytes()).chain(std::iter::once(reply.len()));
+        for end in ends {
             if count < tokens.len() {
-                tokens[count] = t;
+                tokens[count] = reply.get(start..end).unwrap_or_default();
             }
             count += 1;
+            start = end + 1;
         }
         if tokens[0] != "$JS" || tokens[1] != "ACK" {
             return Err(bad("does not start with $JS.ACK"));

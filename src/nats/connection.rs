@@ -1372,6 +1372,15 @@ pub(crate) fn deliverable(subject: &[u8]) -> bool {
         && (subject.is_ascii() || std::str::from_utf8(subject).is_ok())
 }
 
+/// The bytes as a `String`: copied as they are when UTF-8 (checked, as subjects almost
+/// always are, the fast way), with replacement characters otherwise.
+fn owned_text(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    }
+}
+
 fn make_message(
     subject: &[u8],
     reply: Option<&[u8]>,
@@ -1379,8 +1388,8 @@ fn make_message(
     payload: &[u8],
 ) -> Message {
     Message {
-        subject: String::from_utf8_lossy(subject).into_owned(),
-        reply: reply.map(|r| String::from_utf8_lossy(r).into_owned()),
+        subject: owned_text(subject),
+        reply: reply.map(owned_text),
         // A header block another client got wrong is delivered without headers rather
         // than taking the connection down.
         headers: headers.and_then(|h| HeaderMap::parse(h).ok()),

@@ -173,10 +173,46 @@ impl HeaderMap {
         })
     }
 
-    /// Copies a validated block.
+    /// Validates `block` as [`Headers::parse`] does and copies it, in one pass: each
+    /// field is copied as it is checked.
     pub fn parse(block: &[u8]) -> Result<HeaderMap, HeaderError> {
-        let view = Headers::parse(block)?;
-        Ok(HeaderMap::from(&view))
+        let rest = block
+            .strip_prefix(VERSION)
+            .ok_or(HeaderError::MissingVersion)?;
+        let block = std::str::from_utf8(block).map_err(|_| HeaderError::NotUtf8)?;
+        let rest_start = VERSION.len();
+        let first_end = find_crlf(rest).ok_or(HeaderError::BadLineEnd)?;
+        let status_line = block
+            .get(rest_start..rest_start + first_end)
+            .ok_or(HeaderError::BadLineEnd)?;
+        let (status, description) = parse_status_line(status_line)?;
+        let fields_all = block
+            .get(rest_start + first_end + 2..)
+            .ok_or(HeaderError::BadLineEnd)?;
+        let mut map = HeaderMap {
+            status,
+            description: description.map(str::to_owned),
+            text: String::with_capacity(fields_all.len()),
+            fields: Vec::with_capacity(4),
+        };
+        let mut pos = 0;
+        loop {
+            let line_rest = fields_all.as_bytes().get(pos..).unwrap_or_default();
+            let end = find_crlf(line_rest).ok_or(HeaderError::BadLineEnd)?;
+            if end == 0 {
+                if pos + 2 != fields_all.len() {
+                    return Err(HeaderError::BadLineEnd);
+                }
+                break;
+            }
+            let line = fields_all
+                .get(pos..pos + end)
+                .ok_or(HeaderError::BadLineEnd)?;
+            let (name, value) = split_field(line)?;
+            map.push(name, value);
+            pos += end + 2;
+        }
+        Ok(map)
     }
 
     /// Sets `name` to the single value `value`, replacing earlier values (the first
@@ -400,7 +436,7 @@ fn parse_status_line(rest: &str) -> Result<(Option<u16>, Option<&str>), HeaderEr
 
 /// Splits `Name: value` (value without leading blanks, as nats.go).
 fn split_field(line: &str) -> Result<(&str, &str), HeaderError> {
-    let colon = line.find(':').ok_or(HeaderError::MissingColon)?;
+    let colon = memchr::memchr(b':', line.as_bytes()).ok_or(HeaderError::MissingColon)?;
     let name = &line[..colon];
     check_name(name)?;
     let value = &line[colon + 1..];
@@ -505,6 +541,34 @@ mod tests {
             Headers::parse(b"NATS/1.0\r\nA: \x01\r\n\r\n"),
             Err(HeaderError::BadValue)
         );
+    }
+
+    #[test]
+    fn header_map_parse_agrees_with_the_view() {
+        let blocks: [&[u8]; 14] = [
+            b"NATS/1.0\r\nNats-Msg-Id: 1\r\nX-Tag: a\r\nx-tag: lower\r\nX-Tag:b\r\n\r\n",
+            b"NATS/1.0 404 No Messages\r\n\r\n",
+            b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\n\r\n",
+            b"NATS/1.0\r\nA:   x y \r\nB:\r\n\r\n",
+            b"",
+            b"NATS/1.0",
+            b"NATS/1.0\r\nA: b\r\n",
+            b"NATS/1.0\r\n\r\nextra",
+            b"NATS/1.0 40\r\n\r\n",
+            b"NATS/1.0\r\nno colon\r\n\r\n",
+            b"NATS/1.0\r\n: v\r\n\r\n",
+            b"NATS/1.0\r\nA: \xff\r\n\r\n",
+            b"NATS/1.0\r\nA: \x01\r\n\r\n",
+            b"NATS/1.0\r\nA: b\r\nC: d\n\r\n",
+        ];
+        for block in blocks {
+            assert_eq!(
+                HeaderMap::parse(block),
+                Headers::parse(block).map(|h| HeaderMap::from(&h)),
+                "{:?}",
+                String::from_utf8_lossy(block)
+            );
+        }
     }
 
     #[test]

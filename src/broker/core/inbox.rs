@@ -35,7 +35,7 @@ impl Broker {
             return self.fail(session, &send.id, e);
         }
         let from = participant_key(ns, name);
-        let body = raw_body(&send.body);
+        let body = send.body.into_raw();
         if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
             return self.fail(session, &send.id, e);
         }

@@ -280,9 +280,7 @@ impl Broker {
             frame if Jobs::handles(&frame) => {
                 // A redrive is a submit whose body is already stored.
                 let submitting = match &frame {
-                    ClientFrame::Submit(s) => {
-                        Some((&s.id, serde_json::to_string(&s.body).map_or(0, |b| b.len())))
-                    }
+                    ClientFrame::Submit(s) => Some((&s.id, s.body.get().len())),
                     ClientFrame::Redrive { id, .. } => Some((id, 0)),
                     _ => None,
                 };

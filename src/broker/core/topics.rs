@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::{
-    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, participant_key, raw_body,
-    unavailable,
+    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, participant_key, unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
 use crate::amp::reply::FrameWriter;
@@ -96,7 +95,7 @@ impl Broker {
             .with_path("/topic");
             return self.fail(session, &p.id, e);
         }
-        let body = raw_body(&p.body);
+        let body = p.body.into_raw();
         if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
             return self.fail(session, &p.id, e);
         }

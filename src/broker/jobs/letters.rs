@@ -354,7 +354,7 @@ impl Jobs {
             .with_path("/seq");
             return self.refuse(r.session, &r.re, e);
         };
-        let body = serde_json::from_str(letter.body.get()).unwrap_or(Value::Null);
+        let body = crate::amp::Body::parse(letter.body.get()).unwrap_or_default();
         let submit = amp_frame::Submit {
             id: r.re,
             job: r.job,

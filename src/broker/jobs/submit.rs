@@ -50,15 +50,14 @@ impl Jobs {
             &task,
             job,
             &from,
-            &submit.body,
+            &submit.body.to_value(),
             max_attempts,
             eligible,
             now_ms,
         );
         // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
         record.via_mig = submit.headers.contains_key("mig_capability");
-        let body = serde_json::value::to_raw_value(&submit.body)
-            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let body = submit.body.into_raw();
         let env = Envelope {
             id: task.clone(),
             kind: Kind::Task,

@@ -238,7 +238,7 @@ impl Invocation {
         Submit {
             id: "submit".to_string(),
             job: self.job.clone(),
-            body: self.payload.clone(),
+            body: crate::amp::Body::from_value(&self.payload),
             task: Some(self.task.clone()),
             max_attempts: None,
             eligible: None,
