@@ -16,5 +16,7 @@ pub mod proto;
 pub mod rfc3339;
 pub mod runtime;
 pub mod signals;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tls;
 pub mod ws;

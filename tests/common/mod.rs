@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use amp_broker::testing::nats_model::ModelOptions;
+use amp_broker::testing::nats_model::tcp::ModelServer;
+
 /// The `nats-server` binary: `$NATS_SERVER`, else the one on PATH. Fails the test with
 /// install instructions when there is none.
 pub fn nats_server_bin() -> PathBuf {
@@ -41,9 +44,17 @@ pub fn free_port() -> u16 {
         .expect("bind an ephemeral loopback port")
 }
 
-/// A running `nats-server` with JetStream, stopped (by PID) when dropped.
+/// Whether `AMP_TEST_NATS=model` asks for the in-process model instead of nats-server.
+pub fn use_model() -> bool {
+    std::env::var("AMP_TEST_NATS").is_ok_and(|v| v == "model")
+}
+
+/// A running `nats-server` with JetStream, stopped (by PID) when dropped; or, with
+/// `AMP_TEST_NATS=model`, the in-process model (`amp_broker::testing::nats_model`) on a
+/// loopback port.
 pub struct NatsServer {
     child: Option<Child>,
+    model: Option<ModelServer>,
     pub port: u16,
     dir: tempfile::TempDir,
     config: String,
@@ -64,10 +75,14 @@ impl NatsServer {
 
     /// `js` goes inside the `jetstream { }` block, `extra` after it.
     pub fn with_jetstream(js: &str, extra: &str) -> NatsServer {
+        if use_model() {
+            return NatsServer::model(js, extra);
+        }
         let dir = tempfile::tempdir().expect("temporary store directory");
         let port = free_port();
         let mut server = NatsServer {
             child: None,
+            model: None,
             port,
             dir,
             config: extra.to_string(),
@@ -75,6 +90,43 @@ impl NatsServer {
         };
         server.spawn();
         server
+    }
+
+    /// The model for what it supports: plain JetStream, or a JetStream domain.
+    fn model(js: &str, extra: &str) -> NatsServer {
+        let mut options = ModelOptions::new(std::time::SystemTime::now());
+        let extra = extra.trim();
+        let domain = extra
+            .strip_prefix("jetstream {")
+            .and_then(|r| r.strip_suffix('}'))
+            .map(str::trim)
+            .and_then(|r| r.strip_prefix("domain:"))
+            .map(|d| d.trim().to_string());
+        match domain {
+            Some(d)
+                if js.trim().is_empty() && !d.is_empty() && !d.contains(char::is_whitespace) =>
+            {
+                options.domain = Some(d)
+            }
+            _ if js.trim().is_empty() && extra.is_empty() => {}
+            _ => panic!(
+                "this test needs a real nats-server (configuration the NATS model does not \
+                 support: jetstream {{{js}}} {extra}); run it without AMP_TEST_NATS=model"
+            ),
+        }
+        let model = ModelServer::start_with(options);
+        NatsServer {
+            child: None,
+            port: model.port(),
+            model: Some(model),
+            dir: tempfile::tempdir().expect("temporary directory"),
+            config: extra.to_string(),
+            js_config: js.to_string(),
+        }
+    }
+
+    pub fn is_model(&self) -> bool {
+        self.model.is_some()
     }
 
     pub fn url(&self) -> String {
@@ -151,6 +203,10 @@ impl NatsServer {
 
     /// Stops the process (SIGKILL) and waits for it; the store directory stays.
     pub fn kill(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            m.kill();
+            return;
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -159,6 +215,10 @@ impl NatsServer {
 
     /// Stops it gracefully (SIGTERM) and waits for it.
     pub fn stop(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            m.kill();
+            return;
+        }
         if let Some(mut child) = self.child.take() {
             send_signal(child.id(), "TERM");
             let _ = child.wait();
@@ -167,6 +227,10 @@ impl NatsServer {
 
     /// Starts a stopped or killed server again on the same port with the same store.
     pub fn start_again(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            m.start_again();
+            return;
+        }
         if self.child.is_none() {
             self.spawn();
         }
@@ -174,6 +238,10 @@ impl NatsServer {
 
     /// Starts it again on the same port with the same store.
     pub fn restart(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            m.restart();
+            return;
+        }
         self.kill();
         self.spawn();
     }

@@ -1,0 +1,4 @@
+//! Test support compiled only with the `testing` feature: a deterministic, sans-IO model
+//! of nats-server with JetStream that integration tests and simulators drive in memory.
+
+pub mod nats_model;
