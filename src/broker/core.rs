@@ -90,6 +90,23 @@ pub enum Input<'a> {
     Timeout,
 }
 
+/// Sizes of what the core holds ([`Broker::footprint`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    pub sessions: usize,
+    pub present_participants: usize,
+    /// NATS round trips waiting for their reply.
+    pub in_flight: usize,
+    pub timers: usize,
+    pub held_submits: usize,
+    /// Outputs not yet taken with `poll_output`.
+    pub queued_outputs: usize,
+    /// The most requests one session has unanswered.
+    pub max_session_outstanding: usize,
+    /// The most inbox deliveries one session has unacknowledged.
+    pub max_session_inflight: usize,
+}
+
 /// WebSocket close codes the core uses.
 pub mod close {
     pub const NORMAL: u16 = 1000;
@@ -416,6 +433,30 @@ impl Broker {
 
     pub fn session_count(&self) -> usize {
         self.sessions.len()
+    }
+
+    /// What the core holds, for bounds checks (simulators, tests).
+    pub fn footprint(&self) -> Footprint {
+        Footprint {
+            sessions: self.sessions.len(),
+            present_participants: self.presence.len(),
+            in_flight: self.continuations.in_flight(),
+            timers: self.timers.armed(),
+            held_submits: self.held_submits.values().map(Vec::len).sum(),
+            queued_outputs: self.out.len(),
+            max_session_outstanding: self
+                .sessions
+                .values()
+                .map(|s| s.outstanding.len())
+                .max()
+                .unwrap_or(0),
+            max_session_inflight: self
+                .sessions
+                .values()
+                .map(|s| s.inflight.len())
+                .max()
+                .unwrap_or(0),
+        }
     }
 
     pub fn poll_output(&mut self) -> Option<Output> {
