@@ -133,7 +133,12 @@ enum SessionState {
         ns: Rc<str>,
         name: Rc<str>,
     },
-    Closing,
+    /// Closed by the broker, waiting for the transport to report the end. An active
+    /// session keeps its participant, so the end still releases what the session held
+    /// (presence, inbox reader, registry entry).
+    Closing {
+        participant: Option<(Rc<str>, Rc<str>)>,
+    },
 }
 
 struct Session {
@@ -528,7 +533,12 @@ impl Broker {
                 &AckKind::Nak { delay: None }.payload(),
             );
         }
-        if let SessionState::Active { ns, name } = s.state {
+        let participant = match s.state {
+            SessionState::Active { ns, name } => Some((ns, name)),
+            SessionState::Closing { participant } => participant,
+            SessionState::AwaitingHello { .. } => None,
+        };
+        if let Some((ns, name)) = participant {
             self.metrics
                 .registry
                 .gauge_add(self.metrics.sessions, "", -1.0);
@@ -568,7 +578,7 @@ impl Broker {
             return;
         };
         match &s.state {
-            SessionState::Closing => {}
+            SessionState::Closing { .. } => {}
             SessionState::AwaitingHello { nonce } => {
                 let (nonce, peer) = (*nonce, s.peer);
                 let decoded = self.validator.decode(text);
@@ -1837,7 +1847,12 @@ impl Broker {
 
     fn close(&mut self, session: SessionId, code: u16, reason: &str) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.state = SessionState::Closing;
+            let participant = match &s.state {
+                SessionState::Active { ns, name } => Some((ns.clone(), name.clone())),
+                SessionState::Closing { participant } => participant.clone(),
+                SessionState::AwaitingHello { .. } => None,
+            };
+            s.state = SessionState::Closing { participant };
         }
         self.out.push_back(Output::Close {
             session,
@@ -1959,6 +1974,30 @@ mod tests {
         let n = conn.output().len();
         conn.consume_output(n);
         conn
+    }
+
+    #[test]
+    fn a_session_the_broker_closed_releases_its_presence_when_it_ends() {
+        // Found by the simulator: `bye` (like any close the broker starts) forgot the
+        // participant, so the end of the session left its presence, inbox reader and
+        // registry entry behind for good.
+        let t0 = Instant::now();
+        let mut b = broker(t0, [5; 32]);
+        let mut conn = connected(t0);
+        challenge_nonce(&mut b, 1, t0);
+        let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+            "auth":{"type":"token","token":TOKEN}});
+        b.session_frame(&mut conn, 1, &hello.to_string(), t0);
+        frames(&mut b);
+        assert_eq!(b.footprint().present_participants, 1);
+        b.session_frame(&mut conn, 1, r#"{"op":"bye","id":"b"}"#, t0);
+        let closes = std::iter::from_fn(|| b.poll_output())
+            .filter(|o| matches!(o, Output::Close { .. }))
+            .count();
+        assert_eq!(closes, 1, "bye closes the session");
+        b.handle(&mut conn, Input::SessionClosed { session: 1 }, t0);
+        let f = b.footprint();
+        assert_eq!((f.sessions, f.present_participants), (0, 0), "{f:?}");
     }
 
     #[test]
