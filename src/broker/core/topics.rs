@@ -808,6 +808,16 @@ impl Broker {
                 return;
             }
         }
+        if t.durable && seq <= t.last_seq {
+            // A redelivery (its ack wait ran out, or its ack was lost) of an event this
+            // session already got: not sent twice within the session, nor out of order.
+            // Still unacknowledged, its newest ack subject is kept; the event comes
+            // first again in the participant's next session if it stays so.
+            if let Some(ack) = t.inflight.get_mut(&seq) {
+                *ack = reply.to_string();
+            }
+            return;
+        }
         t.last_seq = seq;
         if t.durable {
             t.inflight.insert(seq, reply.to_string());
