@@ -6,7 +6,8 @@
 //!
 //! Options: `--seeds N` (seeds `--first` .. `--first + N`, default first 1), `--seed S`
 //! (one seed, decimal or 0x hex), `--steps K` (steps before the drain, default 300),
-//! `--brokers B`, `--clients C`, `--no-faults`, `--verbose` (one line per seed).
+//! `--brokers B`, `--clients C`, `--no-faults`, `--verbose` (one line per seed), `--trace` (every frame
+//! and fault to stderr).
 //! Prints steps/s and every failure with the command that replays it; exits 1 on any.
 
 use std::process::ExitCode;
@@ -38,6 +39,7 @@ fn main_inner() -> Result<bool, String> {
     let (mut seeds, mut first, mut one) = (100u64, 1u64, None);
     let mut steps = 300u64;
     let (mut brokers, mut clients, mut faults, mut verbose) = (None, None, true, false);
+    let mut trace = false;
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -49,6 +51,7 @@ fn main_inner() -> Result<bool, String> {
             "--clients" => clients = Some(number(&value()?)? as usize),
             "--no-faults" => faults = false,
             "--verbose" => verbose = true,
+            "--trace" => trace = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -60,6 +63,7 @@ fn main_inner() -> Result<bool, String> {
     let (mut total_steps, mut failures, mut virtual_ms) = (0u64, 0u64, 0u64);
     for seed in &list {
         let mut cfg = SimConfig::new(*seed).steps(steps).faults(faults);
+        cfg.trace = trace;
         if let Some(b) = brokers {
             cfg = cfg.brokers(b);
         }

@@ -78,6 +78,9 @@ pub struct Client {
     pub subs: BTreeMap<String, SubView>,
     pub serving: bool,
     pub submitted: Vec<String>,
+    /// Submits not yet answered `ok` (unanswered when the session ended, or answered
+    /// `unavailable`): a client retries them with the same task id, as the spec asks.
+    pub unsettled: BTreeMap<String, Value>,
     /// Leases this session holds: task -> (attempt, lease_until ms).
     pub leases: BTreeMap<String, i64>,
 }
@@ -100,6 +103,7 @@ impl Client {
             subs: BTreeMap::new(),
             serving: false,
             submitted: Vec::new(),
+            unsettled: BTreeMap::new(),
             leases: BTreeMap::new(),
         }
     }
@@ -236,6 +240,7 @@ impl World {
                 }
             }
             Phase::Active if draining => {
+                self.resubmit(client);
                 if !self.clients[client].serving {
                     self.clients[client].serving = true;
                     let f = json!({"op":"serve","job":JOB,"slots":2});
@@ -246,7 +251,24 @@ impl World {
         }
     }
 
+    /// Sends the first unsettled submit again, with its task id.
+    fn resubmit(&mut self, client: usize) -> bool {
+        let c = &self.clients[client];
+        let Some((task, frame)) = c.unsettled.iter().next() else {
+            return false;
+        };
+        if c.outstanding.values().any(|(r, _)| matches!(r, Req::Submit { task: t } if t == task)) {
+            return false;
+        }
+        let (task, frame) = (task.clone(), frame.clone());
+        self.request(client, "t", frame, Req::Submit { task });
+        true
+    }
+
     fn random_action(&mut self, client: usize) {
+        if self.clients[client].rng.chance(300) && self.resubmit(client) {
+            return;
+        }
         let n = self.clients.len() as u64;
         let roll = self.clients[client].rng.below(100);
         let c = &mut self.clients[client];
@@ -315,6 +337,7 @@ impl World {
                 let attempts = c.rng.range(1, 3);
                 let f = json!({"op":"submit","job":JOB,"task":task,"max_attempts":attempts,
                     "body":{"n":c.next_task}});
+                c.unsettled.insert(task.clone(), f.clone());
                 self.request(client, "t", f, Req::Submit { task });
             }
             68..72 => {
@@ -411,7 +434,11 @@ impl World {
                     return;
                 };
                 let stream = self.server.stream_messages("AMP_TOPICS_dev");
-                self.checker.event(&who, session, &view, seq, &stream);
+                let now_ms = self.elapsed_ms();
+                let loss = self
+                    .last_loss_ms
+                    .is_some_and(|at| now_ms.saturating_sub(at) <= super::invariants::DURABLE_REDELIVERY_MS);
+                self.checker.event(&who, session, &view, seq, &stream, loss);
                 if let Some(v) = self.clients[client].subs.get_mut(&sub) {
                     v.last = Some(seq);
                 }
@@ -513,8 +540,14 @@ impl World {
             Req::Subscribe(view) if ok => {
                 self.clients[client].subs.insert(view.sub.clone(), view);
             }
-            Req::Submit { task } if ok => {
-                self.clients[client].submitted.push(task);
+            Req::Submit { task } => {
+                let c = &mut self.clients[client];
+                if ok {
+                    c.unsettled.remove(&task);
+                    c.submitted.push(task);
+                } else if !matches!(code, "unavailable" | "rate_limited" | "budget_exhausted") {
+                    c.unsettled.remove(&task);
+                }
             }
             Req::Claim { task } if ok => {
                 let until = frame["lease_until"]

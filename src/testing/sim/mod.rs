@@ -38,6 +38,8 @@ pub struct SimConfig {
     pub faults: bool,
     /// Chance of a fault per step, per mille.
     pub fault_per_mille: u64,
+    /// Prints every frame, close and fault to stderr (for investigating a seed).
+    pub trace: bool,
 }
 
 impl SimConfig {
@@ -49,6 +51,7 @@ impl SimConfig {
             clients: None,
             faults: true,
             fault_per_mille: 15,
+            trace: false,
         }
     }
 

@@ -129,6 +129,9 @@ pub struct World {
     pub trace: u64,
     pub step: u64,
     pub stats: Stats,
+    /// Virtual ms of the last loss of bytes from the server to a broker (lost chunk,
+    /// transport drop with bytes in flight, crash, server restart).
+    pub last_loss_ms: Option<u64>,
 }
 
 /// Counters of a run.
@@ -176,6 +179,7 @@ impl World {
             trace: 0xcbf2_9ce4_8422_2325,
             step: 0,
             stats: Stats::default(),
+            last_loss_ms: None,
         }
     }
 
@@ -190,6 +194,9 @@ impl World {
     }
 
     pub fn mix(&mut self, text: &str) {
+        if self.cfg.trace {
+            eprintln!("{:>8} {text}", self.elapsed_ms());
+        }
         for b in text.bytes() {
             self.trace ^= u64::from(b);
             self.trace = self.trace.wrapping_mul(0x100_0000_01b3);
@@ -261,9 +268,11 @@ impl World {
         let server = &mut self.server;
         let n = &mut self.nodes[i];
         let mut busy = false;
+        let mut lost = false;
         if n.conn.poll_close()
             && let Some(c) = n.link.take()
         {
+            lost = true;
             server.disconnect(c, now);
             n.held.clear();
             busy = true;
@@ -285,6 +294,7 @@ impl World {
                 busy = true;
                 if n.drop_chunks > 0 {
                     n.drop_chunks -= 1;
+                    lost = true;
                 } else if let Some((until, by)) = n.delay.filter(|d| now < d.0) {
                     let _ = until;
                     n.held.push_back((now + by, out));
@@ -302,6 +312,7 @@ impl World {
                 }
             }
             if server.is_closed(c) {
+                lost = true;
                 n.conn.on_transport_closed(now, "closed by the server");
                 server.disconnect(c, now);
                 n.link = None;
@@ -316,6 +327,9 @@ impl World {
         while let Some(out) = n.broker.poll_output() {
             outputs.push((i, out));
         }
+        if lost {
+            self.last_loss_ms = Some(self.elapsed_ms());
+        }
         busy
     }
 
@@ -323,7 +337,12 @@ impl World {
         match out {
             Output::Frame { session, text } => {
                 self.stats.frames_out += 1;
-                self.mix(&text);
+                if self.cfg.trace {
+                    let who = self.nodes[node].sessions.get(&session).copied();
+                    self.mix(&format!("<- b{node}/{session} c{who:?} {text}"));
+                } else {
+                    self.mix(&text);
+                }
                 let Some(&client) = self.nodes[node].sessions.get(&session) else {
                     return;
                 };
@@ -339,7 +358,7 @@ impl World {
                 code,
                 reason,
             } => {
-                self.mix(&reason);
+                self.mix(&format!("close b{node}/{session} {code} {reason}"));
                 if let Some(client) = self.nodes[node].sessions.remove(&session) {
                     self.client_closed(client, (node, session), Some((code, reason)));
                 }
@@ -366,7 +385,11 @@ impl World {
     /// A client frame to its session's broker.
     pub fn deliver_frame(&mut self, (node, session): (usize, SessionId), text: &str) {
         self.stats.frames_in += 1;
-        self.mix(text);
+        if self.cfg.trace {
+            self.mix(&format!("-> b{node}/{session} {text}"));
+        } else {
+            self.mix(text);
+        }
         let n = &mut self.nodes[node];
         if !n.sessions.contains_key(&session) {
             return;
@@ -388,6 +411,7 @@ impl World {
     /// its sessions are gone, its NATS transport closes.
     pub fn crash(&mut self, node: usize) {
         self.stats.crashes += 1;
+        self.last_loss_ms = Some(self.elapsed_ms());
         let now = self.now;
         let old = &mut self.nodes[node];
         if let Some(c) = old.link.take() {
@@ -406,6 +430,7 @@ impl World {
     /// The broker's NATS transport drops; the connection reconnects by itself.
     pub fn drop_nats(&mut self, node: usize) {
         self.stats.nats_drops += 1;
+        self.last_loss_ms = Some(self.elapsed_ms());
         let now = self.now;
         let n = &mut self.nodes[node];
         if let Some(c) = n.link.take() {
@@ -417,6 +442,7 @@ impl World {
 
     /// The model nats-server restarts (file store: streams and consumers stay).
     pub fn restart_server(&mut self) {
+        self.last_loss_ms = Some(self.elapsed_ms());
         let now = self.now;
         self.server.restart(now);
         for n in &mut self.nodes {
