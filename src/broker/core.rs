@@ -276,7 +276,8 @@ const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
 
 pub struct Broker {
     config: Config,
-    validator: FrameValidator,
+    /// Shared, so brokers built in one process (tests, simulators) compile it once.
+    validator: Rc<FrameValidator>,
     broker_id: String,
     sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
@@ -327,12 +328,25 @@ impl Broker {
         clock: Clock,
         seed: [u8; 32],
     ) -> Result<Broker, String> {
+        let validator = Rc::new(FrameValidator::new()?);
+        Broker::with_validator(config, broker_id, clock, seed, validator)
+    }
+
+    /// [`Broker::new`] with a frame validator compiled before (compiling it is most of
+    /// the cost of a new broker).
+    pub fn with_validator(
+        config: Config,
+        broker_id: String,
+        clock: Clock,
+        seed: [u8; 32],
+        validator: Rc<FrameValidator>,
+    ) -> Result<Broker, String> {
         let root = IdSource::from_seed(seed);
         let jobs = Jobs::new(&broker_id, &config, clock, root.derive("jobs"))?;
         let mig = super::mig::Mig::new(&broker_id, clock, root.derive("mig"))?;
         Ok(Broker {
             config,
-            validator: FrameValidator::new()?,
+            validator,
             broker_id,
             sessions: IdMap::default(),
             presence: HashMap::new(),
