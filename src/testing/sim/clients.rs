@@ -211,7 +211,7 @@ impl World {
         let wait = {
             let c = &mut self.clients[client];
             Duration::from_millis(if draining {
-                c.rng.range(200, 1000)
+                c.rng.range(1000, 3000)
             } else {
                 c.rng.range(50, 1500)
             })

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
+use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
@@ -15,6 +16,7 @@ use super::rng::SimRng;
 use crate::broker::binding::{self, StreamSettings};
 use crate::broker::clock::Clock;
 use crate::broker::config::{Config, Job};
+use crate::amp::FrameValidator;
 use crate::broker::{Broker, Input, Output, SessionId, keygen, setup};
 use crate::nats::{Connection, Options};
 use crate::testing::nats_model::{ClientId, ModelOptions, Server};
@@ -50,6 +52,12 @@ pub fn sim_config() -> Config {
     config
 }
 
+thread_local! {
+    /// The frame schema, compiled once per thread: it costs more than the rest of a broker.
+    static VALIDATOR: Rc<FrameValidator> =
+        Rc::new(FrameValidator::new().unwrap_or_else(|e| panic!("frame schema: {e}")));
+}
+
 /// One broker core with its NATS connection and its link to the model.
 pub struct Node {
     pub id: String,
@@ -78,8 +86,10 @@ impl Node {
         options.reconnect_delay_max = Duration::from_secs(1);
         options.name = Some(format!("{id}.{incarnation}"));
         let mut conn = Connection::new(options, now);
-        let mut broker = Broker::new(sim_config(), id.to_string(), clock, rng.bytes32())
-            .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
+        let validator = VALIDATOR.with(|v| v.clone());
+        let mut broker =
+            Broker::with_validator(sim_config(), id.to_string(), clock, rng.bytes32(), validator)
+                .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
         broker
             .start(&mut conn, now)
             .unwrap_or_else(|e| panic!("harness: broker {id} does not start: {e}"));
