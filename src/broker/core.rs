@@ -294,6 +294,8 @@ pub struct Broker {
     registries: HashMap<String, (Registry, HashMap<String, Sid>)>,
     /// Numbers generated subscription and consumer names.
     next_sub: u64,
+    /// Tells this broker process from earlier ones with the same id (made from the seed).
+    incarnation: String,
     /// Offers, claims, leases and the task store.
     jobs: Jobs,
     /// With an issuer account: `hello` returns a scoped user JWT, and the broker answers
@@ -359,6 +361,7 @@ impl Broker {
             rates: RateLimiter::new(65_536),
             registries: HashMap::new(),
             next_sub: 0,
+            incarnation: root.derive("incarnation").next_id()[..8].to_string(),
             jobs,
             callout: None,
             issuer: None,
@@ -2012,6 +2015,33 @@ mod tests {
         b.handle(&mut conn, Input::SessionClosed { session: 1 }, t0);
         let f = b.footprint();
         assert_eq!((f.sessions, f.present_participants), (0, 0), "{f:?}");
+    }
+
+    #[test]
+    fn a_restarted_broker_names_its_plain_consumers_apart_from_its_last_process() {
+        // Found by the simulator: a broker restarted with the same id numbered its plain
+        // subscription consumers from 1 again, so a new `from:"all"` subscription adopted
+        // the consumer its previous process had left (still within its inactive
+        // threshold) and started after the events that one had delivered.
+        let t0 = Instant::now();
+        let consumer = |seed: [u8; 32]| {
+            let mut b = broker(t0, seed);
+            let mut conn = connected(t0);
+            challenge_nonce(&mut b, 1, t0);
+            let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+                "auth":{"type":"token","token":TOKEN}});
+            b.session_frame(&mut conn, 1, &hello.to_string(), t0);
+            let n = conn.output().len();
+            conn.consume_output(n);
+            let sub = json!({"op":"subscribe","id":"u","topic":"t.a","from":"all"});
+            b.session_frame(&mut conn, 1, &sub.to_string(), t0);
+            let wire = String::from_utf8_lossy(conn.output()).into_owned();
+            let at = wire.find("CONSUMER.CREATE.AMP_TOPICS_dev.").expect("a create") + 31;
+            wire[at..].split([' ', '.']).next().unwrap_or_default().to_string()
+        };
+        let (first, restarted) = (consumer([1; 32]), consumer([2; 32]));
+        assert!(first.starts_with("eph_b1_"), "{first}");
+        assert_ne!(first, restarted);
     }
 
     #[test]

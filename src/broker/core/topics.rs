@@ -74,6 +74,18 @@ pub(super) struct Subscription {
 }
 
 impl Broker {
+    /// A new name for a plain subscription's consumer. It names this broker process
+    /// (`incarnation`), not only the broker id: a broker restarted with the same id must
+    /// not adopt a consumer its previous process left behind (it lives on for
+    /// `EPHEMERAL_INACTIVE` and has delivered events to a session that is gone).
+    fn plain_consumer_name(&mut self) -> String {
+        self.next_sub += 1;
+        format!(
+            "eph_{}_{}_{}",
+            self.broker_id, self.incarnation, self.next_sub
+        )
+    }
+
     pub(super) fn publish(
         &mut self,
         conn: &mut Connection,
@@ -174,8 +186,7 @@ impl Broker {
             );
             (consumer, config)
         } else {
-            self.next_sub += 1;
-            let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+            let consumer = self.plain_consumer_name();
             let mut config = json!({
                 "name": consumer,
                 "filter_subject": filter,
@@ -866,8 +877,7 @@ impl Broker {
             None,
             b"",
         );
-        self.next_sub += 1;
-        let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+        let consumer = self.plain_consumer_name();
         let mut config = json!({
             "name": consumer,
             "filter_subject": filter,
