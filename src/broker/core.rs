@@ -2036,8 +2036,15 @@ mod tests {
             let sub = json!({"op":"subscribe","id":"u","topic":"t.a","from":"all"});
             b.session_frame(&mut conn, 1, &sub.to_string(), t0);
             let wire = String::from_utf8_lossy(conn.output()).into_owned();
-            let at = wire.find("CONSUMER.CREATE.AMP_TOPICS_dev.").expect("a create") + 31;
-            wire[at..].split([' ', '.']).next().unwrap_or_default().to_string()
+            let at = wire
+                .find("CONSUMER.CREATE.AMP_TOPICS_dev.")
+                .expect("a create")
+                + 31;
+            wire[at..]
+                .split([' ', '.'])
+                .next()
+                .unwrap_or_default()
+                .to_string()
         };
         let (first, restarted) = (consumer([1; 32]), consumer([2; 32]));
         assert!(first.starts_with("eph_b1_"), "{first}");

@@ -179,13 +179,10 @@ impl World {
             return;
         };
         let who = self.clients[client].participant();
-        if frame["op"] == "ack" {
-            if let Some(seq) = frame["seq"].as_u64() {
-                match frame["sub"].as_str() {
-                    Some(sub) => self.checker.durable_acked(&who, sub, seq),
-                    None => {}
-                }
-            }
+        if frame["op"] == "ack"
+            && let (Some(seq), Some(sub)) = (frame["seq"].as_u64(), frame["sub"].as_str())
+        {
+            self.checker.durable_acked(&who, sub, seq);
         }
         let text = frame.to_string();
         self.deliver_frame(session, &text);
@@ -257,7 +254,10 @@ impl World {
         let Some((task, frame)) = c.unsettled.iter().next() else {
             return false;
         };
-        if c.outstanding.values().any(|(r, _)| matches!(r, Req::Submit { task: t } if t == task)) {
+        if c.outstanding
+            .values()
+            .any(|(r, _)| matches!(r, Req::Submit { task: t } if t == task))
+        {
             return false;
         }
         let (task, frame) = (task.clone(), frame.clone());
@@ -292,7 +292,9 @@ impl World {
                     PLAIN[c.rng.index(PLAIN.len())]
                 };
                 if c.subs.contains_key(sub)
-                    || c.outstanding.values().any(|(r, _)| matches!(r, Req::Subscribe(v) if v.sub == sub))
+                    || c.outstanding
+                        .values()
+                        .any(|(r, _)| matches!(r, Req::Subscribe(v) if v.sub == sub))
                 {
                     return;
                 }
@@ -417,17 +419,27 @@ impl World {
                     if c.outstanding.len() < MAX_OUTSTANDING {
                         let id = c.id("a");
                         c.outstanding.insert(id.clone(), (Req::AckSync, now_ms));
-                        self.react(client, json!({"op":"ack","id":id,"seq":seq}), Duration::ZERO);
+                        self.react(
+                            client,
+                            json!({"op":"ack","id":id,"seq":seq}),
+                            Duration::ZERO,
+                        );
                     }
                 } else if roll < 95 {
-                    self.react(client, json!({"op":"nak","seq":seq,"delay_ms":200}), Duration::ZERO);
+                    self.react(
+                        client,
+                        json!({"op":"nak","seq":seq,"delay_ms":200}),
+                        Duration::ZERO,
+                    );
                 }
             }
             "event" => {
                 let who = self.clients[client].participant();
                 let sub = frame["sub"].as_str().unwrap_or_default().to_string();
                 let Some(seq) = frame["seq"].as_u64() else {
-                    return self.checker.violation(format!("event without seq: {frame}"));
+                    return self
+                        .checker
+                        .violation(format!("event without seq: {frame}"));
                 };
                 let Some(view) = self.clients[client].subs.get(&sub).cloned() else {
                     // Events of a subscription that is being set up or was just ended.
@@ -435,15 +447,19 @@ impl World {
                 };
                 let stream = self.server.stream_messages("AMP_TOPICS_dev");
                 let now_ms = self.elapsed_ms();
-                let loss = self
-                    .last_loss_ms
-                    .is_some_and(|at| now_ms.saturating_sub(at) <= super::invariants::DURABLE_REDELIVERY_MS);
+                let loss = self.last_loss_ms.is_some_and(|at| {
+                    now_ms.saturating_sub(at) <= super::invariants::DURABLE_REDELIVERY_MS
+                });
                 self.checker.event(&who, session, &view, seq, &stream, loss);
                 if let Some(v) = self.clients[client].subs.get_mut(&sub) {
                     v.last = Some(seq);
                 }
                 if view.durable && (draining || self.clients[client].rng.chance(900)) {
-                    self.react(client, json!({"op":"ack","sub":sub,"seq":seq}), Duration::ZERO);
+                    self.react(
+                        client,
+                        json!({"op":"ack","sub":sub,"seq":seq}),
+                        Duration::ZERO,
+                    );
                 }
             }
             "offer" => {
@@ -572,13 +588,11 @@ impl World {
                     self.checker.heartbeat_ok(&task, session, until);
                 }
             }
-            Req::Complete { task } | Req::Fail { task } => {
-                // Done, or refused with lease_lost: either way this session holds no lease.
-                // `unavailable` leaves it unknown: the lease may still be there.
-                if ok || code == "lease_lost" {
-                    self.clients[client].leases.remove(&task);
-                    self.checker.lease_ended(&task, session);
-                }
+            // Done, or refused with lease_lost: either way this session holds no lease.
+            // `unavailable` leaves it unknown: the lease may still be there.
+            Req::Complete { task } | Req::Fail { task } if ok || code == "lease_lost" => {
+                self.clients[client].leases.remove(&task);
+                self.checker.lease_ended(&task, session);
             }
             Req::Heartbeat { task } | Req::Claim { task } if code == "lease_lost" => {
                 self.clients[client].leases.remove(&task);
@@ -607,7 +621,13 @@ impl World {
         } else if roll < 85 {
             let hb = Duration::from_millis(lease_ms / 2);
             let mut f = json!({"op":"heartbeat","task":task,"progress":{"p":1}});
-            self.queue_request_after(client, "b", &mut f, Req::Heartbeat { task: task.clone() }, hb);
+            self.queue_request_after(
+                client,
+                "b",
+                &mut f,
+                Req::Heartbeat { task: task.clone() },
+                hb,
+            );
             let done = Duration::from_millis(lease_ms + lease_ms / 4);
             let mut f = json!({"op":"complete","task":task,"result":{"late":true}});
             self.queue_request_after(client, "k", &mut f, Req::Complete { task }, done);

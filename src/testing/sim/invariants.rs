@@ -95,7 +95,9 @@ impl Checker {
             return self.violation(format!("message without seq: {frame}"));
         };
         if frame["to"].as_str() != Some(recipient) {
-            self.violation(format!("{recipient} got a message for someone else: {frame}"));
+            self.violation(format!(
+                "{recipient} got a message for someone else: {frame}"
+            ));
         }
         self.delivered.insert((recipient.to_string(), seq));
     }
@@ -174,7 +176,14 @@ impl Checker {
         }
     }
 
-    pub fn claim_ok(&mut self, task: &str, session: SessionKey, who: &str, until_ms: i64, now_ms: i64) {
+    pub fn claim_ok(
+        &mut self,
+        task: &str,
+        session: SessionKey,
+        who: &str,
+        until_ms: i64,
+        now_ms: i64,
+    ) {
         self.counts.claims_ok += 1;
         let holders = self.holders.entry(task.to_string()).or_default();
         for h in holders.iter() {
@@ -259,7 +268,10 @@ impl Checker {
                 && let Some(task) = env["body"]["task"].as_str()
             {
                 let to = env["to"].as_str().unwrap_or_default().to_string();
-                results.entry(task.to_string()).or_default().push((*seq, to));
+                results
+                    .entry(task.to_string())
+                    .or_default()
+                    .push((*seq, to));
             }
         }
         self.counts.tasks = revisions.len() as u64;
@@ -287,7 +299,9 @@ impl Checker {
                 continue;
             }
             let Some(state) = terminal else {
-                self.violation(format!("task {task} is not terminal after the drain: {last}"));
+                self.violation(format!(
+                    "task {task} is not terminal after the drain: {last}"
+                ));
                 continue;
             };
             let submitter = last["submitted_by"].as_str().unwrap_or_default();
@@ -301,7 +315,9 @@ impl Checker {
         }
         for (who, task) in submitted {
             if !revisions.contains_key(task.as_str()) {
-                self.violation(format!("{who}'s task {task} was answered ok but is not in the store"));
+                self.violation(format!(
+                    "{who}'s task {task} was answered ok but is not in the store"
+                ));
             }
         }
     }

@@ -13,10 +13,10 @@ use super::SimConfig;
 use super::clients::Client;
 use super::invariants::Checker;
 use super::rng::SimRng;
+use crate::amp::FrameValidator;
 use crate::broker::binding::{self, StreamSettings};
 use crate::broker::clock::Clock;
 use crate::broker::config::{Config, Job};
-use crate::amp::FrameValidator;
 use crate::broker::{Broker, Input, Output, SessionId, keygen, setup};
 use crate::nats::{Connection, Options};
 use crate::testing::nats_model::{ClientId, ModelOptions, Server};
@@ -87,9 +87,14 @@ impl Node {
         options.name = Some(format!("{id}.{incarnation}"));
         let mut conn = Connection::new(options, now);
         let validator = VALIDATOR.with(|v| v.clone());
-        let mut broker =
-            Broker::with_validator(sim_config(), id.to_string(), clock, rng.bytes32(), validator)
-                .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
+        let mut broker = Broker::with_validator(
+            sim_config(),
+            id.to_string(),
+            clock,
+            rng.bytes32(),
+            validator,
+        )
+        .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
         broker
             .start(&mut conn, now)
             .unwrap_or_else(|e| panic!("harness: broker {id} does not start: {e}"));
@@ -170,9 +175,7 @@ impl World {
         let nodes = (0..brokers)
             .map(|i| Node::new(&format!("b{i}"), 0, &mut rng, t0, clock))
             .collect();
-        let clients = (0..clients)
-            .map(|i| Client::new(i, &mut rng, t0))
-            .collect();
+        let clients = (0..clients).map(|i| Client::new(i, &mut rng, t0)).collect();
         World {
             cfg,
             rng,
@@ -358,9 +361,9 @@ impl World {
                 };
                 match serde_json::from_str::<Value>(&text) {
                     Ok(frame) => self.client_frame(client, (node, session), frame),
-                    Err(e) => self
-                        .checker
-                        .violation(format!("broker sent a frame that is not JSON ({e}): {text}")),
+                    Err(e) => self.checker.violation(format!(
+                        "broker sent a frame that is not JSON ({e}): {text}"
+                    )),
                 }
             }
             Output::Close {
@@ -385,9 +388,15 @@ impl World {
         n.next_session += 1;
         let session = n.next_session;
         n.sessions.insert(session, client);
-        let peer = SocketAddr::from(([10, 0, (client / 250) as u8, (client % 250) as u8 + 1], 40_000));
-        n.broker
-            .handle(&mut n.conn, Input::SessionOpened { session, peer }, self.now);
+        let peer = SocketAddr::from((
+            [10, 0, (client / 250) as u8, (client % 250) as u8 + 1],
+            40_000,
+        ));
+        n.broker.handle(
+            &mut n.conn,
+            Input::SessionOpened { session, peer },
+            self.now,
+        );
         self.stats.sessions += 1;
         session
     }
