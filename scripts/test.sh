@@ -6,3 +6,5 @@ scripts/ensure-deps.sh --test
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 cargo test --all-targets
+# The same test bodies against the in-process NATS/JetStream model.
+scripts/test-model.sh

@@ -101,13 +101,14 @@ impl NatsServer {
             .and_then(|r| r.strip_suffix('}'))
             .map(str::trim)
             .and_then(|r| r.strip_prefix("domain:"))
-            .map(|d| d.trim().to_string());
-        match domain {
-            Some(d)
-                if js.trim().is_empty() && !d.is_empty() && !d.contains(char::is_whitespace) =>
-            {
-                options.domain = Some(d)
-            }
+            .map(|d| d.trim().to_string())
+            .filter(|d| !d.is_empty() && !d.contains(char::is_whitespace));
+        let max_payload = extra
+            .strip_prefix("max_payload:")
+            .and_then(|n| n.trim().parse::<usize>().ok());
+        match (domain, max_payload) {
+            (Some(d), _) if js.trim().is_empty() => options.domain = Some(d),
+            (_, Some(n)) if js.trim().is_empty() => options.max_payload = n,
             _ if js.trim().is_empty() && extra.is_empty() => {}
             _ => panic!(
                 "this test needs a real nats-server (configuration the NATS model does not \

@@ -68,10 +68,8 @@ fn text<'a>(v: &'a Value, k: &str) -> Option<&'a str> {
 /// A message read: by sequence, last on a subject, or next on a subject from a sequence.
 fn select<'a>(s: &'a Stream, body: &Value) -> Result<(u64, &'a StoredMsg), ApiErr> {
     let found = if let Some(subject) = text(body, "last_by_subj") {
-        s.msgs
-            .iter()
-            .rev()
-            .find(|(_, m)| matches(subject.as_bytes(), m.subject.as_bytes()))
+        s.last_on_subject(subject)
+            .and_then(|seq| s.msgs.get_key_value(&seq))
     } else if let Some(subject) = text(body, "next_by_subj") {
         let from = num(body, "seq").unwrap_or(0);
         s.msgs
@@ -509,6 +507,11 @@ impl JetStream {
         } else {
             if action == "update" {
                 return Err(errors::consumer_missing());
+            }
+            if let Some(max) = e.stream.cfg.max_consumers.filter(|m| *m > 0)
+                && e.consumers.len() as i64 >= max
+            {
+                return Err(errors::max_consumers());
             }
             let c = Consumer::new(&name, &e.stream, config, cfg, format_nanos(wall), now);
             e.consumers.insert(name.clone(), c);

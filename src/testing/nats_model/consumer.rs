@@ -151,6 +151,8 @@ pub struct Consumer {
     filters: Vec<String>,
     /// The next stream sequence a first delivery may come from.
     next_seq: u64,
+    /// Nothing from `next_seq` up to here is for this consumer: scans start here.
+    scan_from: u64,
     /// `last_per_subject`: up to this sequence only these sequences are delivered.
     last_per_subject: Option<(u64, BTreeSet<u64>)>,
     cseq: u64,
@@ -243,6 +245,7 @@ impl Consumer {
             cfg,
             created,
             next_seq: 1,
+            scan_from: 1,
             last_per_subject: None,
             cseq: 0,
             last_sseq: 0,
@@ -256,6 +259,7 @@ impl Consumer {
             idle_since: Some(now),
         };
         c.start_position(stream);
+        c.scan_from = c.next_seq;
         c.floor = (c.next_seq.saturating_sub(1), 0);
         c
     }
@@ -347,13 +351,14 @@ impl Consumer {
     pub fn num_pending(&self, stream: &Stream) -> u64 {
         stream
             .msgs
-            .range(self.next_seq..)
+            .range(self.scan_from.max(self.next_seq)..)
             .filter(|(s, m)| self.eligible_new(**s, m))
             .count() as u64
     }
 
     pub fn update_config(&mut self, config: Value, cfg: ConsumerConfig) {
         self.filters = filters_of(&cfg);
+        self.scan_from = self.next_seq;
         self.config = config;
         self.cfg = cfg;
     }
@@ -363,7 +368,7 @@ impl Consumer {
         self.pending.retain(|s, _| stream.msgs.contains_key(s));
     }
 
-    fn next_message(&self, stream: &Stream) -> Option<(u64, bool)> {
+    fn next_message(&mut self, stream: &Stream) -> Option<(u64, bool)> {
         if let Some((s, _)) = self.pending.iter().find(|(_, p)| p.deadline.is_none()) {
             return Some((*s, true));
         }
@@ -377,11 +382,16 @@ impl Consumer {
         {
             return None;
         }
-        stream
+        let from = self.scan_from.max(self.next_seq);
+        let found = stream
             .msgs
-            .range(self.next_seq..)
+            .range(from..)
             .find(|(s, m)| self.eligible_new(**s, m))
-            .map(|(s, _)| (*s, false))
+            .map(|(s, _)| *s);
+        // Filters and the start set do not change under a scan: what it passed over
+        // stays passed over.
+        self.scan_from = found.unwrap_or(stream.last_seq + 1);
+        found.map(|s| (s, false))
     }
 
     /// Hands out message `seq` as the next delivery.
@@ -475,17 +485,20 @@ impl Consumer {
             self.pump_push(stream, &subject, now, interest, out);
             return;
         }
+        if self.waiting.is_empty() {
+            return;
+        }
         while let Some(front) = self.waiting.front() {
             if !interest(&front.reply) {
                 self.waiting.pop_front();
                 continue;
             }
+            let (reply, bytes_left) = (front.reply.clone(), front.bytes_left);
             let Some((seq, redelivery)) = self.next_message(stream) else {
                 break;
             };
             let size = stream.msgs.get(&seq).map_or(0, StoredMsg::size);
-            let reply = front.reply.clone();
-            if front.bytes_left.is_some_and(|b| size > b) {
+            if bytes_left.is_some_and(|b| size > b) {
                 out.push(Outbound::status(
                     &reply,
                     409,

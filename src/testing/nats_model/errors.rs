@@ -100,3 +100,6 @@ pub fn consumer_exists() -> ApiErr {
 pub fn consumer_missing() -> ApiErr {
     e(400, 10149, "consumer does not exist")
 }
+pub fn max_consumers() -> ApiErr {
+    e(400, 10026, "maximum consumers limit reached")
+}

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::json;
 
 use crate::proto::encode;
-use crate::proto::subject::{validate_pattern, validate_subject};
-use crate::proto::{ConnectOptions, Op, Parsed, Parser, Role};
+use crate::proto::subject::validate_pattern;
+use crate::proto::{Op, Parsed, Parser, Role};
 
 use clock::WallClock;
 use consumer::Outbound;
@@ -308,7 +308,7 @@ impl Server {
 
     fn send_err(&mut self, client: ClientId, text: &str) {
         if let Some(c) = self.clients.get_mut(&client) {
-            encode::err(&mut c.out, format!("'{text}'"));
+            encode::err(&mut c.out, text);
         }
     }
 
@@ -323,17 +323,22 @@ impl Server {
     fn handle_op(&mut self, client: ClientId, op: Op<'_>) {
         let verbose = self.clients.get(&client).is_some_and(|c| c.verbose);
         let ok = match op {
-            Op::Connect(json) => match ConnectOptions::from_json(json) {
-                Ok(o) => {
+            Op::Connect(json) => match serde_json::from_slice::<serde_json::Value>(json) {
+                // nats-server's defaults for absent fields: echo on, the rest off.
+                Ok(o) if o.is_object() => {
+                    let flag = |k: &str, d: bool| {
+                        o.get(k).and_then(serde_json::Value::as_bool).unwrap_or(d)
+                    };
+                    let verbose = flag("verbose", false);
                     if let Some(c) = self.clients.get_mut(&client) {
-                        c.echo = o.echo;
-                        c.headers = o.headers;
-                        c.no_responders = o.no_responders && o.headers;
-                        c.verbose = o.verbose;
+                        c.echo = flag("echo", true);
+                        c.headers = flag("headers", false);
+                        c.no_responders = flag("no_responders", false) && c.headers;
+                        c.verbose = verbose;
                     }
-                    o.verbose
+                    verbose
                 }
-                Err(_) => {
+                _ => {
                     self.protocol_error(client, "Invalid CONNECT");
                     return;
                 }
@@ -374,10 +379,11 @@ impl Server {
                 return;
             }
         };
-        if verbose && ok {
-            if let Some(c) = self.clients.get_mut(&client) {
-                encode::ok(&mut c.out);
-            }
+        if verbose
+            && ok
+            && let Some(c) = self.clients.get_mut(&client)
+        {
+            encode::ok(&mut c.out);
         }
     }
 
@@ -428,19 +434,14 @@ impl Server {
         headers: Option<&[u8]>,
         payload: &[u8],
     ) -> bool {
-        let subject_ok = validate_subject(subject).is_ok();
-        let reply_ok = reply.is_none_or(|r| validate_subject(r).is_ok());
-        let (Ok(subject), true, true) = (std::str::from_utf8(subject), subject_ok, reply_ok) else {
+        // Like nats-server without `pedantic`, any bytes go as a subject; only text is
+        // representable here.
+        let (Ok(subject), Ok(reply)) = (
+            std::str::from_utf8(subject),
+            reply.map(std::str::from_utf8).transpose(),
+        ) else {
             self.send_err(client, "Invalid Publish Subject");
             return false;
-        };
-        let reply = match reply.map(std::str::from_utf8) {
-            Some(Ok(r)) => Some(r),
-            None => None,
-            Some(Err(_)) => {
-                self.send_err(client, "Invalid Publish Subject");
-                return false;
-            }
         };
         self.publish(Some(client), subject, reply, headers, payload);
         true

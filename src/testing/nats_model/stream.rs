@@ -2,7 +2,7 @@
 //! per-message TTL, rollups, limits and their discard policy, expiry with subject delete
 //! markers. Timestamps are the model's wall clock; deadlines its monotonic `now`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -49,12 +49,16 @@ pub struct Stream {
     pub cfg: StreamConfig,
     pub created: String,
     pub msgs: BTreeMap<u64, StoredMsg>,
+    /// The sequences of each subject, for the per-subject reads and limits.
+    by_subject: BTreeMap<String, BTreeSet<u64>>,
     pub last_seq: u64,
     pub last_ts: u64,
     pub bytes: u64,
     /// First sequence once everything is gone (after a purge to a sequence).
     empty_first: u64,
     dedupe: BTreeMap<String, (u64, Instant)>,
+    /// Msg ids in the order they were stored, to age them out without a scan.
+    dedupe_order: VecDeque<(Instant, String)>,
     last_msg_id: Option<String>,
 }
 
@@ -167,11 +171,13 @@ impl Stream {
             cfg,
             created,
             msgs: BTreeMap::new(),
+            by_subject: BTreeMap::new(),
             last_seq: 0,
             last_ts: 0,
             bytes: 0,
             empty_first: 1,
             dedupe: BTreeMap::new(),
+            dedupe_order: VecDeque::new(),
             last_msg_id: None,
         }
     }
@@ -196,6 +202,12 @@ impl Stream {
     }
 
     pub fn last_on_subject(&self, pattern: &str) -> Option<u64> {
+        if crate::proto::subject::is_literal(pattern.as_bytes()) {
+            return self
+                .by_subject
+                .get(pattern)
+                .and_then(|seqs| seqs.iter().next_back().copied());
+        }
         self.msgs
             .iter()
             .rev()
@@ -203,9 +215,26 @@ impl Stream {
             .map(|(s, _)| *s)
     }
 
+    fn insert(&mut self, seq: u64, msg: StoredMsg) {
+        self.last_seq = seq;
+        self.last_ts = msg.ts;
+        self.bytes += msg.size();
+        self.by_subject
+            .entry(msg.subject.clone())
+            .or_default()
+            .insert(seq);
+        self.msgs.insert(seq, msg);
+    }
+
     pub fn remove(&mut self, seq: u64) -> Option<StoredMsg> {
         let m = self.msgs.remove(&seq)?;
         self.bytes = self.bytes.saturating_sub(m.size());
+        if let Some(seqs) = self.by_subject.get_mut(&m.subject) {
+            seqs.remove(&seq);
+            if seqs.is_empty() {
+                self.by_subject.remove(&m.subject);
+            }
+        }
         Some(m)
     }
 
@@ -235,8 +264,15 @@ impl Stream {
             .cfg
             .duplicate_window
             .unwrap_or(Duration::from_secs(120));
-        self.dedupe
-            .retain(|_, (_, at)| now.saturating_duration_since(*at) < window);
+        while let Some((at, id)) = self.dedupe_order.front() {
+            if now.saturating_duration_since(*at) < window {
+                break;
+            }
+            if self.dedupe.get(id).is_some_and(|(_, t)| t == at) {
+                self.dedupe.remove(id);
+            }
+            self.dedupe_order.pop_front();
+        }
         let msg_id = get("Nats-Msg-Id").filter(|s| !s.is_empty());
         if let Some(id) = msg_id
             && let Some((seq, _)) = self.dedupe.get(id)
@@ -306,22 +342,25 @@ impl Stream {
             expires: ttl.and_then(|d| now.checked_add(d)),
             is_marker: get("Nats-Marker-Reason").is_some(),
         };
-        self.last_seq = seq;
-        self.last_ts = msg.ts;
-        self.bytes += msg.size();
-        self.msgs.insert(seq, msg);
+        self.insert(seq, msg);
         if let Some(id) = msg_id {
             self.dedupe.insert(id.to_string(), (seq, now));
+            self.dedupe_order.push_back((now, id.to_string()));
             self.last_msg_id = Some(id.to_string());
         }
         match rollup {
-            Some(all) => {
+            Some(true) => {
+                let gone: Vec<u64> = self.msgs.keys().copied().filter(|s| *s != seq).collect();
+                for s in gone {
+                    self.remove(s);
+                }
+            }
+            Some(false) => {
                 let gone: Vec<u64> = self
-                    .msgs
-                    .iter()
-                    .filter(|(s, m)| **s != seq && (all || m.subject == subject))
-                    .map(|(s, _)| *s)
-                    .collect();
+                    .by_subject
+                    .get(subject)
+                    .map(|seqs| seqs.iter().copied().filter(|s| *s != seq).collect())
+                    .unwrap_or_default();
                 for s in gone {
                     self.remove(s);
                 }
@@ -337,11 +376,10 @@ impl Stream {
     fn enforce_limits(&mut self, subject: &str) {
         if let Some(max) = limit(self.cfg.max_msgs_per_subject) {
             let on: Vec<u64> = self
-                .msgs
-                .iter()
-                .filter(|(_, m)| m.subject == subject)
-                .map(|(s, _)| *s)
-                .collect();
+                .by_subject
+                .get(subject)
+                .map(|seqs| seqs.iter().copied().collect())
+                .unwrap_or_default();
             let excess = on.len().saturating_sub(max as usize);
             for s in on.into_iter().take(excess) {
                 self.remove(s);
@@ -403,7 +441,7 @@ impl Stream {
             if let Some(m) = self.remove(s)
                 && marker_ttl.is_some()
                 && !m.is_marker
-                && !self.msgs.values().any(|o| o.subject == m.subject)
+                && !self.by_subject.contains_key(&m.subject)
             {
                 markers.push(m.subject);
             }
@@ -424,10 +462,7 @@ impl Stream {
                     expires: now.checked_add(ttl),
                     is_marker: true,
                 };
-                self.last_seq = seq;
-                self.last_ts = msg.ts;
-                self.bytes += msg.size();
-                self.msgs.insert(seq, msg);
+                self.insert(seq, msg);
             }
         }
     }
@@ -457,10 +492,7 @@ impl Stream {
     }
 
     pub fn num_subjects(&self) -> u64 {
-        let mut subjects: Vec<&str> = self.msgs.values().map(|m| m.subject.as_str()).collect();
-        subjects.sort_unstable();
-        subjects.dedup();
-        subjects.len() as u64
+        self.by_subject.len() as u64
     }
 
     pub fn state(&self, consumers: usize) -> Value {

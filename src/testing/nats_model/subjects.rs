@@ -98,12 +98,12 @@ impl SubjectIndex {
         let mut out = Vec::with_capacity(plain.len());
         for (client, sid) in plain {
             let key = (client, sid);
-            if let Some(s) = self.subs.get_mut(&key) {
-                if let Some(left) = s.remaining.as_mut() {
-                    *left = left.saturating_sub(1);
-                    if *left == 0 {
-                        self.subs.remove(&key);
-                    }
+            if let Some(s) = self.subs.get_mut(&key)
+                && let Some(left) = s.remaining.as_mut()
+            {
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    self.subs.remove(&key);
                 }
             }
             out.push(Target {
