@@ -135,7 +135,7 @@ impl fmt::Display for Failure {
 /// The drain after the faulty part: long enough for requests to time out (4 s), inbox
 /// acks to time out (5 s), leases to run out (3 s) and every task to spend its attempts
 /// (3 x (1 s offer + 3 s lease)), with room for reconnects.
-const DRAIN: Duration = Duration::from_secs(40);
+const DRAIN: Duration = Duration::from_secs(30);
 /// Quiet time after every client left, before the brokers' footprint is checked.
 const QUIET: Duration = Duration::from_secs(10);
 
