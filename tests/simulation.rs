@@ -81,18 +81,47 @@ fn a_seed_replays_to_the_same_trace() {
 /// "Deterministic simulation" section for what each found).
 #[test]
 fn regression_seeds() {
-    for (seed, steps, what) in REGRESSIONS {
-        if let Err(f) = run(SimConfig::new(*seed).steps(*steps)) {
+    for &(seed, steps, shape, what) in REGRESSIONS {
+        let mut cfg = SimConfig::new(seed).steps(steps);
+        if let Some((brokers, clients)) = shape {
+            cfg = cfg.brokers(brokers).clients(clients);
+        }
+        if let Err(f) = run(cfg) {
             panic!("regression ({what}) is back:\n{f}");
         }
     }
 }
 
-const REGRESSIONS: &[(u64, u64, &str)] = &[
+/// (seed, steps, (brokers, clients) when not the seed's own, what it found).
+type Regression = (u64, u64, Option<(usize, usize)>, &'static str);
+
+const REGRESSIONS: &[Regression] = &[
     // Fails without the durable redelivery fix (topics.rs): event 7 after 15.
-    (0x1, 300, "a durable's redelivery sent again within the session, out of order"),
-    (0x3, 300, "a session the broker closed leaked its participant's presence"),
-    (0x64, 300, "a restarted broker adopted its last process's plain consumer"),
+    (
+        0x1,
+        300,
+        None,
+        "a durable's redelivery sent again within the session, out of order",
+    ),
+    (
+        0x3,
+        300,
+        None,
+        "a session the broker closed leaked its participant's presence",
+    ),
+    (
+        0x64,
+        300,
+        None,
+        "a restarted broker adopted its last process's plain consumer",
+    ),
+    // Fails without the first-delivery gap check (topics.rs): got 6, missing [5].
+    (
+        0x4e2c,
+        200,
+        Some((3, 40)),
+        "a plain subscription's lost first delivery went unnoticed",
+    ),
 ];
 
 /// `SIM_SEED=0x.. [SIM_STEPS=..] cargo test --test simulation replay -- --nocapture`

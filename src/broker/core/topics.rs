@@ -810,7 +810,9 @@ impl Broker {
             return;
         };
         if !t.durable {
-            if consumer_seq != t.last_consumer_seq + 1 && t.last_consumer_seq != 0 {
+            // A consumer's first delivery is number 1 (a reset makes a new consumer and
+            // pull inbox), so a lost first delivery is a gap too.
+            if consumer_seq != t.last_consumer_seq + 1 {
                 // A delivery went missing: start over right after the last event sent.
                 return self.reset_subscription(conn, session, sub, now);
             }
