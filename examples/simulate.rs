@@ -6,7 +6,7 @@
 //!
 //! Options: `--seeds N` (seeds `--first` .. `--first + N`, default first 1), `--seed S`
 //! (one seed, decimal or 0x hex), `--steps K` (steps before the drain, default 300),
-//! `--brokers B`, `--clients C`, `--no-faults`, `--verbose` (one line per seed), `--trace` (every frame
+//! `--brokers B`, `--clients C`, `--no-faults`, `--fault-rate R` (faults per 1000 steps, default 15), `--verbose` (one line per seed), `--trace` (every frame
 //! and fault to stderr).
 //! Prints steps/s and every failure with the command that replays it; exits 1 on any.
 
@@ -40,6 +40,7 @@ fn main_inner() -> Result<bool, String> {
     let mut steps = 300u64;
     let (mut brokers, mut clients, mut faults, mut verbose) = (None, None, true, false);
     let mut trace = false;
+    let mut fault_rate = None;
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -52,6 +53,7 @@ fn main_inner() -> Result<bool, String> {
             "--no-faults" => faults = false,
             "--verbose" => verbose = true,
             "--trace" => trace = true,
+            "--fault-rate" => fault_rate = Some(number(&value()?)?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -64,6 +66,9 @@ fn main_inner() -> Result<bool, String> {
     for seed in &list {
         let mut cfg = SimConfig::new(*seed).steps(steps).faults(faults);
         cfg.trace = trace;
+        if let Some(r) = fault_rate {
+            cfg.fault_per_mille = r;
+        }
         if let Some(b) = brokers {
             cfg = cfg.brokers(b);
         }

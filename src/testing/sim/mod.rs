@@ -89,6 +89,8 @@ impl SimConfig {
         }
         if !self.faults {
             cmd.push_str(" --no-faults");
+        } else if self.fault_per_mille != 15 {
+            cmd.push_str(&format!(" --fault-rate {}", self.fault_per_mille));
         }
         cmd
     }
