@@ -81,10 +81,13 @@ fn a_seed_replays_to_the_same_trace() {
 /// "Deterministic simulation" section for what each found).
 #[test]
 fn regression_seeds() {
-    for &(seed, steps, shape, what) in REGRESSIONS {
+    for &(seed, steps, shape, fault_rate, what) in REGRESSIONS {
         let mut cfg = SimConfig::new(seed).steps(steps);
         if let Some((brokers, clients)) = shape {
             cfg = cfg.brokers(brokers).clients(clients);
+        }
+        if let Some(rate) = fault_rate {
+            cfg.fault_per_mille = rate;
         }
         if let Err(f) = run(cfg) {
             panic!("regression ({what}) is back:\n{f}");
@@ -92,8 +95,9 @@ fn regression_seeds() {
     }
 }
 
-/// (seed, steps, (brokers, clients) when not the seed's own, what it found).
-type Regression = (u64, u64, Option<(usize, usize)>, &'static str);
+/// (seed, steps, (brokers, clients) when not the seed's own, faults per 1000 steps when
+/// not 15, what it found).
+type Regression = (u64, u64, Option<(usize, usize)>, Option<u64>, &'static str);
 
 const REGRESSIONS: &[Regression] = &[
     // Fails without the durable redelivery fix (topics.rs): event 7 after 15.
@@ -121,6 +125,14 @@ const REGRESSIONS: &[Regression] = &[
         200,
         Some((3, 40)),
         "a plain subscription's lost first delivery went unnoticed",
+    ),
+    // Fails without the cancel retry storing the task_result: 0 task_results.
+    (
+        0xea60,
+        300,
+        None,
+        Some(80),
+        "a cancel whose reply was lost left no task_result",
     ),
 ];
 

@@ -46,7 +46,7 @@ pub enum Req {
     Heartbeat { task: String },
     Complete { task: String },
     Fail { task: String },
-    Cancel,
+    Cancel { task: String },
     Status,
     Ping,
     AckSync,
@@ -78,8 +78,9 @@ pub struct Client {
     pub subs: BTreeMap<String, SubView>,
     pub serving: bool,
     pub submitted: Vec<String>,
-    /// Submits not yet answered `ok` (unanswered when the session ended, or answered
-    /// `unavailable`): a client retries them with the same task id, as the spec asks.
+    /// Submits (by task id) and cancels (`cancel:<task>`) not yet answered (unanswered
+    /// when the session ended, or answered `unavailable`): a client retries them with the
+    /// same task id, as the spec asks.
     pub unsettled: BTreeMap<String, Value>,
     /// Leases this session holds: task -> (attempt, lease_until ms).
     pub leases: BTreeMap<String, i64>,
@@ -260,8 +261,14 @@ impl World {
         {
             return false;
         }
-        let (task, frame) = (task.clone(), frame.clone());
-        self.request(client, "t", frame, Req::Submit { task });
+        let (key, frame) = (task.clone(), frame.clone());
+        match key.strip_prefix("cancel:") {
+            Some(task) => {
+                let task = task.to_string();
+                self.request(client, "c", frame, Req::Cancel { task });
+            }
+            None => self.request(client, "t", frame, Req::Submit { task: key }),
+        }
         true
     }
 
@@ -348,7 +355,8 @@ impl World {
                 }
                 let task = c.submitted[c.rng.index(c.submitted.len())].clone();
                 let f = json!({"op":"cancel","task":task});
-                self.request(client, "c", f, Req::Cancel);
+                c.unsettled.insert(format!("cancel:{task}"), f.clone());
+                self.request(client, "c", f, Req::Cancel { task });
             }
             72..76 => {
                 if c.submitted.is_empty() {
@@ -590,6 +598,25 @@ impl World {
             }
             // Done, or refused with lease_lost: either way this session holds no lease.
             // `unavailable` leaves it unknown: the lease may still be there.
+            // `unavailable`: the write may have landed; the spec has the client retry.
+            Req::Complete { task } if code == "unavailable" => {
+                let mut f = json!({"op":"complete","task":task,"result":{"retried":true}});
+                let d = Duration::from_millis(200);
+                self.queue_request_after(client, "k", &mut f, Req::Complete { task }, d);
+            }
+            Req::Fail { task } if code == "unavailable" => {
+                let mut f = json!({"op":"fail","task":task,
+                    "error":{"code":"sim","message":"simulated failure"},"retry":false});
+                let d = Duration::from_millis(200);
+                self.queue_request_after(client, "f", &mut f, Req::Fail { task }, d);
+            }
+            // Retried from `unsettled` like a submit, in this session or the next.
+            Req::Cancel { .. } if code == "unavailable" => {}
+            Req::Cancel { task } => {
+                self.clients[client]
+                    .unsettled
+                    .remove(&format!("cancel:{task}"));
+            }
             Req::Complete { task } | Req::Fail { task } if ok || code == "lease_lost" => {
                 self.clients[client].leases.remove(&task);
                 self.checker.lease_ended(&task, session);
