@@ -185,6 +185,13 @@ impl World {
         {
             self.checker.durable_acked(&who, sub, seq);
         }
+        // A worker that sends its outcome gives the lease up then: answered `unavailable`,
+        // the write may have landed and the task moved on to someone else.
+        if (frame["op"] == "complete" || frame["op"] == "fail")
+            && let Some(task) = frame["task"].as_str()
+        {
+            self.checker.lease_ended(task, session);
+        }
         let text = frame.to_string();
         self.deliver_frame(session, &text);
     }

@@ -16,8 +16,8 @@
 //!   failed. Plain subscriptions get no such leeway: the broker must notice the gap.
 //! - Leases: a `claim` answered `ok` while another session still holds an unexpired
 //!   lease of the same task (by its `lease_until`, extended by each heartbeat `ok`) that
-//!   it has not given up (complete/fail answered, `lease_lost`, `revoked`, session
-//!   closed) is two live leases.
+//!   it has not given up (complete/fail sent, `lease_lost`, `revoked`, session closed)
+//!   is two live leases.
 //! - Tasks (at the end, from the task store's KV history in the model): no revision has
 //!   `attempt > max_attempts`; a terminal state never changes; after the drain every task
 //!   is terminal; each terminal task has exactly one `task_result` message stored in its
