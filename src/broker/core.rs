@@ -94,6 +94,23 @@ pub enum Input<'a> {
     Timeout,
 }
 
+/// Sizes of what the core holds ([`Broker::footprint`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Footprint {
+    pub sessions: usize,
+    pub present_participants: usize,
+    /// NATS round trips waiting for their reply.
+    pub in_flight: usize,
+    pub timers: usize,
+    pub held_submits: usize,
+    /// Outputs not yet taken with `poll_output`.
+    pub queued_outputs: usize,
+    /// The most requests one session has unanswered.
+    pub max_session_outstanding: usize,
+    /// The most inbox deliveries one session has unacknowledged.
+    pub max_session_inflight: usize,
+}
+
 /// WebSocket close codes the core uses.
 pub mod close {
     pub const NORMAL: u16 = 1000;
@@ -120,7 +137,12 @@ enum SessionState {
         ns: Rc<str>,
         name: Rc<str>,
     },
-    Closing,
+    /// Closed by the broker, waiting for the transport to report the end. An active
+    /// session keeps its participant, so the end still releases what the session held
+    /// (presence, inbox reader, registry entry).
+    Closing {
+        participant: Option<(Rc<str>, Rc<str>)>,
+    },
 }
 
 struct Session {
@@ -275,6 +297,8 @@ pub struct Broker {
     registries: HashMap<String, (Registry, HashMap<String, Sid>)>,
     /// Numbers generated subscription and consumer names.
     next_sub: u64,
+    /// Tells this broker process from earlier ones with the same id (made from the seed).
+    incarnation: String,
     /// Offers, claims, leases and the task store.
     jobs: Jobs,
     /// With an issuer account: `hello` returns a scoped user JWT, and the broker answers
@@ -327,6 +351,7 @@ impl Broker {
             rates: RateLimiter::new(65_536),
             registries: HashMap::new(),
             next_sub: 0,
+            incarnation: root.derive("incarnation").next_id()[..8].to_string(),
             jobs,
             callout: None,
             issuer: None,
@@ -420,6 +445,30 @@ impl Broker {
 
     pub fn session_count(&self) -> usize {
         self.sessions.len()
+    }
+
+    /// What the core holds, for bounds checks (simulators, tests).
+    pub fn footprint(&self) -> Footprint {
+        Footprint {
+            sessions: self.sessions.len(),
+            present_participants: self.presence.len(),
+            in_flight: self.continuations.in_flight(),
+            timers: self.timers.armed(),
+            held_submits: self.held_submits.values().map(Vec::len).sum(),
+            queued_outputs: self.out.len(),
+            max_session_outstanding: self
+                .sessions
+                .values()
+                .map(|s| s.outstanding.len())
+                .max()
+                .unwrap_or(0),
+            max_session_inflight: self
+                .sessions
+                .values()
+                .map(|s| s.inflight.len())
+                .max()
+                .unwrap_or(0),
+        }
     }
 
     pub fn poll_output(&mut self) -> Option<Output> {
@@ -824,7 +873,12 @@ impl Broker {
 
     fn close(&mut self, session: SessionId, code: u16, reason: &str) {
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.state = SessionState::Closing;
+            let participant = match &s.state {
+                SessionState::Active { ns, name } => Some((ns.clone(), name.clone())),
+                SessionState::Closing { participant } => participant.clone(),
+                SessionState::AwaitingHello { .. } => None,
+            };
+            s.state = SessionState::Closing { participant };
         }
         self.out.push_back(Output::Close {
             session,
@@ -941,6 +995,64 @@ mod tests {
         let n = conn.output().len();
         conn.consume_output(n);
         conn
+    }
+
+    #[test]
+    fn a_session_the_broker_closed_releases_its_presence_when_it_ends() {
+        // Found by the simulator: `bye` (like any close the broker starts) forgot the
+        // participant, so the end of the session left its presence, inbox reader and
+        // registry entry behind for good.
+        let t0 = Instant::now();
+        let mut b = broker(t0, [5; 32]);
+        let mut conn = connected(t0);
+        challenge_nonce(&mut b, 1, t0);
+        let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+            "auth":{"type":"token","token":TOKEN}});
+        b.session_frame(&mut conn, 1, &hello.to_string(), t0);
+        frames(&mut b);
+        assert_eq!(b.footprint().present_participants, 1);
+        b.session_frame(&mut conn, 1, r#"{"op":"bye","id":"b"}"#, t0);
+        let closes = std::iter::from_fn(|| b.poll_output())
+            .filter(|o| matches!(o, Output::Close { .. }))
+            .count();
+        assert_eq!(closes, 1, "bye closes the session");
+        b.handle(&mut conn, Input::SessionClosed { session: 1 }, t0);
+        let f = b.footprint();
+        assert_eq!((f.sessions, f.present_participants), (0, 0), "{f:?}");
+    }
+
+    #[test]
+    fn a_restarted_broker_names_its_plain_consumers_apart_from_its_last_process() {
+        // Found by the simulator: a broker restarted with the same id numbered its plain
+        // subscription consumers from 1 again, so a new `from:"all"` subscription adopted
+        // the consumer its previous process had left (still within its inactive
+        // threshold) and started after the events that one had delivered.
+        let t0 = Instant::now();
+        let consumer = |seed: [u8; 32]| {
+            let mut b = broker(t0, seed);
+            let mut conn = connected(t0);
+            challenge_nonce(&mut b, 1, t0);
+            let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+                "auth":{"type":"token","token":TOKEN}});
+            b.session_frame(&mut conn, 1, &hello.to_string(), t0);
+            let n = conn.output().len();
+            conn.consume_output(n);
+            let sub = json!({"op":"subscribe","id":"u","topic":"t.a","from":"all"});
+            b.session_frame(&mut conn, 1, &sub.to_string(), t0);
+            let wire = String::from_utf8_lossy(conn.output()).into_owned();
+            let at = wire
+                .find("CONSUMER.CREATE.AMP_TOPICS_dev.")
+                .expect("a create")
+                + 31;
+            wire[at..]
+                .split([' ', '.'])
+                .next()
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (first, restarted) = (consumer([1; 32]), consumer([2; 32]));
+        assert!(first.starts_with("eph_b1_"), "{first}");
+        assert_ne!(first, restarted);
     }
 
     #[test]

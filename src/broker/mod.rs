@@ -31,4 +31,4 @@ pub mod throttle;
 pub mod timers;
 pub mod worker_choice;
 
-pub use self::core::{Broker, Input, Output, SessionId};
+pub use self::core::{Broker, Footprint, Input, Output, SessionId};

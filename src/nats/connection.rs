@@ -231,7 +231,7 @@ pub struct Connection {
 
 impl Connection {
     pub fn new(options: Options, now: Instant) -> Connection {
-        let mut rng = Rng::from_os();
+        let mut rng = options.rng_seed.map_or_else(Rng::from_os, Rng::with_seed);
         let mut pool: Vec<PoolEntry> = options
             .servers
             .iter()

@@ -249,6 +249,9 @@ pub struct Options {
     /// Start TLS before the server's INFO (nats-server `handshake_first`), instead of
     /// upgrading after it.
     pub tls_handshake_first: bool,
+    /// Seeds the connection's random source (server shuffle, backoff jitter, inbox
+    /// names) instead of the OS: for deterministic tests and simulators.
+    pub rng_seed: Option<u64>,
 }
 
 impl Options {
@@ -389,6 +392,7 @@ impl Default for Options {
             max_control_line: 4096,
             tls: None,
             tls_handshake_first: false,
+            rng_seed: None,
         }
     }
 }

@@ -2,3 +2,4 @@
 //! of nats-server with JetStream that integration tests and simulators drive in memory.
 
 pub mod nats_model;
+pub mod sim;

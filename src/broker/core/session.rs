@@ -48,7 +48,12 @@ impl Broker {
                 &AckKind::Nak { delay: None }.payload(),
             );
         }
-        if let SessionState::Active { ns, name } = s.state {
+        let participant = match s.state {
+            SessionState::Active { ns, name } => Some((ns, name)),
+            SessionState::Closing { participant } => participant,
+            SessionState::AwaitingHello { .. } => None,
+        };
+        if let Some((ns, name)) = participant {
             self.metrics
                 .registry
                 .gauge_add(self.metrics.sessions, "", -1.0);
@@ -88,7 +93,7 @@ impl Broker {
             return;
         };
         match &s.state {
-            SessionState::Closing => {}
+            SessionState::Closing { .. } => {}
             SessionState::AwaitingHello { nonce } => {
                 let (nonce, peer) = (*nonce, s.peer);
                 let decoded = self.validator.decode(text);

@@ -73,6 +73,18 @@ pub(super) struct Subscription {
 }
 
 impl Broker {
+    /// A new name for a plain subscription's consumer. It names this broker process
+    /// (`incarnation`), not only the broker id: a broker restarted with the same id must
+    /// not adopt a consumer its previous process left behind (it lives on for
+    /// `EPHEMERAL_INACTIVE` and has delivered events to a session that is gone).
+    fn plain_consumer_name(&mut self) -> String {
+        self.next_sub += 1;
+        format!(
+            "eph_{}_{}_{}",
+            self.broker_id, self.incarnation, self.next_sub
+        )
+    }
+
     pub(super) fn publish(
         &mut self,
         conn: &mut Connection,
@@ -173,8 +185,7 @@ impl Broker {
             );
             (consumer, config)
         } else {
-            self.next_sub += 1;
-            let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+            let consumer = self.plain_consumer_name();
             let mut config = json!({
                 "name": consumer,
                 "filter_subject": filter,
@@ -798,7 +809,9 @@ impl Broker {
             return;
         };
         if !t.durable {
-            if consumer_seq != t.last_consumer_seq + 1 && t.last_consumer_seq != 0 {
+            // A consumer's first delivery is number 1 (a reset makes a new consumer and
+            // pull inbox), so a lost first delivery is a gap too.
+            if consumer_seq != t.last_consumer_seq + 1 {
                 // A delivery went missing: start over right after the last event sent.
                 return self.reset_subscription(conn, session, sub, now);
             }
@@ -806,6 +819,16 @@ impl Broker {
             if seq <= t.last_seq {
                 return;
             }
+        }
+        if t.durable && seq <= t.last_seq {
+            // A redelivery (its ack wait ran out, or its ack was lost) of an event this
+            // session already got: not sent twice within the session, nor out of order.
+            // Still unacknowledged, its newest ack subject is kept; the event comes
+            // first again in the participant's next session if it stays so.
+            if let Some(ack) = t.inflight.get_mut(&seq) {
+                *ack = reply.to_string();
+            }
+            return;
         }
         t.last_seq = seq;
         if t.durable {
@@ -855,8 +878,7 @@ impl Broker {
             None,
             b"",
         );
-        self.next_sub += 1;
-        let consumer = format!("eph_{}_{}", self.broker_id, self.next_sub);
+        let consumer = self.plain_consumer_name();
         let mut config = json!({
             "name": consumer,
             "filter_subject": filter,

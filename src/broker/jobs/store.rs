@@ -187,7 +187,15 @@ impl Jobs {
                     self.ack(conn, ack, AckKind::Ack);
                 }
             }
-            Op::Cancel { session, re, .. } => {
+            Op::Cancel { session, re, by } => {
+                if let Refusal::Finished(TaskState::Cancelled) = refusal {
+                    // This may be the retry of the cancel that cancelled it, answered
+                    // `unavailable` when its write had landed after all: then its
+                    // `task_result` was never stored, and nothing else would store it (a
+                    // cancelled task's message is gone). Stored again; its idempotent id
+                    // keeps it one message within the dedupe window.
+                    self.publish_result(conn, record, &by, None, None, now);
+                }
                 let e = match refusal {
                     Refusal::NotSubmitter => AmpError::new(
                         ErrorCode::Forbidden,

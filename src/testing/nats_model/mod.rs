@@ -215,6 +215,18 @@ impl Server {
         self.clients.get(&client).is_none_or(|c| c.closed)
     }
 
+    /// The messages stream `name` holds, in sequence order, as `(seq, subject, payload)`
+    /// (empty for an unknown stream): for checkers that judge what was stored.
+    pub fn stream_messages(&self, name: &str) -> Vec<(u64, &str, &[u8])> {
+        self.js.streams.get(name).map_or_else(Vec::new, |e| {
+            e.stream
+                .msgs
+                .iter()
+                .map(|(&seq, m)| (seq, m.subject.as_str(), m.payload.as_slice()))
+                .collect()
+        })
+    }
+
     pub fn clients(&self) -> impl Iterator<Item = ClientId> + '_ {
         self.clients.keys().copied()
     }
