@@ -17,7 +17,8 @@
 //! - Leases: a `claim` answered `ok` while another session still holds an unexpired
 //!   lease of the same task (by its `lease_until`, extended by each heartbeat `ok`) that
 //!   it has not given up (complete/fail sent, `lease_lost`, `revoked`, session closed)
-//!   is two live leases.
+//!   is two live leases. A claim `ok` that arrives after its own `lease_until` (its
+//!   reply was delayed) grants a lease that ended already and is not counted.
 //! - Tasks (at the end, from the task store's KV history in the model): no revision has
 //!   `attempt > max_attempts`; a terminal state never changes; after the drain every task
 //!   is terminal; each terminal task has exactly one `task_result` message stored in its
@@ -186,6 +187,12 @@ impl Checker {
     ) {
         self.counts.claims_ok += 1;
         let holders = self.holders.entry(task.to_string()).or_default();
+        if until_ms <= now_ms {
+            // The answer came after the lease it grants had run out (its reply was
+            // delayed past `lease_until`): in the task store that lease ended before
+            // anyone else's began, so it overlaps nothing and holds nothing.
+            return;
+        }
         for h in holders.iter() {
             if !h.ended && h.session != session && now_ms < h.until_ms {
                 let msg = format!(
