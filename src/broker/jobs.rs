@@ -1550,3 +1550,150 @@ impl<'a> From<&'a amp_frame::FailError> for FailErrorView<'a> {
         }
     }
 }
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    //! The jobs engine driven in process: the core on the NATS/JetStream model, leases
+    //! running out on a virtual clock instead of a real one.
+
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+
+    use crate::broker::config::Job;
+    use crate::testing::harness::{self, Harness, Session};
+
+    const LEASE_S: u64 = 3;
+
+    fn bench(max_attempts: u32) -> Harness {
+        let mut config = harness::development_config();
+        let job = Job {
+            lease_s: LEASE_S,
+            offer_ms: 1000,
+            max_attempts,
+            ..Job::default()
+        };
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.jobs.insert("render".into(), job);
+        }
+        Harness::new(config, 1, 7)
+    }
+
+    fn worker(h: &mut Harness, name: &str) -> Session {
+        h.join(0, name, json!({"serve":[{"job":"render","slots":1}]}))
+    }
+
+    fn submit(h: &mut Harness, app: Session, n: u64) -> String {
+        let ok = h.request(app, json!({"op":"submit","job":"render","body":{"n":n}}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        ok["task"].as_str().expect("task id").to_string()
+    }
+
+    fn offer(h: &mut Harness, w: Session, task: &str) -> Value {
+        h.wait_for(w, |f| f["op"] == "offer" && f["task"] == task)
+    }
+
+    fn task_result(h: &mut Harness, app: Session, task: &str) -> Value {
+        let m = h.wait_for(app, |f| {
+            f["op"] == "message" && f["kind"] == "task_result" && f["body"]["task"] == task
+        });
+        h.send(app, json!({"op":"ack","seq":m["seq"]}));
+        m["body"].clone()
+    }
+
+    #[test]
+    fn a_task_goes_from_submit_to_one_result() {
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        let o = offer(&mut h, w, &task);
+        assert_eq!(
+            (o["attempt"].as_u64(), o["body"]["n"].as_u64()),
+            (Some(1), Some(1))
+        );
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        let hb = h.request(w, json!({"op":"heartbeat","task":task,"progress":0.5}));
+        assert_eq!(hb["op"], "ok", "{hb}");
+        let done = h.request(w, json!({"op":"complete","task":task,"result":{"px":9}}));
+        assert_eq!(done["op"], "ok", "{done}");
+        let r = task_result(&mut h, app, &task);
+        assert_eq!(r["state"], "completed");
+        assert_eq!(r["result"]["px"], 9);
+        assert_eq!(r["attempts"], 1);
+        let again = h.request(w, json!({"op":"complete","task":task}));
+        assert_eq!(again["code"], "lease_lost", "{again}");
+    }
+
+    #[test]
+    fn a_lease_that_runs_out_is_revoked_and_the_task_offered_again_until_attempts_are_spent() {
+        let mut h = bench(2);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        for attempt in 1..=2u64 {
+            let o = offer(&mut h, w, &task);
+            assert_eq!(o["attempt"].as_u64(), Some(attempt), "{o}");
+            assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+            // The worker goes silent; the lease runs out on the virtual clock.
+            let revoked = h.wait_for(w, |f| f["op"] == "revoked");
+            assert_eq!(revoked["reason"], "lease_expired", "{revoked}");
+            let late = h.request(w, json!({"op":"complete","task":task}));
+            assert_eq!(late["code"], "lease_lost", "{late}");
+        }
+        let r = task_result(&mut h, app, &task);
+        assert_eq!(
+            (r["state"].as_str(), r["attempts"].as_u64()),
+            (Some("failed"), Some(2))
+        );
+        h.advance(Duration::from_secs(4 * LEASE_S));
+        let offers: Vec<Value> = h
+            .take(w)
+            .into_iter()
+            .filter(|f| f["op"] == "offer")
+            .collect();
+        assert!(offers.is_empty(), "a failed task offered again: {offers:?}");
+    }
+
+    #[test]
+    fn an_offer_left_unclaimed_goes_to_another_worker_without_spending_an_attempt() {
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let idle = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        let first = offer(&mut h, idle, &task);
+        let busy = worker(&mut h, "w2");
+        h.send(idle, json!({"op":"serve","job":"render","slots":0}));
+        let o = offer(&mut h, busy, &task);
+        assert_eq!(
+            (first["attempt"].as_u64(), o["attempt"].as_u64()),
+            (Some(1), Some(1))
+        );
+        assert_eq!(
+            h.request(busy, json!({"op":"claim","task":task}))["op"],
+            "ok"
+        );
+        let stale = h.request(idle, json!({"op":"claim","task":task}));
+        assert_eq!(stale["code"], "lease_lost", "{stale}");
+        assert_eq!(
+            h.request(busy, json!({"op":"complete","task":task}))["op"],
+            "ok"
+        );
+        assert_eq!(task_result(&mut h, app, &task)["attempts"], 1);
+    }
+
+    #[test]
+    fn a_cancelled_task_tells_its_holder_and_its_submitter() {
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        let ok = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let revoked = h.wait_for(w, |f| f["op"] == "revoked");
+        assert_eq!(revoked["reason"], "cancelled");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+    }
+}

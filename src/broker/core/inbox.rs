@@ -308,3 +308,104 @@ impl Broker {
         self.frame(target, text);
     }
 }
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    //! The inbox driven in process: the core on the NATS/JetStream model, ack waits
+    //! running out on a virtual clock.
+
+    use std::time::Duration;
+
+    use serde_json::{Value, json};
+
+    use crate::testing::harness::{self, Harness, Session};
+
+    fn bench(ack_wait_s: u64, window: u32, brokers: usize) -> Harness {
+        let mut config = harness::development_config();
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.inbox.ack_wait_s = ack_wait_s;
+            ns.inbox.inbox_window = window;
+        }
+        Harness::new(config, brokers, 3)
+    }
+
+    fn send(h: &mut Harness, from: Session, to: &str, n: u64) -> u64 {
+        let ok = h.request(from, json!({"op":"send","to":to,"body":{"n":n}}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        ok["seq"].as_u64().expect("seq")
+    }
+
+    fn message(h: &mut Harness, s: Session) -> Value {
+        h.wait_for(s, |f| f["op"] == "message")
+    }
+
+    #[test]
+    fn a_message_sent_while_its_recipient_is_away_waits_and_an_unacked_one_comes_again() {
+        let mut h = bench(5, 8, 2);
+        let alice = h.join(0, "alice", json!({}));
+        let seq = send(&mut h, alice, "bob", 1);
+        // Bob connects to the other broker, later.
+        h.advance(Duration::from_secs(2));
+        let bob = h.join(1, "bob", json!({}));
+        let m = message(&mut h, bob);
+        assert_eq!(
+            (
+                m["seq"].as_u64(),
+                m["delivery"].as_u64(),
+                m["from"].as_str()
+            ),
+            (Some(seq), Some(1), Some("dev/alice"))
+        );
+        assert_eq!(m["to"], "dev/bob");
+        // Not acknowledged: it comes again after the ack wait, one delivery more.
+        let again = message(&mut h, bob);
+        assert_eq!(
+            (again["seq"].as_u64(), again["delivery"].as_u64()),
+            (Some(seq), Some(2))
+        );
+        let ok = h.request(bob, json!({"op":"ack","seq":seq}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        h.advance(Duration::from_secs(12));
+        assert!(h.take(bob).is_empty(), "an acknowledged message came again");
+    }
+
+    #[test]
+    fn at_most_the_window_of_messages_is_unacknowledged_at_once() {
+        let mut h = bench(30, 3, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let sent: Vec<u64> = (1..=5).map(|n| send(&mut h, alice, "bob", n)).collect();
+        let bob = h.join(0, "bob", json!({}));
+        let first: Vec<u64> = (0..3)
+            .map(|_| message(&mut h, bob)["seq"].as_u64().unwrap_or(0))
+            .collect();
+        assert_eq!(first, sent[..3]);
+        h.advance(Duration::from_secs(5));
+        assert!(h.take(bob).is_empty(), "more than the window in flight");
+        h.send(bob, json!({"op":"ack","seq":sent[0]}));
+        assert_eq!(message(&mut h, bob)["seq"].as_u64(), Some(sent[3]));
+        // A nak'd message comes again at once, in its own place in the window.
+        h.send(bob, json!({"op":"nak","seq":sent[1]}));
+        let m = message(&mut h, bob);
+        assert_eq!(
+            (m["seq"].as_u64(), m["delivery"].as_u64()),
+            (Some(sent[1]), Some(2))
+        );
+        h.send(bob, json!({"op":"ack","seq":sent[2]}));
+        let m = message(&mut h, bob);
+        assert_eq!(
+            (m["seq"].as_u64(), m["delivery"].as_u64()),
+            (Some(sent[4]), Some(1))
+        );
+    }
+
+    #[test]
+    fn a_sender_cannot_name_itself_someone_else() {
+        let mut h = bench(5, 8, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let forged = h.request(
+            alice,
+            json!({"op":"send","to":"bob","from":"dev/carol","body":1}),
+        );
+        assert_eq!(forged["code"], "schema", "{forged}");
+    }
+}

@@ -312,3 +312,50 @@ impl Broker {
         }
     }
 }
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    //! Sessions driven in process: the core on the NATS/JetStream model, one virtual clock.
+
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use crate::testing::harness::Harness;
+
+    #[test]
+    fn a_wrong_token_and_a_first_frame_that_is_not_hello_are_unauthenticated() {
+        let mut h = Harness::development(1);
+        for first in [
+            json!({"op":"hello","ns":"dev","name":"eve","auth":{"type":"token","token":"guess"}}),
+            json!({"op":"send","to":"bob","body":1}),
+        ] {
+            let s = h.open(0);
+            h.wait_for(s, |f| f["op"] == "challenge");
+            let answer = h.request(s, first);
+            assert_eq!(answer["code"], "unauthenticated", "{answer}");
+            assert_eq!(h.closed(s).map(|c| c.0), Some(1008));
+        }
+    }
+
+    #[test]
+    fn a_silent_client_is_closed_after_the_hello_timeout() {
+        let mut h = Harness::development(1);
+        let s = h.open(0);
+        h.advance(Duration::from_secs(4));
+        assert_eq!(h.closed(s), None);
+        h.advance(Duration::from_secs(2));
+        assert_eq!(h.closed(s).map(|c| c.0), Some(1008));
+    }
+
+    #[test]
+    fn ping_answers_and_bye_closes_normally() {
+        let mut h = Harness::development(1);
+        let s = h.join(0, "alice", json!({}));
+        assert_eq!(h.request(s, json!({"op":"ping"}))["op"], "ok");
+        assert_eq!(h.request(s, json!({"op":"bye"}))["op"], "ok");
+        h.advance(Duration::from_millis(100));
+        assert_eq!(h.closed(s).map(|c| c.0), Some(1000));
+        assert_eq!(h.broker(0).footprint().sessions, 0);
+    }
+}

@@ -1026,3 +1026,96 @@ fn deliver_from(from: &amp_frame::From) -> Result<Vec<(&'static str, Value)>, Am
 fn nak(conn: &mut Connection, ack: &str) {
     let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
 }
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    //! Topics driven in process: the core on the NATS/JetStream model, one virtual clock.
+
+    use serde_json::{Value, json};
+
+    use crate::testing::harness::{Harness, Session};
+
+    fn publish(h: &mut Harness, s: Session, topic: &str, n: u64) -> u64 {
+        let ok = h.request(s, json!({"op":"publish","topic":topic,"body":{"n":n}}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        ok["seq"].as_u64().expect("seq")
+    }
+
+    fn events(h: &mut Harness, s: Session, sub: &str, count: usize) -> Vec<Value> {
+        (0..count)
+            .map(|_| h.wait_for(s, |f| f["op"] == "event" && f["sub"] == sub))
+            .collect()
+    }
+
+    fn seqs(events: &[Value]) -> Vec<u64> {
+        events.iter().filter_map(|e| e["seq"].as_u64()).collect()
+    }
+
+    #[test]
+    fn a_resumed_durable_starts_at_its_first_unacknowledged_event() {
+        let mut h = Harness::development(1);
+        let alice = h.join(0, "alice", json!({}));
+        let published: Vec<u64> = (1..=5).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true,"from":"all"});
+        assert_eq!(h.request(bob, sub.clone())["op"], "ok");
+        let first = events(&mut h, bob, "d", 5);
+        assert_eq!(seqs(&first), published);
+        assert_eq!(first[0]["from"], "dev/alice");
+        assert_eq!(first[0]["body"]["n"], 1);
+        for seq in &published[..2] {
+            h.send(bob, json!({"op":"ack","sub":"d","seq":seq}));
+        }
+        h.close(bob);
+
+        let bob = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        assert_eq!(seqs(&events(&mut h, bob, "d", 3)), published[2..]);
+    }
+
+    #[test]
+    fn a_plain_subscription_gets_what_its_from_asks_for_and_nothing_after_unsubscribe() {
+        let mut h = Harness::development(1);
+        let alice = h.join(0, "alice", json!({}));
+        let early: Vec<u64> = (1..=3).map(|n| publish(&mut h, alice, "t.b", n)).collect();
+
+        let bob = h.join(0, "bob", json!({}));
+        let ok = h.request(bob, json!({"op":"subscribe","topic":"t.*","sub":"new"}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let ok = h.request(
+            bob,
+            json!({"op":"subscribe","topic":"t.b","sub":"from2","from":{"seq":early[1]}}),
+        );
+        assert_eq!(ok["op"], "ok", "{ok}");
+        assert_eq!(seqs(&events(&mut h, bob, "from2", 2)), early[1..]);
+
+        let late = publish(&mut h, alice, "t.b", 4);
+        assert_eq!(seqs(&events(&mut h, bob, "new", 1)), [late]);
+        assert_eq!(seqs(&events(&mut h, bob, "from2", 1)), [late]);
+
+        assert_eq!(
+            h.request(bob, json!({"op":"unsubscribe","sub":"new"}))["op"],
+            "ok"
+        );
+        let last = publish(&mut h, alice, "t.b", 5);
+        assert_eq!(seqs(&events(&mut h, bob, "from2", 1)), [last]);
+        h.advance(std::time::Duration::from_secs(5));
+        let stray: Vec<Value> = h
+            .take(bob)
+            .into_iter()
+            .filter(|f| f["sub"] == "new")
+            .collect();
+        assert!(stray.is_empty(), "events after unsubscribe: {stray:?}");
+    }
+
+    #[test]
+    fn a_subscription_name_taken_in_the_session_is_refused() {
+        let mut h = Harness::development(1);
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"s"});
+        assert_eq!(h.request(bob, sub.clone())["op"], "ok");
+        let again = h.request(bob, sub);
+        assert_eq!(again["op"], "error", "{again}");
+    }
+}

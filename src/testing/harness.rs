@@ -1,0 +1,417 @@
+//! A scripted bench for the broker core: one or more `Broker`s on the in-process NATS/
+//! JetStream model, one virtual clock, and sessions a test drives frame by frame. It is
+//! what the simulator is without the randomness, so a unit test can say "subscribe, let
+//! the lease run out, reconnect" and check each answer, in milliseconds of real time.
+//!
+//! ```no_run
+//! use amp_broker::testing::harness::Harness;
+//! use serde_json::json;
+//! let mut h = Harness::development(1);
+//! let alice = h.join(0, "alice", json!({}));
+//! let bob = h.join(0, "bob", json!({}));
+//! h.request(alice, json!({"op":"send","to":"dev/bob","body":{"n":1}}));
+//! let m = h.wait_for(bob, |f| f["op"] == "message");
+//! assert_eq!(m["body"]["n"], 1);
+//! ```
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde_json::{Value, json};
+
+use crate::broker::binding::StreamSettings;
+use crate::broker::clock::Clock;
+use crate::broker::config::Config;
+use crate::broker::{Broker, Input, Output, SessionId, keygen, setup};
+use crate::nats::{Connection, Options};
+use crate::testing::nats_model::{ClientId, ModelOptions, Server};
+
+/// Unix time in milliseconds at the start of every bench.
+pub const WALL_MS: i64 = 1_800_000_000_000;
+/// The token of every participant of [`Harness::development`].
+pub const TOKEN: &str = "harness-token";
+/// How long [`Harness::wait_for`] lets virtual time run before it gives up.
+pub const PATIENCE: Duration = Duration::from_secs(120);
+
+/// A session: which broker, and the broker's session id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Session {
+    pub node: usize,
+    pub id: SessionId,
+}
+
+struct Node {
+    broker: Broker,
+    conn: Connection,
+    link: Option<ClientId>,
+}
+
+/// What a session has received and not yet been read by the test.
+#[derive(Default)]
+struct Mailbox {
+    frames: VecDeque<Value>,
+    closed: Option<(u16, String)>,
+}
+
+pub struct Harness {
+    t0: Instant,
+    pub now: Instant,
+    pub server: Server,
+    config: Config,
+    nodes: Vec<Node>,
+    mailboxes: BTreeMap<Session, Mailbox>,
+    next_session: SessionId,
+    next_request: u64,
+    seed: u64,
+    /// Processes started per broker, so a restarted one gets a seed of its own.
+    incarnations: Vec<u8>,
+}
+
+impl Harness {
+    /// `brokers` brokers on the development configuration with token auth ([`TOKEN`]).
+    pub fn development(brokers: usize) -> Harness {
+        Harness::new(development_config(), brokers, 1)
+    }
+
+    /// `brokers` brokers sharing `config`, their streams created on a fresh model as
+    /// start-up creates them; `seed` decides every id and nonce.
+    pub fn new(config: Config, brokers: usize, seed: u64) -> Harness {
+        let t0 = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_millis(WALL_MS as u64);
+        let mut options = ModelOptions::new(wall);
+        options.seed = seed;
+        let mut server = Server::new(options, t0);
+        provision(&mut server, &config, t0);
+        let mut h = Harness {
+            t0,
+            now: t0,
+            server,
+            config,
+            nodes: Vec::new(),
+            mailboxes: BTreeMap::new(),
+            next_session: 0,
+            next_request: 0,
+            seed,
+            incarnations: vec![0; brokers],
+        };
+        for _ in 0..brokers {
+            let node = h.start_node(h.nodes.len());
+            h.nodes.push(node);
+        }
+        h.settle();
+        h
+    }
+
+    fn start_node(&self, index: usize) -> Node {
+        let mut options = Options::new("nats://127.0.0.1:4222");
+        options.rng_seed = Some(self.seed ^ (index as u64 + 1).wrapping_mul(0x9e37_79b9));
+        options.retry_on_failed_connect = true;
+        options.reconnect_delay = Duration::from_millis(50);
+        options.name = Some(format!("b{index}"));
+        let mut conn = Connection::new(options, self.now);
+        let mut seed = [0u8; 32];
+        seed[..8].copy_from_slice(&self.seed.to_le_bytes());
+        seed[8] = index as u8;
+        seed[9] = self.incarnations[index];
+        let clock = Clock::new(self.t0, WALL_MS);
+        let mut broker = Broker::new(self.config.clone(), format!("b{index}"), clock, seed)
+            .unwrap_or_else(|e| panic!("harness: broker b{index} does not build: {e}"));
+        broker
+            .start(&mut conn, self.now)
+            .unwrap_or_else(|e| panic!("harness: broker b{index} does not start: {e}"));
+        Node {
+            broker,
+            conn,
+            link: None,
+        }
+    }
+
+    /// The broker behind `node`, to read its metrics or footprint.
+    pub fn broker(&self, node: usize) -> &Broker {
+        &self.nodes[node].broker
+    }
+
+    /// Opens a session on `node` (the challenge arrives in its mailbox).
+    pub fn open(&mut self, node: usize) -> Session {
+        self.next_session += 1;
+        let s = Session {
+            node,
+            id: self.next_session,
+        };
+        self.mailboxes.insert(s, Mailbox::default());
+        let peer = SocketAddr::from(([10, 0, 0, 1], 40_000 + (s.id % 20_000) as u16));
+        let n = &mut self.nodes[node];
+        n.broker.handle(
+            &mut n.conn,
+            Input::SessionOpened {
+                session: s.id,
+                peer,
+            },
+            self.now,
+        );
+        self.settle();
+        s
+    }
+
+    /// A session of `dev/<name>` on `node`, through challenge and hello; `extra` is merged
+    /// into the hello (e.g. `{"serve":[...]}`). Panics with the answer if it is not `ok`.
+    pub fn join(&mut self, node: usize, name: &str, extra: Value) -> Session {
+        let s = self.open(node);
+        self.wait_for(s, |f| f["op"] == "challenge");
+        let mut hello = json!({"op":"hello","ns":"dev","name":name,
+            "auth":{"type":"token","token":TOKEN}});
+        if let (Some(h), Some(e)) = (hello.as_object_mut(), extra.as_object()) {
+            h.extend(e.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        let ok = self.request(s, hello);
+        assert_eq!(ok["op"], "ok", "hello of {name} refused: {ok}");
+        s
+    }
+
+    /// Sends a frame as it is.
+    pub fn send(&mut self, s: Session, frame: Value) {
+        let text = frame.to_string();
+        let n = &mut self.nodes[s.node];
+        n.broker.handle(
+            &mut n.conn,
+            Input::Frame {
+                session: s.id,
+                text: &text,
+            },
+            self.now,
+        );
+        self.settle();
+    }
+
+    /// Sends `frame` with a fresh `id` and returns its answer (`ok` or `error`), letting
+    /// virtual time run while it is awaited. Frames that arrive meanwhile stay queued.
+    pub fn request(&mut self, s: Session, mut frame: Value) -> Value {
+        self.next_request += 1;
+        let id = format!("r{}", self.next_request);
+        frame["id"] = json!(id);
+        self.send(s, frame);
+        self.wait_for(s, |f| f["re"] == id.as_str())
+    }
+
+    /// The first queued or arriving frame of `s` that `pred` accepts (taken out of the
+    /// mailbox; the others stay), letting virtual time run up to [`PATIENCE`].
+    pub fn wait_for(&mut self, s: Session, pred: impl Fn(&Value) -> bool) -> Value {
+        let until = self.now + PATIENCE;
+        loop {
+            let mb = self.mailboxes.entry(s).or_default();
+            if let Some(i) = mb.frames.iter().position(&pred)
+                && let Some(f) = mb.frames.remove(i)
+            {
+                return f;
+            }
+            if let Some(c) = &mb.closed {
+                panic!("session {s:?} closed ({c:?}) before the awaited frame came");
+            }
+            if self.now >= until {
+                panic!(
+                    "no awaited frame for {s:?} within {PATIENCE:?} of virtual time; queued: {:?}",
+                    mb.frames
+                );
+            }
+            self.step(until);
+        }
+    }
+
+    /// Every frame queued for `s`, in arrival order.
+    pub fn take(&mut self, s: Session) -> Vec<Value> {
+        self.mailboxes
+            .get_mut(&s)
+            .map(|m| m.frames.drain(..).collect())
+            .unwrap_or_default()
+    }
+
+    /// How the broker closed `s`, once it did.
+    pub fn closed(&self, s: Session) -> Option<(u16, String)> {
+        self.mailboxes.get(&s).and_then(|m| m.closed.clone())
+    }
+
+    /// The client side closes `s`.
+    pub fn close(&mut self, s: Session) {
+        if let Some(mb) = self.mailboxes.get_mut(&s) {
+            mb.closed
+                .get_or_insert((1000, "closed by the client".into()));
+        }
+        let n = &mut self.nodes[s.node];
+        n.broker.handle(
+            &mut n.conn,
+            Input::SessionClosed { session: s.id },
+            self.now,
+        );
+        self.settle();
+    }
+
+    /// Lets `d` of virtual time pass, running every deadline on the way.
+    pub fn advance(&mut self, d: Duration) {
+        let until = self.now + d;
+        while self.now < until {
+            self.step(until);
+        }
+        self.settle();
+    }
+
+    /// A broker process dies and one with the same id and configuration starts: its
+    /// sessions are closed from the client's side (1006), its NATS transport drops.
+    pub fn crash(&mut self, node: usize) {
+        if let Some(c) = self.nodes[node].link.take() {
+            self.server.disconnect(c, self.now);
+        }
+        for (s, mb) in self.mailboxes.iter_mut() {
+            if s.node == node {
+                mb.closed
+                    .get_or_insert((1006, "the broker process ended".into()));
+            }
+        }
+        // A new process reads new OS bytes for its seed.
+        self.incarnations[node] = self.incarnations[node].wrapping_add(1);
+        self.nodes[node] = self.start_node(node);
+        self.settle();
+    }
+
+    /// Runs what is due at the next deadline, at most `until`.
+    fn step(&mut self, until: Instant) {
+        let next = self.next_deadline().map_or(until, |t| t.min(until));
+        self.now = self.now.max(next);
+        let now = self.now;
+        if self.server.poll_timeout().is_some_and(|t| t <= now) {
+            self.server.handle_timeout(now);
+        }
+        for n in &mut self.nodes {
+            if n.conn.poll_timeout().is_some_and(|t| t <= now) {
+                n.conn.handle_timeout(now);
+            }
+            if n.broker.poll_timeout().is_some_and(|t| t <= now) {
+                n.broker.handle(&mut n.conn, Input::Timeout, now);
+            }
+        }
+        self.settle();
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let nodes = self
+            .nodes
+            .iter()
+            .flat_map(|n| [n.broker.poll_timeout(), n.conn.poll_timeout()]);
+        std::iter::once(self.server.poll_timeout())
+            .chain(nodes)
+            .flatten()
+            .min()
+    }
+
+    /// Moves bytes, events and outputs until all is quiet.
+    fn settle(&mut self) {
+        let now = self.now;
+        for _ in 0..256 {
+            let mut busy = false;
+            for node in 0..self.nodes.len() {
+                let n = &mut self.nodes[node];
+                if n.conn.poll_close()
+                    && let Some(c) = n.link.take()
+                {
+                    self.server.disconnect(c, now);
+                    busy = true;
+                }
+                if n.link.is_none() && n.conn.poll_connect(now).is_some() {
+                    n.link = Some(self.server.accept(now));
+                    n.conn.on_transport_open(now);
+                    busy = true;
+                }
+                if let Some(c) = n.link {
+                    let bytes = n.conn.output().to_vec();
+                    if !bytes.is_empty() {
+                        n.conn.consume_output(bytes.len());
+                        self.server.receive(c, &bytes, now);
+                        busy = true;
+                    }
+                    let out = self.server.take_output(c);
+                    if !out.is_empty() {
+                        n.conn.receive(&out, now);
+                        busy = true;
+                    }
+                    if self.server.is_closed(c) {
+                        n.conn.on_transport_closed(now, "closed by the server");
+                        self.server.disconnect(c, now);
+                        n.link = None;
+                        busy = true;
+                    }
+                }
+                while let Some(event) = n.conn.poll_event() {
+                    busy = true;
+                    n.broker.handle(&mut n.conn, Input::Nats(event), now);
+                }
+                let outputs: Vec<Output> = std::iter::from_fn(|| n.broker.poll_output()).collect();
+                busy |= !outputs.is_empty();
+                for out in outputs {
+                    self.route(node, out);
+                }
+            }
+            if !busy {
+                return;
+            }
+        }
+    }
+
+    fn route(&mut self, node: usize, out: Output) {
+        match out {
+            Output::Frame { session, text } => {
+                let frame = serde_json::from_str(&text).unwrap_or_else(|e| {
+                    panic!("broker sent a frame that is not JSON ({e}): {text}")
+                });
+                if let Some(mb) = self.mailboxes.get_mut(&Session { node, id: session })
+                    && mb.closed.is_none()
+                {
+                    mb.frames.push_back(frame);
+                }
+            }
+            Output::Close {
+                session,
+                code,
+                reason,
+            } => {
+                let s = Session { node, id: session };
+                if let Some(mb) = self.mailboxes.get_mut(&s) {
+                    mb.closed.get_or_insert((code, reason.to_string()));
+                }
+                let n = &mut self.nodes[node];
+                n.broker
+                    .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
+            }
+        }
+    }
+}
+
+/// The development configuration (namespace `dev`, anyone with [`TOKEN`]), for a test to
+/// add jobs or policies to.
+pub fn development_config() -> Config {
+    Config::development(keygen::token_sha256(TOKEN))
+}
+
+/// Creates the binding's streams for `config` on the model, as start-up does.
+pub fn provision(server: &mut Server, config: &Config, now: Instant) {
+    let c = server.accept(now);
+    let mut wire = b"CONNECT {\"headers\":true,\"verbose\":false}\r\nSUB _SETUP.> 1\r\n".to_vec();
+    let streams = setup::desired_streams(config, None, StreamSettings::default());
+    for (i, s) in streams.iter().enumerate() {
+        let name = s["name"].as_str().unwrap_or_default();
+        let body = s.to_string();
+        wire.extend_from_slice(
+            format!(
+                "PUB $JS.API.STREAM.CREATE.{name} _SETUP.{i} {}\r\n{body}\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+    }
+    server.receive(c, &wire, now);
+    let out = String::from_utf8_lossy(&server.take_output(c)).into_owned();
+    assert!(
+        !out.contains("\"error\"") && out.matches("MSG _SETUP.").count() == streams.len(),
+        "harness: stream set-up failed: {out}"
+    );
+    server.disconnect(c, now);
+}
