@@ -572,6 +572,9 @@ impl World {
                 self.clients[client].subs.insert(view.sub.clone(), view);
             }
             Req::Submit { task } => {
+                if code == "budget_exhausted" {
+                    self.checker.counts.budget_refusals += 1;
+                }
                 let c = &mut self.clients[client];
                 if ok {
                     c.unsettled.remove(&task);

@@ -23,6 +23,8 @@
 //!   `attempt > max_attempts`; a terminal state never changes; after the drain every task
 //!   is terminal; each terminal task has exactly one `task_result` message stored in its
 //!   submitter's inbox; every task whose submit was answered `ok` is in the store.
+//! - Budgets (at the end, from the task store): no participant with a task budget has
+//!   more tasks in the store than its budget, however many brokers admitted them.
 //! - Requests (each step): every request is answered at most once (an answer to an id
 //!   not outstanding is a violation) and within 30 s, unless its session closed first.
 //! - Memory (each step): each broker holds exactly the sessions the transport has open,
@@ -76,6 +78,8 @@ pub struct Counts {
     pub claims_ok: u64,
     pub tasks: u64,
     pub tolerated_skips: u64,
+    /// Submits answered `budget_exhausted`.
+    pub budget_refusals: u64,
 }
 
 impl Checker {
@@ -255,6 +259,7 @@ impl Checker {
         store: &[(u64, &str, &[u8])],
         inbox: &[(u64, &str, &[u8])],
         submitted: &[(String, String)],
+        budgets: &[(String, u64)],
     ) {
         let prefix = "$KV.AMP_TASK_STATE.dev.";
         let mut revisions: BTreeMap<&str, Vec<Value>> = BTreeMap::new();
@@ -317,6 +322,20 @@ impl Checker {
                 self.violation(format!(
                     "task {task} ({state}): {} task_result messages stored for {submitter}: {got:?}",
                     got.len()
+                ));
+            }
+        }
+        let mut per_submitter: BTreeMap<&str, u64> = BTreeMap::new();
+        for revs in revisions.values() {
+            if let Some(by) = revs.first().and_then(|r| r["submitted_by"].as_str()) {
+                *per_submitter.entry(by).or_default() += 1;
+            }
+        }
+        for (who, budget) in budgets {
+            let n = per_submitter.get(who.as_str()).copied().unwrap_or(0);
+            if n > *budget {
+                self.violation(format!(
+                    "{who} has {n} tasks in the store, its budget across all brokers is {budget}"
                 ));
             }
         }

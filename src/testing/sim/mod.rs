@@ -40,6 +40,8 @@ pub struct SimConfig {
     pub fault_per_mille: u64,
     /// Prints every frame, close and fault to stderr (for investigating a seed).
     pub trace: bool,
+    /// Participants p0 and p1 have a small task budget shared by all brokers.
+    pub budgets: bool,
 }
 
 impl SimConfig {
@@ -52,6 +54,7 @@ impl SimConfig {
             faults: true,
             fault_per_mille: 15,
             trace: false,
+            budgets: true,
         }
     }
 
@@ -86,6 +89,9 @@ impl SimConfig {
         }
         if let Some(c) = self.clients {
             cmd.push_str(&format!(" --clients {c}"));
+        }
+        if !self.budgets {
+            cmd.push_str(" --no-budgets");
         }
         if !self.faults {
             cmd.push_str(" --no-faults");
@@ -177,7 +183,12 @@ pub fn run(cfg: SimConfig) -> Result<Report, Failure> {
         .collect();
     let store = w.server.stream_messages("KV_AMP_TASK_STATE");
     let inbox = w.server.stream_messages("AMP_INBOX_dev");
-    w.checker.check_tasks(&store, &inbox, &submitted);
+    let budgets: Vec<(String, u64)> = world::BUDGETED
+        .iter()
+        .filter(|_| cfg.budgets)
+        .map(|name| (format!("{}/{name}", world::NS), world::TASK_BUDGET))
+        .collect();
+    w.checker.check_tasks(&store, &inbox, &submitted, &budgets);
     if !w.checker.violations.is_empty() {
         return Err(fail(&w));
     }

@@ -12,10 +12,9 @@ use super::SimConfig;
 use super::clients::Client;
 use super::invariants::Checker;
 use super::rng::SimRng;
-use crate::broker::binding::{self, StreamSettings};
 use crate::broker::clock::Clock;
-use crate::broker::config::{Config, Job};
-use crate::broker::{Broker, Input, Output, SessionId, keygen, setup};
+use crate::broker::config::{Config, Job, Participant, Policy};
+use crate::broker::{Broker, Input, Output, SessionId, keygen};
 use crate::nats::{Connection, Options};
 use crate::testing::nats_model::{ClientId, ModelOptions, Server};
 
@@ -30,9 +29,14 @@ pub const LEASE_S: u64 = 3;
 pub const OFFER_MS: u64 = 1000;
 pub const INBOX_ACK_WAIT_S: u64 = 5;
 pub const INBOX_WINDOW: u32 = 8;
+/// Participants with a task budget, shared by every broker, and its size: small, so that
+/// it runs out in most runs. Its window (31 days) outlasts any run.
+pub const BUDGETED: [&str; 2] = ["p0", "p1"];
+pub const TASK_BUDGET: u64 = 2;
 
-/// The configuration every broker of a run shares.
-pub fn sim_config() -> Config {
+/// The configuration every broker of a run shares; `budgets` gives [`BUDGETED`] their
+/// task budget.
+pub fn sim_config(budgets: bool) -> Config {
     let mut config = Config::development(keygen::token_sha256(TOKEN));
     if let Some(ns) = config.namespaces.get_mut(NS) {
         ns.jobs.insert(
@@ -46,6 +50,21 @@ pub fn sim_config() -> Config {
         );
         ns.inbox.ack_wait_s = INBOX_ACK_WAIT_S;
         ns.inbox.inbox_window = INBOX_WINDOW;
+        if let Some(open) = ns.open.clone().filter(|_| budgets) {
+            let budgeted = Participant {
+                policy: Some(Policy {
+                    msgs_per_s: None,
+                    burst: None,
+                    bytes_per_s: None,
+                    tasks_per_window: Some(TASK_BUDGET),
+                    window_s: Some(31 * 86_400),
+                }),
+                ..open
+            };
+            for name in BUDGETED {
+                ns.participants.insert(name.to_string(), budgeted.clone());
+            }
+        }
     }
     config
 }
@@ -70,7 +89,14 @@ pub struct Node {
 }
 
 impl Node {
-    fn new(id: &str, incarnation: u32, rng: &mut SimRng, now: Instant, clock: Clock) -> Node {
+    fn new(
+        id: &str,
+        incarnation: u32,
+        cfg: &SimConfig,
+        rng: &mut SimRng,
+        clock: Clock,
+        now: Instant,
+    ) -> Node {
         let mut options = Options::new("nats://127.0.0.1:4222");
         options.rng_seed = Some(rng.next_u64());
         options.retry_on_failed_connect = true;
@@ -79,8 +105,13 @@ impl Node {
         options.name = Some(format!("{id}.{incarnation}"));
         let mut conn = Connection::new(options, now);
         // The frame schema is compiled once per process (FrameValidator::new).
-        let mut broker = Broker::new(sim_config(), id.to_string(), clock, rng.bytes32())
-            .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
+        let mut broker = Broker::new(
+            sim_config(cfg.budgets),
+            id.to_string(),
+            clock,
+            rng.bytes32(),
+        )
+        .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
         broker
             .start(&mut conn, now)
             .unwrap_or_else(|e| panic!("harness: broker {id} does not start: {e}"));
@@ -154,12 +185,12 @@ impl World {
         let mut options = ModelOptions::new(wall);
         options.seed = rng.next_u64();
         let mut server = Server::new(options, t0);
-        provision(&mut server, t0);
+        crate::testing::harness::provision(&mut server, &sim_config(true), t0);
         let brokers = cfg.brokers.unwrap_or_else(|| rng.range(1, 3) as usize);
         let clients = cfg.clients.unwrap_or_else(|| rng.range(2, 12) as usize);
         let clock = Clock::new(t0, WALL_MS);
         let nodes = (0..brokers)
-            .map(|i| Node::new(&format!("b{i}"), 0, &mut rng, t0, clock))
+            .map(|i| Node::new(&format!("b{i}"), 0, &cfg, &mut rng, clock, t0))
             .collect();
         let clients = (0..clients).map(|i| Client::new(i, &mut rng, t0)).collect();
         World {
@@ -426,7 +457,7 @@ impl World {
             old.sessions.iter().map(|(&s, &c)| (s, c)).collect();
         let (id, incarnation) = (old.id.clone(), old.incarnation + 1);
         let clock = Clock::new(self.t0, WALL_MS);
-        self.nodes[node] = Node::new(&id, incarnation, &mut self.rng, now, clock);
+        self.nodes[node] = Node::new(&id, incarnation, &self.cfg, &mut self.rng, clock, now);
         for (session, client) in sessions {
             self.client_closed(client, (node, session), None);
         }
@@ -530,31 +561,4 @@ impl World {
             }
         }
     }
-}
-
-/// Creates the streams of the binding on the model, as start-up does.
-fn provision(server: &mut Server, now: Instant) {
-    let c = server.accept(now);
-    let mut wire = b"CONNECT {\"headers\":true,\"verbose\":false}\r\nSUB _SETUP.> 1\r\n".to_vec();
-    let config = sim_config();
-    let streams = setup::desired_streams(&config, None, StreamSettings::default());
-    for (i, s) in streams.iter().enumerate() {
-        let name = s["name"].as_str().unwrap_or_default();
-        let body = s.to_string();
-        wire.extend_from_slice(
-            format!(
-                "PUB $JS.API.STREAM.CREATE.{name} _SETUP.{i} {}\r\n{body}\r\n",
-                body.len()
-            )
-            .as_bytes(),
-        );
-    }
-    server.receive(c, &wire, now);
-    let out = String::from_utf8_lossy(&server.take_output(c)).into_owned();
-    assert!(
-        !out.contains("\"error\"") && out.matches("MSG _SETUP.").count() == streams.len(),
-        "harness: stream set-up failed: {out}"
-    );
-    server.disconnect(c, now);
-    let _ = binding::TASK_STATE_BUCKET;
 }
