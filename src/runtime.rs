@@ -15,7 +15,7 @@ use crate::broker::config::Config;
 use crate::broker::core::{Broker, Input, Output};
 use crate::broker::embedded::EmbeddedServer;
 use crate::lame_duck::LameDuck;
-use crate::nats::{self, Driver, Event as NatsEvent, RequestId};
+use crate::nats::{self, Driver, Event as NatsEvent, RequestError, RequestId};
 use crate::signals::{Request, Signals};
 use crate::tls::ListenerTls;
 use crate::ws::connection::{HttpHost, WsConfig};
@@ -78,12 +78,85 @@ pub fn origin_policy(any: bool, flags: &[String], file: &[String]) -> OriginPoli
     OriginPolicy::from_list(&all)
 }
 
-/// What `/healthz` reports: the NATS connection and JetStream's last answer.
+/// What `/healthz` reports: the NATS connection and JetStream's last answer. It asks
+/// JetStream itself (`$JS.API.INFO` every [`HEALTH_INTERVAL`]) and takes its own answer
+/// out of the event stream; everything else goes on to the broker.
 struct Health {
     connected: bool,
     jetstream: Result<(), String>,
     probe: Option<RequestId>,
     next_probe: Instant,
+}
+
+impl Health {
+    fn new(now: Instant) -> Health {
+        Health {
+            connected: false,
+            jetstream: Err("JetStream has not answered yet".to_string()),
+            probe: None,
+            next_probe: now,
+        }
+    }
+
+    /// Sends the next probe when one is due and none is out.
+    fn tick(&mut self, conn: &mut nats::Connection, now: Instant) {
+        if now < self.next_probe {
+            return;
+        }
+        self.next_probe = now + HEALTH_INTERVAL;
+        if self.probe.is_none() && conn.is_connected() {
+            self.probe = conn
+                .request("$JS.API.INFO", None, b"", HEALTH_INTERVAL, now)
+                .ok();
+        }
+    }
+
+    /// Follows the connection through `event`; true when the event was the probe's own
+    /// answer and goes no further.
+    fn observe(&mut self, event: &NatsEvent, now: Instant) -> bool {
+        match event {
+            NatsEvent::Connected { .. } | NatsEvent::Reconnected { .. } => {
+                self.connected = true;
+                self.next_probe = now;
+                log::info!("NATS connection up");
+            }
+            NatsEvent::Disconnected { reason } => {
+                self.connected = false;
+                self.jetstream = Err("NATS connection is down".to_string());
+                self.probe = None;
+                log::warn!("NATS connection down: {reason}");
+            }
+            NatsEvent::Response { id, .. } if self.probe == Some(*id) => {
+                self.probe = None;
+                self.jetstream = Ok(());
+                return true;
+            }
+            // A server without JetStream has nobody on `$JS.API.INFO`: the connection
+            // reports its 503 as no responders.
+            NatsEvent::RequestFailed {
+                id,
+                error: RequestError::NoResponders,
+            } if self.probe == Some(*id) => {
+                self.probe = None;
+                self.jetstream = Err("JetStream is not enabled".to_string());
+                return true;
+            }
+            NatsEvent::RequestFailed { id, error } if self.probe == Some(*id) => {
+                self.probe = None;
+                self.jetstream = Err(format!("JetStream does not answer: {error}"));
+                return true;
+            }
+            _ => {}
+        }
+        false
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !self.connected {
+            return Err("NATS connection is down".to_string());
+        }
+        self.jetstream.clone()
+    }
 }
 
 /// What `/livez` reports: whether the loop's recent wake-ups came on time. A loop that is
@@ -134,10 +207,7 @@ struct Host<'a> {
 
 impl HttpHost for Host<'_> {
     fn health(&self) -> Result<(), String> {
-        if !self.health.connected {
-            return Err("NATS connection is down".to_string());
-        }
-        self.health.jetstream.clone()
+        self.health.check()
     }
 
     fn live(&self) -> Result<(), String> {
@@ -213,12 +283,7 @@ pub fn run(
         .start(nats.connection_mut(), now)
         .map_err(io::Error::other)?;
     nats.drive(poll.registry(), now);
-    let mut health = Health {
-        connected: false,
-        jetstream: Err("JetStream has not answered yet".to_string()),
-        probe: None,
-        next_probe: now,
-    };
+    let mut health = Health::new(now);
     let mut ids: HashMap<u64, SessionId> = HashMap::new();
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
@@ -332,15 +397,7 @@ pub fn run(
         nats.drive(poll.registry(), now);
         broker.handle(nats.connection_mut(), Input::Timeout, now);
 
-        if now >= health.next_probe {
-            health.next_probe = now + HEALTH_INTERVAL;
-            if health.probe.is_none() && nats.connection().is_connected() {
-                health.probe = nats
-                    .connection_mut()
-                    .request("$JS.API.INFO", None, b"", HEALTH_INTERVAL, now)
-                    .ok();
-            }
-        }
+        health.tick(nats.connection_mut(), now);
         if let Some(server) = embedded.as_mut().filter(|_| now >= next_supervise) {
             next_supervise = now + SUPERVISE_INTERVAL;
             match server.supervise() {
@@ -394,35 +451,9 @@ pub fn run(
             }
             while let Some(event) = nats.connection_mut().poll_event() {
                 busy = true;
-                match &event {
-                    NatsEvent::Connected { .. } | NatsEvent::Reconnected { .. } => {
-                        health.connected = true;
-                        health.next_probe = now;
-                        log::info!("NATS connection up");
-                    }
-                    NatsEvent::Disconnected { reason } => {
-                        health.connected = false;
-                        health.jetstream = Err("NATS connection is down".to_string());
-                        health.probe = None;
-                        log::warn!("NATS connection down: {reason}");
-                    }
-                    NatsEvent::Response { id, msg } if health.probe == Some(*id) => {
-                        health.probe = None;
-                        health.jetstream = if msg.status() == Some(503) {
-                            Err("JetStream is not enabled".to_string())
-                        } else {
-                            Ok(())
-                        };
-                        continue;
-                    }
-                    NatsEvent::RequestFailed { id, error } if health.probe == Some(*id) => {
-                        health.probe = None;
-                        health.jetstream = Err(format!("JetStream does not answer: {error}"));
-                        continue;
-                    }
-                    _ => {}
+                if !health.observe(&event, now) {
+                    broker.handle(nats.connection_mut(), Input::Nats(event), now);
                 }
-                broker.handle(nats.connection_mut(), Input::Nats(event), now);
             }
             while let Some(out) = broker.poll_output() {
                 busy = true;
@@ -531,6 +562,96 @@ fn reload_tls(ws: &mut WsServer, tls: &ListenerTls) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nats::Options;
+
+    /// A NATS connection through its handshake, on a virtual clock, its output consumed.
+    fn connected(now: Instant) -> nats::Connection {
+        let mut conn = nats::Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        conn.poll_connect(now).expect("a server to dial");
+        conn.on_transport_open(now);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+            now,
+        );
+        conn.receive(b"PONG\r\n", now);
+        let n = conn.output().len();
+        conn.consume_output(n);
+        conn
+    }
+
+    /// The events the connection has, each shown to `health`; those it lets through.
+    fn observed(health: &mut Health, conn: &mut nats::Connection, now: Instant) -> Vec<NatsEvent> {
+        std::iter::from_fn(|| conn.poll_event())
+            .filter(|e| !health.observe(e, now))
+            .collect()
+    }
+
+    /// The inbox and reply subject of the probe the connection just wrote.
+    fn probe_reply(conn: &mut nats::Connection) -> String {
+        let out = String::from_utf8_lossy(conn.output()).into_owned();
+        let n = conn.output().len();
+        conn.consume_output(n);
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("PUB $JS.API.INFO "))
+            .unwrap_or_else(|| panic!("no probe written: {out:?}"));
+        line.split(' ').nth(2).unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn health_follows_the_connection_and_its_probe_answers_never_reach_the_broker() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut health = Health::new(t0);
+        assert!(health.check().is_err(), "down before the first event");
+        let passed = observed(&mut health, &mut conn, t0);
+        assert!(
+            matches!(passed[..], [NatsEvent::Connected { .. }]),
+            "{passed:?}"
+        );
+        assert_eq!(health.check(), Err("JetStream has not answered yet".into()));
+
+        health.tick(&mut conn, t0);
+        let reply = probe_reply(&mut conn);
+        conn.receive(format!("MSG {reply} 1 2\r\n{{}}\r\n").as_bytes(), t0);
+        assert!(
+            observed(&mut health, &mut conn, t0).is_empty(),
+            "the probe's answer went on"
+        );
+        assert_eq!(health.check(), Ok(()));
+
+        // Not again before the interval; then JetStream is switched off.
+        health.tick(&mut conn, t0 + Duration::from_secs(1));
+        assert!(conn.output().is_empty(), "probed again within the interval");
+        let t1 = t0 + HEALTH_INTERVAL;
+        health.tick(&mut conn, t1);
+        let reply = probe_reply(&mut conn);
+        conn.receive(
+            format!("HMSG {reply} 1 16 16\r\nNATS/1.0 503\r\n\r\n\r\n").as_bytes(),
+            t1,
+        );
+        let passed = observed(&mut health, &mut conn, t1);
+        assert!(passed.is_empty(), "{passed:?}");
+        assert_eq!(health.check(), Err("JetStream is not enabled".into()));
+
+        // A probe nobody answers fails at its deadline.
+        let t2 = t1 + HEALTH_INTERVAL;
+        health.tick(&mut conn, t2);
+        probe_reply(&mut conn);
+        let t3 = t2 + HEALTH_INTERVAL + Duration::from_millis(1);
+        conn.handle_timeout(t3);
+        assert!(observed(&mut health, &mut conn, t3).is_empty());
+        let err = health.check().err().unwrap_or_default();
+        assert!(err.starts_with("JetStream does not answer"), "{err}");
+
+        conn.on_transport_closed(t3, "test");
+        let passed = observed(&mut health, &mut conn, t3);
+        assert!(
+            matches!(passed[..], [NatsEvent::Disconnected { .. }]),
+            "{passed:?}"
+        );
+        assert_eq!(health.check(), Err("NATS connection is down".into()));
+    }
 
     #[test]
     fn liveness_fails_for_a_window_after_a_late_wake_up() {
