@@ -6,7 +6,7 @@
 //!
 //! Options: `--seeds N` (seeds `--first` .. `--first + N`, default first 1), `--seed S`
 //! (one seed, decimal or 0x hex), `--steps K` (steps before the drain, default 300),
-//! `--brokers B`, `--clients C`, `--no-faults`, `--no-budgets` (no task budgets for p0 and p1), `--fault-rate R` (faults per 1000 steps, default 15), `--verbose` (one line per seed), `--trace` (every frame
+//! `--brokers B`, `--clients C`, `--no-faults`, `--generation G` (the world of an older simulator, to replay a seed found in it), `--fault-rate R` (faults per 1000 steps, default 15), `--verbose` (one line per seed), `--trace` (every frame
 //! and fault to stderr).
 //! Prints steps/s and every failure with the command that replays it; exits 1 on any.
 
@@ -39,7 +39,7 @@ fn main_inner() -> Result<bool, String> {
     let (mut seeds, mut first, mut one) = (100u64, 1u64, None);
     let mut steps = 300u64;
     let (mut brokers, mut clients, mut faults, mut verbose) = (None, None, true, false);
-    let mut budgets = true;
+    let mut generation = amp_broker::testing::sim::GENERATION;
     let mut trace = false;
     let mut fault_rate = None;
     while let Some(a) = args.next() {
@@ -52,7 +52,7 @@ fn main_inner() -> Result<bool, String> {
             "--brokers" => brokers = Some(number(&value()?)? as usize),
             "--clients" => clients = Some(number(&value()?)? as usize),
             "--no-faults" => faults = false,
-            "--no-budgets" => budgets = false,
+            "--generation" => generation = number(&value()?)? as u32,
             "--verbose" => verbose = true,
             "--trace" => trace = true,
             "--fault-rate" => fault_rate = Some(number(&value()?)?),
@@ -67,7 +67,7 @@ fn main_inner() -> Result<bool, String> {
     let (mut total_steps, mut failures, mut virtual_ms) = (0u64, 0u64, 0u64);
     for seed in &list {
         let mut cfg = SimConfig::new(*seed).steps(steps).faults(faults);
-        cfg.budgets = budgets;
+        cfg.generation = generation;
         cfg.trace = trace;
         if let Some(r) = fault_rate {
             cfg.fault_per_mille = r;

@@ -383,6 +383,16 @@ impl World {
                 }
             }
             84..86 => c.slow = !c.slow,
+            // Reconnects while the old socket is half open: the transport notices the old
+            // session's end only later, and meanwhile the broker still sends it offers
+            // and messages nobody reads.
+            86..88 if self.cfg.generation >= 2 => {
+                if let Some(s) = c.session {
+                    let lingers = Duration::from_millis(c.rng.range(500, 20_000));
+                    self.zombies.push((self.now + lingers, s));
+                    self.client_closed(client, s, None);
+                }
+            }
             _ => {}
         }
     }
@@ -685,6 +695,9 @@ impl World {
         _why: Option<(u16, String)>,
     ) {
         let now = self.now;
+        if self.zombies.iter().all(|z| z.1 != session) {
+            self.checker.session_closed(session);
+        }
         let c = &mut self.clients[client];
         if c.session != Some(session) {
             return;
@@ -701,7 +714,6 @@ impl World {
             c.rng.range(50, 3000)
         };
         c.next_at = now + Duration::from_millis(back);
-        self.checker.session_closed(session);
         self.queued.retain(|q| q.session != session);
     }
 }

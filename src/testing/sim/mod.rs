@@ -25,6 +25,9 @@ use std::time::Duration;
 pub use rng::SimRng;
 pub use world::{Stats, World};
 
+/// The newest generation of the simulated world (see [`SimConfig::generation`]).
+pub const GENERATION: u32 = 2;
+
 /// What one run does.
 #[derive(Debug, Clone, Copy)]
 pub struct SimConfig {
@@ -40,8 +43,11 @@ pub struct SimConfig {
     pub fault_per_mille: u64,
     /// Prints every frame, close and fault to stderr (for investigating a seed).
     pub trace: bool,
-    /// Participants p0 and p1 have a small task budget shared by all brokers.
-    pub budgets: bool,
+    /// What the simulated world includes, by the simulator's generation: 1 as first
+    /// built; 2 adds task budgets for p0 and p1 and clients whose reconnect overlaps an
+    /// old session the transport has not closed yet. A seed found in one generation
+    /// replays exactly only in it.
+    pub generation: u32,
 }
 
 impl SimConfig {
@@ -54,7 +60,7 @@ impl SimConfig {
             faults: true,
             fault_per_mille: 15,
             trace: false,
-            budgets: true,
+            generation: GENERATION,
         }
     }
 
@@ -90,8 +96,8 @@ impl SimConfig {
         if let Some(c) = self.clients {
             cmd.push_str(&format!(" --clients {c}"));
         }
-        if !self.budgets {
-            cmd.push_str(" --no-budgets");
+        if self.generation != GENERATION {
+            cmd.push_str(&format!(" --generation {}", self.generation));
         }
         if !self.faults {
             cmd.push_str(" --no-faults");
@@ -185,7 +191,7 @@ pub fn run(cfg: SimConfig) -> Result<Report, Failure> {
     let inbox = w.server.stream_messages("AMP_INBOX_dev");
     let budgets: Vec<(String, u64)> = world::BUDGETED
         .iter()
-        .filter(|_| cfg.budgets)
+        .filter(|_| cfg.generation >= 2)
         .map(|name| (format!("{}/{name}", world::NS), world::TASK_BUDGET))
         .collect();
     w.checker.check_tasks(&store, &inbox, &submitted, &budgets);

@@ -106,7 +106,7 @@ impl Node {
         let mut conn = Connection::new(options, now);
         // The frame schema is compiled once per process (FrameValidator::new).
         let mut broker = Broker::new(
-            sim_config(cfg.budgets),
+            sim_config(cfg.generation >= 2),
             id.to_string(),
             clock,
             rng.bytes32(),
@@ -150,6 +150,9 @@ pub struct World {
     pub nodes: Vec<Node>,
     pub clients: Vec<Client>,
     pub queued: Vec<Queued>,
+    /// Sessions their clients left for a new one while the transport still holds them
+    /// open, with when the transport notices.
+    pub zombies: Vec<(Instant, (usize, SessionId))>,
     pub checker: Checker,
     /// Faults may happen (off during the drain at the end).
     pub faults_on: bool,
@@ -202,6 +205,7 @@ impl World {
             nodes,
             clients,
             queued: Vec::new(),
+            zombies: Vec::new(),
             checker: Checker::default(),
             faults_on: cfg.faults,
             draining: false,
@@ -253,12 +257,22 @@ impl World {
         for q in &self.queued {
             take(Some(q.at));
         }
+        for z in &self.zombies {
+            take(Some(z.0));
+        }
         at
     }
 
     /// Runs every timer that is due at `now`.
     pub fn fire_timers(&mut self) {
         let now = self.now;
+        let (due, lingering): (Vec<_>, Vec<_>) = self.zombies.drain(..).partition(|z| z.0 <= now);
+        self.zombies = lingering;
+        for (_, session) in due {
+            self.mix(&format!("zombie b{}/{} closed", session.0, session.1));
+            self.close_session(session);
+            self.checker.session_closed(session);
+        }
         if self.server.poll_timeout().is_some_and(|t| t <= now) {
             self.server.handle_timeout(now);
         }
@@ -389,6 +403,7 @@ impl World {
                 reason,
             } => {
                 self.mix(&format!("close b{node}/{session} {code} {reason}"));
+                self.zombies.retain(|z| z.1 != (node, session));
                 if let Some(client) = self.nodes[node].sessions.remove(&session) {
                     self.client_closed(client, (node, session), Some((code, reason)));
                 }
@@ -456,6 +471,7 @@ impl World {
         let sessions: Vec<(SessionId, usize)> =
             old.sessions.iter().map(|(&s, &c)| (s, c)).collect();
         let (id, incarnation) = (old.id.clone(), old.incarnation + 1);
+        self.zombies.retain(|z| z.1.0 != node);
         let clock = Clock::new(self.t0, WALL_MS);
         self.nodes[node] = Node::new(&id, incarnation, &self.cfg, &mut self.rng, clock, now);
         for (session, client) in sessions {
