@@ -284,6 +284,10 @@ pub struct Broker {
     broker_id: String,
     sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
+    /// Durable subscriptions' events that reached the broker after their session ended
+    /// (they were in flight), by (stream, consumer) and stream sequence, while that
+    /// consumer's hand-back is under way: naked with it, in stream order.
+    late_events: BTreeMap<(String, String), BTreeMap<u64, String>>,
     /// Every NATS round trip in flight, of every capability.
     continuations: Continuations,
     metrics: AmpMetrics,
@@ -342,6 +346,7 @@ impl Broker {
             broker_id,
             sessions: IdMap::default(),
             presence: HashMap::new(),
+            late_events: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
             routes: IdMap::default(),
@@ -529,6 +534,7 @@ impl Broker {
                     }
                 }
             },
+            Event::Unread { msg, .. } => self.unread_delivery(conn, &msg),
             Event::Response { id, msg } => self.reply(conn, id, Ok(msg), now),
             Event::RequestFailed { id, error } => self.reply(conn, id, Err(error), now),
             Event::InvalidMessages { dropped } => {
@@ -1019,6 +1025,64 @@ mod tests {
         b.handle(&mut conn, Input::SessionClosed { session: 1 }, t0);
         let f = b.footprint();
         assert_eq!((f.sessions, f.present_participants), (0, 0), "{f:?}");
+    }
+
+    #[test]
+    fn an_event_in_flight_when_its_durable_session_ended_is_handed_back_in_order() {
+        // Found by the simulator (seeds 0x5a6, 0x6bf): an event the server had sent to
+        // the ended session's pull inbox reached the broker after the UNSUB and was
+        // dropped, so it came back only after its ack wait (30 s) and a session resuming
+        // the durable sooner started past it.
+        let t0 = Instant::now();
+        let mut b = broker(t0, [4; 32]);
+        let mut conn = connected(t0);
+        let (stream, consumer) = ("AMP_TOPICS_dev", "dsub_5_alice_d1");
+        let ack =
+            |seq: u64| format!("$JS.ACK.{stream}.{consumer}.1.{seq}.{seq}.1800000000000000000.0");
+        let late = |seq: u64| Message {
+            subject: "amp.dev.topic.t.a".into(),
+            reply: Some(ack(seq)),
+            headers: None,
+            payload: b"{}".to_vec(),
+        };
+        let naks = |conn: &mut Connection| {
+            let wire = String::from_utf8_lossy(conn.output()).into_owned();
+            let n = conn.output().len();
+            conn.consume_output(n);
+            wire.lines()
+                .filter_map(|l| l.strip_prefix("PUB "))
+                .filter_map(|l| l.split(' ').next())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        // No hand-back of that consumer under way: handed back at once.
+        let unread = |seq| Event::Unread {
+            sid: crate::nats::Sid(77),
+            msg: late(seq),
+        };
+        b.handle(&mut conn, Input::Nats(unread(3)), t0);
+        assert_eq!(naks(&mut conn), [ack(3)]);
+        // While one is, it waits and goes out with it in stream order, behind the
+        // session's own unacknowledged event 4 (before: 6 first, then 4, which the
+        // resumed session took for a redelivery of an event it had and skipped).
+        b.late_events
+            .insert((stream.into(), consumer.into()), BTreeMap::new());
+        b.handle(&mut conn, Input::Nats(unread(6)), t0);
+        assert!(naks(&mut conn).is_empty());
+        let info = Message {
+            subject: "_INBOX.x".into(),
+            reply: None,
+            headers: None,
+            payload: br#"{"num_waiting":0}"#.to_vec(),
+        };
+        b.hand_back_done(
+            &mut conn,
+            (stream.into(), consumer.into(), vec![ack(4)], 0),
+            Ok(info),
+            t0,
+        );
+        assert_eq!(naks(&mut conn), [ack(4), ack(6)]);
+        assert!(b.late_events.is_empty());
     }
 
     #[test]

@@ -85,6 +85,14 @@ pub enum Event {
         sid: Sid,
         msg: Message,
     },
+    /// A JetStream delivery (its reply an ack subject) on a subscription this connection
+    /// had already ended: the server sent it before it had the UNSUB. Nobody reads it,
+    /// and unacknowledged it would wait out its consumer's ack wait before anyone else
+    /// got it; its owner can hand it back (`-NAK`) at once.
+    Unread {
+        sid: Sid,
+        msg: Message,
+    },
     /// The first reply to a request.
     Response {
         id: RequestId,
@@ -492,7 +500,10 @@ impl Connection {
 
     pub fn poll_event(&mut self) -> Option<Event> {
         let event = self.events.pop_front()?;
-        if matches!(event, Event::Message { .. } | Event::Response { .. }) {
+        if matches!(
+            event,
+            Event::Message { .. } | Event::Unread { .. } | Event::Response { .. }
+        ) {
             self.queued_messages = self.queued_messages.saturating_sub(1);
             if self.dropped_since_report > 0 && self.queued_messages == 0 {
                 let dropped = std::mem::take(&mut self.dropped_since_report);
@@ -1163,7 +1174,8 @@ impl Connection {
             self.on_response(subject, reply, headers, payload);
             return;
         }
-        if self.subs.deliver(sid) == Delivery::Unknown {
+        let known = self.subs.deliver(sid) != Delivery::Unknown;
+        if !known && !reply.is_some_and(|r| r.starts_with(b"$JS.ACK.")) {
             return;
         }
         if self.queued_messages >= self.options.max_pending_messages {
@@ -1173,7 +1185,11 @@ impl Connection {
         }
         let msg = make_message(subject, reply, headers, payload);
         self.queued_messages += 1;
-        self.events.push_back(Event::Message { sid, msg });
+        self.events.push_back(if known {
+            Event::Message { sid, msg }
+        } else {
+            Event::Unread { sid, msg }
+        });
     }
 
     fn on_response(

@@ -831,3 +831,28 @@ fn handshake_first_starts_tls_at_once_and_servers_learned_later_keep_tls() {
     }
     panic!("the learned server was never dialled");
 }
+
+#[test]
+fn a_jetstream_delivery_after_unsubscribe_is_handed_over_as_unread() {
+    // Found by the simulator (seeds 0x5a6, 0x6bf): an event the server sent to a durable
+    // subscription's pull inbox just before the UNSUB reached it was dropped here, so it
+    // waited out its ack wait (30 s) and a session resuming sooner started past it.
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("pull.in", None).expect("sub");
+    h.conn.unsubscribe(sid, None).expect("unsub");
+    let ack = "$JS.ACK.AMP_TOPICS_dev.dsub_1_a_d.1.3.3.1700000000000000000.0";
+    h.conn.receive(
+        format!("MSG pull.in {sid} {ack} 1\r\nx\r\n").as_bytes(),
+        h.now,
+    );
+    // A plain message on an ended subscription is still nobody's.
+    h.conn
+        .receive(format!("MSG pull.in {sid} 1\r\ny\r\n").as_bytes(), h.now);
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Unread { sid: s, msg }] if *s == sid && msg.reply.as_deref() == Some(ack)),
+        "{events:?}"
+    );
+}

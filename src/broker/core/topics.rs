@@ -682,6 +682,11 @@ impl Broker {
         if acks.is_empty() {
             return;
         }
+        if looks == 0 {
+            self.late_events
+                .entry((stream.clone(), consumer.clone()))
+                .or_default();
+        }
         let ns = stream
             .strip_prefix(&binding::topics_stream(""))
             .unwrap_or_default();
@@ -700,7 +705,59 @@ impl Broker {
                     looks,
                 },
             ),
-            Err(_) => acks.iter().for_each(|ack| nak(conn, ack)),
+            Err(_) => self.nak_handed_back(conn, &stream, &consumer, acks),
+        }
+    }
+
+    /// Naks a hand-back's events together with those that arrived late meanwhile, in
+    /// stream order.
+    fn nak_handed_back(
+        &mut self,
+        conn: &mut Connection,
+        stream: &str,
+        consumer: &str,
+        acks: Vec<String>,
+    ) {
+        let mut all = self
+            .late_events
+            .remove(&(stream.to_string(), consumer.to_string()))
+            .unwrap_or_default();
+        for ack in acks {
+            if let Ok(seq) = AckMetadata::parse(&ack).map(|m| m.stream_sequence) {
+                all.entry(seq).or_insert(ack);
+            } else {
+                nak(conn, &ack);
+            }
+        }
+        for ack in all.values() {
+            nak(conn, ack);
+        }
+    }
+
+    /// An event that reached the broker on a pull inbox it had already left: it was in
+    /// flight when a durable subscription's session ended. Left alone it would come back
+    /// only after its ack wait (30 s), after events delivered meanwhile, and a session
+    /// resuming the durable sooner would start past it; so it is handed back now, behind
+    /// a hand-back of the same consumer still under way.
+    pub(super) fn unread_delivery(&mut self, conn: &mut Connection, msg: &Message) {
+        let Some(reply) = msg.reply.as_deref() else {
+            return;
+        };
+        let Ok(meta) = AckMetadata::parse(reply) else {
+            return;
+        };
+        // Other consumers (inbox, jobs) are left to their own redelivery; a plain
+        // subscription's consumer ignores the nak (it acknowledges nothing).
+        if !meta.stream.starts_with(&binding::topics_stream("")) {
+            return;
+        }
+        let key = (meta.stream.to_string(), meta.consumer.to_string());
+        match self.late_events.get_mut(&key) {
+            Some(late) if late.len() < DURABLE_WINDOW as usize => {
+                // A later delivery of the same event carries the ack subject that counts.
+                late.insert(meta.stream_sequence, reply.to_string());
+            }
+            _ => nak(conn, reply),
         }
     }
 
@@ -720,9 +777,7 @@ impl Broker {
         if waiting > 0 && looks < HAND_BACK_LOOKS {
             return self.hand_back(conn, stream, consumer, acks, looks + 1, now);
         }
-        for ack in &acks {
-            nak(conn, ack);
-        }
+        self.nak_handed_back(conn, &stream, &consumer, acks);
     }
 
     /// A session ended: every subscription stops.

@@ -451,6 +451,7 @@ impl World {
 
     /// The client side ends a session (bye done, vanished): the transport reports it.
     pub fn close_session(&mut self, (node, session): (usize, SessionId)) {
+        self.mix(&format!("client closes b{node}/{session}"));
         let n = &mut self.nodes[node];
         if n.sessions.remove(&session).is_some() {
             n.broker
