@@ -147,12 +147,18 @@ impl Broker {
 
     /// Moves bytes and events for up to `wait`, feeding the engine.
     fn step(&mut self, wait: Duration) {
+        self.step_as_if(wait, None);
+    }
+
+    /// Moves bytes and events for up to `wait`, feeding the engine what arrived as if it
+    /// arrived at `at` (a reply held up on its way), timers at the real time.
+    fn step_as_if(&mut self, wait: Duration, at: Option<Instant>) {
         let mut events = Vec::new();
         let _ = self.client.run_until(wait, |e| {
             events.push(e.clone());
             false
         });
-        let now = Instant::now();
+        let now = at.unwrap_or_else(Instant::now);
         let conn = self.client.connection_mut();
         for e in events {
             match e {
@@ -209,6 +215,17 @@ impl Broker {
     #[track_caller]
     fn reply(&mut self, session: u64, re: &str) -> Value {
         self.expect(session, Duration::from_secs(10), |v| v["re"] == re)
+    }
+
+    /// The answer to `re` if the engine has given it, without pumping.
+    fn reply_if_any(&mut self, session: u64, re: &str) -> Option<Value> {
+        let pos = self.out.iter().position(|o| {
+            matches!(o, JobsOutput::Reply { session: s, re: r, .. } if *s == session && r == re)
+        })?;
+        match self.out.remove(pos) {
+            JobsOutput::Reply { text, .. } => Some(parse(&text)),
+            _ => None,
+        }
     }
 
     #[track_caller]
@@ -595,6 +612,43 @@ fn a_heartbeat_after_lease_until_is_refused_even_before_the_expiry_timer_has_run
     );
     let r = b.request(W1, "w1", json!({"op":"heartbeat","id":"h2","task":"T"}));
     assert_eq!(r["op"], "ok", "{r}");
+}
+
+#[test]
+fn a_claim_whose_write_is_answered_after_the_lease_it_grants_ran_out_gets_lease_lost() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(1, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    // The claim's write goes out now (a lease of 1 s from now); its answer is handled as
+    // if it arrived 1.5 s later. Before: `ok` with a `lease_until` already past.
+    let sent = Instant::now();
+    b.send_at(W1, "w1", json!({"op":"claim","id":"c","task":"T"}), sent);
+    let late = sent + Duration::from_millis(1500);
+    let deadline = Instant::now() + SECS;
+    let r = loop {
+        b.step_as_if(Duration::from_millis(20), Some(late));
+        if let Some(r) = b.reply_if_any(W1, "c") {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the claim is answered");
+    };
+    assert_eq!(r["code"], "lease_lost", "{r}");
+    // The attempt is spent as for any lease that ran out; the task is offered again, and
+    // the session that was told `lease_lost` gets no `revoked` besides.
+    let again = b.offer(W1, SECS * 3);
+    assert_eq!(again["attempt"], 2, "{again}");
+    let frames = b.frames_for(W1, Duration::from_millis(100));
+    assert!(frames.iter().all(|f| f["op"] != "revoked"), "{frames:?}");
 }
 
 #[test]

@@ -143,6 +143,15 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "a durable skipped an event in flight when its session ended",
     ),
+    // Failed once the checker required it (jobs/lease.rs): a claim whose task-store reply
+    // came after the lease_until it granted was answered ok, not lease_lost.
+    (
+        0xf5,
+        300,
+        None,
+        None,
+        "a claim answered ok for a lease that had already run out",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

@@ -191,6 +191,17 @@ impl Jobs {
         now: Instant,
     ) {
         let until_ms = record.lease_until_ms.unwrap_or_default();
+        if until_ms <= self.clock.ms(now) {
+            // The task store answered after the lease this write granted had run out: the
+            // session holds nothing, so its claim or heartbeat gets what one sent after the
+            // lease ran out gets (spec 2.4), not an `ok` for a lease already over. The
+            // attempt stays spent, as for any lease that expired; the task goes on as
+            // after an expiry, and no `revoked` follows the answer that said so.
+            let task = record.id.clone();
+            self.refuse(session, &re, lease_lost(&task));
+            self.release_local(conn, &key, now);
+            return;
+        }
         // A heartbeat restarts the AckWait at once; a claim only when it must.
         self.keep_message(conn, &key, heartbeat, now);
         let text = FrameWriter::ok(Some(&re))

@@ -17,8 +17,9 @@
 //! - Leases: a `claim` answered `ok` while another session still holds an unexpired
 //!   lease of the same task (by its `lease_until`, extended by each heartbeat `ok`) that
 //!   it has not given up (complete/fail sent, `lease_lost`, `revoked`, session closed)
-//!   is two live leases. A claim `ok` that arrives after its own `lease_until` (its
-//!   reply was delayed) grants a lease that ended already and is not counted.
+//!   is two live leases. A claim `ok` whose `lease_until` has passed when it arrives
+//!   (the task store's reply was delayed past it) is a violation too: the spec answers
+//!   a claim after the lease ran out with `lease_lost`.
 //! - Tasks (at the end, from the task store's KV history in the model): no revision has
 //!   `attempt > max_attempts`; a terminal state never changes; after the drain every task
 //!   is terminal; each terminal task has exactly one `task_result` message stored in its
@@ -192,10 +193,11 @@ impl Checker {
         self.counts.claims_ok += 1;
         let holders = self.holders.entry(task.to_string()).or_default();
         if until_ms <= now_ms {
-            // The answer came after the lease it grants had run out (its reply was
-            // delayed past `lease_until`): in the task store that lease ended before
-            // anyone else's began, so it overlaps nothing and holds nothing.
-            return;
+            // Its reply was delayed past `lease_until`: the session holds nothing, and
+            // the spec answers a claim after the lease ran out with `lease_lost`.
+            return self.violation(format!(
+                "{who} {session:?}: claim of task {task} answered ok at {now_ms} for a lease that ended at {until_ms}"
+            ));
         }
         for h in holders.iter() {
             if !h.ended && h.session != session && now_ms < h.until_ms {
