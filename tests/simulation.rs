@@ -81,10 +81,9 @@ fn a_seed_replays_to_the_same_trace() {
 /// "Deterministic simulation" section for what each found).
 #[test]
 fn regression_seeds() {
-    for &(seed, steps, shape, fault_rate, what) in REGRESSIONS {
+    for &(generation, seed, steps, shape, fault_rate, what) in REGRESSIONS {
         let mut cfg = SimConfig::new(seed).steps(steps);
-        // All were found in the first generation of the simulated world: replayed in it.
-        cfg.generation = 1;
+        cfg.generation = generation;
         if let Some((brokers, clients)) = shape {
             cfg = cfg.brokers(brokers).clients(clients);
         }
@@ -97,13 +96,21 @@ fn regression_seeds() {
     }
 }
 
-/// (seed, steps, (brokers, clients) when not the seed's own, faults per 1000 steps when
-/// not 15, what it found).
-type Regression = (u64, u64, Option<(usize, usize)>, Option<u64>, &'static str);
+/// (the simulator's generation it was found in, seed, steps, (brokers, clients) when not
+/// the seed's own, faults per 1000 steps when not 15, what it found).
+type Regression = (
+    u32,
+    u64,
+    u64,
+    Option<(usize, usize)>,
+    Option<u64>,
+    &'static str,
+);
 
 const REGRESSIONS: &[Regression] = &[
     // Failed before the durable redelivery fix (topics.rs): event 7 after 15.
     (
+        1,
         0x1,
         300,
         None,
@@ -112,6 +119,7 @@ const REGRESSIONS: &[Regression] = &[
     ),
     // Failed before the first-delivery gap check (topics.rs): got 6, missing [5].
     (
+        1,
         0x4e2c,
         200,
         Some((3, 40)),
@@ -120,6 +128,7 @@ const REGRESSIONS: &[Regression] = &[
     ),
     // Failed before a cancel retry stored the task_result: 0 task_results.
     (
+        1,
         0xea60,
         300,
         None,
@@ -130,6 +139,7 @@ const REGRESSIONS: &[Regression] = &[
     // flight to a session's pull when the session ended waited out its ack wait, and the
     // durable resumed past it ("got 4 after None, missing [3]"; "got 7 after 3, missing [6]").
     (
+        1,
         0x5a6,
         300,
         None,
@@ -137,6 +147,7 @@ const REGRESSIONS: &[Regression] = &[
         "a resumed durable started past an event in flight when its session ended",
     ),
     (
+        1,
         0x6bf,
         300,
         None,
@@ -146,11 +157,31 @@ const REGRESSIONS: &[Regression] = &[
     // Failed once the checker required it (jobs/lease.rs): a claim whose task-store reply
     // came after the lease_until it granted was answered ok, not lease_lost.
     (
+        1,
         0xf5,
         300,
         None,
         None,
         "a claim answered ok for a lease that had already run out",
+    ),
+    // Failed before a submit refused by the budget asked the task store (policy.rs): a
+    // submit whose create landed but whose answer was lost was retried and refused
+    // `budget_exhausted`, and its task never ran ("task ... never reached a terminal state").
+    (
+        2,
+        0xd0,
+        300,
+        None,
+        None,
+        "a retried submit of a stored task was refused by the spent budget",
+    ),
+    (
+        2,
+        0x336,
+        300,
+        None,
+        None,
+        "a retried submit of a stored task was refused by the spent budget",
     ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.

@@ -94,6 +94,13 @@ impl AmpError {
         self
     }
 
+    pub fn budget_exhausted() -> Self {
+        AmpError::new(
+            ErrorCode::BudgetExhausted,
+            "the task budget of this window is spent",
+        )
+    }
+
     pub fn rate_limited(retry_after_ms: u64) -> Self {
         AmpError {
             code: ErrorCode::RateLimited,

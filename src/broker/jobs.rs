@@ -408,6 +408,8 @@ struct Submission {
     subject: String,
     headers: HeaderMap,
     payload: Vec<u8>,
+    /// The budget refused it: an existing task is answered, a missing one refused.
+    over_budget: bool,
 }
 
 /// A timer of this engine, opaque to the core's table that keeps it.
@@ -718,7 +720,7 @@ impl Jobs {
                     Err(e) => self.refuse(caller.session, &id, e),
                 }
             }
-            ClientFrame::Submit(submit) => self.submit(conn, caller, submit, now),
+            ClientFrame::Submit(submit) => self.submit(conn, caller, submit, false, now),
             ClientFrame::Claim(t) => self.claim(conn, caller, t.id, &t.task, now),
             ClientFrame::Decline(t) => self.decline(conn, caller, t.id, &t.task, now),
             ClientFrame::Heartbeat(h) => self.lease_op(
@@ -1103,25 +1105,15 @@ impl Jobs {
                         self.stats.submitted += 1;
                         self.publish_task(conn, *sub, false, now);
                     }
-                    Ok(Err(JsError::WrongLastSequence(_))) => {
-                        let key = task_key(&sub.ns, &sub.task);
-                        let req = self.kv.get_request(&key);
-                        let sent = req.map_err(unavailable).and_then(|req| {
-                            self.request(conn, &req.subject, None, &req.payload, now)
-                                .map_err(|e| send_error(&e))
-                        });
-                        match sent {
-                            Ok(id) => {
-                                self.await_reply(id, now, Pending::SubmitExisting(sub));
-                            }
-                            Err(e) => self.refuse(sub.session, &sub.re, e),
-                        }
-                    }
+                    Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
                     Ok(Err(e)) => self.refuse(sub.session, &sub.re, unavailable(e)),
                     Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
                 }
             }
             Pending::SubmitExisting(sub) => match self.parse_record(&sub.ns, &sub.task, reply) {
+                Err(JsError::KeyNotFound) if sub.over_budget => {
+                    self.refuse(sub.session, &sub.re, AmpError::budget_exhausted())
+                }
                 Ok((record, _)) => {
                     if record.submitted_by != sub.from {
                         // Someone else's task: the same answer whatever its job, body or
@@ -1367,6 +1359,21 @@ impl Jobs {
             .value("task", &record.status_view())
             .finish();
         self.out.push_back(JobsOutput::Reply { session, re, text });
+    }
+
+    /// Reads the record of a submit's task id, which exists (its create was refused) or
+    /// may (the budget refused the submit).
+    fn read_existing(&mut self, conn: &mut Connection, sub: Box<Submission>, now: Instant) {
+        let key = task_key(&sub.ns, &sub.task);
+        let req = self.kv.get_request(&key);
+        let sent = req.map_err(unavailable).and_then(|req| {
+            self.request(conn, &req.subject, None, &req.payload, now)
+                .map_err(|e| send_error(&e))
+        });
+        match sent {
+            Ok(id) => self.await_reply(id, now, Pending::SubmitExisting(sub)),
+            Err(e) => self.refuse(sub.session, &sub.re, e),
+        }
     }
 
     fn parse_record(

@@ -37,6 +37,7 @@ impl Broker {
         ns: &str,
         name: &str,
         frame: ClientFrame,
+        over_budget: bool,
         now: Instant,
     ) {
         let key = participant_key(ns, name);
@@ -50,7 +51,14 @@ impl Broker {
                 participant,
                 labels: &p.labels,
             };
-            self.jobs.frame(conn, &caller, frame, now);
+            match frame {
+                ClientFrame::Submit(s) if over_budget => {
+                    self.jobs.submit_over_budget(conn, &caller, s, now)
+                }
+                frame => {
+                    self.jobs.frame(conn, &caller, frame, now);
+                }
+            }
         }
     }
 
@@ -75,12 +83,18 @@ impl Broker {
         match spend {
             Spend::Granted => true,
             Spend::Exhausted => {
-                if let Some(id) = frame.id() {
-                    let e = AmpError::new(
-                        ErrorCode::BudgetExhausted,
-                        "the task budget of this window is spent",
-                    );
-                    self.fail(session, id, e);
+                match frame {
+                    // A retry of a task that may exist (its create landed, its answer was
+                    // lost) spends nothing: the task store answers it, and only a task
+                    // that is not there is refused.
+                    ClientFrame::Submit(s) if s.task.is_some() => {
+                        self.hand_to_jobs(conn, session, ns, name, frame.clone(), true, now)
+                    }
+                    _ => {
+                        if let Some(id) = frame.id() {
+                            self.fail(session, id, AmpError::budget_exhausted());
+                        }
+                    }
                 }
                 false
             }
@@ -163,9 +177,72 @@ impl Broker {
                 // Already rate-limited once; only the budget is asked again.
                 let (ns, name) = (ns.clone(), name.clone());
                 if self.spend_budget(conn, session, &ns, &name, &frame, now) {
-                    self.hand_to_jobs(conn, session, &ns, &name, frame, now);
+                    self.hand_to_jobs(conn, session, &ns, &name, frame, false, now);
                 }
             }
         }
+    }
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod tests {
+    //! Budgets driven in process: the core on the NATS/JetStream model.
+
+    use serde_json::json;
+
+    use crate::broker::config::{Participant, Policy};
+    use crate::testing::harness::{self, Harness};
+
+    #[test]
+    fn a_retry_of_a_stored_task_is_answered_when_the_budget_is_spent() {
+        // Found by the simulator (generation 2, seeds 0xd0, 0x336, 0x347, 0x386): a submit
+        // whose create landed but whose answer was lost (`unavailable`) spent the last
+        // task of the window; its retry with the same task id was refused
+        // `budget_exhausted` before the task store was asked, so the client never learnt
+        // that its task existed.
+        let mut config = harness::development_config();
+        if let Some(ns) = config.namespaces.get_mut("dev")
+            && let Some(open) = ns.open.clone()
+        {
+            let budgeted = Participant {
+                policy: Some(Policy {
+                    msgs_per_s: None,
+                    burst: None,
+                    bytes_per_s: None,
+                    tasks_per_window: Some(2),
+                    window_s: Some(86_400),
+                }),
+                ..open
+            };
+            ns.participants.insert("app".into(), budgeted);
+        }
+        let mut h = Harness::new(config, 1, 3);
+        let app = h.join(0, "app", json!({}));
+        let submit = |h: &mut Harness, task: &str, n: u64| {
+            h.request(
+                app,
+                json!({"op":"submit","job":"render","task":task,"body":{"n":n}}),
+            )
+        };
+        for task in ["t1", "t2"] {
+            let ok = submit(&mut h, task, 1);
+            assert_eq!(
+                (&ok["op"], &ok["dup"]),
+                (&json!("ok"), &json!(false)),
+                "{ok}"
+            );
+        }
+        let refused = submit(&mut h, "t3", 1);
+        assert_eq!(refused["code"], "budget_exhausted", "{refused}");
+        let again = submit(&mut h, "t1", 1);
+        assert_eq!(
+            (&again["op"], &again["dup"]),
+            (&json!("ok"), &json!(true)),
+            "{again}"
+        );
+        let other = submit(&mut h, "t2", 2);
+        assert_eq!(other["code"], "conflict", "{other}");
+        let no_id = h.request(app, json!({"op":"submit","job":"render","body":{}}));
+        assert_eq!(no_id["code"], "budget_exhausted", "{no_id}");
     }
 }

@@ -4,11 +4,26 @@
 use super::*;
 
 impl Jobs {
+    /// A submit with its task id that the participant's budget refused: a retry of a task
+    /// whose create landed but whose answer was lost is answered from the task store as
+    /// any resubmit (`dup`), and only a task that does not exist is refused
+    /// `budget_exhausted`. Nothing is created.
+    pub fn submit_over_budget(
+        &mut self,
+        conn: &mut Connection,
+        caller: &Caller<'_>,
+        submit: amp_frame::Submit,
+        now: Instant,
+    ) {
+        self.submit(conn, caller, submit, true, now);
+    }
+
     pub(super) fn submit(
         &mut self,
         conn: &mut Connection,
         caller: &Caller<'_>,
         submit: amp_frame::Submit,
+        over_budget: bool,
         now: Instant,
     ) {
         let session = caller.session;
@@ -21,7 +36,15 @@ impl Jobs {
             .with_path("/job");
             return self.refuse(session, &submit.id, e);
         }
-        self.submit_as(conn, session, caller.ns, caller.name, submit, now);
+        self.submit_as(
+            conn,
+            session,
+            caller.ns,
+            caller.name,
+            submit,
+            over_budget,
+            now,
+        );
     }
 
     /// A submit by participant `ns/name`, whose permission to submit was checked.
@@ -32,6 +55,7 @@ impl Jobs {
         ns: &str,
         name: &str,
         submit: amp_frame::Submit,
+        over_budget: bool,
         now: Instant,
     ) {
         let job = submit.job.as_str();
@@ -110,6 +134,7 @@ impl Jobs {
             subject: binding::job_subject(ns, job),
             headers,
             payload,
+            over_budget,
         };
         let key = task_key(ns, &task);
         let req = match self.kv.create_request(&key, &record_json, None) {
@@ -120,6 +145,9 @@ impl Jobs {
                 return self.refuse(session, &submit.id, e);
             }
         };
+        if over_budget {
+            return self.read_existing(conn, Box::new(sub), now);
+        }
         match self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now) {
             Ok(id) => {
                 self.await_reply(id, now, Pending::SubmitCreate(Box::new(sub)));
