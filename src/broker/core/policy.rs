@@ -37,8 +37,20 @@ impl Broker {
         ns: &str,
         name: &str,
         frame: ClientFrame,
-        over_budget: bool,
         now: Instant,
+    ) {
+        self.with_caller(session, ns, name, |jobs, caller| {
+            jobs.frame(conn, caller, frame, now);
+        })
+    }
+
+    /// Runs `f` with the jobs engine and the session's participant, if it is still there.
+    fn with_caller(
+        &mut self,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        f: impl FnOnce(&mut Jobs, &Caller<'_>),
     ) {
         let key = participant_key(ns, name);
         if let (Some(participant), Some(p)) =
@@ -51,14 +63,7 @@ impl Broker {
                 participant,
                 labels: &p.labels,
             };
-            match frame {
-                ClientFrame::Submit(s) if over_budget => {
-                    self.jobs.submit_over_budget(conn, &caller, s, now)
-                }
-                frame => {
-                    self.jobs.frame(conn, &caller, frame, now);
-                }
-            }
+            f(&mut self.jobs, &caller);
         }
     }
 
@@ -88,7 +93,10 @@ impl Broker {
                     // lost) spends nothing: the task store answers it, and only a task
                     // that is not there is refused.
                     ClientFrame::Submit(s) if s.task.is_some() => {
-                        self.hand_to_jobs(conn, session, ns, name, frame.clone(), true, now)
+                        let submit = s.clone();
+                        self.with_caller(session, ns, name, |jobs, caller| {
+                            jobs.submit_over_budget(conn, caller, submit, now)
+                        })
                     }
                     _ => {
                         if let Some(id) = frame.id() {
@@ -177,7 +185,7 @@ impl Broker {
                 // Already rate-limited once; only the budget is asked again.
                 let (ns, name) = (ns.clone(), name.clone());
                 if self.spend_budget(conn, session, &ns, &name, &frame, now) {
-                    self.hand_to_jobs(conn, session, &ns, &name, frame, false, now);
+                    self.hand_to_jobs(conn, session, &ns, &name, frame, now);
                 }
             }
         }

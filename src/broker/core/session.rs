@@ -297,7 +297,7 @@ impl Broker {
                         return;
                     }
                 }
-                self.hand_to_jobs(conn, session, ns, name, frame, false, now);
+                self.hand_to_jobs(conn, session, ns, name, frame, now);
             }
             other => {
                 let op = other.op();

@@ -367,7 +367,7 @@ impl Jobs {
             }),
             headers: letter.headers,
         };
-        self.submit_as(conn, r.session, &r.ns, &r.name, submit, false, now);
+        self.submit_as(conn, r.session, (&r.ns, &r.name), submit, false, now);
     }
 }
 

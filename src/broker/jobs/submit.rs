@@ -36,15 +36,8 @@ impl Jobs {
             .with_path("/job");
             return self.refuse(session, &submit.id, e);
         }
-        self.submit_as(
-            conn,
-            session,
-            caller.ns,
-            caller.name,
-            submit,
-            over_budget,
-            now,
-        );
+        let who = (caller.ns, caller.name);
+        self.submit_as(conn, session, who, submit, over_budget, now);
     }
 
     /// A submit by participant `ns/name`, whose permission to submit was checked.
@@ -52,8 +45,7 @@ impl Jobs {
         &mut self,
         conn: &mut Connection,
         session: SessionId,
-        ns: &str,
-        name: &str,
+        (ns, name): (&str, &str),
         submit: amp_frame::Submit,
         over_budget: bool,
         now: Instant,
