@@ -290,9 +290,7 @@ fn a_participant_on_nats_reads_its_own_inbox_and_its_topics_and_nothing_more() {
     // Bob's inbox consumer, as the broker creates it at his first hello; bob himself never
     // connects over WebSocket, so the broker holds no pull on it.
     let mut js = Context::new(w.observer());
-    let config: ConsumerConfig =
-        serde_json::from_value(binding::inbox_consumer_config("acme", "bob", 30, 64))
-            .expect("consumer config");
+    let config: ConsumerConfig = binding::inbox_consumer_config("acme", "bob", 30, 64);
     js.create_consumer(
         &binding::inbox_stream("acme"),
         &config,

@@ -15,6 +15,7 @@ use amp_broker::broker::continuations::Continuations;
 use amp_broker::broker::ids::IdSource;
 use amp_broker::broker::jobs::{Caller, Jobs, JobsOutput};
 use amp_broker::broker::timers::Timers;
+use amp_broker::jetstream::ApiPrefix;
 use amp_broker::nats::{Client, Event, Options};
 use amp_broker::rfc3339;
 use serde_json::{Value, json};
@@ -52,17 +53,9 @@ fn provision(client: &mut Client) {
         binding::task_state_stream_config(s),
         binding::inbox_stream_config("acme", 0, s),
     ] {
-        let subject = format!(
-            "$JS.API.STREAM.CREATE.{}",
-            cfg["name"].as_str().expect("name")
-        );
+        let req = ApiPrefix::new().stream_create(&cfg).expect("stream name");
         let reply = client
-            .request(
-                &subject,
-                None,
-                cfg.to_string().as_bytes(),
-                Duration::from_secs(5),
-            )
+            .request(&req.subject, None, &req.payload, Duration::from_secs(5))
             .expect("stream create answered");
         let v: Value = serde_json::from_slice(&reply.payload).expect("json");
         assert!(v.get("error").is_none(), "stream create failed: {v}");

@@ -73,13 +73,12 @@ impl Broker {
 fn create_bucket(server: &common::NatsServer) {
     let mut c = Client::connect(Options::new(&server.url())).expect("connect");
     let config = budget_stream_config(1);
+    assert_eq!(config.name, format!("KV_{BUDGET_BUCKET}"));
+    let req = ApiPrefix::new()
+        .stream_create(&config)
+        .expect("stream name");
     let reply = c
-        .request(
-            &format!("$JS.API.STREAM.CREATE.KV_{BUDGET_BUCKET}"),
-            None,
-            config.to_string().as_bytes(),
-            WAIT,
-        )
+        .request(&req.subject, None, &req.payload, WAIT)
         .expect("stream create");
     let v: serde_json::Value = serde_json::from_slice(&reply.payload).expect("json");
     assert!(v.get("error").is_none(), "{v}");

@@ -2,13 +2,19 @@
 //! every stream, bucket and consumer the broker creates, and the check that decides whether
 //! an existing one can be adopted.
 //!
-//! Configurations are JSON values in the `$JS.API` wire form, so what the broker sends is
-//! exactly what is written here, and a configuration read back from the server can be
-//! compared field by field.
+//! Configurations are the typed ones of [`crate::jetstream`], which serialise to the
+//! `$JS.API` wire form with unset fields left out, so what the broker sends is exactly
+//! what is set here; a stream read back from the server is compared field by field with
+//! the wire form of ours.
+
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::deadline::secs_as_nanos;
+use crate::jetstream::{
+    AckPolicy, ConsumerConfig, DeliverFrom, DiscardPolicy, RetentionPolicy, StorageType,
+    StreamConfig,
+};
 
 /// History kept per task in the task store (the most KV allows).
 pub const TASK_STATE_HISTORY: u64 = 64;
@@ -80,27 +86,39 @@ impl Default for StreamSettings {
     }
 }
 
-fn base_stream(name: &str, subjects: Value, retention: &str, s: StreamSettings) -> Value {
-    json!({
-        "name": name,
-        "subjects": subjects,
-        "retention": retention,
-        "storage": "file",
-        "num_replicas": s.replicas,
-        "discard": "old",
-        "duplicate_window": secs_as_nanos(s.duplicate_window_s),
-    })
+/// A count as the wire's signed integer; beyond its range means "as many as there can be".
+fn count(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-pub fn inbox_stream_config(ns: &str, max_age_s: u64, s: StreamSettings) -> Value {
-    let mut c = base_stream(
-        &inbox_stream(ns),
-        json!([format!("amp.{ns}.inbox.*")]),
-        "limits",
-        s,
-    );
-    c["max_age"] = json!(secs_as_nanos(max_age_s));
-    c
+fn base_stream(
+    name: String,
+    subject: String,
+    retention: RetentionPolicy,
+    s: StreamSettings,
+) -> StreamConfig {
+    StreamConfig {
+        name,
+        subjects: vec![subject],
+        retention: Some(retention),
+        storage: Some(StorageType::File),
+        num_replicas: Some(i64::from(s.replicas)),
+        discard: Some(DiscardPolicy::Old),
+        duplicate_window: Some(Duration::from_secs(s.duplicate_window_s)),
+        ..StreamConfig::default()
+    }
+}
+
+pub fn inbox_stream_config(ns: &str, max_age_s: u64, s: StreamSettings) -> StreamConfig {
+    StreamConfig {
+        max_age: Some(Duration::from_secs(max_age_s)),
+        ..base_stream(
+            inbox_stream(ns),
+            format!("amp.{ns}.inbox.*"),
+            RetentionPolicy::Limits,
+            s,
+        )
+    }
 }
 
 /// `max_consumers` is the hard backstop behind the broker's own caps on subscriptions:
@@ -112,104 +130,119 @@ pub fn topics_stream_config(
     max_bytes: u64,
     max_consumers: u64,
     s: StreamSettings,
-) -> Value {
-    let mut c = base_stream(
-        &topics_stream(ns),
-        json!([format!("amp.{ns}.topic.>")]),
-        "limits",
+) -> StreamConfig {
+    let c = base_stream(
+        topics_stream(ns),
+        format!("amp.{ns}.topic.>"),
+        RetentionPolicy::Limits,
         s,
     );
-    aged(&mut c, max_age_s, max_bytes);
-    c["max_consumers"] = json!(max_consumers);
-    c
+    StreamConfig {
+        max_consumers: Some(count(max_consumers)),
+        ..aged(c, max_age_s, max_bytes)
+    }
 }
 
 /// A limits stream's `max_age` and `max_bytes` (0: unlimited for either).
-fn aged(c: &mut Value, max_age_s: u64, max_bytes: u64) {
-    c["max_age"] = json!(secs_as_nanos(max_age_s));
-    c["max_bytes"] = if max_bytes == 0 {
-        json!(-1)
-    } else {
-        json!(max_bytes)
-    };
+fn aged(c: StreamConfig, max_age_s: u64, max_bytes: u64) -> StreamConfig {
+    StreamConfig {
+        max_age: Some(Duration::from_secs(max_age_s)),
+        max_bytes: Some(if max_bytes == 0 { -1 } else { count(max_bytes) }),
+        ..c
+    }
 }
 
-pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> Value {
+pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> StreamConfig {
     base_stream(
-        &tasks_stream(ns),
-        json!([format!("amp.{ns}.job.*")]),
-        "workqueue",
+        tasks_stream(ns),
+        format!("amp.{ns}.job.*"),
+        RetentionPolicy::WorkQueue,
         s,
     )
 }
 
 /// Dead letters are kept for inspection and redrive, not consumed: limits retention,
 /// oldest out first.
-pub fn dlq_stream_config(ns: &str, max_age_s: u64, max_bytes: u64, s: StreamSettings) -> Value {
-    let mut c = base_stream(
-        &dlq_stream(ns),
-        json!([format!("amp.{ns}.dlq.*")]),
-        "limits",
+pub fn dlq_stream_config(
+    ns: &str,
+    max_age_s: u64,
+    max_bytes: u64,
+    s: StreamSettings,
+) -> StreamConfig {
+    let c = base_stream(
+        dlq_stream(ns),
+        format!("amp.{ns}.dlq.*"),
+        RetentionPolicy::Limits,
         s,
     );
-    aged(&mut c, max_age_s, max_bytes);
-    c
+    aged(c, max_age_s, max_bytes)
 }
 
 /// A KV bucket's stream as ADR-8 lays it out.
-fn kv_stream_config(bucket: &str, history: u64, s: StreamSettings) -> Value {
-    json!({
-        "name": format!("KV_{bucket}"),
-        "subjects": [format!("$KV.{bucket}.>")],
-        "retention": "limits",
-        "storage": "file",
-        "num_replicas": s.replicas,
-        "discard": "new",
-        "max_msgs_per_subject": history,
-        "allow_rollup_hdrs": true,
-        "deny_delete": true,
-        "allow_direct": true,
-        "duplicate_window": secs_as_nanos(s.duplicate_window_s),
-    })
+pub fn kv_stream_config(bucket: &str, history: u64, s: StreamSettings) -> StreamConfig {
+    StreamConfig {
+        max_msgs_per_subject: Some(count(history)),
+        allow_rollup_hdrs: Some(true),
+        deny_delete: Some(true),
+        allow_direct: Some(true),
+        discard: Some(DiscardPolicy::New),
+        ..base_stream(
+            format!("KV_{bucket}"),
+            format!("$KV.{bucket}.>"),
+            RetentionPolicy::Limits,
+            s,
+        )
+    }
 }
 
 /// The registry: one key per participant with a per-key TTL; when a key expires the server
 /// leaves a delete marker (kept for `ttl_s`) that watchers see as `down`.
-pub fn registry_stream_config(ns: &str, ttl_s: u64, s: StreamSettings) -> Value {
-    let mut c = kv_stream_config(&registry_bucket(ns), 1, s);
-    c["allow_msg_ttl"] = json!(true);
-    c["subject_delete_marker_ttl"] = json!(secs_as_nanos(ttl_s));
-    c
+pub fn registry_stream_config(ns: &str, ttl_s: u64, s: StreamSettings) -> StreamConfig {
+    StreamConfig {
+        allow_msg_ttl: Some(true),
+        subject_delete_marker_ttl: Some(Duration::from_secs(ttl_s)),
+        ..kv_stream_config(&registry_bucket(ns), 1, s)
+    }
 }
 
-pub fn task_state_stream_config(s: StreamSettings) -> Value {
+pub fn task_state_stream_config(s: StreamSettings) -> StreamConfig {
     kv_stream_config(TASK_STATE_BUCKET, TASK_STATE_HISTORY, s)
 }
 
+/// A durable pull consumer of `filter` from the start of the stream, every delivery
+/// acked within `ack_wait`, redelivered without limit.
+fn durable_all(name: String, filter: String, ack_wait: Duration) -> ConsumerConfig {
+    ConsumerConfig {
+        durable_name: Some(name),
+        filter_subject: Some(filter),
+        ack_policy: Some(AckPolicy::Explicit),
+        ack_wait: Some(ack_wait),
+        max_deliver: Some(-1),
+        ..ConsumerConfig::default()
+    }
+    .deliver_from(DeliverFrom::All)
+}
+
 /// The durable pull consumer of one participant's inbox.
-pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32) -> Value {
-    json!({
-        "durable_name": inbox_consumer(name),
-        "filter_subject": inbox_subject(ns, name),
-        "deliver_policy": "all",
-        "ack_policy": "explicit",
-        "ack_wait": secs_as_nanos(ack_wait_s),
-        "max_deliver": -1,
-        "max_ack_pending": window,
-    })
+pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32) -> ConsumerConfig {
+    ConsumerConfig {
+        max_ack_pending: Some(i64::from(window)),
+        ..durable_all(
+            inbox_consumer(name),
+            inbox_subject(ns, name),
+            Duration::from_secs(ack_wait_s),
+        )
+    }
 }
 
 /// The durable pull consumer of one job: AckWait is the lease; deliveries are unlimited
 /// because declines count as deliveries and attempts live in the task store.
-pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> Value {
-    json!({
-        "durable_name": job_consumer(job),
-        "filter_subject": job_subject(ns, job),
-        "deliver_policy": "all",
-        "ack_policy": "explicit",
-        "ack_wait": secs_as_nanos(lease_s),
-        "max_deliver": -1,
-    })
+pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> ConsumerConfig {
+    durable_all(
+        job_consumer(job),
+        job_subject(ns, job),
+        Duration::from_secs(lease_s),
+    )
 }
 
 /// The durable pull consumer of participant `name`'s subscription `sub` to `filter`:
@@ -222,17 +255,50 @@ pub fn durable_sub_config(
     ack_wait_s: u64,
     window: u32,
     inactive_s: u64,
-) -> Value {
-    json!({
-        "durable_name": durable_sub_consumer(name, sub),
-        "filter_subject": filter,
-        "ack_policy": "explicit",
-        "ack_wait": secs_as_nanos(ack_wait_s),
-        "max_deliver": -1,
-        "max_ack_pending": window,
-        "deliver_policy": "all",
-        "inactive_threshold": secs_as_nanos(inactive_s),
-    })
+) -> ConsumerConfig {
+    ConsumerConfig {
+        max_ack_pending: Some(i64::from(window)),
+        inactive_threshold: Some(Duration::from_secs(inactive_s)),
+        ..durable_all(
+            durable_sub_consumer(name, sub),
+            filter.to_string(),
+            Duration::from_secs(ack_wait_s),
+        )
+    }
+}
+
+/// The consumer of a plain (non-durable) subscription: named by the broker, nothing
+/// acked, kept in memory on one server, and removed by JetStream `inactive` after its
+/// session stops pulling.
+pub fn plain_sub_config(
+    consumer: &str,
+    filter: &str,
+    from: DeliverFrom,
+    inactive: Duration,
+) -> ConsumerConfig {
+    ConsumerConfig {
+        name: Some(consumer.to_string()),
+        filter_subject: Some(filter.to_string()),
+        ack_policy: Some(AckPolicy::None),
+        mem_storage: Some(true),
+        num_replicas: Some(1),
+        inactive_threshold: Some(inactive),
+        ..ConsumerConfig::default()
+    }
+    .deliver_from(from)
+}
+
+/// The consumer every broker shares for a tenant's MIG live events: new events only,
+/// each acked once it is published on the live subject.
+pub fn mig_live_consumer_config(name: &str, max_ack_pending: u32) -> ConsumerConfig {
+    ConsumerConfig {
+        durable_name: Some(name.to_string()),
+        ack_policy: Some(AckPolicy::Explicit),
+        max_ack_pending: Some(i64::from(max_ack_pending)),
+        ack_wait: Some(Duration::from_secs(30)),
+        ..ConsumerConfig::default()
+    }
+    .deliver_from(DeliverFrom::New)
 }
 
 /// What an existing stream or consumer must agree on for the broker to adopt it.
@@ -261,7 +327,8 @@ fn rule(field: &str) -> Rule {
 /// Checks an existing configuration (as the server reports it) against ours. Fields the
 /// server omits take the JetStream defaults (`false`, `0`, empty). Returns the first
 /// incompatible field with both values.
-pub fn check_compatible(desired: &Value, existing: &Value) -> Result<(), Incompatible> {
+pub fn check_compatible(desired: &StreamConfig, existing: &Value) -> Result<(), Incompatible> {
+    let desired = serde_json::to_value(desired).unwrap_or(Value::Null);
     let Some(fields) = desired.as_object() else {
         return Ok(());
     };
@@ -337,20 +404,25 @@ impl std::fmt::Display for Incompatible {
 mod tests {
     use super::*;
 
+    /// The wire form the server receives.
+    fn wire<T: serde::Serialize>(c: &T) -> Value {
+        serde_json::to_value(c).expect("config serialises")
+    }
+
     #[test]
     fn streams_follow_the_spec_mapping() {
         let s = StreamSettings::default();
-        let inbox = inbox_stream_config("acme", 0, s);
+        let inbox = wire(&inbox_stream_config("acme", 0, s));
         assert_eq!(inbox["name"], "AMP_INBOX_acme");
         assert_eq!(inbox["subjects"], json!(["amp.acme.inbox.*"]));
         assert_eq!(inbox["retention"], "limits");
-        let tasks = tasks_stream_config("acme", s);
+        let tasks = wire(&tasks_stream_config("acme", s));
         assert_eq!(tasks["retention"], "workqueue");
         assert_eq!(tasks["subjects"], json!(["amp.acme.job.*"]));
-        let topics = topics_stream_config("acme", 3600, 0, 10, s);
+        let topics = wire(&topics_stream_config("acme", 3600, 0, 10, s));
         assert_eq!(topics["subjects"], json!(["amp.acme.topic.>"]));
         assert_eq!(topics["max_age"], json!(3600 * 1_000_000_000u64));
-        let registry = registry_stream_config("acme", 15, s);
+        let registry = wire(&registry_stream_config("acme", 15, s));
         assert_eq!(registry["name"], "KV_AMP_REGISTRY_acme");
         assert_eq!(registry["allow_msg_ttl"], true);
         assert_eq!(
@@ -358,15 +430,106 @@ mod tests {
             json!(15 * 1_000_000_000u64)
         );
         assert_eq!(
-            task_state_stream_config(s)["max_msgs_per_subject"],
+            wire(&task_state_stream_config(s))["max_msgs_per_subject"],
             json!(64)
         );
-        let job = job_consumer_config("acme", "render", 30);
+        let job = wire(&job_consumer_config("acme", "render", 30));
         assert_eq!(job["ack_wait"], json!(30 * 1_000_000_000u64));
         assert_eq!(job["max_deliver"], json!(-1));
         assert_eq!(
-            inbox_consumer_config("acme", "w1", 30, 64)["max_ack_pending"],
+            wire(&inbox_consumer_config("acme", "w1", 30, 64))["max_ack_pending"],
             json!(64)
+        );
+    }
+
+    #[test]
+    fn consumer_configs_are_exactly_the_wire_form() {
+        const S: u64 = 1_000_000_000;
+        assert_eq!(
+            wire(&inbox_consumer_config("acme", "w1", 30, 64)),
+            json!({"durable_name": "inbox_w1", "filter_subject": "amp.acme.inbox.w1",
+                   "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 30 * S,
+                   "max_deliver": -1, "max_ack_pending": 64})
+        );
+        assert_eq!(
+            wire(&job_consumer_config("acme", "render", 45)),
+            json!({"durable_name": "job_render", "filter_subject": "amp.acme.job.render",
+                   "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 45 * S,
+                   "max_deliver": -1})
+        );
+        assert_eq!(
+            wire(&durable_sub_config(
+                "bob",
+                "s1",
+                "amp.acme.topic.t.*",
+                30,
+                128,
+                600
+            )),
+            json!({"durable_name": "dsub_3_bob_s1", "filter_subject": "amp.acme.topic.t.*",
+                   "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 30 * S,
+                   "max_deliver": -1, "max_ack_pending": 128, "inactive_threshold": 600 * S})
+        );
+        let plain = |from| {
+            wire(&plain_sub_config(
+                "p1",
+                "amp.acme.topic.t",
+                from,
+                Duration::from_secs(5),
+            ))
+        };
+        let base = json!({"name": "p1", "filter_subject": "amp.acme.topic.t",
+                          "ack_policy": "none", "mem_storage": true, "num_replicas": 1,
+                          "inactive_threshold": 5 * S});
+        let with = |extra: Value| {
+            let mut v = base.clone();
+            for (k, x) in extra.as_object().into_iter().flatten() {
+                v[k] = x.clone();
+            }
+            v
+        };
+        assert_eq!(
+            plain(DeliverFrom::New),
+            with(json!({"deliver_policy": "new"}))
+        );
+        assert_eq!(
+            plain(DeliverFrom::LastPerSubject),
+            with(json!({"deliver_policy": "last_per_subject"}))
+        );
+        assert_eq!(
+            plain(DeliverFrom::Sequence(7)),
+            with(json!({"deliver_policy": "by_start_sequence", "opt_start_seq": 7}))
+        );
+        assert_eq!(
+            plain(DeliverFrom::Time("2026-01-01T00:00:00.000Z".into())),
+            with(json!({"deliver_policy": "by_start_time",
+                        "opt_start_time": "2026-01-01T00:00:00.000Z"}))
+        );
+        assert_eq!(
+            wire(&mig_live_consumer_config("mig_events", 1000)),
+            json!({"durable_name": "mig_events", "deliver_policy": "new",
+                   "ack_policy": "explicit", "ack_wait": 30 * S, "max_ack_pending": 1000})
+        );
+    }
+
+    #[test]
+    fn stream_configs_are_exactly_the_wire_form() {
+        const S: u64 = 1_000_000_000;
+        let s = StreamSettings::default();
+        assert_eq!(
+            wire(&topics_stream_config("acme", 3600, 0, 10, s)),
+            json!({"name": "AMP_TOPICS_acme", "subjects": ["amp.acme.topic.>"],
+                   "retention": "limits", "storage": "file", "num_replicas": 1,
+                   "discard": "old", "duplicate_window": 120 * S, "max_age": 3600 * S,
+                   "max_bytes": -1, "max_consumers": 10})
+        );
+        assert_eq!(
+            wire(&registry_stream_config("acme", 15, s)),
+            json!({"name": "KV_AMP_REGISTRY_acme", "subjects": ["$KV.AMP_REGISTRY_acme.>"],
+                   "retention": "limits", "storage": "file", "num_replicas": 1,
+                   "discard": "new", "max_msgs_per_subject": 1, "allow_rollup_hdrs": true,
+                   "deny_delete": true, "allow_direct": true, "duplicate_window": 120 * S,
+                   "allow_msg_ttl": true, "subject_delete_marker_ttl": 15 * S})
         );
     }
 
@@ -375,17 +538,23 @@ mod tests {
         let max = json!(i64::MAX);
         let s = StreamSettings::default();
         assert_eq!(
-            inbox_consumer_config("acme", "a", u64::MAX, 64)["ack_wait"],
-            max
-        );
-        assert_eq!(job_consumer_config("acme", "r", u64::MAX)["ack_wait"], max);
-        assert_eq!(inbox_stream_config("acme", u64::MAX, s)["max_age"], max);
-        assert_eq!(
-            topics_stream_config("acme", 18_446_744_074, 0, 10, s)["max_age"],
+            wire(&inbox_consumer_config("acme", "a", u64::MAX, 64))["ack_wait"],
             max
         );
         assert_eq!(
-            registry_stream_config("acme", u64::MAX, s)["subject_delete_marker_ttl"],
+            wire(&job_consumer_config("acme", "r", u64::MAX))["ack_wait"],
+            max
+        );
+        assert_eq!(
+            wire(&inbox_stream_config("acme", u64::MAX, s))["max_age"],
+            max
+        );
+        assert_eq!(
+            wire(&topics_stream_config("acme", 18_446_744_074, 0, 10, s))["max_age"],
+            max
+        );
+        assert_eq!(
+            wire(&registry_stream_config("acme", u64::MAX, s))["subject_delete_marker_ttl"],
             max
         );
     }
@@ -423,7 +592,7 @@ mod tests {
     #[test]
     fn adopts_a_stream_with_extra_subjects_and_tuned_limits() {
         let desired = inbox_stream_config("acme", 0, StreamSettings::default());
-        let mut existing = desired.clone();
+        let mut existing = wire(&desired);
         existing["subjects"] = json!(["amp.acme.inbox.*", "legacy.>"]);
         existing["num_replicas"] = json!(3);
         existing["max_age"] = json!(86_400 * 1_000_000_000u64);
@@ -434,7 +603,7 @@ mod tests {
     #[test]
     fn names_the_field_that_prevents_adoption() {
         let desired = tasks_stream_config("acme", StreamSettings::default());
-        let mut existing = desired.clone();
+        let mut existing = wire(&desired);
         existing["retention"] = json!("limits");
         let e = check_compatible(&desired, &existing).expect_err("retention differs");
         assert_eq!(e.field, "retention");
@@ -444,7 +613,7 @@ mod tests {
         );
 
         let desired = registry_stream_config("acme", 15, StreamSettings::default());
-        let mut existing = desired.clone();
+        let mut existing = wire(&desired);
         existing.as_object_mut().map(|o| o.remove("allow_msg_ttl"));
         assert_eq!(
             check_compatible(&desired, &existing)
@@ -452,7 +621,7 @@ mod tests {
                 .field,
             "allow_msg_ttl"
         );
-        existing = desired.clone();
+        existing = wire(&desired);
         existing["subject_delete_marker_ttl"] = json!(0);
         assert_eq!(
             check_compatible(&desired, &existing)
@@ -460,7 +629,7 @@ mod tests {
                 .field,
             "subject_delete_marker_ttl"
         );
-        existing = desired.clone();
+        existing = wire(&desired);
         existing["subjects"] = json!(["$KV.OTHER.>"]);
         assert_eq!(
             check_compatible(&desired, &existing)

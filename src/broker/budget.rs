@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::bounded_map::BoundedMap;
 use crate::jetstream::api::Request;
@@ -88,21 +88,15 @@ impl Default for BudgetConfig {
 }
 
 /// The bucket's stream: one value per key, per-key TTLs allowed, direct gets.
-pub fn budget_stream_config(replicas: u32) -> Value {
-    json!({
-        "name": format!("KV_{BUDGET_BUCKET}"),
-        "subjects": [format!("$KV.{BUDGET_BUCKET}.>")],
-        "retention": "limits",
-        "storage": "file",
-        "num_replicas": replicas,
-        "discard": "new",
-        "max_msgs_per_subject": 1,
-        "allow_rollup_hdrs": true,
-        "deny_delete": true,
-        "allow_direct": true,
-        "allow_msg_ttl": true,
-        "duplicate_window": 120_000_000_000u64,
-    })
+pub fn budget_stream_config(replicas: u32) -> crate::jetstream::StreamConfig {
+    let settings = super::binding::StreamSettings {
+        replicas,
+        duplicate_window_s: 120,
+    };
+    crate::jetstream::StreamConfig {
+        allow_msg_ttl: Some(true),
+        ..super::binding::kv_stream_config(BUDGET_BUCKET, 1, settings)
+    }
 }
 
 /// The key of a participant's count in one window.

@@ -41,7 +41,7 @@ use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
 use crate::jetstream::kv::{WatchAction, WatchRequestKind};
 use crate::jetstream::publish::parse_pub_ack;
-use crate::jetstream::{Delivery, JsError};
+use crate::jetstream::{ConsumerAction, ConsumerConfig, Delivery, JsError, Request};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
@@ -194,7 +194,7 @@ enum Pending {
         session: SessionId,
         re: String,
         sub: String,
-        config: Value,
+        config: Box<ConsumerConfig>,
     },
     /// A subscription's consumer was created.
     SubConsumer {
@@ -907,6 +907,31 @@ impl Broker {
     fn fail(&mut self, session: SessionId, re: &str, e: AmpError) {
         self.answered(session, re);
         self.error(session, Some(re), &e);
+    }
+}
+
+/// Sends a request of the typed JetStream builders; a name they refuse and a connection
+/// that cannot take the request both come back as why it was not sent.
+fn js_request(
+    conn: &mut Connection,
+    req: Result<Request, JsError>,
+    now: Instant,
+) -> Result<RequestId, String> {
+    let req = req.map_err(|e| e.to_string())?;
+    conn.request(
+        &req.subject,
+        req.headers.as_ref(),
+        &req.payload,
+        JS_TIMEOUT,
+        now,
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// Sends one without waiting for an answer (the outcome does not matter).
+fn js_publish(conn: &mut Connection, req: Result<Request, JsError>) {
+    if let Ok(req) = req {
+        let _ = conn.publish(&req.subject, None, req.headers.as_ref(), &req.payload);
     }
 }
 

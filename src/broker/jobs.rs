@@ -40,6 +40,7 @@ use crate::amp::{AmpError, ErrorCode};
 use crate::deadline::{after, secs_as_millis};
 use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
+use crate::jetstream::consumer::ConsumerAction;
 use crate::jetstream::error::JsError;
 use crate::jetstream::message::Delivery;
 use crate::jetstream::publish::parse_pub_ack;

@@ -9,8 +9,8 @@ use serde_json::Value;
 
 use super::binding::{self, StreamSettings};
 use super::config::Config;
-use crate::jetstream::ApiPrefix;
 use crate::jetstream::api::check_error;
+use crate::jetstream::{ApiPrefix, Request, StreamConfig};
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -21,7 +21,7 @@ pub fn desired_streams(
     config: &Config,
     domain: Option<&str>,
     settings: StreamSettings,
-) -> Vec<Value> {
+) -> Vec<StreamConfig> {
     let mut streams = vec![
         binding::task_state_stream_config(settings),
         super::budget::budget_stream_config(settings.replicas),
@@ -183,10 +183,15 @@ enum Failure {
     Fatal(String),
 }
 
-fn ensure_stream(client: &mut Client, api: &ApiPrefix, desired: &Value) -> Result<String, Failure> {
-    let name = desired["name"].as_str().unwrap_or_default().to_string();
+fn ensure_stream(
+    client: &mut Client,
+    api: &ApiPrefix,
+    desired: &StreamConfig,
+) -> Result<String, Failure> {
+    let name = desired.name.as_str();
     let fatal = Failure::Fatal;
-    let info = request(client, &api.subject(&format!("STREAM.INFO.{name}")), b"")?;
+    let invalid = |e| fatal(format!("stream {name}: {e}"));
+    let info = request(client, &api.stream_info(name).map_err(invalid)?)?;
     match check_error(&info) {
         Ok(()) => {
             let parsed: Value = serde_json::from_slice(&info)
@@ -196,11 +201,7 @@ fn ensure_stream(client: &mut Client, api: &ApiPrefix, desired: &Value) -> Resul
             Ok(format!("adopted stream {name} ({})", api.as_str()))
         }
         Err(e) if e.err_code() == Some(10059) => {
-            let created = request(
-                client,
-                &api.subject(&format!("STREAM.CREATE.{name}")),
-                desired.to_string().as_bytes(),
-            )?;
+            let created = request(client, &api.stream_create(desired).map_err(invalid)?)?;
             check_error(&created).map_err(|e| fatal(format!("creating stream {name}: {e}")))?;
             Ok(format!("created stream {name} ({})", api.as_str()))
         }
@@ -208,8 +209,9 @@ fn ensure_stream(client: &mut Client, api: &ApiPrefix, desired: &Value) -> Resul
     }
 }
 
-fn request(client: &mut Client, subject: &str, payload: &[u8]) -> Result<Vec<u8>, Failure> {
-    match client.request(subject, None, payload, TIMEOUT) {
+fn request(client: &mut Client, req: &Request) -> Result<Vec<u8>, Failure> {
+    let subject = req.subject.as_str();
+    match client.request(subject, None, &req.payload, TIMEOUT) {
         Ok(msg) if msg.status() == Some(503) => Err(Failure::Away(format!(
             "no JetStream answers {subject} (not enabled, or its domain is not connected)"
         ))),

@@ -129,6 +129,56 @@ impl ConsumerConfig {
     }
 }
 
+/// Where a new consumer starts: a deliver policy together with the option it needs, so
+/// a by-sequence start always has its sequence and a by-time start its time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliverFrom {
+    All,
+    Last,
+    New,
+    LastPerSubject,
+    /// `by_start_sequence` from this stream sequence.
+    Sequence(u64),
+    /// `by_start_time` from this RFC 3339 time.
+    Time(String),
+}
+
+impl ConsumerConfig {
+    /// Sets `deliver_policy` with its `opt_start_seq` / `opt_start_time` (clearing the other).
+    pub fn deliver_from(mut self, from: DeliverFrom) -> ConsumerConfig {
+        self.opt_start_seq = None;
+        self.opt_start_time = None;
+        self.deliver_policy = Some(match from {
+            DeliverFrom::All => DeliverPolicy::All,
+            DeliverFrom::Last => DeliverPolicy::Last,
+            DeliverFrom::New => DeliverPolicy::New,
+            DeliverFrom::LastPerSubject => DeliverPolicy::LastPerSubject,
+            DeliverFrom::Sequence(seq) => {
+                self.opt_start_seq = Some(seq);
+                DeliverPolicy::ByStartSequence
+            }
+            DeliverFrom::Time(time) => {
+                self.opt_start_time = Some(time);
+                DeliverPolicy::ByStartTime
+            }
+        });
+        self
+    }
+
+    /// Where this configuration starts, if it says so in a way [`DeliverFrom`] expresses.
+    pub fn start(&self) -> Option<DeliverFrom> {
+        Some(match self.deliver_policy.as_ref()? {
+            DeliverPolicy::All => DeliverFrom::All,
+            DeliverPolicy::Last => DeliverFrom::Last,
+            DeliverPolicy::New => DeliverFrom::New,
+            DeliverPolicy::LastPerSubject => DeliverFrom::LastPerSubject,
+            DeliverPolicy::ByStartSequence => DeliverFrom::Sequence(self.opt_start_seq?),
+            DeliverPolicy::ByStartTime => DeliverFrom::Time(self.opt_start_time.clone()?),
+            DeliverPolicy::Other(_) => return None,
+        })
+    }
+}
+
 wire_enum!(
     /// `create` fails if the consumer exists, `update` if it does not; `""` does either.
     ConsumerAction { CreateOrUpdate = "", Create = "create", Update = "update" }

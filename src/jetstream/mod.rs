@@ -23,7 +23,8 @@ pub use account::AccountInfo;
 pub use ack::{AckKind, AckMetadata};
 pub use api::{ApiPrefix, Request, SuccessResponse, parse_response};
 pub use consumer::{
-    AckPolicy, ConsumerAction, ConsumerConfig, ConsumerInfo, DeliverPolicy, ReplayPolicy,
+    AckPolicy, ConsumerAction, ConsumerConfig, ConsumerInfo, DeliverFrom, DeliverPolicy,
+    ReplayPolicy,
 };
 pub use context::{BlockingWatch, Context, Fetched};
 pub use error::{ApiError, JsError};

@@ -397,8 +397,8 @@ pub fn provision(server: &mut Server, config: &Config, now: Instant) {
     let mut wire = b"CONNECT {\"headers\":true,\"verbose\":false}\r\nSUB _SETUP.> 1\r\n".to_vec();
     let streams = setup::desired_streams(config, None, StreamSettings::default());
     for (i, s) in streams.iter().enumerate() {
-        let name = s["name"].as_str().unwrap_or_default();
-        let body = s.to_string();
+        let name = s.name.as_str();
+        let body = serde_json::to_string(s).unwrap_or_default();
         wire.extend_from_slice(
             format!(
                 "PUB $JS.API.STREAM.CREATE.{name} _SETUP.{i} {}\r\n{body}\r\n",

@@ -162,15 +162,12 @@ impl Broker {
             return;
         };
         let config = binding::inbox_consumer_config(ns, name, inbox.ack_wait_s, inbox.inbox_window);
-        let subject = format!(
-            "{}.CONSUMER.CREATE.{}.{}.{}",
-            self.config.js_api(ns).as_str(),
-            binding::inbox_stream(ns),
-            binding::inbox_consumer(name),
-            binding::inbox_subject(ns, name)
+        let req = self.config.js_api(ns).consumer_create(
+            &binding::inbox_stream(ns),
+            &config,
+            ConsumerAction::CreateOrUpdate,
         );
-        let body = json!({"stream_name": binding::inbox_stream(ns), "config": config});
-        match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
+        match js_request(conn, req, now) {
             Ok(req) => {
                 self.await_reply(
                     req,

@@ -8,10 +8,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
-    Broker, JS_TIMEOUT, Pending, PullOwner, Route, SessionId, participant_key, unavailable,
+    Broker, Pending, PullOwner, Route, SessionId, js_publish, js_request, participant_key,
+    unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
 use crate::amp::reply::FrameWriter;
@@ -24,6 +25,7 @@ use crate::broker::pull_loop::{PullLoop, Pulled};
 use crate::jetstream::AckKind;
 use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::api::check_error;
+use crate::jetstream::{ConsumerAction, ConsumerConfig, DeliverFrom};
 use crate::nats::{Connection, Message};
 use crate::rfc3339;
 
@@ -45,7 +47,7 @@ pub(super) struct DurableCount {
     re: String,
     sub: String,
     /// The create configuration, used once the count allows it.
-    config: Value,
+    config: Box<ConsumerConfig>,
     /// Consumer names read so far.
     offset: usize,
     /// Of those, the owner's durables.
@@ -69,7 +71,7 @@ pub(super) struct Subscription {
     inflight: BTreeMap<u64, String>,
     /// Plain only: the deliver policy asked for, used again if the consumer must be
     /// recreated before any event arrived.
-    start: Value,
+    start: DeliverFrom,
 }
 
 impl Broker {
@@ -173,7 +175,7 @@ impl Broker {
         }
         let filter = binding::topic_subject(ns, &f.topic);
         let stream = binding::topics_stream(ns);
-        let (consumer, config) = if f.durable {
+        let (consumer, config, start) = if f.durable {
             let consumer = binding::durable_sub_consumer(name, &sub);
             let config = binding::durable_sub_config(
                 name,
@@ -183,32 +185,17 @@ impl Broker {
                 DURABLE_WINDOW,
                 caps.durable_inactive_s,
             );
-            (consumer, config)
+            (consumer, config, DeliverFrom::All)
         } else {
-            let consumer = self.plain_consumer_name();
-            let mut config = json!({
-                "name": consumer,
-                "filter_subject": filter,
-                "ack_policy": "none",
-                "mem_storage": true,
-                "num_replicas": 1,
-                "inactive_threshold": EPHEMERAL_INACTIVE.as_nanos() as u64,
-            });
-            match deliver_from(&f.from) {
-                Ok(fields) => {
-                    for (k, v) in fields {
-                        config[k] = v;
-                    }
-                }
+            let start = match deliver_from(&f.from) {
+                Ok(start) => start,
                 Err(e) => return self.fail(session, &f.id, e),
-            }
-            (consumer, config)
+            };
+            let consumer = self.plain_consumer_name();
+            let config =
+                binding::plain_sub_config(&consumer, &filter, start.clone(), EPHEMERAL_INACTIVE);
+            (consumer, config, start)
         };
-        let start = json!({
-            "deliver_policy": config["deliver_policy"],
-            "opt_start_seq": config["opt_start_seq"],
-            "opt_start_time": config["opt_start_time"],
-        });
         let subscription = Subscription {
             pull: PullLoop::new(
                 stream.clone(),
@@ -235,11 +222,8 @@ impl Broker {
         if f.durable {
             // A durable subscription may already exist: resume it as it is (`from` is then
             // ignored), unless its topic differs.
-            let subject = format!(
-                "{}.CONSUMER.INFO.{stream}.{consumer}",
-                self.config.js_api(ns).as_str()
-            );
-            match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+            let req = self.config.js_api(ns).consumer_info(&stream, &consumer);
+            match js_request(conn, req, now) {
                 Ok(req) => {
                     self.await_reply(
                         req,
@@ -248,7 +232,7 @@ impl Broker {
                             session,
                             re: f.id,
                             sub: sub.clone(),
-                            config,
+                            config: Box::new(config),
                         },
                     );
                 }
@@ -267,7 +251,7 @@ impl Broker {
         session: SessionId,
         re: String,
         sub: String,
-        config: &Value,
+        config: &ConsumerConfig,
         now: Instant,
     ) {
         // The session may have ended meanwhile; then there is nothing to create.
@@ -277,13 +261,14 @@ impl Broker {
         else {
             return;
         };
-        let subject = format!(
-            "{}.CONSUMER.CREATE.{}.{consumer}",
-            self.config.js_api(&ns).as_str(),
-            binding::topics_stream(&ns)
+        // The consumer this subscription pulls is the one created.
+        debug_assert_eq!(config.effective_name(), Some(consumer.as_str()));
+        let req = self.config.js_api(&ns).consumer_create(
+            &binding::topics_stream(&ns),
+            config,
+            ConsumerAction::CreateOrUpdate,
         );
-        let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
-        match conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now) {
+        match js_request(conn, req, now) {
             Ok(req) => {
                 self.await_reply(req, now, Pending::SubConsumer { session, re, sub });
             }
@@ -299,7 +284,7 @@ impl Broker {
         &mut self,
         conn: &mut Connection,
         request: (SessionId, String, String),
-        config: Value,
+        config: Box<ConsumerConfig>,
         reply: Result<Message, crate::nats::RequestError>,
         now: Instant,
     ) {
@@ -310,7 +295,7 @@ impl Broker {
                 let existing = info["config"]["filter_subject"]
                     .as_str()
                     .unwrap_or_default();
-                let wanted = config["filter_subject"].as_str().unwrap_or_default();
+                let wanted = config.filter_subject.as_deref().unwrap_or_default();
                 if existing != wanted {
                     let e = AmpError::new(
                         ErrorCode::Conflict,
@@ -355,13 +340,11 @@ impl Broker {
         else {
             return;
         };
-        let subject = format!(
-            "{}.CONSUMER.NAMES.{}",
-            self.config.js_api(&ns).as_str(),
-            binding::topics_stream(&ns)
-        );
-        let body = json!({"offset": count.offset}).to_string();
-        match conn.request(&subject, None, body.as_bytes(), JS_TIMEOUT, now) {
+        let req = self
+            .config
+            .js_api(&ns)
+            .consumer_names(&binding::topics_stream(&ns), count.offset as u64);
+        match js_request(conn, req, now) {
             Ok(req) => self.await_reply(req, now, Pending::DurableCount(count)),
             Err(e) => {
                 let (session, re, sub) = (count.session, count.re, count.sub);
@@ -582,13 +565,13 @@ impl Broker {
             .with_path("/sub");
             return self.fail(session, &id, e);
         }
-        let Some(subject) = self.drop_subscription(conn, session, &sub, true, now) else {
+        let Some(delete) = self.drop_subscription(conn, session, &sub, true, now) else {
             return self.ok(session, &id, FrameWriter::ok(Some(&id)));
         };
         // A durable's name is reused by the next subscribe of that `sub`: the answer waits
         // until the consumer is gone, or that subscribe could find it and resume it just
         // before the delete lands.
-        match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+        match js_request(conn, delete, now) {
             Ok(req) => self.await_reply(req, now, Pending::SubDeleted { session, re: id }),
             Err(e) => {
                 log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "durable delete not sent: {e}"
@@ -623,7 +606,7 @@ impl Broker {
     /// for good (`unsubscribe`, or any end of a plain one); a durable one whose session
     /// merely ended keeps its consumer, and its unacknowledged events are handed back so
     /// they come first when it is resumed. A durable ended for good is left for the caller
-    /// to delete: the delete subject is returned.
+    /// to delete: the delete request is returned.
     fn drop_subscription(
         &mut self,
         conn: &mut Connection,
@@ -631,7 +614,7 @@ impl Broker {
         sub: &str,
         for_good: bool,
         now: Instant,
-    ) -> Option<String> {
+    ) -> Option<Result<crate::jetstream::Request, crate::jetstream::JsError>> {
         let mut t = self
             .sessions
             .get_mut(&session)
@@ -639,17 +622,15 @@ impl Broker {
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
-        let delete = format!(
-            "{}.CONSUMER.DELETE.{}.{}",
-            self.config.js_api(&t.ns).as_str(),
-            binding::topics_stream(&t.ns),
-            t.pull.consumer()
-        );
+        let delete = self
+            .config
+            .js_api(&t.ns)
+            .consumer_delete(&binding::topics_stream(&t.ns), t.pull.consumer());
         if t.durable && for_good {
             return Some(delete);
         }
         if !t.durable {
-            let _ = conn.publish(&delete, None, None, b"");
+            js_publish(conn, delete);
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
@@ -690,11 +671,8 @@ impl Broker {
         let ns = stream
             .strip_prefix(&binding::topics_stream(""))
             .unwrap_or_default();
-        let subject = format!(
-            "{}.CONSUMER.INFO.{stream}.{consumer}",
-            self.config.js_api(ns).as_str()
-        );
-        match conn.request(&subject, None, b"", JS_TIMEOUT, now) {
+        let req = self.config.js_api(ns).consumer_info(&stream, &consumer);
+        match js_request(conn, req, now) {
             Ok(req) => self.await_reply(
                 req,
                 now,
@@ -923,54 +901,31 @@ impl Broker {
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
-        let _ = conn.publish(
-            &format!(
-                "{}.CONSUMER.DELETE.{}.{old}",
-                self.config.js_api(&ns).as_str(),
-                binding::topics_stream(&ns)
-            ),
-            None,
-            None,
-            b"",
+        let api = self.config.js_api(&ns);
+        js_publish(
+            conn,
+            api.consumer_delete(&binding::topics_stream(&ns), &old),
         );
         let consumer = self.plain_consumer_name();
-        let mut config = json!({
-            "name": consumer,
-            "filter_subject": filter,
-            "ack_policy": "none",
-            "mem_storage": true,
-            "num_replicas": 1,
-            "inactive_threshold": EPHEMERAL_INACTIVE.as_nanos() as u64,
-        });
-        if last == 0 {
-            for (k, v) in start
-                .as_object()
-                .into_iter()
-                .flatten()
-                .filter(|(_, v)| !v.is_null())
-            {
-                config[k] = v.clone();
-            }
+        let from = if last == 0 {
+            start
         } else {
-            config["deliver_policy"] = json!("by_start_sequence");
-            config["opt_start_seq"] = json!(last + 1);
-        }
-        let api = self.config.js_api(&ns);
+            DeliverFrom::Sequence(last + 1)
+        };
+        let config = binding::plain_sub_config(&consumer, &filter, from, EPHEMERAL_INACTIVE);
         if let Some(t) = self.subscription_mut(session, sub) {
             t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH)
-                .in_domain(api);
+                .in_domain(api.clone());
             t.last_consumer_seq = 0;
         }
         log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription gap; resuming after seq {last}"
         );
-        let subject = format!(
-            "{}.CONSUMER.CREATE.{}.{consumer}",
-            self.config.js_api(&ns).as_str(),
-            binding::topics_stream(&ns)
+        let req = api.consumer_create(
+            &binding::topics_stream(&ns),
+            &config,
+            ConsumerAction::CreateOrUpdate,
         );
-        let body = json!({"stream_name": binding::topics_stream(&ns), "config": config});
-        if let Ok(req) = conn.request(&subject, None, body.to_string().as_bytes(), JS_TIMEOUT, now)
-        {
+        if let Ok(req) = js_request(conn, req, now) {
             self.await_reply(
                 req,
                 now,
@@ -1052,28 +1007,20 @@ impl Broker {
     }
 }
 
-/// The deliver policy fields of a plain subscription's consumer.
-fn deliver_from(from: &amp_frame::From) -> Result<Vec<(&'static str, Value)>, AmpError> {
+/// Where a plain subscription's consumer starts.
+fn deliver_from(from: &amp_frame::From) -> Result<DeliverFrom, AmpError> {
     Ok(match from.clone().normalized() {
-        amp_frame::From::New => vec![("deliver_policy", json!("new"))],
-        amp_frame::From::Named(FromName::All) => vec![("deliver_policy", json!("all"))],
-        amp_frame::From::Named(FromName::Last) => {
-            vec![("deliver_policy", json!("last_per_subject"))]
-        }
-        amp_frame::From::Named(FromName::New) => vec![("deliver_policy", json!("new"))],
-        amp_frame::From::Seq { seq } => vec![
-            ("deliver_policy", json!("by_start_sequence")),
-            ("opt_start_seq", json!(seq.max(1))),
-        ],
+        amp_frame::From::New => DeliverFrom::New,
+        amp_frame::From::Named(FromName::All) => DeliverFrom::All,
+        amp_frame::From::Named(FromName::Last) => DeliverFrom::LastPerSubject,
+        amp_frame::From::Named(FromName::New) => DeliverFrom::New,
+        amp_frame::From::Seq { seq } => DeliverFrom::Sequence(seq.max(1)),
         amp_frame::From::Time { time } => {
             let nanos = rfc3339::parse_nanos(&time).ok_or_else(|| {
                 AmpError::new(ErrorCode::Schema, "not an RFC 3339 time").with_path("/from/time")
             })?;
             let millis = i64::try_from(nanos / 1_000_000).unwrap_or(0);
-            vec![
-                ("deliver_policy", json!("by_start_time")),
-                ("opt_start_time", json!(rfc3339::format_millis(millis))),
-            ]
+            DeliverFrom::Time(rfc3339::format_millis(millis))
         }
     })
 }

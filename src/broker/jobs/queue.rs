@@ -38,13 +38,16 @@ impl Jobs {
         let lease_s = self.job_config(&q.ns, &q.job).lease_s;
         let stream = binding::tasks_stream(&q.ns);
         let config = binding::job_consumer_config(&q.ns, &q.job, lease_s);
-        let subject = self.api.of(&q.ns).subject(&format!(
-            "CONSUMER.CREATE.{stream}.{}.{}",
-            binding::job_consumer(&q.job),
-            binding::job_subject(&q.ns, &q.job)
-        ));
-        let body = json!({"stream_name": stream, "config": config}).to_string();
-        match self.request(conn, &subject, None, body.as_bytes(), now) {
+        let sent = self
+            .api
+            .of(&q.ns)
+            .consumer_create(&stream, &config, ConsumerAction::CreateOrUpdate)
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                self.request(conn, &req.subject, None, &req.payload, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
             Ok(id) => {
                 self.await_reply(
                     id,

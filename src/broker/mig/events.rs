@@ -16,6 +16,7 @@ use crate::broker::pull_loop::{PullLoop, Pulled};
 use crate::jetstream::ack::AckKind;
 use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::api::ApiPrefix;
+use crate::jetstream::consumer::ConsumerAction;
 use crate::jetstream::publish::parse_pub_ack;
 use crate::jetstream::stream::{MsgSelector, parse_msg_get};
 use crate::nats::{Connection, Message, RequestError};
@@ -24,7 +25,7 @@ use crate::proto::headers::HeaderMap;
 /// The durable consumer on `AMP_TOPICS_<ns>` that feeds the live event subjects.
 pub const LIVE_CONSUMER: &str = "mig_events";
 /// Its bound on unacknowledged events.
-const LIVE_MAX_ACK_PENDING: u64 = 1000;
+const LIVE_MAX_ACK_PENDING: u32 = 1000;
 /// Events pulled at once for the live subjects.
 const LIVE_BATCH: u32 = 64;
 /// SUBSCRIBE page size: default and most.
@@ -95,24 +96,16 @@ impl Mig {
     ) -> Result<(), String> {
         for ns in config.namespaces.keys() {
             let stream = binding::topics_stream(ns);
-            let create = json!({"stream_name": stream, "config": {
-                "durable_name": LIVE_CONSUMER,
-                "ack_policy": "explicit",
-                "deliver_policy": "new",
-                "max_ack_pending": LIVE_MAX_ACK_PENDING,
-                "ack_wait": 30_000_000_000u64,
-            }});
-            let subject = format!("$JS.API.CONSUMER.CREATE.{stream}.{LIVE_CONSUMER}");
-            let id = conn
-                .request(
-                    &subject,
-                    None,
-                    create.to_string().as_bytes(),
-                    JS_TIMEOUT,
-                    now,
-                )
+            let api = config.js_api(ns);
+            let live = binding::mig_live_consumer_config(LIVE_CONSUMER, LIVE_MAX_ACK_PENDING);
+            let req = api
+                .consumer_create(&stream, &live, ConsumerAction::CreateOrUpdate)
                 .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
-            let mut pull = PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH);
+            let id = conn
+                .request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
+            let mut pull =
+                PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH).in_domain(api);
             let sid = pull.attach(conn).map_err(|e| e.to_string())?;
             self.subs.insert(sid, Sub::Live(self.live.len()));
             self.staged.push(
