@@ -26,7 +26,7 @@ use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::mig::config::readable_dead_letters;
 use super::permissions::{self, Action};
-use super::pull_loop::{PullLoop, Pulled};
+use super::pull_loop::{Check, PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::{Change, Registry};
 use super::reload;
@@ -269,7 +269,13 @@ pub struct Alarm(Timer);
 enum Timer {
     HelloTimeout(SessionId),
     RegistryRefresh(String),
-    PullCheck(PullOwner),
+    /// A pull loop's check, of the generation it was filed with.
+    PullCheck(PullOwner, u64),
+    /// A namespace's registry watch is due (a retry, or silence), of that generation.
+    RegistryWatch {
+        ns: String,
+        generation: u64,
+    },
     /// The inbox consumer request of a present participant was lost (NATS went away
     /// while it was in flight): ask again, or its inbox is never read.
     InboxConsumerRetry(String),
@@ -497,11 +503,7 @@ impl Broker {
 
     /// When the core next wants [`Input::Timeout`].
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let watches = self
-            .registries
-            .values()
-            .filter_map(|(r, _)| r.watcher_timeout());
-        self.timers.next_at().into_iter().chain(watches).min()
+        self.timers.next_at()
     }
 
     // ---- NATS side -----------------------------------------------------------------
@@ -676,18 +678,6 @@ impl Broker {
 
     /// Timers due at `now`.
     fn handle_timeout(&mut self, conn: &mut Connection, now: Instant) {
-        let due: Vec<String> = self
-            .registries
-            .iter()
-            .filter(|(_, (r, _))| r.watcher_timeout().is_some_and(|t| t <= now))
-            .map(|(ns, _)| ns.clone())
-            .collect();
-        for ns in due {
-            if let Some((registry, _)) = self.registries.get_mut(&ns) {
-                registry.watcher().handle_timeout(now);
-            }
-            self.drive_registry(conn, &ns, now);
-        }
         loop {
             self.file_timers();
             let Some((at, wake)) = self.timers.pop_due(now) else {
@@ -732,15 +722,24 @@ impl Broker {
                     self.ensure_inbox_consumer(conn, &ns, &name, now);
                 }
             }
-            Timer::PullCheck(owner) => {
+            Timer::RegistryWatch { ns, generation } => {
+                let live = self
+                    .registries
+                    .get_mut(&ns)
+                    .is_some_and(|(r, _)| r.on_deadline(generation, now));
+                if live {
+                    self.drive_registry(conn, &ns, now);
+                }
+            }
+            Timer::PullCheck(owner, generation) => {
                 let at = match &owner {
                     PullOwner::Inbox(key) => self
                         .presence
                         .get_mut(key)
-                        .and_then(|p| p.inbox.check(conn, now)),
+                        .and_then(|p| p.inbox.check(conn, generation, now)),
                     PullOwner::Sub(session, sub) => self
                         .subscription_mut(*session, sub)
-                        .and_then(|t| t.pull.check(conn, now)),
+                        .and_then(|t| t.pull.check(conn, generation, now)),
                 };
                 self.check_pull_at(at, owner);
             }

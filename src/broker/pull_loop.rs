@@ -28,8 +28,17 @@ pub struct PullLoop {
     remaining: u32,
     /// When the outstanding pull counts as lost without word from the server.
     until: Option<Instant>,
-    /// The check timer the owner has scheduled, so there is one at a time.
-    armed_at: Option<Instant>,
+    /// The generation of the one check that counts; checks the owner filed earlier in
+    /// the timer table are stale when they fire.
+    generation: u64,
+}
+
+/// A check for the owner to file in the timer table and hand back to
+/// [`PullLoop::check`] when it is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Check {
+    pub at: Instant,
+    pub generation: u64,
 }
 
 /// What a message on the pull's subscription was.
@@ -54,7 +63,7 @@ impl PullLoop {
             deliver: String::new(),
             remaining: 0,
             until: None,
-            armed_at: None,
+            generation: 0,
         }
     }
 
@@ -89,7 +98,7 @@ impl PullLoop {
     }
 
     /// Sends a pull unless one is outstanding; returns when to check on it.
-    pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Instant> {
+    pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
         if self.sid.is_none() || self.remaining > 0 {
             return None;
         }
@@ -111,14 +120,16 @@ impl PullLoop {
         self.arm()
     }
 
-    /// A check time for the owner to schedule, unless one at or before `until` already is.
-    fn arm(&mut self) -> Option<Instant> {
-        let until = self.until?;
-        if self.armed_at.is_some_and(|at| at <= until) {
-            return None;
-        }
-        self.armed_at = Some(until);
-        Some(until)
+    /// A new check at `until`; every check filed before it is stale from now on. Only
+    /// a deadline that moved earlier, or a new pull, needs one: while it moves later
+    /// (every message, every heartbeat) the check filed fires early and files the next.
+    fn arm(&mut self) -> Option<Check> {
+        let at = self.until?;
+        self.generation = self.generation.wrapping_add(1);
+        Some(Check {
+            at,
+            generation: self.generation,
+        })
     }
 
     /// Accounts for one message of the subscription, renewing the pull when it ends.
@@ -127,11 +138,11 @@ impl PullLoop {
         conn: &mut Connection,
         status: Option<u16>,
         now: Instant,
-    ) -> (Pulled, Option<Instant>) {
+    ) -> (Pulled, Option<Check>) {
         match status {
             Some(100) => {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
-                (Pulled::Heartbeat, self.arm())
+                (Pulled::Heartbeat, None)
             }
             Some(503) => {
                 // Nobody serves the consumer yet (JetStream still starting): try again
@@ -147,15 +158,16 @@ impl PullLoop {
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
                 self.until = Some(now + PULL_HEARTBEAT * 2);
-                (Pulled::Message, self.pull(conn, now).or_else(|| self.arm()))
+                (Pulled::Message, self.pull(conn, now))
             }
         }
     }
 
-    /// At a check time: a pull that has been silent too long is replaced.
-    pub fn check(&mut self, conn: &mut Connection, now: Instant) -> Option<Instant> {
-        if self.armed_at.is_some_and(|at| at <= now) {
-            self.armed_at = None;
+    /// At a check's time: a pull that has been silent too long is replaced. A stale
+    /// check (another was filed since) does nothing.
+    pub fn check(&mut self, conn: &mut Connection, generation: u64, now: Instant) -> Option<Check> {
+        if generation != self.generation {
+            return None;
         }
         if self.until.is_some_and(|until| until <= now) {
             self.remaining = 0;
@@ -165,8 +177,84 @@ impl PullLoop {
     }
 
     /// After a reconnect the outstanding pull died with the old connection.
-    pub fn restart(&mut self, conn: &mut Connection, now: Instant) -> Option<Instant> {
+    pub fn restart(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
         self.remaining = 0;
         self.pull(conn, now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nats::Options;
+
+    fn connected(now: Instant) -> Connection {
+        let mut conn = Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        conn.poll_connect(now).expect("a server to dial");
+        conn.on_transport_open(now);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+            now,
+        );
+        conn.receive(b"PONG\r\n", now);
+        assert!(conn.is_connected());
+        conn
+    }
+
+    fn pulls_sent(conn: &mut Connection) -> usize {
+        let out = String::from_utf8_lossy(conn.output()).into_owned();
+        let n = conn.output().len();
+        conn.consume_output(n);
+        out.matches("CONSUMER.MSG.NEXT").count()
+    }
+
+    #[test]
+    fn one_check_counts_and_messages_file_none() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 2);
+        p.attach(&mut conn).expect("subscribe");
+        let first = p.pull(&mut conn, t0).expect("a check for the new pull");
+        assert_eq!(first.at, t0 + PULL_HEARTBEAT * 2);
+        assert_eq!(pulls_sent(&mut conn), 1);
+        // Heartbeats and a message that leaves the batch open push the deadline back
+        // without filing anything: the check filed fires early and files the next.
+        let t1 = t0 + Duration::from_secs(3);
+        assert_eq!(
+            p.on_message(&mut conn, Some(100), t1),
+            (Pulled::Heartbeat, None)
+        );
+        assert_eq!(p.on_message(&mut conn, None, t1), (Pulled::Message, None));
+        let next = p
+            .check(&mut conn, first.generation, first.at)
+            .expect("the deadline moved");
+        assert_eq!(next.at, t1 + PULL_HEARTBEAT * 2);
+        assert_eq!(pulls_sent(&mut conn), 0, "the pull is still alive");
+        // The first check is stale now, whenever it fires again.
+        assert_eq!(p.check(&mut conn, first.generation, next.at), None);
+        assert_eq!(pulls_sent(&mut conn), 0);
+        // The live one finds the pull silent and replaces it.
+        let again = p
+            .check(&mut conn, next.generation, next.at)
+            .expect("a new pull");
+        assert_eq!(pulls_sent(&mut conn), 1);
+        assert_ne!(again.generation, next.generation);
+    }
+
+    #[test]
+    fn no_responders_files_an_earlier_check_and_the_later_one_goes_stale() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 1);
+        p.attach(&mut conn).expect("subscribe");
+        let silent = p.pull(&mut conn, t0).expect("check");
+        pulls_sent(&mut conn);
+        let (pulled, retry) = p.on_message(&mut conn, Some(503), t0);
+        assert_eq!(pulled, Pulled::Ended);
+        let retry = retry.expect("an earlier check");
+        assert_eq!(retry.at, t0 + RETRY_AFTER_NO_RESPONDERS);
+        assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
+        assert_eq!(p.check(&mut conn, silent.generation, silent.at), None);
     }
 }

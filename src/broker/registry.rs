@@ -33,6 +33,10 @@ pub struct Registry {
     watcher: KvWatcher,
     entries: BTreeMap<String, Value>,
     ready: bool,
+    /// The watch's deadline as last filed in the timer table, and its generation: a
+    /// deadline filed earlier is stale when it fires.
+    filed: Option<Instant>,
+    generation: u64,
 }
 
 impl Registry {
@@ -57,6 +61,8 @@ impl Registry {
             watcher,
             entries: BTreeMap::new(),
             ready: false,
+            filed: None,
+            generation: 0,
         })
     }
 
@@ -64,8 +70,29 @@ impl Registry {
         &mut self.watcher
     }
 
-    pub fn watcher_timeout(&self) -> Option<Instant> {
-        self.watcher.poll_timeout()
+    /// The watch's deadline with its generation, when it is to be filed: none is filed,
+    /// or it moved before the one filed. A deadline that moved later (every message of
+    /// the watch pushes the silence deadline back) needs nothing: the one filed fires
+    /// early and [`Registry::on_deadline`] files the next.
+    pub fn deadline_to_file(&mut self) -> Option<(Instant, u64)> {
+        let at = self.watcher.poll_timeout()?;
+        if self.filed.is_some_and(|filed| filed <= at) {
+            return None;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        self.filed = Some(at);
+        Some((at, self.generation))
+    }
+
+    /// A filed deadline is due: the watch checks its own (retry, silence) unless the
+    /// deadline is stale. False when it was.
+    pub fn on_deadline(&mut self, generation: u64, now: Instant) -> bool {
+        if generation != self.generation {
+            return false;
+        }
+        self.filed = None;
+        self.watcher.handle_timeout(now);
+        true
     }
 
     pub fn poll_action(&mut self) -> Option<WatchAction> {
@@ -115,5 +142,29 @@ impl Registry {
             }
         }
         changes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_watch_deadline_is_filed_once_and_earlier_ones_go_stale() {
+        let t0 = Instant::now();
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", t0)
+            .expect("registry");
+        let silence = t0 + Duration::from_secs(15);
+        let (at, first) = r.deadline_to_file().expect("a deadline to file");
+        assert_eq!(at, silence);
+        assert_eq!(r.deadline_to_file(), None, "filed already");
+        // Fired before the watch is due: nothing happens but the next one is filed.
+        let early = t0 + Duration::from_secs(1);
+        assert!(r.on_deadline(first, early));
+        let (_, second) = r.deadline_to_file().expect("filed again");
+        assert_ne!(first, second);
+        assert!(!r.on_deadline(first, silence), "an earlier filing is stale");
+        assert!(r.on_deadline(second, silence));
     }
 }

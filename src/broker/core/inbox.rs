@@ -214,9 +214,9 @@ impl Broker {
         }
     }
 
-    pub(super) fn check_pull_at(&mut self, at: Option<Instant>, owner: PullOwner) {
-        if let Some(at) = at {
-            self.set_timer(at, Timer::PullCheck(owner));
+    pub(super) fn check_pull_at(&mut self, check: Option<Check>, owner: PullOwner) {
+        if let Some(c) = check {
+            self.set_timer(c.at, Timer::PullCheck(owner, c.generation));
         }
     }
 

@@ -181,6 +181,14 @@ impl Broker {
             }
         }
         let changes = registry.poll_changes(now);
+        if let Some((at, generation)) = registry.deadline_to_file() {
+            // Field borrow, as above.
+            let timer = Timer::RegistryWatch {
+                ns: ns.to_string(),
+                generation,
+            };
+            self.timers.schedule(at, Wake::Core(Alarm(timer)));
+        }
         if changes.is_empty() {
             return;
         }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::{
-    Broker, Pending, PullOwner, Route, SessionId, js_publish, js_request, participant_key,
+    Broker, Check, Pending, PullOwner, Route, SessionId, js_publish, js_request, participant_key,
     unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
@@ -790,7 +790,7 @@ impl Broker {
         &mut self,
         conn: &mut Connection,
         now: Instant,
-    ) -> Vec<(Option<Instant>, PullOwner)> {
+    ) -> Vec<(Option<Check>, PullOwner)> {
         let mut checks = Vec::new();
         let mut plain = Vec::new();
         for (&session, s) in &mut self.sessions {

@@ -12,7 +12,7 @@ use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::permissions::{self, Action};
-use crate::broker::pull_loop::{PullLoop, Pulled};
+use crate::broker::pull_loop::{Check, PullLoop, Pulled};
 use crate::jetstream::ack::AckKind;
 use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::api::ApiPrefix;
@@ -139,17 +139,24 @@ impl Mig {
         self.arm_live(feed, at);
     }
 
-    pub(super) fn arm_live(&mut self, feed: usize, at: Option<Instant>) {
-        if let Some(at) = at {
-            self.later.push(at, super::Alarm::LiveCheck(feed));
+    pub(super) fn arm_live(&mut self, feed: usize, check: Option<Check>) {
+        if let Some(c) = check {
+            self.later
+                .push(c.at, super::Alarm::LiveCheck(feed, c.generation));
         }
     }
 
-    pub(super) fn live_check(&mut self, conn: &mut Connection, feed: usize, now: Instant) {
+    pub(super) fn live_check(
+        &mut self,
+        conn: &mut Connection,
+        feed: usize,
+        generation: u64,
+        now: Instant,
+    ) {
         let next = self
             .live
             .get_mut(feed)
-            .and_then(|f| f.pull.check(conn, now));
+            .and_then(|f| f.pull.check(conn, generation, now));
         self.arm_live(feed, next);
     }
 

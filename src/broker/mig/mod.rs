@@ -98,7 +98,7 @@ pub enum Alarm {
     /// An invocation's deadline.
     Deadline(SessionId),
     /// A live event feed's pull check (index into `live`).
-    LiveCheck(usize),
+    LiveCheck(usize, u64),
 }
 
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
@@ -340,7 +340,9 @@ impl Mig {
         now: Instant,
     ) {
         let session = match alarm {
-            Alarm::LiveCheck(feed) => return self.live_check(conn, feed, now),
+            Alarm::LiveCheck(feed, generation) => {
+                return self.live_check(conn, feed, generation, now);
+            }
             Alarm::Deadline(session) => session,
         };
         let Some(inv) = self.invocations.get(&session) else {
