@@ -31,6 +31,7 @@ use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
 use super::ids::IdSource;
 use super::permissions::{self, Action};
+use super::pull_loop::{Answer, PullLoop};
 use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
 use super::timers::{Later, Timers, Wake};
 use super::worker_choice::{self, Candidate};
@@ -42,9 +43,8 @@ use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
 use crate::jetstream::consumer::ConsumerAction;
 use crate::jetstream::error::JsError;
-use crate::jetstream::message::Delivery;
 use crate::jetstream::publish::parse_pub_ack;
-use crate::jetstream::pull::{Inbound, PullRequest, classify};
+
 use crate::nats::{self, Connection, Message, RequestError, RequestId, Sid};
 use crate::proto::headers::HeaderMap;
 use crate::rfc3339;
@@ -60,8 +60,6 @@ const PUBLISHED_SEQS: usize = 2048;
 const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows.
 const PULL_EXPIRES: Duration = Duration::from_secs(30);
-/// After this much silence past its expiry a pull is taken as gone.
-const PULL_GRACE: Duration = Duration::from_secs(5);
 /// A task no local session may take goes back with this delay, so that brokers with an
 /// eligible session get it first.
 const NO_TAKER_DELAY: Duration = Duration::from_millis(500);
@@ -128,17 +126,10 @@ struct JobQueue {
     ns: String,
     job: String,
     consumer: ConsumerState,
-    sid: Option<Sid>,
-    /// Pulls are answered on `<prefix>.<n>`: a status (408 at expiry) arrives on its own
-    /// pull's subject with the count it did not deliver. Messages carry their stream
-    /// subject, so only the total outstanding is known, which is all "one message per free
-    /// slot" needs.
-    deliver_prefix: String,
-    /// Messages asked for and not yet delivered, over all outstanding pulls.
-    requested: u32,
-    /// Outstanding pulls by number, with their batch.
-    pulls: HashMap<u64, u32>,
-    next_pull: u64,
+    /// The pull engine on demand: a status (408 at expiry) arrives on its own pull's
+    /// subject with the count it did not deliver. Messages carry their stream subject, so
+    /// only the total outstanding is known, which is all "one message per free slot" needs.
+    pull: PullLoop,
     /// Messages delivered whose record is being read (they hold no slot yet).
     unplaced: u32,
 }
@@ -958,8 +949,7 @@ impl Jobs {
         let keys: Vec<String> = self.queues.keys().cloned().collect();
         for qk in keys {
             if let Some(q) = self.queues.get_mut(&qk) {
-                q.pulls.clear();
-                q.requested = 0;
+                q.pull.forget_pulls();
             }
             self.pull_more(conn, &qk, now);
         }
@@ -980,60 +970,29 @@ impl Jobs {
         let Some(qk) = self.routes.get(&sid).cloned() else {
             return false;
         };
-        let pull_no = msg
-            .subject
-            .rsplit('.')
-            .next()
-            .and_then(|n| n.parse::<u64>().ok());
-        let delivery = Delivery {
-            subject: &msg.subject,
-            reply: msg.reply.as_deref(),
-            headers: msg.headers.as_ref(),
-            payload: &msg.payload,
+        let Some(q) = self.queues.get_mut(&qk) else {
+            return true;
         };
-        let inbound = classify(&delivery);
-        if inbound != Inbound::Message {
-            if inbound.ends_pull() {
-                let undelivered = match &inbound {
-                    Inbound::RequestTimeout {
-                        pending_messages, ..
-                    } => *pending_messages,
-                    _ => msg
-                        .header("Nats-Pending-Messages")
-                        .and_then(|v| v.trim().parse::<u64>().ok()),
-                };
-                if let (Some(q), Some(n)) = (self.queues.get_mut(&qk), pull_no)
-                    && let Some(batch) = q.pulls.remove(&n)
-                {
-                    let undelivered = undelivered
-                        .map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
-                    q.requested = q.requested.saturating_sub(undelivered);
-                }
-                if let Inbound::Status { code: 503, .. } = &inbound {
-                    // Nobody serves the consumer: JetStream is not ready, or the consumer
-                    // is gone. Pulling again at once would spin; create it again shortly.
-                    log::warn!(queue:% = qk; "pull had no responders; consumer again soon"
-                    );
-                    self.consumer_failed(&qk, now);
-                    return true;
-                }
-                if let Inbound::Conflict { description } | Inbound::Status { description, .. } =
-                    &inbound
-                {
-                    log::warn!(queue:% = qk; "pull ended: {description}");
-                    if description.contains("Consumer Deleted") {
+        match q.pull.answer(msg) {
+            Answer::Message => self.delivery(conn, &qk, msg, now),
+            Answer::Nothing => {}
+            Answer::NoResponders => {
+                // Nobody serves the consumer: JetStream is not ready, or the consumer is
+                // gone. Pulling again at once would spin; create it again shortly.
+                log::warn!(queue:% = qk; "pull had no responders; consumer again soon");
+                self.consumer_failed(&qk, now);
+            }
+            Answer::Ended { why } => {
+                if let Some(why) = why {
+                    log::warn!(queue:% = qk; "pull ended: {why}");
+                    if why.contains("Consumer Deleted") {
                         self.create_consumer(conn, &qk, now);
                         return true;
                     }
                 }
                 self.pull_more(conn, &qk, now);
             }
-            return true;
         }
-        if let Some(q) = self.queues.get_mut(&qk) {
-            q.requested = q.requested.saturating_sub(1);
-        }
-        self.delivery(conn, &qk, msg, now);
         true
     }
 
@@ -1459,17 +1418,10 @@ impl Jobs {
             Timer::PullExpiry { queue, pull } => {
                 // Every pull up to the newest has expired by now; if their 408s were
                 // lost (a reconnect), nothing is outstanding any more.
-                let stale = self.queues.get_mut(&queue).is_some_and(|q| {
-                    // Past its expiry a pull is over whether or not a status said so
-                    // (a fully answered pull gets none): its entry goes.
-                    q.pulls.remove(&pull);
-                    let newest = q.next_pull.checked_sub(1) == Some(pull);
-                    if newest && q.requested > 0 {
-                        q.requested = 0;
-                        q.pulls.clear();
-                    }
-                    newest
-                });
+                let stale = self
+                    .queues
+                    .get_mut(&queue)
+                    .is_some_and(|q| q.pull.over(pull));
                 if stale {
                     self.pull_more(conn, &queue, now);
                 }

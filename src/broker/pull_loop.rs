@@ -1,12 +1,21 @@
-//! One pull consumer being read continuously: at most one `MSG.NEXT` outstanding, renewed
-//! when it is used up, ended by a status (404/408/409) or silent for too long. The
-//! broker runs one for each participant's inbox and each topic subscription.
+//! The broker's one pull engine: a pull consumer read continuously, in one of two paces.
+//!
+//! - *Steady* (each participant's inbox, each topic subscription, MIG's live events): at
+//!   most one `MSG.NEXT` of a fixed batch outstanding, renewed when it is used up or ended
+//!   by a status (404/408/409), replaced when it has been silent (no message, no idle
+//!   heartbeat) for too long, retried shortly after a 503.
+//! - *On demand* (each job's queue): pulls sized by the owner's free slots, several
+//!   outstanding, each answered on its own numbered subject so that its 404/408/409 says
+//!   how much of it is not coming; a pull is over at its expiry whether or not a status
+//!   said so. What follows an ended pull (pull again, create the consumer again) is the
+//!   owner's decision.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::jetstream::ApiPrefix;
-use crate::jetstream::pull::PullRequest;
-use crate::nats::{Connection, Sid};
+use crate::jetstream::pull::{Inbound, PullRequest, classify};
+use crate::jetstream::{ApiPrefix, Delivery};
+use crate::nats::{Connection, Message, Sid};
 
 /// A pull request's lifetime; the next one follows when it ends.
 pub const PULL_EXPIRES: Duration = Duration::from_secs(20);
@@ -23,14 +32,50 @@ pub struct PullLoop {
     batch: u32,
     /// The subscription receiving the pulled messages.
     sid: Option<Sid>,
+    /// Steady: the deliver subject. On demand: its prefix, pulls answer on `<prefix>.<n>`.
     deliver: String,
-    /// Messages the outstanding pull may still deliver; 0 when none is outstanding.
+    /// Messages the outstanding pulls may still deliver; 0 when none is outstanding.
     remaining: u32,
+    /// On demand only: the outstanding pulls.
+    shares: Option<Shares>,
     /// When the outstanding pull counts as lost without word from the server.
     until: Option<Instant>,
     /// The generation of the one check that counts; checks the owner filed earlier in
     /// the timer table are stale when they fire.
     generation: u64,
+}
+
+/// The outstanding pulls of an on-demand loop.
+#[derive(Debug)]
+struct Shares {
+    expires: Duration,
+    /// By number, with their batch.
+    pulls: HashMap<u64, u32>,
+    next: u64,
+}
+
+/// A pull an on-demand loop sent: its number, and when it is over whether or not a
+/// status says so (a fully answered pull gets none), for the owner's timer table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub pull: u64,
+    pub over_at: Instant,
+}
+
+/// After this much silence past its expiry an on-demand pull is taken as gone.
+const SHARE_GRACE: Duration = Duration::from_secs(5);
+
+/// What a message on an on-demand loop's subscription was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer<'a> {
+    /// A stream message: hand it on.
+    Message,
+    /// A heartbeat or the like: nothing to do.
+    Nothing,
+    /// A status ended a pull; with the server's reason for a 409 or another status.
+    Ended { why: Option<&'a str> },
+    /// 503: nobody serves the consumer (JetStream not ready, or the consumer is gone).
+    NoResponders,
 }
 
 /// A check for the owner to file in the timer table and hand back to
@@ -62,8 +107,28 @@ impl PullLoop {
             sid: None,
             deliver: String::new(),
             remaining: 0,
+            shares: None,
             until: None,
             generation: 0,
+        }
+    }
+
+    /// An on-demand loop answered under `deliver_prefix`, its pulls expiring after
+    /// `expires`.
+    pub fn on_demand(
+        stream: String,
+        consumer: String,
+        deliver_prefix: String,
+        expires: Duration,
+    ) -> PullLoop {
+        PullLoop {
+            deliver: deliver_prefix,
+            shares: Some(Shares {
+                expires,
+                pulls: HashMap::new(),
+                next: 0,
+            }),
+            ..PullLoop::new(stream, consumer, 1)
         }
     }
 
@@ -81,8 +146,14 @@ impl PullLoop {
         self.sid
     }
 
-    /// Subscribes to a fresh inbox for the deliveries; returns the subscription.
+    /// Subscribes for the deliveries (steady: to a fresh inbox; on demand: to every
+    /// numbered subject of its prefix); returns the subscription.
     pub fn attach(&mut self, conn: &mut Connection) -> Result<Sid, crate::nats::Error> {
+        if self.shares.is_some() {
+            let sid = conn.subscribe(&format!("{}.*", self.deliver), None)?;
+            self.sid = Some(sid);
+            return Ok(sid);
+        }
         let deliver = conn.new_inbox();
         let sid = conn.subscribe(&deliver, None)?;
         self.sid = Some(sid);
@@ -181,6 +252,131 @@ impl PullLoop {
         self.remaining = 0;
         self.pull(conn, now)
     }
+
+    // ---- on demand ----------------------------------------------------------------------
+
+    /// Messages asked for and not yet delivered, over every outstanding pull.
+    pub fn requested(&self) -> u32 {
+        self.remaining
+    }
+
+    /// On demand: asks for one message per free slot not already asked for or in hand
+    /// (`in_hand`: delivered, not yet given a slot). While asked-for messages are still
+    /// coming, freed slots wait until a quarter of the `slots` are free: one pull then
+    /// serves several tasks instead of one each. Nothing is sent while disconnected: the
+    /// pull would wait in the reconnect buffer and arrive next to the one sent after the
+    /// reconnect, asking for messages twice.
+    pub fn fill(
+        &mut self,
+        conn: &mut Connection,
+        slots: u32,
+        free: u32,
+        in_hand: u32,
+        now: Instant,
+    ) -> Result<Option<Share>, String> {
+        let Some(shares) = self.shares.as_mut() else {
+            return Ok(None);
+        };
+        if self.sid.is_none() || !conn.is_connected() {
+            return Ok(None);
+        }
+        let outstanding = self.remaining.saturating_add(in_hand);
+        let want = free.saturating_sub(outstanding);
+        if want == 0 || (outstanding > 0 && want < (slots / 4).max(1)) {
+            return Ok(None);
+        }
+        let pull = PullRequest {
+            batch: u64::from(want),
+            expires: Some(shares.expires),
+            ..PullRequest::default()
+        };
+        let req = self
+            .api
+            .pull_next(&self.stream, &self.consumer, &pull)
+            .map_err(|e| format!("pull request invalid: {e}"))?;
+        let n = shares.next;
+        let reply = format!("{}.{n}", self.deliver);
+        conn.publish(&req.subject, Some(&reply), None, &req.payload)
+            .map_err(|e| format!("pull failed: {e}"))?;
+        shares.next += 1;
+        shares.pulls.insert(n, want);
+        self.remaining = self.remaining.saturating_add(want);
+        Ok(Some(Share {
+            pull: n,
+            over_at: now + shares.expires + SHARE_GRACE,
+        }))
+    }
+
+    /// On demand: accounts for one message of the subscription.
+    pub fn answer<'a>(&mut self, msg: &'a Message) -> Answer<'a> {
+        let delivery = Delivery {
+            subject: &msg.subject,
+            reply: msg.reply.as_deref(),
+            headers: msg.headers.as_ref(),
+            payload: &msg.payload,
+        };
+        let inbound = classify(&delivery);
+        if inbound == Inbound::Message {
+            self.remaining = self.remaining.saturating_sub(1);
+            return Answer::Message;
+        }
+        if !inbound.ends_pull() {
+            return Answer::Nothing;
+        }
+        let undelivered = match &inbound {
+            Inbound::RequestTimeout {
+                pending_messages, ..
+            } => *pending_messages,
+            _ => msg
+                .header("Nats-Pending-Messages")
+                .and_then(|v| v.trim().parse::<u64>().ok()),
+        };
+        let pull_no = msg
+            .subject
+            .rsplit('.')
+            .next()
+            .and_then(|n| n.parse::<u64>().ok());
+        if let (Some(shares), Some(n)) = (self.shares.as_mut(), pull_no)
+            && let Some(batch) = shares.pulls.remove(&n)
+        {
+            let undelivered =
+                undelivered.map_or(batch, |p| u32::try_from(p).unwrap_or(u32::MAX).min(batch));
+            self.remaining = self.remaining.saturating_sub(undelivered);
+        }
+        match inbound {
+            Inbound::Status { code: 503, .. } => Answer::NoResponders,
+            Inbound::Conflict { description } | Inbound::Status { description, .. } => {
+                Answer::Ended {
+                    why: Some(description),
+                }
+            }
+            _ => Answer::Ended { why: None },
+        }
+    }
+
+    /// On demand: pull `pull` is past [`Share::over_at`], so over. True when it was the
+    /// newest: every pull has expired by now, and if their 408s were lost (a reconnect)
+    /// nothing is outstanding any more.
+    pub fn over(&mut self, pull: u64) -> bool {
+        let Some(shares) = self.shares.as_mut() else {
+            return false;
+        };
+        shares.pulls.remove(&pull);
+        let newest = shares.next.checked_sub(1) == Some(pull);
+        if newest && self.remaining > 0 {
+            self.remaining = 0;
+            shares.pulls.clear();
+        }
+        newest
+    }
+
+    /// On demand: the pulls in flight died with the old connection.
+    pub fn forget_pulls(&mut self) {
+        if let Some(shares) = self.shares.as_mut() {
+            shares.pulls.clear();
+        }
+        self.remaining = 0;
+    }
 }
 
 #[cfg(test)]
@@ -256,5 +452,59 @@ mod tests {
         assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         assert_eq!(p.check(&mut conn, silent.generation, silent.at), None);
+    }
+
+    fn status(subject: &str, code: u16, pending: Option<u32>) -> Message {
+        let mut headers =
+            crate::proto::headers::HeaderMap::with_status(code, "").expect("a status line");
+        if let Some(p) = pending {
+            let _ = headers.insert("Nats-Pending-Messages", &p.to_string());
+        }
+        Message {
+            headers: Some(headers),
+            ..message(subject)
+        }
+    }
+
+    fn message(subject: &str) -> Message {
+        Message {
+            subject: subject.to_string(),
+            reply: None,
+            headers: None,
+            payload: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn on_demand_asks_per_free_slot_and_a_quarter_at_a_time_while_messages_come() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let expires = Duration::from_secs(30);
+        let mut p = PullLoop::on_demand("S".into(), "C".into(), "_I.q".into(), expires);
+        p.attach(&mut conn).expect("subscribe");
+        let first = p
+            .fill(&mut conn, 8, 8, 0, t0)
+            .expect("sent")
+            .expect("a pull");
+        assert_eq!(first.pull, 0);
+        assert_eq!(first.over_at, t0 + expires + SHARE_GRACE);
+        assert_eq!(p.requested(), 8);
+        let out = String::from_utf8_lossy(conn.output()).into_owned();
+        assert!(out.contains("CONSUMER.MSG.NEXT.S.C _I.q.0"), "{out}");
+        assert!(out.contains("\"batch\":8"), "{out}");
+        // Two delivered and placed, one more in hand: one freed slot waits for a quarter.
+        assert_eq!(p.answer(&message("amp.x.job.j")), Answer::Message);
+        assert_eq!(p.answer(&message("amp.x.job.j")), Answer::Message);
+        assert_eq!(p.fill(&mut conn, 8, 7, 0, t0), Ok(None));
+        let second = p.fill(&mut conn, 8, 8, 0, t0).expect("sent").expect("two");
+        assert_eq!((second.pull, p.requested()), (1, 8));
+        // The first pull's 408 says 5 of its 6 outstanding are not coming.
+        let timeout = status("_I.q.0", 408, Some(5));
+        assert_eq!(p.answer(&timeout), Answer::Ended { why: None });
+        assert_eq!(p.requested(), 3);
+        assert!(!p.over(0), "not the newest");
+        assert!(p.over(1), "the newest: nothing is outstanding");
+        assert_eq!(p.requested(), 0);
+        assert_eq!(p.answer(&status("_I.q.2", 503, None)), Answer::NoResponders);
     }
 }

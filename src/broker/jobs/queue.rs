@@ -15,18 +15,20 @@ impl Jobs {
         if self.queues.contains_key(&qk) {
             return;
         }
-        let deliver_prefix = conn.new_inbox();
+        let pull = PullLoop::on_demand(
+            binding::tasks_stream(ns),
+            binding::job_consumer(job),
+            conn.new_inbox(),
+            PULL_EXPIRES,
+        )
+        .in_domain(self.api.of(ns).clone());
         self.queues.insert(
             qk.clone(),
             JobQueue {
                 ns: ns.to_string(),
                 job: job.to_string(),
                 consumer: ConsumerState::Creating,
-                sid: None,
-                deliver_prefix,
-                requested: 0,
-                pulls: HashMap::new(),
-                next_pull: 0,
+                pull,
                 unplaced: 0,
             },
         );
@@ -84,11 +86,9 @@ impl Jobs {
             return;
         };
         q.consumer = ConsumerState::Ready;
-        if q.sid.is_none() {
-            let pattern = format!("{}.*", q.deliver_prefix);
-            match conn.subscribe(&pattern, None) {
+        if q.pull.sid().is_none() {
+            match q.pull.attach(conn) {
                 Ok(sid) => {
-                    q.sid = Some(sid);
                     self.routes.insert(sid, qk.to_string());
                 }
                 Err(e) => {
@@ -114,51 +114,28 @@ impl Jobs {
             })
     }
 
-    /// Asks for one message per free slot not already asked for.
+    /// Asks for one message per free slot not already asked for (see
+    /// [`PullLoop::fill`] for when it waits).
     pub(super) fn pull_more(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
         let Some(q) = self.queues.get(qk) else { return };
-        // While disconnected a pull would wait in the reconnect buffer and arrive next to
-        // the one `on_reconnected` sends, asking for messages twice.
-        if q.consumer != ConsumerState::Ready || q.sid.is_none() || !conn.is_connected() {
+        if q.consumer != ConsumerState::Ready {
             return;
         }
-        let outstanding = q.requested.saturating_add(q.unplaced);
         let (slots, free) = self.slots(&q.ns, &q.job);
-        let want = free.saturating_sub(outstanding);
-        // While messages are still coming, freed slots wait until a quarter of the job's
-        // slots are free: one pull then serves several tasks instead of one each.
-        if want == 0 || (outstanding > 0 && want < (slots / 4).max(1)) {
+        let Some(q) = self.queues.get_mut(qk) else {
             return;
-        }
-        let pull = PullRequest {
-            batch: u64::from(want),
-            expires: Some(PULL_EXPIRES),
-            ..PullRequest::default()
         };
-        let req = match self.api.of(&q.ns).pull_next(
-            &binding::tasks_stream(&q.ns),
-            &binding::job_consumer(&q.job),
-            &pull,
-        ) {
-            Ok(r) => r,
-            Err(e) => return log::warn!(queue:% = qk; "pull request invalid: {e}"),
+        let share = match q.pull.fill(conn, slots, free, q.unplaced, now) {
+            Ok(Some(share)) => share,
+            Ok(None) => return,
+            Err(e) => return log::warn!(queue:% = qk; "{e}"),
         };
-        let n = q.next_pull;
-        let reply = format!("{}.{n}", q.deliver_prefix);
-        if let Err(e) = conn.publish(&req.subject, Some(&reply), None, &req.payload) {
-            return log::warn!(queue:% = qk; "pull failed: {e}");
-        }
         self.stats.js_ops += 1;
-        if let Some(q) = self.queues.get_mut(qk) {
-            q.next_pull += 1;
-            q.pulls.insert(n, want);
-            q.requested = q.requested.saturating_add(want);
-        }
         self.later.push(
-            now + PULL_EXPIRES + PULL_GRACE,
+            share.over_at,
             Alarm(Timer::PullExpiry {
                 queue: qk.to_string(),
-                pull: n,
+                pull: share.pull,
             }),
         );
     }
