@@ -290,10 +290,8 @@ pub struct Broker {
     broker_id: String,
     sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
-    /// Durable subscriptions' events that reached the broker after their session ended
-    /// (they were in flight), by (stream, consumer) and stream sequence, while that
-    /// consumer's hand-back is under way: naked with it, in stream order.
-    late_events: BTreeMap<(String, String), BTreeMap<u64, String>>,
+    /// Durable subscriptions' hand-backs under way, by (stream, consumer).
+    hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.
     continuations: Continuations,
     metrics: AmpMetrics,
@@ -352,7 +350,7 @@ impl Broker {
             broker_id,
             sessions: IdMap::default(),
             presence: HashMap::new(),
-            late_events: BTreeMap::new(),
+            hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
             routes: IdMap::default(),
@@ -1089,8 +1087,8 @@ mod tests {
         // While one is, it waits and goes out with it in stream order, behind the
         // session's own unacknowledged event 4 (before: 6 first, then 4, which the
         // resumed session took for a redelivery of an event it had and skipped).
-        b.late_events
-            .insert((stream.into(), consumer.into()), BTreeMap::new());
+        b.hand_backs
+            .insert((stream.into(), consumer.into()), Default::default());
         b.handle(&mut conn, Input::Nats(unread(6)), t0);
         assert!(naks(&mut conn).is_empty());
         let info = Message {
@@ -1106,7 +1104,7 @@ mod tests {
             t0,
         );
         assert_eq!(naks(&mut conn), [ack(4), ack(6)]);
-        assert!(b.late_events.is_empty());
+        assert!(b.hand_backs.is_empty());
     }
 
     #[test]

@@ -254,6 +254,13 @@ impl Broker {
             }
         };
         let (seq, delivered) = meta;
+        // A redelivery supersedes the delivery another session of the participant here
+        // still holds (JetStream gave up waiting for its ack).
+        for id in &p.sessions {
+            if let Some(s) = self.sessions.get_mut(id) {
+                s.inflight.remove(&seq);
+            }
+        }
         let target = p.sessions.iter().copied().min_by_key(|id| {
             self.sessions
                 .get(id)
@@ -299,10 +306,32 @@ impl Broker {
                 },
             )
             .finish();
+        let window = participant
+            .split_once('/')
+            .and_then(|(ns, _)| self.config.namespaces.get(ns))
+            .map_or(64, |n| n.inbox.inbox_window as usize);
         if let Some(s) = self.sessions.get_mut(&target) {
+            if s.inflight.len() >= window {
+                forget_oldest_delivery(&mut s.inflight);
+            }
             s.inflight.insert(seq, reply);
         }
         self.frame(target, text);
+    }
+}
+
+/// JetStream has at most a window of a participant's messages unacknowledged, so a
+/// session holding a full window holds some its consumer already redelivered elsewhere
+/// (to a session on another broker, after their ack wait): the oldest delivery (lowest
+/// consumer sequence) goes. Were it still pending, its ack would answer `not_found` and
+/// the message would come again after its ack wait: at least once still holds.
+fn forget_oldest_delivery(inflight: &mut IdMap<u64, String>) {
+    let oldest = inflight
+        .iter()
+        .min_by_key(|(_, ack)| AckMetadata::parse(ack).map_or(0, |m| m.consumer_sequence))
+        .map(|(&seq, _)| seq);
+    if let Some(seq) = oldest {
+        inflight.remove(&seq);
     }
 }
 

@@ -54,6 +54,20 @@ pub(super) struct DurableCount {
     found: usize,
 }
 
+/// A durable subscribe waiting to look its consumer up: session, request id, sub, the
+/// create configuration.
+type DurableResume = (SessionId, String, String, Box<ConsumerConfig>);
+
+/// A durable subscription's unacknowledged events going back to JetStream.
+#[derive(Default)]
+pub(super) struct HandBack {
+    /// Events that reached the broker after their session left the consumer (they were
+    /// in flight), by stream sequence: naked with the rest, in stream order.
+    late: BTreeMap<u64, String>,
+    /// Sessions resuming the durable meanwhile: they look it up once all are back.
+    resumes: Vec<DurableResume>,
+}
+
 pub(super) struct Subscription {
     pub(super) pull: PullLoop,
     ns: String,
@@ -216,32 +230,84 @@ impl Broker {
             inflight: BTreeMap::new(),
             start,
         };
+        if f.durable {
+            self.take_over_durable(conn, session, ns, name, &sub, now);
+        }
         if let Some(s) = self.sessions.get_mut(&session) {
             s.subs.insert(sub.clone(), subscription);
         }
         if f.durable {
-            // A durable subscription may already exist: resume it as it is (`from` is then
-            // ignored), unless its topic differs.
-            let req = self.config.js_api(ns).consumer_info(&stream, &consumer);
-            match js_request(conn, req, now) {
-                Ok(req) => {
-                    self.await_reply(
-                        req,
-                        now,
-                        Pending::SubLookup {
-                            session,
-                            re: f.id,
-                            sub: sub.clone(),
-                            config: Box::new(config),
-                        },
-                    );
-                }
-                Err(e) => {
-                    self.sub_failed(conn, session, &f.id, &sub, unavailable(e), now);
-                }
+            let resume = (session, f.id, sub.clone(), Box::new(config));
+            // Its unacknowledged events must be back in JetStream before this session
+            // pulls, or it gets later ones first.
+            match self.hand_backs.get_mut(&(stream.clone(), consumer.clone())) {
+                Some(h) => h.resumes.push(resume),
+                None => self.look_up_durable(conn, &stream, &consumer, resume, now),
             }
         } else {
             self.create_sub_consumer(conn, session, f.id, sub.clone(), &config, now);
+        }
+    }
+
+    /// A durable subscription is read by one session of its participant on a broker: a
+    /// session that subscribes it takes it from another that has it (a client that
+    /// reconnected before its old connection was seen to end), whose unacknowledged
+    /// events are handed back as when a session ends.
+    fn take_over_durable(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        sub: &str,
+        now: Instant,
+    ) {
+        let holders: Vec<SessionId> = self
+            .presence
+            .get(&participant_key(ns, name))
+            .map(|p| p.sessions.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&other| {
+                other != session
+                    && self
+                        .sessions
+                        .get(&other)
+                        .and_then(|s| s.subs.get(sub))
+                        .is_some_and(|t| t.durable)
+            })
+            .collect();
+        for other in holders {
+            log::info!(session = other, sub; "durable subscription taken over by session {session}");
+            let _ = self.drop_subscription(conn, other, sub, false, now);
+        }
+    }
+
+    /// Looks a durable subscription's consumer up: one that exists is resumed as it is
+    /// (`from` is then ignored), unless its topic differs.
+    fn look_up_durable(
+        &mut self,
+        conn: &mut Connection,
+        stream: &str,
+        consumer: &str,
+        (session, re, sub, config): DurableResume,
+        now: Instant,
+    ) {
+        let ns = stream
+            .strip_prefix(&binding::topics_stream(""))
+            .unwrap_or_default();
+        let req = self.config.js_api(ns).consumer_info(stream, consumer);
+        match js_request(conn, req, now) {
+            Ok(req) => {
+                let pending = Pending::SubLookup {
+                    session,
+                    re,
+                    sub,
+                    config,
+                };
+                self.await_reply(req, now, pending);
+            }
+            Err(e) => self.sub_failed(conn, session, &re, &sub, unavailable(e), now),
         }
     }
 
@@ -664,7 +730,7 @@ impl Broker {
             return;
         }
         if looks == 0 {
-            self.late_events
+            self.hand_backs
                 .entry((stream.clone(), consumer.clone()))
                 .or_default();
         }
@@ -683,21 +749,25 @@ impl Broker {
                     looks,
                 },
             ),
-            Err(_) => self.nak_handed_back(conn, &stream, &consumer, acks),
+            Err(_) => self.nak_handed_back(conn, &stream, &consumer, acks, now),
         }
     }
 
     /// Naks a hand-back's events together with those that arrived late meanwhile, in
-    /// stream order.
+    /// stream order; then the resumes that waited for it go on.
     fn nak_handed_back(
         &mut self,
         conn: &mut Connection,
         stream: &str,
         consumer: &str,
         acks: Vec<String>,
+        now: Instant,
     ) {
-        let mut all = self
-            .late_events
+        let HandBack {
+            late: mut all,
+            resumes,
+        } = self
+            .hand_backs
             .remove(&(stream.to_string(), consumer.to_string()))
             .unwrap_or_default();
         for ack in acks {
@@ -709,6 +779,9 @@ impl Broker {
         }
         for ack in all.values() {
             nak(conn, ack);
+        }
+        for resume in resumes {
+            self.look_up_durable(conn, stream, consumer, resume, now);
         }
     }
 
@@ -730,7 +803,7 @@ impl Broker {
             return;
         }
         let key = (meta.stream.to_string(), meta.consumer.to_string());
-        match self.late_events.get_mut(&key) {
+        match self.hand_backs.get_mut(&key).map(|h| &mut h.late) {
             Some(late) if late.len() < DURABLE_WINDOW as usize => {
                 // A later delivery of the same event carries the ack subject that counts.
                 late.insert(meta.stream_sequence, reply.to_string());
@@ -755,7 +828,7 @@ impl Broker {
         if waiting > 0 && looks < HAND_BACK_LOOKS {
             return self.hand_back(conn, stream, consumer, acks, looks + 1, now);
         }
-        self.nak_handed_back(conn, &stream, &consumer, acks);
+        self.nak_handed_back(conn, &stream, &consumer, acks, now);
     }
 
     /// A session ended: every subscription stops.
@@ -1033,6 +1106,8 @@ fn nak(conn: &mut Connection, ack: &str) {
 mod tests {
     //! Topics driven in process: the core on the NATS/JetStream model, one virtual clock.
 
+    use std::time::Duration;
+
     use serde_json::{Value, json};
 
     use crate::testing::harness::{Harness, Session};
@@ -1074,6 +1149,31 @@ mod tests {
         let bob = h.join(0, "bob", json!({}));
         assert_eq!(h.request(bob, sub)["op"], "ok");
         assert_eq!(seqs(&events(&mut h, bob, "d", 3)), published[2..]);
+    }
+
+    #[test]
+    fn a_durable_resumed_while_its_old_session_is_still_open_starts_at_the_first_unacked() {
+        // Found by the simulator (generation 2, seed 0x2a2): a client reconnected while the
+        // broker still held its old session open; both sessions pulled the durable, the
+        // old one kept events 2-5 unacknowledged, and the new one got 6 first.
+        let mut h = Harness::development(1);
+        let alice = h.join(0, "alice", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true,"from":"all"});
+        let old = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(old, sub.clone())["op"], "ok");
+        let published: Vec<u64> = (1..=4).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        let first = events(&mut h, old, "d", 4);
+        h.send(old, json!({"op":"ack","sub":"d","seq":first[0]["seq"]}));
+
+        let new = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(new, sub)["op"], "ok");
+        let later = publish(&mut h, alice, "t.a", 5);
+        let resumed = events(&mut h, new, "d", 4);
+        assert_eq!(seqs(&resumed), [&published[1..], &[later]].concat());
+        // The old session reads the subscription no more.
+        h.advance(Duration::from_secs(1));
+        let stale = h.take(old);
+        assert!(stale.iter().all(|f| f["op"] != "event"), "{stale:?}");
     }
 
     #[test]

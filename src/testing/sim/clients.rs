@@ -472,9 +472,23 @@ impl World {
                 };
                 let stream = self.server.stream_messages("AMP_TOPICS_dev");
                 let now_ms = self.elapsed_ms();
-                let loss = self.last_loss_ms.is_some_and(|at| {
-                    now_ms.saturating_sub(at) <= super::invariants::DURABLE_REDELIVERY_MS
-                });
+                // Or another broker still has a pull of the durable (README "Resume
+                // order", its limits): an event it got is held up on its link, or an old
+                // session of this client there, not yet seen to end, still reads it; what
+                // it holds comes back when it arrives or that session ends.
+                let elsewhere = view.durable
+                    && (self
+                        .nodes
+                        .iter()
+                        .enumerate()
+                        .any(|(i, n)| i != session.0 && now_ms <= n.delayed_until_ms)
+                        || self.zombies.iter().any(|&(_, (node, id))| {
+                            node != session.0 && self.nodes[node].sessions.get(&id) == Some(&client)
+                        }));
+                let loss = elsewhere
+                    || self.last_loss_ms.is_some_and(|at| {
+                        now_ms.saturating_sub(at) <= super::invariants::DURABLE_REDELIVERY_MS
+                    });
                 self.checker.event(&who, session, &view, seq, &stream, loss);
                 if let Some(v) = self.clients[client].subs.get_mut(&sub) {
                     v.last = Some(seq);
@@ -589,7 +603,9 @@ impl World {
                 if ok {
                     c.unsettled.remove(&task);
                     c.submitted.push(task);
-                } else if !matches!(code, "unavailable" | "rate_limited" | "budget_exhausted") {
+                } else if !matches!(code, "unavailable" | "rate_limited") {
+                    // `budget_exhausted` too: the task store has no such task, and the
+                    // window's budget is spent.
                     c.unsettled.remove(&task);
                 }
             }

@@ -26,6 +26,8 @@ impl World {
                 let window = Duration::from_millis(self.rng.range(100, 3000));
                 let by = Duration::from_millis(self.rng.range(200, 6000));
                 self.nodes[node].delay = Some((self.now + window, by));
+                self.nodes[node].delayed_until_ms =
+                    self.elapsed_ms() + (window + by).as_millis() as u64;
             }
             // The broker process dies and starts again with the same id.
             60..72 => self.crash(node),

@@ -13,7 +13,10 @@
 //!   in flight (bytes lost with a transport, a broker crash) is redelivered by JetStream
 //!   only after the consumer's AckWait (30 s), so within that time after a loss a
 //!   durable may skip events; such skips are counted (`Counts::tolerated_skips`), not
-//!   failed. Plain subscriptions get no such leeway: the broker must notice the gap.
+//!   failed. So may a durable while another broker still pulls it: its link is delayed
+//!   (an event its pull got is handed back only when it arrives), or an old session of
+//!   the same client there is not yet seen to end (a durable is taken over on one broker
+//!   only). Plain subscriptions get no such leeway: the broker must notice the gap.
 //! - Leases: a `claim` answered `ok` while another session still holds an unexpired
 //!   lease of the same task (by its `lease_until`, extended by each heartbeat `ok`) that
 //!   it has not given up (complete/fail sent, `lease_lost`, `revoked`, session closed)

@@ -82,6 +82,8 @@ pub struct Node {
     pub delay: Option<(Instant, Duration)>,
     /// Server output chunks still to lose.
     pub drop_chunks: u32,
+    /// Virtual ms until which bytes held back by a delay fault may still arrive.
+    pub delayed_until_ms: u64,
     /// Open sessions: session -> client index.
     pub sessions: BTreeMap<SessionId, usize>,
     pub next_session: SessionId,
@@ -123,6 +125,7 @@ impl Node {
             held: VecDeque::new(),
             delay: None,
             drop_chunks: 0,
+            delayed_until_ms: 0,
             sessions: BTreeMap::new(),
             // Sessions of later incarnations get fresh numbers, as a new process's would
             // start again from 1: keep them apart for the checker's sake.
