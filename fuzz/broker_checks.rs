@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use amp_broker::broker::clock::Clock;
 use amp_broker::broker::config::Config;
-use amp_broker::broker::keygen::token_sha256;
 use amp_broker::broker::{Broker, Input, Output};
+use amp_broker::keygen::token_sha256;
 use amp_broker::nats::{Connection as Nats, Options};
 use amp_broker::ws::{ConnEvent, Connection as Ws, HttpHost, WsConfig};
 

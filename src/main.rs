@@ -6,9 +6,9 @@ use std::time::Duration;
 use amp_broker::broker::binding::StreamSettings;
 use amp_broker::broker::clock::{self, Clock};
 use amp_broker::broker::config::Config;
-use amp_broker::broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer, LeafRemote};
 use amp_broker::broker::{Broker, setup};
 use amp_broker::cli::{self, Command, ServeArgs};
+use amp_broker::embedded::{self, Durability, EmbeddedOptions, EmbeddedServer, LeafRemote};
 use amp_broker::logging;
 use amp_broker::nats;
 use amp_broker::nkeys::{KeyKind, KeyPair};
@@ -65,7 +65,7 @@ fn print_out(text: &str) -> ExitCode {
 }
 
 fn keygen() -> ExitCode {
-    match amp_broker::broker::keygen::keygen_text() {
+    match amp_broker::keygen::keygen_text() {
         Ok(text) => print_out(&text),
         Err(e) => {
             eprintln!("amp-broker: keygen: {e}");
@@ -87,7 +87,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
                 "DEVELOPMENT MODE (no --config): namespace `dev`, any participant name, \
                  the token printed on standard output, every permission; listening on loopback only"
             );
-            Config::development(amp_broker::broker::keygen::token_sha256(&token))
+            Config::development(amp_broker::keygen::token_sha256(&token))
         }
     };
     let broker_id = match &args.broker_id {

@@ -13,7 +13,7 @@ use mio::{Events, Interest, Poll, Token};
 
 use crate::broker::config::Config;
 use crate::broker::core::{Broker, Input, Output};
-use crate::broker::embedded::EmbeddedServer;
+use crate::embedded::EmbeddedServer;
 use crate::lame_duck::LameDuck;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestError, RequestId};
 use crate::signals::{Request, Signals};

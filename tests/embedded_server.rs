@@ -7,7 +7,7 @@ use std::time::Duration;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 
-use amp_broker::broker::embedded::{EmbeddedOptions, EmbeddedServer};
+use amp_broker::embedded::{EmbeddedOptions, EmbeddedServer};
 use amp_broker::nats;
 
 fn info_line(url: &str) -> String {

@@ -10,8 +10,8 @@ mod common;
 
 use amp_broker::broker::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use amp_broker::broker::config::Config;
-use amp_broker::broker::keygen::token_sha256;
 use amp_broker::broker::scoped_jwt;
+use amp_broker::keygen::token_sha256;
 use amp_broker::nats::{Client, Options};
 use amp_broker::nkeys::{KeyKind, KeyPair};
 use common::python::Py;

@@ -988,7 +988,7 @@ mod tests {
     const WALL_MS: i64 = 1_800_000_000_000; // 2027-01-15T08:00:00.000Z
 
     fn broker(t0: Instant, seed: [u8; 32]) -> Broker {
-        let config = Config::development(super::super::keygen::token_sha256(TOKEN));
+        let config = Config::development(crate::keygen::token_sha256(TOKEN));
         Broker::new(config, "b1".into(), Clock::new(t0, WALL_MS), seed).expect("broker")
     }
 

@@ -1,4 +1,4 @@
-//! The AMP broker: configuration, the embedded nats-server, sessions, inbox, registry,
+//! The AMP broker: configuration, sessions, inbox, registry,
 //! jobs and policy.
 
 pub mod auth;
@@ -12,12 +12,10 @@ pub mod continuations;
 pub mod core;
 pub mod dead_letters;
 pub mod domains;
-pub mod embedded;
 pub mod envelope;
 pub mod id_map;
 pub mod ids;
 pub mod jobs;
-pub mod keygen;
 pub mod mig;
 pub mod permissions;
 pub mod pull_loop;

@@ -23,7 +23,8 @@ use serde_json::{Value, json};
 use crate::broker::binding::StreamSettings;
 use crate::broker::clock::Clock;
 use crate::broker::config::Config;
-use crate::broker::{Broker, Input, Output, SessionId, keygen, setup};
+use crate::broker::{Broker, Input, Output, SessionId, setup};
+use crate::keygen;
 use crate::nats::{Connection, Options};
 use crate::testing::nats_model::{ClientId, ModelOptions, Server};
 

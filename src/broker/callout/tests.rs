@@ -1,5 +1,5 @@
 use super::*;
-use crate::broker::keygen::token_sha256;
+use crate::keygen::token_sha256;
 use std::time::Duration;
 
 const NOW: u64 = 1_800_000_000;

@@ -14,7 +14,8 @@ use super::invariants::Checker;
 use super::rng::SimRng;
 use crate::broker::clock::Clock;
 use crate::broker::config::{Config, Job, Participant, Policy};
-use crate::broker::{Broker, Input, Output, SessionId, keygen};
+use crate::broker::{Broker, Input, Output, SessionId};
+use crate::keygen;
 use crate::nats::{Connection, Options};
 use crate::testing::nats_model::{ClientId, ModelOptions, Server};
 
