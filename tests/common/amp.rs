@@ -506,7 +506,9 @@ impl CalloutServer {
         let broker_key = KeyPair::generate(KeyKind::User).expect("key");
         let account = KeyPair::generate(KeyKind::Account).expect("key");
         let nats = super::NatsServer::with_config(&format!(
-            "authorization {{\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n{extra}",
+            // A 5 s auth timeout (2 s by default): on a loaded 2-core CI host a debug
+            // broker behind a dozen parallel tests has overrun the default.
+            "authorization {{\n  timeout: 5\n  users: [ {{ nkey: \"{b}\" }} ]\n  auth_callout {{\n    issuer: \"{a}\"\n    auth_users: [ \"{b}\" ]\n  }}\n}}\n{extra}",
             b = broker_key.public_key(),
             a = account.public_key()
         ));

@@ -355,8 +355,17 @@ fn requests_not_from_a_server_or_stale_or_encrypted_get_an_empty_reply() {
         Outcome::Authorized { .. }
     ));
 
+    // In the second `exp` names (NOW + 2: the deadline rounded down) it is still answered.
+    let user2 = KeyPair::generate(KeyKind::User).expect("key").public_key();
+    let late_but_awaited = request(&w.server, &user2, opts.clone(), false);
+    assert!(matches!(
+        ask(late_but_awaited, None, NOW + 2).outcome,
+        Outcome::Authorized { .. }
+    ));
+
     let by_account = request(&w.account, &user, opts.clone(), false);
-    let stale = ask(good.clone(), None, NOW + 2);
+    // The server waits through the second `exp` names; the one after, it has given up.
+    let stale = ask(good.clone(), None, NOW + 3);
     let mut xkey = HeaderMap::new();
     xkey.insert(SERVER_XKEY_HEADER, "XABC").expect("header");
     let bad_user = request(&w.server, "not-a-key", opts.clone(), false);
@@ -505,10 +514,22 @@ fn a_replayed_request_is_refused_until_and_after_it_expires() {
         again.outcome
     );
     assert!(again.payload.is_empty());
-    // Once expired it is refused as expired, and its id is forgotten.
-    let late = callout.handle(&w.config, None, &payload, w.start, NOW + 2);
-    assert!(matches!(late.outcome, Outcome::BadRequest { .. }));
+    // Through the second `exp` names the server still waits, and the id is remembered.
     callout.prune(w.start, NOW + 2);
+    let last_second = callout.handle(&w.config, None, &payload, w.start, NOW + 2);
+    assert!(
+        matches!(&last_second.outcome, Outcome::BadRequest { reason } if reason.contains("replayed")),
+        "{:?}",
+        last_second.outcome
+    );
+    // Once expired it is refused as expired, and its id is forgotten.
+    let late = callout.handle(&w.config, None, &payload, w.start, NOW + 3);
+    assert!(
+        matches!(&late.outcome, Outcome::BadRequest { reason } if reason.contains("expired")),
+        "{:?}",
+        late.outcome
+    );
+    callout.prune(w.start, NOW + 3);
     assert!(callout.seen.is_empty());
 }
 
@@ -525,7 +546,7 @@ fn remembered_request_ids_are_bounded() {
     assert!(full.is_err_and(|e| e.contains("too many")));
     // Expired ids make room again.
     callout
-        .remember("one-more", NOW + 5, NOW + 2)
+        .remember("one-more", NOW + 5, NOW + 3)
         .expect("room after expiry");
     assert_eq!(callout.seen.len(), 1);
 }
