@@ -17,6 +17,7 @@ pub mod nkeys;
 pub mod proto;
 pub mod rfc3339;
 pub mod runtime;
+pub mod scan;
 pub mod signals;
 #[cfg(feature = "testing")]
 pub mod testing;

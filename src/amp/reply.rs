@@ -36,7 +36,7 @@ impl FrameWriter {
     }
 
     /// A string member.
-    pub fn str(mut self, key: &str, value: &str) -> Self {
+    pub fn str(mut self, key: &'static str, value: &str) -> Self {
         self.key(key);
         push_json_str(&mut self.out, value);
         self
@@ -44,7 +44,7 @@ impl FrameWriter {
 
     /// A member holding any serializable value. A value that fails to serialize (a map
     /// with non-string keys, which no caller builds) is written as `null`.
-    pub fn value<T: Serialize + ?Sized>(mut self, key: &str, value: &T) -> Self {
+    pub fn value<T: Serialize + ?Sized>(mut self, key: &'static str, value: &T) -> Self {
         self.key(key);
         match serde_json::to_string(value) {
             Ok(json) => self.out.push_str(&json),
@@ -53,15 +53,29 @@ impl FrameWriter {
         self
     }
 
-    /// An integer member, written without a temporary string.
-    pub fn uint(mut self, key: &str, value: u64) -> Self {
-        use std::fmt::Write;
+    /// An integer member, written without a temporary string or the formatting
+    /// machinery (every `ok` and `message` frame carries one or two).
+    pub fn uint(mut self, key: &'static str, value: u64) -> Self {
         self.key(key);
-        let _ = write!(self.out, "{value}");
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        let mut rest = value;
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        // ASCII digits, so always a `str`.
+        if let Ok(text) = std::str::from_utf8(&digits[at..]) {
+            self.out.push_str(text);
+        }
         self
     }
 
-    pub fn bool(mut self, key: &str, value: bool) -> Self {
+    pub fn bool(mut self, key: &'static str, value: bool) -> Self {
         self.key(key);
         self.out.push_str(if value { "true" } else { "false" });
         self
@@ -69,7 +83,7 @@ impl FrameWriter {
 
     /// A member whose value is already JSON text (e.g. a stored body). The caller
     /// guarantees it is valid JSON.
-    pub fn raw(mut self, key: &str, json: &str) -> Self {
+    pub fn raw(mut self, key: &'static str, json: &str) -> Self {
         self.key(key);
         self.out.push_str(json);
         self
@@ -80,10 +94,13 @@ impl FrameWriter {
         self.out
     }
 
-    fn key(&mut self, key: &str) {
-        self.out.push(',');
-        push_json_str(&mut self.out, key);
-        self.out.push(':');
+    /// Member names are the broker's own literals (`&'static str`), none needing an
+    /// escape, so they are written as they are; debug builds assert it.
+    fn key(&mut self, key: &'static str) {
+        debug_assert_eq!(plain_len(key.as_bytes()), key.len(), "{key}");
+        self.out.push_str(",\"");
+        self.out.push_str(key);
+        self.out.push_str("\":");
     }
 }
 
@@ -114,27 +131,37 @@ pub fn error(re: Option<&str>, err: &AmpError) -> String {
 /// safe in a log line read on a terminal.
 pub(crate) fn push_json_str(out: &mut String, s: &str) {
     use std::fmt::Write;
+    out.reserve(s.len() + 2);
     out.push('"');
-    // Every byte that needs an escape is ASCII, so runs without one are copied whole
-    // (the common case: names, ids, timestamps); only the rest goes char by char.
-    let plain = |b: &u8| *b >= 0x20 && *b != b'"' && *b != b'\\' && *b != 0x7f;
-    let run = s.bytes().position(|b| !plain(&b)).unwrap_or(s.len());
-    let (head, rest) = s.split_at(run);
-    out.push_str(head);
-    for c in rest.chars() {
+    // Every byte that needs an escape is ASCII, so the runs between them are copied
+    // whole (most strings are one run: names, ids, timestamps, member names).
+    let mut rest = s;
+    loop {
+        let (run, tail) = rest
+            .split_at_checked(plain_len(rest.as_bytes()))
+            .unwrap_or((rest, ""));
+        out.push_str(run);
+        let mut chars = tail.chars();
+        let Some(c) = chars.next() else { break };
         match c {
             '"' => out.push_str("\\\""),
             '\\' => out.push_str("\\\\"),
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 || c == '\u{7f}' => {
+            c => {
                 let _ = write!(out, "\\u{:04x}", u32::from(c));
             }
-            c => out.push(c),
         }
+        rest = chars.as_str();
     }
     out.push('"');
+}
+
+/// How many bytes at the start of `s` a JSON string holds as they are: none of `"`,
+/// `\\`, a control character or DEL.
+pub(crate) fn plain_len(s: &[u8]) -> usize {
+    crate::scan::run_len(s, 0x20, [b'"', b'\\', 0x7f])
 }
 
 #[cfg(test)]
@@ -194,7 +221,7 @@ mod tests {
 
     #[test]
     fn integer_and_boolean_members_match_their_serialised_form() {
-        for n in [0u64, 7, 42, u64::MAX] {
+        for n in [0u64, 7, 10, 42, 100, 9_999_999_999, u64::MAX] {
             assert_eq!(
                 FrameWriter::new("x").uint("n", n).finish(),
                 FrameWriter::new("x").value("n", &n).finish()

@@ -136,7 +136,14 @@ pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsEr
         Some(408) => return Err(JsError::Timeout),
         _ => {}
     }
-    // One pass over the reply (this is the hot path of publishing): the ack or its error.
+    match plain_pub_ack(payload) {
+        Some(ack) => Ok(ack),
+        None => read_pub_ack(payload),
+    }
+}
+
+/// Any PubAck reply: the ack or its error, in one pass.
+fn read_pub_ack(payload: &[u8]) -> Result<PubAck, JsError> {
     let reply: PubAckReply =
         serde_json::from_slice(payload).map_err(|e| JsError::Malformed(e.to_string()))?;
     match (reply.error, reply.stream, reply.seq) {
@@ -149,6 +156,44 @@ pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsEr
         }),
         _ => Err(JsError::Malformed("PubAck without stream and seq".into())),
     }
+}
+
+/// The PubAck as nats-server writes it for a new message,
+/// `{"stream":"S","seq":N}` or `{"stream":"S","domain":"D","seq":N}`, read without serde
+/// (every publish waits for one). Anything else (an error, `duplicate`, escapes, spacing)
+/// is `None`, for the general parse, which reads these the same.
+fn plain_pub_ack(payload: &[u8]) -> Option<PubAck> {
+    fn string<'a>(rest: &mut &'a [u8], key: &[u8]) -> Option<&'a str> {
+        let after = rest.strip_prefix(key)?;
+        let end = memchr::memchr(b'"', after)?;
+        let text = &after[..end];
+        if text.iter().any(|&b| b == b'\\' || b < 0x20) {
+            return None;
+        }
+        *rest = &after[end + 1..];
+        std::str::from_utf8(text).ok()
+    }
+    let mut rest = payload;
+    let stream = string(&mut rest, b"{\"stream\":\"")?;
+    let domain = if rest.starts_with(b",\"domain\":\"") {
+        Some(string(&mut rest, b",\"domain\":\"")?)
+    } else {
+        None
+    };
+    let digits = rest.strip_prefix(b",\"seq\":")?.strip_suffix(b"}")?;
+    if digits.is_empty()
+        || !digits.iter().all(u8::is_ascii_digit)
+        || (digits.len() > 1 && digits[0] == b'0')
+    {
+        return None;
+    }
+    let seq = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some(PubAck {
+        stream: stream.to_string(),
+        seq,
+        duplicate: false,
+        domain: domain.map(str::to_string),
+    })
 }
 
 #[derive(Deserialize)]
@@ -194,6 +239,33 @@ mod tests {
         assert!(publish_request("s.*", None, b"", &PublishOptions::default()).is_err());
         assert_eq!(MsgTtl::Never.header_value().expect("never"), "never");
         assert!(MsgTtl::After(Duration::ZERO).header_value().is_err());
+    }
+
+    #[test]
+    fn the_plain_pub_ack_reads_as_the_general_parse_reads_it() {
+        for text in [
+            r#"{"stream":"AMP_INBOX_dev","seq":123}"#,
+            r#"{"stream":"S","domain":"hub","seq":0}"#,
+            r#"{"stream":"S","seq":18446744073709551615}"#,
+        ] {
+            let plain = plain_pub_ack(text.as_bytes()).expect("plain");
+            let general = read_pub_ack(text.as_bytes()).expect("general");
+            assert_eq!(format!("{plain:?}"), format!("{general:?}"), "{text}");
+        }
+        for text in [
+            r#"{"stream":"S","seq":2,"duplicate": true}"#,
+            r#"{"stream":"S","seq":18446744073709551616}"#,
+            r#"{"stream":"S","seq":01}"#,
+            r#"{"stream":"S","seq":-1}"#,
+            r#"{"stream":"S","seq":}"#,
+            r#"{"stream":"S","seq":1.0}"#,
+            r#"{"stream":"S\"x","seq":1}"#,
+            r#"{"stream":"S","seq":1} "#,
+            r#"{"stream":"S","domain":"d","seq":1,"seq":2}"#,
+            r#"{"error":{"code":503,"description":"no"}}"#,
+        ] {
+            assert!(plain_pub_ack(text.as_bytes()).is_none(), "{text}");
+        }
     }
 
     #[test]

@@ -704,12 +704,20 @@ fn deliverable_in_one_pass_is_the_subject_rules_plus_no_control_bytes_and_utf8()
             for symbol in alphabet {
                 let mut longer = case.clone();
                 longer.extend_from_slice(symbol);
-                assert_eq!(
-                    super::connection::deliverable(&longer),
-                    reference(&longer),
-                    "{longer:?}"
-                );
-                checked += 1;
+                // Also past a word's worth of plain bytes, before and after, so each
+                // edge falls in the word-at-a-time scan as well as in its tail.
+                for padded in [
+                    longer.clone(),
+                    [b"abcdefghi".as_slice(), &longer].concat(),
+                    [&longer, b"abcdefghi".as_slice()].concat(),
+                ] {
+                    assert_eq!(
+                        super::connection::deliverable(&padded),
+                        reference(&padded),
+                        "{padded:?}"
+                    );
+                    checked += 1;
+                }
                 next.push(longer);
             }
         }

@@ -445,14 +445,20 @@ fn split_field(line: &str) -> Result<(&str, &str), HeaderError> {
 }
 
 fn check_name(name: &str) -> Result<(), HeaderError> {
-    if name.is_empty() || name.bytes().any(|b| b <= b' ' || b == b':' || b == 0x7f) {
+    let name = name.as_bytes();
+    if name.is_empty() || crate::scan::run_len(name, 0x21, [b':', 0x7f]) != name.len() {
         return Err(HeaderError::BadName);
     }
     Ok(())
 }
 
 fn check_value(value: &str) -> Result<(), HeaderError> {
-    if value.bytes().any(|b| (b < b' ' && b != b'\t') || b == 0x7f) {
+    let value = value.as_bytes();
+    // Word at a time up to the first control byte; a tab there (allowed) sends the rest
+    // through the byte loop.
+    let plain = crate::scan::run_len(value, 0x20, [0x7f]);
+    let rest = value.get(plain..).unwrap_or_default();
+    if rest.iter().any(|&b| (b < b' ' && b != b'\t') || b == 0x7f) {
         return Err(HeaderError::BadValue);
     }
     Ok(())
@@ -461,6 +467,31 @@ fn check_value(value: &str) -> Result<(), HeaderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_and_values_are_checked_byte_for_byte_as_the_rules_say() {
+        let name_ok =
+            |n: &[u8]| !n.is_empty() && !n.iter().any(|&b| b <= b' ' || b == b':' || b == 0x7f);
+        let value_ok = |v: &[u8]| !v.iter().any(|&b| (b < b' ' && b != b'\t') || b == 0x7f);
+        for special in 0..=0x7fu8 {
+            for at in [0, 3, 8, 12, 16] {
+                for len in [at + 1, 17] {
+                    let mut text = vec![b'a'; len];
+                    text[at] = special;
+                    let Ok(t) = std::str::from_utf8(&text) else {
+                        continue;
+                    };
+                    assert_eq!(check_name(t).is_ok(), name_ok(&text), "{text:?}");
+                    assert_eq!(check_value(t).is_ok(), value_ok(&text), "{text:?}");
+                    // After a tab, the rest still counts.
+                    let mut tabbed = text.clone();
+                    tabbed[0] = b'\t';
+                    let t = std::str::from_utf8(&tabbed).expect("ascii");
+                    assert_eq!(check_value(t).is_ok(), value_ok(&tabbed), "{tabbed:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn plain_block_with_multi_value_headers_keeps_case_and_order() {

@@ -61,9 +61,32 @@ pub fn validate_pattern(s: &[u8]) -> Result<(), SubjectError> {
 
 /// A literal subject (what PUB may carry): a valid pattern without wildcard tokens.
 pub fn validate_subject(s: &[u8]) -> Result<(), SubjectError> {
+    // Most subjects hold no whitespace, `*` or `>` byte at all: a word-at-a-time scan
+    // says so, and only the tokens' lengths are left to check.
+    if crate::scan::run_len(s, 0, [b' ', b'\t', b'\r', b'\n', 0x0c, b'*', b'>']) == s.len() {
+        return check_tokens_not_empty(s);
+    }
     validate_pattern(s)?;
     if s.split(|&b| b == b'.').any(|t| t == b"*" || t == b">") {
         return Err(SubjectError::Wildcard);
+    }
+    Ok(())
+}
+
+/// `Empty` or `EmptyToken` when `s` is empty or has a leading, trailing or doubled `.`.
+pub fn check_tokens_not_empty(s: &[u8]) -> Result<(), SubjectError> {
+    if s.is_empty() {
+        return Err(SubjectError::Empty);
+    }
+    let mut token_start = 0;
+    for dot in memchr::memchr_iter(b'.', s) {
+        if dot == token_start {
+            return Err(SubjectError::EmptyToken);
+        }
+        token_start = dot + 1;
+    }
+    if token_start == s.len() {
+        return Err(SubjectError::EmptyToken);
     }
     Ok(())
 }
@@ -115,6 +138,36 @@ mod tests {
         ];
         for (s, want) in cases {
             assert_eq!(validate_subject(s.as_bytes()), Err(want), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn the_fast_literal_check_answers_as_the_token_walk() {
+        let walk = |s: &[u8]| {
+            validate_pattern(s)?;
+            if s.split(|&b| b == b'.').any(|t| t == b"*" || t == b">") {
+                return Err(SubjectError::Wildcard);
+            }
+            Ok(())
+        };
+        let alphabet: &[&[u8]] = &[b"a", b".", b"*", b">", b" ", b"\t", b"\r", b"\x0c", b"\x01"];
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..5 {
+            let mut next = Vec::new();
+            for case in &cases {
+                for symbol in alphabet {
+                    let longer = [case.as_slice(), symbol].concat();
+                    for padded in [
+                        longer.clone(),
+                        [b"abcdefghi".as_slice(), &longer].concat(),
+                        [&longer, b"abcdefghi".as_slice()].concat(),
+                    ] {
+                        assert_eq!(validate_subject(&padded), walk(&padded), "{padded:?}");
+                    }
+                    next.push(longer);
+                }
+            }
+            cases = next;
         }
     }
 

@@ -575,10 +575,13 @@ fn an_unknown_nkey_costs_the_same_signature_check_as_a_known_one() {
         unknown.push(time(&stranger));
         wrong.push(time(&known));
     }
-    unknown.sort();
-    wrong.sort();
-    let (u, k) = (unknown[15], wrong[15]);
-    eprintln!("median refused callout: unknown nkey {u:?}, known nkey with a bad signature {k:?}");
+    // The fastest of each: other work on the machine only ever adds time, so the
+    // minimum is the cost itself (a median moved with the load of parallel tests).
+    let (u, k) = (
+        unknown.iter().min().copied().unwrap_or_default(),
+        wrong.iter().min().copied().unwrap_or_default(),
+    );
+    eprintln!("fastest refused callout: unknown nkey {u:?}, known nkey with a bad signature {k:?}");
     // Without the check an unknown key skips one of the three Ed25519 operations
     // (request verify, nonce verify, response signature): about 0.6 of the time.
     let ratio = u.as_secs_f64() / k.as_secs_f64();

@@ -75,11 +75,12 @@ impl Broker {
             ("AMP-From", env.from.as_str()),
             ("AMP-Kind", env.kind.as_str()),
         ];
+        // Distinct names, so appended without looking for an earlier value.
         for (k, value) in stamped {
-            let _ = headers.insert(k, value);
+            let _ = headers.append(k, value);
         }
         if let Some(tp) = env.headers.get("traceparent") {
-            let _ = headers.insert("traceparent", tp);
+            let _ = headers.append("traceparent", tp);
         }
         let max = conn
             .server_info()
