@@ -319,4 +319,8 @@ pub fn check_amp_frame(data: &[u8]) {
         "fast path and schema differ"
     );
     let _ = validator().decode_hello(text);
+    // The quick JSON recogniser only ever takes what serde takes.
+    if amp_broker::amp::quick_json::certainly_strict(text) {
+        assert!(value.is_some(), "quick_json took what serde refuses");
+    }
 }

@@ -131,6 +131,9 @@ pub fn top_level_body(frame: &str) -> Option<&RawValue> {
 /// and key decoded (lone surrogates refused), every number converted (out of range
 /// refused), nothing built.
 fn strict(text: &str) -> bool {
+    if super::quick_json::certainly_strict(text) {
+        return true;
+    }
     let mut de = serde_json::Deserializer::from_str(text);
     Check { depth: 0 }.deserialize(&mut de).is_ok() && de.end().is_ok()
 }

@@ -8,6 +8,7 @@ pub mod body;
 pub mod error;
 pub mod fast;
 pub mod frame;
+pub mod quick_json;
 pub mod reply;
 pub mod schema;
 

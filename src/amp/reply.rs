@@ -57,21 +57,7 @@ impl FrameWriter {
     /// machinery (every `ok` and `message` frame carries one or two).
     pub fn uint(mut self, key: &'static str, value: u64) -> Self {
         self.key(key);
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        let mut rest = value;
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (rest % 10) as u8;
-            rest /= 10;
-            if rest == 0 {
-                break;
-            }
-        }
-        // ASCII digits, so always a `str`.
-        if let Ok(text) = std::str::from_utf8(&digits[at..]) {
-            self.out.push_str(text);
-        }
+        crate::proto::encode::push_decimal(&mut self.out, value);
         self
     }
 

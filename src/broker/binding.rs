@@ -20,35 +20,37 @@ use crate::jetstream::{
 pub const TASK_STATE_HISTORY: u64 = 64;
 pub const TASK_STATE_BUCKET: &str = "AMP_TASK_STATE";
 
+// Names and subjects are built with `concat` (one allocation of the exact size, no
+// formatting machinery): some are made for every message.
 pub fn inbox_stream(ns: &str) -> String {
-    format!("AMP_INBOX_{ns}")
+    ["AMP_INBOX_", ns].concat()
 }
 pub fn inbox_subject(ns: &str, name: &str) -> String {
-    format!("amp.{ns}.inbox.{name}")
+    ["amp.", ns, ".inbox.", name].concat()
 }
 pub fn inbox_consumer(name: &str) -> String {
-    format!("inbox_{name}")
+    ["inbox_", name].concat()
 }
 pub fn topics_stream(ns: &str) -> String {
-    format!("AMP_TOPICS_{ns}")
+    ["AMP_TOPICS_", ns].concat()
 }
 pub fn topic_subject(ns: &str, topic: &str) -> String {
-    format!("amp.{ns}.topic.{topic}")
+    ["amp.", ns, ".topic.", topic].concat()
 }
 pub fn tasks_stream(ns: &str) -> String {
-    format!("AMP_TASKS_{ns}")
+    ["AMP_TASKS_", ns].concat()
 }
 pub fn job_subject(ns: &str, job: &str) -> String {
-    format!("amp.{ns}.job.{job}")
+    ["amp.", ns, ".job.", job].concat()
 }
 pub fn dlq_stream(ns: &str) -> String {
-    format!("AMP_DLQ_{ns}")
+    ["AMP_DLQ_", ns].concat()
 }
 pub fn dlq_subject(ns: &str, job: &str) -> String {
-    format!("amp.{ns}.dlq.{job}")
+    ["amp.", ns, ".dlq.", job].concat()
 }
 pub fn job_consumer(job: &str) -> String {
-    format!("job_{job}")
+    ["job_", job].concat()
 }
 /// The consumer of participant `name`'s durable subscription `sub`, in the namespace's
 /// topics stream. Both parts come from clients and may contain `_`, so the name's length

@@ -860,7 +860,7 @@ impl Broker {
         // Every frame starts with its op (`{"op":"..."`); count it by that.
         let op = text
             .get(7..)
-            .and_then(|t| t.split('"').next())
+            .and_then(|t| t.get(..memchr::memchr(b'"', t.as_bytes())?))
             .unwrap_or("unknown");
         self.metrics.registry.inc(self.metrics.frames_out, op);
         self.out.push_back(Output::Frame { session, text });

@@ -83,7 +83,7 @@ impl Letter {
                 .iter()
                 .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
                 .collect(),
-            body: env.body.to_owned(),
+            body: env.body.to_raw(),
             failed_at,
         })
     }

@@ -114,7 +114,28 @@ pub struct EnvelopeView<'a> {
     #[serde(default, borrow)]
     pub headers: BTreeMap<Text<'a>, Text<'a>>,
     #[serde(borrow)]
-    pub body: &'a RawValue,
+    pub body: BodyText<'a>,
+}
+
+/// A stored envelope's body: the text of one JSON value, borrowed from the payload.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyText<'a>(&'a str);
+
+impl<'a> BodyText<'a> {
+    pub fn get(&self) -> &'a str {
+        self.0
+    }
+
+    pub fn to_raw(&self) -> Box<RawValue> {
+        // Checked to be one value when read; `null` for the impossible failure.
+        RawValue::from_string(self.0.to_owned()).unwrap_or_else(|_| RawValue::NULL.to_owned())
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for BodyText<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&'de RawValue>::deserialize(d).map(|raw| BodyText(raw.get()))
+    }
 }
 
 impl<'a> EnvelopeView<'a> {
@@ -152,7 +173,17 @@ impl<'a> EnvelopeView<'a> {
         let ts = r.string()?;
         r.literal(b",\"headers\":{},\"body\":")?;
         let body = std::str::from_utf8(r.0.strip_suffix(b"}")?).ok()?;
-        let body: &RawValue = serde_json::from_str(body).ok()?;
+        // As written there is no whitespace around the body; with some, the general parse
+        // says what the value's text is.
+        let space = |b: Option<&u8>| matches!(b, Some(b' ' | b'\t' | b'\n' | b'\r'));
+        if body.is_empty() || space(body.as_bytes().first()) || space(body.as_bytes().last()) {
+            return None;
+        }
+        let body = if crate::amp::quick_json::certainly_strict(body) {
+            BodyText(body)
+        } else {
+            BodyText(serde_json::from_str::<&RawValue>(body).ok()?.get())
+        };
         Some(EnvelopeView {
             id,
             kind,

@@ -24,7 +24,6 @@ use crate::proto::{Op, Parsed, Parser, Role};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use std::collections::VecDeque;
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 /// Until the server's INFO says otherwise.
@@ -746,7 +745,7 @@ impl Connection {
         let id = self.requests.next_id();
         let mut reply = String::with_capacity(self.resp_prefix.len() + 20);
         reply.push_str(&self.resp_prefix);
-        let _ = write!(reply, "{}", id.0);
+        crate::proto::encode::push_decimal(&mut reply, id.0);
         self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload)?;
         let on_wire = self.is_connected() && !self.lame_duck_move;
         Ok(self.requests.insert(after(now, timeout), on_wire))

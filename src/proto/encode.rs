@@ -9,7 +9,22 @@ use super::info::{ConnectOptions, ServerInfo};
 
 /// Appends `n` in decimal without going through `fmt`.
 #[inline]
-pub fn write_decimal(out: &mut Vec<u8>, mut n: u64) {
+pub fn write_decimal(out: &mut Vec<u8>, n: u64) {
+    let (digits, start) = decimal(n);
+    out.extend_from_slice(digits.get(start..).unwrap_or_default());
+}
+
+/// `n` in decimal appended to a string, without the formatting machinery (request
+/// reply subjects and frame integers are written for every message).
+pub fn push_decimal(out: &mut String, n: u64) {
+    let (digits, start) = decimal(n);
+    for &d in digits.get(start..).unwrap_or_default() {
+        out.push(char::from(d));
+    }
+}
+
+/// The decimal digits of `n` at the end of a buffer, and where they start.
+fn decimal(mut n: u64) -> ([u8; 20], usize) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     loop {
@@ -20,7 +35,7 @@ pub fn write_decimal(out: &mut Vec<u8>, mut n: u64) {
             break;
         }
     }
-    out.extend_from_slice(&digits[i..]);
+    (digits, i)
 }
 
 /// Number of decimal digits of `n`.

@@ -14,10 +14,11 @@ impl Broker {
         now: Instant,
     ) {
         let to = send.to.as_str();
-        let allowed = self
-            .config
-            .participant(ns, name)
-            .is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
+        let sender = self.config.participant(ns, name);
+        let allowed = sender.is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
+        let limits = sender
+            .and_then(|p| p.policy.as_ref())
+            .and_then(rate_limit::Limits::from_policy);
         if !allowed {
             let e = AmpError::new(
                 ErrorCode::Forbidden,
@@ -36,7 +37,7 @@ impl Broker {
         }
         let from = participant_key(ns, name);
         let body = send.body.into_raw();
-        if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
+        if let Err(e) = self.take_rate_with(ns, name, limits, body.get().len(), now) {
             return self.fail(session, &send.id, e);
         }
         let id = match &send.idem {

@@ -18,6 +18,18 @@ impl Broker {
             .participant(ns, name)
             .and_then(|p| p.policy.as_ref())
             .and_then(rate_limit::Limits::from_policy);
+        self.take_rate_with(ns, name, limits, body_bytes, now)
+    }
+
+    /// [`take_rate`](Self::take_rate) with the participant's limits already looked up.
+    pub(super) fn take_rate_with(
+        &mut self,
+        ns: &str,
+        name: &str,
+        limits: Option<rate_limit::Limits>,
+        body_bytes: usize,
+        now: Instant,
+    ) -> Result<(), AmpError> {
         let Some(limits) = limits else { return Ok(()) };
         self.rates
             .try_take(
