@@ -115,7 +115,7 @@ impl Driver {
             self.finish_dial(registry, now);
         }
         if !self.dialing && (event.is_readable() || event.is_read_closed()) {
-            self.read(registry, now);
+            self.read(registry, now, !event.is_read_closed() && !event.is_error());
         }
         self.drive(registry, now);
     }
@@ -123,7 +123,7 @@ impl Driver {
     /// Timers, dialing, closing and writing: everything not driven by readiness.
     pub fn drive(&mut self, registry: &Registry, now: Instant) {
         if self.read_more && !self.dialing && self.socket.is_some() {
-            self.read(registry, now);
+            self.read(registry, now, false);
         }
         // Bounded: each pass either changes state or stops.
         for _ in 0..16 {
@@ -197,7 +197,11 @@ impl Driver {
         }
     }
 
-    fn read(&mut self, registry: &Registry, now: Instant) {
+    /// Reads until `WouldBlock` or the pass's allowance. With `short_read_drains` (a
+    /// readiness event without the peer's end), a read shorter than the buffer ends it:
+    /// the socket's queue is empty and the next byte raises a new edge (see the same
+    /// rule in `ws::server`).
+    fn read(&mut self, registry: &Registry, now: Instant, short_read_drains: bool) {
         self.read_more = false;
         for _ in 0..MAX_READS_PER_PASS {
             let Some(stream) = self.socket.as_mut() else {
@@ -232,6 +236,9 @@ impl Driver {
                         return;
                     }
                     self.start_tls(registry, now);
+                    if short_read_drains && n < self.read_buf.len() {
+                        return;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -404,7 +404,8 @@ impl WsServer {
             return;
         }
         if event.is_readable() || event.is_read_closed() || event.is_error() {
-            self.read(index, now, host);
+            let short_read_drains = !event.is_read_closed() && !event.is_error();
+            self.read(index, now, host, short_read_drains);
         }
         self.settle(registry, index, now);
     }
@@ -417,7 +418,7 @@ impl WsServer {
         backlog.dedup();
         for &index in &backlog {
             if matches!(self.slots.get(index), Some(Some(_))) {
-                self.read(index, now, host);
+                self.read(index, now, host, false);
                 self.settle(registry, index, now);
             }
         }
@@ -681,7 +682,14 @@ impl WsServer {
         }
     }
 
-    fn read(&mut self, index: usize, now: Instant, host: &dyn HttpHost) {
+    /// Reads the connection until `WouldBlock`, its per-turn allowance or its frame
+    /// allowance. With `short_read_drains` (a readiness event that did not report the
+    /// peer's end), a read shorter than the buffer ends it too: it emptied the socket's
+    /// receive queue, and the next byte to arrive raises a new edge, so the read that
+    /// would only answer `WouldBlock` (one system call in every two per frame under
+    /// load) is not made. An end of stream reported with the event raises no new edge,
+    /// so then the read goes on until it is seen.
+    fn read(&mut self, index: usize, now: Instant, host: &dyn HttpHost, short_read_drains: bool) {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
@@ -742,6 +750,9 @@ impl WsServer {
                                 }
                             }
                         }
+                    }
+                    if short_read_drains && n < self.scratch.len() {
+                        break;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
