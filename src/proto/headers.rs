@@ -132,16 +132,16 @@ impl<'a> Headers<'a> {
 
 /// Owned, insertion-ordered, case-preserving, multi-value headers.
 ///
-/// Names and values live back to back in one string, so a map read from the wire (one
-/// for every message a connection receives) costs two allocations, not two per field.
+/// The fields live in one string in their wire form, `name: value\r\n` each (leading
+/// blanks of a value dropped), so a map read from the wire (one for every message a
+/// connection receives) is one allocation and, as servers write it, one copy, and
+/// encoding it is one copy again. Names hold no `:` and neither holds CR or LF, so the
+/// form splits one way only.
 #[derive(Clone, Default)]
 pub struct HeaderMap {
     status: Option<u16>,
     description: Option<String>,
     text: String,
-    /// Per field: where its name ends and where its value ends in `text`; it starts
-    /// where the one before it ended.
-    fields: Vec<(usize, usize)>,
 }
 
 impl HeaderMap {
@@ -152,8 +152,7 @@ impl HeaderMap {
     /// An empty map with room for `fields` fields of `bytes` of names and values.
     pub fn with_capacity(bytes: usize, fields: usize) -> Self {
         HeaderMap {
-            text: String::with_capacity(bytes),
-            fields: Vec::with_capacity(fields),
+            text: String::with_capacity(bytes + 4 * fields),
             ..HeaderMap::default()
         }
     }
@@ -173,8 +172,9 @@ impl HeaderMap {
         })
     }
 
-    /// Validates `block` as [`Headers::parse`] does and copies it, in one pass: each
-    /// field is copied as it is checked.
+    /// Validates `block` as [`Headers::parse`] does and copies it, in one pass: the
+    /// fields as one piece when they are already in the stored form (`name: value`, as
+    /// nats-server and this crate write them), else each as it is checked.
     pub fn parse(block: &[u8]) -> Result<HeaderMap, HeaderError> {
         let rest = block
             .strip_prefix(VERSION)
@@ -192,9 +192,10 @@ impl HeaderMap {
         let mut map = HeaderMap {
             status,
             description: description.map(str::to_owned),
-            text: String::with_capacity(fields_all.len()),
-            fields: Vec::with_capacity(4),
+            text: String::new(),
         };
+        // Whether every field so far is in the stored form, and so is the text as is.
+        let mut stored_form = true;
         let mut pos = 0;
         loop {
             let line_rest = fields_all.as_bytes().get(pos..).unwrap_or_default();
@@ -209,8 +210,21 @@ impl HeaderMap {
                 .get(pos..pos + end)
                 .ok_or(HeaderError::BadLineEnd)?;
             let (name, value) = split_field(line)?;
-            map.push(name, value);
+            let spaced = line.len() == name.len() + 2 + value.len()
+                && line.as_bytes().get(name.len() + 1) == Some(&b' ');
+            if stored_form && !spaced {
+                // Another spacing after the colon: from here on each field is rebuilt.
+                stored_form = false;
+                map.text = String::with_capacity(fields_all.len() + 2);
+                map.text.push_str(fields_all.get(..pos).unwrap_or_default());
+            }
+            if !stored_form {
+                map.push(name, value);
+            }
             pos += end + 2;
+        }
+        if stored_form {
+            map.text = fields_all.get(..pos).unwrap_or_default().to_owned();
         }
         Ok(map)
     }
@@ -255,7 +269,7 @@ impl HeaderMap {
             .filter(|(n, _)| *n != name)
             .map(|(n, v)| (n.to_owned(), v.to_owned()))
             .collect();
-        let removed = kept.len() != self.fields.len();
+        let removed = kept.len() != self.len();
         if removed {
             self.replace_fields(&kept);
         }
@@ -271,16 +285,13 @@ impl HeaderMap {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        let starts = std::iter::once(0).chain(self.fields.iter().map(|&(_, end)| end));
-        self.fields
-            .iter()
-            .zip(starts)
-            .map(|(&(name_end, value_end), start)| {
-                (
-                    self.text.get(start..name_end).unwrap_or_default(),
-                    self.text.get(name_end..value_end).unwrap_or_default(),
-                )
-            })
+        self.text.split_terminator("\r\n").map(|line| {
+            let colon = memchr::memchr(b':', line.as_bytes()).unwrap_or(line.len());
+            (
+                line.get(..colon).unwrap_or_default(),
+                line.get(colon + 2..).unwrap_or_default(),
+            )
+        })
     }
 
     pub fn status(&self) -> Option<u16> {
@@ -292,11 +303,11 @@ impl HeaderMap {
     }
 
     pub fn len(&self) -> usize {
-        self.fields.len()
+        memchr::memchr_iter(b'\n', self.text.as_bytes()).count()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.fields.is_empty()
+        self.text.is_empty()
     }
 
     /// Length of the block `encode_into` writes.
@@ -308,8 +319,7 @@ impl HeaderMap {
                 n += 1 + d.len();
             }
         }
-        // Each field adds ": " and CRLF to its name and value.
-        n + self.text.len() + 4 * self.fields.len()
+        n + self.text.len()
     }
 
     /// Appends the block (version line through the final empty line) to `out`.
@@ -329,12 +339,7 @@ impl HeaderMap {
             }
         }
         out.extend_from_slice(b"\r\n");
-        for (name, value) in self.iter() {
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(value.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
+        out.extend_from_slice(self.text.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
 
@@ -347,15 +352,15 @@ impl HeaderMap {
 
     /// Adds a field already checked.
     fn push(&mut self, name: &str, value: &str) {
+        self.text.reserve(name.len() + value.len() + 4);
         self.text.push_str(name);
-        let name_end = self.text.len();
+        self.text.push_str(": ");
         self.text.push_str(value);
-        self.fields.push((name_end, self.text.len()));
+        self.text.push_str("\r\n");
     }
 
     fn replace_fields(&mut self, fields: &[(String, String)]) {
         self.text.clear();
-        self.fields.clear();
         for (name, value) in fields {
             self.push(name, value);
         }
@@ -387,8 +392,7 @@ impl From<&Headers<'_>> for HeaderMap {
         let mut map = HeaderMap {
             status: h.status,
             description: h.description.map(str::to_owned),
-            text: String::with_capacity(h.fields.len()),
-            fields: Vec::new(),
+            text: String::with_capacity(h.fields.len() + 2),
         };
         for (name, value) in h.iter() {
             map.push(name, value);
@@ -467,6 +471,41 @@ fn check_value(value: &str) -> Result<(), HeaderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_map_keeps_its_fields_in_the_stored_form_whatever_the_spacing_read() {
+        let block = b"NATS/1.0\r\nA: 1\r\nB:2\r\nC:  3\r\nD:\tx y\r\nE:\r\nF: a:b\r\n\r\n";
+        let map = HeaderMap::parse(block).expect("valid");
+        let fields: Vec<_> = map.iter().collect();
+        assert_eq!(
+            fields,
+            [
+                ("A", "1"),
+                ("B", "2"),
+                ("C", "3"),
+                ("D", "x y"),
+                ("E", ""),
+                ("F", "a:b")
+            ]
+        );
+        assert_eq!(map.len(), 6);
+        let encoded = map.to_bytes();
+        assert_eq!(
+            encoded,
+            b"NATS/1.0\r\nA: 1\r\nB: 2\r\nC: 3\r\nD: x y\r\nE: \r\nF: a:b\r\n\r\n"
+        );
+        assert_eq!(encoded.len(), map.encoded_len());
+        assert_eq!(HeaderMap::parse(&encoded).expect("again"), map);
+        // As servers write it, the block is the stored form already.
+        let stored = b"NATS/1.0 503\r\nNats-Msg-Id: x\r\nAMP-From: a/b\r\n\r\n";
+        let map = HeaderMap::parse(stored).expect("valid");
+        assert_eq!(map.to_bytes(), stored);
+        assert_eq!(map.get("AMP-From"), Some("a/b"));
+        let empty = HeaderMap::parse(b"NATS/1.0 408 Request Timeout\r\n\r\n").expect("status");
+        assert!(empty.is_empty());
+        assert_eq!(empty.len(), 0);
+        assert_eq!(empty.to_bytes().len(), empty.encoded_len());
+    }
 
     #[test]
     fn names_and_values_are_checked_byte_for_byte_as_the_rules_say() {
