@@ -91,11 +91,23 @@ impl<'a> AckMetadata<'a> {
         if stream.is_empty() || consumer.is_empty() {
             return Err(bad("empty stream or consumer"));
         }
+        // Digits accumulated in one pass (five numbers in every delivery's subject).
         let num = |t: &str| -> Result<u64, JsError> {
-            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+            if t.is_empty() {
                 return Err(bad("non-numeric field"));
             }
-            t.parse().map_err(|_| bad("number out of range"))
+            let mut n: u64 = 0;
+            for b in t.bytes() {
+                let digit = b.wrapping_sub(b'0');
+                if digit > 9 {
+                    return Err(bad("non-numeric field"));
+                }
+                n = n
+                    .checked_mul(10)
+                    .and_then(|n| n.checked_add(u64::from(digit)))
+                    .ok_or_else(|| bad("number out of range"))?;
+            }
+            Ok(n)
         };
         Ok(AckMetadata {
             domain,
@@ -189,8 +201,21 @@ mod tests {
             "$JS.ACK..C.1.2.3.4.5",
             "$JS.NAK.S.C.1.2.3.4.5",
             "$JS.ACK.d.h.S.C.1.2.3.4.",
+            "$JS.ACK.S.C.1.2.3.4.18446744073709551616",
+            "$JS.ACK.S.C.1.2.3.4.+5",
+            "$JS.ACK.S.C.1.2.3.4.5 ",
+            "$JS.ACK.S.C.1.2.:.4.5",
         ] {
             assert!(AckMetadata::parse(bad).is_err(), "{bad:?}");
         }
+        let most =
+            AckMetadata::parse("$JS.ACK.S.C.1.2.3.4.18446744073709551615").expect("u64::MAX");
+        assert_eq!(most.pending, u64::MAX);
+        assert_eq!(
+            AckMetadata::parse("$JS.ACK.S.C.007.2.3.4.5")
+                .map(|m| m.delivered)
+                .ok(),
+            Some(7)
+        );
     }
 }

@@ -18,8 +18,9 @@ pub fn write_decimal(out: &mut Vec<u8>, n: u64) {
 /// reply subjects and frame integers are written for every message).
 pub fn push_decimal(out: &mut String, n: u64) {
     let (digits, start) = decimal(n);
-    for &d in digits.get(start..).unwrap_or_default() {
-        out.push(char::from(d));
+    // ASCII digits, so always a `str`.
+    if let Ok(text) = std::str::from_utf8(digits.get(start..).unwrap_or_default()) {
+        out.push_str(text);
     }
 }
 
