@@ -36,6 +36,14 @@ pub fn run_len<const N: usize>(s: &[u8], below: u8, stops: [u8; N]) -> usize {
         .unwrap_or(tail.len())
 }
 
+/// How many bytes at the start of `s` a JSON string holds as they are: none of `"`,
+/// `\\`, a control character or DEL (valid unescaped, but escaped in what the broker
+/// writes, so that text is safe on a terminal).
+#[inline]
+pub fn json_plain_len(s: &[u8]) -> usize {
+    run_len(s, 0x20, [b'"', b'\\', 0x7f])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

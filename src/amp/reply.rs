@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use super::error::AmpError;
+use crate::scan::json_plain_len;
 
 /// Writes one JSON object frame member by member.
 #[derive(Debug)]
@@ -83,7 +84,7 @@ impl FrameWriter {
     /// Member names are the broker's own literals (`&'static str`), none needing an
     /// escape, so they are written as they are; debug builds assert it.
     fn key(&mut self, key: &'static str) {
-        debug_assert_eq!(plain_len(key.as_bytes()), key.len(), "{key}");
+        debug_assert_eq!(json_plain_len(key.as_bytes()), key.len(), "{key}");
         self.out.push_str(",\"");
         self.out.push_str(key);
         self.out.push_str("\":");
@@ -124,7 +125,7 @@ pub(crate) fn push_json_str(out: &mut String, s: &str) {
     let mut rest = s;
     loop {
         let (run, tail) = rest
-            .split_at_checked(plain_len(rest.as_bytes()))
+            .split_at_checked(json_plain_len(rest.as_bytes()))
             .unwrap_or((rest, ""));
         out.push_str(run);
         let mut chars = tail.chars();
@@ -142,12 +143,6 @@ pub(crate) fn push_json_str(out: &mut String, s: &str) {
         rest = chars.as_str();
     }
     out.push('"');
-}
-
-/// How many bytes at the start of `s` a JSON string holds as they are: none of `"`,
-/// `\\`, a control character or DEL.
-pub(crate) fn plain_len(s: &[u8]) -> usize {
-    crate::scan::run_len(s, 0x20, [b'"', b'\\', 0x7f])
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::amp::reply::{plain_len, push_json_str};
+use crate::amp::reply::push_json_str;
+use crate::scan::json_plain_len;
 
 /// What a stored message is (`AMP-Kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +23,13 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// The kind named by [`as_str`](Self::as_str)'s text (the serde name).
+    pub fn from_name(name: &str) -> Option<Kind> {
+        [Kind::Message, Kind::Event, Kind::Task, Kind::TaskResult]
+            .into_iter()
+            .find(|k| k.as_str() == name)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Message => "message",
@@ -157,13 +165,7 @@ impl<'a> EnvelopeView<'a> {
         r.literal(b"{\"id\":")?;
         let id = r.string()?;
         r.literal(b",\"kind\":")?;
-        let kind = match r.string()?.as_str() {
-            "message" => Kind::Message,
-            "event" => Kind::Event,
-            "task" => Kind::Task,
-            "task_result" => Kind::TaskResult,
-            _ => return None,
-        };
+        let kind = Kind::from_name(r.string()?.as_str())?;
         r.literal(b",\"from\":")?;
         let from = r.string()?;
         let to = r.member(b",\"to\":")?;
@@ -211,7 +213,7 @@ impl<'a> Reader<'a> {
     /// general parse's to decode).
     fn string(&mut self) -> Option<Text<'a>> {
         let rest = self.0.strip_prefix(b"\"")?;
-        let (text, after) = rest.split_at_checked(plain_len(rest))?;
+        let (text, after) = rest.split_at_checked(json_plain_len(rest))?;
         self.0 = after.strip_prefix(b"\"")?;
         Some(Text(Cow::Borrowed(std::str::from_utf8(text).ok()?)))
     }
@@ -478,6 +480,16 @@ mod tests {
         }
         let bad_utf8 = b"{\"id\":\"\xff\",\"kind\":\"message\",\"from\":\"a\",\"ts\":\"t\",\"headers\":{},\"body\":1}";
         assert!(EnvelopeView::parse(bad_utf8).is_err());
+    }
+
+    #[test]
+    fn kinds_are_named_as_serde_names_them() {
+        for kind in [Kind::Message, Kind::Event, Kind::Task, Kind::TaskResult] {
+            let serde = serde_json::to_value(kind).expect("kind");
+            assert_eq!(serde.as_str(), Some(kind.as_str()));
+            assert_eq!(Kind::from_name(kind.as_str()), Some(kind));
+        }
+        assert_eq!(Kind::from_name("Message"), None);
     }
 
     #[test]

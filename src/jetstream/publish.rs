@@ -165,12 +165,8 @@ fn read_pub_ack(payload: &[u8]) -> Result<PubAck, JsError> {
 fn plain_pub_ack(payload: &[u8]) -> Option<PubAck> {
     fn string<'a>(rest: &mut &'a [u8], key: &[u8]) -> Option<&'a str> {
         let after = rest.strip_prefix(key)?;
-        let end = memchr::memchr(b'"', after)?;
-        let text = &after[..end];
-        if text.iter().any(|&b| b == b'\\' || b < 0x20) {
-            return None;
-        }
-        *rest = &after[end + 1..];
+        let (text, tail) = after.split_at_checked(crate::scan::json_plain_len(after))?;
+        *rest = tail.strip_prefix(b"\"")?;
         std::str::from_utf8(text).ok()
     }
     let mut rest = payload;
