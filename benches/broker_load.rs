@@ -486,30 +486,6 @@ fn exit_on_panic(children: [u32; 2]) {
     }));
 }
 
-/// Under `AMP_BROKER_WRAPPER=valgrind --tool=callgrind ...`: collects only while on.
-fn profile(pid: &str, on: bool) {
-    let wrapper = std::env::var("AMP_BROKER_WRAPPER").unwrap_or_default();
-    if wrapper.contains("callgrind") {
-        // Off: dump the profile first, as the broker is killed at the end of the run.
-        let steps: &[&[&str]] = if on {
-            &[&["-i", "on"]]
-        } else {
-            &[&["-d"], &["-i", "off"]]
-        };
-        for args in steps {
-            let status = std::process::Command::new("callgrind_control")
-                .args(*args)
-                .arg(pid)
-                .stdout(std::process::Stdio::null())
-                .status();
-            assert!(
-                status.is_ok_and(|s| s.success()),
-                "callgrind_control {args:?} {pid}"
-            );
-        }
-    }
-}
-
 fn as_refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -616,7 +592,7 @@ fn main() {
             )
         };
         let through_broker = || {
-            profile(broker_pid.as_str(), true);
+            common::amp::profile(broker_pid.as_str(), true);
             let run = timed_run(
                 "broker",
                 &s,
@@ -632,7 +608,7 @@ fn main() {
                 },
                 |i, b| broker_receiver(&broker, &format!("r{round}-{i}"), &s, b),
             );
-            profile(broker_pid.as_str(), false);
+            common::amp::profile(broker_pid.as_str(), false);
             run
         };
         // Alternate the order so that neither path always runs on a warmer server.

@@ -7,7 +7,8 @@
 //! the `task_result`s). The baseline in the same run is the inbox: messages per second from
 //! `send` to an acknowledged delivery, with the same number in flight.
 //!
-//!     cargo bench --bench jobs_throughput        (JOBS_BENCH_TASKS, default 2000)
+//!     cargo bench --bench jobs_throughput        (JOBS_BENCH_TASKS, default 2000;
+//!                                                 JOBS_BENCH_WORKERS, default 1,4,16)
 //!     JOBS_BENCH_OLD_BROKER=path/to/amp-broker cargo bench --bench jobs_throughput
 //!
 //! With `JOBS_BENCH_OLD_BROKER` each jobs run is made with that build of the broker too,
@@ -17,6 +18,9 @@
 //! loaded machine disturbs far less than tasks per second.
 //!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of 20 tasks.
+//!
+//! `AMP_BROKER_WRAPPER="valgrind --tool=callgrind --instr-atstart=no"` profiles the
+//! broker over the tasks only, as in `broker_load`.
 //!
 //! Absolute figures drift on shared machines; the ratios within one run are the result.
 
@@ -73,6 +77,18 @@ fn drive(c: &mut Client, n: usize, frame: impl Fn(usize) -> Value, results_wante
     }
 }
 
+/// The participants, each allowed everything, with an inbox window of 1,024 and the
+/// per-session frame allowance at its maximum: at the default 1,000 frames/s (burst
+/// 2,000) the one submitter, sending a `submit` and an `ack` per task, is held to about
+/// 500 tasks/s once its burst is spent, and that allowance, not the jobs path, is then
+/// what the run measures.
+fn bench_config(names: &[&str]) -> Value {
+    let mut config = open_config(names);
+    config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
+    config["limits"] = json!({"max_frames_per_s": 1_000_000, "frame_burst": 1_000_000});
+    config
+}
+
 /// A nats-server with its monitoring port, and that port's address.
 fn monitored_nats() -> (NatsServer, SocketAddr) {
     let port = free_port();
@@ -124,8 +140,7 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
     let mut names = vec!["app".to_string()];
     names.extend((1..=workers).map(|i| format!("w{i}")));
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    let mut config = open_config(&refs);
-    config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
+    let config = bench_config(&refs);
     let this = std::env::var_os("JOBS_BENCH_BROKER").map(PathBuf::from);
     let broker = match bin.or(this.as_deref()) {
         Some(bin) => Broker::start_bin(bin, &nats.url(), &config),
@@ -157,6 +172,8 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
     let ops_before = metric(&broker, "amp_jobs_jetstream_ops_total");
     let msgs_before = server_in_msgs(monitor);
     let cpu_before = (cpu_seconds(nats.pid()), cpu_seconds(broker.pid()));
+    let pid = broker.pid().map(|p| p.to_string()).unwrap_or_default();
+    common::amp::profile(&pid, true);
     let started = Instant::now();
     drive(
         &mut app,
@@ -165,6 +182,7 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
         tasks,
     );
     let elapsed = started.elapsed();
+    common::amp::profile(&pid, false);
     let ops = metric(&broker, "amp_jobs_jetstream_ops_total") - ops_before;
     let msgs = server_in_msgs(monitor) - msgs_before;
     let per_task_us = |s: f64| s * 1e6 / tasks as f64;
@@ -187,8 +205,7 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
 
 fn messages_per_second(messages: usize) -> f64 {
     let nats = NatsServer::start();
-    let mut config = open_config(&["app"]);
-    config["namespaces"]["acme"]["inbox"] = json!({"inbox_window": 1024});
+    let config = bench_config(&["app"]);
     let broker = Broker::start(&nats.url(), &config);
     let mut app = login(&broker, "app");
     let started = Instant::now();
@@ -225,7 +242,11 @@ fn main() {
             r.broker_us
         );
     };
-    for workers in [1, 4, 16] {
+    let worker_counts: Vec<usize> = std::env::var("JOBS_BENCH_WORKERS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|w| w.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4, 16]);
+    for workers in worker_counts {
         let before = old
             .as_deref()
             .map(|bin| tasks_per_second(Some(bin), workers, tasks));

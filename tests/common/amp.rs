@@ -286,6 +286,30 @@ impl Drop for Broker {
     }
 }
 
+/// Under `AMP_BROKER_WRAPPER=valgrind --tool=callgrind ...`: collects only while on.
+pub fn profile(pid: &str, on: bool) {
+    let wrapper = std::env::var("AMP_BROKER_WRAPPER").unwrap_or_default();
+    if wrapper.contains("callgrind") {
+        // Off: dump the profile first, as the broker is killed at the end of the run.
+        let steps: &[&[&str]] = if on {
+            &[&["-i", "on"]]
+        } else {
+            &[&["-d"], &["-i", "off"]]
+        };
+        for args in steps {
+            let status = Command::new("callgrind_control")
+                .args(*args)
+                .arg(pid)
+                .stdout(Stdio::null())
+                .status();
+            assert!(
+                status.is_ok_and(|s| s.success()),
+                "callgrind_control {args:?} {pid}"
+            );
+        }
+    }
+}
+
 /// A plain HTTP/1.1 GET: status and body, or None if nothing answered.
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
