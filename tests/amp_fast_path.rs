@@ -129,11 +129,49 @@ const HEADERS: &[&str] = &[
     r#"["k"]"#,
 ];
 
+const TASKS: &[&str] = &[
+    r#""t-1""#,
+    r#""T_9""#,
+    r#""aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa""#,
+    r#""aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa""#,
+    r#""""#,
+    r#""a.b""#,
+    r#""a/b""#,
+    r#""t""#,
+    "null",
+    "5",
+];
+
+const ATTEMPTS: &[&str] = &[
+    "3",
+    "1",
+    "1000",
+    "1001",
+    "0",
+    "-1",
+    "1.0",
+    "2.5",
+    r#""3""#,
+    "null",
+    "4294967296",
+];
+
+const ELIGIBLE: &[&str] = &[
+    r#"{"names":["w1"]}"#,
+    r#"{"labels":{"gpu":"a100"}}"#,
+    "{}",
+    r#"{"names":["a b"]}"#,
+    "null",
+];
+
 const OPS: &[&str] = &[
     r#""send""#,
     r#""ack""#,
     r#""nak""#,
     r#""ping""#,
+    r#""submit""#,
+    r#""claim""#,
+    r#""complete""#,
     r#""bye""#,
     r#""publish""#,
     r#""Send""#,
@@ -145,7 +183,7 @@ const OPS: &[&str] = &[
 /// out, an unknown or duplicate one added, the order shuffled, spaces between tokens.
 fn generate(rng: &mut Rng) -> String {
     let op = if rng.chance(90) {
-        rng.pick(&OPS[..4])
+        rng.pick(&OPS[..7])
     } else {
         rng.pick(OPS)
     };
@@ -180,6 +218,24 @@ fn generate(rng: &mut Rng) -> String {
             optional(rng, &mut members, "id", IDS);
             members.push(("seq", mostly(rng, SEQS).to_string()));
             optional(rng, &mut members, "delay_ms", DELAYS);
+        }
+        r#""submit""# => {
+            members.push(("id", mostly(rng, IDS).to_string()));
+            members.push(("job", mostly(rng, NAMES).to_string()));
+            members.push(("body", rng.pick(BODIES).to_string()));
+            optional(rng, &mut members, "task", TASKS);
+            optional(rng, &mut members, "max_attempts", ATTEMPTS);
+            optional(rng, &mut members, "headers", HEADERS);
+            if rng.chance(10) {
+                members.push(("eligible", rng.pick(ELIGIBLE).to_string()));
+            }
+        }
+        r#""claim""# | r#""complete""# => {
+            members.push(("id", mostly(rng, IDS).to_string()));
+            members.push(("task", mostly(rng, TASKS).to_string()));
+            if op == r#""complete""# {
+                optional(rng, &mut members, "result", BODIES);
+            }
         }
         _ => members.push(("id", mostly(rng, IDS).to_string())),
     }
@@ -246,9 +302,10 @@ fn fast_path_and_schema_agree_on_generated_frames() {
         }
     }
     // Most valid generated frames are plain ones the fast path must take; the rest are
-    // its deliberate refusals (escapes, multi-byte ids, a repeated header name).
+    // its deliberate refusals (escapes, multi-byte ids, a repeated header name, a
+    // submit with `eligible`).
     assert!(
-        taken * 10 >= valid * 8,
+        taken * 4 >= valid * 3,
         "fast path took {taken} of {valid} valid frames ({total} generated)"
     );
     assert!(
@@ -280,6 +337,12 @@ fn fast_path_and_schema_agree_on_fixture_frames() {
         r#"{"op":"nak","seq":42}"#,
         r#"{"op":"nak","id":"n1","seq":42,"delay_ms":500}"#,
         r#"{"op":"ping","id":"p"}"#,
+        r#"{"op":"submit","id":"s1","job":"render","body":{"n":1}}"#,
+        r#"{"op":"submit","id":"s1","job":"render","body":null,"task":"t-1","max_attempts":5,"headers":{"traceparent":"00-ab-cd-01"}}"#,
+        r#"{"op":"claim","id":"c1","task":"t-1"}"#,
+        r#"{"op":"complete","id":"k1","task":"t-1"}"#,
+        r#"{"op":"complete","id":"k1","task":"t-1","result":{"ok":[1,2.50]}}"#,
+        r#"{"op":"complete","id":"k1","task":"t-1","result":null}"#,
     ];
     for text in fixtures {
         assert!(assert_same(&v, text), "fast path should take {text}");
@@ -295,6 +358,12 @@ fn fast_path_and_schema_agree_on_fixture_frames() {
         r#"{"op":"ack","seq":1,"id":null}"#,
         r#"{"op":"nak","seq":1,"delay_ms":86400001}"#,
         r#"{"op":"ping","id":""}"#,
+        r#"{"op":"submit","id":"s1","job":"render"}"#,
+        r#"{"op":"submit","id":"s1","job":"render","body":1,"max_attempts":0}"#,
+        r#"{"op":"submit","id":"s1","job":"render","body":1,"task":"a.b"}"#,
+        r#"{"op":"claim","id":"c1"}"#,
+        r#"{"op":"claim","id":"c1","task":"t","result":1}"#,
+        r#"{"op":"complete","id":"k1","task":""}"#,
     ];
     for text in refused_by_both {
         assert!(!assert_same(&v, text), "fast path must not take {text}");
@@ -306,6 +375,7 @@ fn fast_path_and_schema_agree_on_fixture_frames() {
         r#"{"op":"ping","id":"\u0070"}"#,
         r#"{"op":"send","id":"ééééééééééééééééééééééééééééééééééé","to":"w","body":1}"#,
         r#"{"op" : "ack","seq":1}"#,
+        r#"{"op":"submit","id":"s1","job":"render","body":1,"eligible":{"names":["w1"]}}"#,
     ];
     for text in left_to_the_schema {
         assert!(!assert_same(&v, text), "fast path must not take {text}");

@@ -1,4 +1,5 @@
-//! A fast path for the frames every message costs (`send`, `ack`, `nak`, `ping`): one
+//! A fast path for the frames every message or task costs (`send`, `ack`, `nak`, `ping`,
+//! and `submit` without `eligible`, `claim`, `complete`): one
 //! typed parse of the text and hand-written checks of exactly the schema's rules for
 //! that op, instead of a `Value` tree, the JSON Schema validator and a second conversion.
 //!
@@ -11,16 +12,21 @@
 //! `amp_frame` fuzz target asserts it for any input.
 
 use serde::{Deserialize, Deserializer};
+use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::body::Body;
-use super::frame::{Ack, ClientFrame, Headers, Nak, Send};
+use super::frame::{Ack, ClientFrame, Complete, Headers, Nak, Send, Submit, TaskRef};
 
 /// Schema `id`: 1 to 64 characters. Checked on bytes, which is stricter: a string of at
 /// most 64 bytes has at most 64 characters.
 const MAX_ID: usize = 64;
 /// Schema `name`: `^[A-Za-z0-9_-]{1,64}$`.
 const MAX_NAME: usize = 64;
+/// Schema `task_id`: `^[A-Za-z0-9_-]{1,128}$`.
+const MAX_TASK_ID: usize = 128;
+/// Schema `submit.max_attempts`: 1 to 1000.
+const MAX_ATTEMPTS: u32 = 1000;
 /// Schema `idem`: `^[!-~]{1,128}$`.
 const MAX_IDEM: usize = 128;
 /// Schema `headers`: names `^[!-9;-~]{1,256}$`, values at most 8192 characters without
@@ -45,6 +51,9 @@ pub fn decode(text: &str) -> Option<ClientFrame> {
         "ack" => ack(text),
         "nak" => nak(text),
         "ping" => ping(text),
+        "submit" => submit(text),
+        "claim" => claim(text),
+        "complete" => complete(text),
         _ => None,
     }
 }
@@ -90,6 +99,42 @@ struct NakFrame<'a> {
 struct PingFrame<'a> {
     op: &'a str,
     id: &'a str,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubmitFrame<'a> {
+    op: &'a str,
+    id: &'a str,
+    job: &'a str,
+    #[serde(borrow)]
+    body: &'a RawValue,
+    #[serde(default, deserialize_with = "present")]
+    task: Option<&'a str>,
+    #[serde(default, deserialize_with = "present")]
+    max_attempts: Option<u32>,
+    #[serde(default)]
+    headers: Headers,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskFrame<'a> {
+    op: &'a str,
+    id: &'a str,
+    task: &'a str,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompleteFrame<'a> {
+    op: &'a str,
+    id: &'a str,
+    task: &'a str,
+    // Any JSON value, `null` included, which the schema path's typed frame also reads
+    // as `None`.
+    #[serde(default)]
+    result: Option<Value>,
 }
 
 /// An optional member that, when present, must hold a value of its type: `null` is not
@@ -158,12 +203,66 @@ fn ping(text: &str) -> Option<ClientFrame> {
     })
 }
 
+fn submit(text: &str) -> Option<ClientFrame> {
+    let f: SubmitFrame = serde_json::from_str(text).ok()?;
+    let valid = f.op == "submit"
+        && is_id(f.id)
+        && is_name(f.job)
+        && f.task.is_none_or(is_task_id)
+        && f.max_attempts
+            .is_none_or(|n| (1..=MAX_ATTEMPTS).contains(&n))
+        && f.headers.iter().all(|(k, v)| is_header(k, v));
+    if !valid {
+        return None;
+    }
+    let body = Body::from_raw(f.body)?;
+    Some(ClientFrame::Submit(Submit {
+        id: f.id.to_owned(),
+        job: f.job.to_owned(),
+        body,
+        task: f.task.map(str::to_owned),
+        max_attempts: f.max_attempts,
+        eligible: None,
+        headers: f.headers,
+    }))
+}
+
+fn claim(text: &str) -> Option<ClientFrame> {
+    let f: TaskFrame = serde_json::from_str(text).ok()?;
+    (f.op == "claim" && is_id(f.id) && is_task_id(f.task)).then(|| {
+        ClientFrame::Claim(TaskRef {
+            id: f.id.to_owned(),
+            task: f.task.to_owned(),
+        })
+    })
+}
+
+fn complete(text: &str) -> Option<ClientFrame> {
+    let f: CompleteFrame = serde_json::from_str(text).ok()?;
+    (f.op == "complete" && is_id(f.id) && is_task_id(f.task)).then(|| {
+        ClientFrame::Complete(Complete {
+            id: f.id.to_owned(),
+            task: f.task.to_owned(),
+            result: f.result,
+        })
+    })
+}
+
+fn is_task_id(s: &str) -> bool {
+    is_token(s, MAX_TASK_ID)
+}
+
 fn is_id(s: &str) -> bool {
     (1..=MAX_ID).contains(&s.len())
 }
 
 fn is_name(s: &str) -> bool {
-    (1..=MAX_NAME).contains(&s.len())
+    is_token(s, MAX_NAME)
+}
+
+/// `^[A-Za-z0-9_-]{1,max}$`.
+fn is_token(s: &str, max: usize) -> bool {
+    (1..=max).contains(&s.len())
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }

@@ -217,12 +217,7 @@ pub enum OnDelivery {
 pub fn body_digest(body: &Value) -> String {
     // `Value` keeps objects in sorted maps, so its serialisation is canonical.
     let text = serde_json::to_string(body).unwrap_or_default();
-    let digest = Sha256::digest(text.as_bytes());
-    let mut s = String::with_capacity(64);
-    for b in digest {
-        s.push_str(&format!("{b:02x}"));
-    }
-    s
+    crate::broker::envelope::hex(&Sha256::digest(text.as_bytes()))
 }
 
 impl TaskRecord {
