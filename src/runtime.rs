@@ -475,6 +475,9 @@ pub fn run(
                     }
                 }
             }
+            // NATS first: what a frame reports (an offer's watch subscription, say) is
+            // on its way to the server before the frame is on its way to the client.
+            nats.drive(poll.registry(), now);
             ws.flush(
                 poll.registry(),
                 now,
@@ -485,7 +488,6 @@ pub fn run(
                     nats_bytes: nats.bytes(),
                 },
             );
-            nats.drive(poll.registry(), now);
             if !busy && !ws.has_events() {
                 unfinished = false;
                 break;

@@ -1150,3 +1150,102 @@ fn a_lease_outliving_its_deliverys_ack_wait_keeps_the_message_without_a_heartbea
     assert_eq!(r["op"], "ok", "{r}");
     assert_eq!(b.status(APP, "T")["state"], "completed");
 }
+
+/// The job consumer's messages waiting and delivered-but-unacknowledged.
+fn job_backlog(client: &mut Client) -> (u64, u64) {
+    let reply = client
+        .request(
+            "$JS.API.CONSUMER.INFO.AMP_TASKS_acme.job_render",
+            None,
+            b"",
+            SECS,
+        )
+        .expect("consumer info");
+    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+    let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(u64::MAX);
+    (n("/num_pending"), n("/num_ack_pending"))
+}
+
+/// A fresh task's message carries its record, so its first delivery is offered without
+/// reading the task store. A task cancelled while it waits, through a broker that never
+/// saw its message, is offered on that stale record all the same: the claim's
+/// compare-and-set finds the cancel, the worker hears `lease_lost`, the message goes and
+/// the submitter gets exactly one result.
+#[test]
+fn a_fresh_task_is_offered_on_the_record_it_carries_and_a_cancel_since_still_wins() {
+    let server = common::NatsServer::start();
+    let mut b1 = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut b2 = Broker::start(&server.url(), "b2", config(30, 5000, 3));
+    let mut client = Client::connect(Options::new(&server.url())).expect("connect");
+    let inbox = client.subscribe("amp.acme.inbox.app", None).expect("sub");
+    client.flush(SECS).expect("flush");
+
+    b1.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    // Messages stored within a quarter second of the consumer's creation are read.
+    let frames = b1.frames_for(W1, Duration::from_millis(400));
+    assert!(frames.iter().all(|f| f["op"] != "offer"), "{frames:?}");
+
+    b1.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t1","job":"render","task":"A","body":1}),
+    );
+    let offer = b1.offer(W1, SECS);
+    assert_eq!((&offer["task"], &offer["body"]), (&json!("A"), &json!(1)));
+    assert_eq!(b1.jobs.stats().record_reads_spared, 1);
+    let r = b1.request(W1, "w1", json!({"op":"claim","id":"c1","task":"A"}));
+    assert_eq!(r["op"], "ok", "{r}");
+
+    // W1's one slot is taken: B waits in the queue while b2 cancels it.
+    b1.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t2","job":"render","task":"B","body":2}),
+    );
+    let r = b2.request(APP, "app", json!({"op":"cancel","id":"x","task":"B"}));
+    assert_eq!(r, json!({"op":"ok","re":"x"}));
+    assert_eq!(job_backlog(&mut client).0, 1, "b2 could not dequeue B");
+
+    let r = b1.request(W1, "w1", json!({"op":"complete","id":"k1","task":"A"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = b1.offer(W1, SECS);
+    assert_eq!(
+        offer["task"], "B",
+        "offered on the record B's message carries"
+    );
+    assert_eq!(b1.jobs.stats().record_reads_spared, 2);
+    let r = b1.request(W1, "w1", json!({"op":"claim","id":"c2","task":"B"}));
+    assert_eq!(r["code"], "lease_lost", "{r}");
+    assert_eq!(b1.status(APP, "B")["state"], "cancelled");
+    let status = b1.status(APP, "B");
+    assert!(
+        !history_states(&status).iter().any(|s| s == "leased"),
+        "{status}"
+    );
+
+    let deadline = Instant::now() + SECS;
+    while job_backlog(&mut client) != (0, 0) {
+        assert!(Instant::now() < deadline, "B's message stayed");
+        b1.step(Duration::from_millis(20));
+    }
+    // One result per task: B's cancel (b2 published it at once), then A's completion.
+    let mut results = Vec::new();
+    while let Some(msg) = client
+        .next_message(inbox, Duration::from_millis(300))
+        .expect("watch")
+    {
+        let env: Value = serde_json::from_slice(&msg.payload).expect("envelope");
+        results.push((env["body"]["task"].clone(), env["body"]["state"].clone()));
+    }
+    assert_eq!(
+        results,
+        [
+            (json!("B"), json!("cancelled")),
+            (json!("A"), json!("completed"))
+        ]
+    );
+}

@@ -55,9 +55,9 @@ pub type SessionId = u64;
 /// How long a JetStream request may take before the client hears `unavailable`: under
 /// the 5 s within which a fleet request caught by a dying leaf link must be answered,
 /// with a second to spare for the answer's way back on a loaded node.
+const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// Task messages whose sequence is remembered for a cancel (about 200 bytes each).
 const PUBLISHED_SEQS: usize = 2048;
-const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows.
 const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// A task no local session may take goes back with this delay, so that brokers with an
@@ -132,6 +132,54 @@ struct JobQueue {
     pull: PullLoop,
     /// Messages delivered whose record is being read (they hold no slot yet).
     unplaced: u32,
+    /// The server's time (ns since the epoch, plus [`TRUST_MARGIN_NANOS`]) when it last
+    /// answered this broker's consumer create, made after every (re)connection; `None`
+    /// until then. A first delivery of a message stored later was never delivered
+    /// before, by this consumer or by an earlier one lost to a re-creation or a restart,
+    /// so the record in its header is still the task's (bar a cancel); any other
+    /// delivery reads the task store.
+    trust_after_nanos: Option<u64>,
+    /// The highest consumer sequence delivered to this broker since it last created the
+    /// consumer: one that goes back means the consumer was created anew meanwhile.
+    last_consumer_seq: u64,
+}
+
+/// A message stored before a restart was stamped before the server went down, and the
+/// consumer create answered after it came back and the broker reconnected: by the same
+/// server's clock when the stream has one replica (a replicated consumer keeps its state
+/// through a restart). The margin covers that clock being stepped back across the
+/// restart, up to the downtime plus a quarter of a second.
+const TRUST_MARGIN_NANOS: u64 = 250_000_000;
+
+/// A task message's header carrying its record as created: `<revision> <record JSON>`.
+const RECORD_HEADER: &str = "AMP-Task-Record";
+
+/// Puts the record as created (at `revision`) in the task message's headers, unless
+/// that would take the message past `max_payload` (the delivery reads it then).
+fn carry_record(sub: &mut Submission, revision: u64, max_payload: usize) {
+    let Ok(record) = std::str::from_utf8(&sub.record) else {
+        return;
+    };
+    let mut value = String::with_capacity(sub.record.len() + 21);
+    crate::proto::encode::push_decimal(&mut value, revision);
+    value.push(' ');
+    value.push_str(record);
+    let added = RECORD_HEADER.len() + 2 + value.len() + 2;
+    if sub.payload.len() + sub.headers.encoded_len() + added <= max_payload
+        && let Err(e) = sub.headers.insert(RECORD_HEADER, &value)
+    {
+        log::warn!(task:% = sub.task; "task record not carried: {e}");
+    }
+}
+
+/// The server's time in a consumer info (`ts`, RFC 3339 with nanoseconds).
+fn consumer_info_time(payload: &[u8]) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Stamped {
+        ts: Option<String>,
+    }
+    let ts = serde_json::from_slice::<Stamped>(payload).ok()?.ts?;
+    u64::try_from(crate::rfc3339::parse_nanos(&ts)?).ok()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -400,6 +448,8 @@ struct Submission {
     subject: String,
     headers: HeaderMap,
     payload: Vec<u8>,
+    /// The record as created, for the task message's `AMP-Task-Record` header.
+    record: Vec<u8>,
     /// The budget refused it: an existing task is answered, a missing one refused.
     over_budget: bool,
 }
@@ -479,6 +529,8 @@ pub struct JobsStats {
     pub js_ops: u64,
     /// Dead letters stored (a repeat of one is counted again).
     pub dead_letters: u64,
+    /// Deliveries offered on the record their message carries, without a read.
+    pub record_reads_spared: u64,
 }
 
 /// The namespace of a task: its submitter's (task ids are namespace-wide).
@@ -603,6 +655,11 @@ impl Jobs {
                 "jetstream_ops",
                 "JetStream requests, acks and pulls sent for jobs",
                 s.js_ops,
+            ),
+            (
+                "record_reads_spared",
+                "Task deliveries offered on the record their message carries, unread",
+                s.record_reads_spared,
             ),
         ] {
             let _ = writeln!(out, "# HELP amp_jobs_{name}_total {help}");
@@ -944,14 +1001,17 @@ impl Jobs {
 
     // ---- the job queues ----------------------------------------------------------------
 
-    /// The NATS connection came back: pulls in flight died with the old one.
+    /// The NATS connection came back: pulls in flight died with the old one, and the
+    /// server may have restarted with less of the consumer's state than it had, so no
+    /// delivery's record is taken from its message until the consumer is created (or
+    /// found) again.
     pub fn on_reconnected(&mut self, conn: &mut Connection, now: Instant) {
         let keys: Vec<String> = self.queues.keys().cloned().collect();
         for qk in keys {
             if let Some(q) = self.queues.get_mut(&qk) {
                 q.pull.forget_pulls();
             }
-            self.pull_more(conn, &qk, now);
+            self.create_consumer(conn, &qk, now);
         }
     }
 
@@ -1048,8 +1108,17 @@ impl Jobs {
             self.round_trips.push((op, seconds));
         }
         match pending {
-            Pending::ConsumerCreate { queue } => match reply.map(|m| check_error(&m.payload)) {
-                Ok(Ok(())) => self.consumer_ready(conn, &queue, now),
+            Pending::ConsumerCreate { queue } => match reply
+                .map(|m| check_error(&m.payload).map(|()| consumer_info_time(&m.payload)))
+            {
+                Ok(Ok(answered_at)) => {
+                    if let Some(q) = self.queues.get_mut(&queue) {
+                        q.trust_after_nanos =
+                            answered_at.and_then(|t| t.checked_add(TRUST_MARGIN_NANOS));
+                        q.last_consumer_seq = 0;
+                    }
+                    self.consumer_ready(conn, &queue, now)
+                }
                 Ok(Err(e)) => {
                     log::warn!(queue:% = queue; "consumer refused: {e}");
                     self.consumer_failed(&queue, now);
@@ -1061,9 +1130,11 @@ impl Jobs {
             },
             Pending::SubmitCreate(sub) => {
                 match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
-                    Ok(Ok(_)) => {
+                    Ok(Ok(ack)) => {
                         self.stats.submitted += 1;
-                        self.publish_task(conn, *sub, false, now);
+                        let mut sub = *sub;
+                        carry_record(&mut sub, ack.seq, conn.max_payload());
+                        self.publish_task(conn, sub, false, now);
                     }
                     Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
                     Ok(Err(e)) => self.refuse(sub.session, &sub.re, unavailable(e)),

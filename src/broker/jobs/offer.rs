@@ -90,10 +90,24 @@ impl Jobs {
         let Some(ack) = msg.reply.clone() else {
             return;
         };
-        let delivered = AckMetadata::parse(&ack).map(|m| m.delivered).unwrap_or(1);
-        let Some(ns) = self.queues.get(qk).map(|q| q.ns.clone()) else {
+        let meta = AckMetadata::parse(&ack).ok();
+        let delivered = meta.as_ref().map_or(1, |m| m.delivered);
+        let stored_nanos = meta.as_ref().map(|m| m.timestamp_nanos);
+        let Some(q) = self.queues.get_mut(qk) else {
             return;
         };
+        let ns = q.ns.clone();
+        let consumer_seq = meta.as_ref().map(|m| m.consumer_sequence);
+        if consumer_seq.is_some_and(|seq| seq <= q.last_consumer_seq) {
+            // The consumer's count went back: it was deleted and created again by someone
+            // else (its earlier self may have delivered any waiting message). Trust no
+            // record carried until this broker has seen it created again.
+            log::warn!(queue:% = qk; "job consumer was created anew; creating it again");
+            q.last_consumer_seq = 0;
+            self.create_consumer(conn, qk, now);
+        } else if let Some(seq) = consumer_seq {
+            q.last_consumer_seq = seq;
+        }
         let env = match Envelope::from_json(&msg.payload) {
             Ok(env) if env.kind == Kind::Task => env,
             _ => {
@@ -118,6 +132,26 @@ impl Jobs {
             t.ack_subject = ack;
             t.ack_basis = ack_basis;
             return self.pull_more(conn, qk, now);
+        }
+        if let Some(read) = self.record_in_message(qk, delivered, stored_nanos, msg, &env) {
+            if let Some(q) = self.queues.get_mut(qk) {
+                q.unplaced += 1;
+            }
+            self.stats.record_reads_spared += 1;
+            let watch = self.watch(conn, &key);
+            let env = Box::new(env);
+            return self.placed(
+                conn,
+                qk,
+                key,
+                ack,
+                delivered,
+                env,
+                Ok(read),
+                ack_basis,
+                watch,
+                now,
+            );
         }
         match self.kv.get_request(&key) {
             Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
@@ -159,6 +193,39 @@ impl Jobs {
                 );
             }
         }
+    }
+
+    /// The record a task message carries (`AMP-Task-Record`, written at submit with the
+    /// revision of the record's creation), when it may stand in for reading the task
+    /// store: on the message's first delivery by a consumer whose state this broker saw
+    /// after its last (re)connection, for a message stored after that (see
+    /// `JobQueue::trust_after_nanos`). A record that changed since (a cancel while it
+    /// waited) makes the claim's compare-and-set fail, which reads the record and
+    /// answers `lease_lost` as for any offer that lost its task.
+    fn record_in_message(
+        &self,
+        qk: &str,
+        delivered: u64,
+        stored_nanos: Option<u64>,
+        msg: &Message,
+        env: &Envelope,
+    ) -> Option<(TaskRecord, u64)> {
+        let q = self.queues.get(qk)?;
+        if delivered != 1 || stored_nanos? <= q.trust_after_nanos? {
+            return None;
+        }
+        let (revision, json) = msg.headers.as_ref()?.get(RECORD_HEADER)?.split_once(' ')?;
+        let revision = revision.parse().ok()?;
+        let record = TaskRecord::from_json(json.as_bytes()).ok()?;
+        // Only the broker writes task messages (no participant's NATS permissions reach
+        // the task stream); a record that does not describe this very message is read
+        // from the store all the same.
+        let fresh = record.id == env.id
+            && record.submitted_by == env.from
+            && record.job == q.job
+            && record.state == TaskState::Queued
+            && record.attempt == 0;
+        fresh.then_some((record, revision))
     }
 
     /// The record of a delivered task arrived: offer it, finish it, or release it.

@@ -30,13 +30,21 @@ impl Jobs {
                 consumer: ConsumerState::Creating,
                 pull,
                 unplaced: 0,
+                trust_after_nanos: None,
+                last_consumer_seq: 0,
             },
         );
         self.create_consumer(conn, &qk, now);
     }
 
     pub(super) fn create_consumer(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
-        let Some(q) = self.queues.get(qk) else { return };
+        // Until the answer, the consumer may be one this broker has not seen created.
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.trust_after_nanos = None;
+        }
+        let Some(q) = self.queues.get(qk) else {
+            return;
+        };
         let lease_s = self.job_config(&q.ns, &q.job).lease_s;
         let stream = binding::tasks_stream(&q.ns);
         let config = binding::job_consumer_config(&q.ns, &q.job, lease_s);

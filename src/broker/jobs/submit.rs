@@ -126,10 +126,11 @@ impl Jobs {
             subject: binding::job_subject(ns, job),
             headers,
             payload,
+            record: record_json,
             over_budget,
         };
         let key = task_key(ns, &task);
-        let req = match self.kv.create_request(&key, &record_json, None) {
+        let req = match self.kv.create_request(&key, &sub.record, None) {
             Ok(r) => r,
             Err(e) => {
                 let e = AmpError::new(ErrorCode::Schema, format!("task id not storable: {e}"))
