@@ -149,3 +149,43 @@ fn in_progress_extends_the_ack_wait_and_term_stops_redelivery() {
     assert!(fetch(&mut js, 2, ack_wait * 2).is_empty());
     assert_eq!(js.consumer_info("A", "C").expect("info").num_ack_pending, 0);
 }
+
+/// `+NXT` acks the message and is itself a pull: the next messages go to its reply
+/// subject, and the server ends it with a 408 carrying what it could not deliver.
+#[test]
+fn ack_next_acks_and_pulls_more_onto_its_reply_subject() {
+    let server = common::NatsServer::start();
+    let mut js = setup(&server, Duration::from_secs(30), 3);
+    let first = fetch(&mut js, 1, Duration::from_secs(1));
+    assert_eq!(first.len(), 1);
+    let inbox = "_INBOX.ack_next";
+    let sid = js.client().subscribe(inbox, None).expect("subscribe");
+    let pull = PullRequest {
+        expires: Some(Duration::from_millis(500)),
+        ..PullRequest::batch(3)
+    };
+    let ack = first[0].reply.clone().expect("ack subject");
+    js.client()
+        .publish(&ack, Some(inbox), None, &AckKind::Next { pull }.payload())
+        .expect("+NXT");
+    let mut got = Vec::new();
+    let mut status = None;
+    while let Some(m) = js
+        .client()
+        .next_message(sid, Duration::from_secs(3))
+        .expect("next")
+    {
+        match m.status() {
+            None => got.push(String::from_utf8_lossy(&m.payload).into_owned()),
+            Some(code) => {
+                status = Some((code, m.header("Nats-Pending-Messages").map(str::to_owned)));
+                break;
+            }
+        }
+    }
+    assert_eq!(got, ["m1", "m2"]);
+    assert_eq!(status, Some((408, Some("1".to_string()))));
+    let info = js.consumer_info("A", "C").expect("info");
+    assert_eq!(info.ack_floor.stream_seq, 1, "the first message was acked");
+    assert_eq!(info.num_ack_pending, 2);
+}

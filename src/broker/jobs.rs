@@ -132,6 +132,10 @@ struct JobQueue {
     pull: PullLoop,
     /// Messages delivered whose record is being read (they hold no slot yet).
     unplaced: u32,
+    /// Slots freed by completions whose pull rides on their message's `+ACK` (`+NXT`),
+    /// which goes once the `task_result` is stored: counted as asked for until then, so
+    /// that no other pull takes their place meanwhile.
+    acks_due: u32,
     /// The server's time (ns since the epoch, plus [`TRUST_MARGIN_NANOS`]) when it last
     /// answered this broker's consumer create, made after every (re)connection; `None`
     /// until then. A first delivery of a message stored later was never delivered
@@ -1340,7 +1344,7 @@ impl Jobs {
                         finish.result_unsent()
                     }
                 };
-                self.finish(conn, finish);
+                self.finish(conn, finish, now);
             }
         }
     }

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::jetstream::pull::{Inbound, PullRequest, classify};
-use crate::jetstream::{ApiPrefix, Delivery};
+use crate::jetstream::{AckKind, ApiPrefix, Delivery};
 use crate::nats::{Connection, Message, Sid};
 
 /// A pull request's lifetime; the next one follows when it ends.
@@ -64,6 +64,11 @@ pub struct Share {
 
 /// After this much silence past its expiry an on-demand pull is taken as gone.
 const SHARE_GRACE: Duration = Duration::from_secs(5);
+
+/// Messages asked for at most through acks (`+NXT`): each such pull that finds nothing
+/// waits at the server, which keeps a bounded number of waiting pulls per consumer
+/// (`max_waiting`, 512 by default) for every broker together.
+pub const ACK_PULL_LIMIT: u32 = 16;
 
 /// What a message on an on-demand loop's subscription was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,30 +279,74 @@ impl PullLoop {
         in_hand: u32,
         now: Instant,
     ) -> Result<Option<Share>, String> {
+        let Some(want) = self.wanted(conn, free, in_hand) else {
+            return Ok(None);
+        };
+        if self.remaining.saturating_add(in_hand) > 0 && want < (slots / 4).max(1) {
+            return Ok(None);
+        }
+        self.send_share(conn, None, want, now)
+    }
+
+    /// On demand: acknowledges a finished message with `+NXT`, which is also the pull for
+    /// what is wanted now (the slot the message held among it): one message to the server
+    /// instead of an ack and a pull. `None`, with nothing sent, when nothing is wanted or
+    /// [`ACK_PULL_LIMIT`] messages are already asked for; the caller acks plainly then.
+    pub fn ack_and_fill(
+        &mut self,
+        conn: &mut Connection,
+        ack: &str,
+        free: u32,
+        in_hand: u32,
+        now: Instant,
+    ) -> Result<Option<Share>, String> {
+        match self.wanted(conn, free, in_hand) {
+            Some(want) if self.remaining < ACK_PULL_LIMIT => {
+                self.send_share(conn, Some(ack), want.min(ACK_PULL_LIMIT), now)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Free slots not already asked for or in hand, when a pull may be sent at all.
+    fn wanted(&self, conn: &Connection, free: u32, in_hand: u32) -> Option<u32> {
+        if self.shares.is_none() || self.sid.is_none() || !conn.is_connected() {
+            return None;
+        }
+        let want = free.saturating_sub(self.remaining.saturating_add(in_hand));
+        (want > 0).then_some(want)
+    }
+
+    /// Sends a numbered pull of `want` messages: a `MSG.NEXT` request, or the `+NXT` ack
+    /// of delivery `ack`.
+    fn send_share(
+        &mut self,
+        conn: &mut Connection,
+        ack: Option<&str>,
+        want: u32,
+        now: Instant,
+    ) -> Result<Option<Share>, String> {
         let Some(shares) = self.shares.as_mut() else {
             return Ok(None);
         };
-        if self.sid.is_none() || !conn.is_connected() {
-            return Ok(None);
-        }
-        let outstanding = self.remaining.saturating_add(in_hand);
-        let want = free.saturating_sub(outstanding);
-        if want == 0 || (outstanding > 0 && want < (slots / 4).max(1)) {
-            return Ok(None);
-        }
         let pull = PullRequest {
             batch: u64::from(want),
             expires: Some(shares.expires),
             ..PullRequest::default()
         };
-        let req = self
-            .api
-            .pull_next(&self.stream, &self.consumer, &pull)
-            .map_err(|e| format!("pull request invalid: {e}"))?;
         let n = shares.next;
         let reply = format!("{}.{n}", self.deliver);
-        conn.publish(&req.subject, Some(&reply), None, &req.payload)
-            .map_err(|e| format!("pull failed: {e}"))?;
+        let sent = match ack {
+            Some(ack) => conn.publish(ack, Some(&reply), None, &AckKind::Next { pull }.payload()),
+            None => {
+                let req = self
+                    .api
+                    .pull_next(&self.stream, &self.consumer, &pull)
+                    .map_err(|e| format!("pull request invalid: {e}"))?;
+                conn.publish(&req.subject, Some(&reply), None, &req.payload)
+            }
+        };
+        sent.map_err(|e| format!("pull failed: {e}"))?;
         shares.next += 1;
         shares.pulls.insert(n, want);
         self.remaining = self.remaining.saturating_add(want);

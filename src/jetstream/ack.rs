@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::error::JsError;
+use super::pull::PullRequest;
 use super::wire::nanos_of;
 
 /// The answer to a delivery, published to its reply subject.
@@ -17,10 +18,14 @@ pub enum AckKind {
     InProgress,
     /// Never redeliver, optionally saying why.
     Term { reason: Option<String> },
+    /// Processed, and a pull of more (`+NXT`): published with the subject the next
+    /// messages should go to as its reply, which then serves as the pull's.
+    Next { pull: PullRequest },
 }
 
 impl AckKind {
-    /// The ack payload: `+ACK`, `-NAK`, `-NAK {"delay": ns}`, `+WPI`, `+TERM`, `+TERM reason`.
+    /// The ack payload: `+ACK`, `-NAK`, `-NAK {"delay": ns}`, `+WPI`, `+TERM`, `+TERM reason`,
+    /// `+NXT {pull request}`.
     pub fn payload(&self) -> Vec<u8> {
         match self {
             AckKind::Ack => b"+ACK".to_vec(),
@@ -31,6 +36,12 @@ impl AckKind {
             AckKind::InProgress => b"+WPI".to_vec(),
             AckKind::Term { reason: None } => b"+TERM".to_vec(),
             AckKind::Term { reason: Some(r) } => format!("+TERM {r}").into_bytes(),
+            AckKind::Next { pull } => {
+                let mut out = b"+NXT ".to_vec();
+                // A struct of integers and booleans: serialising it cannot fail.
+                out.extend(serde_json::to_vec(pull).unwrap_or_default());
+                out
+            }
         }
     }
 }
@@ -139,6 +150,14 @@ mod tests {
             br#"-NAK {"delay": 1500000000}"#
         );
         assert_eq!(AckKind::InProgress.payload(), b"+WPI");
+        let pull = PullRequest {
+            expires: Some(Duration::from_secs(2)),
+            ..PullRequest::batch(3)
+        };
+        assert_eq!(
+            AckKind::Next { pull }.payload(),
+            br#"+NXT {"batch":3,"expires":2000000000}"#
+        );
         assert_eq!(AckKind::Term { reason: None }.payload(), b"+TERM");
         assert_eq!(
             AckKind::Term {

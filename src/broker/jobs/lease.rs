@@ -39,10 +39,21 @@ impl Jobs {
 
     /// The local task `key` ends here (finished, lost, released): its slot frees.
     pub(super) fn release_local(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        if let Some(qk) = self.free_slot(conn, key, now) {
+            self.pull_more(conn, &qk, now);
+        }
+    }
+
+    /// As [`Jobs::release_local`], leaving the pull for the freed slot to the caller;
+    /// returns the task's queue.
+    pub(super) fn free_slot(
+        &mut self,
+        conn: &mut Connection,
+        key: &str,
+        now: Instant,
+    ) -> Option<String> {
         self.unwatch(conn, key);
-        let Some(t) = self.tasks.remove(key) else {
-            return;
-        };
+        let t = self.tasks.remove(key)?;
         let was_leased = t.leased;
         if let Some(s) = self
             .workers
@@ -55,7 +66,7 @@ impl Jobs {
                 s.idle_since = now;
             }
         }
-        self.pull_more(conn, &queue_key(&t.ns, &t.job), now);
+        Some(queue_key(&t.ns, &t.job))
     }
 
     /// The record shows this broker's session holding a lease the local state did not

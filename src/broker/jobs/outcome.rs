@@ -54,7 +54,7 @@ impl Jobs {
             .split_once('/')
             .filter(|_| !record.via_mig)
         else {
-            return self.finish(conn, finish);
+            return self.finish(conn, finish, now);
         };
         let key = task_key(ns, &record.id);
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
@@ -86,7 +86,7 @@ impl Jobs {
             }
             Err(e) => {
                 log::warn!(task:% = key; "task result not sent: {e}");
-                self.finish(conn, finish.result_unsent());
+                self.finish(conn, finish.result_unsent(), now);
             }
         }
     }
@@ -94,9 +94,19 @@ impl Jobs {
     /// The outcome is stored and its `task_result` too: the message goes and the requester
     /// hears. The ack is not confirmed: one that is lost leaves the message to be
     /// redelivered after the lease, and that delivery finds the outcome and acks it away.
-    pub(super) fn finish(&mut self, conn: &mut Connection, finish: Finish) {
-        if let Some((subject, kind)) = finish.ack {
-            self.ack(conn, &subject, kind);
+    pub(super) fn finish(&mut self, conn: &mut Connection, finish: Finish, now: Instant) {
+        match finish.ack {
+            Some((subject, AckKind::Ack)) => self.ack_done(conn, &subject, now),
+            Some((subject, kind)) => {
+                self.ack(conn, &subject, kind);
+                // A completion whose result could not be stored is NAKed instead: its
+                // queue still pulls for the slot the task held.
+                if let Some(qk) = self.queue_of_ack(&subject) {
+                    self.ack_settled(&qk);
+                    self.pull_more(conn, &qk, now);
+                }
+            }
+            None => {}
         }
         if let Some((session, re, text)) = finish.reply {
             self.out.push_back(JobsOutput::Reply { session, re, text });

@@ -30,6 +30,7 @@ impl Jobs {
                 consumer: ConsumerState::Creating,
                 pull,
                 unplaced: 0,
+                acks_due: 0,
                 trust_after_nanos: None,
                 last_consumer_seq: 0,
             },
@@ -125,18 +126,65 @@ impl Jobs {
     /// Asks for one message per free slot not already asked for (see
     /// [`PullLoop::fill`] for when it waits).
     pub(super) fn pull_more(&mut self, conn: &mut Connection, qk: &str, now: Instant) {
-        let Some(q) = self.queues.get(qk) else { return };
+        self.refill(conn, qk, None, now);
+    }
+
+    /// `+ACK` of a finished message of the job queue its ack subject names: the ack
+    /// carries the queue's next pull when one is wanted (`+NXT`, one message to the server
+    /// for the ack and for the slot the message held), else the queue pulls as usual.
+    pub(super) fn ack_done(&mut self, conn: &mut Connection, ack: &str, now: Instant) {
+        let Some(qk) = self.queue_of_ack(ack) else {
+            return self.ack(conn, ack, AckKind::Ack);
+        };
+        self.ack_settled(&qk);
+        if !self.refill(conn, &qk, Some(ack), now) {
+            self.ack(conn, ack, AckKind::Ack);
+            self.pull_more(conn, &qk, now);
+        }
+    }
+
+    /// A message of queue `qk` was acked (or NAKed): a completion's slot waiting for its
+    /// ack, if any, is free to be pulled for. (Another ack taken for one only pulls a
+    /// moment early.)
+    pub(super) fn ack_settled(&mut self, qk: &str) {
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.acks_due = q.acks_due.saturating_sub(1);
+        }
+    }
+
+    /// The job queue whose message `ack` acknowledges, when this broker has it.
+    pub(super) fn queue_of_ack(&self, ack: &str) -> Option<String> {
+        let m = AckMetadata::parse(ack).ok()?;
+        let ns = m.stream.strip_prefix("AMP_TASKS_")?;
+        let job = m.consumer.strip_prefix("job_")?;
+        Some(queue_key(ns, job)).filter(|qk| self.queues.contains_key(qk))
+    }
+
+    /// Pulls for queue `qk` as [`PullLoop::fill`] says, or with `ack`, as
+    /// [`PullLoop::ack_and_fill`] says; true when a pull was sent.
+    fn refill(&mut self, conn: &mut Connection, qk: &str, ack: Option<&str>, now: Instant) -> bool {
+        let Some(q) = self.queues.get(qk) else {
+            return false;
+        };
         if q.consumer != ConsumerState::Ready {
-            return;
+            return false;
         }
         let (slots, free) = self.slots(&q.ns, &q.job);
         let Some(q) = self.queues.get_mut(qk) else {
-            return;
+            return false;
         };
-        let share = match q.pull.fill(conn, slots, free, q.unplaced, now) {
+        let in_hand = q.unplaced.saturating_add(q.acks_due);
+        let sent = match ack {
+            Some(ack) => q.pull.ack_and_fill(conn, ack, free, in_hand, now),
+            None => q.pull.fill(conn, slots, free, in_hand, now),
+        };
+        let share = match sent {
             Ok(Some(share)) => share,
-            Ok(None) => return,
-            Err(e) => return log::warn!(queue:% = qk; "{e}"),
+            Ok(None) => return false,
+            Err(e) => {
+                log::warn!(queue:% = qk; "{e}");
+                return false;
+            }
         };
         self.stats.js_ops += 1;
         self.later.push(
@@ -146,5 +194,6 @@ impl Jobs {
                 pull: share.pull,
             }),
         );
+        true
     }
 }

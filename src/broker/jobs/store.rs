@@ -411,7 +411,16 @@ impl Jobs {
             Op::Complete { session, re, .. } => {
                 self.stats.completed += 1;
                 let by = self.participant_of(&key);
-                self.release_local(conn, &key, now);
+                // The freed slot's pull goes with the message's ack, once the result is
+                // stored (`finish`), when there is an ack to carry it.
+                if let Some(qk) = self.free_slot(conn, &key, now) {
+                    let rides =
+                        ack.as_deref().and_then(|a| self.queue_of_ack(a)) == Some(qk.clone());
+                    match self.queues.get_mut(&qk) {
+                        Some(q) if rides => q.acks_due = q.acks_due.saturating_add(1),
+                        _ => self.pull_more(conn, &qk, now),
+                    }
+                }
                 let reply = Some((session, re.clone(), reply::ok(Some(&re))));
                 let ack = ack.map(|a| (a, AckKind::Ack));
                 self.publish_result(conn, &record, &by, ack, reply, now);

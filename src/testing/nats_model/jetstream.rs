@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use super::consumer::{AckOp, Consumer, Outbound};
+use super::consumer::{AckOp, Consumer, NextRequest, Outbound};
 use super::stream::Stream;
 
 #[derive(Debug)]
@@ -141,6 +141,15 @@ impl JetStream {
                     entry.stream.remove(s);
                 }
             }
+        }
+        // `+NXT`: the ack is also a pull, answered on its reply subject (no confirmation).
+        if let (Some(next), Some(reply)) = (payload.strip_prefix(b"+NXT"), reply) {
+            let mut out = Vec::new();
+            match NextRequest::parse(next) {
+                Ok(req) => c.add_pull(reply, req, now, &mut out),
+                Err(_) => out.push(Outbound::status(reply, 400, "Bad Request", &[])),
+            }
+            return Handled::Out(out);
         }
         Handled::Out(reply_to(reply, Vec::new()))
     }
