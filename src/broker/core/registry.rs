@@ -2,6 +2,7 @@
 //! that mirrors every broker's, and `who` / `watch`.
 
 use super::*;
+use crate::broker::registry::{Entry, Serving};
 
 impl Broker {
     pub(super) fn registry_entry(&self, ns: &str, name: &str) -> Option<Value> {
@@ -94,11 +95,11 @@ impl Broker {
     }
 
     pub(super) fn who(&mut self, session: SessionId, ns: &str, id: &str, job: Option<&str>) {
-        let participants: Vec<&Value> = match self.registries.get(ns) {
+        let participants: Vec<&Entry> = match self.registries.get(ns) {
             Some((registry, _)) => registry
                 .entries()
                 .map(|(_, entry)| entry)
-                .filter(|entry| job.is_none_or(|job| entry["serve"].get(job).is_some()))
+                .filter(|entry| job.is_none_or(|job| Serving::of(entry).serve.contains_key(job)))
                 .collect(),
             None => Vec::new(),
         };

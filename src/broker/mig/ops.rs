@@ -7,7 +7,7 @@ use super::Ctx;
 use super::envelope::{Code, MigError};
 use crate::broker::config::{Config, Participant};
 use crate::broker::permissions::{self, Action};
-use crate::broker::registry::Registry;
+use crate::broker::registry::{Registry, Serving};
 
 /// Features `hello` can enable: the ones this broker implements.
 pub const FEATURES: &[&str] = &[
@@ -158,9 +158,13 @@ pub fn heartbeat(ctx: &Ctx<'_>, ns: &str, body: &Map<String, Value>) -> Result<V
         .collect();
     let (mut leases, mut slots) = (0u64, 0u64);
     for (_, entry) in ctx.registry.into_iter().flat_map(Registry::entries) {
+        let serving = Serving::of(entry);
+        let count = |of: &std::collections::BTreeMap<String, Value>, job: &str| {
+            of.get(job).and_then(Value::as_u64)
+        };
         for job in &capabilities {
-            slots += entry["serve"][job].as_u64().unwrap_or(0);
-            leases += entry["load"][job].as_u64().unwrap_or(0);
+            slots += count(&serving.serve, job).unwrap_or(0);
+            leases += count(&serving.load, job).unwrap_or(0);
         }
     }
     let load = if slots == 0 {
