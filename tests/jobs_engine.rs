@@ -1082,8 +1082,8 @@ fn status_through_another_broker_says_offered_while_an_unwritten_offer_is_out() 
     assert!(asked.elapsed() < Duration::from_secs(1), "no waiting");
 }
 
-/// The job consumer's delivery count and redeliveries, as JetStream reports them.
-fn job_deliveries(client: &mut Client) -> (u64, u64) {
+/// Two numbers of the job consumer's info, by JSON pointer, as JetStream reports them.
+fn job_consumer(client: &mut Client, a: &str, b: &str) -> (u64, u64) {
     let reply = client
         .request(
             "$JS.API.CONSUMER.INFO.AMP_TASKS_acme.job_render",
@@ -1094,7 +1094,12 @@ fn job_deliveries(client: &mut Client) -> (u64, u64) {
         .expect("consumer info");
     let v: Value = serde_json::from_slice(&reply.payload).expect("json");
     let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(u64::MAX);
-    (n("/delivered/consumer_seq"), n("/num_redelivered"))
+    (n(a), n(b))
+}
+
+/// The job consumer's delivery count and redeliveries.
+fn job_deliveries(client: &mut Client) -> (u64, u64) {
+    job_consumer(client, "/delivered/consumer_seq", "/num_redelivered")
 }
 
 #[test]
@@ -1153,17 +1158,7 @@ fn a_lease_outliving_its_deliverys_ack_wait_keeps_the_message_without_a_heartbea
 
 /// The job consumer's messages waiting and delivered-but-unacknowledged.
 fn job_backlog(client: &mut Client) -> (u64, u64) {
-    let reply = client
-        .request(
-            "$JS.API.CONSUMER.INFO.AMP_TASKS_acme.job_render",
-            None,
-            b"",
-            SECS,
-        )
-        .expect("consumer info");
-    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
-    let n = |p: &str| v.pointer(p).and_then(Value::as_u64).unwrap_or(u64::MAX);
-    (n("/num_pending"), n("/num_ack_pending"))
+    job_consumer(client, "/num_pending", "/num_ack_pending")
 }
 
 /// A fresh task's message carries its record, so its first delivery is offered without
