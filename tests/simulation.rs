@@ -193,6 +193,18 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "a session held more inbox deliveries than the window",
     ),
+    // Failed before a change whose local task had ended meanwhile was dropped
+    // (jobs/store.rs `cas`): a claim that conflicted was re-applied after its offer was
+    // released, writing a lease for nobody ("holder":"") that the next offer's session
+    // was then told was its own ("task ... is not terminal after the drain").
+    (
+        2,
+        0x4ca,
+        300,
+        None,
+        None,
+        "a claim re-applied after its offer had ended leased the task to nobody",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

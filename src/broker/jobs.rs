@@ -291,6 +291,20 @@ enum Op {
 }
 
 impl Op {
+    /// The session whose local task (offer or lease here) the change is made for; none
+    /// for the changes a broker makes on its own or for a submitter.
+    fn local_session(&self) -> Option<SessionId> {
+        match self {
+            Op::Offer { session, .. }
+            | Op::Claim { session, .. }
+            | Op::Heartbeat { session, .. }
+            | Op::Complete { session, .. }
+            | Op::Fail { session, .. }
+            | Op::Requeue { session, .. } => Some(*session),
+            Op::Exhaust | Op::Cancel { .. } => None,
+        }
+    }
+
     fn answer_to(&self) -> Option<(SessionId, &str)> {
         match self {
             Op::Claim { session, re }

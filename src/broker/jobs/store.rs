@@ -113,6 +113,23 @@ impl Jobs {
         revision: u64,
         now: Instant,
     ) {
+        if let Some(session) = write.op.local_session()
+            && self
+                .tasks
+                .get(&write.key)
+                .is_none_or(|t| t.session != session)
+        {
+            // The offer or lease this change was for ended here while the change waited
+            // (a conflict's re-read, say): made now it would act for nobody, or for the
+            // session of a later offer of the task. Nothing is written.
+            log::debug!(task:% = write.key; "change dropped: its local task is gone");
+            if let Some((session, re)) = write.op.answer_to() {
+                let task = write.key.split_once('.').map_or("", |(_, t)| t).to_string();
+                let re = re.to_string();
+                self.refuse(session, &re, lease_lost(&task));
+            }
+            return;
+        }
         let now_ms = self.clock.ms(now);
         let actor = self.actor_of(&write.op, &write.key);
         let next = {
