@@ -1244,3 +1244,55 @@ fn a_fresh_task_is_offered_on_the_record_it_carries_and_a_cancel_since_still_win
         ]
     );
 }
+
+/// On the common path a task costs six JetStream operations: the task-store create and
+/// the task publish (submit), CAS `leased` (claim), CAS `completed`, the `task_result`
+/// publish and the `+NXT` that acks the message and asks for the next one (complete).
+/// The record is not read (the message carries it) and no pull is sent of its own: the
+/// previous task's `+NXT` is the pull that delivers the next.
+#[test]
+fn a_task_on_the_common_path_costs_six_jetstream_operations() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    // Messages stored within a quarter second of the consumer's creation are read.
+    let _ = b.frames_for(W1, Duration::from_millis(400));
+    let before = b.jobs.stats();
+    const TASKS: u64 = 5;
+    for i in 0..TASKS {
+        let task = format!("T{i}");
+        let r = b.request(
+            APP,
+            "app",
+            json!({"op":"submit","id":format!("s{i}"),"job":"render","task":task,"body":i}),
+        );
+        assert_eq!(r["op"], "ok", "{r}");
+        assert_eq!(b.offer(W1, SECS)["task"], task.as_str());
+        let r = b.request(
+            W1,
+            "w1",
+            json!({"op":"claim","id":format!("c{i}"),"task":task}),
+        );
+        assert_eq!(r["op"], "ok", "{r}");
+        let r = b.request(
+            W1,
+            "w1",
+            json!({"op":"complete","id":format!("k{i}"),"task":task}),
+        );
+        assert_eq!(r["op"], "ok", "{r}");
+    }
+    let after = b.jobs.stats();
+    assert_eq!(
+        after.record_reads_spared - before.record_reads_spared,
+        TASKS
+    );
+    assert_eq!(
+        after.js_ops - before.js_ops,
+        6 * TASKS,
+        "JetStream operations for {TASKS} tasks"
+    );
+}
