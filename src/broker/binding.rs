@@ -52,6 +52,14 @@ pub fn dlq_subject(ns: &str, job: &str) -> String {
 pub fn job_consumer(job: &str) -> String {
     ["job_", job].concat()
 }
+/// The namespace and job of a job consumer, from its stream's and its own name (as an
+/// ack subject names them): the inverse of [`tasks_stream`] and [`job_consumer`].
+pub fn job_of_consumer<'a>(stream: &'a str, consumer: &'a str) -> Option<(&'a str, &'a str)> {
+    Some((
+        stream.strip_prefix("AMP_TASKS_")?,
+        consumer.strip_prefix("job_")?,
+    ))
+}
 /// The consumer of participant `name`'s durable subscription `sub`, in the namespace's
 /// topics stream. Both parts come from clients and may contain `_`, so the name's length
 /// is written first: `dsub_<len>_<name>_<sub>` splits one way only. The prefix differs
@@ -405,6 +413,17 @@ impl std::fmt::Display for Incompatible {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_consumer_names_its_namespace_and_job_back() {
+        let (stream, consumer) = (tasks_stream("acme"), job_consumer("render_x"));
+        assert_eq!(
+            job_of_consumer(&stream, &consumer),
+            Some(("acme", "render_x"))
+        );
+        assert_eq!(job_of_consumer("AMP_INBOX_acme", &consumer), None);
+        assert_eq!(job_of_consumer(&stream, "inbox_render"), None);
+    }
 
     /// The wire form the server receives.
     fn wire<T: serde::Serialize>(c: &T) -> Value {

@@ -155,8 +155,7 @@ impl Jobs {
     /// The job queue whose message `ack` acknowledges, when this broker has it.
     pub(super) fn queue_of_ack(&self, ack: &str) -> Option<String> {
         let m = AckMetadata::parse(ack).ok()?;
-        let ns = m.stream.strip_prefix("AMP_TASKS_")?;
-        let job = m.consumer.strip_prefix("job_")?;
+        let (ns, job) = binding::job_of_consumer(m.stream, m.consumer)?;
         Some(queue_key(ns, job)).filter(|qk| self.queues.contains_key(qk))
     }
 

@@ -431,8 +431,10 @@ impl Jobs {
                 // The freed slot's pull goes with the message's ack, once the result is
                 // stored (`finish`), when there is an ack to carry it.
                 if let Some(qk) = self.free_slot(conn, &key, now) {
-                    let rides =
-                        ack.as_deref().and_then(|a| self.queue_of_ack(a)) == Some(qk.clone());
+                    let rides = ack
+                        .as_deref()
+                        .and_then(|a| self.queue_of_ack(a))
+                        .is_some_and(|of_ack| of_ack == qk);
                     match self.queues.get_mut(&qk) {
                         Some(q) if rides => q.acks_due = q.acks_due.saturating_add(1),
                         _ => self.pull_more(conn, &qk, now),
