@@ -7,6 +7,7 @@ pub mod cli;
 pub mod deadline;
 pub mod embedded;
 pub mod heap;
+pub mod id_map;
 pub mod jetstream;
 pub mod jwt;
 pub mod keygen;

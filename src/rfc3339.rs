@@ -18,23 +18,24 @@ pub fn format_millis(ms: i64) -> String {
     if !(0..=9999).contains(&y) {
         return format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z");
     }
-    // Every `send` stamps one: digits written directly, without the formatting machinery.
-    let mut out = String::with_capacity(24);
-    let mut digits = |n: i64, width: u32, then: char| {
-        for k in (0..width).rev() {
-            let digit = (n / 10i64.pow(k)) % 10;
-            out.push(char::from(b'0' + digit as u8));
+    // Every `send` stamps one: digits written into place, without the formatting
+    // machinery.
+    let mut out = *b"0000-00-00T00:00:00.000Z";
+    let mut put = |at: usize, width: usize, mut n: i64| {
+        for slot in out.iter_mut().skip(at).take(width).rev() {
+            *slot = b'0' + (n % 10) as u8;
+            n /= 10;
         }
-        out.push(then);
     };
-    digits(y, 4, '-');
-    digits(m, 2, '-');
-    digits(d, 2, 'T');
-    digits(h, 2, ':');
-    digits(min, 2, ':');
-    digits(s, 2, '.');
-    digits(milli, 3, 'Z');
-    out
+    put(0, 4, y);
+    put(5, 2, m);
+    put(8, 2, d);
+    put(11, 2, h);
+    put(14, 2, min);
+    put(17, 2, s);
+    put(20, 3, milli);
+    // ASCII digits and separators: always UTF-8.
+    String::from_utf8(out.to_vec()).unwrap_or_default()
 }
 
 pub fn format_system_time(t: SystemTime) -> String {

@@ -2,7 +2,6 @@
 //! connection and the signal pipe, moving bytes and events between them and the broker
 //! core. Everything here is plumbing; decisions are made in `broker::core`.
 
-use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -284,7 +283,8 @@ pub fn run(
         .map_err(io::Error::other)?;
     nats.drive(poll.registry(), now);
     let mut health = Health::new(now);
-    let mut ids: HashMap<u64, SessionId> = HashMap::new();
+    // Session ids are the broker's own numbers: no client picks them.
+    let mut ids: crate::id_map::IdMap<u64, SessionId> = Default::default();
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
     let mut lame_duck: Option<LameDuck> = None;

@@ -44,6 +44,39 @@ pub fn json_plain_len(s: &[u8]) -> usize {
     run_len(s, 0x20, [b'"', b'\\', 0x7f])
 }
 
+/// True when `s` holds two `.` in a row, a word at a time: the empty-token test every
+/// subject goes through (a `memchr` per `.` cost more than the whole scan).
+#[inline]
+pub fn has_double_dot(s: &[u8]) -> bool {
+    const LOW7: u64 = ONES * 0x7f;
+    const DOTS: u64 = ONES * b'.' as u64;
+    // The high bit of every `.` byte, exactly: no borrow runs between bytes here.
+    let dots = |v: u64| {
+        let x = v ^ DOTS;
+        !(((x & LOW7) + LOW7) | x) & HIGH
+    };
+    let mut last_was_dot = false;
+    let mut chunks = s.chunks_exact(8);
+    for chunk in &mut chunks {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(chunk);
+        let d = dots(u64::from_le_bytes(bytes));
+        // A dot whose next byte is one too, within the word or across its start.
+        if d & (d >> 8) != 0 || (last_was_dot && d & 0x80 != 0) {
+            return true;
+        }
+        last_was_dot = d >> 63 != 0;
+    }
+    for &b in chunks.remainder() {
+        let dot = b == b'.';
+        if dot && last_was_dot {
+            return true;
+        }
+        last_was_dot = dot;
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,6 +85,25 @@ mod tests {
         s.iter()
             .position(|&b| b < below || stops.contains(&b))
             .unwrap_or(s.len())
+    }
+
+    #[test]
+    fn a_double_dot_is_found_wherever_it_is() {
+        for len in 0..20 {
+            for at in 0..len {
+                for filler in [b'a', b'/', b'-', 0x2d, 0xae, 0xff, 0] {
+                    let mut s = vec![filler; len];
+                    s[at] = b'.';
+                    assert!(!has_double_dot(&s), "{len} {at} {filler:#x}");
+                    if at + 1 < len {
+                        s[at + 1] = b'.';
+                        assert!(has_double_dot(&s), "{len} {at} {filler:#x}");
+                    }
+                }
+            }
+        }
+        assert!(!has_double_dot(b"$JS.ACK.S.C.1.2.3.4.5"));
+        assert!(has_double_dot(b"$JS.ACK.S.C.1..3.4.5"));
     }
 
     #[test]

@@ -161,20 +161,21 @@ impl<'a> EnvelopeView<'a> {
     /// before; every member this accepts is one the general parse reads the same, and
     /// the body is still checked to be one JSON value.
     fn as_written(bytes: &'a [u8]) -> Option<EnvelopeView<'a>> {
-        let mut r = Reader(bytes);
-        r.literal(b"{\"id\":")?;
+        // One UTF-8 check for the whole text instead of one per member.
+        let mut r = Reader(std::str::from_utf8(bytes).ok()?);
+        r.literal("{\"id\":")?;
         let id = r.string()?;
-        r.literal(b",\"kind\":")?;
+        r.literal(",\"kind\":")?;
         let kind = Kind::from_name(r.string()?.as_str())?;
-        r.literal(b",\"from\":")?;
+        r.literal(",\"from\":")?;
         let from = r.string()?;
-        let to = r.member(b",\"to\":")?;
-        let topic = r.member(b",\"topic\":")?;
-        let job = r.member(b",\"job\":")?;
-        r.literal(b",\"ts\":")?;
+        let to = r.member(",\"to\":")?;
+        let topic = r.member(",\"topic\":")?;
+        let job = r.member(",\"job\":")?;
+        r.literal(",\"ts\":")?;
         let ts = r.string()?;
-        r.literal(b",\"headers\":{},\"body\":")?;
-        let body = std::str::from_utf8(r.0.strip_suffix(b"}")?).ok()?;
+        r.literal(",\"headers\":{},\"body\":")?;
+        let body = r.0.strip_suffix('}')?;
         // As written there is no whitespace around the body; with some, the general parse
         // says what the value's text is.
         let space = |b: Option<&u8>| matches!(b, Some(b' ' | b'\t' | b'\n' | b'\r'));
@@ -201,10 +202,10 @@ impl<'a> EnvelopeView<'a> {
 }
 
 /// What is left of an envelope being read in its written layout.
-struct Reader<'a>(&'a [u8]);
+struct Reader<'a>(&'a str);
 
 impl<'a> Reader<'a> {
-    fn literal(&mut self, text: &[u8]) -> Option<()> {
+    fn literal(&mut self, text: &str) -> Option<()> {
         self.0 = self.0.strip_prefix(text)?;
         Some(())
     }
@@ -212,14 +213,15 @@ impl<'a> Reader<'a> {
     /// A string without escapes, control characters or DEL (anything else is the
     /// general parse's to decode).
     fn string(&mut self) -> Option<Text<'a>> {
-        let rest = self.0.strip_prefix(b"\"")?;
-        let (text, after) = rest.split_at_checked(json_plain_len(rest))?;
-        self.0 = after.strip_prefix(b"\"")?;
-        Some(Text(Cow::Borrowed(std::str::from_utf8(text).ok()?)))
+        let rest = self.0.strip_prefix('"')?;
+        // The run ends at the text's end or at an ASCII byte: a character boundary.
+        let (text, after) = rest.split_at_checked(json_plain_len(rest.as_bytes()))?;
+        self.0 = after.strip_prefix('"')?;
+        Some(Text(Cow::Borrowed(text)))
     }
 
     /// An optional string member: `Some(None)` when the next member is another.
-    fn member(&mut self, key: &[u8]) -> Option<Option<Text<'a>>> {
+    fn member(&mut self, key: &str) -> Option<Option<Text<'a>>> {
         if !self.0.starts_with(key) {
             return Some(None);
         }

@@ -136,7 +136,9 @@ fn base32(mut v: u128) -> String {
         *slot = ALPHABET[(v & 31) as usize];
         v >>= 5;
     }
-    out.iter().map(|&b| char::from(b)).collect()
+    // Letters and digits of the alphabet: always UTF-8, checked at once rather than
+    // pushed a character at a time.
+    String::from_utf8(out.to_vec()).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ pub mod core;
 pub mod dead_letters;
 pub mod domains;
 pub mod envelope;
-pub mod id_map;
+pub use crate::id_map;
 pub mod ids;
 pub mod jobs;
 pub mod mig;

@@ -10,7 +10,7 @@
 //!   said so. What follows an ended pull (pull again, create the consumer again) is the
 //!   owner's decision.
 
-use std::collections::HashMap;
+use crate::id_map::IdMap;
 use std::time::{Duration, Instant};
 
 use crate::jetstream::pull::{Inbound, PullRequest, classify};
@@ -50,7 +50,7 @@ pub struct PullLoop {
 struct Shares {
     expires: Duration,
     /// By number, with their batch.
-    pulls: HashMap<u64, u32>,
+    pulls: IdMap<u64, u32>,
     next: u64,
 }
 
@@ -130,7 +130,7 @@ impl PullLoop {
             deliver: deliver_prefix,
             shares: Some(Shares {
                 expires,
-                pulls: HashMap::new(),
+                pulls: IdMap::default(),
                 next: 0,
             }),
             ..PullLoop::new(stream, consumer, 1)

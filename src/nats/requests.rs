@@ -1,6 +1,8 @@
 //! Requests waiting for their reply, each with a deadline.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::id_map::IdMap;
 use std::time::Instant;
 
 /// Names one request; its reply subject is `<inbox prefix>.<id>`.
@@ -23,7 +25,7 @@ struct Pending {
 
 #[derive(Debug, Default)]
 pub struct RequestTable {
-    pending: HashMap<u64, Pending>,
+    pending: IdMap<u64, Pending>,
     deadlines: BTreeSet<(Instant, u64)>,
     next_id: u64,
 }

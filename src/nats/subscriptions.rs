@@ -1,6 +1,6 @@
 //! The subscription table: what the server must know again after a reconnect.
 
-use std::collections::HashMap;
+use crate::id_map::IdMap;
 
 /// A subscription id, unique within one [`Connection`](super::Connection) for its lifetime
 /// (kept across reconnects).
@@ -46,7 +46,7 @@ pub enum Delivery {
 
 #[derive(Debug, Default)]
 pub struct SubscriptionTable {
-    subs: HashMap<u64, Subscription>,
+    subs: IdMap<u64, Subscription>,
     next_sid: u64,
 }
 

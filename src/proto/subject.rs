@@ -78,14 +78,7 @@ pub fn check_tokens_not_empty(s: &[u8]) -> Result<(), SubjectError> {
     if s.is_empty() {
         return Err(SubjectError::Empty);
     }
-    let mut token_start = 0;
-    for dot in memchr::memchr_iter(b'.', s) {
-        if dot == token_start {
-            return Err(SubjectError::EmptyToken);
-        }
-        token_start = dot + 1;
-    }
-    if token_start == s.len() {
+    if s.first() == Some(&b'.') || s.last() == Some(&b'.') || crate::scan::has_double_dot(s) {
         return Err(SubjectError::EmptyToken);
     }
     Ok(())

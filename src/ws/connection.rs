@@ -434,6 +434,9 @@ impl Connection {
             self.close(close_code::POLICY, "slow consumer", now);
             return Err(SendError::SlowConsumer);
         }
+        // One growth for the whole frame: pushing the header byte by byte into an empty
+        // or full buffer would grow it twice, copying what is queued each time.
+        self.out.reserve(frame_len);
         push_frame_header(&mut self.out, 0x1, text.len());
         self.out.extend_from_slice(text.as_bytes());
         Ok(())
@@ -456,17 +459,38 @@ impl Connection {
         self.out.get(self.out_pos..).unwrap_or_default()
     }
 
-    /// `n` bytes of [`output`](Self::output) were written.
+    /// `n` bytes of [`output`](Self::output) were written. An emptied buffer stays until
+    /// [`take_spare_output`](Self::take_spare_output) takes it.
     pub fn consume_output(&mut self, n: usize) {
         self.out_pos = (self.out_pos + n).min(self.out.len());
         if self.out_pos == self.out.len() {
-            // Released, not kept: most sessions are idle most of the time, and an
-            // allocation per flush is cheaper than a buffer per idle session.
-            self.out = Vec::new();
+            self.out.clear();
             self.out_pos = 0;
         } else if self.out_pos >= KEEP_OUTPUT_CAPACITY && self.out_pos * 2 >= self.out.len() {
             self.out.drain(..self.out_pos);
             self.out_pos = 0;
+        }
+    }
+
+    /// The output buffer once everything queued is written, for the server to keep for
+    /// the next session with output: most sessions are idle most of the time, so none
+    /// holds a buffer between flushes, and a busy one does not allocate and grow one for
+    /// every flush either.
+    pub fn take_spare_output(&mut self) -> Option<Vec<u8>> {
+        (self.queued_bytes() == 0 && self.out.capacity() > 0).then(|| {
+            self.out_pos = 0;
+            std::mem::take(&mut self.out)
+        })
+    }
+
+    /// Lends this connection an empty buffer from `spare` when it has none.
+    pub fn lend_output(&mut self, spare: &mut Vec<Vec<u8>>) {
+        if self.out.capacity() == 0 {
+            if let Some(buf) = spare.pop() {
+                self.out = buf;
+                self.out.clear();
+                self.out_pos = 0;
+            }
         }
     }
 
@@ -1595,7 +1619,7 @@ mod tests {
     }
 
     #[test]
-    fn partially_written_output_is_resumed_and_released_when_empty() {
+    fn partially_written_output_is_resumed_and_given_back_when_empty() {
         let (mut c, t0) = open(WsConfig::default());
         let big = "z".repeat(100_000);
         c.send_text(&big, t0).unwrap();
@@ -1604,7 +1628,9 @@ mod tests {
         assert_eq!(c.queued_bytes(), total - 30_000);
         c.consume_output(total - 30_000);
         assert_eq!(c.queued_bytes(), 0);
-        assert!(c.out.capacity() <= KEEP_OUTPUT_CAPACITY);
+        assert!(c.take_spare_output().is_some());
+        assert_eq!(c.out.capacity(), 0, "an idle connection holds no buffer");
+        assert!(c.take_spare_output().is_none());
     }
 
     /// Decodes everything handed in, resuming held input with a virtual clock that

@@ -55,6 +55,10 @@ const MAX_READS_PER_TURN: usize = 8;
 const PLAIN_CHUNK: usize = 16 << 10;
 /// The first byte of a TLS record carrying a handshake.
 const TLS_HANDSHAKE: u8 = 0x16;
+/// Emptied output buffers kept for the next sessions with output, and the largest kept:
+/// at most 512 KiB in all, whatever the sessions send.
+const MAX_SPARE_OUTPUT: usize = 32;
+const MAX_SPARE_CAPACITY: usize = 16 << 10;
 
 /// A session (one connection) as the embedder sees it; never reused for another one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -238,6 +242,8 @@ pub struct WsServer {
     timers: BinaryHeap<Reverse<(Instant, usize, u32)>>,
     events: VecDeque<(SessionId, SessionEvent)>,
     dirty: Vec<usize>,
+    /// Output buffers of connections that had nothing left to write.
+    spare_output: Vec<Vec<u8>>,
     /// Connections that still had input when their read turn ended.
     backlog: Vec<usize>,
     /// Open connections per source address (IPv6: per /64).
@@ -294,6 +300,7 @@ impl WsServer {
             timers: BinaryHeap::new(),
             events: VecDeque::new(),
             dirty: Vec::new(),
+            spare_output: Vec::new(),
             backlog: Vec::new(),
             per_ip: HashMap::new(),
             connect_rate: ConnectRate::new(cfg.connects_per_ip_per_s, cfg.connect_burst_per_ip),
@@ -465,10 +472,16 @@ impl WsServer {
 
     /// Queues a text message; it is written by the next [`flush`](Self::flush).
     pub fn send_text(&mut self, id: SessionId, text: &str, now: Instant) -> Result<(), SendError> {
-        let slot = self.slot_mut(id).ok_or(SendError::NotOpen)?;
-        let result = slot.conn.send_text(text, now);
+        let mut spare = std::mem::take(&mut self.spare_output);
+        let slot = self.slot_mut(id).ok_or(SendError::NotOpen);
+        let result = slot.and_then(|slot| {
+            slot.conn.lend_output(&mut spare);
+            slot.conn.send_text(text, now)
+        });
+        self.spare_output = spare;
+        result?;
         self.dirty.push(id.index());
-        result
+        Ok(())
     }
 
     /// Closes a session with `code` after what is queued for it.
@@ -860,6 +873,11 @@ impl WsServer {
                     slot.conn.abort();
                     break;
                 }
+            }
+        }
+        if let Some(buf) = slot.conn.take_spare_output() {
+            if self.spare_output.len() < MAX_SPARE_OUTPUT && buf.capacity() <= MAX_SPARE_CAPACITY {
+                self.spare_output.push(buf);
             }
         }
         let tls_flushed = slot.tls.as_ref().is_none_or(|t| t.output().is_empty());
