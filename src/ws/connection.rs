@@ -485,12 +485,12 @@ impl Connection {
 
     /// Lends this connection an empty buffer from `spare` when it has none.
     pub fn lend_output(&mut self, spare: &mut Vec<Vec<u8>>) {
-        if self.out.capacity() == 0 {
-            if let Some(buf) = spare.pop() {
-                self.out = buf;
-                self.out.clear();
-                self.out_pos = 0;
-            }
+        if self.out.capacity() == 0
+            && let Some(buf) = spare.pop()
+        {
+            self.out = buf;
+            self.out.clear();
+            self.out_pos = 0;
         }
     }
 

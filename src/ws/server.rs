@@ -875,10 +875,11 @@ impl WsServer {
                 }
             }
         }
-        if let Some(buf) = slot.conn.take_spare_output() {
-            if self.spare_output.len() < MAX_SPARE_OUTPUT && buf.capacity() <= MAX_SPARE_CAPACITY {
-                self.spare_output.push(buf);
-            }
+        if let Some(buf) = slot.conn.take_spare_output()
+            && self.spare_output.len() < MAX_SPARE_OUTPUT
+            && buf.capacity() <= MAX_SPARE_CAPACITY
+        {
+            self.spare_output.push(buf);
         }
         let tls_flushed = slot.tls.as_ref().is_none_or(|t| t.output().is_empty());
         if slot.conn.wants_shutdown_write() && tls_flushed {
