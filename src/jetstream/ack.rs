@@ -1,6 +1,7 @@
 //! Acknowledgements (`+ACK`, `-NAK`, `+WPI`, `+TERM`, ADR-15) and the metadata a
 //! JetStream delivery carries in its `$JS.ACK` reply subject.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use super::error::JsError;
@@ -26,21 +27,23 @@ pub enum AckKind {
 impl AckKind {
     /// The ack payload: `+ACK`, `-NAK`, `-NAK {"delay": ns}`, `+WPI`, `+TERM`, `+TERM reason`,
     /// `+NXT {pull request}`.
-    pub fn payload(&self) -> Vec<u8> {
+    pub fn payload(&self) -> Cow<'static, [u8]> {
+        // Every delivery is acked: the fixed ones are not allocated.
+        let fixed = |bytes: &'static [u8]| Cow::Borrowed(bytes);
         match self {
-            AckKind::Ack => b"+ACK".to_vec(),
-            AckKind::Nak { delay: None } => b"-NAK".to_vec(),
+            AckKind::Ack => fixed(b"+ACK"),
+            AckKind::Nak { delay: None } => fixed(b"-NAK"),
             AckKind::Nak { delay: Some(d) } => {
-                format!("-NAK {{\"delay\": {}}}", nanos_of(*d)).into_bytes()
+                Cow::Owned(format!("-NAK {{\"delay\": {}}}", nanos_of(*d)).into_bytes())
             }
-            AckKind::InProgress => b"+WPI".to_vec(),
-            AckKind::Term { reason: None } => b"+TERM".to_vec(),
-            AckKind::Term { reason: Some(r) } => format!("+TERM {r}").into_bytes(),
+            AckKind::InProgress => fixed(b"+WPI"),
+            AckKind::Term { reason: None } => fixed(b"+TERM"),
+            AckKind::Term { reason: Some(r) } => Cow::Owned(format!("+TERM {r}").into_bytes()),
             AckKind::Next { pull } => {
                 let mut out = b"+NXT ".to_vec();
                 // A struct of integers and booleans: serialising it cannot fail.
                 out.extend(serde_json::to_vec(pull).unwrap_or_default());
-                out
+                Cow::Owned(out)
             }
         }
     }
@@ -140,31 +143,39 @@ mod tests {
 
     #[test]
     fn ack_payloads_match_the_protocol() {
-        assert_eq!(AckKind::Ack.payload(), b"+ACK");
-        assert_eq!(AckKind::Nak { delay: None }.payload(), b"-NAK");
+        assert_eq!(AckKind::Ack.payload().as_ref(), b"+ACK".as_slice());
+        assert_eq!(
+            AckKind::Nak { delay: None }.payload().as_ref(),
+            b"-NAK".as_slice()
+        );
         assert_eq!(
             AckKind::Nak {
                 delay: Some(Duration::from_millis(1500))
             }
-            .payload(),
-            br#"-NAK {"delay": 1500000000}"#
+            .payload()
+            .as_ref(),
+            br#"-NAK {"delay": 1500000000}"#.as_slice()
         );
-        assert_eq!(AckKind::InProgress.payload(), b"+WPI");
+        assert_eq!(AckKind::InProgress.payload().as_ref(), b"+WPI".as_slice());
         let pull = PullRequest {
             expires: Some(Duration::from_secs(2)),
             ..PullRequest::batch(3)
         };
         assert_eq!(
-            AckKind::Next { pull }.payload(),
-            br#"+NXT {"batch":3,"expires":2000000000}"#
+            AckKind::Next { pull }.payload().as_ref(),
+            br#"+NXT {"batch":3,"expires":2000000000}"#.as_slice()
         );
-        assert_eq!(AckKind::Term { reason: None }.payload(), b"+TERM");
+        assert_eq!(
+            AckKind::Term { reason: None }.payload().as_ref(),
+            b"+TERM".as_slice()
+        );
         assert_eq!(
             AckKind::Term {
                 reason: Some("bad input".into())
             }
-            .payload(),
-            b"+TERM bad input"
+            .payload()
+            .as_ref(),
+            b"+TERM bad input".as_slice()
         );
     }
 

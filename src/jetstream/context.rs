@@ -392,7 +392,7 @@ impl Context {
     /// Acknowledges a delivery and waits for the server to confirm it.
     pub fn ack_sync(&mut self, msg: &Message, kind: &AckKind) -> Result<(), JsError> {
         let reply = ack_reply(msg)?.to_string();
-        let req = Request::new(reply, kind.payload());
+        let req = Request::new(reply, kind.payload().into_owned());
         // No responders: the consumer or its ack subscription is gone.
         self.send_mapping(&req, JsError::NoResponders).map(|_| ())
     }

@@ -473,15 +473,18 @@ impl WsServer {
     /// Queues a text message; it is written by the next [`flush`](Self::flush).
     pub fn send_text(&mut self, id: SessionId, text: &str, now: Instant) -> Result<(), SendError> {
         let mut spare = std::mem::take(&mut self.spare_output);
-        let slot = self.slot_mut(id).ok_or(SendError::NotOpen);
-        let result = slot.and_then(|slot| {
-            slot.conn.lend_output(&mut spare);
-            slot.conn.send_text(text, now)
-        });
+        let result = match self.slot_mut(id) {
+            Some(slot) => {
+                slot.conn.lend_output(&mut spare);
+                let result = slot.conn.send_text(text, now);
+                // Also after a refusal: a slow consumer's close is flushed and reported.
+                self.dirty.push(id.index());
+                result
+            }
+            None => Err(SendError::NotOpen),
+        };
         self.spare_output = spare;
-        result?;
-        self.dirty.push(id.index());
-        Ok(())
+        result
     }
 
     /// Closes a session with `code` after what is queued for it.
