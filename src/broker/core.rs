@@ -328,6 +328,9 @@ pub struct Broker {
     ids: IdSource,
     /// Hello challenges.
     nonces: IdSource,
+    /// The last stored envelope's text and headers, emptied and written again by the
+    /// next: every `send` stores one.
+    store_scratch: (String, HeaderMap),
 }
 
 impl Broker {
@@ -371,6 +374,7 @@ impl Broker {
             clock,
             ids: root.derive("core"),
             nonces: root.derive("nonces"),
+            store_scratch: Default::default(),
         })
     }
 

@@ -63,37 +63,43 @@ impl Envelope {
     /// The members in declaration order, as serde would write them, by hand: this is
     /// the layout [`EnvelopeView::parse`] reads without serde's machinery.
     pub fn to_json(&self) -> Vec<u8> {
+        let mut out = String::with_capacity(self.body.get().len() + 160);
+        self.write_json(&mut out);
+        out.into_bytes()
+    }
+
+    /// [`to_json`](Self::to_json) appended to `out`.
+    pub fn write_json(&self, out: &mut String) {
         let body = self.body.get();
-        let mut out = String::with_capacity(body.len() + 160);
+        out.reserve(body.len() + 160);
         out.push_str("{\"id\":");
-        push_json_str(&mut out, &self.id);
+        push_json_str(out, &self.id);
         out.push_str(",\"kind\":\"");
         out.push_str(self.kind.as_str());
         out.push_str("\",\"from\":");
-        push_json_str(&mut out, &self.from);
+        push_json_str(out, &self.from);
         for (key, value) in [("to", &self.to), ("topic", &self.topic), ("job", &self.job)] {
             if let Some(v) = value {
                 out.push_str(",\"");
                 out.push_str(key);
                 out.push_str("\":");
-                push_json_str(&mut out, v);
+                push_json_str(out, v);
             }
         }
         out.push_str(",\"ts\":");
-        push_json_str(&mut out, &self.ts);
+        push_json_str(out, &self.ts);
         out.push_str(",\"headers\":{");
         for (i, (name, value)) in self.headers.iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
-            push_json_str(&mut out, name);
+            push_json_str(out, name);
             out.push(':');
-            push_json_str(&mut out, value);
+            push_json_str(out, value);
         }
         out.push_str("},\"body\":");
         out.push_str(body);
         out.push('}');
-        out.into_bytes()
     }
 
     pub fn from_json(bytes: &[u8]) -> Result<Envelope, serde_json::Error> {

@@ -211,6 +211,8 @@ pub struct Connection {
     inbox_prefix: String,
     /// `<inbox_prefix>.<random>.` that request replies arrive under.
     resp_prefix: String,
+    /// The last request's reply subject, rewritten by the next.
+    reply_scratch: String,
     resp_sid: Option<Sid>,
 
     events: VecDeque<Event>,
@@ -281,6 +283,7 @@ impl Connection {
             requests: RequestTable::default(),
             inbox_prefix,
             resp_prefix,
+            reply_scratch: String::new(),
             resp_sid: None,
             events: VecDeque::new(),
             queued_messages: 0,
@@ -743,10 +746,15 @@ impl Connection {
             self.resp_sid = Some(self.subscribe(&pattern, None)?);
         }
         let id = self.requests.next_id();
-        let mut reply = String::with_capacity(self.resp_prefix.len() + 20);
+        // The reply subject is written into the buffer the last request used.
+        let mut reply = std::mem::take(&mut self.reply_scratch);
+        reply.clear();
         reply.push_str(&self.resp_prefix);
         crate::proto::encode::push_decimal(&mut reply, id.0);
-        self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload)?;
+        let published =
+            self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload);
+        self.reply_scratch = reply;
+        published?;
         let on_wire = self.is_connected() && !self.lame_duck_move;
         Ok(self.requests.insert(after(now, timeout), on_wire))
     }

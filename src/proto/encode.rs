@@ -18,9 +18,11 @@ pub fn write_decimal(out: &mut Vec<u8>, n: u64) {
 /// reply subjects and frame integers are written for every message).
 pub fn push_decimal(out: &mut String, n: u64) {
     let (digits, start) = decimal(n);
-    // ASCII digits, so always a `str`.
-    if let Ok(text) = std::str::from_utf8(digits.get(start..).unwrap_or_default()) {
-        out.push_str(text);
+    let digits = digits.get(start..).unwrap_or_default();
+    // Pushed one by one: a UTF-8 check of a few digits costs more than the pushes.
+    out.reserve(digits.len());
+    for &d in digits {
+        out.push(char::from(d));
     }
 }
 
@@ -338,6 +340,9 @@ MSG foo 7 r 5\r\nhello\r\nHMSG foo 7 16 16\r\nNATS/1.0 503\r\n\r\n\r\n";
             let mut out = Vec::new();
             write_decimal(&mut out, n);
             assert_eq!(out, n.to_string().as_bytes());
+            let mut text = String::from("x");
+            push_decimal(&mut text, n);
+            assert_eq!(text, format!("x{n}"));
         }
         for len in [0usize, 9, 10, 1000] {
             let mut out = Vec::new();

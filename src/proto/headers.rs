@@ -171,6 +171,13 @@ impl HeaderMap {
         }
     }
 
+    /// Empties the map, keeping its room.
+    pub fn clear(&mut self) {
+        self.status = None;
+        self.description = None;
+        self.text.clear();
+    }
+
     /// A map whose version line carries `status` and, when not empty, `description`.
     /// The description must not hold CR or LF.
     pub fn with_status(status: u16, description: &str) -> Result<Self, HeaderError> {

@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Largest stored-envelope buffer kept between sends.
+const STORE_SCRATCH_KEEP: usize = 16 << 10;
+
 impl Broker {
     pub(super) fn send(
         &mut self,
@@ -69,8 +72,10 @@ impl Broker {
         env: &Envelope,
         now: Instant,
     ) {
-        let payload = env.to_json();
-        let mut headers = HeaderMap::with_capacity(128, 4);
+        let (mut payload, mut headers) = std::mem::take(&mut self.store_scratch);
+        payload.clear();
+        headers.clear();
+        env.write_json(&mut payload);
         let stamped = [
             ("Nats-Msg-Id", env.id.as_str()),
             ("AMP-From", env.from.as_str()),
@@ -95,11 +100,15 @@ impl Broker {
             .with_path("");
             return self.fail(session, &re, e);
         }
-        match conn.request(subject, Some(&headers), &payload, JS_TIMEOUT, now) {
+        match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => {
                 self.await_reply(req, now, Pending::Send { session, re });
             }
             Err(e) => self.fail(session, &re, unavailable(e)),
+        }
+        // Kept for the next unless a large body grew it.
+        if payload.capacity() <= STORE_SCRATCH_KEEP {
+            self.store_scratch = (payload, headers);
         }
     }
 
