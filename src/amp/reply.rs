@@ -54,6 +54,31 @@ impl FrameWriter {
         self
     }
 
+    /// An object of string members (headers), written directly: an empty one, as most
+    /// are, costs two bytes rather than a serialiser and a temporary string.
+    pub fn str_map<'m, K, V>(
+        mut self,
+        key: &'static str,
+        map: impl IntoIterator<Item = (&'m K, &'m V)>,
+    ) -> Self
+    where
+        K: AsRef<str> + ?Sized + 'm,
+        V: AsRef<str> + ?Sized + 'm,
+    {
+        self.key(key);
+        self.out.push('{');
+        for (i, (name, value)) in map.into_iter().enumerate() {
+            if i > 0 {
+                self.out.push(',');
+            }
+            push_json_str(&mut self.out, name.as_ref());
+            self.out.push(':');
+            push_json_str(&mut self.out, value.as_ref());
+        }
+        self.out.push('}');
+        self
+    }
+
     /// An integer member, written without a temporary string or the formatting
     /// machinery (every `ok` and `message` frame carries one or two).
     pub fn uint(mut self, key: &'static str, value: u64) -> Self {

@@ -307,7 +307,7 @@ impl Broker {
             .str("ts", env.ts.as_str())
             .uint("delivery", delivered)
             .raw("body", env.body.get())
-            .value("headers", &env.headers)
+            .str_map("headers", &env.headers)
             .str(
                 "kind",
                 if env.kind == Kind::TaskResult {

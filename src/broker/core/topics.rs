@@ -951,7 +951,7 @@ impl Broker {
             .str("ts", env.ts.as_str())
             .str("from", env.from.as_str())
             .raw("body", env.body.get())
-            .value("headers", &env.headers)
+            .str_map("headers", &env.headers)
             .finish();
         self.frame(session, text);
     }

@@ -430,11 +430,11 @@ impl Jobs {
             .str("job", &job)
             .str("from", &env.from)
             .raw("body", env.body.get())
-            .value("headers", &env.headers)
-            .value("attempt", &(record.attempt + 1))
-            .value("max_attempts", &record.max_attempts)
-            .value("lease_s", &cfg.lease_s)
-            .value("offer_ms", &cfg.offer_ms)
+            .str_map("headers", &env.headers)
+            .uint("attempt", u64::from(record.attempt) + 1)
+            .uint("max_attempts", u64::from(record.max_attempts))
+            .uint("lease_s", cfg.lease_s)
+            .uint("offer_ms", cfg.offer_ms)
             .finish();
         self.out.push_back(JobsOutput::Frame { session, text });
         let key = key.to_string();
