@@ -110,16 +110,22 @@ impl<'a> AckMetadata<'a> {
             if t.is_empty() {
                 return Err(bad("non-numeric field"));
             }
+            // Nineteen digits cannot overflow a u64: only longer numbers are checked
+            // step by step (the timestamp alone has nineteen).
+            let exact = t.len() <= 19;
             let mut n: u64 = 0;
             for b in t.bytes() {
-                let digit = b.wrapping_sub(b'0');
+                let digit = u64::from(b.wrapping_sub(b'0'));
                 if digit > 9 {
                     return Err(bad("non-numeric field"));
                 }
-                n = n
-                    .checked_mul(10)
-                    .and_then(|n| n.checked_add(u64::from(digit)))
-                    .ok_or_else(|| bad("number out of range"))?;
+                n = if exact {
+                    n * 10 + digit
+                } else {
+                    n.checked_mul(10)
+                        .and_then(|n| n.checked_add(digit))
+                        .ok_or_else(|| bad("number out of range"))?
+                };
             }
             Ok(n)
         };
