@@ -63,7 +63,7 @@ impl Envelope {
     /// The members in declaration order, as serde would write them, by hand: this is
     /// the layout [`EnvelopeView::parse`] reads without serde's machinery.
     pub fn to_json(&self) -> Vec<u8> {
-        let mut out = String::with_capacity(self.body.get().len() + 160);
+        let mut out = String::new();
         self.write_json(&mut out);
         out.into_bytes()
     }

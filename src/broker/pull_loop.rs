@@ -10,9 +10,9 @@
 //!   said so. What follows an ended pull (pull again, create the consumer again) is the
 //!   owner's decision.
 
-use crate::id_map::IdMap;
 use std::time::{Duration, Instant};
 
+use crate::id_map::IdMap;
 use crate::jetstream::pull::{Inbound, PullRequest, classify};
 use crate::jetstream::{AckKind, ApiPrefix, Delivery};
 use crate::nats::{Connection, Message, Sid};

@@ -1,9 +1,9 @@
 //! Requests waiting for their reply, each with a deadline.
 
 use std::collections::BTreeSet;
+use std::time::Instant;
 
 use crate::id_map::IdMap;
-use std::time::Instant;
 
 /// Names one request; its reply subject is `<inbox prefix>.<id>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
