@@ -66,16 +66,7 @@ impl FrameWriter {
         V: AsRef<str> + ?Sized + 'm,
     {
         self.key(key);
-        self.out.push('{');
-        for (i, (name, value)) in map.into_iter().enumerate() {
-            if i > 0 {
-                self.out.push(',');
-            }
-            push_json_str(&mut self.out, name.as_ref());
-            self.out.push(':');
-            push_json_str(&mut self.out, value.as_ref());
-        }
-        self.out.push('}');
+        push_json_str_map(&mut self.out, map);
         self
     }
 
@@ -141,6 +132,26 @@ pub fn error(re: Option<&str>, err: &AmpError) -> String {
 
 /// `s` as a JSON string. DEL is escaped too (valid JSON either way), so the same text is
 /// safe in a log line read on a terminal.
+/// `{"name":"value",...}` of string pairs, each escaped as [`push_json_str`] does.
+pub(crate) fn push_json_str_map<'m, K, V>(
+    out: &mut String,
+    map: impl IntoIterator<Item = (&'m K, &'m V)>,
+) where
+    K: AsRef<str> + ?Sized + 'm,
+    V: AsRef<str> + ?Sized + 'm,
+{
+    out.push('{');
+    for (i, (name, value)) in map.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_json_str(out, name.as_ref());
+        out.push(':');
+        push_json_str(out, value.as_ref());
+    }
+    out.push('}');
+}
+
 pub(crate) fn push_json_str(out: &mut String, s: &str) {
     use std::fmt::Write;
     out.reserve(s.len() + 2);

@@ -9,7 +9,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::amp::reply::push_json_str;
+use crate::amp::reply::{push_json_str, push_json_str_map};
 use crate::scan::json_plain_len;
 
 /// What a stored message is (`AMP-Kind`).
@@ -88,16 +88,9 @@ impl Envelope {
         }
         out.push_str(",\"ts\":");
         push_json_str(out, &self.ts);
-        out.push_str(",\"headers\":{");
-        for (i, (name, value)) in self.headers.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            push_json_str(out, name);
-            out.push(':');
-            push_json_str(out, value);
-        }
-        out.push_str("},\"body\":");
+        out.push_str(",\"headers\":");
+        push_json_str_map(out, &self.headers);
+        out.push_str(",\"body\":");
         out.push_str(body);
         out.push('}');
     }
