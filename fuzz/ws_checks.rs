@@ -45,7 +45,6 @@ fn config(byte: u8) -> WsConfig {
     WsConfig {
         max_frame: 16 + usize::from(byte) * 64,
         max_head_bytes: 256 + usize::from(byte) * 32,
-        read_buffer_size: 1 + usize::from(byte >> 4) * 64,
         max_frames_per_s: 1 + u32::from(byte & 0x0F) * 40,
         frame_burst: 1 + u32::from(byte >> 5) * 12,
         ..WsConfig::default()

@@ -57,7 +57,7 @@ impl Sink {
         Sink { level, format }
     }
 
-    /// Dependencies (tungstenite, mio) log internals that say nothing to an operator; they
+    /// Dependencies (mio, rustls) log internals that say nothing to an operator; they
     /// are shown only at `trace`.
     fn wants(&self, metadata: &Metadata<'_>) -> bool {
         let ours = metadata.target().starts_with("amp_broker");

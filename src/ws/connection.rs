@@ -2,22 +2,13 @@
 //! events and the next deadline out. It starts as an HTTP/1.1 request, answers the plain
 //! endpoints or upgrades to a WebSocket session, and ends through a close handshake.
 //!
-//! Frames are decoded by `tungstenite`'s [`WebSocketContext`] reading from the bytes
-//! handed in (an in-memory duplex; `WouldBlock` when they run out) and writing its
-//! control replies (pong, close) straight into this connection's output. Text frames
-//! and pings are encoded here directly, so tungstenite's own write buffer never holds
-//! more than one control frame.
+//! Client frames are read by the [`Decoder`]; every frame the broker writes (text,
+//! ping, pong, close) is encoded here, straight into this connection's output.
 
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 
-use tungstenite::error::{CapacityError, Error as WsError};
-use tungstenite::protocol::frame::CloseFrame;
-use tungstenite::protocol::frame::coding::CloseCode;
-use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
-use tungstenite::{Message, Utf8Bytes};
-
+use super::decoder::{self, Decoder, Item};
 use super::http::{self, Parsed, Request, Status};
 
 /// Limits and timers of the transport.
@@ -35,9 +26,6 @@ pub struct WsConfig {
     pub request_timeout: Duration,
     /// How long a closing connection may take to finish its close handshake and flush.
     pub close_timeout: Duration,
-    /// Chunk in which tungstenite buffers incoming frames (allocated per session); at
-    /// least 256 bytes are used whatever the setting.
-    pub read_buffer_size: usize,
     /// Most connections open at once; further ones are accepted and closed at once.
     pub max_connections: usize,
     /// Most connections open at once from one address (IPv6: one /64); further ones are
@@ -67,7 +55,6 @@ impl Default for WsConfig {
             max_head_bytes: 8 << 10,
             request_timeout: Duration::from_secs(10),
             close_timeout: Duration::from_secs(5),
-            read_buffer_size: 2 << 10,
             max_connections: 10_000,
             max_connections_per_ip: 256,
             connects_per_ip_per_s: 256,
@@ -117,9 +104,8 @@ pub enum ConnEvent {
     Http { status: u16 },
     /// The WebSocket session is established.
     Opened { subprotocol: Option<&'static str> },
-    /// One complete text message. It shares the session's read buffer: handle it and
-    /// drop it rather than keeping it for long.
-    Text(Utf8Bytes),
+    /// One complete text message.
+    Text(String),
     /// The session ended; no events follow. `by_peer` is true when the client sent the
     /// close (or vanished: 1006).
     Closed {
@@ -159,9 +145,8 @@ enum Phase {
 const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
 
 /// Output room kept free of text frames and pongs, so what can follow the last check
-/// always fits within the bound: the pong that crossed it, the close frame, and a pong
-/// tungstenite still had queued (its `close` writes that behind the close frame). Each
-/// is at most 127 bytes.
+/// always fits within the bound: the pong that crossed it and the close frame, each at
+/// most 127 bytes.
 const CONTROL_ROOM: usize = 512;
 /// Smallest effective `max_outbound_bytes`, so an upgrade response and the control room
 /// always fit.
@@ -175,11 +160,7 @@ const RESUME_FRAMES: f64 = 16.0;
 #[derive(Debug)]
 pub struct Connection {
     phase: Phase,
-    ws: Option<WebSocketContext>,
-    /// The decoder was dropped between messages (`ws` is `None` but reading goes on): an
-    /// idle session then holds no read buffer, and the next input or close frame makes a
-    /// fresh one. Its buffer (2 KiB) was most of an idle session's memory.
-    parked: bool,
+    decoder: Decoder,
     out: Vec<u8>,
     out_pos: usize,
     events: VecDeque<ConnEvent>,
@@ -188,11 +169,10 @@ pub struct Connection {
     last_activity: Instant,
     next_ping: Instant,
     peer_eof: bool,
-    frames: FrameBoundary,
     /// Input handed in but not decoded yet: the frame allowance or the per-call frame
     /// budget ran out. At most one read's worth (plus an upgrade request's tail).
     pending: Vec<u8>,
-    /// Decoding stopped early; `pending` or tungstenite's buffer may hold frames.
+    /// Decoding stopped early; `pending` holds the input not decoded yet.
     held: bool,
     /// Frame allowance (token bucket) as of `tokens_at`.
     tokens: f64,
@@ -204,8 +184,7 @@ impl Connection {
     pub fn new(now: Instant, cfg: WsConfig) -> Self {
         Connection {
             phase: Phase::Http { head: Vec::new() },
-            ws: None,
-            parked: false,
+            decoder: Decoder::new(cfg.max_frame),
             out: Vec::new(),
             out_pos: 0,
             events: VecDeque::new(),
@@ -213,7 +192,6 @@ impl Connection {
             last_activity: now,
             next_ping: now,
             peer_eof: false,
-            frames: FrameBoundary::default(),
             pending: Vec::new(),
             held: false,
             tokens: f64::from(cfg.frame_burst.max(1)),
@@ -368,12 +346,7 @@ impl Connection {
             Phase::Http { head } => head.len(),
             _ => 0,
         };
-        let partial = if self.ws.is_some() {
-            usize::try_from(self.frames.held).unwrap_or(usize::MAX)
-        } else {
-            0
-        };
-        head.saturating_add(partial)
+        head.saturating_add(self.decoder.held_bytes())
             .saturating_add(self.pending.len())
     }
 
@@ -387,21 +360,15 @@ impl Connection {
     pub fn shed(&mut self, now: Instant) {
         match self.phase {
             Phase::Http { .. } => self.phase = Phase::Closed,
-            Phase::Open => {
-                self.fail(close_code::POLICY, "memory budget", now);
-                self.ws = None;
-                self.parked = false;
-            }
+            Phase::Open => self.fail(close_code::POLICY, "memory budget", now),
             _ => {
-                self.ws = None;
-                self.parked = false;
                 self.phase = Phase::Flushing;
                 self.deadline = self.deadline.min(after(now, self.cfg.close_timeout));
             }
         }
         self.pending = Vec::new();
         self.held = false;
-        self.frames = FrameBoundary::default();
+        self.decoder = Decoder::new(self.cfg.max_frame);
     }
 
     /// Most bytes text frames and pongs may fill; the rest of the bound is the control room.
@@ -614,8 +581,6 @@ impl Connection {
             }
             Request::Upgrade(upgrade) => {
                 http::switching_protocols(&mut self.out, &upgrade);
-                // The decoder comes with the first frame.
-                self.parked = true;
                 self.phase = Phase::Open;
                 self.last_activity = now;
                 self.next_ping = after(now, self.cfg.heartbeat);
@@ -676,136 +641,93 @@ impl Connection {
         if !matches!(self.phase, Phase::Open | Phase::Closing) {
             self.held = false;
             self.pending = Vec::new();
-        }
-        if !self.held
-            && matches!(self.phase, Phase::Open)
-            && self.ws.is_some()
-            && self.frames.between_messages()
-        {
-            // Between messages the context holds no state of its own (pongs are flushed,
-            // no partial frame or message), only buffers (as large as the largest frame
-            // read): it is dropped, and made again when input comes.
-            self.ws = None;
-            self.parked = true;
+            // Nothing more is read: whatever a partial frame or message held goes.
+            self.decoder = Decoder::new(self.cfg.max_frame);
         }
         used
     }
 
     /// Decodes frames from `data` until it runs out, the frame allowance or per-call
-    /// budget is spent (`held` is set), or the session fails; returns the bytes taken.
+    /// budget is spent (`held` is set), or reading ends; returns the bytes taken.
     fn ws_read(&mut self, data: &[u8], now: Instant) -> usize {
         if !matches!(self.phase, Phase::Open | Phase::Closing) {
             return data.len();
         }
-        let limit = self.data_limit();
         self.refill(now);
-        self.unpark();
-        let Some(ws) = self.ws.as_mut() else {
-            return data.len();
-        };
-        let mut duplex = Duplex {
-            input: data,
-            out: &mut self.out,
-            out_pos: self.out_pos,
-            over: false,
-            limit,
-        };
+        let mut rest = data;
         let mut decoded = 0;
-        let stop = loop {
-            if duplex.over {
-                break Stop::Over;
-            }
+        while !rest.is_empty() && matches!(self.phase, Phase::Open | Phase::Closing) {
             if self.tokens < 1.0 || decoded == MAX_FRAMES_PER_CALL {
                 self.held = true;
-                break Stop::Held;
+                break;
             }
-            let message = ws.read(&mut duplex);
-            if !matches!(&message, Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock) {
-                decoded += 1;
-                self.tokens -= 1.0;
-            }
-            match message {
-                Ok(Message::Text(text)) => {
-                    if matches!(self.phase, Phase::Open) {
-                        self.events.push_back(ConnEvent::Text(text));
-                    }
+            let (n, result) = self.decoder.decode(rest);
+            rest = rest.get(n..).unwrap_or_default();
+            match result {
+                Ok(None) => {}
+                Ok(Some(item)) => {
+                    decoded += 1;
+                    self.tokens -= 1.0;
+                    self.take(item, now);
                 }
-                Ok(Message::Binary(_)) => break Stop::Binary,
-                Ok(Message::Close(frame)) => {
-                    if matches!(self.phase, Phase::Open) {
-                        let (code, reason) = match frame {
-                            Some(f) => (u16::from(f.code), f.reason.as_str().to_owned()),
-                            None => (close_code::NO_STATUS, String::new()),
-                        };
-                        self.events.push_back(ConnEvent::Closed {
-                            code,
-                            reason,
-                            by_peer: true,
-                        });
-                        self.phase = Phase::Closing;
-                        self.deadline = after(now, self.cfg.close_timeout);
-                    }
-                    // The next read flushes the reply tungstenite queued and reports the
-                    // end of the session.
+                Err(e) => {
+                    let (code, reason) = match e {
+                        decoder::Error::Protocol => (close_code::PROTOCOL, "protocol error"),
+                        decoder::Error::Binary => (
+                            close_code::UNSUPPORTED_DATA,
+                            "binary frames are not accepted",
+                        ),
+                        decoder::Error::InvalidUtf8 => (close_code::INVALID_DATA, "invalid UTF-8"),
+                        decoder::Error::TooBig => (close_code::TOO_BIG, "message too big"),
+                    };
+                    self.fail(code, reason, now);
                 }
-                Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_)) => {}
-                Err(WsError::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
-                    break Stop::Drained;
-                }
-                Err(e) => break Stop::Failed(e),
-            }
-        };
-        let used = data.len() - duplex.input.len();
-        let over = duplex.over;
-        self.frames.feed(data.get(..used).unwrap_or_default());
-        let stop = if over { Stop::Over } else { stop };
-        match stop {
-            Stop::Drained | Stop::Held => {}
-            Stop::Over => {
-                // A control reply did not fit: the client sends but does not read.
-                self.held = false;
-                self.fail(close_code::POLICY, "slow consumer", now);
-                self.ws = None;
-                self.parked = false;
-            }
-            Stop::Binary => {
-                self.held = false;
-                self.fail(
-                    close_code::UNSUPPORTED_DATA,
-                    "binary frames are not accepted",
-                    now,
-                );
-            }
-            Stop::Failed(e) => {
-                self.held = false;
-                self.read_failed(e, now);
             }
         }
-        used
+        data.len() - rest.len()
     }
 
-    /// Ends reading after any error but `WouldBlock`. The context is dropped, not kept
-    /// for later input: tungstenite keeps the header of a frame it rejected as too long
-    /// without reserving room for its payload, so reading on could fill its buffer and
-    /// ask for 0 bytes (a debug assertion in `FrameCodec::read_in`; in release the empty
-    /// read passes for EOF).
-    fn read_failed(&mut self, error: WsError, now: Instant) {
-        match error {
-            WsError::ConnectionClosed | WsError::AlreadyClosed => {
+    /// Acts on one decoded frame.
+    fn take(&mut self, item: Item, now: Instant) {
+        match item {
+            Item::Text(text) => {
+                // Text the client sent before it saw our close is not delivered.
+                if matches!(self.phase, Phase::Open) {
+                    self.events.push_back(ConnEvent::Text(text));
+                }
+            }
+            Item::Fragment | Item::Pong => {}
+            Item::Ping(payload) => {
+                // No pong once our close is sent (RFC 6455 section 5.5.1).
+                if matches!(self.phase, Phase::Open) {
+                    push_frame_header(&mut self.out, 0xA, payload.len());
+                    self.out.extend_from_slice(&payload);
+                    // The pong that crossed the bound fits in the control room; the
+                    // client sends but does not read.
+                    if self.queued_bytes() > self.data_limit() {
+                        self.fail(close_code::POLICY, "slow consumer", now);
+                    }
+                }
+            }
+            Item::Close(frame) => {
+                if matches!(self.phase, Phase::Open) {
+                    // The reply echoes the client's code and reason (none for none).
+                    match &frame {
+                        Some((code, reason)) => self.send_close(*code, reason),
+                        None => push_frame_header(&mut self.out, 0x8, 0),
+                    }
+                    let (code, reason) = frame.unwrap_or((close_code::NO_STATUS, String::new()));
+                    self.events.push_back(ConnEvent::Closed {
+                        code,
+                        reason,
+                        by_peer: true,
+                    });
+                }
+                // Our close is answered, or theirs is: nothing more is read.
                 self.phase = Phase::Flushing;
                 self.deadline = after(now, self.cfg.close_timeout);
             }
-            WsError::Capacity(CapacityError::MessageTooLong { .. }) => {
-                self.fail(close_code::TOO_BIG, "message too big", now)
-            }
-            WsError::Utf8(_) => self.fail(close_code::INVALID_DATA, "invalid UTF-8", now),
-            WsError::Protocol(_) | WsError::Capacity(_) => {
-                self.fail(close_code::PROTOCOL, "protocol error", now)
-            }
-            _ => self.fail(close_code::INTERNAL, "internal error", now),
         }
-        self.ws = None;
-        self.parked = false;
     }
 
     /// Fails the session: close frame with `code`, then no more input is read.
@@ -818,33 +740,17 @@ impl Connection {
         self.deadline = after(now, self.cfg.close_timeout);
     }
 
-    /// The decoder back after it was dropped between messages.
-    fn unpark(&mut self) {
-        if self.parked && self.ws.is_none() {
-            self.ws = Some(new_context(&self.cfg));
-        }
-        self.parked = false;
-    }
-
+    /// Queues a close frame; a reason is cut to the 123 bytes a control frame has room
+    /// for, at a character boundary.
     fn send_close(&mut self, code: u16, reason: &str) {
-        self.unpark();
-        if let Some(ws) = self.ws.as_mut() {
-            // The control room keeps space for this frame within the bound.
-            let mut duplex = Duplex {
-                input: &[],
-                out: &mut self.out,
-                out_pos: self.out_pos,
-                over: false,
-                limit: usize::MAX,
-            };
-            let frame = CloseFrame {
-                code: CloseCode::from(code),
-                reason: Utf8Bytes::from(reason),
-            };
-            // Writing into memory cannot block; an error only means a close frame
-            // already went out.
-            let _ = ws.close(&mut duplex, Some(frame));
+        let mut end = reason.len().min(123);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
         }
+        let reason = reason.get(..end).unwrap_or_default();
+        push_frame_header(&mut self.out, 0x8, 2 + reason.len());
+        self.out.extend_from_slice(&code.to_be_bytes());
+        self.out.extend_from_slice(reason.as_bytes());
     }
 
     fn emit_closed(&mut self, code: u16, reason: &str, by_peer: bool) {
@@ -856,169 +762,10 @@ impl Connection {
     }
 }
 
-/// Why decoding stopped.
-enum Stop {
-    /// The input ran out.
-    Drained,
-    /// The frame allowance or per-call budget ran out.
-    Held,
-    /// The output passed its bound.
-    Over,
-    Binary,
-    Failed(WsError),
-}
-
 /// `at + d`, saturating at a year ahead so an absurd configured duration cannot overflow.
 fn after(at: Instant, d: Duration) -> Instant {
     at.checked_add(d.min(Duration::from_secs(365 * 24 * 3600)))
         .unwrap_or(at)
-}
-
-/// Floor of the read buffer. tungstenite reads at least a frame header (14 bytes) per
-/// call whatever the setting; a buffer of a few bytes would only make it read in tiny
-/// steps.
-const MIN_READ_BUFFER: usize = 256;
-
-fn read_buffer_size(cfg: &WsConfig) -> usize {
-    cfg.read_buffer_size.max(MIN_READ_BUFFER)
-}
-
-fn new_context(cfg: &WsConfig) -> WebSocketContext {
-    let config = WebSocketConfig::default()
-        .read_buffer_size(read_buffer_size(cfg))
-        .write_buffer_size(0)
-        .max_write_buffer_size(usize::MAX)
-        .max_message_size(Some(cfg.max_frame))
-        .max_frame_size(Some(cfg.max_frame));
-    WebSocketContext::new(Role::Server, Some(config))
-}
-
-/// Follows client frame boundaries in the bytes fed to tungstenite, to know when its
-/// context holds nothing but buffers: every byte belongs to a complete frame and no
-/// fragmented message is open.
-#[derive(Debug, Default)]
-struct FrameBoundary {
-    header: [u8; 14],
-    header_len: u8,
-    /// Payload bytes of the current frame not seen yet.
-    remaining: u64,
-    /// A data frame without FIN started a message that is not finished.
-    fragmented: bool,
-    /// Bytes fed since the last point between messages: what the decoder holds of a
-    /// partial frame or unfinished fragmented message.
-    held: u64,
-}
-
-impl FrameBoundary {
-    fn feed(&mut self, mut data: &[u8]) {
-        while !data.is_empty() {
-            if self.between_messages() {
-                self.held = 0;
-            }
-            if self.remaining > 0 {
-                let take = data
-                    .len()
-                    .min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
-                self.remaining -= take as u64;
-                self.held = self.held.saturating_add(take as u64);
-                data = data.get(take..).unwrap_or_default();
-                continue;
-            }
-            let Some((&byte, rest)) = data.split_first() else {
-                return;
-            };
-            data = rest;
-            self.held = self.held.saturating_add(1);
-            if let Some(slot) = self.header.get_mut(usize::from(self.header_len)) {
-                *slot = byte;
-            }
-            self.header_len += 1;
-            if let Some(len) = self.complete_header() {
-                let first = self.header[0];
-                let (fin, opcode) = (first & 0x80 != 0, first & 0x0F);
-                match opcode {
-                    0x1 | 0x2 => self.fragmented = !fin,
-                    0x0 if fin => self.fragmented = false,
-                    _ => {}
-                }
-                self.remaining = len;
-                self.header_len = 0;
-            }
-        }
-        if self.between_messages() {
-            self.held = 0;
-        }
-    }
-
-    /// The payload length once the header is complete.
-    fn complete_header(&self) -> Option<u64> {
-        let n = usize::from(self.header_len);
-        if n < 2 {
-            return None;
-        }
-        let masked = self.header[1] & 0x80 != 0;
-        let (ext, len7) = match self.header[1] & 0x7F {
-            126 => (2, None),
-            127 => (8, None),
-            l => (0, Some(u64::from(l))),
-        };
-        let total = 2 + ext + if masked { 4 } else { 0 };
-        if n < total {
-            return None;
-        }
-        Some(match len7 {
-            Some(l) => l,
-            None => self
-                .header
-                .get(2..2 + ext)
-                .map_or(0, |b| b.iter().fold(0u64, |a, &x| (a << 8) | u64::from(x))),
-        })
-    }
-
-    fn between_messages(&self) -> bool {
-        self.header_len == 0 && self.remaining == 0 && !self.fragmented
-    }
-}
-
-/// The bytes handed in as a non-blocking reader, the output buffer as a writer. A write
-/// that takes the queue past `limit` is still taken (it is at most one control frame,
-/// covered by the control room) but marks the session as over its bound.
-struct Duplex<'a> {
-    input: &'a [u8],
-    out: &'a mut Vec<u8>,
-    out_pos: usize,
-    over: bool,
-    limit: usize,
-}
-
-impl Read for Duplex<'_> {
-    /// An empty `buf` gets `Ok(0)`, which tungstenite takes for EOF: it ends the session
-    /// as a protocol error (1002). It only asks so with a full buffer, which
-    /// [`Connection::read_failed`] keeps from happening.
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.input.is_empty() {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
-        let n = buf.len().min(self.input.len());
-        let (now, later) = self.input.split_at(n);
-        buf.get_mut(..n).unwrap_or_default().copy_from_slice(now);
-        self.input = later;
-        Ok(n)
-    }
-}
-
-impl Write for Duplex<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.out.extend_from_slice(buf);
-        if self.out.len() - self.out_pos > self.limit {
-            self.over = true;
-        }
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 fn frame_header_len(len: usize) -> usize {
@@ -1209,10 +956,8 @@ mod tests {
     }
 
     /// The head buffer takes at most `max_head_bytes`, so one large read reaches the
-    /// context in two pieces. When the first fails the session (here a frame over
-    /// `max_frame`), the second must not be read: tungstenite keeps the rejected header
-    /// and would read on into a full buffer (a debug assertion, or an empty read taken
-    /// for EOF in release builds).
+    /// decoder in two pieces. When the first fails the session (here a frame over
+    /// `max_frame`), the second is not read.
     #[test]
     fn input_behind_a_frame_that_failed_the_session_in_the_upgrade_read_is_ignored() {
         let t0 = Instant::now();
@@ -1222,7 +967,7 @@ mod tests {
         bytes.extend([0x81, 0x80 | 127]);
         bytes.extend((cfg.max_frame as u64 * 2).to_be_bytes());
         bytes.extend([1, 2, 3, 4]);
-        bytes.resize(cfg.max_head_bytes + 4 * cfg.read_buffer_size, b'x');
+        bytes.resize(cfg.max_head_bytes + (8 << 10), b'x');
         c.handle_input(&bytes, t0, &HOST);
         assert_eq!(
             events(&mut c),
@@ -1238,7 +983,7 @@ mod tests {
             vec![close_payload(1009, "message too big")]
         );
         assert!(c.wants_shutdown_write());
-        assert!(c.ws.is_none(), "the failed context is dropped");
+        assert_eq!(c.input_bytes(), 0, "nothing of the refused frame is kept");
     }
 
     #[test]
@@ -1573,40 +1318,16 @@ mod tests {
     }
 
     #[test]
-    fn frame_boundaries_are_followed_across_splits_and_fragments() {
-        let mut b = FrameBoundary::default();
-        let big = frame(0x1, true, &[b'a'; 70_000]);
-        let chunks: Vec<&[u8]> = big.chunks(777).collect();
-        for (i, chunk) in chunks.iter().enumerate() {
-            b.feed(chunk);
-            assert_eq!(b.between_messages(), i + 1 == chunks.len(), "chunk {i}");
-        }
-        let mut parts = frame(0x1, false, &[b'a'; 3000]);
-        b.feed(&parts);
-        assert!(!b.between_messages(), "message still open");
-        b.feed(&frame(0x9, true, b"p"));
-        assert!(!b.between_messages(), "a ping does not finish it");
-        parts = frame(0x0, true, b"end");
-        b.feed(&parts[..3]);
-        assert!(!b.between_messages(), "inside a header");
-        b.feed(&parts[3..]);
-        assert!(b.between_messages());
-    }
-
-    #[test]
-    fn read_buffer_grown_by_a_large_message_is_released_between_messages() {
+    fn a_large_message_leaves_nothing_held_behind() {
         let (mut c, t0) = open(WsConfig::default());
         let big = "q".repeat(500_000);
         let bytes = text(&big);
         let (first, second) = bytes.split_at(100_000);
         c.handle_input(first, t0, &HOST);
         c.handle_input(second, t0, &HOST);
-        assert_eq!(events(&mut c), vec![ConnEvent::Text(big.as_str().into())]);
-        assert!(
-            c.ws.is_none() && c.parked,
-            "no decoder kept after the message"
-        );
-        // The fresh context goes on reading, fragments and control frames included.
+        assert_eq!(events(&mut c), vec![ConnEvent::Text(big)]);
+        assert!(c.decoder.between_messages() && c.input_bytes() == 0);
+        // Reading goes on, fragments and control frames included.
         let mut more = frame(0x1, false, b"a");
         more.extend(frame(0x9, true, b"p"));
         more.extend(frame(0x0, true, b"b"));
@@ -1759,7 +1480,8 @@ mod tests {
         let (mut c, t0) = open(WsConfig::default());
         let big = text(&"h".repeat(300_000));
         c.handle_input(&big[..200_000], t0, &HOST);
-        assert!(c.input_bytes() >= 200_000, "{}", c.input_bytes());
+        // The payload so far; the 14 bytes of its header are not kept.
+        assert_eq!(c.input_bytes(), 200_000 - 14);
         c.shed(t0);
         assert_eq!(events(&mut c), vec![closed(1008, "memory budget", false)]);
         assert_eq!(c.input_bytes(), 0);

@@ -6,6 +6,7 @@
 
 pub mod connect_rate;
 pub mod connection;
+pub mod decoder;
 pub mod http;
 pub mod metrics;
 pub mod origin;
@@ -13,4 +14,3 @@ pub mod server;
 
 pub use connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
 pub use server::{SessionEvent, SessionId, WsServer};
-pub use tungstenite::Utf8Bytes;

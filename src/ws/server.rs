@@ -46,7 +46,6 @@ use super::metrics::{CounterId, GaugeId, Registry as Metrics};
 use super::origin::OriginPolicy;
 use crate::broker::throttle::AddressKey;
 use crate::tls::{Received, TlsSession};
-use tungstenite::Utf8Bytes;
 
 /// Bytes read from one socket per pass before other connections get their turn.
 const READ_CHUNK: usize = 64 << 10;
@@ -91,7 +90,7 @@ pub enum SessionEvent {
         subprotocol: Option<&'static str>,
         peer: SocketAddr,
     },
-    Text(Utf8Bytes),
+    Text(String),
     /// The session is over (see [`ConnEvent::Closed`]); the id is dead from here on.
     Closed {
         code: u16,
