@@ -19,19 +19,27 @@ use serde_json::value::RawValue;
 /// reaching the limit rather than on passing it.
 const MAX_DEPTH: u32 = 126;
 
-/// A JSON value as the client sent it, checked as strictly as a `Value` parse.
+/// A JSON value as the client sent it, checked as strictly as a `Value` parse. Its text
+/// is kept as a plain `str`, not a `RawValue`, so text already checked (by the plain
+/// frame reader's walk) needs no second walk by serde to become a body.
 #[derive(Clone)]
-pub struct Body(Box<RawValue>);
+pub struct Body(Box<str>);
 
 impl Body {
     /// The body of a frame the broker received: `None` when `Value` would refuse it.
     pub fn from_raw(raw: &RawValue) -> Option<Body> {
-        strict(raw.get()).then(|| Body(raw.to_owned()))
+        strict(raw.get()).then(|| Body(raw.get().into()))
     }
 
     /// The text of a value already parsed as a `Value` (the schema path), unchecked.
     pub(crate) fn from_trusted(raw: &RawValue) -> Body {
-        Body(raw.to_owned())
+        Body(raw.get().into())
+    }
+
+    /// Text that [`quick_json::value_end`](super::quick_json::value_end) found to be
+    /// exactly one value it is sure of, unchecked.
+    pub(crate) fn from_checked(text: &str) -> Body {
+        Body(text.into())
     }
 
     /// Text that is one JSON value (leading and trailing whitespace allowed), checked
@@ -44,15 +52,15 @@ impl Body {
     /// A value the broker made itself, in serde_json's compact form.
     pub fn from_value(value: &Value) -> Body {
         // A Value always serialises; `null` stands in for the impossible failure.
-        Body(serde_json::value::to_raw_value(value).unwrap_or_else(|_| RawValue::NULL.to_owned()))
+        Body(serde_json::to_string(value).map_or_else(|_| "null".into(), String::into_boxed_str))
     }
 
     /// The text, as received.
     pub fn get(&self) -> &str {
-        self.0.get()
+        &self.0
     }
 
-    pub fn into_raw(self) -> Box<RawValue> {
+    pub fn into_text(self) -> Box<str> {
         self.0
     }
 
@@ -65,7 +73,7 @@ impl Body {
 
 impl Default for Body {
     fn default() -> Body {
-        Body(RawValue::NULL.to_owned())
+        Body("null".into())
     }
 }
 
@@ -81,9 +89,14 @@ impl fmt::Debug for Body {
     }
 }
 
+/// As its text. serde_json writes raw text only through a `RawValue`, which it makes
+/// by walking the text again: the broker writes bodies into its frames and envelopes by
+/// hand, so only tests and tools serialise a `Body` through serde.
 impl Serialize for Body {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.0.serialize(s)
+        RawValue::from_string(self.0.to_string())
+            .map_err(serde::ser::Error::custom)?
+            .serialize(s)
     }
 }
 

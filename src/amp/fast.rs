@@ -17,6 +17,8 @@ use serde_json::value::RawValue;
 
 use super::body::Body;
 use super::frame::{Ack, ClientFrame, Complete, Headers, Nak, Send, Submit, TaskRef};
+use super::quick_json::{skip_ws, value_end};
+use crate::scan::run_len;
 
 /// Schema `id`: 1 to 64 characters. Checked on bytes, which is stricter: a string of at
 /// most 64 bytes has at most 64 characters.
@@ -47,8 +49,8 @@ pub fn decode(text: &str) -> Option<ClientFrame> {
     let rest = text.get(start..)?;
     let op = rest.get(..memchr::memchr(b'"', rest.as_bytes())?)?;
     match op {
-        "send" => send(text),
-        "ack" => ack(text),
+        "send" => plain_send(text).or_else(|| send(text)),
+        "ack" => plain_ack(text).or_else(|| ack(text)),
         "nak" => nak(text),
         "ping" => ping(text),
         "submit" => submit(text),
@@ -145,6 +147,158 @@ where
     T: Deserialize<'de>,
 {
     T::deserialize(d).map(Some)
+}
+
+/// A member value written the plain way.
+#[derive(Clone, Copy)]
+enum Plain<'a> {
+    /// A string's text, without escapes.
+    Str(&'a str),
+    /// Digits only.
+    Digits(&'a str),
+    /// Any value, as written.
+    Raw(&'a str),
+}
+
+/// The members of a frame written the plain way, in one pass: an object of members
+/// whose names are among `names` and whose values are strings without escapes, numbers
+/// of digits only, or (for the member named `raw`) any value [`value_end`] is sure of.
+/// `None` for anything else (an escape, a duplicate or other member, another value):
+/// serde then decides.
+fn plain_members<'a, const N: usize>(
+    text: &'a str,
+    names: [&str; N],
+    raw: &str,
+) -> Option<[Option<Plain<'a>>; N]> {
+    let s = text.as_bytes();
+    let mut found = [None; N];
+    let mut i = skip_ws(s, 0);
+    if s.get(i) != Some(&b'{') {
+        return None;
+    }
+    loop {
+        i = skip_ws(s, i + 1);
+        let (name, after) = plain_string(s, i)?;
+        i = skip_ws(s, after);
+        if s.get(i) != Some(&b':') {
+            return None;
+        }
+        i = skip_ws(s, i + 1);
+        let name = text.get(name.0..name.1)?;
+        let slot = names.iter().position(|n| *n == name)?;
+        let (value, after) = if name == raw {
+            let end = value_end(s, i)?;
+            (Plain::Raw(text.get(i..end)?), end)
+        } else {
+            match s.get(i)? {
+                b'"' => {
+                    let ((start, end), after) = plain_string(s, i)?;
+                    (Plain::Str(text.get(start..end)?), after)
+                }
+                b'0'..=b'9' => {
+                    let end = i + s
+                        .get(i..)?
+                        .iter()
+                        .take_while(|b| b.is_ascii_digit())
+                        .count();
+                    (Plain::Digits(text.get(i..end)?), end)
+                }
+                _ => return None,
+            }
+        };
+        if found.get_mut(slot)?.replace(value).is_some() {
+            return None;
+        }
+        i = skip_ws(s, after);
+        match s.get(i)? {
+            b',' => {}
+            b'}' => break,
+            _ => return None,
+        }
+    }
+    (skip_ws(s, i + 1) == s.len()).then_some(found)
+}
+
+/// A string without escapes or control characters starting at its opening quote: the
+/// span of its text and the index after its closing quote.
+fn plain_string(s: &[u8], i: usize) -> Option<((usize, usize), usize)> {
+    if s.get(i) != Some(&b'"') {
+        return None;
+    }
+    let start = i + 1;
+    let end = start + run_len(s.get(start..)?, 0x20, [b'"', b'\\']);
+    (s.get(end) == Some(&b'"')).then_some(((start, end), end + 1))
+}
+
+impl<'a> Plain<'a> {
+    fn str(self) -> Option<&'a str> {
+        match self {
+            Plain::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn raw(self) -> Option<&'a str> {
+        match self {
+            Plain::Raw(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Digits as serde reads a `u64`: no leading zero (a fraction or exponent after
+    /// them ends the member early, which `plain_members` refuses), at most nineteen, so
+    /// they cannot overflow.
+    fn u64(self) -> Option<u64> {
+        let Plain::Digits(d) = self else {
+            return None;
+        };
+        let valid = (1..=19).contains(&d.len()) && (d == "0" || !d.starts_with('0'));
+        valid.then(|| d.bytes().fold(0u64, |n, b| n * 10 + u64::from(b - b'0')))
+    }
+}
+
+/// An optional member that must be a plain string when present.
+fn optional_str(member: Option<Plain<'_>>) -> Option<Option<&str>> {
+    match member {
+        None => Some(None),
+        Some(p) => p.str().map(Some),
+    }
+}
+
+/// `send` without `headers` and without escapes, in one pass: the body is walked once
+/// for its end and its strictness together (instead of by serde's raw capture and the
+/// strict check after it). `None` leaves the frame to [`send`], which takes every frame
+/// this takes, and more.
+fn plain_send(text: &str) -> Option<ClientFrame> {
+    let [op, id, to, body, idem] = plain_members(text, ["op", "id", "to", "body", "idem"], "body")?;
+    let (id, to, body, idem) = (id?.str()?, to?.str()?, body?.raw()?, optional_str(idem)?);
+    let valid = op?.str()? == "send" && is_id(id) && is_name(to) && idem.is_none_or(is_idem);
+    if !valid {
+        return None;
+    }
+    Some(ClientFrame::Send(Send {
+        id: id.to_owned(),
+        to: to.to_owned(),
+        // Exactly one value, checked strictly by the walk that found its end.
+        body: Body::from_checked(body),
+        headers: Headers::default(),
+        idem: idem.map(str::to_owned),
+    }))
+}
+
+/// `ack` without escapes, without serde.
+fn plain_ack(text: &str) -> Option<ClientFrame> {
+    let [op, id, seq, sub] = plain_members(text, ["op", "id", "seq", "sub"], "")?;
+    let (id, seq, sub) = (optional_str(id)?, seq?.u64()?, optional_str(sub)?);
+    let valid =
+        op?.str()? == "ack" && id.is_none_or(is_id) && is_seq(seq) && sub.is_none_or(is_name);
+    valid.then(|| {
+        ClientFrame::Ack(Ack {
+            id: id.map(str::to_owned),
+            seq,
+            sub: sub.map(str::to_owned),
+        })
+    })
 }
 
 fn send(text: &str) -> Option<ClientFrame> {
@@ -282,4 +436,61 @@ fn is_header(name: &str, value: &str) -> bool {
 
 fn is_seq(seq: u64) -> bool {
     (1..=MAX_SEQ).contains(&seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plain_readers_take_the_common_frames_and_agree_with_serde_on_the_rest() {
+        let taken = [
+            r#"{"op":"send","id":"1","to":"bob","body":{"t":1,"pad":"xx"}}"#,
+            r#" { "body" : [1, 2.5, "é"] , "to":"bob" ,"op":"send","id":"k-1","idem":"a!~"} "#,
+            r#"{"op":"send","id":"1","to":"bob","body":"text"}"#,
+            r#"{"op":"ack","seq":5}"#,
+            r#"{"seq":9007199254740991,"op":"ack","id":"a","sub":"w-1"}"#,
+        ];
+        for text in taken {
+            let plain = plain_send(text).or_else(|| plain_ack(text));
+            assert!(plain.is_some(), "{text}");
+            assert_eq!(plain, send(text).or_else(|| ack(text)), "{text}");
+        }
+        // Whatever the plain readers are unsure of they leave to serde, and whatever
+        // they take serde reads the same way.
+        let others = [
+            r#"{"op":"send","id":"1","to":"bob","body":{},"headers":{"a":"b"}}"#,
+            r#"{"op":"send","id":"\u0031","to":"bob","body":1}"#,
+            r#"{"\u006fp":"send","id":"1","to":"bob","body":1}"#,
+            r#"{"op":"send","id":"1","id":"2","to":"bob","body":1}"#,
+            r#"{"op":"send","id":"1","to":"bob","body":1e3}"#,
+            r#"{"op":"send","id":"1","to":"bob","body":"\ud800"}"#,
+            r#"{"op":"send","id":"1","to":"bob","body":1,"idem":null}"#,
+            r#"{"op":"send","id":"1","to":"bob","body":1,"idem":5}"#,
+            r#"{"op":"send","id":1,"to":"bob","body":1}"#,
+            r#"{"op":"send","id":"1","to":"bob","body":1} x"#,
+            r#"{"op":"send","id":"1","to":"bob","body":1,}"#,
+            r#"{"op":"send","id":"1","to":"bo b","body":1}"#,
+            r#"{"op":"send","id":"1","to":"bob"}"#,
+            r#"{"op":"ack","seq":"5"}"#,
+            r#"{"op":"ack","seq":05}"#,
+            r#"{"op":"ack","seq":5.0}"#,
+            r#"{"op":"ack","seq":5e0}"#,
+            r#"{"op":"ack","seq":-5}"#,
+            r#"{"op":"ack","seq":0}"#,
+            r#"{"op":"ack","seq":18446744073709551615}"#,
+            r#"{"op":"ack","seq":5,"sub":null}"#,
+            r#"{"op":"ack","seq":5,"delay_ms":1}"#,
+            r#"{"op":"ack"}"#,
+            r#"{"op":"nak","seq":5}"#,
+            "[]",
+            "",
+        ];
+        for text in others {
+            for (plain, serde) in [(plain_send(text), send(text)), (plain_ack(text), ack(text))] {
+                assert!(plain.is_none() || plain == serde, "{text}");
+            }
+        }
+        assert!(plain_send(others[0]).is_none() && send(others[0]).is_some());
+    }
 }

@@ -21,14 +21,16 @@ const MAX_NUMBER: usize = 100;
 /// True when `text` is certainly one JSON value that `Value` takes; false when serde
 /// must decide (it may still be valid).
 pub fn certainly_strict(text: &str) -> bool {
-    walk(text.as_bytes()).is_some()
+    let s = text.as_bytes();
+    value_end(s, skip_ws(s, 0)).is_some_and(|end| skip_ws(s, end) == s.len())
 }
 
-fn walk(s: &[u8]) -> Option<()> {
+/// Where the value starting at `i` ends, when it is certainly one that `Value` takes
+/// (as [`certainly_strict`] judges); `None` when serde must decide.
+pub fn value_end(s: &[u8], mut i: usize) -> Option<usize> {
     // The open containers, innermost last: whether each is an object.
     let mut open = [false; MAX_DEPTH];
     let mut depth = 0;
-    let mut i = skip_ws(s, 0);
     loop {
         // A value starts at `i`.
         match *s.get(i)? {
@@ -57,10 +59,10 @@ fn walk(s: &[u8]) -> Option<()> {
         }
         // After a value: the end, a next member or element, or closers.
         loop {
-            i = skip_ws(s, i);
             let Some(top) = depth.checked_sub(1) else {
-                return (i == s.len()).then_some(());
+                return Some(i);
             };
+            i = skip_ws(s, i);
             let object = *open.get(top)?;
             match *s.get(i)? {
                 b',' => {
@@ -84,7 +86,7 @@ fn walk(s: &[u8]) -> Option<()> {
     }
 }
 
-fn skip_ws(s: &[u8], mut i: usize) -> usize {
+pub fn skip_ws(s: &[u8], mut i: usize) -> usize {
     while matches!(s.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
         i += 1;
     }

@@ -39,8 +39,8 @@ impl Broker {
             return self.fail(session, &send.id, e);
         }
         let from = participant_key(ns, name);
-        let body = send.body.into_raw();
-        if let Err(e) = self.take_rate_with(ns, name, limits, body.get().len(), now) {
+        let body = send.body.into_text();
+        if let Err(e) = self.take_rate_with(ns, name, limits, body.len(), now) {
             return self.fail(session, &send.id, e);
         }
         let id = match &send.idem {

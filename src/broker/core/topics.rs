@@ -123,8 +123,8 @@ impl Broker {
             .with_path("/topic");
             return self.fail(session, &p.id, e);
         }
-        let body = p.body.into_raw();
-        if let Err(e) = self.take_rate(ns, name, body.get().len(), now) {
+        let body = p.body.into_text();
+        if let Err(e) = self.take_rate(ns, name, body.len(), now) {
             return self.fail(session, &p.id, e);
         }
         let from = participant_key(ns, name);

@@ -429,7 +429,7 @@ impl Jobs {
             .str("task", &record.id)
             .str("job", &job)
             .str("from", &env.from)
-            .raw("body", env.body.get())
+            .raw("body", &env.body)
             .str_map("headers", &env.headers)
             .uint("attempt", u64::from(record.attempt) + 1)
             .uint("max_attempts", u64::from(record.max_attempts))

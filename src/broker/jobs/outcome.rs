@@ -58,8 +58,7 @@ impl Jobs {
         };
         let key = task_key(ns, &record.id);
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
-        let body = serde_json::value::to_raw_value(&record.result_body())
-            .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned());
+        let body = crate::amp::Body::from_value(&record.result_body()).into_text();
         let env = Envelope {
             id: id.clone(),
             kind: Kind::TaskResult,

@@ -73,7 +73,7 @@ impl Jobs {
         );
         // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
         record.via_mig = submit.headers.contains_key("mig_capability");
-        let body = submit.body.into_raw();
+        let body = submit.body.into_text();
         let env = Envelope {
             id: task.clone(),
             kind: Kind::Task,

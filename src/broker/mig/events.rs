@@ -72,7 +72,7 @@ fn is_topic(t: &str) -> bool {
 /// An EventMessage of a stored AMP event.
 fn event_message(ns: &str, seq: u64, env: &Envelope, replay: bool, timestamp: &str) -> Value {
     let topic = env.topic.clone().unwrap_or_default();
-    let payload: Value = serde_json::from_str(env.body.get()).unwrap_or(Value::Null);
+    let payload: Value = serde_json::from_str(&env.body).unwrap_or(Value::Null);
     json!({
         "header": {"mig_version": super::envelope::MIG_VERSION, "tenant_id": ns,
                    "message_id": env.id, "timestamp": timestamp},
@@ -279,8 +279,7 @@ impl Mig {
             job: None,
             ts: self.timestamp(now),
             headers,
-            body: serde_json::value::to_raw_value(&payload)
-                .unwrap_or_else(|_| serde_json::value::RawValue::NULL.to_owned()),
+            body: crate::amp::Body::from_value(&payload).into_text(),
         };
         let mut nats = HeaderMap::new();
         for (k, v) in [
