@@ -463,6 +463,7 @@ pub fn run(
                             // A full queue closes the session inside the transport (slow consumer).
                             let _ = ws.send_text(id, &text, now);
                         }
+                        broker.recycle(text);
                     }
                     Output::Close {
                         session,

@@ -21,7 +21,12 @@ impl FrameWriter {
 
     /// Starts a frame expected to take about `bytes`, so it is allocated once.
     pub fn with_capacity(op: &str, bytes: usize) -> Self {
-        let mut out = String::with_capacity(bytes);
+        FrameWriter::in_buffer(op, String::with_capacity(bytes))
+    }
+
+    /// Starts a frame in `out`, emptied first: a buffer kept from an earlier frame.
+    pub fn in_buffer(op: &str, mut out: String) -> Self {
+        out.clear();
         out.push_str("{\"op\":");
         push_json_str(&mut out, op);
         FrameWriter { out }
@@ -29,7 +34,12 @@ impl FrameWriter {
 
     /// Starts an `ok` reply; `re` is the request's `id` when it had a string one.
     pub fn ok(re: Option<&str>) -> Self {
-        let mut w = FrameWriter::new("ok");
+        FrameWriter::ok_in(re, String::new())
+    }
+
+    /// [`ok`](Self::ok) in a kept buffer.
+    pub fn ok_in(re: Option<&str>, out: String) -> Self {
+        let mut w = FrameWriter::in_buffer("ok", out);
         if let Some(re) = re {
             w = w.str("re", re);
         }

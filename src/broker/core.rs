@@ -331,7 +331,15 @@ pub struct Broker {
     /// The last stored envelope's text and headers, emptied and written again by the
     /// next: every `send` stores one.
     store_scratch: (String, HeaderMap),
+    /// Frames' buffers handed back by the shell once their text was queued
+    /// ([`recycle`](Self::recycle)), for the `ok` and `message` frames every message
+    /// makes: at most `SPARE_FRAMES`, each at most `SPARE_FRAME_BYTES`.
+    spare_frames: Vec<String>,
 }
+
+/// Frame buffers kept for reuse, and the largest kept.
+const SPARE_FRAMES: usize = 32;
+const SPARE_FRAME_BYTES: usize = 16 << 10;
 
 impl Broker {
     /// A broker that reads no clock and no random source of its own: `clock` gives the
@@ -375,6 +383,7 @@ impl Broker {
             ids: root.derive("core"),
             nonces: root.derive("nonces"),
             store_scratch: Default::default(),
+            spare_frames: Vec::new(),
         })
     }
 
@@ -488,6 +497,22 @@ impl Broker {
         self.out.pop_front()
     }
 
+    /// Gives back the text of a [`Output::Frame`] once it is written or queued, to be
+    /// the buffer of a later frame.
+    pub fn recycle(&mut self, mut text: String) {
+        if self.spare_frames.len() < SPARE_FRAMES && text.capacity() <= SPARE_FRAME_BYTES {
+            text.clear();
+            self.spare_frames.push(text);
+        }
+    }
+
+    /// A buffer for a frame of about `bytes`: a kept one when there is one.
+    fn frame_buffer(&mut self, bytes: usize) -> String {
+        let mut buf = self.spare_frames.pop().unwrap_or_default();
+        buf.reserve(bytes);
+        buf
+    }
+
     /// Hands the core one input; then drain [`Broker::poll_output`], write what the
     /// connection buffered, and call again with [`Input::Timeout`] by
     /// [`Broker::poll_timeout`].
@@ -585,7 +610,7 @@ impl Broker {
             Pending::Send { session, re } => match reply {
                 Ok(msg) => match parse_pub_ack(msg.status(), &msg.payload) {
                     Ok(ack) => {
-                        let answer = FrameWriter::ok(Some(&re))
+                        let answer = FrameWriter::ok_in(Some(&re), self.frame_buffer(64))
                             .uint("seq", ack.seq)
                             .bool("dup", ack.duplicate);
                         self.ok(session, &re, answer)

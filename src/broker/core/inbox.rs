@@ -299,8 +299,8 @@ impl Broker {
                 return;
             }
         };
-        let size = msg.payload.len() + 64;
-        let text = FrameWriter::with_capacity(amp_frame::server_op::MESSAGE, size)
+        let buffer = self.frame_buffer(msg.payload.len() + 64);
+        let text = FrameWriter::in_buffer(amp_frame::server_op::MESSAGE, buffer)
             .uint("seq", seq)
             .str("from", env.from.as_str())
             .str("to", env.to.as_ref().map_or(participant, |t| t.as_str()))
