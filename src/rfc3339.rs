@@ -6,6 +6,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Formats milliseconds since the Unix epoch.
 pub fn format_millis(ms: i64) -> String {
+    let mut out = String::with_capacity(24);
+    push_millis(&mut out, ms);
+    out
+}
+
+/// [`format_millis`] appended to `out`.
+pub fn push_millis(out: &mut String, ms: i64) {
     let days = ms.div_euclid(86_400_000);
     let rem = ms.rem_euclid(86_400_000);
     let (y, m, d) = civil_from_days(days);
@@ -16,13 +23,18 @@ pub fn format_millis(ms: i64) -> String {
         rem % 1000,
     );
     if !(0..=9999).contains(&y) {
-        return format!("{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z");
+        use std::fmt::Write;
+        let _ = write!(
+            out,
+            "{y:04}-{m:02}-{d:02}T{h:02}:{min:02}:{s:02}.{milli:03}Z"
+        );
+        return;
     }
     // Every `send` stamps one: digits written into place, without the formatting
     // machinery.
-    let mut out = *b"0000-00-00T00:00:00.000Z";
+    let mut text = *b"0000-00-00T00:00:00.000Z";
     let mut put = |at: usize, width: usize, mut n: i64| {
-        for slot in out.iter_mut().skip(at).take(width).rev() {
+        for slot in text.iter_mut().skip(at).take(width).rev() {
             *slot = b'0' + (n % 10) as u8;
             n /= 10;
         }
@@ -35,7 +47,7 @@ pub fn format_millis(ms: i64) -> String {
     put(17, 2, s);
     put(20, 3, milli);
     // ASCII digits and separators: always UTF-8.
-    String::from_utf8(out.to_vec()).unwrap_or_default()
+    out.push_str(std::str::from_utf8(&text).unwrap_or_default());
 }
 
 pub fn format_system_time(t: SystemTime) -> String {

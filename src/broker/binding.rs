@@ -28,6 +28,12 @@ pub fn inbox_stream(ns: &str) -> String {
 pub fn inbox_subject(ns: &str, name: &str) -> String {
     ["amp.", ns, ".inbox.", name].concat()
 }
+/// [`inbox_subject`] appended to `out`.
+pub fn push_inbox_subject(out: &mut String, ns: &str, name: &str) {
+    for part in ["amp.", ns, ".inbox.", name] {
+        out.push_str(part);
+    }
+}
 pub fn inbox_consumer(name: &str) -> String {
     ["inbox_", name].concat()
 }

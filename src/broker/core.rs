@@ -331,6 +331,9 @@ pub struct Broker {
     /// The last stored envelope's text and headers, emptied and written again by the
     /// next: every `send` stores one.
     store_scratch: (String, HeaderMap),
+    /// The last `send`'s envelope and inbox subject, their strings emptied and written
+    /// again by the next (each at most a participant key, an id or a timestamp long).
+    send_scratch: (Option<Envelope>, String),
     /// Frames' buffers handed back by the shell once their text was queued
     /// ([`recycle`](Self::recycle)), for the `ok` and `message` frames every message
     /// makes: at most `SPARE_FRAMES`, each at most `SPARE_FRAME_BYTES`.
@@ -383,6 +386,7 @@ impl Broker {
             ids: root.derive("core"),
             nonces: root.derive("nonces"),
             store_scratch: Default::default(),
+            send_scratch: Default::default(),
             spare_frames: Vec::new(),
         })
     }

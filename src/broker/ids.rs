@@ -119,7 +119,14 @@ impl IdSource {
     }
 
     pub fn next_id(&mut self) -> String {
-        base32(u128::from_be_bytes(self.take::<16>()))
+        let mut id = String::with_capacity(ID_LEN);
+        self.push_id(&mut id);
+        id
+    }
+
+    /// [`next_id`](Self::next_id) appended to `out`.
+    pub fn push_id(&mut self, out: &mut String) {
+        push_base32(out, u128::from_be_bytes(self.take::<16>()));
     }
 
     /// 32 unpredictable bytes (a session's hello challenge).
@@ -128,22 +135,28 @@ impl IdSource {
     }
 }
 
-fn base32(mut v: u128) -> String {
+fn push_base32(out: &mut String, mut v: u128) {
     const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
     // 26 digits of 5 bits cover 130 bits; the top digit carries the 3 highest bits.
-    let mut out = [0u8; ID_LEN];
-    for slot in out.iter_mut().rev() {
+    let mut digits = [0u8; ID_LEN];
+    for slot in digits.iter_mut().rev() {
         *slot = ALPHABET[(v & 31) as usize];
         v >>= 5;
     }
     // Letters and digits of the alphabet: always UTF-8, checked at once rather than
     // pushed a character at a time.
-    String::from_utf8(out.to_vec()).unwrap_or_default()
+    out.push_str(std::str::from_utf8(&digits).unwrap_or_default());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn base32(v: u128) -> String {
+        let mut out = String::new();
+        push_base32(&mut out, v);
+        out
+    }
     use std::collections::HashSet;
 
     #[test]

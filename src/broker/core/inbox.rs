@@ -38,28 +38,48 @@ impl Broker {
             .with_path("/to");
             return self.fail(session, &send.id, e);
         }
-        let from = participant_key(ns, name);
         let body = send.body.into_text();
         if let Err(e) = self.take_rate_with(ns, name, limits, body.len(), now) {
             return self.fail(session, &send.id, e);
         }
-        let id = match &send.idem {
-            Some(key) => envelope::idempotent_id(Kind::Message, &from, to, key),
-            None => self.ids.next_id(),
-        };
-        let env = Envelope {
-            id,
+        // Written into the last send's strings: five allocations a message fewer.
+        let (env, mut subject) = std::mem::take(&mut self.send_scratch);
+        let mut env = env.unwrap_or_else(|| Envelope {
+            id: String::new(),
             kind: Kind::Message,
-            from,
-            to: Some(participant_key(ns, to)),
+            from: String::new(),
+            to: None,
             topic: None,
             job: None,
-            ts: self.clock.timestamp(now),
-            headers: send.headers,
-            body,
+            ts: String::new(),
+            headers: Default::default(),
+            body: Default::default(),
+        });
+        let key = |out: &mut String, name: &str| {
+            out.clear();
+            out.push_str(ns);
+            out.push('/');
+            out.push_str(name);
         };
-        let subject = binding::inbox_subject(ns, to);
+        key(&mut env.from, name);
+        key(env.to.get_or_insert_with(String::new), to);
+        match &send.idem {
+            Some(idem) => env.id = envelope::idempotent_id(Kind::Message, &env.from, to, idem),
+            None => {
+                env.id.clear();
+                self.ids.push_id(&mut env.id);
+            }
+        }
+        env.ts.clear();
+        self.clock.push_timestamp(&mut env.ts, now);
+        env.headers = send.headers;
+        env.body = body;
+        subject.clear();
+        binding::push_inbox_subject(&mut subject, ns, to);
         self.store(conn, session, send.id, &subject, &env, now);
+        env.headers.clear();
+        env.body = Default::default();
+        self.send_scratch = (Some(env), subject);
     }
 
     /// Publishes an envelope to its stream and answers the request when JetStream acks.
