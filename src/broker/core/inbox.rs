@@ -265,38 +265,41 @@ impl Broker {
             return;
         };
         let (pulled, check) = p.inbox.on_message(conn, msg.status(), now);
+        // The session it goes to, chosen while the presence is at hand (one lookup).
+        let chosen = 'choose: {
+            if pulled != Pulled::Message {
+                break 'choose None;
+            }
+            let Some(reply) = msg.reply.take() else {
+                break 'choose None;
+            };
+            let (seq, delivered) = match AckMetadata::parse(&reply) {
+                Ok(m) => (m.stream_sequence, m.delivered),
+                Err(e) => {
+                    log::warn!(participant:% = participant; "inbox delivery without ack metadata: {e}");
+                    break 'choose None;
+                }
+            };
+            // A redelivery supersedes the delivery another session of the participant
+            // here still holds (JetStream gave up waiting for its ack).
+            for id in &p.sessions {
+                if let Some(s) = self.sessions.get_mut(id) {
+                    s.inflight.remove(&seq);
+                }
+            }
+            let target = p.sessions.iter().copied().min_by_key(|id| {
+                self.sessions
+                    .get(id)
+                    .map_or(usize::MAX, |s| s.inflight.len())
+            });
+            Some((reply, seq, delivered, target))
+        };
         if check.is_some() {
             self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
         }
-        if pulled != Pulled::Message {
-            return;
-        }
-        let Some(p) = self.presence.get(participant) else {
+        let Some((reply, seq, delivered, target)) = chosen else {
             return;
         };
-        let Some(reply) = msg.reply.take() else {
-            return;
-        };
-        let meta = match AckMetadata::parse(&reply) {
-            Ok(m) => (m.stream_sequence, m.delivered),
-            Err(e) => {
-                return log::warn!(participant:% = participant; "inbox delivery without ack metadata: {e}"
-                );
-            }
-        };
-        let (seq, delivered) = meta;
-        // A redelivery supersedes the delivery another session of the participant here
-        // still holds (JetStream gave up waiting for its ack).
-        for id in &p.sessions {
-            if let Some(s) = self.sessions.get_mut(id) {
-                s.inflight.remove(&seq);
-            }
-        }
-        let target = p.sessions.iter().copied().min_by_key(|id| {
-            self.sessions
-                .get(id)
-                .map_or(usize::MAX, |s| s.inflight.len())
-        });
         let Some(target) = target else {
             let _ = conn.publish(&reply, None, None, &AckKind::Nak { delay: None }.payload());
             return;
