@@ -26,17 +26,31 @@ pub fn push_decimal(out: &mut String, n: u64) {
     }
 }
 
-/// The decimal digits of `n` at the end of a buffer, and where they start.
+/// The decimal digits of `n` at the end of a buffer, and where they start: two digits
+/// per division (sizes, sequences and timestamps are written for every message).
 fn decimal(mut n: u64) -> ([u8; 20], usize) {
+    const PAIRS: &[u8; 200] = b"0001020304050607080910111213141516171819\
+        2021222324252627282930313233343536373839\
+        4041424344454647484950515253545556575859\
+        6061626364656667686970717273747576777879\
+        8081828384858687888990919293949596979899";
+    let pair = |p: u64| {
+        let at = (p as usize) * 2;
+        PAIRS.get(at..at + 2).unwrap_or(b"00")
+    };
     let mut digits = [0u8; 20];
     let mut i = digits.len();
-    loop {
+    while n >= 100 {
+        i -= 2;
+        digits[i..i + 2].copy_from_slice(pair(n % 100));
+        n /= 100;
+    }
+    if n >= 10 {
+        i -= 2;
+        digits[i..i + 2].copy_from_slice(pair(n));
+    } else {
         i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
+        digits[i] = b'0' + n as u8;
     }
     (digits, i)
 }
@@ -336,7 +350,12 @@ MSG foo 7 r 5\r\nhello\r\nHMSG foo 7 16 16\r\nNATS/1.0 503\r\n\r\n\r\n";
 
     #[test]
     fn decimal_writer_and_publish_len_are_exact() {
-        for n in [0u64, 1, 9, 10, 99, 100, 12345, u64::MAX] {
+        let mut numbers = vec![0u64, 1, 9, 10, 99, 100, 12345, u64::MAX];
+        numbers.extend((0..20).flat_map(|e| {
+            let p = 10u64.pow(e);
+            [p - 1, p, p + 1, p.saturating_mul(7).saturating_add(3)]
+        }));
+        for n in numbers {
             let mut out = Vec::new();
             write_decimal(&mut out, n);
             assert_eq!(out, n.to_string().as_bytes());
