@@ -79,6 +79,65 @@ pub fn json_plain_len(s: &[u8]) -> usize {
     run_len(s, 0x20, [b'"', b'\\', 0x7f])
 }
 
+/// The checks of a subject every delivered message goes through, in one pass: `None`
+/// when `s` holds a byte at or below space, DEL, `*` or `>` (the caller looks closer);
+/// else whether it holds two `.` in a row, and whether it is all ASCII.
+#[inline]
+pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+    {
+        let (mut double, mut high, mut last_dot) = (false, 0u32, false);
+        let mut chunks = s.chunks_exact(16);
+        let mut tail = [b'a'; 16];
+        let rest = chunks.remainder();
+        if let Some(t) = tail.get_mut(..rest.len()) {
+            t.copy_from_slice(rest);
+        }
+        // The tail is padded with a byte that is none of those looked for.
+        let last = (!rest.is_empty()).then_some(&tail[..]);
+        for chunk in (&mut chunks).chain(last) {
+            let (bad, dots, non_ascii) = sse2_subject_masks(chunk);
+            if bad != 0 {
+                return None;
+            }
+            double |= dots & (dots >> 1) != 0 || (last_dot && dots & 1 != 0);
+            last_dot = dots & 0x8000 != 0;
+            high |= non_ascii;
+        }
+        Some((double, high == 0))
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    {
+        (run_len(s, 0x21, [0x7f, b'*', b'>']) == s.len()).then(|| (has_double_dot(s), s.is_ascii()))
+    }
+}
+
+/// Of a 16-byte chunk, one bit per byte: at or below space, DEL, `*` or `>`; `.`; not
+/// ASCII.
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[inline(always)]
+fn sse2_subject_masks(chunk: &[u8]) -> (u32, u32, u32) {
+    use std::arch::x86_64::*;
+    let word =
+        |h: Option<&[u8]>| i64::from_le_bytes(h.and_then(|h| h.try_into().ok()).unwrap_or([0; 8]));
+    // SAFETY: these intrinsics only need SSE2, which this build enables (cfg above);
+    // none of them touches memory.
+    unsafe {
+        let v = _mm_set_epi64x(word(chunk.get(8..16)), word(chunk.get(..8)));
+        let is = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
+        let low = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(0x20)), v);
+        let bad = _mm_or_si128(
+            _mm_or_si128(low, is(0x7f)),
+            _mm_or_si128(is(b'*'), is(b'>')),
+        );
+        (
+            _mm_movemask_epi8(bad) as u32,
+            _mm_movemask_epi8(is(b'.')) as u32,
+            _mm_movemask_epi8(v) as u32,
+        )
+    }
+}
+
 /// True when `s` holds two `.` in a row, a word at a time: the empty-token test every
 /// subject goes through (a `memchr` per `.` cost more than the whole scan).
 #[inline]

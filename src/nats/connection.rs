@@ -1378,11 +1378,11 @@ fn parse_u64(bytes: &[u8]) -> Option<u64> {
 /// rules out the whitespace `validate_subject` refuses), no empty token and no `*` or `>`
 /// token, then UTF-8.
 pub(crate) fn deliverable(subject: &[u8]) -> bool {
-    // Most subjects have no `*` or `>` anywhere: then a word-at-a-time scan for bad
-    // bytes and a look at each `.` for an empty token say it.
-    if crate::scan::run_len(subject, 0x21, [0x7f, b'*', b'>']) == subject.len() {
-        return crate::proto::subject::check_tokens_not_empty(subject).is_ok()
-            && (subject.is_ascii() || std::str::from_utf8(subject).is_ok());
+    // Most subjects have no `*` or `>` anywhere: then one scan for bad bytes, dots in a
+    // row and non-ASCII bytes, and a look at both ends, say it.
+    if let Some((double_dot, ascii)) = crate::scan::plain_subject(subject) {
+        let ends = subject.first().is_some_and(|&b| b != b'.') && subject.last() != Some(&b'.');
+        return ends && !double_dot && (ascii || std::str::from_utf8(subject).is_ok());
     }
     let literal = |token: &[u8]| !matches!(token, b"" | b"*" | b">");
     let mut start = 0;

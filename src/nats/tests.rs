@@ -710,6 +710,8 @@ fn deliverable_in_one_pass_is_the_subject_rules_plus_no_control_bytes_and_utf8()
                     longer.clone(),
                     [b"abcdefghi".as_slice(), &longer].concat(),
                     [&longer, b"abcdefghi".as_slice()].concat(),
+                    [b"abcdefghijklmno".as_slice(), &longer].concat(),
+                    [&longer, b"abcdefghijklmno".as_slice()].concat(),
                 ] {
                     assert_eq!(
                         super::connection::deliverable(&padded),
