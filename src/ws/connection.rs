@@ -827,21 +827,8 @@ mod tests {
 
     /// A masked client frame.
     fn frame(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
-        let mask = [0x11, 0x22, 0x33, 0x44];
-        let mut out = vec![if fin { 0x80 } else { 0 } | opcode];
-        let len = payload.len();
-        if len < 126 {
-            out.push(0x80 | len as u8);
-        } else if len <= 0xFFFF {
-            out.push(0x80 | 126);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
-        } else {
-            out.push(0x80 | 127);
-            out.extend_from_slice(&(len as u64).to_be_bytes());
-        }
-        out.extend_from_slice(&mask);
-        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        out
+        let first = if fin { 0x80 } else { 0 } | opcode;
+        crate::ws::decoder::client_frame(first, payload, [0x11, 0x22, 0x33, 0x44])
     }
 
     fn text(s: &str) -> Vec<u8> {

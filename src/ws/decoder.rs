@@ -306,26 +306,30 @@ fn unmask_into(dst: &mut Vec<u8>, src: &[u8], mask: [u8; 4], done: usize) {
     }
 }
 
+/// A client frame: `first` byte as given, masked with `mask` (for the tests here and of
+/// the connection).
+#[cfg(test)]
+pub(crate) fn client_frame(first: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
+    let mut out = vec![first];
+    let len = payload.len();
+    if len < 126 {
+        out.push(0x80 | len as u8);
+    } else if len <= 0xFFFF {
+        out.push(0x80 | 126);
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        out.push(0x80 | 127);
+        out.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+    out.extend_from_slice(&mask);
+    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    use super::client_frame as frame;
     use super::*;
-
-    fn frame(first: u8, payload: &[u8], mask: [u8; 4]) -> Vec<u8> {
-        let mut out = vec![first];
-        let len = payload.len();
-        if len < 126 {
-            out.push(0x80 | len as u8);
-        } else if len <= 0xFFFF {
-            out.push(0x80 | 126);
-            out.extend_from_slice(&(len as u16).to_be_bytes());
-        } else {
-            out.push(0x80 | 127);
-            out.extend_from_slice(&(len as u64).to_be_bytes());
-        }
-        out.extend_from_slice(&mask);
-        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-        out
-    }
 
     /// Every item of `input` fed in pieces of `step` bytes.
     fn items(input: &[u8], step: usize, max: usize) -> Vec<Result<Item, Error>> {
