@@ -38,19 +38,25 @@ fn decimal(mut n: u64) -> ([u8; 20], usize) {
         let at = (p as usize) * 2;
         PAIRS.get(at..at + 2).unwrap_or(b"00")
     };
+    // Twenty places hold `u64::MAX`, so `i` never runs below zero.
     let mut digits = [0u8; 20];
     let mut i = digits.len();
+    let mut put = |i: usize, two: &[u8]| {
+        if let Some(d) = digits.get_mut(i..i + two.len()) {
+            d.copy_from_slice(two);
+        }
+    };
     while n >= 100 {
         i -= 2;
-        digits[i..i + 2].copy_from_slice(pair(n % 100));
+        put(i, pair(n % 100));
         n /= 100;
     }
     if n >= 10 {
         i -= 2;
-        digits[i..i + 2].copy_from_slice(pair(n));
+        put(i, pair(n));
     } else {
         i -= 1;
-        digits[i] = b'0' + n as u8;
+        put(i, &[b'0' + n as u8]);
     }
     (digits, i)
 }
