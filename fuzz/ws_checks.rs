@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use amp_broker::amp::FrameValidator;
 use amp_broker::ws::{ConnEvent, Connection, HttpHost, WsConfig};
 
-struct Host;
+pub struct Host;
 
 impl HttpHost for Host {
     fn health(&self) -> Result<(), String> {
@@ -21,15 +21,15 @@ impl HttpHost for Host {
     }
 }
 
-const UPGRADE: &[u8] =
+pub const UPGRADE: &[u8] =
     b"GET /amp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
 Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
 
 /// xorshift64*: split points from a seed without a dependency.
-struct Rng(u64);
+pub struct Rng(pub u64);
 
 impl Rng {
-    fn below(&mut self, n: usize) -> usize {
+    pub fn below(&mut self, n: usize) -> usize {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;

@@ -6,37 +6,18 @@
 use std::io::{self, Read, Write};
 use std::time::Instant;
 
-use amp_broker::ws::{ConnEvent, Connection, HttpHost, WsConfig};
+use amp_broker::ws::{ConnEvent, Connection, WsConfig};
 use tungstenite::Message;
 use tungstenite::error::{CapacityError, Error as WsError};
 use tungstenite::protocol::{Role, WebSocket, WebSocketConfig};
 
-struct Host;
+#[path = "../fuzz/ws_checks.rs"]
+mod ws_checks;
 
-impl HttpHost for Host {
-    fn health(&self) -> Result<(), String> {
-        Ok(())
-    }
-    fn metrics(&self, _: &mut String) {}
-}
+use ws_checks::{Host, Rng, UPGRADE};
 
-const UPGRADE: &[u8] =
-    b"GET /amp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, percent: usize) -> bool {
-        self.below(100) < percent
-    }
+fn chance(rng: &mut Rng, percent: usize) -> bool {
+    rng.below(100) < percent
 }
 
 /// A client frame: `first` byte as given, the length in the form asked (`wide` writes
@@ -78,7 +59,7 @@ fn stream(rng: &mut Rng, max: usize) -> Vec<u8> {
     let mut out = Vec::new();
     let mask = [rng.below(256) as u8, 0x37, rng.below(256) as u8, 0xc1];
     for _ in 0..1 + rng.below(12) {
-        let wide = if rng.chance(10) {
+        let wide = if chance(rng, 10) {
             1 + rng.below(2) as u8
         } else {
             0
@@ -88,7 +69,7 @@ fn stream(rng: &mut Rng, max: usize) -> Vec<u8> {
                 // A text message, long ones included, whole or in fragments split at any
                 // byte (inside characters too), pings and pongs between them.
                 let mut text = String::new();
-                let words = if rng.chance(10) {
+                let words = if chance(rng, 10) {
                     3000
                 } else {
                     1 + rng.below(20)
@@ -107,8 +88,8 @@ fn stream(rng: &mut Rng, max: usize) -> Vec<u8> {
                     let fin = if i + 1 == pieces { 0x80 } else { 0 };
                     frame(&mut out, fin | opcode, &bytes[at..end], wide, false, mask);
                     at = end;
-                    if fin == 0 && rng.chance(30) {
-                        let control = if rng.chance(50) { 0x89 } else { 0x8A };
+                    if fin == 0 && chance(rng, 30) {
+                        let control = if chance(rng, 50) { 0x89 } else { 0x8A };
                         frame(&mut out, control, b"beat", 0, false, mask);
                     }
                 }
@@ -119,10 +100,10 @@ fn stream(rng: &mut Rng, max: usize) -> Vec<u8> {
                 let reason = WORDS[rng.below(WORDS.len())];
                 let code = [1000u16, 1001, 1003, 1011, 3000, 4999][rng.below(6)];
                 let mut payload = code.to_be_bytes().to_vec();
-                if rng.chance(50) {
+                if chance(rng, 50) {
                     payload.extend_from_slice(reason.as_bytes());
                 }
-                if rng.chance(20) {
+                if chance(rng, 20) {
                     payload.clear();
                 }
                 frame(&mut out, 0x88, &payload, 0, false, mask);
@@ -156,7 +137,7 @@ fn stream(rng: &mut Rng, max: usize) -> Vec<u8> {
                         frame(&mut out, 0x01, b"open", 0, false, mask);
                         frame(&mut out, 0x81, b"again", 0, false, mask);
                     }
-                    9 if rng.chance(50) => {
+                    9 if chance(rng, 50) => {
                         frame(&mut out, 0x81, &vec![b'x'; max + 1], wide, false, mask)
                     }
                     9 => {
