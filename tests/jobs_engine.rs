@@ -51,7 +51,7 @@ fn provision(client: &mut Client) {
     for cfg in [
         binding::tasks_stream_config("acme", s),
         binding::task_state_stream_config(s),
-        binding::inbox_stream_config("acme", 0, s),
+        binding::inbox_stream_config("acme", 0, 10_000, s),
     ] {
         let req = ApiPrefix::new().stream_create(&cfg).expect("stream name");
         let reply = client

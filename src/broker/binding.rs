@@ -125,9 +125,17 @@ fn base_stream(
     }
 }
 
-pub fn inbox_stream_config(ns: &str, max_age_s: u64, s: StreamSettings) -> StreamConfig {
+/// `max_consumers` bounds the participants with an inbox consumer; it is always set, as a
+/// stream without one gets nats-server's default (1,000 since 2.15).
+pub fn inbox_stream_config(
+    ns: &str,
+    max_age_s: u64,
+    max_consumers: u64,
+    s: StreamSettings,
+) -> StreamConfig {
     StreamConfig {
         max_age: Some(Duration::from_secs(max_age_s)),
+        max_consumers: Some(count(max_consumers)),
         ..base_stream(
             inbox_stream(ns),
             format!("amp.{ns}.inbox.*"),
@@ -439,10 +447,11 @@ mod tests {
     #[test]
     fn streams_follow_the_spec_mapping() {
         let s = StreamSettings::default();
-        let inbox = wire(&inbox_stream_config("acme", 0, s));
+        let inbox = wire(&inbox_stream_config("acme", 0, 10_000, s));
         assert_eq!(inbox["name"], "AMP_INBOX_acme");
         assert_eq!(inbox["subjects"], json!(["amp.acme.inbox.*"]));
         assert_eq!(inbox["retention"], "limits");
+        assert_eq!(inbox["max_consumers"], 10_000);
         let tasks = wire(&tasks_stream_config("acme", s));
         assert_eq!(tasks["retention"], "workqueue");
         assert_eq!(tasks["subjects"], json!(["amp.acme.job.*"]));
@@ -573,7 +582,7 @@ mod tests {
             max
         );
         assert_eq!(
-            wire(&inbox_stream_config("acme", u64::MAX, s))["max_age"],
+            wire(&inbox_stream_config("acme", u64::MAX, 10_000, s))["max_age"],
             max
         );
         assert_eq!(
@@ -618,7 +627,7 @@ mod tests {
 
     #[test]
     fn adopts_a_stream_with_extra_subjects_and_tuned_limits() {
-        let desired = inbox_stream_config("acme", 0, StreamSettings::default());
+        let desired = inbox_stream_config("acme", 0, 10_000, StreamSettings::default());
         let mut existing = wire(&desired);
         existing["subjects"] = json!(["amp.acme.inbox.*", "legacy.>"]);
         existing["num_replicas"] = json!(3);

@@ -201,6 +201,10 @@ pub struct Inbox {
     pub inbox_window: u32,
     /// 0 keeps messages until acknowledged.
     pub max_age_s: u64,
+    /// The inbox stream's `max_consumers`: how many participants of the namespace have an
+    /// inbox consumer (each keeps its durable once created). Always set, because
+    /// nats-server 2.15 caps a stream that sets none at 1,000 consumers.
+    pub max_consumers: u64,
 }
 
 impl Default for Inbox {
@@ -209,6 +213,7 @@ impl Default for Inbox {
             ack_wait_s: 30,
             inbox_window: 64,
             max_age_s: 0,
+            max_consumers: 10_000,
         }
     }
 }
@@ -438,6 +443,22 @@ impl Config {
                 0,
                 10 * YEAR,
             )?;
+            within(
+                &format!("{at}.inbox.max_consumers"),
+                inbox.max_consumers,
+                1,
+                1_000_000,
+            )?;
+            if ns.participants.len() as u64 > inbox.max_consumers {
+                return Err(err(
+                    format!("{at}.inbox.max_consumers"),
+                    format!(
+                        "{} is below the namespace's {} participants, whose inboxes would not all be delivered",
+                        inbox.max_consumers,
+                        ns.participants.len()
+                    ),
+                ));
+            }
             let dlq = &ns.dead_letters;
             within(
                 &format!("{at}.dead_letters.max_age_s"),
@@ -842,6 +863,23 @@ mod tests {
                 format!(r#"{{"limits":{{"max_sessions":{huge}}}}}"#),
                 "limits.max_sessions",
                 "at most 1000000",
+            ),
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"inbox":{{"max_consumers":{huge}}}}}}}}}"#),
+                "namespaces.acme.inbox.max_consumers",
+                "at most 1000000",
+            ),
+            (
+                r#"{"namespaces":{"acme":{"inbox":{"max_consumers":0}}}}"#.to_string(),
+                "namespaces.acme.inbox.max_consumers",
+                "at least 1",
+            ),
+            (
+                format!(
+                    r#"{{"namespaces":{{"acme":{{"inbox":{{"max_consumers":1}},"participants":{{"w1":{{"nkey":"{KEY}"}},"w2":{{"nkey":"{KEY}"}}}}}}}}}}"#
+                ),
+                "namespaces.acme.inbox.max_consumers",
+                "1 is below the namespace's 2 participants",
             ),
             (
                 format!(r#"{{"namespaces":{{"acme":{{"inbox":{{"ack_wait_s":{huge}}}}}}}}}"#),

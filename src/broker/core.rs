@@ -163,6 +163,9 @@ struct Presence {
     labels: BTreeMap<String, String>,
     since: String,
     inbox: PullLoop,
+    /// JetStream's refusal of the inbox consumer and how many times in a row: the
+    /// participant's sessions are told, and the broker asks again ever more slowly.
+    inbox_refused: Option<(u32, Box<str>)>,
 }
 
 /// Whose pull loop a check timer is for.
@@ -283,6 +286,8 @@ enum Timer {
 
 /// How long after a lost inbox consumer request it is sent again.
 const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
+/// The longest wait between two requests for an inbox consumer JetStream refused.
+const INBOX_REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
 
 pub struct Broker {
     config: Config,
@@ -637,14 +642,14 @@ impl Broker {
             Pending::InboxConsumer { participant } => {
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
-                    Ok(Err(e)) => {
-                        log::warn!(participant:% = participant; "inbox consumer refused: {e}"
-                        );
-                        // A domain that just came back may not have its streams yet.
-                        if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) {
-                            self.retry_inbox_consumer(participant, now);
-                        }
+                    // A domain that just came back may not have its streams yet.
+                    Ok(Err(e))
+                        if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) =>
+                    {
+                        log::warn!(participant:% = participant; "inbox consumer refused: {e}");
+                        self.retry_inbox_consumer(participant, now);
                     }
+                    Ok(Err(e)) => self.inbox_consumer_refused(participant, &e, now),
                     Err(e) => {
                         log::warn!(participant:% = participant; "inbox consumer request failed: {e}"
                         );

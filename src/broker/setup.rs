@@ -33,6 +33,7 @@ pub fn desired_streams(
         streams.push(binding::inbox_stream_config(
             ns,
             n.inbox.max_age_s,
+            n.inbox.max_consumers,
             settings,
         ));
         streams.push(binding::topics_stream_config(
@@ -198,7 +199,10 @@ fn ensure_stream(
                 .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?;
             binding::check_compatible(desired, &parsed["config"])
                 .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
-            Ok(format!("adopted stream {name} ({})", api.as_str()))
+            Ok(match consumer_limit_update(desired, &parsed["config"]) {
+                None => format!("adopted stream {name} ({})", api.as_str()),
+                Some(updated) => raise_consumer_limit(client, api, &updated),
+            })
         }
         Err(e) if e.err_code() == Some(10059) => {
             let created = request(client, &api.stream_create(desired).map_err(invalid)?)?;
@@ -206,6 +210,51 @@ fn ensure_stream(
             Ok(format!("created stream {name} ({})", api.as_str()))
         }
         Err(e) => Err(fatal(format!("stream {name}: {e}"))),
+    }
+}
+
+/// An existing stream without a consumer limit of its own (`max_consumers` 0 or -1, as
+/// the broker's earlier versions created the inbox) gets the server's default, which
+/// nats-server 2.15 made 1,000: too few for a namespace's inboxes. Such a stream is updated
+/// to the limit we want, everything else kept as it is; a positive limit is an operator's
+/// choice and stays.
+fn consumer_limit_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConfig> {
+    let want = desired.max_consumers.filter(|&n| n > 0)?;
+    let have = existing
+        .get("max_consumers")
+        .and_then(Value::as_i64)
+        .unwrap_or(0);
+    if have > 0 {
+        return None;
+    }
+    let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
+    updated.max_consumers = Some(want);
+    Some(updated)
+}
+
+/// Servers before the update was allowed refuse it: the stream is adopted as it is, with
+/// a warning that says what that costs.
+fn raise_consumer_limit(client: &mut Client, api: &ApiPrefix, updated: &StreamConfig) -> String {
+    let name = updated.name.as_str();
+    let want = updated.max_consumers.unwrap_or_default();
+    let answer = api
+        .stream_update(updated)
+        .map_err(|e| e.to_string())
+        .and_then(|req| match request(client, &req) {
+            Ok(reply) => check_error(&reply).map_err(|e| e.to_string()),
+            Err(Failure::Away(e) | Failure::Fatal(e)) => Err(e),
+        });
+    match answer {
+        Ok(()) => format!(
+            "adopted stream {name} ({}), its max_consumers set to {want}",
+            api.as_str()
+        ),
+        Err(e) => {
+            log::warn!(
+                "stream {name}: max_consumers could not be set to {want} ({e}); the server's default limit applies"
+            );
+            format!("adopted stream {name} ({})", api.as_str())
+        }
     }
 }
 
@@ -219,5 +268,31 @@ fn request(client: &mut Client, req: &Request) -> Result<Vec<u8>, Failure> {
         Err(e) => Err(Failure::Away(format!(
             "JetStream did not answer {subject}: {e}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn only_a_stream_without_a_consumer_limit_of_its_own_is_raised() {
+        let desired = binding::inbox_stream_config("acme", 0, 10_000, StreamSettings::default());
+        let mut existing = serde_json::to_value(&desired).expect("json");
+        existing["future_field"] = json!({"kept": true});
+        for none in [json!(-1), json!(0), Value::Null] {
+            existing["max_consumers"] = none.clone();
+            let updated = consumer_limit_update(&desired, &existing).expect("raised");
+            assert_eq!(updated.max_consumers, Some(10_000), "{none}");
+            let wire = serde_json::to_value(&updated).expect("json");
+            assert_eq!(wire["future_field"], json!({"kept": true}));
+            assert_eq!(wire["subjects"], existing["subjects"]);
+        }
+        existing["max_consumers"] = json!(50);
+        assert!(consumer_limit_update(&desired, &existing).is_none());
+        let unlimited = binding::tasks_stream_config("acme", StreamSettings::default());
+        existing["max_consumers"] = json!(-1);
+        assert!(consumer_limit_update(&unlimited, &existing).is_none());
     }
 }

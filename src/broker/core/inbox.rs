@@ -221,6 +221,39 @@ impl Broker {
         self.set_timer(at, Timer::InboxConsumerRetry(participant));
     }
 
+    /// JetStream answered the inbox consumer's creation with an error (its consumer
+    /// limit, most likely): the participant's messages are kept, but none reach it. Its
+    /// sessions are told once (and any session that joins while it lasts, at its
+    /// `hello`), and the broker asks again after 1, 2, 4 ... at most 60 s.
+    pub(super) fn inbox_consumer_refused(
+        &mut self,
+        participant: String,
+        e: &JsError,
+        now: Instant,
+    ) {
+        let Some(p) = self.presence.get_mut(&participant) else {
+            return;
+        };
+        let refusals = p.inbox_refused.as_ref().map_or(0, |(n, _)| *n);
+        p.inbox_refused = Some((refusals.saturating_add(1), e.to_string().into()));
+        if refusals == 0 {
+            log::warn!(participant:% = participant; "inbox consumer refused: {e}; asking again");
+            let error = inbox_refused_error(&e.to_string());
+            for session in p.sessions.clone() {
+                self.error(session, None, &error);
+            }
+        } else {
+            log::debug!(participant:% = participant; "inbox consumer refused again ({}): {e}", refusals + 1);
+        }
+        let backoff = INBOX_CONSUMER_RETRY
+            .saturating_mul(1 << refusals.min(6))
+            .min(INBOX_REFUSED_RETRY_MAX);
+        self.set_timer(
+            crate::deadline::after(now, backoff),
+            Timer::InboxConsumerRetry(participant),
+        );
+    }
+
     pub(super) fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
         let Some(p) = self
             .presence
@@ -229,6 +262,9 @@ impl Broker {
         else {
             return;
         };
+        if let Some((refusals, _)) = p.inbox_refused.take() {
+            log::info!(participant:% = participant; "inbox consumer created after {refusals} refusals");
+        }
         match p.inbox.attach(conn) {
             Ok(sid) => {
                 let check = p.inbox.pull(conn, now);
@@ -468,4 +504,15 @@ mod tests {
         );
         assert_eq!(forged["code"], "schema", "{forged}");
     }
+}
+
+/// What a participant's sessions are told while JetStream refuses its inbox consumer.
+pub(super) fn inbox_refused_error(why: &str) -> AmpError {
+    AmpError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "your inbox is not delivered: JetStream refused its consumer ({why}); \
+             messages sent to you are kept, and the broker keeps asking"
+        ),
+    )
 }

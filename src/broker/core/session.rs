@@ -189,8 +189,13 @@ impl Broker {
                     window,
                 )
                 .in_domain(self.config.js_api(&ns)),
+                inbox_refused: None,
             });
         presence.sessions.push(session);
+        let refused = presence
+            .inbox_refused
+            .as_ref()
+            .map(|(_, why)| super::inbox::inbox_refused_error(why));
         let limits = &self.config.limits;
         let mut reply = FrameWriter::ok(id.as_deref())
             .str("session", &format!("{}-{session}", self.broker_id))
@@ -206,6 +211,9 @@ impl Broker {
             }
         }
         self.frame(session, reply.finish());
+        if let Some(e) = refused {
+            self.error(session, None, &e);
+        }
         log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key; "hello");
         if !hello.serve.is_empty()
             && let (Some(participant), Some(p)) =

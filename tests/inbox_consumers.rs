@@ -1,0 +1,166 @@
+//! Inbox consumers against JetStream's consumer limits, on a real nats-server: since 2.15
+//! a stream that sets no `max_consumers` holds at most 1,000 consumers, and every
+//! participant that ever logged in keeps its durable inbox consumer. The broker sets the
+//! inbox stream's limit itself (`inbox.max_consumers`), raises it on a stream an earlier
+//! version created without one, and tells a participant whose consumer JetStream refuses
+//! instead of leaving it without deliveries.
+
+mod common;
+
+use std::time::Duration;
+
+use amp_broker::broker::binding::{self, StreamSettings};
+use amp_broker::jetstream::{ConsumerAction, Context};
+use amp_broker::nats::{Client as NatsClient, Options};
+use common::amp::{Broker, Client, open_config, token_hash};
+use common::{NatsServer, wait_until};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(10);
+const OPEN_TOKEN: &str = "open-token";
+
+fn js(nats: &NatsServer) -> Context {
+    Context::new(NatsClient::connect(Options::new(&nats.url())).expect("connect"))
+        .with_timeout(Duration::from_secs(5))
+}
+
+/// Named participants `a` and `b`, and any other name through the namespace's `open`
+/// entry (token [`OPEN_TOKEN`]).
+fn open_namespace_config() -> Value {
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["open"] = json!({
+        "token_sha256": token_hash(OPEN_TOKEN),
+        "permissions": {"send": [">"]},
+    });
+    config
+}
+
+fn has_inbox_consumer(js: &mut Context, name: &str) -> bool {
+    js.consumer_info("AMP_INBOX_acme", &binding::inbox_consumer(name))
+        .is_ok()
+}
+
+#[test]
+fn a_participant_after_the_first_thousand_still_gets_its_messages() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_namespace_config());
+    let mut js = js(&nats);
+    // A thousand participants that logged in once: their durables stay.
+    for i in 0..1000 {
+        let config = binding::inbox_consumer_config("acme", &format!("p{i}"), 30, 64);
+        js.create_consumer("AMP_INBOX_acme", &config, ConsumerAction::Create)
+            .unwrap_or_else(|e| panic!("consumer {i}: {e}"));
+    }
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut late = Client::login(&broker, "acme", "late", OPEN_TOKEN);
+    let ok = a.request(json!({"op":"send","id":"s1","to":"late","body":"after a thousand"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let msg = late.next_op("message", WAIT).unwrap_or_else(|| {
+        panic!(
+            "no delivery to the 1,001st participant; broker log:\n{}",
+            broker.log()
+        )
+    });
+    assert_eq!(msg["body"], "after a thousand");
+    let inbox = js.stream_info("AMP_INBOX_acme").expect("inbox stream");
+    assert_eq!(
+        serde_json::to_value(&inbox.config).expect("json")["max_consumers"],
+        10_000
+    );
+}
+
+#[test]
+fn a_refused_inbox_consumer_is_reported_and_the_messages_come_once_there_is_room() {
+    let nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut js = js(&nats);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let b = Client::login(&broker, "acme", "b", "b-token");
+    assert!(
+        wait_until(WAIT, || has_inbox_consumer(&mut js, "a")
+            && has_inbox_consumer(&mut js, "b")),
+        "a's and b's inbox consumers"
+    );
+    drop(b);
+
+    // The stream is full: z's consumer is refused, and z is told so.
+    let mut z = Client::login(&broker, "acme", "z", OPEN_TOKEN);
+    let told = z.next_op("error", WAIT).expect("z is told");
+    assert_eq!(told["code"], "unavailable", "{told}");
+    assert!(told.get("re").is_none(), "{told}");
+    let text = told["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("inbox") && text.contains("maximum consumers limit reached"),
+        "{text}"
+    );
+    // A second session of z, while it lasts, is told at its hello.
+    let mut z2 = Client::login(&broker, "acme", "z", OPEN_TOKEN);
+    let told = z2
+        .next_op("error", WAIT)
+        .expect("z's second session is told");
+    assert_eq!(told["code"], "unavailable", "{told}");
+
+    // What is sent to z meanwhile is kept.
+    let ok = a.request(json!({"op":"send","id":"s1","to":"z","body":"kept"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    assert!(z.next_op("message", Duration::from_millis(300)).is_none());
+
+    // Room again (an operator removed a gone participant's durable): the broker's next
+    // request succeeds and the message arrives.
+    assert!(
+        js.delete_consumer("AMP_INBOX_acme", &binding::inbox_consumer("b"))
+            .expect("delete b's consumer")
+    );
+    let (mut first, mut second) = (None, None);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            first = first
+                .take()
+                .or_else(|| z.next_op("message", Duration::from_millis(50)));
+            second = second
+                .take()
+                .or_else(|| z2.next_op("message", Duration::from_millis(50)));
+            first.is_some() || second.is_some()
+        }),
+        "the kept message after room was made; broker log:\n{}",
+        broker.log()
+    );
+    let msg = first.or(second).expect("one delivery");
+    assert_eq!(msg["body"], "kept");
+    assert!(broker.log().contains("inbox consumer created after"));
+}
+
+#[test]
+fn an_inbox_stream_without_a_consumer_limit_gets_one_and_an_operators_limit_stays() {
+    let nats = NatsServer::start();
+    let mut js = js(&nats);
+    // As the broker's earlier versions created it: no max_consumers.
+    let mut earlier = binding::inbox_stream_config("acme", 0, 1, StreamSettings::default());
+    earlier.max_consumers = None;
+    js.create_stream(&earlier).expect("earlier inbox stream");
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    let info = js.stream_info("AMP_INBOX_acme").expect("inbox stream");
+    assert_eq!(info.config.max_consumers, Some(10_000));
+    assert!(
+        broker
+            .log()
+            .contains("adopted stream AMP_INBOX_acme ($JS.API), its max_consumers set to 10000"),
+        "{}",
+        broker.log()
+    );
+    drop(broker);
+
+    let mut tuned = info.config.clone();
+    tuned.max_consumers = Some(20_000);
+    js.update_stream(&tuned).expect("an operator's limit");
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    let info = js.stream_info("AMP_INBOX_acme").expect("inbox stream");
+    assert_eq!(info.config.max_consumers, Some(20_000));
+    assert!(
+        broker
+            .log()
+            .contains("adopted stream AMP_INBOX_acme ($JS.API)\n")
+    );
+}
