@@ -509,10 +509,14 @@ fn main() {
     // the load does not touch. They log in through the namespace's `open` entry (any
     // name, one token), so the figures are the sessions' cost, not a configuration of
     // 10,000 participants.
-    config["namespaces"]["idle"] = json!({"open": {
-        "token_sha256": token_hash(IDLE_TOKEN),
-        "permissions": {"send": [">"]},
-    }});
+    config["namespaces"]["idle"] = json!({
+        "open": {
+            "token_sha256": token_hash(IDLE_TOKEN),
+            "permissions": {"send": [">"]},
+        },
+        // Each idle participant keeps an inbox consumer.
+        "inbox": {"max_consumers": most_idle.max(1)},
+    });
     // Every session comes from 127.0.0.1.
     let sessions = most_idle + 4 * s.pairs * s.rounds + 16;
     config["limits"]["max_sessions"] = json!(sessions);

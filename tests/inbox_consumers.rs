@@ -3,7 +3,8 @@
 //! participant that ever logged in keeps its durable inbox consumer. The broker sets the
 //! inbox stream's limit itself (`inbox.max_consumers`), raises it on a stream an earlier
 //! version created without one, and tells a participant whose consumer JetStream refuses
-//! instead of leaving it without deliveries.
+//! instead of leaving it without deliveries. A crowd logging in at once (a broker's
+//! restart) gets its consumers a few at a time, each asked for once.
 
 mod common;
 
@@ -12,7 +13,7 @@ use std::time::Duration;
 use amp_broker::broker::binding::{self, StreamSettings};
 use amp_broker::jetstream::{ConsumerAction, Context};
 use amp_broker::nats::{Client as NatsClient, Options};
-use common::amp::{Broker, Client, open_config, token_hash};
+use common::amp::{Broker, Client, http_get, open_config, token_hash};
 use common::{NatsServer, wait_until};
 use serde_json::{Value, json};
 
@@ -163,4 +164,80 @@ fn an_inbox_stream_without_a_consumer_limit_gets_one_and_an_operators_limit_stay
             .log()
             .contains("adopted stream AMP_INBOX_acme ($JS.API)\n")
     );
+}
+
+/// `amp_inbox_consumers_waiting` from `/metrics`.
+fn inbox_consumers_waiting(broker: &Broker) -> Option<u64> {
+    let (_, body) = http_get(broker.addr, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("amp_inbox_consumers_waiting "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[test]
+fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered() {
+    const N: usize = 3000;
+    let nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": N + 16});
+    config["limits"] = json!({"max_connections_per_ip": N + 16, "connect_burst_per_ip": N + 16,
+        "hello_timeout_s": 60});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut spy = NatsClient::connect(Options::new(&nats.url())).expect("spy");
+    let creates = spy
+        .subscribe("$JS.API.CONSUMER.CREATE.AMP_INBOX_acme.>", None)
+        .expect("subscribe");
+    spy.flush(WAIT).expect("flush");
+
+    // Every socket first, then every hello at once: the crowd a restarted broker sees.
+    let mut sessions: Vec<Client> = (0..N).map(|_| Client::connect(&broker)).collect();
+    for (i, c) in sessions.iter_mut().enumerate() {
+        c.send(
+            &json!({"op":"hello","id":"h","ns":"acme","name":format!("p{i}"),
+            "auth":{"type":"token","token":OPEN_TOKEN}}),
+        );
+    }
+    for c in &mut sessions {
+        let ok = c.answer_to("h");
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let mut js = js(&nats);
+    assert!(
+        wait_until(Duration::from_secs(90), || js
+            .consumer_names("AMP_INBOX_acme")
+            .is_ok_and(|n| n.len() == N)),
+        "every participant's inbox consumer"
+    );
+    assert!(
+        wait_until(WAIT, || inbox_consumers_waiting(&broker) == Some(0)),
+        "inbox consumers still waiting: {:?}",
+        inbox_consumers_waiting(&broker)
+    );
+    let mut asked = std::collections::HashMap::<String, u32>::new();
+    while let Some(m) = spy
+        .next_message(creates, Duration::from_millis(500))
+        .expect("spy reads")
+    {
+        *asked.entry(m.subject).or_default() += 1;
+    }
+    assert_eq!(asked.len(), N, "one creation per participant");
+    let again: Vec<_> = asked.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        again.is_empty(),
+        "asked more than once: {:?}",
+        &again[..again.len().min(5)]
+    );
+    assert!(
+        !broker.log().contains("inbox consumer request failed"),
+        "{}",
+        broker.log()
+    );
+    // Every inbox is read: a message to the first and to the last arrives.
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    for i in [0, N - 1] {
+        let ok = a.request(json!({"op":"send","id":format!("s{i}"),"to":format!("p{i}"),"body":i}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let msg = sessions[i].next_op("message", WAIT).expect("delivery");
+        assert_eq!(msg["body"], i);
+    }
 }

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use super::admission::Admission;
 use super::auth::{self, Credential};
 use super::binding;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
@@ -286,6 +287,10 @@ enum Timer {
 
 /// How long after a lost inbox consumer request it is sent again.
 const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
+/// Inbox consumer creations out at once: nats-server creates a few hundred durables a
+/// second, so this many are answered well within `JS_TIMEOUT` with room left in its API
+/// queue for everything else.
+const INBOX_CREATES_IN_FLIGHT: usize = 32;
 /// The longest wait between two requests for an inbox consumer JetStream refused.
 const INBOX_REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -295,6 +300,8 @@ pub struct Broker {
     broker_id: String,
     sessions: IdMap<SessionId, Session>,
     presence: HashMap<String, Presence>,
+    /// Inbox consumer creations, a few out at a time (see `admission.rs`).
+    inbox_creates: Admission,
     /// Durable subscriptions' hand-backs under way, by (stream, consumer).
     hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.
@@ -369,6 +376,7 @@ impl Broker {
             broker_id,
             sessions: IdMap::default(),
             presence: HashMap::new(),
+            inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
@@ -640,6 +648,7 @@ impl Broker {
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
             Pending::InboxConsumer { participant } => {
+                self.inbox_creates.done();
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
                     // A domain that just came back may not have its streams yet.
@@ -656,6 +665,7 @@ impl Broker {
                         self.retry_inbox_consumer(participant, now);
                     }
                 }
+                self.send_inbox_creates(conn, now);
             }
             Pending::RegistryPut { participant } => {
                 if let Err(e) = reply {
@@ -889,6 +899,11 @@ impl Broker {
             out,
             "# HELP amp_nats_requests_in_flight NATS requests waiting for their reply, of every capability.\n# TYPE amp_nats_requests_in_flight gauge\namp_nats_requests_in_flight {}",
             self.continuations.in_flight()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP amp_inbox_consumers_waiting Participants here whose inbox consumer is being created or waits its turn to be.\n# TYPE amp_inbox_consumers_waiting gauge\namp_inbox_consumers_waiting {}",
+            self.inbox_creates.backlog()
         );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);

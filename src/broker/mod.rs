@@ -1,6 +1,7 @@
 //! The AMP broker: configuration, sessions, inbox, registry,
 //! jobs and policy.
 
+pub mod admission;
 pub mod auth;
 pub mod binding;
 pub mod bounded_map;

@@ -182,6 +182,8 @@ impl Broker {
         }
     }
 
+    /// Queues the creation (or update) of the participant's inbox consumer; see
+    /// [`send_inbox_creates`](Broker::send_inbox_creates).
     pub(super) fn ensure_inbox_consumer(
         &mut self,
         conn: &mut Connection,
@@ -189,29 +191,44 @@ impl Broker {
         name: &str,
         now: Instant,
     ) {
-        let Some(inbox) = self.config.namespaces.get(ns).map(|n| n.inbox.clone()) else {
-            return;
-        };
-        let config = binding::inbox_consumer_config(ns, name, inbox.ack_wait_s, inbox.inbox_window);
-        let req = self.config.js_api(ns).consumer_create(
-            &binding::inbox_stream(ns),
-            &config,
-            ConsumerAction::CreateOrUpdate,
-        );
-        match js_request(conn, req, now) {
-            Ok(req) => {
-                self.await_reply(
-                    req,
-                    now,
-                    Pending::InboxConsumer {
-                        participant: participant_key(ns, name),
-                    },
-                );
-            }
-            Err(e) => {
-                log::warn!(participant:% = format_args!("{ns}/{name}"); "inbox consumer request failed: {e}"
-                );
-                self.retry_inbox_consumer(participant_key(ns, name), now);
+        self.inbox_creates.push(&participant_key(ns, name));
+        self.send_inbox_creates(conn, now);
+    }
+
+    /// Sends queued inbox consumer creations while fewer than `INBOX_CREATES_IN_FLIGHT`
+    /// are out, skipping participants that left or were attached meanwhile.
+    pub(super) fn send_inbox_creates(&mut self, conn: &mut Connection, now: Instant) {
+        while let Some(key) = self.inbox_creates.admit() {
+            let wanted = self
+                .presence
+                .get(&key)
+                .is_some_and(|p| p.inbox.sid().is_none());
+            let inbox = key
+                .split_once('/')
+                .filter(|_| wanted)
+                .and_then(|(ns, name)| Some((ns, name, self.config.namespaces.get(ns)?)));
+            let Some((ns, name, namespace)) = inbox else {
+                self.inbox_creates.done();
+                continue;
+            };
+            let config = binding::inbox_consumer_config(
+                ns,
+                name,
+                namespace.inbox.ack_wait_s,
+                namespace.inbox.inbox_window,
+            );
+            let req = self.config.js_api(ns).consumer_create(
+                &binding::inbox_stream(ns),
+                &config,
+                ConsumerAction::CreateOrUpdate,
+            );
+            match js_request(conn, req, now) {
+                Ok(req) => self.await_reply(req, now, Pending::InboxConsumer { participant: key }),
+                Err(e) => {
+                    self.inbox_creates.done();
+                    log::warn!(participant:% = key; "inbox consumer request failed: {e}");
+                    self.retry_inbox_consumer(key, now);
+                }
             }
         }
     }

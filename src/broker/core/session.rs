@@ -74,6 +74,7 @@ impl Broker {
                     self.routes.remove(&sid);
                     let _ = conn.unsubscribe(sid, None);
                 }
+                self.inbox_creates.withdraw(&key);
                 self.registry_delete(conn, &ns, &name);
             }
         }
