@@ -33,7 +33,7 @@ use amp_broker::jetstream::{
 };
 use amp_broker::nats::{Client as NatsClient, Options, Sid};
 use common::NatsServer;
-use common::amp::{Broker, Client, open_config, token_hash};
+use common::amp::{Broker, Client, http_get, open_config, token_hash};
 use serde_json::{Value, json};
 use tungstenite::{Message as Frame, WebSocket};
 
@@ -50,6 +50,8 @@ struct Sizes {
     window: usize,
     rounds: usize,
     idle_sessions: Vec<usize>,
+    /// How long idle sessions are held while their CPU cost is taken.
+    idle_sample: Duration,
 }
 
 impl Sizes {
@@ -77,6 +79,7 @@ impl Sizes {
                 })
                 .filter(|counts| !counts.is_empty())
                 .unwrap_or_else(|| vec![1000, 10_000]),
+            idle_sample: Duration::from_secs(10),
         }
     }
 
@@ -88,6 +91,7 @@ impl Sizes {
             window: 4,
             rounds: 1,
             idle_sessions: vec![10],
+            idle_sample: Duration::from_millis(500),
         }
     }
 }
@@ -152,18 +156,36 @@ fn settled_rss_kib(pid: u32) -> u64 {
     }
 }
 
-/// Waits (at most 60 s) until a process uses less than 5% of a CPU over half a second.
+/// Waits (at most 60 s) until a process uses less than 4% of a CPU over half a second
+/// (one or two clock ticks).
 fn settle_cpu(pid: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = cpu_seconds(pid);
     while Instant::now() < deadline {
         thread::sleep(Duration::from_millis(500));
         let now = cpu_seconds(pid);
-        if now - last < 0.025 {
+        if now - last < 0.02 + 1e-9 {
             return;
         }
         last = now;
     }
+}
+
+/// Waits (at most 5 minutes) until the broker's `amp_inbox_consumers_waiting` is 0.
+fn wait_inbox_consumers(broker: &Broker) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(300) {
+        let waiting = http_get(broker.addr, "/metrics").and_then(|(_, body)| {
+            body.lines()
+                .find_map(|l| l.strip_prefix("amp_inbox_consumers_waiting "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        });
+        if waiting == Some(0) {
+            break;
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    start.elapsed()
 }
 
 fn load_average() -> String {
@@ -218,6 +240,10 @@ where
     S: Fn(usize, &Barrier) + Sync,
     R: Fn(usize, &Barrier) -> (Vec<u64>, Instant) + Sync,
 {
+    // What the last run left behind (its sessions ending, its consumers' acks settling)
+    // is not this run's cost.
+    settle_cpu(pids[1]);
+    settle_cpu(pids[2]);
     let barrier = Barrier::new(2 * s.pairs + 1);
     let (start, cpu_before, results) = thread::scope(|scope| {
         let receivers: Vec<_> = (0..s.pairs)
@@ -554,18 +580,38 @@ fn main() {
     let mut sessions: Vec<Client> = Vec::with_capacity(most_idle);
     let mut rss_sessions: Vec<(usize, u64)> = Vec::new();
     for &count in &s.idle_sessions {
+        let start = Instant::now();
         sessions.extend(
             idle.get(sessions.len()..count)
                 .unwrap_or_default()
                 .iter()
                 .map(|n| Client::login(&broker, "idle", n, IDLE_TOKEN)),
         );
+        let logged_in = start.elapsed();
+        // Each session's participant has its inbox consumer and pull before it counts.
+        let ready = wait_inbox_consumers(&broker);
         rss_sessions.push((count, settled_rss_kib(broker_pid)));
+        // What holding them costs: registry refreshes, pull heartbeats and renewals.
+        let pids = [broker_pid, nats_pid].map(|p| p.to_string());
+        let before = pids.each_ref().map(|p| cpu_seconds(p));
+        thread::sleep(s.idle_sample);
+        let busy =
+            [0, 1].map(|k| (cpu_seconds(&pids[k]) - before[k]) / s.idle_sample.as_secs_f64());
+        println!(
+            "{count} idle sessions: logged in after {:.1} s, every inbox consumer after {:.1} s; \
+             held for {:.1} s: broker {:.1}% of a CPU, nats-server {:.1}%",
+            logged_in.as_secs_f64(),
+            (logged_in + ready).as_secs_f64(),
+            s.idle_sample.as_secs_f64(),
+            busy[0] * 100.0,
+            busy[1] * 100.0,
+        );
     }
     drop(sessions);
-    // Ending thousands of sessions keeps the broker busy for a while; the CPU figures of
-    // the first round must not carry it.
+    // Ending thousands of sessions keeps the broker and nats-server busy for a while;
+    // the CPU figures of the first round must not carry it.
     settle_cpu(&broker_pid.to_string());
+    settle_cpu(&nats_pid.to_string());
 
     let mut setup = jetstream(&nats.url());
     let stream = StreamConfig {
