@@ -1,13 +1,13 @@
 //! Requests of one kind to JetStream's API, at most a fixed number out at a time, the rest
 //! waiting their turn in arrival order, each key once.
 //!
-//! Why: nats-server answers API requests from one queue, and creating a file-backed
-//! durable consumer is slow (about 300 a second on a 2-core node). Ten thousand
-//! participants logging in at once (a broker restart) used to send ten thousand creations
-//! at once: most outlived their 4 s timeout in that queue and were sent again, the server
-//! went on creating consumers for half a minute, and every other API request (topic
-//! subscriptions, the task store) waited behind them. Out a few at a time, each is
-//! answered well within its timeout and nothing is asked twice.
+//! Why: nats-server answers API requests from one queue and creates file-backed durable
+//! consumers one after another. Ten thousand participants logging in at once (a broker
+//! restart) used to send ten thousand creations at once: the server got through a few
+//! hundred a second, most requests outlived their 4 s timeout in that queue and were sent
+//! again, the server went on creating consumers for half a minute, and every other API
+//! request (topic subscriptions, the task store) waited behind them. Out a few at a time,
+//! each is answered well within its timeout and nothing is asked twice.
 
 use std::collections::{HashSet, VecDeque};
 
