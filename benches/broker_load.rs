@@ -10,7 +10,8 @@
 //! `BROKER_LOAD_PAIRS` (16), `BROKER_LOAD_MESSAGES` per pair (2000),
 //! `BROKER_LOAD_BODY_BYTES` (256), `BROKER_LOAD_WINDOW` sends in flight per sender (16),
 //! `BROKER_LOAD_ROUNDS` (2) and `BROKER_LOAD_IDLE_SESSIONS` (1000,10000: the idle session
-//! counts the memory phase measures, in rising order).
+//! counts the memory phase measures, in rising order). `BROKER_LOAD_REGISTRY_TTL_S` sets
+//! the broker's `limits.registry_ttl_s` (default 15).
 //!
 //! Profiling: `AMP_BROKER_WRAPPER="valgrind --tool=callgrind --instr-atstart=no"` starts
 //! the broker under callgrind; the bench then instruments it for the broker-path runs only
@@ -546,6 +547,13 @@ fn main() {
     // Every session comes from 127.0.0.1.
     let sessions = most_idle + 4 * s.pairs * s.rounds + 16;
     config["limits"]["max_sessions"] = json!(sessions);
+    // Idle sessions' registry entries are refreshed every registry_ttl_s / 3.
+    if let Some(ttl) = std::env::var("BROKER_LOAD_REGISTRY_TTL_S")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        config["limits"]["registry_ttl_s"] = json!(ttl);
+    }
     config["limits"]["max_connections_per_ip"] = json!(sessions);
     config["limits"]["connect_burst_per_ip"] = json!(sessions);
 
