@@ -670,6 +670,18 @@ impl Connection {
 
     /// Subscribes to `subject` (wildcards allowed), in queue group `queue` when given.
     /// While disconnected the subscription is made on the next connection.
+    /// Messages of `sid` carry only the inline status and description of their header
+    /// block, its fields neither checked nor kept: for a reader that needs nothing else
+    /// (the inbox pull, whose deliveries are built from their envelope), sparing the
+    /// check and copy of every delivery's fields. A block whose version line is fine but
+    /// whose fields are not then still gives its status; such a block can only come from
+    /// someone allowed to publish on the subject itself.
+    pub fn status_only_headers(&mut self, sid: Sid) {
+        if let Some(sub) = self.subs.get_mut(sid) {
+            sub.status_only = true;
+        }
+    }
+
     pub fn subscribe(&mut self, subject: &str, queue: Option<&str>) -> Result<Sid, Error> {
         validate_pattern(subject.as_bytes())
             .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
@@ -1181,6 +1193,7 @@ impl Connection {
             self.on_response(subject, reply, headers, payload);
             return;
         }
+        let status_only = headers.is_some() && self.subs.get(sid).is_some_and(|s| s.status_only);
         let known = self.subs.deliver(sid) != Delivery::Unknown;
         if !known && !reply.is_some_and(|r| r.starts_with(b"$JS.ACK.")) {
             return;
@@ -1190,7 +1203,7 @@ impl Connection {
             self.stats.dropped_msgs += 1;
             return;
         }
-        let msg = make_message(subject, reply, headers, payload);
+        let msg = make_message(subject, reply, headers, payload, status_only);
         self.queued_messages += 1;
         self.events.push_back(if known {
             Event::Message { sid, msg }
@@ -1215,7 +1228,7 @@ impl Connection {
         if !self.requests.remove(id) {
             return; // late or duplicate reply
         }
-        let msg = make_message(subject, reply, headers, payload);
+        let msg = make_message(subject, reply, headers, payload, false);
         if msg.status() == Some(503) && msg.payload.is_empty() {
             self.events.push_back(Event::RequestFailed {
                 id,
@@ -1415,13 +1428,20 @@ fn make_message(
     reply: Option<&[u8]>,
     headers: Option<&[u8]>,
     payload: &[u8],
+    status_only: bool,
 ) -> Message {
     Message {
         subject: owned_text(subject),
         reply: reply.map(owned_text),
         // A header block another client got wrong is delivered without headers rather
         // than taking the connection down.
-        headers: headers.and_then(|h| HeaderMap::parse(h).ok()),
+        headers: headers.and_then(|h| {
+            if status_only {
+                HeaderMap::parse_status(h).ok()
+            } else {
+                HeaderMap::parse(h).ok()
+            }
+        }),
         payload: payload.to_vec(),
     }
 }

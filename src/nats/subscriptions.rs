@@ -23,6 +23,9 @@ pub struct Subscription {
     pub delivered: u64,
     /// `delivered` when the SUB was last sent; the server counts `max` from there.
     pub delivered_at_sub: u64,
+    /// Its messages carry only the inline status of their header block (see
+    /// `Connection::status_only_headers`).
+    pub status_only: bool,
 }
 
 impl Subscription {
@@ -70,6 +73,7 @@ impl SubscriptionTable {
                 max: None,
                 delivered: 0,
                 delivered_at_sub: 0,
+                status_only: false,
             },
         );
         Sid(sid)

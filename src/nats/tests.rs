@@ -335,6 +335,51 @@ fn messages_split_across_reads_are_delivered_once_complete() {
 }
 
 #[test]
+fn a_status_only_subscription_gets_statuses_and_no_fields_and_others_get_both() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let plain = h.conn.subscribe("p", None).expect("sub");
+    let status_only = h.conn.subscribe("s", None).expect("sub");
+    h.conn.status_only_headers(status_only);
+    h.take_output();
+    for (subject, sid) in [("p", plain), ("s", status_only)] {
+        for hdr in [
+            "NATS/1.0\r\nAMP-From: acme/a\r\n\r\n",
+            "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\n\r\n",
+        ] {
+            let wire = format!(
+                "HMSG {subject} {sid} {} {}\r\n{hdr}ok\r\n",
+                hdr.len(),
+                hdr.len() + 2
+            );
+            h.conn.receive(wire.as_bytes(), h.now);
+        }
+    }
+    let got: Vec<(String, Option<u16>, Option<String>)> = h
+        .events()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Message { msg, .. } => Some((
+                msg.subject.clone(),
+                msg.status(),
+                msg.header("AMP-From").map(str::to_string),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("p".to_string(), None, Some("acme/a".to_string())),
+            ("p".to_string(), Some(408), None),
+            ("s".to_string(), None, None),
+            ("s".to_string(), Some(408), None),
+        ]
+    );
+}
+
+#[test]
 fn a_delivered_subject_with_a_cr_or_control_byte_is_dropped_and_counted_not_fatal() {
     let mut h = Harness::new(Harness::options("h:1"));
     h.connect();

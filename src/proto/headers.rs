@@ -250,6 +250,23 @@ impl HeaderMap {
         Ok(map)
     }
 
+    /// Only the inline status and description of `block`'s version line; the fields that
+    /// follow are neither checked nor kept.
+    pub fn parse_status(block: &[u8]) -> Result<HeaderMap, HeaderError> {
+        let rest = block
+            .strip_prefix(VERSION)
+            .ok_or(HeaderError::MissingVersion)?;
+        let first_end = find_crlf(rest).ok_or(HeaderError::BadLineEnd)?;
+        let line = rest.get(..first_end).ok_or(HeaderError::BadLineEnd)?;
+        let line = std::str::from_utf8(line).map_err(|_| HeaderError::NotUtf8)?;
+        let (status, description) = parse_status_line(line)?;
+        Ok(HeaderMap {
+            status,
+            description: description.map(str::to_owned),
+            text: String::new(),
+        })
+    }
+
     /// Sets `name` to the single value `value`, replacing earlier values (the first
     /// occurrence keeps its position). Leading blanks of `value` are dropped, as a parser
     /// would drop them.
@@ -591,6 +608,40 @@ mod tests {
         }
         let hb = Headers::parse(cases[1].0).expect("valid");
         assert_eq!(hb.get("Nats-Last-Stream"), Some("9"));
+    }
+
+    #[test]
+    fn the_status_alone_is_the_full_parse_s_status_and_ignores_the_fields() {
+        let blocks: [&[u8]; 6] = [
+            b"NATS/1.0 404 No Messages\r\n\r\n",
+            b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\n\r\n",
+            b"NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\n\r\n",
+            b"NATS/1.0 503\r\n\r\n",
+            b"NATS/1.0\r\nNats-Msg-Id: 1\r\nAMP-From: acme/a\r\n\r\n",
+            b"NATS/1.0  409   Consumer Deleted \r\n\r\n",
+        ];
+        for block in blocks {
+            let full = HeaderMap::parse(block).expect("valid");
+            let status = HeaderMap::parse_status(block).expect("valid");
+            assert_eq!(status.status(), full.status(), "{block:?}");
+            assert_eq!(status.description(), full.description(), "{block:?}");
+            assert!(status.is_empty(), "{block:?}");
+        }
+        // Fields are not looked at; a bad version line still is.
+        let odd_fields = HeaderMap::parse_status(b"NATS/1.0 408\r\nno colon\r\n\r\n");
+        assert_eq!(odd_fields.map(|h| h.status()), Ok(Some(408)));
+        for (block, want) in [
+            (&b"NATS/2.0 408\r\n\r\n"[..], HeaderError::MissingVersion),
+            (b"NATS/1.0 408", HeaderError::BadLineEnd),
+            (b"NATS/1.0 40\r\n\r\n", HeaderError::BadStatus),
+            (b"NATS/1.0 408 \xff\r\n\r\n", HeaderError::NotUtf8),
+        ] {
+            assert_eq!(
+                HeaderMap::parse_status(block).err(),
+                Some(want),
+                "{block:?}"
+            );
+        }
     }
 
     #[test]

@@ -284,6 +284,8 @@ impl Broker {
         }
         match p.inbox.attach(conn) {
             Ok(sid) => {
+                // Deliveries are built from the stored envelope; the pull reads statuses.
+                conn.status_only_headers(sid);
                 let check = p.inbox.pull(conn, now);
                 self.routes.insert(
                     sid,
