@@ -166,6 +166,15 @@ impl PullLoop {
         Ok(sid)
     }
 
+    /// [`attach`](Self::attach) for a reader that builds its frames from the stored
+    /// envelope and needs of each header block only its status (inboxes, topic
+    /// subscriptions): no delivery's header fields are checked or copied.
+    pub fn attach_status_only(&mut self, conn: &mut Connection) -> Result<Sid, crate::nats::Error> {
+        let sid = self.attach(conn)?;
+        conn.status_only_headers(sid);
+        Ok(sid)
+    }
+
     /// Drops the subscription; returns it so the caller can forget its route.
     pub fn detach(&mut self, conn: &mut Connection) -> Option<Sid> {
         let sid = self.sid.take()?;

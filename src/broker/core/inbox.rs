@@ -282,10 +282,8 @@ impl Broker {
         if let Some((refusals, _)) = p.inbox_refused.take() {
             log::info!(participant:% = participant; "inbox consumer created after {refusals} refusals");
         }
-        match p.inbox.attach(conn) {
+        match p.inbox.attach_status_only(conn) {
             Ok(sid) => {
-                // Deliveries are built from the stored envelope; the pull reads statuses.
-                conn.status_only_headers(sid);
                 let check = p.inbox.pull(conn, now);
                 self.routes.insert(
                     sid,

@@ -571,7 +571,7 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, &sub) else {
             return;
         };
-        match t.pull.attach(conn) {
+        match t.pull.attach_status_only(conn) {
             Ok(sid) => {
                 let check = t.pull.pull(conn, now);
                 self.routes.insert(
@@ -1025,7 +1025,7 @@ impl Broker {
             return log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription could not be resumed"
             );
         }
-        if let Ok(sid) = t.pull.attach(conn) {
+        if let Ok(sid) = t.pull.attach_status_only(conn) {
             let check = t.pull.pull(conn, now);
             self.routes.insert(
                 sid,
