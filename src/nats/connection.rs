@@ -668,20 +668,20 @@ impl Connection {
         Ok(())
     }
 
-    /// Subscribes to `subject` (wildcards allowed), in queue group `queue` when given.
-    /// While disconnected the subscription is made on the next connection.
     /// Messages of `sid` carry only the inline status and description of their header
     /// block, its fields neither checked nor kept: for a reader that needs nothing else
-    /// (the inbox pull, whose deliveries are built from their envelope), sparing the
-    /// check and copy of every delivery's fields. A block whose version line is fine but
-    /// whose fields are not then still gives its status; such a block can only come from
-    /// someone allowed to publish on the subject itself.
+    /// (the broker's inbox and topic pulls, whose deliveries are built from the stored
+    /// envelope), sparing the check and copy of every delivery's fields. A block whose
+    /// version line is fine but whose fields are not then still gives its status; such a
+    /// block can only come from someone allowed to publish on the subject itself.
     pub fn status_only_headers(&mut self, sid: Sid) {
         if let Some(sub) = self.subs.get_mut(sid) {
             sub.status_only = true;
         }
     }
 
+    /// Subscribes to `subject` (wildcards allowed), in queue group `queue` when given.
+    /// While disconnected the subscription is made on the next connection.
     pub fn subscribe(&mut self, subject: &str, queue: Option<&str>) -> Result<Sid, Error> {
         validate_pattern(subject.as_bytes())
             .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
