@@ -230,9 +230,15 @@ pub fn check_headers(data: &[u8]) {
         Headers::parse(data).map(|v| HeaderMap::from(&v)),
         "HeaderMap::parse differs from Headers::parse"
     );
+    // The status alone (inbox and topic pulls) is the full parse's, whenever that one
+    // accepts the block; it never panics on any other.
+    let status = HeaderMap::parse_status(data);
     let Ok(view) = Headers::parse(data) else {
         return;
     };
+    let status = status.expect("a block the full parse accepts has a status line");
+    assert_eq!(status.status(), view.status());
+    assert_eq!(status.description(), view.description());
     let map = HeaderMap::from(&view);
     assert_eq!(map.iter().count(), view.iter().count());
     for (name, _) in view.iter() {
