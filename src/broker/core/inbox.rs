@@ -101,9 +101,10 @@ impl Broker {
             ("AMP-From", env.from.as_str()),
             ("AMP-Kind", env.kind.as_str()),
         ];
-        // Distinct names, so appended without looking for an earlier value.
+        // Distinct names, so appended without looking for an earlier value; the broker
+        // made each value (an id, a configured or checked name, a constant).
         for (k, value) in stamped {
-            let _ = headers.append(k, value);
+            headers.append_trusted(k, value);
         }
         if let Some(tp) = env.headers.get("traceparent") {
             let _ = headers.append("traceparent", tp);
