@@ -241,3 +241,53 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
         assert_eq!(msg["body"], i);
     }
 }
+
+#[test]
+fn inboxes_asked_for_while_nats_is_away_are_all_made_once_it_is_back() {
+    // More than the creations out at once (32): a slot kept by a request that failed with
+    // the connection would leave some participant without an inbox for good.
+    const N: usize = 80;
+    let mut nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["limits"] = json!({"max_connections_per_ip": N + 16, "connect_burst_per_ip": N + 16});
+    let broker = Broker::start(&nats.url(), &config);
+    let health = |want: u16| {
+        wait_until(WAIT, || {
+            http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == want)
+        })
+    };
+    // The hellos go out, and NATS goes away while their creations are being sent: some
+    // are lost with the connection, the rest wait for the next one.
+    let mut sessions: Vec<Client> = (0..N).map(|_| Client::connect(&broker)).collect();
+    for (i, c) in sessions.iter_mut().enumerate() {
+        c.send(
+            &json!({"op":"hello","id":"h","ns":"acme","name":format!("q{i}"),
+            "auth":{"type":"token","token":OPEN_TOKEN}}),
+        );
+    }
+    nats.kill();
+    for c in &mut sessions {
+        let ok = c.answer_to("h");
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    assert!(health(503), "NATS is away");
+
+    nats.start_again();
+    assert!(health(200), "NATS is back");
+    assert!(
+        wait_until(Duration::from_secs(60), || inbox_consumers_waiting(&broker)
+            == Some(0)),
+        "inbox consumers still waiting: {:?}; broker log:\n{}",
+        inbox_consumers_waiting(&broker),
+        broker.log()
+    );
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    for i in [0, N / 2, N - 1] {
+        let ok = a.request(json!({"op":"send","id":format!("s{i}"),"to":format!("q{i}"),"body":i}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let msg = sessions[i]
+            .next_op("message", WAIT)
+            .unwrap_or_else(|| panic!("no delivery to q{i}; broker log:\n{}", broker.log()));
+        assert_eq!(msg["body"], i);
+    }
+}
