@@ -48,6 +48,12 @@ impl Relay {
                         continue;
                     };
                     let mut list = conns.lock().expect("relay lock");
+                    // A cut while this connection was being made: `cut` clears `open`
+                    // before it takes the lock, so a connection listed here is one it
+                    // shuts, and one it would not see is not piped.
+                    if !open.load(Ordering::SeqCst) {
+                        continue;
+                    }
                     for s in [&inbound, &outbound] {
                         if let Ok(c) = s.try_clone() {
                             list.push(c);
