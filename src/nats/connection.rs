@@ -1193,8 +1193,8 @@ impl Connection {
             self.on_response(subject, reply, headers, payload);
             return;
         }
-        let status_only = headers.is_some() && self.subs.get(sid).is_some_and(|s| s.status_only);
-        let known = self.subs.deliver(sid) != Delivery::Unknown;
+        let (delivery, status_only) = self.subs.deliver(sid);
+        let known = delivery != Delivery::Unknown;
         if !known && !reply.is_some_and(|r| r.starts_with(b"$JS.ACK.")) {
             return;
         }

@@ -91,22 +91,24 @@ impl SubscriptionTable {
         self.subs.remove(&sid.0)
     }
 
-    /// Counts a delivery on `sid` and applies auto-unsubscribe.
-    pub fn deliver(&mut self, sid: Sid) -> Delivery {
+    /// Counts a delivery on `sid` and applies auto-unsubscribe; also says whether the
+    /// subscription reads only statuses (one lookup per message for both).
+    pub fn deliver(&mut self, sid: Sid) -> (Delivery, bool) {
         let Some(sub) = self.subs.get_mut(&sid.0) else {
-            return Delivery::Unknown;
+            return (Delivery::Unknown, false);
         };
+        let status_only = sub.status_only;
         if sub.max.is_some_and(|m| sub.delivered >= m) {
             // The server delivered past the limit (its count restarted on reconnect).
             self.subs.remove(&sid.0);
-            return Delivery::Unknown;
+            return (Delivery::Unknown, false);
         }
         sub.delivered += 1;
         if sub.max.is_some_and(|m| sub.delivered >= m) {
             self.subs.remove(&sid.0);
-            return Delivery::DeliverLast;
+            return (Delivery::DeliverLast, status_only);
         }
-        Delivery::Deliver
+        (Delivery::Deliver, status_only)
     }
 
     /// Every subscription, in sid order (the order they were made), for resubscribing.
@@ -127,9 +129,9 @@ mod tests {
         let mut t = SubscriptionTable::default();
         let sid = t.insert("a", None);
         t.get_mut(sid).expect("sub").max = Some(2);
-        assert_eq!(t.deliver(sid), Delivery::Deliver);
-        assert_eq!(t.deliver(sid), Delivery::DeliverLast);
-        assert_eq!(t.deliver(sid), Delivery::Unknown);
+        assert_eq!(t.deliver(sid).0, Delivery::Deliver);
+        assert_eq!(t.deliver(sid).0, Delivery::DeliverLast);
+        assert_eq!(t.deliver(sid).0, Delivery::Unknown);
         assert!(t.is_empty());
     }
 

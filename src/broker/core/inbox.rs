@@ -253,10 +253,11 @@ impl Broker {
             return;
         };
         let refusals = p.inbox_refused.as_ref().map_or(0, |(n, _)| *n);
-        p.inbox_refused = Some((refusals.saturating_add(1), e.to_string().into()));
-        if refusals == 0 {
+        let why = e.to_string();
+        let error = (refusals == 0).then(|| inbox_refused_error(&why));
+        p.inbox_refused = Some((refusals.saturating_add(1), why.into()));
+        if let Some(error) = error {
             log::warn!(participant:% = participant; "inbox consumer refused: {e}; asking again");
-            let error = inbox_refused_error(&e.to_string());
             for session in p.sessions.clone() {
                 self.error(session, None, &error);
             }
