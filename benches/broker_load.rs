@@ -34,7 +34,7 @@ use amp_broker::jetstream::{
 };
 use amp_broker::nats::{Client as NatsClient, Options, Sid};
 use common::NatsServer;
-use common::amp::{Broker, Client, http_get, open_config, token_hash};
+use common::amp::{Broker, Client, metric, open_config, token_hash};
 use serde_json::{Value, json};
 use tungstenite::{Message as Frame, WebSocket};
 
@@ -176,12 +176,7 @@ fn settle_cpu(pid: &str) {
 fn wait_inbox_consumers(broker: &Broker) -> Duration {
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(300) {
-        let waiting = http_get(broker.addr, "/metrics").and_then(|(_, body)| {
-            body.lines()
-                .find_map(|l| l.strip_prefix("amp_inbox_consumers_waiting "))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        });
-        if waiting == Some(0) {
+        if metric(broker, "amp_inbox_consumers_waiting") == Some(0.0) {
             break;
         }
         thread::sleep(Duration::from_millis(100));

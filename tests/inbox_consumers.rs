@@ -13,7 +13,7 @@ use std::time::Duration;
 use amp_broker::broker::binding::{self, StreamSettings};
 use amp_broker::jetstream::{ConsumerAction, Context};
 use amp_broker::nats::{Client as NatsClient, Options};
-use common::amp::{Broker, Client, http_get, open_config, token_hash};
+use common::amp::{Broker, Client, http_get, metric, open_config, token_hash};
 use common::{NatsServer, wait_until};
 use serde_json::{Value, json};
 
@@ -166,12 +166,8 @@ fn an_inbox_stream_without_a_consumer_limit_gets_one_and_an_operators_limit_stay
     );
 }
 
-/// `amp_inbox_consumers_waiting` from `/metrics`.
-fn inbox_consumers_waiting(broker: &Broker) -> Option<u64> {
-    let (_, body) = http_get(broker.addr, "/metrics")?;
-    body.lines()
-        .find_map(|l| l.strip_prefix("amp_inbox_consumers_waiting "))
-        .and_then(|v| v.trim().parse().ok())
+fn inbox_consumers_waiting(broker: &Broker) -> Option<f64> {
+    metric(broker, "amp_inbox_consumers_waiting")
 }
 
 #[test]
@@ -209,7 +205,7 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
         "every participant's inbox consumer"
     );
     assert!(
-        wait_until(WAIT, || inbox_consumers_waiting(&broker) == Some(0)),
+        wait_until(WAIT, || inbox_consumers_waiting(&broker) == Some(0.0)),
         "inbox consumers still waiting: {:?}",
         inbox_consumers_waiting(&broker)
     );
@@ -276,7 +272,7 @@ fn inboxes_asked_for_while_nats_is_away_are_all_made_once_it_is_back() {
     assert!(health(200), "NATS is back");
     assert!(
         wait_until(Duration::from_secs(60), || inbox_consumers_waiting(&broker)
-            == Some(0)),
+            == Some(0.0)),
         "inbox consumers still waiting: {:?}; broker log:\n{}",
         inbox_consumers_waiting(&broker),
         broker.log()

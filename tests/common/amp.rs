@@ -311,6 +311,15 @@ pub fn profile(pid: &str, on: bool) {
 }
 
 /// A plain HTTP/1.1 GET: status and body, or None if nothing answered.
+/// The value of an unlabelled series of the broker's `/metrics` (`None`: no answer, or no
+/// such line).
+pub fn metric(broker: &Broker, name: &str) -> Option<f64> {
+    let (_, body) = http_get(broker.addr, "/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
