@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::NatsServer;
-use common::amp::{Broker, Client, open_config};
+use common::amp::{Broker, Client, metric, open_config};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -439,6 +439,149 @@ fn a_durable_subscribed_again_right_after_unsubscribe_is_a_fresh_live_one() {
             }
         }
         assert_eq!(got.first(), Some(&old), "round {round}: {got:?}");
+        assert_eq!(s.request(json!({"op":"unsubscribe","sub":sub}))["op"], "ok");
+    }
+}
+
+/// nats-server answers JetStream API requests from one queue, a few hundred consumer
+/// creations a second. A participant that subscribes and unsubscribes as fast as its
+/// frame rate allows (each pair a consumer creation and a delete), from sixteen sessions,
+/// must not make another participant's subscriptions wait behind its own: before the
+/// broker queued these requests session by session, the victim's second subscription
+/// waited 4.9 s and its third timed out (`unavailable`).
+#[test]
+fn a_subscribe_flood_does_not_hold_up_other_participants_subscriptions() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["mallory", "victim"]));
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooders: Vec<_> = (0..16)
+        .map(|k| {
+            let mut m = Client::login(&broker, "acme", "mallory", "mallory-token");
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                let mut pairs = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    // Just under the session's frame rate (1,000/s), so none is refused
+                    // for that.
+                    let due = start + Duration::from_micros(2_200) * pairs;
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                    let sub = format!("m{k}-{pairs}");
+                    m.send(
+                        &json!({"op":"subscribe","id":format!("s{pairs}"),"topic":"f.>","sub":sub}),
+                    );
+                    m.send(&json!({"op":"unsubscribe","id":format!("u{pairs}"),"sub":sub}));
+                    pairs += 1;
+                }
+                pairs
+            })
+        })
+        .collect();
+    let mut victim = Client::login(&broker, "acme", "victim", "victim-token");
+    let mut waits = Vec::new();
+    let mut answers = Vec::new();
+    for i in 0..6 {
+        std::thread::sleep(Duration::from_secs(1));
+        let start = Instant::now();
+        answers.push(victim.request(json!({"op":"subscribe","topic":"v.>","sub":format!("v{i}")})));
+        waits.push(start.elapsed());
+    }
+    let waiting = metric(&broker, "amp_topic_requests_waiting");
+    stop.store(true, Ordering::Relaxed);
+    let pairs: u32 = flooders
+        .into_iter()
+        .map(|t| t.join().expect("flooder"))
+        .sum();
+    for (i, ok) in answers.iter().enumerate() {
+        assert_eq!(
+            ok["op"], "ok",
+            "victim's subscription {i}, waits {waits:?}: {ok}"
+        );
+    }
+    let slowest = waits.iter().max().copied().unwrap_or_default();
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the victim's subscriptions waited {waits:?} behind {pairs} subscribe/unsubscribe pairs"
+    );
+    // A flooding session is held back by its deletes not yet answered (at most its 64
+    // subscriptions), each behind its creation: 128 waiting at most, and 16 out.
+    assert!(
+        waiting.is_some_and(|n| n <= (16 * 128 + 16 + 6) as f64),
+        "{waiting:?} requests waiting"
+    );
+}
+
+/// Unsubscribed consumers count against the session's subscriptions until JetStream has
+/// deleted them; a subscribe past that is told to come back shortly, not refused for good.
+#[test]
+fn subscriptions_still_being_deleted_count_until_they_are_gone() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s"], json!({"max_subscriptions_per_session": 3}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    // All at once: the broker reads them before any delete can be answered.
+    let pairs = 200;
+    for i in 0..pairs {
+        s.send(&json!({"op":"subscribe","id":format!("s{i}"),"topic":"x.>","sub":format!("p{i}")}));
+        s.send(&json!({"op":"unsubscribe","id":format!("u{i}"),"sub":format!("p{i}")}));
+    }
+    let mut held_back = 0;
+    for i in 0..pairs {
+        let answer = s.answer_to(&format!("s{i}"));
+        if answer["op"] == "ok" {
+            continue;
+        }
+        let (code, message) = refusal(&answer);
+        assert_eq!(code, Some("rate_limited"), "{answer}");
+        assert!(message.contains("still being deleted"), "{answer}");
+        assert!(answer["retry_after_ms"].as_u64().is_some(), "{answer}");
+        held_back += 1;
+    }
+    for i in 0..pairs {
+        s.answer_to(&format!("u{i}"));
+    }
+    assert!(held_back > 0, "no subscribe of {pairs} was held back");
+    // Once the deletes are answered, the session has its three again.
+    for i in 0..3 {
+        let ok = s.request(json!({"op":"subscribe","topic":"x.>","sub":format!("again{i}")}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+}
+
+/// `subscribe`, `unsubscribe` and `subscribe` again with the same `sub`, sent together:
+/// each is answered, and the name ends up with the last subscription's topic alone (the
+/// first one's set-up, finishing late, must not be taken for the second's).
+#[test]
+fn a_name_subscribed_again_before_its_first_set_up_finished_gets_the_new_topic() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["pub", "s"]));
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    for (round, durable) in [(0, false), (1, true)] {
+        let sub = format!("n{round}");
+        let (old, new) = (format!("old{round}.x"), format!("new{round}.x"));
+        s.send(&json!({"op":"subscribe","id":"a","topic":old,"sub":sub,"durable":durable,"from":"all"}));
+        s.send(&json!({"op":"unsubscribe","id":"b","sub":sub}));
+        s.send(&json!({"op":"subscribe","id":"c","topic":new,"sub":sub,"durable":durable,"from":"all"}));
+        for id in ["a", "b", "c"] {
+            let answer = s.answer_to(id);
+            assert_eq!(answer["op"], "ok", "round {round}, {id}: {answer}");
+        }
+        publish(&mut p, &old, json!("old"));
+        let seq = publish(&mut p, &new, json!("new"));
+        let e = s.next_op("event", WAIT).expect("an event");
+        assert_eq!(
+            (e["sub"].as_str(), e["seq"].as_u64()),
+            (Some(sub.as_str()), Some(seq)),
+            "{e}"
+        );
+        assert_eq!(e["topic"], new.as_str(), "{e}");
+        assert!(
+            s.next_op("event", QUIET).is_none(),
+            "round {round}: one event only"
+        );
         assert_eq!(s.request(json!({"op":"unsubscribe","sub":sub}))["op"], "ok");
     }
 }

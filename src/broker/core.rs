@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::admission::Admission;
+use super::api_queue::{ApiQueue, Lane};
 use super::auth::{self, Credential};
 use super::binding;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
@@ -156,6 +157,10 @@ struct Session {
     inflight: IdMap<u64, String>,
     watching: bool,
     subs: HashMap<String, topics::Subscription>,
+    /// Consumers of subscriptions this session ended, their deletes not yet answered:
+    /// they count against its subscriptions, or subscribe/unsubscribe would queue
+    /// deletes without bound.
+    deleting: usize,
 }
 
 /// A participant with at least one live session on this broker.
@@ -195,21 +200,21 @@ enum Pending {
     Budget { op: KvOp },
     /// Whether a durable subscription's consumer exists (its create config waits here).
     SubLookup {
-        session: SessionId,
-        re: String,
-        sub: String,
+        to: topics::SubRef,
         config: Box<ConsumerConfig>,
     },
     /// A subscription's consumer was created.
-    SubConsumer {
-        session: SessionId,
-        re: String,
-        sub: String,
-    },
+    SubConsumer(topics::SubRef),
     /// A plain subscription's consumer was recreated after a gap.
-    SubReset { session: SessionId, sub: String },
-    /// A durable's delete after `unsubscribe`: answer `ok` once it is done.
+    SubReset {
+        session: SessionId,
+        sub: String,
+        consumer: String,
+    },
+    /// A consumer's delete after `unsubscribe`: answer `ok` once it is done.
     SubDeleted { session: SessionId, re: String },
+    /// A plain subscription's consumer deleted after its session or its consumer ended.
+    ConsumerGone,
     /// A page of consumer names, counting a participant's durables.
     DurableCount(topics::DurableCount),
     /// Unacknowledged events of an ended durable subscription wait to be handed back.
@@ -228,7 +233,7 @@ impl Pending {
             Pending::Send { .. } => NatsOp::StreamPublish,
             Pending::AckSync { .. } => NatsOp::AckSync,
             Pending::InboxConsumer { .. }
-            | Pending::SubConsumer { .. }
+            | Pending::SubConsumer(_)
             | Pending::SubReset { .. }
             | Pending::Watch {
                 kind: WatchRequestKind::CreateConsumer { .. },
@@ -238,7 +243,8 @@ impl Pending {
                 kind: WatchRequestKind::DeleteConsumer,
                 ..
             }
-            | Pending::SubDeleted { .. } => NatsOp::ConsumerDelete,
+            | Pending::SubDeleted { .. }
+            | Pending::ConsumerGone => NatsOp::ConsumerDelete,
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
             Pending::RegistryPut { .. } => NatsOp::KvPut,
@@ -246,6 +252,28 @@ impl Pending {
                 KvOpKind::Get => NatsOp::KvGet,
                 KvOpKind::Write { .. } => NatsOp::KvPut,
             },
+        }
+    }
+
+    /// Went out through the sessions' API queue (`Broker::api_request`).
+    fn queued(&self) -> bool {
+        matches!(
+            self,
+            Pending::SubLookup { .. }
+                | Pending::SubConsumer(_)
+                | Pending::SubReset { .. }
+                | Pending::SubDeleted { .. }
+                | Pending::ConsumerGone
+                | Pending::DurableCount(_)
+                | Pending::HandBack { .. }
+        )
+    }
+
+    /// A delete the session asked for (`unsubscribe`), counted in `Session::deleting`.
+    fn deleting_for(&self) -> Option<SessionId> {
+        match self {
+            Pending::SubDeleted { session, .. } => Some(*session),
+            _ => None,
         }
     }
 }
@@ -291,6 +319,13 @@ const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
 /// second, so this many are answered well within `JS_TIMEOUT` with room left in its API
 /// queue for everything else.
 const INBOX_CREATES_IN_FLIGHT: usize = 32;
+/// Topic subscriptions' API requests out at once, every session's together (see
+/// `api_queue.rs`): with the inbox creations' share, what this broker can have in
+/// nats-server's API queue stays answered well within `JS_TIMEOUT`.
+const SESSION_API_IN_FLIGHT: usize = 16;
+/// `retry_after_ms` of a subscribe refused while the session's unsubscribed consumers
+/// are still being deleted: about one delete's round trip under load.
+const DELETING_RETRY_MS: u64 = 250;
 /// The longest wait between two requests for an inbox consumer JetStream refused.
 const INBOX_REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
 
@@ -302,6 +337,12 @@ pub struct Broker {
     presence: HashMap<String, Presence>,
     /// Inbox consumer creations, a few out at a time (see `admission.rs`).
     inbox_creates: Admission,
+    /// Topic subscriptions' API requests, a few out at a time, sessions taking turns.
+    api: ApiQueue<(Request, Pending)>,
+    /// Set while `send_api_requests` runs: what it completes may queue more.
+    api_sending: bool,
+    /// Topic subscriptions of every session.
+    topic_subs: usize,
     /// Durable subscriptions' hand-backs under way, by (stream, consumer).
     hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.
@@ -377,6 +418,9 @@ impl Broker {
             sessions: IdMap::default(),
             presence: HashMap::new(),
             inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
+            api: ApiQueue::new(SESSION_API_IN_FLIGHT),
+            api_sending: false,
+            topic_subs: 0,
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
@@ -673,20 +717,27 @@ impl Broker {
                     );
                 }
             }
-            Pending::SubLookup {
+            Pending::SubLookup { to, config } => self.sub_lookup_done(conn, to, config, reply, now),
+            Pending::SubConsumer(to) => self.sub_consumer_done(conn, to, reply, now),
+            Pending::SubReset {
                 session,
-                re,
                 sub,
-                config,
-            } => self.sub_lookup_done(conn, (session, re, sub), config, reply, now),
-            Pending::SubConsumer { session, re, sub } => {
-                self.sub_consumer_done(conn, session, re, sub, reply, now)
-            }
-            Pending::SubReset { session, sub } => {
+                consumer,
+            } => {
                 let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
-                self.sub_reset_done(conn, session, sub, ok, now);
+                self.sub_reset_done(conn, (session, sub, consumer), ok, now);
             }
-            Pending::SubDeleted { session, re } => self.sub_deleted(session, re, reply),
+            Pending::SubDeleted { session, re } => {
+                self.deleted(session);
+                self.sub_deleted(session, re, reply)
+            }
+            Pending::ConsumerGone => {
+                if let Ok(Err(e)) = reply.map(|m| check_error(&m.payload))
+                    && e.err_code() != Some(10014)
+                {
+                    log::warn!("subscription consumer delete refused: {e}");
+                }
+            }
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::HandBack {
                 stream,
@@ -836,6 +887,63 @@ impl Broker {
         self.metrics.registry.inc(self.metrics.nats_unmatched, kind);
     }
 
+    /// Queues a JetStream API request made for a session's topic subscriptions (see
+    /// `api_queue.rs`); its outcome comes to [`complete`](Self::complete) as any other.
+    fn api_request(
+        &mut self,
+        conn: &mut Connection,
+        lane: Lane,
+        req: Result<Request, JsError>,
+        pending: Pending,
+        now: Instant,
+    ) {
+        if let Some(session) = pending.deleting_for()
+            && let Some(s) = self.sessions.get_mut(&session)
+        {
+            s.deleting += 1;
+        }
+        match req {
+            Ok(req) => {
+                self.api.push(lane, (req, pending));
+                self.send_api_requests(conn, now);
+            }
+            Err(e) => {
+                let e = crate::nats::Error::InvalidSubject(e.to_string());
+                self.complete(conn, pending, Err(RequestError::Send(e)), now);
+            }
+        }
+    }
+
+    fn send_api_requests(&mut self, conn: &mut Connection, now: Instant) {
+        if std::mem::replace(&mut self.api_sending, true) {
+            return;
+        }
+        while let Some((req, pending)) = self.api.admit() {
+            let sent = conn.request(
+                &req.subject,
+                req.headers.as_ref(),
+                &req.payload,
+                JS_TIMEOUT,
+                now,
+            );
+            match sent {
+                Ok(id) => self.await_reply(id, now, pending),
+                Err(e) => {
+                    self.api.done();
+                    self.complete(conn, pending, Err(RequestError::Send(e)), now);
+                }
+            }
+        }
+        self.api_sending = false;
+    }
+
+    /// A delete the session asked for is over.
+    fn deleted(&mut self, session: SessionId) {
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.deleting = s.deleting.saturating_sub(1);
+        }
+    }
+
     fn await_reply(&mut self, req: RequestId, now: Instant, pending: Pending) {
         self.continuations
             .insert(req, Continuation::Core(Awaiting(pending)), now);
@@ -875,7 +983,14 @@ impl Broker {
         match self.continuations.take(id) {
             Some((Continuation::Core(Awaiting(p)), sent)) => {
                 self.observe_round_trip(&p, sent, now);
+                let queued = p.queued();
+                if queued {
+                    self.api.done();
+                }
                 self.complete(conn, p, reply, now);
+                if queued {
+                    self.send_api_requests(conn, now);
+                }
             }
             Some((Continuation::Jobs(p), sent)) => self.jobs.on_reply(conn, p, sent, reply, now),
             Some((Continuation::Mig(p), _)) => self.mig_reply(conn, p, reply, now),
@@ -904,6 +1019,11 @@ impl Broker {
             out,
             "# HELP amp_inbox_consumers_waiting Participants here whose inbox consumer is being created or waits its turn to be.\n# TYPE amp_inbox_consumers_waiting gauge\namp_inbox_consumers_waiting {}",
             self.inbox_creates.backlog()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP amp_topic_requests_waiting JetStream API requests for topic subscriptions (consumer creations, lookups, deletes) out or waiting their turn.\n# TYPE amp_topic_requests_waiting gauge\namp_topic_requests_waiting {}",
+            self.api.backlog()
         );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);
@@ -976,13 +1096,6 @@ fn js_request(
         now,
     )
     .map_err(|e| e.to_string())
-}
-
-/// Sends one without waiting for an answer (the outcome does not matter).
-fn js_publish(conn: &mut Connection, req: Result<Request, JsError>) {
-    if let Ok(req) = req {
-        let _ = conn.publish(&req.subject, None, req.headers.as_ref(), &req.payload);
-    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {

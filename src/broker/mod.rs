@@ -2,6 +2,7 @@
 //! jobs and policy.
 
 pub mod admission;
+pub mod api_queue;
 pub mod auth;
 pub mod binding;
 pub mod bounded_map;

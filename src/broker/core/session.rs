@@ -16,6 +16,7 @@ impl Broker {
                 inflight: IdMap::default(),
                 watching: false,
                 subs: HashMap::new(),
+                deleting: 0,
             },
         );
         let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
@@ -37,6 +38,12 @@ impl Broker {
         now: Instant,
     ) {
         self.drop_subscriptions(conn, session, now);
+        // Its lookups and creations are moot now; its deletes are still owed.
+        for (req, pending) in self.api.remove(session) {
+            if pending.deleting_for().is_some() {
+                self.api.push(Lane::Cleanup, (req, pending));
+            }
+        }
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::{
-    Broker, Check, Pending, PullOwner, Route, SessionId, js_publish, js_request, participant_key,
+    Broker, Check, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, participant_key,
     unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
@@ -41,11 +41,20 @@ const MAX_CONSUMERS_REACHED: u32 = 10026;
 /// Consumer infos a hand-back asks for before it naks anyway.
 const HAND_BACK_LOOKS: u8 = 3;
 
-/// A durable subscription waiting for its owner's durables to be counted.
-pub(super) struct DurableCount {
+/// A subscribe under way, as its requests name it: the name alone may meanwhile belong
+/// to a new subscription (`unsubscribe`, then `subscribe` with the same `sub`), whose
+/// set-up must not be taken for this one's.
+pub(super) struct SubRef {
     session: SessionId,
+    /// The subscribe frame's id, answered once the subscription is ready or failed.
     re: String,
     sub: String,
+    serial: u64,
+}
+
+/// A durable subscription waiting for its owner's durables to be counted.
+pub(super) struct DurableCount {
+    to: SubRef,
     /// The create configuration, used once the count allows it.
     config: Box<ConsumerConfig>,
     /// Consumer names read so far.
@@ -54,9 +63,8 @@ pub(super) struct DurableCount {
     found: usize,
 }
 
-/// A durable subscribe waiting to look its consumer up: session, request id, sub, the
-/// create configuration.
-type DurableResume = (SessionId, String, String, Box<ConsumerConfig>);
+/// A durable subscribe waiting to look its consumer up, with its create configuration.
+type DurableResume = (SubRef, Box<ConsumerConfig>);
 
 /// A durable subscription's unacknowledged events going back to JetStream.
 #[derive(Default)]
@@ -70,6 +78,8 @@ pub(super) struct HandBack {
 
 pub(super) struct Subscription {
     pub(super) pull: PullLoop,
+    /// Tells this subscription from an earlier one of the same name.
+    serial: u64,
     ns: String,
     /// The participant whose subscription it is.
     owner: String,
@@ -210,7 +220,15 @@ impl Broker {
                 binding::plain_sub_config(&consumer, &filter, start.clone(), EPHEMERAL_INACTIVE);
             (consumer, config, start)
         };
+        self.next_sub += 1;
+        let to = SubRef {
+            session,
+            re: f.id,
+            sub: sub.clone(),
+            serial: self.next_sub,
+        };
         let subscription = Subscription {
+            serial: to.serial,
             pull: PullLoop::new(
                 stream.clone(),
                 consumer.clone(),
@@ -235,9 +253,10 @@ impl Broker {
         }
         if let Some(s) = self.sessions.get_mut(&session) {
             s.subs.insert(sub.clone(), subscription);
+            self.topic_subs += 1;
         }
         if f.durable {
-            let resume = (session, f.id, sub.clone(), Box::new(config));
+            let resume = (to, Box::new(config));
             // Its unacknowledged events must be back in JetStream before this session
             // pulls, or it gets later ones first.
             match self.hand_backs.get_mut(&(stream.clone(), consumer.clone())) {
@@ -245,7 +264,7 @@ impl Broker {
                 None => self.look_up_durable(conn, &stream, &consumer, resume, now),
             }
         } else {
-            self.create_sub_consumer(conn, session, f.id, sub.clone(), &config, now);
+            self.create_sub_consumer(conn, to, &config, now);
         }
     }
 
@@ -290,42 +309,42 @@ impl Broker {
         conn: &mut Connection,
         stream: &str,
         consumer: &str,
-        (session, re, sub, config): DurableResume,
+        (to, config): DurableResume,
         now: Instant,
     ) {
         let ns = stream
             .strip_prefix(&binding::topics_stream(""))
             .unwrap_or_default();
         let req = self.config.js_api(ns).consumer_info(stream, consumer);
-        match js_request(conn, req, now) {
-            Ok(req) => {
-                let pending = Pending::SubLookup {
-                    session,
-                    re,
-                    sub,
-                    config,
-                };
-                self.await_reply(req, now, pending);
-            }
-            Err(e) => self.sub_failed(conn, session, &re, &sub, unavailable(e), now),
-        }
+        let lane = Lane::Session(to.session);
+        self.api_request(conn, lane, req, Pending::SubLookup { to, config }, now);
+    }
+
+    /// The subscription a subscribe under way sets up, unless it ended meanwhile.
+    fn sub_of(&mut self, to: &SubRef) -> Option<&mut Subscription> {
+        self.subscription_mut(to.session, &to.sub)
+            .filter(|t| t.serial == to.serial)
+    }
+
+    /// A subscribe whose subscription ended before it was ready (`unsubscribe`, or the
+    /// session's end) is still answered: it was taken, and is over.
+    fn sub_ended_early(&mut self, to: SubRef) {
+        let answer = FrameWriter::ok(Some(&to.re)).str("sub", &to.sub);
+        self.ok(to.session, &to.re, answer);
     }
 
     fn create_sub_consumer(
         &mut self,
         conn: &mut Connection,
-        session: SessionId,
-        re: String,
-        sub: String,
+        to: SubRef,
         config: &ConsumerConfig,
         now: Instant,
     ) {
-        // The session may have ended meanwhile; then there is nothing to create.
         let Some((ns, consumer)) = self
-            .subscription_mut(session, &sub)
+            .sub_of(&to)
             .map(|t| (t.ns.clone(), t.pull.consumer().to_string()))
         else {
-            return;
+            return self.sub_ended_early(to);
         };
         // The consumer this subscription pulls is the one created.
         debug_assert_eq!(config.effective_name(), Some(consumer.as_str()));
@@ -334,27 +353,19 @@ impl Broker {
             config,
             ConsumerAction::CreateOrUpdate,
         );
-        match js_request(conn, req, now) {
-            Ok(req) => {
-                self.await_reply(req, now, Pending::SubConsumer { session, re, sub });
-            }
-            Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
-        }
+        let lane = Lane::Session(to.session);
+        self.api_request(conn, lane, req, Pending::SubConsumer(to), now);
     }
 
     /// The answer to a durable subscription's consumer lookup.
-    /// `request`: the session, the subscribe frame's id and the subscription name.
     pub(super) fn sub_lookup_done(
         &mut self,
         conn: &mut Connection,
-        request: (SessionId, String, String),
+        to: SubRef,
         config: Box<ConsumerConfig>,
         reply: Result<Message, crate::nats::RequestError>,
         now: Instant,
     ) {
-        let (session, re, sub) = request;
         match reply.map(|m| (check_error(&m.payload), m)) {
             Ok((Ok(()), m)) => {
                 let info: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
@@ -365,18 +376,16 @@ impl Broker {
                 if existing != wanted {
                     let e = AmpError::new(
                         ErrorCode::Conflict,
-                        format!("durable subscription `{sub}` exists for another topic"),
+                        format!("durable subscription `{}` exists for another topic", to.sub),
                     )
                     .with_path("/sub");
-                    return self.sub_failed(conn, session, &re, &sub, e, now);
+                    return self.sub_failed(conn, to, e, now);
                 }
-                self.sub_ready(conn, session, re, sub, now);
+                self.sub_ready(conn, to, now);
             }
             Ok((Err(e), _)) if e.err_code() == Some(10014) => {
                 let count = DurableCount {
-                    session,
-                    re,
-                    sub,
+                    to,
                     config,
                     offset: 0,
                     found: 0,
@@ -388,11 +397,9 @@ impl Broker {
                     ErrorCode::Internal,
                     format!("JetStream refused the subscription: {e}"),
                 );
-                self.sub_failed(conn, session, &re, &sub, e, now);
+                self.sub_failed(conn, to, e, now);
             }
-            Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
+            Err(e) => self.sub_failed(conn, to, unavailable(e), now),
         }
     }
 
@@ -400,23 +407,15 @@ impl Broker {
     /// time, before a new one is created: they outlive sessions and brokers, so only
     /// JetStream knows how many there are.
     fn count_durables(&mut self, conn: &mut Connection, count: DurableCount, now: Instant) {
-        let Some(ns) = self
-            .subscription_mut(count.session, &count.sub)
-            .map(|t| t.ns.clone())
-        else {
-            return;
+        let Some(ns) = self.sub_of(&count.to).map(|t| t.ns.clone()) else {
+            return self.sub_ended_early(count.to);
         };
         let req = self
             .config
             .js_api(&ns)
             .consumer_names(&binding::topics_stream(&ns), count.offset as u64);
-        match js_request(conn, req, now) {
-            Ok(req) => self.await_reply(req, now, Pending::DurableCount(count)),
-            Err(e) => {
-                let (session, re, sub) = (count.session, count.re, count.sub);
-                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
-        }
+        let lane = Lane::Session(count.to.session);
+        self.api_request(conn, lane, req, Pending::DurableCount(count), now);
     }
 
     /// One page of consumer names for [`Self::count_durables`].
@@ -428,10 +427,10 @@ impl Broker {
         now: Instant,
     ) {
         let Some((ns, owner)) = self
-            .subscription_mut(count.session, &count.sub)
+            .sub_of(&count.to)
             .map(|t| (t.ns.clone(), t.owner.clone()))
         else {
-            return;
+            return self.sub_ended_early(count.to);
         };
         let page = match reply.map(|m| (check_error(&m.payload), m)) {
             Ok((Ok(()), m)) => serde_json::from_slice::<Value>(&m.payload).unwrap_or(Value::Null),
@@ -440,13 +439,9 @@ impl Broker {
                     ErrorCode::Internal,
                     format!("JetStream refused the subscription: {e}"),
                 );
-                let (session, re, sub) = (count.session, count.re, count.sub);
-                return self.sub_failed(conn, session, &re, &sub, e, now);
+                return self.sub_failed(conn, count.to, e, now);
             }
-            Err(e) => {
-                let (session, re, sub) = (count.session, count.re, count.sub);
-                return self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
+            Err(e) => return self.sub_failed(conn, count.to, unavailable(e), now),
         };
         let prefix = binding::durable_sub_prefix(&owner);
         let names = page["consumers"].as_array().map_or(&[][..], Vec::as_slice);
@@ -464,14 +459,12 @@ impl Broker {
                 format!("a participant holds at most {cap} durable subscriptions in a namespace"),
             )
             .with_path("/durable");
-            let (session, re, sub) = (count.session, count.re, count.sub);
-            return self.sub_failed(conn, session, &re, &sub, e, now);
+            return self.sub_failed(conn, count.to, e, now);
         }
         // The stream's max_consumers bounds the pages; an empty page ends a list that
         // shrank meanwhile.
         if names.is_empty() || count.offset as u64 >= total {
-            let (session, re, sub, config) = (count.session, count.re, count.sub, count.config);
-            return self.create_sub_consumer(conn, session, re, sub, &config, now);
+            return self.create_sub_consumer(conn, count.to, &count.config, now);
         }
         self.count_durables(conn, count, now);
     }
@@ -486,21 +479,30 @@ impl Broker {
     }
 
     /// Refuses a subscription past the session's or the broker's cap; each holds one NATS
-    /// subscription on the broker's connection and one consumer.
+    /// subscription on the broker's connection and one consumer. Consumers the session
+    /// unsubscribed count until their deletes are answered.
     fn check_subscription_caps(&self, session: SessionId, caps: &Topics) -> Result<(), AmpError> {
-        let mine = self.sessions.get(&session).map_or(0, |s| s.subs.len());
-        if mine >= caps.max_subscriptions_per_session {
+        let (mine, deleting) = self
+            .sessions
+            .get(&session)
+            .map_or((0, 0), |s| (s.subs.len(), s.deleting));
+        let max = caps.max_subscriptions_per_session;
+        if mine >= max {
             return Err(AmpError::new(
                 ErrorCode::Forbidden,
-                format!(
-                    "a session holds at most {} subscriptions",
-                    caps.max_subscriptions_per_session
-                ),
+                format!("a session holds at most {max} subscriptions"),
             ));
         }
-        let all: usize = self.sessions.values().map(|s| s.subs.len()).sum();
+        if mine + deleting >= max {
+            let mut e = AmpError::rate_limited(DELETING_RETRY_MS);
+            e.message = format!(
+                "a session holds at most {max} subscriptions, {deleting} of them still being deleted"
+            )
+            .into();
+            return Err(e);
+        }
         let max = self.config.limits.max_topic_subscriptions;
-        if all >= max {
+        if self.topic_subs >= max {
             return Err(AmpError::new(
                 ErrorCode::Forbidden,
                 format!("this broker holds at most {max} topic subscriptions"),
@@ -513,9 +515,7 @@ impl Broker {
     pub(super) fn sub_consumer_done(
         &mut self,
         conn: &mut Connection,
-        session: SessionId,
-        re: String,
-        sub: String,
+        to: SubRef,
         reply: Result<Message, crate::nats::RequestError>,
         now: Instant,
     ) {
@@ -525,17 +525,17 @@ impl Broker {
                 // event arrived before it (`from: "new"` must not turn into "all").
                 let info: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
                 let start = info["delivered"]["stream_seq"].as_u64();
-                if let (Some(t), Some(seq)) = (self.subscription_mut(session, &sub), start)
+                if let (Some(t), Some(seq)) = (self.sub_of(&to), start)
                     && !t.durable
                     && t.last_seq == 0
                 {
                     t.last_seq = seq;
                 }
-                self.sub_ready(conn, session, re, sub, now)
+                self.sub_ready(conn, to, now)
             }
             Ok((Err(e), _)) if e.err_code() == Some(MAX_CONSUMERS_REACHED) => {
                 let stream = self
-                    .subscription_mut(session, &sub)
+                    .sub_of(&to)
                     .map(|t| binding::topics_stream(&t.ns))
                     .unwrap_or_default();
                 let e = AmpError::new(
@@ -545,35 +545,29 @@ impl Broker {
                          subscriptions that end or expire make room"
                     ),
                 );
-                self.sub_failed(conn, session, &re, &sub, e, now);
+                self.sub_failed(conn, to, e, now);
             }
             Ok((Err(e), _)) => {
                 let e = AmpError::new(
                     ErrorCode::Internal,
                     format!("JetStream refused the subscription: {e}"),
                 );
-                self.sub_failed(conn, session, &re, &sub, e, now);
+                self.sub_failed(conn, to, e, now);
             }
-            Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
+            Err(e) => self.sub_failed(conn, to, unavailable(e), now),
         }
     }
 
-    fn sub_ready(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        re: String,
-        sub: String,
-        now: Instant,
-    ) {
-        let Some(t) = self.subscription_mut(session, &sub) else {
-            return;
+    fn sub_ready(&mut self, conn: &mut Connection, to: SubRef, now: Instant) {
+        let Some(t) = self.sub_of(&to) else {
+            return self.sub_ended_early(to);
         };
         match t.pull.attach_status_only(conn) {
             Ok(sid) => {
                 let check = t.pull.pull(conn, now);
+                let SubRef {
+                    session, re, sub, ..
+                } = to;
                 self.routes.insert(
                     sid,
                     Route::Sub {
@@ -593,26 +587,19 @@ impl Broker {
                         "the broker's NATS connection holds its maximum of {max} subscriptions"
                     ),
                 );
-                self.sub_failed(conn, session, &re, &sub, e, now);
+                self.sub_failed(conn, to, e, now);
             }
-            Err(e) => {
-                self.sub_failed(conn, session, &re, &sub, unavailable(e), now);
-            }
+            Err(e) => self.sub_failed(conn, to, unavailable(e), now),
         }
     }
 
-    /// A subscribe that could not be carried out: forget it and answer the error.
-    fn sub_failed(
-        &mut self,
-        conn: &mut Connection,
-        session: SessionId,
-        re: &str,
-        sub: &str,
-        e: AmpError,
-        now: Instant,
-    ) {
-        let _ = self.drop_subscription(conn, session, sub, false, now);
-        self.fail(session, re, e);
+    /// A subscribe that could not be carried out: forget it (unless it already ended)
+    /// and answer the error.
+    fn sub_failed(&mut self, conn: &mut Connection, to: SubRef, e: AmpError, now: Instant) {
+        if self.sub_of(&to).is_some() {
+            let _ = self.drop_subscription(conn, to.session, &to.sub, false, now);
+        }
+        self.fail(to.session, &to.re, e);
     }
 
     pub(super) fn unsubscribe(
@@ -634,20 +621,15 @@ impl Broker {
         let Some(delete) = self.drop_subscription(conn, session, &sub, true, now) else {
             return self.ok(session, &id, FrameWriter::ok(Some(&id)));
         };
-        // A durable's name is reused by the next subscribe of that `sub`: the answer waits
-        // until the consumer is gone, or that subscribe could find it and resume it just
-        // before the delete lands.
-        match js_request(conn, delete, now) {
-            Ok(req) => self.await_reply(req, now, Pending::SubDeleted { session, re: id }),
-            Err(e) => {
-                log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "durable delete not sent: {e}"
-                );
-                self.ok(session, &id, FrameWriter::ok(Some(&id)));
-            }
-        }
+        // The answer waits until the consumer is gone: a durable's name is reused by the
+        // next subscribe of that `sub`, which could otherwise find it and resume it just
+        // before the delete lands; and the session's room for subscriptions is back
+        // once it is answered.
+        let pending = Pending::SubDeleted { session, re: id };
+        self.api_request(conn, Lane::Session(session), delete, pending, now);
     }
 
-    /// A durable's delete after `unsubscribe` was answered. The subscription is over in
+    /// A consumer's delete after `unsubscribe` was answered. The subscription is over in
     /// the session either way; a consumer JetStream did not delete expires unread.
     pub(super) fn sub_deleted(
         &mut self,
@@ -671,8 +653,8 @@ impl Broker {
     /// Stops reading a subscription. Its consumer is deleted when the subscription ends
     /// for good (`unsubscribe`, or any end of a plain one); a durable one whose session
     /// merely ended keeps its consumer, and its unacknowledged events are handed back so
-    /// they come first when it is resumed. A durable ended for good is left for the caller
-    /// to delete: the delete request is returned.
+    /// they come first when it is resumed. A subscription ended for good (`unsubscribe`)
+    /// is left for the caller to delete: the delete request is returned.
     fn drop_subscription(
         &mut self,
         conn: &mut Connection,
@@ -685,6 +667,7 @@ impl Broker {
             .sessions
             .get_mut(&session)
             .and_then(|s| s.subs.remove(sub))?;
+        self.topic_subs = self.topic_subs.saturating_sub(1);
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
@@ -692,11 +675,11 @@ impl Broker {
             .config
             .js_api(&t.ns)
             .consumer_delete(&binding::topics_stream(&t.ns), t.pull.consumer());
-        if t.durable && for_good {
+        if for_good {
             return Some(delete);
         }
         if !t.durable {
-            js_publish(conn, delete);
+            self.api_request(conn, Lane::Cleanup, delete, Pending::ConsumerGone, now);
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
@@ -738,19 +721,13 @@ impl Broker {
             .strip_prefix(&binding::topics_stream(""))
             .unwrap_or_default();
         let req = self.config.js_api(ns).consumer_info(&stream, &consumer);
-        match js_request(conn, req, now) {
-            Ok(req) => self.await_reply(
-                req,
-                now,
-                Pending::HandBack {
-                    stream,
-                    consumer,
-                    acks,
-                    looks,
-                },
-            ),
-            Err(_) => self.nak_handed_back(conn, &stream, &consumer, acks, now),
-        }
+        let pending = Pending::HandBack {
+            stream,
+            consumer,
+            acks,
+            looks,
+        };
+        self.api_request(conn, Lane::Cleanup, req, pending, now);
     }
 
     /// Naks a hand-back's events together with those that arrived late meanwhile, in
@@ -975,10 +952,8 @@ impl Broker {
             self.routes.remove(&sid);
         }
         let api = self.config.js_api(&ns);
-        js_publish(
-            conn,
-            api.consumer_delete(&binding::topics_stream(&ns), &old),
-        );
+        let delete = api.consumer_delete(&binding::topics_stream(&ns), &old);
+        self.api_request(conn, Lane::Cleanup, delete, Pending::ConsumerGone, now);
         let consumer = self.plain_consumer_name();
         let from = if last == 0 {
             start
@@ -998,27 +973,26 @@ impl Broker {
             &config,
             ConsumerAction::CreateOrUpdate,
         );
-        if let Ok(req) = js_request(conn, req, now) {
-            self.await_reply(
-                req,
-                now,
-                Pending::SubReset {
-                    session,
-                    sub: sub.to_string(),
-                },
-            );
-        }
+        let pending = Pending::SubReset {
+            session,
+            sub: sub.to_string(),
+            consumer,
+        };
+        self.api_request(conn, Lane::Session(session), req, pending, now);
     }
 
     pub(super) fn sub_reset_done(
         &mut self,
         conn: &mut Connection,
-        session: SessionId,
-        sub: String,
+        (session, sub, consumer): (SessionId, String, String),
         ok: bool,
         now: Instant,
     ) {
-        let Some(t) = self.subscription_mut(session, &sub) else {
+        // A later reset (or a new subscription of the name) has a consumer of its own.
+        let Some(t) = self
+            .subscription_mut(session, &sub)
+            .filter(|t| t.pull.consumer() == consumer)
+        else {
             return;
         };
         if !ok {
