@@ -897,6 +897,8 @@ impl Broker {
         pending: Pending,
         now: Instant,
     ) {
+        // Its answer gives its place back only if it is one of these.
+        debug_assert!(pending.queued());
         if let Some(session) = pending.deleting_for()
             && let Some(s) = self.sessions.get_mut(&session)
         {
