@@ -585,3 +585,58 @@ fn a_name_subscribed_again_before_its_first_set_up_finished_gets_the_new_topic()
         assert_eq!(s.request(json!({"op":"unsubscribe","sub":sub}))["op"], "ok");
     }
 }
+
+/// Subscriptions asked for while NATS is away are answered within about one request
+/// timeout, however many wait (their requests go out a few at a time), and work again
+/// once it is back.
+#[test]
+fn subscribes_while_nats_is_away_are_answered_promptly_and_work_once_it_is_back() {
+    const SESSIONS: usize = 40;
+    let mut nats = NatsServer::start();
+    let names: Vec<String> = (0..SESSIONS).map(|i| format!("s{i}")).collect();
+    let mut names_ref: Vec<&str> = names.iter().map(String::as_str).collect();
+    names_ref.push("pub");
+    let broker = Broker::start(&nats.url(), &open_config(&names_ref));
+    let mut sessions: Vec<Client> = names
+        .iter()
+        .map(|n| Client::login(&broker, "acme", n, &format!("{n}-token")))
+        .collect();
+    nats.kill();
+    assert!(common::wait_until(WAIT, || {
+        common::amp::http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == 503)
+    }));
+    let start = Instant::now();
+    for c in &mut sessions {
+        for k in 0..2 {
+            c.send(
+                &json!({"op":"subscribe","id":format!("a{k}"),"topic":"o.>","sub":format!("a{k}")}),
+            );
+        }
+    }
+    for c in &mut sessions {
+        for k in 0..2 {
+            let answer = c.answer_to(&format!("a{k}"));
+            assert_eq!(refusal(&answer).0, Some("unavailable"), "{answer}");
+        }
+    }
+    let answered = start.elapsed();
+    assert!(
+        answered < Duration::from_secs(10),
+        "{} subscribes answered after {answered:?}",
+        2 * SESSIONS
+    );
+    nats.start_again();
+    assert!(common::wait_until(WAIT, || {
+        common::amp::http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == 200)
+    }));
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    for i in [0, SESSIONS - 1] {
+        let ok = sessions[i].request(json!({"op":"subscribe","topic":"o.>","sub":"b"}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let seq = publish(&mut p, "o.x", json!("back"));
+    for i in [0, SESSIONS - 1] {
+        let e = sessions[i].next_op("event", WAIT).expect("an event");
+        assert_eq!(e["seq"].as_u64(), Some(seq), "{e}");
+    }
+}

@@ -103,6 +103,8 @@ pub struct Footprint {
     pub present_participants: usize,
     /// NATS round trips waiting for their reply.
     pub in_flight: usize,
+    /// Topic subscriptions' API requests out or waiting their turn.
+    pub topic_requests: usize,
     pub timers: usize,
     pub held_submits: usize,
     /// Outputs not yet taken with `poll_output`.
@@ -338,7 +340,7 @@ pub struct Broker {
     /// Inbox consumer creations, a few out at a time (see `admission.rs`).
     inbox_creates: Admission,
     /// Topic subscriptions' API requests, a few out at a time, sessions taking turns.
-    api: ApiQueue<(Request, Pending)>,
+    api: ApiQueue<(Request, Pending, Instant)>,
     /// Set while `send_api_requests` runs: what it completes may queue more.
     api_sending: bool,
     /// Topic subscriptions of every session.
@@ -536,6 +538,7 @@ impl Broker {
             sessions: self.sessions.len(),
             present_participants: self.presence.len(),
             in_flight: self.continuations.in_flight(),
+            topic_requests: self.api.backlog(),
             timers: self.timers.armed(),
             held_submits: self.held_submits.values().map(Vec::len).sum(),
             queued_outputs: self.out.len(),
@@ -906,7 +909,7 @@ impl Broker {
         }
         match req {
             Ok(req) => {
-                self.api.push(lane, (req, pending));
+                self.api.push(lane, (req, pending, now));
                 self.send_api_requests(conn, now);
             }
             Err(e) => {
@@ -920,14 +923,26 @@ impl Broker {
         if std::mem::replace(&mut self.api_sending, true) {
             return;
         }
-        while let Some((req, pending)) = self.api.admit() {
-            let sent = conn.request(
-                &req.subject,
-                req.headers.as_ref(),
-                &req.payload,
-                JS_TIMEOUT,
-                now,
-            );
+        while let Some((req, pending, queued)) = self.api.admit() {
+            // Nothing waits for a connection that is not there: a request would only sit
+            // in the reconnect buffer until its timeout, holding its place meanwhile, and
+            // what waits behind it would be answered in waves of 16 timeouts. And the
+            // time a request waited for its turn is taken from its timeout, so a slow
+            // server answers what waits within about `JS_TIMEOUT` too.
+            let left = match JS_TIMEOUT.checked_sub(now.saturating_duration_since(queued)) {
+                _ if !conn.is_connected() => Err(RequestError::Disconnected),
+                Some(left) if !left.is_zero() => Ok(left),
+                _ => Err(RequestError::Timeout),
+            };
+            let left = match left {
+                Ok(left) => left,
+                Err(e) => {
+                    self.api.done();
+                    self.complete(conn, pending, Err(e), now);
+                    continue;
+                }
+            };
+            let sent = conn.request(&req.subject, req.headers.as_ref(), &req.payload, left, now);
             match sent {
                 Ok(id) => self.await_reply(id, now, pending),
                 Err(e) => {

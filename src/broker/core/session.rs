@@ -39,9 +39,9 @@ impl Broker {
     ) {
         self.drop_subscriptions(conn, session, now);
         // Its lookups and creations are moot now; its deletes are still owed.
-        for (req, pending) in self.api.remove(session) {
+        for (req, pending, queued) in self.api.remove(session) {
             if pending.deleting_for().is_some() {
-                self.api.push(Lane::Cleanup, (req, pending));
+                self.api.push(Lane::Cleanup, (req, pending, queued));
             }
         }
         let Some(s) = self.sessions.remove(&session) else {

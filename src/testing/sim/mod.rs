@@ -209,7 +209,11 @@ pub fn run(cfg: SimConfig) -> Result<Report, Failure> {
     }
     for (i, n) in w.nodes.iter().enumerate() {
         let f = n.broker.footprint();
-        if f.sessions != 0 || f.present_participants != 0 || f.held_submits != 0 {
+        if f.sessions != 0
+            || f.present_participants != 0
+            || f.held_submits != 0
+            || f.topic_requests != 0
+        {
             w.checker.violation(format!(
                 "broker {i} still holds state after everyone left: {f:?}"
             ));
