@@ -513,12 +513,11 @@ fn a_subscribe_flood_does_not_hold_up_other_participants_subscriptions() {
     );
 }
 
-/// Unsubscribed consumers count against the session's subscriptions until JetStream has
-/// deleted them; a subscribe past that is told to come back shortly, not refused for good.
-#[test]
-fn subscriptions_still_being_deleted_count_until_they_are_gone() {
+/// Unsubscribed consumers count against the session's subscriptions (and the broker's)
+/// until JetStream has deleted them; a subscribe past that is told to come back shortly,
+/// not refused for good.
+fn deletes_count_against(config: Value, limit: &str) {
     let nats = NatsServer::start();
-    let config = topics_config(&["s"], json!({"max_subscriptions_per_session": 3}));
     let broker = Broker::start(&nats.url(), &config);
     let mut s = Client::login(&broker, "acme", "s", "s-token");
     // All at once: the broker reads them before any delete can be answered.
@@ -535,6 +534,7 @@ fn subscriptions_still_being_deleted_count_until_they_are_gone() {
         }
         let (code, message) = refusal(&answer);
         assert_eq!(code, Some("rate_limited"), "{answer}");
+        assert!(message.contains(limit), "{answer}");
         assert!(message.contains("still being deleted"), "{answer}");
         assert!(answer["retry_after_ms"].as_u64().is_some(), "{answer}");
         held_back += 1;
@@ -543,11 +543,20 @@ fn subscriptions_still_being_deleted_count_until_they_are_gone() {
         s.answer_to(&format!("u{i}"));
     }
     assert!(held_back > 0, "no subscribe of {pairs} was held back");
-    // Once the deletes are answered, the session has its three again.
+    // Once the deletes are answered, there is room for three again.
     for i in 0..3 {
         let ok = s.request(json!({"op":"subscribe","topic":"x.>","sub":format!("again{i}")}));
         assert_eq!(ok["op"], "ok", "{ok}");
     }
+}
+
+#[test]
+fn subscriptions_still_being_deleted_count_until_they_are_gone() {
+    let config = topics_config(&["s"], json!({"max_subscriptions_per_session": 3}));
+    deletes_count_against(config, "a session holds at most 3 subscriptions");
+    let mut config = open_config(&["s"]);
+    config["limits"] = json!({"max_topic_subscriptions": 3});
+    deletes_count_against(config, "this broker holds at most 3 topic subscriptions");
 }
 
 /// `subscribe`, `unsubscribe` and `subscribe` again with the same `sub`, sent together:

@@ -345,6 +345,9 @@ pub struct Broker {
     api_sending: bool,
     /// Topic subscriptions of every session.
     topic_subs: usize,
+    /// Their consumers' deletes not yet answered: they count against
+    /// `max_topic_subscriptions` too, so what waits in `api` stays bounded.
+    topic_deleting: usize,
     /// Durable subscriptions' hand-backs under way, by (stream, consumer).
     hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.
@@ -423,6 +426,7 @@ impl Broker {
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
             topic_subs: 0,
+            topic_deleting: 0,
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
@@ -731,10 +735,11 @@ impl Broker {
                 self.sub_reset_done(conn, (session, sub, consumer), ok, now);
             }
             Pending::SubDeleted { session, re } => {
-                self.deleted(session);
+                self.deleted(Some(session));
                 self.sub_deleted(session, re, reply)
             }
             Pending::ConsumerGone => {
+                self.deleted(None);
                 if let Ok(Err(e)) = reply.map(|m| check_error(&m.payload))
                     && e.err_code() != Some(10014)
                 {
@@ -902,6 +907,9 @@ impl Broker {
     ) {
         // Its answer gives its place back only if it is one of these.
         debug_assert!(pending.queued());
+        if matches!(pending, Pending::SubDeleted { .. } | Pending::ConsumerGone) {
+            self.topic_deleting += 1;
+        }
         if let Some(session) = pending.deleting_for()
             && let Some(s) = self.sessions.get_mut(&session)
         {
@@ -954,9 +962,10 @@ impl Broker {
         self.api_sending = false;
     }
 
-    /// A delete the session asked for is over.
-    fn deleted(&mut self, session: SessionId) {
-        if let Some(s) = self.sessions.get_mut(&session) {
+    /// A consumer's delete is over; `session` asked for it.
+    fn deleted(&mut self, session: Option<SessionId>) {
+        self.topic_deleting = self.topic_deleting.saturating_sub(1);
+        if let Some(s) = session.and_then(|session| self.sessions.get_mut(&session)) {
             s.deleting = s.deleting.saturating_sub(1);
         }
     }

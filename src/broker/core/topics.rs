@@ -508,6 +508,15 @@ impl Broker {
                 format!("this broker holds at most {max} topic subscriptions"),
             ));
         }
+        if self.topic_subs + self.topic_deleting >= max {
+            let mut e = AmpError::rate_limited(DELETING_RETRY_MS);
+            e.message = format!(
+                "this broker holds at most {max} topic subscriptions, {} of them still being deleted",
+                self.topic_deleting
+            )
+            .into();
+            return Err(e);
+        }
         Ok(())
     }
 
