@@ -486,36 +486,30 @@ impl Broker {
             .sessions
             .get(&session)
             .map_or((0, 0), |s| (s.subs.len(), s.deleting));
-        let max = caps.max_subscriptions_per_session;
-        if mine >= max {
-            return Err(AmpError::new(
-                ErrorCode::Forbidden,
-                format!("a session holds at most {max} subscriptions"),
-            ));
-        }
-        if mine + deleting >= max {
-            let mut e = AmpError::rate_limited(DELETING_RETRY_MS);
-            e.message = format!(
-                "a session holds at most {max} subscriptions, {deleting} of them still being deleted"
-            )
-            .into();
-            return Err(e);
-        }
-        let max = self.config.limits.max_topic_subscriptions;
-        if self.topic_subs >= max {
-            return Err(AmpError::new(
-                ErrorCode::Forbidden,
-                format!("this broker holds at most {max} topic subscriptions"),
-            ));
-        }
-        if self.topic_subs + self.topic_deleting >= max {
-            let mut e = AmpError::rate_limited(DELETING_RETRY_MS);
-            e.message = format!(
-                "this broker holds at most {max} topic subscriptions, {} of them still being deleted",
-                self.topic_deleting
-            )
-            .into();
-            return Err(e);
+        let (all, all_deleting) = (self.topic_subs, self.topic_deleting);
+        let session_cap = caps.max_subscriptions_per_session;
+        let broker_cap = self.config.limits.max_topic_subscriptions;
+        let caps = [
+            (mine, deleting, session_cap, "a session", "subscriptions"),
+            (
+                all,
+                all_deleting,
+                broker_cap,
+                "this broker",
+                "topic subscriptions",
+            ),
+        ];
+        for (held, deleting, max, who, what) in caps {
+            let limit = format!("{who} holds at most {max} {what}");
+            if held >= max {
+                return Err(AmpError::new(ErrorCode::Forbidden, limit));
+            }
+            // Only deletes not yet answered stand in the way: soon room again.
+            if held + deleting >= max {
+                let mut e = AmpError::rate_limited(DELETING_RETRY_MS);
+                e.message = format!("{limit}, {deleting} of them still being deleted").into();
+                return Err(e);
+            }
         }
         Ok(())
     }
