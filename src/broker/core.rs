@@ -6,7 +6,7 @@
 //! frames and closes for sessions (`poll_output`). Every JetStream round trip is a
 //! continuation stored under its request id (`Pending`), so nothing ever waits.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -157,7 +157,6 @@ struct Session {
     outstanding: HashSet<String>,
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
     inflight: IdMap<u64, String>,
-    watching: bool,
     subs: HashMap<String, topics::Subscription>,
     /// Consumers of subscriptions this session ended, their deletes not yet answered:
     /// they count against its subscriptions, or subscribe/unsubscribe would queue
@@ -343,6 +342,9 @@ pub struct Broker {
     api: ApiQueue<(Request, Pending, Instant)>,
     /// Set while `send_api_requests` runs: what it completes may queue more.
     api_sending: bool,
+    /// Sessions that sent `watch`, by namespace: each change is told to them without a
+    /// look at every session.
+    watchers: HashMap<String, BTreeSet<SessionId>>,
     /// Topic subscriptions of every session.
     topic_subs: usize,
     /// Their consumers' deletes not yet answered: they count against
@@ -425,6 +427,7 @@ impl Broker {
             inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
+            watchers: HashMap::new(),
             topic_subs: 0,
             topic_deleting: 0,
             hand_backs: BTreeMap::new(),
@@ -1080,13 +1083,27 @@ impl Broker {
                 SessionState::Closing { participant } => participant.clone(),
                 SessionState::AwaitingHello { .. } => None,
             };
+            let ns = participant.as_ref().map(|(ns, _)| ns.clone());
             s.state = SessionState::Closing { participant };
+            if let Some(ns) = ns {
+                self.unwatch(&ns, session);
+            }
         }
         self.out.push_back(Output::Close {
             session,
             code,
             reason: reason.to_string(),
         });
+    }
+
+    /// The session hears of presence changes no more.
+    fn unwatch(&mut self, ns: &str, session: SessionId) {
+        if let Some(w) = self.watchers.get_mut(ns) {
+            w.remove(&session);
+            if w.is_empty() {
+                self.watchers.remove(ns);
+            }
+        }
     }
 
     fn answered(&mut self, session: SessionId, re: &str) {

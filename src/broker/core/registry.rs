@@ -119,9 +119,10 @@ impl Broker {
         for change in &present {
             self.frame(session, presence_frame(change));
         }
-        if let Some(s) = self.sessions.get_mut(&session) {
-            s.watching = true;
-        }
+        self.watchers
+            .entry(ns.to_string())
+            .or_default()
+            .insert(session);
     }
 
     /// Carries out what a registry watch asked for and tells watching sessions what changed.
@@ -194,19 +195,44 @@ impl Broker {
             return;
         }
         let watchers: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.watching
-                    && matches!(&s.state, SessionState::Active { ns: sns, .. } if **sns == *ns)
-            })
-            .map(|(id, _)| *id)
-            .collect();
+            .watchers
+            .get(ns)
+            .map(|w| w.iter().copied().collect())
+            .unwrap_or_default();
         for change in &changes {
             let text = presence_frame(change);
             for &session in &watchers {
                 self.frame(session, text.clone());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Presence watches driven in process: the core on the NATS/JetStream model.
+
+    use serde_json::json;
+
+    use crate::testing::harness::Harness;
+
+    #[test]
+    fn a_watcher_hears_of_changes_until_its_session_ends_and_is_then_forgotten() {
+        let mut h = Harness::development(1);
+        let w = h.join(0, "watcher", json!({}));
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        let b = h.join(0, "b", json!({}));
+        let up = h.wait_for(w, |f| f["op"] == "presence" && f["name"] == "b");
+        assert_eq!(up["state"], "up", "{up}");
+        h.close(b);
+        let down = h.wait_for(w, |f| f["op"] == "presence" && f["name"] == "b");
+        assert_eq!(down["state"], "down", "{down}");
+        assert_eq!(h.broker(0).watchers.get("dev").map(|w| w.len()), Some(1));
+        h.close(w);
+        assert!(
+            h.broker(0).watchers.is_empty(),
+            "{:?}",
+            h.broker(0).watchers
+        );
     }
 }

@@ -14,7 +14,6 @@ impl Broker {
                 peer,
                 outstanding: HashSet::new(),
                 inflight: IdMap::default(),
-                watching: false,
                 subs: HashMap::new(),
                 deleting: 0,
             },
@@ -60,6 +59,9 @@ impl Broker {
             SessionState::Closing { participant } => participant,
             SessionState::AwaitingHello { .. } => None,
         };
+        if let Some((ns, _)) = &participant {
+            self.unwatch(ns, session);
+        }
         if let Some((ns, name)) = participant {
             self.metrics
                 .registry
