@@ -73,22 +73,25 @@ fn a_participant_after_the_first_thousand_still_gets_its_messages() {
 #[test]
 fn a_refused_inbox_consumer_is_reported_and_the_messages_come_once_there_is_room() {
     let nats = NatsServer::start();
-    let mut config = open_namespace_config();
+    // Not open, so its listed participants' consumers are made at their first hello.
+    let mut config = open_config(&["a", "b"]);
     config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 2});
     let broker = Broker::start(&nats.url(), &config);
     let mut js = js(&nats);
+    // A consumer the broker did not make (an operator's, or one left by a participant
+    // no longer listed) takes the room kept for `b`.
+    let old = binding::inbox_consumer_config("acme", "old", 30, 64);
+    js.create_consumer("AMP_INBOX_acme", &old, ConsumerAction::Create)
+        .expect("old consumer");
     let mut a = Client::login(&broker, "acme", "a", "a-token");
-    let b = Client::login(&broker, "acme", "b", "b-token");
     assert!(
-        wait_until(WAIT, || has_inbox_consumer(&mut js, "a")
-            && has_inbox_consumer(&mut js, "b")),
-        "a's and b's inbox consumers"
+        wait_until(WAIT, || has_inbox_consumer(&mut js, "a")),
+        "a's inbox consumer"
     );
-    drop(b);
 
-    // The stream is full: z's consumer is refused, and z is told so.
-    let mut z = Client::login(&broker, "acme", "z", OPEN_TOKEN);
-    let told = z.next_op("error", WAIT).expect("z is told");
+    // The stream is full: b's consumer is refused, and b is told so.
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let told = b.next_op("error", WAIT).expect("b is told");
     assert_eq!(told["code"], "unavailable", "{told}");
     assert!(told.get("re").is_none(), "{told}");
     let text = told["message"].as_str().unwrap_or_default();
@@ -96,33 +99,33 @@ fn a_refused_inbox_consumer_is_reported_and_the_messages_come_once_there_is_room
         text.contains("inbox") && text.contains("maximum consumers limit reached"),
         "{text}"
     );
-    // A second session of z, while it lasts, is told at its hello.
-    let mut z2 = Client::login(&broker, "acme", "z", OPEN_TOKEN);
-    let told = z2
+    // A second session of b, while it lasts, is told at its hello.
+    let mut b2 = Client::login(&broker, "acme", "b", "b-token");
+    let told = b2
         .next_op("error", WAIT)
-        .expect("z's second session is told");
+        .expect("b's second session is told");
     assert_eq!(told["code"], "unavailable", "{told}");
 
-    // What is sent to z meanwhile is kept.
-    let ok = a.request(json!({"op":"send","id":"s1","to":"z","body":"kept"}));
+    // What is sent to b meanwhile is kept.
+    let ok = a.request(json!({"op":"send","id":"s1","to":"b","body":"kept"}));
     assert_eq!(ok["op"], "ok", "{ok}");
-    assert!(z.next_op("message", Duration::from_millis(300)).is_none());
+    assert!(b.next_op("message", Duration::from_millis(300)).is_none());
 
-    // Room again (an operator removed a gone participant's durable): the broker's next
-    // request succeeds and the message arrives.
+    // Room again (an operator removed the old durable): the broker's next request
+    // succeeds and the message arrives.
     assert!(
-        js.delete_consumer("AMP_INBOX_acme", &binding::inbox_consumer("b"))
-            .expect("delete b's consumer")
+        js.delete_consumer("AMP_INBOX_acme", &binding::inbox_consumer("old"))
+            .expect("delete the old consumer")
     );
     let (mut first, mut second) = (None, None);
     assert!(
         wait_until(Duration::from_secs(20), || {
             first = first
                 .take()
-                .or_else(|| z.next_op("message", Duration::from_millis(50)));
+                .or_else(|| b.next_op("message", Duration::from_millis(50)));
             second = second
                 .take()
-                .or_else(|| z2.next_op("message", Duration::from_millis(50)));
+                .or_else(|| b2.next_op("message", Duration::from_millis(50)));
             first.is_some() || second.is_some()
         }),
         "the kept message after room was made; broker log:\n{}",
@@ -131,6 +134,55 @@ fn a_refused_inbox_consumer_is_reported_and_the_messages_come_once_there_is_room
     let msg = first.or(second).expect("one delivery");
     assert_eq!(msg["body"], "kept");
     assert!(broker.log().contains("inbox consumer created after"));
+}
+
+/// Names not listed (an `open` entry lets any name in) cannot take the inbox consumers
+/// a namespace keeps for its listed participants: before, anyone holding the open
+/// token could log in under as many made-up names as the stream's `max_consumers`, and
+/// every listed participant logging in for the first time afterwards got no inbox.
+#[test]
+fn made_up_names_cannot_take_the_inboxes_kept_for_listed_participants() {
+    let nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 4});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut js = js(&nats);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    // Room for 4: a and b are listed, so made-up names get the other two (one after the
+    // other, so which two is known).
+    let mut made_up: Vec<Client> = Vec::new();
+    for i in 0..3 {
+        made_up.push(Client::login(&broker, "acme", &format!("x{i}"), OPEN_TOKEN));
+        if i < 2 {
+            let name = format!("x{i}");
+            assert!(
+                wait_until(WAIT, || has_inbox_consumer(&mut js, &name)),
+                "{name}'s inbox"
+            );
+        }
+    }
+    let told = made_up[2]
+        .next_op("error", WAIT)
+        .expect("the third made-up name is told");
+    assert_eq!(told["code"], "unavailable", "{told}");
+    let text = told["message"].as_str().unwrap_or_default();
+    assert!(text.contains("names not listed have the rest"), "{text}");
+    assert!(!has_inbox_consumer(&mut js, "x2"));
+    // The listed participant logging in for the first time gets its inbox.
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let ok = a.request(json!({"op":"send","id":"s1","to":"b","body":"for b"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let msg = b
+        .next_op("message", WAIT)
+        .unwrap_or_else(|| panic!("no delivery to listed b; broker log:\n{}", broker.log()));
+    assert_eq!(msg["body"], "for b");
+    // A made-up name that has its inbox keeps it when it comes back.
+    drop(made_up.remove(0));
+    let mut x0 = Client::login(&broker, "acme", "x0", OPEN_TOKEN);
+    let ok = a.request(json!({"op":"send","id":"s2","to":"x0","body":"back"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let msg = x0.next_op("message", WAIT).expect("x0's message");
+    assert_eq!(msg["body"], "back");
 }
 
 #[test]
@@ -201,8 +253,8 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
     assert!(
         wait_until(Duration::from_secs(90), || js
             .consumer_names("AMP_INBOX_acme")
-            .is_ok_and(|n| n.len() == N)),
-        "every participant's inbox consumer"
+            .is_ok_and(|n| n.len() == N + 2)),
+        "every participant's inbox consumer (and listed a's and b's, kept from the start)"
     );
     assert!(
         wait_until(WAIT, || inbox_consumers_waiting(&broker) == Some(0.0)),

@@ -8,9 +8,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::binding::{self, StreamSettings};
-use super::config::Config;
+use super::config::{Config, Namespace};
 use crate::jetstream::api::check_error;
-use crate::jetstream::{ApiPrefix, Request, StreamConfig};
+use crate::jetstream::{ApiPrefix, ConsumerAction, Request, StreamConfig};
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -118,10 +118,51 @@ fn ensure_domain(
         Some(d) => ApiPrefix::domain(d).map_err(|e| Failure::Fatal(e.to_string()))?,
         None => ApiPrefix::default(),
     };
-    desired_streams(config, domain, settings)
+    let mut lines: Vec<String> = desired_streams(config, domain, settings)
         .iter()
         .map(|desired| ensure_stream(client, &api, desired))
-        .collect()
+        .collect::<Result<_, _>>()?;
+    for (ns, n) in &config.namespaces {
+        if n.jetstream_domain.as_deref() == domain && n.open.is_some() {
+            lines.push(keep_listed_inboxes(client, &api, ns, n));
+        }
+    }
+    Ok(lines)
+}
+
+/// In a namespace whose `open` entry lets any name in, every listed participant's inbox
+/// consumer is made at start, so that names made up by whoever holds the open credential
+/// can never take the room `inbox.max_consumers` keeps for them (a consumer is otherwise
+/// made at a participant's first `hello`, and made-up names could fill the stream
+/// before). Idempotent: an existing consumer keeps its state.
+fn keep_listed_inboxes(client: &mut Client, api: &ApiPrefix, ns: &str, n: &Namespace) -> String {
+    let stream = binding::inbox_stream(ns);
+    let mut failed = Vec::new();
+    for name in n.participants.keys() {
+        let config =
+            binding::inbox_consumer_config(ns, name, n.inbox.ack_wait_s, n.inbox.inbox_window);
+        let answer = api
+            .consumer_create(&stream, &config, ConsumerAction::CreateOrUpdate)
+            .map_err(|e| e.to_string())
+            .and_then(|req| match request(client, &req) {
+                Ok(reply) => check_error(&reply).map_err(|e| e.to_string()),
+                Err(Failure::Away(e) | Failure::Fatal(e)) => Err(e),
+            });
+        if let Err(e) = answer {
+            failed.push(format!("{name} ({e})"));
+        }
+    }
+    if !failed.is_empty() {
+        log::warn!(
+            "namespace {ns}: inbox consumers not made at start, made at first hello instead: {}",
+            failed.join(", ")
+        );
+    }
+    format!(
+        "namespace {ns} is open: inboxes of its {} listed participants kept ({} not made)",
+        n.participants.len(),
+        failed.len()
+    )
 }
 
 /// The first wait before a domain that was away is tried again, doubled after each miss.

@@ -249,11 +249,21 @@ impl Broker {
         e: &JsError,
         now: Instant,
     ) {
+        // A name the namespace does not list finds the room of those it does taken.
+        let unlisted = participant.split_once('/').is_some_and(|(ns, name)| {
+            self.config
+                .namespaces
+                .get(ns)
+                .is_some_and(|n| n.open.is_some() && !n.participants.contains_key(name))
+        });
         let Some(p) = self.presence.get_mut(&participant) else {
             return;
         };
         let refusals = p.inbox_refused.as_ref().map_or(0, |(n, _)| *n);
-        let why = e.to_string();
+        let mut why = e.to_string();
+        if unlisted {
+            why.push_str("; the namespace keeps inboxes for the participants it lists, and names not listed have the rest");
+        }
         let error = (refusals == 0).then(|| inbox_refused_error(&why));
         p.inbox_refused = Some((refusals.saturating_add(1), why.into()));
         if let Some(error) = error {
