@@ -236,6 +236,24 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
         .subscribe("$JS.API.CONSUMER.CREATE.AMP_INBOX_acme.>", None)
         .expect("subscribe");
     spy.flush(WAIT).expect("flush");
+    // Read while the crowd logs in: a spy that only read afterwards held some 2 MB
+    // unread for seconds, and nats-server may cut a reader that slow.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spying = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut asked = std::collections::HashMap::<String, u32>::new();
+            loop {
+                match spy.next_message(creates, Duration::from_millis(500)) {
+                    Ok(Some(m)) => *asked.entry(m.subject).or_default() += 1,
+                    Ok(None) if done.load(std::sync::atomic::Ordering::Relaxed) => break,
+                    Ok(None) => {}
+                    Err(e) => panic!("the spy's connection: {e}"),
+                }
+            }
+            asked
+        })
+    };
 
     // Every socket first, then every hello at once: the crowd a restarted broker sees.
     let mut sessions: Vec<Client> = (0..N).map(|_| Client::connect(&broker)).collect();
@@ -261,13 +279,8 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
         "inbox consumers still waiting: {:?}",
         inbox_consumers_waiting(&broker)
     );
-    let mut asked = std::collections::HashMap::<String, u32>::new();
-    while let Some(m) = spy
-        .next_message(creates, Duration::from_millis(500))
-        .expect("spy reads")
-    {
-        *asked.entry(m.subject).or_default() += 1;
-    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let asked = spying.join().expect("spy");
     assert_eq!(asked.len(), N, "one creation per participant");
     let again: Vec<_> = asked.iter().filter(|(_, n)| **n > 1).collect();
     assert!(

@@ -1317,6 +1317,46 @@ mod tests {
     }
 
     #[test]
+    fn an_inbox_message_on_a_pull_the_broker_left_goes_back_at_once_and_a_jobs_one_does_not() {
+        let t0 = Instant::now();
+        let mut b = broker(t0, [5; 32]);
+        let mut conn = connected(t0);
+        let unread = |stream: &str, consumer: &str| Event::Unread {
+            sid: crate::nats::Sid(78),
+            msg: Message {
+                subject: "amp.dev.inbox.bob".into(),
+                reply: Some(format!(
+                    "$JS.ACK.{stream}.{consumer}.1.9.9.1800000000000000000.0"
+                )),
+                headers: None,
+                payload: b"{}".to_vec(),
+            },
+        };
+        let out = |conn: &mut Connection| {
+            let wire = String::from_utf8_lossy(conn.output()).into_owned();
+            let n = conn.output().len();
+            conn.consume_output(n);
+            wire
+        };
+        b.handle(
+            &mut conn,
+            Input::Nats(unread("AMP_INBOX_dev", "inbox_bob")),
+            t0,
+        );
+        let wire = out(&mut conn);
+        assert!(
+            wire.starts_with("PUB $JS.ACK.AMP_INBOX_dev.inbox_bob.1.9.9.") && wire.contains("-NAK"),
+            "{wire}"
+        );
+        b.handle(
+            &mut conn,
+            Input::Nats(unread("AMP_TASKS_dev", "job_dev_x")),
+            t0,
+        );
+        assert_eq!(out(&mut conn), "");
+    }
+
+    #[test]
     fn a_restarted_broker_names_its_plain_consumers_apart_from_its_last_process() {
         // Found by the simulator: a broker restarted with the same id numbered its plain
         // subscription consumers from 1 again, so a new `from:"all"` subscription adopted

@@ -46,14 +46,6 @@ impl Broker {
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };
-        for ack_subject in s.inflight.values() {
-            let _ = conn.publish(
-                ack_subject,
-                None,
-                None,
-                &AckKind::Nak { delay: None }.payload(),
-            );
-        }
         let participant = match s.state {
             SessionState::Active { ns, name } => Some((ns, name)),
             SessionState::Closing { participant } => participant,
@@ -86,6 +78,18 @@ impl Broker {
                 self.inbox_creates.withdraw(&key);
                 self.registry_delete(conn, &ns, &name);
             }
+        }
+        // Handed back after the last session's inbox pull is unsubscribed: JetStream
+        // gives a naked message to a waiting pull whose reply subject still has
+        // interest, so naked first it could go straight back to that pull, which
+        // nobody reads any more.
+        for ack_subject in s.inflight.values() {
+            let _ = conn.publish(
+                ack_subject,
+                None,
+                None,
+                &AckKind::Nak { delay: None }.payload(),
+            );
         }
         self.jobs.session_closed(conn, session, now);
         self.drain_jobs(conn, now);

@@ -777,8 +777,14 @@ impl Broker {
         let Ok(meta) = AckMetadata::parse(reply) else {
             return;
         };
-        // Other consumers (inbox, jobs) are left to their own redelivery; a plain
-        // subscription's consumer ignores the nak (it acknowledges nothing).
+        // An inbox message that reached an inbox pull the broker had left (its
+        // participant's last session ended, or the pull was renewed) goes back at once,
+        // not after its ack wait: the participant's next session here or elsewhere gets
+        // it first. Job queues keep their own redelivery; a plain subscription's consumer
+        // ignores the nak (it acknowledges nothing).
+        if meta.stream.starts_with(&binding::inbox_stream("")) {
+            return nak(conn, reply);
+        }
         if !meta.stream.starts_with(&binding::topics_stream("")) {
             return;
         }
