@@ -402,3 +402,30 @@ fn the_publish_path_is_rate_limited_with_an_honest_retry_after() {
         "others are not limited"
     );
 }
+
+/// A stream JetStream stores no more in (an operator's `max_bytes` with discard `new`
+/// here; a full disk or account limit alike) refuses a `send` as `unavailable`, saying so,
+/// where it answered `internal` as if the broker had failed; nothing is stored, and the
+/// sender may retry later with the same `idem`.
+#[test]
+fn a_send_jetstream_has_no_room_for_is_refused_as_unavailable() {
+    let (nats, broker) = setup(&["a", "b"]);
+    let mut js = amp_broker::jetstream::Context::new(
+        amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+            .expect("connect"),
+    )
+    .with_timeout(WAIT);
+    let mut config = js.stream_info("AMP_INBOX_acme").expect("inbox").config;
+    config.max_bytes = Some(4096);
+    config.discard = Some(amp_broker::jetstream::DiscardPolicy::New);
+    js.update_stream(&config).expect("an operator's tuning");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let body = "x".repeat(1000);
+    let refused = (0..20)
+        .map(|i| a.request(json!({"op":"send","to":"b","body":body,"idem":format!("k{i}")})))
+        .find(|answer| answer["op"] != "ok")
+        .expect("a send refused once the stream is full");
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    let text = refused["message"].as_str().unwrap_or_default();
+    assert!(text.contains("cannot store"), "{text}");
+}

@@ -686,14 +686,7 @@ impl Broker {
                             .bool("dup", ack.duplicate);
                         self.ok(session, &re, answer)
                     }
-                    Err(e) => self.fail(
-                        session,
-                        &re,
-                        AmpError::new(
-                            ErrorCode::Internal,
-                            format!("JetStream refused the message: {e}"),
-                        ),
-                    ),
+                    Err(e) => self.fail(session, &re, store_refused(&e)),
                 },
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
@@ -1139,6 +1132,28 @@ fn js_request(
         now,
     )
     .map_err(|e| e.to_string())
+}
+
+/// Why JetStream did not store a message. Limits or storage that are full (a stream's
+/// `max_bytes` with discard `new`, the account's or the server's storage) and a stream
+/// nobody answers for are JetStream's state, not a failure of the broker: `unavailable`,
+/// safe to retry later with the same `idem`. Anything else is `internal`.
+fn store_refused(e: &JsError) -> AmpError {
+    /// `JSStreamStoreFailedF` (maximum bytes, messages or messages per subject exceeded),
+    /// `JSInsufficientResourcesErr`, `JSMemoryResourcesExceededErr`,
+    /// `JSStorageResourcesExceededErr`.
+    const FULL: [u32; 4] = [10077, 10023, 10028, 10047];
+    let full = e.err_code().is_some_and(|c| FULL.contains(&c));
+    if full || matches!(e, JsError::NoResponders | JsError::Timeout) {
+        return AmpError::new(
+            ErrorCode::Unavailable,
+            format!("JetStream cannot store the message now: {e}"),
+        );
+    }
+    AmpError::new(
+        ErrorCode::Internal,
+        format!("JetStream refused the message: {e}"),
+    )
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {
