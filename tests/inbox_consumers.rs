@@ -352,3 +352,37 @@ fn inboxes_asked_for_while_nats_is_away_are_all_made_once_it_is_back() {
         assert_eq!(msg["body"], i);
     }
 }
+
+/// A participant a reload lists in an open namespace has its room kept from the reload
+/// on, before it ever logs in.
+#[test]
+fn a_participant_a_reload_lists_keeps_its_inbox_from_made_up_names() {
+    let nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 4});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut js = js(&nats);
+    let mut with_c = config.clone();
+    with_c["namespaces"]["acme"]["participants"]["c"] = json!({
+        "token_sha256": token_hash("c-token"),
+        "permissions": {"send": [">"]},
+    });
+    broker.reload(&with_c, "reloaded");
+    assert!(
+        wait_until(WAIT, || has_inbox_consumer(&mut js, "c")),
+        "c's inbox consumer made at the reload; broker log:\n{}",
+        broker.log()
+    );
+    // a, b and c are listed: one made-up name gets the last place, the next is refused.
+    let _x0 = Client::login(&broker, "acme", "x0", OPEN_TOKEN);
+    assert!(wait_until(WAIT, || has_inbox_consumer(&mut js, "x0")));
+    let mut x1 = Client::login(&broker, "acme", "x1", OPEN_TOKEN);
+    let told = x1.next_op("error", WAIT).expect("x1 is told");
+    assert_eq!(told["code"], "unavailable", "{told}");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut c = Client::login(&broker, "acme", "c", "c-token");
+    let ok = a.request(json!({"op":"send","id":"s1","to":"c","body":"for c"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let msg = c.next_op("message", WAIT).expect("c's message");
+    assert_eq!(msg["body"], "for c");
+}

@@ -9,26 +9,9 @@ use std::time::{Duration, Instant};
 
 use common::amp::{Broker, Client, open_config};
 use common::{NatsServer, wait_until};
-use serde_json::{Value, json};
+use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn write_config(broker: &Broker, config: &Value) {
-    std::fs::write(broker.config_path(), config.to_string()).expect("write config");
-}
-
-/// Rewrites the file, sends SIGHUP and waits until the broker has logged the outcome
-/// (`marker`) once more than before.
-fn reload(broker: &Broker, config: &Value, marker: &str) {
-    let before = broker.log().matches(marker).count();
-    write_config(broker, config);
-    broker.signal(libc::SIGHUP);
-    assert!(
-        wait_until(WAIT, || broker.log().matches(marker).count() > before),
-        "no `{marker}` after SIGHUP; log:\n{}",
-        broker.log()
-    );
-}
 
 fn ping_ok(c: &mut Client) {
     let ok = c.request(json!({"op":"ping"}));
@@ -48,7 +31,7 @@ fn sighup_closes_the_session_of_a_removed_participant_and_keeps_the_others() {
         .as_object_mut()
         .expect("participants")
         .remove("bob");
-    reload(&broker, &without_bob, "reloaded");
+    broker.reload(&without_bob, "reloaded");
 
     let closed = bob.next_op("_closed", WAIT).expect("bob's session closes");
     assert_eq!(
@@ -77,7 +60,7 @@ fn sighup_applies_a_removed_permission_from_the_next_frame() {
 
     let mut fewer = config.clone();
     fewer["namespaces"]["acme"]["participants"]["alice"]["permissions"]["send"] = json!([]);
-    reload(&broker, &fewer, "reloaded");
+    broker.reload(&fewer, "reloaded");
 
     let e = alice.request(json!({"op":"send","to":"bob","body":2}));
     assert_eq!(
@@ -99,7 +82,7 @@ fn sighup_closes_the_session_whose_token_changed() {
     let mut rekeyed = config.clone();
     rekeyed["namespaces"]["acme"]["participants"]["bob"]["token_sha256"] =
         json!(common::amp::token_hash("bob-new-token"));
-    reload(&broker, &rekeyed, "reloaded");
+    broker.reload(&rekeyed, "reloaded");
 
     assert_eq!(bob.closed_with(WAIT), Some(1008));
     ping_ok(&mut alice);
@@ -120,7 +103,7 @@ fn sighup_refuses_an_invalid_file_names_the_member_and_keeps_serving() {
 
     let mut invalid = config.clone();
     invalid["namespaces"]["acme"]["participants"]["bob"]["token_sha256"] = json!("not-hex");
-    reload(&broker, &invalid, "reload refused");
+    broker.reload(&invalid, "reload refused");
     let log = broker.log();
     assert!(
         log.contains("namespaces.acme.participants.bob.token_sha256"),
@@ -136,7 +119,7 @@ fn sighup_refuses_an_invalid_file_names_the_member_and_keeps_serving() {
         .as_object_mut()
         .expect("participants")
         .remove("bob");
-    reload(&broker, &bigger, "refused");
+    broker.reload(&bigger, "refused");
     let log = broker.log();
     assert!(log.contains("limits.max_frame"), "named; log:\n{log}");
     let _bob = Client::login(&broker, "acme", "bob", "bob-token");

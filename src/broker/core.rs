@@ -338,6 +338,10 @@ pub struct Broker {
     presence: HashMap<String, Presence>,
     /// Inbox consumer creations, a few out at a time (see `admission.rs`).
     inbox_creates: Admission,
+    /// Participants a reload listed in a namespace with an `open` entry, whose inbox
+    /// consumers are made before they log in (start-up makes the others' in `setup.rs`):
+    /// made-up names must not take their room.
+    kept_inboxes: HashSet<String>,
     /// Topic subscriptions' API requests, a few out at a time, sessions taking turns.
     api: ApiQueue<(Request, Pending, Instant)>,
     /// Set while `send_api_requests` runs: what it completes may queue more.
@@ -425,6 +429,7 @@ impl Broker {
             sessions: IdMap::default(),
             presence: HashMap::new(),
             inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
+            kept_inboxes: HashSet::new(),
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
             watchers: HashMap::new(),
@@ -522,6 +527,20 @@ impl Broker {
             })
             .collect();
         ended.sort_unstable();
+        for (ns, n) in &new.namespaces {
+            let before = self.config.namespaces.get(ns);
+            let was_open = before.is_some_and(|b| b.open.is_some());
+            if n.open.is_none() {
+                continue;
+            }
+            for name in n.participants.keys() {
+                if !was_open || !before.is_some_and(|b| b.participants.contains_key(name)) {
+                    let key = participant_key(ns, name);
+                    self.inbox_creates.push(&key);
+                    self.kept_inboxes.insert(key);
+                }
+            }
+        }
         self.config = new;
         self.jobs.reload_settings(&self.config);
         for &(session, why) in &ended {
@@ -594,6 +613,10 @@ impl Broker {
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
             Input::Timeout => self.handle_timeout(conn, now),
+        }
+        // Creations a reload queued (it has no connection to send them on).
+        if !self.kept_inboxes.is_empty() {
+            self.send_inbox_creates(conn, now);
         }
         self.file_continuations();
         self.file_timers();

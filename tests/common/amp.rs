@@ -269,6 +269,23 @@ impl Broker {
         self.dir.path().join("config.json")
     }
 
+    /// Rewrites the configuration file, sends SIGHUP and waits until the broker has logged
+    /// the outcome (`marker`) once more than before.
+    pub fn reload(&self, config: &Value, marker: &str) {
+        let before = self.log().matches(marker).count();
+        std::fs::write(self.config_path(), config.to_string()).expect("write config");
+        self.signal(libc::SIGHUP);
+        assert!(
+            super::wait_until(Duration::from_secs(10), || self
+                .log()
+                .matches(marker)
+                .count()
+                > before),
+            "no `{marker}` after SIGHUP; log:\n{}",
+            self.log()
+        );
+    }
+
     /// Starts it again with the same arguments.
     pub fn restart(&mut self) {
         self.kill();

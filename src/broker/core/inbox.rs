@@ -200,10 +200,11 @@ impl Broker {
     /// are out, skipping participants that left or were attached meanwhile.
     pub(super) fn send_inbox_creates(&mut self, conn: &mut Connection, now: Instant) {
         while let Some(key) = self.inbox_creates.admit() {
-            let wanted = self
-                .presence
-                .get(&key)
-                .is_some_and(|p| p.inbox.sid().is_none());
+            let wanted = self.kept_inboxes.remove(&key)
+                || self
+                    .presence
+                    .get(&key)
+                    .is_some_and(|p| p.inbox.sid().is_none());
             let inbox = key
                 .split_once('/')
                 .filter(|_| wanted)

@@ -75,7 +75,10 @@ impl Broker {
                     self.routes.remove(&sid);
                     let _ = conn.unsubscribe(sid, None);
                 }
-                self.inbox_creates.withdraw(&key);
+                // One a reload asked to keep is still wanted.
+                if !self.kept_inboxes.contains(&key) {
+                    self.inbox_creates.withdraw(&key);
+                }
                 self.registry_delete(conn, &ns, &name);
             }
         }
