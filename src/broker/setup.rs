@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::binding::{self, StreamSettings};
 use super::config::{Config, Namespace};
 use crate::jetstream::api::check_error;
-use crate::jetstream::{ApiPrefix, ConsumerAction, Request, StreamConfig};
+use crate::jetstream::{ApiPrefix, ConsumerAction, JsError, Request, StreamConfig};
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -141,21 +141,17 @@ fn keep_listed_inboxes(client: &mut Client, api: &ApiPrefix, ns: &str, n: &Names
     for name in n.participants.keys() {
         let config =
             binding::inbox_consumer_config(ns, name, n.inbox.ack_wait_s, n.inbox.inbox_window);
-        let answer = api
-            .consumer_create(&stream, &config, ConsumerAction::CreateOrUpdate)
-            .map_err(|e| e.to_string())
-            .and_then(|req| match request(client, &req) {
-                Ok(reply) => check_error(&reply).map_err(|e| e.to_string()),
-                Err(Failure::Away(e) | Failure::Fatal(e)) => Err(e),
-            });
-        if let Err(e) = answer {
+        let req = api.consumer_create(&stream, &config, ConsumerAction::CreateOrUpdate);
+        if let Err(e) = call(client, req) {
             failed.push(format!("{name} ({e})"));
         }
     }
     if !failed.is_empty() {
         log::warn!(
-            "namespace {ns}: inbox consumers not made at start, made at first hello instead: {}",
-            failed.join(", ")
+            "namespace {ns}: {} inbox consumers not made at start, made at first hello instead: {}{}",
+            failed.len(),
+            failed[..failed.len().min(10)].join(", "),
+            if failed.len() > 10 { ", ..." } else { "" }
         );
     }
     format!(
@@ -278,14 +274,7 @@ fn consumer_limit_update(desired: &StreamConfig, existing: &Value) -> Option<Str
 fn raise_consumer_limit(client: &mut Client, api: &ApiPrefix, updated: &StreamConfig) -> String {
     let name = updated.name.as_str();
     let want = updated.max_consumers.unwrap_or_default();
-    let answer = api
-        .stream_update(updated)
-        .map_err(|e| e.to_string())
-        .and_then(|req| match request(client, &req) {
-            Ok(reply) => check_error(&reply).map_err(|e| e.to_string()),
-            Err(Failure::Away(e) | Failure::Fatal(e)) => Err(e),
-        });
-    match answer {
+    match call(client, api.stream_update(updated)) {
         Ok(()) => format!(
             "adopted stream {name} ({}), its max_consumers set to {want}",
             api.as_str()
@@ -296,6 +285,15 @@ fn raise_consumer_limit(client: &mut Client, api: &ApiPrefix, updated: &StreamCo
             );
             format!("adopted stream {name} ({})", api.as_str())
         }
+    }
+}
+
+/// A request whose answer is only success or why not.
+fn call(client: &mut Client, req: Result<Request, JsError>) -> Result<(), String> {
+    let req = req.map_err(|e| e.to_string())?;
+    match request(client, &req) {
+        Ok(reply) => check_error(&reply).map_err(|e| e.to_string()),
+        Err(Failure::Away(e) | Failure::Fatal(e)) => Err(e),
     }
 }
 
