@@ -649,3 +649,58 @@ fn subscribes_while_nats_is_away_are_answered_promptly_and_work_once_it_is_back(
         assert_eq!(e["seq"].as_u64(), Some(seq), "{e}");
     }
 }
+
+/// One participant's sessions together hold at most its share of the broker's topic
+/// subscriptions: before, 256 sessions (the per-address connection cap) of 64
+/// subscriptions each could hold every one of the broker's 16,384, and nobody else could
+/// subscribe.
+#[test]
+fn a_participant_holds_at_most_its_share_of_the_brokers_subscriptions() {
+    let nats = NatsServer::start();
+    let config = topics_config(
+        &["hog", "other"],
+        json!({"max_subscriptions_per_session": 3, "max_subscriptions_per_participant": 5}),
+    );
+    let broker = Broker::start(&nats.url(), &config);
+    let mut sessions: Vec<Client> = (0..2)
+        .map(|_| Client::login(&broker, "acme", "hog", "hog-token"))
+        .collect();
+    for i in 0..5 {
+        let ok =
+            sessions[i % 2].request(json!({"op":"subscribe","topic":"h.>","sub":format!("h{i}")}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let mut third = Client::login(&broker, "acme", "hog", "hog-token");
+    let e = third.request(json!({"op":"subscribe","topic":"h.>","sub":"h5"}));
+    let (code, message) = refusal(&e);
+    assert_eq!(code, Some("forbidden"), "{e}");
+    assert!(
+        message.contains("a participant holds at most 5 subscriptions on this broker"),
+        "{e}"
+    );
+    let mut other = Client::login(&broker, "acme", "other", "other-token");
+    assert_eq!(
+        other.request(json!({"op":"subscribe","topic":"h.>"}))["op"],
+        "ok"
+    );
+    // Its share is back as its subscriptions end, with a session or by unsubscribe.
+    drop(sessions.remove(1));
+    assert!(
+        common::wait_until(WAIT, || {
+            third.request(json!({"op":"subscribe","topic":"h.>","sub":"h5"}))["op"] == "ok"
+        }),
+        "room again once a session ended"
+    );
+    let subscribe = |c: &mut Client, sub: &str| {
+        c.request(json!({"op":"subscribe","topic":"h.>","sub":sub}))["op"]
+            .as_str()
+            .map(str::to_string)
+    };
+    assert_eq!(subscribe(&mut third, "h6").as_deref(), Some("ok"));
+    assert_eq!(subscribe(&mut third, "h7").as_deref(), Some("error"));
+    assert_eq!(
+        sessions[0].request(json!({"op":"unsubscribe","sub":"h0"}))["op"],
+        "ok"
+    );
+    assert_eq!(subscribe(&mut third, "h7").as_deref(), Some("ok"));
+}

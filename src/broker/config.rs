@@ -246,6 +246,9 @@ pub struct Topics {
     pub max_bytes: u64,
     /// Subscriptions, plain and durable, one session holds at once.
     pub max_subscriptions_per_session: usize,
+    /// Subscriptions, plain and durable, all sessions of one participant hold at once on
+    /// a broker: its share of `limits.max_topic_subscriptions`.
+    pub max_subscriptions_per_participant: usize,
     /// Durable subscriptions one participant has in the namespace, counted in JetStream
     /// when a new one would be created.
     pub max_durables_per_participant: usize,
@@ -261,6 +264,7 @@ impl Default for Topics {
             max_age_s: 0,
             max_bytes: 0,
             max_subscriptions_per_session: 64,
+            max_subscriptions_per_participant: 1024,
             max_durables_per_participant: 128,
             durable_inactive_s: DAY,
             max_consumers: 10_000,
@@ -490,6 +494,12 @@ impl Config {
                 topics.max_subscriptions_per_session,
                 1,
                 1024,
+            )?;
+            within(
+                &format!("{at}.topics.max_subscriptions_per_participant"),
+                topics.max_subscriptions_per_participant,
+                1,
+                32_768,
             )?;
             within(
                 &format!("{at}.topics.max_durables_per_participant"),
@@ -1046,15 +1056,18 @@ mod tests {
         assert_eq!(
             (
                 t.max_subscriptions_per_session,
+                t.max_subscriptions_per_participant,
                 t.max_durables_per_participant,
                 t.durable_inactive_s,
                 t.max_consumers
             ),
-            (64, 128, 86_400, 10_000)
+            (64, 1024, 128, 86_400, 10_000)
         );
         assert_eq!(c.limits.max_topic_subscriptions, 16_384);
         for (member, bad) in [
             ("max_subscriptions_per_session", "1025"),
+            ("max_subscriptions_per_participant", "32769"),
+            ("max_subscriptions_per_participant", "0"),
             ("max_durables_per_participant", "10001"),
             ("durable_inactive_s", "31536001"),
             ("max_consumers", "100001"),

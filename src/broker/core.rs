@@ -351,6 +351,8 @@ pub struct Broker {
     watchers: HashMap<String, BTreeSet<SessionId>>,
     /// Topic subscriptions of every session.
     topic_subs: usize,
+    /// And of each participant (`ns/name`) with any.
+    participant_subs: HashMap<String, usize>,
     /// Their consumers' deletes not yet answered: they count against
     /// `max_topic_subscriptions` too, so what waits in `api` stays bounded.
     topic_deleting: usize,
@@ -434,6 +436,7 @@ impl Broker {
             api_sending: false,
             watchers: HashMap::new(),
             topic_subs: 0,
+            participant_subs: HashMap::new(),
             topic_deleting: 0,
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),

@@ -194,7 +194,7 @@ impl Broker {
             return self.fail(session, &f.id, e);
         }
         let caps = self.topic_caps(ns);
-        if let Err(e) = self.check_subscription_caps(session, &caps) {
+        if let Err(e) = self.check_subscription_caps(session, &participant_key(ns, name), &caps) {
             return self.fail(session, &f.id, e);
         }
         let filter = binding::topic_subject(ns, &f.topic);
@@ -254,6 +254,10 @@ impl Broker {
         if let Some(s) = self.sessions.get_mut(&session) {
             s.subs.insert(sub.clone(), subscription);
             self.topic_subs += 1;
+            *self
+                .participant_subs
+                .entry(participant_key(ns, name))
+                .or_default() += 1;
         }
         if f.durable {
             let resume = (to, Box::new(config));
@@ -481,16 +485,31 @@ impl Broker {
     /// Refuses a subscription past the session's or the broker's cap; each holds one NATS
     /// subscription on the broker's connection and one consumer. Consumers the session
     /// unsubscribed count until their deletes are answered.
-    fn check_subscription_caps(&self, session: SessionId, caps: &Topics) -> Result<(), AmpError> {
+    fn check_subscription_caps(
+        &self,
+        session: SessionId,
+        participant: &str,
+        caps: &Topics,
+    ) -> Result<(), AmpError> {
         let (mine, deleting) = self
             .sessions
             .get(&session)
             .map_or((0, 0), |s| (s.subs.len(), s.deleting));
         let (all, all_deleting) = (self.topic_subs, self.topic_deleting);
+        let theirs = self.participant_subs.get(participant).copied().unwrap_or(0);
         let session_cap = caps.max_subscriptions_per_session;
+        let participant_cap = caps.max_subscriptions_per_participant;
         let broker_cap = self.config.limits.max_topic_subscriptions;
+        // A participant's share counts only what it holds: its deletes count in the others.
         let caps = [
             (mine, deleting, session_cap, "a session", "subscriptions"),
+            (
+                theirs,
+                0,
+                participant_cap,
+                "a participant",
+                "subscriptions on this broker",
+            ),
             (
                 all,
                 all_deleting,
@@ -671,6 +690,13 @@ impl Broker {
             .get_mut(&session)
             .and_then(|s| s.subs.remove(sub))?;
         self.topic_subs = self.topic_subs.saturating_sub(1);
+        let owner = participant_key(&t.ns, &t.owner);
+        if let Some(n) = self.participant_subs.get_mut(&owner) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.participant_subs.remove(&owner);
+            }
+        }
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
