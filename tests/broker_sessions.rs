@@ -429,3 +429,30 @@ fn a_send_jetstream_has_no_room_for_is_refused_as_unavailable() {
     let text = refused["message"].as_str().unwrap_or_default();
     assert!(text.contains("cannot store"), "{text}");
 }
+
+/// One participant's sessions on a broker are at most its share of `max_sessions`: one
+/// credential from many addresses could otherwise hold every session the broker takes.
+#[test]
+fn a_participant_holds_at_most_its_share_of_the_brokers_sessions() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["limits"] = json!({"max_sessions_per_participant": 3});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut held: Vec<Client> = (0..3)
+        .map(|_| Client::login(&broker, "acme", "a", "a-token"))
+        .collect();
+    let mut fourth = Client::connect(&broker);
+    let refused = fourth.request(
+        json!({"op":"hello","ns":"acme","name":"a","auth":{"type":"token","token":"a-token"}}),
+    );
+    assert_eq!(refused["code"], "rate_limited", "{refused}");
+    assert!(refused["retry_after_ms"].as_u64().is_some(), "{refused}");
+    let text = refused["message"].as_str().unwrap_or_default();
+    assert!(text.contains("at most 3 sessions"), "{text}");
+    assert_eq!(fourth.closed_with(WAIT), Some(1008));
+    // Another participant is not held back; a place is back when a session ends.
+    let _b = Client::login(&broker, "acme", "b", "b-token");
+    assert_eq!(held[0].request(json!({"op":"bye"}))["op"], "ok");
+    assert_eq!(held.remove(0).closed_with(WAIT), Some(1000));
+    let _again = Client::login(&broker, "acme", "a", "a-token");
+}

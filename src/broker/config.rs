@@ -54,6 +54,9 @@ pub struct Limits {
     pub hello_timeout_s: u64,
     pub registry_ttl_s: u64,
     pub max_sessions: usize,
+    /// Sessions of one participant open at once on this broker: its share of
+    /// `max_sessions`.
+    pub max_sessions_per_participant: usize,
     /// Submits of one participant waiting for a budget reservation (each holds its frame);
     /// past it a submit answers `unavailable` with `retry_after_ms`.
     pub max_held_submits: usize,
@@ -80,6 +83,7 @@ impl Default for Limits {
             hello_timeout_s: 5,
             registry_ttl_s: 15,
             max_sessions: 10_000,
+            max_sessions_per_participant: 1024,
             max_held_submits: 64,
             max_connections_per_ip: 256,
             connects_per_ip_per_s: 256,
@@ -396,6 +400,12 @@ impl Config {
         within("limits.hello_timeout_s", l.hello_timeout_s, 1, HOUR)?;
         within("limits.registry_ttl_s", l.registry_ttl_s, 1, DAY)?;
         within("limits.max_sessions", l.max_sessions, 1, 1_000_000)?;
+        within(
+            "limits.max_sessions_per_participant",
+            l.max_sessions_per_participant,
+            1,
+            1_000_000,
+        )?;
         within("limits.max_held_submits", l.max_held_submits, 1, 4096)?;
         within(
             "limits.max_connections_per_ip",
@@ -872,6 +882,11 @@ mod tests {
             (
                 format!(r#"{{"limits":{{"max_sessions":{huge}}}}}"#),
                 "limits.max_sessions",
+                "at most 1000000",
+            ),
+            (
+                format!(r#"{{"limits":{{"max_sessions_per_participant":{huge}}}}}"#),
+                "limits.max_sessions_per_participant",
                 "at most 1000000",
             ),
             (

@@ -327,6 +327,9 @@ const SESSION_API_IN_FLIGHT: usize = 16;
 /// `retry_after_ms` of a subscribe refused while the session's unsubscribed consumers
 /// are still being deleted: about one delete's round trip under load.
 const DELETING_RETRY_MS: u64 = 250;
+/// `retry_after_ms` of a hello refused because its participant holds its share of the
+/// broker's sessions: a client should not come straight back.
+const SESSIONS_FULL_RETRY_MS: u64 = 5000;
 /// The longest wait between two requests for an inbox consumer JetStream refused.
 const INBOX_REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
 

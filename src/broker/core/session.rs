@@ -172,6 +172,23 @@ impl Broker {
             return self.refuse(session, Some(&hello.id));
         }
         self.throttle.record_success(peer.ip(), &key, now);
+        let max = self.config.limits.max_sessions_per_participant;
+        if self
+            .presence
+            .get(&key)
+            .is_some_and(|p| p.sessions.len() >= max)
+        {
+            // Its share of the broker's sessions is taken: however many addresses it
+            // comes from, one participant cannot hold all of `max_sessions`.
+            let mut e = AmpError::rate_limited(SESSIONS_FULL_RETRY_MS);
+            e.message = format!("a participant holds at most {max} sessions on this broker").into();
+            self.error(session, Some(&hello.id), &e);
+            return self.close(
+                session,
+                close::POLICY,
+                "too many sessions of this participant",
+            );
+        }
         self.metrics
             .registry
             .gauge_add(self.metrics.sessions, "", 1.0);
