@@ -1273,9 +1273,16 @@ mod tests {
         );
         conn.receive(b"PONG\r\n", now);
         assert!(conn.is_connected());
+        take_wire(&mut conn);
+        conn
+    }
+
+    /// What the core wrote to NATS since the last look, taken out of the connection.
+    fn take_wire(conn: &mut Connection) -> String {
+        let wire = String::from_utf8_lossy(conn.output()).into_owned();
         let n = conn.output().len();
         conn.consume_output(n);
-        conn
+        wire
     }
 
     #[test]
@@ -1321,10 +1328,8 @@ mod tests {
             payload: b"{}".to_vec(),
         };
         let naks = |conn: &mut Connection| {
-            let wire = String::from_utf8_lossy(conn.output()).into_owned();
-            let n = conn.output().len();
-            conn.consume_output(n);
-            wire.lines()
+            take_wire(conn)
+                .lines()
                 .filter_map(|l| l.strip_prefix("PUB "))
                 .filter_map(|l| l.split(' ').next())
                 .map(str::to_string)
@@ -1376,18 +1381,12 @@ mod tests {
                 payload: b"{}".to_vec(),
             },
         };
-        let out = |conn: &mut Connection| {
-            let wire = String::from_utf8_lossy(conn.output()).into_owned();
-            let n = conn.output().len();
-            conn.consume_output(n);
-            wire
-        };
         b.handle(
             &mut conn,
             Input::Nats(unread("AMP_INBOX_dev", "inbox_bob")),
             t0,
         );
-        let wire = out(&mut conn);
+        let wire = take_wire(&mut conn);
         assert!(
             wire.starts_with("PUB $JS.ACK.AMP_INBOX_dev.inbox_bob.1.9.9.") && wire.contains("-NAK"),
             "{wire}"
@@ -1397,7 +1396,7 @@ mod tests {
             Input::Nats(unread("AMP_TASKS_dev", "job_dev_x")),
             t0,
         );
-        assert_eq!(out(&mut conn), "");
+        assert_eq!(take_wire(&mut conn), "");
     }
 
     #[test]
@@ -1414,8 +1413,7 @@ mod tests {
             let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
                 "auth":{"type":"token","token":TOKEN}});
             b.session_frame(&mut conn, 1, &hello.to_string(), t0);
-            let n = conn.output().len();
-            conn.consume_output(n);
+            take_wire(&mut conn);
             let sub = json!({"op":"subscribe","id":"u","topic":"t.a","from":"all"});
             b.session_frame(&mut conn, 1, &sub.to_string(), t0);
             let wire = String::from_utf8_lossy(conn.output()).into_owned();
@@ -1463,8 +1461,7 @@ mod tests {
         assert!(ok.iter().any(|f| f["op"] == "ok"), "{ok:?}");
         // Ninety virtual seconds later, however long the test really took.
         let later = t0 + Duration::from_millis(90_250);
-        let n = conn.output().len();
-        conn.consume_output(n);
+        take_wire(&mut conn);
         let send = json!({"op":"send","id":"s","to":"bob","body":{"x":1}});
         b.session_frame(&mut conn, 1, &send.to_string(), later);
         let wire = String::from_utf8_lossy(conn.output()).into_owned();
@@ -1481,8 +1478,7 @@ mod tests {
         let mut conn2 = connected(t0);
         challenge_nonce(&mut twin, 1, t0);
         twin.session_frame(&mut conn2, 1, &hello.to_string(), t0);
-        let n = conn2.output().len();
-        conn2.consume_output(n);
+        take_wire(&mut conn2);
         twin.session_frame(&mut conn2, 1, &send.to_string(), later);
         assert_eq!(id(&wire), id(&String::from_utf8_lossy(conn2.output())));
     }
