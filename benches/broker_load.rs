@@ -13,6 +13,12 @@
 //! counts the memory phase measures, in rising order). `BROKER_LOAD_REGISTRY_TTL_S` sets
 //! the broker's `limits.registry_ttl_s` (default 15).
 //!
+//! `BROKER_LOAD_CPUS=split` gives nats-server the first CPU to itself and puts the broker
+//! and this harness (both paths' clients) on the others, so the ratio answers whether
+//! the broker holds JetStream back when JetStream has a core of its own; by default all
+//! three processes share every CPU, and the broker path's extra CPU (broker and its
+//! clients) is taken from nats-server.
+//!
 //! Profiling: `AMP_BROKER_WRAPPER="valgrind --tool=callgrind --instr-atstart=no"` starts
 //! the broker under callgrind; the bench then instruments it for the broker-path runs only
 //! (`callgrind_control -i on`, then `-d` and `-i off`), so the profile holds the messages
@@ -205,6 +211,19 @@ fn raise_open_files_limit() {
             limit.rlim_cur = limit.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
+    }
+}
+
+/// Keeps the calling thread (and what it starts from now on) on these CPUs.
+fn pin_this_thread(cpus: std::ops::Range<usize>) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; the calls read and write only it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        let ok = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0;
+        assert!(ok, "sched_setaffinity: {}", std::io::Error::last_os_error());
     }
 }
 
@@ -648,7 +667,17 @@ fn main() {
     config["limits"]["max_connections_per_ip"] = json!(sessions);
     config["limits"]["connect_burst_per_ip"] = json!(sessions);
 
+    // Children inherit the CPUs of the thread that starts them, and so do this harness's
+    // client threads.
+    let cpus = thread::available_parallelism().map_or(1, |n| n.get());
+    let split = std::env::var("BROKER_LOAD_CPUS").is_ok_and(|v| v == "split") && cpus > 1;
+    if split {
+        pin_this_thread(0..1);
+    }
     let nats = NatsServer::start();
+    if split {
+        pin_this_thread(1..cpus);
+    }
     let broker = Broker::start(&nats.url(), &config);
     let broker_pid = broker.pid().expect("broker pid");
     let nats_pid = nats.pid().expect("nats-server pid");
@@ -656,7 +685,7 @@ fn main() {
 
     println!(
         "broker_load{}: {} pairs x {} messages, body {} B, {} sends in flight per sender, \
-         {} round(s); load average {} at start ({} CPUs); amp-broker pid {broker_pid}, \
+         {} round(s); load average {} at start ({cpus} CPUs{}); amp-broker pid {broker_pid}, \
          nats-server pid {nats_pid}",
         if full {
             ""
@@ -669,7 +698,11 @@ fn main() {
         s.window,
         s.rounds,
         load_average(),
-        thread::available_parallelism().map_or(0, |n| n.get()),
+        if split {
+            ": nats-server on CPU 0, the broker and the clients on the others"
+        } else {
+            ", shared by all"
+        },
     );
 
     // Memory first, before the load leaves freed heap behind for sessions to reuse.
