@@ -13,7 +13,7 @@
 //! counts the memory phase measures, in rising order). `BROKER_LOAD_REGISTRY_TTL_S` sets
 //! the broker's `limits.registry_ttl_s` (default 15).
 //!
-//! `BROKER_LOAD_CPUS=split` gives nats-server the first CPU to itself and puts the broker
+//! `BENCH_CPUS=split` gives nats-server the first CPU to itself and puts the broker
 //! and this harness (both paths' clients) on the others, so the ratio answers whether
 //! the broker holds JetStream back when JetStream has a core of its own; by default all
 //! three processes share every CPU, and the broker path's extra CPU (broker and its
@@ -28,8 +28,6 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Barrier, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -42,6 +40,7 @@ use amp_broker::jetstream::{
 use amp_broker::nats::{Client as NatsClient, Options, Sid};
 use common::NatsServer;
 use common::amp::{Broker, Client, metric, open_config, token_hash};
+use common::load_client::LoadSession;
 use serde_json::{Value, json};
 
 /// The spec's default `inbox_window`: the broker's pull batch and max_ack_pending per
@@ -214,19 +213,6 @@ fn raise_open_files_limit() {
     }
 }
 
-/// Keeps the calling thread (and what it starts from now on) on these CPUs.
-fn pin_this_thread(cpus: std::ops::Range<usize>) {
-    // SAFETY: a zeroed cpu_set_t is the empty set; the calls read and write only it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for cpu in cpus {
-            libc::CPU_SET(cpu, &mut set);
-        }
-        let ok = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0;
-        assert!(ok, "sched_setaffinity: {}", std::io::Error::last_os_error());
-    }
-}
-
 /// What one path measured in one round.
 struct Run {
     path: &'static str,
@@ -293,128 +279,21 @@ where
     }
 }
 
-// The broker path: one WebSocket session per thread, spoken by `Session` below.
+// The broker path: one WebSocket session per thread.
 
-/// The WebSocket client side as lean as the baseline's NATS client: frames are queued
-/// and written in one go just before the client would wait for input (as the NATS
-/// client flushes), and read frames are borrowed from one buffer. With tungstenite every
-/// `ack` was a write of its own and every frame a copy and a UTF-8 pass, so the broker
-/// path's clients cost about twice the baseline's per message (benches/RESULTS.md).
-struct Session {
-    stream: TcpStream,
-    input: Vec<u8>,
-    /// Where the unread part of `input` begins.
-    read: usize,
-    output: Vec<u8>,
-    mask: u32,
-}
-
-impl Session {
-    fn login(broker: &Broker, name: &str) -> Session {
-        let ws = Client::login(broker, "acme", name, &format!("{name}-token")).into_websocket();
-        // After `hello` is answered the broker says nothing until there is a message, so
-        // no frame is left behind in tungstenite's buffer.
-        let stream = ws.get_ref().try_clone().expect("the session's socket");
-        stream.set_read_timeout(Some(WAIT)).expect("read timeout");
-        stream.set_nodelay(true).expect("nodelay");
-        Session {
-            stream,
-            input: Vec::with_capacity(64 * 1024),
-            read: 0,
-            output: Vec::with_capacity(16 * 1024),
-            mask: 0x9e37_79b9,
-        }
-    }
-
-    /// Queues a masked text frame (RFC 6455 5.3: a client masks what it sends).
-    fn queue(&mut self, text: &[u8]) {
-        let len = text.len();
-        self.output.push(0x81);
-        if len < 126 {
-            self.output.push(0x80 | len as u8);
-        } else if len <= 0xffff {
-            self.output.push(0x80 | 126);
-            self.output.extend_from_slice(&(len as u16).to_be_bytes());
-        } else {
-            self.output.push(0x80 | 127);
-            self.output.extend_from_slice(&(len as u64).to_be_bytes());
-        }
-        self.mask = self.mask.rotate_left(7).wrapping_add(0x6d2b_79f5);
-        let key = self.mask.to_be_bytes();
-        self.output.extend_from_slice(&key);
-        self.output
-            .extend(text.iter().enumerate().map(|(i, b)| b ^ key[i % 4]));
-    }
-
-    /// The next text frame; what was queued is written first if the frame has not come.
-    fn next_text(&mut self) -> &[u8] {
-        loop {
-            if let Some((opcode, start, end)) = self.frame() {
-                self.read = end;
-                match opcode {
-                    0x1 => return &self.input[start..end],
-                    0x8 => panic!("broker closed the session: {:?}", &self.input[start..end]),
-                    0x9 => {
-                        let payload = self.input[start..end].to_vec();
-                        self.queue_control(0xA, &payload);
-                    }
-                    _ => {}
-                }
-                continue;
-            }
-            if !self.output.is_empty() {
-                self.stream.write_all(&self.output).expect("write frames");
-                self.output.clear();
-            }
-            self.input.drain(..self.read);
-            self.read = 0;
-            let have = self.input.len();
-            self.input.resize(have + 64 * 1024, 0);
-            let n = self
-                .stream
-                .read(&mut self.input[have..])
-                .expect("read frames");
-            assert!(n > 0, "broker closed the connection");
-            self.input.truncate(have + n);
-        }
-    }
-
-    fn queue_control(&mut self, opcode: u8, payload: &[u8]) {
-        let at = self.output.len();
-        self.queue(payload);
-        self.output[at] = 0x80 | opcode;
-    }
-
-    /// The opcode and payload bounds of the first whole frame in the unread input (the
-    /// broker's frames are unmasked and never fragmented).
-    fn frame(&self) -> Option<(u8, usize, usize)> {
-        let buf = &self.input[self.read..];
-        let (&b0, &b1) = (buf.first()?, buf.get(1)?);
-        let (len, header) = match b1 & 0x7f {
-            126 => (
-                u16::from_be_bytes(buf.get(2..4)?.try_into().ok()?) as usize,
-                4,
-            ),
-            127 => (
-                u64::from_be_bytes(buf.get(2..10)?.try_into().ok()?) as usize,
-                10,
-            ),
-            n => (n as usize, 2),
-        };
-        let start = self.read + header;
-        (buf.len() >= header + len).then_some((b0 & 0x0f, start, start + len))
-    }
+fn login(broker: &Broker, name: &str) -> LoadSession {
+    LoadSession::login(broker, "acme", name, &format!("{name}-token"), WAIT)
 }
 
 fn broker_sender(broker: &Broker, me: &str, to: &str, s: &Sizes, barrier: &Barrier) {
-    let mut session = Session::login(broker, me);
-    let send = |session: &mut Session, k: usize, t: u64| {
+    let mut session = login(broker, me);
+    let send = |session: &mut LoadSession, k: usize, t: u64| {
         let body = body(t, s.body_bytes);
         let frame = format!(r#"{{"op":"send","id":"{k}","to":"{to}","body":{body}}}"#);
         session.queue(frame.as_bytes());
     };
-    let expect_ok = |session: &mut Session| {
-        let answer = session.next_text();
+    let expect_ok = |session: &mut LoadSession| {
+        let answer = session.next_text().expect("an answer in time");
         assert!(
             answer.starts_with(br#"{"op":"ok""#),
             "send: {}",
@@ -436,7 +315,7 @@ fn broker_sender(broker: &Broker, me: &str, to: &str, s: &Sizes, barrier: &Barri
 }
 
 fn broker_receiver(broker: &Broker, me: &str, s: &Sizes, barrier: &Barrier) -> (Vec<u64>, Instant) {
-    let mut session = Session::login(broker, me);
+    let mut session = login(broker, me);
     // The send time of the next first delivery, acknowledged at once.
     // The members it needs, the body parsed alone as the baseline consumer parses its
     // messages: the two clients do the same JSON work per message.
@@ -448,8 +327,8 @@ fn broker_receiver(broker: &Broker, me: &str, s: &Sizes, barrier: &Barrier) -> (
         #[serde(borrow)]
         body: &'a serde_json::value::RawValue,
     }
-    let take = |session: &mut Session| loop {
-        let text = session.next_text();
+    let take = |session: &mut LoadSession| loop {
+        let text = session.next_text().expect("a message in time");
         let frame: MessageFrame = serde_json::from_slice(text).expect("a message frame");
         assert_eq!(frame.op, "message", "{}", String::from_utf8_lossy(text));
         let sent = (frame.delivery == 1).then(|| {
@@ -471,10 +350,7 @@ fn broker_receiver(broker: &Broker, me: &str, s: &Sizes, barrier: &Barrier) -> (
         })
         .collect();
     // The last acks go out before the session ends.
-    session
-        .stream
-        .write_all(&session.output)
-        .expect("write frames");
+    session.flush();
     (latencies, Instant::now())
 }
 
@@ -669,15 +545,10 @@ fn main() {
 
     // Children inherit the CPUs of the thread that starts them, and so do this harness's
     // client threads.
-    let cpus = thread::available_parallelism().map_or(1, |n| n.get());
-    let split = std::env::var("BROKER_LOAD_CPUS").is_ok_and(|v| v == "split") && cpus > 1;
-    if split {
-        pin_this_thread(0..1);
-    }
+    let split = common::split_cpus();
+    split.nats_server();
     let nats = NatsServer::start();
-    if split {
-        pin_this_thread(1..cpus);
-    }
+    split.the_rest();
     let broker = Broker::start(&nats.url(), &config);
     let broker_pid = broker.pid().expect("broker pid");
     let nats_pid = nats.pid().expect("nats-server pid");
@@ -685,7 +556,7 @@ fn main() {
 
     println!(
         "broker_load{}: {} pairs x {} messages, body {} B, {} sends in flight per sender, \
-         {} round(s); load average {} at start ({cpus} CPUs{}); amp-broker pid {broker_pid}, \
+         {} round(s); load average {} at start ({}); amp-broker pid {broker_pid}, \
          nats-server pid {nats_pid}",
         if full {
             ""
@@ -698,11 +569,7 @@ fn main() {
         s.window,
         s.rounds,
         load_average(),
-        if split {
-            ": nats-server on CPU 0, the broker and the clients on the others"
-        } else {
-            ", shared by all"
-        },
+        split.describe(),
     );
 
     // Memory first, before the load leaves freed heap behind for sessions to reuse.

@@ -17,6 +17,9 @@
 //! also reports the CPU time nats-server and the broker spent per task (`/proc`), which a
 //! loaded machine disturbs far less than tasks per second.
 //!
+//! `BENCH_CPUS=split` runs nats-server on CPU 0 alone and the broker and the clients on
+//! the other CPUs (as in `broker_load`).
+//!
 //! Without `--bench` (as `cargo test --all-targets` runs it) it is a smoke run of 20 tasks.
 //!
 //! `AMP_BROKER_WRAPPER="valgrind --tool=callgrind --instr-atstart=no"` profiles the
@@ -31,7 +34,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::amp::{Broker, Client, http_get, open_config};
+use common::amp::{Broker, http_get, open_config};
+use common::load_client::LoadSession;
 use common::{NatsServer, free_port};
 use serde_json::{Value, json};
 
@@ -52,28 +56,70 @@ fn metric(broker: &Broker, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn login(broker: &Broker, name: &str) -> Client {
-    Client::login(broker, "acme", name, &format!("{name}-token"))
+fn login(broker: &Broker, name: &str, wait: Duration) -> LoadSession {
+    LoadSession::login(broker, "acme", name, &format!("{name}-token"), wait)
 }
 
-/// Sends `n` requests built by `frame(i)` with at most `IN_FLIGHT` unanswered, acking
-/// every inbox `message` that arrives meanwhile; returns when `done(received)` holds.
-fn drive(c: &mut Client, n: usize, frame: impl Fn(usize) -> Value, results_wanted: usize) {
+/// The members of the frames the bench's clients read.
+#[derive(serde::Deserialize)]
+struct Frame<'a> {
+    op: &'a str,
+    re: Option<&'a str>,
+    /// An offer's task id, as the JSON string it came in.
+    #[serde(borrow)]
+    task: Option<&'a serde_json::value::RawValue>,
+    seq: Option<u64>,
+}
+
+fn frame(text: &[u8]) -> Frame<'_> {
+    serde_json::from_slice(text)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(text)))
+}
+
+/// Sends `n` requests built by `request(i)` with at most `IN_FLIGHT` unanswered, acking
+/// every inbox `message` that arrives meanwhile; returns when `results_wanted` came.
+fn drive(c: &mut LoadSession, n: usize, request: impl Fn(usize) -> String, results_wanted: usize) {
     let (mut sent, mut answered, mut results) = (0usize, 0usize, 0usize);
     while answered < n || results < results_wanted {
         while sent < n && sent - answered < IN_FLIGHT {
-            c.send(&frame(sent));
+            c.queue(request(sent).as_bytes());
             sent += 1;
         }
-        let f = c.next_frame(WAIT).expect("progress");
-        match f["op"].as_str() {
-            Some("ok") => answered += 1,
-            Some("message") => {
+        let text = c.next_text().expect("progress");
+        let f = frame(text);
+        match (f.op, f.seq) {
+            ("ok", _) => answered += 1,
+            ("message", Some(seq)) => {
                 results += 1;
-                c.send(&json!({"op":"ack","seq":f["seq"]}));
+                c.queue(format!(r#"{{"op":"ack","seq":{seq}}}"#).as_bytes());
             }
-            _ => panic!("unexpected frame {f}"),
+            _ => panic!("unexpected frame {}", String::from_utf8_lossy(text)),
         }
+    }
+    c.flush();
+}
+
+/// A worker serving `render` with 4 slots: claims every offer and completes each task
+/// whose claim is answered `ok`, until no frame came for 5 s.
+fn work(mut c: LoadSession) {
+    c.queue(br#"{"op":"serve","id":"v","job":"render","slots":4}"#);
+    let mut n = 0u64;
+    while let Some(text) = c.next_text() {
+        let f = frame(text);
+        let next = match (f.op, f.task, f.re) {
+            // The claim's id is the task's, so its answer says what to complete.
+            ("offer", Some(task), _) => {
+                let t = task.get().trim_matches('"');
+                format!(r#"{{"op":"claim","id":"c{t}","task":"{t}"}}"#)
+            }
+            ("ok", _, Some(re)) if re.starts_with('c') => {
+                n += 1;
+                let t = &re[1..];
+                format!(r#"{{"op":"complete","id":"k{t}","task":"{t}","result":{n}}}"#)
+            }
+            _ => continue,
+        };
+        c.queue(next.as_bytes());
     }
 }
 
@@ -140,7 +186,10 @@ fn cpu_seconds(pid: Option<u32>) -> f64 {
 }
 
 fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun {
+    let split = common::split_cpus();
+    split.nats_server();
     let (nats, monitor) = monitored_nats();
+    split.the_rest();
     let mut names = vec!["app".to_string()];
     names.extend((1..=workers).map(|i| format!("w{i}")));
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -150,27 +199,11 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
         Some(bin) => Broker::start_bin(bin, &nats.url(), &config),
         None => Broker::start(&nats.url(), &config),
     };
-    let mut app = login(&broker, "app");
+    let mut app = login(&broker, "app", WAIT);
     let handles: Vec<_> = (1..=workers)
         .map(|i| {
-            let mut c = login(&broker, &format!("w{i}"));
-            c.request(json!({"op":"serve","job":"render","slots":4}));
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while let Some(f) = c.next_frame(Duration::from_secs(5)) {
-                    if f["op"] != "offer" {
-                        continue;
-                    }
-                    n += 1;
-                    let task = f["task"].clone();
-                    let r = c.request(json!({"op":"claim","id":format!("c{n}"),"task":task}));
-                    if r["op"] == "ok" {
-                        c.send(
-                            &json!({"op":"complete","id":format!("k{n}"),"task":task,"result":n}),
-                        );
-                    }
-                }
-            })
+            let c = login(&broker, &format!("w{i}"), Duration::from_secs(5));
+            std::thread::spawn(move || work(c))
         })
         .collect();
     // A broker that has been running: the tasks are stored more than a quarter second
@@ -192,7 +225,7 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
     drive(
         &mut app,
         tasks,
-        |i| json!({"op":"submit","id":format!("s{i}"),"job":"render","body":{"n":i}}),
+        |i| format!(r#"{{"op":"submit","id":"s{i}","job":"render","body":{{"n":{i}}}}}"#),
         tasks,
     );
     let elapsed = started.elapsed();
@@ -223,15 +256,18 @@ fn tasks_per_second(bin: Option<&Path>, workers: usize, tasks: usize) -> JobsRun
 }
 
 fn messages_per_second(messages: usize) -> f64 {
+    let split = common::split_cpus();
+    split.nats_server();
     let nats = NatsServer::start();
+    split.the_rest();
     let config = bench_config(&["app"]);
     let broker = Broker::start(&nats.url(), &config);
-    let mut app = login(&broker, "app");
+    let mut app = login(&broker, "app", WAIT);
     let started = Instant::now();
     drive(
         &mut app,
         messages,
-        |i| json!({"op":"send","id":format!("m{i}"),"to":"app","body":{"n":i}}),
+        |i| format!(r#"{{"op":"send","id":"m{i}","to":"app","body":{{"n":{i}}}}}"#),
         messages,
     );
     messages as f64 / started.elapsed().as_secs_f64()
@@ -243,7 +279,9 @@ fn main() {
     let tasks = env_usize("JOBS_BENCH_TASKS", if full { 2000 } else { 20 });
     let baseline = messages_per_second(tasks);
     println!(
-        "baseline: inbox send -> delivery -> ack: {baseline:.0} messages/s ({tasks} messages)"
+        "baseline: inbox send -> delivery -> ack: {baseline:.0} messages/s ({tasks} messages); \
+         {}",
+        common::split_cpus().describe()
     );
     let old = std::env::var_os("JOBS_BENCH_OLD_BROKER").map(PathBuf::from);
     let report = |label: &str, workers: usize, r: &JobsRun| {

@@ -4,6 +4,7 @@
 
 pub mod amp;
 pub mod jobs;
+pub mod load_client;
 pub mod python;
 pub mod relay;
 pub mod tls;
@@ -271,4 +272,58 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     cond()
+}
+
+/// `BENCH_CPUS=split` (benchmarks): nats-server on CPU 0 alone, the broker and the load
+/// generator on the other CPUs. Processes inherit the CPUs of the thread that starts
+/// them, and threads those of the thread that spawns them.
+#[derive(Clone, Copy)]
+pub struct SplitCpus {
+    cpus: usize,
+    on: bool,
+}
+
+pub fn split_cpus() -> SplitCpus {
+    // Online CPUs, not those this thread may use: an earlier split narrowed those.
+    // SAFETY: sysconf only reads a configuration value.
+    let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    let on = std::env::var("BENCH_CPUS").is_ok_and(|v| v == "split") && cpus > 1;
+    SplitCpus { cpus, on }
+}
+
+impl SplitCpus {
+    /// Call before starting nats-server.
+    pub fn nats_server(self) {
+        if self.on {
+            pin_this_thread(0..1);
+        }
+    }
+
+    /// Call after starting nats-server, before the broker and the clients.
+    pub fn the_rest(self) {
+        if self.on {
+            pin_this_thread(1..self.cpus);
+        }
+    }
+
+    pub fn describe(self) -> String {
+        let how = if self.on {
+            ": nats-server on CPU 0, the broker and the clients on the others"
+        } else {
+            ", shared by all"
+        };
+        format!("{} CPUs{how}", self.cpus)
+    }
+}
+
+fn pin_this_thread(cpus: std::ops::Range<usize>) {
+    // SAFETY: a zeroed cpu_set_t is the empty set; the calls read and write only it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for cpu in cpus {
+            libc::CPU_SET(cpu, &mut set);
+        }
+        let ok = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0;
+        assert!(ok, "sched_setaffinity: {}", std::io::Error::last_os_error());
+    }
 }
