@@ -164,10 +164,17 @@ pub(crate) fn push_json_str_map<'m, K, V>(
 
 pub(crate) fn push_json_str(out: &mut String, s: &str) {
     use std::fmt::Write;
+    let plain = json_plain_len(s.as_bytes());
     out.reserve(s.len() + 2);
     out.push('"');
+    if plain == s.len() {
+        // Most strings: names, ids, timestamps, member names.
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     // Every byte that needs an escape is ASCII, so the runs between them are copied
-    // whole (most strings are one run: names, ids, timestamps, member names).
+    // whole.
     let mut rest = s;
     loop {
         let (run, tail) = rest

@@ -17,6 +17,7 @@ mod store;
 mod submit;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -217,7 +218,8 @@ struct LocalTask {
     participant: String,
     ack_subject: String,
     phase: Phase,
-    record: TaskRecord,
+    /// Shared with the changes in flight, which read it while the broker changes itself.
+    record: Rc<TaskRecord>,
     revision: u64,
     /// Set once claimed: the session's lease count includes it.
     leased: bool,
@@ -1253,7 +1255,7 @@ impl Jobs {
                 match self.parse_record(ns, task, reply) {
                     Ok((record, revision)) => {
                         if let Some(t) = self.tasks.get_mut(&write.key) {
-                            t.record = record.clone();
+                            t.record = Rc::new(record.clone());
                             t.revision = revision;
                         }
                         self.cas(conn, write, &record, revision, now);

@@ -83,7 +83,7 @@ impl Jobs {
         let Some(t) = self.tasks.get_mut(key) else {
             return;
         };
-        t.record = record.clone();
+        t.record = Rc::new(record.clone());
         t.revision = revision;
         t.phase = Phase::Leased;
         if !t.leased {

@@ -309,6 +309,7 @@ impl Jobs {
                 // An offer made on a record that already names another offer would have to
                 // replace it, so it is written; so is one past the watches this broker keeps.
                 let watch = premade_watch.filter(|_| record.state != TaskState::Offered);
+                let record = Rc::new(record);
                 self.tasks.insert(
                     key.clone(),
                     LocalTask {
@@ -318,7 +319,7 @@ impl Jobs {
                         participant,
                         ack_subject: ack.clone(),
                         phase: Phase::Offering,
-                        record: record.clone(),
+                        record: Rc::clone(&record),
                         revision,
                         leased: false,
                         generation: self.next_generation,

@@ -9,7 +9,7 @@ impl Jobs {
         let Some((record, revision, ack)) = self
             .tasks
             .get(&key)
-            .map(|t| (t.record.clone(), t.revision, t.ack_subject.clone()))
+            .map(|t| (Rc::clone(&t.record), t.revision, t.ack_subject.clone()))
         else {
             return;
         };
@@ -267,7 +267,7 @@ impl Jobs {
                     self.release_local(conn, &key, now);
                 } else if record.state == TaskState::Offered {
                     if let Some(t) = self.tasks.get_mut(&key) {
-                        t.record = record.clone();
+                        t.record = Rc::new(record.clone());
                         t.revision = revision;
                         t.phase = Phase::Offered;
                     }
@@ -373,8 +373,9 @@ impl Jobs {
         now: Instant,
     ) {
         let key = write.key.clone();
+        let record = Rc::new(record);
         if let Some(t) = self.tasks.get_mut(&key) {
-            t.record = record.clone();
+            t.record = Rc::clone(&record);
             t.revision = revision;
             if let Some(ack) = &write.ack
                 && t.ack_subject.is_empty()
