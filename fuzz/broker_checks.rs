@@ -148,6 +148,8 @@ struct World {
     wire: Vec<u8>,
     /// The ops of the frames the core sent, `<session>:<op>` (for tests of the harness).
     sent: Vec<String>,
+    /// Sessions whose snapshot waits for their queue to be written.
+    drain_waiters: Vec<u64>,
 }
 
 impl World {
@@ -169,6 +171,7 @@ impl World {
             subs: Vec::new(),
             wire: Vec::new(),
             sent: Vec::new(),
+            drain_waiters: Vec::new(),
         };
         w.connect();
         let _ = w.broker.start(&mut w.nats, now);
@@ -245,9 +248,21 @@ impl World {
                             ws.close(code, &reason, self.now);
                         }
                     }
+                    Output::WhenDrained { session } => self.drain_waiters.push(session),
                 }
             }
             self.drain_wire();
+            // As the runtime does: the rest of a snapshot once the queue is written.
+            for session in std::mem::take(&mut self.drain_waiters) {
+                if let Some(Some(ws)) = self.ws.get(session as usize) {
+                    if ws.queued_bytes() == 0 {
+                        busy = true;
+                        self.input(Input::Drained { session });
+                    } else {
+                        self.drain_waiters.push(session);
+                    }
+                }
+            }
             if !busy {
                 break;
             }

@@ -2,6 +2,7 @@
 //! connection and the signal pipe, moving bytes and events between them and the broker
 //! core. Everything here is plumbing; decisions are made in `broker::core`.
 
+use std::collections::HashSet;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -285,6 +286,8 @@ pub fn run(
     let mut health = Health::new(now);
     // Session ids are the broker's own numbers: no client picks them.
     let mut ids: crate::id_map::IdMap<u64, SessionId> = Default::default();
+    // Sessions whose `watch` snapshot waits for their output to be written.
+    let mut drain_waiters: HashSet<u64> = HashSet::new();
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
     let mut lame_duck: Option<LameDuck> = None;
@@ -474,6 +477,9 @@ pub fn run(
                             ws.close(id, code, &reason, now);
                         }
                     }
+                    Output::WhenDrained { session } => {
+                        drain_waiters.insert(session);
+                    }
                 }
             }
             // NATS first: what a frame reports (an offer's watch subscription, say) is
@@ -489,6 +495,20 @@ pub fn run(
                     nats_bytes: nats.bytes(),
                 },
             );
+            if !drain_waiters.is_empty() {
+                let drained: Vec<u64> = drain_waiters
+                    .iter()
+                    .copied()
+                    .filter(|s| ids.get(s).is_none_or(|&id| ws.queued_bytes(id) == 0))
+                    .collect();
+                for session in drained {
+                    drain_waiters.remove(&session);
+                    if ids.contains_key(&session) {
+                        busy = true;
+                        broker.handle(nats.connection_mut(), Input::Drained { session }, now);
+                    }
+                }
+            }
             if !busy && !ws.has_events() {
                 unfinished = false;
                 break;

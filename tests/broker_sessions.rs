@@ -305,6 +305,70 @@ fn watch_reports_up_and_down_and_who_lists_present_participants() {
 }
 
 #[test]
+fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
+    // 2,000 participants present (entries other brokers wrote), a session's outbound
+    // bound of 64 KiB: the watch's `up`s take about five times that. Sent at once they
+    // closed the watcher as a slow consumer.
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "w"]);
+    config["limits"] = json!({"max_outbound_bytes": 65536});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut js = amp_broker::jetstream::Context::new(
+        amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+            .expect("connect"),
+    );
+    let bucket = js
+        .kv_bind("KV_AMP_REGISTRY_acme".trim_start_matches("KV_"))
+        .expect("registry bucket");
+    const OTHERS: usize = 2000;
+    for i in 0..OTHERS {
+        // The last one serves a job, so `who` with it says when the view has them all.
+        let serve = if i + 1 == OTHERS {
+            json!({"probe": 1})
+        } else {
+            json!({})
+        };
+        let entry = json!({"broker":"elsewhere","labels":{},"load":{},"name":format!("p{i:04}"),
+                           "serve":serve,"since":"2026-12-06T00:00:00.000Z"});
+        js.kv_put(&bucket, &format!("p{i:04}"), entry.to_string().as_bytes())
+            .expect("put an entry");
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    while a.request(json!({"op":"who","job":"probe"}))["participants"]
+        .as_array()
+        .is_none_or(|p| p.is_empty())
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the broker's view never had them"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut w = Client::login(&broker, "acme", "w", "w-token");
+    assert_eq!(w.request(json!({"op":"watch","id":"x"}))["op"], "ok");
+    let mut names = std::collections::BTreeSet::new();
+    while names.len() < OTHERS + 2 {
+        let Some(f) = w.next_op("presence", WAIT) else {
+            panic!("watch stopped after {} of {} ups", names.len(), OTHERS + 2);
+        };
+        assert_eq!(f["state"], "up", "{f}");
+        assert!(
+            names.insert(f["name"].as_str().unwrap_or_default().to_string()),
+            "{f}"
+        );
+    }
+    // The session is still open, and changes follow the snapshot.
+    drop(a);
+    let down = w.next_op("presence", WAIT).expect("a's down");
+    assert_eq!(
+        (down["name"].as_str(), down["state"].as_str()),
+        (Some("a"), Some("down"))
+    );
+    assert_eq!(w.request(json!({"op":"ping"}))["op"], "ok");
+}
+
+#[test]
 fn two_brokers_share_inboxes_and_presence() {
     let nats = NatsServer::start();
     let config = open_config(&["a", "b"]);

@@ -48,6 +48,7 @@ use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
 use crate::ws::metrics::{AmpMetrics, NatsOp};
+use registry::Snapshot;
 
 mod identity;
 mod inbox;
@@ -72,6 +73,11 @@ pub enum Output {
         code: u16,
         reason: String,
     },
+    /// Hand the core [`Input::Drained`] for this session once what was queued for it
+    /// is written (the rest of a `watch`'s presence snapshot waits for it).
+    WhenDrained {
+        session: SessionId,
+    },
 }
 
 /// What the runtime hands the core. The core touches no socket, clock or random source:
@@ -94,6 +100,8 @@ pub enum Input<'a> {
     Nats(Event),
     /// A deadline [`Broker::poll_timeout`] gave has passed.
     Timeout,
+    /// What [`Output::WhenDrained`] asked for: the session's queued output is written.
+    Drained { session: SessionId },
 }
 
 /// Sizes of what the core holds ([`Broker::footprint`]).
@@ -105,6 +113,8 @@ pub struct Footprint {
     pub in_flight: usize,
     /// Topic subscriptions' API requests out or waiting their turn.
     pub topic_requests: usize,
+    /// `watch` snapshots not yet all sent.
+    pub presence_snapshots: usize,
     pub timers: usize,
     pub held_submits: usize,
     /// Outputs not yet taken with `poll_output`.
@@ -352,6 +362,8 @@ pub struct Broker {
     /// Sessions that sent `watch`, by namespace: each change is told to them without a
     /// look at every session.
     watchers: HashMap<String, BTreeSet<SessionId>>,
+    /// Watchers whose first `up`s are still being sent, a burst per drained output.
+    snapshots: HashMap<SessionId, Snapshot>,
     /// Topic subscriptions of every session.
     topic_subs: usize,
     /// And of each participant (`ns/name`) with any.
@@ -438,6 +450,7 @@ impl Broker {
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
             watchers: HashMap::new(),
+            snapshots: HashMap::new(),
             topic_subs: 0,
             participant_subs: HashMap::new(),
             topic_deleting: 0,
@@ -571,6 +584,7 @@ impl Broker {
             present_participants: self.presence.len(),
             in_flight: self.continuations.in_flight(),
             topic_requests: self.api.backlog(),
+            presence_snapshots: self.snapshots.len(),
             timers: self.timers.armed(),
             held_submits: self.held_submits.values().map(Vec::len).sum(),
             queued_outputs: self.out.len(),
@@ -619,6 +633,7 @@ impl Broker {
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
             Input::Timeout => self.handle_timeout(conn, now),
+            Input::Drained { session } => self.continue_snapshot(session),
         }
         // Creations a reload queued (it has no connection to send them on).
         if !self.kept_inboxes.is_empty() {
@@ -1120,6 +1135,7 @@ impl Broker {
 
     /// The session hears of presence changes no more.
     fn unwatch(&mut self, ns: &str, session: SessionId) {
+        self.snapshots.remove(&session);
         if let Some(w) = self.watchers.get_mut(ns) {
             w.remove(&session);
             if w.is_empty() {

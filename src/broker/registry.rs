@@ -129,6 +129,13 @@ impl Registry {
         self.entries.iter()
     }
 
+    /// The entries named after `after` (all with `None`), in name order.
+    pub fn entries_after(&self, after: Option<&str>) -> impl Iterator<Item = (&String, &Entry)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = after.map_or(Unbounded, Excluded);
+        self.entries.range::<str, _>((from, Unbounded))
+    }
+
     /// Applies what the watch reported since the last call; returns the changes.
     pub fn poll_changes(&mut self, now: Instant) -> Vec<Change> {
         let mut changes = Vec::new();

@@ -67,6 +67,11 @@ pub struct Harness {
     seed: u64,
     /// Processes started per broker, so a restarted one gets a seed of its own.
     incarnations: Vec<u8>,
+    /// Set: `Output::WhenDrained` waits for [`Harness::release_drains`] (a client that
+    /// has not read yet); else the broker hears at once that the session's output is
+    /// written.
+    pub hold_drains: bool,
+    held_drains: Vec<Session>,
 }
 
 impl Harness {
@@ -95,6 +100,8 @@ impl Harness {
             next_request: 0,
             seed,
             incarnations: vec![0; brokers],
+            hold_drains: false,
+            held_drains: Vec::new(),
         };
         for _ in 0..brokers {
             let node = h.start_node(h.nodes.len());
@@ -247,6 +254,18 @@ impl Harness {
         self.settle();
     }
 
+    /// Tells the brokers that the sessions whose drains were held are written; how many.
+    pub fn release_drains(&mut self) -> usize {
+        let held = std::mem::take(&mut self.held_drains);
+        for s in &held {
+            let n = &mut self.nodes[s.node];
+            n.broker
+                .handle(&mut n.conn, Input::Drained { session: s.id }, self.now);
+        }
+        self.settle();
+        held.len()
+    }
+
     /// Lets `d` of virtual time pass, running every deadline on the way.
     pub fn advance(&mut self, d: Duration) {
         let until = self.now + d;
@@ -381,6 +400,15 @@ impl Harness {
                 let n = &mut self.nodes[node];
                 n.broker
                     .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
+            }
+            // Mailboxes take every frame at once: what was queued is written by now.
+            Output::WhenDrained { session } if !self.hold_drains => {
+                let n = &mut self.nodes[node];
+                n.broker
+                    .handle(&mut n.conn, Input::Drained { session }, self.now);
+            }
+            Output::WhenDrained { session } => {
+                self.held_drains.push(Session { node, id: session });
             }
         }
     }

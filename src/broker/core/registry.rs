@@ -4,6 +4,15 @@
 use super::*;
 use crate::broker::registry::{Entry, Serving};
 
+/// The most bytes of `up` frames one burst of a `watch` snapshot queues.
+const SNAPSHOT_BURST: usize = 256 * 1024;
+
+/// Where a watcher's snapshot stands: the last name sent.
+pub(super) struct Snapshot {
+    ns: String,
+    after: Option<String>,
+}
+
 impl Broker {
     pub(super) fn registry_entry(&self, ns: &str, name: &str) -> Option<Value> {
         let p = self.presence.get(&participant_key(ns, name))?;
@@ -107,22 +116,67 @@ impl Broker {
         self.ok(session, id, answer);
     }
 
+    /// Answers `watch`, then sends an `up` for every participant present: a burst at a
+    /// time, the next once the session's output is written (`Input::Drained`), so a
+    /// namespace of any size fits a session's outbound bound. Changes meanwhile are told
+    /// only for names the snapshot has passed; the others it sends as they are when it
+    /// gets to them (and not at all when they left).
     pub(super) fn watch(&mut self, session: SessionId, ns: &str, id: &str) {
         self.ok(session, id, FrameWriter::ok(Some(id)));
-        let present: Vec<Change> = match self.registries.get(ns) {
-            Some((registry, _)) => registry
-                .entries()
-                .map(|(n, e)| Change::Up(n.clone(), e.clone()))
-                .collect(),
-            None => Vec::new(),
-        };
-        for change in &present {
-            self.frame(session, presence_frame(change));
-        }
         self.watchers
             .entry(ns.to_string())
             .or_default()
             .insert(session);
+        self.snapshots.insert(
+            session,
+            Snapshot {
+                ns: ns.to_string(),
+                after: None,
+            },
+        );
+        self.continue_snapshot(session);
+    }
+
+    pub(super) fn continue_snapshot(&mut self, session: SessionId) {
+        let Some(mut snapshot) = self.snapshots.remove(&session) else {
+            return;
+        };
+        // A quarter of the outbound bound: the answers and changes queued beside it fit.
+        let burst = (self.config.limits.max_outbound_bytes / 4).clamp(1, SNAPSHOT_BURST);
+        let mut frames = Vec::new();
+        let mut bytes = 0;
+        let mut more = false;
+        let mut last = None;
+        if let Some((registry, _)) = self.registries.get(&snapshot.ns) {
+            for (name, entry) in registry.entries_after(snapshot.after.as_deref()) {
+                if bytes >= burst {
+                    more = true;
+                    break;
+                }
+                let frame = presence_frame(&Change::Up(name.clone(), entry.clone()));
+                bytes += frame.len();
+                frames.push(frame);
+                last = Some(name);
+            }
+        }
+        if let Some(name) = last {
+            snapshot.after = Some(name.clone());
+        }
+        for frame in frames {
+            self.frame(session, frame);
+        }
+        if more {
+            self.snapshots.insert(session, snapshot);
+            self.out.push_back(Output::WhenDrained { session });
+        }
+    }
+
+    /// Whether a change of `name` is for `session` now: not while its snapshot has yet
+    /// to reach the name.
+    fn snapshot_passed(&self, session: SessionId, name: &str) -> bool {
+        self.snapshots
+            .get(&session)
+            .is_none_or(|s| s.after.as_deref().is_some_and(|after| name <= after))
     }
 
     /// Carries out what a registry watch asked for and tells watching sessions what changed.
@@ -202,7 +256,9 @@ impl Broker {
         for change in &changes {
             let text = presence_frame(change);
             for &session in &watchers {
-                self.frame(session, text.clone());
+                if self.snapshot_passed(session, change.name()) {
+                    self.frame(session, text.clone());
+                }
             }
         }
     }
@@ -215,6 +271,66 @@ mod tests {
     use serde_json::json;
 
     use crate::testing::harness::Harness;
+
+    #[test]
+    fn a_snapshot_in_bursts_tells_each_present_participant_once_as_it_is_when_reached() {
+        let mut config = crate::testing::harness::development_config();
+        // Bursts of 300 bytes: two or three `up`s each.
+        config.limits.max_outbound_bytes = 1200;
+        let mut h = Harness::new(config, 1, 1);
+        let names = ["b", "c", "d", "e", "f", "g", "h", "x", "y"];
+        let mut present: Vec<_> = names.iter().map(|n| h.join(0, n, json!({}))).collect();
+        h.hold_drains = true;
+        let w = h.join(0, "m", json!({}));
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        let ups = |frames: &[serde_json::Value]| -> Vec<String> {
+            frames
+                .iter()
+                .filter(|f| f["op"] == "presence")
+                .map(|f| format!("{} {}", f["name"].as_str().unwrap_or("?"), f["state"]))
+                .collect()
+        };
+        // Everyone present in name order (the watcher too), some of them in the first burst.
+        let all = ["b", "c", "d", "e", "f", "g", "h", "m", "x", "y"].map(|n| format!("{n} \"up\""));
+        let first = ups(&h.take(w));
+        assert!(
+            !first.is_empty() && first.len() < 8 && all.starts_with(&first),
+            "{first:?}"
+        );
+        // Behind the snapshot: told at once. Ahead of it: not now, and then as it is.
+        let a = h.join(0, "a", json!({}));
+        assert_eq!(h.wait_for(w, |f| f["op"] == "presence")["name"], "a");
+        h.close(present.remove(names.len() - 1)); // y leaves before the snapshot gets there
+        let z = h.join(0, "z", json!({}));
+        h.advance(std::time::Duration::from_millis(100));
+        assert_eq!(ups(&h.take(w)), Vec::<String>::new());
+        let mut rest = Vec::new();
+        let mut bursts = 0;
+        while h.release_drains() > 0 {
+            bursts += 1;
+            rest.extend(ups(&h.take(w)));
+        }
+        let mut expected: Vec<String> = all[first.len()..all.len() - 1].to_vec();
+        expected.push("z \"up\"".into());
+        assert_eq!(rest, expected);
+        assert!(bursts > 1, "{bursts}");
+        assert_eq!(h.broker(0).footprint().presence_snapshots, 0);
+        // Past the snapshot, changes are told as they come.
+        h.close(z);
+        let down = h.wait_for(w, |f| f["op"] == "presence");
+        assert_eq!(
+            (down["name"].as_str(), down["state"].as_str()),
+            (Some("z"), Some("down"))
+        );
+        // A watcher that leaves mid-snapshot leaves nothing behind.
+        let v = h.join(0, "v", json!({}));
+        h.request(v, json!({"op":"watch"}));
+        assert_eq!(h.broker(0).footprint().presence_snapshots, 1);
+        h.close(v);
+        assert_eq!(h.broker(0).footprint().presence_snapshots, 0);
+        h.release_drains();
+        drop((a, present));
+    }
 
     #[test]
     fn a_watcher_hears_of_changes_until_its_session_ends_and_is_then_forgotten() {

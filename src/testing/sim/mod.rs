@@ -213,6 +213,7 @@ pub fn run(cfg: SimConfig) -> Result<Report, Failure> {
             || f.present_participants != 0
             || f.held_submits != 0
             || f.topic_requests != 0
+            || f.presence_snapshots != 0
         {
             w.checker.violation(format!(
                 "broker {i} still holds state after everyone left: {f:?}"

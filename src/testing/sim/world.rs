@@ -415,6 +415,15 @@ impl World {
                 n.broker
                     .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
             }
+            // Clients read at once: what was queued is written by now.
+            Output::WhenDrained { session } => {
+                self.mix(&format!("drained b{node}/{session}"));
+                if self.nodes[node].sessions.contains_key(&session) {
+                    let n = &mut self.nodes[node];
+                    n.broker
+                        .handle(&mut n.conn, Input::Drained { session }, self.now);
+                }
+            }
         }
     }
 
