@@ -358,6 +358,13 @@ fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
             "{f}"
         );
     }
+    // `who` cannot list them in one frame under that bound: the asker is told so.
+    let who = w.request(json!({"op":"who"}));
+    assert_eq!(
+        (who["op"].as_str(), who["code"].as_str()),
+        (Some("error"), Some("too_large")),
+        "{who}"
+    );
     // The session is still open, and changes follow the snapshot.
     drop(a);
     let down = w.next_op("presence", WAIT).expect("a's down");

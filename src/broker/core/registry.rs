@@ -112,8 +112,27 @@ impl Broker {
                 .collect(),
             None => Vec::new(),
         };
-        let answer = FrameWriter::ok(Some(id)).value("participants", &participants);
-        self.ok(session, id, answer);
+        let count = participants.len();
+        let answer = FrameWriter::ok(Some(id))
+            .value("participants", &participants)
+            .finish();
+        // A frame past the session's outbound bound could only close it as a slow
+        // consumer: the asker hears why instead, and keeps its session.
+        let bound = self.config.limits.max_outbound_bytes;
+        if answer.len() >= bound {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the answer lists {count} participants in {} bytes, more than a session's \
+                     outbound bound of {bound} bytes; `watch` sends them a burst at a time, \
+                     and `who` with a `job` lists fewer",
+                    answer.len()
+                ),
+            );
+            return self.fail(session, id, e);
+        }
+        self.answered(session, id);
+        self.frame(session, answer);
     }
 
     /// Answers `watch`, then sends an `up` for every participant present: a burst at a
