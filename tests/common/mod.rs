@@ -39,6 +39,31 @@ pub fn nats_server_bin() -> PathBuf {
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Below the kernel's ephemeral range: a port from it could be taken by an outgoing
+    // connection of a test running alongside between this probe and the server's bind
+    // (a CI run lost a nats-server to "address already in use" that way). Each test
+    // binary starts at its own offset and hands out every port once.
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (first, span) = (10_000, low.saturating_sub(10_000));
+    if span >= 1000 {
+        let _ = NEXT.compare_exchange(
+            u32::MAX,
+            std::process::id().wrapping_mul(7919) % span,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        for _ in 0..span {
+            let port = first + NEXT.fetch_add(1, Ordering::Relaxed) % span;
+            if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
