@@ -3,7 +3,7 @@
 //! serves, claims, heartbeats, completes, fails, cancels, reads slowly, vanishes and comes
 //! back, all decided by its own seeded random stream.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -51,6 +51,7 @@ pub enum Req {
     Ping,
     AckSync,
     Bye,
+    Watch,
 }
 
 #[derive(Debug, Clone)]
@@ -84,6 +85,8 @@ pub struct Client {
     pub unsettled: BTreeMap<String, Value>,
     /// Leases this session holds: task -> (attempt, lease_until ms).
     pub leases: BTreeMap<String, i64>,
+    /// Since its `watch` was answered: the participants this session was told are up.
+    pub watching: Option<BTreeSet<String>>,
 }
 
 impl Client {
@@ -106,6 +109,7 @@ impl Client {
             submitted: Vec::new(),
             unsettled: BTreeMap::new(),
             leases: BTreeMap::new(),
+            watching: None,
         }
     }
 
@@ -393,7 +397,36 @@ impl World {
                     self.client_closed(client, s, None);
                 }
             }
+            // Generation 3: presence, told in bursts (the world's outbound bound is small).
+            88..90 if self.cfg.generation >= 3 => {
+                self.request(client, "w", json!({"op":"watch"}), Req::Watch);
+            }
             _ => {}
+        }
+    }
+
+    /// A `presence` frame: each participant is told up once, and changed or gone only
+    /// after it was told up.
+    fn presence(&mut self, client: usize, frame: &Value) {
+        let c = &mut self.clients[client];
+        let Some(seen) = c.watching.as_mut() else {
+            return self.checker.violation(format!(
+                "client {}: presence before its watch was answered: {frame}",
+                c.name
+            ));
+        };
+        let name = frame["name"].as_str().unwrap_or_default().to_string();
+        let fine = match frame["state"].as_str() {
+            Some("up") => seen.insert(name),
+            Some("update") => seen.contains(&name),
+            Some("down") => seen.remove(&name),
+            _ => false,
+        };
+        if !fine {
+            let who = c.name.clone();
+            self.checker.violation(format!(
+                "client {who}: presence out of turn (told up twice, or changed or down before up): {frame}"
+            ));
         }
     }
 
@@ -429,6 +462,7 @@ impl World {
                 });
             }
             "ok" | "error" => self.answer(client, session, &frame),
+            "presence" => self.presence(client, &frame),
             "message" => {
                 let who = self.clients[client].participant();
                 self.checker.message(&who, &frame);
@@ -595,6 +629,8 @@ impl World {
             Req::Subscribe(view) if ok => {
                 self.clients[client].subs.insert(view.sub.clone(), view);
             }
+            // Its snapshot follows: everyone present, told again.
+            Req::Watch if ok => self.clients[client].watching = Some(BTreeSet::new()),
             Req::Submit { task } => {
                 if code == "budget_exhausted" {
                     self.checker.counts.budget_refusals += 1;
@@ -723,6 +759,7 @@ impl World {
         c.outstanding.clear();
         c.subs.clear();
         c.leases.clear();
+        c.watching = None;
         c.serving = false;
         let back = if self.draining {
             c.rng.range(10, 200)

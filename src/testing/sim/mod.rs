@@ -26,7 +26,7 @@ pub use rng::SimRng;
 pub use world::{Stats, World};
 
 /// The newest generation of the simulated world (see [`SimConfig::generation`]).
-pub const GENERATION: u32 = 2;
+pub const GENERATION: u32 = 3;
 
 /// What one run does.
 #[derive(Debug, Clone, Copy)]
@@ -45,8 +45,9 @@ pub struct SimConfig {
     pub trace: bool,
     /// What the simulated world includes, by the simulator's generation: 1 as first
     /// built; 2 adds task budgets for p0 and p1 and clients whose reconnect overlaps an
-    /// old session the transport has not closed yet. A seed found in one generation
-    /// replays exactly only in it.
+    /// old session the transport has not closed yet; 3 adds `watch`, with an outbound
+    /// bound small enough that its snapshot comes in bursts. A seed found in one
+    /// generation replays exactly only in it.
     pub generation: u32,
 }
 

@@ -108,13 +108,13 @@ impl Node {
         options.name = Some(format!("{id}.{incarnation}"));
         let mut conn = Connection::new(options, now);
         // The frame schema is compiled once per process (FrameValidator::new).
-        let mut broker = Broker::new(
-            sim_config(cfg.generation >= 2),
-            id.to_string(),
-            clock,
-            rng.bytes32(),
-        )
-        .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
+        let mut config = sim_config(cfg.generation >= 2);
+        if cfg.generation >= 3 {
+            // `watch` snapshots of a dozen participants in bursts of two or three.
+            config.limits.max_outbound_bytes = 1200;
+        }
+        let mut broker = Broker::new(config, id.to_string(), clock, rng.bytes32())
+            .unwrap_or_else(|e| panic!("harness: broker {id} does not build: {e}"));
         broker
             .start(&mut conn, now)
             .unwrap_or_else(|e| panic!("harness: broker {id} does not start: {e}"));
