@@ -146,14 +146,21 @@ impl Broker {
             .entry(ns.to_string())
             .or_default()
             .insert(session);
-        self.snapshots.insert(
-            session,
-            Snapshot {
-                ns: ns.to_string(),
-                after: None,
-            },
-        );
-        self.continue_snapshot(session);
+        // A snapshot under way starts over at its next burst: a session repeating `watch`
+        // gets no more than one burst per written queue.
+        let under_way = self
+            .snapshots
+            .insert(
+                session,
+                Snapshot {
+                    ns: ns.to_string(),
+                    after: None,
+                },
+            )
+            .is_some();
+        if !under_way {
+            self.continue_snapshot(session);
+        }
     }
 
     pub(super) fn continue_snapshot(&mut self, session: SessionId) {
@@ -341,6 +348,22 @@ mod tests {
             (down["name"].as_str(), down["state"].as_str()),
             (Some("z"), Some("down"))
         );
+        // `watch` again mid-snapshot: answered, and the snapshot starts over at the next
+        // burst, not at once.
+        let now_present =
+            ["a", "b", "c", "d", "e", "f", "g", "h", "m", "x"].map(|n| format!("{n} \"up\""));
+        h.request(w, json!({"op":"watch"}));
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        let burst = ups(&h.take(w));
+        assert!(
+            burst.len() < now_present.len() && now_present.starts_with(&burst),
+            "one burst for two watches: {burst:?}"
+        );
+        let mut again = Vec::new();
+        while h.release_drains() > 0 {
+            again.extend(ups(&h.take(w)));
+        }
+        assert_eq!(again, now_present);
         // A watcher that leaves mid-snapshot leaves nothing behind.
         let v = h.join(0, "v", json!({}));
         h.request(v, json!({"op":"watch"}));
