@@ -9,7 +9,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use super::amp::{Broker, Client};
+use super::amp::Broker;
 
 pub struct LoadSession {
     stream: TcpStream,
@@ -18,24 +18,67 @@ pub struct LoadSession {
     read: usize,
     output: Vec<u8>,
     mask: u32,
+    /// How long `next_text` waits for a text frame (pings the broker sends meanwhile
+    /// do not extend it).
+    wait: Duration,
 }
 
 impl LoadSession {
-    /// Logs in with a token; `next_text` gives up after `wait` without a frame.
+    /// Opens a session and logs in with a token, speaking WebSocket itself from the first
+    /// byte (a frame the broker sends right behind the `hello` answer, a message waiting
+    /// in the inbox say, must not be left in another client's buffer); `next_text` gives
+    /// up after `wait` without a frame.
     pub fn login(broker: &Broker, ns: &str, name: &str, token: &str, wait: Duration) -> Self {
-        let ws = Client::login(broker, ns, name, token).into_websocket();
-        // After `hello` is answered the broker says nothing until asked or sent to, so no
-        // frame is left behind in tungstenite's buffer.
-        let stream = ws.get_ref().try_clone().expect("the session's socket");
+        let stream = TcpStream::connect(broker.addr).expect("connect to the broker");
         stream.set_read_timeout(Some(wait)).expect("read timeout");
         stream.set_nodelay(true).expect("nodelay");
-        LoadSession {
+        let mut session = LoadSession {
             stream,
             input: Vec::with_capacity(64 * 1024),
             read: 0,
             output: Vec::with_capacity(16 * 1024),
             mask: 0x9e37_79b9,
-        }
+            wait,
+        };
+        let request = format!(
+            "GET /amp HTTP/1.1\r\nHost: {}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+             Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\
+             Sec-WebSocket-Protocol: amp.v1\r\n\r\n",
+            broker.addr
+        );
+        session.output.extend_from_slice(request.as_bytes());
+        session.flush();
+        // The response head; what follows it is the first frames.
+        let head_end = loop {
+            if let Some(i) = session.input.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = session
+                .stream
+                .read(&mut chunk)
+                .expect("the upgrade response");
+            assert!(n > 0, "broker closed the connection during the upgrade");
+            session.input.extend_from_slice(&chunk[..n]);
+        };
+        assert!(
+            session.input.starts_with(b"HTTP/1.1 101"),
+            "upgrade refused: {}",
+            String::from_utf8_lossy(&session.input[..head_end])
+        );
+        session.read = head_end;
+        let challenge = session.next_text().expect("a challenge");
+        assert!(challenge.starts_with(br#"{"op":"challenge""#));
+        let hello = serde_json::json!({"op":"hello","id":"h","ns":ns,"name":name,
+                                       "auth":{"type":"token","token":token}});
+        session.queue(hello.to_string().as_bytes());
+        let ok = session.next_text().expect("the hello answer");
+        assert!(
+            ok.starts_with(br#"{"op":"ok""#),
+            "hello: {}",
+            String::from_utf8_lossy(ok)
+        );
+        session
     }
 
     /// Queues a masked text frame (RFC 6455 5.3: a client masks what it sends).
@@ -73,6 +116,7 @@ impl LoadSession {
     /// The next text frame, or `None` when none came within the wait; what was queued
     /// is written first whenever the frame is not already here.
     pub fn next_text(&mut self) -> Option<&[u8]> {
+        let deadline = std::time::Instant::now() + self.wait;
         loop {
             if let Some((opcode, start, end)) = self.frame() {
                 self.read = end;
@@ -88,6 +132,9 @@ impl LoadSession {
                 continue;
             }
             self.flush();
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
             self.input.drain(..self.read);
             self.read = 0;
             let have = self.input.len();
