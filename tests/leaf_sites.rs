@@ -54,11 +54,15 @@ fn site_config() -> Value {
 }
 
 /// A hub on `leaf_port`: JetStream domain `hub`, leaf nodes only with the leaf password.
+/// It does not advertise its leaf address: a site told of it would reconnect there
+/// straight, past the relay, and a cut link would heal by itself (a CI run saw a send
+/// stored at the hub right after the cut).
 fn hub_on(leaf_port: u16) -> NatsServer {
     NatsServer::with_jetstream(
         "  domain: hub",
         &format!(
             "server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n  \
+             no_advertise: true\n  \
              authorization {{ user: site, password: leaf-secret }}\n}}\n"
         ),
     )
@@ -470,7 +474,7 @@ fn operator_hub(leaf_port: u16) -> (NatsServer, KeyPair) {
         &format!(
             "server_name: hub\noperator: {operator_jwt}\nsystem_account: {sys}\n\
              resolver: MEMORY\nresolver_preload: {{\n  {acc}: {account_jwt}\n  {sys}: {system_jwt}\n}}\n\
-             leafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n}}\n",
+             leafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n  no_advertise: true\n}}\n",
             acc = account.public_key(),
             sys = system.public_key(),
         ),

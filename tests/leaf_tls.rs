@@ -48,7 +48,7 @@ fn tls_hub(pki: &Pki) -> (NatsServer, u16, Broker) {
     let hub = NatsServer::with_jetstream(
         "  domain: hub",
         &format!(
-            "server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n  tls {{\n    \
+            "server_name: hub\nleafnodes {{\n  listen: 127.0.0.1:{leaf_port}\n  no_advertise: true\n  tls {{\n    \
              cert_file: \"{}\"\n    key_file: \"{}\"\n    ca_file: \"{}\"\n    verify: true\n  }}\n}}\n",
             pki.server.cert.display(),
             pki.server.key.display(),
