@@ -226,6 +226,41 @@ fn a_durable_subscription_resumes_with_unacked_events_first() {
 }
 
 #[test]
+fn a_durable_resumed_after_its_broker_was_killed_gets_the_unacked_event_first() {
+    // The killed broker cannot hand event 2 back: it comes again only after its ack wait
+    // (30 s), while the consumer would hand the resumed session newer events at once.
+    let nats = NatsServer::start();
+    let config = open_config(&["pub", "sub"]);
+    let mut doomed = Broker::start(&nats.url(), &config);
+    let other = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&other, "acme", "pub", "pub-token");
+    let sub = json!({"op":"subscribe","topic":"k.>","sub":"keep","durable":true});
+    let mut s = Client::login(&doomed, "acme", "sub", "sub-token");
+    assert_eq!(s.request(sub.clone())["op"], "ok");
+    let (e1, e2) = (
+        publish(&mut p, "k.1", json!(1)),
+        publish(&mut p, "k.2", json!(2)),
+    );
+    assert_eq!(events(&mut s, 2).len(), 2);
+    let ack = s.request(json!({"op":"ack","sub":"keep","seq":e1}));
+    assert_eq!(ack["op"], "ok", "{ack}");
+    doomed.kill();
+
+    let mut s = Client::login(&other, "acme", "sub", "sub-token");
+    assert_eq!(s.request(sub)["op"], "ok");
+    let e3 = publish(&mut p, "k.3", json!(3));
+    let got: Vec<u64> = (0..2)
+        .filter_map(|_| s.next_op("event", Duration::from_secs(45)))
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(
+        got,
+        [e2, e3],
+        "the event the killed broker held first, then the new one"
+    );
+}
+
+#[test]
 fn idempotent_publishes_answer_the_same_seq() {
     let (_nats, broker) = setup();
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");

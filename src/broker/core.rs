@@ -55,6 +55,7 @@ mod inbox;
 mod mig_front;
 mod policy;
 mod registry;
+mod resumed_durable;
 mod session;
 mod topics;
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::resumed_durable::{Admit, Resumed};
 use super::{
     Broker, Check, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, participant_key,
     unavailable,
@@ -93,6 +94,9 @@ pub(super) struct Subscription {
     /// in stream order so they can be handed back in that order. JetStream bounds it:
     /// it delivers no more than `max_ack_pending` unacknowledged events.
     inflight: BTreeMap<u64, String>,
+    /// Durable only: resumed while its consumer had events out that were not handed
+    /// back here; keeps them before newer ones.
+    resumed: Option<Resumed>,
     /// Plain only: the deliver policy asked for, used again if the consumer must be
     /// recreated before any event arrived.
     start: DeliverFrom,
@@ -246,6 +250,7 @@ impl Broker {
             last_seq: 0,
             last_consumer_seq: 0,
             inflight: BTreeMap::new(),
+            resumed: None,
             start,
         };
         if f.durable {
@@ -384,6 +389,9 @@ impl Broker {
                     )
                     .with_path("/sub");
                     return self.sub_failed(conn, to, e, now);
+                }
+                if let Some(t) = self.sub_of(&to) {
+                    t.resumed = Resumed::after_lookup(&info, DURABLE_ACK_WAIT, now);
                 }
                 self.sub_ready(conn, to, now);
             }
@@ -712,7 +720,9 @@ impl Broker {
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
-            let mut acks = std::mem::take(&mut t.inflight).into_values();
+            let mut back = std::mem::take(&mut t.inflight);
+            back.extend(t.resumed.take().map(Resumed::into_held).unwrap_or_default());
+            let mut acks = back.into_values();
             if let Some(lowest) = acks.next() {
                 nak(conn, &lowest);
                 self.hand_back(conn, stream, consumer, acks.collect(), 0, now);
@@ -935,6 +945,19 @@ impl Broker {
             }
             t.last_consumer_seq = consumer_seq;
             if seq <= t.last_seq {
+                return;
+            }
+        }
+        if let Some(r) = &mut t.resumed {
+            let mut naks = Vec::new();
+            let admit = r.admit(seq, meta.delivered > 1, reply, t.last_seq, now, &mut naks);
+            if r.is_over() {
+                t.resumed = None;
+            }
+            for ack in &naks {
+                nak(conn, ack);
+            }
+            if admit == Admit::Hold {
                 return;
             }
         }
@@ -1183,6 +1206,42 @@ mod tests {
         h.advance(Duration::from_secs(1));
         let stale = h.take(old);
         assert!(stale.iter().all(|f| f["op"] != "event"), "{stale:?}");
+    }
+
+    #[test]
+    fn a_durable_resumed_after_its_broker_crashed_gets_what_the_crash_left_unacked_first() {
+        // Found by the simulator (seed 0x169e, 600 steps): the crashed broker could not
+        // hand event 2 back, the resumed session got 3 while 2 waited out its ack wait,
+        // and 2's redelivery was then taken for one this session had already got.
+        let mut h = Harness::development(2);
+        let alice = h.join(0, "alice", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true,"from":"all"});
+        let old = h.join(1, "bob", json!({}));
+        assert_eq!(h.request(old, sub.clone())["op"], "ok");
+        let published: Vec<u64> = (1..=2).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        let first = events(&mut h, old, "d", 2);
+        h.send(old, json!({"op":"ack","sub":"d","seq":first[0]["seq"]}));
+        h.advance(Duration::from_millis(100));
+        h.crash(1);
+
+        let new = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(new, sub)["op"], "ok");
+        let later: Vec<u64> = (3..=4).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        let resumed = events(&mut h, new, "d", 3);
+        assert_eq!(seqs(&resumed), [&published[1..], &later].concat());
+        for e in &resumed {
+            h.send(new, json!({"op":"ack","sub":"d","seq":e["seq"]}));
+        }
+        // Nothing comes twice, and the subscription goes on as usual.
+        let last = publish(&mut h, alice, "t.a", 5);
+        assert_eq!(seqs(&events(&mut h, new, "d", 1)), [last]);
+        h.advance(Duration::from_secs(40));
+        let stray: Vec<Value> = h
+            .take(new)
+            .into_iter()
+            .filter(|f| f["op"] == "event")
+            .collect();
+        assert!(stray.is_empty(), "events again: {stray:?}");
     }
 
     #[test]
