@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::NatsServer;
 use common::amp::{Broker, Client, http_get, open_config};
-use serde_json::json;
+use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -304,16 +304,9 @@ fn watch_reports_up_and_down_and_who_lists_present_participants() {
     );
 }
 
-#[test]
-fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
-    // 2,000 participants present (entries other brokers wrote), a session's outbound
-    // bound of 64 KiB: the watch's `up`s take about five times that. Sent at once they
-    // closed the watcher as a slow consumer.
-    let nats = NatsServer::start();
-    let mut config = open_config(&["a", "w"]);
-    config["limits"] = json!({"max_outbound_bytes": 65536});
-    let broker = Broker::start(&nats.url(), &config);
-    let mut a = Client::login(&broker, "acme", "a", "a-token");
+/// Writes `count` registry entries of participants elsewhere straight to the bucket and
+/// waits until the broker's view (asked through `a`) has them all.
+fn register_others(nats: &NatsServer, a: &mut Client, count: usize) {
     let mut js = amp_broker::jetstream::Context::new(
         amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
             .expect("connect"),
@@ -321,10 +314,9 @@ fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
     let bucket = js
         .kv_bind("KV_AMP_REGISTRY_acme".trim_start_matches("KV_"))
         .expect("registry bucket");
-    const OTHERS: usize = 2000;
-    for i in 0..OTHERS {
+    for i in 0..count {
         // The last one serves a job, so `who` with it says when the view has them all.
-        let serve = if i + 1 == OTHERS {
+        let serve = if i + 1 == count {
             json!({"probe": 1})
         } else {
             json!({})
@@ -335,16 +327,76 @@ fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
             .expect("put an entry");
     }
     let deadline = std::time::Instant::now() + WAIT;
-    while a.request(json!({"op":"who","job":"probe"}))["participants"]
-        .as_array()
-        .is_none_or(|p| p.is_empty())
-    {
+    loop {
+        let who = a.request(json!({"op":"who","job":"probe"}));
+        if who["participants"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+        {
+            return;
+        }
         assert!(
             std::time::Instant::now() < deadline,
-            "the broker's view never had them"
+            "the broker's view never had them: {who}"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        let wait = who["retry_after_ms"].as_u64().unwrap_or(50);
+        std::thread::sleep(Duration::from_millis(wait));
     }
+}
+
+#[test]
+fn who_and_watch_list_at_most_their_share_of_participants_a_second() {
+    // Each `who` of 2,000 participants is one small frame for the client and 2,000
+    // entries for the broker to write out: at the frame rate alone, a session could have
+    // it list millions a second.
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "w"]);
+    config["limits"] = json!({"presence_listed_per_s": 10000});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    register_others(&nats, &mut a, 2000);
+    let mut w = Client::login(&broker, "acme", "w", "w-token");
+    // A client that reads every answer before it asks again: never a slow consumer.
+    let started = std::time::Instant::now();
+    let answers: Vec<Value> = (0..50).map(|_| w.request(json!({"op":"who"}))).collect();
+    let elapsed = started.elapsed();
+    let listed = answers.iter().filter(|a| a["op"] == "ok").count();
+    // A full second's worth (10,000 = 5 listings) may go at once, and one more may
+    // start it into debt; then 5 a second.
+    let allowed = 6 + (elapsed.as_secs_f64() * 5.0).ceil() as usize;
+    assert!(
+        listed <= allowed,
+        "{listed} of 50 `who`s listed 2,002 participants each in {elapsed:?}"
+    );
+    let refused = answers
+        .iter()
+        .find(|a| a["op"] == "error")
+        .expect("refusals");
+    assert_eq!(refused["code"], "rate_limited", "{refused}");
+    let wait = refused["retry_after_ms"].as_u64().expect("retry_after_ms");
+    assert!(wait > 0 && wait <= 1000, "{refused}");
+    // `watch` counts too; after the wait it is listed again.
+    let watch = w.request(json!({"op":"watch"}));
+    assert_eq!(watch["code"], "rate_limited", "{watch}");
+    std::thread::sleep(Duration::from_millis(
+        watch["retry_after_ms"].as_u64().unwrap_or(1000),
+    ));
+    assert_eq!(w.request(json!({"op":"watch"}))["op"], "ok");
+    assert_eq!(w.next_op("presence", WAIT).expect("an up")["state"], "up");
+}
+
+#[test]
+fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
+    // 2,000 participants present (entries other brokers wrote), a session's outbound
+    // bound of 64 KiB: the watch's `up`s take about five times that. Sent at once they
+    // closed the watcher as a slow consumer.
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "w"]);
+    config["limits"] = json!({"max_outbound_bytes": 65536});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    const OTHERS: usize = 2000;
+    register_others(&nats, &mut a, OTHERS);
     let mut w = Client::login(&broker, "acme", "w", "w-token");
     assert_eq!(w.request(json!({"op":"watch","id":"x"}))["op"], "ok");
     let mut names = std::collections::BTreeSet::new();

@@ -217,6 +217,16 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "a durable resumed after a crash lost what the crash left unacknowledged",
     ),
+    // The same for an event whose delivery was lost on the way to the earlier session
+    // ("got 9 after None, missing [6]").
+    (
+        3,
+        0x1890,
+        600,
+        None,
+        None,
+        "a durable resumed past an event whose delivery was lost",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

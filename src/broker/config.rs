@@ -72,6 +72,9 @@ pub struct Limits {
     /// Topic subscriptions of all sessions of this broker (each one NATS subscription and
     /// one consumer); past it `subscribe` answers `forbidden`.
     pub max_topic_subscriptions: usize,
+    /// Participants a session's `who` and `watch` list per second, sustained (each
+    /// counts every participant of the namespace); one second's worth at once.
+    pub presence_listed_per_s: u32,
 }
 
 impl Default for Limits {
@@ -92,6 +95,7 @@ impl Default for Limits {
             frame_burst: 2_000,
             max_buffered_bytes: 256 << 20,
             max_topic_subscriptions: 16_384,
+            presence_listed_per_s: 20_000,
         }
     }
 }
@@ -438,6 +442,12 @@ impl Config {
             l.max_topic_subscriptions,
             1,
             32_768,
+        )?;
+        within(
+            "limits.presence_listed_per_s",
+            l.presence_listed_per_s,
+            1,
+            100_000_000,
         )?;
         for (ns_name, ns) in &self.namespaces {
             let at = format!("namespaces.{ns_name}");

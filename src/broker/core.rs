@@ -173,6 +173,8 @@ struct Session {
     /// they count against its subscriptions, or subscribe/unsubscribe would queue
     /// deletes without bound.
     deleting: usize,
+    /// Participants its `who` and `watch` may still list (`limits.presence_listed_per_s`).
+    listing: rate_limit::DebtBucket,
 }
 
 /// A participant with at least one live session on this broker.
@@ -323,6 +325,9 @@ enum Timer {
     /// The inbox consumer request of a present participant was lost (NATS went away
     /// while it was in flight): ask again, or its inbox is never read.
     InboxConsumerRetry(String),
+    /// A resumed durable subscription (session, sub, serial) stops waiting for the events
+    /// its consumer had out (`core/resumed_durable.rs`).
+    ResumeWait(SessionId, String, u64),
 }
 
 /// How long after a lost inbox consumer request it is sent again.
@@ -876,6 +881,9 @@ impl Broker {
                 if live {
                     self.drive_registry(conn, &ns, now);
                 }
+            }
+            Timer::ResumeWait(session, sub, serial) => {
+                self.resume_wait_over(conn, session, &sub, serial)
             }
             Timer::PullCheck(owner, generation) => {
                 let at = match &owner {

@@ -175,6 +175,41 @@ impl RateLimiter {
     }
 }
 
+/// A bucket for requests whose cost the client does not choose (a listing of everyone
+/// present): one goes through whenever the bucket holds anything, however much it costs,
+/// and the bucket then stays empty until that is paid back at `rate` a second. So no
+/// request is refused for good, and the sustained rate is bounded all the same.
+#[derive(Debug, Clone, Copy)]
+pub struct DebtBucket {
+    level: f64,
+    updated: Instant,
+}
+
+impl DebtBucket {
+    /// A bucket that holds one second's worth, full from the start.
+    pub fn new(now: Instant) -> DebtBucket {
+        DebtBucket {
+            level: f64::INFINITY,
+            updated: now,
+        }
+    }
+
+    /// Takes `cost` at `rate` a second when the bucket holds anything; otherwise how many
+    /// milliseconds until it does (rounded up, at least 1).
+    pub fn take(&mut self, cost: f64, rate: f64, now: Instant) -> Result<(), u64> {
+        let rate = rate.max(EPSILON);
+        let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.level = (self.level + elapsed * rate).min(rate);
+        self.updated = now;
+        if self.level > 0.0 {
+            self.level -= cost;
+            return Ok(());
+        }
+        let ms = (-self.level / rate * 1000.0).ceil().max(1.0);
+        Err(if ms.is_finite() { ms as u64 } else { u64::MAX })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,5 +349,27 @@ mod tests {
         assert_eq!(r.tracked(), 3);
         r.prune(now + Duration::from_secs(5), Duration::from_secs(2));
         assert_eq!(r.tracked(), 0);
+    }
+}
+
+#[cfg(test)]
+mod debt_tests {
+    use std::time::{Duration, Instant};
+
+    use super::DebtBucket;
+
+    #[test]
+    fn a_costly_request_passes_on_anything_and_the_next_waits_until_it_is_paid() {
+        let now = Instant::now();
+        let mut b = DebtBucket::new(now);
+        // 1,000 a second: a second's worth at once, the last one into debt.
+        assert_eq!(b.take(600.0, 1000.0, now), Ok(()));
+        assert_eq!(b.take(600.0, 1000.0, now), Ok(()));
+        assert_eq!(b.take(1.0, 1000.0, now), Err(200));
+        let paid = now + Duration::from_millis(200);
+        assert_eq!(b.take(5000.0, 1000.0, paid), Err(1));
+        let later = paid + Duration::from_millis(1);
+        assert_eq!(b.take(5000.0, 1000.0, later), Ok(()));
+        assert_eq!(b.take(1.0, 1000.0, later), Err(4999));
     }
 }

@@ -129,6 +129,11 @@ impl Registry {
         self.entries.iter()
     }
 
+    /// Entries present (what a listing of them costs).
+    pub fn present(&self) -> usize {
+        self.entries.len()
+    }
+
     /// The entries named after `after` (all with `None`), in name order.
     pub fn entries_after(&self, after: Option<&str>) -> impl Iterator<Item = (&String, &Entry)> {
         use std::ops::Bound::{Excluded, Unbounded};

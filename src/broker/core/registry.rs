@@ -103,7 +103,35 @@ impl Broker {
         let _ = conn.publish(&subject, None, Some(&headers), b"");
     }
 
-    pub(super) fn who(&mut self, session: SessionId, ns: &str, id: &str, job: Option<&str>) {
+    /// Charges a listing of `ns`'s participants to the session's `listing` bucket: every
+    /// participant counts (a `who` with a `job` looks at each), since each costs the
+    /// broker the same however few bytes the asking frame had. Refused: `rate_limited`.
+    fn may_list(&mut self, session: SessionId, ns: &str, id: &str, now: Instant) -> bool {
+        let count = self.registries.get(ns).map_or(0, |(r, _)| r.present());
+        let rate = f64::from(self.config.limits.presence_listed_per_s);
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return false;
+        };
+        match s.listing.take(count.max(1) as f64, rate, now) {
+            Ok(()) => true,
+            Err(wait_ms) => {
+                self.fail(session, id, AmpError::rate_limited(wait_ms));
+                false
+            }
+        }
+    }
+
+    pub(super) fn who(
+        &mut self,
+        session: SessionId,
+        ns: &str,
+        id: &str,
+        job: Option<&str>,
+        now: Instant,
+    ) {
+        if !self.may_list(session, ns, id, now) {
+            return;
+        }
         let participants: Vec<&Entry> = match self.registries.get(ns) {
             Some((registry, _)) => registry
                 .entries()
@@ -140,7 +168,10 @@ impl Broker {
     /// namespace of any size fits a session's outbound bound. Changes meanwhile are told
     /// only for names the snapshot has passed; the others it sends as they are when it
     /// gets to them (and not at all when they left).
-    pub(super) fn watch(&mut self, session: SessionId, ns: &str, id: &str) {
+    pub(super) fn watch(&mut self, session: SessionId, ns: &str, id: &str, now: Instant) {
+        if !self.may_list(session, ns, id, now) {
+            return;
+        }
         self.ok(session, id, FrameWriter::ok(Some(id)));
         self.watchers
             .entry(ns.to_string())

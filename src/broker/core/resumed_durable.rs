@@ -1,17 +1,20 @@
-//! The order of a resumed durable subscription whose consumer still had events out that
-//! no session of this broker handed back.
+//! The order of a resumed durable subscription whose consumer still had events out.
 //!
-//! A session that ends here hands its unacknowledged events back (naked in stream order)
-//! before the resume looks the consumer up, so they come again first. Events out to a
-//! session of a broker that died (or of another broker, whose naks race the lookup)
-//! come back only when their ack wait runs out; meanwhile the consumer delivers newer
-//! ones. Sending those first and dropping the older ones when they come (they are behind
-//! the session's last event) loses them for the session, at every ack wait again; sending
-//! the older ones late breaks stream order. So the session waits: until every event the
-//! lookup counted as out has come, or one ack wait (and a margin) has passed, newer
-//! events are held (only their ack subjects) and the older ones sent as they come; then
-//! the held ones are naked in stream order, and JetStream redelivers them first, in that
-//! order, before anything newer.
+//! A resumed durable starts at its first unacknowledged event (spec 2.3). Events a
+//! session of this broker left are handed back (naked lowest first) before the resume
+//! looks the consumer up, and come again at once. Others come only when their ack wait
+//! runs out: events out to a session of a broker that died, or whose delivery was lost on
+//! the way to a session (a gap the session could not fill without breaking its order),
+//! or still held by a session on another broker. Meanwhile the consumer delivers the
+//! handed-back and newer ones; sent as they came, they would put the late ones behind the
+//! session's last event, where the duplicate check drops them: lost to the session, at
+//! every ack wait again.
+//!
+//! So a resume whose lookup counts events out waits: every delivery is held (its ack
+//! subject only) until as many events at or below the lookup's last delivered sequence
+//! as were out have come, or one ack wait and a margin has passed (when every event out
+//! at the lookup was due again). Then all it holds are naked in stream order, and
+//! JetStream delivers them again first, in that order, before anything newer.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -24,16 +27,26 @@ const MARGIN: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(super) struct Resumed {
     /// The last stream sequence the consumer had delivered at the lookup: every event
-    /// still out is at or below it, every newer one above.
+    /// out then is at or below it.
     through: u64,
-    /// Events out at the lookup that have not come again yet.
+    /// Events out at the lookup that have not come yet.
     left: u64,
-    /// By then every event out at the lookup is due again.
+    /// By then every event out at the lookup was due again: the wait ends.
     until: Instant,
-    /// Newer events, by stream sequence, with their newest ack subjects: held while
-    /// waiting, then handed back and expected again in this order.
-    held: BTreeMap<u64, String>,
+    /// By stream sequence: the events held while waiting, then those handed back and
+    /// expected again, lowest first.
+    held: BTreeMap<u64, Held>,
+    /// Numbers the naks: JetStream redelivers naked events in the order of their naks.
+    naked: u64,
     waiting: bool,
+}
+
+#[derive(Debug)]
+struct Held {
+    /// The newest ack subject.
+    ack: String,
+    /// When it was naked, by [`Resumed::naked`]; 0 while held.
+    nak: u64,
 }
 
 /// What the subscription does with a delivery.
@@ -46,8 +59,8 @@ pub(super) enum Admit {
 }
 
 impl Resumed {
-    /// The order keeper for a durable resumed on the consumer `info` describes; none
-    /// when it had nothing out.
+    /// The order keeper for a durable resumed on the consumer `info` describes, and when
+    /// its wait ends; none when the consumer had nothing out.
     pub(super) fn after_lookup(info: &Value, ack_wait: Duration, now: Instant) -> Option<Resumed> {
         let left = info["num_ack_pending"].as_u64().filter(|&n| n > 0)?;
         Some(Resumed {
@@ -55,40 +68,35 @@ impl Resumed {
             left,
             until: now + ack_wait + MARGIN,
             held: BTreeMap::new(),
+            naked: 0,
             waiting: true,
         })
     }
 
+    pub(super) fn until(&self) -> Instant {
+        self.until
+    }
+
     /// Decides on the delivery of event `seq` (`redelivery`: JetStream delivered it
-    /// before) with ack subject `reply`, the session's last event being `last_sent`.
-    /// Ack subjects to nak at once, in order, are pushed to `naks`.
+    /// before) with ack subject `reply`. Ack subjects to nak at once, in this order, are
+    /// pushed to `naks`.
     pub(super) fn admit(
         &mut self,
         seq: u64,
         redelivery: bool,
         reply: &str,
-        last_sent: u64,
         now: Instant,
         naks: &mut Vec<String>,
     ) -> Admit {
-        if seq <= self.through {
-            // One of the events out at the lookup, or a stray redelivery of an older one:
-            // either is before everything held.
-            if self.waiting && seq > last_sent {
-                self.left = self.left.saturating_sub(1);
-                if self.left == 0 {
-                    self.hand_back(naks);
-                }
-            }
-            return Admit::Send;
-        }
         if self.waiting {
-            if now >= self.until && self.held.is_empty() {
-                self.waiting = false;
-                return Admit::Send;
+            let held = Held {
+                ack: reply.to_string(),
+                nak: 0,
+            };
+            if self.held.insert(seq, held).is_none() && seq <= self.through {
+                self.left = self.left.saturating_sub(1);
             }
-            self.held.insert(seq, reply.to_string());
-            if now >= self.until {
+            if self.left == 0 || now >= self.until {
                 self.hand_back(naks);
             }
             return Admit::Hold;
@@ -96,28 +104,52 @@ impl Resumed {
         let Some(&first) = self.held.keys().next() else {
             return Admit::Send;
         };
-        if seq < first {
+        if seq <= first {
+            // The one expected next, or an event out at the lookup that came only now
+            // and is still before everything handed back.
+            self.held.remove(&seq);
             return Admit::Send;
         }
-        if seq == first {
-            self.held.remove(&first);
-            return Admit::Send;
+        if let Some(mine) = self.held.get(&seq).filter(|_| redelivery).map(|h| h.nak) {
+            // Expected, but a lower one is still to come. If that one was naked after
+            // this one, it is behind it: this one goes behind it again. If before, it
+            // went to another reader of the consumer (a session of the participant on
+            // another broker) and is not waited for.
+            if !self.held.range(..seq).any(|(_, lower)| lower.nak > mine) {
+                self.held = self.held.split_off(&(seq + 1));
+                return Admit::Send;
+            }
         }
-        if !redelivery {
-            // New, and on its way before the naks reached the server: behind them.
-            naks.push(reply.to_string());
-            self.held.insert(seq, reply.to_string());
-            return Admit::Hold;
+        // New and on its way before the naks reached the server, or handed back by
+        // another session meanwhile, or expected after one still to come: behind them.
+        self.nak(seq, reply, naks);
+        Admit::Hold
+    }
+
+    /// The wait is over (its timer): hands back what it holds.
+    pub(super) fn wait_over(&mut self, naks: &mut Vec<String>) {
+        if self.waiting {
+            self.hand_back(naks);
         }
-        // A handed-back event came before the lower ones: they went to another reader
-        // of the consumer (a session of the participant on another broker).
-        self.held = self.held.split_off(&(seq + 1));
-        Admit::Send
     }
 
     fn hand_back(&mut self, naks: &mut Vec<String>) {
         self.waiting = false;
-        naks.extend(self.held.values().cloned());
+        for h in self.held.values_mut() {
+            self.naked += 1;
+            h.nak = self.naked;
+            naks.push(h.ack.clone());
+        }
+    }
+
+    fn nak(&mut self, seq: u64, reply: &str, naks: &mut Vec<String>) {
+        self.naked += 1;
+        let h = Held {
+            ack: reply.to_string(),
+            nak: self.naked,
+        };
+        self.held.insert(seq, h);
+        naks.push(reply.to_string());
     }
 
     /// Nothing held or expected any more: the subscription goes on as any other.
@@ -125,9 +157,9 @@ impl Resumed {
         !self.waiting && self.held.is_empty()
     }
 
-    /// The events held or expected, when the subscription ends.
-    pub(super) fn into_held(self) -> BTreeMap<u64, String> {
-        self.held
+    /// The events held or expected (their ack subjects), when the subscription ends.
+    pub(super) fn into_held(self) -> impl Iterator<Item = (u64, String)> {
+        self.held.into_iter().map(|(seq, h)| (seq, h.ack))
     }
 }
 
@@ -149,41 +181,80 @@ mod tests {
     }
 
     #[test]
-    fn newer_events_wait_for_the_ones_out_and_are_then_handed_back_in_order() {
+    fn everything_waits_for_the_events_out_and_comes_again_in_order() {
         let now = Instant::now();
         let mut r = resumed(now);
         let mut naks = Vec::new();
-        assert_eq!(r.admit(7, false, "a7", 0, now, &mut naks), Admit::Hold);
-        assert_eq!(r.admit(6, false, "a6", 0, now, &mut naks), Admit::Hold);
-        assert_eq!(r.admit(3, true, "a3", 0, now, &mut naks), Admit::Send);
+        // A handed-back 4 and a new 7 come first; 3 (lost on the way) after its ack wait.
+        assert_eq!(r.admit(4, true, "a4", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(7, false, "a7", now, &mut naks), Admit::Hold);
         assert!(naks.is_empty());
-        assert_eq!(r.admit(4, true, "a4", 3, now, &mut naks), Admit::Send);
-        assert_eq!(naks, ["a6", "a7"]);
+        assert_eq!(r.admit(3, true, "a3", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a3", "a4", "a7"]);
         // One more new event was under way before the naks: it goes behind them.
-        assert_eq!(r.admit(8, false, "a8", 4, now, &mut naks), Admit::Hold);
-        assert_eq!(naks, ["a6", "a7", "a8"]);
-        for (seq, last) in [(6, 4), (7, 6), (8, 7)] {
-            assert_eq!(r.admit(seq, true, "", last, now, &mut naks), Admit::Send);
+        assert_eq!(r.admit(8, false, "a8", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a3", "a4", "a7", "a8"]);
+        for seq in [3, 4, 7, 8] {
+            assert_eq!(r.admit(seq, true, "", now, &mut naks), Admit::Send);
         }
         assert!(r.is_over());
     }
 
     #[test]
-    fn after_one_ack_wait_the_rest_is_not_waited_for() {
+    fn events_handed_back_by_another_session_meanwhile_go_behind_in_order() {
         let now = Instant::now();
         let mut r = resumed(now);
         let mut naks = Vec::new();
-        assert_eq!(r.admit(3, true, "a3", 0, now, &mut naks), Admit::Send);
-        assert_eq!(r.admit(6, false, "a6", 3, now, &mut naks), Admit::Hold);
-        let later = now + Duration::from_secs(33);
-        assert_eq!(r.admit(7, false, "a7", 3, later, &mut naks), Admit::Hold);
-        assert_eq!(naks, ["a6", "a7"]);
-        // The handed-back 6 went to another reader: 7 is sent when it comes.
-        assert_eq!(r.admit(7, true, "a7", 3, later, &mut naks), Admit::Send);
+        r.admit(2, true, "a2", now, &mut naks);
+        r.admit(5, true, "a5", now, &mut naks);
+        assert_eq!(naks, ["a2", "a5"]);
+        naks.clear();
+        // Another session hands back 9, then 4; both go behind 2 and 5.
+        assert_eq!(r.admit(9, true, "b9", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(2, true, "c2", now, &mut naks), Admit::Send);
+        assert_eq!(r.admit(4, true, "b4", now, &mut naks), Admit::Send);
+        // 5 comes, but 9 was naked after it and is lower than nothing: 5 is next.
+        assert_eq!(r.admit(5, true, "c5", now, &mut naks), Admit::Send);
+        assert_eq!(naks, ["b9"]);
+        assert_eq!(r.admit(9, true, "c9", now, &mut naks), Admit::Send);
+        assert!(r.is_over());
+
+        // 6 and 8 handed back, then 7 from another session behind them: 8 waits for 7.
+        let mut r2 = resumed(now);
+        naks.clear();
+        r2.admit(6, false, "a6", now, &mut naks);
+        r2.admit(8, false, "a8", now, &mut naks);
+        r2.wait_over(&mut naks);
+        assert_eq!(naks, ["a6", "a8"]);
+        assert_eq!(r2.admit(7, true, "b7", now, &mut naks), Admit::Hold);
+        assert_eq!(r2.admit(6, true, "c6", now, &mut naks), Admit::Send);
+        assert_eq!(r2.admit(8, true, "c8", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a6", "a8", "b7", "c8"]);
+        assert_eq!(r2.admit(7, true, "d7", now, &mut naks), Admit::Send);
+        assert_eq!(r2.admit(8, true, "d8", now, &mut naks), Admit::Send);
+        assert!(r2.is_over());
+    }
+
+    #[test]
+    fn the_wait_ends_after_one_ack_wait() {
+        let now = Instant::now();
+        let mut r = resumed(now);
+        let mut naks = Vec::new();
+        assert_eq!(r.admit(4, true, "a4", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(6, false, "a6", now, &mut naks), Admit::Hold);
+        r.wait_over(&mut naks);
+        assert_eq!(naks, ["a4", "a6"]);
+        // 3, still out elsewhere, comes before the handed-back ones: still in order.
+        assert_eq!(r.admit(3, true, "a3", now, &mut naks), Admit::Send);
+        // The handed-back 4 went to another reader: 6 is sent when it comes.
+        assert_eq!(r.admit(6, true, "a6", now, &mut naks), Admit::Send);
         assert!(r.is_over());
 
         let mut r = resumed(now);
-        assert_eq!(r.admit(6, false, "a6", 0, later, &mut naks), Admit::Send);
+        let later = now + Duration::from_secs(33);
+        assert_eq!(r.admit(6, false, "a6", later, &mut naks), Admit::Hold);
+        assert!(!r.is_over());
+        assert_eq!(r.admit(6, true, "a6", later, &mut naks), Admit::Send);
         assert!(r.is_over());
     }
 }

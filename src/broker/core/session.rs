@@ -16,6 +16,7 @@ impl Broker {
                 inflight: IdMap::default(),
                 subs: HashMap::new(),
                 deleting: 0,
+                listing: rate_limit::DebtBucket::new(now),
             },
         );
         let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
@@ -318,8 +319,8 @@ impl Broker {
                 };
                 self.inbox_ack(conn, session, nak.id, nak.seq, kind, now)
             }
-            ClientFrame::Who { id, job } => self.who(session, ns, &id, job.as_deref()),
-            ClientFrame::Watch { id } => self.watch(session, ns, &id),
+            ClientFrame::Who { id, job } => self.who(session, ns, &id, job.as_deref(), now),
+            ClientFrame::Watch { id } => self.watch(session, ns, &id, now),
             ClientFrame::Hello(hello) => {
                 let e = AmpError::new(ErrorCode::Conflict, "this session has already said hello");
                 self.fail(session, &hello.id, e);

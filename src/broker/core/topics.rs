@@ -12,8 +12,8 @@ use serde_json::Value;
 
 use super::resumed_durable::{Admit, Resumed};
 use super::{
-    Broker, Check, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, participant_key,
-    unavailable,
+    Broker, Check, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, Timer,
+    participant_key, unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
 use crate::amp::reply::FrameWriter;
@@ -94,9 +94,15 @@ pub(super) struct Subscription {
     /// in stream order so they can be handed back in that order. JetStream bounds it:
     /// it delivers no more than `max_ack_pending` unacknowledged events.
     inflight: BTreeMap<u64, String>,
-    /// Durable only: resumed while its consumer had events out that were not handed
-    /// back here; keeps them before newer ones.
+    /// Durable only: resumed while its consumer had events out; keeps them before newer
+    /// ones (`resumed_durable.rs`).
     resumed: Option<Resumed>,
+    /// Durable only: events that came (again) behind the last one sent and were never
+    /// sent in this session (a delivery lost on the way, an event another session left):
+    /// not sent, to keep the order, and handed back with the rest when the session ends,
+    /// so they come first in the next one. At most `DURABLE_WINDOW`, lowest dropped
+    /// first (it comes again after its ack wait all the same).
+    passed: BTreeMap<u64, String>,
     /// Plain only: the deliver policy asked for, used again if the consumer must be
     /// recreated before any event arrived.
     start: DeliverFrom,
@@ -251,6 +257,7 @@ impl Broker {
             last_consumer_seq: 0,
             inflight: BTreeMap::new(),
             resumed: None,
+            passed: BTreeMap::new(),
             start,
         };
         if f.durable {
@@ -392,6 +399,11 @@ impl Broker {
                 }
                 if let Some(t) = self.sub_of(&to) {
                     t.resumed = Resumed::after_lookup(&info, DURABLE_ACK_WAIT, now);
+                    if let Some(until) = t.resumed.as_ref().map(Resumed::until) {
+                        let serial = t.serial;
+                        let wait = Timer::ResumeWait(to.session, to.sub.clone(), serial);
+                        self.set_timer(until, wait);
+                    }
                 }
                 self.sub_ready(conn, to, now);
             }
@@ -720,8 +732,11 @@ impl Broker {
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
-            let mut back = std::mem::take(&mut t.inflight);
-            back.extend(t.resumed.take().map(Resumed::into_held).unwrap_or_default());
+            let mut back = std::mem::take(&mut t.passed);
+            back.append(&mut t.inflight);
+            if let Some(r) = t.resumed.take() {
+                back.extend(r.into_held());
+            }
             let mut acks = back.into_values();
             if let Some(lowest) = acks.next() {
                 nak(conn, &lowest);
@@ -950,7 +965,7 @@ impl Broker {
         }
         if let Some(r) = &mut t.resumed {
             let mut naks = Vec::new();
-            let admit = r.admit(seq, meta.delivered > 1, reply, t.last_seq, now, &mut naks);
+            let admit = r.admit(seq, meta.delivered > 1, reply, now, &mut naks);
             if r.is_over() {
                 t.resumed = None;
             }
@@ -962,12 +977,18 @@ impl Broker {
             }
         }
         if t.durable && seq <= t.last_seq {
-            // A redelivery (its ack wait ran out, or its ack was lost) of an event this
-            // session already got: not sent twice within the session, nor out of order.
-            // Still unacknowledged, its newest ack subject is kept; the event comes
-            // first again in the participant's next session if it stays so.
+            // An event behind the session's last one: a redelivery of one it got (its
+            // ack wait ran out, or its ack was lost), or one it never got (`passed`):
+            // not sent twice within the session, nor out of order. Its newest ack
+            // subject is kept, and it comes first in the participant's next session if
+            // it stays unacknowledged.
             if let Some(ack) = t.inflight.get_mut(&seq) {
                 *ack = reply.to_string();
+            } else {
+                t.passed.insert(seq, reply.to_string());
+                if t.passed.len() > DURABLE_WINDOW as usize {
+                    t.passed.pop_first();
+                }
             }
             return;
         }
@@ -989,6 +1010,34 @@ impl Broker {
             .str_map("headers", &env.headers)
             .finish();
         self.frame(session, text);
+    }
+
+    /// A resumed durable's wait for the events out at its lookup is over: what it holds
+    /// is handed back, to come again in order.
+    pub(super) fn resume_wait_over(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        serial: u64,
+    ) {
+        let Some(t) = self
+            .subscription_mut(session, sub)
+            .filter(|t| t.serial == serial)
+        else {
+            return;
+        };
+        let Some(r) = &mut t.resumed else {
+            return;
+        };
+        let mut naks = Vec::new();
+        r.wait_over(&mut naks);
+        if r.is_over() {
+            t.resumed = None;
+        }
+        for ack in &naks {
+            nak(conn, ack);
+        }
     }
 
     /// Replaces a plain subscription's consumer with one starting after the last event
