@@ -265,6 +265,40 @@ fn signal(pid: u32, sig: &str) {
 }
 
 #[test]
+fn a_session_holds_at_most_its_share_of_requests_in_flight() {
+    // Every request a session sends holds one of the broker's NATS request slots until
+    // JetStream answers (or 4 s pass): with the server slow, one session at the frame rate
+    // held thousands, and a few such held them all for everyone.
+    let nats = NatsServer::start();
+    let mut c = config(&["a", "b"], 30, 5000);
+    c["limits"] = json!({"max_requests_in_flight": 64});
+    let broker = Broker::start(&nats.url(), &c);
+    let mut a = login(&broker, "a");
+    let frozen = Frozen::new(nats.pid().expect("nats-server pid"));
+    for i in 0..300 {
+        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":i}));
+    }
+    // The 236 past the cap are answered at once, while JetStream answers nothing.
+    let mut refused = 0;
+    while refused < 236 {
+        let f = a
+            .next_frame(Duration::from_secs(2))
+            .unwrap_or_else(|| panic!("{refused} of 236 refused while the server was frozen"));
+        assert_eq!(f["code"], "rate_limited", "{f}");
+        assert!(f["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{f}");
+        refused += 1;
+    }
+    drop(frozen);
+    // The 64 taken go through (or time out), and the session goes on.
+    for i in 0..64 {
+        let f = a.answer_to(&format!("s{i}"));
+        assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
+    }
+    let ok = a.request(json!({"op":"send","to":"b","body":"after"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
 fn submits_waiting_for_a_budget_reservation_are_capped_per_participant() {
     let nats = NatsServer::start();
     let mut c = config(&["a"], 30, 5000);

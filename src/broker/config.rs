@@ -75,6 +75,9 @@ pub struct Limits {
     /// Participants a session's `who` and `watch` list per second, sustained (each
     /// counts every participant of the namespace); one second's worth at once.
     pub presence_listed_per_s: u32,
+    /// Requests (frames with an `id`) of one session not yet answered; past it a request
+    /// answers `rate_limited`. Each may hold one of the broker's NATS request slots.
+    pub max_requests_in_flight: usize,
 }
 
 impl Default for Limits {
@@ -96,6 +99,7 @@ impl Default for Limits {
             max_buffered_bytes: 256 << 20,
             max_topic_subscriptions: 16_384,
             presence_listed_per_s: 20_000,
+            max_requests_in_flight: 1024,
         }
     }
 }
@@ -442,6 +446,12 @@ impl Config {
             l.max_topic_subscriptions,
             1,
             32_768,
+        )?;
+        within(
+            "limits.max_requests_in_flight",
+            l.max_requests_in_flight,
+            1,
+            65_536,
         )?;
         within(
             "limits.presence_listed_per_s",

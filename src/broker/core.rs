@@ -343,6 +343,9 @@ const SESSION_API_IN_FLIGHT: usize = 16;
 /// `retry_after_ms` of a subscribe refused while the session's unsubscribed consumers
 /// are still being deleted: about one delete's round trip under load.
 const DELETING_RETRY_MS: u64 = 250;
+/// `retry_after_ms` of a request refused because its session has its maximum of requests
+/// in flight: about a JetStream round trip under load.
+const REQUESTS_FULL_RETRY_MS: u64 = 100;
 /// `retry_after_ms` of a hello refused because its participant holds its share of the
 /// broker's sessions: a client should not come straight back.
 const SESSIONS_FULL_RETRY_MS: u64 = 5000;

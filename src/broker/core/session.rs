@@ -286,11 +286,22 @@ impl Broker {
         now: Instant,
     ) {
         if let Some(id) = frame.id() {
-            let fresh = self
-                .sessions
-                .get_mut(&session)
-                .is_some_and(|s| s.outstanding.insert(id.to_string()));
-            if !fresh {
+            let max = self.config.limits.max_requests_in_flight;
+            let Some(s) = self.sessions.get_mut(&session) else {
+                return;
+            };
+            if s.outstanding.len() >= max && !s.outstanding.contains(id) {
+                // Each may hold one of the broker's NATS request slots, which all
+                // sessions share: a session waits for answers rather than taking more.
+                let mut e = AmpError::rate_limited(REQUESTS_FULL_RETRY_MS);
+                e.message = format!(
+                    "a session has at most {max} requests in flight; \
+                     wait for their answers"
+                )
+                .into();
+                return self.error(session, Some(id), &e);
+            }
+            if !s.outstanding.insert(id.to_string()) {
                 let e = AmpError::new(
                     ErrorCode::Schema,
                     "id is already used by an outstanding request",
