@@ -227,6 +227,18 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "a durable resumed past an event whose delivery was lost",
     ),
+    // Failed before a submit whose create went unanswered looked for its record
+    // (jobs.rs, `SubmitCreate`): the create landed, its answer was lost with the broker's
+    // NATS connection, the client's retry came before the record and was refused by the
+    // spent budget, and the task stayed `queued` with no message ("not terminal").
+    (
+        3,
+        0x7873,
+        300,
+        None,
+        Some(80),
+        "a submit whose create answer was lost left its task queued with no message",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

@@ -1158,12 +1158,28 @@ impl Jobs {
                     }
                     Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
                     Ok(Err(e)) => self.refuse(sub.session, &sub.re, unavailable(e)),
+                    // The create may have landed all the same (its answer was lost with
+                    // the connection, or is late): a record with no message would stay
+                    // `queued` for good if the client's retry came before it and was
+                    // refused, so the broker looks (once the connection is back) and
+                    // publishes it itself.
+                    Err(RequestError::Timeout | RequestError::Disconnected) => {
+                        self.read_existing(conn, sub, now)
+                    }
                     Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
                 }
             }
             Pending::SubmitExisting(sub) => match self.parse_record(&sub.ns, &sub.task, reply) {
                 Err(JsError::KeyNotFound) if sub.over_budget => {
                     self.refuse(sub.session, &sub.re, AmpError::budget_exhausted())
+                }
+                Err(JsError::KeyNotFound) => {
+                    let e = AmpError::new(
+                        ErrorCode::Unavailable,
+                        "the task store did not answer the submit in time and holds no \
+                         record of the task; submit it again",
+                    );
+                    self.refuse(sub.session, &sub.re, e)
                 }
                 Ok((record, _)) => {
                     if record.submitted_by != sub.from {
