@@ -261,6 +261,46 @@ fn a_durable_resumed_after_its_broker_was_killed_gets_the_unacked_event_first() 
 }
 
 #[test]
+fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
+    // The client's old connection to broker one is still open (not yet seen to end): it
+    // holds events 1 and 2 unacknowledged. Before, the old session kept reading the
+    // durable, its events came to the new one only when it ended (or after their ack
+    // wait), and new events went to either.
+    let nats = NatsServer::start();
+    let config = open_config(&["pub", "sub"]);
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let sub = json!({"op":"subscribe","topic":"m.>","sub":"keep","durable":true});
+    let mut old = Client::login(&one, "acme", "sub", "sub-token");
+    assert_eq!(old.request(sub.clone())["op"], "ok");
+    let held = [
+        publish(&mut p, "m.1", json!(1)),
+        publish(&mut p, "m.2", json!(2)),
+    ];
+    assert_eq!(events(&mut old, 2).len(), 2);
+
+    let mut new = Client::login(&two, "acme", "sub", "sub-token");
+    assert_eq!(new.request(sub)["op"], "ok");
+    let later = publish(&mut p, "m.3", json!(3));
+    let started = std::time::Instant::now();
+    let got: Vec<u64> = events(&mut new, 3)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(got, [held[0], held[1], later]);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the old session's events came only after {:?}",
+        started.elapsed()
+    );
+    // The old session reads it no more.
+    publish(&mut p, "m.4", json!(4));
+    assert!(events(&mut new, 1)[0]["seq"].as_u64() > Some(later));
+    assert!(old.next_op("event", QUIET).is_none());
+}
+
+#[test]
 fn idempotent_publishes_answer_the_same_seq() {
     let (_nats, broker) = setup();
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");

@@ -306,6 +306,8 @@ enum Route {
         session: SessionId,
         sub: String,
     },
+    /// Durable take-overs by other brokers' sessions.
+    DurableTakeover,
 }
 
 /// A timer of the core, opaque to the table that keeps it.
@@ -508,7 +510,8 @@ impl Broker {
         self
     }
 
-    /// Starts what runs for the broker's whole life: one registry watch per namespace.
+    /// Starts what runs for the broker's whole life: one registry watch per namespace,
+    /// and the subscription for other brokers' durable take-overs.
     pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
         if self.callout.is_some() {
             let sid = conn
@@ -516,6 +519,10 @@ impl Broker {
                 .map_err(|e| format!("auth callout subscription: {e}"))?;
             self.routes.insert(sid, Route::Callout);
         }
+        let sid = conn
+            .subscribe(&format!("{}.>", topics::DURABLE_TAKEOVER_PREFIX), None)
+            .map_err(|e| format!("durable take-over subscription: {e}"))?;
+        self.routes.insert(sid, Route::DurableTakeover);
         self.mig.start(conn, &self.config, now)?;
         let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
         for ns in namespaces {
@@ -672,6 +679,7 @@ impl Broker {
                     self.topic_delivery(conn, session, &sub, msg, now);
                 }
                 Some(Route::Callout) => self.answer_callout(conn, &msg, now),
+                Some(Route::DurableTakeover) => self.durable_taken(conn, &msg, now),
                 Some(Route::Registry { ns }) => {
                     let ns = ns.clone();
                     if let Some((registry, _)) = self.registries.get_mut(&ns) {

@@ -41,6 +41,15 @@ const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
 const MAX_CONSUMERS_REACHED: u32 = 10026;
 /// Consumer infos a hand-back asks for before it naks anyway.
 const HAND_BACK_LOOKS: u8 = 3;
+/// Where brokers tell each other of durable take-overs, under the brokers' own prefix
+/// that no participant's NATS credential reaches.
+pub(super) const DURABLE_TAKEOVER_PREFIX: &str = "_AMP_BROKER.DURABLE";
+
+/// The take-over of participant `ns/name`'s durable `sub`: each part is one token of the
+/// names' alphabet, so the subject names exactly one durable.
+fn durable_takeover_subject(ns: &str, name: &str, sub: &str) -> String {
+    format!("{DURABLE_TAKEOVER_PREFIX}.{ns}.{name}.{sub}")
+}
 
 /// A subscribe under way, as its requests name it: the name alone may meanwhile belong
 /// to a new subscription (`unsubscribe`, then `subscribe` with the same `sub`), whose
@@ -261,7 +270,15 @@ impl Broker {
             start,
         };
         if f.durable {
-            self.take_over_durable(conn, session, ns, name, &sub, now);
+            self.take_over_durable(conn, Some(session), ns, name, &sub, now);
+            // And from sessions on other brokers (brokers share nothing but NATS): they
+            // hand its events back as a session here would.
+            let _ = conn.publish(
+                &durable_takeover_subject(ns, name, &sub),
+                None,
+                None,
+                self.takeover_origin().as_bytes(),
+            );
         }
         if let Some(s) = self.sessions.get_mut(&session) {
             s.subs.insert(sub.clone(), subscription);
@@ -284,14 +301,14 @@ impl Broker {
         }
     }
 
-    /// A durable subscription is read by one session of its participant on a broker: a
-    /// session that subscribes it takes it from another that has it (a client that
-    /// reconnected before its old connection was seen to end), whose unacknowledged
-    /// events are handed back as when a session ends.
+    /// A durable subscription is read by one session of its participant: a session that
+    /// subscribes it takes it from another that has it (a client that reconnected before
+    /// its old connection was seen to end), whose unacknowledged events are handed back
+    /// as when a session ends. `except` is the taking session when it is on this broker.
     fn take_over_durable(
         &mut self,
         conn: &mut Connection,
-        session: SessionId,
+        except: Option<SessionId>,
         ns: &str,
         name: &str,
         sub: &str,
@@ -304,7 +321,7 @@ impl Broker {
             .unwrap_or_default()
             .into_iter()
             .filter(|&other| {
-                other != session
+                Some(other) != except
                     && self
                         .sessions
                         .get(&other)
@@ -313,8 +330,32 @@ impl Broker {
             })
             .collect();
         for other in holders {
-            log::info!(session = other, sub; "durable subscription taken over by session {session}");
+            log::info!(session = other, sub; "durable subscription taken over by session {except:?} (None: on another broker)");
             let _ = self.drop_subscription(conn, other, sub, false, now);
+        }
+    }
+
+    /// What a take-over this broker sends says about its sender, so it can tell its own.
+    fn takeover_origin(&self) -> String {
+        format!("{} {}", self.broker_id, self.incarnation)
+    }
+
+    /// Another broker's session took a durable subscription over (see
+    /// [`durable_takeover_subject`]): sessions here that read it stop.
+    pub(super) fn durable_taken(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
+        if msg.payload == self.takeover_origin().as_bytes() {
+            return;
+        }
+        let rest = msg.subject.strip_prefix(DURABLE_TAKEOVER_PREFIX);
+        let mut tokens = rest
+            .and_then(|r| r.strip_prefix('.'))
+            .unwrap_or("")
+            .split('.');
+        if let (Some(ns), Some(name), Some(sub), None) =
+            (tokens.next(), tokens.next(), tokens.next(), tokens.next())
+        {
+            let (ns, name, sub) = (ns.to_string(), name.to_string(), sub.to_string());
+            self.take_over_durable(conn, None, &ns, &name, &sub, now);
         }
     }
 
