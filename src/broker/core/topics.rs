@@ -330,7 +330,14 @@ impl Broker {
             })
             .collect();
         for other in holders {
-            log::info!(session = other, sub; "durable subscription taken over by session {except:?} (None: on another broker)");
+            match except {
+                Some(by) => {
+                    log::info!(session = other, sub; "durable subscription taken over by session {by}")
+                }
+                None => {
+                    log::info!(session = other, sub; "durable subscription taken over by a session on another broker")
+                }
+            }
             let _ = self.drop_subscription(conn, other, sub, false, now);
         }
     }
@@ -1007,12 +1014,7 @@ impl Broker {
         if let Some(r) = &mut t.resumed {
             let mut naks = Vec::new();
             let admit = r.admit(seq, meta.delivered > 1, reply, now, &mut naks);
-            if r.is_over() {
-                t.resumed = None;
-            }
-            for ack in &naks {
-                nak(conn, ack);
-            }
+            settle_resumed(conn, t, &naks);
             if admit == Admit::Hold {
                 return;
             }
@@ -1073,12 +1075,7 @@ impl Broker {
         };
         let mut naks = Vec::new();
         r.wait_over(&mut naks);
-        if r.is_over() {
-            t.resumed = None;
-        }
-        for ack in &naks {
-            nak(conn, ack);
-        }
+        settle_resumed(conn, t, &naks);
     }
 
     /// Replaces a plain subscription's consumer with one starting after the last event
@@ -1218,6 +1215,17 @@ fn deliver_from(from: &amp_frame::From) -> Result<DeliverFrom, AmpError> {
             DeliverFrom::Time(rfc3339::format_millis(millis))
         }
     })
+}
+
+/// Naks what a resumed durable's order keeper handed back, and drops the keeper once it
+/// has nothing left to order.
+fn settle_resumed(conn: &mut Connection, t: &mut Subscription, naks: &[String]) {
+    if t.resumed.as_ref().is_some_and(Resumed::is_over) {
+        t.resumed = None;
+    }
+    for ack in naks {
+        nak(conn, ack);
+    }
 }
 
 fn nak(conn: &mut Connection, ack: &str) {
