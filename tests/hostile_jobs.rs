@@ -346,3 +346,66 @@ fn submits_waiting_for_a_budget_reservation_are_capped_per_participant() {
         assert!(r["op"] == "ok" || r["code"] == "unavailable", "{r}");
     }
 }
+
+#[test]
+fn a_participant_holds_at_most_its_share_of_requests_in_flight_over_all_its_sessions() {
+    // The per-session cap alone let one participant open more sessions and hold
+    // `max_requests_in_flight` in each: 64 sessions at the default held every NATS
+    // request slot of the broker while JetStream was slow.
+    let nats = NatsServer::start();
+    let mut c = config(&["a", "b"], 30, 5000);
+    c["limits"] = json!({"max_requests_in_flight": 64, "max_participant_requests_in_flight": 100});
+    let broker = Broker::start(&nats.url(), &c);
+    let mut sessions: Vec<_> = (0..3).map(|_| login(&broker, "a")).collect();
+    let mut other = login(&broker, "b");
+    let frozen = Frozen::new(nats.pid().expect("nats-server pid"));
+    for (k, s) in sessions.iter_mut().enumerate() {
+        for i in 0..64 {
+            s.send(&json!({"op":"send","id":format!("s{k}-{i}"),"to":"b","body":i}));
+        }
+    }
+    // 192 sent, each session within its own cap; 92 of them past the participant's,
+    // refused at once (the 100 taken wait for the server).
+    let mut answered = [0; 3];
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while answered.iter().sum::<usize>() < 92 && Instant::now() < deadline {
+        for (k, s) in sessions.iter_mut().enumerate() {
+            while let Some(f) = s.next_frame(Duration::from_millis(10)) {
+                assert_eq!(f["code"], "rate_limited", "{f}");
+                let message = f["message"].as_str().unwrap_or_default();
+                assert!(message.contains("participant"), "{f}");
+                answered[k] += 1;
+            }
+        }
+    }
+    assert_eq!(answered.iter().sum::<usize>(), 92, "refused: {answered:?}");
+    // Another participant's requests are not counted against it.
+    other.send(&json!({"op":"send","id":"b0","to":"b","body":0}));
+    drop(frozen);
+    let f = other.answer_to("b0");
+    assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
+    // Every request taken is answered, and the count comes back down: the participant
+    // can have its whole share in flight again.
+    for (k, s) in sessions.iter_mut().enumerate() {
+        while answered[k] < 64 {
+            let f = s.next_frame(Duration::from_secs(15)).expect("an answer");
+            assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
+            answered[k] += 1;
+        }
+    }
+    drop(sessions);
+    let mut a = login(&broker, "a");
+    let frozen = Frozen::new(nats.pid().expect("nats-server pid"));
+    for i in 0..64 {
+        a.send(&json!({"op":"send","id":format!("t{i}"),"to":"b","body":i}));
+    }
+    assert!(
+        a.next_frame(Duration::from_millis(500)).is_none(),
+        "nothing refused: the participant's count came back down"
+    );
+    drop(frozen);
+    for i in 0..64 {
+        let f = a.answer_to(&format!("t{i}"));
+        assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
+    }
+}

@@ -78,6 +78,9 @@ pub struct Limits {
     /// Requests (frames with an `id`) of one session not yet answered; past it a request
     /// answers `rate_limited`. Each may hold one of the broker's NATS request slots.
     pub max_requests_in_flight: usize,
+    /// The same over all sessions of one participant on this broker: more sessions do
+    /// not buy a participant more of the NATS request slots every session shares.
+    pub max_participant_requests_in_flight: usize,
 }
 
 impl Default for Limits {
@@ -100,6 +103,7 @@ impl Default for Limits {
             max_topic_subscriptions: 16_384,
             presence_listed_per_s: 20_000,
             max_requests_in_flight: 1024,
+            max_participant_requests_in_flight: 4096,
         }
     }
 }
@@ -450,6 +454,12 @@ impl Config {
         within(
             "limits.max_requests_in_flight",
             l.max_requests_in_flight,
+            1,
+            65_536,
+        )?;
+        within(
+            "limits.max_participant_requests_in_flight",
+            l.max_participant_requests_in_flight,
             1,
             65_536,
         )?;

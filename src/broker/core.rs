@@ -6,6 +6,7 @@
 //! frames and closes for sessions (`poll_output`). Every JetStream round trip is a
 //! continuation stored under its request id (`Pending`), so nothing ever waits.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -166,6 +167,9 @@ struct Session {
     peer: SocketAddr,
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: HashSet<String>,
+    /// Requests not yet answered over all sessions of its participant, shared by them
+    /// from `hello` on: it moves only with `outstanding`, so it cannot drift.
+    participant_outstanding: Rc<Cell<usize>>,
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
     inflight: IdMap<u64, String>,
     subs: HashMap<String, topics::Subscription>,
@@ -180,6 +184,8 @@ struct Session {
 /// A participant with at least one live session on this broker.
 struct Presence {
     sessions: Vec<SessionId>,
+    /// Its sessions' requests not yet answered (`Session::participant_outstanding`).
+    outstanding: Rc<Cell<usize>>,
     labels: BTreeMap<String, String>,
     since: String,
     inbox: PullLoop,
@@ -1165,8 +1171,11 @@ impl Broker {
     }
 
     fn answered(&mut self, session: SessionId, re: &str) {
-        if let Some(s) = self.sessions.get_mut(&session) {
-            s.outstanding.remove(re);
+        if let Some(s) = self.sessions.get_mut(&session)
+            && s.outstanding.remove(re)
+        {
+            let all = &s.participant_outstanding;
+            all.set(all.get().saturating_sub(1));
         }
     }
 

@@ -13,6 +13,7 @@ impl Broker {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 outstanding: HashSet::new(),
+                participant_outstanding: Rc::default(),
                 inflight: IdMap::default(),
                 subs: HashMap::new(),
                 deleting: 0,
@@ -47,6 +48,8 @@ impl Broker {
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };
+        let all = &s.participant_outstanding;
+        all.set(all.get().saturating_sub(s.outstanding.len()));
         let participant = match s.state {
             SessionState::Active { ns, name } => Some((ns, name)),
             SessionState::Closing { participant } => participant,
@@ -216,6 +219,7 @@ impl Broker {
             .entry(key.clone())
             .or_insert_with(|| Presence {
                 sessions: Vec::new(),
+                outstanding: Rc::default(),
                 labels,
                 since: self.clock.timestamp(now),
                 inbox: PullLoop::new(
@@ -227,6 +231,9 @@ impl Broker {
                 inbox_refused: None,
             });
         presence.sessions.push(session);
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.participant_outstanding = presence.outstanding.clone();
+        }
         let refused = presence
             .inbox_refused
             .as_ref()
@@ -286,19 +293,30 @@ impl Broker {
         now: Instant,
     ) {
         if let Some(id) = frame.id() {
-            let max = self.config.limits.max_requests_in_flight;
+            let limits = &self.config.limits;
+            let (own, all) = (
+                limits.max_requests_in_flight,
+                limits.max_participant_requests_in_flight,
+            );
             let Some(s) = self.sessions.get_mut(&session) else {
                 return;
             };
-            if s.outstanding.len() >= max && !s.outstanding.contains(id) {
+            let full = if s.outstanding.len() >= own {
+                Some(format!("a session has at most {own} requests in flight"))
+            } else if s.participant_outstanding.get() >= all {
+                Some(format!(
+                    "a participant has at most {all} requests in flight over its sessions"
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = full
+                && !s.outstanding.contains(id)
+            {
                 // Each may hold one of the broker's NATS request slots, which all
                 // sessions share: a session waits for answers rather than taking more.
                 let mut e = AmpError::rate_limited(REQUESTS_FULL_RETRY_MS);
-                e.message = format!(
-                    "a session has at most {max} requests in flight; \
-                     wait for their answers"
-                )
-                .into();
+                e.message = format!("{why}; wait for their answers").into();
                 return self.error(session, Some(id), &e);
             }
             if !s.outstanding.insert(id.to_string()) {
@@ -309,6 +327,8 @@ impl Broker {
                 .with_path("/id");
                 return self.error(session, Some(id), &e);
             }
+            let all = &s.participant_outstanding;
+            all.set(all.get() + 1);
         }
         match frame {
             ClientFrame::Ping { id } => self.ok(session, &id, FrameWriter::ok(Some(&id))),
