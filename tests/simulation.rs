@@ -239,6 +239,16 @@ const REGRESSIONS: &[Regression] = &[
         Some(80),
         "a submit whose create answer was lost left its task queued with no message",
     ),
+    // An exhausted task's `failed` landed but its answer was lost; the retry found the
+    // task finished and acked the message away: no `task_result` was ever stored.
+    (
+        3,
+        0x31d12,
+        600,
+        None,
+        None,
+        "an exhaust whose answer was lost acked the task without its task_result",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

@@ -228,6 +228,29 @@ impl Jobs {
         fresh.then_some((record, revision))
     }
 
+    /// A delivered task that is finished: make sure the submitter heard (the result's
+    /// message id dedupes a repeat), then ack the message away.
+    pub(super) fn finished_delivery(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        ack: String,
+        now: Instant,
+    ) {
+        if matches!(record.state, TaskState::Completed | TaskState::Failed) {
+            // Who finished it: the holder, or the broker whose exhaust failed it.
+            let by = record
+                .holder
+                .as_deref()
+                .or_else(|| record.history.last().map(|h| h.by.as_str()))
+                .unwrap_or_default()
+                .to_string();
+            self.outcome(conn, record, &by, Some((ack, AckKind::Ack)), None, now);
+        } else {
+            self.ack(conn, &ack, AckKind::Ack);
+        }
+    }
+
     /// The record of a delivered task arrived: offer it, finish it, or release it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn placed(
@@ -267,16 +290,8 @@ impl Jobs {
         };
         let now_ms = self.clock.ms(now);
         match record.on_delivery(now_ms) {
-            OnDelivery::Finished => {
-                // A crash or a lost ack between the outcome and the ack: make sure the
-                // submitter heard (the result's message id dedupes a repeat).
-                if matches!(record.state, TaskState::Completed | TaskState::Failed) {
-                    let by = record.holder.clone().unwrap_or_default();
-                    self.outcome(conn, &record, &by, Some((ack, AckKind::Ack)), None, now);
-                } else {
-                    self.ack(conn, &ack, AckKind::Ack);
-                }
-            }
+            // A crash or a lost ack between the outcome and the ack.
+            OnDelivery::Finished => self.finished_delivery(conn, &record, ack, now),
             OnDelivery::Held { until_ms } => {
                 let wait = u64::try_from(until_ms - now_ms).unwrap_or(0) + 50;
                 self.nak(conn, &ack, Some(Duration::from_millis(wait)));

@@ -187,21 +187,25 @@ impl Jobs {
             Op::Offer { .. } => {
                 // Someone else moved the task on (another broker's offer or lease, or an
                 // outcome): this delivery is not ours to offer.
-                if let Some(ack) = &write.ack {
+                if let Some(ack) = write.ack {
                     match refusal {
                         Refusal::LeaseHeld { until_ms } => {
                             let wait = u64::try_from(until_ms - self.clock.ms(now)).unwrap_or(0);
-                            self.nak(conn, ack, Some(Duration::from_millis(wait + 50)));
+                            self.nak(conn, &ack, Some(Duration::from_millis(wait + 50)));
                         }
-                        Refusal::Finished(_) => self.ack(conn, ack, AckKind::Ack),
-                        _ => self.nak(conn, ack, Some(RETRY_DELAY)),
+                        // Its finisher may have died before telling the submitter.
+                        Refusal::Finished(_) => self.finished_delivery(conn, record, ack, now),
+                        _ => self.nak(conn, &ack, Some(RETRY_DELAY)),
                     }
                 }
                 self.release_local(conn, &key, now);
             }
             Op::Exhaust => {
-                if let (Some(ack), Refusal::Finished(_)) = (&write.ack, &refusal) {
-                    self.ack(conn, ack, AckKind::Ack);
+                if let (Some(ack), Refusal::Finished(_)) = (write.ack, &refusal) {
+                    // Maybe by this very exhaust, its answer lost on the way: the
+                    // submitter may not have heard, and the outcome is told again (its
+                    // idempotent id dedupes a repeat) before the message goes.
+                    self.finished_delivery(conn, record, ack, now);
                 }
             }
             Op::Cancel { session, re, by } => {
