@@ -36,7 +36,10 @@ fn world() -> World {
             "alice",
             json!({"send": ["bob"], "publish": ["orders.*"], "subscribe": ["orders.>"], "submit": ["render"]}),
         ),
-        ("bob", json!({"subscribe": ["news.*"]})),
+        (
+            "bob",
+            json!({"subscribe": ["news.*"], "publish": ["news.*"]}),
+        ),
         ("worker", json!({"serve": ["render"]})),
         // Over WebSocket mallory may write where the forgery below tries to.
         (
@@ -285,7 +288,7 @@ fn a_participant_on_nats_cannot_write_as_anyone_or_around_the_broker() {
 }
 
 #[test]
-fn a_participant_on_nats_reads_its_own_inbox_and_its_topics_and_nothing_more() {
+fn a_participant_on_nats_hears_its_topics_and_its_replies_and_nothing_more() {
     let w = world();
     // Bob's inbox consumer, as the broker creates it at his first hello; bob himself never
     // connects over WebSocket, so the broker holds no pull on it.
@@ -301,14 +304,15 @@ fn a_participant_on_nats_reads_its_own_inbox_and_its_topics_and_nothing_more() {
     let sent = alice.request(json!({"op":"send","to":"bob","body":{"n":1}}));
     assert_eq!(sent["op"], "ok", "{sent}");
 
+    let own_next = "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_bob";
+    let own_info = "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_bob";
     let probe = w.probe(
         "bob",
         json!({
             "subscribe": ["amp.acme.topic.news.today", "_INBOX_acme_alice.>", "amp.acme.topic.orders.eu"],
-            "fetch": [["AMP_INBOX_acme", "inbox_bob"]],
-            "pull": [["$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_alice", r#"{"batch":1,"no_wait":true}"#]],
-            "request": [["$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_bob", ""]],
-            "publish": [["$JS.ACK.AMP_INBOX_acme.inbox_alice.1.1.1.1.0", "+ACK"]],
+            "pull": [[own_next, r#"{"batch":1,"no_wait":true}"#], ["$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_alice", r#"{"batch":1,"no_wait":true}"#]],
+            "request": [[own_info, ""]],
+            "publish": [["$JS.ACK.AMP_INBOX_acme.inbox_bob.1.1.1.1.0", "+ACK"], ["$JS.ACK.AMP_INBOX_acme.inbox_alice.1.1.1.1.0", "+ACK"]],
         }),
     );
     let mut observer = w.observer();
@@ -319,48 +323,12 @@ fn a_participant_on_nats_reads_its_own_inbox_and_its_topics_and_nothing_more() {
     let seen = w.finish(probe);
 
     assert!(seen.connected, "{seen:?}");
-    // Allowed: its own inbox (pulled with replies under its prefix, then acknowledged),
-    // its own consumer's info, and live events of topics it may subscribe to.
-    let pulled = seen
-        .pulled
-        .iter()
-        .find(|p| p["subject"] == "amp.acme.inbox.bob")
-        .unwrap_or_else(|| panic!("a message from bob's own inbox: {seen:?}"));
-    let envelope: Value =
-        serde_json::from_str(pulled["data"].as_str().unwrap_or("")).unwrap_or(Value::Null);
-    assert_eq!(envelope["from"], "acme/alice", "{seen:?}");
-    assert_eq!(envelope["body"], json!({"n": 1}), "{seen:?}");
-    assert!(
-        pulled["reply"]
-            .as_str()
-            .is_some_and(|r| r.starts_with("$JS.ACK.AMP_INBOX_acme.inbox_bob.")),
-        "{seen:?}"
-    );
-    assert!(
-        seen.answers[0]["data"]
-            .as_str()
-            .is_some_and(|d| d.contains("\"inbox_bob\"")),
-        "{seen:?}"
-    );
+    // Allowed: live events of topics it may subscribe to (and replies under its prefix).
     assert_eq!(seen.received.len(), 1, "{seen:?}");
     assert_eq!(seen.received[0]["subject"], "amp.acme.topic.news.today");
-    assert!(
-        !seen.violation(
-            "publish",
-            "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_bob"
-        ),
-        "{seen:?}"
-    );
-    assert!(
-        !seen.violation("publish", pulled["reply"].as_str().unwrap_or("")),
-        "{seen:?}"
-    );
-    let info = js
-        .consumer_info(&binding::inbox_stream("acme"), "inbox_bob")
-        .expect("consumer info");
-    assert_eq!(info.num_ack_pending, 0, "bob's direct ack was taken");
-    assert_eq!(info.ack_floor.stream_seq, sent["seq"].as_u64().unwrap_or(0));
-    // Forbidden: another's replies, consumer and acks, and topics it may not subscribe to.
+    // Forbidden: another's replies, topics it may not subscribe to, and every JetStream
+    // request and ack, its own inbox's too (their answers could be aimed anywhere: see
+    // the next test); its inbox is read over WebSocket.
     for subject in ["_INBOX_acme_alice.>", "amp.acme.topic.orders.eu"] {
         assert!(
             seen.violation("subscription", subject),
@@ -368,9 +336,83 @@ fn a_participant_on_nats_reads_its_own_inbox_and_its_topics_and_nothing_more() {
         );
     }
     for subject in [
+        own_next,
+        own_info,
         "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_alice",
+        "$JS.ACK.AMP_INBOX_acme.inbox_bob.1.1.1.1.0",
         "$JS.ACK.AMP_INBOX_acme.inbox_alice.1.1.1.1.0",
     ] {
         assert!(seen.violation("publish", subject), "{subject}: {seen:?}");
     }
+    assert!(!seen.everything().contains("\"n\":1"), "{seen:?}");
+    let info = js
+        .consumer_info(&binding::inbox_stream("acme"), "inbox_bob")
+        .expect("consumer info");
+    assert_eq!(info.num_pending, 1, "the message waits for bob's session");
+}
+
+#[test]
+fn a_participant_on_nats_cannot_aim_jetstream_answers_at_others() {
+    // nats-server checks a publish's subject against the publisher's permissions, never
+    // its reply subject, and JetStream sends its answer (a pull's messages, an info, an
+    // ack's confirmation) to whatever reply subject it is given: into a stream that
+    // captures it, a KV key, the brokers' own subjects. A participant allowed to pull or
+    // read its own inbox consumer could so write where it may not publish.
+    let w = world();
+    let mut alice = w.login("alice");
+    let mut bob = w.login("bob");
+    let mut mallory = w.login("mallory");
+    let sub = bob.request(json!({"op":"subscribe","topic":"news.*","sub":"n","durable":true}));
+    assert_eq!(sub["op"], "ok", "{sub}");
+    // Mallory's own inbox holds a message of its own: what a pull would hand out.
+    mallory.request(json!({"op":"send","to":"bob","body":{"warm":true}}));
+    assert_eq!(message_body(&mut bob)["body"]["warm"], true);
+    drop(mallory);
+    let info = "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_mallory";
+    let next = "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_mallory";
+    let aimed = [
+        (info, "amp.acme.inbox.bob", ""),
+        (next, "amp.acme.inbox.bob", r#"{"batch":1,"no_wait":true}"#),
+        (info, "$KV.AMP_REGISTRY_acme.ceo", ""),
+        (info, "amp.acme.topic.news.today", ""),
+        (info, "_AMP_BROKER.DURABLE.acme.bob.n", ""),
+    ];
+    let mut js = Context::new(w.observer());
+    let stored = |js: &mut Context, stream: &str| {
+        js.stream_info(stream)
+            .map(|i| i.state.messages)
+            .expect("stream info")
+    };
+    let inbox_before = stored(&mut js, &binding::inbox_stream("acme"));
+    let probe = w.probe(
+        "mallory",
+        json!({"publish_reply": aimed.iter().map(|(s, r, p)| json!([s, r, p])).collect::<Vec<_>>()}),
+    );
+    let seen = w.finish(probe);
+    assert!(seen.connected, "{seen:?}");
+    for (subject, _, _) in aimed {
+        assert!(seen.violation("publish", subject), "{subject}: {seen:?}");
+    }
+    assert_eq!(
+        stored(&mut js, &binding::inbox_stream("acme")),
+        inbox_before,
+        "nothing was stored in the inbox stream around the broker"
+    );
+    assert_eq!(stored(&mut js, "AMP_TOPICS_acme"), 0, "nor in the topics");
+    let registry = js.kv_bind("AMP_REGISTRY_acme").expect("registry bucket");
+    assert!(
+        js.kv_get(&registry, "ceo").is_err(),
+        "no registry entry was written"
+    );
+    // Bob's durable is still his: his next event comes to it.
+    alice.request(json!({"op":"send","to":"bob","body":{"real":true}}));
+    let first = message_body(&mut bob);
+    assert_eq!(first["from"], "acme/alice", "{first}");
+    assert_eq!(first["body"], json!({"real": true}), "{first}");
+    let published = bob.request(json!({"op":"publish","topic":"news.today","body":{"n":1}}));
+    assert_eq!(published["op"], "ok", "{published}");
+    let event = bob
+        .next_op("event", WAIT)
+        .expect("the durable still delivers");
+    assert_eq!(event["body"], json!({"n": 1}), "{event}");
 }

@@ -9,8 +9,6 @@
 //! | need | allow |
 //! |---|---|
 //! | replies to its own requests | sub `_INBOX_<ns>_<name>.>` (its reply prefix) |
-//! | read its own inbox | pub `$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_<ns>.inbox_<name>` and `$JS.API.CONSUMER.INFO.AMP_INBOX_<ns>.inbox_<name>` |
-//! | acknowledge its own inbox messages | pub `$JS.ACK.AMP_INBOX_<ns>.inbox_<name>.>` |
 //! | `subscribe: [t]` | sub `amp.<ns>.topic.<t>` (live events, core NATS) |
 //! | MIG requests (README "MIG over NATS") | pub `mig.v0_1.<ns>.{hello,discover,invoke.>,control.>}` |
 //! | MIG stream frames | sub `mig.v0_1.<ns>.stream.>` |
@@ -18,8 +16,12 @@
 //!
 //! Everything else is denied, in particular every `_INBOX.>` subject (the broker's own
 //! replies and pull deliveries travel under [`BROKER_INBOX_PREFIX`], which no participant's
-//! allow list matches), other participants' inboxes and consumers, the task stream and its
-//! acks, `$KV`, `$SYS` and the rest of `$JS.API`.
+//! allow list matches), every inbox and consumer (its own too), the task stream and its
+//! acks, `$KV`, `$SYS` and all of `$JS.API` and `$JS.ACK`: nats-server checks the subject of
+//! a publish, never its reply subject, and JetStream answers (a pull's messages, an info, an
+//! ack's confirmation) go to whatever reply subject a request names, streams and KV keys
+//! included. Every subject a participant may publish on is answered by the broker, which
+//! answers only under the caller's own reply prefix.
 
 use serde_json::{Map, Value, json};
 
@@ -56,13 +58,7 @@ pub fn reply_prefix(ns: &str, name: &str) -> String {
 /// `mig`: MIG over NATS is on, with the capabilities whose dead letters the participant
 /// may read (those of jobs it may serve: their task bodies reach it in offers anyway).
 pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: Option<&[String]>) -> AllowLists {
-    let inbox = binding::inbox_stream(ns);
-    let own = binding::inbox_consumer(name);
-    let mut publish = vec![
-        format!("$JS.API.CONSUMER.MSG.NEXT.{inbox}.{own}"),
-        format!("$JS.API.CONSUMER.INFO.{inbox}.{own}"),
-        format!("$JS.ACK.{inbox}.{own}.>"),
-    ];
+    let mut publish = Vec::new();
     let mut subscribe = vec![format!("{}.>", reply_prefix(ns, name))];
     for t in &p.subscribe {
         push_unique(&mut subscribe, binding::topic_subject(ns, t));
@@ -120,8 +116,15 @@ fn object(value: Value) -> Claims {
 /// The user claims of a grant, unsigned.
 pub fn user_claims(g: &UserGrant<'_>) -> Claims {
     let lists = allow_lists(g.ns, g.name, g.permissions, g.mig);
+    // An empty allow list would restrict nothing: a participant that may publish nowhere
+    // is denied everything instead.
+    let publish = if lists.publish.is_empty() {
+        json!({"deny": [">"]})
+    } else {
+        json!({"allow": lists.publish})
+    };
     let mut nats = json!({
-        "pub": {"allow": lists.publish},
+        "pub": publish,
         "sub": {"allow": lists.subscribe},
         "subs": -1,
         "data": -1,
@@ -325,9 +328,6 @@ mod tests {
         assert_eq!(
             lists.publish,
             [
-                "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
-                "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
-                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
                 "mig.v0_1.acme.hello",
                 "mig.v0_1.acme.discover",
                 "mig.v0_1.acme.invoke.>",
@@ -345,14 +345,29 @@ mod tests {
             ]
         );
         // send, publish, submit and serve grant nothing on NATS: those writes go through
-        // the broker.
+        // the broker. Nor is any JetStream subject granted, its own inbox's neither: a
+        // request's reply subject is not checked, and JetStream answers there.
         for subject in lists.publish.iter().chain(&lists.subscribe) {
+            assert!(!subject.starts_with("$JS."), "{subject}");
             assert!(!subject.starts_with("amp.acme.inbox"), "{subject}");
             assert!(!subject.starts_with("amp.acme.job"), "{subject}");
             assert!(!subject.contains("AMP_TASKS"), "{subject}");
             assert!(!subject.starts_with("_INBOX."), "{subject}");
             assert!(!subject.starts_with(BROKER_INBOX_PREFIX), "{subject}");
         }
+    }
+
+    #[test]
+    fn with_mig_off_a_participant_publishes_nowhere() {
+        let p = perms();
+        let mut g = grant(&p, "U");
+        g.mig = None;
+        let claims = user_claims(&g);
+        assert_eq!(claims["nats"]["pub"], json!({"deny": [">"]}));
+        assert_eq!(
+            claims["nats"]["sub"],
+            json!({"allow": ["_INBOX_acme_w1.>", "amp.acme.topic.orders.>"]})
+        );
     }
 
     #[test]
@@ -385,7 +400,7 @@ mod tests {
     }
 
     #[test]
-    fn a_participant_without_permissions_may_only_read_its_own_inbox() {
+    fn a_participant_without_permissions_may_only_hear_its_replies_and_make_mig_requests() {
         let none = Permissions::default();
         let mut g = grant(&none, "U");
         g.bearer = true;
@@ -394,9 +409,6 @@ mod tests {
         assert_eq!(
             claims["nats"]["pub"],
             json!({"allow": [
-                "$JS.API.CONSUMER.MSG.NEXT.AMP_INBOX_acme.inbox_w1",
-                "$JS.API.CONSUMER.INFO.AMP_INBOX_acme.inbox_w1",
-                "$JS.ACK.AMP_INBOX_acme.inbox_w1.>",
                 "mig.v0_1.acme.hello",
                 "mig.v0_1.acme.discover",
                 "mig.v0_1.acme.invoke.>",

@@ -7,6 +7,7 @@ Usage: access_probe.py '<json>' where the JSON has
   .creds file); inbox_prefix (nats-py `inbox_prefix`, optional); timeout (requests, s);
   subscribe: subjects to subscribe to (everything received is reported);
   publish: [subject, payload] pairs to publish;
+  publish_reply: [subject, reply, payload] triples, published with that reply subject;
   pull: [subject, payload] JetStream pull requests (MSG.NEXT) made with `request`; each
         message that comes back is reported and acknowledged with +ACK on its reply subject;
   request: [subject, payload] plain requests (answers reported);
@@ -70,6 +71,8 @@ async def main(spec):
         await nc.subscribe(spec["done"], cb=on_done)
     for subject, payload in spec.get("publish", []):
         await nc.publish(subject, payload.encode())
+    for subject, reply, payload in spec.get("publish_reply", []):
+        await nc.publish(subject, payload.encode(), reply=reply)
     await nc.flush(timeout=3)
     for subject, payload in spec.get("pull", []):
         try:

@@ -350,7 +350,7 @@ impl Broker {
     /// Another broker's session took a durable subscription over (see
     /// [`durable_takeover_subject`]): sessions here that read it stop.
     pub(super) fn durable_taken(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
-        if msg.payload == self.takeover_origin().as_bytes() {
+        if msg.payload == self.takeover_origin().as_bytes() || !is_takeover(msg) {
             return;
         }
         let rest = msg.subject.strip_prefix(DURABLE_TAKEOVER_PREFIX);
@@ -1232,6 +1232,22 @@ fn nak(conn: &mut Connection, ack: &str) {
     let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
 }
 
+/// Whether a message on a take-over subject is one a broker sent: no reply, no headers,
+/// `<broker id> <incarnation>`. Participants cannot publish there, but whatever can send
+/// JetStream a request can have its answer sent there (a reply subject is not checked
+/// against permissions), and those answers are JSON, empty, or carry headers or a reply.
+fn is_takeover(msg: &Message) -> bool {
+    let text = std::str::from_utf8(&msg.payload).unwrap_or("");
+    msg.reply.is_none()
+        && msg.headers.is_none()
+        && text.rsplit_once(" ").is_some_and(|(id, incarnation)| {
+            !id.is_empty()
+                && !id.starts_with('{')
+                && !incarnation.is_empty()
+                && incarnation.bytes().all(|b| b.is_ascii_alphanumeric())
+        })
+}
+
 #[cfg(all(test, feature = "testing"))]
 mod tests {
     //! Topics driven in process: the core on the NATS/JetStream model, one virtual clock.
@@ -1279,6 +1295,26 @@ mod tests {
         let bob = h.join(0, "bob", json!({}));
         assert_eq!(h.request(bob, sub)["op"], "ok");
         assert_eq!(seqs(&events(&mut h, bob, "d", 3)), published[2..]);
+    }
+
+    #[test]
+    fn only_a_broker_shaped_message_takes_a_durable_over() {
+        let msg = |payload: &str, reply: Option<&str>| crate::nats::Message {
+            subject: "_AMP_BROKER.DURABLE.acme.bob.n".into(),
+            reply: reply.map(str::to_string),
+            headers: None,
+            payload: payload.as_bytes().to_vec(),
+        };
+        assert!(super::is_takeover(&msg("b7f3a9 K2QX7JHA", None)));
+        // What JetStream sends to a reply subject a request named.
+        let info = r#"{"type":"io.nats.jetstream.api.v1.consumer_info_response"}"#;
+        assert!(!super::is_takeover(&msg(info, None)));
+        assert!(!super::is_takeover(&msg("", None)));
+        assert!(!super::is_takeover(&msg(
+            "b7f3a9 K2QX7JHA",
+            Some("$JS.ACK.AMP_INBOX_acme.inbox_eve.1.1.1.1.0")
+        )));
+        assert!(!super::is_takeover(&msg("{ 1", None)));
     }
 
     #[test]
