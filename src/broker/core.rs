@@ -117,6 +117,8 @@ pub struct Footprint {
     pub topic_requests: usize,
     /// `watch` snapshots not yet all sent.
     pub presence_snapshots: usize,
+    /// Offer watches of the jobs engine (one per task offered here and not yet settled).
+    pub offer_watches: usize,
     pub timers: usize,
     pub held_submits: usize,
     /// Outputs not yet taken with `poll_output`.
@@ -607,6 +609,7 @@ impl Broker {
             in_flight: self.continuations.in_flight(),
             topic_requests: self.api.backlog(),
             presence_snapshots: self.snapshots.len(),
+            offer_watches: self.jobs.offer_watches(),
             timers: self.timers.armed(),
             held_submits: self.held_submits.values().map(Vec::len).sum(),
             queued_outputs: self.out.len(),

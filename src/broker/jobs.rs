@@ -637,6 +637,21 @@ impl Jobs {
         })
     }
 
+    /// A watch made for a delivery that no offer took (no taker, someone else's lease, an
+    /// outcome) ends here.
+    fn drop_untaken_watch(&mut self, conn: &mut Connection, key: &str, watch: Option<Sid>) {
+        if let Some(sid) = watch
+            && self.tasks.get(key).is_none_or(|t| t.watch != Some(sid))
+        {
+            self.drop_watch(conn, sid);
+        }
+    }
+
+    /// Offer watches held: each should belong to a task offered here.
+    pub fn offer_watches(&self) -> usize {
+        self.watches.len()
+    }
+
     pub fn stats(&self) -> JobsStats {
         self.stats
     }
@@ -1008,6 +1023,7 @@ impl Jobs {
                 }
                 Some(Phase::Leased) => {
                     // JetStream redelivers when the lease runs out.
+                    self.unwatch(conn, &key);
                     self.tasks.remove(&key);
                 }
                 _ => {}
@@ -1259,12 +1275,7 @@ impl Jobs {
                     watch,
                     now,
                 );
-                // A watch that no offer took ends here.
-                if let Some(sid) = watch
-                    && self.tasks.get(&key).is_none_or(|t| t.watch != Some(sid))
-                {
-                    self.drop_watch(conn, sid);
-                }
+                self.drop_untaken_watch(conn, &key, watch);
             }
             Pending::Read(write) => {
                 let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));

@@ -140,10 +140,10 @@ impl Jobs {
             self.stats.record_reads_spared += 1;
             let watch = self.watch(conn, &key);
             let env = Box::new(env);
-            return self.placed(
+            self.placed(
                 conn,
                 qk,
-                key,
+                key.clone(),
                 ack,
                 delivered,
                 env,
@@ -152,6 +152,7 @@ impl Jobs {
                 watch,
                 now,
             );
+            return self.drop_untaken_watch(conn, &key, watch);
         }
         match self.kv.get_request(&key) {
             Ok(req) => match self.request(conn, &req.subject, None, &req.payload, now) {
@@ -268,6 +269,16 @@ impl Jobs {
     ) {
         if let Some(q) = self.queues.get_mut(qk) {
             q.unplaced = q.unplaced.saturating_sub(1);
+        }
+        if let Some(t) = self.tasks.get_mut(&key) {
+            // Delivered twice while the first delivery's record was being read (its AckWait
+            // ran out meanwhile): one local task, on the newer delivery's ack subject.
+            let seq = |a: &str| AckMetadata::parse(a).map_or(0, |m| m.consumer_sequence);
+            if seq(&ack) > seq(&t.ack_subject) {
+                t.ack_subject = ack;
+                t.ack_basis = ack_basis;
+            }
+            return self.pull_more(conn, qk, now);
         }
         let (record, revision) = match read {
             Ok(r) => r,
