@@ -1054,6 +1054,14 @@ impl Broker {
     fn file_timers(&mut self) {
         self.timers.file(&mut self.jobs.later, Wake::Jobs);
         self.timers.file(&mut self.mig.later, Wake::Mig);
+        if self.timers.due_for_pruning() {
+            let (jobs, mig) = (&self.jobs, &self.mig);
+            self.timers.prune(|at, wake| match wake {
+                Wake::Core(_) => true,
+                Wake::Jobs(alarm) => jobs.alarm_matters(alarm, at),
+                Wake::Mig(alarm) => mig.alarm_matters(alarm),
+            });
+        }
     }
 
     /// Files the round trips the capabilities started (see [`Staged`]).

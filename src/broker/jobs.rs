@@ -233,6 +233,8 @@ struct LocalTask {
     offered_at_ms: i64,
     /// When the armed `Progress` timer fires, if one is.
     progress_at: Option<Instant>,
+    /// When the newest `LeaseExpiry` timer fires (earlier ones find the lease running).
+    lease_timer_at: Option<Instant>,
     /// The subscription answering `status` for this unwritten offer (`offer_subject`).
     watch: Option<Sid>,
     /// When JetStream (re)started the message's AckWait, as near as this broker knows: the
@@ -644,6 +646,23 @@ impl Jobs {
             && self.tasks.get(key).is_none_or(|t| t.watch != Some(sid))
         {
             self.drop_watch(conn, sid);
+        }
+    }
+
+    /// Whether a timer still has something to do (see `Timers::prune`): those of tasks
+    /// gone or moved on, and lease expiries and in-progress acks re-armed since, do not.
+    pub(crate) fn alarm_matters(&self, Alarm(timer): &Alarm, at: Instant) -> bool {
+        let task =
+            |key: &str, generation: u64| self.tasks.get(key).filter(|t| t.generation == generation);
+        match timer {
+            Timer::OfferExpiry { key, generation } => task(key, *generation).is_some(),
+            Timer::LeaseExpiry { key, generation } => {
+                task(key, *generation).is_some_and(|t| t.lease_timer_at == Some(at))
+            }
+            Timer::Progress { key, generation } => {
+                task(key, *generation).is_some_and(|t| t.progress_at == Some(at))
+            }
+            Timer::PullExpiry { .. } | Timer::ConsumerRetry { .. } => true,
         }
     }
 
@@ -1677,6 +1696,38 @@ mod tests {
         });
         h.send(app, json!({"op":"ack","seq":m["seq"]}));
         m["body"].clone()
+    }
+
+    #[test]
+    fn heartbeats_leave_one_lease_timer_not_one_each() {
+        // Each heartbeat's write re-arms the lease's expiry; the earlier timers used to
+        // wait in the table until their own deadlines, so a worker heartbeating at the
+        // frame rate under a long lease grew the broker's timer table without bound.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        let before = h.broker(0).footprint().timers;
+        for i in 0..5_000 {
+            let hb = h.request(w, json!({"op":"heartbeat","task":task}));
+            assert_eq!(hb["op"], "ok", "{hb}");
+            // Mostly a millisecond apart (the lease ends at a new instant each time),
+            // now and then two in the same one (at the same instant again).
+            if i % 10 != 0 {
+                h.advance(Duration::from_millis(1));
+            }
+        }
+        // The sweep leaves what matters and runs when the table has doubled, or holds a
+        // thousand: never 5,000.
+        let after = h.broker(0).footprint().timers;
+        assert!(
+            after <= 2 * before + 1024,
+            "{before} timers armed before 5,000 heartbeats, {after} after"
+        );
+        let done = h.request(w, json!({"op":"complete","task":task}));
+        assert_eq!(done["op"], "ok", "{done}");
     }
 
     #[test]

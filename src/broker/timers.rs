@@ -7,6 +7,11 @@
 //! list, which the core files after every input it hands them (and between the timers it
 //! fires). A timer is never cancelled: when it fires, the capability checks whether it
 //! still matters (a generation, a phase), which costs less than finding it in the heap.
+//! Timers that no longer matter would otherwise wait for their deadlines (a lease's
+//! expiry re-armed by every heartbeat, the deadline of an invocation long answered), so
+//! whenever the table has doubled since it was last swept, [`Timers::prune`] drops them:
+//! the table stays within twice what matters, at a sweep's cost spread over as many
+//! schedulings as it holds.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -38,12 +43,17 @@ impl<T> Later<T> {
     }
 }
 
+/// Timers held without a sweep, at least (see [`Timers::due_for_pruning`]).
+const PRUNE_FLOOR: usize = 1024;
+
 #[derive(Default)]
 pub struct Timers {
     /// (deadline, order of scheduling): the order breaks ties deterministically.
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
     wakes: IdMap<u64, Wake>,
     next: u64,
+    /// How many timers were left by the last sweep.
+    kept: usize,
 }
 
 impl Timers {
@@ -68,12 +78,34 @@ impl Timers {
 
     /// The next timer due at `now`, with its deadline.
     pub fn pop_due(&mut self, now: Instant) -> Option<(Instant, Wake)> {
-        let Reverse((at, n)) = *self.heap.peek()?;
-        if at > now {
-            return None;
+        loop {
+            let Reverse((at, n)) = *self.heap.peek()?;
+            if at > now {
+                return None;
+            }
+            self.heap.pop();
+            if let Some(w) = self.wakes.remove(&n) {
+                return Some((at, w));
+            }
         }
-        self.heap.pop();
-        self.wakes.remove(&n).map(|w| (at, w))
+    }
+
+    /// The table has doubled since its last sweep (and holds more than a few).
+    pub fn due_for_pruning(&self) -> bool {
+        self.heap.len() > PRUNE_FLOOR.max(2 * self.kept)
+    }
+
+    /// Drops every timer `matters` says no longer does; the others keep their order.
+    pub fn prune(&mut self, mut matters: impl FnMut(Instant, &Wake) -> bool) {
+        let wakes = &mut self.wakes;
+        self.heap.retain(|Reverse((at, n))| {
+            let keep = wakes.get(n).is_some_and(|w| matters(*at, w));
+            if !keep {
+                wakes.remove(n);
+            }
+            keep
+        });
+        self.kept = self.heap.len();
     }
 
     pub fn armed(&self) -> usize {

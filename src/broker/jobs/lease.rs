@@ -102,16 +102,28 @@ impl Jobs {
 
     /// A timer at the local task's `lease_until` (at once when it is past).
     pub(super) fn arm_lease_expiry(&mut self, key: &str, now: Instant) {
-        let Some(t) = self.tasks.get(key) else {
+        let Some(t) = self.tasks.get_mut(key) else {
             return;
         };
         let until_ms = t.record.lease_until_ms.unwrap_or_default();
         let at = self.clock.instant(now, until_ms);
-        let timer = Timer::LeaseExpiry {
-            key: key.to_string(),
-            generation: t.generation,
-        };
-        self.later.push(at, Alarm(timer));
+        let generation = t.generation;
+        self.lease_timer(key.to_string(), generation, at, now);
+    }
+
+    /// A `LeaseExpiry` timer at `at`, unless one for that very instant is still to come
+    /// (heartbeats within a millisecond grant the same `lease_until`).
+    fn lease_timer(&mut self, key: String, generation: u64, at: Instant, now: Instant) {
+        if let Some(t) = self.tasks.get_mut(&key)
+            && t.generation == generation
+        {
+            if at > now && t.lease_timer_at == Some(at) {
+                return;
+            }
+            t.lease_timer_at = Some(at);
+        }
+        self.later
+            .push(at, Alarm(Timer::LeaseExpiry { key, generation }));
     }
 
     /// A timer at the local task's offer deadline (at once when it is past).
@@ -220,8 +232,7 @@ impl Jobs {
             .finish();
         self.out.push_back(JobsOutput::Reply { session, re, text });
         let at = self.clock.instant(now, until_ms);
-        self.later
-            .push(at, Alarm(Timer::LeaseExpiry { key, generation }));
+        self.lease_timer(key, generation, at, now);
     }
 
     pub(super) fn revoke(&mut self, session: SessionId, task: &str, reason: &str) {

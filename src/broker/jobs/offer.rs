@@ -355,6 +355,7 @@ impl Jobs {
                         watch,
                         ack_basis,
                         progress_at: None,
+                        lease_timer_at: None,
                     },
                 );
                 match watch {

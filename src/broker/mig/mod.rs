@@ -331,6 +331,15 @@ impl Mig {
         }
     }
 
+    /// Whether a timer still has something to do (see `Timers::prune`): the deadline of
+    /// an invocation already answered does not.
+    pub(crate) fn alarm_matters(&self, alarm: &Alarm) -> bool {
+        match alarm {
+            Alarm::Deadline(session) => self.invocations.contains_key(session),
+            Alarm::LiveCheck(..) => true,
+        }
+    }
+
     /// A timer of the front end fired.
     pub(crate) fn on_alarm(
         &mut self,
