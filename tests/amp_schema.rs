@@ -196,6 +196,20 @@ fn invalid_frames() -> Vec<(
             Some("/labels/gpu"),
             Some("h"),
         ),
+        (
+            // At most 64 labels: they go into the registry entry every broker mirrors and
+            // every watcher is told, at each serve change.
+            {
+                let labels: serde_json::Map<String, Value> =
+                    (0..65).map(|i| (format!("l{i}"), json!("v"))).collect();
+                j(
+                    json!({"op":"hello","id":"h","ns":"acme","name":"w","auth":{"type":"token","token":"t"},"labels":labels}),
+                )
+            },
+            Schema,
+            Some("/labels"),
+            Some("h"),
+        ),
         // ping / bye / id rules
         (j(json!({"op":"ping"})), Schema, Some("/id"), None),
         (

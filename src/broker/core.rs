@@ -194,6 +194,10 @@ struct Presence {
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,
+    /// When its registry entry was last written, and whether a change waits for
+    /// `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
+    registry_written: Option<Instant>,
+    registry_due: bool,
 }
 
 /// Whose pull loop a check timer is for.
@@ -338,6 +342,9 @@ enum Timer {
     /// A resumed durable subscription (session, sub, serial) stops waiting for the events
     /// its consumer had out (`core/resumed_durable.rs`).
     ResumeWait(SessionId, String, u64),
+    /// A participant's registry entry changed within `REGISTRY_WRITE_GAP` of its last
+    /// write: written now.
+    RegistryFlush(String),
 }
 
 /// How long after a lost inbox consumer request it is sent again.
@@ -883,6 +890,16 @@ impl Broker {
                     self.registry_put(conn, &ns, &name, now);
                 }
             }
+            Timer::RegistryFlush(key) => {
+                let due = self
+                    .presence
+                    .get_mut(&key)
+                    .is_some_and(|p| std::mem::replace(&mut p.registry_due, false));
+                if let Some((ns, name)) = key.split_once('/').filter(|_| due) {
+                    let (ns, name) = (ns.to_string(), name.to_string());
+                    self.registry_write(conn, &ns, &name, now);
+                }
+            }
             Timer::InboxConsumerRetry(key) => {
                 let unread = self
                     .presence
@@ -941,7 +958,7 @@ impl Broker {
                 }
                 JobsOutput::Frame { session, text } => self.frame(session, text),
                 JobsOutput::ServeChanged { ns, name } => {
-                    self.registry_write(conn, &ns, &name, now);
+                    self.registry_changed(conn, &ns, &name, now);
                 }
             }
         }

@@ -7,6 +7,11 @@ use crate::broker::registry::{Entry, Serving};
 /// The most bytes of `up` frames one burst of a `watch` snapshot queues.
 const SNAPSHOT_BURST: usize = 256 * 1024;
 
+/// The least time between two writes of one participant's entry for its changes (a
+/// `serve` at the frame rate would otherwise be a KV write, and an `update` to every
+/// watcher on every broker, per frame); a change within it is written when it has passed.
+const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
+
 /// Where a watcher's snapshot stands: the last name sent.
 pub(super) struct Snapshot {
     ns: String,
@@ -53,6 +58,31 @@ impl Broker {
         }
     }
 
+    /// The participant's entry changed (what it serves): written now, or once
+    /// `REGISTRY_WRITE_GAP` has passed since the last write, with every change until then.
+    pub(super) fn registry_changed(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        name: &str,
+        now: Instant,
+    ) {
+        let key = participant_key(ns, name);
+        let Some(p) = self.presence.get_mut(&key) else {
+            return;
+        };
+        if p.registry_due {
+            return;
+        }
+        match p.registry_written.map(|at| after(at, REGISTRY_WRITE_GAP)) {
+            Some(next) if next > now => {
+                p.registry_due = true;
+                self.set_timer(next, Timer::RegistryFlush(key));
+            }
+            _ => self.registry_write(conn, ns, name, now),
+        }
+    }
+
     /// Writes the registry entry now, without starting another refresh cycle.
     pub(super) fn registry_write(
         &mut self,
@@ -64,6 +94,9 @@ impl Broker {
         let Some(entry) = self.registry_entry(ns, name) else {
             return;
         };
+        if let Some(p) = self.presence.get_mut(&participant_key(ns, name)) {
+            p.registry_written = Some(now);
+        }
         let ttl = self.config.limits.registry_ttl_s;
         let mut headers = HeaderMap::new();
         let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
@@ -403,6 +436,42 @@ mod tests {
         assert_eq!(h.broker(0).footprint().presence_snapshots, 0);
         h.release_drains();
         drop((a, present));
+    }
+
+    #[test]
+    fn serve_changes_at_the_frame_rate_rewrite_the_entry_at_most_ten_times_a_second() {
+        // Each `serve` was a KV write of the whole entry and an `update` to every watcher
+        // on every broker: a small frame, a large fan-out.
+        let mut config = crate::testing::harness::development_config();
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.jobs.insert("render".into(), Default::default());
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let watcher = h.join(0, "watcher", json!({}));
+        let w = h.join(0, "w", json!({}));
+        assert_eq!(h.request(watcher, json!({"op":"watch"}))["op"], "ok");
+        h.advance(std::time::Duration::from_millis(200));
+        h.take(watcher);
+        for i in 0..200 {
+            let slots = 1 + i % 2;
+            let ok = h.request(w, json!({"op":"serve","job":"render","slots":slots}));
+            assert_eq!(ok["op"], "ok", "{ok}");
+        }
+        h.advance(std::time::Duration::from_millis(300));
+        let updates: Vec<_> = h
+            .take(watcher)
+            .into_iter()
+            .filter(|f| f["op"] == "presence" && f["name"] == "w")
+            .collect();
+        assert!(
+            (1..=2).contains(&updates.len()),
+            "200 serves within a millisecond: {} updates",
+            updates.len()
+        );
+        let last = updates
+            .last()
+            .map(|u| u["entry"]["serve"]["render"].clone());
+        assert_eq!(last, Some(json!(2)), "the last change is told: {updates:?}");
     }
 
     #[test]

@@ -229,6 +229,8 @@ impl Broker {
                 )
                 .in_domain(self.config.js_api(&ns)),
                 inbox_refused: None,
+                registry_written: None,
+                registry_due: false,
             });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {
