@@ -1731,6 +1731,30 @@ mod tests {
     }
 
     #[test]
+    fn task_ids_the_broker_derives_cannot_be_taken_by_a_client() {
+        // A worker can compute a letter's redrive id, and anyone who knows a MIG caller's
+        // idempotency key its task id: taken first, the real redrive or invoke was refused.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        for task in ["mig-0123abcd", "redrive-00ff"] {
+            let r = h.request(
+                app,
+                json!({"op":"submit","job":"render","task":task,"body":1}),
+            );
+            assert_eq!(
+                (r["code"].as_str(), r["path"].as_str()),
+                (Some("schema"), Some("/task")),
+                "{r}"
+            );
+        }
+        let r = h.request(
+            app,
+            json!({"op":"submit","job":"render","task":"my-mig-1","body":1}),
+        );
+        assert_eq!(r["op"], "ok", "{r}");
+    }
+
+    #[test]
     fn a_task_goes_from_submit_to_one_result() {
         let mut h = bench(3);
         let app = h.join(0, "app", json!({}));

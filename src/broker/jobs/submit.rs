@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Task ids the broker derives itself (`mig/invoke.rs`, `dead_letters.rs`).
+const RESERVED_TASK_PREFIXES: [&str; 2] = ["mig-", "redrive-"];
+
 impl Jobs {
     /// A submit with its task id that the participant's budget refused: a retry of a task
     /// whose create landed but whose answer was lost is answered from the task store as
@@ -34,6 +37,19 @@ impl Jobs {
                 format!("submitting to `{job}` is not permitted"),
             )
             .with_path("/job");
+            return self.refuse(session, &submit.id, e);
+        }
+        if let Some(task) = submit.task.as_deref()
+            && let Some(prefix) = RESERVED_TASK_PREFIXES.iter().find(|p| task.starts_with(*p))
+            && !crate::broker::mig::is_mig_session(session)
+        {
+            // The broker derives these ids (a MIG caller's idempotency key, a redrive of a
+            // dead letter): taken first by a client, the real one would be refused.
+            let e = AmpError::new(
+                ErrorCode::Schema,
+                format!("task ids starting `{prefix}` are the broker's own"),
+            )
+            .with_path("/task");
             return self.refuse(session, &submit.id, e);
         }
         let who = (caller.ns, caller.name);
