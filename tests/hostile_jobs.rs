@@ -409,3 +409,42 @@ fn a_participant_holds_at_most_its_share_of_requests_in_flight_over_all_its_sess
         assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
     }
 }
+
+#[test]
+fn tasks_nobody_may_take_do_not_hold_up_the_job() {
+    // A task whose `eligible` names nobody present is handed back (NAK) each time it is
+    // delivered and stays pending at the consumer; 1,000 of them filled the job
+    // consumer's default `max_ack_pending` and no other task of the job was delivered.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["app", "w"], 30, 5000));
+    let mut app = login(&broker, "app");
+    let stuck = 1_100;
+    for batch in (0..stuck).collect::<Vec<_>>().chunks(500) {
+        for i in batch {
+            app.send(
+                &json!({"op":"submit","id":format!("s{i}"),"job":"render","body":i,
+                             "eligible":{"names":["nobody"]}}),
+            );
+        }
+        for i in batch {
+            let r = app.answer_to(&format!("s{i}"));
+            assert_eq!(r["op"], "ok", "{r}");
+        }
+    }
+    let mut w = login_serving(&broker, "w", 1);
+    // Let the worker's one slot go through the stuck tasks.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let real = app.request(json!({"op":"submit","job":"render","body":"real"}));
+    assert_eq!(real["op"], "ok", "{real}");
+    let task = real["task"].clone();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let f = w
+            .next_frame(left)
+            .unwrap_or_else(|| panic!("the task behind {stuck} stuck ones was never offered"));
+        if f["op"] == "offer" {
+            assert_eq!(f["task"], task, "only the real task is offered: {f}");
+            break;
+        }
+    }
+}

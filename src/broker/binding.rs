@@ -260,13 +260,19 @@ pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32)
 }
 
 /// The durable pull consumer of one job: AckWait is the lease; deliveries are unlimited
-/// because declines count as deliveries and attempts live in the task store.
+/// because declines count as deliveries and attempts live in the task store. Messages out
+/// are unlimited too: a task handed back for want of a taker stays out until its delay
+/// has passed, and with nats-server's default of 1,000 that many such tasks stopped every
+/// delivery of the job (the brokers themselves never pull more than their free slots).
 pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> ConsumerConfig {
-    durable_all(
-        job_consumer(job),
-        job_subject(ns, job),
-        Duration::from_secs(lease_s),
-    )
+    ConsumerConfig {
+        max_ack_pending: Some(-1),
+        ..durable_all(
+            job_consumer(job),
+            job_subject(ns, job),
+            Duration::from_secs(lease_s),
+        )
+    }
 }
 
 /// The durable pull consumer of participant `name`'s subscription `sub` to `filter`:
@@ -491,7 +497,7 @@ mod tests {
             wire(&job_consumer_config("acme", "render", 45)),
             json!({"durable_name": "job_render", "filter_subject": "amp.acme.job.render",
                    "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 45 * S,
-                   "max_deliver": -1})
+                   "max_deliver": -1, "max_ack_pending": -1})
         );
         assert_eq!(
             wire(&durable_sub_config(

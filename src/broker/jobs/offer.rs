@@ -318,7 +318,7 @@ impl Jobs {
             }
             OnDelivery::Offer => {
                 let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
-                    self.nak(conn, &ack, Some(NO_TAKER_DELAY));
+                    self.nak(conn, &ack, Some(no_taker_delay(delivered)));
                     return self.pull_more(conn, qk, now);
                 };
                 let Some((ns, job)) = self.queues.get(qk).map(|q| (q.ns.clone(), q.job.clone()))
