@@ -175,3 +175,34 @@ fn failures_with_no_attempt_left_are_dead_lettered_listed_to_the_right_people_an
         "{metrics}"
     );
 }
+
+#[test]
+fn dead_letter_pages_are_paced_as_listings_are() {
+    // Each page reads up to 200 stored letters one after another; at the frame rate, with
+    // a thousand requests in flight, one session kept JetStream reading without pause.
+    let nats = NatsServer::start();
+    let mut c = config();
+    c["limits"] = json!({"presence_listed_per_s": 1000});
+    let broker = Broker::start(&nats.url(), &c);
+    let mut app = login(&broker, "app");
+    for i in 0..20 {
+        app.send(&json!({"op":"dead_letters","id":format!("d{i}"),"job":"render"}));
+    }
+    let (mut ok, mut limited) = (0, 0);
+    for i in 0..20 {
+        let r = app.answer_to(&format!("d{i}"));
+        match r["op"].as_str() {
+            Some("ok") => ok += 1,
+            _ => {
+                assert_eq!(r["code"], "rate_limited", "{r}");
+                assert!(r["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{r}");
+                limited += 1;
+            }
+        }
+    }
+    // A second's worth (1,000 letters, five pages) at once, at most one more meanwhile.
+    assert!(
+        (5..=7).contains(&ok),
+        "{ok} pages answered, {limited} refused"
+    );
+}

@@ -167,13 +167,22 @@ fn tls_world(brokers: usize) -> World {
 }
 
 fn world_with(brokers: usize, tls: Option<common::tls::Pki>) -> World {
+    world_configured(brokers, tls, |_| {})
+}
+
+fn world_configured(
+    brokers: usize,
+    tls: Option<common::tls::Pki>,
+    tweak: impl FnOnce(&mut Value),
+) -> World {
     let ann = KeyPair::generate(KeyKind::User).expect("key");
     let tls_block = tls
         .as_ref()
         .map(|pki| pki.nats_tls_block(&pki.server, ""))
         .unwrap_or_default();
     let callout = CalloutServer::start_with(&tls_block);
-    let config = config(&ann);
+    let mut config = config(&ann);
+    tweak(&mut config);
     let url = match &tls {
         Some(_) => format!("tls://{}", callout.nats.addr()),
         None => callout.nats.url(),
@@ -807,6 +816,68 @@ fn two_brokers_answer_each_request_once() {
             .sum::<u64>()
     };
     assert_eq!(answered(0) + answered(1), n as u64);
+}
+
+#[test]
+fn a_caller_on_nats_is_paced_as_a_websocket_session_is() {
+    // MIG requests come on NATS, past the WebSocket frame limiter: a caller could send
+    // heartbeats (each a look at every registry entry of the tenant) and replay pages
+    // (each up to 1,000 JetStream reads) as fast as NATS carried them.
+    let w = world_configured(1, None, |c| {
+        c["limits"]["max_frames_per_s"] = json!(100);
+        c["limits"]["frame_burst"] = json!(200);
+    });
+    let options = amp_broker::nats::Options::new(&w.nats_url())
+        .with_user_password("acme/alice", "alice-token")
+        .with_inbox_prefix("_INBOX_acme_alice");
+    let mut nc = amp_broker::nats::Client::connect(options).expect("alice on NATS");
+    let inbox = "_INBOX_acme_alice.flood";
+    let sid = nc.subscribe(inbox, None).expect("subscribe");
+    let mut headers = amp_broker::nats::HeaderMap::new();
+    headers
+        .insert("Authorization", "Bearer alice-token")
+        .expect("header");
+    let body = json!({"header": {"tenant_id": "acme"}}).to_string();
+    let sent = 500;
+    for _ in 0..sent {
+        nc.publish(
+            "mig.v0_1.acme.control.heartbeat",
+            Some(inbox),
+            Some(&headers),
+            body.as_bytes(),
+        )
+        .expect("publish");
+    }
+    nc.flush(WAIT).expect("flush");
+    let (mut ok, mut limited) = (0, 0);
+    while ok + limited < sent {
+        let m = nc
+            .next_message(sid, WAIT)
+            .expect("read")
+            .unwrap_or_else(|| panic!("{ok} answered, {limited} refused of {sent}"));
+        let reply: Value = serde_json::from_slice(&m.payload).expect("json");
+        if error_code(&reply) == "MIG_RATE_LIMITED" {
+            assert!(reply.to_string().contains("retry_after_ms"), "{reply}");
+            limited += 1;
+        } else {
+            assert!(reply.get("suggested_interval_ms").is_some(), "{reply}");
+            ok += 1;
+        }
+    }
+    // About one second's worth at once, and what the rate adds while they are read.
+    assert!(
+        (100..=250).contains(&ok),
+        "{ok} answered, {limited} refused"
+    );
+    // A page of replay counts each event it may read: one of 1,000 takes the rest of the
+    // second and more.
+    let page = json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "max_inflight": 1000});
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut alice = Mig::connect(&w, "alice");
+    let first = alice.request("control.subscribe", page.clone());
+    assert!(first.get("error").is_none(), "{first}");
+    let second = alice.request("control.subscribe", page);
+    assert_eq!(error_code(&second), "MIG_RATE_LIMITED", "{second}");
 }
 
 #[test]

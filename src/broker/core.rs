@@ -23,6 +23,7 @@ use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::clock::Clock;
 use super::config::Config;
 use super::continuations::{Continuation, Continuations};
+use super::dead_letters;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::id_map::IdMap;
 use super::ids::IdSource;

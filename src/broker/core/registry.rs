@@ -141,6 +141,18 @@ impl Broker {
     /// broker the same however few bytes the asking frame had. Refused: `rate_limited`.
     fn may_list(&mut self, session: SessionId, ns: &str, id: &str, now: Instant) -> bool {
         let count = self.registries.get(ns).map_or(0, |(r, _)| r.present());
+        self.charge_listing(session, id, count, now)
+    }
+
+    /// Charges `count` entries looked at to the session's `listing` bucket; refused (the
+    /// request answered `rate_limited`), false.
+    pub(super) fn charge_listing(
+        &mut self,
+        session: SessionId,
+        id: &str,
+        count: usize,
+        now: Instant,
+    ) -> bool {
         let rate = f64::from(self.config.limits.presence_listed_per_s);
         let Some(s) = self.sessions.get_mut(&session) else {
             return false;

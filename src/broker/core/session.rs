@@ -359,6 +359,13 @@ impl Broker {
                 self.fail(session, &hello.id, e);
             }
             frame if Jobs::handles(&frame) => {
+                if let ClientFrame::DeadLetters(d) = &frame {
+                    // Each page reads up to `dead_letters::SCAN` stored letters, one after
+                    // another: paced as listings are.
+                    if !self.charge_listing(session, &d.id, dead_letters::SCAN, now) {
+                        return;
+                    }
+                }
                 // A redrive is a submit whose body is already stored.
                 let submitting = match &frame {
                     ClientFrame::Submit(s) => Some((&s.id, s.body.get().len())),

@@ -32,6 +32,14 @@ const LIVE_BATCH: u32 = 64;
 const PAGE_DEFAULT: u64 = 100;
 const PAGE_MAX: u64 = 1000;
 
+/// The stored events a SUBSCRIBE may read (each one JetStream read), as its caller's
+/// pace counts them: the page size it asks for, or the default.
+pub(super) fn page_cost(body: Option<&Map<String, Value>>) -> u64 {
+    body.and_then(|b| b.get("max_inflight"))
+        .and_then(Value::as_u64)
+        .map_or(PAGE_DEFAULT, |n| n.clamp(1, PAGE_MAX))
+}
+
 /// A PUBLISH waiting for its PubAck.
 pub struct PublishRequest {
     reply: String,

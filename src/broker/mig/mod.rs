@@ -30,7 +30,7 @@ use super::config::{Config, Participant};
 use super::continuations::Staged;
 use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, SessionId};
-use super::rate_limit::{self, RateLimiter};
+use super::rate_limit::{self, DebtBucket, RateLimiter};
 use super::registry::Registry;
 use super::timers::Later;
 use crate::amp::frame::ClientFrame;
@@ -127,7 +127,21 @@ pub struct Mig {
     live: Vec<events::LiveFeed>,
     /// Deadlines set since the core last filed them in its timer table.
     pub(crate) later: Later<Alarm>,
+    /// Each caller's pace (`ns/name`): MIG requests come on NATS, past the WebSocket
+    /// frame limiter, so they are paced here the same way.
+    pace: BoundedMap<String, Pace>,
 }
+
+/// A caller's request buckets: requests at `limits.max_frames_per_s`, and the
+/// participants its heartbeats look at at `limits.presence_listed_per_s` (a heartbeat
+/// reads every registry entry of the tenant, as `who` does).
+struct Pace {
+    requests: DebtBucket,
+    listed: DebtBucket,
+}
+
+/// Callers whose pace is remembered at once (the oldest forgotten first).
+const PACE_MEMORY: usize = 65_536;
 
 /// Where an answer goes and what it is counted as.
 struct Answer<'a> {
@@ -163,6 +177,7 @@ impl Mig {
             issuer: None,
             live: Vec::new(),
             later: Later::default(),
+            pace: BoundedMap::new(PACE_MEMORY),
         })
     }
 
@@ -177,7 +192,14 @@ impl Mig {
         if !config.mig.enabled {
             return Ok(());
         }
-        for ns in config.namespaces.keys() {
+        // A tenant homed in another JetStream domain (a fleet namespace at a leaf site)
+        // keeps its task store, queues and topics there, which this front end does not
+        // address: the brokers of that domain answer its requests, not this one.
+        let local = config
+            .namespaces
+            .iter()
+            .filter(|(_, n)| n.jetstream_domain.is_none());
+        for (ns, _) in local {
             for (subject, queue) in subjects::request_subscriptions(ns) {
                 let sid = conn
                     .subscribe(&subject, Some(queue))
@@ -374,6 +396,35 @@ impl Mig {
 
     // ---- requests --------------------------------------------------------------------
 
+    /// Takes an authenticated request from its caller's buckets (`cost` requests: a
+    /// replay page counts each event it may read), or says in how many milliseconds it
+    /// could pass.
+    fn paced(
+        &mut self,
+        ctx: &Ctx<'_>,
+        ns: &str,
+        name: &str,
+        op: &subjects::Op<'_>,
+        cost: u64,
+        now: Instant,
+    ) -> Result<(), u64> {
+        let limits = &ctx.config.limits;
+        let pace = self
+            .pace
+            .get_or_insert_with(format!("{ns}/{name}"), || Pace {
+                requests: DebtBucket::new(now),
+                listed: DebtBucket::new(now),
+            });
+        pace.requests
+            .take(cost as f64, f64::from(limits.max_frames_per_s), now)?;
+        if matches!(op, subjects::Op::Heartbeat) {
+            let present = ctx.registry.map_or(0, Registry::present);
+            pace.listed
+                .take(present as f64, f64::from(limits.presence_listed_per_s), now)?;
+        }
+        Ok(())
+    }
+
     fn on_request(
         &mut self,
         conn: &mut Connection,
@@ -453,6 +504,16 @@ impl Mig {
                 return self.respond(conn, &answer, Err(e), now);
             }
         };
+        let cost = match op {
+            subjects::Op::Subscribe => events::page_cost(body.as_ref()),
+            _ => 1,
+        };
+        if let Err(ms) = self.paced(ctx, ns, &name, &op, cost, now) {
+            self.metrics.rejected("rate_limited");
+            let e = MigError::new(Code::RateLimited, "too many requests")
+                .detail("retry_after_ms", json!(ms));
+            return self.respond(conn, &answer, Err(e), now);
+        }
         let (Some(body), Some(header)) = (body, header) else {
             let e = MigError::new(Code::InvalidRequest, "the body must be a JSON object");
             return self.respond(conn, &answer, Err(e), now);
@@ -482,6 +543,7 @@ impl Mig {
             );
             return self.respond(conn, &answer, Err(e), now);
         }
+
         let Some(participant) = ctx.config.participant(ns, &name) else {
             let e = MigError::new(Code::Unauthorized, "authentication failed");
             return self.respond(conn, &answer, Err(e), now);
