@@ -249,6 +249,16 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "an exhaust whose answer was lost acked the task without its task_result",
     ),
+    // A task declined by the sessions here came back ever later (the backoff meant for
+    // tasks nobody may take), still leased when the run's drain ended.
+    (
+        3,
+        0x622df,
+        600,
+        None,
+        None,
+        "a declined task waited out a backoff meant for tasks nobody may take",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

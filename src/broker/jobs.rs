@@ -62,12 +62,13 @@ const PUBLISHED_SEQS: usize = 2048;
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows.
 const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// A task no local session may take goes back with this delay, so that brokers with an
-/// eligible session get it first; doubled with each delivery up to `NO_TAKER_DELAY_MAX`,
-/// so that tasks nobody present may take (an `eligible` naming nobody, or only sessions
-/// gone) come round seldom: JetStream redelivers before it delivers anything new, and
-/// a thousand such tasks every half second took every pull of the job.
+/// eligible session get it first. When no session here is eligible at all, the delay
+/// doubles with each delivery up to `NO_TAKER_DELAY_MAX`, so that tasks nobody present
+/// may take (an `eligible` naming nobody, or only sessions gone) come round seldom:
+/// JetStream redelivers before it delivers anything new, and a thousand such tasks every
+/// half second took every pull of the job.
 const NO_TAKER_DELAY: Duration = Duration::from_millis(500);
-const NO_TAKER_DELAY_MAX: Duration = Duration::from_secs(8);
+const NO_TAKER_DELAY_MAX: Duration = Duration::from_secs(4);
 
 /// How long a task with no local taker waits at its `delivered`-th delivery.
 fn no_taker_delay(delivered: u64) -> Duration {

@@ -318,7 +318,14 @@ impl Jobs {
             }
             OnDelivery::Offer => {
                 let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
-                    self.nak(conn, &ack, Some(no_taker_delay(delivered)));
+                    // Waiting for a busy or declining session here: soon again. No session
+                    // here may take it at all: ever later (it may be nobody's anywhere).
+                    let delay = if self.any_admits(qk, record.eligible.as_ref()) {
+                        NO_TAKER_DELAY
+                    } else {
+                        no_taker_delay(delivered)
+                    };
+                    self.nak(conn, &ack, Some(delay));
                     return self.pull_more(conn, qk, now);
                 };
                 let Some((ns, job)) = self.queues.get(qk).map(|q| (q.ns.clone(), q.job.clone()))
@@ -405,6 +412,19 @@ impl Jobs {
             })
         });
         worker_choice::choose(candidates, eligible)
+    }
+
+    /// Whether any session here serving the job may take a task restricted to
+    /// `eligible`, busy, declining or not.
+    fn any_admits(&self, qk: &str, eligible: Option<&Eligible>) -> bool {
+        let Some(q) = self.queues.get(qk) else {
+            return false;
+        };
+        self.workers.values().any(|w| {
+            w.ns == q.ns
+                && w.serving.contains_key(&q.job)
+                && eligible.is_none_or(|e| e.admits(&w.name, &w.labels))
+        })
     }
 
     pub(super) fn remember_decline(&mut self, key: &str, session: SessionId, now: Instant) {
