@@ -1111,12 +1111,17 @@ impl Jobs {
                 self.consumer_failed(&qk, now);
             }
             Answer::Ended { why } => {
-                if let Some(why) = why {
+                if let Some(why) = why.filter(|w| !w.contains("Batch Completed")) {
                     log::warn!(queue:% = qk; "pull ended: {why}");
                     if why.contains("Consumer Deleted") {
                         self.create_consumer(conn, &qk, now);
-                        return true;
+                    } else {
+                        // Refused (409 "Exceeded MaxWaiting", a leadership change, 400):
+                        // pulling again at once would be refused again at once. The
+                        // consumer is made again shortly, and pulled once it is there.
+                        self.consumer_failed(&qk, now);
                     }
+                    return true;
                 }
                 self.pull_more(conn, &qk, now);
             }

@@ -229,16 +229,19 @@ impl PullLoop {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
                 (Pulled::Heartbeat, None)
             }
-            Some(503) => {
-                // Nobody serves the consumer yet (JetStream still starting): try again
-                // shortly rather than at once.
+            Some(404 | 408) => {
+                // Expired or empty: the usual end of a pull, the next one at once.
+                self.remaining = 0;
+                (Pulled::Ended, self.pull(conn, now))
+            }
+            Some(_) => {
+                // Nobody serves the consumer yet (503: JetStream still starting), or the
+                // server refused the pull (409 "Exceeded MaxWaiting", a leadership
+                // change, 400...): pulling again at once would be refused again at once,
+                // a loop at round-trip speed. Shortly instead.
                 self.remaining = 0;
                 self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
                 (Pulled::Ended, self.arm())
-            }
-            Some(_) => {
-                self.remaining = 0;
-                (Pulled::Ended, self.pull(conn, now))
             }
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
@@ -510,6 +513,30 @@ mod tests {
         assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         assert_eq!(p.check(&mut conn, silent.generation, silent.at), None);
+    }
+
+    #[test]
+    fn a_refused_pull_is_asked_again_shortly_an_expired_one_at_once() {
+        // A server answering every pull with 409 ("Exceeded MaxWaiting") had the loop
+        // pull again at once, forever, at round-trip speed.
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 1);
+        p.attach(&mut conn).expect("subscribe");
+        p.pull(&mut conn, t0).expect("check");
+        pulls_sent(&mut conn);
+        for code in [409, 400] {
+            let (pulled, retry) = p.on_message(&mut conn, Some(code), t0);
+            assert_eq!(pulled, Pulled::Ended);
+            assert_eq!(pulls_sent(&mut conn), 0, "{code}: not at once");
+            let retry = retry.expect("a check");
+            assert_eq!(retry.at, t0 + RETRY_AFTER_NO_RESPONDERS);
+            assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
+            assert_eq!(pulls_sent(&mut conn), 1, "{code}: then again");
+        }
+        let (_, next) = p.on_message(&mut conn, Some(408), t0);
+        assert!(next.is_some());
+        assert_eq!(pulls_sent(&mut conn), 1, "408: the next pull at once");
     }
 
     fn status(subject: &str, code: u16, pending: Option<u32>) -> Message {

@@ -925,7 +925,12 @@ impl Connection {
                 return;
             }
         };
-        self.learn_servers(&info.connect_urls);
+        // An INFO read in plaintext ahead of TLS may have been rewritten on the way: the
+        // servers it names are not learned (the next connection, credentials and all,
+        // could go to one of them); INFOs that come under TLS teach them.
+        if self.tls_active || !self.tls_required {
+            self.learn_servers(&info.connect_urls);
+        }
         if info.max_payload > 0 {
             self.max_payload = usize::try_from(info.max_payload).unwrap_or(usize::MAX);
             self.parser.max_payload = self.max_payload;
@@ -1181,8 +1186,17 @@ impl Connection {
             self.stats.invalid_msgs += 1;
             self.invalid_since_report += 1;
             // A JetStream delivery (JetStream stores such subjects too) would come again
-            // after every ack wait and hold a slot of its consumer's window: end it.
-            if let Some(ack) = reply.filter(|r| r.starts_with(b"$JS.ACK.") && deliverable(r)) {
+            // after every ack wait and hold a slot of its consumer's window: end it. Only
+            // one to this connection's own inbox subjects, though: anywhere else, whoever
+            // published the message chose its reply, and any message's ack subject names
+            // it by stream and sequence alone.
+            let own = self
+                .subs
+                .get(sid)
+                .and_then(|s| s.subject.strip_prefix(self.inbox_prefix.as_str()))
+                .is_some_and(|rest| rest.starts_with('.'));
+            if let Some(ack) = reply.filter(|r| own && r.starts_with(b"$JS.ACK.") && deliverable(r))
+            {
                 let _ = self.publish_unchecked(ack, None, None, b"+TERM");
             }
             return;

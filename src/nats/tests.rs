@@ -438,7 +438,8 @@ fn a_dropped_jetstream_delivery_is_terminated_so_it_does_not_come_back() {
     let mut h = Harness::new(Harness::options("h:1"));
     h.connect();
     h.events();
-    let sid = h.conn.subscribe("_AMP_BROKER.pull", None).expect("sub");
+    let deliver = h.conn.new_inbox();
+    let sid = h.conn.subscribe(&deliver, None).expect("sub");
     h.take_output();
     let ack = "$JS.ACK.AMP_TOPICS_acme.sub_a.1.7.7.1796155404000000000.0";
     let wire = format!("MSG amp.acme.topic.x\r {sid} {ack} 2\r\nhi\r\n");
@@ -449,6 +450,27 @@ fn a_dropped_jetstream_delivery_is_terminated_so_it_does_not_come_back() {
     let wire = format!("MSG amp.acme.topic.x\r {sid} _INBOX.someone 2\r\nhi\r\n");
     h.conn.receive(wire.as_bytes(), h.now);
     assert!(h.take_output().is_empty());
+}
+
+#[test]
+fn an_odd_message_on_a_subscription_anyone_may_publish_to_terminates_nothing() {
+    // A client allowed to publish where the broker listens (MIG requests) sent an odd
+    // subject with another stream's ack subject as its reply: the broker terminated that
+    // message with its own credentials. Only JetStream's deliveries to this connection's
+    // own inbox subjects, which no one else can publish to, are ended.
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h
+        .conn
+        .subscribe("mig.v0_1.acme.invoke.>", None)
+        .expect("sub");
+    h.take_output();
+    let ack = "$JS.ACK.AMP_TASKS_acme.job_render.1.7.7.1796155404000000000.0";
+    let wire = format!("MSG mig.v0_1.acme.invoke.x\x01 {sid} {ack} 2\r\nhi\r\n");
+    h.conn.receive(wire.as_bytes(), h.now);
+    assert_eq!(h.events(), [Event::InvalidMessages { dropped: 1 }]);
+    assert!(h.take_output().is_empty(), "no +TERM on another's message");
 }
 
 #[test]
@@ -800,6 +822,31 @@ fn tls_starts_after_the_info_that_offers_it_and_connect_says_so() {
     assert!(out[0].contains("\"tls_required\":true"), "{out:?}");
     h.conn.receive(b"PONG\r\n", h.now);
     assert!(h.conn.is_connected());
+}
+
+#[test]
+fn servers_named_in_the_plaintext_info_before_tls_are_not_learned() {
+    // Anyone on the path can rewrite the INFO that precedes the TLS handshake: a server
+    // it names would get the next connection and its credentials. Learned only from an
+    // INFO that came under TLS.
+    let mut h = Harness::new(Harness::options("tls://127.0.0.1:1"));
+    h.conn.poll_connect(h.now).expect("dial");
+    h.conn.on_transport_open(h.now);
+    let forged = TLS_INFO.replace(
+        "\"tls_required\":true",
+        "\"tls_required\":true,\"connect_urls\":[\"evil.example:4222\"]",
+    );
+    h.conn.receive(forged.as_bytes(), h.now);
+    assert_eq!(h.conn.poll_start_tls().as_deref(), Some("127.0.0.1"));
+    h.conn.receive(b"PONG\r\n", h.now);
+    assert!(h.conn.is_connected());
+    assert!(
+        h.conn.discovered_servers().is_empty(),
+        "learnt in plaintext"
+    );
+    let under_tls = "INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576,\"connect_urls\":[\"10.0.0.2:4222\"]}\r\n";
+    h.conn.receive(under_tls.as_bytes(), h.now);
+    assert_eq!(h.conn.discovered_servers().len(), 1);
 }
 
 #[test]

@@ -109,10 +109,8 @@ impl Broker {
         if let Some(tp) = env.headers.get("traceparent") {
             let _ = headers.append("traceparent", tp);
         }
-        let max = conn
-            .server_info()
-            .map(|i| i.max_payload as usize)
-            .unwrap_or(1 << 20);
+        // The connection's limit: an INFO without `max_payload` (0) does not change it.
+        let max = conn.max_payload();
         if payload.len() + headers.encoded_len() > max {
             let e = AmpError::new(
                 ErrorCode::TooLarge,
