@@ -166,6 +166,17 @@ fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| format!("domain setup thread: {e}"))?;
     }
 
+    let descriptors = raise_descriptor_limit();
+    // Each session is a descriptor; the NATS connection, listeners, the poller and the
+    // embedded server's pipes take a few more.
+    let wanted = config.limits.max_sessions as u64 + 64;
+    if descriptors.is_some_and(|n| n < wanted) {
+        log::warn!(
+            "the process may open {} descriptors, fewer than limits.max_sessions ({}) needs:              past it new connections wait (raise LimitNOFILE / ulimit -n)",
+            descriptors.unwrap_or_default(),
+            config.limits.max_sessions
+        );
+    }
     let ws = WsConfig {
         max_frame: config.limits.max_frame,
         heartbeat: Duration::from_secs(config.limits.heartbeat_s),
@@ -303,4 +314,30 @@ fn start_embedded(
             .unwrap_or_default(),
     );
     Ok(server)
+}
+
+/// Raises the soft limit of open descriptors to the hard one (a service manager's
+/// default soft limit, 1,024 under systemd, is far under `max_sessions`); returns the
+/// limit in force.
+fn raise_descriptor_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    Some(limit.rlim_cur)
 }

@@ -470,3 +470,52 @@ fn connection_churn_from_one_address_is_held_to_its_connect_rate() {
     let mut other = connect_from(Ipv4Addr::new(127, 0, 0, 3), broker.addr);
     assert!(upgrade(&mut other), "another address is served");
 }
+
+#[test]
+fn connections_waiting_while_descriptors_ran_out_are_served_once_some_free_up() {
+    // Past the process's descriptor limit `accept` fails; the listener's readiness is
+    // edge triggered, so the connections already waiting were left unanswered until yet
+    // another one arrived.
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().expect("dir");
+    let script = dir.path().join("amp-broker-few-descriptors");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nulimit -n 48 || exit 3\nexec {} \"$@\"\n",
+            env!("CARGO_BIN_EXE_amp-broker")
+        ),
+    )
+    .expect("script");
+    std::process::Command::new("chmod")
+        .args(["+x", &script.display().to_string()])
+        .status()
+        .expect("chmod");
+    let broker = Broker::start_bin(&script, &nats.url(), &open_config(&["a"]));
+    let mut held: Vec<TcpStream> = (0..80)
+        .map(|_| TcpStream::connect(broker.addr).expect("connect"))
+        .collect();
+    // The broker takes what its descriptors allow (asking it over HTTP would be one more
+    // connection, which is what used to unstick it); the rest wait in the backlog.
+    let fd_dir = format!("/proc/{}/fd", broker.pid().expect("pid"));
+    let open = || std::fs::read_dir(&fd_dir).map_or(0, Iterator::count);
+    assert!(
+        wait_until(Duration::from_secs(5), || open() >= 46),
+        "the broker holds {} descriptors",
+        open()
+    );
+    let mut last = held.pop().expect("the last one");
+    held.truncate(10);
+    drop(held);
+    last.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    last.write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write");
+    let mut answer = [0u8; 64];
+    let n = last.read(&mut answer).unwrap_or(0);
+    assert!(
+        answer[..n].starts_with(b"HTTP/1.1 200"),
+        "the waiting connection was never answered: {:?}",
+        String::from_utf8_lossy(&answer[..n])
+    );
+}

@@ -29,6 +29,8 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         max_sessions,
         max_held_submits,
         max_connections_per_ip,
+        connects_per_ip_per_s,
+        connect_burst_per_ip,
         max_frames_per_s,
         frame_burst,
         max_buffered_bytes,
@@ -166,6 +168,29 @@ mod tests {
                 "namespaces.acme.topics",
             ]
         );
+    }
+
+    #[test]
+    fn the_connect_rate_is_taken_at_start_and_limits_read_per_use_are_not() {
+        // The listener's per-address connect rate is built at bind: a reload that changed
+        // it was reported done and changed nothing.
+        let old = base("", TOKEN_A, "{}", "");
+        let mut new = old.clone();
+        new.limits.connects_per_ip_per_s += 1;
+        new.limits.connect_burst_per_ip += 1;
+        assert_eq!(
+            restart_only_changes(&old, &new),
+            vec![
+                "limits.connects_per_ip_per_s",
+                "limits.connect_burst_per_ip"
+            ]
+        );
+        let mut live = old.clone();
+        live.limits.max_requests_in_flight += 1;
+        live.limits.max_participant_requests_in_flight += 1;
+        live.limits.presence_listed_per_s += 1;
+        live.limits.max_sessions_per_participant += 1;
+        assert!(restart_only_changes(&old, &live).is_empty());
     }
 
     #[test]

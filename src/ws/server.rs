@@ -35,7 +35,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Registry, Token};
@@ -50,6 +50,8 @@ use crate::tls::{Received, TlsSession};
 /// Bytes read from one socket per pass before other connections get their turn.
 const READ_CHUNK: usize = 64 << 10;
 const MAX_READS_PER_TURN: usize = 8;
+/// How soon a listener whose accept failed for want of resources is tried again.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// Decrypted bytes per step on their way from a TLS session to its connection.
 const PLAIN_CHUNK: usize = 16 << 10;
 /// The first byte of a TLS record carrying a handshake.
@@ -259,6 +261,11 @@ pub struct WsServer {
     tls: Option<Arc<rustls::ServerConfig>>,
     /// A second, plain listener (internal use: metrics on loopback) beside a TLS one.
     plain_listener: Option<(TcpListener, Token)>,
+    /// Listeners whose accept failed for want of resources (descriptors, buffers), the
+    /// main one first: the connections waiting there get no readiness event of their
+    /// own, so accepting is tried again at `accept_retry_at`.
+    accept_stalled: [bool; 2],
+    accept_retry_at: Option<Instant>,
     origins: OriginPolicy,
     /// Where decrypted bytes land on their way to a connection (allocated with TLS).
     plain: Vec<u8>,
@@ -310,6 +317,8 @@ impl WsServer {
             draining: false,
             tls: None,
             plain_listener: None,
+            accept_stalled: [false; 2],
+            accept_retry_at: None,
             origins: OriginPolicy::default(),
             plain: Vec::new(),
         })
@@ -419,6 +428,14 @@ impl WsServer {
     /// Runs the connection timers due at `now` and continues the reads that were cut
     /// short for fairness. Call it once per loop turn.
     pub fn handle_timeouts(&mut self, registry: &Registry, now: Instant, host: &dyn HttpHost) {
+        if self.accept_retry_at.is_some_and(|at| at <= now) {
+            self.accept_retry_at = None;
+            for plain in [false, true] {
+                if std::mem::take(&mut self.accept_stalled[usize::from(plain)]) {
+                    self.accept(registry, now, plain);
+                }
+            }
+        }
         let mut backlog = std::mem::take(&mut self.backlog);
         backlog.sort_unstable();
         backlog.dedup();
@@ -458,7 +475,11 @@ impl WsServer {
         if !self.backlog.is_empty() || !self.dirty.is_empty() || !self.events.is_empty() {
             return Some(Instant::now());
         }
-        self.timers.peek().map(|Reverse((at, ..))| *at)
+        let timer = self.timers.peek().map(|Reverse((at, ..))| *at);
+        match (timer, self.accept_retry_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     pub fn poll_event(&mut self) -> Option<(SessionId, SessionEvent)> {
@@ -618,9 +639,15 @@ impl WsServer {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Out of descriptors and the like: the pending connections wait
-                    // for the next readiness event.
-                    log::warn!("ws: accept failed: {e}");
+                    // Out of descriptors and the like. The listener's readiness is edge
+                    // triggered: the connections already waiting would wait for the
+                    // next one to arrive, so try again shortly; said once per stall.
+                    let stalled = &mut self.accept_stalled[usize::from(plain)];
+                    if !*stalled {
+                        log::warn!("ws: accept failed, trying again every 100 ms: {e}");
+                    }
+                    *stalled = true;
+                    self.accept_retry_at.get_or_insert(now + ACCEPT_RETRY);
                     return;
                 }
             };
