@@ -429,6 +429,16 @@ impl Callout {
         let Some(p) = lookup(participants, ns, name) else {
             return refused(who, "unknown participant");
         };
+        let credential = user
+            .claims
+            .get(scoped_jwt::CREDENTIAL_CLAIM)
+            .and_then(serde_json::Value::as_str);
+        if credential != Some(scoped_jwt::credential_fingerprint(p).as_str()) {
+            return refused(
+                who,
+                "jwt issued for a credential the participant no longer has",
+            );
+        }
         if !user.bearer {
             if !signed_nonce(&user.user_key, &r.client_info.nonce, &r.connect_opts.sig) {
                 return refused(who, "jwt without a valid nonce signature");

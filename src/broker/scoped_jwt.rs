@@ -176,20 +176,36 @@ pub fn hello_jwt(
             true,
         ),
     };
-    issue(
-        issuer,
-        &UserGrant {
-            ns,
-            name,
-            permissions: &participant.permissions,
-            user_key: &user_key,
-            issued_at: unix_s,
-            ttl_s,
-            bearer,
-            audience: None,
-            mig,
-        },
-    )
+    let mut claims = user_claims(&UserGrant {
+        ns,
+        name,
+        permissions: &participant.permissions,
+        user_key: &user_key,
+        issued_at: unix_s,
+        ttl_s,
+        bearer,
+        audience: None,
+        mig,
+    });
+    claims.insert(
+        CREDENTIAL_CLAIM.into(),
+        Value::String(credential_fingerprint(participant)),
+    );
+    jwt::encode(&claims, issuer)
+}
+
+/// The claim of a `hello` JWT naming the credential it was issued for: the auth callout
+/// takes the JWT only while the participant's credential is still that one, so rotating
+/// a leaked token or key ends the JWTs handed out with it, not only its sessions.
+pub const CREDENTIAL_CLAIM: &str = "amp_credential";
+
+/// What the configuration holds as the participant's credential, hashed (the configured
+/// values are public keys and token hashes; this adds nothing to them).
+pub fn credential_fingerprint(p: &super::config::Participant) -> String {
+    let text = format!("{:?}\n{:?}", p.nkey, p.token_sha256);
+    let mut hex = crate::keygen::token_sha256(&text);
+    hex.truncate(32);
+    hex
 }
 
 /// Why a presented JWT was refused.

@@ -580,3 +580,63 @@ fn an_unknown_nkey_costs_the_same_signature_check_as_a_known_one() {
     let ratio = u.as_secs_f64() / k.as_secs_f64();
     assert!((0.85..1.2).contains(&ratio), "unknown {u:?} vs known {k:?}");
 }
+
+#[test]
+fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
+    // The operator rotated a leaked token and reloaded; the sessions it opened closed.
+    // The JWT a hello had handed out with it went on logging into NATS until it
+    // expired, and each login had the callout issue a fresh hour.
+    let mut w = world();
+    let acme = w.config.namespaces["acme"].clone();
+    let bearer_jwt = scoped_jwt::hello_jwt(
+        &w.account,
+        "acme",
+        "w1",
+        &acme.participants["w1"],
+        NOW - 10,
+        600,
+        Some(&[]),
+    )
+    .expect("jwt");
+    let (reply, _) = w.ask(json!({"auth_token": bearer_jwt}));
+    assert_eq!(authorized(&reply), Some("acme/w1"));
+    if let Some(p) = w
+        .config
+        .namespaces
+        .get_mut("acme")
+        .and_then(|n| n.participants.get_mut("w1"))
+    {
+        p.token_sha256 = Some(token_sha256("rotated"));
+    }
+    w.callout = fresh(&w);
+    let (reply, _) = w.ask(json!({"auth_token": bearer_jwt}));
+    assert_eq!(
+        authorized(&reply),
+        None,
+        "the old credential's JWT still logs in"
+    );
+    // An NKey participant's too, when its key changes.
+    let nkey_jwt = scoped_jwt::hello_jwt(
+        &w.account,
+        "acme",
+        "w2",
+        &acme.participants["w2"],
+        NOW - 10,
+        600,
+        Some(&[]),
+    )
+    .expect("jwt");
+    if let Some(p) = w
+        .config
+        .namespaces
+        .get_mut("acme")
+        .and_then(|n| n.participants.get_mut("w2"))
+    {
+        p.nkey = None;
+        p.token_sha256 = Some(token_sha256("now-a-token"));
+    }
+    w.callout = fresh(&w);
+    let sig = sign_nonce(&w.nkey_user, NONCE);
+    let (reply, _) = w.ask(json!({"jwt": nkey_jwt, "sig": sig}));
+    assert_eq!(authorized(&reply), None, "the old key's JWT still logs in");
+}

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::broker::auth::{self, Credential};
 use crate::broker::config::Config;
+use crate::broker::scoped_jwt;
 use crate::broker::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::jwt;
 use crate::nkeys::{KeyKind, PublicKey};
@@ -117,7 +118,7 @@ impl Authenticator {
         if let Some(token) = value.strip_prefix("Bearer ") {
             let token = token.trim();
             if token.matches('.').count() == 2 {
-                return verify_jwt(issuer?, req.ns, token, wall_ms);
+                return verify_jwt(config, issuer?, req.ns, token, wall_ms);
             }
             return who_presented(
                 config,
@@ -214,8 +215,14 @@ fn who_presented(
 const ANY: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
 
 /// A user JWT signed by the broker's issuing account, not expired, for a participant of
-/// `ns`: the name it was issued to.
-fn verify_jwt(issuer: &str, ns: &str, token: &str, wall_ms: i64) -> Option<String> {
+/// `ns` whose credential is still the one it was issued for: the name it was issued to.
+fn verify_jwt(
+    config: &Config,
+    issuer: &str,
+    ns: &str,
+    token: &str,
+    wall_ms: i64,
+) -> Option<String> {
     let decoded = jwt::decode(token).ok()?;
     let issuer = PublicKey::decode_kind(issuer, KeyKind::Account).ok()?;
     if decoded.issuer != issuer || decoded.claim_type() != Some("user") {
@@ -227,7 +234,9 @@ fn verify_jwt(issuer: &str, ns: &str, token: &str, wall_ms: i64) -> Option<Strin
     }
     let name = decoded.claims.get("name")?.as_str()?;
     let (jwt_ns, who) = name.split_once('/')?;
-    (jwt_ns == ns && crate::broker::config::is_name(who)).then(|| who.to_string())
+    let p = config.participant(ns, who).filter(|_| jwt_ns == ns)?;
+    let credential = decoded.claims.get(scoped_jwt::CREDENTIAL_CLAIM)?.as_str()?;
+    (credential == scoped_jwt::credential_fingerprint(p)).then(|| who.to_string())
 }
 
 #[cfg(test)]
@@ -363,6 +372,25 @@ mod tests {
         assert_eq!(
             a.authenticate(&c, Some(&pk), &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Err(Refusal::Drop("reply_subject"))
+        );
+        // Bob's token rotated: the JWT issued with the old one proves nothing any more.
+        let mut rotated = c.clone();
+        if let Some(bob) = rotated
+            .namespaces
+            .get_mut("acme")
+            .and_then(|n| n.participants.get_mut("bob"))
+        {
+            bob.token_sha256 = Some(hex(&Sha256::digest(b"new-token")));
+        }
+        assert_eq!(
+            Authenticator::new().authenticate(
+                &rotated,
+                Some(&pk),
+                &req("_INBOX_acme_bob.1", &auth),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Unauthorized)
         );
         let other = KeyPair::generate(KeyKind::Account)
             .expect("key")
