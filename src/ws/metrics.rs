@@ -501,9 +501,37 @@ pub fn render_build_info(out: &mut String) {
     );
 }
 
-/// The standard `process_*` families, read from `/proc/self` when asked for; a family
-/// whose source cannot be read is left out rather than reported as zero.
+/// How long a reading of `/proc/self` serves `/metrics`: the descriptor count walks a
+/// directory of every open descriptor, and `/metrics` needs no credential, so a scrape
+/// storm reads it at most once a second.
+const PROCESS_READING_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+
+thread_local! {
+    static PROCESS_READING: std::cell::RefCell<Option<(std::time::Instant, String)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The standard `process_*` families, read from `/proc/self` at most once a second (see
+/// `PROCESS_READING_TTL`); a family whose source cannot be read is left out rather than
+/// reported as zero.
 pub fn render_process(out: &mut String) {
+    let now = std::time::Instant::now();
+    PROCESS_READING.with_borrow_mut(|reading| {
+        let fresh = reading
+            .as_ref()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) < PROCESS_READING_TTL);
+        if !fresh {
+            let mut text = String::new();
+            read_process(&mut text);
+            *reading = Some((now, text));
+        }
+        if let Some((_, text)) = reading {
+            out.push_str(text);
+        }
+    });
+}
+
+fn read_process(out: &mut String) {
     if let Some(rss) = process::resident_bytes() {
         out.push_str("# HELP process_resident_memory_bytes Resident memory size in bytes.\n");
         let _ = writeln!(
@@ -641,6 +669,20 @@ mod tests {
             assert!(out.contains("\nprocess_cpu_seconds_total "));
             assert!(out.contains("\nprocess_open_fds "));
         }
+    }
+
+    #[test]
+    fn process_families_are_read_at_most_once_a_second() {
+        // The descriptor count walks every open descriptor; `/metrics` asked as fast as
+        // clients could ask walked it each time, on the loop's thread.
+        let (mut first, mut second) = (String::new(), String::new());
+        render_process(&mut first);
+        let more: Vec<std::fs::File> = (0..16)
+            .filter_map(|_| std::fs::File::open("/proc/self/status").ok())
+            .collect();
+        render_process(&mut second);
+        assert_eq!(first, second, "read again within the second");
+        drop(more);
     }
 
     #[test]
