@@ -1,4 +1,5 @@
 use super::*;
+use crate::broker::config::Namespace;
 use crate::keygen::token_sha256;
 use std::time::Duration;
 
@@ -152,6 +153,20 @@ fn assert_refused(w: &World, reply: &Reply, user: &str, why: &str) {
     assert!(jwt.is_none(), "{why}");
 }
 
+/// A `hello` JWT of `acme/<name>` as configured in `acme`, valid 600 s from `iat`.
+fn hello_jwt(account: &KeyPair, acme: &Namespace, name: &str, iat: u64) -> String {
+    scoped_jwt::hello_jwt(
+        account,
+        "acme",
+        name,
+        &acme.participants[name],
+        iat,
+        600,
+        Some(&[]),
+    )
+    .expect("jwt")
+}
+
 #[test]
 fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
     let mut w = world();
@@ -256,26 +271,8 @@ fn nkey_must_sign_this_connections_nonce() {
 fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
     let mut w = world();
     let acme = w.config.namespaces["acme"].clone();
-    let nkey_jwt = scoped_jwt::hello_jwt(
-        &w.account,
-        "acme",
-        "w2",
-        &acme.participants["w2"],
-        NOW - 10,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
-    let bearer_jwt = scoped_jwt::hello_jwt(
-        &w.account,
-        "acme",
-        "w1",
-        &acme.participants["w1"],
-        NOW - 10,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
+    let nkey_jwt = hello_jwt(&w.account, &acme, "w2", NOW - 10);
+    let bearer_jwt = hello_jwt(&w.account, &acme, "w1", NOW - 10);
     let sig = sign_nonce(&w.nkey_user, NONCE);
     let (reply, _) = w.ask(json!({"jwt": nkey_jwt, "sig": sig}));
     assert_eq!(authorized(&reply), Some("acme/w2"));
@@ -285,27 +282,9 @@ fn a_jwt_from_hello_authenticates_with_its_signature_or_as_bearer() {
     let (reply, _) = w.ask(json!({"auth_token": bearer_jwt}));
     assert_eq!(authorized(&reply), Some("acme/w1"));
 
-    let expired = scoped_jwt::hello_jwt(
-        &w.account,
-        "acme",
-        "w2",
-        &acme.participants["w2"],
-        NOW - 700,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
+    let expired = hello_jwt(&w.account, &acme, "w2", NOW - 700);
     let foreign_account = KeyPair::generate(KeyKind::Account).expect("key");
-    let foreign = scoped_jwt::hello_jwt(
-        &foreign_account,
-        "acme",
-        "w1",
-        &acme.participants["w1"],
-        NOW,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
+    let foreign = hello_jwt(&foreign_account, &acme, "w1", NOW);
     let mut parts: Vec<String> = bearer_jwt.split('.').map(str::to_string).collect();
     let mut claims: Value =
         serde_json::from_slice(&URL_SAFE_NO_PAD.decode(&parts[1]).expect("b64")).expect("json");
@@ -588,16 +567,7 @@ fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
     // expired, and each login had the callout issue a fresh hour.
     let mut w = world();
     let acme = w.config.namespaces["acme"].clone();
-    let bearer_jwt = scoped_jwt::hello_jwt(
-        &w.account,
-        "acme",
-        "w1",
-        &acme.participants["w1"],
-        NOW - 10,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
+    let bearer_jwt = hello_jwt(&w.account, &acme, "w1", NOW - 10);
     let (reply, _) = w.ask(json!({"auth_token": bearer_jwt}));
     assert_eq!(authorized(&reply), Some("acme/w1"));
     if let Some(p) = w
@@ -616,16 +586,7 @@ fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
         "the old credential's JWT still logs in"
     );
     // An NKey participant's too, when its key changes.
-    let nkey_jwt = scoped_jwt::hello_jwt(
-        &w.account,
-        "acme",
-        "w2",
-        &acme.participants["w2"],
-        NOW - 10,
-        600,
-        Some(&[]),
-    )
-    .expect("jwt");
+    let nkey_jwt = hello_jwt(&w.account, &acme, "w2", NOW - 10);
     if let Some(p) = w
         .config
         .namespaces
