@@ -156,20 +156,30 @@ impl Broker {
     ) {
         let (ns, name) = (hello.ns.as_str(), hello.name.as_str());
         let key = participant_key(ns, name);
-        if let Verdict::Delay(wait) = self.throttle.check(peer.ip(), &key, now) {
-            // Too many failures from here or for this name: not even checked, so guessing
-            // stays slow; the answer says when to try again and nothing else.
-            let e = AmpError::rate_limited(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
-            self.error(session, Some(&hello.id), &e);
-            return self.close(session, close::POLICY, "too many failed hellos");
-        }
+        let throttled = match self.throttle.check(peer.ip(), &key, now) {
+            Verdict::Delay(wait) => Some(wait),
+            _ => None,
+        };
         let credential = match &hello.auth {
             Auth::Token { token } => Credential::Token(token),
             Auth::Nkey { nkey, sig } => Credential::NKey { nkey, sig },
         };
         let participant = self.config.participant(ns, name);
+        // Too many failures from here or for this name: a token is not even checked, so
+        // guessing stays slow. An NKey signature of this session's nonce is no guess, so
+        // it is checked and a good one passes: failures in someone's name, from anywhere,
+        // cannot lock an NKey participant out.
+        let nkey = matches!(hello.auth, Auth::Nkey { .. });
+        let verified =
+            (throttled.is_none() || nkey) && auth::verify(participant, credential, nonce);
+        if let Some(wait) = throttled.filter(|_| !verified) {
+            // The answer says when to try again and nothing else.
+            let e = AmpError::rate_limited(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
+            self.error(session, Some(&hello.id), &e);
+            return self.close(session, close::POLICY, "too many failed hellos");
+        }
         // Checked whether or not the participant exists: the same work either way.
-        if !auth::verify(participant, credential, nonce) {
+        if !verified {
             log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = key, peer:% = peer; "hello refused"
             );
             self.throttle.record_failure(peer.ip(), &key, now);
@@ -419,6 +429,57 @@ mod tests {
             assert_eq!(answer["code"], "unauthenticated", "{answer}");
             assert_eq!(h.closed(s).map(|c| c.0), Some(1008));
         }
+    }
+
+    #[test]
+    fn failed_hellos_in_a_participants_name_do_not_lock_its_nkey_out() {
+        // The throttle slows guessing; an NKey signature of this session's nonce is no
+        // guess. An attacker failing hellos in ann's name (from ann's address, or emptying
+        // her bucket from many) held ann's own, correctly signed hellos back for as long as
+        // it kept failing.
+        use crate::nkeys::{KeyKind, KeyPair};
+        use base64::Engine;
+        use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let mut config = crate::testing::harness::development_config();
+        if let Some(dev) = config.namespaces.get_mut("dev") {
+            let Some(mut p) = dev.open.clone() else {
+                panic!("the development namespace is open");
+            };
+            p.token_sha256 = None;
+            p.nkey = Some(ann.public_key());
+            dev.participants.insert("ann".into(), p);
+        }
+        let mut h = Harness::new(config, 1, 7);
+        for _ in 0..40 {
+            let s = h.open(0);
+            h.wait_for(s, |f| f["op"] == "challenge");
+            h.request(
+                s,
+                json!({"op":"hello","ns":"dev","name":"ann","auth":{"type":"token","token":"guess"}}),
+            );
+        }
+        let hello = |h: &mut Harness, key: &KeyPair| {
+            let s = h.open(0);
+            let challenge = h.wait_for(s, |f| f["op"] == "challenge");
+            let nonce = URL_SAFE_NO_PAD
+                .decode(challenge["nonce"].as_str().unwrap_or_default())
+                .expect("nonce");
+            let sig = URL_SAFE_NO_PAD.encode(key.sign(&nonce));
+            h.request(
+                s,
+                json!({"op":"hello","ns":"dev","name":"ann",
+                       "auth":{"type":"nkey","nkey":ann.public_key(),"sig":sig}}),
+            )
+        };
+        let other = KeyPair::generate(KeyKind::User).expect("key");
+        let forged = hello(&mut h, &other);
+        assert_eq!(
+            forged["code"], "rate_limited",
+            "a wrong signature waits: {forged}"
+        );
+        let ok = hello(&mut h, &ann);
+        assert_eq!(ok["op"], "ok", "ann's own key: {ok}");
     }
 
     #[test]
