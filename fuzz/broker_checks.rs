@@ -248,6 +248,11 @@ impl World {
                             ws.close(code, &reason, self.now);
                         }
                     }
+                    Output::LoggedIn { session } => {
+                        if let Some(Some(ws)) = self.ws.get_mut(session as usize) {
+                            ws.admit();
+                        }
+                    }
                     Output::WhenDrained { session } => self.drain_waiters.push(session),
                 }
             }

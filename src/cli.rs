@@ -660,7 +660,7 @@ pub fn describe(config: &Config) -> String {
 
 fn changed_limits(l: &Limits) -> Vec<String> {
     let d = Limits::default();
-    let pairs: [(&str, u64, u64); 12] = [
+    let pairs: [(&str, u64, u64); 13] = [
         ("max_frame", l.max_frame as u64, d.max_frame as u64),
         (
             "max_outbound_bytes",
@@ -680,6 +680,11 @@ fn changed_limits(l: &Limits) -> Vec<String> {
             "max_connections_per_ip",
             l.max_connections_per_ip as u64,
             d.max_connections_per_ip as u64,
+        ),
+        (
+            "max_waiting_connections",
+            l.max_waiting_connections as u64,
+            d.max_waiting_connections as u64,
         ),
         (
             "max_frames_per_s",

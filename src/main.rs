@@ -183,6 +183,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
         max_outbound_bytes: config.limits.max_outbound_bytes,
         max_connections: config.limits.max_sessions,
         max_connections_per_ip: config.limits.max_connections_per_ip,
+        max_waiting_connections: config.limits.max_waiting_connections,
         connects_per_ip_per_s: config.limits.connects_per_ip_per_s,
         connect_burst_per_ip: config.limits.connect_burst_per_ip,
         max_frames_per_s: config.limits.max_frames_per_s,

@@ -477,6 +477,11 @@ pub fn run(
                             ws.close(id, code, &reason, now);
                         }
                     }
+                    Output::LoggedIn { session } => {
+                        if let Some(&id) = ids.get(&session) {
+                            ws.admit(id);
+                        }
+                    }
                     Output::WhenDrained { session } => {
                         drain_waiters.insert(session);
                     }

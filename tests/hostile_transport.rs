@@ -6,14 +6,14 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::net::{Ipv4Addr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::amp::{Broker, Client, open_config};
-use common::{NatsServer, wait_until};
+use common::{NatsServer, connect_from, connect_with, wait_until};
 use serde_json::{Value, json};
 use tungstenite::Message;
 
@@ -71,41 +71,6 @@ fn set_rcvbuf(stream: &TcpStream, size: libc::c_int) {
             (&size as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         );
-    }
-}
-
-/// A TCP connection to `to` from the loopback address `from` (127.0.0.0/8 is all ours).
-fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
-    let SocketAddr::V4(to) = to else {
-        panic!("IPv4 only")
-    };
-    let sockaddr = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(ip).to_be(),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: plain socket calls on a descriptor we own, with live sockaddr_in values;
-    // the descriptor is handed to TcpStream, which closes it.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
-        assert!(fd >= 0, "socket");
-        let local = sockaddr(from, 0);
-        assert_eq!(
-            libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len),
-            0,
-            "bind {from}"
-        );
-        let remote = sockaddr(*to.ip(), to.port());
-        assert_eq!(
-            libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len),
-            0,
-            "connect {to}"
-        );
-        TcpStream::from_raw_fd(fd)
     }
 }
 
@@ -518,4 +483,152 @@ fn connections_waiting_while_descriptors_ran_out_are_served_once_some_free_up() 
         "the waiting connection was never answered: {:?}",
         String::from_utf8_lossy(&answer[..n])
     );
+}
+
+/// Logs `name` in over a connection from `from`; false when the connection is refused,
+/// closed or the hello is not answered `ok` within 10 s.
+fn raw_login(from: Ipv4Addr, broker: &Broker, name: &str) -> Option<TcpStream> {
+    let mut s = connect_from(from, broker.addr);
+    if !upgrade(&mut s) {
+        return None;
+    }
+    let hello = json!({"op":"hello","id":"h","ns":"acme","name":name,
+                       "auth":{"type":"token","token":format!("{name}-token")}});
+    s.write_all(&client_frame(0x1, hello.to_string().as_bytes()))
+        .ok()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let (opcode, payload) = read_server_frame(&mut s)?;
+        if opcode != 0x1 {
+            continue;
+        }
+        let frame: Value = serde_json::from_slice(&payload).ok()?;
+        if frame["re"] == "h" {
+            return (frame["op"] == "ok").then_some(s);
+        }
+    }
+    None
+}
+
+/// Whether a logged-in raw connection still answers an AMP ping.
+fn raw_ping(s: &mut TcpStream) -> bool {
+    let ping = json!({"op":"ping","id":"p"});
+    if s.write_all(&client_frame(0x1, ping.to_string().as_bytes()))
+        .is_err()
+    {
+        return false;
+    }
+    while let Some((opcode, payload)) = read_server_frame(s) {
+        if opcode == 0x1 {
+            let frame: Value = serde_json::from_slice(&payload).unwrap_or_default();
+            if frame["re"] == "p" {
+                return frame["op"] == "ok";
+            }
+        }
+    }
+    false
+}
+
+/// Connections that upgrade and never say hello fill the whole table from one address
+/// (its per-address cap allows it) and refill it as slots free: a client from another
+/// address still logs in, because a new connection pushes out the oldest connection not
+/// yet logged in of the address holding the most of them, and logged-in sessions are
+/// never pushed out.
+#[test]
+fn connections_that_never_say_hello_cannot_keep_others_out() {
+    const TABLE: usize = 40;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["honest"]);
+    config["limits"] = json!({"max_sessions": TABLE, "hello_timeout_s": 60,
+                              "max_sessions_per_participant": TABLE});
+    let broker = Broker::start(&nats.url(), &config);
+    let attacker = Ipv4Addr::new(127, 0, 0, 2);
+    let mut logged_in: Vec<TcpStream> = (0..5)
+        .map(|_| raw_login(Ipv4Addr::new(127, 0, 0, 3), &broker, "honest").expect("login"))
+        .collect();
+    let mut squatters = Vec::new();
+    for _ in 0..TABLE + 10 {
+        let mut s = connect_from(attacker, broker.addr);
+        if upgrade(&mut s) {
+            squatters.push(s);
+        }
+    }
+    eprintln!("{} squatting connections upgraded", squatters.len());
+    for round in 0..5 {
+        let s = raw_login(Ipv4Addr::new(127, 0, 0, 4), &broker, "honest");
+        assert!(s.is_some(), "round {round}: an honest client was kept out");
+        logged_in.extend(s);
+        // The attacker takes back what it lost.
+        for _ in 0..3 {
+            let mut s = connect_from(attacker, broker.addr);
+            if upgrade(&mut s) {
+                squatters.push(s);
+            }
+        }
+    }
+    for (i, s) in logged_in.iter_mut().enumerate() {
+        assert!(raw_ping(s), "logged-in session {i} was pushed out");
+    }
+    assert!(
+        metric(&broker, "amp_ws_connections_evicted_total") >= 5.0,
+        "log:\n{}",
+        broker.log()
+    );
+}
+
+/// Clients that upgrade, never say hello, send pings and never read: each one's pongs
+/// count against a small bound of its own (64 KiB before the hello, whatever
+/// `max_outbound_bytes` says), and past the memory budget the connections holding the
+/// most, output included, are closed, so a new client is never turned away for memory
+/// they hold.
+#[test]
+fn pongs_nobody_reads_before_hello_cannot_fill_the_memory_budget() {
+    const BUDGET: usize = 8 << 20;
+    const FLOODERS: usize = 24;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["honest"]);
+    config["limits"] = json!({"max_buffered_bytes": BUDGET, "hello_timeout_s": 60,
+                              "max_outbound_bytes": 64 << 20,
+                              "max_frames_per_s": 1_000_000, "frame_burst": 1_000_000});
+    let broker = Broker::start(&nats.url(), &config);
+    // 80,000 pings each: 10 MB of pongs apiece, more than the kernel buffers hold.
+    let pings: Vec<u8> = (0..80_000)
+        .flat_map(|_| client_frame(0x9, &[b'p'; 125]))
+        .collect();
+    let mut flooders = Vec::new();
+    for _ in 0..FLOODERS {
+        let mut s = connect_with(Ipv4Addr::new(127, 0, 0, 2), broker.addr, Some(4096));
+        assert!(upgrade(&mut s), "upgrade");
+        s.set_write_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        // Closed part way (slow consumer) is the outcome wanted; either way it stops.
+        let _ = s.write_all(&pings);
+        flooders.push(s);
+    }
+    // Every flooder is closed, for its pongs or for the budget. (Before, the pongs
+    // filled the budget, which then turned away every new connection, the one asking
+    // for these metrics included.)
+    let closed = wait_until(Duration::from_secs(20), || {
+        metric(&broker, "amp_ws_slow_consumers_total")
+            + metric(&broker, "amp_ws_memory_sheds_total")
+            >= FLOODERS as f64
+    });
+    assert!(closed, "the flooders hold on; log:\n{}", broker.log());
+    let mut served = 0;
+    for _ in 0..10 {
+        if raw_login(Ipv4Addr::new(127, 0, 0, 3), &broker, "honest").is_some() {
+            served += 1;
+        }
+    }
+    let refused = metric(
+        &broker,
+        "amp_ws_connections_refused_total{reason=\"memory\"}",
+    );
+    let buffered = metric(&broker, "amp_ws_buffered_bytes");
+    eprintln!(
+        "{served} of 10 honest logins served; {refused} refused for memory; {buffered} bytes buffered"
+    );
+    assert_eq!(served, 10, "log:\n{}", broker.log());
+    assert_eq!(refused, 0.0);
+    assert!(buffered <= BUDGET as f64, "{buffered} bytes buffered");
 }

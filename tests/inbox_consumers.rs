@@ -228,8 +228,10 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
     let nats = NatsServer::start();
     let mut config = open_namespace_config();
     config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": N + 16});
+    // One address holding every connection, all waiting for their hello at once: as
+    // behind a proxy, where both per-address caps and the waiting share are raised.
     config["limits"] = json!({"max_connections_per_ip": N + 16, "connect_burst_per_ip": N + 16,
-        "hello_timeout_s": 60});
+        "max_waiting_connections": N + 16, "hello_timeout_s": 60});
     let broker = Broker::start(&nats.url(), &config);
     let mut spy = NatsClient::connect(Options::new(&nats.url())).expect("spy");
     let creates = spy

@@ -6,7 +6,7 @@ mod common;
 mod ws_support;
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{Ipv4Addr, TcpStream};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -15,7 +15,7 @@ use amp_broker::ws::WsConfig;
 use tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
 use tungstenite::protocol::frame::{CloseFrame, Frame};
 use tungstenite::{Bytes, Message};
-use ws_support::{connect, http, raw_upgrade, read_frame, start};
+use ws_support::{Client, connect, connect_from, http, raw_upgrade, read_frame, start};
 
 fn wait(cond: impl FnMut() -> bool) -> bool {
     common::wait_until(Duration::from_secs(10), cond)
@@ -52,6 +52,8 @@ fn upgrade_selects_amp_v1_and_text_round_trips() {
         client.read().expect("echo"),
         Message::text("{\"op\":\"ping\",\"id\":\"1\"}")
     );
+    // Past the small output bound of a connection not logged in.
+    login(&mut client);
     let big = "b".repeat(200_000);
     client.send(Message::text(big.clone())).expect("send big");
     assert_eq!(client.read().expect("echo big"), Message::text(big));
@@ -394,6 +396,12 @@ fn drain_flushes_queued_messages_then_closes_1001_and_stops_accepting() {
     );
 }
 
+/// Logs a session in (see `ws_support::start`).
+fn login(ws: &mut Client) {
+    ws.send(Message::text("login")).expect("send");
+    assert_eq!(ws.read().expect("echo"), Message::text("login"));
+}
+
 #[test]
 fn connections_past_max_connections_are_closed_at_once() {
     let server = start(WsConfig {
@@ -401,7 +409,9 @@ fn connections_past_max_connections_are_closed_at_once() {
         ..WsConfig::default()
     });
     let (mut a, _) = connect(&server, None).expect("first");
-    let (_b, _) = connect(&server, None).expect("second");
+    let (mut b, _) = connect(&server, None).expect("second");
+    login(&mut a);
+    login(&mut b);
     let mut third = TcpStream::connect(server.addr).expect("tcp connect is accepted by the kernel");
     third
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -417,4 +427,90 @@ fn connections_past_max_connections_are_closed_at_once() {
     );
     a.send(Message::text("unaffected")).expect("send");
     assert_eq!(a.read().expect("echo"), Message::text("unaffected"));
+}
+
+#[test]
+fn a_connection_past_the_table_pushes_out_the_oldest_one_not_logged_in() {
+    let server = start(WsConfig {
+        max_connections: 4,
+        ..WsConfig::default()
+    });
+    let (a, b, c) = (
+        Ipv4Addr::new(127, 0, 0, 2),
+        Ipv4Addr::new(127, 0, 0, 3),
+        Ipv4Addr::new(127, 0, 0, 4),
+    );
+    let mut member = connect_from(&server, a).expect("member");
+    login(&mut member);
+    let mut oldest = connect_from(&server, b).expect("oldest waiting");
+    let mut newer = connect_from(&server, b).expect("newer waiting");
+    let mut other = connect_from(&server, c).expect("one waiting from another address");
+    // The table is full. A newcomer from b's address is turned away: its own group
+    // holds the most waiting connections.
+    assert!(connect_from(&server, b).is_err(), "refused");
+    // One from a takes the slot of b's oldest waiting connection.
+    let mut newcomer = connect_from(&server, a).expect("newcomer");
+    assert!(
+        oldest.read().is_err(),
+        "the oldest connection waiting for its hello is dropped"
+    );
+    for ws in [&mut member, &mut newer, &mut other, &mut newcomer] {
+        ws.send(Message::text("still here")).expect("send");
+        assert_eq!(ws.read().expect("echo"), Message::text("still here"));
+    }
+    assert_eq!(
+        server.seen.closes(),
+        vec![(1013, "pushed out waiting for its hello".into(), false)]
+    );
+    let metrics = http(&server, "GET /metrics HTTP/1.1\r\n\r\n");
+    // The probe (from 127.0.0.1, nothing waiting there) pushed out one more.
+    assert!(
+        metrics.contains("amp_ws_connections_evicted_total 2\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn with_only_logged_in_sessions_the_table_refuses_newcomers() {
+    let server = start(WsConfig {
+        max_connections: 1,
+        ..WsConfig::default()
+    });
+    let (mut member, _) = connect(&server, None).expect("member");
+    login(&mut member);
+    assert!(connect(&server, None).is_err(), "no room: refused");
+    member.send(Message::text("kept")).expect("send");
+    assert_eq!(member.read().expect("echo"), Message::text("kept"));
+}
+
+#[test]
+fn a_logged_in_session_that_does_not_read_is_shed_when_the_memory_budget_is_full() {
+    // The session's own bound is far away; the budget over all connections is not.
+    let server = start(WsConfig {
+        max_outbound_bytes: 64 << 20,
+        max_buffered_bytes: 1 << 20,
+        ..WsConfig::default()
+    });
+    let (mut honest, _) = connect(&server, None).expect("honest");
+    let (mut slow, _) = connect(&server, None).expect("slow");
+    login(&mut slow);
+    slow.send(Message::text("flood")).expect("flood");
+    assert!(
+        common::wait_until(Duration::from_secs(20), || server
+            .seen
+            .closes()
+            .iter()
+            .any(|c| c.0 == 1008)),
+        "never shed: {:?}",
+        server.seen.closes()
+    );
+    assert_eq!(
+        server.seen.closes(),
+        vec![(1008, "memory budget".into(), false)]
+    );
+    honest.send(Message::text("after")).expect("send");
+    assert_eq!(honest.read().expect("echo"), Message::text("after"));
+    let (mut newcomer, _) = connect(&server, None).expect("newcomer is not refused");
+    newcomer.send(Message::text("in")).expect("send");
+    assert_eq!(newcomer.read().expect("echo"), Message::text("in"));
 }

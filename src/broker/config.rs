@@ -62,6 +62,10 @@ pub struct Limits {
     pub max_held_submits: usize,
     /// Connections open at once from one address (IPv6: one /64).
     pub max_connections_per_ip: usize,
+    /// Connections open at once that have not logged in yet (a share of `max_sessions`);
+    /// a new one past it, or past `max_sessions`, pushes out the oldest of the address
+    /// (IPv6: /48) holding the most.
+    pub max_waiting_connections: usize,
     pub connects_per_ip_per_s: u32,
     pub connect_burst_per_ip: u32,
     /// Frames a session may send per second, sustained, and at once.
@@ -95,6 +99,7 @@ impl Default for Limits {
             max_sessions_per_participant: 1024,
             max_held_submits: 64,
             max_connections_per_ip: 256,
+            max_waiting_connections: 2048,
             connects_per_ip_per_s: 256,
             connect_burst_per_ip: 1024,
             max_frames_per_s: 1_000,
@@ -422,6 +427,12 @@ impl Config {
         within(
             "limits.max_connections_per_ip",
             l.max_connections_per_ip,
+            1,
+            1_000_000,
+        )?;
+        within(
+            "limits.max_waiting_connections",
+            l.max_waiting_connections,
             1,
             1_000_000,
         )?;

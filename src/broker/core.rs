@@ -76,6 +76,12 @@ pub enum Output {
         code: u16,
         reason: String,
     },
+    /// The session's participant logged in: the transport stops counting it among the
+    /// connections waiting for a hello (which may be pushed out for room) and lifts
+    /// their smaller output bound. Comes before the hello's answer.
+    LoggedIn {
+        session: SessionId,
+    },
     /// Hand the core [`Input::Drained`] for this session once what was queued for it
     /// is written (the rest of a `watch`'s presence snapshot waits for it).
     WhenDrained {

@@ -29,6 +29,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         max_sessions,
         max_held_submits,
         max_connections_per_ip,
+        max_waiting_connections,
         connects_per_ip_per_s,
         connect_burst_per_ip,
         max_frames_per_s,

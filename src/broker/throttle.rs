@@ -17,6 +17,11 @@
 //!   connecting from where it connected before, is never slowed by someone else's failures,
 //!   and from a new address waits at most one refill interval per attempt.
 //!
+//! Participants that have authenticated here are kept in a map of their own, which only a
+//! success adds to: failures in made-up names (any string a client sends) fill the other
+//! one, and pushing its oldest entries out cannot make a participant forget its known
+//! addresses.
+//!
 //! Sans-IO: `now` is passed in. All maps are bounded; the oldest entries are forgotten first.
 
 use std::net::IpAddr;
@@ -105,14 +110,18 @@ struct ParticipantState {
 pub struct HelloThrottle {
     config: ThrottleConfig,
     addresses: BoundedMap<AddressKey, AddressState>,
-    participants: BoundedMap<String, ParticipantState>,
+    /// Participants that authenticated here (each with its known addresses).
+    members: BoundedMap<String, ParticipantState>,
+    /// Names only failed so far, made-up ones included.
+    strangers: BoundedMap<String, ParticipantState>,
 }
 
 impl HelloThrottle {
     pub fn new(config: ThrottleConfig) -> HelloThrottle {
         HelloThrottle {
             addresses: BoundedMap::new(config.max_addresses),
-            participants: BoundedMap::new(config.max_participants),
+            members: BoundedMap::new(config.max_participants),
+            strangers: BoundedMap::new(config.max_participants),
             config,
         }
     }
@@ -128,7 +137,7 @@ impl HelloThrottle {
         {
             wait = wait.max(a.not_before.saturating_duration_since(now));
         }
-        if let Some(p) = self.participants.get(&participant.to_string())
+        if let Some(p) = self.participant(participant)
             && !self.is_known(p, key, now)
         {
             let tokens = self.refilled(p, now);
@@ -173,18 +182,21 @@ impl HelloThrottle {
             after(now, delay)
         };
 
-        let burst = f64::from(self.config.participant_burst);
-        let tokens = match self.participants.get(&participant.to_string()) {
+        let tokens = match self.participant(participant) {
             Some(p) => self.refilled(p, now),
-            None => burst,
+            None => f64::from(self.config.participant_burst),
         };
-        let p = self
-            .participants
-            .get_or_insert_with(participant.to_string(), || ParticipantState {
-                tokens: burst,
-                updated: now,
-                known: Vec::new(),
-            });
+        let name = participant.to_string();
+        let p = match self.members.get_mut(&name) {
+            Some(p) => p,
+            None => self
+                .strangers
+                .get_or_insert_with(name, || ParticipantState {
+                    tokens,
+                    updated: now,
+                    known: Vec::new(),
+                }),
+        };
         // Never below empty, so a burst of concurrent failures costs a newcomer at most
         // one refill interval.
         p.tokens = (tokens - 1.0).max(0.0);
@@ -196,16 +208,19 @@ impl HelloThrottle {
     pub fn record_success(&mut self, addr: IpAddr, participant: &str, now: Instant) {
         let key = AddressKey::of(addr);
         self.addresses.remove(&key);
-        let burst = f64::from(self.config.participant_burst);
         let known_for = self.config.known_for;
         let limit = self.config.known_addresses.max(1);
-        let p = self
-            .participants
-            .get_or_insert_with(participant.to_string(), || ParticipantState {
+        let name = participant.to_string();
+        // Its failures so far come along: a success does not refill the allowance.
+        let before = self.strangers.remove(&name);
+        let burst = f64::from(self.config.participant_burst);
+        let p = self.members.get_or_insert_with(name, || {
+            before.unwrap_or(ParticipantState {
                 tokens: burst,
                 updated: now,
                 known: Vec::new(),
-            });
+            })
+        });
         p.known
             .retain(|(k, at)| *k != key && now.saturating_duration_since(*at) <= known_for);
         if p.known.len() >= limit {
@@ -233,12 +248,14 @@ impl HelloThrottle {
         let burst = f64::from(self.config.participant_burst);
         let refill = self.config.participant_refill;
         let known_for = self.config.known_for;
-        self.participants.retain(|_, p| {
+        let keep = |_: &String, p: &mut ParticipantState| {
             p.known
                 .retain(|(_, at)| now.saturating_duration_since(*at) <= known_for);
             let full = refilled_tokens(p, now, refill, burst) >= burst;
             !(full && p.known.is_empty())
-        });
+        };
+        self.members.retain(keep);
+        self.strangers.retain(keep);
     }
 
     pub fn tracked_addresses(&self) -> usize {
@@ -246,7 +263,14 @@ impl HelloThrottle {
     }
 
     pub fn tracked_participants(&self) -> usize {
-        self.participants.len()
+        self.members.len() + self.strangers.len()
+    }
+
+    fn participant(&self, name: &str) -> Option<&ParticipantState> {
+        let name = name.to_string();
+        self.members
+            .get(&name)
+            .or_else(|| self.strangers.get(&name))
     }
 
     fn address_forgotten(&self, a: &AddressState, now: Instant) -> bool {
@@ -418,6 +442,34 @@ mod tests {
             Verdict::Delay(d) => assert!(d <= Duration::from_secs(2), "{d:?}"),
             Verdict::Allow => panic!("the participant is under attack"),
         }
+    }
+
+    #[test]
+    fn failures_in_made_up_names_do_not_make_a_participant_forget_its_addresses() {
+        let mut t = HelloThrottle::new(config());
+        let now = Instant::now();
+        let home = ip(200);
+        t.record_success(home, "acme/w1", now);
+        // More made-up names than the map holds, each from an address of its own...
+        for i in 0..1000u32 {
+            let addr = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i));
+            t.record_failure(addr, &format!("acme/guess{i}"), now);
+        }
+        // ...then the participant's own allowance emptied from yet more addresses.
+        for i in 0..10u32 {
+            let addr = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + i));
+            t.record_failure(addr, "acme/w1", now);
+        }
+        assert_eq!(
+            t.check(home, "acme/w1", now),
+            Verdict::Allow,
+            "its known address is still known"
+        );
+        assert_eq!(
+            t.tracked_participants(),
+            101,
+            "the made-up names are still bounded"
+        );
     }
 
     #[test]

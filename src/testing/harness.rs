@@ -401,6 +401,8 @@ impl Harness {
                 n.broker
                     .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
             }
+            // Mailboxes bound nothing.
+            Output::LoggedIn { .. } => {}
             // Mailboxes take every frame at once: what was queued is written by now.
             Output::WhenDrained { session } if !self.hold_drains => {
                 let n = &mut self.nodes[node];

@@ -31,6 +31,11 @@ pub struct WsConfig {
     /// Most connections open at once from one address (IPv6: one /64); further ones are
     /// accepted and closed at once.
     pub max_connections_per_ip: usize,
+    /// Most connections open at once that have not logged in yet (see
+    /// [`WsServer::admit`](super::WsServer::admit)). A connection arriving past it, or
+    /// past `max_connections`, pushes out the oldest such connection of the address
+    /// (IPv6: /48) holding the most of them; logged-in ones are never pushed out.
+    pub max_waiting_connections: usize,
     /// Connections one address (IPv6: one /64) may open per second, sustained, and at
     /// once after a quiet spell; further ones are accepted and closed at once.
     pub connects_per_ip_per_s: u32,
@@ -57,6 +62,7 @@ impl Default for WsConfig {
             close_timeout: Duration::from_secs(5),
             max_connections: 10_000,
             max_connections_per_ip: 256,
+            max_waiting_connections: 2048,
             connects_per_ip_per_s: 256,
             connect_burst_per_ip: 1024,
             max_frames_per_s: 1_000,
@@ -96,6 +102,7 @@ pub mod close_code {
     pub const POLICY: u16 = 1008;
     pub const TOO_BIG: u16 = 1009;
     pub const INTERNAL: u16 = 1011;
+    pub const TRY_AGAIN_LATER: u16 = 1013;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +155,11 @@ const KEEP_OUTPUT_CAPACITY: usize = 16 << 10;
 /// always fits within the bound: the pong that crossed it and the close frame, each at
 /// most 127 bytes.
 const CONTROL_ROOM: usize = 512;
+/// Output bound of a connection not logged in yet: its upgrade response, pongs and the
+/// answer to a hello. Smaller than a session's so that connections waiting for their
+/// hello, which cost nobody a credential, cannot hold much of the memory budget with
+/// pongs they never read.
+pub const WAITING_OUTBOUND: usize = 64 << 10;
 /// Smallest effective `max_outbound_bytes`, so an upgrade response and the control room
 /// always fit.
 const MIN_OUTBOUND: usize = 1024;
@@ -177,6 +189,9 @@ pub struct Connection {
     /// Frame allowance (token bucket) as of `tokens_at`.
     tokens: f64,
     tokens_at: Instant,
+    /// Its participant logged in: the configured output bound applies, not
+    /// [`WAITING_OUTBOUND`].
+    admitted: bool,
     cfg: WsConfig,
 }
 
@@ -196,8 +211,18 @@ impl Connection {
             held: false,
             tokens: f64::from(cfg.frame_burst.max(1)),
             tokens_at: now,
+            admitted: false,
             cfg,
         }
+    }
+
+    /// Its participant logged in: from now on the configured output bound applies.
+    pub fn admit(&mut self) {
+        self.admitted = true;
+    }
+
+    pub fn is_admitted(&self) -> bool {
+        self.admitted
     }
 
     /// Feeds bytes read from the socket.
@@ -355,25 +380,42 @@ impl Connection {
         self.input_bytes().saturating_add(self.queued_bytes())
     }
 
-    /// Closes the session (1008 `memory budget`) and releases its input buffers at once;
-    /// used when the transport's memory budget is exhausted.
+    /// Closes the session (1008 `memory budget`) and releases what it holds at once,
+    /// queued output included (a peer that does not read would never take it); used when
+    /// the transport's memory budget is exhausted. Only the close frame is still sent.
     pub fn shed(&mut self, now: Instant) {
+        self.out = Vec::new();
+        self.out_pos = 0;
         match self.phase {
-            Phase::Http { .. } => self.phase = Phase::Closed,
             Phase::Open => self.fail(close_code::POLICY, "memory budget", now),
-            _ => {
-                self.phase = Phase::Flushing;
-                self.deadline = self.deadline.min(after(now, self.cfg.close_timeout));
-            }
+            _ => self.phase = Phase::Closed,
         }
         self.pending = Vec::new();
         self.held = false;
         self.decoder = Decoder::new(self.cfg.max_frame);
     }
 
+    /// Drops the connection at once to make room for another (it had not logged in):
+    /// no close frame, since it must not hold its slot while one is flushed.
+    pub fn push_out(&mut self) {
+        if matches!(self.phase, Phase::Open) {
+            self.emit_closed(
+                close_code::TRY_AGAIN_LATER,
+                "pushed out waiting for its hello",
+                false,
+            );
+        }
+        self.abort_quietly();
+    }
+
     /// Most bytes text frames and pongs may fill; the rest of the bound is the control room.
     fn data_limit(&self) -> usize {
-        self.cfg.max_outbound_bytes.max(MIN_OUTBOUND) - CONTROL_ROOM
+        let bound = if self.admitted {
+            self.cfg.max_outbound_bytes
+        } else {
+            self.cfg.max_outbound_bytes.min(WAITING_OUTBOUND)
+        };
+        bound.max(MIN_OUTBOUND) - CONTROL_ROOM
     }
 
     fn refill(&mut self, now: Instant) {
@@ -495,6 +537,10 @@ impl Connection {
         if matches!(self.phase, Phase::Open) {
             self.emit_closed(close_code::ABNORMAL, "connection lost", true);
         }
+        self.abort_quietly();
+    }
+
+    fn abort_quietly(&mut self) {
         self.out = Vec::new();
         self.out_pos = 0;
         self.pending = Vec::new();
@@ -1081,6 +1127,18 @@ mod tests {
     }
 
     #[test]
+    fn before_login_the_output_bound_is_64_kib() {
+        let (mut c, t0) = open(WsConfig::default());
+        assert_eq!(
+            c.send_text(&"x".repeat(70_000), t0),
+            Err(SendError::SlowConsumer)
+        );
+        let (mut c, t0) = open(WsConfig::default());
+        c.admit();
+        assert_eq!(c.send_text(&"x".repeat(70_000), t0), Ok(()));
+    }
+
+    #[test]
     fn text_in_and_out() {
         let (mut c, t0) = open(WsConfig::default());
         c.handle_input(&text("{\"op\":\"ping\",\"id\":\"p\"}"), t0, &HOST);
@@ -1089,6 +1147,7 @@ mod tests {
             vec![ConnEvent::Text("{\"op\":\"ping\",\"id\":\"p\"}".into())]
         );
         c.send_text("{\"op\":\"ok\",\"re\":\"p\"}", t0).unwrap();
+        c.admit();
         let big = "x".repeat(70_000);
         c.send_text(&big, t0).unwrap();
         let frames = server_frames(&drain_output(&mut c));
@@ -1329,6 +1388,7 @@ mod tests {
     #[test]
     fn partially_written_output_is_resumed_and_given_back_when_empty() {
         let (mut c, t0) = open(WsConfig::default());
+        c.admit();
         let big = "z".repeat(100_000);
         c.send_text(&big, t0).unwrap();
         let total = c.queued_bytes();

@@ -10,6 +10,7 @@ pub mod decoder;
 pub mod http;
 pub mod metrics;
 pub mod origin;
+pub mod pending;
 pub mod server;
 
 pub use connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};

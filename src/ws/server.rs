@@ -44,6 +44,7 @@ use super::connect_rate::ConnectRate;
 use super::connection::{ConnEvent, Connection, HttpHost, SendError, WsConfig, close_code};
 use super::metrics::{CounterId, GaugeId, Registry as Metrics};
 use super::origin::OriginPolicy;
+use super::pending::{Group, Waiting};
 use crate::broker::throttle::AddressKey;
 use crate::tls::{Received, TlsSession};
 
@@ -52,6 +53,13 @@ const READ_CHUNK: usize = 64 << 10;
 const MAX_READS_PER_TURN: usize = 8;
 /// How soon a listener whose accept failed for want of resources is tried again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+/// Connections taken from a listener per loop turn (served or refused); the rest wait for
+/// the next turn, so a connection flood cannot keep the loop from sessions, NATS and
+/// timers.
+const MAX_ACCEPTS_PER_TURN: usize = 64;
+/// The timer heap keeps a stale entry for each connection closed before its deadline; it
+/// is rebuilt from the live ones once it holds this many more than twice the connections.
+const TIMER_SLACK: usize = 1024;
 /// Decrypted bytes per step on their way from a TLS session to its connection.
 const PLAIN_CHUNK: usize = 16 << 10;
 /// The first byte of a TLS record carrying a handshake.
@@ -121,6 +129,9 @@ struct Slot {
     queued: usize,
     /// The state it is counted under in `amp_ws_connections_by_state`.
     state: &'static str,
+    /// Counted in [`WsServer::waiting`] under this group until it logs in or closes;
+    /// `None` once logged in, and for the plain listener's (internal) connections.
+    waiting: Option<Group>,
 }
 
 #[derive(Debug)]
@@ -128,6 +139,8 @@ struct TransportMetrics {
     registry: Metrics,
     accepted: CounterId,
     refused: CounterId,
+    evicted: CounterId,
+    waiting: GaugeId,
     connections: GaugeId,
     buffered: GaugeId,
     shed: CounterId,
@@ -154,6 +167,16 @@ impl TransportMetrics {
                 "amp_ws_connections_refused_total",
                 "TCP connections closed at once, by reason (table_full, rate, per_ip, memory).",
                 Some("reason"),
+            ),
+            evicted: r.counter(
+                "amp_ws_connections_evicted_total",
+                "Connections not logged in yet dropped to make room for a new one (the table or its share for connections waiting for a hello was full).",
+                None,
+            ),
+            waiting: r.gauge(
+                "amp_ws_connections_waiting",
+                "Connections of the main listener not logged in yet (limits.max_waiting_connections).",
+                None,
             ),
             connections: r.gauge("amp_ws_connections", "TCP connections open.", None),
             buffered: r.gauge(
@@ -249,6 +272,8 @@ pub struct WsServer {
     backlog: Vec<usize>,
     /// Open connections per source address (IPv6: per /64).
     per_ip: HashMap<AddressKey, usize>,
+    /// Connections of the main listener not logged in yet.
+    waiting: Waiting,
     connect_rate: ConnectRate,
     /// Input held and output queued over all connections.
     buffered: usize,
@@ -309,6 +334,7 @@ impl WsServer {
             spare_output: Vec::new(),
             backlog: Vec::new(),
             per_ip: HashMap::new(),
+            waiting: Waiting::default(),
             connect_rate: ConnectRate::new(cfg.connects_per_ip_per_s, cfg.connect_burst_per_ip),
             buffered: 0,
             scratch: vec![0; READ_CHUNK],
@@ -515,6 +541,42 @@ impl WsServer {
         }
     }
 
+    /// The session's participant logged in: it no longer counts as waiting for its hello
+    /// (it is never pushed out for room) and gets its full output bound.
+    pub fn admit(&mut self, id: SessionId) {
+        let index = id.index();
+        if let Some(slot) = self.slot_mut(id) {
+            slot.conn.admit();
+            if let Some(group) = slot.waiting.take() {
+                self.waiting.remove(group, index);
+                self.count_waiting();
+            }
+        }
+    }
+
+    fn count_waiting(&mut self) {
+        let m = &mut self.metrics;
+        m.registry.set(m.waiting, "", self.waiting.len() as f64);
+    }
+
+    /// Room for a new connection from `newcomer`: drops the oldest connection not logged
+    /// in of the group holding the most (see [`super::pending`]); false when there is
+    /// none, or the newcomer's own group holds as many.
+    fn push_out_one(&mut self, newcomer: Group, registry: &Registry, now: Instant) -> bool {
+        let Some(index) = self.waiting.take_victim(newcomer) else {
+            return false;
+        };
+        if let Some(Some(slot)) = self.slots.get_mut(index) {
+            slot.waiting = None;
+            slot.conn.push_out();
+            log::debug!(peer:% = slot.peer; "ws: pushed out waiting for its hello, to make room");
+        }
+        self.metrics.registry.inc(self.metrics.evicted, "");
+        self.count_waiting();
+        self.settle(registry, index, now);
+        true
+    }
+
     /// Bytes queued for a session (0 for an unknown one).
     pub fn queued_bytes(&self, id: SessionId) -> usize {
         self.slot(id).map_or(0, |s| s.conn.queued_bytes())
@@ -527,6 +589,15 @@ impl WsServer {
     /// Writes what handlers queued and surfaces the events that produced. It reads
     /// nothing, so a loop that flushes until the server is quiet ends.
     pub fn flush(&mut self, registry: &Registry, now: Instant, _host: &dyn HttpHost) {
+        self.settle_dirty(registry, now);
+        // Output counts against the budget as much as input does.
+        if self.buffered > self.cfg.max_buffered_bytes {
+            self.shed(now);
+            self.settle_dirty(registry, now);
+        }
+    }
+
+    fn settle_dirty(&mut self, registry: &Registry, now: Instant) {
         let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
         dirty.dedup();
@@ -623,9 +694,16 @@ impl WsServer {
         self.slots.get_mut(id.index()).and_then(Option::as_mut)
     }
 
-    /// Accepts what waits on the listener, or on the plain one when `plain`.
+    /// Accepts what waits on the listener, or on the plain one when `plain`, up to its
+    /// share of the turn.
     fn accept(&mut self, registry: &Registry, now: Instant, plain: bool) {
-        loop {
+        for taken in 0.. {
+            if taken == MAX_ACCEPTS_PER_TURN {
+                // Edge triggered: no new event comes for those still waiting.
+                self.accept_stalled[usize::from(plain)] = true;
+                self.accept_retry_at = Some(self.accept_retry_at.map_or(now, |at| at.min(now)));
+                return;
+            }
             let listener = if plain {
                 self.plain_listener.as_ref().map(|(l, _)| l)
             } else {
@@ -653,15 +731,18 @@ impl WsServer {
             };
             self.metrics.registry.inc(self.metrics.accepted, "");
             let ip = AddressKey::of(peer.ip());
-            let refused = if self.open >= self.cfg.max_connections {
-                Some("table_full")
-            } else if !self.connect_rate.allow(ip, now) {
+            let refused = if !self.connect_rate.allow(ip, now) {
                 Some("rate")
             } else if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.cfg.max_connections_per_ip
             {
                 Some("per_ip")
             } else if self.buffered >= self.cfg.max_buffered_bytes {
                 Some("memory")
+            } else if (self.open >= self.cfg.max_connections
+                || (!plain && self.waiting.len() >= self.cfg.max_waiting_connections))
+                && !self.push_out_one(Group::of(peer.ip()), registry, now)
+            {
+                Some("table_full")
             } else {
                 None
             };
@@ -710,7 +791,12 @@ impl WsServer {
                     accounted: 0,
                     queued: 0,
                     state: "http",
+                    waiting: (!plain).then(|| Group::of(peer.ip())),
                 });
+                if !plain {
+                    self.waiting.add(Group::of(peer.ip()), index);
+                    self.count_waiting();
+                }
                 self.metrics
                     .registry
                     .gauge_add(self.metrics.by_state, "http", 1.0);
@@ -837,24 +923,34 @@ impl WsServer {
             .set(self.metrics.buffered, "", self.buffered as f64);
     }
 
-    /// Over the memory budget: closes the connections holding the most input (partial
-    /// messages, request heads, throttled input) until the total is within it again.
-    /// Output is not shed here: it is bounded per session and drains or times out.
+    /// Over the memory budget: closes the connections holding the most (partial messages,
+    /// request heads, throttled input, and output a peer does not read) until the total
+    /// is within it again. Each is closed once: those not logged in first, largest first.
     fn shed(&mut self, now: Instant) {
-        while self.buffered > self.cfg.max_buffered_bytes {
-            let largest = self
-                .slots
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| s.as_ref().map(|s| (s.conn.input_bytes(), i)))
-                .max();
-            let Some((held, index)) = largest.filter(|(held, _)| *held > 0) else {
+        if self.buffered <= self.cfg.max_buffered_bytes {
+            return;
+        }
+        // Connections not logged in go first: what they hold costs nobody a credential,
+        // and they must not get a logged-in session closed in their place.
+        let mut largest: Vec<(bool, Reverse<usize>, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .map(|s| (s.conn.is_admitted(), Reverse(s.accounted), i))
+            })
+            .filter(|&(_, Reverse(held), _)| held > 0)
+            .collect();
+        largest.sort_unstable();
+        for (_, Reverse(held), index) in largest {
+            if self.buffered <= self.cfg.max_buffered_bytes {
                 return;
-            };
+            }
             if let Some(Some(slot)) = self.slots.get_mut(index) {
                 log::warn!(
                     peer:% = slot.peer;
-                    "ws: closed 1008 memory budget: it held {held} bytes of input, {} buffered in all, limit {}",
+                    "ws: closed 1008 memory budget: it held {held} bytes, {} buffered in all, limit {}",
                     self.buffered, self.cfg.max_buffered_bytes
                 );
                 slot.conn.shed(now);
@@ -992,6 +1088,10 @@ impl WsServer {
                 self.metrics
                     .registry
                     .set(self.metrics.buffered, "", self.buffered as f64);
+                if let Some(group) = slot.waiting {
+                    self.waiting.remove(group, index);
+                    self.count_waiting();
+                }
                 if let Some(count) = self.per_ip.get_mut(&slot.ip) {
                     *count = count.saturating_sub(1);
                     if *count == 0 {
@@ -1028,5 +1128,15 @@ impl WsServer {
         }
         slot.scheduled = Some(deadline);
         self.timers.push(Reverse((deadline, index, generation)));
+        if self.timers.len() > 2 * self.open + TIMER_SLACK {
+            let (slots, generations) = (&self.slots, &self.generations);
+            self.timers.retain(|Reverse((at, index, generation))| {
+                generations.get(*index) == Some(generation)
+                    && slots
+                        .get(*index)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|s| s.scheduled == Some(*at))
+            });
+        }
     }
 }

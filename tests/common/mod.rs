@@ -10,7 +10,8 @@ pub mod relay;
 pub mod tls;
 
 use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::FromRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -350,5 +351,55 @@ fn pin_this_thread(cpus: std::ops::Range<usize>) {
         }
         let ok = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0;
         assert!(ok, "sched_setaffinity: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// A TCP connection to `to` from the loopback address `from` (127.0.0.0/8 is all ours).
+pub fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    connect_with(from, to, None)
+}
+
+/// [`connect_from`] with a receive buffer of `rcvbuf` bytes set before the handshake, so
+/// the window it offers stays that small.
+pub fn connect_with(from: Ipv4Addr, to: SocketAddr, rcvbuf: Option<libc::c_int>) -> TcpStream {
+    let SocketAddr::V4(to) = to else {
+        panic!("IPv4 only")
+    };
+    let sockaddr = |ip: Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket calls on a descriptor we own, with live sockaddr_in values;
+    // the descriptor is handed to TcpStream, which closes it.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket");
+        if let Some(size) = rcvbuf {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        let local = sockaddr(from, 0);
+        assert_eq!(
+            libc::bind(fd, (&local as *const libc::sockaddr_in).cast(), len),
+            0,
+            "bind {from}"
+        );
+        let remote = sockaddr(*to.ip(), to.port());
+        assert_eq!(
+            libc::connect(fd, (&remote as *const libc::sockaddr_in).cast(), len),
+            0,
+            "connect {to}"
+        );
+        TcpStream::from_raw_fd(fd)
     }
 }

@@ -70,7 +70,8 @@ pub struct TestServer {
 
 /// Text `flood` makes the server send a 64 KiB message to that session every loop turn
 /// until it is closed; text `drain` queues three messages and starts draining the
-/// server; any other text is echoed.
+/// server; text `login` admits the session (as a broker does once its hello passed) and
+/// is echoed; any other text is echoed.
 pub fn start(cfg: WsConfig) -> TestServer {
     let mut poll = Poll::new().expect("poll");
     let waker = Arc::new(Waker::new(poll.registry(), Token(1 << 40)).expect("waker"));
@@ -138,6 +139,10 @@ fn run_loop(
                 SessionEvent::Text(t) if t.as_str() == "flood" => {
                     flooding.borrow_mut().insert(id);
                 }
+                SessionEvent::Text(t) if t.as_str() == "login" => {
+                    ws.admit(id);
+                    let _ = ws.send_text(id, t.as_str(), now);
+                }
                 SessionEvent::Text(t) if t.as_str() == "drain" => {
                     for i in 0..3 {
                         let _ = ws.send_text(id, &format!("before drain {i}"), now);
@@ -204,13 +209,33 @@ pub fn connect(
     server: &TestServer,
     protocols: Option<&str>,
 ) -> Result<(Client, tungstenite::handshake::client::Response), tungstenite::Error> {
+    connect_over(
+        server,
+        protocols,
+        TcpStream::connect(server.addr).expect("connect"),
+    )
+}
+
+/// [`connect`] from the loopback address `from`.
+pub fn connect_from(
+    server: &TestServer,
+    from: std::net::Ipv4Addr,
+) -> Result<Client, tungstenite::Error> {
+    let stream = super::common::connect_from(from, server.addr);
+    connect_over(server, None, stream).map(|(c, _)| c)
+}
+
+fn connect_over(
+    server: &TestServer,
+    protocols: Option<&str>,
+    stream: TcpStream,
+) -> Result<(Client, tungstenite::handshake::client::Response), tungstenite::Error> {
     let mut request = server.url().into_client_request()?;
     if let Some(p) = protocols {
         request
             .headers_mut()
             .insert("Sec-WebSocket-Protocol", p.parse().expect("header value"));
     }
-    let stream = TcpStream::connect(server.addr).expect("connect");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");

@@ -212,6 +212,7 @@ impl Broker {
         let mut labels = hello.labels.clone();
         labels.extend(participant.map(|p| p.labels.clone()).unwrap_or_default());
         let (ns, name) = (ns.to_string(), name.to_string());
+        self.out.push_back(Output::LoggedIn { session });
         if let Some(s) = self.sessions.get_mut(&session) {
             s.state = SessionState::Active {
                 ns: Rc::from(ns.as_str()),

@@ -37,6 +37,8 @@ pub enum Refusal {
     Unauthorized,
     /// Too many failures for this participant: try again after this long.
     Throttled(Duration),
+    /// A `Bearer` credential on a subject others receive (see [`Presented::exposed`]).
+    Exposed,
 }
 
 /// The request facts authentication looks at.
@@ -48,6 +50,11 @@ pub struct Presented<'a> {
     /// The caller's own `message_id` and `timestamp` (signed requests need both).
     pub message_id: Option<&'a str>,
     pub timestamp: Option<&'a str>,
+    /// The subject is one every subscriber of a topic receives, headers included (a
+    /// PUBLISH shares the live events subject): a `Bearer` credential on it has been
+    /// handed to them, so it proves nothing; only a signature (over this message's id
+    /// and time) does.
+    pub exposed: bool,
 }
 
 pub struct Authenticator {
@@ -90,16 +97,33 @@ impl Authenticator {
     ) -> Result<String, Refusal> {
         let reply = req.reply.ok_or(Refusal::Drop("no_reply_subject"))?;
         let owner = subjects::reply_owner(req.ns, reply).ok_or(Refusal::Drop("reply_subject"))?;
+        if req.exposed
+            && req
+                .authorization
+                .is_some_and(|a| a.trim().starts_with("Bearer "))
+        {
+            return Err(Refusal::Exposed);
+        }
         let key = format!("{}/{owner}", req.ns);
-        if let Verdict::Delay(d) = self.throttle.check(ANY, &key, now) {
+        // The key is only the reply subject, which anyone may write: while it is
+        // throttled, a signature or an issued JWT (no guess) is still checked, as a
+        // throttled hello's NKey is; a raw token is not, so guessing stays slow.
+        let throttled = match self.throttle.check(ANY, &key, now) {
+            Verdict::Delay(d) => Some(d),
+            Verdict::Allow => None,
+        };
+        if let Some(d) = throttled
+            && is_raw_token(req.authorization)
+        {
             return Err(Refusal::Throttled(d));
         }
         let proved = self.prove(config, issuer, req, wall_ms);
-        match proved {
-            Some(name) if name == owner => Ok(name),
+        match (proved, throttled) {
+            (Some(name), _) if name == owner => Ok(name),
             // A real credential with someone else's reply subject: answer nothing.
-            Some(_) => Err(Refusal::Drop("reply_subject")),
-            None => {
+            (Some(_), _) => Err(Refusal::Drop("reply_subject")),
+            (None, Some(d)) => Err(Refusal::Throttled(d)),
+            (None, None) => {
                 self.throttle.record_failure(ANY, &key, now);
                 Err(Refusal::Unauthorized)
             }
@@ -239,6 +263,14 @@ fn verify_jwt(
     (credential == scoped_jwt::credential_fingerprint(p)).then(|| who.to_string())
 }
 
+/// A `Bearer` credential that is not a JWT: what a guesser would try.
+fn is_raw_token(authorization: Option<&str>) -> bool {
+    authorization
+        .map(str::trim)
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| t.trim().matches('.').count() != 2)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +299,7 @@ mod tests {
             authorization: Some(authorization),
             message_id: Some("m1"),
             timestamp: Some("2026-12-01T00:00:00Z"),
+            exposed: false,
         }
     }
 
@@ -414,6 +447,114 @@ mod tests {
                 NOW_MS + 3_601_000
             ),
             Err(Refusal::Unauthorized)
+        );
+    }
+
+    #[test]
+    fn failures_aimed_at_a_participants_reply_prefix_do_not_lock_out_its_signature_or_jwt() {
+        // Anyone may put Ann's reply prefix on a request: the key of the throttle is not a
+        // proof. Her own signed requests and her issued JWT must still pass.
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let c = config(&ann.public_key());
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        for _ in 0..40 {
+            let _ = a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_ann.x", "Bearer nope"),
+                now,
+                NOW_MS,
+            );
+        }
+        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
+        let auth = format!("NKey {} {sig}", ann.public_key());
+        assert_eq!(
+            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            Ok("ann".into())
+        );
+        let p = c.participant("acme", "ann").expect("ann").clone();
+        let jwt = crate::broker::scoped_jwt::hello_jwt(
+            &issuer,
+            "acme",
+            "ann",
+            &p,
+            (NOW_MS / 1000) as u64,
+            3600,
+            Some(&[]),
+        )
+        .expect("jwt");
+        let pk = issuer.public_key();
+        assert_eq!(
+            a.authenticate(
+                &c,
+                Some(&pk),
+                &req("_INBOX_acme_ann.1", &format!("Bearer {jwt}")),
+                now,
+                NOW_MS
+            ),
+            Ok("ann".into())
+        );
+        // A bad signature while throttled is still only throttled (not checked as a guess).
+        assert!(matches!(
+            a.authenticate(
+                &c,
+                None,
+                &req(
+                    "_INBOX_acme_ann.1",
+                    &format!("NKey {} {sig}x", ann.public_key())
+                ),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Throttled(_))
+        ));
+        // Raw tokens stay unchecked while throttled: guessing stays slow.
+        for _ in 0..40 {
+            let _ = a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.x", "Bearer nope"),
+                now,
+                NOW_MS,
+            );
+        }
+        assert!(matches!(
+            a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.1", "Bearer bob-token"),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Throttled(_))
+        ));
+    }
+
+    #[test]
+    fn a_bearer_credential_on_a_subject_others_receive_proves_nothing() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let c = config(&ann.public_key());
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let mut publish = req("_INBOX_acme_bob.1", "Bearer bob-token");
+        publish.exposed = true;
+        assert_eq!(
+            a.authenticate(&c, None, &publish, now, NOW_MS),
+            Err(Refusal::Exposed)
+        );
+        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
+        let auth = format!("NKey {} {sig}", ann.public_key());
+        let mut publish = req("_INBOX_acme_ann.1", &auth);
+        publish.exposed = true;
+        assert_eq!(
+            a.authenticate(&c, None, &publish, now, NOW_MS),
+            Ok("ann".into())
         );
     }
 

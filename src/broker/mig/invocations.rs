@@ -38,12 +38,21 @@ impl Mig {
         let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
             let bytes = r.body.get("payload").map_or(0, |p| p.to_string().len());
             take_rate(ctx.rates, r.participant, r.ns, r.caller, bytes, now)?;
-            if self.invocations.len() >= ctx.config.mig.max_pending {
-                return Err(MigError::new(
-                    Code::Backpressure,
-                    "this broker waits on too many invocations",
-                )
-                .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS)));
+            let max = ctx.config.mig.max_pending;
+            let share = caller_share(max);
+            let mine = self
+                .waiting_per_caller
+                .get(&(r.ns.to_string(), r.caller.to_string()))
+                .copied()
+                .unwrap_or(0);
+            if self.invocations.len() >= max || mine >= share {
+                let message = if mine >= share {
+                    format!("a caller waits on at most {share} invocations on this broker")
+                } else {
+                    "this broker waits on too many invocations".to_string()
+                };
+                return Err(MigError::new(Code::Backpressure, message)
+                    .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS)));
             }
             Ok(job)
         });
@@ -119,6 +128,10 @@ impl Mig {
             let reply = inv.reply.clone();
             self.stream_frame(conn, &mut inv, Some(&reply), started, now);
         }
+        *self
+            .waiting_per_caller
+            .entry((inv.ns.clone(), inv.caller.clone()))
+            .or_insert(0) += 1;
         self.invocations.insert(session, inv);
     }
 
@@ -428,6 +441,13 @@ impl Mig {
         let Some(inv) = self.invocations.remove(&session) else {
             return;
         };
+        let caller = (inv.ns.clone(), inv.caller.clone());
+        if let Some(n) = self.waiting_per_caller.get_mut(&caller) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting_per_caller.remove(&caller);
+            }
+        }
         for sid in [inv.watch, inv.cancel_watch].into_iter().flatten() {
             self.subs.remove(&sid);
             let _ = conn.unsubscribe(sid, None);
@@ -476,4 +496,11 @@ impl Mig {
         };
         self.respond(conn, &answer, result, now);
     }
+}
+
+/// Invocations one caller may have waiting on a broker: a quarter of `mig.max_pending`, so
+/// one caller (retrying one idempotency key, say, which spends no budget) cannot take
+/// every slot from the rest of the tenant and the others.
+pub(super) fn caller_share(max_pending: usize) -> usize {
+    (max_pending / 4).max(1)
 }

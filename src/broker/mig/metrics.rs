@@ -37,7 +37,16 @@ impl Metrics {
         code: &'static str,
         took: Duration,
     ) {
-        let mut key = (op, capability.to_string(), code);
+        // The capability comes from the subject, before any check: one that could be no
+        // capability's id (quotes, backslashes, anything else a NATS token may hold) is
+        // not a label, and neither is one nobody proved a credential for, so junk
+        // neither breaks the exposition nor fills the series.
+        let label = if code == "MIG_UNAUTHORIZED" || !super::config::is_capability_id(capability) {
+            "other"
+        } else {
+            capability
+        };
+        let mut key = (op, label.to_string(), code);
         if !self.requests.contains_key(&key) && self.requests.len() >= MAX_SERIES {
             key.1 = "other".to_string();
         }
@@ -131,4 +140,27 @@ pub fn audit(
         timestamp:% = timestamp, message_id:% = message_id, task:% = task;
         "mig invocation"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capabilities_from_odd_subjects_are_not_labels() {
+        let mut m = Metrics::default();
+        m.request("invoke", "a\"b", "MIG_NOT_FOUND", Duration::ZERO);
+        m.request("invoke", "made-up", "MIG_UNAUTHORIZED", Duration::ZERO);
+        m.request("invoke", "render.v2", "OK", Duration::ZERO);
+        let mut out = String::new();
+        m.render(&mut out);
+        assert!(!out.contains("a\"b"), "{out}");
+        assert!(!out.contains("made-up"), "{out}");
+        assert!(
+            out.contains(
+                "amp_mig_requests_total{op=\"invoke\",capability=\"render.v2\",code=\"OK\"} 1"
+            ),
+            "{out}"
+        );
+    }
 }

@@ -110,6 +110,9 @@ pub struct Mig {
     /// Requests sent since the core last filed them in its continuation table.
     pub(crate) staged: Staged<Awaiting>,
     invocations: HashMap<SessionId, Invocation>,
+    /// Invocations waiting per caller (`(tenant, name)`): each holds at most its share of
+    /// `mig.max_pending`.
+    waiting_per_caller: HashMap<(String, String), usize>,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
@@ -165,6 +168,7 @@ impl Mig {
             subs: HashMap::new(),
             staged: Staged::default(),
             invocations: HashMap::new(),
+            waiting_per_caller: HashMap::new(),
             cancels: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),
@@ -460,6 +464,7 @@ impl Mig {
             authorization: msg.headers.as_ref().and_then(|h| h.get("Authorization")),
             message_id,
             timestamp,
+            exposed: matches!(op, subjects::Op::Publish(_)),
         };
         let wall = self.wall_ms(now);
         let verdict =
@@ -495,6 +500,14 @@ impl Mig {
             }
             Err(Refusal::Unauthorized) => {
                 let e = MigError::new(Code::Unauthorized, "authentication failed");
+                return self.respond(conn, &answer, Err(e), now);
+            }
+            Err(Refusal::Exposed) => {
+                self.metrics.rejected("bearer_on_publish");
+                let e = MigError::new(
+                    Code::Unauthorized,
+                    "PUBLISH takes an NKey signature: its subject reaches every subscriber of the topic, headers included, so a Bearer credential there is handed to them (use a new one)",
+                );
                 return self.respond(conn, &answer, Err(e), now);
             }
             Err(Refusal::Throttled(d)) => {

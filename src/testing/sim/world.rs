@@ -415,6 +415,8 @@ impl World {
                 n.broker
                     .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
             }
+            // The simulated transport bounds nothing.
+            Output::LoggedIn { .. } => {}
             // Clients read at once: what was queued is written by now.
             Output::WhenDrained { session } => {
                 self.mix(&format!("drained b{node}/{session}"));
