@@ -176,6 +176,43 @@ fn failures_with_no_attempt_left_are_dead_lettered_listed_to_the_right_people_an
     );
 }
 
+/// A worker sees every letter of its job and may submit too: redriving another's letter
+/// first made it the redrive's submitter, and the letter's own submitter was refused
+/// (`conflict`, the derived task id taken) for good. Each redriver now gets a task of its
+/// own, still one per letter and redriver.
+#[test]
+fn a_worker_redriving_a_letter_first_does_not_take_it_from_its_submitter() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config());
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = app.request(json!({"op":"submit","job":"render","task":"L","body":1,"max_attempts":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "L");
+    let f = w1.request(json!({"op":"fail","task":"L","retry":true,
+                              "error":{"code":"e","message":"no"}}));
+    assert_eq!(f["op"], "ok", "{f}");
+    task_result(&mut app, &broker);
+    let seq = letters(&mut app, None)["letters"][0]["seq"]
+        .as_u64()
+        .expect("seq");
+    let theirs = w1.request(json!({"op":"redrive","job":"render","seq":seq}));
+    assert_eq!(theirs["op"], "ok", "{theirs}");
+    let mine = app.request(json!({"op":"redrive","job":"render","seq":seq}));
+    assert_eq!(
+        (&mine["op"], &mine["dup"]),
+        (&json!("ok"), &json!(false)),
+        "{mine}"
+    );
+    assert_ne!(mine["task"], theirs["task"]);
+    let again = app.request(json!({"op":"redrive","job":"render","seq":seq}));
+    assert_eq!(
+        (&again["task"], &again["dup"]),
+        (&mine["task"], &json!(true)),
+        "{again}"
+    );
+}
+
 #[test]
 fn dead_letter_pages_are_paced_as_listings_are() {
     // Each page reads up to 200 stored letters one after another; at the frame rate, with

@@ -1517,3 +1517,39 @@ fn one_caller_cannot_take_every_invocation_slot_of_a_broker() {
     );
     assert_eq!(error_code(&r), "MIG_TIMEOUT", "{r}");
 }
+
+/// A stream is named by its invoke's message id, and CANCEL finds an invocation by it:
+/// another caller invoking with the same id (stream frames are readable tenant-wide)
+/// had its error frame land on the first caller's stream, and made the first caller's own
+/// CANCEL `MIG_FORBIDDEN`. On one broker such an id is refused while in use.
+#[test]
+fn a_message_id_in_use_by_another_callers_invocation_is_refused() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme", "message_id": "shared", "deadline_ms": 20_000},
+               "payload": {}, "stream_preference": "server_stream"}),
+    );
+    let started = alice.wait(&tag)["reply"].clone();
+    assert_eq!(started["payload"]["status"], "started", "{started}");
+    let mut bob = Mig::connect(&w, "bob");
+    let r = bob.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme", "message_id": "shared", "deadline_ms": 300},
+               "payload": {}, "stream_preference": "server_stream"}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    // Alice's own cancel still finds hers (once its task is stored).
+    let deadline = Instant::now() + WAIT;
+    let r = loop {
+        let r = alice.request(
+            "control.cancel.shared",
+            json!({"header": {"tenant_id": "acme"}, "reason": "enough"}),
+        );
+        if r["status"] != "not_found" || Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(r["accepted"], true, "{r}");
+}

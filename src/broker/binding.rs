@@ -259,14 +259,21 @@ pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32)
     }
 }
 
+/// How long a job consumer nobody pulls from is kept.
+pub const JOB_CONSUMER_INACTIVE: Duration = Duration::from_secs(24 * 3600);
+
 /// The durable pull consumer of one job: AckWait is the lease; deliveries are unlimited
 /// because declines count as deliveries and attempts live in the task store. Messages out
 /// are unlimited too: a task handed back for want of a taker stays out until its delay
 /// has passed, and with nats-server's default of 1,000 that many such tasks stopped every
 /// delivery of the job (the brokers themselves never pull more than their free slots).
+/// Job names come from clients, so a job nobody has pulled for a day loses its consumer
+/// (the tasks stay in the work-queue stream; the next `serve` creates it again, and it
+/// delivers them all).
 pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> ConsumerConfig {
     ConsumerConfig {
         max_ack_pending: Some(-1),
+        inactive_threshold: Some(JOB_CONSUMER_INACTIVE),
         ..durable_all(
             job_consumer(job),
             job_subject(ns, job),
@@ -497,7 +504,8 @@ mod tests {
             wire(&job_consumer_config("acme", "render", 45)),
             json!({"durable_name": "job_render", "filter_subject": "amp.acme.job.render",
                    "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 45 * S,
-                   "max_deliver": -1, "max_ack_pending": -1})
+                   "max_deliver": -1, "max_ack_pending": -1,
+                   "inactive_threshold": 24 * 3600 * S})
         );
         assert_eq!(
             wire(&durable_sub_config(

@@ -138,13 +138,14 @@ impl Letter {
         v
     }
 
-    /// The id of the task a redrive of letter `seq` submits. Derived, so a retried redrive
-    /// (its answer lost) is answered `dup` with the same task instead of making a second;
-    /// the original task id is part of it, so a recreated stream's sequences never name
-    /// an older letter's redrive.
-    pub fn redrive_task(&self, seq: u64) -> String {
+    /// The id of the task `redriver`'s redrive of letter `seq` submits. Derived, so a
+    /// retried redrive (its answer lost) is answered `dup` with the same task instead of
+    /// making a second; the original task id is part of it, so a recreated stream's
+    /// sequences never name an older letter's redrive; the redriver too, so one who sees
+    /// the letter (a worker) cannot take the id from another (its submitter).
+    pub fn redrive_task(&self, seq: u64, redriver: &str) -> String {
         let mut h = Sha256::new();
-        for part in ["redrive", self.task.as_str(), &seq.to_string()] {
+        for part in ["redrive", self.task.as_str(), &seq.to_string(), redriver] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
@@ -214,13 +215,15 @@ mod tests {
     }
 
     #[test]
-    fn a_redrive_names_one_task_per_letter() {
+    fn a_redrive_names_one_task_per_letter_and_redriver() {
         let r = record(TaskState::Failed, 1, 1);
         let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
         let l = Letter::new(&r, msg, String::new()).expect("letter");
-        assert_eq!(l.redrive_task(4), l.redrive_task(4));
-        assert_ne!(l.redrive_task(4), l.redrive_task(5));
-        let id = l.redrive_task(4);
+        let alice = "acme/alice";
+        assert_eq!(l.redrive_task(4, alice), l.redrive_task(4, alice));
+        assert_ne!(l.redrive_task(4, alice), l.redrive_task(5, alice));
+        assert_ne!(l.redrive_task(4, alice), l.redrive_task(4, "acme/w1"));
+        let id = l.redrive_task(4, alice);
         assert!(id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
     }
 }

@@ -16,7 +16,7 @@ mod queue;
 mod store;
 mod submit;
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -940,6 +940,7 @@ impl Jobs {
                 ))
             } else if self.queues.len() >= MAX_JOB_QUEUES
                 && !self.queues.contains_key(&queue_key(caller.ns, job))
+                && !self.release_idle_queue(conn)
             {
                 Some(format!("this broker serves at most {MAX_JOB_QUEUES} jobs"))
             } else {
@@ -977,6 +978,50 @@ impl Jobs {
             self.pull_more(conn, &queue_key(caller.ns, job), now);
         }
         Ok(())
+    }
+
+    /// Room for another job's queue: forgets one that no session here serves and that
+    /// holds nothing here (no task, no message being placed or acknowledged); false when
+    /// there is none. Jobs are named by clients, so queues of jobs served once must not
+    /// stay for good. Its consumer stays in JetStream for the brokers that serve it; a
+    /// pull still out is abandoned, and what it brings is delivered again after the
+    /// job's lease, as after a crash.
+    fn release_idle_queue(&mut self, conn: &mut Connection) -> bool {
+        let served: HashSet<String> = self
+            .workers
+            .values()
+            .flat_map(|w| {
+                w.serving
+                    .iter()
+                    .filter(|(_, s)| s.slots > 0)
+                    .map(|(job, _)| queue_key(&w.ns, job))
+            })
+            .collect();
+        let holding: HashSet<String> = self
+            .tasks
+            .values()
+            .map(|t| queue_key(&t.ns, &t.job))
+            .collect();
+        let idle = self
+            .queues
+            .iter()
+            .find(|(qk, q)| {
+                !served.contains(*qk)
+                    && !holding.contains(*qk)
+                    && q.unplaced == 0
+                    && q.acks_due == 0
+            })
+            .map(|(qk, _)| qk.clone());
+        let Some(qk) = idle else {
+            return false;
+        };
+        if let Some(mut q) = self.queues.remove(&qk)
+            && let Some(sid) = q.pull.detach(conn)
+        {
+            self.routes.remove(&sid);
+        }
+        log::debug!(queue:% = qk; "job queue released: nobody here serves it");
+        true
     }
 
     fn status(
@@ -1675,6 +1720,8 @@ mod tests {
 
     use serde_json::{Value, json};
 
+    use super::{MAX_JOB_QUEUES, MAX_JOBS_PER_SESSION};
+
     use crate::broker::config::Job;
     use crate::testing::harness::{self, Harness, Session};
 
@@ -1746,6 +1793,28 @@ mod tests {
         );
         let done = h.request(w, json!({"op":"complete","task":task}));
         assert_eq!(done["op"], "ok", "{done}");
+    }
+
+    #[test]
+    fn jobs_nobody_serves_here_any_more_do_not_hold_the_brokers_job_queues() {
+        // Any participant that may serve `>` could name 1,024 made-up jobs from a few
+        // sessions and close them: the queues stayed, and every job after that was
+        // refused on this broker until it restarted.
+        let mut h = bench(3);
+        for round in 0..(MAX_JOB_QUEUES / MAX_JOBS_PER_SESSION) {
+            let serve: Vec<Value> = (0..MAX_JOBS_PER_SESSION)
+                .map(|i| json!({"job": format!("junk{round}x{i}"), "slots": 1}))
+                .collect();
+            let s = h.join(0, &format!("squatter{round}"), json!({"serve": serve}));
+            h.close(s);
+        }
+        let w = h.join(0, "w", json!({}));
+        let r = h.request(w, json!({"op":"serve","job":"render","slots":1}));
+        assert_eq!(r["op"], "ok", "{r}");
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let offer = h.wait_for(w, |f| f["op"] == "offer");
+        assert_eq!(offer["task"], task, "{offer}");
     }
 
     #[test]

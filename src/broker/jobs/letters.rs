@@ -359,7 +359,9 @@ impl Jobs {
             id: r.re,
             job: r.job,
             body,
-            task: Some(letter.redrive_task(r.seq)),
+            // The redriver is part of it: a worker, who sees every letter of its job,
+            // redriving one first must not take the id from the letter's submitter.
+            task: Some(letter.redrive_task(r.seq, &format!("{}/{}", r.ns, r.name))),
             max_attempts: None,
             eligible: letter.eligible.map(|e| amp_frame::Eligible {
                 names: e.names,

@@ -38,6 +38,25 @@ impl Mig {
         let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
             let bytes = r.body.get("payload").map_or(0, |p| p.to_string().len());
             take_rate(ctx.rates, r.participant, r.ns, r.caller, bytes, now)?;
+            // A message id names the stream and is what CANCEL finds: one another caller's
+            // invocation here uses would let this one end its stream or its cancel.
+            let taken = r.header.message_id_given
+                && self
+                    .by_message
+                    .get(&(r.ns.to_string(), r.header.message_id.clone()))
+                    .is_some_and(|sessions| {
+                        sessions.iter().any(|s| {
+                            self.invocations
+                                .get(s)
+                                .is_some_and(|i| i.caller != r.caller)
+                        })
+                    });
+            if taken {
+                return Err(MigError::new(
+                    Code::InvalidRequest,
+                    "message_id is in use by another caller's invocation",
+                ));
+            }
             let max = ctx.config.mig.max_pending;
             let share = caller_share(max);
             let mine = self
