@@ -305,6 +305,21 @@ mod tests {
 
     const NOW_MS: i64 = 1_796_083_200_000; // 2026-12-01T00:00:00Z
 
+    /// Ann's `Authorization` for [`req`]'s message on `mig.v0_1.acme.discover`.
+    fn signed_by(ann: &KeyPair) -> String {
+        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
+        format!("NKey {} {sig}", ann.public_key())
+    }
+
+    /// Forty failures with `reply`: its participant is throttled after.
+    fn fail_often(a: &mut Authenticator, c: &Config, reply: &str, now: Instant) {
+        for _ in 0..40 {
+            let _ = a.authenticate(c, None, &req(reply, "Bearer nope"), now, NOW_MS);
+        }
+    }
+
     #[test]
     fn tokens_jwts_and_signatures_prove_their_participant() {
         let ann = KeyPair::generate(KeyKind::User).expect("key");
@@ -342,10 +357,7 @@ mod tests {
             ),
             Err(Refusal::Drop("reply_subject"))
         );
-        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
-        let sig =
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
-        let auth = format!("NKey {} {sig}", ann.public_key());
+        let auth = signed_by(&ann);
         assert_eq!(
             a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
@@ -459,19 +471,8 @@ mod tests {
         let c = config(&ann.public_key());
         let mut a = Authenticator::new();
         let now = Instant::now();
-        for _ in 0..40 {
-            let _ = a.authenticate(
-                &c,
-                None,
-                &req("_INBOX_acme_ann.x", "Bearer nope"),
-                now,
-                NOW_MS,
-            );
-        }
-        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
-        let sig =
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
-        let auth = format!("NKey {} {sig}", ann.public_key());
+        fail_often(&mut a, &c, "_INBOX_acme_ann.x", now);
+        let auth = signed_by(&ann);
         assert_eq!(
             a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
@@ -503,25 +504,14 @@ mod tests {
             a.authenticate(
                 &c,
                 None,
-                &req(
-                    "_INBOX_acme_ann.1",
-                    &format!("NKey {} {sig}x", ann.public_key())
-                ),
+                &req("_INBOX_acme_ann.1", &format!("{auth}x")),
                 now,
                 NOW_MS
             ),
             Err(Refusal::Throttled(_))
         ));
         // Raw tokens stay unchecked while throttled: guessing stays slow.
-        for _ in 0..40 {
-            let _ = a.authenticate(
-                &c,
-                None,
-                &req("_INBOX_acme_bob.x", "Bearer nope"),
-                now,
-                NOW_MS,
-            );
-        }
+        fail_often(&mut a, &c, "_INBOX_acme_bob.x", now);
         assert!(matches!(
             a.authenticate(
                 &c,
@@ -546,10 +536,7 @@ mod tests {
             a.authenticate(&c, None, &publish, now, NOW_MS),
             Err(Refusal::Exposed)
         );
-        let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
-        let sig =
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
-        let auth = format!("NKey {} {sig}", ann.public_key());
+        let auth = signed_by(&ann);
         let mut publish = req("_INBOX_acme_ann.1", &auth);
         publish.exposed = true;
         assert_eq!(
