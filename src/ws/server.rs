@@ -731,6 +731,7 @@ impl WsServer {
             };
             self.metrics.registry.inc(self.metrics.accepted, "");
             let ip = AddressKey::of(peer.ip());
+            let group = Group::of(peer.ip());
             let refused = if !self.connect_rate.allow(ip, now) {
                 Some("rate")
             } else if self.per_ip.get(&ip).copied().unwrap_or(0) >= self.cfg.max_connections_per_ip
@@ -740,7 +741,7 @@ impl WsServer {
                 Some("memory")
             } else if (self.open >= self.cfg.max_connections
                 || (!plain && self.waiting.len() >= self.cfg.max_waiting_connections))
-                && !self.push_out_one(Group::of(peer.ip()), registry, now)
+                && !self.push_out_one(group, registry, now)
             {
                 Some("table_full")
             } else {
@@ -791,10 +792,10 @@ impl WsServer {
                     accounted: 0,
                     queued: 0,
                     state: "http",
-                    waiting: (!plain).then(|| Group::of(peer.ip())),
+                    waiting: (!plain).then_some(group),
                 });
                 if !plain {
-                    self.waiting.add(Group::of(peer.ip()), index);
+                    self.waiting.add(group, index);
                     self.count_waiting();
                 }
                 self.metrics

@@ -313,6 +313,21 @@ mod tests {
         format!("NKey {} {sig}", ann.public_key())
     }
 
+    /// The JWT `hello` would give `acme/<name>`, issued by `issuer`, valid at [`NOW_MS`].
+    fn hello_jwt(issuer: &KeyPair, c: &Config, name: &str) -> String {
+        let p = c.participant("acme", name).expect("participant");
+        crate::broker::scoped_jwt::hello_jwt(
+            issuer,
+            "acme",
+            name,
+            p,
+            (NOW_MS / 1000) as u64,
+            3600,
+            Some(&[]),
+        )
+        .expect("jwt")
+    }
+
     /// Forty failures with `reply`: its participant is throttled after.
     fn fail_often(a: &mut Authenticator, c: &Config, reply: &str, now: Instant) {
         for _ in 0..40 {
@@ -395,17 +410,7 @@ mod tests {
     fn a_jwt_for_one_participant_with_anothers_reply_subject_is_dropped() {
         let issuer = KeyPair::generate(KeyKind::Account).expect("key");
         let c = config(&KeyPair::generate(KeyKind::User).expect("key").public_key());
-        let p = c.participant("acme", "bob").expect("bob").clone();
-        let token = crate::broker::scoped_jwt::hello_jwt(
-            &issuer,
-            "acme",
-            "bob",
-            &p,
-            (NOW_MS / 1000) as u64,
-            3600,
-            Some(&[]),
-        )
-        .expect("jwt");
+        let token = hello_jwt(&issuer, &c, "bob");
         let mut a = Authenticator::new();
         let now = Instant::now();
         let auth = format!("Bearer {token}");
@@ -477,17 +482,7 @@ mod tests {
             a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
         );
-        let p = c.participant("acme", "ann").expect("ann").clone();
-        let jwt = crate::broker::scoped_jwt::hello_jwt(
-            &issuer,
-            "acme",
-            "ann",
-            &p,
-            (NOW_MS / 1000) as u64,
-            3600,
-            Some(&[]),
-        )
-        .expect("jwt");
+        let jwt = hello_jwt(&issuer, &c, "ann");
         let pk = issuer.public_key();
         assert_eq!(
             a.authenticate(
