@@ -1553,3 +1553,81 @@ fn a_message_id_in_use_by_another_callers_invocation_is_refused() {
     };
     assert_eq!(r["accepted"], true, "{r}");
 }
+
+/// A subscriber of a topic receives each signed PUBLISH whole, and the signature covers the
+/// message id, time and subject, not the body. Each broker remembers the ids it has seen,
+/// so a replay to the broker that stored the original was refused; one to another broker
+/// stored the replayer's body as an event from the signer. The brokers now share the
+/// record of signed ids through JetStream.
+#[test]
+fn a_signed_publish_replayed_to_another_broker_is_refused() {
+    let w = world(2);
+    let mut alice = Mig::connect(&w, "alice");
+    alice.call(
+        json!({"cmd": "subscribe", "sub": "tap", "subject": "mig.v0_1.acme.events.orders.>"}),
+    );
+    let mut ann = Mig::connect_nkey(&w);
+    let r = ann.signed(
+        &w,
+        "events.orders.eu",
+        json!({"header": {"tenant_id": "acme"}, "payload": {"n": 1}}),
+    );
+    assert_eq!(r["accepted"], true, "{r}");
+    const SERIES: &str = "amp_mig_request_seconds_count{op=\"publish\"}";
+    let served = |b: usize| common::amp::metric(&w.brokers[b], SERIES).unwrap_or(0.0);
+    let first = if served(0) == 1.0 { 0 } else { 1 };
+    assert_eq!(served(first), 1.0, "one broker stored the original");
+    let other = 1 - first;
+    // What Alice saw: Ann's request, with its reply subject (under Ann's prefix).
+    let deadline = Instant::now() + WAIT;
+    let tapped = loop {
+        let got = alice.call(json!({"cmd": "collected", "sub": "tap"}));
+        let request = got["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .find(|m| m["reply"].as_str().is_some_and(|r| !r.is_empty()))
+            .cloned();
+        if let Some(m) = request {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "the request was not seen: {got}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut forged = tapped["body"].clone();
+    forged["payload"] = json!({"n": "forged by alice"});
+    // Sent until the broker that did not store the original has taken one (queue groups
+    // spread the requests; the first broker refuses each as a replay).
+    let mut tries = 0;
+    while served(other) == 0.0 {
+        tries += 1;
+        assert!(tries <= 40, "the other broker never took the replay");
+        let before = served(0) + served(1);
+        alice.call(
+            json!({"cmd": "publish", "subject": tapped["subject"], "body": forged,
+                          "headers": tapped["headers"], "reply": tapped["reply"]}),
+        );
+        let deadline = Instant::now() + WAIT;
+        while served(0) + served(1) == before {
+            assert!(Instant::now() < deadline, "the replay was not answered");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let page = alice.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "orders.>"}),
+    );
+    let payloads: Vec<&Value> = page["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| &e["payload"])
+        .collect();
+    assert_eq!(payloads, [&json!({"n": 1})], "{page}");
+    assert!(
+        w.metrics(other)
+            .contains("amp_mig_rejected_total{reason=\"replay\"} 1"),
+        "{}",
+        w.metrics(other)
+    );
+}

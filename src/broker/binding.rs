@@ -233,6 +233,17 @@ pub fn task_state_stream_config(s: StreamSettings) -> StreamConfig {
     kv_stream_config(TASK_STATE_BUCKET, TASK_STATE_HISTORY, s)
 }
 
+/// Signed MIG ids the brokers have taken (`mig::seen`): one key each, gone after `KEEP`.
+pub fn mig_seen_stream_config(s: StreamSettings) -> StreamConfig {
+    use crate::broker::mig::seen;
+    let keep = seen::KEEP.as_secs();
+    let s = StreamSettings {
+        duplicate_window_s: s.duplicate_window_s.min(keep),
+        ..s
+    };
+    aged(kv_stream_config(seen::BUCKET, 1, s), keep, seen::MAX_BYTES)
+}
+
 /// A durable pull consumer of `filter` from the start of the stream, every delivery
 /// acked within `ack_wait`, redelivered without limit.
 fn durable_all(name: String, filter: String, ack_wait: Duration) -> ConsumerConfig {

@@ -26,6 +26,9 @@ pub fn desired_streams(
         binding::task_state_stream_config(settings),
         super::budget::budget_stream_config(settings.replicas),
     ];
+    if config.mig.enabled {
+        streams.push(binding::mig_seen_stream_config(settings));
+    }
     for (ns, n) in &config.namespaces {
         if n.jetstream_domain.as_deref() != domain {
             continue;

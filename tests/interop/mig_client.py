@@ -101,7 +101,8 @@ async def main():
 
             async def cb(msg, name=name):
                 collected[name].append({"subject": msg.subject, "body": decode(msg.data),
-                                       "headers": dict(msg.headers or {})})
+                                       "headers": dict(msg.headers or {}),
+                                       "reply": msg.reply})
             await nc.subscribe(cmd["subject"], cb=cb)
             await nc.flush()
             out({"tag": tag, "ok": True})

@@ -7,12 +7,13 @@ use std::time::Instant;
 use serde_json::{Map, Value, json};
 
 use super::envelope::{Code, Echo, MigError};
-use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub};
+use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub, seen};
 use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{Check, PullLoop, Pulled};
+use crate::jetstream::JsError;
 use crate::jetstream::ack::AckKind;
 use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::api::ApiPrefix;
@@ -47,6 +48,26 @@ pub struct PublishRequest {
     topic: String,
     event_id: String,
     received: Instant,
+}
+
+impl PublishRequest {
+    fn answer(&self) -> Answer<'_> {
+        Answer {
+            reply: &self.reply,
+            echo: &self.echo,
+            op: "publish",
+            capability: "",
+            received: self.received,
+        }
+    }
+}
+
+/// A PUBLISH's event, held while its signed id is recorded (`seen`).
+pub struct ClaimedPublish {
+    subject: String,
+    nats: HeaderMap,
+    bytes: Vec<u8>,
+    request: PublishRequest,
 }
 
 /// A SUBSCRIBE page being read, one stored event after another.
@@ -192,7 +213,7 @@ impl Mig {
         let Some(f) = self.live.get_mut(feed) else {
             return;
         };
-        let (pulled, at) = f.pull.on_message(conn, msg.status(), now);
+        let (pulled, at) = f.pull.on_message(conn, &msg.subject, msg.status(), now);
         let ns = f.ns.clone();
         self.arm_live(feed, at);
         if pulled != Pulled::Message {
@@ -309,24 +330,80 @@ impl Mig {
             .detail("amp_code", json!("too_large"));
             return self.respond(conn, answer, Err(e), now);
         }
-        let subject = binding::topic_subject(ns, topic);
-        match conn.request(&subject, Some(&nats), &bytes, JS_TIMEOUT, now) {
-            Ok(req) => {
-                let p = PublishRequest {
-                    reply: answer.reply.to_string(),
-                    echo: answer.echo.clone(),
-                    topic: topic.to_string(),
-                    event_id: id,
-                    received: now,
-                };
-                self.staged
-                    .push(req, super::Awaiting(Pending::Publish(Box::new(p))), now);
-            }
+        let event = ClaimedPublish {
+            subject: binding::topic_subject(ns, topic),
+            nats,
+            bytes,
+            request: PublishRequest {
+                reply: answer.reply.to_string(),
+                echo: answer.echo.clone(),
+                topic: topic.to_string(),
+                event_id: id,
+                received: now,
+            },
+        };
+        // Only a signature reaches this far (`Refusal::Exposed`); its id is recorded
+        // for every broker before the event is stored.
+        let claim = seen::claim(ctx.config.js_api(ns), ns, name, &header.message_id)
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                conn.request(&c.subject, c.headers.as_ref(), &c.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        match claim {
+            Ok(req) => self
+                .staged
+                .push(req, super::Awaiting(Pending::Claim(Box::new(event))), now),
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
                 self.respond(conn, answer, Err(e), now);
             }
         }
+    }
+
+    /// The signed id is recorded (or was taken before): the event is stored (or refused
+    /// as a replay).
+    pub(super) fn claimed(
+        &mut self,
+        conn: &mut Connection,
+        event: ClaimedPublish,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let refusal = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+            Ok(Ok(_)) => {
+                let p = event.request;
+                let sent = conn.request(
+                    &event.subject,
+                    Some(&event.nats),
+                    &event.bytes,
+                    JS_TIMEOUT,
+                    now,
+                );
+                match sent {
+                    Ok(req) => {
+                        self.staged
+                            .push(req, super::Awaiting(Pending::Publish(Box::new(p))), now);
+                        return;
+                    }
+                    Err(e) => {
+                        let e =
+                            MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                        return self.respond(conn, &p.answer(), Err(e), now);
+                    }
+                }
+            }
+            Ok(Err(JsError::WrongLastSequence(_))) => {
+                self.metrics.rejected("replay");
+                MigError::new(Code::Unauthorized, "authentication failed")
+            }
+            Ok(Err(e)) => MigError::new(
+                Code::Unavailable,
+                format!("JetStream did not record the signed id: {e}"),
+            ),
+            Err(e) => MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}")),
+        };
+        self.respond(conn, &event.request.answer(), Err(refusal), now);
     }
 
     pub(super) fn published(
@@ -349,14 +426,7 @@ impl Mig {
                 format!("JetStream did not answer: {e}"),
             )),
         };
-        let answer = Answer {
-            reply: &p.reply,
-            echo: &p.echo,
-            op: "publish",
-            capability: "",
-            received: p.received,
-        };
-        self.respond(conn, &answer, result, now);
+        self.respond(conn, &p.answer(), result, now);
     }
 
     // ---- SUBSCRIBE (replay pages) ----------------------------------------------------

@@ -17,6 +17,7 @@ mod invocations;
 mod invoke;
 mod metrics;
 mod ops;
+pub mod seen;
 pub mod subjects;
 
 use std::collections::{BTreeMap, HashMap};
@@ -84,6 +85,8 @@ enum Pending {
     Record(SessionId),
     Depth(SessionId),
     LiveConsumer(usize),
+    /// A PUBLISH's signed id being recorded, before its event is stored.
+    Claim(Box<events::ClaimedPublish>),
     Publish(Box<events::PublishRequest>),
     Replay(Box<events::ReplayPage>),
     /// A cancel forwarded to the broker that may hold its invocation.
@@ -312,6 +315,7 @@ impl Mig {
                     reply.is_ok_and(|m| crate::jetstream::api::check_error(&m.payload).is_ok());
                 self.live_consumer_ready(conn, feed, ok, now);
             }
+            Pending::Claim(p) => self.claimed(conn, *p, reply, now),
             Pending::Publish(p) => self.published(conn, *p, reply, now),
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
