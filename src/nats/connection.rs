@@ -28,6 +28,13 @@ use std::time::{Duration, Instant};
 
 /// Until the server's INFO says otherwise.
 const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
+/// The most any nats-server allows (`max_payload` cannot be set higher): an INFO asking
+/// for more is a peer that wants the broker to buffer gigabytes for one message.
+const MAX_PAYLOAD_CEILING: usize = 64 * 1024 * 1024;
+/// A connection dropped sooner than this after its handshake counts as a failed attempt:
+/// a server (or a path) that accepts and then drops at once is dialed with backoff, not
+/// again and again at round-trip speed.
+const STABLE_CONNECTION: Duration = Duration::from_secs(1);
 /// Outstanding user pings (`ping()`) at once.
 const MAX_USER_PINGS: usize = 1024;
 /// After `output()` is drained this far, the buffer is compacted.
@@ -225,6 +232,8 @@ pub struct Connection {
     next_ping: Option<Instant>,
     next_user_ping: u64,
     lame_duck_move: bool,
+    /// When the current connection's handshake completed.
+    connected_at: Instant,
     stats: Stats,
     /// The latest `now` passed in, for the few calls that take none.
     last_now: Instant,
@@ -294,6 +303,7 @@ impl Connection {
             next_ping: None,
             next_user_ping: 0,
             lame_duck_move: false,
+            connected_at: now,
             stats: Stats::default(),
             last_now: now,
             tls_required: options.tls_required(),
@@ -901,7 +911,19 @@ impl Connection {
                 headers,
                 payload,
             } => self.on_msg(subject, sid, reply, Some(headers), payload),
-            Op::Ping => encode::pong(&mut self.out),
+            Op::Ping => {
+                // Each PING asks for bytes: a server that sends them and never reads
+                // would have them pile up without end.
+                if self.out.len() - self.out_pos >= self.options.max_write_buffer {
+                    self.close_transport = true;
+                    self.lost(
+                        now,
+                        "stale connection: the server does not read what it asks for",
+                    );
+                } else {
+                    encode::pong(&mut self.out);
+                }
+            }
             Op::Pong => self.on_pong(now),
             Op::Ok => {}
             Op::Err(text) => self.on_err(&String::from_utf8_lossy(text), now),
@@ -932,7 +954,9 @@ impl Connection {
             self.learn_servers(&info.connect_urls);
         }
         if info.max_payload > 0 {
-            self.max_payload = usize::try_from(info.max_payload).unwrap_or(usize::MAX);
+            self.max_payload = usize::try_from(info.max_payload)
+                .unwrap_or(usize::MAX)
+                .min(MAX_PAYLOAD_CEILING);
             self.parser.max_payload = self.max_payload;
         }
         match self.state {
@@ -1091,9 +1115,14 @@ impl Connection {
         match self.state {
             State::AwaitPong { server, .. } => self.handshake_done(server, now),
             State::Connected { .. } => {
-                self.keepalive_out = 0;
-                if let Some(PingKind::User(id)) = self.pings.pop_front() {
-                    self.events.push_back(Event::Pong(PingId(id)));
+                // Only the answer to a PING: unasked PONGs would keep a server that no
+                // longer reads looking alive.
+                match self.pings.pop_front() {
+                    Some(PingKind::User(id)) => self.events.push_back(Event::Pong(PingId(id))),
+                    Some(PingKind::Keepalive) => {
+                        self.keepalive_out = self.keepalive_out.saturating_sub(1);
+                    }
+                    None => {}
                 }
             }
             _ => {}
@@ -1102,10 +1131,11 @@ impl Connection {
 
     fn handshake_done(&mut self, server: usize, now: Instant) {
         self.state = State::Connected { server };
+        self.connected_at = now;
         self.failures_in_a_row = 0;
         self.last_error = None;
+        // Its failures are forgotten once the connection has lasted (`lost`).
         if let Some(e) = self.pool.get_mut(server) {
-            e.failures = 0;
             e.retry_at = None;
             e.lame_duck = false;
         }
@@ -1260,6 +1290,23 @@ impl Connection {
             return;
         };
         self.reset_transport();
+        let lasted = now.saturating_duration_since(self.connected_at) >= STABLE_CONNECTION;
+        if let Some(e) = self.pool.get_mut(server) {
+            if lasted {
+                e.failures = 0;
+            } else {
+                e.failures = e.failures.saturating_add(1);
+                e.retry_at = Some(after(
+                    now,
+                    backoff::delay(
+                        self.options.reconnect_delay,
+                        self.options.reconnect_delay_max,
+                        e.failures,
+                        &mut self.rng,
+                    ),
+                ));
+            }
+        }
         self.events.push_back(Event::Disconnected {
             reason: reason.to_string(),
         });

@@ -487,6 +487,8 @@ fn reconnect_restores_subscriptions_then_writes_buffered_publishes() {
     h.take_output();
     h.events();
 
+    // A connection that lasted (one dropped at once is dialed again after a backoff).
+    h.now += Duration::from_secs(5);
     h.conn.on_transport_closed(h.now, "reset by peer");
     assert!(
         matches!(&h.events()[..], [Event::Disconnected { reason }] if reason == "reset by peer")
@@ -618,6 +620,100 @@ fn recoverable_err_is_an_event_and_fatal_err_reconnects() {
     assert!(
         matches!(&h.events()[..], [Event::Disconnected { reason }] if reason.contains("Maximum Connections Exceeded"))
     );
+    // Dropped at once after its handshake: dialed again after a backoff.
+    assert!(h.conn.poll_connect(h.now).is_none());
+    h.advance(Duration::from_secs(4));
+    assert!(h.conn.poll_connect(h.now).is_some());
+}
+
+#[test]
+fn a_server_that_pings_and_never_reads_is_dropped_not_buffered() {
+    let mut o = Harness::options("h:1");
+    o.max_write_buffer = 1000;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    // PINGs it never reads the PONGs of, and a PONG now and then it never was asked for
+    // (which must not count as the server being alive).
+    let mut burst = b"PING\r\n".repeat(100);
+    burst.extend_from_slice(b"PONG\r\n");
+    for _ in 0..100 {
+        h.conn.receive(&burst, h.now);
+        assert!(
+            h.conn.output().len() <= 1000 + 6,
+            "{}",
+            h.conn.output().len()
+        );
+        if h.conn.poll_close() {
+            break;
+        }
+    }
+    assert!(!h.conn.is_connected());
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Disconnected { reason }] if reason.contains("does not read")),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn each_pong_answers_one_ping_so_half_answered_keepalives_go_stale() {
+    let mut o = Harness::options("h:1");
+    o.ping_interval = Duration::from_secs(10);
+    o.max_pings_outstanding = 2;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    // One PONG for every two PINGs (and unasked ones at the start): the outstanding
+    // count grows by one each round instead of starting again at zero.
+    h.conn.receive(b"PONG\r\nPONG\r\n", h.now);
+    for round in 0..6 {
+        h.advance(Duration::from_secs(10));
+        h.take_output();
+        if round % 2 == 1 {
+            h.conn.receive(b"PONG\r\n", h.now);
+        }
+    }
+    assert!(!h.conn.is_connected(), "stale: half its PINGs unanswered");
+}
+
+#[test]
+fn an_info_cannot_raise_max_payload_past_what_any_server_allows() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect_with(
+        "INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":4000000000}\r\n",
+    );
+    h.events();
+    assert_eq!(h.conn.max_payload(), 64 * 1024 * 1024);
+    h.conn.receive(b"SUB x 1\r\n", h.now);
+    // Announced, not sent: refused at the header instead of buffered.
+    h.conn.receive(b"MSG a 1 100000000\r\n", h.now);
+    assert!(h.conn.poll_close());
+    assert!(!h.conn.is_connected());
+}
+
+#[test]
+fn a_connection_dropped_right_after_its_handshake_is_redialed_with_growing_backoff() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    let mut waits = Vec::new();
+    for _ in 0..5 {
+        h.connect();
+        h.conn.receive(b"-ERR 'Stale Connection'\r\n", h.now);
+        assert!(!h.conn.is_connected());
+        assert!(h.conn.poll_close());
+        h.events();
+        let at = h.conn.poll_timeout().expect("a redial is scheduled");
+        assert!(h.conn.poll_connect(h.now).is_none(), "not at once");
+        waits.push(at - h.now);
+        h.now = at;
+        h.conn.handle_timeout(h.now);
+    }
+    assert!(waits[4] > waits[0], "{waits:?}");
+    // One that lasted is dialed again at once.
+    h.connect();
+    h.advance(Duration::from_secs(30));
+    h.take_output();
+    h.conn.receive(b"-ERR 'Stale Connection'\r\n", h.now);
     assert!(h.conn.poll_connect(h.now).is_some());
 }
 
