@@ -292,6 +292,32 @@ fn a_participant_holds_at_most_max_durables_per_participant_across_sessions() {
     assert_eq!(subscribe_durable(&mut s, "x.>", "d3")["op"], "ok");
 }
 
+/// JetStream lists only the durables already made, so 32 durable subscribes one session
+/// sent at once were each counted before any of the others was created, and all passed
+/// a cap of 4: one participant could fill the stream's `max_consumers` for everyone, for
+/// as long as its durables live. Creations under way count now.
+#[test]
+fn durable_subscribes_sent_at_once_are_held_to_the_cap() {
+    let nats = NatsServer::start();
+    let config = topics_config(&["s"], json!({"max_durables_per_participant": 4}));
+    let broker = Broker::start(&nats.url(), &config);
+    let mut s = Client::login(&broker, "acme", "s", "s-token");
+    for i in 0..32 {
+        s.send(&json!({"op":"subscribe","id":format!("d{i}"),"topic":"x.>",
+                       "sub":format!("d{i}"),"durable":true}));
+    }
+    let answers: Vec<Value> = (0..32).map(|i| s.answer_to(&format!("d{i}"))).collect();
+    let taken = answers.iter().filter(|a| a["op"] == "ok").count();
+    assert_eq!(taken, 4, "{answers:?}");
+    for a in answers.iter().filter(|a| a["op"] != "ok") {
+        let (code, message) = refusal(a);
+        assert_eq!(code, Some("forbidden"), "{a}");
+        assert!(message.contains("at most 4 durable subscriptions"), "{a}");
+    }
+    let made = durables(&mut admin(&nats));
+    assert_eq!(made.len(), 4, "{made:?}");
+}
+
 #[test]
 fn a_broker_holds_at_most_max_topic_subscriptions() {
     let nats = NatsServer::start();

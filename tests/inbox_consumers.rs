@@ -388,3 +388,30 @@ fn a_participant_a_reload_lists_keeps_its_inbox_from_made_up_names() {
     let msg = c.next_op("message", WAIT).expect("c's message");
     assert_eq!(msg["body"], "for c");
 }
+
+/// An open namespace takes any name: each that came once left its registry delete marker
+/// in the bucket for good (a new subject per name, replayed by every broker's registry
+/// watch at each start). The marker now expires as the entry would have.
+#[test]
+fn names_that_came_once_leave_nothing_in_the_registry() {
+    let nats = NatsServer::start();
+    let mut config = open_namespace_config();
+    config["limits"] = json!({"registry_ttl_s": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    for i in 0..20 {
+        let c = Client::login(&broker, "acme", &format!("once{i}"), OPEN_TOKEN);
+        drop(c);
+    }
+    let mut js = js(&nats);
+    let kv = binding::registry_stream_config("acme", 2, Default::default()).name;
+    let mut last = None;
+    let gone = common::wait_until(Duration::from_secs(30), || {
+        let state = js.stream_info(&kv).map(|i| i.state);
+        let empty = state
+            .as_ref()
+            .is_ok_and(|s| s.messages == 0 && s.first_seq > 1);
+        last = Some(format!("{state:?}"));
+        empty
+    });
+    assert!(gone, "the registry still holds the names: {last:?}");
+}

@@ -71,6 +71,46 @@ fn sighup_applies_a_removed_permission_from_the_next_frame() {
     ping_ok(&mut alice);
 }
 
+/// Deliveries are not frames the participant sends: a subscription made under a
+/// `subscribe` permission the reload took away went on delivering every new event (a
+/// durable one for as long as its consumer lives). Its session is closed now.
+#[test]
+fn sighup_ends_sessions_holding_subscriptions_the_new_permissions_do_not_allow() {
+    let nats = NatsServer::start();
+    let config = open_config(&["alice", "bob", "carol"]);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+    let mut bob = Client::login(&broker, "acme", "bob", "bob-token");
+    let mut carol = Client::login(&broker, "acme", "carol", "carol-token");
+    for (c, durable) in [(&mut alice, false), (&mut bob, true)] {
+        let ok = c.request(json!({"op":"subscribe","topic":"hr.>","sub":"h","durable":durable}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let ok = carol.request(json!({"op":"subscribe","topic":"news.>","sub":"n"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    let mut fewer = config.clone();
+    for name in ["alice", "bob", "carol"] {
+        fewer["namespaces"]["acme"]["participants"][name]["permissions"]["subscribe"] =
+            json!(["news.>"]);
+    }
+    broker.reload(&fewer, "reloaded");
+
+    for c in [&mut alice, &mut bob] {
+        let closed = c.next_op("_closed", WAIT).expect("the session closes");
+        assert_eq!(
+            (closed["code"].as_u64(), closed["reason"].as_str()),
+            (Some(1008), Some("configuration changed")),
+            "{closed}"
+        );
+    }
+    // Carol's subscription is still allowed: she stays and is served.
+    let ok = carol.request(json!({"op":"publish","topic":"news.today","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let event = carol.next_op("event", WAIT).expect("carol's event");
+    assert_eq!(event["topic"], "news.today", "{event}");
+}
+
 #[test]
 fn sighup_closes_the_session_whose_token_changed() {
     let nats = NatsServer::start();

@@ -9,8 +9,9 @@
 //! waits behind at most one of every other session's, whatever they ask.
 //!
 //! Clean-ups (deletes of consumers whose session ended, hand-backs of a durable's
-//! events) go first: they free what the server holds, and while they wait no new
-//! consumer is made, so they never pile up behind creations.
+//! events) take every other place, and any place sessions leave: they free what the
+//! server holds and do not pile up behind creations, yet a participant ending sessions
+//! as fast as it can open them does not stop every other session's requests.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -36,6 +37,8 @@ pub struct ApiQueue<T> {
     limit: usize,
     in_flight: usize,
     cleanup: VecDeque<T>,
+    /// The next place goes to a clean-up if one waits.
+    cleanup_turn: bool,
     sessions: HashMap<SessionId, Waiting<T>>,
     /// Sessions with requests waiting, in turn order; entries of lanes taken away are
     /// skipped when reached.
@@ -50,6 +53,7 @@ impl<T> ApiQueue<T> {
             limit: limit.max(1),
             in_flight: 0,
             cleanup: VecDeque::new(),
+            cleanup_turn: true,
             sessions: HashMap::new(),
             turns: VecDeque::new(),
             tickets: 0,
@@ -89,8 +93,15 @@ impl<T> ApiQueue<T> {
         if self.in_flight >= self.limit {
             return None;
         }
-        let item = match self.cleanup.pop_front() {
+        let first = if self.cleanup_turn {
+            self.cleanup.pop_front()
+        } else {
+            self.next_turn()
+        };
+        self.cleanup_turn = !self.cleanup_turn;
+        let item = match first {
             Some(item) => item,
+            None if self.cleanup_turn => self.cleanup.pop_front()?,
             None => self.next_turn()?,
         };
         self.waiting -= 1;
@@ -171,6 +182,31 @@ mod tests {
             [(0, 0), (1, 0), (2, 0), (3, 0), (1, 1), (2, 1), (1, 2)]
         );
         assert_eq!(q.backlog(), 0);
+    }
+
+    #[test]
+    fn cleanups_take_every_other_place_while_sessions_wait() {
+        // Sessions that end as fast as they open left deletes that went before every
+        // other session's request, for as long as they kept coming.
+        let mut q = ApiQueue::new(1);
+        for i in 0..6 {
+            q.push(Lane::Cleanup, (0, i));
+        }
+        q.push(Lane::Session(1), (1, 0));
+        q.push(Lane::Session(1), (1, 1));
+        assert_eq!(
+            drain(&mut q),
+            [
+                (0, 0),
+                (1, 0),
+                (0, 1),
+                (1, 1),
+                (0, 2),
+                (0, 3),
+                (0, 4),
+                (0, 5)
+            ]
+        );
     }
 
     #[test]

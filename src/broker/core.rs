@@ -18,6 +18,7 @@ use super::admission::Admission;
 use super::api_queue::{ApiQueue, Lane};
 use super::auth::{self, Credential};
 use super::binding;
+use super::bounded_map::BoundedMap;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::clock::Clock;
@@ -201,9 +202,9 @@ struct Presence {
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,
-    /// When its registry entry was last written, and whether a change waits for
-    /// `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
-    registry_written: Option<Instant>,
+    /// Whether its registry entry was written (else its end deletes nothing), and
+    /// whether a change waits for `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
+    registry_written: bool,
     registry_due: bool,
 }
 
@@ -246,8 +247,9 @@ enum Pending {
     },
     /// A consumer's delete after `unsubscribe`: answer `ok` once it is done.
     SubDeleted { session: SessionId, re: String },
-    /// A plain subscription's consumer deleted after its session or its consumer ended.
-    ConsumerGone,
+    /// A plain subscription's consumer deleted after its session or its consumer ended;
+    /// counted against its participant (`ns/name`) until answered.
+    ConsumerGone { owner: String },
     /// A page of consumer names, counting a participant's durables.
     DurableCount(topics::DurableCount),
     /// Unacknowledged events of an ended durable subscription wait to be handed back.
@@ -277,7 +279,7 @@ impl Pending {
                 ..
             }
             | Pending::SubDeleted { .. }
-            | Pending::ConsumerGone => NatsOp::ConsumerDelete,
+            | Pending::ConsumerGone { .. } => NatsOp::ConsumerDelete,
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
             Pending::RegistryPut { .. } => NatsOp::KvPut,
@@ -296,7 +298,7 @@ impl Pending {
                 | Pending::SubConsumer(_)
                 | Pending::SubReset { .. }
                 | Pending::SubDeleted { .. }
-                | Pending::ConsumerGone
+                | Pending::ConsumerGone { .. }
                 | Pending::DurableCount(_)
                 | Pending::HandBack { .. }
         )
@@ -401,6 +403,10 @@ pub struct Broker {
     topic_subs: usize,
     /// And of each participant (`ns/name`) with any.
     participant_subs: HashMap<String, usize>,
+    /// Deletes of consumers its ended subscriptions left, per participant, not yet answered.
+    participant_deleting: HashMap<String, usize>,
+    /// Durable consumers being created here, per participant (see `durable_count_done`).
+    durables_creating: HashMap<String, usize>,
     /// Their consumers' deletes not yet answered: they count against
     /// `max_topic_subscriptions` too, so what waits in `api` stays bounded.
     topic_deleting: usize,
@@ -434,6 +440,10 @@ pub struct Broker {
     /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
     /// their sessions come and go within a refresh interval.
     refreshing: HashSet<String>,
+    /// Participants with an inbox consumer retry armed (`Timer::InboxConsumerRetry`).
+    inbox_retrying: HashSet<String>,
+    /// When each participant's registry entry was last written or deleted here.
+    registry_last: BoundedMap<String, Instant>,
     /// The MIG/NATS front end over the same jobs.
     mig: super::mig::Mig,
     /// Wall time at each `now` (timestamps, JWT times, budget windows).
@@ -486,6 +496,8 @@ impl Broker {
             snapshots: HashMap::new(),
             topic_subs: 0,
             participant_subs: HashMap::new(),
+            participant_deleting: HashMap::new(),
+            durables_creating: HashMap::new(),
             topic_deleting: 0,
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
@@ -504,6 +516,8 @@ impl Broker {
             budgets: Budgets::new(BudgetConfig::default()),
             held_submits: HashMap::new(),
             refreshing: HashSet::new(),
+            inbox_retrying: HashSet::new(),
+            registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
             mig,
             clock,
             ids: root.derive("core"),
@@ -561,8 +575,9 @@ impl Broker {
 
     /// Swaps in a re-read configuration. Refused, with the members named, when it changes
     /// what only a restart applies (see [`reload`]); otherwise sessions whose participant
-    /// is gone or whose credential changed are closed (1008) and every other session goes
-    /// on under the new permissions from its next frame. Returns how many were closed.
+    /// is gone or whose credential changed, or that hold a subscription the new
+    /// permissions do not allow, are closed (1008) and every other session goes on under
+    /// the new permissions from its next frame. Returns how many were closed.
     pub fn reload(&mut self, new: Config) -> Result<usize, String> {
         let restart = reload::restart_only_changes(&self.config, &new);
         if !restart.is_empty() {
@@ -578,6 +593,22 @@ impl Broker {
                 SessionState::Active { ns, name } => {
                     let serving = self.jobs.is_worker(id);
                     reload::session_verdict(&self.config, &new, ns, name, serving)
+                        .or_else(|| {
+                            // Deliveries come without a frame to check them at.
+                            let p = new.participant(ns, name)?;
+                            s.subs
+                                .values()
+                                .any(|t| {
+                                    !t.topic().is_some_and(|topic| {
+                                        permissions::allows(
+                                            &p.permissions,
+                                            Action::Subscribe,
+                                            topic,
+                                        )
+                                    })
+                                })
+                                .then_some("subscribe permission withdrawn")
+                        })
                         .map(|why| (id, why))
                 }
                 _ => None,
@@ -818,8 +849,14 @@ impl Broker {
                 self.deleted(Some(session));
                 self.sub_deleted(session, re, reply)
             }
-            Pending::ConsumerGone => {
+            Pending::ConsumerGone { owner } => {
                 self.deleted(None);
+                if let Some(n) = self.participant_deleting.get_mut(&owner) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.participant_deleting.remove(&owner);
+                    }
+                }
                 if let Ok(Err(e)) = reply.map(|m| check_error(&m.payload))
                     && e.err_code() != Some(10014)
                 {
@@ -908,6 +945,7 @@ impl Broker {
                 }
             }
             Timer::InboxConsumerRetry(key) => {
+                self.inbox_retrying.remove(&key);
                 let unread = self
                     .presence
                     .get(&key)
@@ -1000,8 +1038,13 @@ impl Broker {
     ) {
         // Its answer gives its place back only if it is one of these.
         debug_assert!(pending.queued());
-        if matches!(pending, Pending::SubDeleted { .. } | Pending::ConsumerGone) {
-            self.topic_deleting += 1;
+        match &pending {
+            Pending::SubDeleted { .. } => self.topic_deleting += 1,
+            Pending::ConsumerGone { owner } => {
+                self.topic_deleting += 1;
+                *self.participant_deleting.entry(owner.clone()).or_insert(0) += 1;
+            }
+            _ => {}
         }
         if let Some(session) = pending.deleting_for()
             && let Some(s) = self.sessions.get_mut(&session)

@@ -3,7 +3,11 @@
 //! - *Steady* (each participant's inbox, each topic subscription, MIG's live events): at
 //!   most one `MSG.NEXT` of a fixed batch outstanding, renewed when it is used up or ended
 //!   by a status (404/408/409), replaced when it has been silent (no message, no idle
-//!   heartbeat) for too long, retried shortly after a 503.
+//!   heartbeat) for too long, retried shortly after a 503. Each pull is answered on its
+//!   own numbered subject and only the latest one's statuses count: a pull replaced while
+//!   still alive at the server (silent, or from before a reconnect) would otherwise renew
+//!   itself with every status and the loop would hold two pulls, then more, for good.
+//!   Nothing is sent while disconnected: the reconnect sends the one pull.
 //! - *On demand* (each job's queue): pulls sized by the owner's free slots, several
 //!   outstanding, each answered on its own numbered subject so that its 404/408/409 says
 //!   how much of it is not coming; a pull is over at its expiry whether or not a status
@@ -32,8 +36,10 @@ pub struct PullLoop {
     batch: u32,
     /// The subscription receiving the pulled messages.
     sid: Option<Sid>,
-    /// Steady: the deliver subject. On demand: its prefix, pulls answer on `<prefix>.<n>`.
+    /// The deliver subjects' prefix: pulls answer on `<prefix>.<n>`.
     deliver: String,
+    /// Steady: the number of the latest pull.
+    current: u64,
     /// Messages the outstanding pulls may still deliver; 0 when none is outstanding.
     remaining: u32,
     /// On demand only: the outstanding pulls.
@@ -96,7 +102,7 @@ pub struct Check {
 pub enum Pulled {
     /// A stream message: hand it on.
     Message,
-    /// An idle heartbeat: nothing to do.
+    /// An idle heartbeat, or a status of a pull replaced since: nothing to do.
     Heartbeat,
     /// A status that ended the pull; a new one has been asked for.
     Ended,
@@ -111,6 +117,7 @@ impl PullLoop {
             batch: batch.max(1),
             sid: None,
             deliver: String::new(),
+            current: 0,
             remaining: 0,
             shares: None,
             until: None,
@@ -151,18 +158,14 @@ impl PullLoop {
         self.sid
     }
 
-    /// Subscribes for the deliveries (steady: to a fresh inbox; on demand: to every
-    /// numbered subject of its prefix); returns the subscription.
+    /// Subscribes to every numbered subject of the deliver prefix (steady: a fresh
+    /// inbox); returns the subscription.
     pub fn attach(&mut self, conn: &mut Connection) -> Result<Sid, crate::nats::Error> {
-        if self.shares.is_some() {
-            let sid = conn.subscribe(&format!("{}.*", self.deliver), None)?;
-            self.sid = Some(sid);
-            return Ok(sid);
+        if self.shares.is_none() {
+            self.deliver = conn.new_inbox();
         }
-        let deliver = conn.new_inbox();
-        let sid = conn.subscribe(&deliver, None)?;
+        let sid = conn.subscribe(&format!("{}.*", self.deliver), None)?;
         self.sid = Some(sid);
-        self.deliver = deliver;
         Ok(sid)
     }
 
@@ -184,7 +187,7 @@ impl PullLoop {
 
     /// Sends a pull unless one is outstanding; returns when to check on it.
     pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
-        if self.sid.is_none() || self.remaining > 0 {
+        if self.sid.is_none() || self.remaining > 0 || !conn.is_connected() {
             return None;
         }
         let pull = PullRequest {
@@ -196,8 +199,17 @@ impl PullLoop {
             .api
             .pull_next(&self.stream, &self.consumer, &pull)
             .ok()?;
-        conn.publish(&req.subject, Some(&self.deliver), None, &req.payload)
-            .ok()?;
+        let number = self.current.wrapping_add(1);
+        let reply = format!("{}.{number}", self.deliver);
+        if conn
+            .publish(&req.subject, Some(&reply), None, &req.payload)
+            .is_err()
+        {
+            // The write buffer is full: try again shortly rather than never.
+            self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
+            return self.arm();
+        }
+        self.current = number;
         self.remaining = self.batch;
         // The server answers a live pull with a heartbeat within PULL_HEARTBEAT; a pull
         // that was lost (e.g. sent while JetStream was still recovering) is noticed soon.
@@ -217,13 +229,24 @@ impl PullLoop {
         })
     }
 
-    /// Accounts for one message of the subscription, renewing the pull when it ends.
+    /// Accounts for one message of the subscription (delivered on `subject`), renewing
+    /// the pull when it ends. Statuses of pulls replaced since say nothing.
     pub fn on_message(
         &mut self,
         conn: &mut Connection,
+        subject: &str,
         status: Option<u16>,
         now: Instant,
     ) -> (Pulled, Option<Check>) {
+        // A status comes on its pull's subject; a message on its own stream subject.
+        let stale = status.is_some()
+            && subject
+                .rsplit_once('.')
+                .and_then(|(_, n)| n.parse::<u64>().ok())
+                != Some(self.current);
+        if stale {
+            return (Pulled::Heartbeat, None);
+        }
         match status {
             Some(100) => {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
@@ -458,6 +481,11 @@ mod tests {
         conn
     }
 
+    /// The subject the latest pull's statuses come on.
+    fn latest(p: &PullLoop) -> String {
+        format!("{}.{}", p.deliver, p.current)
+    }
+
     fn pulls_sent(conn: &mut Connection) -> usize {
         let out = String::from_utf8_lossy(conn.output()).into_owned();
         let n = conn.output().len();
@@ -478,10 +506,13 @@ mod tests {
         // without filing anything: the check filed fires early and files the next.
         let t1 = t0 + Duration::from_secs(3);
         assert_eq!(
-            p.on_message(&mut conn, Some(100), t1),
+            p.on_message(&mut conn, &latest(&p), Some(100), t1),
             (Pulled::Heartbeat, None)
         );
-        assert_eq!(p.on_message(&mut conn, None, t1), (Pulled::Message, None));
+        assert_eq!(
+            p.on_message(&mut conn, &latest(&p), None, t1),
+            (Pulled::Message, None)
+        );
         let next = p
             .check(&mut conn, first.generation, first.at)
             .expect("the deadline moved");
@@ -506,7 +537,7 @@ mod tests {
         p.attach(&mut conn).expect("subscribe");
         let silent = p.pull(&mut conn, t0).expect("check");
         pulls_sent(&mut conn);
-        let (pulled, retry) = p.on_message(&mut conn, Some(503), t0);
+        let (pulled, retry) = p.on_message(&mut conn, &latest(&p), Some(503), t0);
         assert_eq!(pulled, Pulled::Ended);
         let retry = retry.expect("an earlier check");
         assert_eq!(retry.at, t0 + RETRY_AFTER_NO_RESPONDERS);
@@ -526,7 +557,7 @@ mod tests {
         p.pull(&mut conn, t0).expect("check");
         pulls_sent(&mut conn);
         for code in [409, 400] {
-            let (pulled, retry) = p.on_message(&mut conn, Some(code), t0);
+            let (pulled, retry) = p.on_message(&mut conn, &latest(&p), Some(code), t0);
             assert_eq!(pulled, Pulled::Ended);
             assert_eq!(pulls_sent(&mut conn), 0, "{code}: not at once");
             let retry = retry.expect("a check");
@@ -534,7 +565,7 @@ mod tests {
             assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
             assert_eq!(pulls_sent(&mut conn), 1, "{code}: then again");
         }
-        let (_, next) = p.on_message(&mut conn, Some(408), t0);
+        let (_, next) = p.on_message(&mut conn, &latest(&p), Some(408), t0);
         assert!(next.is_some());
         assert_eq!(pulls_sent(&mut conn), 1, "408: the next pull at once");
     }
@@ -591,5 +622,98 @@ mod tests {
         assert!(p.over(1), "the newest: nothing is outstanding");
         assert_eq!(p.requested(), 0);
         assert_eq!(p.answer(&status("_I.q.2", 503, None)), Answer::NoResponders);
+    }
+
+    /// A pull replaced while still alive at the server (one from before a reconnect, or
+    /// one silent for a while) answered with its own 408s, and each renewed "the" pull:
+    /// the loop held two pulls for good, then more after every outage.
+    #[test]
+    fn only_the_latest_pulls_statuses_renew_it() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 4);
+        p.attach(&mut conn).expect("subscribe");
+        p.pull(&mut conn, t0).expect("check");
+        let old = latest(&p);
+        p.restart(&mut conn, t0).expect("check");
+        assert_eq!(pulls_sent(&mut conn), 2);
+        assert_eq!(
+            p.on_message(&mut conn, &old, Some(408), t0),
+            (Pulled::Heartbeat, None)
+        );
+        assert_eq!(
+            pulls_sent(&mut conn),
+            0,
+            "the old pull's end renews nothing"
+        );
+        // Messages count whichever pull brought them (they come on their own subject).
+        assert_eq!(
+            p.on_message(&mut conn, "amp.acme.topic.t.1", None, t0).0,
+            Pulled::Message
+        );
+        let (pulled, _) = p.on_message(&mut conn, &latest(&p), Some(408), t0);
+        assert_eq!(pulled, Pulled::Ended);
+        assert_eq!(pulls_sent(&mut conn), 1, "the latest pull's end renews it");
+    }
+
+    /// While disconnected every check sent a pull into the reconnect buffer: an outage
+    /// of a minute left six pulls per loop to go out at once on reconnect.
+    #[test]
+    fn nothing_is_pulled_while_disconnected_and_the_reconnect_pulls_once() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 4);
+        p.attach(&mut conn).expect("subscribe");
+        let mut check = p.pull(&mut conn, t0).expect("check");
+        pulls_sent(&mut conn);
+        conn.receive(b"-ERR 'Stale Connection'\r\n", t0);
+        assert!(!conn.is_connected());
+        assert!(conn.poll_close());
+        for i in 1..=6 {
+            let t = t0 + Duration::from_secs(10 * i);
+            if let Some(c) = p.check(&mut conn, check.generation, t.max(check.at)) {
+                check = c;
+            }
+        }
+        let at = t0 + Duration::from_secs(70);
+        conn.handle_timeout(at);
+        conn.poll_connect(at).expect("a redial");
+        conn.on_transport_open(at);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+            at,
+        );
+        conn.receive(b"PONG\r\n", at);
+        assert!(conn.is_connected());
+        p.restart(&mut conn, at).expect("check");
+        assert_eq!(pulls_sent(&mut conn), 1);
+    }
+
+    /// A pull the write buffer had no room for ended the loop's checks: that inbox or
+    /// subscription went silent until the next reconnect.
+    #[test]
+    fn a_pull_that_could_not_be_written_is_tried_again() {
+        let t0 = Instant::now();
+        let mut o = Options::new("nats://127.0.0.1:4222");
+        o.max_write_buffer = 300;
+        let mut conn = Connection::new(o, t0);
+        conn.poll_connect(t0).expect("dial");
+        conn.on_transport_open(t0);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
+            t0,
+        );
+        conn.receive(b"PONG\r\n", t0);
+        let n = conn.output().len();
+        conn.consume_output(n);
+        conn.publish("fill", None, None, &[0; 250]).expect("fits");
+        let mut p = PullLoop::new("S".into(), "C".into(), 4);
+        p.attach(&mut conn).expect("subscribe");
+        let retry = p
+            .pull(&mut conn, t0)
+            .expect("a check although nothing was sent");
+        assert_eq!(pulls_sent(&mut conn), 0);
+        assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
     }
 }

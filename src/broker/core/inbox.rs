@@ -235,7 +235,15 @@ impl Broker {
 
     pub(super) fn retry_inbox_consumer(&mut self, participant: String, now: Instant) {
         let at = crate::deadline::after(now, INBOX_CONSUMER_RETRY);
-        self.set_timer(at, Timer::InboxConsumerRetry(participant));
+        self.retry_inbox_at(participant, at);
+    }
+
+    /// One retry chain per participant: a participant logging in and out while its
+    /// consumer is refused started one more each time, all asking again for good.
+    fn retry_inbox_at(&mut self, participant: String, at: Instant) {
+        if self.inbox_retrying.insert(participant.clone()) {
+            self.set_timer(at, Timer::InboxConsumerRetry(participant));
+        }
     }
 
     /// JetStream answered the inbox consumer's creation with an error (its consumer
@@ -276,10 +284,7 @@ impl Broker {
         let backoff = INBOX_CONSUMER_RETRY
             .saturating_mul(1 << refusals.min(6))
             .min(INBOX_REFUSED_RETRY_MAX);
-        self.set_timer(
-            crate::deadline::after(now, backoff),
-            Timer::InboxConsumerRetry(participant),
-        );
+        self.retry_inbox_at(participant, crate::deadline::after(now, backoff));
     }
 
     pub(super) fn start_inbox(&mut self, conn: &mut Connection, participant: &str, now: Instant) {
@@ -328,7 +333,7 @@ impl Broker {
             }
             return;
         };
-        let (pulled, check) = p.inbox.on_message(conn, msg.status(), now);
+        let (pulled, check) = p.inbox.on_message(conn, &msg.subject, msg.status(), now);
         // The session it goes to, chosen while the presence is at hand (one lookup).
         let chosen = 'choose: {
             if pulled != Pulled::Message {

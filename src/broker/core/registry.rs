@@ -7,10 +7,13 @@ use crate::broker::registry::{Entry, Serving};
 /// The most bytes of `up` frames one burst of a `watch` snapshot queues.
 const SNAPSHOT_BURST: usize = 256 * 1024;
 
-/// The least time between two writes of one participant's entry for its changes (a
-/// `serve` at the frame rate would otherwise be a KV write, and an `update` to every
-/// watcher on every broker, per frame); a change within it is written when it has passed.
+/// The least time between two writes of one participant's entry (a `serve` at the frame
+/// rate, or a hello and a close over and over, would otherwise be a KV write, and an
+/// `update` to every watcher on every broker, each time); a change within it is written
+/// when it has passed, and an entry never written needs no delete.
 const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
+/// Participants whose last registry write here is remembered for the gap.
+pub(super) const REGISTRY_RECENT: usize = 65_536;
 
 /// Where a watcher's snapshot stands: the last name sent.
 pub(super) struct Snapshot {
@@ -42,7 +45,7 @@ impl Broker {
         name: &str,
         now: Instant,
     ) {
-        self.registry_write(conn, ns, name, now);
+        self.registry_changed(conn, ns, name, now);
         let key = participant_key(ns, name);
         if !self.refreshing.insert(key.clone()) {
             return;
@@ -58,8 +61,9 @@ impl Broker {
         }
     }
 
-    /// The participant's entry changed (what it serves): written now, or once
-    /// `REGISTRY_WRITE_GAP` has passed since the last write, with every change until then.
+    /// The participant's entry changed (it came, or what it serves changed): written now,
+    /// or once `REGISTRY_WRITE_GAP` has passed since its last write or delete here, with
+    /// every change until then.
     pub(super) fn registry_changed(
         &mut self,
         conn: &mut Connection,
@@ -74,7 +78,8 @@ impl Broker {
         if p.registry_due {
             return;
         }
-        match p.registry_written.map(|at| after(at, REGISTRY_WRITE_GAP)) {
+        let last = self.registry_last.get(&key).copied();
+        match last.map(|at| after(at, REGISTRY_WRITE_GAP)) {
             Some(next) if next > now => {
                 p.registry_due = true;
                 self.set_timer(next, Timer::RegistryFlush(key));
@@ -94,9 +99,11 @@ impl Broker {
         let Some(entry) = self.registry_entry(ns, name) else {
             return;
         };
-        if let Some(p) = self.presence.get_mut(&participant_key(ns, name)) {
-            p.registry_written = Some(now);
+        let key = participant_key(ns, name);
+        if let Some(p) = self.presence.get_mut(&key) {
+            p.registry_written = true;
         }
+        *self.registry_last.get_or_insert_with(key, || now) = now;
         let ttl = self.config.limits.registry_ttl_s;
         let mut headers = HeaderMap::new();
         let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
@@ -126,9 +133,22 @@ impl Broker {
         }
     }
 
-    pub(super) fn registry_delete(&mut self, conn: &mut Connection, ns: &str, name: &str) {
+    pub(super) fn registry_delete(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        name: &str,
+        now: Instant,
+    ) {
+        *self
+            .registry_last
+            .get_or_insert_with(participant_key(ns, name), || now) = now;
+        // The marker expires as the entry would have: names that came once (an open
+        // namespace takes any) do not stay in the bucket for good.
+        let ttl = self.config.limits.registry_ttl_s;
         let mut headers = HeaderMap::new();
         let _ = headers.insert("KV-Operation", "DEL");
+        let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
         let subject = self
             .config
             .js_api(ns)
@@ -186,24 +206,31 @@ impl Broker {
             None => Vec::new(),
         };
         let count = participants.len();
-        let answer = FrameWriter::ok(Some(id))
-            .value("participants", &participants)
-            .finish();
         // A frame past the session's outbound bound could only close it as a slow
-        // consumer: the asker hears why instead, and keeps its session.
+        // consumer: the asker hears why instead, and keeps its session. Entries are kept
+        // as the text they are sent as, so the size is known before the frame is built
+        // (a `who` refused this way cost a whole frame's writing each time).
         let bound = self.config.limits.max_outbound_bytes;
-        if answer.len() >= bound {
+        let size = participants
+            .iter()
+            .map(|e| e.get().len() + 1)
+            .sum::<usize>()
+            + 64
+            + id.len();
+        if size >= bound {
             let e = AmpError::new(
                 ErrorCode::TooLarge,
                 format!(
-                    "the answer lists {count} participants in {} bytes, more than a session's \
-                     outbound bound of {bound} bytes; `watch` sends them a burst at a time, \
-                     and `who` with a `job` lists fewer",
-                    answer.len()
+                    "the answer lists {count} participants in about {size} bytes, more than a \
+                     session's outbound bound of {bound} bytes; `watch` sends them a burst at a \
+                     time, and `who` with a `job` lists fewer"
                 ),
             );
             return self.fail(session, id, e);
         }
+        let answer = FrameWriter::ok(Some(id))
+            .value("participants", &participants)
+            .finish();
         self.answered(session, id);
         self.frame(session, answer);
     }
@@ -484,6 +511,37 @@ mod tests {
             .last()
             .map(|u| u["entry"]["serve"]["render"].clone());
         assert_eq!(last, Some(json!(2)), "the last change is told: {updates:?}");
+    }
+
+    #[test]
+    fn a_participant_logging_in_and_out_over_and_over_is_written_at_most_ten_times_a_second() {
+        // Each first hello was a KV put and each last close a delete, both told to every
+        // watcher on every broker, with up to 64 labels of 256 characters in each `up`.
+        let mut h = Harness::development(1);
+        let watcher = h.join(0, "watcher", json!({}));
+        assert_eq!(h.request(watcher, json!({"op":"watch"}))["op"], "ok");
+        h.advance(std::time::Duration::from_millis(200));
+        h.take(watcher);
+        for _ in 0..200 {
+            let w = h.join(0, "w", json!({}));
+            h.close(w);
+        }
+        h.advance(std::time::Duration::from_millis(300));
+        let told: Vec<_> = h
+            .take(watcher)
+            .into_iter()
+            .filter(|f| f["op"] == "presence" && f["name"] == "w")
+            .collect();
+        assert!(
+            (2..=12).contains(&told.len()),
+            "200 logins and closes: {} presence frames",
+            told.len()
+        );
+        assert_eq!(told.last().map(|f| f["state"].clone()), Some(json!("down")));
+        // Present again later: told at once.
+        h.join(0, "w", json!({}));
+        let up = h.wait_for(watcher, |f| f["op"] == "presence" && f["name"] == "w");
+        assert_eq!(up["state"], "up", "{up}");
     }
 
     #[test]

@@ -116,7 +116,7 @@ impl Resumed {
             // went to another reader of the consumer (a session of the participant on
             // another broker) and is not waited for.
             if !self.held.range(..seq).any(|(_, lower)| lower.nak > mine) {
-                self.held = self.held.split_off(&(seq + 1));
+                self.held = self.held.split_off(&seq.saturating_add(1));
                 return Admit::Send;
             }
         }

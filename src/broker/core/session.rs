@@ -71,19 +71,22 @@ impl Broker {
                 None => false,
             };
             if last {
-                if let Some(sid) = self
-                    .presence
-                    .remove(&key)
-                    .and_then(|mut p| p.inbox.detach(conn))
-                {
-                    self.routes.remove(&sid);
-                    let _ = conn.unsubscribe(sid, None);
-                }
+                let written = match self.presence.remove(&key) {
+                    Some(mut p) => {
+                        if let Some(sid) = p.inbox.detach(conn) {
+                            self.routes.remove(&sid);
+                        }
+                        p.registry_written
+                    }
+                    None => false,
+                };
                 // One a reload asked to keep is still wanted.
                 if !self.kept_inboxes.contains(&key) {
                     self.inbox_creates.withdraw(&key);
                 }
-                self.registry_delete(conn, &ns, &name);
+                if written {
+                    self.registry_delete(conn, &ns, &name, now);
+                }
             }
         }
         // Handed back after the last session's inbox pull is unsubscribed: JetStream
@@ -240,7 +243,7 @@ impl Broker {
                 )
                 .in_domain(self.config.js_api(&ns)),
                 inbox_refused: None,
-                registry_written: None,
+                registry_written: false,
                 registry_due: false,
             });
         presence.sessions.push(session);

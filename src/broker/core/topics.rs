@@ -112,9 +112,22 @@ pub(super) struct Subscription {
     /// so they come first in the next one. At most `DURABLE_WINDOW`, lowest dropped
     /// first (it comes again after its ack wait all the same).
     passed: BTreeMap<u64, String>,
+    /// Durable only: counted in `durables_creating` until its consumer's create is
+    /// answered.
+    creating: bool,
     /// Plain only: the deliver policy asked for, used again if the consumer must be
     /// recreated before any event arrived.
     start: DeliverFrom,
+}
+
+impl Subscription {
+    /// The topic pattern it was made with.
+    pub(super) fn topic(&self) -> Option<&str> {
+        self.filter
+            .strip_prefix("amp.")?
+            .strip_prefix(self.ns.as_str())?
+            .strip_prefix(".topic.")
+    }
 }
 
 impl Broker {
@@ -267,6 +280,7 @@ impl Broker {
             inflight: BTreeMap::new(),
             resumed: None,
             passed: BTreeMap::new(),
+            creating: false,
             start,
         };
         if f.durable {
@@ -525,7 +539,11 @@ impl Broker {
         count.offset += names.len();
         let total = page["total"].as_u64().unwrap_or(0);
         let cap = self.topic_caps(&ns).max_durables_per_participant;
-        if count.found >= cap {
+        // JetStream lists only the consumers already made: those this broker is making
+        // count too, or one session pipelining subscribes passes every count at once.
+        let key = participant_key(&ns, &owner);
+        let creating = self.durables_creating.get(&key).copied().unwrap_or(0);
+        if count.found + creating >= cap {
             let e = AmpError::new(
                 ErrorCode::Forbidden,
                 format!("a participant holds at most {cap} durable subscriptions in a namespace"),
@@ -536,9 +554,23 @@ impl Broker {
         // The stream's max_consumers bounds the pages; an empty page ends a list that
         // shrank meanwhile.
         if names.is_empty() || count.offset as u64 >= total {
+            let marked = self.sub_of(&count.to).map(|t| t.creating = true).is_some();
+            if marked {
+                *self.durables_creating.entry(key).or_insert(0) += 1;
+            }
             return self.create_sub_consumer(conn, count.to, &count.config, now);
         }
         self.count_durables(conn, count, now);
+    }
+
+    /// A durable consumer's create is answered (or its subscription gone).
+    fn created_durable(&mut self, participant: &str) {
+        if let Some(n) = self.durables_creating.get_mut(participant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.durables_creating.remove(participant);
+            }
+        }
     }
 
     /// The caps of a namespace's topics (the defaults for a namespace not configured).
@@ -565,15 +597,21 @@ impl Broker {
             .map_or((0, 0), |s| (s.subs.len(), s.deleting));
         let (all, all_deleting) = (self.topic_subs, self.topic_deleting);
         let theirs = self.participant_subs.get(participant).copied().unwrap_or(0);
+        let their_deleting = self
+            .participant_deleting
+            .get(participant)
+            .copied()
+            .unwrap_or(0);
         let session_cap = caps.max_subscriptions_per_session;
         let participant_cap = caps.max_subscriptions_per_participant;
         let broker_cap = self.config.limits.max_topic_subscriptions;
-        // A participant's share counts only what it holds: its deletes count in the others.
+        // Deletes its ended sessions left count in the participant's share, so ending
+        // sessions faster than JetStream deletes their consumers holds up only its own.
         let caps = [
             (mine, deleting, session_cap, "a session", "subscriptions"),
             (
                 theirs,
-                0,
+                their_deleting,
                 participant_cap,
                 "a participant",
                 "subscriptions on this broker",
@@ -609,6 +647,13 @@ impl Broker {
         reply: Result<Message, crate::nats::RequestError>,
         now: Instant,
     ) {
+        let counted = self.sub_of(&to).filter(|t| t.creating).map(|t| {
+            t.creating = false;
+            participant_key(&t.ns, &t.owner)
+        });
+        if let Some(key) = counted {
+            self.created_durable(&key);
+        }
         match reply.map(|m| (check_error(&m.payload), m)) {
             Ok((Ok(()), m)) => {
                 // Where the consumer starts: a later restart resumes from here even if no
@@ -759,6 +804,9 @@ impl Broker {
             .and_then(|s| s.subs.remove(sub))?;
         self.topic_subs = self.topic_subs.saturating_sub(1);
         let owner = participant_key(&t.ns, &t.owner);
+        if t.creating {
+            self.created_durable(&owner);
+        }
         if let Some(n) = self.participant_subs.get_mut(&owner) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -776,7 +824,8 @@ impl Broker {
             return Some(delete);
         }
         if !t.durable {
-            self.api_request(conn, Lane::Cleanup, delete, Pending::ConsumerGone, now);
+            let gone = Pending::ConsumerGone { owner };
+            self.api_request(conn, Lane::Cleanup, delete, gone, now);
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
@@ -981,7 +1030,7 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
-        let (pulled, check) = t.pull.on_message(conn, msg.status(), now);
+        let (pulled, check) = t.pull.on_message(conn, &msg.subject, msg.status(), now);
         if check.is_some() {
             self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
         }
@@ -1002,7 +1051,7 @@ impl Broker {
         if !t.durable {
             // A consumer's first delivery is number 1 (a reset makes a new consumer and
             // pull inbox), so a lost first delivery is a gap too.
-            if consumer_seq != t.last_consumer_seq + 1 {
+            if consumer_seq != t.last_consumer_seq.saturating_add(1) {
                 // A delivery went missing: start over right after the last event sent.
                 return self.reset_subscription(conn, session, sub, now);
             }
@@ -1092,18 +1141,20 @@ impl Broker {
         };
         let (ns, filter, last, start) =
             (t.ns.clone(), t.filter.clone(), t.last_seq, t.start.clone());
+        let owner = participant_key(&t.ns, &t.owner);
         let old = t.pull.consumer().to_string();
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
         let api = self.config.js_api(&ns);
         let delete = api.consumer_delete(&binding::topics_stream(&ns), &old);
-        self.api_request(conn, Lane::Cleanup, delete, Pending::ConsumerGone, now);
+        let gone = Pending::ConsumerGone { owner };
+        self.api_request(conn, Lane::Cleanup, delete, gone, now);
         let consumer = self.plain_consumer_name();
         let from = if last == 0 {
             start
         } else {
-            DeliverFrom::Sequence(last + 1)
+            DeliverFrom::Sequence(last.saturating_add(1))
         };
         let config = binding::plain_sub_config(&consumer, &filter, from, EPHEMERAL_INACTIVE);
         if let Some(t) = self.subscription_mut(session, sub) {
