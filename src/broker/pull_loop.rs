@@ -470,6 +470,12 @@ mod tests {
 
     fn connected(now: Instant) -> Connection {
         let mut conn = Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        handshake(&mut conn, now);
+        conn
+    }
+
+    /// Dials and completes the handshake.
+    fn handshake(conn: &mut Connection, now: Instant) {
         conn.poll_connect(now).expect("a server to dial");
         conn.on_transport_open(now);
         conn.receive(
@@ -478,7 +484,6 @@ mod tests {
         );
         conn.receive(b"PONG\r\n", now);
         assert!(conn.is_connected());
-        conn
     }
 
     /// The subject the latest pull's statuses come on.
@@ -677,14 +682,8 @@ mod tests {
         }
         let at = t0 + Duration::from_secs(70);
         conn.handle_timeout(at);
-        conn.poll_connect(at).expect("a redial");
-        conn.on_transport_open(at);
-        conn.receive(
-            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
-            at,
-        );
-        conn.receive(b"PONG\r\n", at);
-        assert!(conn.is_connected());
+        // What went out at the handshake (buffered pulls included) and the restart's pull.
+        handshake(&mut conn, at);
         p.restart(&mut conn, at).expect("check");
         assert_eq!(pulls_sent(&mut conn), 1);
     }
@@ -697,15 +696,8 @@ mod tests {
         let mut o = Options::new("nats://127.0.0.1:4222");
         o.max_write_buffer = 300;
         let mut conn = Connection::new(o, t0);
-        conn.poll_connect(t0).expect("dial");
-        conn.on_transport_open(t0);
-        conn.receive(
-            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n",
-            t0,
-        );
-        conn.receive(b"PONG\r\n", t0);
-        let n = conn.output().len();
-        conn.consume_output(n);
+        handshake(&mut conn, t0);
+        pulls_sent(&mut conn);
         conn.publish("fill", None, None, &[0; 250]).expect("fits");
         let mut p = PullLoop::new("S".into(), "C".into(), 4);
         p.attach(&mut conn).expect("subscribe");

@@ -1290,22 +1290,12 @@ impl Connection {
             return;
         };
         self.reset_transport();
-        let lasted = now.saturating_duration_since(self.connected_at) >= STABLE_CONNECTION;
-        if let Some(e) = self.pool.get_mut(server) {
-            if lasted {
+        if now.saturating_duration_since(self.connected_at) >= STABLE_CONNECTION {
+            if let Some(e) = self.pool.get_mut(server) {
                 e.failures = 0;
-            } else {
-                e.failures = e.failures.saturating_add(1);
-                e.retry_at = Some(after(
-                    now,
-                    backoff::delay(
-                        self.options.reconnect_delay,
-                        self.options.reconnect_delay_max,
-                        e.failures,
-                        &mut self.rng,
-                    ),
-                ));
             }
+        } else {
+            self.back_off(server, now);
         }
         self.events.push_back(Event::Disconnected {
             reason: reason.to_string(),
@@ -1338,18 +1328,7 @@ impl Connection {
         };
         self.reset_transport();
         self.failures_in_a_row += 1;
-        if let Some(e) = self.pool.get_mut(server) {
-            e.failures += 1;
-            e.retry_at = Some(after(
-                now,
-                backoff::delay(
-                    self.options.reconnect_delay,
-                    self.options.reconnect_delay_max,
-                    e.failures,
-                    &mut self.rng,
-                ),
-            ));
-        }
+        self.back_off(server, now);
         let first_connect = !self.ever_connected && !self.options.retry_on_failed_connect;
         if first_connect
             && (matches!(error, Error::Authorization(_))
@@ -1375,6 +1354,22 @@ impl Connection {
         }
         self.last_error = Some(error);
         self.schedule(server, now);
+    }
+
+    /// One more failure of `server`: not dialed again before its backoff.
+    fn back_off(&mut self, server: usize, now: Instant) {
+        if let Some(e) = self.pool.get_mut(server) {
+            e.failures = e.failures.saturating_add(1);
+            e.retry_at = Some(after(
+                now,
+                backoff::delay(
+                    self.options.reconnect_delay,
+                    self.options.reconnect_delay_max,
+                    e.failures,
+                    &mut self.rng,
+                ),
+            ));
+        }
     }
 
     /// Picks the server after `after` in rotation (avoiding lame-duck ones when possible)
