@@ -40,8 +40,8 @@ fn round_trip(a: &mut Client, b: &mut Client, n: u64) {
 }
 
 /// Subjects the broker's connection subscribes to, learned from the reply subjects of its
-/// JetStream API requests and pull requests (`_AMP_BROKER.<token>` for pull deliveries,
-/// `_AMP_BROKER.<token>.<n>` under its wildcard request inbox).
+/// JetStream API requests and pull requests (each `_AMP_BROKER.<token>.<n>` under a
+/// wildcard subscription: the request inbox's, and one per pull loop).
 fn sniff_broker_subjects(sniffer: &mut TcpStream, a: &mut Client, b: &mut Client) -> Vec<String> {
     let mut seen = Vec::new();
     let mut buf = [0u8; 65536];
@@ -64,9 +64,13 @@ fn sniff_broker_subjects(sniffer: &mut TcpStream, a: &mut Client, b: &mut Client
             .collect();
         subjects.sort();
         subjects.dedup();
-        let wildcard = subjects.iter().any(|s| s.matches('.').count() == 2);
-        let exact = subjects.iter().any(|s| s.matches('.').count() == 1);
-        if wildcard && exact {
+        let mut prefixes: Vec<&str> = subjects
+            .iter()
+            .filter_map(|s| s.rsplit_once('.').map(|(prefix, _)| prefix))
+            .collect();
+        prefixes.dedup();
+        // The request inbox and at least one pull loop's.
+        if prefixes.len() >= 2 {
             return subjects;
         }
     }
@@ -91,15 +95,13 @@ fn a_cr_in_a_delivered_subject_is_dropped_and_counted_and_the_nats_link_survives
     let mut attacker = raw_client(&nats);
     let mut attack = Vec::new();
     for s in &subjects {
-        match s.rsplit_once('.') {
-            // Under the wildcard request inbox: a CR as the last token matches it.
-            Some((prefix, _)) if s.matches('.').count() == 2 => {
-                attack.extend_from_slice(format!("PUB {prefix}.\r 2\r\nhi\r\n").as_bytes());
-                attack.extend_from_slice(format!("PUB {prefix}.\x01 2\r\nhi\r\n").as_bytes());
-            }
-            // A pull delivery subject: delivered as is, with a CR in the reply subject.
-            _ => attack.extend_from_slice(format!("PUB {s} _INBOX.x\r 2\r\nhi\r\n").as_bytes()),
+        // Under a wildcard subscription: a CR or a control byte as the last token matches
+        // it; the subject itself is delivered as is with a CR in the reply subject.
+        if let Some((prefix, _)) = s.rsplit_once('.') {
+            attack.extend_from_slice(format!("PUB {prefix}.\r 2\r\nhi\r\n").as_bytes());
+            attack.extend_from_slice(format!("PUB {prefix}.\x01 2\r\nhi\r\n").as_bytes());
         }
+        attack.extend_from_slice(format!("PUB {s} _INBOX.x\r 2\r\nhi\r\n").as_bytes());
     }
     attack.extend_from_slice(b"PING\r\n");
     attacker.write_all(&attack).expect("attack");
