@@ -259,6 +259,17 @@ const REGRESSIONS: &[Regression] = &[
         None,
         "a declined task waited out a backoff meant for tasks nobody may take",
     ),
+    // A cancel sent again long after the cancel that landed stored the task's
+    // `task_result` a second time: the repeat came 122 s later, past the inbox's 120 s
+    // duplicate window.
+    (
+        3,
+        0x13da2e,
+        600,
+        None,
+        Some(80),
+        "a cancel repeated past the duplicate window stored a second task_result",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

@@ -248,8 +248,9 @@ enum Pending {
     /// A consumer's delete after `unsubscribe`: answer `ok` once it is done.
     SubDeleted { session: SessionId, re: String },
     /// A plain subscription's consumer deleted after its session or its consumer ended;
-    /// counted against its participant (`ns/name`) until answered.
-    ConsumerGone { owner: String },
+    /// one an ended subscription left counts against its participant (`ns/name`) until
+    /// answered (a reset's, whose subscription lives on, does not).
+    ConsumerGone { owner: Option<String> },
     /// A page of consumer names, counting a participant's durables.
     DurableCount(topics::DurableCount),
     /// Unacknowledged events of an ended durable subscription wait to be handed back.
@@ -406,7 +407,7 @@ pub struct Broker {
     /// Deletes of consumers its ended subscriptions left, per participant, not yet answered.
     participant_deleting: HashMap<String, usize>,
     /// Durable consumers being created here, per participant (see `durable_count_done`).
-    durables_creating: HashMap<String, usize>,
+    durables_creating: HashMap<String, HashSet<String>>,
     /// Their consumers' deletes not yet answered: they count against
     /// `max_topic_subscriptions` too, so what waits in `api` stays bounded.
     topic_deleting: usize,
@@ -440,8 +441,8 @@ pub struct Broker {
     /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
     /// their sessions come and go within a refresh interval.
     refreshing: HashSet<String>,
-    /// Participants with an inbox consumer retry armed (`Timer::InboxConsumerRetry`).
-    inbox_retrying: HashSet<String>,
+    /// Participants with an inbox consumer retry armed, and when (`Timer::InboxConsumerRetry`).
+    inbox_retrying: HashMap<String, Instant>,
     /// When each participant's registry entry was last written or deleted here.
     registry_last: BoundedMap<String, Instant>,
     /// The MIG/NATS front end over the same jobs.
@@ -516,7 +517,7 @@ impl Broker {
             budgets: Budgets::new(BudgetConfig::default()),
             held_submits: HashMap::new(),
             refreshing: HashSet::new(),
-            inbox_retrying: HashSet::new(),
+            inbox_retrying: HashMap::new(),
             registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
             mig,
             clock,
@@ -851,7 +852,9 @@ impl Broker {
             }
             Pending::ConsumerGone { owner } => {
                 self.deleted(None);
-                if let Some(n) = self.participant_deleting.get_mut(&owner) {
+                if let Some(owner) = owner
+                    && let Some(n) = self.participant_deleting.get_mut(&owner)
+                {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
                         self.participant_deleting.remove(&owner);
@@ -945,11 +948,16 @@ impl Broker {
                 }
             }
             Timer::InboxConsumerRetry(key) => {
-                self.inbox_retrying.remove(&key);
-                let unread = self
-                    .presence
-                    .get(&key)
-                    .is_some_and(|p| p.inbox.sid().is_none());
+                // Only the retry armed last counts; one it replaced does nothing.
+                let due = self.inbox_retrying.get(&key).is_some_and(|&at| at <= now);
+                if due {
+                    self.inbox_retrying.remove(&key);
+                }
+                let unread = due
+                    && self
+                        .presence
+                        .get(&key)
+                        .is_some_and(|p| p.inbox.sid().is_none());
                 if let Some((ns, name)) = key.split_once('/').filter(|_| unread) {
                     let (ns, name) = (ns.to_string(), name.to_string());
                     self.ensure_inbox_consumer(conn, &ns, &name, now);
@@ -1042,7 +1050,9 @@ impl Broker {
             Pending::SubDeleted { .. } => self.topic_deleting += 1,
             Pending::ConsumerGone { owner } => {
                 self.topic_deleting += 1;
-                *self.participant_deleting.entry(owner.clone()).or_insert(0) += 1;
+                if let Some(owner) = owner {
+                    *self.participant_deleting.entry(owner.clone()).or_insert(0) += 1;
+                }
             }
             _ => {}
         }

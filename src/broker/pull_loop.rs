@@ -187,7 +187,7 @@ impl PullLoop {
 
     /// Sends a pull unless one is outstanding; returns when to check on it.
     pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
-        if self.sid.is_none() || self.remaining > 0 || !conn.is_connected() {
+        if self.sid.is_none() || self.remaining > 0 || !conn.sends_now() {
             return None;
         }
         let pull = PullRequest {
@@ -345,7 +345,7 @@ impl PullLoop {
 
     /// Free slots not already asked for or in hand, when a pull may be sent at all.
     fn wanted(&self, conn: &Connection, free: u32, in_hand: u32) -> Option<u32> {
-        if self.shares.is_none() || self.sid.is_none() || !conn.is_connected() {
+        if self.shares.is_none() || self.sid.is_none() || !conn.sends_now() {
             return None;
         }
         let want = free.saturating_sub(self.remaining.saturating_add(in_hand));

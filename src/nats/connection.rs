@@ -531,6 +531,12 @@ impl Connection {
         matches!(self.state, State::Connected { .. })
     }
 
+    /// Publishes go to the server now: connected, and not moving away from a server in
+    /// lame duck mode (then they wait in the reconnect buffer for the next one).
+    pub fn sends_now(&self) -> bool {
+        self.is_connected() && !self.lame_duck_move
+    }
+
     pub fn is_closed(&self) -> bool {
         self.state == State::Closed
     }
@@ -634,7 +640,7 @@ impl Connection {
                     + 2
             }
         };
-        let connected = self.is_connected() && !self.lame_duck_move;
+        let connected = self.sends_now();
         let buf = if connected {
             let unwritten = self.out.len() - self.out_pos;
             if unwritten + op_len > self.options.max_write_buffer {

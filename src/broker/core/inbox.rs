@@ -239,11 +239,18 @@ impl Broker {
     }
 
     /// One retry chain per participant: a participant logging in and out while its
-    /// consumer is refused started one more each time, all asking again for good.
+    /// consumer is refused started one more each time, all asking again for good. An
+    /// earlier retry (a new presence's first) replaces a later one.
     fn retry_inbox_at(&mut self, participant: String, at: Instant) {
-        if self.inbox_retrying.insert(participant.clone()) {
-            self.set_timer(at, Timer::InboxConsumerRetry(participant));
+        if self
+            .inbox_retrying
+            .get(&participant)
+            .is_some_and(|&armed| armed <= at)
+        {
+            return;
         }
+        self.inbox_retrying.insert(participant.clone(), at);
+        self.set_timer(at, Timer::InboxConsumerRetry(participant));
     }
 
     /// JetStream answered the inbox consumer's creation with an error (its consumer

@@ -216,7 +216,7 @@ impl Broker {
             .map(|e| e.get().len() + 1)
             .sum::<usize>()
             + 64
-            + id.len();
+            + 6 * id.len(); // the id as JSON, each character escaped at worst
         if size >= bound {
             let e = AmpError::new(
                 ErrorCode::TooLarge,

@@ -5,7 +5,7 @@
 //! a consumer sequence that skips means a lost delivery, and the consumer is recreated
 //! from the last event the session saw.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -531,18 +531,20 @@ impl Broker {
         };
         let prefix = binding::durable_sub_prefix(&owner);
         let names = page["consumers"].as_array().map_or(&[][..], Vec::as_slice);
+        // JetStream lists only the consumers already made: those this broker is making
+        // count too (once, listed or not), or one session pipelining subscribes passes
+        // every count at once.
+        let key = participant_key(&ns, &owner);
+        let creating = self.durables_creating.get(&key);
         count.found += names
             .iter()
             .filter_map(Value::as_str)
-            .filter(|n| n.starts_with(&prefix))
+            .filter(|n| n.starts_with(&prefix) && !creating.is_some_and(|c| c.contains(*n)))
             .count();
+        let creating = creating.map_or(0, HashSet::len);
         count.offset += names.len();
         let total = page["total"].as_u64().unwrap_or(0);
         let cap = self.topic_caps(&ns).max_durables_per_participant;
-        // JetStream lists only the consumers already made: those this broker is making
-        // count too, or one session pipelining subscribes passes every count at once.
-        let key = participant_key(&ns, &owner);
-        let creating = self.durables_creating.get(&key).copied().unwrap_or(0);
         if count.found + creating >= cap {
             let e = AmpError::new(
                 ErrorCode::Forbidden,
@@ -554,9 +556,15 @@ impl Broker {
         // The stream's max_consumers bounds the pages; an empty page ends a list that
         // shrank meanwhile.
         if names.is_empty() || count.offset as u64 >= total {
-            let marked = self.sub_of(&count.to).map(|t| t.creating = true).is_some();
-            if marked {
-                *self.durables_creating.entry(key).or_insert(0) += 1;
+            let consumer = self.sub_of(&count.to).map(|t| {
+                t.creating = true;
+                t.pull.consumer().to_string()
+            });
+            if let Some(consumer) = consumer {
+                self.durables_creating
+                    .entry(key)
+                    .or_default()
+                    .insert(consumer);
             }
             return self.create_sub_consumer(conn, count.to, &count.config, now);
         }
@@ -564,10 +572,10 @@ impl Broker {
     }
 
     /// A durable consumer's create is answered (or its subscription gone).
-    fn created_durable(&mut self, participant: &str) {
-        if let Some(n) = self.durables_creating.get_mut(participant) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+    fn created_durable(&mut self, participant: &str, consumer: &str) {
+        if let Some(names) = self.durables_creating.get_mut(participant) {
+            names.remove(consumer);
+            if names.is_empty() {
                 self.durables_creating.remove(participant);
             }
         }
@@ -649,10 +657,13 @@ impl Broker {
     ) {
         let counted = self.sub_of(&to).filter(|t| t.creating).map(|t| {
             t.creating = false;
-            participant_key(&t.ns, &t.owner)
+            (
+                participant_key(&t.ns, &t.owner),
+                t.pull.consumer().to_string(),
+            )
         });
-        if let Some(key) = counted {
-            self.created_durable(&key);
+        if let Some((key, consumer)) = counted {
+            self.created_durable(&key, &consumer);
         }
         match reply.map(|m| (check_error(&m.payload), m)) {
             Ok((Ok(()), m)) => {
@@ -805,7 +816,7 @@ impl Broker {
         self.topic_subs = self.topic_subs.saturating_sub(1);
         let owner = participant_key(&t.ns, &t.owner);
         if t.creating {
-            self.created_durable(&owner);
+            self.created_durable(&owner, t.pull.consumer());
         }
         if let Some(n) = self.participant_subs.get_mut(&owner) {
             *n = n.saturating_sub(1);
@@ -824,7 +835,7 @@ impl Broker {
             return Some(delete);
         }
         if !t.durable {
-            let gone = Pending::ConsumerGone { owner };
+            let gone = Pending::ConsumerGone { owner: Some(owner) };
             self.api_request(conn, Lane::Cleanup, delete, gone, now);
         } else {
             let stream = binding::topics_stream(&t.ns);
@@ -1141,14 +1152,14 @@ impl Broker {
         };
         let (ns, filter, last, start) =
             (t.ns.clone(), t.filter.clone(), t.last_seq, t.start.clone());
-        let owner = participant_key(&t.ns, &t.owner);
         let old = t.pull.consumer().to_string();
         if let Some(sid) = t.pull.detach(conn) {
             self.routes.remove(&sid);
         }
         let api = self.config.js_api(&ns);
         let delete = api.consumer_delete(&binding::topics_stream(&ns), &old);
-        let gone = Pending::ConsumerGone { owner };
+        // The subscription lives on: its participant holds no more than before.
+        let gone = Pending::ConsumerGone { owner: None };
         self.api_request(conn, Lane::Cleanup, delete, gone, now);
         let consumer = self.plain_consumer_name();
         let from = if last == 0 {

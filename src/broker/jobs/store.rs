@@ -4,6 +4,11 @@
 
 use super::*;
 
+/// How long after a cancel its retry still stores the `task_result` again: well inside
+/// the inbox stream's 120 s duplicate window, so the repeat is deduplicated whatever the
+/// brokers' clocks say.
+const RESULT_REPEAT_WINDOW_MS: i128 = 90_000;
+
 impl Jobs {
     pub(super) fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
         let Some((record, revision, ack)) = self
@@ -209,12 +214,24 @@ impl Jobs {
                 }
             }
             Op::Cancel { session, re, by } => {
-                if let Refusal::Finished(TaskState::Cancelled) = refusal {
-                    // This may be the retry of the cancel that cancelled it, answered
-                    // `unavailable` when its write had landed after all: then its
-                    // `task_result` was never stored, and nothing else would store it (a
-                    // cancelled task's message is gone). Stored again; its idempotent id
-                    // keeps it one message within the dedupe window.
+                // This may be the retry of the cancel that cancelled it, answered
+                // `unavailable` when its write had landed after all: then its
+                // `task_result` was never stored, and nothing else would store it (a
+                // cancelled task's message is gone). Stored again; its idempotent id
+                // keeps it one message within the dedupe window, and only then: a cancel
+                // sent again later stored a second result (simulator seed 0x13da2e, a
+                // repeat 122 s after the cancel).
+                let cancelled_ms = record
+                    .history
+                    .last()
+                    .and_then(|h| crate::rfc3339::parse_nanos(&h.at))
+                    .map(|ns| ns / 1_000_000);
+                let recent = cancelled_ms.is_some_and(|at| {
+                    i128::from(self.clock.ms(now)) - at < RESULT_REPEAT_WINDOW_MS
+                });
+                if let Refusal::Finished(TaskState::Cancelled) = refusal
+                    && recent
+                {
                     self.publish_result(conn, record, &by, None, None, now);
                 }
                 let e = match refusal {
