@@ -104,6 +104,15 @@ impl Mig {
         self.request_with(op, body, json!({"Authorization": auth}))
     }
 
+    /// The answer of `tag` if it came already.
+    fn answered(&mut self, tag: &str) -> Option<Value> {
+        while let Ok(v) = self.lines.try_recv() {
+            let t = v["tag"].as_str().unwrap_or("").to_string();
+            self.early.insert(t, v);
+        }
+        self.early.remove(tag)
+    }
+
     /// Sends an invoke in the background; `wait` gives its answer.
     fn invoke_later(&mut self, capability: &str, body: Value) -> String {
         let auth = format!("Bearer {}-token", self.name);
@@ -1630,4 +1639,116 @@ fn a_signed_publish_replayed_to_another_broker_is_refused() {
         "{}",
         w.metrics(other)
     );
+}
+
+/// The check above sees only its own broker's invocations. With two brokers a caller who
+/// read a stream's id (stream frames are readable tenant-wide) invoked with it through the
+/// other broker: that broker said `started` and put its frames on the first caller's
+/// stream. And an unkeyed unary invoke with that id, waiting on the broker the first
+/// caller's CANCEL reached, had that CANCEL answered `MIG_FORBIDDEN`.
+#[test]
+fn a_message_id_in_use_on_another_broker_is_refused_and_does_not_block_its_cancel() {
+    let mut w = world(2);
+    let mut alice = Mig::connect(&w, "alice");
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme", "message_id": "across", "deadline_ms": 30_000},
+               "payload": {}, "stream_preference": "server_stream"}),
+    );
+    let started = alice.wait(&tag)["reply"].clone();
+    assert_eq!(started["payload"]["status"], "started", "{started}");
+    const SUBMITTED: &str = "amp_jobs_submitted_total";
+    let submitted = |w: &World, b: usize| common::amp::metric(&w.brokers[b], SUBMITTED);
+    let deadline = Instant::now() + WAIT;
+    let holder = loop {
+        if let Some(b) = (0..2).find(|&b| submitted(&w, b) == Some(1.0)) {
+            break b;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Alice's task was never submitted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let other = 1 - holder;
+    // Bob streams with the same id until the other broker has answered him.
+    let refused = format!(
+        "amp_mig_requests_total{{op=\"invoke\",capability=\"{INFER}\",code=\"MIG_INVALID_REQUEST\"}}"
+    );
+    let mut bob = Mig::connect(&w, "bob");
+    let mut tries = 0;
+    while common::amp::metric(&w.brokers[other], &refused).is_none() {
+        tries += 1;
+        assert!(tries <= 40, "the other broker never answered Bob");
+        let r = bob.request(
+            &format!("invoke.{INFER}"),
+            json!({"header": {"tenant_id": "acme", "message_id": "across", "deadline_ms": 300},
+                   "payload": {}, "stream_preference": "server_stream"}),
+        );
+        assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    }
+    // Bob's unary invoke with that id waits on the other broker (nobody serves the job).
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        assert!(tries <= 40, "Bob's invoke never waited on the other broker");
+        let tag = bob.invoke_later(
+            INFER,
+            json!({"header": {"tenant_id": "acme", "message_id": "across", "deadline_ms": 30_000},
+                   "payload": {}}),
+        );
+        let deadline = Instant::now() + WAIT;
+        let waiting = loop {
+            if let Some(r) = bob.answered(&tag) {
+                assert_eq!(error_code(&r["reply"]), "MIG_INVALID_REQUEST", "{r}");
+                break false;
+            }
+            if submitted(&w, other) == Some(1.0) {
+                break true;
+            }
+            assert!(Instant::now() < deadline, "Bob's invoke went nowhere");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if waiting {
+            break;
+        }
+    }
+    // Alice's CANCEL can now reach only the broker Bob's invocation waits on.
+    drop(w.brokers.remove(holder));
+    let r = alice.request(
+        "control.cancel.across",
+        json!({"header": {"tenant_id": "acme"}, "reason": "enough"}),
+    );
+    assert_eq!(r["status"], "cancelled", "{r}");
+    assert_eq!(r["accepted"], true, "{r}");
+}
+
+/// The bucket of taken ids, as the version before per-key TTLs made it (no per-message
+/// TTLs, keys kept 300 s), is upgraded when a broker starts: the server allows switching
+/// per-message TTLs on, and without them every claim would be refused.
+#[test]
+fn a_seen_bucket_from_before_per_key_ttls_is_upgraded_at_start() {
+    use amp_broker::broker::binding::mig_seen_stream_config;
+    use amp_broker::jetstream::Context;
+    let callout = CalloutServer::start();
+    let seed = callout.broker_key.seed();
+    let options = amp_broker::nats::Options::new(&callout.nats.url())
+        .with_nkey_seed(&seed)
+        .expect("seed");
+    let mut js = Context::new(amp_broker::nats::Client::connect(options).expect("connect"));
+    let mut old = mig_seen_stream_config(Default::default());
+    old.allow_msg_ttl = None;
+    old.max_age = Some(Duration::from_secs(300));
+    js.create_stream(&old).expect("the old bucket");
+    let ann = KeyPair::generate(KeyKind::User).expect("key");
+    let broker = callout.broker(&config(&ann), &[]);
+    let info = js.stream_info(&old.name).expect("info");
+    assert_eq!(info.config.allow_msg_ttl, Some(true), "{:?}", info.config);
+    assert_eq!(
+        info.config.max_age,
+        Some(Duration::from_secs(86_400 + 120)),
+        "{:?}",
+        info.config
+    );
+    assert!(common::amp::http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == 200));
 }

@@ -233,15 +233,21 @@ pub fn task_state_stream_config(s: StreamSettings) -> StreamConfig {
     kv_stream_config(TASK_STATE_BUCKET, TASK_STATE_HISTORY, s)
 }
 
-/// Signed MIG ids the brokers have taken (`mig::seen`): one key each, gone after `KEEP`.
+/// MIG ids the brokers have taken (`mig::seen`): one key each, gone after its own TTL.
 pub fn mig_seen_stream_config(s: StreamSettings) -> StreamConfig {
     use crate::broker::mig::seen;
-    let keep = seen::KEEP.as_secs();
     let s = StreamSettings {
-        duplicate_window_s: s.duplicate_window_s.min(keep),
+        duplicate_window_s: s.duplicate_window_s.min(seen::KEEP.as_secs()),
         ..s
     };
-    aged(kv_stream_config(seen::BUCKET, 1, s), keep, seen::MAX_BYTES)
+    StreamConfig {
+        allow_msg_ttl: Some(true),
+        ..aged(
+            kv_stream_config(seen::BUCKET, 1, s),
+            seen::MAX_AGE.as_secs(),
+            seen::MAX_BYTES,
+        )
+    }
 }
 
 /// A durable pull consumer of `filter` from the start of the stream, every delivery

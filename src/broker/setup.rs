@@ -237,9 +237,19 @@ fn ensure_stream(
         Ok(()) => {
             let parsed: Value = serde_json::from_slice(&info)
                 .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?;
-            binding::check_compatible(desired, &parsed["config"])
+            let mut existing = parsed["config"].clone();
+            if let Some(updated) = message_ttl_update(desired, &existing) {
+                call(client, api.stream_update(&updated)).map_err(|e| {
+                    fatal(format!(
+                        "stream {name}: per-message TTLs could not be enabled: {e}"
+                    ))
+                })?;
+                log::info!("stream {name}: per-message TTLs enabled");
+                existing = serde_json::to_value(&updated).unwrap_or(existing);
+            }
+            binding::check_compatible(desired, &existing)
                 .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
-            Ok(match consumer_limit_update(desired, &parsed["config"]) {
+            Ok(match consumer_limit_update(desired, &existing) {
                 None => format!("adopted stream {name} ({})", api.as_str()),
                 Some(updated) => raise_consumer_limit(client, api, &updated),
             })
@@ -269,6 +279,27 @@ fn consumer_limit_update(desired: &StreamConfig, existing: &Value) -> Option<Str
     }
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
     updated.max_consumers = Some(want);
+    Some(updated)
+}
+
+/// A bucket the broker keeps only for itself (`AMP_MIG_SEEN`), made by a version whose
+/// keys did not carry their own TTL, gets per-message TTLs switched on (the server allows
+/// that, never the reverse) and an age limit no shorter than ours, everything else kept.
+/// Streams whose TTLs mean something to others (the registry) are not changed: those are
+/// refused by name.
+fn message_ttl_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConfig> {
+    let own = desired.name == format!("KV_{}", crate::broker::mig::seen::BUCKET);
+    let wanted = desired.allow_msg_ttl == Some(true);
+    let have = existing.get("allow_msg_ttl").and_then(Value::as_bool) == Some(true);
+    if !own || !wanted || have {
+        return None;
+    }
+    let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
+    updated.allow_msg_ttl = Some(true);
+    let shorter = |age: &std::time::Duration| !age.is_zero() && Some(*age) < desired.max_age;
+    if updated.max_age.as_ref().is_some_and(shorter) {
+        updated.max_age = desired.max_age;
+    }
     Some(updated)
 }
 
@@ -336,5 +367,22 @@ mod tests {
         let unlimited = binding::tasks_stream_config("acme", StreamSettings::default());
         existing["max_consumers"] = json!(-1);
         assert!(consumer_limit_update(&unlimited, &existing).is_none());
+    }
+
+    #[test]
+    fn only_the_brokers_own_bucket_gets_message_ttls_switched_on() {
+        let desired = binding::mig_seen_stream_config(StreamSettings::default());
+        let mut existing = serde_json::to_value(&desired).expect("json");
+        existing["allow_msg_ttl"] = json!(false);
+        existing["max_age"] = json!(300_000_000_000u64);
+        let updated = message_ttl_update(&desired, &existing).expect("switched on");
+        assert_eq!(updated.allow_msg_ttl, Some(true));
+        assert_eq!(updated.max_age, desired.max_age);
+        existing["allow_msg_ttl"] = json!(true);
+        assert!(message_ttl_update(&desired, &existing).is_none());
+        let registry = binding::registry_stream_config("acme", 15, StreamSettings::default());
+        let mut existing = serde_json::to_value(&registry).expect("json");
+        existing["allow_msg_ttl"] = json!(false);
+        assert!(message_ttl_update(&registry, &existing).is_none());
     }
 }

@@ -23,6 +23,9 @@ pub struct CancelRequest {
     /// Forwarded by another broker: `reply` is that broker's, which answers the caller
     /// (and counts the request); the outcome goes back as `{result}` or `{error}`.
     forwarded: bool,
+    /// Another caller's invocation here has this message id: the caller's own may still be
+    /// on another broker, and only a search that finds none answers `MIG_FORBIDDEN`.
+    foreign: bool,
 }
 
 /// A cancel sent to the broker holding the keyed invocation, if one does.
@@ -94,6 +97,7 @@ impl Mig {
             received: now,
             invocation: mine,
             forwarded: false,
+            foreign,
         };
         match mine {
             Some(s) => {
@@ -102,14 +106,7 @@ impl Mig {
                 }
                 self.cancel_task(conn, ctx, s, request, now);
             }
-            None if foreign => {
-                let e = MigError::new(
-                    Code::Forbidden,
-                    "only the caller of an invocation may cancel it",
-                );
-                self.respond(conn, &answer, Err(e), now);
-            }
-            None if self.finished.get(&key).is_some() => {
+            None if !foreign && self.finished.get(&key).is_some() => {
                 let ack = cancel_ack(target, false, "already_finished");
                 self.respond(conn, &answer, Ok(ack), now);
             }
@@ -222,13 +219,10 @@ impl Mig {
             received: now,
             invocation: Some(session),
             forwarded: true,
+            foreign: false,
         };
         if inv.caller != caller {
-            let e = MigError::new(
-                Code::Forbidden,
-                "only the caller of an invocation may cancel it",
-            );
-            return self.answer_forwarded(conn, &request, Err(e));
+            return self.answer_forwarded(conn, &request, Err(forbidden()));
         }
         let reason = body
             .get("reason")
@@ -307,6 +301,7 @@ impl Mig {
                 Ok(cancel_ack(&c.target, true, "cancelled"))
             }
             Some("conflict") => Ok(cancel_ack(&c.target, false, "already_finished")),
+            Some("not_found") if c.foreign => Err(forbidden()),
             Some("not_found") => Ok(cancel_ack(&c.target, false, "not_found")),
             Some(_) => Err(MigError::from_amp_error(
                 error.as_ref().unwrap_or(&Value::Null),
@@ -317,6 +312,13 @@ impl Mig {
         }
         self.answer_cancel(conn, &c, result, now);
     }
+}
+
+fn forbidden() -> MigError {
+    MigError::new(
+        Code::Forbidden,
+        "only the caller of an invocation may cancel it",
+    )
 }
 
 pub(super) fn cancel_ack(target: &str, accepted: bool, status: &str) -> Value {

@@ -9,14 +9,16 @@ use serde_json::{Value, json};
 use super::envelope::{Code, Echo, MigError};
 use super::invoke::{self, Invocation, Stage};
 use super::{
-    Answer, BACKPRESSURE_RETRY_MS, Ctx, JS_TIMEOUT, Mig, Pending, Sub, jobs_frame, metrics,
+    Answer, BACKPRESSURE_RETRY_MS, Ctx, JS_TIMEOUT, Mig, Pending, Sub, jobs_frame, metrics, seen,
     take_rate,
 };
 use crate::amp::frame::ClientFrame;
 use crate::broker::budget::Spend;
 use crate::broker::jobs::SessionId;
 use crate::broker::task_store::{TaskRecord, body_digest};
-use crate::jetstream::ApiPrefix;
+use crate::jetstream::kv::KvOperation;
+use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::{ApiPrefix, JsError};
 use crate::nats::{Connection, Message, RequestError};
 
 impl Mig {
@@ -64,7 +66,7 @@ impl Mig {
                 .get(&(r.ns.to_string(), r.caller.to_string()))
                 .copied()
                 .unwrap_or(0);
-            if self.invocations.len() >= max || mine >= share {
+            if self.invocations.len() + self.claiming >= max || mine >= share {
                 let message = if mine >= share {
                     format!("a caller waits on at most {share} invocations on this broker")
                 } else {
@@ -79,15 +81,155 @@ impl Mig {
             Ok(a) => a,
             Err(e) => return self.respond(conn, &answer, Err(e), now),
         };
-        let session = self.new_session();
         let settings = &ctx.config.mig;
         let deadline_ms = r
             .header
             .deadline_ms
             .unwrap_or(settings.default_deadline_ms)
             .min(settings.max_deadline_ms);
-        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
-        let key = crate::broker::binding::task_key(r.ns, &inv.task);
+        let inv = Invocation::new(&r, accepted, deadline_ms, now);
+        *self
+            .waiting_per_caller
+            .entry((inv.ns.clone(), inv.caller.clone()))
+            .or_insert(0) += 1;
+        // A message id that names a stream or a forwarded cancel is taken for every broker
+        // first: the check above sees only this broker's invocations.
+        let named = inv.stream.is_some() || inv.echo.idempotency_key.is_some();
+        if !(r.header.message_id_given && named) {
+            return self.begin(conn, inv, now);
+        }
+        let claim = seen::claim_invocation(
+            ctx.config.js_api(r.ns),
+            r.ns,
+            &r.header.message_id,
+            r.caller,
+            deadline_ms,
+        )
+        .map_err(|e| e.to_string())
+        .and_then(|c| {
+            conn.request(&c.subject, c.headers.as_ref(), &c.payload, JS_TIMEOUT, now)
+                .map_err(|e| e.to_string())
+        });
+        match claim {
+            Ok(id) => {
+                self.claiming += 1;
+                let pending = Pending::InvocationClaim(Box::new(inv));
+                self.staged.push(id, super::Awaiting(pending), now);
+            }
+            Err(e) => {
+                let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
+                self.refuse(conn, inv, e, now);
+            }
+        }
+    }
+
+    /// The message id of `inv` was taken for it (or was taken before: by its own caller,
+    /// whose retry goes on, or by someone else's invocation).
+    pub(super) fn invocation_claimed(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &Ctx<'_>,
+        inv: Invocation,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        self.claiming = self.claiming.saturating_sub(1);
+        let message_id = inv.echo.message_id.clone().unwrap_or_default();
+        let refusal = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+            Ok(Ok(_)) => return self.begin(conn, inv, now),
+            Ok(Err(JsError::WrongLastSequence(_))) => {
+                let read = seen::invocation_owner(ctx.config.js_api(&inv.ns), &inv.ns, &message_id)
+                    .map_err(|e| e.to_string())
+                    .and_then(|req| {
+                        conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                            .map_err(|e| e.to_string())
+                    });
+                match read {
+                    Ok(id) => {
+                        self.claiming += 1;
+                        let pending = Pending::InvocationOwner(Box::new(inv));
+                        return self.staged.push(id, super::Awaiting(pending), now);
+                    }
+                    Err(e) => MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}")),
+                }
+            }
+            Ok(Err(e)) => MigError::new(
+                Code::Unavailable,
+                format!("JetStream did not record the message id: {e}"),
+            ),
+            Err(e) => MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}")),
+        };
+        self.refuse(conn, inv, refusal, now)
+    }
+
+    /// Who holds the message id `inv` found taken.
+    pub(super) fn invocation_owner_read(
+        &mut self,
+        conn: &mut Connection,
+        ctx: &Ctx<'_>,
+        inv: Invocation,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        self.claiming = self.claiming.saturating_sub(1);
+        let message_id = inv.echo.message_id.as_deref().unwrap_or_default();
+        let key = seen::invocation_key(&inv.ns, message_id);
+        let kv = crate::jetstream::kv::Kv::new(ctx.config.js_api(&inv.ns), seen::BUCKET);
+        let entry = match (reply, kv) {
+            (Ok(m), Ok(kv)) => kv.parse_get(&key, m.headers.as_ref(), &m.payload),
+            (Err(e), _) => Err(JsError::Invalid(e.to_string())),
+            (_, Err(e)) => Err(e),
+        };
+        let refusal = match entry {
+            Ok(e) if e.operation == KvOperation::Put && e.value == inv.caller.as_bytes() => {
+                return self.begin(conn, inv, now);
+            }
+            Ok(e) if e.operation == KvOperation::Put => MigError::new(
+                Code::InvalidRequest,
+                "message_id is in use by another caller's invocation",
+            ),
+            // Taken a moment ago, gone now: its holder's time ran out.
+            Ok(_) | Err(JsError::KeyNotFound) => MigError::new(
+                Code::Unavailable,
+                "message_id was released while it was claimed; try again",
+            ),
+            Err(e) => MigError::new(
+                Code::Unavailable,
+                format!("the holder of the message id could not be read: {e}"),
+            ),
+        };
+        self.refuse(conn, inv, refusal, now)
+    }
+
+    /// An invocation that never started ends here: it only waited (no stream frame, no
+    /// watch), so the refusal is its reply.
+    fn refuse(&mut self, conn: &mut Connection, inv: Invocation, e: MigError, now: Instant) {
+        self.unwait(&inv.ns, &inv.caller);
+        let answer = Answer {
+            reply: &inv.reply,
+            echo: &inv.echo,
+            op: "invoke",
+            capability: &inv.capability,
+            received: inv.received,
+        };
+        self.respond(conn, &answer, Err(e), now);
+    }
+
+    /// One invocation of `(ns, caller)` stopped waiting.
+    fn unwait(&mut self, ns: &str, caller: &str) {
+        let key = (ns.to_string(), caller.to_string());
+        if let Some(n) = self.waiting_per_caller.get_mut(&key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting_per_caller.remove(&key);
+            }
+        }
+    }
+
+    /// The invocation's task record is watched and read; a stream gets its `started`.
+    fn begin(&mut self, conn: &mut Connection, mut inv: Invocation, now: Instant) {
+        let session = self.new_session();
+        let key = crate::broker::binding::task_key(&inv.ns, &inv.task);
         let watched = self
             .kv
             .key_subject(&key)
@@ -97,7 +239,7 @@ impl Mig {
             Ok(sid) => sid,
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("cannot watch the task: {e}"));
-                return self.respond(conn, &answer, Err(e), now);
+                return self.refuse(conn, inv, e, now);
             }
         };
         let read = self
@@ -113,7 +255,7 @@ impl Mig {
             Err(e) => {
                 let _ = conn.unsubscribe(sid, None);
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
-                return self.respond(conn, &answer, Err(e), now);
+                return self.refuse(conn, inv, e, now);
             }
         };
         self.subs.insert(sid, Sub::Task(session));
@@ -147,10 +289,6 @@ impl Mig {
             let reply = inv.reply.clone();
             self.stream_frame(conn, &mut inv, Some(&reply), started, now);
         }
-        *self
-            .waiting_per_caller
-            .entry((inv.ns.clone(), inv.caller.clone()))
-            .or_insert(0) += 1;
         self.invocations.insert(session, inv);
     }
 
@@ -460,13 +598,7 @@ impl Mig {
         let Some(inv) = self.invocations.remove(&session) else {
             return;
         };
-        let caller = (inv.ns.clone(), inv.caller.clone());
-        if let Some(n) = self.waiting_per_caller.get_mut(&caller) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.waiting_per_caller.remove(&caller);
-            }
-        }
+        self.unwait(&inv.ns, &inv.caller);
         for sid in [inv.watch, inv.cancel_watch].into_iter().flatten() {
             self.subs.remove(&sid);
             let _ = conn.unsubscribe(sid, None);

@@ -85,6 +85,10 @@ enum Pending {
     Record(SessionId),
     Depth(SessionId),
     LiveConsumer(usize),
+    /// An invoke's message id being taken for it, before it starts.
+    InvocationClaim(Box<Invocation>),
+    /// Who holds the message id an invoke found taken.
+    InvocationOwner(Box<Invocation>),
     /// A PUBLISH's signed id being recorded, before its event is stored.
     Claim(Box<events::ClaimedPublish>),
     Publish(Box<events::PublishRequest>),
@@ -116,6 +120,8 @@ pub struct Mig {
     /// Invocations waiting per caller (`(tenant, name)`): each holds at most its share of
     /// `mig.max_pending`.
     waiting_per_caller: HashMap<(String, String), usize>,
+    /// Invocations whose message id is being taken for them (counted in `max_pending`).
+    claiming: usize,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
@@ -172,6 +178,7 @@ impl Mig {
             staged: Staged::default(),
             invocations: HashMap::new(),
             waiting_per_caller: HashMap::new(),
+            claiming: 0,
             cancels: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),
@@ -314,6 +321,10 @@ impl Mig {
                 let ok =
                     reply.is_ok_and(|m| crate::jetstream::api::check_error(&m.payload).is_ok());
                 self.live_consumer_ready(conn, feed, ok, now);
+            }
+            Pending::InvocationClaim(inv) => self.invocation_claimed(conn, ctx, *inv, reply, now),
+            Pending::InvocationOwner(inv) => {
+                self.invocation_owner_read(conn, ctx, *inv, reply, now)
             }
             Pending::Claim(p) => self.claimed(conn, *p, reply, now),
             Pending::Publish(p) => self.published(conn, *p, reply, now),
