@@ -243,3 +243,40 @@ fn dead_letter_pages_are_paced_as_listings_are() {
         "{ok} pages answered, {limited} refused"
     );
 }
+
+/// The letter reads the task's message back with `STREAM.MSG.GET`, whose answer carries
+/// it base64-encoded: for a task of 790 KB or more, past the server's `max_payload`. The
+/// broker took that answer for a protocol error and dropped its NATS connection; the
+/// letter was never stored, and the NAK that retries it brought the message back a second
+/// later to drop the connection again, on one broker after another.
+#[test]
+fn a_large_task_out_of_attempts_is_dead_lettered_without_dropping_the_connection() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config());
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let blob = "b".repeat(850_000);
+    let r = app.request(json!({"op":"submit","job":"render","task":"BIG",
+                               "body":{"blob":blob},"max_attempts":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "BIG");
+    let f = w1.request(json!({"op":"fail","task":"BIG","retry":true,
+                              "error":{"code":"oom","message":"too big for me"}}));
+    assert_eq!(f["op"], "ok", "{f}");
+    let m = task_result(&mut app, &broker);
+    assert_eq!(m["body"]["state"], "failed", "{m}");
+    let page = letters(&mut app, None);
+    let list = page["letters"].as_array().expect("letters");
+    assert_eq!(list.len(), 1, "{}", broker.log());
+    assert_eq!(list[0]["task"], "BIG");
+    assert_eq!(
+        list[0]["body"]["blob"].as_str().map(str::len),
+        Some(850_000)
+    );
+    assert_eq!(
+        common::amp::metric(&broker, "amp_nats_reconnects_total"),
+        Some(0.0),
+        "{}",
+        broker.log()
+    );
+}

@@ -464,3 +464,58 @@ fn tasks_nobody_may_take_do_not_hold_up_the_job() {
         }
     }
 }
+
+const JS_OPS: &str = "amp_jobs_jetstream_ops_total";
+
+/// A holder's heartbeats are written one at a time, in order. Sent all at once they were
+/// written all at once against one revision: every one but the first lost the
+/// compare-and-set and read the record again, up to eight times each, so 64 pipelined
+/// heartbeats cost hundreds of JetStream operations (each carrying the whole record), and
+/// the submitter's `cancel`, racing the same revision, could run out of tries.
+#[test]
+fn pipelined_heartbeats_are_written_one_at_a_time_and_leave_the_submitter_its_cancel() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["a", "w1"], 60, 5000));
+    let mut a = login(&broker, "a");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = a.request(json!({"op":"submit","job":"render","body":{}}));
+    let task = r["task"].as_str().expect("task").to_string();
+    let offer = w1.next_op("offer", Duration::from_secs(10)).expect("offer");
+    assert_eq!(offer["task"], task.as_str());
+    assert_eq!(w1.request(json!({"op":"claim","task":task}))["op"], "ok");
+    let ops = || common::amp::metric(&broker, JS_OPS).unwrap_or(0.0);
+    let pad = "p".repeat(2_000);
+    let before = ops();
+    for i in 0..64 {
+        w1.send(&json!({"op":"heartbeat","id":format!("h{i}"),"task":task,
+                        "progress":{"i":i,"pad":pad}}));
+    }
+    for i in 0..64 {
+        let r = w1.answer_to(&format!("h{i}"));
+        assert_eq!(r["op"], "ok", "{r}");
+    }
+    let spent = ops() - before;
+    eprintln!("64 pipelined heartbeats: {spent} JetStream operations");
+    // Each is one write and one in-progress ack (a heartbeat restarts the AckWait).
+    assert!(spent <= 136.0, "{spent} operations for 64 heartbeats");
+    let mut js = jetstream(&nats);
+    let kv = js.kv_bind("AMP_TASK_STATE").expect("task store");
+    let record = js.kv_entry(&kv, &format!("acme.{task}")).expect("record");
+    let record: serde_json::Value = serde_json::from_slice(&record.value).expect("json");
+    assert_eq!(
+        record["progress"]["i"], 63,
+        "the last one sent is the last written"
+    );
+
+    for i in 64..128 {
+        w1.send(&json!({"op":"heartbeat","id":format!("h{i}"),"task":task,
+                        "progress":{"i":i,"pad":pad}}));
+    }
+    let cancel = a.request(json!({"op":"cancel","task":task}));
+    assert_eq!(cancel["op"], "ok", "{cancel}");
+    for i in 64..128 {
+        let r = w1.answer_to(&format!("h{i}"));
+        assert!(r["op"] == "ok" || r["code"] == "lease_lost", "{r}");
+    }
+    assert_eq!(status(&mut a, &task)["state"], "cancelled");
+}

@@ -50,6 +50,10 @@ pub struct Letter {
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
     pub body: Box<RawValue>,
+    /// The body did not fit in a stored letter (`body` is `null`): the letter keeps the
+    /// failure, and the task cannot be redriven from it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub body_omitted: bool,
     /// When the task failed (RFC 3339).
     pub failed_at: String,
 }
@@ -84,8 +88,17 @@ impl Letter {
                 .map(|(k, v)| (k.as_str().to_string(), v.as_str().to_string()))
                 .collect(),
             body: env.body.to_raw(),
+            body_omitted: false,
             failed_at,
         })
+    }
+
+    /// Leaves the body out, for a letter that would be too large to store with it.
+    pub fn without_body(&mut self) {
+        if let Ok(null) = RawValue::from_string("null".to_string()) {
+            self.body = null;
+            self.body_omitted = true;
+        }
     }
 
     pub fn parse(stored: &[u8]) -> Result<Letter, serde_json::Error> {
@@ -132,6 +145,9 @@ impl Letter {
             "headers": self.headers,
             "body": self.body,
         });
+        if self.body_omitted {
+            v["body_omitted"] = json!(true);
+        }
         if let Some(e) = &self.error {
             v["error"] = e.clone();
         }
@@ -202,6 +218,20 @@ mod tests {
         let other = br#"{"id":"T2","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
         assert!(Letter::new(&r, other, String::new()).is_err());
         assert!(Letter::new(&r, b"not json", String::new()).is_err());
+    }
+
+    #[test]
+    fn a_letter_without_its_body_says_so_and_keeps_the_rest() {
+        let r = record(TaskState::Failed, 2, 2);
+        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":{"big":"x"}}"#;
+        let mut l = Letter::new(&r, msg, String::new()).expect("letter");
+        assert!(!String::from_utf8_lossy(&l.to_json()).contains("body_omitted"));
+        l.without_body();
+        let back = Letter::parse(&l.to_json()).expect("parse");
+        assert!(back.body_omitted);
+        assert_eq!(back.body.get(), "null");
+        assert_eq!(back.view(1)["body_omitted"], true);
+        assert_eq!(back.view(1)["error"]["code"], "boom");
     }
 
     #[test]

@@ -86,6 +86,13 @@ const MAX_DECLINES: usize = 65_536;
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// Compare-and-set attempts on one change before giving up with `unavailable`.
 const MAX_CAS_TRIES: u8 = 8;
+/// What a task record keeps free of `max_payload` (a quarter of it at most) when its
+/// holder changes it: the rest of its life adds at most `MAX_HISTORY` history entries of
+/// a state, a time and a participant (some 200 bytes each), an error and a cancel reason.
+const RECORD_RESERVE: usize = 64 * 1024;
+/// Heartbeat writes of one lease are this far apart at least: back to back they left a
+/// `cancel` (read, then compare-and-set) no gap to land in.
+const HEARTBEAT_GAP: Duration = Duration::from_millis(50);
 /// Before a consumer that could not be created is tried again.
 const CONSUMER_RETRY: Duration = Duration::from_secs(2);
 /// Deliveries of a task message without a record before it is terminated.
@@ -240,6 +247,14 @@ struct LocalTask {
     generation: u64,
     /// Heartbeats being written: the lease may be extending, so its expiry waits for them.
     extending: u32,
+    /// When the last heartbeat write went out: the next waits [`HEARTBEAT_GAP`].
+    last_heartbeat: Option<Instant>,
+    /// A `NextChange` timer is armed for the waiting changes.
+    pacing: bool,
+    /// The holder's changes waiting for the heartbeat being written: one heartbeat write
+    /// at a time per lease, the rest in order behind it, so pipelined heartbeats do not
+    /// fight each other (and a `cancel`) for the record's revision.
+    waiting: std::collections::VecDeque<Op>,
     /// When the offer lapses unclaimed (set when the offer goes out).
     offer_until: Option<Instant>,
     /// When the offer went out (ms): the claim or decline records it in the history.
@@ -320,6 +335,14 @@ impl Op {
             | Op::Requeue { session, .. } => Some(*session),
             Op::Exhaust | Op::Cancel { .. } => None,
         }
+    }
+
+    /// A change only the lease holder makes.
+    fn by_holder(&self) -> bool {
+        matches!(
+            self,
+            Op::Heartbeat { .. } | Op::Complete { .. } | Op::Fail { .. }
+        )
     }
 
     fn answer_to(&self) -> Option<(SessionId, &str)> {
@@ -502,6 +525,11 @@ enum Timer {
         key: String,
         generation: u64,
     },
+    /// The holder's next waiting change may go (heartbeats are paced).
+    NextChange {
+        key: String,
+        generation: u64,
+    },
     /// The lease outlives the message's AckWait: an in-progress ack is due.
     Progress {
         key: String,
@@ -675,6 +703,7 @@ impl Jobs {
             Timer::Progress { key, generation } => {
                 task(key, *generation).is_some_and(|t| t.progress_at == Some(at))
             }
+            Timer::NextChange { key, generation } => task(key, *generation).is_some(),
             Timer::PullExpiry { .. } | Timer::ConsumerRetry { .. } => true,
         }
     }
@@ -1601,6 +1630,18 @@ impl Jobs {
                 if let Some((session, task)) = due {
                     self.revoke(session, &task, "lease_expired");
                     self.release_local(conn, &key, now);
+                }
+            }
+            Timer::NextChange { key, generation } => {
+                let current = self.tasks.get_mut(&key).is_some_and(|t| {
+                    let current = t.generation == generation;
+                    if current {
+                        t.pacing = false;
+                    }
+                    current
+                });
+                if current {
+                    self.next_waiting(conn, &key, now);
                 }
             }
             Timer::Progress { key, generation } => {

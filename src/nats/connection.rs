@@ -31,6 +31,17 @@ const DEFAULT_MAX_PAYLOAD: usize = 1024 * 1024;
 /// The most any nats-server allows (`max_payload` cannot be set higher): an INFO asking
 /// for more is a peer that wants the broker to buffer gigabytes for one message.
 const MAX_PAYLOAD_CEILING: usize = 64 * 1024 * 1024;
+/// The largest message the connection takes from a server whose `max_payload` is
+/// `max_payload`. The server holds only clients to it, not itself: a `STREAM.MSG.GET`
+/// answer carries a stored message base64-encoded in JSON (4/3 of it, plus its subject
+/// and headers), and a direct get adds headers of its own, so an answer about a message
+/// the server took can be a third larger. Refusing those dropped the connection whenever
+/// such a message was read back (a large task's dead letter, a full task record).
+pub fn inbound_limit(max_payload: usize) -> usize {
+    max_payload
+        .saturating_add(max_payload / 2)
+        .saturating_add(64 * 1024)
+}
 /// A connection dropped sooner than this after its handshake counts as a failed attempt:
 /// a server (or a path) that accepts and then drops at once is dialed with backoff, not
 /// again and again at round-trip speed.
@@ -269,7 +280,7 @@ impl Connection {
         }
         let mut parser = Parser::new(Role::Client);
         parser.max_control_line = options.max_control_line;
-        parser.max_payload = DEFAULT_MAX_PAYLOAD;
+        parser.max_payload = inbound_limit(DEFAULT_MAX_PAYLOAD);
         let inbox_prefix = options.inbox_prefix.clone();
         let resp_prefix = format!("{}.{}.", inbox_prefix, rng.token(22));
         let mut conn = Connection {
@@ -963,7 +974,7 @@ impl Connection {
             self.max_payload = usize::try_from(info.max_payload)
                 .unwrap_or(usize::MAX)
                 .min(MAX_PAYLOAD_CEILING);
-            self.parser.max_payload = self.max_payload;
+            self.parser.max_payload = inbound_limit(self.max_payload);
         }
         match self.state {
             State::AwaitInfo { server, deadline } => {
@@ -1409,7 +1420,7 @@ impl Connection {
         self.keepalive_out = 0;
         self.next_ping = None;
         self.lame_duck_move = false;
-        self.parser.max_payload = self.max_payload;
+        self.parser.max_payload = inbound_limit(self.max_payload);
     }
 
     fn close_for_good(&mut self, reason: Error) {

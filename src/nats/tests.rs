@@ -687,9 +687,39 @@ fn an_info_cannot_raise_max_payload_past_what_any_server_allows() {
     assert_eq!(h.conn.max_payload(), 64 * 1024 * 1024);
     h.conn.receive(b"SUB x 1\r\n", h.now);
     // Announced, not sent: refused at the header instead of buffered.
-    h.conn.receive(b"MSG a 1 100000000\r\n", h.now);
+    h.conn.receive(b"MSG a 1 200000000\r\n", h.now);
     assert!(h.conn.poll_close());
     assert!(!h.conn.is_connected());
+}
+
+/// nats-server sends what JetStream answers about a stored message past `max_payload`
+/// (checked against 2.15.1: `STREAM.MSG.GET` of a 900,000-byte message, under the default
+/// 1 MiB, came as a 1,200,147-byte `MSG`). Refusing it dropped the connection.
+#[test]
+fn an_answer_about_a_stored_message_may_exceed_max_payload_by_its_encoding() {
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let sid = h.conn.subscribe("r", None).expect("sub");
+    h.take_output();
+    let payload = vec![b'a'; 1_200_147];
+    let mut wire = format!("MSG r {sid} {}\r\n", payload.len()).into_bytes();
+    wire.extend_from_slice(&payload);
+    wire.extend_from_slice(b"\r\n");
+    h.conn.receive(&wire, h.now);
+    assert!(h.conn.is_connected());
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Message { msg, .. }] if msg.payload.len() == payload.len()),
+        "{}",
+        events.len()
+    );
+    // Bounded all the same: half as much again, and 64 KiB.
+    h.conn.receive(
+        format!("MSG r {sid} {}\r\n", 1_048_576 * 3 / 2 + 65_537).as_bytes(),
+        h.now,
+    );
+    assert!(h.conn.poll_close());
 }
 
 #[test]

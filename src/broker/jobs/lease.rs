@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// Changes of one lease that may wait for the heartbeat being written (or paced); more
+/// are answered `rate_limited`.
+const MAX_WAITING_CHANGES: usize = 64;
+
 impl Jobs {
     /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.
     pub(super) fn lease_op(
@@ -27,14 +31,73 @@ impl Jobs {
             }
             return;
         }
+        let Some(t) = self.tasks.get_mut(&key) else {
+            return;
+        };
+        let paced = matches!(op, Op::Heartbeat { .. })
+            && t.last_heartbeat
+                .is_some_and(|last| after(last, HEARTBEAT_GAP) > now);
+        if t.extending == 0 && t.waiting.is_empty() && !paced {
+            return self.start_change(conn, key, op, now);
+        }
+        // Behind the heartbeat being written (or paced), in the order the worker sent them.
+        if t.waiting.len() >= MAX_WAITING_CHANGES {
+            if let Some((s, re)) = op.answer_to() {
+                let re = re.to_string();
+                let e = AmpError::new(
+                    ErrorCode::RateLimited,
+                    format!("{MAX_WAITING_CHANGES} changes of task `{task}` wait already"),
+                );
+                self.refuse(s, &re, e);
+            }
+            return;
+        }
+        t.waiting.push_back(op);
+        self.next_waiting(conn, &key, now);
+    }
+
+    /// Writes a holder's change now that no heartbeat of its lease is being written.
+    fn start_change(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
         if let Some(t) = self.tasks.get_mut(&key) {
             match op {
                 Op::Complete { .. } | Op::Fail { .. } => t.phase = Phase::Finishing,
-                Op::Heartbeat { .. } => t.extending += 1,
+                Op::Heartbeat { .. } => {
+                    t.extending += 1;
+                    t.last_heartbeat = Some(now);
+                }
                 _ => {}
             }
         }
         self.write_local(conn, key, op, now);
+    }
+
+    /// The next change waiting behind a heartbeat goes, once nothing of the lease is being
+    /// written, the lease is still the holder's to change and (for a heartbeat)
+    /// [`HEARTBEAT_GAP`] has passed since the last; the rest wait on (a `complete` that is
+    /// refused hands the lease back, and they go then).
+    pub(super) fn next_waiting(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        let Some(t) = self.tasks.get_mut(key) else {
+            return;
+        };
+        if t.extending > 0 || t.phase != Phase::Leased {
+            return;
+        }
+        let heartbeat = matches!(t.waiting.front(), Some(Op::Heartbeat { .. }));
+        let due = t.last_heartbeat.map(|last| after(last, HEARTBEAT_GAP));
+        if let Some(at) = due.filter(|at| heartbeat && *at > now) {
+            if !t.pacing {
+                t.pacing = true;
+                let timer = Timer::NextChange {
+                    key: key.to_string(),
+                    generation: t.generation,
+                };
+                self.later.push(at, Alarm(timer));
+            }
+            return;
+        }
+        if let Some(op) = t.waiting.pop_front() {
+            self.start_change(conn, key.to_string(), op, now);
+        }
     }
 
     /// The local task `key` ends here (finished, lost, released): its slot frees.
@@ -54,6 +117,11 @@ impl Jobs {
     ) -> Option<String> {
         self.unwatch(conn, key);
         let t = self.tasks.remove(key)?;
+        for op in &t.waiting {
+            if let Some((s, re)) = op.answer_to() {
+                self.refuse(s, re, lease_lost(&t.record.id));
+            }
+        }
         let was_leased = t.leased;
         if let Some(s) = self
             .workers
@@ -140,10 +208,11 @@ impl Jobs {
     }
 
     /// A heartbeat's write ended, one way or the other.
-    pub(super) fn extension_ended(&mut self, key: &str) {
+    pub(super) fn extension_ended(&mut self, conn: &mut Connection, key: &str, now: Instant) {
         if let Some(t) = self.tasks.get_mut(key) {
             t.extending = t.extending.saturating_sub(1);
         }
+        self.next_waiting(conn, key, now);
     }
 
     /// Sends the in-progress ack that keeps the message of the lease `key` from being

@@ -102,7 +102,7 @@ impl Jobs {
             Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
         };
         let failed_at = rfc3339::format_millis(self.clock.ms(now));
-        let letter = match Letter::new(&outcome.record, &stored.payload, failed_at) {
+        let mut letter = match Letter::new(&outcome.record, &stored.payload, failed_at) {
             Ok(l) => l,
             Err(e) => {
                 // Not a task envelope: nothing to redrive; the outcome stands.
@@ -113,7 +113,14 @@ impl Jobs {
         };
         let subject = binding::dlq_subject(ns_of(&outcome.record), &letter.job);
         let headers = letter.headers(&self.broker_id);
-        match self.request(conn, &subject, Some(&headers), &letter.to_json(), now) {
+        let mut json = letter.to_json();
+        if json.len() + headers.encoded_len() > conn.max_payload() {
+            // The task fitted, its letter (the body and the rest) does not: the failure is
+            // kept without the body rather than retried for ever.
+            letter.without_body();
+            json = letter.to_json();
+        }
+        match self.request(conn, &subject, Some(&headers), &json, now) {
             Ok(id) => self.await_reply(
                 id,
                 now,
@@ -354,6 +361,17 @@ impl Jobs {
             .with_path("/seq");
             return self.refuse(r.session, &r.re, e);
         };
+        if letter.body_omitted {
+            let e = AmpError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "dead letter {} holds no body (it was too large to keep): submit the task again",
+                    r.seq
+                ),
+            )
+            .with_path("/seq");
+            return self.refuse(r.session, &r.re, e);
+        }
         let body = crate::amp::Body::parse(letter.body.get()).unwrap_or_default();
         let submit = amp_frame::Submit {
             id: r.re,

@@ -109,7 +109,10 @@ impl Jobs {
         (participant, self.session_name(session))
     }
 
-    /// Applies the change to `record` and writes it if it applies.
+    /// Applies the change to `record` and writes it if it applies. A change of the lease
+    /// holder (heartbeat, complete, fail) must leave room for the changes still to come:
+    /// a worker that filled the record to `max_payload` with its progress or result left
+    /// no claim, requeue or cancel of the task writable, and a task that cycled for ever.
     pub(super) fn cas(
         &mut self,
         conn: &mut Connection,
@@ -145,10 +148,20 @@ impl Jobs {
             Ok(next) => next,
             Err(refusal) => return self.refused(conn, write, record, revision, refusal, now),
         };
-        let req = match self
-            .kv
-            .update_request(&write.key, &next.to_json(), revision)
-        {
+        let json = next.to_json();
+        let max = conn.max_payload();
+        let reserve = (max / 4).min(RECORD_RESERVE);
+        if write.op.by_holder() && json.len() + reserve > max {
+            let e = AmpError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the task record would be {} bytes: a worker's change leaves {reserve} of the server's {max} for the rest of the task's history",
+                    json.len()
+                ),
+            );
+            return self.write_failed(conn, write, e, now);
+        }
+        let req = match self.kv.update_request(&write.key, &json, revision) {
             Ok(r) => r,
             Err(e) => return self.write_failed(conn, write, unavailable(e), now),
         };
@@ -180,7 +193,7 @@ impl Jobs {
         let task = record.id.clone();
         let key = write.key.clone();
         if let Op::Heartbeat { .. } = write.op {
-            self.extension_ended(&key);
+            self.extension_ended(conn, &key, now);
         }
         if self.landed_earlier(&write.op, &key, record, now) {
             // An earlier try of this very change was answered `unavailable` but reached
@@ -375,9 +388,10 @@ impl Jobs {
                 }
                 // The expiry may have come and gone while the write was out.
                 self.arm_lease_expiry(&write.key, now);
+                self.next_waiting(conn, &write.key, now);
             }
             Op::Heartbeat { .. } => {
-                self.extension_ended(&write.key);
+                self.extension_ended(conn, &write.key, now);
                 self.arm_lease_expiry(&write.key, now);
             }
             _ => {}
@@ -443,7 +457,7 @@ impl Jobs {
                 self.leased(conn, key, session, re, &record, generation, false, now);
             }
             Op::Heartbeat { session, re, .. } => {
-                self.extension_ended(&key);
+                self.extension_ended(conn, &key, now);
                 let generation = self.tasks.get(&key).map_or(0, |t| t.generation);
                 self.leased(conn, key, session, re, &record, generation, true, now);
             }

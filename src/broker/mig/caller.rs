@@ -15,8 +15,6 @@ use crate::broker::auth::{self, Credential};
 use crate::broker::config::Config;
 use crate::broker::scoped_jwt;
 use crate::broker::throttle::{HelloThrottle, ThrottleConfig, Verdict};
-use crate::jwt;
-use crate::nkeys::{KeyKind, PublicKey};
 
 use super::subjects;
 
@@ -144,7 +142,7 @@ impl Authenticator {
             if token.matches('.').count() == 2 {
                 return verify_jwt(config, issuer?, req.ns, token, wall_ms);
             }
-            return who_presented(
+            return owner_presented(
                 config,
                 req.ns,
                 owner,
@@ -164,7 +162,7 @@ impl Authenticator {
                 nkey,
                 sig: sig.trim(),
             };
-            let name = who_presented(
+            let name = who_signed(
                 config,
                 req.ns,
                 owner,
@@ -211,9 +209,11 @@ impl Authenticator {
     }
 }
 
-/// The listed participant whose credential was presented; else, when the namespace's
-/// `open` entry accepts it, the reply subject's owner (open entries take any name).
-fn who_presented(
+/// The listed participant whose key signed; else, when the namespace's `open` entry
+/// accepts it, the reply subject's owner (open entries take any name). A signature is
+/// no guess: one by another participant's key is told apart (no answer to a reply
+/// subject it does not own).
+fn who_signed(
     config: &Config,
     ns: &str,
     owner: &str,
@@ -235,11 +235,31 @@ fn who_presented(
     })
 }
 
+/// `owner` (the participant the reply subject names) when the token presented is its
+/// own: listed with it, or unlisted and accepted by the namespace's `open` entry. Only
+/// the owner's is tried: a token that is someone else's is a failure like any other.
+/// Trying every participant's made a hit on another one answer nothing (its reply
+/// subject is not theirs) where a miss answered `MIG_UNAUTHORIZED`, and counted no
+/// failure: an oracle that tested each guess against every token of the tenant.
+fn owner_presented(
+    config: &Config,
+    ns: &str,
+    owner: &str,
+    presented: &auth::Presented<'_>,
+) -> Option<String> {
+    let p = config.participant(ns, owner)?;
+    auth::accepts(Some(p), presented).then(|| owner.to_string())
+}
+
 /// The stand-in address of every MIG caller in the throttle.
 const ANY: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
 
-/// A user JWT signed by the broker's issuing account, not expired, for a participant of
-/// `ns` whose credential is still the one it was issued for: the name it was issued to.
+/// A bearer user JWT signed by the broker's issuing account, valid now, for a participant
+/// of `ns` whose credential is still the one it was issued for: the name it was issued
+/// to. A JWT without `bearer_token` (an NKey participant's, whose `sub` is its key) is
+/// worth nothing without a proof of that key, which a MIG request does not carry; as a
+/// `Bearer` credential it was accepted, so one who saw it (every subscriber of a topic
+/// sees each PUBLISH's `Authorization`) could invoke and cancel as its owner.
 fn verify_jwt(
     config: &Config,
     issuer: &str,
@@ -247,19 +267,14 @@ fn verify_jwt(
     token: &str,
     wall_ms: i64,
 ) -> Option<String> {
-    let decoded = jwt::decode(token).ok()?;
-    let issuer = PublicKey::decode_kind(issuer, KeyKind::Account).ok()?;
-    if decoded.issuer != issuer || decoded.claim_type() != Some("user") {
+    let now = u64::try_from(wall_ms / 1000).unwrap_or(0);
+    let user = scoped_jwt::verify_user(token, issuer, now).ok()?;
+    if !user.bearer {
         return None;
     }
-    let exp = decoded.expires()?;
-    if exp.saturating_mul(1000) <= wall_ms {
-        return None;
-    }
-    let name = decoded.claims.get("name")?.as_str()?;
-    let (jwt_ns, who) = name.split_once('/')?;
+    let (jwt_ns, who) = user.name.as_deref()?.split_once('/')?;
     let p = config.participant(ns, who).filter(|_| jwt_ns == ns)?;
-    let credential = decoded.claims.get(scoped_jwt::CREDENTIAL_CLAIM)?.as_str()?;
+    let credential = user.claims.get(scoped_jwt::CREDENTIAL_CLAIM)?.as_str()?;
     (credential == scoped_jwt::credential_fingerprint(p)).then(|| who.to_string())
 }
 
@@ -274,7 +289,7 @@ fn is_raw_token(authorization: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nkeys::KeyPair;
+    use crate::nkeys::{KeyKind, KeyPair};
     use base64::Engine;
     use sha2::{Digest, Sha256};
 
@@ -361,16 +376,19 @@ mod tests {
             ),
             Err(Refusal::Unauthorized)
         );
-        // Bob's token with Ann's reply subject: no answer.
+        // Bob's token with Ann's reply subject is no credential of Ann's: refused like any
+        // wrong token. (It was answered with nothing, so a guesser using its own reply
+        // subject learnt that a guess was somebody's token, and no failure was counted.)
+        let mut guesser = Authenticator::new();
         assert_eq!(
-            a.authenticate(
+            guesser.authenticate(
                 &c,
                 None,
                 &req("_INBOX_acme_ann.1", "Bearer bob-token"),
                 now,
                 NOW_MS
             ),
-            Err(Refusal::Drop("reply_subject"))
+            Err(Refusal::Unauthorized)
         );
         let auth = signed_by(&ann);
         assert_eq!(
@@ -482,17 +500,19 @@ mod tests {
             a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
         );
-        let jwt = hello_jwt(&issuer, &c, "ann");
+        // A bearer JWT (Bob's: a token participant) passes while his prefix is throttled.
         let pk = issuer.public_key();
+        fail_often(&mut a, &c, "_INBOX_acme_bob.x", now);
+        let jwt = hello_jwt(&issuer, &c, "bob");
         assert_eq!(
             a.authenticate(
                 &c,
                 Some(&pk),
-                &req("_INBOX_acme_ann.1", &format!("Bearer {jwt}")),
+                &req("_INBOX_acme_bob.1", &format!("Bearer {jwt}")),
                 now,
                 NOW_MS
             ),
-            Ok("ann".into())
+            Ok("bob".into())
         );
         // A bad signature while throttled is still only throttled (not checked as a guess).
         assert!(matches!(
@@ -517,6 +537,28 @@ mod tests {
             ),
             Err(Refusal::Throttled(_))
         ));
+    }
+
+    /// An NKey participant's `hello` JWT names its key as `sub` and is no bearer token:
+    /// NATS takes it only with a signature by that key. As MIG `Bearer` it was enough, and
+    /// it travels in every PUBLISH's `Authorization` to every subscriber of the topic.
+    #[test]
+    fn a_jwt_that_is_no_bearer_token_is_not_taken_as_one() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let c = config(&ann.public_key());
+        let jwt = hello_jwt(&issuer, &c, "ann");
+        let pk = issuer.public_key();
+        assert_eq!(
+            Authenticator::new().authenticate(
+                &c,
+                Some(&pk),
+                &req("_INBOX_acme_ann.1", &format!("Bearer {jwt}")),
+                Instant::now(),
+                NOW_MS
+            ),
+            Err(Refusal::Unauthorized)
+        );
     }
 
     #[test]
