@@ -519,3 +519,75 @@ fn pipelined_heartbeats_are_written_one_at_a_time_and_leave_the_submitter_its_ca
     }
     assert_eq!(status(&mut a, &task)["state"], "cancelled");
 }
+
+/// A holder's `progress` (or `result`) went into the task record unchecked but for the
+/// server's `max_payload`: a worker could fill the record so that no later change (the
+/// next claim, a requeue, the submitter's cancel) fitted, and the task cycled for ever.
+/// A holder's change now leaves 64 KiB free.
+#[test]
+fn a_holder_cannot_fill_the_task_record_to_max_payload() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["a", "w1"], 60, 5000));
+    let mut a = login(&broker, "a");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = a.request(json!({"op":"submit","job":"render","body":{}}));
+    let task = r["task"].as_str().expect("task").to_string();
+    w1.next_op("offer", Duration::from_secs(10)).expect("offer");
+    assert_eq!(w1.request(json!({"op":"claim","task":task}))["op"], "ok");
+    let full = "p".repeat(1_000_000);
+    let r = w1.request(json!({"op":"heartbeat","task":task,"progress":full}));
+    assert_eq!(r["code"], "too_large", "{r}");
+    let r = w1.request(json!({"op":"heartbeat","task":task,"progress":"p".repeat(100_000)}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let cancel = a.request(json!({"op":"cancel","task":task}));
+    assert_eq!(cancel["op"], "ok", "{cancel}");
+}
+
+/// Tasks only a busy session here may take came back every half second, however long
+/// it stayed busy: a participant serving with one slot it kept leased, submitting a
+/// thousand tasks only it may take, had them delivered two thousand times a second, and
+/// every free slot's pull of the job went on them. They now back off as tasks nobody
+/// here may take do (to 2 s).
+#[test]
+fn tasks_only_a_busy_session_may_take_back_off() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config(&["app", "evil", "w"], 60, 5000));
+    let mut evil = login_serving(&broker, "evil", 1);
+    let first = evil.request(json!({"op":"submit","job":"render","body":0,
+                                    "eligible":{"names":["evil"]}}));
+    let held = first["task"].clone();
+    let offer = evil
+        .next_op("offer", Duration::from_secs(10))
+        .expect("offer");
+    assert_eq!(offer["task"], held);
+    assert_eq!(evil.request(json!({"op":"claim","task":held}))["op"], "ok");
+    let stuck = 1_000;
+    for batch in (0..stuck).collect::<Vec<_>>().chunks(500) {
+        for i in batch {
+            evil.send(
+                &json!({"op":"submit","id":format!("s{i}"),"job":"render","body":i,
+                              "eligible":{"names":["evil"]}}),
+            );
+        }
+        for i in batch {
+            let r = evil.answer_to(&format!("s{i}"));
+            assert_eq!(r["op"], "ok", "{r}");
+        }
+    }
+    let mut w = login_serving(&broker, "w", 1);
+    // Let the stuck tasks go round a few times.
+    std::thread::sleep(Duration::from_secs(3));
+    let ops = || common::amp::metric(&broker, JS_OPS).unwrap_or(0.0);
+    let before = ops();
+    std::thread::sleep(Duration::from_secs(2));
+    let per_s = (ops() - before) / 2.0;
+    eprintln!("{stuck} tasks only a busy session may take: {per_s} JetStream operations a second");
+    assert!(per_s < 3_000.0, "{per_s} operations a second");
+    let mut app = login(&broker, "app");
+    let real = app.request(json!({"op":"submit","job":"render","body":"real"}));
+    let task = real["task"].clone();
+    let offered = w
+        .next_op("offer", Duration::from_secs(5))
+        .expect("the real task offered");
+    assert_eq!(offered["task"], task);
+}

@@ -73,8 +73,6 @@ pub struct CalloutConfig {
     pub issuer: KeyPair,
     /// The account the user is placed in (the user JWT's `aud`); `$G` without accounts.
     pub account: String,
-    /// Lifetime of issued user JWTs; the server disconnects the client when it ends.
-    pub jwt_ttl_s: u64,
     /// Pinned server keys (`N...`): when not empty, only requests signed by one of these
     /// are answered. When empty, the keys of servers the broker's own connection has met.
     pub trusted_servers: Vec<String>,
@@ -86,7 +84,6 @@ impl CalloutConfig {
         CalloutConfig {
             issuer,
             account: "$G".to_string(),
-            jwt_ttl_s: 3600,
             trusted_servers: Vec::new(),
             throttle: ThrottleConfig::default(),
         }
@@ -253,7 +250,7 @@ impl Callout {
             return self.refuse(&request, unix_s, claimed, "throttled".into());
         }
         match verdict {
-            Checked::Accepted { ns, name } => {
+            Checked::Accepted { ns, name, until } => {
                 let participant = format!("{ns}/{name}");
                 if let Some(ip) = host {
                     self.throttle.record_success(ip, &participant, now);
@@ -268,7 +265,7 @@ impl Callout {
                     permissions: &p.permissions,
                     user_key: &request.user_nkey,
                     issued_at: unix_s,
-                    ttl_s: self.config.jwt_ttl_s,
+                    ttl_s: issued_ttl(participants.callout.jwt_ttl_s, until, unix_s),
                     bearer: false,
                     audience: Some(&self.config.account),
                     mig: dlq.as_deref(),
@@ -449,7 +446,11 @@ impl Callout {
                 return refused(who, "jwt user key is not the participant's");
             }
         }
-        Checked::accepted(ns, name)
+        Checked::Accepted {
+            ns: ns.to_string(),
+            name: name.to_string(),
+            until: user.expires,
+        }
     }
 
     /// The authorization response JWT: `sub` = the server's user key for this client,
@@ -493,6 +494,8 @@ enum Checked {
     Accepted {
         ns: String,
         name: String,
+        /// When the JWT that proved it expires (Unix seconds), if one did.
+        until: Option<i64>,
     },
     Refused {
         participant: Option<String>,
@@ -500,17 +503,29 @@ enum Checked {
     },
 }
 
+/// The lifetime of a JWT issued now (`unix_s`): the configured one, and never past the
+/// JWT the client presented (a `hello` JWT a second from expiry was exchanged for a
+/// fresh full lifetime, again and again).
+fn issued_ttl(ttl_s: u64, presented_until: Option<i64>, unix_s: u64) -> u64 {
+    let now = i64::try_from(unix_s).unwrap_or(i64::MAX);
+    match presented_until {
+        Some(until) => ttl_s.min(u64::try_from(until.saturating_sub(now)).unwrap_or(0).max(1)),
+        None => ttl_s,
+    }
+}
+
 impl Checked {
     fn accepted(ns: &str, name: &str) -> Checked {
         Checked::Accepted {
             ns: ns.to_string(),
             name: name.to_string(),
+            until: None,
         }
     }
 
     fn participant(&self) -> Option<String> {
         match self {
-            Checked::Accepted { ns, name } => Some(format!("{ns}/{name}")),
+            Checked::Accepted { ns, name, .. } => Some(format!("{ns}/{name}")),
             Checked::Refused { participant, .. } => participant.clone(),
         }
     }

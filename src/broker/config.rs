@@ -33,8 +33,8 @@ pub struct Config {
     pub allowed_origins: Vec<String>,
 }
 
-/// Which nats-servers the auth callout answers.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+/// Which nats-servers the auth callout answers, and how long what it issues lasts.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CalloutTrust {
     /// Server public keys (`N...`, a server's INFO `server_id`) whose authorization
@@ -42,6 +42,25 @@ pub struct CalloutTrust {
     /// (and no flag): the servers the broker's own NATS connection has met.
     #[serde(default)]
     pub server_keys: Vec<String>,
+    /// Lifetime of the user JWTs the callout and `hello` issue. nats-server ends a
+    /// connection when its JWT expires, and nothing else ends one: this is how long a
+    /// removed participant, or one whose permissions were narrowed, keeps what its NATS
+    /// connection had.
+    #[serde(default = "default_jwt_ttl_s")]
+    pub jwt_ttl_s: u64,
+}
+
+fn default_jwt_ttl_s() -> u64 {
+    3600
+}
+
+impl Default for CalloutTrust {
+    fn default() -> Self {
+        CalloutTrust {
+            server_keys: Vec::new(),
+            jwt_ttl_s: default_jwt_ttl_s(),
+        }
+    }
 }
 
 /// Per-session and per-broker limits (spec 2.7 defaults).
@@ -396,6 +415,7 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         super::mig::config::validate_settings(&self.mig)?;
         within("callout.server_keys", self.callout.server_keys.len(), 0, 64)?;
+        within("callout.jwt_ttl_s", self.callout.jwt_ttl_s, 60, DAY)?;
         within("allowed_origins", self.allowed_origins.len(), 0, 256)?;
         for (i, key) in self.callout.server_keys.iter().enumerate() {
             if !is_server_key(key) {
@@ -1042,6 +1062,9 @@ mod tests {
         ))
         .expect_err("a user key");
         assert_eq!(e.path, "callout.server_keys[1]", "{e}");
+        assert_eq!(c.callout.jwt_ttl_s, 3600);
+        let e = parse(r#"{"callout":{"jwt_ttl_s":30}}"#).expect_err("too short");
+        assert_eq!(e.path, "callout.jwt_ttl_s", "{e}");
     }
 
     #[test]

@@ -151,8 +151,6 @@ const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// `retry_after_ms` of a submit refused because too many wait for a budget reservation:
 /// about one reservation round trip under load.
 const HELD_SUBMIT_RETRY_MS: u64 = 1000;
-/// Lifetime of the scoped user JWT `hello` returns.
-const HELLO_JWT_TTL_S: u64 = 3600;
 
 enum SessionState {
     AwaitingHello {

@@ -70,12 +70,15 @@ const PULL_EXPIRES: Duration = Duration::from_secs(30);
 const NO_TAKER_DELAY: Duration = Duration::from_millis(500);
 const NO_TAKER_DELAY_MAX: Duration = Duration::from_secs(4);
 
-/// How long a task with no local taker waits at its `delivered`-th delivery.
-fn no_taker_delay(delivered: u64) -> Duration {
+/// The longest a task waits when sessions here may take it but every one is busy: it
+/// doubles too (a thousand tasks only a busy session may take, every half second, kept
+/// the pulls of everyone's free slots busy with them), less far, as a slot may free soon.
+const BUSY_TAKER_DELAY_MAX: Duration = Duration::from_secs(2);
+
+/// How long a task with no local taker waits at its `delivered`-th delivery, up to `max`.
+fn no_taker_delay(delivered: u64, max: Duration) -> Duration {
     let doublings = delivered.saturating_sub(1).min(8) as u32;
-    NO_TAKER_DELAY
-        .saturating_mul(1 << doublings)
-        .min(NO_TAKER_DELAY_MAX)
+    NO_TAKER_DELAY.saturating_mul(1 << doublings).min(max)
 }
 /// A session that declined a task (or let its offer lapse) is not offered it again for
 /// this long, so the task goes to someone else when anyone else can take it.

@@ -37,7 +37,7 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         max_buffered_bytes,
         max_topic_subscriptions
     );
-    if old.callout != new.callout {
+    if old.callout.server_keys != new.callout.server_keys {
         changed.push("callout.server_keys".to_string());
     }
     // The MIG subscriptions and live-event consumers are made at start.

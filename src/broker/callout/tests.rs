@@ -601,3 +601,23 @@ fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
     let (reply, _) = w.ask(json!({"jwt": nkey_jwt, "sig": sig}));
     assert_eq!(authorized(&reply), None, "the old key's JWT still logs in");
 }
+
+#[test]
+fn a_jwt_issued_for_a_hello_jwt_ends_when_that_one_does() {
+    // A `hello` JWT (600 s) issued 595 s ago: five seconds left. It was exchanged for a
+    // fresh full hour, and that hour's JWT for another just before it ended.
+    let mut w = world();
+    let acme = w.config.namespaces["acme"].clone();
+    let old = hello_jwt(&w.account, &acme, "w1", NOW - 595);
+    let (reply, user) = w.ask(json!({"auth_token": old}));
+    assert_eq!(authorized(&reply), Some("acme/w1"));
+    let (_, claims) = response(&w, &reply, &user);
+    let exp = claims.expect("user jwt")["exp"].as_u64().expect("exp");
+    assert_eq!(exp, NOW + 5);
+    // A password login gets the configured lifetime.
+    w.config.callout.jwt_ttl_s = 120;
+    let (reply, user) = w.ask(json!({"user": "acme/w1", "pass": "s3cret"}));
+    assert_eq!(authorized(&reply), Some("acme/w1"), "{:?}", reply.outcome);
+    let (_, claims) = response(&w, &reply, &user);
+    assert_eq!(claims.expect("user jwt")["exp"].as_u64(), Some(NOW + 120));
+}

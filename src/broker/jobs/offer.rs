@@ -3,6 +3,13 @@
 
 use super::*;
 
+/// Who here may take a task ([`Jobs::admits`]).
+enum Admits {
+    Free,
+    Busy,
+    Nobody,
+}
+
 impl Jobs {
     pub(super) fn claim(
         &mut self,
@@ -318,12 +325,13 @@ impl Jobs {
             }
             OnDelivery::Offer => {
                 let Some(session) = self.choose(qk, &key, record.eligible.as_ref(), now) else {
-                    // Waiting for a busy or declining session here: soon again. No session
-                    // here may take it at all: ever later (it may be nobody's anywhere).
-                    let delay = if self.any_admits(qk, record.eligible.as_ref()) {
-                        NO_TAKER_DELAY
-                    } else {
-                        no_taker_delay(delivered)
+                    // A session here with a free slot declined it lately: soon again. Every
+                    // session here that may take it is busy: later and later, a little.
+                    // None may take it at all: later still (it may be nobody's anywhere).
+                    let delay = match self.admits(qk, record.eligible.as_ref()) {
+                        Admits::Free => NO_TAKER_DELAY,
+                        Admits::Busy => no_taker_delay(delivered, BUSY_TAKER_DELAY_MAX),
+                        Admits::Nobody => no_taker_delay(delivered, NO_TAKER_DELAY_MAX),
                     };
                     self.nak(conn, &ack, Some(delay));
                     return self.pull_more(conn, qk, now);
@@ -419,15 +427,26 @@ impl Jobs {
 
     /// Whether any session here serving the job may take a task restricted to
     /// `eligible`, busy, declining or not.
-    fn any_admits(&self, qk: &str, eligible: Option<&Eligible>) -> bool {
+    /// Whether a session here may take a task of `qk` with `eligible`, and has a slot.
+    fn admits(&self, qk: &str, eligible: Option<&Eligible>) -> Admits {
         let Some(q) = self.queues.get(qk) else {
-            return false;
+            return Admits::Nobody;
         };
-        self.workers.values().any(|w| {
-            w.ns == q.ns
-                && w.serving.contains_key(&q.job)
-                && eligible.is_none_or(|e| e.admits(&w.name, &w.labels))
-        })
+        let mut found = Admits::Nobody;
+        for w in self.workers.values() {
+            let serving = w.serving.get(&q.job);
+            let Some(s) = serving.filter(|_| w.ns == q.ns) else {
+                continue;
+            };
+            if !eligible.is_none_or(|e| e.admits(&w.name, &w.labels)) {
+                continue;
+            }
+            if s.in_flight < s.slots {
+                return Admits::Free;
+            }
+            found = Admits::Busy;
+        }
+        found
     }
 
     pub(super) fn remember_decline(&mut self, key: &str, session: SessionId, now: Instant) {
