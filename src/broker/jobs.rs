@@ -1328,9 +1328,15 @@ impl Jobs {
                         )
                         .with_path("/task");
                         self.refuse(sub.session, &sub.re, e);
-                    } else if record.state == TaskState::Queued && record.attempt == 0 {
+                    } else if record.state == TaskState::Queued
+                        && record.attempt == 0
+                        && self.repeatable(record.history.first(), now)
+                    {
                         // The message may never have been stored (an `unavailable` before):
-                        // publish again; its message id makes a repeat a duplicate.
+                        // publish again; its message id makes a repeat a duplicate, and
+                        // only within the duplicate window: later, a resubmit (over budget
+                        // too, a retry spends none) stored one more copy of the task each
+                        // time, each delivered and offered on its own.
                         self.publish_task(conn, *sub, true, now);
                     } else {
                         let text = FrameWriter::ok(Some(&sub.re))
@@ -1883,6 +1889,33 @@ mod tests {
             json!({"op":"submit","job":"render","task":"my-mig-1","body":1}),
         );
         assert_eq!(r["op"], "ok", "{r}");
+    }
+
+    #[test]
+    fn a_resubmit_past_the_duplicate_window_stores_no_second_task_message() {
+        // A resubmit of a task still `queued` published its message again, so that one
+        // never stored (an `unavailable` submit) is; past the stream's 120 s duplicate
+        // window that stored one more copy each time (over budget too), each delivered
+        // and offered on its own.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let submit = json!({"op":"submit","job":"render","task":"T","body":1,
+                            "eligible":{"names":["nobody"]}});
+        assert_eq!(h.request(app, submit.clone())["op"], "ok");
+        let messages = |h: &Harness| h.server.stream_messages("AMP_TASKS_dev").len();
+        assert_eq!(messages(&h), 1);
+        h.advance(Duration::from_secs(30));
+        let again = h.request(app, submit.clone());
+        assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(true)));
+        assert_eq!(
+            messages(&h),
+            1,
+            "within the window the repeat is a duplicate"
+        );
+        h.advance(Duration::from_secs(100));
+        let again = h.request(app, submit);
+        assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(true)));
+        assert_eq!(messages(&h), 1, "past it no copy is stored");
     }
 
     #[test]

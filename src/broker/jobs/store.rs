@@ -4,12 +4,24 @@
 
 use super::*;
 
-/// How long after a cancel its retry still stores the `task_result` again: well inside
-/// the inbox stream's 120 s duplicate window, so the repeat is deduplicated whatever the
-/// brokers' clocks say.
-const RESULT_REPEAT_WINDOW_MS: i128 = 90_000;
+/// How long after a change a repair may still publish what the change published (a
+/// cancel's `task_result`, a submit's task message) again: well inside the streams' 120 s
+/// duplicate window, so the repeat is deduplicated whatever the brokers' clocks say.
+const REPEAT_WINDOW_MS: i128 = 90_000;
 
 impl Jobs {
+    /// Whether what the change of history entry `entry` published may be published again
+    /// ([`REPEAT_WINDOW_MS`]).
+    pub(super) fn repeatable(
+        &self,
+        entry: Option<&crate::broker::task_store::HistoryEntry>,
+        now: Instant,
+    ) -> bool {
+        entry
+            .and_then(|h| crate::rfc3339::parse_nanos(&h.at))
+            .is_some_and(|ns| i128::from(self.clock.ms(now)) - ns / 1_000_000 < REPEAT_WINDOW_MS)
+    }
+
     pub(super) fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
         let Some((record, revision, ack)) = self
             .tasks
@@ -234,14 +246,7 @@ impl Jobs {
                 // keeps it one message within the dedupe window, and only then: a cancel
                 // sent again later stored a second result (simulator seed 0x13da2e, a
                 // repeat 122 s after the cancel).
-                let cancelled_ms = record
-                    .history
-                    .last()
-                    .and_then(|h| crate::rfc3339::parse_nanos(&h.at))
-                    .map(|ns| ns / 1_000_000);
-                let recent = cancelled_ms.is_some_and(|at| {
-                    i128::from(self.clock.ms(now)) - at < RESULT_REPEAT_WINDOW_MS
-                });
+                let recent = self.repeatable(record.history.last(), now);
                 if let Refusal::Finished(TaskState::Cancelled) = refusal
                     && recent
                 {
