@@ -63,6 +63,9 @@ pub struct LeafRemote {
     /// A `.creds` file (user JWT and seed) for the leaf connection.
     pub creds: Option<PathBuf>,
     pub tls: LeafTls,
+    /// Subjects kept off the link both ways: those of the namespaces this site keeps in
+    /// its own JetStream ([`crate::broker::binding::site_subjects`]).
+    pub deny: Vec<String>,
 }
 
 /// TLS files of the leaf connection. Any of them turns TLS on, as a `tls` block does in
@@ -389,6 +392,13 @@ fn config_text(port: u16, user: &str, opts: &EmbeddedOptions) -> String {
             }
             text.push_str("    }\n");
         }
+        if !leaf.deny.is_empty() {
+            let list: Vec<String> = leaf.deny.iter().map(|d| json_string(d)).collect();
+            let list = list.join(", ");
+            text.push_str(&format!(
+                "    deny_imports: [ {list} ]\n    deny_exports: [ {list} ]\n"
+            ));
+        }
         text.push_str("  } ]\n}\n");
     }
     text
@@ -448,6 +458,10 @@ mod tests {
             url: "nats-leaf://hub:7422".to_string(),
             creds: Some(PathBuf::from("/etc/amp/leaf.creds")),
             tls: LeafTls::default(),
+            deny: vec![
+                "amp.local.>".to_string(),
+                "$KV.AMP_REGISTRY_local.>".to_string(),
+            ],
         });
         opts.callout_issuer = Some("AISSUER".to_string());
         let text = config_text(4321, "UKEY", &opts);
@@ -467,6 +481,15 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("tls"), "{text}");
+        let list = r#"[ "amp.local.>", "$KV.AMP_REGISTRY_local.>" ]"#;
+        assert!(
+            text.contains(&format!("    deny_imports: {list}\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("    deny_exports: {list}\n")),
+            "{text}"
+        );
     }
 
     #[test]
@@ -480,6 +503,7 @@ mod tests {
                 cert: Some(PathBuf::from("/etc/amp/site.pem")),
                 key: Some(PathBuf::from("/etc/amp/site-key.pem")),
             },
+            deny: Vec::new(),
         });
         let text = config_text(4321, "UKEY", &opts);
         assert!(

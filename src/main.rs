@@ -121,7 +121,7 @@ fn serve(args: ServeArgs) -> Result<(), String> {
 
     let mut embedded_server = None;
     let (urls, mut options) = if args.nats.is_empty() {
-        let server = start_embedded(&args, &broker_id, issuer.as_ref())?;
+        let server = start_embedded(&args, &config, &broker_id, issuer.as_ref())?;
         let options = nats_options(&server.url(), &broker_id)?
             .with_nkey_seed(&server.nkey_seed())
             .map_err(|e| format!("embedded nats-server credential: {e}"))?;
@@ -259,6 +259,7 @@ fn readable_file(flag: &str, path: Option<&Path>) -> Result<Option<PathBuf>, Str
 /// leaf node of `--leaf-remote` with its own JetStream domain when given.
 fn start_embedded(
     args: &ServeArgs,
+    config: &Config,
     broker_id: &str,
     issuer: Option<&KeyPair>,
 ) -> Result<EmbeddedServer, String> {
@@ -296,6 +297,13 @@ fn start_embedded(
             url: url.clone(),
             creds: leaf_creds.clone(),
             tls: leaf_tls.clone(),
+            // The namespaces kept here stay here.
+            deny: config
+                .namespaces
+                .iter()
+                .filter(|(_, n)| n.jetstream_domain.is_none() || n.jetstream_domain == domain)
+                .flat_map(|(ns, _)| amp_broker::broker::binding::site_subjects(ns))
+                .collect(),
         }),
         callout_issuer: issuer.map(KeyPair::public_key),
         ..EmbeddedOptions::new(binary, args.data_dir.clone())

@@ -543,3 +543,58 @@ fn leaf_creds_link_a_site_to_an_operator_mode_hub_and_creds_of_another_account_a
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!(got[0]["body"], "over JWT creds");
 }
+
+fn site_broker_named(relay: &Relay, site: &str) -> Broker {
+    Broker::start_embedded(
+        &site_config(),
+        &[
+            "--broker-id",
+            site,
+            "--leaf-remote",
+            &format!("nats-leaf://site:leaf-secret@{}", relay.addr()),
+            "--js-domain",
+            site,
+        ],
+    )
+}
+
+/// Two sites each with a local namespace `local` (as the example has every site): its
+/// subjects carry no site, and a leaf link carries every subject both ways, so a send at
+/// one site reached the other's participant of the same name through the hub.
+#[test]
+fn sites_with_local_namespaces_of_one_name_do_not_hear_each_other() {
+    let (hub, leaf_port) = hub();
+    let _hub_broker = Broker::start(&hub.url(), &hub_config());
+    let relay1 = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let relay2 = Relay::start(&format!("127.0.0.1:{leaf_port}"));
+    let site1 = site_broker_named(&relay1, "site1");
+    let site2 = site_broker_named(&relay2, "site2");
+    let mut dave2 = login(&site2, "local", "dave");
+    let mut carol2 = login(&site2, "local", "carol");
+    let mut carol1 = login(&site1, "local", "carol");
+    let mut dave1 = login(&site1, "local", "dave");
+    // Both sites reach the hub (fleet sends are stored there).
+    let mut alice1 = login(&site1, "fleet", "alice");
+    let mut alice2 = login(&site2, "fleet", "alice");
+    for (a, idem) in [(&mut alice1, "up1"), (&mut alice2, "up2")] {
+        let r = send_until_ok(a, "bob", json!({"up": idem}), idem);
+        assert_eq!(r["op"], "ok", "{r}");
+    }
+    let r = send_until_ok(&mut carol1, "dave", json!({"at": "site1"}), "l1");
+    assert_eq!(r["op"], "ok", "{r}");
+    let got = receive(&mut dave1, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"]["at"], "site1");
+    let leaked = dave2.next_op("message", Duration::from_secs(3));
+    assert!(
+        leaked.is_none(),
+        "site2's dave got site1's message: {leaked:?}"
+    );
+    // Nor is site2's own traffic disturbed.
+    let r = send_until_ok(&mut carol2, "dave", json!({"at": "site2"}), "l2");
+    assert_eq!(r["op"], "ok", "{r}");
+    let got = receive(&mut dave2, 1);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["body"]["at"], "site2");
+    assert!(dave1.next_op("message", Duration::from_secs(1)).is_none());
+}

@@ -84,6 +84,36 @@ pub fn task_key(ns: &str, task: &str) -> String {
     format!("{ns}.{task}")
 }
 
+/// Every subject of namespace `ns` that must not cross a leaf link when `ns` lives in the
+/// site's own JetStream. Subjects carry no site: two sites each with a namespace of one
+/// name would otherwise share its messages, events, registry, tasks and acks through the
+/// hub (each site's streams capture the other's publishes).
+pub fn site_subjects(ns: &str) -> Vec<String> {
+    let mut subjects = vec![
+        format!("amp.{ns}.>"),
+        format!("mig.v0_1.{ns}.>"),
+        format!("_AMP_BROKER.DURABLE.{ns}.>"),
+        format!("_AMP_BROKER.MIG.CANCEL.{ns}.>"),
+        format!("$KV.{}.>", registry_bucket(ns)),
+    ];
+    for bucket in [
+        TASK_STATE_BUCKET,
+        crate::broker::budget::BUDGET_BUCKET,
+        crate::broker::mig::seen::BUCKET,
+    ] {
+        subjects.push(format!("$KV.{bucket}.{ns}.>"));
+    }
+    for stream in [
+        inbox_stream(ns),
+        topics_stream(ns),
+        tasks_stream(ns),
+        dlq_stream(ns),
+    ] {
+        subjects.push(format!("$JS.ACK.{stream}.>"));
+    }
+    subjects
+}
+
 /// Settings shared by every stream the broker creates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamSettings {
