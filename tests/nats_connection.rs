@@ -241,3 +241,17 @@ fn permission_violation_is_reported_and_keeps_the_connection() {
     c.publish("open", None, None, b"yes").expect("pub");
     assert!(c.next_message(sid, WAIT).expect("pump").is_some());
 }
+
+/// A server named by host name is looked up off the caller's loop (a thread of its
+/// own), then dialed as an address is.
+#[test]
+fn a_server_named_by_host_name_is_looked_up_and_connected() {
+    let server = common::NatsServer::start();
+    let port = server.addr().rsplit(':').next().expect("port").to_string();
+    let url = format!("nats://localhost:{port}");
+    let mut c = Client::connect(Options::new(&url).with_name("by-name")).expect("connect");
+    let sid = c.subscribe("named", None).expect("sub");
+    c.publish("named", None, None, b"hi").expect("publish");
+    let msg = c.next_message(sid, WAIT).expect("pump").expect("message");
+    assert_eq!(msg.payload, b"hi");
+}

@@ -17,8 +17,58 @@ use mio::net::TcpStream;
 use mio::{Interest, Registry, Token};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+/// Host-name lookups running at once in this process, at most: a lookup that never
+/// answers keeps its thread, and a connection that times out its dial and tries again
+/// must not start one more each time.
+const MAX_LOOKUPS: usize = 8;
+static LOOKUPS: AtomicUsize = AtomicUsize::new(0);
+/// How often a pending lookup is looked at.
+const LOOKUP_POLL: Duration = Duration::from_millis(5);
+
+/// A host name being looked up on a thread of its own: `getaddrinfo` blocks, for seconds
+/// when a resolver does not answer, and the loop it would block serves every session. A
+/// server (or whoever stands in the middle) names hosts in its INFO's `connect_urls`.
+#[derive(Debug)]
+struct Lookup {
+    addr: String,
+    answer: mpsc::Receiver<io::Result<SocketAddr>>,
+}
+
+impl Lookup {
+    fn start(addr: &str) -> io::Result<Lookup> {
+        let running = LOOKUPS.fetch_add(1, Ordering::SeqCst);
+        if running >= MAX_LOOKUPS {
+            LOOKUPS.fetch_sub(1, Ordering::SeqCst);
+            return Err(io::Error::other(format!(
+                "{MAX_LOOKUPS} host-name lookups are not answering"
+            )));
+        }
+        let (tx, answer) = mpsc::channel();
+        let name = addr.to_string();
+        let spawned = std::thread::Builder::new()
+            .name("amp-lookup".into())
+            .spawn(move || {
+                let found = name
+                    .to_socket_addrs()
+                    .and_then(|mut a| a.next().ok_or_else(|| io::Error::other("no address")));
+                LOOKUPS.fetch_sub(1, Ordering::SeqCst);
+                // Nobody waits any more when the dial timed out: dropped.
+                let _ = tx.send(found);
+            });
+        if let Err(e) = spawned {
+            LOOKUPS.fetch_sub(1, Ordering::SeqCst);
+            return Err(e);
+        }
+        Ok(Lookup {
+            addr: addr.to_string(),
+            answer,
+        })
+    }
+}
 
 /// Bytes read per `read` call.
 const READ_CHUNK: usize = 64 * 1024;
@@ -47,6 +97,8 @@ pub struct Driver {
     /// Bytes read from and written to the server socket since start, for `/metrics`.
     bytes_in: u64,
     bytes_out: u64,
+    /// The host name of the dial under way, being looked up.
+    lookup: Option<Lookup>,
 }
 
 impl Driver {
@@ -65,6 +117,7 @@ impl Driver {
             read_buf: vec![0; READ_CHUNK],
             bytes_in: 0,
             bytes_out: 0,
+            lookup: None,
         }
     }
 
@@ -100,7 +153,14 @@ impl Driver {
         if self.read_more {
             return Some(Instant::now());
         }
-        self.conn.poll_timeout()
+        let conn = self.conn.poll_timeout();
+        match self.lookup {
+            Some(_) => {
+                let soon = Instant::now() + LOOKUP_POLL;
+                Some(conn.map_or(soon, |t| t.min(soon)))
+            }
+            None => conn,
+        }
     }
 
     /// Readiness for this driver's token.
@@ -137,6 +197,18 @@ impl Driver {
                 }
             }
             if self.socket.is_none() {
+                if let Some(lookup) = &self.lookup {
+                    let found = match lookup.answer.try_recv() {
+                        Ok(found) => found,
+                        Err(mpsc::TryRecvError::Empty) => return,
+                        Err(mpsc::TryRecvError::Disconnected) => {
+                            Err(io::Error::other("the lookup ended without an answer"))
+                        }
+                    };
+                    let addr = self.lookup.take().map(|l| l.addr).unwrap_or_default();
+                    self.connect(registry, &addr, found, now);
+                    continue;
+                }
                 match self.conn.poll_connect(now) {
                     Some(addr) => {
                         self.dial(registry, &addr.to_string(), now);
@@ -155,10 +227,24 @@ impl Driver {
         }
     }
 
+    /// An address is connected to at once; a host name is looked up first, off the loop.
     fn dial(&mut self, registry: &Registry, addr: &str, now: Instant) {
-        let resolved: io::Result<SocketAddr> = addr
-            .to_socket_addrs()
-            .and_then(|mut a| a.next().ok_or_else(|| io::Error::other("no address")));
+        if let Ok(sa) = addr.parse::<SocketAddr>() {
+            return self.connect(registry, addr, Ok(sa), now);
+        }
+        match Lookup::start(addr) {
+            Ok(lookup) => self.lookup = Some(lookup),
+            Err(e) => self.conn.on_transport_closed(now, &format!("{addr}: {e}")),
+        }
+    }
+
+    fn connect(
+        &mut self,
+        registry: &Registry,
+        addr: &str,
+        resolved: io::Result<SocketAddr>,
+        now: Instant,
+    ) {
         let result = resolved.and_then(|sa| {
             let mut stream = TcpStream::connect(sa)?;
             registry.register(
@@ -360,6 +446,9 @@ impl Driver {
     }
 
     fn drop_socket(&mut self, registry: &Registry) {
+        // A dial given up (timed out) while its host name was looked up: the answer,
+        // whenever it comes, goes nowhere.
+        self.lookup = None;
         if let Some(mut stream) = self.socket.take() {
             let _ = registry.deregister(&mut stream);
             let _ = stream.shutdown(std::net::Shutdown::Both);
@@ -373,5 +462,40 @@ impl Driver {
     /// Deregisters and closes the socket (the connection itself is left as it is).
     pub fn shutdown(&mut self, registry: &Registry) {
         self.drop_socket(registry);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nats::Options;
+
+    #[test]
+    fn a_host_name_is_looked_up_off_the_loop_and_then_dialed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        let poll = mio::Poll::new().expect("poll");
+        let now = Instant::now();
+        let conn = Connection::new(Options::new(&format!("nats://localhost:{port}")), now);
+        let mut d = Driver::new(conn, Token(1));
+        d.drive(poll.registry(), now);
+        // The dial waits for the lookup: no socket yet, and a wake-up soon to look again.
+        assert!(d.lookup.is_some() && !d.has_socket());
+        assert!(
+            d.poll_timeout()
+                .is_some_and(|t| t <= Instant::now() + LOOKUP_POLL)
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !d.has_socket() {
+            assert!(Instant::now() < deadline, "never dialed");
+            std::thread::sleep(LOOKUP_POLL);
+            d.drive(poll.registry(), now);
+        }
+        assert!(d.lookup.is_none());
+        // An address needs no lookup.
+        let conn = Connection::new(Options::new(&format!("nats://127.0.0.1:{port}")), now);
+        let mut d = Driver::new(conn, Token(2));
+        d.drive(poll.registry(), now);
+        assert!(d.lookup.is_none() && d.has_socket());
     }
 }
