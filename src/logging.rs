@@ -85,7 +85,7 @@ impl Sink {
                     out.push(' ');
                     push_text(&mut out, k);
                     out.push('=');
-                    push_text(&mut out, v);
+                    push_text_value(&mut out, v);
                 }
                 out.push(' ');
                 push_text(&mut out, &msg);
@@ -179,19 +179,59 @@ fn truncate(s: &mut String, max: usize) {
 }
 
 /// Control characters (a newline inside an error text) are escaped so an event stays on one
-/// line and cannot forge the next one.
+/// line and cannot forge the next one; so are the invisible ones that reorder or break
+/// what a terminal or viewer shows (bidi overrides, zero-width, line separators).
 fn push_text(out: &mut String, s: &str) {
     for c in s.chars() {
+        push_char(out, c);
+    }
+}
+
+/// A field's value: quoted (`"` and `\` escaped) when it holds a space, `=`, a quote or a
+/// backslash, or is empty, so a value from a client (`x outcome=success`) cannot pass for
+/// more fields of the line.
+fn push_text_value(out: &mut String, s: &str) {
+    let plain = !s.is_empty() && !s.contains([' ', '=', '"', '\\']);
+    if plain {
+        return push_text(out, s);
+    }
+    out.push('"');
+    for c in s.chars() {
         match c {
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() => {
-                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-            }
-            c => out.push(c),
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c => push_char(out, c),
         }
     }
+    out.push('"');
+}
+
+fn push_char(out: &mut String, c: char) {
+    match c {
+        '\n' => out.push_str("\\n"),
+        '\r' => out.push_str("\\r"),
+        '\t' => out.push_str("\\t"),
+        c if c.is_control() || invisible(c) => {
+            let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+        }
+        c => out.push(c),
+    }
+}
+
+/// Unicode format and separator characters a text log should not carry as they are.
+fn invisible(c: char) -> bool {
+    matches!(
+        u32::from(c),
+        0x00ad
+            | 0x061c
+            | 0x180e
+            | 0x200b..=0x200f
+            | 0x2028..=0x202e
+            | 0x2060..=0x2064
+            | 0x2066..=0x206f
+            | 0xfeff
+            | 0xfff9..=0xfffb
+    )
 }
 
 #[cfg(test)]
@@ -245,6 +285,33 @@ mod tests {
         );
         assert_eq!(l.matches('\n').count(), 1, "{l}");
         assert!(l.ends_with("WARN  a\\nforged INFO line\\r\n"), "{l}");
+    }
+
+    #[test]
+    fn a_field_value_cannot_pass_for_more_fields_or_hide_text() {
+        // A MIG caller's `message_id` lands in the audit line: unquoted, it added an
+        // `outcome` and an `actor` of its choosing for logfmt parsers to read.
+        let l = line(
+            Format::Text,
+            Level::Info,
+            &[
+                ("outcome", "MIG_TIMEOUT"),
+                ("message_id", "x outcome=success actor=acme/ceo"),
+                ("quoted", "a\"b\\c"),
+                ("empty", ""),
+                ("bidi", "abc\u{202e}def\u{2028}"),
+            ],
+            format_args!("mig invocation \u{200b}"),
+        );
+        assert!(
+            l.contains(r#" message_id="x outcome=success actor=acme/ceo" "#),
+            "{l}"
+        );
+        assert_eq!(l.matches("outcome=").count(), 2, "{l}");
+        assert!(l.contains(r#" quoted="a\"b\\c" "#), "{l}");
+        assert!(l.contains(r#" empty="" "#), "{l}");
+        assert!(l.contains(r" bidi=abc\u{202e}def\u{2028} "), "{l}");
+        assert!(l.ends_with("mig invocation \\u{200b}\n"), "{l}");
     }
 
     #[test]

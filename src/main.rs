@@ -302,7 +302,10 @@ fn start_embedded(
                 .namespaces
                 .iter()
                 .filter(|(_, n)| n.jetstream_domain.is_none() || n.jetstream_domain == domain)
-                .flat_map(|(ns, _)| amp_broker::broker::binding::site_subjects(ns))
+                .flat_map(|(ns, n)| {
+                    let names = n.participants.keys().map(String::as_str);
+                    amp_broker::broker::binding::site_subjects(ns, names)
+                })
                 .collect(),
         }),
         callout_issuer: issuer.map(KeyPair::public_key),

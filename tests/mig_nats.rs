@@ -437,6 +437,13 @@ fn every_error_code_with_a_trigger() {
     assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
     let r = alice.request("invoke.plain", json!({"header": h(), "payload": {}}));
     assert_eq!(error_code(&r), "MIG_UNSUPPORTED_CAPABILITY", "{r}");
+    // A name the tenant has no capability of is no metrics label (a caller could fill
+    // the series with its own).
+    let metrics = w.metrics(0);
+    assert!(
+        !metrics.contains("observatory.nothing") && !metrics.contains("capability=\"plain\""),
+        "{metrics}"
+    );
     let mut carol = Mig::connect(&w, "carol");
     let r = carol.request(
         &format!("invoke.{INFER}"),
@@ -1758,4 +1765,29 @@ fn a_seen_bucket_from_before_per_key_ttls_is_upgraded_at_start() {
         info.config
     );
     assert!(common::amp::http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == 200));
+}
+
+/// A streaming invoke waits for its message id to be claimed before it starts; a CANCEL
+/// sent right behind it found nothing then (`not_found`) and the invocation ran on to
+/// its deadline. The cancel now waits for the claim and stops the invocation.
+#[test]
+fn a_cancel_right_behind_its_streaming_invoke_stops_it() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let tag = alice.invoke_later(
+        INFER,
+        json!({"header": {"tenant_id": "acme", "message_id": "behind", "deadline_ms": 20_000},
+               "payload": {}, "stream_preference": "server_stream"}),
+    );
+    let r = alice.request(
+        "control.cancel.behind",
+        json!({"header": {"tenant_id": "acme"}, "reason": "changed my mind"}),
+    );
+    assert_eq!(r["accepted"], true, "{r}");
+    assert_eq!(r["status"], "cancelled", "{r}");
+    let started = Instant::now();
+    let answer = alice.wait(&tag)["reply"].clone();
+    let stopped = error_code(&answer) == "MIG_TIMEOUT"
+        || answer["kind"] == "control" && started.elapsed() < Duration::from_secs(10);
+    assert!(stopped, "{answer}");
 }

@@ -514,3 +514,28 @@ fn a_logged_in_session_that_does_not_read_is_shed_when_the_memory_budget_is_full
     newcomer.send(Message::text("in")).expect("send");
     assert_eq!(newcomer.read().expect("echo"), Message::text("in"));
 }
+
+/// A peer picks its close code among 3000-4999: labelled one by one, 64 made-up codes
+/// took every label `amp_ws_closes_total` may have, and later codes (1011 after a
+/// restart, say) were counted as `other`.
+#[test]
+fn close_codes_a_peer_picks_share_one_label() {
+    let server = start(WsConfig::default());
+    for code in 4000..4070u16 {
+        let (mut client, _) = connect(&server, Some("amp.v1")).expect("upgrade");
+        client
+            .close(Some(CloseFrame {
+                code: CloseCode::from(code),
+                reason: "made up".into(),
+            }))
+            .expect("close");
+        while client.read().is_ok() {}
+    }
+    assert!(wait(|| {
+        http(&server, "GET /metrics HTTP/1.1\r\n\r\n")
+            .contains("amp_ws_closes_total{code=\"application\"} 70\n")
+    }));
+    let metrics = http(&server, "GET /metrics HTTP/1.1\r\n\r\n");
+    assert!(!metrics.contains("code=\"40"), "{metrics}");
+    assert!(!metrics.contains("code=\"other\""), "{metrics}");
+}

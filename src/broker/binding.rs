@@ -84,18 +84,28 @@ pub fn task_key(ns: &str, task: &str) -> String {
     format!("{ns}.{task}")
 }
 
-/// Every subject of namespace `ns` that must not cross a leaf link when `ns` lives in the
-/// site's own JetStream. Subjects carry no site: two sites each with a namespace of one
-/// name would otherwise share its messages, events, registry, tasks and acks through the
-/// hub (each site's streams capture the other's publishes).
-pub fn site_subjects(ns: &str) -> Vec<String> {
+/// Every subject of namespace `ns` (with listed participants `names`) that must not cross
+/// a leaf link when `ns` lives in the site's own JetStream. Subjects carry no site: two
+/// sites each with a namespace of one name would otherwise share its messages, events,
+/// registry, tasks, acks and replies through the hub (each site's streams capture the
+/// other's publishes, and each site's participants may subscribe to their reply prefix).
+/// Reply prefixes of names an `open` entry admits cannot be listed (the name is inside a
+/// token).
+pub fn site_subjects<'a>(ns: &str, names: impl Iterator<Item = &'a str>) -> Vec<String> {
     let mut subjects = vec![
         format!("amp.{ns}.>"),
         format!("mig.v0_1.{ns}.>"),
         format!("_AMP_BROKER.DURABLE.{ns}.>"),
         format!("_AMP_BROKER.MIG.CANCEL.{ns}.>"),
+        format!("_AMP_BROKER.OFFER.{ns}.>"),
         format!("$KV.{}.>", registry_bucket(ns)),
     ];
+    for name in names {
+        subjects.push(format!(
+            "{}.>",
+            crate::broker::scoped_jwt::reply_prefix(ns, name)
+        ));
+    }
     for bucket in [
         TASK_STATE_BUCKET,
         crate::broker::budget::BUDGET_BUCKET,

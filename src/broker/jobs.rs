@@ -93,9 +93,7 @@ const MAX_CAS_TRIES: u8 = 8;
 /// holder changes it: the rest of its life adds at most `MAX_HISTORY` history entries of
 /// a state, a time and a participant (some 200 bytes each), an error and a cancel reason.
 const RECORD_RESERVE: usize = 64 * 1024;
-/// Heartbeat writes of one lease are this far apart at least: back to back they left a
-/// `cancel` (read, then compare-and-set) no gap to land in.
-const HEARTBEAT_GAP: Duration = Duration::from_millis(50);
+
 /// Before a consumer that could not be created is tried again.
 const CONSUMER_RETRY: Duration = Duration::from_secs(2);
 /// Deliveries of a task message without a record before it is terminated.
@@ -250,8 +248,11 @@ struct LocalTask {
     generation: u64,
     /// Heartbeats being written: the lease may be extending, so its expiry waits for them.
     extending: u32,
-    /// When the last heartbeat write went out: the next waits [`HEARTBEAT_GAP`].
-    last_heartbeat: Option<Instant>,
+    /// When the heartbeat being written went out.
+    heartbeat_sent: Option<Instant>,
+    /// The next heartbeat waits until then: as long after the last one's answer as that
+    /// write took.
+    next_heartbeat: Option<Instant>,
     /// A `NextChange` timer is armed for the waiting changes.
     pacing: bool,
     /// The holder's changes waiting for the heartbeat being written: one heartbeat write

@@ -22,6 +22,15 @@ impl Broker {
                 log::info!(participant:% = participant; "auth callout authorized"
                 )
             }
+            // A throttled attempt is one of many (each NATS connect is a request): logged
+            // at debug, so a connect loop does not write a line each.
+            Outcome::Refused {
+                participant,
+                reason,
+            } if reason == "throttled" => log::debug!(
+                participant:% = participant.as_deref().unwrap_or("?");
+                "auth callout refused: throttled"
+            ),
             Outcome::Refused {
                 participant,
                 reason,

@@ -2,8 +2,8 @@
 
 use super::*;
 
-/// Changes of one lease that may wait for the heartbeat being written (or paced); more
-/// are answered `rate_limited`.
+/// Heartbeats of one lease that may wait for the one being written (or paced); more are
+/// answered `rate_limited`.
 const MAX_WAITING_CHANGES: usize = 64;
 
 impl Jobs {
@@ -34,19 +34,19 @@ impl Jobs {
         let Some(t) = self.tasks.get_mut(&key) else {
             return;
         };
-        let paced = matches!(op, Op::Heartbeat { .. })
-            && t.last_heartbeat
-                .is_some_and(|last| after(last, HEARTBEAT_GAP) > now);
+        let heartbeat = matches!(op, Op::Heartbeat { .. });
+        let paced = heartbeat && t.next_heartbeat.is_some_and(|at| at > now);
         if t.extending == 0 && t.waiting.is_empty() && !paced {
             return self.start_change(conn, key, op, now);
         }
         // Behind the heartbeat being written (or paced), in the order the worker sent them.
-        if t.waiting.len() >= MAX_WAITING_CHANGES {
+        // Only heartbeats are capped: a `complete` or `fail` always gets its turn.
+        if heartbeat && t.waiting.len() >= MAX_WAITING_CHANGES {
             if let Some((s, re)) = op.answer_to() {
                 let re = re.to_string();
                 let e = AmpError::new(
                     ErrorCode::RateLimited,
-                    format!("{MAX_WAITING_CHANGES} changes of task `{task}` wait already"),
+                    format!("{MAX_WAITING_CHANGES} heartbeats of task `{task}` wait already"),
                 );
                 self.refuse(s, &re, e);
             }
@@ -63,7 +63,7 @@ impl Jobs {
                 Op::Complete { .. } | Op::Fail { .. } => t.phase = Phase::Finishing,
                 Op::Heartbeat { .. } => {
                     t.extending += 1;
-                    t.last_heartbeat = Some(now);
+                    t.heartbeat_sent = Some(now);
                 }
                 _ => {}
             }
@@ -72,9 +72,9 @@ impl Jobs {
     }
 
     /// The next change waiting behind a heartbeat goes, once nothing of the lease is being
-    /// written, the lease is still the holder's to change and (for a heartbeat)
-    /// [`HEARTBEAT_GAP`] has passed since the last; the rest wait on (a `complete` that is
-    /// refused hands the lease back, and they go then).
+    /// written, the lease is still the holder's to change and (for a heartbeat) the gap
+    /// after the last has passed; the rest wait on (a `complete` that is refused hands the
+    /// lease back, and they go then).
     pub(super) fn next_waiting(&mut self, conn: &mut Connection, key: &str, now: Instant) {
         let Some(t) = self.tasks.get_mut(key) else {
             return;
@@ -83,8 +83,7 @@ impl Jobs {
             return;
         }
         let heartbeat = matches!(t.waiting.front(), Some(Op::Heartbeat { .. }));
-        let due = t.last_heartbeat.map(|last| after(last, HEARTBEAT_GAP));
-        if let Some(at) = due.filter(|at| heartbeat && *at > now) {
+        if let Some(at) = t.next_heartbeat.filter(|at| heartbeat && *at > now) {
             if !t.pacing {
                 t.pacing = true;
                 let timer = Timer::NextChange {
@@ -207,10 +206,16 @@ impl Jobs {
         self.later.push(at, Alarm(timer));
     }
 
-    /// A heartbeat's write ended, one way or the other.
+    /// A heartbeat's write ended, one way or the other. The next waits as long as this
+    /// one took: back to back, heartbeats left a `cancel` (a read, then a compare-and-set
+    /// about as long as a write) no gap to land in; now half the time is gap, whatever the
+    /// round trip to the task store.
     pub(super) fn extension_ended(&mut self, conn: &mut Connection, key: &str, now: Instant) {
         if let Some(t) = self.tasks.get_mut(key) {
             t.extending = t.extending.saturating_sub(1);
+            if let Some(sent) = t.heartbeat_sent.take() {
+                t.next_heartbeat = Some(after(now, now.saturating_duration_since(sent)));
+            }
         }
         self.next_waiting(conn, key, now);
     }

@@ -122,7 +122,8 @@ impl Jobs {
     }
 
     /// Applies the change to `record` and writes it if it applies. A change of the lease
-    /// holder (heartbeat, complete, fail) must leave room for the changes still to come:
+    /// holder that leaves the task alive (a heartbeat, a fail to retry) must leave room
+    /// for the changes still to come:
     /// a worker that filled the record to `max_payload` with its progress or result left
     /// no claim, requeue or cancel of the task writable, and a task that cycled for ever.
     pub(super) fn cas(
@@ -163,7 +164,10 @@ impl Jobs {
         let json = next.to_json();
         let max = conn.max_payload();
         let reserve = (max / 4).min(RECORD_RESERVE);
-        if write.op.by_holder() && json.len() + reserve > max {
+        // A change that ends the task needs no room after it (a `complete` after a large
+        // progress adds a history entry and must still fit, it is the last write).
+        let lives_on = !next.state.is_terminal();
+        if write.op.by_holder() && lives_on && json.len() + reserve > max {
             let e = AmpError::new(
                 ErrorCode::TooLarge,
                 format!(

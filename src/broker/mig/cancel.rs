@@ -81,7 +81,8 @@ impl Mig {
             .iter()
             .copied()
             .find(|s| self.invocations.get(s).is_some_and(|i| i.caller == name));
-        let foreign = !local.is_empty() || self.finished.get(&key).is_some_and(|c| c != name);
+        let foreign = mine.is_none()
+            && (!local.is_empty() || self.finished.get(&key).is_some_and(|c| c != name));
         if self.cancels.len() >= ctx.config.mig.max_pending {
             let e = MigError::new(
                 Code::Backpressure,
@@ -99,6 +100,16 @@ impl Mig {
             forwarded: false,
             foreign,
         };
+        // The caller's invocation of this id is still having the id claimed: the cancel
+        // waits for that answer (the invocation has not started, so it is not found yet).
+        if mine.is_none()
+            && let Some(claim) = self.claims.get_mut(&key)
+            && claim.caller == name
+            && claim.cancel.is_none()
+        {
+            claim.cancel = Some((request, reason));
+            return;
+        }
         match mine {
             Some(s) => {
                 if let Some(inv) = self.invocations.get_mut(&s) {
@@ -311,6 +322,34 @@ impl Mig {
             return self.answer_forwarded(conn, &c, result);
         }
         self.answer_cancel(conn, &c, result, now);
+    }
+}
+
+/// An invocation whose message id is being claimed, and a cancel of it that came
+/// meanwhile (with its reason).
+pub(super) struct Claim {
+    pub caller: String,
+    pub cancel: Option<(CancelRequest, String)>,
+}
+
+impl Mig {
+    /// The claim of `key` is settled: a cancel held for it is answered, `cancelled` when
+    /// it stopped the invocation from starting, else `already_finished` (refused).
+    pub(super) fn claim_settled(
+        &mut self,
+        conn: &mut Connection,
+        key: &(String, String),
+        refused: bool,
+        now: Instant,
+    ) -> Option<String> {
+        let (c, reason) = self.claims.remove(key)?.cancel?;
+        let ack = if refused {
+            cancel_ack(&c.target, false, "already_finished")
+        } else {
+            cancel_ack(&c.target, true, "cancelled")
+        };
+        self.answer_cancel(conn, &c, Ok(ack), now);
+        Some(reason)
     }
 }
 

@@ -34,7 +34,12 @@ impl Mig {
             reply: r.reply,
             echo: &echo,
             op: "invoke",
-            capability: r.capability,
+            // A label only when the tenant has it (see `on_request`).
+            capability: if super::offers(ctx.config, r.ns, r.capability) {
+                r.capability
+            } else {
+                ""
+            },
             received: now,
         };
         let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
@@ -113,6 +118,15 @@ impl Mig {
         match claim {
             Ok(id) => {
                 self.claiming += 1;
+                let key = (inv.ns.clone(), r.header.message_id.clone());
+                let caller = inv.caller.clone();
+                self.claims.insert(
+                    key,
+                    super::cancel::Claim {
+                        caller,
+                        cancel: None,
+                    },
+                );
                 let pending = Pending::InvocationClaim(Box::new(inv));
                 self.staged.push(id, super::Awaiting(pending), now);
             }
@@ -136,7 +150,7 @@ impl Mig {
         self.claiming = self.claiming.saturating_sub(1);
         let message_id = inv.echo.message_id.clone().unwrap_or_default();
         let refusal = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
-            Ok(Ok(_)) => return self.begin(conn, inv, now),
+            Ok(Ok(_)) => return self.claimed_for(conn, inv, now),
             Ok(Err(JsError::WrongLastSequence(_))) => {
                 let read = seen::invocation_owner(ctx.config.js_api(&inv.ns), &inv.ns, &message_id)
                     .map_err(|e| e.to_string())
@@ -182,7 +196,7 @@ impl Mig {
         };
         let refusal = match entry {
             Ok(e) if e.operation == KvOperation::Put && e.value == inv.caller.as_bytes() => {
-                return self.begin(conn, inv, now);
+                return self.claimed_for(conn, inv, now);
             }
             Ok(e) if e.operation == KvOperation::Put => MigError::new(
                 Code::InvalidRequest,
@@ -201,9 +215,26 @@ impl Mig {
         self.refuse(conn, inv, refusal, now)
     }
 
+    /// The message id is `inv`'s: it starts, unless its caller cancelled it meanwhile.
+    fn claimed_for(&mut self, conn: &mut Connection, inv: Invocation, now: Instant) {
+        let key = (
+            inv.ns.clone(),
+            inv.echo.message_id.clone().unwrap_or_default(),
+        );
+        match self.claim_settled(conn, &key, false, now) {
+            Some(reason) => self.refuse(conn, inv, invoke::cancelled(&reason), now),
+            None => self.begin(conn, inv, now),
+        }
+    }
+
     /// An invocation that never started ends here: it only waited (no stream frame, no
     /// watch), so the refusal is its reply.
     fn refuse(&mut self, conn: &mut Connection, inv: Invocation, e: MigError, now: Instant) {
+        let key = (
+            inv.ns.clone(),
+            inv.echo.message_id.clone().unwrap_or_default(),
+        );
+        self.claim_settled(conn, &key, true, now);
         self.unwait(&inv.ns, &inv.caller);
         let answer = Answer {
             reply: &inv.reply,

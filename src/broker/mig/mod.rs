@@ -122,6 +122,8 @@ pub struct Mig {
     waiting_per_caller: HashMap<(String, String), usize>,
     /// Invocations whose message id is being taken for them (counted in `max_pending`).
     claiming: usize,
+    /// The same by `(tenant, message_id)`, for a CANCEL that comes meanwhile.
+    claims: HashMap<(String, String), cancel::Claim>,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
@@ -179,6 +181,7 @@ impl Mig {
             invocations: HashMap::new(),
             waiting_per_caller: HashMap::new(),
             claiming: 0,
+            claims: HashMap::new(),
             cancels: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),
@@ -496,8 +499,11 @@ impl Mig {
         if let Some(Ok(h)) = &header {
             echo = Echo::of(h);
         }
+        // Only a capability the tenant has is a label: any other name from the subject
+        // (answered `MIG_UNSUPPORTED_CAPABILITY`, or refused before a credential was
+        // proved) would fill the series with a caller's choice.
         let capability = match op {
-            subjects::Op::Invoke(c) => c,
+            subjects::Op::Invoke(c) if offers(ctx.config, ns, c) => c,
             _ => "",
         };
         let answer = Answer {
@@ -642,6 +648,15 @@ impl Mig {
         let took = now.saturating_duration_since(a.received);
         self.metrics.request(a.op, a.capability, code, took);
     }
+}
+
+/// Whether tenant `ns` has capability `id`.
+pub(super) fn offers(config: &Config, ns: &str, id: &str) -> bool {
+    config.namespaces.get(ns).is_some_and(|n| {
+        n.jobs
+            .values()
+            .any(|j| j.mig.as_ref().is_some_and(|m| m.id == id))
+    })
 }
 
 /// Hands a frame to the jobs engine as pseudo session `session` of `ns/name`.
