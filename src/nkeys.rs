@@ -6,7 +6,7 @@
 //! length, alphabet, prefix and checksum, so a typo in a configured key is an error, never a
 //! different key. Used for NATS authentication (signing the server's nonce), and for JWTs.
 
-use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
+use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use std::fmt;
 
 const PREFIX_SEED: u8 = 18 << 3; // 'S'
@@ -219,8 +219,10 @@ impl PublicKey {
 
     pub fn verify(&self, message: &[u8], signature: &[u8]) -> Result<(), NkeyError> {
         let signature = Signature::from_slice(signature).map_err(|_| NkeyError::Signature)?;
+        // Strict: a small-order key or signature point is refused (with a weak key, one
+        // signature verifies for many messages).
         self.key
-            .verify(message, &signature)
+            .verify_strict(message, &signature)
             .map_err(|_| NkeyError::Signature)
     }
 }
@@ -317,6 +319,22 @@ mod tests {
     #[test]
     fn crc16_xmodem_check_value() {
         assert_eq!(crc16(b"123456789"), 0x31c3);
+    }
+
+    #[test]
+    fn a_small_order_key_verifies_nothing() {
+        // The identity point as public key, and a signature of the identity point and a
+        // zero scalar: the lax check holds for every message.
+        let mut identity = [0u8; 32];
+        identity[0] = 1;
+        let weak = PublicKey {
+            kind: KeyKind::User,
+            key: VerifyingKey::from_bytes(&identity).expect("a point"),
+        };
+        let mut sig = [0u8; 64];
+        sig[0] = 1;
+        assert!(weak.verify(b"any message", &sig).is_err());
+        assert!(weak.verify(b"another one", &sig).is_err());
     }
 
     #[test]

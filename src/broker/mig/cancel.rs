@@ -333,6 +333,22 @@ pub(super) struct Claim {
 }
 
 impl Mig {
+    /// A cancel held for an invocation that ended first (its submit refused, its deadline
+    /// reached): it finds the invocation finished. Before, it was dropped unanswered and
+    /// its caller (or the broker that forwarded it) waited for its own timeout.
+    pub(super) fn cancel_overtaken(
+        &mut self,
+        conn: &mut Connection,
+        c: CancelRequest,
+        now: Instant,
+    ) {
+        let ack = cancel_ack(&c.target, false, "already_finished");
+        if c.forwarded {
+            return self.answer_forwarded(conn, &c, Ok(ack));
+        }
+        self.answer_cancel(conn, &c, Ok(ack), now);
+    }
+
     /// The claim of `key` is settled: a cancel held for it is answered, `cancelled` when
     /// it stopped the invocation from starting, else `already_finished` (refused).
     pub(super) fn claim_settled(

@@ -626,9 +626,12 @@ impl Mig {
         result: Result<Value, MigError>,
         now: Instant,
     ) {
-        let Some(inv) = self.invocations.remove(&session) else {
+        let Some(mut inv) = self.invocations.remove(&session) else {
             return;
         };
+        if let Some(c) = inv.cancel_after_submit.take() {
+            self.cancel_overtaken(conn, c, now);
+        }
         self.unwait(&inv.ns, &inv.caller);
         for sid in [inv.watch, inv.cancel_watch].into_iter().flatten() {
             self.subs.remove(&sid);
