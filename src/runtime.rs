@@ -185,10 +185,22 @@ impl Liveness {
         }
     }
 
+    /// Records a turn's work from `from` to `to`. Lateness alone missed turns that each
+    /// took just under the bound: the 1 s tick then fired less than 2 s late every time
+    /// while every pong waited as long as a turn.
+    fn worked(&mut self, from: Instant, to: Instant) {
+        let took = to.saturating_duration_since(from);
+        if took > LIVENESS_MAX_LAG {
+            self.max_lag = self.max_lag.max(took);
+            self.last_stall = Some((to, took));
+            self.stalls = self.stalls.saturating_add(1);
+        }
+    }
+
     fn check(&self, now: Instant) -> Result<(), String> {
         match self.last_stall {
             Some((at, lag)) if now.saturating_duration_since(at) < LIVENESS_WINDOW => Err(format!(
-                "event loop stalled: a timer fired {} ms late",
+                "event loop stalled: a timer fired or a turn ended {} ms late",
                 lag.as_millis()
             )),
             _ => Ok(()),
@@ -525,6 +537,7 @@ pub fn run(
         if !unfinished {
             trimmer.tick(now);
         }
+        liveness.worked(now, Instant::now());
         if drain_until.is_some_and(|limit| ws.is_drained() || now >= limit) {
             nats.drive_writes(poll.registry(), now);
             log::info!("drained; {} sessions left", ws.connection_count());
@@ -704,5 +717,16 @@ mod tests {
         assert!(l.check(woke + LIVENESS_WINDOW).is_ok());
         assert_eq!(l.stalls, 1);
         assert_eq!(l.max_lag, Duration::from_secs(3));
+        // A turn that took 2.5 s: on time at every wake-up, stalled all the same.
+        let start = woke + Duration::from_secs(20);
+        l.woke(Some(start), start);
+        l.worked(start, start + Duration::from_millis(1900));
+        assert!(l.check(start + Duration::from_secs(2)).is_ok());
+        l.worked(start, start + Duration::from_millis(2500));
+        let err = l
+            .check(start + Duration::from_secs(3))
+            .err()
+            .unwrap_or_default();
+        assert!(err.contains("2500 ms late"), "{err}");
     }
 }
