@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
@@ -19,12 +19,6 @@ const RESULT_WAIT: Duration = Duration::from_secs(25);
 
 fn millis(rfc3339: &str) -> i128 {
     amp_broker::rfc3339::parse_nanos(rfc3339).expect("RFC 3339 time") / 1_000_000
-}
-
-fn wall_millis() -> i128 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i128)
 }
 
 /// The next `message` to the submitter, which must be a `task_result`; on a timeout the
@@ -70,11 +64,15 @@ fn a_heartbeat_just_after_the_lease_ran_out_gets_lease_lost_and_the_next_holders
         .as_str()
         .expect("lease_until")
         .to_string();
-    let until_ms = millis(&lease_until);
+    // The lease (1 s) was granted before its answer came: a moment past the answer plus a
+    // second, it has run out. Waited out on the monotonic clock: a step of the machine's
+    // wall clock (a VM's clock sync) made a wait for the wall time to pass `lease_until`
+    // end early, and the heartbeat came while the lease still ran.
+    let lapsed = std::time::Instant::now() + Duration::from_millis(1_001);
 
     // w1 goes quiet until just past lease_until, then heartbeats at once: whether or not
     // the broker has noticed the expiry yet, the lease is gone and is not extended.
-    assert!(common::wait_until(WAIT, || wall_millis() > until_ms));
+    assert!(common::wait_until(WAIT, || std::time::Instant::now() >= lapsed));
     let late = w1.request(json!({"op":"heartbeat","task":"L","progress":{"pct":90}}));
     assert_eq!(late["op"], "error", "{late}");
     assert_eq!(late["code"], "lease_lost", "{late}");
