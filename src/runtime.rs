@@ -463,42 +463,25 @@ pub fn run(
                         );
                     }
                 }
+                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             }
-            while let Some(event) = nats.connection_mut().poll_event() {
+            // Each event's output goes to the sessions before the next event is handled,
+            // and none is handled while their output is over the memory budget: one
+            // burst (a thousand presence changes, each a frame to every watcher) would
+            // otherwise queue all of its frames before any budget saw them. The flush
+            // below writes what sockets take and sheds what is still over; the socket
+            // is not read meanwhile, so the server waits rather than events queueing.
+            while !ws.over_budget() {
+                let Some(event) = nats.connection_mut().poll_event() else {
+                    break;
+                };
                 busy = true;
                 if !health.observe(&event, now) {
                     broker.handle(nats.connection_mut(), Input::Nats(event), now);
                 }
+                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             }
-            while let Some(out) = broker.poll_output() {
-                busy = true;
-                match out {
-                    Output::Frame { session, text } => {
-                        if let Some(&id) = ids.get(&session) {
-                            // A full queue closes the session inside the transport (slow consumer).
-                            let _ = ws.send_text(id, &text, now);
-                        }
-                        broker.recycle(text);
-                    }
-                    Output::Close {
-                        session,
-                        code,
-                        reason,
-                    } => {
-                        if let Some(&id) = ids.get(&session) {
-                            ws.close(id, code, &reason, now);
-                        }
-                    }
-                    Output::LoggedIn { session } => {
-                        if let Some(&id) = ids.get(&session) {
-                            ws.admit(id);
-                        }
-                    }
-                    Output::WhenDrained { session } => {
-                        drain_waiters.insert(session);
-                    }
-                }
-            }
+            busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             // NATS first: what a frame reports (an offer's watch subscription, say) is
             // on its way to the server before the frame is on its way to the client.
             nats.drive(poll.registry(), now);
@@ -512,6 +495,9 @@ pub fn run(
                     nats_bytes: nats.bytes(),
                 },
             );
+            let held = ws.over_budget();
+            nats.hold_reads(held);
+            busy |= held;
             if !drain_waiters.is_empty() {
                 let drained: Vec<u64> = drain_waiters
                     .iter()
@@ -598,6 +584,47 @@ fn reload_tls(ws: &mut WsServer, tls: &ListenerTls) {
         }
         Err(e) => log::error!("SIGHUP: TLS certificate not reloaded, the old one is kept: {e}"),
     }
+}
+
+/// Hands the broker's output to the sessions; whether there was any.
+fn deliver(
+    broker: &mut Broker,
+    ws: &mut WsServer,
+    ids: &crate::id_map::IdMap<u64, SessionId>,
+    drain_waiters: &mut HashSet<u64>,
+    now: Instant,
+) -> bool {
+    let mut any = false;
+    while let Some(out) = broker.poll_output() {
+        any = true;
+        match out {
+            Output::Frame { session, text } => {
+                if let Some(&id) = ids.get(&session) {
+                    // A full queue closes the session inside the transport (slow consumer).
+                    let _ = ws.send_text(id, &text, now);
+                }
+                broker.recycle(text);
+            }
+            Output::Close {
+                session,
+                code,
+                reason,
+            } => {
+                if let Some(&id) = ids.get(&session) {
+                    ws.close(id, code, &reason, now);
+                }
+            }
+            Output::LoggedIn { session } => {
+                if let Some(&id) = ids.get(&session) {
+                    ws.admit(id);
+                }
+            }
+            Output::WhenDrained { session } => {
+                drain_waiters.insert(session);
+            }
+        }
+    }
+    any
 }
 
 #[cfg(test)]

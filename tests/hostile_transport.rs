@@ -632,3 +632,98 @@ fn pongs_nobody_reads_before_hello_cannot_fill_the_memory_budget() {
     assert_eq!(refused, 0.0);
     assert!(buffered <= BUDGET as f64, "{buffered} bytes buffered");
 }
+
+/// The broker child's peak resident set, from `/proc/<pid>/status`.
+fn peak_rss_bytes(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[test]
+fn a_burst_of_presence_changes_to_watchers_that_do_not_read_stays_within_the_memory_budget() {
+    // A peer broker draining its sessions, or a broker gone whose entries expire together,
+    // changes thousands of entries at once; every change is a frame to every watcher.
+    // Before, one read of them was handled whole before any frame met the memory budget:
+    // 655 MiB more at the peak here, against a budget of 16.
+    const BUDGET: usize = 16 << 20;
+    const WATCHERS: usize = 200;
+    const CHANGES: usize = 8_000;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["watcher", "honest"]);
+    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+
+    let mut watchers = Vec::new();
+    for _ in 0..WATCHERS {
+        let mut w = login(&broker, "watcher");
+        assert_eq!(w.request(json!({"op":"watch"}))["op"], "ok");
+        w.stop_reading();
+        watchers.push(w);
+    }
+    let mut honest = login(&broker, "honest");
+    assert_eq!(honest.request(json!({"op":"watch"}))["op"], "ok");
+    let reader = std::thread::spawn(move || {
+        let mut seen = std::collections::HashSet::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while seen.len() < CHANGES && Instant::now() < deadline {
+            match honest.next_op("presence", Duration::from_secs(10)) {
+                Some(f) => {
+                    let name = f["name"].as_str().unwrap_or_default();
+                    if name.starts_with('p') {
+                        seen.insert(name.to_string());
+                    }
+                }
+                None => break,
+            }
+        }
+        seen.len()
+    });
+    let peak_before = peak_rss_bytes(pid);
+
+    // The changes come all at once, as after a moment in which the broker did not run
+    // (an edge node's scheduler, a swap storm): stopped while they are written.
+    broker.signal(libc::SIGSTOP);
+    let mut peer = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+        .expect("connect");
+    let pad = "x".repeat(200);
+    for i in 0..CHANGES {
+        let value = json!({"name": format!("p{i}"), "labels": {"pad": pad}}).to_string();
+        peer.publish(
+            &format!("$KV.AMP_REGISTRY_acme.p{i}"),
+            None,
+            None,
+            value.as_bytes(),
+        )
+        .expect("publish");
+    }
+    peer.flush(Duration::from_secs(10)).expect("flush");
+    let mut js = amp_broker::jetstream::Context::new(peer).with_timeout(Duration::from_secs(5));
+    let stored = wait_until(Duration::from_secs(20), || {
+        js.stream_info("KV_AMP_REGISTRY_acme")
+            .is_ok_and(|i| i.state.last_seq >= CHANGES as u64)
+    });
+    broker.signal(libc::SIGCONT);
+    assert!(stored, "the changes are stored");
+
+    let heard = reader.join().expect("reader");
+    let grew = peak_rss_bytes(pid).saturating_sub(peak_before);
+
+    eprintln!(
+        "the honest watcher heard {heard} of {CHANGES} changes; the broker's peak resident \
+         set grew {} MiB (budget {} MiB)",
+        grew >> 20,
+        BUDGET >> 20
+    );
+    assert_eq!(heard, CHANGES, "log:\n{}", broker.log());
+    assert!(
+        grew < 4 * BUDGET,
+        "peak resident set grew {grew} bytes with a budget of {BUDGET}"
+    );
+    drop(watchers);
+}

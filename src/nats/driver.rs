@@ -87,6 +87,8 @@ pub struct Driver {
     write_blocked: bool,
     /// A read pass ended at its budget with input possibly left in the socket.
     read_more: bool,
+    /// The caller cannot take more events now ([`Driver::hold_reads`]).
+    reads_held: bool,
     read_buf: Vec<u8>,
     /// The TLS session under the current socket, once the connection asked for one.
     tls: Option<TlsSession>,
@@ -114,6 +116,7 @@ impl Driver {
             dialing: false,
             write_blocked: false,
             read_more: false,
+            reads_held: false,
             read_buf: vec![0; READ_CHUNK],
             bytes_in: 0,
             bytes_out: 0,
@@ -148,9 +151,16 @@ impl Driver {
         self.socket.is_some()
     }
 
+    /// While held, the socket is not read: what was read stays in the kernel and the
+    /// server waits, instead of events queueing (and past their bound, being dropped)
+    /// that the caller cannot handle yet.
+    pub fn hold_reads(&mut self, hold: bool) {
+        self.reads_held = hold;
+    }
+
     /// The next instant [`Driver::drive`] must run even without readiness.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if self.read_more {
+        if self.read_more && !self.reads_held {
             return Some(Instant::now());
         }
         let conn = self.conn.poll_timeout();
@@ -288,6 +298,11 @@ impl Driver {
     /// the socket's queue is empty and the next byte raises a new edge (see the same
     /// rule in `ws::server`).
     fn read(&mut self, registry: &Registry, now: Instant, short_read_drains: bool) {
+        if self.reads_held {
+            // Edge-triggered readiness is not repeated: remember to read.
+            self.read_more = true;
+            return;
+        }
         self.read_more = false;
         for _ in 0..MAX_READS_PER_PASS {
             let Some(stream) = self.socket.as_mut() else {
@@ -497,5 +512,47 @@ mod tests {
         let mut d = Driver::new(conn, Token(2));
         d.drive(poll.registry(), now);
         assert!(d.lookup.is_none() && d.has_socket());
+    }
+
+    #[test]
+    fn held_reads_leave_the_input_in_the_socket_until_released() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        let mut poll = mio::Poll::new().expect("poll");
+        let mut events = mio::Events::with_capacity(16);
+        let now = Instant::now();
+        let conn = Connection::new(Options::new(&format!("nats://{addr}")), now);
+        let mut d = Driver::new(conn, Token(1));
+        d.drive(poll.registry(), now);
+        let (mut server, _) = listener.accept().expect("accept");
+        server
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        server
+            .write_all(b"INFO {\"server_id\":\"s\",\"max_payload\":1048576}\r\n")
+            .expect("info");
+        let mut turn = |d: &mut Driver, poll: &mut mio::Poll| {
+            let _ = poll.poll(&mut events, Some(Duration::from_millis(100)));
+            for event in events.iter() {
+                d.handle_event(poll.registry(), event, Instant::now());
+            }
+            d.drive(poll.registry(), Instant::now());
+        };
+        d.hold_reads(true);
+        for _ in 0..3 {
+            turn(&mut d, &mut poll);
+        }
+        // The INFO was not read, so no CONNECT answers it.
+        let mut buf = [0u8; 256];
+        assert!(
+            server.read(&mut buf).is_err(),
+            "nothing is written while held"
+        );
+        assert!(d.poll_timeout().is_none_or(|t| t > Instant::now()));
+        d.hold_reads(false);
+        turn(&mut d, &mut poll);
+        let n = server.read(&mut buf).expect("the CONNECT, once released");
+        assert!(buf.get(..n).is_some_and(|b| b.starts_with(b"CONNECT ")));
     }
 }

@@ -525,12 +525,22 @@ impl WsServer {
                 let result = slot.conn.send_text(text, now);
                 // Also after a refusal: a slow consumer's close is flushed and reported.
                 self.dirty.push(id.index());
+                // Counted at once, so one burst of fan-out sees the budget it fills
+                // (`over_budget`); the gauge follows at the flush.
+                self.reckon(id.index());
                 result
             }
             None => Err(SendError::NotOpen),
         };
         self.spare_output = spare;
         result
+    }
+
+    /// Whether input held and output queued are past the memory budget: the caller holds
+    /// back what would queue more until [`WsServer::flush`] has written what sockets take
+    /// and shed the connections still holding the most.
+    pub fn over_budget(&self) -> bool {
+        self.buffered > self.cfg.max_buffered_bytes
     }
 
     /// Closes a session with `code` after what is queued for it.
@@ -910,8 +920,16 @@ impl WsServer {
         }
     }
 
-    /// Brings `buffered` up to date with one connection's holdings.
+    /// Brings `buffered` and its gauge up to date with one connection's holdings.
     fn account(&mut self, index: usize) {
+        self.reckon(index);
+        self.metrics
+            .registry
+            .set(self.metrics.buffered, "", self.buffered as f64);
+    }
+
+    /// Brings `buffered` up to date with one connection's holdings.
+    fn reckon(&mut self, index: usize) {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
@@ -922,9 +940,6 @@ impl WsServer {
             .saturating_sub(slot.accounted)
             .saturating_add(now_held);
         slot.accounted = now_held;
-        self.metrics
-            .registry
-            .set(self.metrics.buffered, "", self.buffered as f64);
     }
 
     /// Over the memory budget: closes the connections holding the most (partial messages,
