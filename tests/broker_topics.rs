@@ -301,6 +301,54 @@ fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
 }
 
 #[test]
+fn an_event_the_old_broker_had_read_with_the_take_over_reaches_the_new_session() {
+    // Broker one does not run (a loaded node) while the new session subscribes and m.3
+    // is published: its old pull, still first in the server's queue, gets m.3, and one
+    // read then brings broker one the take-over and m.3 together. It dropped the
+    // subscription for the take-over and then the delivery as addressed to nobody, with
+    // no nak: m.3 waited out the 30 s ack wait.
+    let nats = NatsServer::start();
+    let config = open_config(&["pub", "sub"]);
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let sub = json!({"op":"subscribe","topic":"m.>","sub":"keep","durable":true});
+    let mut old = Client::login(&one, "acme", "sub", "sub-token");
+    assert_eq!(old.request(sub.clone())["op"], "ok");
+    let held = [
+        publish(&mut p, "m.1", json!(1)),
+        publish(&mut p, "m.2", json!(2)),
+    ];
+    assert_eq!(events(&mut old, 2).len(), 2);
+
+    one.signal(libc::SIGSTOP);
+    let mut new = Client::login(&two, "acme", "sub", "sub-token");
+    assert_eq!(new.request(sub)["op"], "ok");
+    let later = publish(&mut p, "m.3", json!(3));
+    let client = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+        .expect("connect");
+    let mut js = amp_broker::jetstream::Context::new(client).with_timeout(Duration::from_secs(5));
+    let consumer = amp_broker::broker::binding::durable_sub_consumer("sub", "keep");
+    let delivered = common::wait_until(Duration::from_secs(10), || {
+        js.consumer_info("AMP_TOPICS_acme", &consumer)
+            .is_ok_and(|i| i.delivered.stream_seq >= later)
+    });
+    one.signal(libc::SIGCONT);
+    assert!(delivered, "m.3 is delivered to a pull");
+    let started = std::time::Instant::now();
+    let got: Vec<u64> = events(&mut new, 3)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(got, [held[0], held[1], later]);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the events came only after {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn idempotent_publishes_answer_the_same_seq() {
     let (_nats, broker) = setup();
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");

@@ -23,7 +23,7 @@ use crate::proto::subject::{validate_pattern, validate_subject};
 use crate::proto::{Op, Parsed, Parser, Role};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Until the server's INFO says otherwise.
@@ -103,7 +103,8 @@ pub enum Event {
         msg: Message,
     },
     /// A JetStream delivery (its reply an ack subject) on a subscription this connection
-    /// had already ended: the server sent it before it had the UNSUB. Nobody reads it,
+    /// had already ended: the server sent it before it had the UNSUB, or it was read
+    /// before the UNSUB and not yet polled when the subscription ended. Nobody reads it,
     /// and unacknowledged it would wait out its consumer's ack wait before anyone else
     /// got it; its owner can hand it back (`-NAK`) at once.
     Unread {
@@ -236,6 +237,9 @@ pub struct Connection {
     events: VecDeque<Event>,
     queued_messages: usize,
     dropped_since_report: u64,
+    /// Subscriptions ended while events were queued: a delivery of theirs read before
+    /// the end is polled as `Unread`. Emptied with the queue.
+    pub(super) ended_while_queued: HashSet<Sid>,
     invalid_since_report: u64,
 
     pings: VecDeque<PingKind>,
@@ -308,6 +312,7 @@ impl Connection {
             events: VecDeque::new(),
             queued_messages: 0,
             dropped_since_report: 0,
+            ended_while_queued: HashSet::new(),
             invalid_since_report: 0,
             pings: VecDeque::new(),
             keepalive_out: 0,
@@ -522,7 +527,21 @@ impl Connection {
     }
 
     pub fn poll_event(&mut self) -> Option<Event> {
-        let event = self.events.pop_front()?;
+        let event = match self.events.pop_front()? {
+            Event::Message { sid, msg }
+                if self.ended_while_queued.contains(&sid)
+                    && msg
+                        .reply
+                        .as_deref()
+                        .is_some_and(|r| r.starts_with("$JS.ACK.")) =>
+            {
+                Event::Unread { sid, msg }
+            }
+            event => event,
+        };
+        if self.events.is_empty() {
+            self.ended_while_queued.clear();
+        }
         if matches!(
             event,
             Event::Message { .. } | Event::Unread { .. } | Event::Response { .. }
@@ -755,6 +774,9 @@ impl Connection {
             }
             _ => {
                 self.subs.remove(sid);
+                if !self.events.is_empty() {
+                    self.ended_while_queued.insert(sid);
+                }
                 if connected {
                     encode::unsubscribe(&mut self.out, sid.0.to_string(), None);
                 }

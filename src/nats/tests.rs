@@ -1061,6 +1061,34 @@ fn handshake_first_starts_tls_at_once_and_servers_learned_later_keep_tls() {
 }
 
 #[test]
+fn a_jetstream_delivery_read_before_its_subscription_ended_is_polled_as_unread() {
+    // One read brought a message that ends a subscription (a durable's take-over) and a
+    // delivery of that subscription behind it: the delivery was polled as a message to a
+    // subscription nobody held any more and dropped, to wait out its ack wait.
+    let mut h = Harness::new(Harness::options("h:1"));
+    h.connect();
+    h.events();
+    let control = h.conn.subscribe("control", None).expect("sub");
+    let sid = h.conn.subscribe("pull.in", None).expect("sub");
+    let ack = "$JS.ACK.AMP_TOPICS_dev.dsub_1_a_d.1.3.3.1700000000000000000.0";
+    h.conn.receive(
+        format!("MSG control {control} 4\r\nstop\r\nMSG pull.in {sid} {ack} 1\r\nx\r\nMSG pull.in {sid} 1\r\ny\r\n")
+            .as_bytes(),
+        h.now,
+    );
+    assert!(matches!(h.conn.poll_event(), Some(Event::Message { sid: s, .. }) if s == control));
+    h.conn.unsubscribe(sid, None).expect("unsub");
+    let rest: Vec<Event> = std::iter::from_fn(|| h.conn.poll_event()).collect();
+    assert!(
+        matches!(&rest[..], [Event::Unread { sid: s, msg }, Event::Message { sid: p, .. }]
+            if *s == sid && *p == sid && msg.reply.as_deref() == Some(ack)),
+        "{rest:?}"
+    );
+    // Once the queue is empty, the subscription's end is forgotten.
+    assert!(h.conn.ended_while_queued.is_empty());
+}
+
+#[test]
 fn a_jetstream_delivery_after_unsubscribe_is_handed_over_as_unread() {
     // Found by the simulator (seeds 0x5a6, 0x6bf): an event the server sent to a durable
     // subscription's pull inbox just before the UNSUB reached it was dropped here, so it
