@@ -363,7 +363,7 @@ pub fn run(
                                 log::info!("signal received: draining");
                                 drain_until = Some(now + DRAIN_LIMIT);
                                 // Acks and pending publishes go out before sessions are told to leave.
-                                nats.drive(poll.registry(), now);
+                                nats.drive_writes(poll.registry(), now);
                                 ws.begin_drain(poll.registry(), now);
                             }
                             Request::LameDuck | Request::Stop => {}
@@ -395,7 +395,7 @@ pub fn run(
                 // requests) goes the fast way.
                 log::info!("lame duck period over: draining");
                 drain_until = Some(now + DRAIN_LIMIT);
-                nats.drive(poll.registry(), now);
+                nats.drive_writes(poll.registry(), now);
                 ws.begin_drain(poll.registry(), now);
             }
         }
@@ -484,7 +484,9 @@ pub fn run(
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             // NATS first: what a frame reports (an offer's watch subscription, say) is
             // on its way to the server before the frame is on its way to the client.
-            nats.drive(poll.registry(), now);
+            // Written, not read: NATS reads its allowance once per turn, as each
+            // WebSocket connection does.
+            nats.drive_writes(poll.registry(), now);
             ws.flush(
                 poll.registry(),
                 now,
@@ -523,7 +525,7 @@ pub fn run(
         }
         liveness.worked(now, Instant::now());
         if drain_until.is_some_and(|limit| ws.is_drained() || now >= limit) {
-            nats.drive(poll.registry(), now);
+            nats.drive_writes(poll.registry(), now);
             log::info!("drained; {} sessions left", ws.connection_count());
             return Ok(());
         }

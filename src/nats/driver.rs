@@ -187,14 +187,22 @@ impl Driver {
         if !self.dialing && (event.is_readable() || event.is_read_closed()) {
             self.read(registry, now, !event.is_read_closed() && !event.is_error());
         }
-        self.drive(registry, now);
+        self.drive_writes(registry, now);
     }
 
-    /// Timers, dialing, closing and writing: everything not driven by readiness.
+    /// Timers, dialing, closing and writing, and one more read pass when the last one
+    /// stopped at its allowance: call it once per loop turn.
     pub fn drive(&mut self, registry: &Registry, now: Instant) {
         if self.read_more && !self.dialing && self.socket.is_some() {
             self.read(registry, now, false);
         }
+        self.drive_writes(registry, now);
+    }
+
+    /// As [`Driver::drive`], without reading: for the rounds of a loop turn after the
+    /// first. Each round reading a pass made one turn read up to 64 of them (66 MiB of a
+    /// flood), while each WebSocket connection reads its allowance once per turn.
+    pub fn drive_writes(&mut self, registry: &Registry, now: Instant) {
         // Bounded: each pass either changes state or stops.
         for _ in 0..16 {
             if self.conn.poll_close() {
@@ -554,5 +562,44 @@ mod tests {
         turn(&mut d, &mut poll);
         let n = server.read(&mut buf).expect("the CONNECT, once released");
         assert!(buf.get(..n).is_some_and(|b| b.starts_with(b"CONNECT ")));
+    }
+
+    #[test]
+    fn a_flood_is_read_one_pass_per_turn() {
+        use std::io::Write as _;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let info = "INFO {\"server_id\":\"S\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n";
+            s.write_all(info.as_bytes()).expect("info");
+            let flood = "+OK\r\n".repeat(1 << 20);
+            let _ = s.write_all(flood.as_bytes());
+            // Open until the test is done with it (not joined).
+            std::thread::sleep(Duration::from_secs(10));
+        });
+        let mut poll = mio::Poll::new().expect("poll");
+        let mut events = mio::Events::with_capacity(16);
+        let now = Instant::now();
+        let conn = Connection::new(Options::new(&format!("nats://127.0.0.1:{port}")), now);
+        let mut d = Driver::new(conn, Token(1));
+        d.drive(poll.registry(), now);
+        // The flood waits in the socket, so that a pass reads whole chunks.
+        std::thread::sleep(Duration::from_millis(300));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !d.read_more {
+            assert!(Instant::now() < deadline, "no full read pass");
+            poll.poll(&mut events, Some(Duration::from_millis(50)))
+                .expect("poll");
+            for e in events.iter() {
+                d.handle_event(poll.registry(), e, now);
+            }
+        }
+        let (read, _) = d.bytes();
+        d.drive_writes(poll.registry(), now);
+        assert_eq!(d.bytes().0, read, "the rounds of a turn read nothing");
+        d.drive(poll.registry(), now);
+        let pass = (MAX_READS_PER_PASS * READ_CHUNK) as u64;
+        assert!(d.bytes().0 > read && d.bytes().0 - read <= pass, "one pass");
     }
 }
