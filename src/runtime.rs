@@ -469,8 +469,9 @@ pub fn run(
             // and none is handled while their output is over the memory budget: one
             // burst (a thousand presence changes, each a frame to every watcher) would
             // otherwise queue all of its frames before any budget saw them. The flush
-            // below writes what sockets take and sheds what is still over; the socket
-            // is not read meanwhile, so the server waits rather than events queueing.
+            // below writes what sockets take and sheds the connections holding the most
+            // until within the budget; should some still be over, the NATS socket is
+            // not read, so the server waits rather than events queueing.
             while !ws.over_budget() {
                 let Some(event) = nats.connection_mut().poll_event() else {
                     break;
@@ -499,7 +500,8 @@ pub fn run(
             );
             let held = ws.over_budget();
             nats.hold_reads(held);
-            busy |= held;
+            // Events the budget held back are taken in the next round.
+            busy |= held || nats.connection_mut().has_events();
             if !drain_waiters.is_empty() {
                 let drained: Vec<u64> = drain_waiters
                     .iter()

@@ -23,7 +23,7 @@ use crate::proto::subject::{validate_pattern, validate_subject};
 use crate::proto::{Op, Parsed, Parser, Role};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// Until the server's INFO says otherwise.
@@ -237,9 +237,13 @@ pub struct Connection {
     events: VecDeque<Event>,
     queued_messages: usize,
     dropped_since_report: u64,
-    /// Subscriptions ended while events were queued: a delivery of theirs read before
-    /// the end is polled as `Unread`. Emptied with the queue.
-    pub(super) ended_while_queued: HashSet<Sid>,
+    /// Subscriptions ended while events were queued, each with the count of events
+    /// pushed by then: a delivery of theirs among those is polled as `Unread`. Each is
+    /// forgotten once those events are polled (`ended_order`, in that count's order).
+    pub(super) ended_while_queued: HashMap<Sid, u64>,
+    ended_order: VecDeque<(u64, Sid)>,
+    /// Events polled since the start.
+    polled: u64,
     invalid_since_report: u64,
 
     pings: VecDeque<PingKind>,
@@ -312,7 +316,9 @@ impl Connection {
             events: VecDeque::new(),
             queued_messages: 0,
             dropped_since_report: 0,
-            ended_while_queued: HashSet::new(),
+            ended_while_queued: HashMap::new(),
+            ended_order: VecDeque::new(),
+            polled: 0,
             invalid_since_report: 0,
             pings: VecDeque::new(),
             keepalive_out: 0,
@@ -526,10 +532,15 @@ impl Connection {
         }
     }
 
+    /// Whether events wait to be polled.
+    pub fn has_events(&self) -> bool {
+        !self.events.is_empty()
+    }
+
     pub fn poll_event(&mut self) -> Option<Event> {
         let event = match self.events.pop_front()? {
             Event::Message { sid, msg }
-                if self.ended_while_queued.contains(&sid)
+                if self.ended_while_queued.contains_key(&sid)
                     && msg
                         .reply
                         .as_deref()
@@ -539,8 +550,12 @@ impl Connection {
             }
             event => event,
         };
-        if self.events.is_empty() {
-            self.ended_while_queued.clear();
+        self.polled += 1;
+        while let Some(&(pushed, sid)) = self.ended_order.front()
+            && pushed <= self.polled
+        {
+            self.ended_order.pop_front();
+            self.ended_while_queued.remove(&sid);
         }
         if matches!(
             event,
@@ -775,7 +790,9 @@ impl Connection {
             _ => {
                 self.subs.remove(sid);
                 if !self.events.is_empty() {
-                    self.ended_while_queued.insert(sid);
+                    let pushed = self.polled + self.events.len() as u64;
+                    self.ended_while_queued.insert(sid, pushed);
+                    self.ended_order.push_back((pushed, sid));
                 }
                 if connected {
                     encode::unsubscribe(&mut self.out, sid.0.to_string(), None);

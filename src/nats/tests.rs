@@ -1084,7 +1084,7 @@ fn a_jetstream_delivery_read_before_its_subscription_ended_is_polled_as_unread()
             if *s == sid && *p == sid && msg.reply.as_deref() == Some(ack)),
         "{rest:?}"
     );
-    // Once the queue is empty, the subscription's end is forgotten.
+    // Once the events read before the end are polled, the end is forgotten.
     assert!(h.conn.ended_while_queued.is_empty());
 }
 

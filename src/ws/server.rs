@@ -973,6 +973,11 @@ impl WsServer {
                     self.buffered, self.cfg.max_buffered_bytes
                 );
                 slot.conn.shed(now);
+                if slot.tls.as_deref().is_some_and(|t| t.queued() > 0) {
+                    // Its close frame would wait behind ciphertext that still counts
+                    // here (and got healthy connections shed in its place): gone now.
+                    slot.conn.abort();
+                }
             }
             self.metrics.registry.inc(self.metrics.shed, "");
             self.account(index);
