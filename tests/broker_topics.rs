@@ -349,6 +349,58 @@ fn an_event_the_old_broker_had_read_with_the_take_over_reaches_the_new_session()
 }
 
 #[test]
+fn a_replay_comes_as_fast_as_the_client_reads_not_as_fast_as_the_server_sends() {
+    // A plain subscription acknowledges nothing, so nothing paced its pulls: a replay of
+    // a backlog larger than the session's outbound bound was pulled whole and closed the
+    // session as a slow consumer whenever the client read slower than the server sent.
+    const EVENTS: usize = 12_000;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["pub", "sub"]);
+    config["limits"] = json!({"max_outbound_bytes": 256 << 10,
+                              "max_frames_per_s": 100_000, "frame_burst": 100_000});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let body = "x".repeat(200);
+    // Pipelined, 500 at a time (within the requests a session may have in flight).
+    for chunk in 0..EVENTS / 500 {
+        for i in chunk * 500..(chunk + 1) * 500 {
+            p.send(&json!({"op":"publish","id":format!("p{i}"),"topic":"r.x","body":body}));
+        }
+        let last = p.answer_to(&format!("p{}", (chunk + 1) * 500 - 1));
+        assert_eq!(last["op"], "ok", "{last}");
+    }
+
+    // A receive buffer small from the handshake on: the kernel holds little for it.
+    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
+    let mut s = Client::connect_over(&broker, tcp).hello("acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"r.>","sub":"all","from":"all"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    // The client reads nothing for a while, long enough for the broker to pull the
+    // whole backlog if it would: before, it did and closed the session (`slow
+    // consumer`) at event 9,361 of 12,000; now it pulls as the socket takes them.
+    let client = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+        .expect("connect");
+    let mut js = amp_broker::jetstream::Context::new(client).with_timeout(Duration::from_secs(5));
+    let pulled = |js: &mut amp_broker::jetstream::Context| -> u64 {
+        js.consumer_names("AMP_TOPICS_acme")
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| js.consumer_info("AMP_TOPICS_acme", c).ok())
+            .map(|i| i.delivered.stream_seq)
+            .max()
+            .unwrap_or(0)
+    };
+    common::wait_until(Duration::from_secs(3), || pulled(&mut js) >= EVENTS as u64);
+    eprintln!("pulled while the client did not read: {}", pulled(&mut js));
+    let seqs: Vec<u64> = events(&mut s, EVENTS)
+        .iter()
+        .filter_map(|e| e["seq"].as_u64())
+        .collect();
+    assert_eq!(seqs.len(), EVENTS);
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "in order");
+}
+
+#[test]
 fn idempotent_publishes_answer_the_same_seq() {
     let (_nats, broker) = setup();
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");

@@ -702,7 +702,10 @@ impl Broker {
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
             Input::Timeout => self.handle_timeout(conn, now),
-            Input::Drained { session } => self.continue_snapshot(session),
+            Input::Drained { session } => {
+                self.continue_snapshot(session);
+                self.grant_pulls(conn, session, now);
+            }
         }
         // Creations a reload queued (it has no connection to send them on).
         if !self.kept_inboxes.is_empty() {

@@ -49,6 +49,10 @@ pub struct PullLoop {
     /// The generation of the one check that counts; checks the owner filed earlier in
     /// the timer table are stale when they fire.
     generation: u64,
+    /// Paced loops only: whether the next pull may go. Each pull spends it and the
+    /// owner grants it again ([`PullLoop::grant`]), e.g. once what the last one brought
+    /// has been written to its reader.
+    credit: Option<bool>,
 }
 
 /// The outstanding pulls of an on-demand loop.
@@ -122,7 +126,28 @@ impl PullLoop {
             shares: None,
             until: None,
             generation: 0,
+            credit: None,
         }
+    }
+
+    /// A steady loop that pulls again only when granted ([`PullLoop::grant`]): its
+    /// batches come no faster than its owner takes them.
+    pub fn paced(mut self) -> PullLoop {
+        self.credit = Some(true);
+        self
+    }
+
+    /// Paced: a pull is due and waits for [`PullLoop::grant`].
+    pub fn wants_credit(&self) -> bool {
+        self.credit == Some(false) && self.remaining == 0 && self.sid.is_some()
+    }
+
+    /// Paced: the next pull may go, now if one is due.
+    pub fn grant(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
+        if self.credit.is_some() {
+            self.credit = Some(true);
+        }
+        self.pull(conn, now)
     }
 
     /// An on-demand loop answered under `deliver_prefix`, its pulls expiring after
@@ -187,7 +212,11 @@ impl PullLoop {
 
     /// Sends a pull unless one is outstanding; returns when to check on it.
     pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
-        if self.sid.is_none() || self.remaining > 0 || !conn.sends_now() {
+        if self.sid.is_none()
+            || self.remaining > 0
+            || self.credit == Some(false)
+            || !conn.sends_now()
+        {
             return None;
         }
         let pull = PullRequest {
@@ -211,6 +240,9 @@ impl PullLoop {
         }
         self.current = number;
         self.remaining = self.batch;
+        if self.credit.is_some() {
+            self.credit = Some(false);
+        }
         // The server answers a live pull with a heartbeat within PULL_HEARTBEAT; a pull
         // that was lost (e.g. sent while JetStream was still recovering) is noticed soon.
         self.until = Some(now + PULL_HEARTBEAT * 2);
@@ -532,6 +564,35 @@ mod tests {
             .expect("a new pull");
         assert_eq!(pulls_sent(&mut conn), 1);
         assert_ne!(again.generation, next.generation);
+    }
+
+    #[test]
+    fn a_paced_loop_pulls_again_only_when_granted() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 2).paced();
+        p.attach(&mut conn).expect("subscribe");
+        assert!(p.pull(&mut conn, t0).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
+        // The batch used up: the next pull waits for credit, and says so.
+        for _ in 0..2 {
+            p.on_message(&mut conn, "stream.subject", None, t0);
+        }
+        assert_eq!(pulls_sent(&mut conn), 0);
+        assert!(p.wants_credit());
+        // An expiry or a silent pull's check does not go around it either.
+        assert_eq!(p.on_message(&mut conn, &latest(&p), Some(408), t0).1, None);
+        assert_eq!(pulls_sent(&mut conn), 0);
+        assert!(p.grant(&mut conn, t0).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
+        assert!(!p.wants_credit(), "one pull per grant");
+        // An unpaced loop never waits for one.
+        let mut steady = PullLoop::new("S".into(), "C".into(), 1);
+        steady.attach(&mut conn).expect("subscribe");
+        steady.pull(&mut conn, t0);
+        steady.on_message(&mut conn, "stream.subject", None, t0);
+        assert_eq!(pulls_sent(&mut conn), 2);
+        assert!(!steady.wants_credit());
     }
 
     #[test]

@@ -367,9 +367,17 @@ pub struct Client {
 impl Client {
     /// Connects with subprotocol `amp.v1` and reads the challenge.
     pub fn connect(broker: &Broker) -> Client {
+        Client::connect_over(
+            broker,
+            TcpStream::connect(broker.addr).expect("tcp connect"),
+        )
+    }
+
+    /// [`Client::connect`] over a TCP connection already made (e.g. with a small
+    /// receive buffer, `common::connect_with`).
+    pub fn connect_over(broker: &Broker, stream: TcpStream) -> Client {
         let uri: tungstenite::http::Uri = broker.url().parse().expect("uri");
         let request = ClientRequestBuilder::new(uri).with_sub_protocol("amp.v1");
-        let stream = TcpStream::connect(broker.addr).expect("tcp connect");
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
@@ -399,12 +407,16 @@ impl Client {
 
     /// Connects and says hello with a token; panics unless the broker answers `ok`.
     pub fn login(broker: &Broker, ns: &str, name: &str, token: &str) -> Client {
-        let mut c = Client::connect(broker);
-        let ok = c.request(
+        Client::connect(broker).hello(ns, name, token)
+    }
+
+    /// Says hello with a token; panics unless the broker answers `ok`.
+    pub fn hello(mut self, ns: &str, name: &str, token: &str) -> Client {
+        let ok = self.request(
             json!({"op":"hello","ns":ns,"name":name,"auth":{"type":"token","token":token}}),
         );
         assert_eq!(ok["op"], "ok", "hello: {ok}");
-        c
+        self
     }
 
     /// The WebSocket itself, for load generators that pipeline frames.

@@ -321,7 +321,16 @@ impl Broker {
         }
     }
 
+    /// Files the pull's next check, and for a paced pull that waits for credit asks to
+    /// hear when its session's output is written (`Input::Drained`, then `grant_pulls`).
     pub(super) fn check_pull_at(&mut self, check: Option<Check>, owner: PullOwner) {
+        if let PullOwner::Sub(session, sub) = &owner
+            && let Some(t) = self.sessions.get(session).and_then(|s| s.subs.get(sub))
+            && t.pull.wants_credit()
+        {
+            self.out
+                .push_back(Output::WhenDrained { session: *session });
+        }
         if let Some(c) = check {
             self.set_timer(c.at, Timer::PullCheck(owner, c.generation));
         }

@@ -261,15 +261,15 @@ impl Broker {
         };
         let subscription = Subscription {
             serial: to.serial,
-            pull: PullLoop::new(
-                stream.clone(),
-                consumer.clone(),
-                if f.durable {
-                    DURABLE_WINDOW
-                } else {
-                    PLAIN_BATCH
-                },
-            )
+            pull: if f.durable {
+                // Its window of unacknowledged events paces it.
+                PullLoop::new(stream.clone(), consumer.clone(), DURABLE_WINDOW)
+            } else {
+                // Nothing acknowledged paces it: a batch, then the next once the session
+                // has written what it was sent, so a replay (`from: "all"`) comes as
+                // fast as the client reads, not as fast as the server sends.
+                PullLoop::new(stream.clone(), consumer.clone(), PLAIN_BATCH).paced()
+            }
             .in_domain(self.config.js_api(ns)),
             ns: ns.to_string(),
             owner: name.to_string(),
@@ -1042,7 +1042,7 @@ impl Broker {
             return;
         };
         let (pulled, check) = t.pull.on_message(conn, &msg.subject, msg.status(), now);
-        if check.is_some() {
+        if check.is_some() || t.pull.wants_credit() {
             self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
         }
         if pulled != Pulled::Message {
@@ -1170,6 +1170,7 @@ impl Broker {
         let config = binding::plain_sub_config(&consumer, &filter, from, EPHEMERAL_INACTIVE);
         if let Some(t) = self.subscription_mut(session, sub) {
             t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH)
+                .paced()
                 .in_domain(api.clone());
             t.last_consumer_seq = 0;
         }
@@ -1215,6 +1216,22 @@ impl Broker {
                     sub: sub.clone(),
                 },
             );
+            self.check_pull_at(check, PullOwner::Sub(session, sub));
+        }
+    }
+
+    /// The session's output is written: its paced subscriptions waiting to pull do.
+    pub(super) fn grant_pulls(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        let mut checks = Vec::new();
+        for (sub, t) in &mut s.subs {
+            if t.pull.wants_credit() {
+                checks.push((t.pull.grant(conn, now), sub.clone()));
+            }
+        }
+        for (check, sub) in checks {
             self.check_pull_at(check, PullOwner::Sub(session, sub));
         }
     }
