@@ -26,6 +26,11 @@ pub const PULL_EXPIRES: Duration = Duration::from_secs(20);
 /// The server's idle heartbeat while a pull waits; two missed ones mean it is gone.
 pub const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
 const RETRY_AFTER_NO_RESPONDERS: Duration = Duration::from_secs(1);
+/// A paced loop waits this long for its grant, then pulls anyway: the consumers it
+/// reads are deleted by the server after 30 s without a pull (`inactive_threshold`).
+/// A session that reads nothing for good is then closed as a slow consumer rather than
+/// losing its subscription without a word.
+pub const CREDIT_WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Debug)]
 pub struct PullLoop {
@@ -212,12 +217,14 @@ impl PullLoop {
 
     /// Sends a pull unless one is outstanding; returns when to check on it.
     pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
-        if self.sid.is_none()
-            || self.remaining > 0
-            || self.credit == Some(false)
-            || !conn.sends_now()
-        {
+        if self.sid.is_none() || self.remaining > 0 || !conn.sends_now() {
             return None;
+        }
+        if self.credit == Some(false) {
+            // Not granted in time, it pulls anyway (`check`): without a pull for
+            // `inactive_threshold` the server deletes the consumer.
+            self.until = Some(now + CREDIT_WAIT);
+            return self.arm();
         }
         let pull = PullRequest {
             expires: Some(PULL_EXPIRES),
@@ -295,6 +302,10 @@ impl PullLoop {
                 // change, 400...): pulling again at once would be refused again at once,
                 // a loop at round-trip speed. Shortly instead.
                 self.remaining = 0;
+                if self.credit.is_some() {
+                    // The refused pull brought nothing; the retry needs no grant.
+                    self.credit = Some(true);
+                }
                 self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
                 (Pulled::Ended, self.arm())
             }
@@ -313,6 +324,9 @@ impl PullLoop {
             return None;
         }
         if self.until.is_some_and(|until| until <= now) {
+            if self.remaining == 0 && self.credit == Some(false) {
+                self.credit = Some(true);
+            }
             self.remaining = 0;
             return self.pull(conn, now);
         }
@@ -580,12 +594,28 @@ mod tests {
         }
         assert_eq!(pulls_sent(&mut conn), 0);
         assert!(p.wants_credit());
-        // An expiry or a silent pull's check does not go around it either.
-        assert_eq!(p.on_message(&mut conn, &latest(&p), Some(408), t0).1, None);
+        // An expiry does not go around it either.
+        p.on_message(&mut conn, &latest(&p), Some(408), t0);
         assert_eq!(pulls_sent(&mut conn), 0);
         assert!(p.grant(&mut conn, t0).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         assert!(!p.wants_credit(), "one pull per grant");
+        // A refused pull brought nothing: its retry needs no grant (else a drained
+        // session would regrant it at round-trip speed, past the 1 s retry).
+        let (_, retry) = p.on_message(&mut conn, &latest(&p), Some(503), t0);
+        let retry = retry.expect("a retry check");
+        assert!(!p.wants_credit());
+        assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
+        // Not granted in time, it pulls anyway before the server would delete the
+        // consumer for want of pulls.
+        p.on_message(&mut conn, "stream.subject", None, t0);
+        let waiting = p.on_message(&mut conn, "stream.subject", None, t0).1;
+        let waiting = waiting.expect("a check for the wait");
+        assert!(p.wants_credit());
+        assert_eq!(waiting.at, t0 + CREDIT_WAIT);
+        assert!(p.check(&mut conn, waiting.generation, waiting.at).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
         // An unpaced loop never waits for one.
         let mut steady = PullLoop::new("S".into(), "C".into(), 1);
         steady.attach(&mut conn).expect("subscribe");

@@ -37,6 +37,9 @@ const PLAIN_BATCH: u32 = 256;
 const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// How long an ephemeral consumer outlives a broker that stopped reading it.
 const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
+// A paced subscription waiting for its session pulls before its consumer counts as idle.
+const _: () =
+    assert!(crate::broker::pull_loop::CREDIT_WAIT.as_secs() < EPHEMERAL_INACTIVE.as_secs());
 /// JetStream's "maximum consumers limit reached".
 const MAX_CONSUMERS_REACHED: u32 = 10026;
 /// Consumer infos a hand-back asks for before it naks anyway.
