@@ -260,12 +260,19 @@ fn a_durable_resumed_after_its_broker_was_killed_gets_the_unacked_event_first() 
     );
 }
 
-#[test]
-fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
-    // The client's old connection to broker one is still open (not yet seen to end): it
-    // holds events 1 and 2 unacknowledged. Before, the old session kept reading the
-    // durable, its events came to the new one only when it ended (or after their ack
-    // wait), and new events went to either.
+/// Two brokers; `sub`'s durable `keep` read on broker one by `old`, which holds events
+/// `held` unacknowledged.
+struct Held {
+    nats: NatsServer,
+    one: Broker,
+    two: Broker,
+    p: Client,
+    old: Client,
+    sub: Value,
+    held: [u64; 2],
+}
+
+fn held_on_broker_one() -> Held {
     let nats = NatsServer::start();
     let config = open_config(&["pub", "sub"]);
     let one = Broker::start(&nats.url(), &config);
@@ -279,6 +286,32 @@ fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
         publish(&mut p, "m.2", json!(2)),
     ];
     assert_eq!(events(&mut old, 2).len(), 2);
+    Held {
+        nats,
+        one,
+        two,
+        p,
+        old,
+        sub,
+        held,
+    }
+}
+
+#[test]
+fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
+    // The client's old connection to broker one is still open (not yet seen to end): it
+    // holds events 1 and 2 unacknowledged. Before, the old session kept reading the
+    // durable, its events came to the new one only when it ended (or after their ack
+    // wait), and new events went to either.
+    let Held {
+        nats: _nats,
+        one: _one,
+        two,
+        mut p,
+        mut old,
+        sub,
+        held,
+    } = held_on_broker_one();
 
     let mut new = Client::login(&two, "acme", "sub", "sub-token");
     assert_eq!(new.request(sub)["op"], "ok");
@@ -307,19 +340,15 @@ fn an_event_the_old_broker_had_read_with_the_take_over_reaches_the_new_session()
     // read then brings broker one the take-over and m.3 together. It dropped the
     // subscription for the take-over and then the delivery as addressed to nobody, with
     // no nak: m.3 waited out the 30 s ack wait.
-    let nats = NatsServer::start();
-    let config = open_config(&["pub", "sub"]);
-    let one = Broker::start(&nats.url(), &config);
-    let two = Broker::start(&nats.url(), &config);
-    let mut p = Client::login(&two, "acme", "pub", "pub-token");
-    let sub = json!({"op":"subscribe","topic":"m.>","sub":"keep","durable":true});
-    let mut old = Client::login(&one, "acme", "sub", "sub-token");
-    assert_eq!(old.request(sub.clone())["op"], "ok");
-    let held = [
-        publish(&mut p, "m.1", json!(1)),
-        publish(&mut p, "m.2", json!(2)),
-    ];
-    assert_eq!(events(&mut old, 2).len(), 2);
+    let Held {
+        nats,
+        one,
+        two,
+        mut p,
+        old: _old,
+        sub,
+        held,
+    } = held_on_broker_one();
 
     one.signal(libc::SIGSTOP);
     let mut new = Client::login(&two, "acme", "sub", "sub-token");

@@ -17,15 +17,20 @@ use common::{NatsServer, connect_from, connect_with, wait_until};
 use serde_json::{Value, json};
 use tungstenite::Message;
 
-/// The broker child's resident set, from `/proc/<pid>/status`.
-fn rss_bytes(pid: u32) -> usize {
+/// A size the broker child's `/proc/<pid>/status` gives in kB (`VmRSS:`, `VmHWM:`).
+fn status_bytes(pid: u32, field: &str) -> usize {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|kb| kb.parse::<usize>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// The broker child's resident set.
+fn rss_bytes(pid: u32) -> usize {
+    status_bytes(pid, "VmRSS:")
 }
 
 /// One sample of a metric from `/metrics` (`name` with its labels, as rendered), asked
@@ -633,15 +638,9 @@ fn pongs_nobody_reads_before_hello_cannot_fill_the_memory_budget() {
     assert!(buffered <= BUDGET as f64, "{buffered} bytes buffered");
 }
 
-/// The broker child's peak resident set, from `/proc/<pid>/status`.
+/// The broker child's peak resident set.
 fn peak_rss_bytes(pid: u32) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|kb| kb.parse::<usize>().ok())
-        .map_or(0, |kb| kb * 1024)
+    status_bytes(pid, "VmHWM:")
 }
 
 #[test]

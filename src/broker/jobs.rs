@@ -72,8 +72,10 @@ const NO_TAKER_DELAY_MAX: Duration = Duration::from_secs(4);
 
 /// The longest a task waits when sessions here may take it but every one is busy: it
 /// doubles too (a thousand tasks only a busy session may take, every half second, kept
-/// the pulls of everyone's free slots busy with them), less far, as a slot may free soon.
-const BUSY_TAKER_DELAY_MAX: Duration = Duration::from_secs(2);
+/// the pulls of everyone's free slots busy with them). At 2 s a thousand of them still
+/// needed 500 redeliveries a second to leave any gap for a new task (JetStream
+/// redelivers first), more than a loaded 2-core node handled; 4 s, as with no taker.
+const BUSY_TAKER_DELAY_MAX: Duration = Duration::from_secs(4);
 
 /// How long a task with no local taker waits at its `delivered`-th delivery, up to `max`.
 fn no_taker_delay(delivered: u64, max: Duration) -> Duration {
