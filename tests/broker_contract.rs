@@ -6,17 +6,12 @@ mod common;
 
 use std::time::Duration;
 
-use amp_broker::jetstream::{Context, MsgSelector};
-use amp_broker::nats::{Client as NatsClient, Options};
+use amp_broker::jetstream::MsgSelector;
 use common::NatsServer;
 use common::amp::{Broker, Client, open_config};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn js(nats: &NatsServer) -> Context {
-    Context::new(NatsClient::connect(Options::new(&nats.url())).expect("connect"))
-}
 
 #[test]
 fn stored_messages_carry_the_envelope_and_the_amp_headers() {
@@ -28,7 +23,7 @@ fn stored_messages_carry_the_envelope_and_the_amp_headers() {
     let seq = ok["seq"].as_u64().expect("seq");
     let ev = a.request(json!({"op":"publish","topic":"orders.eu","body":[1]}));
 
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let stored = js
         .get_msg("AMP_INBOX_acme", &MsgSelector::Sequence(seq))
         .expect("stored message");
@@ -114,10 +109,10 @@ fn a_silent_client_is_closed_after_the_hello_timeout() {
 }
 
 #[test]
-fn a_client_that_does_not_read_is_closed_without_slowing_others() {
+fn a_client_that_does_not_read_is_held_to_its_bound_without_slowing_others() {
     let nats = NatsServer::start();
     let mut config = open_config(&["pub", "slow", "fast"]);
-    config["limits"] = json!({"max_outbound_bytes": 1 << 20});
+    config["limits"] = json!({"max_outbound_bytes": 1 << 20, "heartbeat_s": 1});
     let broker = Broker::start(&nats.url(), &config);
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");
     let mut slow = Client::login(&broker, "acme", "slow", "slow-token");
@@ -143,13 +138,16 @@ fn a_client_that_does_not_read_is_closed_without_slowing_others() {
         300,
         "the reading client got every event"
     );
-    // The close frame waits behind what the client never read, so the broker's own count
-    // is the witness: one session closed 1008 as a slow consumer.
+    // The events the silent client did not take wait in JetStream: the broker pulls
+    // its subscription no faster than it writes what it pulled, so nothing passes the
+    // bound and no session is closed a slow consumer. Its silence (no pong for 3 x
+    // heartbeat_s) closes it (1001); the close frame waits behind what the client never
+    // read, so the broker's own count is the witness.
     let metric = |m: &str, line: &str| m.lines().any(|l| l == line);
     assert!(common::wait_until(WAIT, || {
         common::amp::http_get(broker.addr, "/metrics").is_some_and(|(_, m)| {
-            metric(&m, "amp_ws_slow_consumers_total 1")
-                && metric(&m, "amp_ws_closes_total{code=\"1008\"} 1")
+            metric(&m, "amp_ws_slow_consumers_total 0")
+                && metric(&m, "amp_ws_closes_total{code=\"1001\"} 1")
         })
     }));
     drop(slow);
@@ -158,7 +156,7 @@ fn a_client_that_does_not_read_is_closed_without_slowing_others() {
 #[test]
 fn an_incompatible_existing_stream_stops_start_up_naming_the_field() {
     let nats = NatsServer::start();
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let mut config =
         amp_broker::jetstream::StreamConfig::new("AMP_TASKS_acme", &["amp.acme.job.*"]);
     config.retention = serde_json::from_value(json!("limits")).ok();
@@ -185,7 +183,7 @@ fn sigterm_drains_sessions_with_going_away_and_exits_zero() {
     assert!(status.success(), "{status}");
     assert_eq!(a.closed_with(WAIT), Some(1001));
     assert_eq!(b.closed_with(WAIT), Some(1001));
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let consumer = js
         .consumer_info("AMP_INBOX_acme", "inbox_b")
         .expect("consumer");

@@ -159,6 +159,46 @@ fn messages_wait_for_an_offline_recipient_and_unacked_ones_come_again_on_the_nex
 }
 
 #[test]
+fn large_messages_waiting_in_an_inbox_do_not_lock_their_recipient_out() {
+    // 64 messages of 200 kB: the inbox window (64 unacknowledged messages) of them is
+    // three times the session's outbound bound (4 MiB). Before, every login of the
+    // recipient over a link slower than loopback was pulled all 40 at once and closed
+    // as a slow consumer: a sender could lock a participant out of its own inbox.
+    const MESSAGES: u64 = 64;
+    let (nats, broker) = setup(&["a", "b"]);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let body = "x".repeat(200_000);
+    for i in 0..MESSAGES {
+        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":body}));
+    }
+    let last = a.answer_to(&format!("s{}", MESSAGES - 1));
+    assert_eq!(last["op"], "ok", "{last}");
+
+    // A receive buffer small from the handshake on (the kernel holds little for it),
+    // and nothing read for a while: long enough for the broker to pull every message.
+    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
+    let mut b = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
+    let mut js = nats.jetstream();
+    let inbox = amp_broker::broker::binding::inbox_consumer("b");
+    let pulled = |js: &mut amp_broker::jetstream::Context| {
+        js.consumer_info("AMP_INBOX_acme", &inbox)
+            .map_or(0, |i| i.delivered.stream_seq)
+    };
+    common::wait_until(Duration::from_secs(3), || pulled(&mut js) >= MESSAGES);
+    eprintln!("pulled while the client did not read: {}", pulled(&mut js));
+    let mut seqs = Vec::new();
+    for i in 0..MESSAGES {
+        let m = b
+            .next_op("message", WAIT)
+            .unwrap_or_else(|| panic!("message {i}: {:?}", b.next_op("_closed", WAIT)));
+        assert_eq!(m["body"].as_str().map(str::len), Some(body.len()));
+        b.send(&json!({"op":"ack","seq":m["seq"]}));
+        seqs.push(m["seq"].as_u64().expect("seq"));
+    }
+    assert_eq!(seqs, (1..=MESSAGES).collect::<Vec<_>>());
+}
+
+#[test]
 fn nak_redelivers_and_idem_resends_answer_the_same_seq() {
     let (_nats, broker) = setup(&["a", "b"]);
     let mut a = Client::login(&broker, "acme", "a", "a-token");

@@ -314,11 +314,6 @@ fn held_then_later_within_10_s(new: &mut Client, held: [u64; 2], later: u64) {
 }
 
 /// The test's own JetStream client, to look at consumers.
-fn jetstream(nats: &NatsServer) -> amp_broker::jetstream::Context {
-    let client = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
-        .expect("connect");
-    amp_broker::jetstream::Context::new(client).with_timeout(Duration::from_secs(5))
-}
 
 #[test]
 fn a_durable_resumed_on_another_broker_takes_it_over_from_the_old_session() {
@@ -367,7 +362,7 @@ fn an_event_the_old_broker_had_read_with_the_take_over_reaches_the_new_session()
     let mut new = Client::login(&two, "acme", "sub", "sub-token");
     assert_eq!(new.request(sub)["op"], "ok");
     let later = publish(&mut p, "m.3", json!(3));
-    let mut js = jetstream(&nats);
+    let mut js = nats.jetstream();
     let consumer = amp_broker::broker::binding::durable_sub_consumer("sub", "keep");
     let delivered = common::wait_until(Duration::from_secs(10), || {
         js.consumer_info("AMP_TOPICS_acme", &consumer)
@@ -378,54 +373,106 @@ fn an_event_the_old_broker_had_read_with_the_take_over_reaches_the_new_session()
     held_then_later_within_10_s(&mut new, held, later);
 }
 
+/// The highest stream sequence delivered to `sub`'s durable `all`, or when not
+/// `durable` to any other consumer of acme's topics.
+fn pulled(js: &mut amp_broker::jetstream::Context, durable: bool) -> u64 {
+    let name = amp_broker::broker::binding::durable_sub_consumer("sub", "all");
+    js.consumer_names("AMP_TOPICS_acme")
+        .unwrap_or_default()
+        .iter()
+        .filter(|c| (**c == name) == durable)
+        .filter_map(|c| js.consumer_info("AMP_TOPICS_acme", c).ok())
+        .map(|i| i.delivered.stream_seq)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Publishes `n` events of `body` to `r.x`, pipelined 500 at a time (within the
+/// requests a session may have in flight).
+fn backlog(broker: &Broker, n: usize, body: &str) {
+    let mut p = Client::login(broker, "acme", "pub", "pub-token");
+    for chunk in (0..n).step_by(500) {
+        let last = (chunk + 500).min(n);
+        for i in chunk..last {
+            p.send(&json!({"op":"publish","id":format!("p{i}"),"topic":"r.x","body":body}));
+        }
+        let ok = p.answer_to(&format!("p{}", last - 1));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+}
+
+/// Subscribes to the backlog through a client whose receive buffer is small from the
+/// handshake on (the kernel holds little for it) and that reads nothing for a while:
+/// long enough for the broker to pull the whole backlog if it would. Then reads `n`
+/// events (acknowledging them when durable) and returns their sequence numbers.
+fn replay_to_a_slow_reader(
+    nats: &NatsServer,
+    broker: &Broker,
+    n: usize,
+    durable: bool,
+) -> Vec<u64> {
+    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
+    let mut s = Client::connect_over(broker, tcp).hello("acme", "sub", "sub-token");
+    let ok = s.request(
+        json!({"op":"subscribe","topic":"r.>","sub":"all","from":"all","durable":durable}),
+    );
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut js = nats.jetstream();
+    common::wait_until(Duration::from_secs(3), || {
+        pulled(&mut js, durable) >= n as u64
+    });
+    eprintln!(
+        "pulled while the client did not read: {}",
+        pulled(&mut js, durable)
+    );
+    (0..n)
+        .map(|i| {
+            let e = s
+                .next_op("event", WAIT)
+                .unwrap_or_else(|| panic!("event {i} of {n}: {:?}", s.next_op("_closed", QUIET)));
+            let seq = e["seq"].as_u64().expect("seq");
+            if durable {
+                s.send(&json!({"op":"ack","sub":"all","seq":seq}));
+            }
+            seq
+        })
+        .collect()
+}
+
 #[test]
 fn a_replay_comes_as_fast_as_the_client_reads_not_as_fast_as_the_server_sends() {
     // A plain subscription acknowledges nothing, so nothing paced its pulls: a replay of
     // a backlog larger than the session's outbound bound was pulled whole and closed the
     // session as a slow consumer whenever the client read slower than the server sent.
+    // Before, at event 9,361 of 12,000; now it pulls as the socket takes them.
     const EVENTS: usize = 12_000;
     let nats = NatsServer::start();
     let mut config = open_config(&["pub", "sub"]);
     config["limits"] = json!({"max_outbound_bytes": 256 << 10,
                               "max_frames_per_s": 100_000, "frame_burst": 100_000});
     let broker = Broker::start(&nats.url(), &config);
-    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
-    let body = "x".repeat(200);
-    // Pipelined, 500 at a time (within the requests a session may have in flight).
-    for chunk in 0..EVENTS / 500 {
-        for i in chunk * 500..(chunk + 1) * 500 {
-            p.send(&json!({"op":"publish","id":format!("p{i}"),"topic":"r.x","body":body}));
-        }
-        let last = p.answer_to(&format!("p{}", (chunk + 1) * 500 - 1));
-        assert_eq!(last["op"], "ok", "{last}");
-    }
-
-    // A receive buffer small from the handshake on: the kernel holds little for it.
-    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
-    let mut s = Client::connect_over(&broker, tcp).hello("acme", "sub", "sub-token");
-    let ok = s.request(json!({"op":"subscribe","topic":"r.>","sub":"all","from":"all"}));
-    assert_eq!(ok["op"], "ok", "{ok}");
-    // The client reads nothing for a while, long enough for the broker to pull the
-    // whole backlog if it would: before, it did and closed the session (`slow
-    // consumer`) at event 9,361 of 12,000; now it pulls as the socket takes them.
-    let mut js = jetstream(&nats);
-    let pulled = |js: &mut amp_broker::jetstream::Context| -> u64 {
-        js.consumer_names("AMP_TOPICS_acme")
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|c| js.consumer_info("AMP_TOPICS_acme", c).ok())
-            .map(|i| i.delivered.stream_seq)
-            .max()
-            .unwrap_or(0)
-    };
-    common::wait_until(Duration::from_secs(3), || pulled(&mut js) >= EVENTS as u64);
-    eprintln!("pulled while the client did not read: {}", pulled(&mut js));
-    let seqs: Vec<u64> = events(&mut s, EVENTS)
-        .iter()
-        .filter_map(|e| e["seq"].as_u64())
-        .collect();
+    backlog(&broker, EVENTS, &"x".repeat(200));
+    let seqs = replay_to_a_slow_reader(&nats, &broker, EVENTS, false);
     assert_eq!(seqs.len(), EVENTS);
     assert!(seqs.windows(2).all(|w| w[0] < w[1]), "in order");
+}
+
+#[test]
+fn a_replay_of_large_events_is_pulled_by_bytes_not_by_count() {
+    // 60 events of 150 kB: a batch (256 events) or a durable window (256 unacknowledged
+    // events) of them is twice the session's outbound bound (4 MiB). Before, both the
+    // plain and the durable replay closed the session as a slow consumer.
+    const EVENTS: usize = 60;
+    let (nats, broker) = setup();
+    backlog(&broker, EVENTS, &"x".repeat(150_000));
+    for durable in [false, true] {
+        let seqs = replay_to_a_slow_reader(&nats, &broker, EVENTS, durable);
+        assert_eq!(
+            seqs,
+            (1..=EVENTS as u64).collect::<Vec<_>>(),
+            "durable: {durable}"
+        );
+    }
 }
 
 #[test]

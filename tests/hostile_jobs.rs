@@ -8,16 +8,10 @@ use std::time::{Duration, Instant};
 
 use amp_broker::jetstream::Context;
 use amp_broker::jetstream::kv::KvOperation;
-use amp_broker::nats::{Client as NatsClient, Options};
 use common::NatsServer;
 use common::amp::{Broker, Client};
 use common::jobs::{config, login, login_serving, status};
 use serde_json::json;
-
-fn jetstream(nats: &NatsServer) -> Context {
-    let client = NatsClient::connect(Options::new(&nats.url())).expect("connect");
-    Context::new(client).with_timeout(Duration::from_secs(5))
-}
 
 /// Messages ever stored in the registry bucket of `acme` (puts and deletes).
 fn registry_writes(js: &mut Context) -> u64 {
@@ -41,7 +35,7 @@ fn hello_close_churn_leaves_one_registry_refresh_per_participant() {
     let mut c = config(&["a"], 30, 5000);
     c["limits"] = json!({"registry_ttl_s": 6});
     let broker = Broker::start(&nats.url(), &c);
-    let mut js = jetstream(&nats);
+    let mut js = nats.jetstream();
 
     let cycles = 200;
     let started = Instant::now();
@@ -498,7 +492,7 @@ fn pipelined_heartbeats_are_written_one_at_a_time_and_leave_the_submitter_its_ca
     eprintln!("64 pipelined heartbeats: {spent} JetStream operations");
     // Each is one write and one in-progress ack (a heartbeat restarts the AckWait).
     assert!(spent <= 136.0, "{spent} operations for 64 heartbeats");
-    let mut js = jetstream(&nats);
+    let mut js = nats.jetstream();
     let kv = js.kv_bind("AMP_TASK_STATE").expect("task store");
     let record = js.kv_entry(&kv, &format!("acme.{task}")).expect("record");
     let record: serde_json::Value = serde_json::from_slice(&record.value).expect("json");

@@ -20,11 +20,6 @@ use serde_json::{Value, json};
 const WAIT: Duration = Duration::from_secs(10);
 const OPEN_TOKEN: &str = "open-token";
 
-fn js(nats: &NatsServer) -> Context {
-    Context::new(NatsClient::connect(Options::new(&nats.url())).expect("connect"))
-        .with_timeout(Duration::from_secs(5))
-}
-
 /// Named participants `a` and `b`, and any other name through the namespace's `open`
 /// entry (token [`OPEN_TOKEN`]).
 fn open_namespace_config() -> Value {
@@ -45,7 +40,7 @@ fn has_inbox_consumer(js: &mut Context, name: &str) -> bool {
 fn a_participant_after_the_first_thousand_still_gets_its_messages() {
     let nats = NatsServer::start();
     let broker = Broker::start(&nats.url(), &open_namespace_config());
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     // A thousand participants that logged in once: their durables stay.
     for i in 0..1000 {
         let config = binding::inbox_consumer_config("acme", &format!("p{i}"), 30, 64);
@@ -77,7 +72,7 @@ fn a_refused_inbox_consumer_is_reported_and_the_messages_come_once_there_is_room
     let mut config = open_config(&["a", "b"]);
     config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 2});
     let broker = Broker::start(&nats.url(), &config);
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     // A consumer the broker did not make (an operator's, or one left by a participant
     // no longer listed) takes the room kept for `b`.
     let old = binding::inbox_consumer_config("acme", "old", 30, 64);
@@ -146,7 +141,7 @@ fn made_up_names_cannot_take_the_inboxes_kept_for_listed_participants() {
     let mut config = open_namespace_config();
     config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 4});
     let broker = Broker::start(&nats.url(), &config);
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let mut a = Client::login(&broker, "acme", "a", "a-token");
     // Room for 4: a and b are listed, so made-up names get the other two (one after the
     // other, so which two is known).
@@ -188,7 +183,7 @@ fn made_up_names_cannot_take_the_inboxes_kept_for_listed_participants() {
 #[test]
 fn an_inbox_stream_without_a_consumer_limit_gets_one_and_an_operators_limit_stays() {
     let nats = NatsServer::start();
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     // As the broker's earlier versions created it: no max_consumers.
     let mut earlier = binding::inbox_stream_config("acme", 0, 1, StreamSettings::default());
     earlier.max_consumers = None;
@@ -269,7 +264,7 @@ fn a_login_storm_asks_for_each_inbox_consumer_once_and_every_inbox_is_delivered(
         let ok = c.answer_to("h");
         assert_eq!(ok["op"], "ok", "{ok}");
     }
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     assert!(
         wait_until(Duration::from_secs(90), || js
             .consumer_names("AMP_INBOX_acme")
@@ -363,7 +358,7 @@ fn a_participant_a_reload_lists_keeps_its_inbox_from_made_up_names() {
     let mut config = open_namespace_config();
     config["namespaces"]["acme"]["inbox"] = json!({"max_consumers": 4});
     let broker = Broker::start(&nats.url(), &config);
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let mut with_c = config.clone();
     with_c["namespaces"]["acme"]["participants"]["c"] = json!({
         "token_sha256": token_hash("c-token"),
@@ -402,7 +397,7 @@ fn names_that_came_once_leave_nothing_in_the_registry() {
         let c = Client::login(&broker, "acme", &format!("once{i}"), OPEN_TOKEN);
         drop(c);
     }
-    let mut js = js(&nats);
+    let mut js = nats.jetstream();
     let kv = binding::registry_stream_config("acme", 2, Default::default()).name;
     let mut last = None;
     let gone = common::wait_until(Duration::from_secs(30), || {

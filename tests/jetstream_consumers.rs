@@ -201,6 +201,53 @@ fn message_over_max_bytes_ends_the_pull_with_409() {
 }
 
 #[test]
+fn a_pull_whose_max_bytes_are_used_up_exactly_ends_without_a_status() {
+    // The broker's paced pulls count each delivery as the server does
+    // (`Message::pulled_size`): a pull whose bytes are used up exactly ends silently,
+    // and only that count tells the broker to pull again.
+    let server = common::NatsServer::start();
+    let mut js = setup(&server, 0);
+    for i in 0..3 {
+        let opts = PublishOptions {
+            msg_id: Some(format!("id-{i}")),
+            ..PublishOptions::default()
+        };
+        js.publish("s.sized", None, &[b'x'; 700], &opts)
+            .expect("publish");
+    }
+    // Two consumers whose deliveries' ack replies are as long as each other's.
+    for name in ["P1", "P2"] {
+        js.create_consumer(
+            "S",
+            &ConsumerConfig::durable_pull(name),
+            ConsumerAction::Create,
+        )
+        .expect("consumer");
+    }
+    let all = js
+        .fetch("S", "P1", &PullRequest::batch(3), Duration::from_secs(3))
+        .expect("fetch");
+    assert_eq!(all.messages.len(), 3);
+    assert!(all.messages.iter().all(|m| m.headers.is_some()));
+    let size: usize = all.messages.iter().map(|m| m.pulled_size()).sum();
+    let pull = PullRequest {
+        expires: Some(Duration::from_millis(1500)),
+        max_bytes: Some(size as u64),
+        ..PullRequest::batch(10)
+    };
+    let got = js
+        .fetch("S", "P2", &pull, Duration::from_millis(2500))
+        .expect("fetch");
+    // One byte short of the server's count: a 409 after two. One over: the pull waits
+    // for more and expires (408).
+    assert_eq!(
+        (got.messages.len(), got.end),
+        (3, None),
+        "counted {size} bytes"
+    );
+}
+
+#[test]
 fn deleting_the_consumer_ends_a_waiting_pull_with_409_consumer_deleted() {
     let server = common::NatsServer::start();
     let mut js = setup(&server, 0);

@@ -705,6 +705,7 @@ impl Broker {
             Input::Drained { session } => {
                 self.continue_snapshot(session);
                 self.grant_pulls(conn, session, now);
+                self.grant_inbox(conn, session, now);
             }
         }
         // Creations a reload queued (it has no connection to send them on).

@@ -58,7 +58,20 @@ pub struct PullLoop {
     /// owner grants it again ([`PullLoop::grant`]), e.g. once what the last one brought
     /// has been written to its reader.
     credit: Option<bool>,
+    /// Paced loops only: the bytes one pull may bring (its `max_bytes`).
+    window: Option<u64>,
+    /// The messages the latest pull asked for.
+    asked: u32,
+    /// What is left of the latest pull's `max_bytes`, as the server counts it.
+    bytes_left: u64,
+    /// The next pull asks for one message whatever its size: the last one ended on a
+    /// message larger than its whole window.
+    whole: bool,
 }
+
+/// The status that ends a pull whose next message is larger than what is left of its
+/// `max_bytes`.
+const OVER_MAX_BYTES: &str = "Message Size Exceeds MaxBytes";
 
 /// The outstanding pulls of an on-demand loop.
 #[derive(Debug)]
@@ -132,14 +145,27 @@ impl PullLoop {
             until: None,
             generation: 0,
             credit: None,
+            window: None,
+            asked: 0,
+            bytes_left: 0,
+            whole: false,
         }
     }
 
-    /// A steady loop that pulls again only when granted ([`PullLoop::grant`]): its
-    /// batches come no faster than its owner takes them.
-    pub fn paced(mut self) -> PullLoop {
+    /// A steady loop that pulls again only when granted ([`PullLoop::grant`]), each pull
+    /// bringing at most `window` bytes (a message larger than that alone): its batches
+    /// come no faster, and no larger, than its owner takes them.
+    pub fn paced(mut self, window: u64) -> PullLoop {
         self.credit = Some(true);
+        self.window = Some(window.max(1));
         self
+    }
+
+    /// Paced: the bytes each pull from the next on may bring.
+    pub fn set_window(&mut self, window: u64) {
+        if self.window.is_some() {
+            self.window = Some(window.max(1));
+        }
     }
 
     /// Paced: a pull is due and waits for [`PullLoop::grant`].
@@ -226,10 +252,15 @@ impl PullLoop {
             self.until = Some(now + CREDIT_WAIT);
             return self.arm();
         }
+        let (asked, max_bytes) = match self.window {
+            Some(_) if self.whole => (1, None),
+            window => (self.batch, window),
+        };
         let pull = PullRequest {
             expires: Some(PULL_EXPIRES),
             idle_heartbeat: Some(PULL_HEARTBEAT),
-            ..PullRequest::batch(u64::from(self.batch))
+            max_bytes,
+            ..PullRequest::batch(u64::from(asked))
         };
         let req = self
             .api
@@ -246,7 +277,10 @@ impl PullLoop {
             return self.arm();
         }
         self.current = number;
-        self.remaining = self.batch;
+        self.remaining = asked;
+        self.asked = asked;
+        self.bytes_left = max_bytes.unwrap_or(u64::MAX);
+        self.whole = false;
         if self.credit.is_some() {
             self.credit = Some(false);
         }
@@ -268,18 +302,19 @@ impl PullLoop {
         })
     }
 
-    /// Accounts for one message of the subscription (delivered on `subject`), renewing
-    /// the pull when it ends. Statuses of pulls replaced since say nothing.
+    /// Accounts for one message of the subscription, renewing the pull when it ends.
+    /// Statuses of pulls replaced since say nothing.
     pub fn on_message(
         &mut self,
         conn: &mut Connection,
-        subject: &str,
-        status: Option<u16>,
+        msg: &Message,
         now: Instant,
     ) -> (Pulled, Option<Check>) {
+        let status = msg.status();
         // A status comes on its pull's subject; a message on its own stream subject.
         let stale = status.is_some()
-            && subject
+            && msg
+                .subject
                 .rsplit_once('.')
                 .and_then(|(_, n)| n.parse::<u64>().ok())
                 != Some(self.current);
@@ -293,6 +328,19 @@ impl PullLoop {
             }
             Some(404 | 408) => {
                 // Expired or empty: the usual end of a pull, the next one at once.
+                self.remaining = 0;
+                (Pulled::Ended, self.pull(conn, now))
+            }
+            Some(409) if msg.description() == Some(OVER_MAX_BYTES) => {
+                // The pull's bytes are used up: the usual end of a paced one. Had it
+                // brought nothing, its next message is larger than a whole window and
+                // comes alone, now: nothing waits to be written for it.
+                if self.remaining == self.asked {
+                    self.whole = true;
+                    if self.credit.is_some() {
+                        self.credit = Some(true);
+                    }
+                }
                 self.remaining = 0;
                 (Pulled::Ended, self.pull(conn, now))
             }
@@ -311,6 +359,11 @@ impl PullLoop {
             }
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
+                self.bytes_left = self.bytes_left.saturating_sub(msg.pulled_size() as u64);
+                if self.bytes_left == 0 {
+                    // Its bytes used up exactly, the server ends the pull with no status.
+                    self.remaining = 0;
+                }
                 self.until = Some(now + PULL_HEARTBEAT * 2);
                 (Pulled::Message, self.pull(conn, now))
             }
@@ -557,11 +610,11 @@ mod tests {
         // without filing anything: the check filed fires early and files the next.
         let t1 = t0 + Duration::from_secs(3);
         assert_eq!(
-            p.on_message(&mut conn, &latest(&p), Some(100), t1),
+            p.on_message(&mut conn, &status(&latest(&p), 100, None), t1),
             (Pulled::Heartbeat, None)
         );
         assert_eq!(
-            p.on_message(&mut conn, &latest(&p), None, t1),
+            p.on_message(&mut conn, &message(&latest(&p)), t1),
             (Pulled::Message, None)
         );
         let next = p
@@ -584,33 +637,33 @@ mod tests {
     fn a_paced_loop_pulls_again_only_when_granted() {
         let t0 = Instant::now();
         let mut conn = connected(t0);
-        let mut p = PullLoop::new("S".into(), "C".into(), 2).paced();
+        let mut p = PullLoop::new("S".into(), "C".into(), 2).paced(1 << 20);
         p.attach(&mut conn).expect("subscribe");
         assert!(p.pull(&mut conn, t0).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         // The batch used up: the next pull waits for credit, and says so.
         for _ in 0..2 {
-            p.on_message(&mut conn, "stream.subject", None, t0);
+            p.on_message(&mut conn, &message("stream.subject"), t0);
         }
         assert_eq!(pulls_sent(&mut conn), 0);
         assert!(p.wants_credit());
         // An expiry does not go around it either.
-        p.on_message(&mut conn, &latest(&p), Some(408), t0);
+        p.on_message(&mut conn, &status(&latest(&p), 408, None), t0);
         assert_eq!(pulls_sent(&mut conn), 0);
         assert!(p.grant(&mut conn, t0).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         assert!(!p.wants_credit(), "one pull per grant");
         // A refused pull brought nothing: its retry needs no grant (else a drained
         // session would regrant it at round-trip speed, past the 1 s retry).
-        let (_, retry) = p.on_message(&mut conn, &latest(&p), Some(503), t0);
+        let (_, retry) = p.on_message(&mut conn, &status(&latest(&p), 503, None), t0);
         let retry = retry.expect("a retry check");
         assert!(!p.wants_credit());
         assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
         assert_eq!(pulls_sent(&mut conn), 1);
         // Not granted in time, it pulls anyway before the server would delete the
         // consumer for want of pulls.
-        p.on_message(&mut conn, "stream.subject", None, t0);
-        let waiting = p.on_message(&mut conn, "stream.subject", None, t0).1;
+        p.on_message(&mut conn, &message("stream.subject"), t0);
+        let waiting = p.on_message(&mut conn, &message("stream.subject"), t0).1;
         let waiting = waiting.expect("a check for the wait");
         assert!(p.wants_credit());
         assert_eq!(waiting.at, t0 + CREDIT_WAIT);
@@ -620,9 +673,57 @@ mod tests {
         let mut steady = PullLoop::new("S".into(), "C".into(), 1);
         steady.attach(&mut conn).expect("subscribe");
         steady.pull(&mut conn, t0);
-        steady.on_message(&mut conn, "stream.subject", None, t0);
+        steady.on_message(&mut conn, &message("stream.subject"), t0);
         assert_eq!(pulls_sent(&mut conn), 2);
         assert!(!steady.wants_credit());
+    }
+
+    #[test]
+    fn a_paced_pull_brings_its_window_in_bytes_and_a_larger_message_alone() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 8).paced(1000);
+        p.attach(&mut conn).expect("subscribe");
+        let sent = |conn: &mut Connection| {
+            let out = String::from_utf8_lossy(conn.output()).into_owned();
+            conn.consume_output(out.len());
+            out
+        };
+        let sized = |n: usize| Message {
+            payload: vec![b'x'; n],
+            ..message("stream.subject")
+        };
+        let over = |p: &PullLoop| Message {
+            headers: crate::proto::headers::HeaderMap::with_status(409, OVER_MAX_BYTES).ok(),
+            ..message(&latest(p))
+        };
+        p.pull(&mut conn, t0);
+        assert!(sent(&mut conn).contains(r#""batch":8,"#) && !p.wants_credit());
+        // The server ends a pull whose next message does not fit what is left.
+        p.on_message(&mut conn, &sized(600), t0);
+        assert_eq!(p.on_message(&mut conn, &over(&p), t0).0, Pulled::Ended);
+        assert!(
+            p.wants_credit(),
+            "the usual end: the next waits for its grant"
+        );
+        p.grant(&mut conn, t0);
+        assert!(sent(&mut conn).contains(r#""max_bytes":1000"#));
+        // A pull that brought nothing: its next message is larger than the window and
+        // comes alone, at once.
+        p.on_message(&mut conn, &over(&p), t0);
+        let whole = sent(&mut conn);
+        assert!(
+            whole.contains(r#""batch":1,"#) && !whole.contains("max_bytes"),
+            "{whole}"
+        );
+        p.on_message(&mut conn, &sized(5000), t0);
+        assert!(p.wants_credit());
+        // Bytes used up exactly end a pull with no status.
+        p.grant(&mut conn, t0);
+        sent(&mut conn);
+        let exact = sized(1000 - "stream.subject".len());
+        p.on_message(&mut conn, &exact, t0);
+        assert!(p.wants_credit(), "over without a status");
     }
 
     #[test]
@@ -633,7 +734,7 @@ mod tests {
         p.attach(&mut conn).expect("subscribe");
         let silent = p.pull(&mut conn, t0).expect("check");
         pulls_sent(&mut conn);
-        let (pulled, retry) = p.on_message(&mut conn, &latest(&p), Some(503), t0);
+        let (pulled, retry) = p.on_message(&mut conn, &status(&latest(&p), 503, None), t0);
         assert_eq!(pulled, Pulled::Ended);
         let retry = retry.expect("an earlier check");
         assert_eq!(retry.at, t0 + RETRY_AFTER_NO_RESPONDERS);
@@ -653,7 +754,7 @@ mod tests {
         p.pull(&mut conn, t0).expect("check");
         pulls_sent(&mut conn);
         for code in [409, 400] {
-            let (pulled, retry) = p.on_message(&mut conn, &latest(&p), Some(code), t0);
+            let (pulled, retry) = p.on_message(&mut conn, &status(&latest(&p), code, None), t0);
             assert_eq!(pulled, Pulled::Ended);
             assert_eq!(pulls_sent(&mut conn), 0, "{code}: not at once");
             let retry = retry.expect("a check");
@@ -661,7 +762,7 @@ mod tests {
             assert!(p.check(&mut conn, retry.generation, retry.at).is_some());
             assert_eq!(pulls_sent(&mut conn), 1, "{code}: then again");
         }
-        let (_, next) = p.on_message(&mut conn, &latest(&p), Some(408), t0);
+        let (_, next) = p.on_message(&mut conn, &status(&latest(&p), 408, None), t0);
         assert!(next.is_some());
         assert_eq!(pulls_sent(&mut conn), 1, "408: the next pull at once");
     }
@@ -734,7 +835,7 @@ mod tests {
         p.restart(&mut conn, t0).expect("check");
         assert_eq!(pulls_sent(&mut conn), 2);
         assert_eq!(
-            p.on_message(&mut conn, &old, Some(408), t0),
+            p.on_message(&mut conn, &status(&old, 408, None), t0),
             (Pulled::Heartbeat, None)
         );
         assert_eq!(
@@ -744,10 +845,11 @@ mod tests {
         );
         // Messages count whichever pull brought them (they come on their own subject).
         assert_eq!(
-            p.on_message(&mut conn, "amp.acme.topic.t.1", None, t0).0,
+            p.on_message(&mut conn, &message("amp.acme.topic.t.1"), t0)
+                .0,
             Pulled::Message
         );
-        let (pulled, _) = p.on_message(&mut conn, &latest(&p), Some(408), t0);
+        let (pulled, _) = p.on_message(&mut conn, &status(&latest(&p), 408, None), t0);
         assert_eq!(pulled, Pulled::Ended);
         assert_eq!(pulls_sent(&mut conn), 1, "the latest pull's end renews it");
     }

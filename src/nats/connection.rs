@@ -75,6 +75,15 @@ impl Message {
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.as_ref().and_then(|h| h.get(name))
     }
+
+    /// What nats-server counts of this delivery against a pull's `max_bytes`: subject,
+    /// reply, header block and payload.
+    pub fn pulled_size(&self) -> usize {
+        self.subject.len()
+            + self.reply.as_ref().map_or(0, String::len)
+            + self.headers.as_ref().map_or(0, HeaderMap::wire_len)
+            + self.payload.len()
+    }
 }
 
 /// Names one `ping()`; its `Event::Pong` says the server has processed everything sent

@@ -156,6 +156,9 @@ pub struct HeaderMap {
     status: Option<u16>,
     description: Option<String>,
     text: String,
+    /// The length of the block the map was read from, 0 for one built here: what the
+    /// server counted of it (a pull's `max_bytes`), even when only the status was kept.
+    wire_len: usize,
 }
 
 impl HeaderMap {
@@ -214,6 +217,7 @@ impl HeaderMap {
             status,
             description: description.map(str::to_owned),
             text: String::new(),
+            wire_len: block.len(),
         };
         // Whether every field so far is in the stored form, and so is the text as is.
         let mut stored_form = true;
@@ -264,7 +268,13 @@ impl HeaderMap {
             status,
             description: description.map(str::to_owned),
             text: String::new(),
+            wire_len: block.len(),
         })
+    }
+
+    /// The length of the block the map was read from; 0 for a map built here.
+    pub fn wire_len(&self) -> usize {
+        self.wire_len
     }
 
     /// Sets `name` to the single value `value`, replacing earlier values (the first
@@ -443,6 +453,7 @@ impl From<&Headers<'_>> for HeaderMap {
             status: h.status,
             description: h.description.map(str::to_owned),
             text: String::with_capacity(h.fields.len() + 2),
+            wire_len: 0,
         };
         for (name, value) in h.iter() {
             map.push(name, value);

@@ -161,6 +161,13 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// A JetStream client of the server, its requests waiting 5 s for an answer.
+    pub fn jetstream(&self) -> amp_broker::jetstream::Context {
+        let client = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&self.url()))
+            .expect("connect");
+        amp_broker::jetstream::Context::new(client).with_timeout(Duration::from_secs(5))
+    }
+
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }

@@ -324,16 +324,51 @@ impl Broker {
     /// Files the pull's next check, and for a paced pull that waits for credit asks to
     /// hear when its session's output is written (`Input::Drained`, then `grant_pulls`).
     pub(super) fn check_pull_at(&mut self, check: Option<Check>, owner: PullOwner) {
-        if let PullOwner::Sub(session, sub) = &owner
-            && let Some(t) = self.sessions.get(session).and_then(|s| s.subs.get(sub))
-            && t.pull.wants_credit()
-        {
-            self.out
-                .push_back(Output::WhenDrained { session: *session });
+        match &owner {
+            PullOwner::Sub(session, sub) => {
+                if self
+                    .sessions
+                    .get(session)
+                    .and_then(|s| s.subs.get(sub))
+                    .is_some_and(|t| t.pull.wants_credit())
+                {
+                    self.out
+                        .push_back(Output::WhenDrained { session: *session });
+                }
+            }
+            // Whichever of the participant's sessions here writes its output first.
+            PullOwner::Inbox(participant) => {
+                if let Some(p) = self.presence.get(participant)
+                    && p.inbox.wants_credit()
+                {
+                    for &session in &p.sessions {
+                        self.out.push_back(Output::WhenDrained { session });
+                    }
+                }
+            }
         }
         if let Some(c) = check {
             self.set_timer(c.at, Timer::PullCheck(owner, c.generation));
         }
+    }
+
+    /// The session wrote its output: its participant's inbox, if it waits for credit,
+    /// pulls again.
+    pub(super) fn grant_inbox(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(SessionState::Active { ns, name }) = self.sessions.get(&session).map(|s| &s.state)
+        else {
+            return;
+        };
+        let key = participant_key(ns, name);
+        let Some(p) = self
+            .presence
+            .get_mut(&key)
+            .filter(|p| p.inbox.wants_credit())
+        else {
+            return;
+        };
+        let check = p.inbox.grant(conn, now);
+        self.check_pull_at(check, PullOwner::Inbox(key));
     }
 
     pub(super) fn inbox_delivery(
@@ -349,7 +384,7 @@ impl Broker {
             }
             return;
         };
-        let (pulled, check) = p.inbox.on_message(conn, &msg.subject, msg.status(), now);
+        let (pulled, check) = p.inbox.on_message(conn, &msg, now);
         // The session it goes to, chosen while the presence is at hand (one lookup).
         let chosen = 'choose: {
             if pulled != Pulled::Message {

@@ -236,11 +236,15 @@ impl Broker {
                 outstanding: Rc::default(),
                 labels,
                 since: self.clock.timestamp(now),
+                // Its window of unacknowledged messages bounds their number, not their
+                // size: each pull brings at most a quarter of a session's outbound
+                // bound, the next once a session of the participant has written it.
                 inbox: PullLoop::new(
                     binding::inbox_stream(&ns),
                     binding::inbox_consumer(&name),
                     window,
                 )
+                .paced((self.config.limits.max_outbound_bytes / 4) as u64)
                 .in_domain(self.config.js_api(&ns)),
                 inbox_refused: None,
                 registry_written: false,

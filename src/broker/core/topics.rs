@@ -34,6 +34,9 @@ use crate::rfc3339;
 const DURABLE_WINDOW: u32 = 256;
 /// Events a plain subscription asks for per pull.
 const PLAIN_BATCH: u32 = 256;
+/// The fewest bytes a subscription's pull may bring: below this, events of moderate
+/// size would come one pull each (a larger one comes alone).
+const MIN_PULL_WINDOW: u64 = 16 << 10;
 const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// How long an ephemeral consumer outlives a broker that stopped reading it.
 const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
@@ -264,15 +267,21 @@ impl Broker {
         };
         let subscription = Subscription {
             serial: to.serial,
-            pull: if f.durable {
-                // Its window of unacknowledged events paces it.
-                PullLoop::new(stream.clone(), consumer.clone(), DURABLE_WINDOW)
-            } else {
-                // Nothing acknowledged paces it: a batch, then the next once the session
-                // has written what it was sent, so a replay (`from: "all"`) comes as
-                // fast as the client reads, not as fast as the server sends.
-                PullLoop::new(stream.clone(), consumer.clone(), PLAIN_BATCH).paced()
-            }
+            // A batch, then the next once the session has written what it was sent, so
+            // a replay (`from: "all"`) comes as fast as the client reads, not as fast
+            // as the server sends; its bytes are the subscription's share of the
+            // session's (`share_windows`). A durable's window of unacknowledged events
+            // bounds their number, not their size.
+            pull: PullLoop::new(
+                stream.clone(),
+                consumer.clone(),
+                if f.durable {
+                    DURABLE_WINDOW
+                } else {
+                    PLAIN_BATCH
+                },
+            )
+            .paced(MIN_PULL_WINDOW)
             .in_domain(self.config.js_api(ns)),
             ns: ns.to_string(),
             owner: name.to_string(),
@@ -305,6 +314,7 @@ impl Broker {
                 .entry(participant_key(ns, name))
                 .or_default() += 1;
         }
+        self.share_windows(session);
         if f.durable {
             let resume = (to, Box::new(config));
             // Its unacknowledged events must be back in JetStream before this session
@@ -817,6 +827,7 @@ impl Broker {
             .get_mut(&session)
             .and_then(|s| s.subs.remove(sub))?;
         self.topic_subs = self.topic_subs.saturating_sub(1);
+        self.share_windows(session);
         let owner = participant_key(&t.ns, &t.owner);
         if t.creating {
             self.created_durable(&owner, t.pull.consumer());
@@ -1044,7 +1055,7 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
-        let (pulled, check) = t.pull.on_message(conn, &msg.subject, msg.status(), now);
+        let (pulled, check) = t.pull.on_message(conn, &msg, now);
         if check.is_some() || t.pull.wants_credit() {
             self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
         }
@@ -1173,10 +1184,11 @@ impl Broker {
         let config = binding::plain_sub_config(&consumer, &filter, from, EPHEMERAL_INACTIVE);
         if let Some(t) = self.subscription_mut(session, sub) {
             t.pull = PullLoop::new(binding::topics_stream(&ns), consumer.clone(), PLAIN_BATCH)
-                .paced()
+                .paced(MIN_PULL_WINDOW)
                 .in_domain(api.clone());
             t.last_consumer_seq = 0;
         }
+        self.share_windows(session);
         log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription gap; resuming after seq {last}"
         );
         let req = api.consumer_create(
@@ -1224,6 +1236,20 @@ impl Broker {
     }
 
     /// The session's output is written: its paced subscriptions waiting to pull do.
+    /// Each subscription of a session pulls at most its share of a quarter of the
+    /// session's outbound bound at a time (at least [`MIN_PULL_WINDOW`]): together they
+    /// bring no more than that before the session has written it, whatever the size of
+    /// their events.
+    fn share_windows(&mut self, session: SessionId) {
+        let quarter = self.config.limits.max_outbound_bytes / 4;
+        if let Some(s) = self.sessions.get_mut(&session) {
+            let share = (quarter / s.subs.len().max(1)) as u64;
+            for t in s.subs.values_mut() {
+                t.pull.set_window(share.max(MIN_PULL_WINDOW));
+            }
+        }
+    }
+
     pub(super) fn grant_pulls(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         let Some(s) = self.sessions.get_mut(&session) else {
             return;

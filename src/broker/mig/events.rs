@@ -213,7 +213,7 @@ impl Mig {
         let Some(f) = self.live.get_mut(feed) else {
             return;
         };
-        let (pulled, at) = f.pull.on_message(conn, &msg.subject, msg.status(), now);
+        let (pulled, at) = f.pull.on_message(conn, msg, now);
         let ns = f.ns.clone();
         self.arm_live(feed, at);
         if pulled != Pulled::Message {

@@ -27,6 +27,14 @@ pub struct Outbound {
 }
 
 impl Outbound {
+    /// What the server counts of a delivery against a pull's `max_bytes`.
+    fn pulled_size(&self) -> u64 {
+        (self.subject.len()
+            + self.reply.as_ref().map_or(0, String::len)
+            + self.headers.as_ref().map_or(0, Vec::len)
+            + self.payload.len()) as u64
+    }
+
     pub fn status(to: &str, code: u16, text: &str, fields: &[(&str, String)]) -> Outbound {
         let mut h = if text.is_empty() {
             format!("NATS/1.0 {code}\r\n")
@@ -349,9 +357,13 @@ impl Consumer {
     }
 
     pub fn num_pending(&self, stream: &Stream) -> u64 {
+        self.pending_from(stream, self.next_seq)
+    }
+
+    fn pending_from(&self, stream: &Stream, next_seq: u64) -> u64 {
         stream
             .msgs
-            .range(self.scan_from.max(self.next_seq)..)
+            .range(self.scan_from.max(next_seq)..)
             .filter(|(s, m)| self.eligible_new(**s, m))
             .count() as u64
     }
@@ -394,6 +406,44 @@ impl Consumer {
         found.map(|s| (s, false))
     }
 
+    /// What handing out message `seq` next would deliver to `to`, the consumer as yet
+    /// unchanged: the server checks its size (with the ack reply) against a pull's
+    /// `max_bytes` before it delivers.
+    fn delivery(
+        &self,
+        stream: &Stream,
+        seq: u64,
+        redelivery: bool,
+        to: &str,
+    ) -> Option<(Outbound, u64)> {
+        let m = stream.msgs.get(&seq)?;
+        let deliveries = if redelivery {
+            self.pending.get(&seq).map_or(1, |p| p.deliveries + 1)
+        } else {
+            1
+        };
+        let next_seq = if redelivery { self.next_seq } else { seq + 1 };
+        let pending_after = self.pending_from(stream, next_seq);
+        let reply = format!(
+            "$JS.ACK.{}.{}.{}.{}.{}.{}.{}",
+            self.stream,
+            self.name,
+            deliveries,
+            seq,
+            self.cseq + 1,
+            m.ts,
+            pending_after
+        );
+        let out = Outbound {
+            to: to.to_string(),
+            subject: m.subject.clone(),
+            reply: Some(reply),
+            headers: m.headers.clone(),
+            payload: m.payload.clone(),
+        };
+        Some((out, deliveries))
+    }
+
     /// Hands out message `seq` as the next delivery.
     fn deliver(
         &mut self,
@@ -403,18 +453,17 @@ impl Consumer {
         to: &str,
         now: Instant,
     ) -> Option<Outbound> {
-        let m = stream.msgs.get(&seq)?;
+        let (out, deliveries) = self.delivery(stream, seq, redelivery, to)?;
+        self.record(seq, redelivery, deliveries, now);
+        Some(out)
+    }
+
+    fn record(&mut self, seq: u64, redelivery: bool, deliveries: u64, now: Instant) {
         self.cseq += 1;
         self.last_sseq = seq;
         if !redelivery {
             self.next_seq = seq + 1;
         }
-        let deliveries = if redelivery {
-            self.pending.get(&seq).map_or(1, |p| p.deliveries + 1)
-        } else {
-            1
-        };
-        let pending_after = self.num_pending(stream);
         if self.ack_policy() == AckPolicy::None {
             self.floor = (seq, self.cseq);
         } else {
@@ -428,17 +477,6 @@ impl Consumer {
                 },
             );
         }
-        let reply = format!(
-            "$JS.ACK.{}.{}.{}.{}.{}.{}.{}",
-            self.stream, self.name, deliveries, seq, self.cseq, m.ts, pending_after
-        );
-        Some(Outbound {
-            to: to.to_string(),
-            subject: m.subject.clone(),
-            reply: Some(reply),
-            headers: m.headers.clone(),
-            payload: m.payload.clone(),
-        })
     }
 
     /// A pull request; `out` gets statuses that answer it at once.
@@ -497,7 +535,10 @@ impl Consumer {
             let Some((seq, redelivery)) = self.next_message(stream) else {
                 break;
             };
-            let size = stream.msgs.get(&seq).map_or(0, StoredMsg::size);
+            let Some((msg, deliveries)) = self.delivery(stream, seq, redelivery, &reply) else {
+                break;
+            };
+            let size = msg.pulled_size();
             if bytes_left.is_some_and(|b| size > b) {
                 out.push(Outbound::status(
                     &reply,
@@ -508,9 +549,8 @@ impl Consumer {
                 self.waiting.pop_front();
                 continue;
             }
-            if let Some(msg) = self.deliver(stream, seq, redelivery, &reply, now) {
-                out.push(msg);
-            }
+            self.record(seq, redelivery, deliveries, now);
+            out.push(msg);
             if let Some(w) = self.waiting.front_mut() {
                 w.left = w.left.saturating_sub(1);
                 w.delivered += 1;
