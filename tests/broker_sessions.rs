@@ -199,6 +199,52 @@ fn large_messages_waiting_in_an_inbox_do_not_lock_their_recipient_out() {
 }
 
 #[test]
+fn a_session_that_does_not_read_does_not_draw_its_siblings_inbox_onto_itself() {
+    // b has two sessions: one reads (and acknowledges nothing yet), one reads nothing.
+    // Each delivery goes to the session with the fewest unacknowledged, so they take
+    // turns. Before, the inbox pulled again as soon as either session had written its
+    // output, the reading one always had, and the silent one was sent half of 64
+    // messages of 400 kB and closed `slow consumer`. Now the next pull waits for every
+    // session the last one delivered to; the silent one is closed by its silence
+    // (no pong for 3 x heartbeat_s) and what it held comes to the reading one.
+    const MESSAGES: usize = 64;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["limits"] = json!({"heartbeat_s": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
+    let silent = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
+    let mut reading = Client::login(&broker, "acme", "b", "b-token");
+    let body = "x".repeat(400_000);
+    for i in 0..MESSAGES {
+        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":body}));
+    }
+    let last = a.answer_to(&format!("s{}", MESSAGES - 1));
+    assert_eq!(last["op"], "ok", "{last}");
+    let mut seqs = std::collections::BTreeSet::new();
+    while seqs.len() < MESSAGES {
+        let m = reading
+            .next_op("message", Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("{} of {MESSAGES} messages", seqs.len()));
+        seqs.insert(m["seq"].as_u64().expect("seq"));
+    }
+    let metrics = http_get(broker.addr, "/metrics").expect("metrics").1;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "amp_ws_slow_consumers_total 0"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("amp_ws_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    drop(silent);
+}
+
+#[test]
 fn nak_redelivers_and_idem_resends_answer_the_same_seq() {
     let (_nats, broker) = setup(&["a", "b"]);
     let mut a = Client::login(&broker, "acme", "a", "a-token");

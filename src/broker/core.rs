@@ -152,6 +152,19 @@ const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// about one reservation round trip under load.
 const HELD_SUBMIT_RETRY_MS: u64 = 1000;
 
+impl SessionState {
+    /// The participant of a session past its hello (closing or not).
+    fn participant(&self) -> Option<(&str, &str)> {
+        match self {
+            SessionState::Active { ns, name } => Some((ns, name)),
+            SessionState::Closing {
+                participant: Some((ns, name)),
+            } => Some((ns, name)),
+            _ => None,
+        }
+    }
+}
+
 enum SessionState {
     AwaitingHello {
         nonce: [u8; 32],
@@ -197,6 +210,10 @@ struct Presence {
     labels: BTreeMap<String, String>,
     since: String,
     inbox: PullLoop,
+    /// Sessions sent an inbox delivery since the inbox's last grant: its next pull waits
+    /// until each has written its output (a session that only idles says nothing of one
+    /// that does not read).
+    unwritten: Vec<SessionId>,
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,

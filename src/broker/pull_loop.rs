@@ -60,8 +60,9 @@ pub struct PullLoop {
     credit: Option<bool>,
     /// Paced loops only: the bytes one pull may bring (its `max_bytes`).
     window: Option<u64>,
-    /// The messages the latest pull asked for.
+    /// The messages and bytes the latest pull asked for.
     asked: u32,
+    asked_bytes: u64,
     /// What is left of the latest pull's `max_bytes`, as the server counts it.
     bytes_left: u64,
     /// The next pull asks for one message whatever its size: the last one ended on a
@@ -72,6 +73,9 @@ pub struct PullLoop {
 /// The status that ends a pull whose next message is larger than what is left of its
 /// `max_bytes`.
 const OVER_MAX_BYTES: &str = "Message Size Exceeds MaxBytes";
+/// The status that follows the last message of a pull carrying `max_bytes` whose count
+/// ran out first.
+const BATCH_COMPLETED: &str = "Batch Completed";
 
 /// The outstanding pulls of an on-demand loop.
 #[derive(Debug)]
@@ -147,6 +151,7 @@ impl PullLoop {
             credit: None,
             window: None,
             asked: 0,
+            asked_bytes: 0,
             bytes_left: 0,
             whole: false,
         }
@@ -279,7 +284,8 @@ impl PullLoop {
         self.current = number;
         self.remaining = asked;
         self.asked = asked;
-        self.bytes_left = max_bytes.unwrap_or(u64::MAX);
+        self.asked_bytes = max_bytes.unwrap_or(u64::MAX);
+        self.bytes_left = self.asked_bytes;
         self.whole = false;
         if self.credit.is_some() {
             self.credit = Some(false);
@@ -331,11 +337,11 @@ impl PullLoop {
                 self.remaining = 0;
                 (Pulled::Ended, self.pull(conn, now))
             }
-            Some(409) if msg.description() == Some(OVER_MAX_BYTES) => {
-                // The pull's bytes are used up: the usual end of a paced one. Had it
-                // brought nothing, its next message is larger than a whole window and
-                // comes alone, now: nothing waits to be written for it.
-                if self.remaining == self.asked {
+            Some(409) if matches!(msg.description(), Some(OVER_MAX_BYTES | BATCH_COMPLETED)) => {
+                // The pull's bytes or count are used up: the usual end of a paced one.
+                // Had it brought nothing, its next message is larger than a whole window
+                // and comes alone, now: nothing waits to be written for it.
+                if msg.description() == Some(OVER_MAX_BYTES) && self.brought_nothing(msg) {
                     self.whole = true;
                     if self.credit.is_some() {
                         self.credit = Some(true);
@@ -367,6 +373,19 @@ impl PullLoop {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
                 (Pulled::Message, self.pull(conn, now))
             }
+        }
+    }
+
+    /// Whether the pull a `max_bytes` status ended delivered nothing: the bytes it says
+    /// are left are all it asked for. (Its messages may come after the status from a
+    /// replicated consumer, so the count of those seen is only the fallback.)
+    fn brought_nothing(&self, status: &Message) -> bool {
+        match status
+            .header("Nats-Pending-Bytes")
+            .and_then(|b| b.trim().parse::<u64>().ok())
+        {
+            Some(left) => left == self.asked_bytes,
+            None => self.remaining == self.asked,
         }
     }
 
@@ -693,24 +712,42 @@ mod tests {
             payload: vec![b'x'; n],
             ..message("stream.subject")
         };
-        let over = |p: &PullLoop| Message {
-            headers: crate::proto::headers::HeaderMap::with_status(409, OVER_MAX_BYTES).ok(),
-            ..message(&latest(p))
+        let ended = |p: &PullLoop, why: &str, bytes_left: u64| {
+            let mut h = crate::proto::headers::HeaderMap::with_status(409, why).expect("status");
+            h.insert("Nats-Pending-Bytes", &bytes_left.to_string())
+                .expect("field");
+            Message {
+                headers: Some(h),
+                ..message(&latest(p))
+            }
         };
         p.pull(&mut conn, t0);
         assert!(sent(&mut conn).contains(r#""batch":8,"#) && !p.wants_credit());
         // The server ends a pull whose next message does not fit what is left.
         p.on_message(&mut conn, &sized(600), t0);
-        assert_eq!(p.on_message(&mut conn, &over(&p), t0).0, Pulled::Ended);
+        let over = ended(&p, OVER_MAX_BYTES, 400 - "stream.subject".len() as u64);
+        assert_eq!(p.on_message(&mut conn, &over, t0).0, Pulled::Ended);
         assert!(
             p.wants_credit(),
             "the usual end: the next waits for its grant"
         );
         p.grant(&mut conn, t0);
         assert!(sent(&mut conn).contains(r#""max_bytes":1000"#));
+        // Its count used up first, the server says so after the last message: the
+        // end it already was, not a refusal (which would pull again without a grant).
+        for _ in 0..8 {
+            p.on_message(&mut conn, &sized(10), t0);
+        }
+        assert!(p.wants_credit());
+        p.on_message(&mut conn, &ended(&p, BATCH_COMPLETED, 800), t0);
+        assert!(p.wants_credit(), "still waiting for its grant");
+        p.check(&mut conn, p.generation, t0 + RETRY_AFTER_NO_RESPONDERS);
+        assert_eq!(sent(&mut conn), "", "no pull without a grant");
+        p.grant(&mut conn, t0);
+        sent(&mut conn);
         // A pull that brought nothing: its next message is larger than the window and
         // comes alone, at once.
-        p.on_message(&mut conn, &over(&p), t0);
+        p.on_message(&mut conn, &ended(&p, OVER_MAX_BYTES, 1000), t0);
         let whole = sent(&mut conn);
         assert!(
             whole.contains(r#""batch":1,"#) && !whole.contains("max_bytes"),

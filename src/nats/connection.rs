@@ -741,9 +741,11 @@ impl Connection {
     /// Messages of `sid` carry only the inline status and description of their header
     /// block, its fields neither checked nor kept: for a reader that needs nothing else
     /// (the broker's inbox and topic pulls, whose deliveries are built from the stored
-    /// envelope), sparing the check and copy of every delivery's fields. A block whose
-    /// version line is fine but whose fields are not then still gives its status; such a
-    /// block can only come from someone allowed to publish on the subject itself.
+    /// envelope), sparing the check and copy of every delivery's fields. A status keeps
+    /// its fields (they are what it says, e.g. `Nats-Pending-Bytes`; statuses are few and
+    /// small). A block whose version line is fine but whose fields are not then still
+    /// gives its status; such a block can only come from someone allowed to publish on
+    /// the subject itself.
     pub fn status_only_headers(&mut self, sid: Sid) {
         if let Some(sub) = self.subs.get_mut(sid) {
             sub.status_only = true;
@@ -1558,7 +1560,11 @@ fn make_message(
         // than taking the connection down.
         headers: headers.and_then(|h| {
             if status_only {
-                HeaderMap::parse_status(h).ok()
+                let map = HeaderMap::parse_status(h).ok()?;
+                match map.status() {
+                    Some(_) => HeaderMap::parse(h).ok().or(Some(map)),
+                    None => Some(map),
+                }
             } else {
                 HeaderMap::parse(h).ok()
             }

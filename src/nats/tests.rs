@@ -335,7 +335,7 @@ fn messages_split_across_reads_are_delivered_once_complete() {
 }
 
 #[test]
-fn a_status_only_subscription_gets_statuses_and_no_fields_and_others_get_both() {
+fn a_status_only_subscription_gets_statuses_with_their_fields_and_no_others_fields() {
     let mut h = Harness::new(Harness::options("h:1"));
     h.connect();
     h.events();
@@ -356,25 +356,30 @@ fn a_status_only_subscription_gets_statuses_and_no_fields_and_others_get_both() 
             h.conn.receive(wire.as_bytes(), h.now);
         }
     }
-    let got: Vec<(String, Option<u16>, Option<String>)> = h
+    let got: Vec<(String, Option<u16>, Option<String>, usize)> = h
         .events()
         .into_iter()
         .filter_map(|e| match e {
             Event::Message { msg, .. } => Some((
                 msg.subject.clone(),
                 msg.status(),
-                msg.header("AMP-From").map(str::to_string),
+                msg.header("AMP-From")
+                    .or(msg.header("Nats-Pending-Messages"))
+                    .map(str::to_string),
+                msg.pulled_size(),
             )),
             _ => None,
         })
         .collect();
+    // What a pull's `max_bytes` counts: subject, header block and payload either way.
+    let (fields, status) = (1 + 30 + 2, 1 + 58 + 2);
     assert_eq!(
         got,
         [
-            ("p".to_string(), None, Some("acme/a".to_string())),
-            ("p".to_string(), Some(408), None),
-            ("s".to_string(), None, None),
-            ("s".to_string(), Some(408), None),
+            ("p".to_string(), None, Some("acme/a".to_string()), fields),
+            ("p".to_string(), Some(408), Some("1".to_string()), status),
+            ("s".to_string(), None, None, fields),
+            ("s".to_string(), Some(408), Some("1".to_string()), status),
         ]
     );
 }

@@ -336,12 +336,18 @@ impl Broker {
                         .push_back(Output::WhenDrained { session: *session });
                 }
             }
-            // Whichever of the participant's sessions here writes its output first.
+            // Granted once every session it delivered to since has written its output;
+            // by any of the participant's sessions here when it delivered nothing.
             PullOwner::Inbox(participant) => {
                 if let Some(p) = self.presence.get(participant)
                     && p.inbox.wants_credit()
                 {
-                    for &session in &p.sessions {
+                    let waiting = if p.unwritten.is_empty() {
+                        &p.sessions
+                    } else {
+                        &p.unwritten
+                    };
+                    for &session in waiting {
                         self.out.push_back(Output::WhenDrained { session });
                     }
                 }
@@ -352,21 +358,24 @@ impl Broker {
         }
     }
 
-    /// The session wrote its output: its participant's inbox, if it waits for credit,
-    /// pulls again.
+    /// The session wrote its output: its participant's inbox pulls again if it waits
+    /// for credit and no other session it delivered to still has output queued.
     pub(super) fn grant_inbox(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
-        let Some(SessionState::Active { ns, name }) = self.sessions.get(&session).map(|s| &s.state)
+        let Some((ns, name)) = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.state.participant())
         else {
             return;
         };
         let key = participant_key(ns, name);
-        let Some(p) = self
-            .presence
-            .get_mut(&key)
-            .filter(|p| p.inbox.wants_credit())
-        else {
+        let Some(p) = self.presence.get_mut(&key) else {
             return;
         };
+        p.unwritten.retain(|&x| x != session);
+        if !p.inbox.wants_credit() || !p.unwritten.is_empty() {
+            return;
+        }
         let check = p.inbox.grant(conn, now);
         self.check_pull_at(check, PullOwner::Inbox(key));
     }
@@ -469,6 +478,11 @@ impl Broker {
                 forget_oldest_delivery(&mut s.inflight);
             }
             s.inflight.insert(seq, reply);
+        }
+        if let Some(p) = self.presence.get_mut(participant)
+            && !p.unwritten.contains(&target)
+        {
+            p.unwritten.push(target);
         }
         self.frame(target, text);
     }

@@ -66,10 +66,15 @@ impl Broker {
             let last = match self.presence.get_mut(&key) {
                 Some(p) => {
                     p.sessions.retain(|&x| x != session);
+                    p.unwritten.retain(|&x| x != session);
                     p.sessions.is_empty()
                 }
                 None => false,
             };
+            if !last {
+                // The inbox may have waited for this session to write.
+                self.check_pull_at(None, PullOwner::Inbox(key.clone()));
+            }
             if last {
                 let written = match self.presence.remove(&key) {
                     Some(mut p) => {
@@ -246,6 +251,7 @@ impl Broker {
                 )
                 .paced((self.config.limits.max_outbound_bytes / 4) as u64)
                 .in_domain(self.config.js_api(&ns)),
+                unwritten: Vec::new(),
                 inbox_refused: None,
                 registry_written: false,
                 registry_due: false,
@@ -293,6 +299,9 @@ impl Broker {
         if first {
             self.registry_put(conn, &ns, &name, now);
             self.ensure_inbox_consumer(conn, &ns, &name, now);
+        } else {
+            // An inbox waiting for its grant may get it from this session too.
+            self.check_pull_at(None, PullOwner::Inbox(key));
         }
     }
 

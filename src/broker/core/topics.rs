@@ -1235,7 +1235,6 @@ impl Broker {
         }
     }
 
-    /// The session's output is written: its paced subscriptions waiting to pull do.
     /// Each subscription of a session pulls at most its share of a quarter of the
     /// session's outbound bound at a time (at least [`MIN_PULL_WINDOW`]): together they
     /// bring no more than that before the session has written it, whatever the size of
@@ -1250,6 +1249,7 @@ impl Broker {
         }
     }
 
+    /// The session's output is written: its paced subscriptions waiting to pull do.
     pub(super) fn grant_pulls(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         let Some(s) = self.sessions.get_mut(&session) else {
             return;

@@ -540,13 +540,14 @@ impl Consumer {
             };
             let size = msg.pulled_size();
             if bytes_left.is_some_and(|b| size > b) {
-                out.push(Outbound::status(
-                    &reply,
-                    409,
-                    "Message Size Exceeds MaxBytes",
-                    &[],
-                ));
-                self.waiting.pop_front();
+                if let Some(w) = self.waiting.pop_front() {
+                    out.push(Outbound::status(
+                        &reply,
+                        409,
+                        "Message Size Exceeds MaxBytes",
+                        &pending_fields(&w),
+                    ));
+                }
                 continue;
             }
             self.record(seq, redelivery, deliveries, now);
@@ -556,6 +557,15 @@ impl Consumer {
                 w.delivered += 1;
                 w.bytes_left = w.bytes_left.map(|b| b.saturating_sub(size));
                 w.next_heartbeat = w.heartbeat.and_then(|d| now.checked_add(d));
+                if w.left == 0 && w.bytes_left.is_some_and(|b| b > 0) {
+                    // A pull carrying `max_bytes` whose count ran out first says so.
+                    out.push(Outbound::status(
+                        &reply,
+                        409,
+                        "Batch Completed",
+                        &pending_fields(w),
+                    ));
+                }
                 if w.left == 0 || w.bytes_left == Some(0) {
                     self.waiting.pop_front();
                 }
