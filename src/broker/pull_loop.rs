@@ -60,9 +60,8 @@ pub struct PullLoop {
     credit: Option<bool>,
     /// Paced loops only: the bytes one pull may bring (its `max_bytes`).
     window: Option<u64>,
-    /// The messages and bytes the latest pull asked for.
+    /// The messages the latest pull asked for.
     asked: u32,
-    asked_bytes: u64,
     /// What is left of the latest pull's `max_bytes`, as the server counts it.
     bytes_left: u64,
     /// The next pull asks for one message whatever its size: the last one ended on a
@@ -151,7 +150,6 @@ impl PullLoop {
             credit: None,
             window: None,
             asked: 0,
-            asked_bytes: 0,
             bytes_left: 0,
             whole: false,
         }
@@ -284,8 +282,7 @@ impl PullLoop {
         self.current = number;
         self.remaining = asked;
         self.asked = asked;
-        self.asked_bytes = max_bytes.unwrap_or(u64::MAX);
-        self.bytes_left = self.asked_bytes;
+        self.bytes_left = max_bytes.unwrap_or(u64::MAX);
         self.whole = false;
         if self.credit.is_some() {
             self.credit = Some(false);
@@ -338,16 +335,27 @@ impl PullLoop {
                 (Pulled::Ended, self.pull(conn, now))
             }
             Some(409) if matches!(msg.description(), Some(OVER_MAX_BYTES | BATCH_COMPLETED)) => {
-                // The pull's bytes or count are used up: the usual end of a paced one.
+                // The pull's bytes or count are used up: the usual end of a paced one,
+                // once what it brought is here. The server says how many it did not
+                // send; a replicated consumer's status can overtake the rest.
+                let unsent = msg
+                    .header("Nats-Pending-Messages")
+                    .and_then(|n| n.trim().parse::<u32>().ok());
                 // Had it brought nothing, its next message is larger than a whole window
                 // and comes alone, now: nothing waits to be written for it.
-                if msg.description() == Some(OVER_MAX_BYTES) && self.brought_nothing(msg) {
+                if msg.description() == Some(OVER_MAX_BYTES)
+                    && unsent.map_or(self.remaining == self.asked, |n| n >= self.asked)
+                {
                     self.whole = true;
                     if self.credit.is_some() {
                         self.credit = Some(true);
                     }
                 }
-                self.remaining = 0;
+                self.remaining = unsent.map_or(0, |n| self.remaining.saturating_sub(n));
+                if self.remaining > 0 {
+                    self.until = Some(now + PULL_HEARTBEAT * 2);
+                    return (Pulled::Heartbeat, None);
+                }
                 (Pulled::Ended, self.pull(conn, now))
             }
             Some(_) => {
@@ -373,19 +381,6 @@ impl PullLoop {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
                 (Pulled::Message, self.pull(conn, now))
             }
-        }
-    }
-
-    /// Whether the pull a `max_bytes` status ended delivered nothing: the bytes it says
-    /// are left are all it asked for. (Its messages may come after the status from a
-    /// replicated consumer, so the count of those seen is only the fallback.)
-    fn brought_nothing(&self, status: &Message) -> bool {
-        match status
-            .header("Nats-Pending-Bytes")
-            .and_then(|b| b.trim().parse::<u64>().ok())
-        {
-            Some(left) => left == self.asked_bytes,
-            None => self.remaining == self.asked,
         }
     }
 
@@ -712,9 +707,9 @@ mod tests {
             payload: vec![b'x'; n],
             ..message("stream.subject")
         };
-        let ended = |p: &PullLoop, why: &str, bytes_left: u64| {
+        let ended = |p: &PullLoop, why: &str, unsent: u32| {
             let mut h = crate::proto::headers::HeaderMap::with_status(409, why).expect("status");
-            h.insert("Nats-Pending-Bytes", &bytes_left.to_string())
+            h.insert("Nats-Pending-Messages", &unsent.to_string())
                 .expect("field");
             Message {
                 headers: Some(h),
@@ -725,7 +720,7 @@ mod tests {
         assert!(sent(&mut conn).contains(r#""batch":8,"#) && !p.wants_credit());
         // The server ends a pull whose next message does not fit what is left.
         p.on_message(&mut conn, &sized(600), t0);
-        let over = ended(&p, OVER_MAX_BYTES, 400 - "stream.subject".len() as u64);
+        let over = ended(&p, OVER_MAX_BYTES, 7);
         assert_eq!(p.on_message(&mut conn, &over, t0).0, Pulled::Ended);
         assert!(
             p.wants_credit(),
@@ -739,15 +734,27 @@ mod tests {
             p.on_message(&mut conn, &sized(10), t0);
         }
         assert!(p.wants_credit());
-        p.on_message(&mut conn, &ended(&p, BATCH_COMPLETED, 800), t0);
+        p.on_message(&mut conn, &ended(&p, BATCH_COMPLETED, 0), t0);
         assert!(p.wants_credit(), "still waiting for its grant");
         p.check(&mut conn, p.generation, t0 + RETRY_AFTER_NO_RESPONDERS);
         assert_eq!(sent(&mut conn), "", "no pull without a grant");
         p.grant(&mut conn, t0);
         sent(&mut conn);
+        // A replicated consumer's status may overtake the last messages: the pull is
+        // over once they are here.
+        for _ in 0..6 {
+            p.on_message(&mut conn, &sized(10), t0);
+        }
+        p.on_message(&mut conn, &ended(&p, BATCH_COMPLETED, 0), t0);
+        p.on_message(&mut conn, &sized(10), t0);
+        assert!(!p.wants_credit(), "one more to come");
+        p.on_message(&mut conn, &sized(10), t0);
+        assert!(p.wants_credit());
+        p.grant(&mut conn, t0);
+        sent(&mut conn);
         // A pull that brought nothing: its next message is larger than the window and
         // comes alone, at once.
-        p.on_message(&mut conn, &ended(&p, OVER_MAX_BYTES, 1000), t0);
+        p.on_message(&mut conn, &ended(&p, OVER_MAX_BYTES, 8), t0);
         let whole = sent(&mut conn);
         assert!(
             whole.contains(r#""batch":1,"#) && !whole.contains("max_bytes"),

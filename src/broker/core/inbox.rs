@@ -421,6 +421,12 @@ impl Broker {
                     .get(id)
                     .map_or(usize::MAX, |s| s.inflight.len())
             });
+            // Before the pull's check below, which asks what it waits for.
+            if let Some(t) = target
+                && !p.unwritten.contains(&t)
+            {
+                p.unwritten.push(t);
+            }
             Some((reply, seq, delivered, target))
         };
         if check.is_some() {
@@ -478,11 +484,6 @@ impl Broker {
                 forget_oldest_delivery(&mut s.inflight);
             }
             s.inflight.insert(seq, reply);
-        }
-        if let Some(p) = self.presence.get_mut(participant)
-            && !p.unwritten.contains(&target)
-        {
-            p.unwritten.push(target);
         }
         self.frame(target, text);
     }
