@@ -158,21 +158,26 @@ fn messages_wait_for_an_offline_recipient_and_unacked_ones_come_again_on_the_nex
     );
 }
 
+/// `a` sends `n` messages of `body` to `b`, pipelined, and waits for the last answer.
+fn send_to_b(broker: &Broker, n: usize, body: &str) {
+    let mut a = Client::login(broker, "acme", "a", "a-token");
+    for i in 0..n {
+        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":body}));
+    }
+    let last = a.answer_to(&format!("s{}", n - 1));
+    assert_eq!(last["op"], "ok", "{last}");
+}
+
 #[test]
 fn large_messages_waiting_in_an_inbox_do_not_lock_their_recipient_out() {
     // 64 messages of 200 kB: the inbox window (64 unacknowledged messages) of them is
     // three times the session's outbound bound (4 MiB). Before, every login of the
-    // recipient over a link slower than loopback was pulled all 40 at once and closed
+    // recipient over a link slower than loopback was pulled all 64 at once and closed
     // as a slow consumer: a sender could lock a participant out of its own inbox.
     const MESSAGES: u64 = 64;
     let (nats, broker) = setup(&["a", "b"]);
-    let mut a = Client::login(&broker, "acme", "a", "a-token");
     let body = "x".repeat(200_000);
-    for i in 0..MESSAGES {
-        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":body}));
-    }
-    let last = a.answer_to(&format!("s{}", MESSAGES - 1));
-    assert_eq!(last["op"], "ok", "{last}");
+    send_to_b(&broker, MESSAGES as usize, &body);
 
     // A receive buffer small from the handshake on (the kernel holds little for it),
     // and nothing read for a while: long enough for the broker to pull every message.
@@ -212,16 +217,10 @@ fn a_session_that_does_not_read_does_not_draw_its_siblings_inbox_onto_itself() {
     let mut config = open_config(&["a", "b"]);
     config["limits"] = json!({"heartbeat_s": 2});
     let broker = Broker::start(&nats.url(), &config);
-    let mut a = Client::login(&broker, "acme", "a", "a-token");
     let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
     let silent = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
     let mut reading = Client::login(&broker, "acme", "b", "b-token");
-    let body = "x".repeat(400_000);
-    for i in 0..MESSAGES {
-        a.send(&json!({"op":"send","id":format!("s{i}"),"to":"b","body":body}));
-    }
-    let last = a.answer_to(&format!("s{}", MESSAGES - 1));
-    assert_eq!(last["op"], "ok", "{last}");
+    send_to_b(&broker, MESSAGES, &"x".repeat(400_000));
     let mut seqs = std::collections::BTreeSet::new();
     while seqs.len() < MESSAGES {
         let m = reading

@@ -2,8 +2,12 @@
 //!
 //! - *Steady* (each participant's inbox, each topic subscription, MIG's live events): at
 //!   most one `MSG.NEXT` of a fixed batch outstanding, renewed when it is used up or ended
-//!   by a status (404/408/409), replaced when it has been silent (no message, no idle
-//!   heartbeat) for too long, retried shortly after a 503. Each pull is answered on its
+//!   by 404/408, replaced when it has been silent (no message, no idle heartbeat) for too
+//!   long, retried shortly after a 503 or another refusal. A *paced* steady loop (inboxes,
+//!   topic subscriptions) also caps each pull's bytes (`max_bytes`, whose ends are the
+//!   409s "Message Size Exceeds MaxBytes" and "Batch Completed") and renews it only when
+//!   its owner grants it, once its reader has written what the last one brought, so a
+//!   reader gets its backlog as fast as it reads it. Each pull is answered on its
 //!   own numbered subject and only the latest one's statuses count: a pull replaced while
 //!   still alive at the server (silent, or from before a reconnect) would otherwise renew
 //!   itself with every status and the loop would hold two pulls, then more, for good.

@@ -384,7 +384,10 @@ pub fn connect_with(from: Ipv4Addr, to: SocketAddr, rcvbuf: Option<libc::c_int>)
     // SAFETY: plain socket calls on a descriptor we own, with live sockaddr_in values;
     // the descriptor is handed to TcpStream, which closes it.
     unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        // Close-on-exec, as std's own sockets are: tests run in parallel, and a socket
+        // of one inherited by another's child (a broker under `ulimit -n 48`) takes one
+        // of its descriptors.
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
         assert!(fd >= 0, "socket");
         if let Some(size) = rcvbuf {
             libc::setsockopt(
