@@ -179,11 +179,11 @@ fn large_messages_waiting_in_an_inbox_do_not_lock_their_recipient_out() {
     let body = "x".repeat(200_000);
     send_to_b(&broker, MESSAGES as usize, &body);
 
+    let mut js = nats.jetstream();
     // A receive buffer small from the handshake on (the kernel holds little for it),
     // and nothing read for a while: long enough for the broker to pull every message.
     let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
     let mut b = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
-    let mut js = nats.jetstream();
     let inbox = amp_broker::broker::binding::inbox_consumer("b");
     let pulled = |js: &mut amp_broker::jetstream::Context| {
         js.consumer_info("AMP_INBOX_acme", &inbox)

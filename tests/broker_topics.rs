@@ -411,13 +411,14 @@ fn replay_to_a_slow_reader(
     n: usize,
     durable: bool,
 ) -> Vec<u64> {
+    // Connected before the replay keeps the server busy.
+    let mut js = nats.jetstream();
     let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
     let mut s = Client::connect_over(broker, tcp).hello("acme", "sub", "sub-token");
     let ok = s.request(
         json!({"op":"subscribe","topic":"r.>","sub":"all","from":"all","durable":durable}),
     );
     assert_eq!(ok["op"], "ok", "{ok}");
-    let mut js = nats.jetstream();
     common::wait_until(Duration::from_secs(3), || {
         pulled(&mut js, durable) >= n as u64
     });

@@ -161,10 +161,13 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
-    /// A JetStream client of the server, its requests waiting 5 s for an answer.
+    /// A JetStream client of the server, its requests waiting 5 s for an answer (and its
+    /// connection 10 s: a server busy with a loaded machine's parallel tests has taken
+    /// longer than the default 2 s).
     pub fn jetstream(&self) -> amp_broker::jetstream::Context {
-        let client = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&self.url()))
-            .expect("connect");
+        let mut options = amp_broker::nats::Options::new(&self.url());
+        options.connect_timeout = Duration::from_secs(10);
+        let client = amp_broker::nats::Client::connect(options).expect("connect");
         amp_broker::jetstream::Context::new(client).with_timeout(Duration::from_secs(5))
     }
 
