@@ -36,3 +36,30 @@ fn two_brokers_enforce_one_task_budget_per_window() {
         assert_eq!(e["code"], "budget_exhausted", "{e}");
     }
 }
+
+/// Spec 2.6: a request that fails changes nothing a later request can observe. A submit
+/// the participant may not make, or whose task id is the broker's own, used to be charged
+/// to its rate and budget before the checks refused it.
+#[test]
+fn a_refused_submit_spends_nothing_of_the_budget() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["app"]);
+    let app = &mut config["namespaces"]["acme"]["participants"]["app"];
+    app["policy"] = json!({"tasks_per_window": 2, "window_s": 3600});
+    app["permissions"]["submit"] = json!(["render"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}, "other": {}});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut c = Client::login(&broker, "acme", "app", "app-token");
+    for i in 0..3 {
+        let e = c.request(json!({"op":"submit","job":"other","body":i}));
+        assert_eq!(e["code"], "forbidden", "{e}");
+        let e = c.request(json!({"op":"submit","job":"render","task":"redrive-x","body":i}));
+        assert_eq!(e["code"], "schema", "{e}");
+    }
+    for i in 0..2 {
+        let r = c.request(json!({"op":"submit","job":"render","body":i}));
+        assert_eq!(r["op"], "ok", "the budget is whole after refusals: {r}");
+    }
+    let e = c.request(json!({"op":"submit","job":"render","body":9}));
+    assert_eq!(e["code"], "budget_exhausted", "{e}");
+}

@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use super::binding;
 use super::bounded_map::BoundedMap;
 use super::clock::Clock;
-use super::config::{Config, Job, Participant};
+use super::config::{Config, Job, Participant, Permissions};
 use super::continuations::{Continuation, Continuations, Staged};
 use super::dead_letters::Letter;
 use super::domains::{JsApis, TaskKv};

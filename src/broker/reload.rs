@@ -66,6 +66,10 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
         if before.topics != ns.topics {
             changed.push(format!("namespaces.{name}.topics"));
         }
+        // Stream settings, like the inbox's and the topics': applied when the stream is made.
+        if before.dead_letters != ns.dead_letters {
+            changed.push(format!("namespaces.{name}.dead_letters"));
+        }
         if before.jetstream_domain != ns.jetstream_domain {
             changed.push(format!("namespaces.{name}.jetstream_domain"));
         }
@@ -146,6 +150,7 @@ mod tests {
             r#"{{"limits": {{"max_frame": 1024, "heartbeat_s": 7}},
                 "namespaces": {{
                   "acme": {{"inbox": {{"ack_wait_s": 5}}, "topics": {{"max_bytes": 9}},
+                            "dead_letters": {{"max_age_s": 60}},
                             "participants": {{"bob": {{"token_sha256": "{TOKEN_A}"}}}}}},
                   "other": {{}}}}}}"#
         ));
@@ -156,6 +161,7 @@ mod tests {
                 "limits.heartbeat_s",
                 "namespaces.acme.inbox",
                 "namespaces.acme.topics",
+                "namespaces.acme.dead_letters",
                 "namespaces.other (added)",
             ]
         );
@@ -167,6 +173,7 @@ mod tests {
                 "namespaces.other (removed)",
                 "namespaces.acme.inbox",
                 "namespaces.acme.topics",
+                "namespaces.acme.dead_letters",
             ]
         );
     }

@@ -42,6 +42,19 @@ impl Broker {
             .map_err(|r| AmpError::rate_limited(r.retry_after_ms))
     }
 
+    /// See [`Jobs::refusal`]; `None` for a participant a reload removed (the frame is
+    /// dropped at [`Core::hand_to_jobs`]).
+    pub(super) fn refusal(
+        &self,
+        session: SessionId,
+        ns: &str,
+        name: &str,
+        frame: &ClientFrame,
+    ) -> Option<AmpError> {
+        let participant = self.config.participant(ns, name)?;
+        Jobs::refusal(&participant.permissions, session, frame)
+    }
+
     pub(super) fn hand_to_jobs(
         &mut self,
         conn: &mut Connection,

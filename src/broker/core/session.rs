@@ -400,6 +400,9 @@ impl Broker {
                     _ => None,
                 };
                 if let Some((id, bytes)) = submitting {
+                    if let Some(e) = self.refusal(session, ns, name, &frame) {
+                        return self.fail(session, id, e);
+                    }
                     if let Err(e) = self.take_rate(ns, name, bytes, now) {
                         return self.fail(session, id, e);
                     }

@@ -307,8 +307,7 @@ impl Jobs {
         now: Instant,
     ) {
         let p = &caller.participant.permissions;
-        if !permissions::allows(p, Action::Submit, &job) {
-            let e = not_permitted("redriving the dead letters of", &job);
+        if let Some(e) = redrive_refusal(p, &job) {
             return self.refuse(caller.session, &id, e);
         }
         let may_serve = permissions::allows(p, Action::Serve, &job);
@@ -407,4 +406,13 @@ fn read_stored(reply: Result<Message, RequestError>) -> Result<Option<StoredMess
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// A redrive submits the letter's task again: the asker must be allowed to submit it.
+pub(super) fn redrive_refusal(
+    permissions: &crate::broker::config::Permissions,
+    job: &str,
+) -> Option<AmpError> {
+    (!permissions::allows(permissions, Action::Submit, job))
+        .then(|| not_permitted("redriving the dead letters of", job))
 }

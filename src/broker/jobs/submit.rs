@@ -7,6 +7,45 @@ use super::*;
 const RESERVED_TASK_PREFIXES: [&str; 2] = ["mig-", "redrive-"];
 
 impl Jobs {
+    /// Why a submit or a redrive is refused whatever its rate, its budget or JetStream
+    /// say. Asked before the rate and the budget are charged: a request that fails changes
+    /// nothing (spec 2.6), and a refused submit used to spend a task of the budget.
+    pub fn refusal(
+        permissions: &Permissions,
+        session: SessionId,
+        frame: &ClientFrame,
+    ) -> Option<AmpError> {
+        match frame {
+            ClientFrame::Submit(s) => Jobs::submit_refusal(permissions, session, s),
+            ClientFrame::Redrive { job, .. } => letters::redrive_refusal(permissions, job),
+            _ => None,
+        }
+    }
+
+    fn submit_refusal(
+        permissions: &Permissions,
+        session: SessionId,
+        submit: &amp_frame::Submit,
+    ) -> Option<AmpError> {
+        let job = submit.job.as_str();
+        if !permissions::allows(permissions, Action::Submit, job) {
+            return Some(not_permitted("submitting to", job));
+        }
+        let task = submit.task.as_deref()?;
+        let prefix = RESERVED_TASK_PREFIXES
+            .iter()
+            .find(|p| task.starts_with(*p))?;
+        // The broker derives these ids (a MIG caller's idempotency key, a redrive of a
+        // dead letter): taken first by a client, the real one would be refused.
+        (!crate::broker::mig::is_mig_session(session)).then(|| {
+            AmpError::new(
+                ErrorCode::Schema,
+                format!("task ids starting `{prefix}` are the broker's own"),
+            )
+            .with_path("/task")
+        })
+    }
+
     /// A submit with its task id that the participant's budget refused: a retry of a task
     /// whose create landed but whose answer was lost is answered from the task store as
     /// any resubmit (`dup`), and only a task that does not exist is refused
@@ -29,31 +68,12 @@ impl Jobs {
         over_budget: bool,
         now: Instant,
     ) {
-        let session = caller.session;
-        let job = submit.job.as_str();
-        if !permissions::allows(&caller.participant.permissions, Action::Submit, job) {
-            let e = AmpError::new(
-                ErrorCode::Forbidden,
-                format!("submitting to `{job}` is not permitted"),
-            )
-            .with_path("/job");
-            return self.refuse(session, &submit.id, e);
-        }
-        if let Some(task) = submit.task.as_deref()
-            && let Some(prefix) = RESERVED_TASK_PREFIXES.iter().find(|p| task.starts_with(*p))
-            && !crate::broker::mig::is_mig_session(session)
-        {
-            // The broker derives these ids (a MIG caller's idempotency key, a redrive of a
-            // dead letter): taken first by a client, the real one would be refused.
-            let e = AmpError::new(
-                ErrorCode::Schema,
-                format!("task ids starting `{prefix}` are the broker's own"),
-            )
-            .with_path("/task");
-            return self.refuse(session, &submit.id, e);
+        let p = &caller.participant.permissions;
+        if let Some(e) = Jobs::submit_refusal(p, caller.session, &submit) {
+            return self.refuse(caller.session, &submit.id, e);
         }
         let who = (caller.ns, caller.name);
-        self.submit_as(conn, session, who, submit, over_budget, now);
+        self.submit_as(conn, caller.session, who, submit, over_budget, now);
     }
 
     /// A submit by participant `ns/name`, whose permission to submit was checked.
