@@ -309,6 +309,49 @@ fn a_session_holds_at_most_its_share_of_requests_in_flight() {
 }
 
 #[test]
+fn submit_bodies_waiting_for_jetstream_are_bounded_in_bytes() {
+    // A submit keeps its whole task message until the task store's create is answered
+    // (up to 4 s). Requests in flight are capped in number, not in bytes: with JetStream
+    // slow, pipelined submits of large bodies held 1,024 x 1 MiB per session, outside
+    // every memory bound. Now they share a quarter of `max_buffered_bytes`.
+    let nats = NatsServer::start();
+    let mut c = config(&["a", "b"], 30, 5000);
+    c["limits"] = json!({"max_buffered_bytes": 8 << 20});
+    let broker = Broker::start(&nats.url(), &c);
+    let mut a = login(&broker, "a");
+    let mut b = login(&broker, "b");
+    let body = "x".repeat(200_000);
+    let frozen = Frozen::new(nats.pid().expect("nats-server pid"));
+    // 40 x 200 kB = 8 MB against a 2 MiB share: about 10 are held, the rest refused.
+    for i in 0..40 {
+        a.send(&json!({"op":"submit","id":format!("s{i}"),"job":"render","body":body}));
+    }
+    let mut refused = HashSet::new();
+    while let Some(f) = a.next_frame(Duration::from_secs(2)) {
+        assert_eq!(f["code"], "unavailable", "{f}");
+        assert!(f["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0), "{f}");
+        refused.insert(f["re"].as_str().unwrap_or_default().to_string());
+    }
+    assert!(
+        (25..=32).contains(&refused.len()),
+        "{} of 40 refused while the server was frozen",
+        refused.len()
+    );
+    drop(frozen);
+    // The held ones go through (or time out), and the room is back.
+    let taken: Vec<_> = (0..40)
+        .map(|i| format!("s{i}"))
+        .filter(|id| !refused.contains(id))
+        .collect();
+    for id in &taken {
+        let f = a.answer_to(id);
+        assert!(f["op"] == "ok" || f["code"] == "unavailable", "{f}");
+    }
+    let ok = b.request(json!({"op":"submit","job":"render","body":body}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
 fn submits_waiting_for_a_budget_reservation_are_capped_per_participant() {
     let nats = NatsServer::start();
     let mut c = config(&["a"], 30, 5000);

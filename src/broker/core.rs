@@ -26,6 +26,7 @@ use super::config::Config;
 use super::continuations::{Continuation, Continuations};
 use super::dead_letters;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
+use super::held_bytes::Hold;
 use super::id_map::IdMap;
 use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, JobsOutput};
@@ -452,7 +453,7 @@ pub struct Broker {
     /// Task budgets counted in JetStream, shared by every broker.
     budgets: Budgets,
     /// Submits waiting for a budget reservation, per participant.
-    held_submits: HashMap<String, Vec<(SessionId, ClientFrame)>>,
+    held_submits: HashMap<String, Vec<(SessionId, ClientFrame, Hold)>>,
     /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
     /// their sessions come and go within a refresh interval.
     refreshing: HashSet<String>,

@@ -30,6 +30,7 @@ use super::continuations::{Continuation, Continuations, Staged};
 use super::dead_letters::Letter;
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
+use super::held_bytes::{self, HeldBytes, Hold};
 use super::ids::IdSource;
 use super::permissions::{self, Action};
 use super::pull_loop::{Answer, PullLoop};
@@ -516,6 +517,8 @@ struct Submission {
     record: Vec<u8>,
     /// The budget refused it: an existing task is answered, a missing one refused.
     over_budget: bool,
+    /// Its payload and record against the broker's [`HeldBytes`].
+    _hold: Hold,
 }
 
 /// A timer of this engine, opaque to the core's table that keeps it.
@@ -581,6 +584,8 @@ pub struct Jobs {
     out: VecDeque<JobsOutput>,
     next_generation: u64,
     stats: JobsStats,
+    /// Bytes of submits waiting for JetStream (see [`HeldBytes`]).
+    held: HeldBytes,
 }
 
 /// Counters for metrics and the benchmark.
@@ -683,7 +688,13 @@ impl Jobs {
             out: VecDeque::new(),
             next_generation: 0,
             stats: JobsStats::default(),
+            held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
         })
+    }
+
+    /// Submit bytes held while JetStream answers, shared with the core's held submits.
+    pub fn held_bytes(&self) -> &HeldBytes {
+        &self.held
     }
 
     /// A watch made for a delivery that no offer took (no taker, someone else's lease, an

@@ -15,6 +15,7 @@ pub mod core;
 pub mod dead_letters;
 pub mod domains;
 pub mod envelope;
+pub mod held_bytes;
 pub use crate::id_map;
 pub mod ids;
 pub mod jobs;

@@ -133,8 +133,11 @@ impl Broker {
             }
             Spend::Wait => {
                 let held = self.held_submits.get(&key).map_or(0, Vec::len);
-                if held >= self.config.limits.max_held_submits {
-                    // Each held submit keeps its frame: past the cap the client waits, not us.
+                // Each held submit keeps its frame: past the caps the client waits, not us.
+                let hold = (held < self.config.limits.max_held_submits)
+                    .then(|| self.jobs.held_bytes().take(frame_bytes(frame)))
+                    .flatten();
+                let Some(hold) = hold else {
                     if let Some(id) = frame.id() {
                         let mut e = AmpError::new(
                             ErrorCode::Unavailable,
@@ -144,11 +147,11 @@ impl Broker {
                         self.fail(session, id, e);
                     }
                     return false;
-                }
+                };
                 self.held_submits
                     .entry(key)
                     .or_default()
-                    .push((session, frame.clone()));
+                    .push((session, frame.clone(), hold));
                 false
             }
         }
@@ -194,7 +197,9 @@ impl Broker {
             None => return,
         };
         self.mig_budget_settled(conn, &participant, retry, now);
-        for (session, frame) in self.held_submits.remove(&participant).unwrap_or_default() {
+        for (session, frame, hold) in self.held_submits.remove(&participant).unwrap_or_default() {
+            // Spending again holds it again, if it must wait once more.
+            drop(hold);
             if !retry {
                 if let Some(id) = frame.id() {
                     self.fail(
@@ -214,6 +219,14 @@ impl Broker {
                 }
             }
         }
+    }
+}
+
+/// What a held submit or redrive frame holds beyond its small fixed part.
+fn frame_bytes(frame: &ClientFrame) -> usize {
+    match frame {
+        ClientFrame::Submit(s) => s.body.get().len(),
+        _ => 0,
     }
 }
 

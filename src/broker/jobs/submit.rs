@@ -151,6 +151,14 @@ impl Jobs {
             );
             return self.refuse(session, &submit.id, e);
         }
+        let Some(hold) = self.held.take(size + record_json.len()) else {
+            let mut e = AmpError::new(
+                ErrorCode::Unavailable,
+                "the broker holds as many submits as it may while JetStream answers",
+            );
+            e.retry_after_ms = Some(held_bytes::RETRY_AFTER_MS);
+            return self.refuse(session, &submit.id, e);
+        };
         let sub = Submission {
             session,
             re: submit.id.clone(),
@@ -164,6 +172,7 @@ impl Jobs {
             payload,
             record: record_json,
             over_budget,
+            _hold: hold,
         };
         let key = task_key(ns, &task);
         let req = match self.kv.create_request(&key, &sub.record, None) {
