@@ -7,7 +7,8 @@
 //!   /64): the first `address_free_failures` failures cost nothing, then each further
 //!   failure doubles the wait before the next attempt from that address, from
 //!   `address_base_delay` up to `address_max_delay`. The count is forgotten
-//!   `address_forget_after` after the last failure, and a success from the address clears it.
+//!   `address_forget_after` after the last failure, and a success from the address clears it
+//!   when the failures were all in the name that succeeded.
 //!   This is the limit that slows a single guesser down exponentially.
 //! - **Per participant**: a bucket of `participant_burst` failures refilled at one per
 //!   `participant_refill`. When it is empty, attempts for that participant wait for the next
@@ -95,6 +96,11 @@ struct AddressState {
     failures: u32,
     last_failure: Instant,
     not_before: Instant,
+    /// The name its failures were all in (a hash of it), `None` once there were several:
+    /// a success clears only the failures it explains. Cleared by anyone's success, a
+    /// participant sharing another's address (where the other's bucket does not apply) got
+    /// a fresh count for every few guesses at the other's token.
+    failed_in: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -159,13 +165,19 @@ impl HelloThrottle {
     pub fn record_failure(&mut self, addr: IpAddr, participant: &str, now: Instant) {
         let key = AddressKey::of(addr);
         let forget_after = self.config.address_forget_after;
+        let named = name_hash(participant);
         let a = self.addresses.get_or_insert_with(key, || AddressState {
             failures: 0,
             last_failure: now,
             not_before: now,
+            failed_in: Some(named),
         });
         if now.saturating_duration_since(a.last_failure) > forget_after {
             a.failures = 0;
+            a.failed_in = Some(named);
+        }
+        if a.failed_in != Some(named) {
+            a.failed_in = None;
         }
         a.failures = a.failures.saturating_add(1);
         a.last_failure = now;
@@ -204,10 +216,17 @@ impl HelloThrottle {
     }
 
     /// A `hello` from `addr` authenticated as `participant`: the address's failures are
-    /// cleared and the address becomes known for the participant.
+    /// cleared if they were all in that name, and the address becomes known for the
+    /// participant.
     pub fn record_success(&mut self, addr: IpAddr, participant: &str, now: Instant) {
         let key = AddressKey::of(addr);
-        self.addresses.remove(&key);
+        if self
+            .addresses
+            .get(&key)
+            .is_some_and(|a| a.failed_in == Some(name_hash(participant)))
+        {
+            self.addresses.remove(&key);
+        }
         let known_for = self.config.known_for;
         let limit = self.config.known_addresses.max(1);
         let name = participant.to_string();
@@ -291,6 +310,13 @@ impl HelloThrottle {
             f64::from(self.config.participant_burst),
         )
     }
+}
+
+fn name_hash(participant: &str) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    participant.hash(&mut h);
+    h.finish()
 }
 
 fn refilled_tokens(p: &ParticipantState, now: Instant, refill: Duration, burst: f64) -> f64 {
@@ -388,6 +414,36 @@ mod tests {
             t.check(ip(1), "acme/zz", now + Duration::from_secs(1)),
             Verdict::Allow
         );
+    }
+
+    #[test]
+    fn a_success_in_one_name_does_not_clear_failures_in_another() {
+        // Eve shares Bob's address (an office NAT), where Bob's bucket does not apply: it
+        // is his known address. Her own success cleared the address's count after each
+        // round of guesses at his token, so she guessed at the connect rate.
+        let mut t = HelloThrottle::new(config());
+        let mut now = Instant::now();
+        t.record_success(ip(1), "acme/bob", now);
+        let mut held = false;
+        for _ in 0..20 {
+            for _ in 0..3 {
+                if let Verdict::Delay(d) = t.check(ip(1), "acme/bob", now) {
+                    held = true;
+                    now += d;
+                }
+                t.record_failure(ip(1), "acme/bob", now);
+            }
+            t.record_success(ip(1), "acme/eve", now);
+        }
+        assert!(held, "60 guesses at bob's token went unthrottled");
+        // A success in the name that failed still clears them.
+        let later = now + Duration::from_secs(120);
+        t.record_success(ip(2), "acme/carol", later);
+        for _ in 0..4 {
+            t.record_failure(ip(2), "acme/carol", later);
+        }
+        t.record_success(ip(2), "acme/carol", later);
+        assert_eq!(t.check(ip(2), "acme/zz", later), Verdict::Allow);
     }
 
     #[test]
