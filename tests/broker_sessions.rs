@@ -541,6 +541,78 @@ fn two_brokers_share_inboxes_and_presence() {
     assert_eq!(got["from"], "acme/a");
 }
 
+/// The next presence frame about `name`, others skipped.
+fn presence_of(w: &mut Client, name: &str, timeout: Duration) -> Option<serde_json::Value> {
+    let until = std::time::Instant::now() + timeout;
+    while let Some(left) = until.checked_duration_since(std::time::Instant::now()) {
+        let f = w.next_op("presence", left)?;
+        if f["name"] == name {
+            return Some(f);
+        }
+    }
+    None
+}
+
+fn who_lists(c: &mut Client, name: &str) -> bool {
+    let who = c.request(json!({"op":"who"}));
+    who["participants"]
+        .as_array()
+        .is_some_and(|ps| ps.iter().any(|p| p["name"] == name))
+}
+
+#[test]
+fn a_participant_leaving_one_broker_stays_present_through_its_session_on_another() {
+    // One key per participant, written by whichever broker wrote last: a reconnect that
+    // lands on another broker before the old session ends (the spec allows the overlap;
+    // behind a load balancer it is the usual case). The old broker's delete, when its
+    // session ended, removed the new broker's entry: watchers everywhere heard `down`
+    // for a participant still connected, and `who` left it out until the next refresh.
+    let nats = NatsServer::start();
+    let config = open_config(&["w", "b"]);
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    let mut old = Client::login(&one, "acme", "b", "b-token");
+    let up = presence_of(&mut w, "b", WAIT).expect("b up");
+    assert_eq!(up["state"], "up", "{up}");
+    let _new = Client::login(&two, "acme", "b", "b-token");
+    let moved = presence_of(&mut w, "b", WAIT).expect("b's entry from broker two");
+    assert_ne!(moved["entry"]["broker"], one_broker_id(&w), "{moved}");
+    assert_eq!(old.request(json!({"op":"bye"}))["op"], "ok");
+    let heard = presence_of(&mut w, "b", Duration::from_secs(3));
+    assert!(
+        heard.is_none(),
+        "b is still connected to broker two: {heard:?}"
+    );
+    assert!(who_lists(&mut w, "b"));
+}
+
+#[test]
+fn a_participant_whose_entry_another_broker_deleted_is_written_again_at_once() {
+    // The other order: broker two wrote last and its session ends first, so its delete
+    // stands. Broker one, whose session lives on, writes the entry again when its watch
+    // sees it go, instead of at its next refresh (up to `registry_ttl_s`/3 later).
+    let nats = NatsServer::start();
+    let mut config = open_config(&["w", "b"]);
+    config["limits"] = json!({"registry_ttl_s": 60});
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    let _old = Client::login(&one, "acme", "b", "b-token");
+    presence_of(&mut w, "b", WAIT).expect("b up");
+    let mut new = Client::login(&two, "acme", "b", "b-token");
+    presence_of(&mut w, "b", WAIT).expect("b's entry from broker two");
+    assert_eq!(new.request(json!({"op":"bye"}))["op"], "ok");
+    let down = presence_of(&mut w, "b", WAIT).expect("broker two's delete");
+    assert_eq!(down["state"], "down", "{down}");
+    let up = presence_of(&mut w, "b", Duration::from_secs(2)).expect("b written again");
+    assert_eq!(up["state"], "up", "{up}");
+    assert_eq!(up["entry"]["broker"], one_broker_id(&w), "{up}");
+    assert!(who_lists(&mut w, "b"));
+}
+
 fn one_broker_id(c: &Client) -> serde_json::Value {
     c.challenge["broker"].clone()
 }

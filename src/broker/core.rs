@@ -222,6 +222,11 @@ struct Presence {
     /// whether a change waits for `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
     registry_written: bool,
     registry_due: bool,
+    /// The revision of its entry's last write here, once JetStream acknowledged it and
+    /// while no later write is out: its end deletes only that revision, never another
+    /// broker's later write (see `registry_delete`). Writes are numbered to tell.
+    registry_revision: Option<u64>,
+    registry_writes: u32,
 }
 
 /// Whose pull loop a check timer is for.
@@ -243,7 +248,7 @@ enum Pending {
     /// The inbox consumer of a participant was created or found.
     InboxConsumer { participant: String },
     /// A registry entry write; failures are logged, the next refresh retries.
-    RegistryPut { participant: String },
+    RegistryPut { participant: String, write: u32 },
     /// A request of a namespace's registry watch.
     Watch { ns: String, kind: WatchRequestKind },
     /// A read or compare-and-set write of a participant's task budget.
@@ -850,12 +855,19 @@ impl Broker {
                 }
                 self.send_inbox_creates(conn, now);
             }
-            Pending::RegistryPut { participant } => {
-                if let Err(e) = reply {
-                    log::warn!(participant:% = participant; "registry put unanswered: {e}"
-                    );
+            Pending::RegistryPut { participant, write } => match reply {
+                Ok(m) => {
+                    if let Ok(ack) = parse_pub_ack(m.status(), &m.payload)
+                        && let Some(p) = self.presence.get_mut(&participant)
+                        && p.registry_writes == write
+                    {
+                        p.registry_revision = Some(ack.seq);
+                    }
                 }
-            }
+                Err(e) => {
+                    log::warn!(participant:% = participant; "registry put unanswered: {e}")
+                }
+            },
             Pending::SubLookup { to, config } => self.sub_lookup_done(conn, to, config, reply, now),
             Pending::SubConsumer(to) => self.sub_consumer_done(conn, to, reply, now),
             Pending::SubReset {

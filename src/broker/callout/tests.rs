@@ -556,8 +556,10 @@ fn an_unknown_nkey_costs_the_same_signature_check_as_a_known_one() {
     eprintln!("fastest refused callout: unknown nkey {u:?}, known nkey with a bad signature {k:?}");
     // Without the check an unknown key skips one of the three Ed25519 operations
     // (request verify, nonce verify, response signature): about 0.6 of the time.
+    // The bound above is loose: a loaded machine (a parallel build) made the fastest of
+    // 31 unknown ones 1.27 times the known one once; the leak would be below, not above.
     let ratio = u.as_secs_f64() / k.as_secs_f64();
-    assert!((0.85..1.2).contains(&ratio), "unknown {u:?} vs known {k:?}");
+    assert!((0.85..1.5).contains(&ratio), "unknown {u:?} vs known {k:?}");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! that mirrors every broker's, and `who` / `watch`.
 
 use super::*;
-use crate::broker::registry::{Entry, Serving};
+use crate::broker::registry::{Change, Entry, Serving};
 
 /// The most bytes of `up` frames one burst of a `watch` snapshot queues.
 const SNAPSHOT_BURST: usize = 256 * 1024;
@@ -100,8 +100,12 @@ impl Broker {
             return;
         };
         let key = participant_key(ns, name);
+        let mut write = 0;
         if let Some(p) = self.presence.get_mut(&key) {
             p.registry_written = true;
+            p.registry_writes = p.registry_writes.wrapping_add(1);
+            p.registry_revision = None;
+            write = p.registry_writes;
         }
         *self.registry_last.get_or_insert_with(key, || now) = now;
         let ttl = self.config.limits.registry_ttl_s;
@@ -124,6 +128,7 @@ impl Broker {
                     now,
                     Pending::RegistryPut {
                         participant: participant_key(ns, name),
+                        write,
                     },
                 );
             }
@@ -133,11 +138,16 @@ impl Broker {
         }
     }
 
+    /// Deletes the entry this broker wrote: only `revision`, when known, since one key
+    /// serves all brokers and a session of the participant on another broker may have
+    /// written it since (a reconnect's overlap): deleting that one told every watcher
+    /// `down` for a participant still connected. Unknown (a write still out), any.
     pub(super) fn registry_delete(
         &mut self,
         conn: &mut Connection,
         ns: &str,
         name: &str,
+        revision: Option<u64>,
         now: Instant,
     ) {
         *self
@@ -149,6 +159,9 @@ impl Broker {
         let mut headers = HeaderMap::new();
         let _ = headers.insert("KV-Operation", "DEL");
         let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
+        if let Some(revision) = revision {
+            let _ = headers.insert("Nats-Expected-Last-Subject-Sequence", &revision.to_string());
+        }
         let subject = self
             .config
             .js_api(ns)
@@ -376,6 +389,16 @@ impl Broker {
         }
         if changes.is_empty() {
             return;
+        }
+        // An entry of a participant still present here went: another broker's session of
+        // it ended and deleted the key they share, or a refresh was lost and it expired.
+        // Written again now, not at the next refresh.
+        for change in &changes {
+            if let Change::Down(name) = change
+                && self.presence.contains_key(&participant_key(ns, name))
+            {
+                self.registry_changed(conn, ns, name, now);
+            }
         }
         let watchers: Vec<SessionId> = self
             .watchers

@@ -81,16 +81,16 @@ impl Broker {
                         if let Some(sid) = p.inbox.detach(conn) {
                             self.routes.remove(&sid);
                         }
-                        p.registry_written
+                        p.registry_written.then_some(p.registry_revision)
                     }
-                    None => false,
+                    None => None,
                 };
                 // One a reload asked to keep is still wanted.
                 if !self.kept_inboxes.contains(&key) {
                     self.inbox_creates.withdraw(&key);
                 }
-                if written {
-                    self.registry_delete(conn, &ns, &name, now);
+                if let Some(revision) = written {
+                    self.registry_delete(conn, &ns, &name, revision, now);
                 }
             }
         }
@@ -255,6 +255,8 @@ impl Broker {
                 inbox_refused: None,
                 registry_written: false,
                 registry_due: false,
+                registry_revision: None,
+                registry_writes: 0,
             });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {
