@@ -1301,12 +1301,22 @@ fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_ma
     assert_eq!(error_code(&alice.wait(&tag)["reply"]), "MIG_INTERNAL");
 
     let mut letter = Value::Null;
+    let mut nats_headers = Value::Null;
     let heard = common::wait_until(WAIT, || {
         let got = watcher.call(json!({"cmd": "collected", "sub": "dlq"}));
         letter = got["messages"][0]["body"].clone();
+        nats_headers = got["messages"][0]["headers"].clone();
         !letter.is_null()
     });
     assert!(heard, "no dead letter on {dlq}");
+    // mig-nats.md section 3: every message the broker publishes duplicates these.
+    assert_eq!(nats_headers["mig_version"], "0.1", "{nats_headers}");
+    assert_eq!(nats_headers["tenant_id"], "acme", "{nats_headers}");
+    assert!(letter["header"]["message_id"].is_string(), "{letter}");
+    assert_eq!(
+        nats_headers["message_id"], letter["header"]["message_id"],
+        "{nats_headers}"
+    );
     assert_eq!(letter["capability"], INFER, "{letter}");
     assert_eq!(letter["payload"], body, "{letter}");
     assert_eq!(letter["error"]["code"], "gpu_lost", "{letter}");

@@ -160,7 +160,16 @@ impl Jobs {
             let message_id = envelope::idempotent_id(Kind::Task, "dlq", ns, &letter.task);
             let msg = letter.mig_message(ns, cap, ack.seq, &message_id);
             let subject = crate::broker::mig::subjects::dlq_subject(ns, cap);
-            if let Err(e) = conn.publish(&subject, None, None, msg.to_string().as_bytes()) {
+            // mig-nats.md section 3: NATS subscribers may route on these without parsing
+            // the body, as on every other message the broker publishes for MIG.
+            let headers = crate::broker::mig::envelope::Echo {
+                tenant_id: ns.to_string(),
+                message_id: Some(message_id),
+                ..Default::default()
+            }
+            .nats_headers();
+            let body = msg.to_string();
+            if let Err(e) = conn.publish(&subject, None, Some(&headers), body.as_bytes()) {
                 log::warn!("dead letter not published on {subject}: {e}");
             }
         }
