@@ -1801,3 +1801,90 @@ fn a_cancel_right_behind_its_streaming_invoke_stops_it() {
         || answer["kind"] == "control" && started.elapsed() < Duration::from_secs(10);
     assert!(stopped, "{answer}");
 }
+
+/// The NATS server's `max_payload`, as DISCOVER reports it.
+fn max_payload(m: &mut Mig) -> usize {
+    let d = m.request("discover", json!({"header": header(json!({}))}));
+    let max = d["capabilities"][0]["qos"]["max_payload_bytes"].as_u64();
+    usize::try_from(max.expect("qos.max_payload_bytes")).expect("usize")
+}
+
+/// Pages `topic` from the start until `caught_up`, at most `pages` of them: the events
+/// seen, and whether it caught up.
+fn replay_all(m: &mut Mig, topic: &str, pages: usize) -> (Vec<Value>, bool) {
+    let mut events = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..pages {
+        let mut body = json!({"header": {"tenant_id": "acme"}, "topic": topic});
+        if let Some(c) = &cursor {
+            body["resume_cursor"] = json!(c);
+        }
+        let page = m.request("control.subscribe", body);
+        assert!(page.get("error").is_none(), "{page}");
+        events.extend(page["events"].as_array().expect("events").iter().cloned());
+        if page["caught_up"] == true {
+            return (events, true);
+        }
+        cursor = page["next_cursor"].as_str().map(str::to_string);
+    }
+    (events, false)
+}
+
+#[test]
+fn an_event_too_large_for_a_replay_page_does_not_stop_the_replay() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let max = max_payload(&mut alice);
+    // AMP takes events up to what JetStream stores; as a MIG EventMessage (header,
+    // sequence and the rest around the body) this one fits in no replay page.
+    let mut amp = w.amp_client(0, "alice");
+    let big = "x".repeat(max - 1500);
+    let ok = amp.request(json!({"op":"publish","topic":"orders.big","body":{"blob": big}}));
+    assert_eq!(ok["op"], "ok", "the large AMP event is stored");
+    let ok = amp.request(json!({"op":"publish","topic":"orders.small","body":{"n": 1}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    let (events, caught_up) = replay_all(&mut alice, "orders.>", 3);
+    assert!(
+        caught_up,
+        "the replay did not get past the large event in 3 pages"
+    );
+    let topics: Vec<&str> = events.iter().filter_map(|e| e["topic"].as_str()).collect();
+    assert_eq!(topics, ["orders.small"], "the large event is skipped");
+    assert_eq!(events[0]["payload"], json!({"n": 1}));
+}
+
+#[test]
+fn a_publish_whose_event_message_could_not_be_delivered_is_refused() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    let max = max_payload(&mut alice);
+    let mut ann = Mig::connect_nkey(&w);
+    // It would be stored (the stored event fits max_payload), but its EventMessage fits
+    // in no replay page and would be delivered neither live nor replayed.
+    let r = ann.signed(
+        &w,
+        "events.orders.eu",
+        json!({"header": {"tenant_id": "acme"}, "payload": {"blob": "x".repeat(max - 2048)}}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{}", r["error"]);
+    assert_eq!(
+        r["error"]["details"]["amp_code"], "too_large",
+        "{}",
+        r["error"]
+    );
+
+    // One that fits a page alone is taken and replayed.
+    let blob = "y".repeat(max - 8192);
+    let r = ann.signed(
+        &w,
+        "events.orders.eu",
+        json!({"header": {"tenant_id": "acme"}, "payload": {"blob": blob}}),
+    );
+    assert_eq!(r["accepted"], true, "{}", r["error"]);
+    let (events, caught_up) = replay_all(&mut alice, "orders.eu", 3);
+    assert!(caught_up);
+    assert_eq!(events.len(), 1, "only the second event is stored");
+    assert_eq!(events[0]["sequence"], r["sequence"]);
+    assert_eq!(events[0]["payload"]["blob"], blob);
+}

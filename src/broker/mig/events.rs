@@ -32,6 +32,21 @@ const LIVE_BATCH: u32 = 64;
 /// SUBSCRIBE page size: default and most.
 const PAGE_DEFAULT: u64 = 100;
 const PAGE_MAX: u64 = 1000;
+/// What a replay page keeps free of `max_payload` for its reply header, NATS headers,
+/// `next_cursor` and `caught_up` (the echoed ids and traceparent are bounded well below it).
+const PAGE_SLACK: usize = 4096;
+
+/// The bytes of EventMessages one replay page may carry.
+fn page_limit(max_payload: usize) -> usize {
+    max_payload.saturating_sub(PAGE_SLACK)
+}
+
+/// Whether an EventMessage of `len` bytes fits in a replay page alone, with the comma
+/// that separates it from the next (a live event, with its few NATS headers, is then well
+/// within `max_payload` too).
+fn fits_a_page(len: usize, max_payload: usize) -> bool {
+    len < page_limit(max_payload)
+}
 
 /// The stored events a SUBSCRIBE may read (each one JetStream read), as its caller's
 /// pace counts them: the page size it asks for, or the default.
@@ -322,10 +337,21 @@ impl Mig {
             let _ = nats.insert("traceparent", tp);
         }
         let bytes = env.to_json();
-        if bytes.len() + nats.encoded_len() > conn.max_payload() {
+        // Stored, an event the live feed and replay could not carry would be lost to MIG
+        // clients: its EventMessage (the longest sequence stands in for the real one) must
+        // fit a replay page.
+        let delivered = event_message(ns, u64::MAX, &env, false, &env.ts)
+            .to_string()
+            .len();
+        let max = conn.max_payload();
+        if bytes.len() + nats.encoded_len() > max || !fits_a_page(delivered, max) {
             let e = MigError::new(
                 Code::InvalidRequest,
-                "the event is larger than the server's max_payload",
+                format!(
+                    "the event is too large: as an EventMessage it must fit in {} bytes \
+                     (the server's max_payload less {PAGE_SLACK})",
+                    page_limit(max)
+                ),
             )
             .detail("amp_code", json!("too_large"));
             return self.respond(conn, answer, Err(e), now);
@@ -487,7 +513,7 @@ impl Mig {
             left: size,
             events: Vec::new(),
             bytes: 0,
-            limit: conn.max_payload().saturating_sub(4096),
+            limit: page_limit(conn.max_payload()),
             received: now,
         };
         self.read_next(conn, page, now);
@@ -538,12 +564,18 @@ impl Mig {
                     let ts = self.timestamp(now);
                     let event = event_message(&page.ns, m.sequence, &env, true, &ts);
                     let size = event.to_string().len() + 1;
-                    if page.bytes + size > page.limit {
+                    if size > page.limit {
+                        // No page could ever carry it (an AMP event near max_payload):
+                        // kept, every page would end before it and the cursor stay put.
+                        log::warn!(ns:% = page.ns, seq = m.sequence;
+                            "MIG replay skips an event too large for a page ({size} bytes)");
+                    } else if page.bytes + size > page.limit {
                         // The rest goes in the next page.
                         return self.page_done(conn, page, Ok(false), now);
+                    } else {
+                        page.bytes += size;
+                        page.events.push(event);
                     }
-                    page.bytes += size;
-                    page.events.push(event);
                 }
                 page.from = m.sequence.saturating_add(1);
                 page.left = page.left.saturating_sub(1);
