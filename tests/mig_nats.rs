@@ -1888,3 +1888,113 @@ fn a_publish_whose_event_message_could_not_be_delivered_is_refused() {
     assert_eq!(events[0]["sequence"], r["sequence"]);
     assert_eq!(events[0]["payload"]["blob"], blob);
 }
+
+#[test]
+fn a_stream_id_the_broker_made_is_taken_on_every_broker() {
+    let w = world(2);
+    let mut worker = w.worker(0, "infer", 1);
+    // Stream frames are readable tenant-wide: Bob listens to every stream.
+    let mut bob = Mig::connect(&w, "bob");
+    bob.call(json!({"cmd": "subscribe", "sub": "all", "subject": "mig.v0_1.acme.stream.>"}));
+    let mut alice = Mig::connect(&w, "alice");
+    let started = alice.request(
+        &format!("invoke.{INFER}"),
+        json!({"header": {"tenant_id": "acme"}, "payload": {"q": 1},
+               "stream_preference": "server_stream"}),
+    );
+    assert_eq!(started["payload"]["status"], "started", "{started}");
+    let made = started["stream_id"]
+        .as_str()
+        .expect("stream_id")
+        .to_string();
+    let stream = format!("mig.v0_1.acme.stream.{made}");
+    alice.call(json!({"cmd": "subscribe", "sub": "mine", "subject": stream}));
+
+    let offer = worker.next_op("offer", WAIT).expect("offer");
+    let task = offer["task"].as_str().expect("task").to_string();
+    let claim = worker.request(json!({"op":"claim","task":task}));
+    assert_eq!(claim["op"], "ok", "{claim}");
+    let hb = worker.request(json!({"op":"heartbeat","task":task,"progress":{"pct":10}}));
+    assert_eq!(hb["op"], "ok", "{hb}");
+    // Bob learns the id from the progress frame.
+    let mut learned = String::new();
+    let heard = common::wait_until(WAIT, || {
+        let got = bob.call(json!({"cmd": "collected", "sub": "all"}));
+        learned = got["messages"][0]["subject"]
+            .as_str()
+            .and_then(|s| s.strip_prefix("mig.v0_1.acme.stream."))
+            .unwrap_or_default()
+            .to_string();
+        !learned.is_empty()
+    });
+    assert!(heard && learned == made, "Bob heard {learned:?}");
+
+    const SUBMITTED: &str = "amp_jobs_submitted_total";
+    let submitted = |b: usize| common::amp::metric(&w.brokers[b], SUBMITTED);
+    let mut holder = None;
+    let found = common::wait_until(WAIT, || {
+        holder = (0..2).find(|&b| submitted(b) == Some(1.0));
+        holder.is_some()
+    });
+    assert!(found, "Alice's task was never submitted");
+    let other = 1 - holder.expect("holder");
+    // Bob streams with that id until the broker that did not make it has answered him.
+    let refused = format!(
+        "amp_mig_requests_total{{op=\"invoke\",capability=\"{INFER}\",code=\"MIG_INVALID_REQUEST\"}}"
+    );
+    let mut answers = Vec::new();
+    let mut tries = 0;
+    while common::amp::metric(&w.brokers[other], &refused).is_none()
+        && answers
+            .iter()
+            .all(|r: &Value| error_code(r) == "MIG_INVALID_REQUEST")
+    {
+        tries += 1;
+        assert!(tries <= 40, "the other broker never answered Bob");
+        answers.push(bob.request(
+            &format!("invoke.{INFER}"),
+            json!({"header": {"tenant_id": "acme", "message_id": learned, "deadline_ms": 200},
+                   "payload": {}, "stream_preference": "server_stream"}),
+        ));
+    }
+    let taken = answers
+        .iter()
+        .any(|r| error_code(r) != "MIG_INVALID_REQUEST");
+    if taken {
+        // Bob's invocation ends at its deadline with an error frame on the stream.
+        let ended = common::wait_until(WAIT, || {
+            let got = bob.call(json!({"cmd": "collected", "sub": "all"}));
+            got["messages"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(|f| f["body"]["kind"] == "error"))
+        });
+        assert!(ended, "Bob's invocation never ended");
+    }
+
+    let done = worker.request(json!({"op":"complete","task":task,"result":{"answer":42}}));
+    assert_eq!(done["op"], "ok", "{done}");
+    let mut frames = Vec::new();
+    let finished = common::wait_until(WAIT, || {
+        let got = alice.call(json!({"cmd": "collected", "sub": "mine"}));
+        frames = got["messages"].as_array().cloned().unwrap_or_default();
+        frames
+            .iter()
+            .any(|f| f["body"]["payload"] == json!({"answer": 42}))
+    });
+    assert!(finished, "{frames:?}");
+    let ends: Vec<&Value> = frames
+        .iter()
+        .map(|f| &f["body"])
+        .filter(|b| b["end_stream"] == true)
+        .collect();
+    assert_eq!(
+        ends.len(),
+        1,
+        "a foreign end_stream on Alice's stream: {ends:?}"
+    );
+    assert_eq!(ends[0]["kind"], "response", "{ends:?}");
+    assert!(
+        !taken,
+        "Bob's invoke with Alice's stream id was taken: {answers:?}"
+    );
+}

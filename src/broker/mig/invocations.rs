@@ -98,9 +98,14 @@ impl Mig {
             .entry((inv.ns.clone(), inv.caller.clone()))
             .or_insert(0) += 1;
         // A message id that names a stream or a forwarded cancel is taken for every broker
-        // first: the check above sees only this broker's invocations.
-        let named = inv.stream.is_some() || inv.echo.idempotency_key.is_some();
-        if !(r.header.message_id_given && named) {
+        // first: the check above sees only this broker's invocations. A stream's id is
+        // taken even when this broker made it: every frame shows it to anyone reading
+        // `stream.>`, who could otherwise send it to another broker as its own id. A
+        // keyed unary invoke's made id reaches its caller only with the outcome, when
+        // there is nothing left to cancel, so it is not worth a round trip.
+        let named = inv.stream.is_some()
+            || (r.header.message_id_given && inv.echo.idempotency_key.is_some());
+        if !named {
             return self.begin(conn, inv, now);
         }
         let claim = seen::claim_invocation(

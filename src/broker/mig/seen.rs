@@ -7,7 +7,8 @@
 //!
 //! The bucket also holds the message ids that name streams and forwarded cancels
 //! ([`claim_invocation`]): they are chosen by callers, and frames of a stream are readable
-//! tenant-wide, so an id one caller uses must not be taken by another on any broker.
+//! tenant-wide (so even a stream id the broker made is known to others once it streams),
+//! so an id one caller uses must not be taken by another on any broker.
 
 use std::time::Duration;
 
