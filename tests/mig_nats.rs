@@ -1998,3 +1998,50 @@ fn a_stream_id_the_broker_made_is_taken_on_every_broker() {
         "Bob's invoke with Alice's stream id was taken: {answers:?}"
     );
 }
+
+#[test]
+fn a_refused_request_reflects_nothing_of_itself_into_the_inbox_it_names() {
+    let w = world(1);
+    // Bob taps his own reply prefix, as his permissions allow.
+    let mut bob = Mig::connect(&w, "bob");
+    bob.call(json!({"cmd": "subscribe", "sub": "inbox", "subject": "_INBOX_acme_bob.>"}));
+    // Alice sends a request with a wrong credential, a reply subject in Bob's inbox and
+    // a 400 KB traceparent: the refusal goes to Bob's inbox, and must not carry it.
+    let mut alice = Mig::connect(&w, "alice");
+    let huge = "0".repeat(400_000);
+    let sent = alice.call(json!({"cmd": "publish", "subject": "mig.v0_1.acme.hello",
+        "reply": "_INBOX_acme_bob.x.1",
+        "body": {"header": {"tenant_id": "acme", "traceparent": huge, "message_id": "m".repeat(128)}},
+        "headers": {"Authorization": "Bearer not-bobs-token"}}));
+    assert_eq!(sent["ok"], true, "{sent}");
+    let mut got = Vec::new();
+    let arrived = common::wait_until(WAIT, || {
+        let c = bob.call(json!({"cmd": "collected", "sub": "inbox"}));
+        got = c["messages"].as_array().cloned().unwrap_or_default();
+        !got.is_empty()
+    });
+    assert!(arrived, "the refusal was not sent");
+    let size: usize = got
+        .iter()
+        .map(|m| m["body"].to_string().len() + m["headers"].to_string().len())
+        .sum();
+    assert!(size < 1024, "{size} bytes reached Bob's inbox");
+    assert_eq!(error_code(&got[0]["body"]), "MIG_UNAUTHORIZED");
+
+    // An authenticated request's traceparent is echoed, in the body and as a NATS header,
+    // up to 256 characters; a longer one is refused.
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let r = alice.call(json!({"cmd": "request", "subject": "mig.v0_1.acme.hello",
+        "body": {"header": {"tenant_id": "acme", "traceparent": tp}},
+        "headers": {"Authorization": "Bearer alice-token"}, "timeout": 15}));
+    assert_eq!(r["reply"]["selected_version"], "0.1", "{r}");
+    assert_eq!(r["reply"]["header"]["traceparent"], tp, "{r}");
+    assert_eq!(r["headers"]["traceparent"], tp, "{r}");
+    let long = format!("{tp}-{}", "0".repeat(256 - tp.len()));
+    let r = alice.request(
+        "hello",
+        json!({"header": {"tenant_id": "acme", "traceparent": long}}),
+    );
+    assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+    assert!(r["header"].get("traceparent").is_none(), "{r}");
+}

@@ -9,6 +9,10 @@ use crate::proto::headers::HeaderMap;
 pub const MIG_VERSION: &str = "0.1";
 /// Bound of `message_id`, `session_id` and `idempotency_key`.
 pub const MAX_ID_CHARS: usize = 128;
+/// Bound of `traceparent`: W3C's version 00 is 55 characters, later versions may append
+/// fields, and every reply echoes it twice (body and NATS header), so it is bounded with
+/// room to spare rather than by the request's size.
+pub const MAX_TRACEPARENT_BYTES: usize = 256;
 /// The header fields duplicated as NATS headers of the same names.
 pub const DUPLICATED: &[&str] = &[
     "mig_version",
@@ -208,14 +212,22 @@ pub fn parse_header(
             )));
         }
         let value = json.or(from_nats).map(str::to_string);
-        if let Some(v) = &value
-            && *name != "mig_version"
-            && *name != "traceparent"
-            && (v.is_empty() || v.chars().count() > MAX_ID_CHARS)
-        {
-            return Err(HeaderError::Invalid(format!(
-                "header.{name} must be 1 to {MAX_ID_CHARS} characters"
-            )));
+        if let Some(v) = &value {
+            match *name {
+                "mig_version" => {}
+                "traceparent" if v.len() > MAX_TRACEPARENT_BYTES => {
+                    return Err(HeaderError::Invalid(format!(
+                        "header.traceparent must be at most {MAX_TRACEPARENT_BYTES} bytes"
+                    )));
+                }
+                "traceparent" => {}
+                _ if v.is_empty() || v.chars().count() > MAX_ID_CHARS => {
+                    return Err(HeaderError::Invalid(format!(
+                        "header.{name} must be 1 to {MAX_ID_CHARS} characters"
+                    )));
+                }
+                _ => {}
+            }
         }
         fields.push(value);
     }
@@ -385,6 +397,13 @@ mod tests {
         )
         .expect("ok");
         assert_eq!(h.message_id, "b");
+        let tp = "t".repeat(MAX_TRACEPARENT_BYTES + 1);
+        let e = parse_header(
+            &body(json!({"header": {"tenant_id": "acme", "traceparent": tp}})),
+            None,
+            String::new,
+        );
+        assert!(matches!(e, Err(HeaderError::Invalid(_))), "{e:?}");
         let long = "x".repeat(129);
         let e = parse_header(
             &body(json!({"header": {"tenant_id": "acme", "idempotency_key": long}})),
