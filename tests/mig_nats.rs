@@ -2000,7 +2000,7 @@ fn a_stream_id_the_broker_made_is_taken_on_every_broker() {
 }
 
 #[test]
-fn a_refused_request_reflects_nothing_of_itself_into_the_inbox_it_names() {
+fn a_refused_request_reflects_at_most_its_bounded_header_into_the_inbox_it_names() {
     let w = world(1);
     // Bob taps his own reply prefix, as his permissions allow.
     let mut bob = Mig::connect(&w, "bob");
@@ -2027,6 +2027,23 @@ fn a_refused_request_reflects_nothing_of_itself_into_the_inbox_it_names() {
         .sum();
     assert!(size < 1024, "{size} bytes reached Bob's inbox");
     assert_eq!(error_code(&got[0]["body"]), "MIG_UNAUTHORIZED");
+    // The spec's echo of a valid header stays: every field of it is bounded.
+    let sent = alice.call(json!({"cmd": "publish", "subject": "mig.v0_1.acme.hello",
+        "reply": "_INBOX_acme_bob.x.2",
+        "body": {"header": {"tenant_id": "acme", "traceparent": "0".repeat(256),
+            "message_id": "m".repeat(128), "session_id": "s".repeat(128)}},
+        "headers": {"Authorization": "Bearer not-bobs-token"}}));
+    assert_eq!(sent["ok"], true, "{sent}");
+    let arrived = common::wait_until(WAIT, || {
+        let c = bob.call(json!({"cmd": "collected", "sub": "inbox"}));
+        got = c["messages"].as_array().cloned().unwrap_or_default();
+        got.len() == 2
+    });
+    assert!(arrived, "the second refusal was not sent");
+    let echoed = &got[1];
+    assert_eq!(echoed["body"]["header"]["message_id"], "m".repeat(128));
+    let size = echoed["body"].to_string().len() + echoed["headers"].to_string().len();
+    assert!(size < 2048, "{size} bytes reached Bob's inbox");
 
     // An authenticated request's traceparent is echoed, in the body and as a NATS header,
     // up to 256 characters; a longer one is refused.

@@ -513,17 +513,6 @@ impl Mig {
             capability,
             received: now,
         };
-        // A refusal before any credential was proved may go to an inbox the sender only
-        // named (the reply subject is checked for shape, not owner): it echoes nothing of
-        // the request, so its size is the same whatever was sent.
-        let bare = Echo {
-            tenant_id: ns.to_string(),
-            ..Echo::default()
-        };
-        let unproved = Answer {
-            echo: &bare,
-            ..answer
-        };
         let name = match verdict {
             Ok(name) => name,
             Err(Refusal::Drop(reason)) => {
@@ -532,7 +521,7 @@ impl Mig {
             }
             Err(Refusal::Unauthorized) => {
                 let e = MigError::new(Code::Unauthorized, "authentication failed");
-                return self.respond(conn, &unproved, Err(e), now);
+                return self.respond(conn, &answer, Err(e), now);
             }
             Err(Refusal::Exposed) => {
                 self.metrics.rejected("bearer_on_publish");
@@ -540,13 +529,13 @@ impl Mig {
                     Code::Unauthorized,
                     "PUBLISH takes an NKey signature: its subject reaches every subscriber of the topic, headers included, so a Bearer credential there is handed to them (use a new one)",
                 );
-                return self.respond(conn, &unproved, Err(e), now);
+                return self.respond(conn, &answer, Err(e), now);
             }
             Err(Refusal::Throttled(d)) => {
                 let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
                 let e = MigError::new(Code::RateLimited, "too many failed attempts")
                     .detail("retry_after_ms", json!(ms));
-                return self.respond(conn, &unproved, Err(e), now);
+                return self.respond(conn, &answer, Err(e), now);
             }
         };
         let cost = match op {
