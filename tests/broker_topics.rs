@@ -488,3 +488,89 @@ fn idempotent_publishes_answer_the_same_seq() {
     );
     assert_eq!(a["seq"], b["seq"]);
 }
+
+#[test]
+fn subscriptions_whose_consumers_are_deleted_are_made_again_where_they_stood() {
+    // A plain subscription's consumer lives in memory on one server of a cluster, and
+    // goes with it; an operator may delete any. Their pulls were answered 503 once a
+    // second for as long as the session lasted, and no event reached it.
+    let (nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"t.plain","sub":"plain"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let ok = s.request(json!({"op":"subscribe","topic":"t.durable","sub":"d","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let plain = publish(&mut p, "t.plain", json!(1));
+    let acked = publish(&mut p, "t.durable", json!(1));
+    let out = publish(&mut p, "t.durable", json!(2));
+    let mut got: Vec<(String, u64)> = events(&mut s, 3)
+        .iter()
+        .map(|e| {
+            (
+                e["sub"].as_str().unwrap_or_default().to_string(),
+                e["seq"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("d".to_string(), acked),
+            ("d".to_string(), out),
+            ("plain".to_string(), plain)
+        ]
+    );
+    s.send(&json!({"op":"ack","sub":"d","seq":acked}));
+    let mut js = nats.jetstream();
+    let consumers = js.consumer_names("AMP_TOPICS_acme").expect("names");
+    assert_eq!(consumers.len(), 2, "{consumers:?}");
+    for c in &consumers {
+        assert!(js.delete_consumer("AMP_TOPICS_acme", c).expect("delete"));
+    }
+    let later_plain = publish(&mut p, "t.plain", json!(2));
+    let later_durable = publish(&mut p, "t.durable", json!(3));
+    let mut got: Vec<(String, u64)> = Vec::new();
+    while got.len() < 2 {
+        let e = s
+            .next_op("event", Duration::from_secs(20))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{got:?} after the consumers were deleted; broker log:\n{}",
+                    broker.log()
+                )
+            });
+        got.push((
+            e["sub"].as_str().unwrap_or_default().to_string(),
+            e["seq"].as_u64().unwrap_or_default(),
+        ));
+    }
+    got.sort();
+    // The durable's unacknowledged event comes again only if the session had not seen
+    // it: it had, so it is not sent twice; the acknowledged one never again.
+    assert_eq!(
+        got,
+        [
+            ("d".to_string(), later_durable),
+            ("plain".to_string(), later_plain)
+        ]
+    );
+    assert!(s.next_op("event", QUIET).is_none());
+    assert_eq!(
+        js.consumer_names("AMP_TOPICS_acme").expect("names").len(),
+        2
+    );
+    // The event out is still acknowledged through the consumer made again.
+    s.send(&json!({"op":"ack","sub":"d","seq":out}));
+    s.send(&json!({"op":"ack","sub":"d","seq":later_durable}));
+    let durable = js
+        .consumer_names("AMP_TOPICS_acme")
+        .expect("names")
+        .into_iter()
+        .find(|c| c.starts_with("dsub_"))
+        .expect("the durable");
+    assert!(common::wait_until(WAIT, || js
+        .consumer_info("AMP_TOPICS_acme", &durable)
+        .is_ok_and(|i| i.num_ack_pending == 0)));
+}

@@ -410,3 +410,47 @@ fn names_that_came_once_leave_nothing_in_the_registry() {
     });
     assert!(gone, "the registry still holds the names: {last:?}");
 }
+
+#[test]
+fn an_inbox_consumer_deleted_under_a_live_session_is_made_again() {
+    // An operator's `nats consumer rm`, or a replica set that lost an R1 consumer with its
+    // node: the inbox's pulls were answered 503 (nobody serves the consumer) once a second
+    // for as long as the participant stayed, and nothing it was sent reached it.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    // One acknowledged, one still out: made again, the consumer starts at the one out
+    // (not at the inbox's first message, as a consumer made from scratch would).
+    for body in ["acked", "out"] {
+        let ok = a.request(json!({"op":"send","to":"b","body":body}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let msg = b.next_op("message", WAIT).expect("a message");
+        assert_eq!(msg["body"], body);
+        if body == "acked" {
+            b.send(&json!({"op":"ack","seq":msg["seq"]}));
+        }
+    }
+    let mut js = nats.jetstream();
+    assert!(
+        js.delete_consumer("AMP_INBOX_acme", &binding::inbox_consumer("b"))
+            .expect("delete")
+    );
+    let ok = a.request(json!({"op":"send","to":"b","body":"after"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let msg = b
+            .next_op("message", Duration::from_secs(20))
+            .unwrap_or_else(|| {
+                panic!(
+                    "{got:?} reached b after its consumer was deleted; broker log:\n{}",
+                    broker.log()
+                )
+            });
+        got.push(msg["body"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(got, ["out", "after"]);
+    assert!(has_inbox_consumer(&mut js, "b"));
+    assert!(b.next_op("message", Duration::from_millis(500)).is_none());
+}

@@ -218,6 +218,11 @@ struct Presence {
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,
+    /// The highest inbox sequence handed to a session here, and where a consumer made
+    /// again after its loss starts (`Pulled::Lost`): made from the start it would bring
+    /// every message the inbox still keeps once more.
+    inbox_seen: u64,
+    inbox_from: Option<u64>,
     /// Whether its registry entry was written (else its end deletes nothing), and
     /// whether a change waits for `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
     registry_written: bool,
@@ -839,6 +844,13 @@ impl Broker {
                 self.inbox_creates.done();
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
+                    // Made again from where this broker stood (`inbox_from`): another
+                    // broker made it first, or it was never gone (only unserved a while).
+                    Ok(Err(e))
+                        if e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) =>
+                    {
+                        self.start_inbox(conn, &participant, now)
+                    }
                     // A domain that just came back may not have its streams yet.
                     Ok(Err(e))
                         if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) =>
@@ -875,7 +887,12 @@ impl Broker {
                 sub,
                 consumer,
             } => {
-                let ok = reply.is_ok_and(|m| check_error(&m.payload).is_ok());
+                // A durable made again with `create` finds it there when another broker
+                // made it first: as good.
+                let ok = reply.is_ok_and(|m| match check_error(&m.payload) {
+                    Ok(()) => true,
+                    Err(e) => e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS),
+                });
                 self.sub_reset_done(conn, (session, sub, consumer), ok, now);
             }
             Pending::SubDeleted { session, re } => {

@@ -71,6 +71,8 @@ pub struct PullLoop {
     /// The next pull asks for one message whatever its size: the last one ended on a
     /// message larger than its whole window.
     whole: bool,
+    /// Pulls answered 503 in a row (see [`UNSERVED_LOST`]).
+    unserved: u8,
 }
 
 /// The status that ends a pull whose next message is larger than what is left of its
@@ -135,7 +137,17 @@ pub enum Pulled {
     Heartbeat,
     /// A status that ended the pull; a new one has been asked for.
     Ended,
+    /// As `Ended`, and the consumer is gone: deleted (`409 Consumer Deleted`), or nobody
+    /// has served its pulls for [`UNSERVED_LOST`] tries in a row (503). An owner that can
+    /// make it again does; pulling alone would be refused once a second for good.
+    Lost,
 }
+
+/// Pulls answered 503 (no responders) in a row after which the consumer counts as lost:
+/// a few, since JetStream still starting or a consumer's leader being elected answer so
+/// for a moment too.
+pub const UNSERVED_LOST: u8 = 3;
+const CONSUMER_DELETED: &str = "Consumer Deleted";
 
 impl PullLoop {
     pub fn new(stream: String, consumer: String, batch: u32) -> PullLoop {
@@ -156,6 +168,7 @@ impl PullLoop {
             asked: 0,
             bytes_left: 0,
             whole: false,
+            unserved: 0,
         }
     }
 
@@ -328,6 +341,9 @@ impl PullLoop {
         if stale {
             return (Pulled::Heartbeat, None);
         }
+        if status != Some(503) {
+            self.unserved = 0;
+        }
         match status {
             Some(100) => {
                 self.until = Some(now + PULL_HEARTBEAT * 2);
@@ -362,7 +378,7 @@ impl PullLoop {
                 }
                 (Pulled::Ended, self.pull(conn, now))
             }
-            Some(_) => {
+            Some(code) => {
                 // Nobody serves the consumer yet (503: JetStream still starting), or the
                 // server refused the pull (409 "Exceeded MaxWaiting", a leadership
                 // change, 400...): pulling again at once would be refused again at once,
@@ -373,7 +389,12 @@ impl PullLoop {
                     self.credit = Some(true);
                 }
                 self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
-                (Pulled::Ended, self.arm())
+                if code == 503 {
+                    self.unserved = self.unserved.saturating_add(1);
+                }
+                let lost = self.unserved >= UNSERVED_LOST
+                    || (code == 409 && msg.description() == Some(CONSUMER_DELETED));
+                (if lost { Pulled::Lost } else { Pulled::Ended }, self.arm())
             }
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
@@ -825,6 +846,42 @@ mod tests {
             headers: Some(headers),
             ..message(subject)
         }
+    }
+
+    #[test]
+    fn a_deleted_consumer_or_one_nobody_serves_for_a_while_is_lost() {
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 4).paced(1024);
+        p.attach(&mut conn).expect("subscribe");
+        p.pull(&mut conn, t0);
+        let deleted = Message {
+            headers: crate::proto::headers::HeaderMap::with_status(409, CONSUMER_DELETED).ok(),
+            ..message(&latest(&p))
+        };
+        assert_eq!(p.on_message(&mut conn, &deleted, t0).0, Pulled::Lost);
+        // 503s: a moment of them is JetStream starting or electing; more, a loss. A pull
+        // the server served in between starts the count again.
+        let refused = |p: &mut PullLoop, conn: &mut Connection| {
+            let (pulled, retry) = p.on_message(conn, &status(&latest(p), 503, None), t0);
+            // Pulls again at the retry's time.
+            let retry = retry.expect("a retry");
+            assert!(p.check(conn, retry.generation, retry.at).is_some());
+            pulled
+        };
+        let retry = p.arm().expect("a check");
+        assert!(
+            p.check(&mut conn, retry.generation, t0 + CREDIT_WAIT)
+                .is_some()
+        );
+        assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
+        assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
+        let served = p.on_message(&mut conn, &status(&latest(&p), 100, None), t0);
+        assert_eq!(served.0, Pulled::Heartbeat);
+        for _ in 1..UNSERVED_LOST {
+            assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
+        }
+        assert_eq!(refused(&mut p, &mut conn), Pulled::Lost);
     }
 
     fn message(subject: &str) -> Message {

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 pub const ERR_STREAM_NOT_FOUND: u32 = 10059;
 /// Consumer not found (404).
 pub const ERR_CONSUMER_NOT_FOUND: u32 = 10014;
+/// A `create` (not update) of a consumer whose name exists with another configuration.
+pub const ERR_CONSUMER_EXISTS: u32 = 10148;
 /// `Nats-Expected-Last-(Subject-)Sequence` did not match (400).
 pub const ERR_WRONG_LAST_SEQUENCE: u32 = 10071;
 /// The same, as reported by replicated streams without the sequence in the text (400).

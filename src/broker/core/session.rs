@@ -255,6 +255,8 @@ impl Broker {
                 inbox_refused: None,
                 registry_written: false,
                 registry_due: false,
+                inbox_seen: 0,
+                inbox_from: None,
                 registry_revision: None,
                 registry_writes: 0,
             });

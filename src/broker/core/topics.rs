@@ -1056,6 +1056,9 @@ impl Broker {
             return;
         };
         let (pulled, check) = t.pull.on_message(conn, &msg, now);
+        if pulled == Pulled::Lost {
+            return self.subscription_lost(conn, session, sub, now);
+        }
         if check.is_some() || t.pull.wants_credit() {
             self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
         }
@@ -1150,6 +1153,63 @@ impl Broker {
         let mut naks = Vec::new();
         r.wait_over(&mut naks);
         settle_resumed(conn, t, &naks);
+    }
+
+    /// The subscription's consumer is gone (deleted, or lost with its server: a plain
+    /// one is kept in memory on one server). A plain one is made anew after the last
+    /// event sent, as after a gap; a durable one again under its name, from its oldest
+    /// event unacknowledged here, else the one after the last sent (its events before that
+    /// were acknowledged). Pulling alone would be refused once a second for good.
+    fn subscription_lost(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        now: Instant,
+    ) {
+        log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription consumer gone; making it again");
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
+        if !t.durable {
+            return self.reset_subscription(conn, session, sub, now);
+        }
+        let from = match t.inflight.keys().next() {
+            Some(&oldest) => DeliverFrom::Sequence(oldest),
+            None if t.last_seq > 0 => DeliverFrom::Sequence(t.last_seq.saturating_add(1)),
+            None => DeliverFrom::All,
+        };
+        let (ns, owner, filter) = (t.ns.clone(), t.owner.clone(), t.filter.clone());
+        let consumer = t.pull.consumer().to_string();
+        t.last_consumer_seq = 0;
+        if let Some(sid) = t.pull.detach(conn) {
+            self.routes.remove(&sid);
+        }
+        let name = owner.split_once('/').map_or(owner.as_str(), |(_, n)| n);
+        let caps = self.topic_caps(&ns);
+        let config = binding::durable_sub_config(
+            name,
+            sub,
+            &filter,
+            DURABLE_ACK_WAIT.as_secs(),
+            DURABLE_WINDOW,
+            caps.durable_inactive_s,
+        )
+        .deliver_from(from);
+        // Only made if it is not there: another broker's session of the durable may have
+        // made it first, or it only went unserved a while.
+        let api = self.config.js_api(&ns);
+        let req = api.consumer_create(
+            &binding::topics_stream(&ns),
+            &config,
+            ConsumerAction::Create,
+        );
+        let pending = Pending::SubReset {
+            session,
+            sub: sub.to_string(),
+            consumer,
+        };
+        self.api_request(conn, Lane::Session(session), req, pending, now);
     }
 
     /// Replaces a plain subscription's consumer with one starting after the last event
