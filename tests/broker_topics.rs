@@ -574,3 +574,43 @@ fn subscriptions_whose_consumers_are_deleted_are_made_again_where_they_stood() {
         .consumer_info("AMP_TOPICS_acme", &durable)
         .is_ok_and(|i| i.num_ack_pending == 0)));
 }
+
+#[test]
+fn a_subscription_whose_consumer_cannot_be_made_again_tries_until_it_can() {
+    // The topics stream itself gone (an operator's mistake, restored from a backup): the
+    // subscription's consumer cannot be made again until the stream is back. The one
+    // attempt failed, and the subscription got nothing more for good.
+    let (nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"t.x","sub":"x"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    publish(&mut p, "t.x", json!("before"));
+    assert_eq!(events(&mut s, 1)[0]["body"], "before");
+    let mut js = nats.jetstream();
+    let info = js.stream_info("AMP_TOPICS_acme").expect("stream");
+    assert!(js.delete_stream("AMP_TOPICS_acme").expect("delete"));
+    // Until the pull loop has found the consumer gone and a retry has come after a
+    // failed one.
+    assert!(common::wait_until(WAIT, || broker
+        .log()
+        .matches("subscription gap; resuming after seq")
+        .count()
+        >= 2));
+    let mut restored = info.config.clone();
+    restored.extra.insert(
+        "first_seq".to_string(),
+        json!(info.state.last_seq.saturating_add(1)),
+    );
+    js.create_stream(&restored).expect("the stream back");
+    publish(&mut p, "t.x", json!("after"));
+    let e = s
+        .next_op("event", Duration::from_secs(20))
+        .unwrap_or_else(|| {
+            panic!(
+                "nothing after the stream came back; broker log:\n{}",
+                broker.log()
+            )
+        });
+    assert_eq!(e["body"], "after");
+}

@@ -378,6 +378,9 @@ enum Timer {
     /// A resumed durable subscription (session, sub, serial) stops waiting for the events
     /// its consumer had out (`core/resumed_durable.rs`).
     ResumeWait(SessionId, String, u64),
+    /// A subscription (session, sub, serial) whose consumer could not be made again
+    /// (JetStream away) tries again.
+    SubRetry(SessionId, String, u64),
     /// A participant's registry entry changed within `REGISTRY_WRITE_GAP` of its last
     /// write: written now.
     RegistryFlush(String),
@@ -1023,6 +1026,9 @@ impl Broker {
             }
             Timer::ResumeWait(session, sub, serial) => {
                 self.resume_wait_over(conn, session, &sub, serial)
+            }
+            Timer::SubRetry(session, sub, serial) => {
+                self.retry_subscription(conn, session, &sub, serial, now)
             }
             Timer::PullCheck(owner, generation) => {
                 let at = match &owner {

@@ -40,6 +40,8 @@ const MIN_PULL_WINDOW: u64 = 16 << 10;
 const DURABLE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// How long an ephemeral consumer outlives a broker that stopped reading it.
 const EPHEMERAL_INACTIVE: Duration = Duration::from_secs(30);
+/// How soon a subscription whose consumer could not be made again tries again.
+const SUB_RETRY: Duration = Duration::from_secs(2);
 // A paced subscription waiting for its session pulls before its consumer counts as idle.
 const _: () =
     assert!(crate::broker::pull_loop::CREDIT_WAIT.as_secs() < EPHEMERAL_INACTIVE.as_secs());
@@ -1057,6 +1059,7 @@ impl Broker {
         };
         let (pulled, check) = t.pull.on_message(conn, &msg, now);
         if pulled == Pulled::Lost {
+            log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription consumer gone; making it again");
             return self.subscription_lost(conn, session, sub, now);
         }
         if check.is_some() || t.pull.wants_credit() {
@@ -1167,7 +1170,6 @@ impl Broker {
         sub: &str,
         now: Instant,
     ) {
-        log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription consumer gone; making it again");
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
@@ -1210,6 +1212,24 @@ impl Broker {
             consumer,
         };
         self.api_request(conn, Lane::Session(session), req, pending, now);
+    }
+
+    /// A subscription whose consumer could not be made again tries again, unless it
+    /// ended meanwhile or has one.
+    pub(super) fn retry_subscription(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        serial: u64,
+        now: Instant,
+    ) {
+        let waiting = self
+            .subscription_mut(session, sub)
+            .is_some_and(|t| t.serial == serial && t.pull.sid().is_none());
+        if waiting {
+            self.subscription_lost(conn, session, sub, now);
+        }
     }
 
     /// Replaces a plain subscription's consumer with one starting after the last event
@@ -1279,8 +1299,12 @@ impl Broker {
             return;
         };
         if !ok {
-            return log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription could not be resumed"
-            );
+            // JetStream away (a cluster without quorum answers 503 for a while): the
+            // subscription would get nothing more for good.
+            let serial = t.serial;
+            log::debug!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription could not be resumed; trying again");
+            let at = crate::deadline::after(now, SUB_RETRY);
+            return self.set_timer(at, Timer::SubRetry(session, sub, serial));
         }
         if let Ok(sid) = t.pull.attach_status_only(conn) {
             let check = t.pull.pull(conn, now);
