@@ -2062,3 +2062,71 @@ fn a_refused_request_reflects_at_most_its_bounded_header_into_the_inbox_it_names
     assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
     assert!(r["header"].get("traceparent").is_none(), "{r}");
 }
+
+/// Messages held by `AMP_MIG_SEEN`, read as the broker reads it (its own credentials).
+fn seen_keys(w: &World) -> u64 {
+    use amp_broker::jetstream::Context;
+    let seed = w.callout.broker_key.seed();
+    let options = amp_broker::nats::Options::new(&w.callout.nats.url())
+        .with_nkey_seed(&seed)
+        .expect("seed");
+    let mut js = Context::new(amp_broker::nats::Client::connect(options).expect("connect"));
+    js.stream_info("KV_AMP_MIG_SEEN")
+        .expect("the bucket of taken ids")
+        .state
+        .messages
+}
+
+/// A keyed invoke whose task has finished answers a retry at once from the task record,
+/// spending no budget and no invocation slot for long, but each retry with a fresh
+/// `message_id` claimed that id in `AMP_MIG_SEEN` for its deadline plus a minute. One
+/// caller repeating a finished key at the pace it is allowed (1,000 a second) held some
+/// 360,000 keys, about what the domain's 64 MiB bucket holds; then every signed PUBLISH
+/// and named invoke of every tenant answered `MIG_UNAVAILABLE`. A caller now holds at
+/// most `mig.max_claims_per_caller` live claims on a broker.
+#[test]
+fn one_caller_cannot_fill_the_bucket_of_taken_ids() {
+    let w = world_configured(1, None, |c| c["mig"]["max_claims_per_caller"] = json!(20));
+    let mut worker = w.worker(0, "infer", 1);
+    let mut alice = Mig::connect(&w, "alice");
+    let keyed = |id: &str| {
+        json!({"header": header(json!({"message_id": id, "idempotency_key": "k",
+                                        "deadline_ms": 300_000})),
+               "payload": {}})
+    };
+    let tag = alice.invoke_later(INFER, keyed("first"));
+    serve_one(&mut worker, json!({"op":"complete","result":{"ok":1}}));
+    assert_eq!(alice.wait(&tag)["reply"]["payload"], json!({"ok": 1}));
+    let mut refused = None;
+    for n in 0..40 {
+        let r = alice.request(&format!("invoke.{INFER}"), keyed(&format!("again-{n}")));
+        if error_code(&r) == "MIG_RATE_LIMITED" {
+            refused = Some((n, r));
+            break;
+        }
+        assert_eq!(r["payload"], json!({"ok": 1}), "{r}");
+    }
+    let (n, r) = refused.unwrap_or_else(|| {
+        panic!(
+            "alice was never refused; AMP_MIG_SEEN holds {} keys",
+            seen_keys(&w)
+        )
+    });
+    // Her first invoke holds one claim, each retry one more.
+    assert_eq!(n, 19, "{r}");
+    assert_eq!(r["error"]["retryable"], true, "{r}");
+    let retry = r["error"]["details"]["retry_after_ms"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(retry > 300_000 && retry <= 360_000, "{r}");
+    // Bob's named invoke still claims its id and runs.
+    let mut bob = Mig::connect(&w, "bob");
+    let tag = bob.invoke_later(
+        INFER,
+        json!({"header": header(json!({"message_id": "bobs", "idempotency_key": "b"})),
+               "payload": {"n": 2}}),
+    );
+    serve_one(&mut worker, json!({"op":"complete","result":{"ok":2}}));
+    assert_eq!(bob.wait(&tag)["reply"]["payload"], json!({"ok": 2}));
+    assert_eq!(seen_keys(&w), 21, "alice's 20 claims and bob's");
+}

@@ -17,6 +17,9 @@ pub struct MigSettings {
     pub max_deadline_ms: u64,
     /// Invocations one broker waits on at once; past it `MIG_BACKPRESSURE`.
     pub max_pending: usize,
+    /// Message ids one caller may hold claimed in `AMP_MIG_SEEN` through one broker at
+    /// once (keys still inside their TTL); past it `MIG_RATE_LIMITED`.
+    pub max_claims_per_caller: usize,
 }
 
 impl Default for MigSettings {
@@ -26,6 +29,7 @@ impl Default for MigSettings {
             default_deadline_ms: 30_000,
             max_deadline_ms: 300_000,
             max_pending: 4096,
+            max_claims_per_caller: 8192,
         }
     }
 }
@@ -106,6 +110,12 @@ pub fn validate_settings(s: &MigSettings) -> Result<(), ConfigError> {
         s.max_deadline_ms,
     )?;
     within("mig.max_pending", s.max_pending, 1, 1_000_000)?;
+    within(
+        "mig.max_claims_per_caller",
+        s.max_claims_per_caller,
+        1,
+        1_000_000,
+    )?;
     Ok(())
 }
 

@@ -92,19 +92,40 @@ impl Mig {
             .deadline_ms
             .unwrap_or(settings.default_deadline_ms)
             .min(settings.max_deadline_ms);
-        let inv = Invocation::new(&r, accepted, deadline_ms, now);
-        *self
-            .waiting_per_caller
-            .entry((inv.ns.clone(), inv.caller.clone()))
-            .or_insert(0) += 1;
         // A message id that names a stream or a forwarded cancel is taken for every broker
         // first: the check above sees only this broker's invocations. A stream's id is
         // taken even when this broker made it: every frame shows it to anyone reading
         // `stream.>`, who could otherwise send it to another broker as its own id. A
         // keyed unary invoke's made id reaches its caller only with the outcome, when
         // there is nothing left to cancel, so it is not worth a round trip.
-        let named = inv.stream.is_some()
-            || (r.header.message_id_given && inv.echo.idempotency_key.is_some());
+        let named =
+            accepted.streaming || (r.header.message_id_given && r.header.idempotency_key.is_some());
+        if named {
+            let bound = settings.max_claims_per_caller;
+            let caller = format!("{}/{}", r.ns, r.caller);
+            if let Err(over) = self.claims_held.admit(&caller, bound, now) {
+                let e = match over {
+                    seen::Over::Caller(d) => MigError::new(
+                        Code::RateLimited,
+                        format!(
+                            "a caller holds at most {bound} claimed message ids on this broker"
+                        ),
+                    )
+                    .detail("retry_after_ms", json!(millis(d))),
+                    seen::Over::Broker(d) => MigError::new(
+                        Code::Unavailable,
+                        "this broker holds as many claimed message ids as the bucket takes",
+                    )
+                    .detail("retry_after_ms", json!(millis(d))),
+                };
+                return self.respond(conn, &answer, Err(e), now);
+            }
+        }
+        let inv = Invocation::new(&r, accepted, deadline_ms, now);
+        *self
+            .waiting_per_caller
+            .entry((inv.ns.clone(), inv.caller.clone()))
+            .or_insert(0) += 1;
         if !named {
             return self.begin(conn, inv, now);
         }
@@ -136,6 +157,8 @@ impl Mig {
                 self.staged.push(id, super::Awaiting(pending), now);
             }
             Err(e) => {
+                self.claims_held
+                    .settle(&format!("{}/{}", inv.ns, inv.caller), None, now);
                 let e = MigError::new(Code::Unavailable, format!("NATS is unavailable: {e}"));
                 self.refuse(conn, inv, e, now);
             }
@@ -154,7 +177,14 @@ impl Mig {
     ) {
         self.claiming = self.claiming.saturating_sub(1);
         let message_id = inv.echo.message_id.clone().unwrap_or_default();
-        let refusal = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+        let acked = reply.map(|m| parse_pub_ack(m.status(), &m.payload));
+        // Counted until the key's TTL has passed; also when the answer was lost, since
+        // the server may have stored the key. JetStream's refusals stored nothing.
+        let ttl = inv.deadline.saturating_duration_since(inv.received) + seen::INVOCATION_MARGIN;
+        let created = matches!(acked, Ok(Ok(_)) | Err(_)).then_some(ttl);
+        self.claims_held
+            .settle(&format!("{}/{}", inv.ns, inv.caller), created, now);
+        let refusal = match acked {
             Ok(Ok(_)) => return self.claimed_for(conn, inv, now),
             Ok(Err(JsError::WrongLastSequence(_))) => {
                 let read = seen::invocation_owner(ctx.config.js_api(&inv.ns), &inv.ns, &message_id)
@@ -686,6 +716,10 @@ impl Mig {
         };
         self.respond(conn, &answer, result, now);
     }
+}
+
+fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Invocations one caller may have waiting on a broker: a quarter of `mig.max_pending`, so

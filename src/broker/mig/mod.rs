@@ -124,6 +124,8 @@ pub struct Mig {
     claiming: usize,
     /// The same by `(tenant, message_id)`, for a CANCEL that comes meanwhile.
     claims: HashMap<(String, String), cancel::Claim>,
+    /// Live claims this broker made in `AMP_MIG_SEEN`, per caller.
+    claims_held: seen::Ledger,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
@@ -182,6 +184,7 @@ impl Mig {
             waiting_per_caller: HashMap::new(),
             claiming: 0,
             claims: HashMap::new(),
+            claims_held: seen::Ledger::default(),
             cancels: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),

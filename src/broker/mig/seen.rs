@@ -10,7 +10,10 @@
 //! tenant-wide (so even a stream id the broker made is known to others once it streams),
 //! so an id one caller uses must not be taken by another on any broker.
 
-use std::time::Duration;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
@@ -82,9 +85,158 @@ pub fn invocation_owner(api: ApiPrefix, ns: &str, message_id: &str) -> Result<Re
     Kv::new(api, BUCKET)?.get_request(&invocation_key(ns, message_id))
 }
 
+/// Live invocation claims one broker keeps track of at once, about what [`MAX_BYTES`]
+/// holds (some 170 bytes a key): past it the bucket is full anyway.
+pub const MAX_LIVE_CLAIMS: usize = (MAX_BYTES / 170) as usize;
+
+/// Why a claim is not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Over {
+    /// The caller holds its bound; one of its claims ends in this long.
+    Caller(Duration),
+    /// This broker holds [`MAX_LIVE_CLAIMS`]; the first ends in this long.
+    Broker(Duration),
+}
+
+/// The invocation claims this broker made in the bucket and whose keys still live, per
+/// caller. A retry of a finished keyed invoke costs nothing but its claim, so without a
+/// bound one caller at its request pace kept the shared bucket full and every tenant of
+/// the domain was refused claims and signed PUBLISHes.
+#[derive(Default)]
+pub struct Ledger {
+    /// Every live claim's expiry, soonest first, with its caller.
+    all: BinaryHeap<Reverse<(Instant, Arc<str>)>>,
+    callers: HashMap<Arc<str>, Held>,
+    in_flight: usize,
+}
+
+#[derive(Default)]
+struct Held {
+    /// Claims sent and not answered yet.
+    in_flight: usize,
+    /// Expiries of this caller's live keys, soonest first.
+    live: BinaryHeap<Reverse<Instant>>,
+}
+
+impl Ledger {
+    /// Takes room for one claim by `caller` (`ns/name`), or says when there may be some.
+    pub fn admit(&mut self, caller: &str, bound: usize, now: Instant) -> Result<(), Over> {
+        self.prune(now);
+        let until = |t: Option<&Reverse<Instant>>| {
+            // With only claims in flight, their answers come within the request timeout.
+            t.map_or(Duration::from_secs(1), |Reverse(t)| {
+                t.saturating_duration_since(now)
+            })
+        };
+        if let Some(held) = self.callers.get(caller)
+            && held.in_flight + held.live.len() >= bound
+        {
+            return Err(Over::Caller(until(held.live.peek())));
+        }
+        if self.all.len() + self.in_flight >= MAX_LIVE_CLAIMS {
+            let first = self.all.peek().map(|Reverse((t, _))| Reverse(*t));
+            return Err(Over::Broker(until(first.as_ref())));
+        }
+        self.in_flight += 1;
+        self.callers.entry(caller.into()).or_default().in_flight += 1;
+        Ok(())
+    }
+
+    /// The answer to a claim [`Ledger::admit`] let through: `Some(ttl)` when a key may have
+    /// been created (a lost answer counts: the server may have stored it).
+    pub fn settle(&mut self, caller: &str, created: Option<Duration>, now: Instant) {
+        let Some((key, held)) = self.callers.get_key_value(caller) else {
+            return;
+        };
+        let key = key.clone();
+        if held.in_flight == 0 {
+            return;
+        }
+        self.in_flight = self.in_flight.saturating_sub(1);
+        let Some(held) = self.callers.get_mut(caller) else {
+            return;
+        };
+        held.in_flight -= 1;
+        match created {
+            Some(ttl) => {
+                let until = now + ttl;
+                held.live.push(Reverse(until));
+                self.all.push(Reverse((until, key)));
+            }
+            None if held.live.is_empty() && held.in_flight == 0 => {
+                self.callers.remove(caller);
+            }
+            None => {}
+        }
+    }
+
+    /// Claims `caller` holds (live or in flight).
+    #[cfg(test)]
+    pub fn held(&self, caller: &str) -> usize {
+        self.callers
+            .get(caller)
+            .map_or(0, |h| h.in_flight + h.live.len())
+    }
+
+    fn prune(&mut self, now: Instant) {
+        while let Some(Reverse((t, _))) = self.all.peek()
+            && *t <= now
+        {
+            let Some(Reverse((_, caller))) = self.all.pop() else {
+                break;
+            };
+            // Both heaps hold the same expiries of `caller`: the soonest of its own is
+            // one that has passed.
+            if let Some(held) = self.callers.get_mut(&caller) {
+                held.live.pop();
+                if held.live.is_empty() && held.in_flight == 0 {
+                    self.callers.remove(&caller);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_holds_at_most_its_bound_of_live_claims() {
+        let mut l = Ledger::default();
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(90);
+        for _ in 0..3 {
+            l.admit("acme/x", 3, t0).expect("room");
+        }
+        assert_eq!(
+            l.admit("acme/x", 3, t0),
+            Err(Over::Caller(Duration::from_secs(1)))
+        );
+        l.admit("acme/y", 3, t0).expect("another caller has room");
+        // One answered without a key frees its place; two made keys.
+        l.settle("acme/x", None, t0);
+        l.settle("acme/x", Some(ttl), t0);
+        l.settle("acme/x", Some(ttl + Duration::from_secs(10)), t0);
+        assert_eq!(l.held("acme/x"), 2);
+        l.admit("acme/x", 3, t0).expect("room again");
+        l.settle("acme/x", Some(ttl), t0);
+        assert_eq!(l.admit("acme/x", 3, t0), Err(Over::Caller(ttl)));
+        // Keys past their TTL are gone from the bucket and from the count.
+        let later = t0 + ttl;
+        l.admit("acme/x", 3, later).expect("two keys ended");
+        assert_eq!(l.held("acme/x"), 2);
+        l.settle("acme/y", None, t0);
+        assert_eq!(l.held("acme/y"), 0);
+        assert!(
+            !l.callers.contains_key("acme/y"),
+            "an empty entry is forgotten"
+        );
+        let gone = t0 + ttl + Duration::from_secs(11);
+        l.settle("acme/x", None, gone);
+        l.prune(gone);
+        assert!(l.callers.is_empty() && l.all.is_empty() && l.in_flight == 0);
+    }
 
     #[test]
     fn keys_tell_every_name_and_id_apart() {
