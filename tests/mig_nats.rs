@@ -104,6 +104,19 @@ impl Mig {
         self.request_with(op, body, json!({"Authorization": auth}))
     }
 
+    /// A request signed by `key` with message id `id` at `ts` (the same three make the
+    /// same signature, as a resend of one request has).
+    fn signed_as(&mut self, key: &KeyPair, id: &str, ts: &str, op: &str, mut body: Value) -> Value {
+        use base64::Engine;
+        let signed = format!("{id}\n{ts}\nmig.v0_1.acme.{op}");
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key.sign(signed.as_bytes()));
+        body["header"]["message_id"] = json!(id);
+        body["header"]["timestamp"] = json!(ts);
+        let auth = format!("NKey {} {sig}", key.public_key());
+        self.request_with(op, body, json!({"Authorization": auth}))
+    }
+
     /// The answer of `tag` if it came already.
     fn answered(&mut self, tag: &str) -> Option<Value> {
         while let Ok(v) = self.lines.try_recv() {
@@ -2129,4 +2142,97 @@ fn one_caller_cannot_fill_the_bucket_of_taken_ids() {
     serve_one(&mut worker, json!({"op":"complete","result":{"ok":2}}));
     assert_eq!(bob.wait(&tag)["reply"]["payload"], json!({"ok": 2}));
     assert_eq!(seen_keys(&w), 21, "alice's 20 claims and bob's");
+}
+
+fn now_rfc3339() -> String {
+    amp_broker::rfc3339::format_system_time(std::time::SystemTime::now())
+}
+
+/// A signed request refused for pace was remembered first: sent again with the same id
+/// (what a client does with a retryable error), it was refused as a replay
+/// (`MIG_UNAUTHORIZED`) and counted as a failed authentication. A request is now paced
+/// before its id is remembered.
+#[test]
+fn a_signed_request_refused_for_pace_may_be_sent_again() {
+    let w = world_configured(1, None, |c| c["limits"]["max_frames_per_s"] = json!(1));
+    let mut ann = Mig::connect_nkey(&w);
+    let discover = json!({"header": {"tenant_id": "acme"}});
+    let ts = now_rfc3339();
+    // One a second, after a second's worth at once: the third at the latest is refused.
+    let refused = (1..=3).map(|n| format!("pace-{n}")).find(|id| {
+        let r = ann.signed_as(&w.ann, id, &ts, "discover", discover.clone());
+        if error_code(&r) == "MIG_RATE_LIMITED" {
+            return true;
+        }
+        assert!(r["capabilities"].is_array(), "{r}");
+        false
+    });
+    let id = refused.expect("no request was refused for pace");
+    // The same request again once the pace allows one more.
+    let mut again = Value::Null;
+    let served = common::wait_until(WAIT, || {
+        again = ann.signed_as(&w.ann, &id, &ts, "discover", discover.clone());
+        error_code(&again) != "MIG_RATE_LIMITED"
+    });
+    assert!(served, "{again}");
+    assert!(again["capabilities"].is_array(), "{again}");
+    // A real replay is still one.
+    let r = ann.signed_as(&w.ann, &id, &ts, "discover", discover);
+    let refused = ["MIG_UNAUTHORIZED", "MIG_RATE_LIMITED"];
+    assert!(refused.contains(&error_code(&r)), "{r}");
+}
+
+/// Signed ids are remembered in one cache per broker, shared by every tenant's NKey
+/// callers; full, it refused every signed request (PUBLISH included) until ids aged out,
+/// 240 s, and sixteen identities signing their 4,096 each filled it. A full cache now
+/// refuses only whoever holds the most of it; anyone else's id takes the place of that
+/// caller's oldest. Here the cache holds 8.
+#[test]
+fn identities_filling_the_replay_cache_do_not_lock_out_another() {
+    let keys: Vec<KeyPair> = (0..2)
+        .map(|_| KeyPair::generate(KeyKind::User).expect("key"))
+        .collect();
+    let w = world_configured(1, None, |c| {
+        c["mig"]["max_signed_ids"] = json!(8);
+        for (n, k) in keys.iter().enumerate() {
+            c["namespaces"]["acme"]["participants"][format!("n{n}")] =
+                json!({"nkey": k.public_key(), "permissions": {"submit": ["infer"]}});
+        }
+    });
+    let connect = |name: &str, key: &KeyPair| {
+        let seed = w.dir.path().join(format!("{name}.seed"));
+        std::fs::write(&seed, key.seed()).expect("seed");
+        Mig::connect_as(&w, name, json!({"nkeys_seed": seed}))
+    };
+    let discover = json!({"header": {"tenant_id": "acme"}});
+    let ts = now_rfc3339();
+    let mut ann = Mig::connect_nkey(&w);
+    for n in 0..8 {
+        let r = ann.signed_as(&w.ann, &format!("a{n}"), &ts, "discover", discover.clone());
+        assert!(r["capabilities"].is_array(), "{r}");
+    }
+    // Full of Ann's ids: her next waits for room, refused as such, not as a bad proof.
+    let r = ann.signed_as(&w.ann, "a8", &ts, "discover", discover.clone());
+    assert_eq!(error_code(&r), "MIG_RATE_LIMITED", "{r}");
+    let retry = r["error"]["details"]["retry_after_ms"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(retry > 0 && retry <= 240_000, "{r}");
+    let mut n0 = connect("n0", &keys[0]);
+    for id in ["x0", "x1"] {
+        let r = n0.signed_as(&keys[0], id, &ts, "discover", discover.clone());
+        assert!(r["capabilities"].is_array(), "n0 {id}: {r}");
+    }
+    let mut n1 = connect("n1", &keys[1]);
+    let r = n1.signed_as(&keys[1], "y0", &ts, "discover", discover.clone());
+    assert!(r["capabilities"].is_array(), "n1: {r}");
+    // Ann's newer ids are still remembered: replays of them are refused.
+    let r = ann.signed_as(&w.ann, "a7", &ts, "discover", discover);
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "{r}");
+    assert!(
+        w.metrics(0)
+            .contains("amp_mig_rejected_total{reason=\"replay_cache_share\"} 1"),
+        "{}",
+        w.metrics(0)
+    );
 }

@@ -7,8 +7,9 @@
 //! participant like failed `hello`s (NATS does not tell the broker the client's address,
 //! so only the per-participant bucket applies).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::broker::auth::{self, Credential};
@@ -20,12 +21,6 @@ use super::subjects;
 
 /// How far an NKey-signed request's timestamp may be from the broker's clock.
 pub const REPLAY_WINDOW: Duration = Duration::from_secs(120);
-/// Signed message ids remembered at once; past it signed requests are refused until some
-/// leave the window.
-pub const MAX_REMEMBERED: usize = 65_536;
-/// One caller's share of it: a participant signing as fast as it can fills its own share,
-/// not the cache every other NKey caller needs.
-const MAX_REMEMBERED_PER_CALLER: usize = 4_096;
 
 /// Why a request is not served.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +32,16 @@ pub enum Refusal {
     Throttled(Duration),
     /// A `Bearer` credential on a subject others receive (see [`Presented::exposed`]).
     Exposed,
+    /// The replay cache is full and the caller holds as many of its ids as anyone: its
+    /// oldest leaves the window in this long.
+    Crowded(Duration),
+}
+
+/// Who a request proved, and the signed message id to take once it is paced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proved {
+    pub name: String,
+    pub signed_id: Option<String>,
 }
 
 /// The request facts authentication looks at.
@@ -57,10 +62,7 @@ pub struct Presented<'a> {
 
 pub struct Authenticator {
     throttle: HelloThrottle,
-    seen: HashSet<String>,
-    seen_order: VecDeque<(i64, String)>,
-    /// Remembered ids per caller (`ns/name`).
-    per_caller: HashMap<String, usize>,
+    seen: ReplayCache,
 }
 
 impl Default for Authenticator {
@@ -78,13 +80,13 @@ impl Authenticator {
         };
         Authenticator {
             throttle: HelloThrottle::new(config),
-            seen: HashSet::new(),
-            seen_order: VecDeque::new(),
-            per_caller: HashMap::new(),
+            seen: ReplayCache::default(),
         }
     }
 
-    /// The participant name the request proves, or why not.
+    /// The participant name the request proves, or why not. A signed request's id is
+    /// not taken yet: [`Authenticator::take_signed`] does, once the request is paced, so
+    /// a request refused for pace takes no room and may be sent again as it was.
     pub fn authenticate(
         &mut self,
         config: &Config,
@@ -92,7 +94,7 @@ impl Authenticator {
         req: &Presented<'_>,
         now: Instant,
         wall_ms: i64,
-    ) -> Result<String, Refusal> {
+    ) -> Result<Proved, Refusal> {
         let reply = req.reply.ok_or(Refusal::Drop("no_reply_subject"))?;
         let owner = subjects::reply_owner(req.ns, reply).ok_or(Refusal::Drop("reply_subject"))?;
         if req.exposed
@@ -117,7 +119,7 @@ impl Authenticator {
         }
         let proved = self.prove(config, issuer, req, wall_ms);
         match (proved, throttled) {
-            (Some(name), _) if name == owner => Ok(name),
+            (Some(p), _) if p.name == owner => Ok(p),
             // A real credential with someone else's reply subject: answer nothing.
             (Some(_), _) => Err(Refusal::Drop("reply_subject")),
             (None, Some(d)) => Err(Refusal::Throttled(d)),
@@ -134,20 +136,25 @@ impl Authenticator {
         issuer: Option<&str>,
         req: &Presented<'_>,
         wall_ms: i64,
-    ) -> Option<String> {
+    ) -> Option<Proved> {
         let value = req.authorization?.trim();
         let owner = subjects::reply_owner(req.ns, req.reply?)?;
+        let unsigned = |name| Proved {
+            name,
+            signed_id: None,
+        };
         if let Some(token) = value.strip_prefix("Bearer ") {
             let token = token.trim();
             if token.matches('.').count() == 2 {
-                return verify_jwt(config, issuer?, req.ns, token, wall_ms);
+                return verify_jwt(config, issuer?, req.ns, token, wall_ms).map(unsigned);
             }
             return owner_presented(
                 config,
                 req.ns,
                 owner,
                 &auth::present(Credential::Token(token), b""),
-            );
+            )
+            .map(unsigned);
         }
         if let Some(rest) = value.strip_prefix("NKey ") {
             let (nkey, sig) = rest.trim().split_once(' ')?;
@@ -168,44 +175,155 @@ impl Authenticator {
                 owner,
                 &auth::present(credential, signed.as_bytes()),
             )?;
-            return self
-                .remember(format!("{}/{name}", req.ns), id, wall_ms)
-                .then_some(name);
+            // Only a fresh id proves this message; one seen already is refused as a
+            // failed proof (here, or in `take_signed` once paced).
+            let key = format!("{}/{name}", req.ns);
+            if self.seen.holds(&key, id, wall_ms) {
+                return None;
+            }
+            return Some(Proved {
+                name,
+                signed_id: Some(id.to_string()),
+            });
         }
         None
     }
 
-    /// Accepts a signed message id once within the window.
-    fn remember(&mut self, caller: String, id: &str, wall_ms: i64) -> bool {
-        let window = REPLAY_WINDOW.as_millis() as i64;
-        while let Some((at, _)) = self.seen_order.front() {
-            if *at + 2 * window >= wall_ms {
-                break;
+    /// Takes the signed id of a paced request by `ns/name` once within the window, in a
+    /// cache of `capacity` ids; a replay counts as a failed authentication.
+    pub fn take_signed(
+        &mut self,
+        ns: &str,
+        name: &str,
+        id: &str,
+        capacity: usize,
+        now: Instant,
+        wall_ms: i64,
+    ) -> Result<(), Refusal> {
+        let key = format!("{ns}/{name}");
+        match self.seen.take(&key, id, capacity, wall_ms) {
+            Taken::Fresh => Ok(()),
+            Taken::Replay => {
+                self.throttle.record_failure(ANY, &key, now);
+                Err(Refusal::Unauthorized)
             }
-            if let Some((_, k)) = self.seen_order.pop_front() {
-                self.seen.remove(&k);
-                // `ns/name/id`: names hold no `/`, an id may.
-                let owner = k.match_indices('/').nth(1).map_or("", |(i, _)| &k[..i]);
-                if let Some(n) = self.per_caller.get_mut(owner) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.per_caller.remove(owner);
+            Taken::Crowded(d) => Err(Refusal::Crowded(d)),
+        }
+    }
+}
+
+/// What [`ReplayCache::take`] made of an id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Taken {
+    Fresh,
+    Replay,
+    Crowded(Duration),
+}
+
+/// Signed message ids taken within two windows, per caller, at most `capacity` in all.
+/// One cache serves every tenant of the broker, so a full one must not refuse callers
+/// who hold little of it: when full, a caller's id takes the place of the oldest id of
+/// whoever holds the most, unless that is the caller itself, which is then refused. Each
+/// caller's share is thus at least the capacity over the callers holding ids; before, a
+/// full cache refused every signed request, and sixteen identities filled it. A forgotten
+/// id could be replayed to this broker only; a PUBLISH (the one request others see) is
+/// also checked in `AMP_MIG_SEEN`, which forgets nothing.
+#[derive(Default)]
+struct ReplayCache {
+    callers: HashMap<Arc<str>, Ids>,
+    /// Callers by how many ids they hold.
+    by_count: BTreeSet<(usize, Arc<str>)>,
+    /// Callers by when their oldest id was taken.
+    by_oldest: BTreeSet<(i64, Arc<str>)>,
+    total: usize,
+}
+
+#[derive(Default)]
+struct Ids {
+    order: VecDeque<(i64, String)>,
+    set: HashSet<String>,
+}
+
+impl ReplayCache {
+    fn keep_ms() -> i64 {
+        2 * REPLAY_WINDOW.as_millis() as i64
+    }
+
+    fn holds(&mut self, caller: &str, id: &str, wall_ms: i64) -> bool {
+        self.expire(wall_ms);
+        self.callers
+            .get(caller)
+            .is_some_and(|ids| ids.set.contains(id))
+    }
+
+    fn take(&mut self, caller: &str, id: &str, capacity: usize, wall_ms: i64) -> Taken {
+        self.expire(wall_ms);
+        let mine = self.callers.get(caller);
+        if mine.is_some_and(|ids| ids.set.contains(id)) {
+            return Taken::Replay;
+        }
+        let held = mine.map_or(0, |ids| ids.order.len());
+        while self.total >= capacity.max(1) {
+            let Some((most, top)) = self.by_count.last().cloned() else {
+                break;
+            };
+            if most <= held {
+                let oldest = self
+                    .callers
+                    .get(caller)
+                    .and_then(|ids| ids.order.front())
+                    .map_or(wall_ms, |(at, _)| *at);
+                let ms = (oldest + Self::keep_ms() - wall_ms).max(1);
+                return Taken::Crowded(Duration::from_millis(ms as u64));
+            }
+            self.change(&top, |ids| {
+                if let Some((_, old)) = ids.order.pop_front() {
+                    ids.set.remove(&old);
+                }
+            });
+        }
+        let owned = id.to_string();
+        self.change(caller, |ids| {
+            ids.set.insert(owned.clone());
+            ids.order.push_back((wall_ms, owned));
+        });
+        Taken::Fresh
+    }
+
+    /// Ids older than two windows leave.
+    fn expire(&mut self, wall_ms: i64) {
+        let cutoff = wall_ms - Self::keep_ms();
+        while let Some((at, caller)) = self.by_oldest.first().cloned()
+            && at < cutoff
+        {
+            self.change(&caller, |ids| {
+                while ids.order.front().is_some_and(|(at, _)| *at < cutoff) {
+                    if let Some((_, old)) = ids.order.pop_front() {
+                        ids.set.remove(&old);
                     }
                 }
-            }
+            });
         }
-        let key = format!("{caller}/{id}");
-        let share = self.per_caller.get(&caller).copied().unwrap_or(0);
-        if self.seen.contains(&key)
-            || self.seen.len() >= MAX_REMEMBERED
-            || share >= MAX_REMEMBERED_PER_CALLER
-        {
-            return false;
+    }
+
+    /// Changes `caller`'s ids and keeps the indexes and the total in step.
+    fn change(&mut self, caller: &str, f: impl FnOnce(&mut Ids)) {
+        let (key, mut ids) = match self.callers.remove_entry(caller) {
+            Some(found) => found,
+            None => (Arc::from(caller), Ids::default()),
+        };
+        if let Some((at, _)) = ids.order.front() {
+            self.by_oldest.remove(&(*at, key.clone()));
+            self.by_count.remove(&(ids.order.len(), key.clone()));
         }
-        self.seen.insert(key.clone());
-        self.seen_order.push_back((wall_ms, key));
-        *self.per_caller.entry(caller).or_insert(0) += 1;
-        true
+        let before = ids.order.len();
+        f(&mut ids);
+        self.total = self.total + ids.order.len() - before;
+        if let Some((at, _)) = ids.order.front() {
+            self.by_oldest.insert((*at, key.clone()));
+            self.by_count.insert((ids.order.len(), key.clone()));
+            self.callers.insert(key, ids);
+        }
     }
 }
 
@@ -320,6 +438,25 @@ mod tests {
 
     const NOW_MS: i64 = 1_796_083_200_000; // 2026-12-01T00:00:00Z
 
+    impl Authenticator {
+        /// The whole path of a request: its proof, then its signed id taken (pacing,
+        /// which comes between, is the front end's).
+        fn admit(
+            &mut self,
+            config: &Config,
+            issuer: Option<&str>,
+            req: &Presented<'_>,
+            now: Instant,
+            wall_ms: i64,
+        ) -> Result<String, Refusal> {
+            let p = self.authenticate(config, issuer, req, now, wall_ms)?;
+            if let Some(id) = &p.signed_id {
+                self.take_signed(req.ns, &p.name, id, 65_536, now, wall_ms)?;
+            }
+            Ok(p.name)
+        }
+    }
+
     /// Ann's `Authorization` for [`req`]'s message on `mig.v0_1.acme.discover`.
     fn signed_by(ann: &KeyPair) -> String {
         let signed = "m1\n2026-12-01T00:00:00Z\nmig.v0_1.acme.discover";
@@ -346,7 +483,7 @@ mod tests {
     /// Forty failures with `reply`: its participant is throttled after.
     fn fail_often(a: &mut Authenticator, c: &Config, reply: &str, now: Instant) {
         for _ in 0..40 {
-            let _ = a.authenticate(c, None, &req(reply, "Bearer nope"), now, NOW_MS);
+            let _ = a.admit(c, None, &req(reply, "Bearer nope"), now, NOW_MS);
         }
     }
 
@@ -357,7 +494,7 @@ mod tests {
         let mut a = Authenticator::new();
         let now = Instant::now();
         assert_eq!(
-            a.authenticate(
+            a.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_bob.1", "Bearer bob-token"),
@@ -367,7 +504,7 @@ mod tests {
             Ok("bob".into())
         );
         assert_eq!(
-            a.authenticate(
+            a.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_bob.1", "Bearer wrong"),
@@ -381,7 +518,7 @@ mod tests {
         // subject learnt that a guess was somebody's token, and no failure was counted.)
         let mut guesser = Authenticator::new();
         assert_eq!(
-            guesser.authenticate(
+            guesser.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_ann.1", "Bearer bob-token"),
@@ -392,24 +529,24 @@ mod tests {
         );
         let auth = signed_by(&ann);
         assert_eq!(
-            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            a.admit(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
         );
         // The same message id again is a replay.
         assert_eq!(
-            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            a.admit(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Err(Refusal::Unauthorized)
         );
         // Ann's valid signature with Bob's reply subject: no answer.
         let mut other = Authenticator::new();
         assert_eq!(
-            other.authenticate(&c, None, &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
+            other.admit(&c, None, &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
             Err(Refusal::Drop("reply_subject"))
         );
         // Too old.
         let mut late = Authenticator::new();
         assert_eq!(
-            late.authenticate(
+            late.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_ann.1", &auth),
@@ -419,7 +556,7 @@ mod tests {
             Err(Refusal::Unauthorized)
         );
         assert_eq!(
-            a.authenticate(&c, None, &req("_INBOX.x", "Bearer bob-token"), now, NOW_MS),
+            a.admit(&c, None, &req("_INBOX.x", "Bearer bob-token"), now, NOW_MS),
             Err(Refusal::Drop("reply_subject"))
         );
     }
@@ -434,11 +571,11 @@ mod tests {
         let auth = format!("Bearer {token}");
         let pk = issuer.public_key();
         assert_eq!(
-            a.authenticate(&c, Some(&pk), &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
+            a.admit(&c, Some(&pk), &req("_INBOX_acme_bob.1", &auth), now, NOW_MS),
             Ok("bob".into())
         );
         assert_eq!(
-            a.authenticate(&c, Some(&pk), &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            a.admit(&c, Some(&pk), &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Err(Refusal::Drop("reply_subject"))
         );
         // Bob's token rotated: the JWT issued with the old one proves nothing any more.
@@ -451,7 +588,7 @@ mod tests {
             bob.token_sha256 = Some(hex(&Sha256::digest(b"new-token")));
         }
         assert_eq!(
-            Authenticator::new().authenticate(
+            Authenticator::new().admit(
                 &rotated,
                 Some(&pk),
                 &req("_INBOX_acme_bob.1", &auth),
@@ -464,7 +601,7 @@ mod tests {
             .expect("key")
             .public_key();
         assert_eq!(
-            a.authenticate(
+            a.admit(
                 &c,
                 Some(&other),
                 &req("_INBOX_acme_bob.1", &auth),
@@ -474,7 +611,7 @@ mod tests {
             Err(Refusal::Unauthorized)
         );
         assert_eq!(
-            a.authenticate(
+            a.admit(
                 &c,
                 Some(&pk),
                 &req("_INBOX_acme_bob.1", &auth),
@@ -497,7 +634,7 @@ mod tests {
         fail_often(&mut a, &c, "_INBOX_acme_ann.x", now);
         let auth = signed_by(&ann);
         assert_eq!(
-            a.authenticate(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
+            a.admit(&c, None, &req("_INBOX_acme_ann.1", &auth), now, NOW_MS),
             Ok("ann".into())
         );
         // A bearer JWT (Bob's: a token participant) passes while his prefix is throttled.
@@ -505,7 +642,7 @@ mod tests {
         fail_often(&mut a, &c, "_INBOX_acme_bob.x", now);
         let jwt = hello_jwt(&issuer, &c, "bob");
         assert_eq!(
-            a.authenticate(
+            a.admit(
                 &c,
                 Some(&pk),
                 &req("_INBOX_acme_bob.1", &format!("Bearer {jwt}")),
@@ -516,7 +653,7 @@ mod tests {
         );
         // A bad signature while throttled is still only throttled (not checked as a guess).
         assert!(matches!(
-            a.authenticate(
+            a.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_ann.1", &format!("{auth}x")),
@@ -528,7 +665,7 @@ mod tests {
         // Raw tokens stay unchecked while throttled: guessing stays slow.
         fail_often(&mut a, &c, "_INBOX_acme_bob.x", now);
         assert!(matches!(
-            a.authenticate(
+            a.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_bob.1", "Bearer bob-token"),
@@ -550,7 +687,7 @@ mod tests {
         let jwt = hello_jwt(&issuer, &c, "ann");
         let pk = issuer.public_key();
         assert_eq!(
-            Authenticator::new().authenticate(
+            Authenticator::new().admit(
                 &c,
                 Some(&pk),
                 &req("_INBOX_acme_ann.1", &format!("Bearer {jwt}")),
@@ -570,16 +707,13 @@ mod tests {
         let mut publish = req("_INBOX_acme_bob.1", "Bearer bob-token");
         publish.exposed = true;
         assert_eq!(
-            a.authenticate(&c, None, &publish, now, NOW_MS),
+            a.admit(&c, None, &publish, now, NOW_MS),
             Err(Refusal::Exposed)
         );
         let auth = signed_by(&ann);
         let mut publish = req("_INBOX_acme_ann.1", &auth);
         publish.exposed = true;
-        assert_eq!(
-            a.authenticate(&c, None, &publish, now, NOW_MS),
-            Ok("ann".into())
-        );
+        assert_eq!(a.admit(&c, None, &publish, now, NOW_MS), Ok("ann".into()));
     }
 
     #[test]
@@ -589,7 +723,7 @@ mod tests {
         let now = Instant::now();
         let mut throttled = false;
         for _ in 0..30 {
-            if let Err(Refusal::Throttled(_)) = a.authenticate(
+            if let Err(Refusal::Throttled(_)) = a.admit(
                 &c,
                 None,
                 &req("_INBOX_acme_bob.1", "Bearer guess"),
@@ -602,21 +736,62 @@ mod tests {
         assert!(throttled);
     }
 
+    /// Sixteen identities signing 4,096 ids each filled the broker's 65,536 entries: every
+    /// other NKey request, PUBLISH included, was refused for up to 240 s.
     #[test]
-    fn one_caller_fills_only_its_own_share_of_the_replay_cache() {
-        let mut a = Authenticator::new();
-        for n in 0..MAX_REMEMBERED_PER_CALLER {
-            assert!(a.remember("acme/x".into(), &format!("m/{n}"), NOW_MS));
+    fn a_few_identities_filling_the_replay_cache_do_not_lock_out_another() {
+        let mut c = ReplayCache::default();
+        for caller in 0..16 {
+            for n in 0..4096 {
+                let _ = c.take(&format!("acme/n{caller}"), &format!("m{n}"), 65_536, NOW_MS);
+            }
         }
-        assert!(!a.remember("acme/x".into(), "one more", NOW_MS));
-        assert!(
-            a.remember("acme/y".into(), "m/0", NOW_MS),
-            "another caller still has room"
+        assert_eq!(c.total, 65_536);
+        assert_eq!(
+            c.take("other/ann", "m0", 65_536, NOW_MS),
+            Taken::Fresh,
+            "a caller with no id remembered is refused"
         );
-        assert!(!a.remember("acme/y".into(), "m/0", NOW_MS), "a replay");
-        // Past two windows the share is free again.
+        assert_eq!(c.total, 65_536, "the cache stays at its capacity");
+    }
+
+    #[test]
+    fn a_full_replay_cache_refuses_only_who_holds_the_most() {
+        let mut c = ReplayCache::default();
+        for n in 0..4 {
+            assert_eq!(c.take("acme/x", &format!("m{n}"), 4, NOW_MS), Taken::Fresh);
+        }
+        // Full: X holds the most and waits until its oldest id leaves the window.
+        assert_eq!(
+            c.take("acme/x", "m4", 4, NOW_MS + 1000),
+            Taken::Crowded(Duration::from_millis(239_000))
+        );
+        // Y takes the place of X's oldest; X's others are still replays.
+        assert_eq!(c.take("acme/y", "m0", 4, NOW_MS), Taken::Fresh);
+        assert_eq!(c.take("acme/y", "m0", 4, NOW_MS), Taken::Replay);
+        assert_eq!(c.take("acme/x", "m3", 4, NOW_MS), Taken::Replay);
+        assert_eq!(c.take("acme/y", "m1", 4, NOW_MS), Taken::Fresh);
+        // Two each: neither may push the other out.
+        assert!(matches!(
+            c.take("acme/y", "m2", 4, NOW_MS),
+            Taken::Crowded(_)
+        ));
+        assert!(matches!(
+            c.take("acme/x", "m9", 4, NOW_MS),
+            Taken::Crowded(_)
+        ));
+        assert_eq!(c.callers.get("acme/x").map(|i| i.order.len()), Some(2));
+        // Past two windows every id has left, and the indexes with them.
         let later = NOW_MS + 3 * REPLAY_WINDOW.as_millis() as i64;
-        assert!(a.remember("acme/x".into(), "after", later));
-        assert_eq!(a.per_caller.get("acme/x"), Some(&1));
+        assert_eq!(c.take("acme/x", "m0", 4, later), Taken::Fresh);
+        assert_eq!(
+            (
+                c.total,
+                c.callers.len(),
+                c.by_count.len(),
+                c.by_oldest.len()
+            ),
+            (1, 1, 1, 1)
+        );
     }
 }

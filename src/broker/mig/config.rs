@@ -20,6 +20,9 @@ pub struct MigSettings {
     /// Message ids one caller may hold claimed in `AMP_MIG_SEEN` through one broker at
     /// once (keys still inside their TTL); past it `MIG_RATE_LIMITED`.
     pub max_claims_per_caller: usize,
+    /// Signed message ids one broker remembers within the replay window (every tenant's
+    /// NKey callers share them fairly).
+    pub max_signed_ids: usize,
 }
 
 impl Default for MigSettings {
@@ -30,6 +33,7 @@ impl Default for MigSettings {
             max_deadline_ms: 300_000,
             max_pending: 4096,
             max_claims_per_caller: 8192,
+            max_signed_ids: 65_536,
         }
     }
 }
@@ -116,6 +120,7 @@ pub fn validate_settings(s: &MigSettings) -> Result<(), ConfigError> {
         1,
         1_000_000,
     )?;
+    within("mig.max_signed_ids", s.max_signed_ids, 1, 1_048_576)?;
     Ok(())
 }
 

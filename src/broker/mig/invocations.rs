@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 use super::envelope::{Code, Echo, MigError};
 use super::invoke::{self, Invocation, Stage};
 use super::{
-    Answer, BACKPRESSURE_RETRY_MS, Ctx, JS_TIMEOUT, Mig, Pending, Sub, jobs_frame, metrics, seen,
-    take_rate,
+    Answer, BACKPRESSURE_RETRY_MS, Ctx, JS_TIMEOUT, Mig, Pending, Sub, jobs_frame, metrics, millis,
+    seen, take_rate,
 };
 use crate::amp::frame::ClientFrame;
 use crate::broker::budget::Spend;
@@ -716,10 +716,6 @@ impl Mig {
         };
         self.respond(conn, &answer, result, now);
     }
-}
-
-fn millis(d: std::time::Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Invocations one caller may have waiting on a broker: a quarter of `mig.max_pending`, so

@@ -516,31 +516,11 @@ impl Mig {
             capability,
             received: now,
         };
-        let name = match verdict {
-            Ok(name) => name,
-            Err(Refusal::Drop(reason)) => {
-                self.metrics.rejected(reason);
-                return;
-            }
-            Err(Refusal::Unauthorized) => {
-                let e = MigError::new(Code::Unauthorized, "authentication failed");
-                return self.respond(conn, &answer, Err(e), now);
-            }
-            Err(Refusal::Exposed) => {
-                self.metrics.rejected("bearer_on_publish");
-                let e = MigError::new(
-                    Code::Unauthorized,
-                    "PUBLISH takes an NKey signature: its subject reaches every subscriber of the topic, headers included, so a Bearer credential there is handed to them (use a new one)",
-                );
-                return self.respond(conn, &answer, Err(e), now);
-            }
-            Err(Refusal::Throttled(d)) => {
-                let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
-                let e = MigError::new(Code::RateLimited, "too many failed attempts")
-                    .detail("retry_after_ms", json!(ms));
-                return self.respond(conn, &answer, Err(e), now);
-            }
+        let proved = match verdict {
+            Ok(p) => p,
+            Err(refusal) => return self.refused(conn, &answer, refusal, now),
         };
+        let name = proved.name;
         let cost = match op {
             subjects::Op::Subscribe => events::page_cost(body.as_ref()),
             _ => 1,
@@ -550,6 +530,14 @@ impl Mig {
             let e = MigError::new(Code::RateLimited, "too many requests")
                 .detail("retry_after_ms", json!(ms));
             return self.respond(conn, &answer, Err(e), now);
+        }
+        // Taken only now: a request refused for pace holds no room in the replay cache
+        // and may be sent again as it was.
+        if let Some(id) = &proved.signed_id {
+            let capacity = ctx.config.mig.max_signed_ids;
+            if let Err(refusal) = self.auth.take_signed(ns, &name, id, capacity, now, wall) {
+                return self.refused(conn, &answer, refusal, now);
+            }
         }
         let (Some(body), Some(header)) = (body, header) else {
             let e = MigError::new(Code::InvalidRequest, "the body must be a JSON object");
@@ -631,6 +619,32 @@ impl Mig {
         self.respond(conn, &answer, result, now);
     }
 
+    /// Answers a request whose credential did not pass (or nothing, for `Drop`).
+    fn refused(&mut self, conn: &mut Connection, answer: &Answer<'_>, r: Refusal, now: Instant) {
+        let e = match r {
+            Refusal::Drop(reason) => return self.metrics.rejected(reason),
+            Refusal::Unauthorized => MigError::new(Code::Unauthorized, "authentication failed"),
+            Refusal::Exposed => {
+                self.metrics.rejected("bearer_on_publish");
+                MigError::new(
+                    Code::Unauthorized,
+                    "PUBLISH takes an NKey signature: its subject reaches every subscriber of the topic, headers included, so a Bearer credential there is handed to them (use a new one)",
+                )
+            }
+            Refusal::Throttled(d) => MigError::new(Code::RateLimited, "too many failed attempts")
+                .detail("retry_after_ms", json!(millis(d))),
+            Refusal::Crowded(d) => {
+                self.metrics.rejected("replay_cache_share");
+                MigError::new(
+                    Code::RateLimited,
+                    "this broker remembers as many of your signed message ids as it may: send fewer signed requests",
+                )
+                .detail("retry_after_ms", json!(millis(d)))
+            }
+        };
+        self.respond(conn, answer, Err(e), now);
+    }
+
     /// Publishes a reply (success fields or an error) with the duplicated NATS headers.
     fn respond(
         &mut self,
@@ -651,6 +665,10 @@ impl Mig {
         let took = now.saturating_duration_since(a.received);
         self.metrics.request(a.op, a.capability, code, took);
     }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// Whether tenant `ns` has capability `id`.
