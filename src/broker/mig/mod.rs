@@ -19,6 +19,8 @@ mod metrics;
 mod ops;
 pub mod seen;
 pub mod subjects;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -127,6 +129,10 @@ pub struct Mig {
     /// Live claims this broker made in `AMP_MIG_SEEN`, per caller.
     claims_held: seen::Ledger,
     cancels: HashMap<SessionId, CancelRequest>,
+    /// Invocations answered at their deadline while their submit was out, by session:
+    /// `(tenant, caller, task)` to cancel once the submit is answered (a cancel sent
+    /// before the task store has the task finds nothing, and the task runs on).
+    expired_submits: HashMap<SessionId, (String, String, String)>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
     /// `(tenant, message_id)` of finished invocations -> caller.
@@ -186,6 +192,7 @@ impl Mig {
             claims: HashMap::new(),
             claims_held: seen::Ledger::default(),
             cancels: HashMap::new(),
+            expired_submits: HashMap::new(),
             by_message: HashMap::new(),
             finished: BoundedMap::new(FINISHED_MEMORY),
             next_session: SESSION_BASE,
@@ -354,6 +361,14 @@ impl Mig {
         if let Some(c) = self.cancels.remove(&session) {
             return self.cancel_answered(conn, c, error, now);
         }
+        if let Some((ns, caller, task)) = self.expired_submits.remove(&session) {
+            // Created (or found): it is cancelled as at the deadline; refused: no task.
+            if error.is_none() {
+                let s = self.new_session();
+                jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
+            }
+            return;
+        }
         let Some(inv) = self.invocations.get_mut(&session) else {
             return;
         };
@@ -404,7 +419,7 @@ impl Mig {
         let Some(inv) = self.invocations.get(&session) else {
             return;
         };
-        let submitted = inv.stage >= Stage::Submitting;
+        let stage = inv.stage;
         let (ns, caller, task) = (inv.ns.clone(), inv.caller.clone(), inv.task.clone());
         self.finish(
             conn,
@@ -412,7 +427,12 @@ impl Mig {
             Err(MigError::new(Code::Timeout, "deadline exceeded")),
             now,
         );
-        if submitted {
+        // The jobs engine answers every submit (JetStream's answer or its timeout), so
+        // these entries leave; the bound only guards against one that never comes, and
+        // past it the cancel goes out at once as it did.
+        if stage == Stage::Submitting && self.expired_submits.len() < ctx.config.mig.max_pending {
+            self.expired_submits.insert(session, (ns, caller, task));
+        } else if stage >= Stage::Submitting {
             // The holder gets `revoked`; the answer is nobody's business.
             let s = self.new_session();
             jobs_frame(conn, ctx, s, &ns, &caller, cancel_frame(&task), now);
