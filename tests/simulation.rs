@@ -270,6 +270,17 @@ const REGRESSIONS: &[Regression] = &[
         Some(80),
         "a cancel repeated past the duplicate window stored a second task_result",
     ),
+    // A job message delivered while the server's chunks to the broker were being lost
+    // never arrived; the pull it answered was served whole and ended without a word, so
+    // its slot stayed asked for until the pull's 30 s expiry, past the drain.
+    (
+        3,
+        0x526a16,
+        300,
+        None,
+        Some(80),
+        "a job delivery lost on the way held its queue for a 30 s pull expiry",
+    ),
     // The presence leak (seed 0x3) and the adopted plain consumer (seed 0x64) have unit
     // tests in src/broker/core.rs; their seeds are kept out of here for time.
 ];

@@ -60,8 +60,11 @@ pub type SessionId = u64;
 const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// Task messages whose sequence is remembered for a cancel (about 200 bytes each).
 const PUBLISHED_SEQS: usize = 2048;
-/// A pull request's lifetime; the server ends it with a 408 and a new one follows.
-const PULL_EXPIRES: Duration = Duration::from_secs(30);
+/// A pull request's lifetime; the server ends it with a 408 and a new one follows. It is
+/// also how long the queue may wait for a delivery lost on the way (a pull the server
+/// served whole ends without a word, and its slots stay asked for until then): 30 s held a
+/// job's tasks past their attempts' worth of time (simulator seed 0x526a16).
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
 /// A task no local session may take goes back with this delay, so that brokers with an
 /// eligible session get it first. When no session here is eligible at all, the delay
 /// doubles with each delivery up to `NO_TAKER_DELAY_MAX`, so that tasks nobody present
