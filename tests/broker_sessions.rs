@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::NatsServer;
-use common::amp::{Broker, Client, http_get, open_config};
+use common::amp::{Broker, Client, http_get, metric, open_config};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -207,11 +207,11 @@ fn large_messages_waiting_in_an_inbox_do_not_lock_their_recipient_out() {
 fn a_session_that_does_not_read_does_not_draw_its_siblings_inbox_onto_itself() {
     // b has two sessions: one reads (and acknowledges nothing yet), one reads nothing.
     // Each delivery goes to the session with the fewest unacknowledged, so they take
-    // turns. Before, the inbox pulled again as soon as either session had written its
-    // output, the reading one always had, and the silent one was sent half of 64
-    // messages of 400 kB and closed `slow consumer`. Now the next pull waits for every
-    // session the last one delivered to; the silent one is closed by its silence
-    // (no pong for 3 x heartbeat_s) and what it held comes to the reading one.
+    // turns. Before, the inbox pulled again for both as soon as either session had
+    // written its output, the reading one always had, and the silent one was sent half
+    // of 64 messages of 400 kB and closed `slow consumer`. Now a session that has not
+    // written its share is held out of the next pull; the silent one is closed by its
+    // silence (no pong for 3 x heartbeat_s) and what it held comes to the reading one.
     const MESSAGES: usize = 64;
     let nats = NatsServer::start();
     let mut config = open_config(&["a", "b"]);
@@ -241,6 +241,49 @@ fn a_session_that_does_not_read_does_not_draw_its_siblings_inbox_onto_itself() {
             .join("\n")
     );
     drop(silent);
+}
+
+#[test]
+fn a_session_stuck_on_other_output_does_not_hold_its_siblings_inbox() {
+    // A session that stops reading but stays alive (its writer still sends, so it is
+    // never idle), its output held below its bound by topic events: once it had one inbox
+    // delivery, every inbox pull of its participant waited for it to write its output,
+    // so the reading sibling got one pull's share per 15 s (the pull's wait for credit).
+    // Now a pull goes once any session the inbox may use has written its output, and
+    // sessions still holding an earlier pull's share get none of it.
+    const MESSAGES: usize = 300;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["limits"] = json!({"max_outbound_bytes": 64 << 20});
+    let broker = Broker::start(&nats.url(), &config);
+    let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
+    let mut stuck = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
+    let ok = stuck.request(json!({"op":"subscribe","topic":"t.>"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let event = "x".repeat(500_000);
+    for i in 0..40 {
+        a.send(&json!({"op":"publish","id":format!("p{i}"),"topic":"t.x","body":event}));
+    }
+    assert_eq!(a.answer_to("p39")["op"], "ok");
+    // More than kernel buffers take stays queued for it.
+    assert!(common::wait_until(WAIT, || metric(
+        &broker,
+        "amp_ws_outbound_queued_bytes"
+    )
+    .is_some_and(|b| b > f64::from(4 << 20))));
+    let mut reading = Client::login(&broker, "acme", "b", "b-token");
+    send_to_b(&broker, MESSAGES, "small");
+    // What went to the stuck session waits out its ack wait (30 s).
+    let mut got = 0;
+    while got < MESSAGES - 64 {
+        let Some(m) = reading.next_op("message", Duration::from_secs(8)) else {
+            panic!("the reading session got {got} of {MESSAGES} messages");
+        };
+        reading.send(&json!({"op":"ack","seq":m["seq"]}));
+        got += 1;
+    }
+    drop(stuck);
 }
 
 #[test]

@@ -211,10 +211,14 @@ struct Presence {
     labels: BTreeMap<String, String>,
     since: String,
     inbox: PullLoop,
-    /// Sessions sent an inbox delivery since the inbox's last grant: its next pull waits
-    /// until each has written its output (a session that only idles says nothing of one
-    /// that does not read).
+    /// Sessions sent an inbox delivery that have not written their output since. The
+    /// inbox pulls again once any of the participant's sessions has written its output
+    /// (an empty queue), and the sessions still here then are `held`: the new pull's
+    /// messages go to the others while there are any. Waiting for all of them let one
+    /// session that stopped reading, its output kept short of its bound, hold every
+    /// sibling to one pull per 15 s; sending it more would fill it to its bound instead.
     unwritten: Vec<SessionId>,
+    held: Vec<SessionId>,
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,

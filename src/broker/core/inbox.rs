@@ -347,18 +347,12 @@ impl Broker {
                         .push_back(Output::WhenDrained { session: *session });
                 }
             }
-            // Granted once every session it delivered to since has written its output;
-            // by any of the participant's sessions here when it delivered nothing.
+            // Granted once any of the participant's sessions here has written its output.
             PullOwner::Inbox(participant) => {
                 if let Some(p) = self.presence.get(participant)
                     && p.inbox.wants_credit()
                 {
-                    let waiting = if p.unwritten.is_empty() {
-                        &p.sessions
-                    } else {
-                        &p.unwritten
-                    };
-                    for &session in waiting {
+                    for &session in &p.sessions {
                         self.out.push_back(Output::WhenDrained { session });
                     }
                 }
@@ -370,7 +364,7 @@ impl Broker {
     }
 
     /// The session wrote its output: its participant's inbox pulls again if it waits
-    /// for credit and no other session it delivered to still has output queued.
+    /// for credit (see `Presence::unwritten`).
     pub(super) fn grant_inbox(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         let Some((ns, name)) = self
             .sessions
@@ -384,8 +378,15 @@ impl Broker {
             return;
         };
         p.unwritten.retain(|&x| x != session);
-        if !p.inbox.wants_credit() || !p.unwritten.is_empty() {
+        p.held.retain(|&x| x != session);
+        if !p.inbox.wants_credit() {
             return;
+        }
+        // This session can take more; those still writing get none of the next pull.
+        for &s in &p.unwritten {
+            if !p.held.contains(&s) {
+                p.held.push(s);
+            }
         }
         let check = p.inbox.grant(conn, now);
         self.check_pull_at(check, PullOwner::Inbox(key));
@@ -451,11 +452,15 @@ impl Broker {
                     s.inflight.remove(&seq);
                 }
             }
-            let target = p.sessions.iter().copied().min_by_key(|id| {
+            let inflight = |id: &SessionId| {
                 self.sessions
                     .get(id)
                     .map_or(usize::MAX, |s| s.inflight.len())
-            });
+            };
+            let free = p.sessions.iter().copied().filter(|id| !p.held.contains(id));
+            let target = free
+                .min_by_key(inflight)
+                .or_else(|| p.sessions.iter().copied().min_by_key(inflight));
             // Before the pull's check below, which asks what it waits for.
             if let Some(t) = target
                 && !p.unwritten.contains(&t)

@@ -67,6 +67,7 @@ impl Broker {
                 Some(p) => {
                     p.sessions.retain(|&x| x != session);
                     p.unwritten.retain(|&x| x != session);
+                    p.held.retain(|&x| x != session);
                     p.sessions.is_empty()
                 }
                 None => false,
@@ -252,6 +253,7 @@ impl Broker {
                 .paced((self.config.limits.max_outbound_bytes / 4) as u64)
                 .in_domain(self.config.js_api(&ns)),
                 unwritten: Vec::new(),
+                held: Vec::new(),
                 inbox_refused: None,
                 registry_written: false,
                 registry_due: false,
