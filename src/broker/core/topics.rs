@@ -1200,12 +1200,24 @@ impl Broker {
         .deliver_from(from);
         // Only made if it is not there: another broker's session of the durable may have
         // made it first, or it only went unserved a while.
-        let api = self.config.js_api(&ns);
-        let req = api.consumer_create(
-            &binding::topics_stream(&ns),
-            &config,
-            ConsumerAction::Create,
-        );
+        let made = (ns.as_str(), config, ConsumerAction::Create, consumer);
+        self.make_sub_consumer(conn, session, sub, made, now);
+    }
+
+    /// Asks for a subscription's consumer made anew; the answer attaches its pull
+    /// (`sub_reset_done`).
+    fn make_sub_consumer(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        (ns, config, action, consumer): (&str, ConsumerConfig, ConsumerAction, String),
+        now: Instant,
+    ) {
+        let req =
+            self.config
+                .js_api(ns)
+                .consumer_create(&binding::topics_stream(ns), &config, action);
         let pending = Pending::SubReset {
             session,
             sub: sub.to_string(),
@@ -1271,17 +1283,13 @@ impl Broker {
         self.share_windows(session);
         log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription gap; resuming after seq {last}"
         );
-        let req = api.consumer_create(
-            &binding::topics_stream(&ns),
-            &config,
+        let made = (
+            ns.as_str(),
+            config,
             ConsumerAction::CreateOrUpdate,
-        );
-        let pending = Pending::SubReset {
-            session,
-            sub: sub.to_string(),
             consumer,
-        };
-        self.api_request(conn, Lane::Session(session), req, pending, now);
+        );
+        self.make_sub_consumer(conn, session, sub, made, now);
     }
 
     pub(super) fn sub_reset_done(
