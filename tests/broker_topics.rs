@@ -603,14 +603,21 @@ fn a_subscription_whose_consumer_cannot_be_made_again_tries_until_it_can() {
         json!(info.state.last_seq.saturating_add(1)),
     );
     js.create_stream(&restored).expect("the stream back");
-    publish(&mut p, "t.x", json!("after"));
-    let e = s
-        .next_op("event", Duration::from_secs(20))
-        .unwrap_or_else(|| {
-            panic!(
-                "nothing after the stream came back; broker log:\n{}",
-                broker.log()
-            )
-        });
+    let after = publish(&mut p, "t.x", json!("after"));
+    let e = s.next_op("event", Duration::from_secs(30)).unwrap_or_else(|| {
+        let consumers: Vec<_> = js
+            .consumer_names("AMP_TOPICS_acme")
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| {
+                let info = js.consumer_info("AMP_TOPICS_acme", &c);
+                format!("{c}: {info:?}")
+            })
+            .collect();
+        panic!(
+            "nothing after the stream came back (event seq {after}); consumers {consumers:#?}; broker log:\n{}",
+            broker.log()
+        )
+    });
     assert_eq!(e["body"], "after");
 }

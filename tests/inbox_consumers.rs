@@ -453,4 +453,22 @@ fn an_inbox_consumer_deleted_under_a_live_session_is_made_again() {
     assert_eq!(got, ["out", "after"]);
     assert!(has_inbox_consumer(&mut js, "b"));
     assert!(b.next_op("message", Duration::from_millis(500)).is_none());
+    // Made again from a sequence, the consumer refuses a later first login's `create or
+    // update` from the start ("deliver policy can not be updated"): it is used as it is,
+    // on this broker and on another.
+    drop(b);
+    let two = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    for (broker, body) in [(&broker, "again"), (&two, "elsewhere")] {
+        let mut b = Client::login(broker, "acme", "b", "b-token");
+        let ok = a.request(json!({"op":"send","to":"b","body":body}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+        let mut bodies = Vec::new();
+        while bodies.last().map(String::as_str) != Some(body) {
+            let m = b
+                .next_op("message", WAIT)
+                .unwrap_or_else(|| panic!("{bodies:?}, not `{body}`; log:\n{}", broker.log()));
+            b.send(&json!({"op":"ack","seq":m["seq"]}));
+            bodies.push(m["body"].as_str().unwrap_or_default().to_string());
+        }
+    }
 }

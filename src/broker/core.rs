@@ -269,10 +269,11 @@ enum Pending {
     },
     /// A subscription's consumer was created.
     SubConsumer(topics::SubRef),
-    /// A plain subscription's consumer was recreated after a gap.
+    /// A subscription's consumer made anew (a plain one after a gap, a lost one).
     SubReset {
         session: SessionId,
         sub: String,
+        serial: u64,
         consumer: String,
     },
     /// A consumer's delete after `unsubscribe`: answer `ok` once it is done.
@@ -851,13 +852,9 @@ impl Broker {
                 self.inbox_creates.done();
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
-                    // Made again from where this broker stood (`inbox_from`): another
-                    // broker made it first, or it was never gone (only unserved a while).
-                    Ok(Err(e))
-                        if e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) =>
-                    {
-                        self.start_inbox(conn, &participant, now)
-                    }
+                    // There under another start: made again from where this or another
+                    // broker stood (`inbox_from`), or never gone (only unserved a while).
+                    Ok(Err(e)) if consumer_exists(&e) => self.start_inbox(conn, &participant, now),
                     // A domain that just came back may not have its streams yet.
                     Ok(Err(e))
                         if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) =>
@@ -892,6 +889,7 @@ impl Broker {
             Pending::SubReset {
                 session,
                 sub,
+                serial,
                 consumer,
             } => {
                 // A durable made again with `create` finds it there when another broker
@@ -900,7 +898,7 @@ impl Broker {
                     Ok(()) => true,
                     Err(e) => e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS),
                 });
-                self.sub_reset_done(conn, (session, sub, consumer), ok, now);
+                self.sub_reset_done(conn, (session, sub, serial, consumer), ok, now);
             }
             Pending::SubDeleted { session, re } => {
                 self.deleted(Some(session));
@@ -1359,6 +1357,20 @@ fn js_request(
 /// `max_bytes` with discard `new`, the account's or the server's storage) and a stream
 /// nobody answers for are JetStream's state, not a failure of the broker: `unavailable`,
 /// safe to retry later with the same `idem`. Anything else is `internal`.
+/// JetStream's answer when the consumer asked for is there with another start: a
+/// `create` of a name in use (10148), or an update that may not move the start (10012,
+/// "deliver policy can not be updated"; a consumer made again after its loss starts at a
+/// sequence, and a later first login's `create or update` asks for all).
+fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
+    match e.err_code() {
+        Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) => true,
+        Some(crate::jetstream::error::ERR_CONSUMER_CREATE) => {
+            e.to_string().contains("can not be updated")
+        }
+        _ => false,
+    }
+}
+
 fn store_refused(e: &JsError) -> AmpError {
     /// `JSStreamStoreFailedF` (maximum bytes, messages or messages per subject exceeded),
     /// `JSInsufficientResourcesErr`, `JSMemoryResourcesExceededErr`,

@@ -7,6 +7,8 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
+use crate::amp::{AmpError, ErrorCode};
+
 /// Past the bound a submit answers `unavailable` with this hint: the bytes come back as
 /// JetStream answers, within the request timeout.
 pub const RETRY_AFTER_MS: u64 = 1000;
@@ -48,6 +50,23 @@ impl HeldBytes {
     pub fn held(&self) -> usize {
         self.held.get()
     }
+
+    /// Whether `bytes` would fit now: asked before a submit's rate and budget are
+    /// charged, so that a refusal for want of room spends neither.
+    pub fn has_room(&self, bytes: usize) -> bool {
+        self.held.get().saturating_add(bytes) <= self.cap
+    }
+}
+
+/// The answer to a submit past the bound: JetStream is slow, the room comes back as it
+/// answers.
+pub fn full() -> AmpError {
+    let mut e = AmpError::new(
+        ErrorCode::Unavailable,
+        "the broker holds as many submits as it may while JetStream answers",
+    );
+    e.retry_after_ms = Some(RETRY_AFTER_MS);
+    e
 }
 
 impl Drop for Hold {

@@ -242,6 +242,9 @@ impl PullLoop {
         }
         let sid = conn.subscribe(&format!("{}.*", self.deliver), None)?;
         self.sid = Some(sid);
+        // Its consumer made again: a lost one counts its 503s afresh, or the first one
+        // after would make it again at once, a create and a pull per round trip.
+        self.unserved = 0;
         Ok(sid)
     }
 
@@ -882,6 +885,16 @@ mod tests {
             assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
         }
         assert_eq!(refused(&mut p, &mut conn), Pulled::Lost);
+        // Made again and attached, it counts afresh: one more 503 is no loss yet (else a
+        // consumer without a leader is made again at every round trip).
+        p.detach(&mut conn);
+        p.attach(&mut conn).expect("subscribe");
+        let retry = p.arm().expect("a check");
+        assert!(
+            p.check(&mut conn, retry.generation, t0 + CREDIT_WAIT)
+                .is_some()
+        );
+        assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
     }
 
     fn message(subject: &str) -> Message {

@@ -10,6 +10,9 @@ pub const ERR_STREAM_NOT_FOUND: u32 = 10059;
 pub const ERR_CONSUMER_NOT_FOUND: u32 = 10014;
 /// A `create` (not update) of a consumer whose name exists with another configuration.
 pub const ERR_CONSUMER_EXISTS: u32 = 10148;
+/// A consumer's create or update refused, the reason in the description (e.g. "deliver
+/// policy can not be updated").
+pub const ERR_CONSUMER_CREATE: u32 = 10012;
 /// `Nats-Expected-Last-(Subject-)Sequence` did not match (400).
 pub const ERR_WRONG_LAST_SEQUENCE: u32 = 10071;
 /// The same, as reported by replicated streams without the sequence in the text (400).

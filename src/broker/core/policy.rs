@@ -197,9 +197,16 @@ impl Broker {
             None => return,
         };
         self.mig_budget_settled(conn, &participant, retry, now);
-        for (session, frame, hold) in self.held_submits.remove(&participant).unwrap_or_default() {
-            // Spending again holds it again, if it must wait once more.
-            drop(hold);
+        // Their bytes are free before any is tried again (and held again, if it must
+        // wait once more, or as its task message).
+        let held: Vec<_> = self
+            .held_submits
+            .remove(&participant)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(session, frame, _hold)| (session, frame))
+            .collect();
+        for (session, frame) in held {
             if !retry {
                 if let Some(id) = frame.id() {
                     self.fail(

@@ -409,6 +409,12 @@ impl Broker {
                     if let Some(e) = self.refusal(session, ns, name, &frame) {
                         return self.fail(session, id, e);
                     }
+                    // Refused for want of room later, it would have spent its budget: the
+                    // client's retry with its task id would find the budget spent and
+                    // no task.
+                    if !self.jobs.held_bytes().has_room(bytes) {
+                        return self.fail(session, id, crate::broker::held_bytes::full());
+                    }
                     if let Err(e) = self.take_rate(ns, name, bytes, now) {
                         return self.fail(session, id, e);
                     }

@@ -1218,9 +1218,13 @@ impl Broker {
             self.config
                 .js_api(ns)
                 .consumer_create(&binding::topics_stream(ns), &config, action);
+        let Some(serial) = self.subscription_mut(session, sub).map(|t| t.serial) else {
+            return;
+        };
         let pending = Pending::SubReset {
             session,
             sub: sub.to_string(),
+            serial,
             consumer,
         };
         self.api_request(conn, Lane::Session(session), req, pending, now);
@@ -1295,15 +1299,15 @@ impl Broker {
     pub(super) fn sub_reset_done(
         &mut self,
         conn: &mut Connection,
-        (session, sub, consumer): (SessionId, String, String),
+        (session, sub, serial, consumer): (SessionId, String, u64, String),
         ok: bool,
         now: Instant,
     ) {
-        // A later reset (or a new subscription of the name) has a consumer of its own.
-        let Some(t) = self
-            .subscription_mut(session, &sub)
-            .filter(|t| t.pull.consumer() == consumer)
-        else {
+        // A later reset has a consumer of its own, and a new subscription of the name
+        // (a durable's has the same consumer) a serial of its own.
+        let Some(t) = self.subscription_mut(session, &sub).filter(|t| {
+            t.serial == serial && t.pull.consumer() == consumer && t.pull.sid().is_none()
+        }) else {
             return;
         };
         if !ok {

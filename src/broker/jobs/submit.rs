@@ -152,12 +152,7 @@ impl Jobs {
             return self.refuse(session, &submit.id, e);
         }
         let Some(hold) = self.held.take(size + record_json.len()) else {
-            let mut e = AmpError::new(
-                ErrorCode::Unavailable,
-                "the broker holds as many submits as it may while JetStream answers",
-            );
-            e.retry_after_ms = Some(held_bytes::RETRY_AFTER_MS);
-            return self.refuse(session, &submit.id, e);
+            return self.refuse(session, &submit.id, held_bytes::full());
         };
         let sub = Submission {
             session,

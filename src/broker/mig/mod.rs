@@ -56,6 +56,9 @@ pub fn is_mig_session(session: SessionId) -> bool {
 pub use subjects::tenant_of;
 
 pub use ops::FEATURES;
+/// How long a deadline's cancel waits for its submit's answer before it is forgotten: well
+/// past the jobs engine's 4 s request timeout and a budget read before it.
+const EXPIRED_SUBMIT_WAIT: Duration = Duration::from_secs(30);
 /// `retry_after_ms` of `MIG_BACKPRESSURE`.
 const BACKPRESSURE_RETRY_MS: u64 = 1000;
 /// Finished invocations remembered for `cancel` (`already_finished`).
@@ -130,9 +133,9 @@ pub struct Mig {
     claims_held: seen::Ledger,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Invocations answered at their deadline while their submit was out, by session:
-    /// `(tenant, caller, task)` to cancel once the submit is answered (a cancel sent
+    /// `(tenant, caller, task, when)` to cancel once the submit is answered (a cancel sent
     /// before the task store has the task finds nothing, and the task runs on).
-    expired_submits: HashMap<SessionId, (String, String, String)>,
+    expired_submits: HashMap<SessionId, (String, String, String, Instant)>,
     /// Local invocations by `(tenant, message_id)`, for `cancel`.
     by_message: HashMap<(String, String), Vec<SessionId>>,
     /// `(tenant, message_id)` of finished invocations -> caller.
@@ -361,7 +364,7 @@ impl Mig {
         if let Some(c) = self.cancels.remove(&session) {
             return self.cancel_answered(conn, c, error, now);
         }
-        if let Some((ns, caller, task)) = self.expired_submits.remove(&session) {
+        if let Some((ns, caller, task, _)) = self.expired_submits.remove(&session) {
             // Created (or found): it is cancelled as at the deadline; refused: no task.
             if error.is_none() {
                 let s = self.new_session();
@@ -427,11 +430,15 @@ impl Mig {
             Err(MigError::new(Code::Timeout, "deadline exceeded")),
             now,
         );
-        // The jobs engine answers every submit (JetStream's answer or its timeout), so
-        // these entries leave; the bound only guards against one that never comes, and
-        // past it the cancel goes out at once as it did.
+        // The jobs engine answers every submit it takes (JetStream's answer or its
+        // timeout, within seconds), so these entries leave; one it never took (a reload
+        // removed the caller meanwhile) is forgotten once the answer is long overdue, and
+        // past the bound the cancel goes out at once as it did.
+        self.expired_submits
+            .retain(|_, e| now.saturating_duration_since(e.3) < EXPIRED_SUBMIT_WAIT);
         if stage == Stage::Submitting && self.expired_submits.len() < ctx.config.mig.max_pending {
-            self.expired_submits.insert(session, (ns, caller, task));
+            self.expired_submits
+                .insert(session, (ns, caller, task, now));
         } else if stage >= Stage::Submitting {
             // The holder gets `revoked`; the answer is nobody's business.
             let s = self.new_session();
