@@ -386,12 +386,20 @@ impl PullLoop {
                 // server refused the pull (409 "Exceeded MaxWaiting", a leadership
                 // change, 400...): pulling again at once would be refused again at once,
                 // a loop at round-trip speed. Shortly instead.
+                let brought = self.remaining < self.asked;
                 self.remaining = 0;
-                if self.credit.is_some() {
+                if self.credit.is_some() && !brought {
                     // The refused pull brought nothing; the retry needs no grant.
                     self.credit = Some(true);
                 }
-                self.until = Some(now + RETRY_AFTER_NO_RESPONDERS);
+                // One that brought some (a leadership change ends a pull midway) waits for
+                // its owner to write them, as at any end, or for `CREDIT_WAIT`.
+                let wait = if self.credit == Some(false) {
+                    CREDIT_WAIT
+                } else {
+                    RETRY_AFTER_NO_RESPONDERS
+                };
+                self.until = Some(now + wait);
                 if code == 503 {
                     self.unserved = self.unserved.saturating_add(1);
                 }
@@ -895,6 +903,39 @@ mod tests {
                 .is_some()
         );
         assert_eq!(refused(&mut p, &mut conn), Pulled::Ended);
+    }
+
+    #[test]
+    fn a_paced_pull_refused_midway_waits_for_what_it_brought_to_be_written() {
+        // nats-server ends waiting pulls `409 Leadership Change` when the consumer's
+        // leader moves, after some of the batch went out: taken for a refusal that
+        // brought nothing, the retry a second later pulled another window on a session
+        // that had not written the first.
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 8).paced(1 << 20);
+        p.attach(&mut conn).expect("subscribe");
+        p.pull(&mut conn, t0);
+        assert_eq!(pulls_sent(&mut conn), 1);
+        for _ in 0..3 {
+            p.on_message(&mut conn, &message("stream.subject"), t0);
+        }
+        let moved = Message {
+            headers: crate::proto::headers::HeaderMap::with_status(409, "Leadership Change").ok(),
+            ..message(&latest(&p))
+        };
+        let (pulled, check) = p.on_message(&mut conn, &moved, t0);
+        assert_eq!(pulled, Pulled::Ended);
+        let check = check.expect("a check");
+        assert_eq!(check.at, t0 + CREDIT_WAIT);
+        assert!(p.wants_credit());
+        assert!(
+            p.check(&mut conn, check.generation, t0 + RETRY_AFTER_NO_RESPONDERS)
+                .is_some()
+        );
+        assert_eq!(pulls_sent(&mut conn), 0, "no pull before a grant");
+        assert!(p.grant(&mut conn, t0).is_some());
+        assert_eq!(pulls_sent(&mut conn), 1);
     }
 
     fn message(subject: &str) -> Message {
