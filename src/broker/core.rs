@@ -896,7 +896,7 @@ impl Broker {
                 // made it first: as good.
                 let ok = reply.is_ok_and(|m| match check_error(&m.payload) {
                     Ok(()) => true,
-                    Err(e) => e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS),
+                    Err(e) => consumer_exists(&e),
                 });
                 self.sub_reset_done(conn, (session, sub, serial, consumer), ok, now);
             }
