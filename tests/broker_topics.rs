@@ -577,54 +577,58 @@ fn subscriptions_whose_consumers_are_deleted_are_made_again_where_they_stood() {
 
 #[test]
 fn a_subscription_whose_consumer_cannot_be_made_again_tries_until_it_can() {
-    // The topics stream itself gone (an operator's mistake, restored from a backup): the
-    // subscription's consumer cannot be made again until the stream is back. The one
-    // attempt failed, and the subscription got nothing more for good.
+    // The topics stream itself gone (an operator's mistake, restored from nothing): the
+    // subscriptions' consumers cannot be made again until the stream is back, and the
+    // stream's sequences start again at 1, below the last event each subscription saw.
+    // Before: the one attempt failed and the subscription got nothing more for good; then,
+    // made again after its old last sequence, it heard nothing until the new stream passed
+    // it.
     let (nats, broker) = setup();
     let mut p = Client::login(&broker, "acme", "pub", "pub-token");
     let mut s = Client::login(&broker, "acme", "sub", "sub-token");
     let ok = s.request(json!({"op":"subscribe","topic":"t.x","sub":"x"}));
     assert_eq!(ok["op"], "ok", "{ok}");
-    publish(&mut p, "t.x", json!("before"));
-    assert_eq!(events(&mut s, 1)[0]["body"], "before");
+    let ok = s.request(json!({"op":"subscribe","topic":"t.x","sub":"d","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    for i in 0..5 {
+        publish(&mut p, "t.x", json!(i));
+    }
+    let got = events(&mut s, 10);
+    for e in got.iter().filter(|e| e["sub"] == "d") {
+        s.send(&json!({"op":"ack","sub":"d","seq":e["seq"]}));
+    }
     let mut js = nats.jetstream();
     let info = js.stream_info("AMP_TOPICS_acme").expect("stream");
     assert!(js.delete_stream("AMP_TOPICS_acme").expect("delete"));
-    // Until the pull loop has found the consumer gone and a retry has come after a
+    // Until the pull loops have found their consumers gone and a retry has come after a
     // failed one.
     assert!(common::wait_until(WAIT, || broker
         .log()
-        .matches("subscription gap; resuming after seq")
+        .matches("topics stream unavailable")
         .count()
         >= 2));
-    // Restored from nothing, its sequences may start again below the last one the
-    // subscription saw (nats-server 2.15 in CI did not always keep `first_seq`): what the
-    // subscription resumes after comes once the sequences pass it.
-    let mut restored = info.config.clone();
-    restored.extra.insert(
-        "first_seq".to_string(),
-        json!(info.state.last_seq.saturating_add(1)),
-    );
-    js.create_stream(&restored).expect("the stream back");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let mut sent = Vec::new();
-    let e = loop {
-        sent.push(publish(&mut p, "t.x", json!("after")));
-        if let Some(e) = s.next_op("event", Duration::from_secs(1)) {
-            break e;
-        }
-        if std::time::Instant::now() > deadline {
-            let consumers: Vec<_> = js
-                .consumer_names("AMP_TOPICS_acme")
-                .unwrap_or_default()
-                .into_iter()
-                .map(|c| format!("{c}: {:?}", js.consumer_info("AMP_TOPICS_acme", &c)))
-                .collect();
-            panic!(
-                "nothing after the stream came back (events {sent:?}); consumers {consumers:#?}; broker log:\n{}",
-                broker.log()
-            )
-        }
-    };
-    assert_eq!(e["body"], "after");
+    js.create_stream(&info.config).expect("the stream back");
+    let seq = publish(&mut p, "t.x", json!("after"));
+    assert_eq!(seq, 1, "the stream starts again");
+    let mut after: Vec<Value> = (0..2)
+        .map(|i| {
+            s.next_op("event", Duration::from_secs(15))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "event {i} after the stream came back; broker log:\n{}",
+                        broker.log()
+                    )
+                })
+        })
+        .collect();
+    after.sort_by_key(|e| e["sub"].as_str().unwrap_or_default().to_string());
+    for (e, sub) in after.iter().zip(["d", "x"]) {
+        assert_eq!(
+            (&e["sub"], &e["body"], &e["seq"]),
+            (&json!(sub), &json!("after"), &json!(1))
+        );
+    }
+    // The durable's ack of the new seq 1 is taken.
+    let ok = s.request(json!({"op":"ack","sub":"d","seq":1,"id":"a1"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
 }

@@ -276,6 +276,9 @@ enum Pending {
         serial: u64,
         consumer: String,
     },
+    /// Where a namespace's topics stream stands, for the subscriptions waiting in
+    /// `stream_checks`.
+    StreamState { ns: String },
     /// A consumer's delete after `unsubscribe`: answer `ok` once it is done.
     SubDeleted { session: SessionId, re: String },
     /// A plain subscription's consumer deleted after its session or its consumer ended;
@@ -313,6 +316,7 @@ impl Pending {
             | Pending::SubDeleted { .. }
             | Pending::ConsumerGone { .. } => NatsOp::ConsumerDelete,
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
+            Pending::StreamState { .. } => NatsOp::StreamInfo,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
             Pending::RegistryPut { .. } => NatsOp::KvPut,
             Pending::Budget { op } => match op.kind {
@@ -329,6 +333,7 @@ impl Pending {
             Pending::SubLookup { .. }
                 | Pending::SubConsumer(_)
                 | Pending::SubReset { .. }
+                | Pending::StreamState { .. }
                 | Pending::SubDeleted { .. }
                 | Pending::ConsumerGone { .. }
                 | Pending::DurableCount(_)
@@ -445,6 +450,9 @@ pub struct Broker {
     /// Their consumers' deletes not yet answered: they count against
     /// `max_topic_subscriptions` too, so what waits in `api` stays bounded.
     topic_deleting: usize,
+    /// Subscriptions whose consumers were lost, waiting to hear where their namespace's
+    /// stream stands (`Pending::StreamState`): one question per namespace.
+    stream_checks: HashMap<String, Vec<(SessionId, String, u64)>>,
     /// Durable subscriptions' hand-backs under way, by (stream, consumer).
     hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.
@@ -534,6 +542,7 @@ impl Broker {
             participant_deleting: HashMap::new(),
             durables_creating: HashMap::new(),
             topic_deleting: 0,
+            stream_checks: HashMap::new(),
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
@@ -900,6 +909,7 @@ impl Broker {
                 });
                 self.sub_reset_done(conn, (session, sub, serial, consumer), ok, now);
             }
+            Pending::StreamState { ns } => self.stream_state_done(conn, ns, reply, now),
             Pending::SubDeleted { session, re } => {
                 self.deleted(Some(session));
                 self.sub_deleted(session, re, reply)

@@ -461,11 +461,12 @@ pub enum NatsOp {
     KvPut,
     StreamMsgDelete,
     StreamMsgGet,
+    StreamInfo,
 }
 
 impl NatsOp {
     /// Label values, indexed by the variant's position.
-    pub const LABELS: [&'static str; 10] = [
+    pub const LABELS: [&'static str; 11] = [
         "stream_publish",
         "ack_sync",
         "consumer_create",
@@ -476,6 +477,7 @@ impl NatsOp {
         "kv_put",
         "stream_msg_delete",
         "stream_msg_get",
+        "stream_info",
     ];
 
     pub const fn index(self) -> usize {

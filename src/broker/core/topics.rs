@@ -129,6 +129,17 @@ pub(super) struct Subscription {
 }
 
 impl Subscription {
+    /// Its stream was made again from nothing: what it held refers to the old one, and
+    /// every event of the new one came after the subscription began.
+    fn went_back(&mut self) {
+        self.last_seq = 0;
+        self.last_consumer_seq = 0;
+        self.inflight.clear();
+        self.passed.clear();
+        self.resumed = None;
+        self.start = DeliverFrom::All;
+    }
+
     /// The topic pattern it was made with.
     pub(super) fn topic(&self) -> Option<&str> {
         self.filter
@@ -1019,7 +1030,8 @@ impl Broker {
 
     /// After a reconnect: durable subscriptions pull again; plain ones get a new consumer
     /// starting after their last event, since an in-memory consumer does not survive a
-    /// server restart.
+    /// server restart (a server that lost its data lost the stream's sequences too:
+    /// `subscription_lost` looks).
     pub(super) fn restart_subscriptions(
         &mut self,
         conn: &mut Connection,
@@ -1040,7 +1052,7 @@ impl Broker {
             }
         }
         for (session, sub) in plain {
-            self.reset_subscription(conn, session, &sub, now);
+            self.subscription_lost(conn, session, &sub, now);
         }
         checks
     }
@@ -1159,10 +1171,11 @@ impl Broker {
     }
 
     /// The subscription's consumer is gone (deleted, or lost with its server: a plain
-    /// one is kept in memory on one server). A plain one is made anew after the last
-    /// event sent, as after a gap; a durable one again under its name, from its oldest
-    /// event unacknowledged here, else the one after the last sent (its events before that
-    /// were acknowledged). Pulling alone would be refused once a second for good.
+    /// one is kept in memory on one server). Pulling alone would be refused once a second
+    /// for good. The stream is asked where it stands first, once per namespace for every
+    /// subscription lost meanwhile: one deleted and made again starts its sequences at 1,
+    /// below the last event a subscription saw, and a consumer made again after that event
+    /// would hear nothing until the new stream passed it.
     fn subscription_lost(
         &mut self,
         conn: &mut Connection,
@@ -1173,9 +1186,88 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
-        if !t.durable {
-            return self.reset_subscription(conn, session, sub, now);
+        let detached = t.pull.detach(conn);
+        let (ns, serial) = (t.ns.clone(), t.serial);
+        if let Some(sid) = detached {
+            self.routes.remove(&sid);
         }
+        let waiting = self.stream_checks.entry(ns.clone()).or_default();
+        let asked = !waiting.is_empty();
+        let me = (session, sub.to_string(), serial);
+        if !waiting.contains(&me) {
+            waiting.push(me);
+        }
+        if !asked {
+            let req = self
+                .config
+                .js_api(&ns)
+                .stream_info(&binding::topics_stream(&ns));
+            self.api_request(conn, Lane::Cleanup, req, Pending::StreamState { ns }, now);
+        }
+    }
+
+    /// Where the topics stream stands, for the subscriptions lost meanwhile: each is made
+    /// again, from the stream's start if it went back behind the subscription's last
+    /// event (everything in the new stream came after), or tries again in a while if the
+    /// stream is not there (yet).
+    pub(super) fn stream_state_done(
+        &mut self,
+        conn: &mut Connection,
+        ns: String,
+        reply: Result<Message, crate::nats::RequestError>,
+        now: Instant,
+    ) {
+        let waiting = self.stream_checks.remove(&ns).unwrap_or_default();
+        let last = match reply.map(|m| (check_error(&m.payload), m)) {
+            Ok((Ok(()), m)) => serde_json::from_slice::<Value>(&m.payload)
+                .ok()
+                .and_then(|v| v["state"]["last_seq"].as_u64()),
+            Ok((Err(e), _)) => {
+                log::warn!(namespace:% = ns; "topics stream unavailable ({e}); its subscriptions try again in {}s", SUB_RETRY.as_secs());
+                None
+            }
+            Err(e) => {
+                log::warn!(namespace:% = ns; "topics stream unanswered ({e}); its subscriptions try again in {}s", SUB_RETRY.as_secs());
+                None
+            }
+        };
+        for (session, sub, serial) in waiting {
+            let Some(t) = self
+                .subscription_mut(session, &sub)
+                .filter(|t| t.serial == serial && t.pull.sid().is_none())
+            else {
+                continue;
+            };
+            let Some(last) = last else {
+                let at = crate::deadline::after(now, SUB_RETRY);
+                self.set_timer(at, Timer::SubRetry(session, sub, serial));
+                continue;
+            };
+            let (durable, was) = (t.durable, t.last_seq);
+            if was > last {
+                t.went_back();
+                log::warn!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "topics stream went back from seq {was} to {last}; following it from its start");
+            }
+            if durable {
+                self.remake_durable(conn, session, &sub, now);
+            } else {
+                self.reset_subscription(conn, session, &sub, now);
+            }
+        }
+    }
+
+    /// A durable's consumer again under its name, from its oldest event unacknowledged
+    /// here, else the one after the last sent (its events before that were acknowledged).
+    fn remake_durable(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        now: Instant,
+    ) {
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
         let from = match t.inflight.keys().next() {
             Some(&oldest) => DeliverFrom::Sequence(oldest),
             None if t.last_seq > 0 => DeliverFrom::Sequence(t.last_seq.saturating_add(1)),
@@ -1184,9 +1276,6 @@ impl Broker {
         let (ns, owner, filter) = (t.ns.clone(), t.owner.clone(), t.filter.clone());
         let consumer = t.pull.consumer().to_string();
         t.last_consumer_seq = 0;
-        if let Some(sid) = t.pull.detach(conn) {
-            self.routes.remove(&sid);
-        }
         let name = owner.split_once('/').map_or(owner.as_str(), |(_, n)| n);
         let caps = self.topic_caps(&ns);
         let config = binding::durable_sub_config(
