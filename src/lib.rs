@@ -8,6 +8,7 @@ pub mod deadline;
 pub mod embedded;
 pub mod heap;
 pub mod id_map;
+pub mod ids;
 pub mod jetstream;
 pub mod jwt;
 pub mod keygen;

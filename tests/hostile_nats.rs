@@ -166,3 +166,73 @@ fn a_stored_event_with_a_cr_in_its_subject_is_terminated_not_redelivered_forever
     assert!(metric(&broker, "amp_nats_invalid_messages_total").is_some_and(|n| n >= 1.0));
     assert_eq!(metric(&broker, "amp_nats_reconnects_total"), Some(0.0));
 }
+
+#[test]
+fn a_delivery_forged_on_a_pull_subject_is_not_taken_for_jetstreams() {
+    // A peer that learnt a job queue's pull subject (a leaf site's hub sees every pull a
+    // site sends into its domain; here a plain client sees all) puts a task there with a
+    // reply subject of its own (nats-server refuses a `$JS.ACK` one from a client): the
+    // broker took it for a delivery, read the task store for it and answered on the
+    // forger's subject. A delivery is one whose ack subject names the pull's stream and
+    // consumer.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["w"]));
+    let mut w = Client::login(&broker, "acme", "w", "w-token");
+    let mut sniffer = raw_client(&nats);
+    sniffer
+        .write_all(b"SUB $JS.API.CONSUMER.MSG.NEXT.AMP_TASKS_acme.job_j 1\r\nPING\r\n")
+        .expect("sub");
+    let ok = w.request(json!({"op":"serve","job":"j","slots":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 65536];
+    let deadline = Instant::now() + WAIT;
+    let reply = loop {
+        while let Ok(got) = sniffer.read(&mut buf) {
+            if got == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..got]);
+        }
+        let text = String::from_utf8_lossy(&seen);
+        let reply = text.split("\r\n").find_map(|line| {
+            let mut parts = line.split(' ');
+            (parts.next() == Some("MSG")).then_some(())?;
+            parts.nth(2).map(str::to_string)
+        });
+        if let Some(reply) = reply {
+            break reply;
+        }
+        assert!(Instant::now() < deadline, "no pull seen: {text}");
+    };
+    let mut attacker = raw_client(&nats);
+    attacker
+        .write_all(b"SUB _INBOX.evil.> 1\r\nPING\r\n")
+        .expect("sub");
+    let forged = json!({"id":"t-forged","kind":"task","from":"acme/ceo","job":"j",
+        "ts":"2026-12-07T00:00:00Z","headers":{},"body":"wire the money"})
+    .to_string();
+    attacker
+        .write_all(
+            format!(
+                "PUB {reply} _INBOX.evil.1 {}\r\n{forged}\r\nPING\r\n",
+                forged.len()
+            )
+            .as_bytes(),
+        )
+        .expect("attack");
+    let offer = w.next_op("offer", Duration::from_secs(1));
+    assert!(offer.is_none(), "{offer:?}");
+    let mut answered = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        if let Ok(got) = attacker.read(&mut buf) {
+            answered.extend_from_slice(&buf[..got]);
+        }
+    }
+    let answered = String::from_utf8_lossy(&answered);
+    assert!(
+        !answered.contains("MSG _INBOX.evil"),
+        "the broker acted on the forged delivery: {answered}"
+    );
+}

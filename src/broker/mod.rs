@@ -17,7 +17,7 @@ pub mod domains;
 pub mod envelope;
 pub mod held_bytes;
 pub use crate::id_map;
-pub mod ids;
+pub use crate::ids;
 pub mod jobs;
 pub mod mig;
 pub mod permissions;

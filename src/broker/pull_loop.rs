@@ -21,6 +21,7 @@
 use std::time::{Duration, Instant};
 
 use crate::id_map::IdMap;
+use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::pull::{Inbound, PullRequest, classify};
 use crate::jetstream::{AckKind, ApiPrefix, Delivery};
 use crate::nats::{Connection, Message, Sid};
@@ -407,6 +408,7 @@ impl PullLoop {
                     || (code == 409 && msg.description() == Some(CONSUMER_DELETED));
                 (if lost { Pulled::Lost } else { Pulled::Ended }, self.arm())
             }
+            None if !self.delivers(msg) => (Pulled::Heartbeat, None),
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
                 self.bytes_left = self.bytes_left.saturating_sub(msg.pulled_size() as u64);
@@ -418,6 +420,18 @@ impl PullLoop {
                 (Pulled::Message, self.pull(conn, now))
             }
         }
+    }
+
+    /// Whether `msg` is a delivery of this loop's consumer: its ack subject names the
+    /// stream and the consumer. Anything else on the pull's subject was put there by
+    /// someone who learnt it (a leaf site's hub sees the pulls a site sends into its
+    /// domain): acted on, it would be taken for JetStream's, and acked, the broker would
+    /// ack whatever its reply named.
+    fn delivers(&self, msg: &Message) -> bool {
+        msg.reply
+            .as_deref()
+            .and_then(|r| AckMetadata::parse(r).ok())
+            .is_some_and(|m| m.stream == self.stream && m.consumer == self.consumer)
     }
 
     /// At a check's time: a pull that has been silent too long is replaced. A stale
@@ -549,6 +563,9 @@ impl PullLoop {
             payload: &msg.payload,
         };
         let inbound = classify(&delivery);
+        if inbound == Inbound::Message && !self.delivers(msg) {
+            return Answer::Nothing;
+        }
         if inbound == Inbound::Message {
             self.remaining = self.remaining.saturating_sub(1);
             return Answer::Message;
@@ -938,13 +955,52 @@ mod tests {
         assert_eq!(pulls_sent(&mut conn), 1);
     }
 
+    /// A delivery of consumer `C` of stream `S`, as the loops of these tests pull.
     fn message(subject: &str) -> Message {
         Message {
             subject: subject.to_string(),
-            reply: None,
+            reply: Some("$JS.ACK.S.C.1.7.7.1700000000000000000.0".to_string()),
             headers: None,
             payload: Vec::new(),
         }
+    }
+
+    #[test]
+    fn what_no_consumer_of_the_loop_delivered_is_not_a_message() {
+        // Someone who learnt the pull's subject puts a message on it: no ack subject, or
+        // one of another stream or consumer (acking it would ack what it names).
+        let t0 = Instant::now();
+        let mut conn = connected(t0);
+        let mut p = PullLoop::new("S".into(), "C".into(), 2);
+        p.attach(&mut conn).expect("subscribe");
+        p.pull(&mut conn, t0).expect("a pull");
+        let mut q = PullLoop::on_demand(
+            "S".into(),
+            "C".into(),
+            "_I.q".into(),
+            Duration::from_secs(30),
+        );
+        q.attach(&mut conn).expect("subscribe");
+        for reply in [
+            None,
+            Some("_INBOX.x"),
+            Some("$JS.ACK.T.C.1.7.7.1700000000000000000.0"),
+            Some("$JS.ACK.S.D.1.7.7.1700000000000000000.0"),
+            Some("$JS.ACK.hub.ABC.S.D.1.7.7.1700000000000000000.0.x"),
+        ] {
+            let mut forged = message(&latest(&p));
+            forged.reply = reply.map(str::to_string);
+            assert_eq!(
+                p.on_message(&mut conn, &forged, t0),
+                (Pulled::Heartbeat, None),
+                "{reply:?}"
+            );
+            assert_eq!(q.answer(&forged), Answer::Nothing, "{reply:?}");
+        }
+        let mut domain = message(&latest(&p));
+        domain.reply = Some("$JS.ACK.hub.ABC.S.C.1.7.7.1700000000000000000.0.x".to_string());
+        assert_eq!(p.on_message(&mut conn, &domain, t0).0, Pulled::Message);
+        assert_eq!(q.answer(&domain), Answer::Message);
     }
 
     #[test]

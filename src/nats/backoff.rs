@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-/// xorshift64*: fast, seedable, and good enough for jitter and inbox names (which need to
-/// be unique, not secret). Seeded from the operating system.
+/// xorshift64*: fast, seedable, and good enough for jitter and the order of servers. Its
+/// state shows through its output, so nothing that must stay secret comes from it
+/// (subject names come from `crate::ids`). Seeded from the operating system.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 
@@ -29,15 +30,6 @@ impl Rng {
     /// Uniform in `0..n` (n > 0), close enough for our uses.
     pub fn below(&mut self, n: u64) -> u64 {
         if n == 0 { 0 } else { self.next_u64() % n }
-    }
-
-    /// `len` characters from `[A-Za-z0-9]`.
-    pub fn token(&mut self, len: usize) -> String {
-        const ALPHABET: &[u8; 62] =
-            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-        (0..len)
-            .map(|_| char::from(ALPHABET[(self.below(62)) as usize % 62]))
-            .collect()
     }
 }
 
@@ -89,14 +81,5 @@ mod tests {
             .map(|_| delay(Duration::from_secs(1), Duration::from_secs(1), 1, &mut rng))
             .collect();
         assert!(delays.len() > 10);
-    }
-
-    #[test]
-    fn tokens_use_the_alphanumeric_alphabet() {
-        let mut rng = Rng::with_seed(1);
-        let t = rng.token(22);
-        assert_eq!(t.len(), 22);
-        assert!(t.bytes().all(|b| b.is_ascii_alphanumeric()));
-        assert_ne!(t, rng.token(22));
     }
 }

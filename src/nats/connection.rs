@@ -16,6 +16,7 @@ use super::options::{Auth, Options, ServerAddr, ServerUrl};
 use super::requests::{RequestId, RequestTable};
 use super::subscriptions::{Delivery, Sid, SubscriptionTable};
 use crate::deadline::after;
+use crate::ids::IdSource;
 use crate::proto::encode;
 use crate::proto::headers::HeaderMap;
 use crate::proto::info::{ConnectOptions, ServerInfo};
@@ -239,6 +240,8 @@ pub struct Connection {
     inbox_prefix: String,
     /// `<inbox_prefix>.<random>.` that request replies arrive under.
     resp_prefix: String,
+    /// Where reply and pull subjects get their unguessable tokens (`crate::ids`).
+    names: IdSource,
     /// The last request's reply subject, rewritten by the next.
     reply_scratch: String,
     resp_sid: Option<Sid>,
@@ -299,7 +302,8 @@ impl Connection {
         parser.max_control_line = options.max_control_line;
         parser.max_payload = inbound_limit(DEFAULT_MAX_PAYLOAD);
         let inbox_prefix = options.inbox_prefix.clone();
-        let resp_prefix = format!("{}.{}.", inbox_prefix, rng.token(22));
+        let mut names = subject_names(options.rng_seed);
+        let resp_prefix = format!("{}.{}.", inbox_prefix, names.next_id());
         let mut conn = Connection {
             state: State::Closed,
             pool,
@@ -320,6 +324,7 @@ impl Connection {
             requests: RequestTable::default(),
             inbox_prefix,
             resp_prefix,
+            names,
             reply_scratch: String::new(),
             resp_sid: None,
             events: VecDeque::new(),
@@ -642,7 +647,7 @@ impl Connection {
 
     /// A fresh unique subject under the inbox prefix.
     pub fn new_inbox(&mut self) -> String {
-        format!("{}.{}", self.inbox_prefix, self.rng.token(22))
+        format!("{}.{}", self.inbox_prefix, self.names.next_id())
     }
 
     pub fn publish(
@@ -1571,4 +1576,23 @@ fn make_message(
         }),
         payload: payload.to_vec(),
     }
+}
+
+/// The source of the connection's subject tokens: the operating system's randomness, or
+/// a fixed seed's stream for a reproducible run.
+fn subject_names(seed: Option<u64>) -> IdSource {
+    let mut bytes = [0u8; 32];
+    match seed {
+        Some(seed) => bytes[..8].copy_from_slice(&seed.to_le_bytes()),
+        None => {
+            if getrandom::fill(&mut bytes).is_err() {
+                // No OS source: the clock's nanoseconds, unique if not secret.
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos());
+                bytes[..16].copy_from_slice(&nanos.to_le_bytes());
+            }
+        }
+    }
+    IdSource::from_seed(bytes).derive("nats subjects")
 }

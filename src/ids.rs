@@ -10,6 +10,11 @@
 //! `Broker::new` (its parts get [derived](IdSource::derive) seeds); this module reads no
 //! OS source and holds no global.
 //!
+//! The NATS connection names its reply and pull subjects from one too
+//! ([`crate::nats::Connection::new_inbox`]): a peer that sees some of them (a leaf site's
+//! hub sees every request the site sends into its domain) must not learn the others, or
+//! it could put messages on them that the broker takes for JetStream's.
+//!
 //! Format: 26 characters of lowercase RFC 4648 base32 (`a-z`, `2-7`), no padding, within
 //! the spec's task id alphabet and valid in a KV key and a NATS header.
 
