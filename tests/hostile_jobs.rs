@@ -629,3 +629,53 @@ fn tasks_only_a_busy_session_may_take_back_off() {
         .expect("the real task offered");
     assert_eq!(offered["task"], task);
 }
+
+#[test]
+fn the_task_store_keeps_one_revision_per_task_and_forgets_finished_ones() {
+    // A worker's heartbeats with large `progress` stayed in the task store 64 revisions
+    // over (the bucket's history), and no record ever left it: honest traffic and one
+    // hostile worker alike filled the server's file store, and then every write of every
+    // stream refused.
+    let nats = NatsServer::start();
+    let mut c = config(&["app", "w"], 30, 5000);
+    c["namespaces"]["acme"]["jobs"]["render"]["keep_finished_s"] = json!(2);
+    let broker = Broker::start(&nats.url(), &c);
+    let mut app = login(&broker, "app");
+    let mut w = login_serving(&broker, "w", 1);
+    let ok = app.request(json!({"op":"submit","job":"render","task":"big","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let offer = w.next_op("offer", Duration::from_secs(10)).expect("offer");
+    assert_eq!(offer["task"], "big");
+    assert_eq!(w.request(json!({"op":"claim","task":"big"}))["op"], "ok");
+    let progress = "p".repeat(100_000);
+    for i in 0..12 {
+        let ok = w.request(json!({"op":"heartbeat","task":"big","progress":{"i":i,"p":progress}}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let mut js = nats.jetstream();
+    let bytes = js
+        .stream_info("KV_AMP_TASK_STATE")
+        .map(|i| i.state.bytes)
+        .expect("task store");
+    assert!(
+        bytes < 300_000,
+        "12 heartbeats of 100 kB left {bytes} bytes in the task store"
+    );
+    let ok = w.request(json!({"op":"complete","task":"big","result":{"r":1}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    assert_eq!(status(&mut app, "big")["state"], "completed");
+    let kv = js.kv_bind("AMP_TASK_STATE").expect("task store");
+    assert!(
+        common::wait_until(Duration::from_secs(10), || js
+            .kv_entry(&kv, "acme.big")
+            .is_err()),
+        "the finished task's record is gone after keep_finished_s: {:?}",
+        js.kv_entry(&kv, "acme.big").map(|e| e.revision)
+    );
+    let left = js
+        .stream_info("KV_AMP_TASK_STATE")
+        .map(|i| i.state.messages);
+    assert_eq!(left.ok(), Some(0));
+    let gone = app.request(json!({"op":"status","task":"big"}));
+    assert_eq!(gone["op"], "error", "{gone}");
+}

@@ -269,8 +269,14 @@ pub fn registry_stream_config(ns: &str, ttl_s: u64, s: StreamSettings) -> Stream
     }
 }
 
+/// Each write after a task's creation rolls its key up to that one revision, and a
+/// finished task's last one expires after its job's `keep_finished_s` (per-message TTL):
+/// the store holds one record per task that is not finished or finished lately.
 pub fn task_state_stream_config(s: StreamSettings) -> StreamConfig {
-    kv_stream_config(TASK_STATE_BUCKET, TASK_STATE_HISTORY, s)
+    StreamConfig {
+        allow_msg_ttl: Some(true),
+        ..kv_stream_config(TASK_STATE_BUCKET, TASK_STATE_HISTORY, s)
+    }
 }
 
 /// MIG ids the brokers have taken (`mig::seen`): one key each, gone after its own TTL.

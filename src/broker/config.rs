@@ -216,6 +216,9 @@ pub struct Job {
     pub lease_s: u64,
     pub offer_ms: u64,
     pub max_attempts: u32,
+    /// How long a finished task's record stays in the task store (its `status`, and a
+    /// resubmit of its id answered `dup`).
+    pub keep_finished_s: u64,
     /// Tasks waiting or running past which a MIG invoke answers `MIG_BACKPRESSURE`.
     pub max_queued: Option<u64>,
     /// The job as a MIG capability.
@@ -228,6 +231,7 @@ impl Default for Job {
             lease_s: 30,
             offer_ms: 5000,
             max_attempts: 3,
+            keep_finished_s: 7 * 24 * 3600,
             max_queued: None,
             mig: None,
         }
@@ -596,6 +600,12 @@ impl Config {
                 within(&format!("{at}.lease_s"), job.lease_s, 1, DAY)?;
                 within(&format!("{at}.offer_ms"), job.offer_ms, 1, HOUR * 1000)?;
                 within(&format!("{at}.max_attempts"), job.max_attempts, 1, 1000)?;
+                within(
+                    &format!("{at}.keep_finished_s"),
+                    job.keep_finished_s,
+                    1,
+                    365 * DAY,
+                )?;
             }
             for (name, p) in &ns.participants {
                 let at = format!("{at}.participants.{name}");

@@ -75,13 +75,16 @@ impl TaskKv {
         self.of(key).create_request(key, value, ttl)
     }
 
-    pub fn update_request(
+    /// A compare-and-set on `revision` that leaves the key this revision only
+    /// ([`Kv::replace_request`]).
+    pub fn replace_request(
         &self,
         key: &str,
         value: &[u8],
         revision: u64,
+        ttl: Option<MsgTtl>,
     ) -> Result<Request, JsError> {
-        self.of(key).update_request(key, value, revision)
+        self.of(key).replace_request(key, value, revision, ttl)
     }
 
     pub fn get_request(&self, key: &str) -> Result<Request, JsError> {
@@ -127,7 +130,7 @@ mod tests {
             "{}",
             get.subject
         );
-        let local = kv.update_request("local.t2", b"{}", 4).expect("put");
+        let local = kv.replace_request("local.t2", b"{}", 4, None).expect("put");
         assert_eq!(local.subject, "$KV.AMP_TASK_STATE.local.t2");
         assert!(
             kv.get_request("local.t2")

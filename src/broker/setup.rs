@@ -282,13 +282,18 @@ fn consumer_limit_update(desired: &StreamConfig, existing: &Value) -> Option<Str
     Some(updated)
 }
 
-/// A bucket the broker keeps only for itself (`AMP_MIG_SEEN`), made by a version whose
-/// keys did not carry their own TTL, gets per-message TTLs switched on (the server allows
-/// that, never the reverse) and an age limit no shorter than ours, everything else kept.
-/// Streams whose TTLs mean something to others (the registry) are not changed: those are
-/// refused by name.
+/// A bucket the broker keeps only for itself (`AMP_MIG_SEEN`, `AMP_TASK_STATE`), made by
+/// a version whose keys did not carry their own TTL, gets per-message TTLs switched on (the
+/// server allows that, never the reverse) and an age limit no shorter than ours, everything
+/// else kept. Streams whose TTLs mean something to others (the registry) are not changed:
+/// those are refused by name.
 fn message_ttl_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConfig> {
-    let own = desired.name == format!("KV_{}", crate::broker::mig::seen::BUCKET);
+    let own = [
+        crate::broker::mig::seen::BUCKET,
+        crate::broker::binding::TASK_STATE_BUCKET,
+    ]
+    .iter()
+    .any(|b| desired.name == format!("KV_{b}"));
     let wanted = desired.allow_msg_ttl == Some(true);
     let have = existing.get("allow_msg_ttl").and_then(Value::as_bool) == Some(true);
     if !own || !wanted || have {
@@ -370,7 +375,7 @@ mod tests {
     }
 
     #[test]
-    fn only_the_brokers_own_bucket_gets_message_ttls_switched_on() {
+    fn only_the_brokers_own_buckets_get_message_ttls_switched_on() {
         let desired = binding::mig_seen_stream_config(StreamSettings::default());
         let mut existing = serde_json::to_value(&desired).expect("json");
         existing["allow_msg_ttl"] = json!(false);
@@ -384,5 +389,12 @@ mod tests {
         let mut existing = serde_json::to_value(&registry).expect("json");
         existing["allow_msg_ttl"] = json!(false);
         assert!(message_ttl_update(&registry, &existing).is_none());
+        // The task store as versions before finished records expired made it.
+        let tasks = binding::task_state_stream_config(StreamSettings::default());
+        let mut existing = serde_json::to_value(&tasks).expect("json");
+        existing.as_object_mut().map(|o| o.remove("allow_msg_ttl"));
+        let updated = message_ttl_update(&tasks, &existing).expect("switched on");
+        assert_eq!(updated.allow_msg_ttl, Some(true));
+        assert_eq!(updated.max_msgs_per_subject, tasks.max_msgs_per_subject);
     }
 }

@@ -434,6 +434,27 @@ impl Kv {
         self.cas_request(key, value, revision, Some(ttl))
     }
 
+    /// [`Kv::update_request`] that also drops the key's earlier revisions
+    /// (`Nats-Rollup: sub`), so the key holds this one only, optionally expiring after
+    /// `ttl`.
+    pub fn replace_request(
+        &self,
+        key: &str,
+        value: &[u8],
+        revision: u64,
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
+        let mut h = HeaderMap::new();
+        h.insert(ROLLUP, "sub")
+            .map_err(|e| JsError::Invalid(e.to_string()))?;
+        let opts = PublishOptions {
+            expected_last_subject_sequence: Some(revision),
+            ttl,
+            ..PublishOptions::default()
+        };
+        publish_request(&self.write_subject(key)?, Some(&h), value, &opts)
+    }
+
     fn cas_request(
         &self,
         key: &str,

@@ -177,7 +177,14 @@ impl Jobs {
             );
             return self.write_failed(conn, write, e, now);
         }
-        let req = match self.kv.update_request(&write.key, &json, revision) {
+        // One revision per task: a worker's large progress written at every heartbeat
+        // stayed 64 times over, and a finished task's record for good.
+        let ttl = (!lives_on).then(|| {
+            let ns = write.key.split_once('.').map_or("", |(ns, _)| ns);
+            let keep = self.job_config(ns, &next.job).keep_finished_s;
+            crate::jetstream::MsgTtl::After(Duration::from_secs(keep))
+        });
+        let req = match self.kv.replace_request(&write.key, &json, revision, ttl) {
             Ok(r) => r,
             Err(e) => return self.write_failed(conn, write, unavailable(e), now),
         };
