@@ -2076,15 +2076,21 @@ fn a_refused_request_reflects_at_most_its_bounded_header_into_the_inbox_it_names
     assert!(r["header"].get("traceparent").is_none(), "{r}");
 }
 
-/// Messages held by `AMP_MIG_SEEN`, read as the broker reads it (its own credentials).
-fn seen_keys(w: &World) -> u64 {
-    use amp_broker::jetstream::Context;
+/// JetStream as the broker sees it (its own credentials).
+fn broker_js(w: &World) -> amp_broker::jetstream::Context {
     let seed = w.callout.broker_key.seed();
     let options = amp_broker::nats::Options::new(&w.callout.nats.url())
         .with_nkey_seed(&seed)
         .expect("seed");
-    let mut js = Context::new(amp_broker::nats::Client::connect(options).expect("connect"));
-    js.stream_info("KV_AMP_MIG_SEEN")
+    amp_broker::jetstream::Context::new(
+        amp_broker::nats::Client::connect(options).expect("connect"),
+    )
+}
+
+/// Messages held by `AMP_MIG_SEEN`.
+fn seen_keys(w: &World) -> u64 {
+    broker_js(w)
+        .stream_info("KV_AMP_MIG_SEEN")
         .expect("the bucket of taken ids")
         .state
         .messages
@@ -2148,12 +2154,14 @@ fn now_rfc3339() -> String {
     amp_broker::rfc3339::format_system_time(std::time::SystemTime::now())
 }
 
-/// A signed request refused for pace was remembered first: sent again with the same id
-/// (what a client does with a retryable error), it was refused as a replay
-/// (`MIG_UNAUTHORIZED`) and counted as a failed authentication. A request is now paced
-/// before its id is remembered.
+/// A signed request's id is used up as soon as its signature verifies, before its pace
+/// is looked at: sent again as it was after `MIG_RATE_LIMITED`, it is a replay. For a
+/// while ids were taken only once paced, so that a resend passed; that left a refused
+/// PUBLISH's id free for any subscriber of its topic to use with its own body
+/// (`a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body`). A refused
+/// request is signed again with a new id.
 #[test]
-fn a_signed_request_refused_for_pace_may_be_sent_again() {
+fn a_signed_request_refused_for_pace_is_signed_again_with_a_new_id() {
     let w = world_configured(1, None, |c| c["limits"]["max_frames_per_s"] = json!(1));
     let mut ann = Mig::connect_nkey(&w);
     let discover = json!({"header": {"tenant_id": "acme"}});
@@ -2168,18 +2176,23 @@ fn a_signed_request_refused_for_pace_may_be_sent_again() {
         false
     });
     let id = refused.expect("no request was refused for pace");
-    // The same request again once the pace allows one more.
+    let r = ann.signed_as(&w.ann, &id, &ts, "discover", discover.clone());
+    assert_eq!(
+        error_code(&r),
+        "MIG_UNAUTHORIZED",
+        "sent again as it was: {r}"
+    );
+    // Signed again with a new id, it passes once the pace allows one more.
+    let mut tries = 0;
     let mut again = Value::Null;
     let served = common::wait_until(WAIT, || {
-        again = ann.signed_as(&w.ann, &id, &ts, "discover", discover.clone());
+        tries += 1;
+        let fresh = format!("{id}-again-{tries}");
+        again = ann.signed_as(&w.ann, &fresh, &ts, "discover", discover.clone());
         error_code(&again) != "MIG_RATE_LIMITED"
     });
     assert!(served, "{again}");
     assert!(again["capabilities"].is_array(), "{again}");
-    // A real replay is still one.
-    let r = ann.signed_as(&w.ann, &id, &ts, "discover", discover);
-    let refused = ["MIG_UNAUTHORIZED", "MIG_RATE_LIMITED"];
-    assert!(refused.contains(&error_code(&r)), "{r}");
 }
 
 /// Signed ids are remembered in one cache per broker, shared by every tenant's NKey
@@ -2235,4 +2248,89 @@ fn identities_filling_the_replay_cache_do_not_lock_out_another() {
         "{}",
         w.metrics(0)
     );
+}
+
+/// A subscriber of a topic receives each signed PUBLISH whole, and the signature covers
+/// the message id, time and subject, not the body. A PUBLISH refused before its id was
+/// recorded (for pace here) left the id free: Bob, who may publish and subscribe on the
+/// topic, sent Ann's refused request again with his own body and her reply subject, and
+/// the first copy the pace let through was stored as Ann's event. An id whose signature
+/// verifies is now used up, on every broker, before anything can refuse its request.
+#[test]
+fn a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body() {
+    let w = world_configured(2, None, |c| {
+        c["limits"]["max_frames_per_s"] = json!(1);
+        let chat = json!({"publish": ["chat.>"], "subscribe": ["chat.>"]});
+        let listed = &mut c["namespaces"]["acme"]["participants"];
+        listed["ann"]["permissions"] = chat.clone();
+        listed["bob"]["permissions"] = chat;
+    });
+    let mut bob = Mig::connect(&w, "bob");
+    bob.call(json!({"cmd": "subscribe", "sub": "tap", "subject": "mig.v0_1.acme.events.chat.>"}));
+    let mut ann = Mig::connect_nkey(&w);
+    let forged_replies = "_INBOX_acme_ann.forged";
+    ann.call(json!({"cmd": "subscribe", "sub": "answers", "subject": forged_replies}));
+    let ts = now_rfc3339();
+    // Back to back: one a second after a second's worth, on each of two brokers.
+    let refused = (1..=6).map(|n| format!("chat-{n}")).find(|id| {
+        let body = json!({"header": {"tenant_id": "acme"}, "payload": {"id": id}});
+        let r = ann.signed_as(&w.ann, id, &ts, "events.chat.room", body);
+        if error_code(&r) == "MIG_RATE_LIMITED" {
+            return true;
+        }
+        assert_eq!(r["accepted"], true, "{r}");
+        false
+    });
+    let id = refused.expect("no PUBLISH was refused for pace");
+    // What Bob saw of it: the whole request.
+    let mut tapped = Value::Null;
+    let seen = common::wait_until(WAIT, || {
+        let got = bob.call(json!({"cmd": "collected", "sub": "tap"}));
+        let found = got["messages"].as_array().and_then(|all| {
+            all.iter()
+                .find(|m| m["body"]["header"]["message_id"] == json!(id))
+                .cloned()
+        });
+        tapped = found.unwrap_or(Value::Null);
+        !tapped.is_null()
+    });
+    assert!(seen, "Bob never saw Ann's refused request");
+    let mut forged = tapped["body"].clone();
+    forged["payload"] = json!({"x": "forged"});
+    let started = Instant::now();
+    let mut sent = 0;
+    while started.elapsed() < Duration::from_secs(2) {
+        bob.call(
+            json!({"cmd": "publish", "subject": tapped["subject"], "body": forged,
+                        "headers": tapped["headers"], "reply": forged_replies}),
+        );
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Every copy is answered (to Ann's inbox, the reply subject Bob gave them).
+    let mut answers = Vec::new();
+    let all = common::wait_until(WAIT, || {
+        let got = ann.call(json!({"cmd": "collected", "sub": "answers"}));
+        answers = got["messages"].as_array().cloned().unwrap_or_default();
+        answers.len() >= sent
+    });
+    assert!(all, "{} of {sent} copies answered", answers.len());
+    let taken: Vec<&Value> = answers
+        .iter()
+        .filter(|a| a["body"]["accepted"] == true)
+        .collect();
+    let page = bob.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "chat.>"}),
+    );
+    let events = page["events"].as_array().expect("events");
+    let stored: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["payload"]["x"] == "forged")
+        .collect();
+    assert!(
+        stored.is_empty() && taken.is_empty(),
+        "Bob's body stored as Ann's event: {stored:?}; answers accepted: {taken:?}"
+    );
+    assert!(!events.is_empty(), "Ann's own events are stored: {page}");
 }

@@ -37,7 +37,7 @@ pub enum Refusal {
     Crowded(Duration),
 }
 
-/// Who a request proved, and the signed message id to take once it is paced.
+/// Who a request proved, and the signed message id the front end takes at once.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Proved {
     pub name: String,
@@ -85,8 +85,9 @@ impl Authenticator {
     }
 
     /// The participant name the request proves, or why not. A signed request's id is
-    /// not taken yet: [`Authenticator::take_signed`] does, once the request is paced, so
-    /// a request refused for pace takes no room and may be sent again as it was.
+    /// not taken here: the front end takes it with [`Authenticator::take_signed`] before
+    /// anything can refuse the request, once it knows who signed (a PUBLISH's id is also
+    /// recorded for every broker).
     pub fn authenticate(
         &mut self,
         config: &Config,
@@ -176,7 +177,7 @@ impl Authenticator {
                 &auth::present(credential, signed.as_bytes()),
             )?;
             // Only a fresh id proves this message; one seen already is refused as a
-            // failed proof (here, or in `take_signed` once paced).
+            // failed proof (here, or in `take_signed`).
             let key = format!("{}/{name}", req.ns);
             if self.seen.holds(&key, id, wall_ms) {
                 return None;
@@ -189,7 +190,7 @@ impl Authenticator {
         None
     }
 
-    /// Takes the signed id of a paced request by `ns/name` once within the window, in a
+    /// Takes the signed id of a request proved by `ns/name` once within the window, in a
     /// cache of `capacity` ids; a replay counts as a failed authentication.
     pub fn take_signed(
         &mut self,
@@ -439,8 +440,7 @@ mod tests {
     const NOW_MS: i64 = 1_796_083_200_000; // 2026-12-01T00:00:00Z
 
     impl Authenticator {
-        /// The whole path of a request: its proof, then its signed id taken (pacing,
-        /// which comes between, is the front end's).
+        /// The whole path of a request: its proof, then its signed id taken.
         fn admit(
             &mut self,
             config: &Config,

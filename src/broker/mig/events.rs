@@ -77,12 +77,29 @@ impl PublishRequest {
     }
 }
 
-/// A PUBLISH's event, held while its signed id is recorded (`seen`).
+/// A PUBLISH held while its signed id is recorded (`seen`): its event is stored after,
+/// or its refusal answered.
 pub struct ClaimedPublish {
-    subject: String,
-    nats: HeaderMap,
-    bytes: Vec<u8>,
+    then: AfterClaim,
     request: PublishRequest,
+}
+
+enum AfterClaim {
+    Store {
+        subject: String,
+        nats: HeaderMap,
+        bytes: Vec<u8>,
+    },
+    /// `caller` (`ns/name`) holds the claim in `claims_held`.
+    Refuse { error: MigError, caller: String },
+}
+
+/// The signer and id of a PUBLISH whose signature verified.
+#[derive(Clone, Copy)]
+pub struct Signed<'a> {
+    pub ns: &'a str,
+    pub name: &'a str,
+    pub id: &'a str,
 }
 
 /// A SUBSCRIBE page being read, one stored event after another.
@@ -301,8 +318,14 @@ impl Mig {
             let bytes = body.get("payload").map_or(0, |p| p.to_string().len());
             super::take_rate(ctx.rates, participant, ns, name, bytes, now)
         };
+        // Only a signature reaches this far (`Refusal::Exposed`).
+        let signed = Signed {
+            ns,
+            name,
+            id: &header.message_id,
+        };
         if let Err(e) = check {
-            return self.respond(conn, answer, Err(e), now);
+            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
         }
         let from = format!("{ns}/{name}");
         let id = match &header.idempotency_key {
@@ -354,12 +377,14 @@ impl Mig {
                 ),
             )
             .detail("amp_code", json!("too_large"));
-            return self.respond(conn, answer, Err(e), now);
+            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
         }
         let event = ClaimedPublish {
-            subject: binding::topic_subject(ns, topic),
-            nats,
-            bytes,
+            then: AfterClaim::Store {
+                subject: binding::topic_subject(ns, topic),
+                nats,
+                bytes,
+            },
             request: PublishRequest {
                 reply: answer.reply.to_string(),
                 echo: answer.echo.clone(),
@@ -368,8 +393,7 @@ impl Mig {
                 received: now,
             },
         };
-        // Only a signature reaches this far (`Refusal::Exposed`); its id is recorded
-        // for every broker before the event is stored.
+        // The id is recorded for every broker before the event is stored.
         let claim = seen::claim(ctx.config.js_api(ns), ns, name, &header.message_id)
             .map_err(|e| e.to_string())
             .and_then(|c| {
@@ -387,8 +411,58 @@ impl Mig {
         }
     }
 
+    /// Refuses a request after its credential was proved. A signed PUBLISH (`signed`)
+    /// has its id recorded for every broker first, and is answered once that is done:
+    /// its request reached every subscriber of the topic, and the signature does not
+    /// cover the body, so a copy with another body sent to any broker later must find
+    /// the id taken. Before, a PUBLISH refused ahead of its claim (for pace, rate, size)
+    /// left the id free, and a subscriber's copy was stored as the signer's event. The
+    /// claims of refusals count in the caller's `mig.max_claims_per_caller`; past it the
+    /// refusal is answered at once, its id used up on this broker only.
+    pub(super) fn refuse_signed(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        signed: Option<Signed<'_>>,
+        answer: &Answer<'_>,
+        error: MigError,
+        now: Instant,
+    ) {
+        let Some(s) = signed else {
+            return self.respond(conn, answer, Err(error), now);
+        };
+        let caller = format!("{}/{}", s.ns, s.name);
+        let bound = config.mig.max_claims_per_caller;
+        if self.claims_held.admit(&caller, bound, now).is_err() {
+            return self.respond(conn, answer, Err(error), now);
+        }
+        let sent = seen::claim(config.js_api(s.ns), s.ns, s.name, s.id)
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                conn.request(&c.subject, c.headers.as_ref(), &c.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        let Ok(req) = sent else {
+            self.claims_held.settle(&caller, None, now);
+            return self.respond(conn, answer, Err(error), now);
+        };
+        let held = ClaimedPublish {
+            then: AfterClaim::Refuse { error, caller },
+            // Only the answer's fields are used.
+            request: PublishRequest {
+                reply: answer.reply.to_string(),
+                echo: answer.echo.clone(),
+                topic: String::new(),
+                event_id: String::new(),
+                received: answer.received,
+            },
+        };
+        let pending = Pending::Claim(Box::new(held));
+        self.staged.push(req, super::Awaiting(pending), now);
+    }
+
     /// The signed id is recorded (or was taken before): the event is stored (or refused
-    /// as a replay).
+    /// as a replay), or the refusal it was held for is answered.
     pub(super) fn claimed(
         &mut self,
         conn: &mut Connection,
@@ -396,16 +470,29 @@ impl Mig {
         reply: Result<Message, RequestError>,
         now: Instant,
     ) {
-        let refusal = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
+        let acked = reply.map(|m| parse_pub_ack(m.status(), &m.payload));
+        let (subject, nats, bytes) = match event.then {
+            AfterClaim::Store {
+                subject,
+                nats,
+                bytes,
+            } => (subject, nats, bytes),
+            AfterClaim::Refuse { error, caller } => {
+                // Counted until the key's TTL has passed; also when the answer was lost,
+                // since the server may have stored the key.
+                let created = matches!(acked, Ok(Ok(_)) | Err(_)).then_some(seen::KEEP);
+                self.claims_held.settle(&caller, created, now);
+                let error = match acked {
+                    Ok(Err(JsError::WrongLastSequence(_))) => self.replayed(),
+                    _ => error,
+                };
+                return self.respond(conn, &event.request.answer(), Err(error), now);
+            }
+        };
+        let refusal = match acked {
             Ok(Ok(_)) => {
                 let p = event.request;
-                let sent = conn.request(
-                    &event.subject,
-                    Some(&event.nats),
-                    &event.bytes,
-                    JS_TIMEOUT,
-                    now,
-                );
+                let sent = conn.request(&subject, Some(&nats), &bytes, JS_TIMEOUT, now);
                 match sent {
                     Ok(req) => {
                         self.staged
@@ -419,10 +506,7 @@ impl Mig {
                     }
                 }
             }
-            Ok(Err(JsError::WrongLastSequence(_))) => {
-                self.metrics.rejected("replay");
-                MigError::new(Code::Unauthorized, "authentication failed")
-            }
+            Ok(Err(JsError::WrongLastSequence(_))) => self.replayed(),
             Ok(Err(e)) => MigError::new(
                 Code::Unavailable,
                 format!("JetStream did not record the signed id: {e}"),
@@ -430,6 +514,12 @@ impl Mig {
             Err(e) => MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}")),
         };
         self.respond(conn, &event.request.answer(), Err(refusal), now);
+    }
+
+    /// A PUBLISH whose signed id another broker (or this one) took before.
+    fn replayed(&mut self) -> MigError {
+        self.metrics.rejected("replay");
+        MigError::new(Code::Unauthorized, "authentication failed")
     }
 
     pub(super) fn published(

@@ -548,6 +548,32 @@ impl Mig {
             Err(refusal) => return self.refused(conn, &answer, refusal, now),
         };
         let name = proved.name;
+        // A signed PUBLISH reaches every subscriber of its topic, and its signature does
+        // not cover the body: whatever refuses it below records its id for every broker
+        // first (`refuse_signed`).
+        let exposed = match (&op, proved.signed_id.as_deref()) {
+            (subjects::Op::Publish(_), Some(id)) => Some(events::Signed {
+                ns,
+                name: &name,
+                id,
+            }),
+            _ => None,
+        };
+        // A verified signature's id is used up at once, before anything can refuse its
+        // request: a copy sent later (the caller's resend, or a subscriber's with its own
+        // body) is a replay. A refused signed request is signed again with a new id.
+        if let Some(id) = &proved.signed_id {
+            let capacity = ctx.config.mig.max_signed_ids;
+            if let Err(refusal) = self.auth.take_signed(ns, &name, id, capacity, now, wall) {
+                // A replay's id was used up by the request it copies.
+                let replay = refusal == Refusal::Unauthorized;
+                let Some(e) = self.refusal_error(refusal) else {
+                    return;
+                };
+                let exposed = exposed.filter(|_| !replay);
+                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            }
+        }
         let cost = match op {
             subjects::Op::Subscribe => events::page_cost(body.as_ref()),
             _ => 1,
@@ -556,36 +582,24 @@ impl Mig {
             self.metrics.rejected("rate_limited");
             let e = MigError::new(Code::RateLimited, "too many requests")
                 .detail("retry_after_ms", json!(ms));
-            return self.respond(conn, &answer, Err(e), now);
-        }
-        // Taken only now: a request refused for pace holds no room in the replay cache
-        // and may be sent again as it was.
-        if let Some(id) = &proved.signed_id {
-            let capacity = ctx.config.mig.max_signed_ids;
-            if let Err(refusal) = self.auth.take_signed(ns, &name, id, capacity, now, wall) {
-                return self.refused(conn, &answer, refusal, now);
-            }
+            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
         }
         let (Some(body), Some(header)) = (body, header) else {
             let e = MigError::new(Code::InvalidRequest, "the body must be a JSON object");
-            return self.respond(conn, &answer, Err(e), now);
+            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
         };
         let header = match header {
             Ok(h) => h,
             Err(HeaderError::Invalid(m)) => {
-                return self.respond(
-                    conn,
-                    &answer,
-                    Err(MigError::new(Code::InvalidRequest, m)),
-                    now,
-                );
+                let e = MigError::new(Code::InvalidRequest, m);
+                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
             }
             Err(HeaderError::Version(v)) => {
                 let e = MigError::new(
                     Code::VersionMismatch,
                     format!("mig_version `{v}` is not supported; this broker speaks 0.1"),
                 );
-                return self.respond(conn, &answer, Err(e), now);
+                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
             }
         };
         if header.tenant_id != ns {
@@ -593,12 +607,12 @@ impl Mig {
                 Code::Forbidden,
                 "header.tenant_id is not the tenant of the subject",
             );
-            return self.respond(conn, &answer, Err(e), now);
+            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
         }
 
         let Some(participant) = ctx.config.participant(ns, &name) else {
             let e = MigError::new(Code::Unauthorized, "authentication failed");
-            return self.respond(conn, &answer, Err(e), now);
+            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
         };
         let result = match op {
             subjects::Op::Hello => ops::hello(&body, &self.broker_id),
@@ -648,8 +662,18 @@ impl Mig {
 
     /// Answers a request whose credential did not pass (or nothing, for `Drop`).
     fn refused(&mut self, conn: &mut Connection, answer: &Answer<'_>, r: Refusal, now: Instant) {
-        let e = match r {
-            Refusal::Drop(reason) => return self.metrics.rejected(reason),
+        if let Some(e) = self.refusal_error(r) {
+            self.respond(conn, answer, Err(e), now);
+        }
+    }
+
+    /// The answer to a refusal of authentication (none for `Drop`, only counted).
+    fn refusal_error(&mut self, r: Refusal) -> Option<MigError> {
+        Some(match r {
+            Refusal::Drop(reason) => {
+                self.metrics.rejected(reason);
+                return None;
+            }
             Refusal::Unauthorized => MigError::new(Code::Unauthorized, "authentication failed"),
             Refusal::Exposed => {
                 self.metrics.rejected("bearer_on_publish");
@@ -668,8 +692,7 @@ impl Mig {
                 )
                 .detail("retry_after_ms", json!(millis(d)))
             }
-        };
-        self.respond(conn, answer, Err(e), now);
+        })
     }
 
     /// Publishes a reply (success fields or an error) with the duplicated NATS headers.

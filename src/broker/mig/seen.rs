@@ -1,9 +1,9 @@
 //! Signed ids every broker has taken. Each subscriber of a topic receives every PUBLISH
 //! request whole (README "PUBLISH takes an NKey signature"), and the signature covers the
 //! message id, time and subject, not the body; a broker's own replay cache stops a replay
-//! sent to it, not one sent to another broker of the tenant. So before an event is stored
-//! its signed id is created as a key of a bucket the brokers of the domain share: the
-//! second create of a key fails, whichever broker asks.
+//! sent to it, not one sent to another broker of the tenant. So before a PUBLISH's event
+//! is stored, or the PUBLISH refused, its signed id is created as a key of a bucket the
+//! brokers of the domain share: the second create of a key fails, whichever broker asks.
 //!
 //! The bucket also holds the message ids that name streams and forwarded cancels
 //! ([`claim_invocation`]): they are chosen by callers, and frames of a stream are readable
