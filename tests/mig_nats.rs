@@ -2334,3 +2334,68 @@ fn a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body() {
     );
     assert!(!events.is_empty(), "Ann's own events are stored: {page}");
 }
+
+/// Every write to the task store is a compare-and-set publish on the record's subject,
+/// and nats-server delivers a publish to core subscribers even when the stream refuses
+/// it. An invocation watching its record through a core subscription took such a write
+/// as the record: here a completion that lost its compare-and-set (JetStream error
+/// 10071) answered the invoke while the store still held the task queued.
+#[test]
+fn a_task_record_write_the_store_refused_does_not_answer_an_invoke() {
+    use amp_broker::jetstream::{ApiPrefix, JsError, kv::Kv};
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    // Nobody serves `idle`: the task stays queued until the deadline.
+    let tag = alice.invoke_later(
+        "observatory.idle",
+        json!({"header": header(json!({"idempotency_key": "k", "deadline_ms": 3000})),
+               "payload": {}}),
+    );
+    let mut js = broker_js(&w);
+    let kv = Kv::new(ApiPrefix::default(), "AMP_TASK_STATE").expect("kv");
+    let mut key = String::new();
+    let found = common::wait_until(WAIT, || {
+        let req = js
+            .api()
+            .stream_info_subjects("KV_AMP_TASK_STATE", "$KV.AMP_TASK_STATE.acme.*")
+            .expect("request");
+        let info: Value = js
+            .send(&req)
+            .ok()
+            .and_then(|m| serde_json::from_slice(&m.payload).ok())
+            .unwrap_or(Value::Null);
+        let subjects = info["state"]["subjects"].as_object().cloned();
+        key = subjects
+            .and_then(|s| s.keys().next().cloned())
+            .and_then(|s| s.strip_prefix("$KV.AMP_TASK_STATE.").map(str::to_string))
+            .unwrap_or_default();
+        !key.is_empty()
+    });
+    assert!(
+        found,
+        "the invocation's task record was never written: {:?} {:?}",
+        alice.answered(&tag),
+        js.stream_info("KV_AMP_TASK_STATE")
+            .map(|i| i.state.messages)
+    );
+    let entry = js.kv_get(&kv, &key).expect("the record");
+    let mut forged: Value = serde_json::from_slice(&entry.value).expect("a JSON record");
+    assert_eq!(forged["state"], "queued", "{forged}");
+    forged["state"] = json!("completed");
+    forged["result"] = json!({"forged": true});
+    let write = js.kv_update(
+        &kv,
+        &key,
+        forged.to_string().as_bytes(),
+        entry.revision.saturating_sub(1),
+    );
+    assert!(
+        matches!(write, Err(JsError::WrongLastSequence(_))),
+        "{write:?}"
+    );
+    let stored = js.kv_get(&kv, &key).expect("the record");
+    let stored: Value = serde_json::from_slice(&stored.value).expect("a JSON record");
+    assert_eq!(stored["state"], "queued", "{stored}");
+    let answer = alice.wait(&tag)["reply"].clone();
+    assert_eq!(error_code(&answer), "MIG_TIMEOUT", "{answer}");
+}

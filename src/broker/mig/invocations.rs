@@ -2,7 +2,7 @@
 //! first try's task), the job's queue counted against `max_queued`, the task submitted
 //! through the jobs engine, and its outcome answered as a reply or as stream frames.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -327,6 +327,7 @@ impl Mig {
         self.subs.insert(sid, Sub::Task(session));
         self.staged
             .push(id, super::Awaiting(Pending::Record(session)), now);
+        inv.reads = 1;
         self.later
             .push(inv.deadline, super::Alarm::Deadline(session));
         self.by_message
@@ -358,6 +359,52 @@ impl Mig {
         self.invocations.insert(session, inv);
     }
 
+    /// A message on the task record's subject. Every write to the task store is a
+    /// compare-and-set publish there, and nats-server hands a publish to core subscribers
+    /// also when the stream refuses it (a complete that lost its race, a refused
+    /// heartbeat's progress), as it does anyone's publish: so it is no record, only a
+    /// sign that the record may have changed, and the stored record is read. Signs that
+    /// come while a read is out make one more read after it.
+    pub(super) fn record_changed(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        msg: &Message,
+        now: Instant,
+    ) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        if !worth_reading(inv, msg) {
+            return;
+        }
+        inv.rechecks = RECHECKS.len() as u8;
+        if inv.reads > 0 {
+            inv.stale = true;
+            return;
+        }
+        self.read_record(conn, session, now);
+    }
+
+    /// Reads the stored task record of an invocation (`record_read` takes the answer).
+    pub(super) fn read_record(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        let key = crate::broker::binding::task_key(&inv.ns, &inv.task);
+        let sent = self.kv.get_request(&key).ok().and_then(|req| {
+            conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                .ok()
+        });
+        // Not sent (no connection): the reconnect reads every waiting record again.
+        inv.stale = sent.is_none();
+        if let Some(id) = sent {
+            inv.reads += 1;
+            self.staged
+                .push(id, super::Awaiting(Pending::Record(session)), now);
+        }
+    }
+
     pub(super) fn record_read(
         &mut self,
         conn: &mut Connection,
@@ -366,12 +413,17 @@ impl Mig {
         reply: Result<Message, RequestError>,
         now: Instant,
     ) {
-        let Some(inv) = self.invocations.get(&session) else {
+        let Some(inv) = self.invocations.get_mut(&session) else {
             return;
         };
+        inv.reads = inv.reads.saturating_sub(1);
+        // The first read decides whether the task is submitted; a later one that fails
+        // leaves the invocation waiting for the next change, a reconnect or its deadline.
+        let looking = inv.stage == Stage::Looking;
         let key = crate::broker::binding::task_key(&inv.ns, &inv.task);
         let entry = match reply {
             Ok(m) => self.kv.parse_get(&key, m.headers.as_ref(), &m.payload),
+            Err(_) if !looking => return self.read_again(conn, session, now),
             Err(e) => {
                 let e = MigError::new(
                     Code::Unavailable,
@@ -385,7 +437,12 @@ impl Mig {
                 match TaskRecord::from_json(&entry.value) {
                     Ok(record) => {
                         if let Some(inv) = self.invocations.get_mut(&session) {
-                            inv.stage = Stage::Waiting;
+                            if looking {
+                                inv.stage = Stage::Waiting;
+                            }
+                            if shows(inv, &record) {
+                                inv.rechecks = 0;
+                            }
                         }
                         self.on_record(conn, session, record, now)
                     }
@@ -401,19 +458,54 @@ impl Mig {
                 }
             }
             Ok(_) | Err(crate::jetstream::JsError::KeyNotFound) => {
-                // Only a new invocation submits; a re-read (after a reconnect) waits on.
-                if self
-                    .invocations
-                    .get(&session)
-                    .is_some_and(|i| i.stage == Stage::Looking)
-                {
+                // Only a new invocation submits; a re-read waits on.
+                if looking {
                     self.spend_budget(conn, ctx, session, now)
                 }
             }
+            Err(_) if !looking => {}
             Err(e) => {
                 let e = MigError::new(Code::Unavailable, format!("the task store refused: {e}"));
                 self.finish(conn, session, Err(e), now)
             }
+        }
+        self.read_again(conn, session, now);
+    }
+
+    /// Once every read is in: the record is read again at once when its subject had a
+    /// message meanwhile, or a while later when the store has not shown the last one
+    /// yet. That message reaches the broker as the write reaches the server, which may
+    /// be before the stream has stored it (in a cluster, before its raft round ends or a
+    /// replica answering direct gets has it); a write the stream refused is never shown,
+    /// and costs its few reads.
+    fn read_again(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        if inv.reads > 0 {
+            return;
+        }
+        if inv.stale {
+            return self.read_record(conn, session, now);
+        }
+        let done = RECHECKS.len().saturating_sub(usize::from(inv.rechecks));
+        if let Some(wait) = RECHECKS.get(done).filter(|_| !inv.recheck_due) {
+            inv.rechecks = inv.rechecks.saturating_sub(1);
+            inv.recheck_due = true;
+            let at = crate::deadline::after(now, *wait);
+            self.later.push(at, super::Alarm::Recheck(session));
+        }
+    }
+
+    /// A read again that [`Mig::read_again`] set for later.
+    pub(super) fn recheck(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
+        let Some(inv) = self.invocations.get_mut(&session) else {
+            return;
+        };
+        inv.recheck_due = false;
+        // A read out now comes back to `read_again`.
+        if inv.reads == 0 {
+            self.read_record(conn, session, now);
         }
     }
 
@@ -717,6 +809,31 @@ impl Mig {
         self.respond(conn, &answer, result, now);
     }
 }
+
+/// Whether a message on the task record's subject would end the invocation or stream new
+/// progress, were it the stored record: only then is the record read (a stored write
+/// always comes with its own message, so one that says less needs no read).
+fn worth_reading(inv: &Invocation, msg: &Message) -> bool {
+    if crate::jetstream::kv::operation_of(msg.headers.as_ref()).0 != KvOperation::Put {
+        return false;
+    }
+    TaskRecord::from_json(&msg.payload).is_ok_and(|record| shows(inv, &record))
+}
+
+/// Whether `record` ends the invocation or has progress its stream has not had.
+fn shows(inv: &Invocation, record: &TaskRecord) -> bool {
+    let progressed =
+        |s: &invoke::Stream| record.progress.is_some() && record.progress_n > s.progress_n;
+    record.state.is_terminal() || inv.stream.as_ref().is_some_and(progressed)
+}
+
+/// When a record whose subject had a message the store has not shown yet is read again,
+/// each after the one before.
+const RECHECKS: [Duration; 3] = [
+    Duration::from_millis(10),
+    Duration::from_millis(100),
+    Duration::from_secs(1),
+];
 
 /// Invocations one caller may have waiting on a broker: a quarter of `mig.max_pending`, so
 /// one caller (retrying one idempotency key, say, which spends no budget) cannot take

@@ -51,7 +51,16 @@ pub struct Invocation {
     pub received: Instant,
     pub deadline: Instant,
     pub stage: Stage,
+    /// The task record's subject, whose messages only say that it may have changed.
     pub watch: Option<crate::nats::Sid>,
+    /// Reads of the task record out.
+    pub reads: u32,
+    /// The record's subject had a message while a read was out: read it once more after.
+    pub stale: bool,
+    /// Later reads left for the last message on the record's subject that the store has
+    /// not shown yet, and whether one is due.
+    pub rechecks: u8,
+    pub recheck_due: bool,
     /// A keyed invocation listens for cancels other brokers forward
     /// ([`super::subjects::forwarded_cancel_subject`]).
     pub cancel_watch: Option<crate::nats::Sid>,
@@ -226,6 +235,10 @@ impl Invocation {
             deadline: crate::deadline::after(now, Duration::from_millis(deadline_ms)),
             stage: Stage::Looking,
             watch: None,
+            reads: 0,
+            stale: false,
+            rechecks: 0,
+            recheck_due: false,
             payload: r.body.get("payload").cloned().unwrap_or(Value::Null),
             headers,
             cancel_reason: None,

@@ -111,6 +111,8 @@ pub enum Alarm {
     Deadline(SessionId),
     /// A live event feed's pull check (index into `live`).
     LiveCheck(usize, u64),
+    /// An invocation's task record read again (`rechecks`).
+    Recheck(SessionId),
 }
 
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
@@ -243,19 +245,14 @@ impl Mig {
     /// Record changes made while the connection was down were missed: read the record of
     /// every invocation waiting on one again.
     fn reread_records(&mut self, conn: &mut Connection, now: Instant) {
-        let waiting: Vec<(SessionId, String)> = self
+        let waiting: Vec<SessionId> = self
             .invocations
             .iter()
             .filter(|(_, i)| i.stage == Stage::Waiting)
-            .map(|(s, i)| (*s, super::binding::task_key(&i.ns, &i.task)))
+            .map(|(s, _)| *s)
             .collect();
-        for (session, key) in waiting {
-            if let Ok(req) = self.kv.get_request(&key)
-                && let Ok(id) = conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-            {
-                self.staged
-                    .push(id, Awaiting(Pending::Record(session)), now);
-            }
+        for session in waiting {
+            self.read_record(conn, session, now);
         }
     }
 
@@ -304,14 +301,7 @@ impl Mig {
             }
             Some(Sub::Task(session)) => {
                 let session = *session;
-                if crate::jetstream::kv::operation_of(msg.headers.as_ref()).0
-                    != crate::jetstream::kv::KvOperation::Put
-                {
-                    return;
-                }
-                if let Ok(record) = super::task_store::TaskRecord::from_json(&msg.payload) {
-                    self.on_record(conn, session, record, now);
-                }
+                self.record_changed(conn, session, msg, now);
             }
             Some(Sub::ForwardedCancel(session)) => {
                 let session = *session;
@@ -400,7 +390,9 @@ impl Mig {
     /// an invocation already answered does not.
     pub(crate) fn alarm_matters(&self, alarm: &Alarm) -> bool {
         match alarm {
-            Alarm::Deadline(session) => self.invocations.contains_key(session),
+            Alarm::Deadline(session) | Alarm::Recheck(session) => {
+                self.invocations.contains_key(session)
+            }
             Alarm::LiveCheck(..) => true,
         }
     }
@@ -417,6 +409,7 @@ impl Mig {
             Alarm::LiveCheck(feed, generation) => {
                 return self.live_check(conn, feed, generation, now);
             }
+            Alarm::Recheck(session) => return self.recheck(conn, session, now),
             Alarm::Deadline(session) => session,
         };
         let Some(inv) = self.invocations.get(&session) else {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
-use super::invoke::{self, Invocation};
+use super::invoke::{self, Invocation, Stage};
 use super::{Alarm, Ctx, Mig, envelope};
 use crate::broker::budget::{BudgetConfig, Budgets};
 use crate::broker::clock::Clock;
@@ -14,7 +14,10 @@ use crate::broker::config::Config;
 use crate::broker::ids::IdSource;
 use crate::broker::jobs::Jobs;
 use crate::broker::rate_limit::RateLimiter;
-use crate::nats::{Connection, Options};
+use crate::broker::task_store::body_digest;
+use crate::broker::timers::{Timers, Wake};
+use crate::nats::{Connection, Message, Options};
+use crate::proto::headers::HeaderMap;
 
 fn config() -> Config {
     let v = json!({"mig": {"enabled": true}, "namespaces": {"acme": {
@@ -103,4 +106,132 @@ fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
     mig.on_jobs_reply(&mut conn, &mut ctx, session, &refused, deadline);
     assert_eq!(conn.pending_requests(), out);
     assert!(mig.expired_submits.is_empty());
+}
+
+/// A message on a task record's subject reaches the broker as the write reaches the
+/// server, which may be before the stream has stored it (in a cluster, before its raft
+/// round ends), and a read then finds the record as it was. Since such a message is only
+/// a sign (a write the stream refused comes too), the record is read again a little later
+/// until the store shows what the sign said, at most three times.
+#[test]
+fn a_record_sign_ahead_of_the_store_is_read_again_until_the_store_shows_it() {
+    let t0 = Instant::now();
+    let config = config();
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
+    let mut rates = RateLimiter::new(16);
+    let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut ctx = Ctx {
+        config: &config,
+        jobs: &mut jobs,
+        rates: &mut rates,
+        budgets: &mut budgets,
+        registry: None,
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let mut conn = Connection::new(options, t0);
+    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let mut timers = Timers::default();
+
+    let body: Map<String, Value> = serde_json::from_value(
+        json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {}}),
+    )
+    .expect("body");
+    let header = envelope::parse_header(&body, None, || "made".into()).expect("header");
+    let participant = config.participant("acme", "alice").expect("alice");
+    let r = invoke::Request {
+        ns: "acme",
+        caller: "alice",
+        participant,
+        capability: "infer",
+        reply: "_INBOX_acme_alice.1",
+        header: &header,
+        body: &body,
+    };
+    let waiting = || {
+        let mut inv = Invocation::new(&r, invoke::accept(&config, &r).expect("ok"), 60_000, t0);
+        inv.stage = Stage::Waiting;
+        inv
+    };
+    let task = waiting().task;
+    let subject = format!("$KV.AMP_TASK_STATE.acme.{task}");
+    let record = |state: &str| {
+        json!({"id": task, "job": "infer", "state": state, "attempt": 1,
+               "max_attempts": 3, "submitted_by": "acme/alice",
+               "body_sha256": body_digest(&json!({})), "result": {"ok": true}})
+        .to_string()
+        .into_bytes()
+    };
+    let sign = Message {
+        subject: subject.clone(),
+        reply: None,
+        headers: None,
+        payload: record("completed"),
+    };
+    // What a direct get answers: the record stored at `seq`.
+    let stored = |state: &str, seq: &str| {
+        let mut h = HeaderMap::new();
+        h.insert("Nats-Subject", &subject).expect("header");
+        h.insert("Nats-Sequence", seq).expect("header");
+        Ok(Message {
+            subject: "_INBOX.get".into(),
+            reply: None,
+            headers: Some(h),
+            payload: record(state),
+        })
+    };
+    let refused = mig.new_session();
+    let session = mig.new_session();
+    for s in [refused, session] {
+        mig.invocations.insert(s, waiting());
+    }
+    let mut due = |mig: &mut Mig, until: Instant| {
+        timers.file(&mut mig.later, Wake::Mig);
+        match timers.pop_due(until) {
+            Some((at, Wake::Mig(alarm))) => Some((at, alarm)),
+            _ => None,
+        }
+    };
+
+    // The completion's sign reads the record; the store has the task leased still.
+    let out = conn.pending_requests();
+    mig.record_changed(&mut conn, session, &sign, t0);
+    assert_eq!(conn.pending_requests(), out + 1, "the record was not read");
+    mig.record_read(&mut conn, &mut ctx, session, stored("leased", "7"), t0);
+    assert!(
+        mig.invocations.contains_key(&session),
+        "answered from a sign the store does not show"
+    );
+    // Read again 10 ms later, when the store has it: that answers.
+    let (at, alarm) = due(&mut mig, t0 + Duration::from_secs(5)).expect("no read again");
+    assert_eq!(at, t0 + Duration::from_millis(10));
+    mig.on_alarm(&mut conn, &mut ctx, alarm, at);
+    assert_eq!(
+        conn.pending_requests(),
+        out + 2,
+        "the record was not read again"
+    );
+    mig.record_read(&mut conn, &mut ctx, session, stored("completed", "8"), at);
+    assert!(!mig.invocations.contains_key(&session), "not answered");
+
+    // A write the stream refused is never shown: three reads again, then none.
+    mig.record_changed(&mut conn, refused, &sign, t0);
+    mig.record_read(&mut conn, &mut ctx, refused, stored("leased", "7"), t0);
+    let mut waits = Vec::new();
+    while let Some((at, alarm)) = due(&mut mig, t0 + Duration::from_secs(60)) {
+        if !mig.alarm_matters(&alarm) {
+            continue;
+        }
+        waits.push(at.saturating_duration_since(t0));
+        mig.on_alarm(&mut conn, &mut ctx, alarm, at);
+        mig.record_read(&mut conn, &mut ctx, refused, stored("leased", "7"), at);
+    }
+    let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+    assert_eq!(ms, [10, 110, 1110]);
+    assert!(
+        mig.invocations.contains_key(&refused),
+        "answered from a refused write"
+    );
 }
