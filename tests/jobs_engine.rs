@@ -549,6 +549,61 @@ fn an_expired_lease_is_revoked_and_reoffered_and_the_stale_holder_gets_lease_los
     );
 }
 
+/// A holder that goes silent with its session open loses the task at `lease_until`, and
+/// the task is offered again right then: after a heartbeat, and after a claim with none.
+/// The broker's last in-progress ack of a lease used to restart the message's AckWait
+/// 0.9 `lease_s` after the heartbeat (or the delivery), so JetStream held the task for
+/// about 0.9 `lease_s` past the revoke (3.6 s of a 4 s lease here).
+#[test]
+fn an_expired_lease_is_offered_again_right_after_lease_until() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(4, 5000, 3));
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    let r = b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    b.request(
+        W2,
+        "w2",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    let r = b.request(W1, "w1", json!({"op":"heartbeat","id":"h","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    // W1 goes silent after its heartbeat; its session stays open.
+    let revoked = b.expect(W1, SECS, |v| v["op"] == "revoked");
+    assert_eq!(revoked["reason"], "lease_expired", "{revoked}");
+    let at = Instant::now();
+    let offer = b.offer(W2, SECS);
+    let late = at.elapsed();
+    assert_eq!(offer["attempt"], 2, "{offer}");
+    assert!(
+        late < Duration::from_secs(2),
+        "offered {late:?} after the revoke of a lease silent since its heartbeat"
+    );
+    // W2 claims and goes silent without a heartbeat: W1, idle the longer, gets it next.
+    let r = b.request(W2, "w2", json!({"op":"claim","id":"c","task":"T"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let revoked = b.expect(W2, SECS, |v| v["op"] == "revoked");
+    assert_eq!(revoked["reason"], "lease_expired", "{revoked}");
+    let at = Instant::now();
+    let offer = b.offer(W1, SECS);
+    let late = at.elapsed();
+    assert_eq!(offer["attempt"], 3, "{offer}");
+    assert!(
+        late < Duration::from_secs(2),
+        "offered {late:?} after the revoke of a lease silent since its claim"
+    );
+}
+
 /// Claims task `T` for W1 and returns the claim's `lease_until` and the instant it
 /// stands for on this process's clocks.
 fn claimed(b: &mut Broker) -> (String, Instant) {

@@ -1655,7 +1655,7 @@ impl Jobs {
                 });
                 if let Some((session, task)) = due {
                     self.revoke(session, &task, "lease_expired");
-                    self.release_local(conn, &key, now);
+                    self.lease_over(conn, &key, now);
                 }
             }
             Timer::NextChange { key, generation } => {

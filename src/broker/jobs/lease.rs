@@ -6,6 +6,13 @@ use super::*;
 /// answered `rate_limited`.
 const MAX_WAITING_CHANGES: usize = 64;
 
+/// How long past `lease_until` the last keep of a lease holds its message (a delivery's
+/// broker finding the lease still running waits as long past it).
+const PAST_LEASE: Duration = Duration::from_millis(50);
+
+/// A message JetStream would hold longer than this past a lease's end is released then.
+const HELD_SLACK: Duration = Duration::from_millis(250);
+
 impl Jobs {
     /// `heartbeat`, `complete` and `fail`: changes only the lease holder may make.
     pub(super) fn lease_op(
@@ -97,6 +104,24 @@ impl Jobs {
         if let Some(op) = t.waiting.pop_front() {
             self.start_change(conn, key.to_string(), op, now);
         }
+    }
+
+    /// The lease of local task `key` is over (it ran out, or its write was answered after
+    /// the `lease_until` it wrote): its slot frees, and a message JetStream would still
+    /// hold well past now is released for its next delivery at once. That is one kept by
+    /// an in-progress ack sent while a heartbeat or an outcome was being written that then
+    /// failed, or one whose redelivery here restarted its AckWait; no other holder can have
+    /// it, since JetStream has not delivered it since.
+    pub(super) fn lease_over(&mut self, conn: &mut Connection, key: &str, now: Instant) {
+        let held = self.tasks.get(key).and_then(|t| {
+            let until = after(t.ack_basis?, self.ack_wait(t));
+            (until > after(now, HELD_SLACK) && !t.ack_subject.is_empty())
+                .then(|| t.ack_subject.clone())
+        });
+        if let Some(subject) = held {
+            self.nak(conn, &subject, None);
+        }
+        self.release_local(conn, key, now);
     }
 
     /// The local task `key` ends here (finished, lost, released): its slot frees.
@@ -220,11 +245,20 @@ impl Jobs {
         self.next_waiting(conn, key, now);
     }
 
-    /// Sends the in-progress ack that keeps the message of the lease `key` from being
-    /// redelivered when it is due, or arms the timer for when it will be. JetStream
-    /// restarts the AckWait (`lease_s`) at each in-progress ack; a lease that ends before
-    /// the AckWait started at the delivery needs none, which is the common case of a task
-    /// completed well within its lease.
+    /// The message's AckWait: the job's `lease_s`.
+    fn ack_wait(&self, t: &LocalTask) -> Duration {
+        Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1))
+    }
+
+    /// Keeps the message of the lease `key` from being redelivered while the lease runs,
+    /// when that is due, or arms the timer for when it will be. JetStream restarts the
+    /// AckWait (`lease_s`) at each in-progress ack; a lease that ends before the AckWait
+    /// started at the delivery needs none, which is the common case of a task completed
+    /// well within its lease. The last keep of a lease (it ends within an AckWait from
+    /// now, and no write of the holder's is out that may extend or end it) is a NAK
+    /// delayed to just past `lease_until` instead: an in-progress ack there held the task
+    /// of a holder gone silent a whole AckWait, some 0.9 `lease_s` past its lease, whether
+    /// or not its session or this broker were still there to see the lease end.
     pub(super) fn keep_message(
         &mut self,
         conn: &mut Connection,
@@ -235,7 +269,7 @@ impl Jobs {
         let Some(t) = self.tasks.get(key) else {
             return;
         };
-        let ack_wait = Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1));
+        let ack_wait = self.ack_wait(t);
         // Sent this long before the AckWait runs out: for the delivery's way here (the basis
         // is its arrival, a little after JetStream started the AckWait), the loop's delays
         // and the in-progress ack's way back.
@@ -248,6 +282,20 @@ impl Jobs {
         let due = t.ack_basis.map(|basis| after(basis, ack_wait - margin));
         if force || due.is_none_or(|due| due <= now) {
             let subject = t.ack_subject.clone();
+            let writing = t.extending > 0 || t.phase == Phase::Finishing;
+            if !force && !writing && lease_end < after(now, ack_wait) {
+                let until = after(lease_end, PAST_LEASE);
+                if !subject.is_empty() {
+                    let delay = until.saturating_duration_since(now);
+                    self.nak(conn, &subject, Some(delay));
+                }
+                if let Some(t) = self.tasks.get_mut(key) {
+                    // As if the AckWait had started then: it runs out at `until`.
+                    t.ack_basis = Some(until.checked_sub(ack_wait).unwrap_or(now));
+                }
+                // Nothing more to keep: a heartbeat that extends the lease sends its own.
+                return;
+            }
             if !subject.is_empty() {
                 self.ack(conn, &subject, AckKind::InProgress);
             }
@@ -296,7 +344,7 @@ impl Jobs {
             // after an expiry, and no `revoked` follows the answer that said so.
             let task = record.id.clone();
             self.refuse(session, &re, lease_lost(&task));
-            self.release_local(conn, &key, now);
+            self.lease_over(conn, &key, now);
             return;
         }
         // A heartbeat restarts the AckWait at once; a claim only when it must.
