@@ -146,6 +146,12 @@ impl Broker {
     /// Moves bytes and events for up to `wait`, feeding the engine what arrived as if it
     /// arrived at `at` (a reply held up on its way), timers at the real time.
     fn step_as_if(&mut self, wait: Duration, at: Option<Instant>) {
+        self.step_losing(wait, at, None);
+    }
+
+    /// As `step_as_if`; when what the engine wrote in answer contains `lost`, all it wrote
+    /// then is dropped unsent (its requests time out). True when something was dropped.
+    fn step_losing(&mut self, wait: Duration, at: Option<Instant>, lost: Option<&[u8]>) -> bool {
         let mut events = Vec::new();
         let _ = self.client.run_until(wait, |e| {
             events.push(e.clone());
@@ -173,8 +179,15 @@ impl Broker {
         while let Some(o) = self.jobs.poll_output() {
             self.out.push(o);
         }
+        let conn = self.client.connection_mut();
+        let written = conn.output();
+        let drop = lost.is_some_and(|l| written.windows(l.len()).any(|w| w == l));
+        if drop {
+            conn.consume_output(written.len());
+        }
         // Write what the engine queued.
         let _ = self.client.run_until(Duration::ZERO, |_| false);
+        drop
     }
 
     /// Waits for a frame to `session` matching `pred` and takes it (and what came before it
@@ -887,6 +900,68 @@ fn cancel_is_for_the_submitter_and_revokes_a_running_lease() {
     let r = b.request(W1, "w1", json!({"op":"complete","id":"k","task":"L"}));
     assert_eq!(r["code"], "lease_lost");
     assert_eq!(b.status(APP, "L")["state"], "cancelled");
+}
+
+/// `task_result` messages stored in app's inbox.
+fn inbox_results(client: &mut Client) -> u64 {
+    let reply = client
+        .request(
+            "$JS.API.STREAM.INFO.AMP_INBOX_acme",
+            None,
+            br#"{"subjects_filter":"amp.acme.inbox.app"}"#,
+            SECS,
+        )
+        .expect("stream info");
+    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+    v["state"]["subjects"]["amp.acme.inbox.app"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Spec 2.4: a cancelled task's `task_result` reaches the submitter. The message of a
+/// cancelled task is gone, so no redelivery publishes the result again: a cancel whose
+/// result publish timed out (here: it never reached the server) answered `ok` all the
+/// same, and the submitter, told `ok`, never retried; no result was ever stored.
+#[test]
+fn a_cancel_whose_task_result_was_not_stored_is_unavailable_and_its_retry_stores_it() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut client = Client::connect(Options::new(&server.url())).expect("connect");
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.send_at(
+        APP,
+        "app",
+        json!({"op":"cancel","id":"x1","task":"T"}),
+        Instant::now(),
+    );
+    // The read, then the compare-and-set; what the engine sends once that is stored (the
+    // result's publish) is lost on the way.
+    let deadline = Instant::now() + SECS;
+    while !b.step_losing(Duration::from_millis(5), None, Some(b"amp.acme.inbox.app")) {
+        assert!(Instant::now() < deadline, "the cancel is stored");
+    }
+    let r = b.reply(APP, "x1");
+    let stored = inbox_results(&mut client);
+    assert!(
+        r["op"] != "ok" || stored == 1,
+        "cancel answered {r} with {stored} task_result stored"
+    );
+    assert_eq!(r["code"], "unavailable", "{r}");
+    assert_eq!(b.status(APP, "T")["state"], "cancelled");
+    // The client retries, as after any `unavailable`: the result is stored now, once.
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x2","task":"T"}));
+    assert_eq!(r, json!({"op":"ok","re":"x2"}));
+    assert_eq!(inbox_results(&mut client), 1);
+    let env = stored_result(&mut b, &mut client);
+    assert_eq!(env["body"]["state"], "cancelled", "{env}");
+    // Another retry within the window repeats it, deduplicated: still one.
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"x3","task":"T"}));
+    assert_eq!(r["code"], "conflict", "{r}");
+    assert_eq!(inbox_results(&mut client), 1);
 }
 
 #[test]

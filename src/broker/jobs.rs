@@ -60,6 +60,8 @@ pub type SessionId = u64;
 const JS_TIMEOUT: Duration = Duration::from_secs(4);
 /// Task messages whose sequence is remembered for a cancel (about 200 bytes each).
 const PUBLISHED_SEQS: usize = 2048;
+/// Cancels answered `unavailable` remembered for their retry (a task key each).
+const UNSENT_CANCELS: usize = 1024;
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows. It is
 /// also how long the queue may wait for a delivery lost on the way (a pull the server
 /// served whole ends without a word, and its slots stay asked for until then): 30 s held a
@@ -486,22 +488,9 @@ struct Finish {
     reply: Option<(SessionId, String, String)>,
     /// A redelivery of the task message publishes the result again (completed, failed).
     redelivery_resends: bool,
-}
-
-impl Finish {
-    /// The result did not reach the submitter's inbox (e.g. while its stream elects a
-    /// leader): leave the task message for redelivery, which sends the result again
-    /// (deduplicated by its message id), instead of acknowledging it away.
-    fn result_unsent(mut self) -> Finish {
-        if self.redelivery_resends
-            && let Some((_, kind)) = &mut self.ack
-        {
-            *kind = AckKind::Nak {
-                delay: Some(RETRY_DELAY),
-            };
-        }
-        self
-    }
+    /// The key of a cancelled task: its message is gone, and only the client's retry of
+    /// the cancel publishes the result again (see [`Jobs::unsent_cancels`]).
+    cancelled: Option<String>,
 }
 
 struct Submission {
@@ -589,6 +578,10 @@ pub struct Jobs {
     stats: JobsStats,
     /// Bytes of submits waiting for JetStream (see [`HeldBytes`]).
     held: HeldBytes,
+    /// Cancelled tasks whose cancel was answered `unavailable` (its write or its
+    /// `task_result` unconfirmed): the retry that finds the task cancelled publishes the
+    /// result again and answers `ok`, where a cancel of a finished task answers `conflict`.
+    unsent_cancels: BoundedMap<String, ()>,
 }
 
 /// Counters for metrics and the benchmark.
@@ -692,6 +685,7 @@ impl Jobs {
             next_generation: 0,
             stats: JobsStats::default(),
             held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
+            unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
         })
     }
 
@@ -1521,7 +1515,7 @@ impl Jobs {
                     },
                     Err(e) => {
                         log::warn!("task result unanswered: {e}");
-                        finish.result_unsent()
+                        self.result_unsent(finish)
                     }
                 };
                 self.finish(conn, finish, now);

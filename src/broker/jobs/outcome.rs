@@ -44,10 +44,11 @@ impl Jobs {
         reply: Option<(SessionId, String, String)>,
         now: Instant,
     ) {
-        let finish = Finish {
+        let mut finish = Finish {
             ack,
             reply,
             redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
+            cancelled: None,
         };
         let Some((ns, submitter)) = record
             .submitted_by
@@ -57,6 +58,9 @@ impl Jobs {
             return self.finish(conn, finish, now);
         };
         let key = task_key(ns, &record.id);
+        if record.state == TaskState::Cancelled {
+            finish.cancelled = Some(key.clone());
+        }
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
         let body = crate::amp::Body::from_value(&record.result_body()).into_text();
         let env = Envelope {
@@ -85,9 +89,36 @@ impl Jobs {
             }
             Err(e) => {
                 log::warn!(task:% = key; "task result not sent: {e}");
-                self.finish(conn, finish.result_unsent(), now);
+                let finish = self.result_unsent(finish);
+                self.finish(conn, finish, now);
             }
         }
+    }
+
+    /// The result did not reach the submitter's inbox (e.g. while its stream elects a
+    /// leader). A completed or failed task's message is left for redelivery, which sends
+    /// the result again (deduplicated by its message id), instead of acknowledged away.
+    /// A cancelled task has no message left to come back: its cancel answers `unavailable`
+    /// and the retry the client makes publishes the result again. It answered `ok`, and
+    /// the client told so never retried: the submitter never heard of the outcome
+    /// (`tests/jobs_engine.rs`,
+    /// `a_cancel_whose_task_result_was_not_stored_is_unavailable_and_its_retry_stores_it`).
+    pub(super) fn result_unsent(&mut self, mut finish: Finish) -> Finish {
+        if finish.redelivery_resends
+            && let Some((_, kind)) = &mut finish.ack
+        {
+            *kind = AckKind::Nak {
+                delay: Some(RETRY_DELAY),
+            };
+        }
+        if let Some(key) = &finish.cancelled
+            && let Some((_, re, text)) = &mut finish.reply
+        {
+            let e = unavailable("the task is cancelled but its task_result is not stored yet");
+            *text = reply::error(Some(re.as_str()), &e);
+            self.unsent_cancels.get_or_insert_with(key.clone(), || ());
+        }
+        finish
     }
 
     /// The outcome is stored and its `task_result` too: the message goes and the requester

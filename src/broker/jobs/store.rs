@@ -258,9 +258,18 @@ impl Jobs {
                 // sent again later stored a second result (simulator seed 0x13da2e, a
                 // repeat 122 s after the cancel).
                 let recent = self.repeatable(record.history.last(), now);
+                let retry = self.unsent_cancels.remove(&key).is_some();
                 if let Refusal::Finished(TaskState::Cancelled) = refusal
                     && recent
                 {
+                    if retry {
+                        // The retry of a cancel answered `unavailable` (its write or its
+                        // result unconfirmed): answered as the cancel it repeats, once
+                        // the result is stored (`unavailable` again if it is not).
+                        let text = reply::ok(Some(&re));
+                        let reply = Some((session, re, text));
+                        return self.publish_result(conn, record, &by, None, reply, now);
+                    }
                     self.publish_result(conn, record, &by, None, None, now);
                 }
                 let e = match refusal {
@@ -374,6 +383,11 @@ impl Jobs {
         now: Instant,
     ) {
         log::warn!(task:% = write.key; "task change failed: {e}");
+        if matches!(write.op, Op::Cancel { .. }) && e.code == ErrorCode::Unavailable {
+            // Its write may have landed all the same: see `unsent_cancels`.
+            self.unsent_cancels
+                .get_or_insert_with(write.key.clone(), || ());
+        }
         if let Some((session, re)) = write.op.answer_to() {
             let re = re.to_string();
             self.refuse(session, &re, e);
@@ -546,6 +560,7 @@ impl Jobs {
             }
             Op::Cancel { session, re, by } => {
                 self.stats.cancelled += 1;
+                self.unsent_cancels.remove(&key);
                 let local = self
                     .tasks
                     .get(&key)
