@@ -63,3 +63,39 @@ fn a_refused_submit_spends_nothing_of_the_budget() {
     let e = c.request(json!({"op":"submit","job":"render","body":9}));
     assert_eq!(e["code"], "budget_exhausted", "{e}");
 }
+
+/// Spec 2.6 again, for what only the task store or the engine can refuse: a submit whose
+/// task id another participant holds (`conflict`), one too large to store (`too_large`,
+/// by its body alone or once its envelope is made), a redrive of a letter that is not
+/// there (`not_found`). Each spent a task of the budget: two conflicts left nothing of a
+/// budget of 2.
+#[test]
+fn a_submit_the_engine_refuses_spends_nothing_of_the_budget() {
+    let nats = NatsServer::with_config("max_payload: 65536");
+    let mut config = open_config(&["app", "a"]);
+    config["namespaces"]["acme"]["participants"]["app"]["policy"] =
+        json!({"tasks_per_window": 2, "window_s": 3600});
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut c = Client::login(&broker, "acme", "app", "app-token");
+    let r = a.request(json!({"op":"submit","job":"render","task":"T","body":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    for i in 0..2 {
+        let e = c.request(json!({"op":"submit","job":"render","task":"T","body":i}));
+        assert_eq!(e["code"], "conflict", "{e}");
+    }
+    // Past max_payload by its body alone, and by its envelope only.
+    for n in [70_000, 65_500] {
+        let e = c.request(json!({"op":"submit","job":"render","body":"x".repeat(n)}));
+        assert_eq!(e["code"], "too_large", "{n}: {e}");
+    }
+    let e = c.request(json!({"op":"redrive","job":"render","seq":999}));
+    assert_eq!(e["code"], "not_found", "{e}");
+    for i in 0..2 {
+        let r = c.request(json!({"op":"submit","job":"render","body":i}));
+        assert_eq!(r["op"], "ok", "the budget is whole after refusals: {r}");
+    }
+    let e = c.request(json!({"op":"submit","job":"render","body":9}));
+    assert_eq!(e["code"], "budget_exhausted", "{e}");
+}

@@ -189,6 +189,9 @@ struct Session {
     peer: SocketAddr,
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: HashSet<String>,
+    /// Those of them (submits, redrives) that took a task of the participant's budget:
+    /// one the jobs engine refuses having created nothing gives it back.
+    charged: HashSet<String>,
     /// Requests not yet answered over all sessions of its participant, shared by them
     /// from `hello` on: it moves only with `outstanding`, so it cannot drift.
     participant_outstanding: Rc<Cell<usize>>,
@@ -1080,6 +1083,7 @@ impl Broker {
                 JobsOutput::ServeChanged { ns, name } => {
                     self.registry_changed(conn, &ns, &name, now);
                 }
+                JobsOutput::Refund { session, re } => self.refund_budget(session, &re, now),
             }
         }
     }
@@ -1329,6 +1333,9 @@ impl Broker {
         if let Some(s) = self.sessions.get_mut(&session)
             && s.outstanding.remove(re)
         {
+            if !s.charged.is_empty() {
+                s.charged.remove(re);
+            }
             let all = &s.participant_outstanding;
             all.set(all.get().saturating_sub(1));
         }

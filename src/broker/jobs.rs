@@ -137,6 +137,9 @@ pub enum JobsOutput {
     Frame { session: SessionId, text: String },
     /// The jobs `ns/name` serves changed: its registry entry should be rewritten.
     ServeChanged { ns: String, name: String },
+    /// Submit or redrive `re` of `session` is refused having created nothing: what the
+    /// core charged for it is given back. Comes before its answer.
+    Refund { session: SessionId, re: String },
 }
 
 /// The session a request comes from, as the core knows it.
@@ -1298,7 +1301,8 @@ impl Jobs {
                         self.publish_task(conn, sub, false, now);
                     }
                     Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
-                    Ok(Err(e)) => self.refuse(sub.session, &sub.re, unavailable(e)),
+                    // JetStream answered that it stored nothing.
+                    Ok(Err(e)) => self.refuse_unmade(sub.session, &sub.re, unavailable(e)),
                     // The create may have landed all the same (its answer was lost with
                     // the connection, or is late): a record with no message would stay
                     // `queued` for good if the client's retry came before it and was
@@ -1306,6 +1310,9 @@ impl Jobs {
                     // publishes it itself.
                     Err(RequestError::Timeout | RequestError::Disconnected) => {
                         self.read_existing(conn, sub, now)
+                    }
+                    Err(e @ RequestError::NoResponders) => {
+                        self.refuse_unmade(sub.session, &sub.re, unavailable(e))
                     }
                     Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
                 }
@@ -1320,7 +1327,7 @@ impl Jobs {
                         "the task store did not answer the submit in time and holds no \
                          record of the task; submit it again",
                     );
-                    self.refuse(sub.session, &sub.re, e)
+                    self.refuse_unmade(sub.session, &sub.re, e)
                 }
                 Ok((record, _)) => {
                     if record.submitted_by != sub.from {
@@ -1331,14 +1338,14 @@ impl Jobs {
                             format!("task id `{}` is taken", sub.task),
                         )
                         .with_path("/task");
-                        self.refuse(sub.session, &sub.re, e);
+                        self.refuse_unmade(sub.session, &sub.re, e);
                     } else if !record.same_submission(&sub.job, &sub.digest) {
                         let e = AmpError::new(
                             ErrorCode::Conflict,
                             format!("task `{}` exists with a different job or body", sub.task),
                         )
                         .with_path("/task");
-                        self.refuse(sub.session, &sub.re, e);
+                        self.refuse_unmade(sub.session, &sub.re, e);
                     } else if record.state == TaskState::Queued
                         && record.attempt == 0
                         && self.repeatable(record.history.first(), now)

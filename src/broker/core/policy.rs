@@ -111,7 +111,12 @@ impl Broker {
             .try_spend(&key, budget, self.clock.unix_seconds(now) * 1000);
         self.drive_budgets(conn, now);
         match spend {
-            Spend::Granted => true,
+            Spend::Granted => {
+                if let (Some(s), Some(id)) = (self.sessions.get_mut(&session), frame.id()) {
+                    s.charged.insert(id.to_string());
+                }
+                true
+            }
             Spend::Exhausted => {
                 match frame {
                     // A retry of a task that may exist (its create landed, its answer was
@@ -154,6 +159,28 @@ impl Broker {
                     .push((session, frame.clone(), hold));
                 false
             }
+        }
+    }
+
+    /// Request `re` of `session`, charged a task of its participant's budget, was
+    /// refused having created nothing: the task goes back to this broker's reservation
+    /// (no JetStream operation: the window's count in `AMP_BUDGET` says what the brokers
+    /// reserved, and the task stays reserved here for the participant's next submit).
+    pub(super) fn refund_budget(&mut self, session: SessionId, re: &str, now: Instant) {
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        if !s.charged.remove(re) {
+            return;
+        }
+        let SessionState::Active { ns, name } = &s.state else {
+            return;
+        };
+        let (ns, name) = (ns.clone(), name.clone());
+        if let Some(budget) = Budget::of(&self.config, &ns, &name) {
+            let unix_ms = self.clock.unix_seconds(now) * 1000;
+            self.budgets
+                .refund(&participant_key(&ns, &name), budget, unix_ms);
         }
     }
 

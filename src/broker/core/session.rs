@@ -13,6 +13,7 @@ impl Broker {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 outstanding: HashSet::new(),
+                charged: HashSet::new(),
                 participant_outstanding: Rc::default(),
                 inflight: IdMap::default(),
                 subs: HashMap::new(),
@@ -407,6 +408,19 @@ impl Broker {
                 };
                 if let Some((id, bytes)) = submitting {
                     if let Some(e) = self.refusal(session, ns, name, &frame) {
+                        return self.fail(session, id, e);
+                    }
+                    // Its body alone will not fit in a stored message: refused before it
+                    // is charged (one within the bound whose envelope does not fit is
+                    // refused by the engine, which gives its budget back).
+                    let max = conn.max_payload();
+                    if bytes > max {
+                        let e = AmpError::new(
+                            ErrorCode::TooLarge,
+                            format!(
+                                "the body is {bytes} bytes; the server allows {max} for the stored task"
+                            ),
+                        );
                         return self.fail(session, id, e);
                     }
                     // Refused for want of room later, it would have spent its budget: the

@@ -317,7 +317,7 @@ impl Jobs {
     ) {
         let p = &caller.participant.permissions;
         if let Some(e) = redrive_refusal(p, &job) {
-            return self.refuse(caller.session, &id, e);
+            return self.refuse_unmade(caller.session, &id, e);
         }
         let may_serve = permissions::allows(p, Action::Serve, &job);
         let stream = binding::dlq_stream(caller.ns);
@@ -335,7 +335,7 @@ impl Jobs {
             Ok(rid) => self.await_reply(rid, now, Pending::Redrive(Box::new(read))),
             Err(e) => {
                 let e = unreadable(e);
-                self.refuse(read.session, &read.re, e)
+                self.refuse_unmade(read.session, &read.re, e)
             }
         }
     }
@@ -358,7 +358,7 @@ impl Jobs {
             Ok(_) => None,
             Err(e) => {
                 let e = unreadable(e);
-                return self.refuse(r.session, &r.re, e);
+                return self.refuse_unmade(r.session, &r.re, e);
             }
         };
         let Some(letter) = letter else {
@@ -367,7 +367,7 @@ impl Jobs {
                 format!("job `{}` has no dead letter {}", r.job, r.seq),
             )
             .with_path("/seq");
-            return self.refuse(r.session, &r.re, e);
+            return self.refuse_unmade(r.session, &r.re, e);
         };
         if letter.body_omitted {
             let e = AmpError::new(
@@ -378,7 +378,7 @@ impl Jobs {
                 ),
             )
             .with_path("/seq");
-            return self.refuse(r.session, &r.re, e);
+            return self.refuse_unmade(r.session, &r.re, e);
         }
         let body = crate::amp::Body::parse(letter.body.get()).unwrap_or_default();
         let submit = amp_frame::Submit {

@@ -70,7 +70,7 @@ impl Jobs {
     ) {
         let p = &caller.participant.permissions;
         if let Some(e) = Jobs::submit_refusal(p, caller.session, &submit) {
-            return self.refuse(caller.session, &submit.id, e);
+            return self.refuse_unmade(caller.session, &submit.id, e);
         }
         let who = (caller.ns, caller.name);
         self.submit_as(conn, caller.session, who, submit, over_budget, now);
@@ -134,7 +134,7 @@ impl Jobs {
             if let Err(e) = headers.insert(k, v) {
                 let e = AmpError::new(ErrorCode::Schema, format!("header not storable: {e}"))
                     .with_path("/headers");
-                return self.refuse(session, &submit.id, e);
+                return self.refuse_unmade(session, &submit.id, e);
             }
         }
         let payload = env.to_json();
@@ -149,10 +149,10 @@ impl Jobs {
                     size.max(record_json.len())
                 ),
             );
-            return self.refuse(session, &submit.id, e);
+            return self.refuse_unmade(session, &submit.id, e);
         }
         let Some(hold) = self.held.take(size + record_json.len()) else {
-            return self.refuse(session, &submit.id, held_bytes::full());
+            return self.refuse_unmade(session, &submit.id, held_bytes::full());
         };
         let sub = Submission {
             session,
@@ -175,7 +175,7 @@ impl Jobs {
             Err(e) => {
                 let e = AmpError::new(ErrorCode::Schema, format!("task id not storable: {e}"))
                     .with_path("/task");
-                return self.refuse(session, &submit.id, e);
+                return self.refuse_unmade(session, &submit.id, e);
             }
         };
         if over_budget {
@@ -185,8 +185,21 @@ impl Jobs {
             Ok(id) => {
                 self.await_reply(id, now, Pending::SubmitCreate(Box::new(sub)));
             }
-            Err(e) => self.refuse(session, &submit.id, send_error(&e)),
+            Err(e) => self.refuse_unmade(session, &submit.id, send_error(&e)),
         }
+    }
+
+    /// Refuses a submit or redrive that created nothing: what the core charged for it
+    /// (a task of the participant's budget) is given back first (spec 2.6: a request
+    /// that fails changes nothing). A conflict, a too large task, a redrive of no letter
+    /// each spent a task of the budget
+    /// (`broker_budget::a_submit_the_engine_refuses_spends_nothing_of_the_budget`).
+    pub(super) fn refuse_unmade(&mut self, session: SessionId, re: &str, e: AmpError) {
+        self.out.push_back(JobsOutput::Refund {
+            session,
+            re: re.to_string(),
+        });
+        self.refuse(session, re, e);
     }
 
     pub(super) fn publish_task(
