@@ -679,3 +679,38 @@ fn the_task_store_keeps_one_revision_per_task_and_forgets_finished_ones() {
     let gone = app.request(json!({"op":"status","task":"big"}));
     assert_eq!(gone["op"], "error", "{gone}");
 }
+
+#[test]
+fn a_job_whose_consumer_jetstream_refuses_tells_its_workers() {
+    // The namespace's task stream at its `max_consumers` (an operator's 2 here; 10,000 by
+    // default, and nats-server's 1,000 before the broker set one): `serve` was answered
+    // `ok` and nothing was ever offered, the broker asking again every 2 s in silence.
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let mut tasks = amp_broker::broker::binding::tasks_stream_config(
+        "acme",
+        amp_broker::broker::binding::StreamSettings::default(),
+    );
+    tasks.max_consumers = Some(2);
+    js.create_stream(&tasks).expect("task stream");
+    let broker = Broker::start(&nats.url(), &config(&["w"], 30, 5000));
+    let mut w = login(&broker, "w");
+    for job in ["a", "b", "c"] {
+        let ok = w.request(json!({"op":"serve","job":job,"slots":1}));
+        assert_eq!(ok["op"], "ok", "{ok}");
+    }
+    let told = w
+        .next_op("error", WAIT_TOLD)
+        .expect("the worker hears its job is not offered");
+    assert_eq!(
+        (&told["code"], &told["path"]),
+        (&json!("unavailable"), &json!("/job")),
+        "{told}"
+    );
+    let message = told["message"].as_str().unwrap_or_default();
+    assert!(message.contains("job `c` is not offered"), "{told}");
+    // Once, not at every retry.
+    assert!(w.next_op("error", Duration::from_secs(3)).is_none());
+}
+
+const WAIT_TOLD: Duration = Duration::from_secs(10);

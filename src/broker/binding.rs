@@ -216,13 +216,21 @@ fn aged(c: StreamConfig, max_age_s: u64, max_bytes: u64) -> StreamConfig {
     }
 }
 
+/// Job consumers a namespace's task stream holds at most: one per job served anywhere
+/// lately (see [`JOB_CONSUMER_INACTIVE`]). Set, as a stream without a limit of its own
+/// gets nats-server's default (1,000 since 2.15).
+pub const JOB_CONSUMERS: u64 = 10_000;
+
 pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> StreamConfig {
-    base_stream(
-        tasks_stream(ns),
-        format!("amp.{ns}.job.*"),
-        RetentionPolicy::WorkQueue,
-        s,
-    )
+    StreamConfig {
+        max_consumers: Some(count(JOB_CONSUMERS)),
+        ..base_stream(
+            tasks_stream(ns),
+            format!("amp.{ns}.job.*"),
+            RetentionPolicy::WorkQueue,
+            s,
+        )
+    }
 }
 
 /// Dead letters are kept for inspection and redrive, not consumed: limits retention,
@@ -322,15 +330,18 @@ pub fn inbox_consumer_config(ns: &str, name: &str, ack_wait_s: u64, window: u32)
     }
 }
 
-/// How long a job consumer nobody pulls from is kept.
-pub const JOB_CONSUMER_INACTIVE: Duration = Duration::from_secs(24 * 3600);
+/// How long a job consumer nobody pulls from is kept. JetStream counts it from the last
+/// pull, or from the latest ack wait of a message still out (a lease being kept), so a
+/// job served anywhere keeps its consumer; one nobody serves any more gives its place in
+/// [`JOB_CONSUMERS`] back soon (job names come from clients).
+pub const JOB_CONSUMER_INACTIVE: Duration = Duration::from_secs(600);
 
 /// The durable pull consumer of one job: AckWait is the lease; deliveries are unlimited
 /// because declines count as deliveries and attempts live in the task store. Messages out
 /// are unlimited too: a task handed back for want of a taker stays out until its delay
 /// has passed, and with nats-server's default of 1,000 that many such tasks stopped every
 /// delivery of the job (the brokers themselves never pull more than their free slots).
-/// Job names come from clients, so a job nobody has pulled for a day loses its consumer
+/// Job names come from clients, so a job nobody has pulled for a while loses its consumer
 /// (the tasks stay in the work-queue stream; the next `serve` creates it again, and it
 /// delivers them all).
 pub fn job_consumer_config(ns: &str, job: &str, lease_s: u64) -> ConsumerConfig {

@@ -108,6 +108,9 @@ const CONSUMER_RETRY: Duration = Duration::from_secs(2);
 const MAX_ORPHAN_DELIVERIES: u64 = 5;
 /// Distinct jobs one session may serve: each is a registry entry and pull bookkeeping.
 pub const MAX_JOBS_PER_SESSION: usize = 64;
+/// Distinct jobs one participant's sessions serve together on one broker: its many
+/// sessions must not take every job queue here, nor the namespace's job consumers.
+pub const MAX_JOBS_PER_PARTICIPANT: usize = 64;
 /// Distinct job queues (a durable consumer and its pulls each) one broker opens.
 pub const MAX_JOB_QUEUES: usize = 1024;
 /// Offers out at once that other brokers can ask about (one NATS subscription each, see
@@ -179,6 +182,9 @@ struct JobQueue {
     /// The highest consumer sequence delivered to this broker since it last created the
     /// consumer: one that goes back means the consumer was created anew meanwhile.
     last_consumer_seq: u64,
+    /// Its serving sessions were told JetStream refuses its consumer (once until it is
+    /// made).
+    told: bool,
 }
 
 /// A message stored before a restart was stamped before the server went down, and the
@@ -984,6 +990,10 @@ impl Jobs {
                 Some(format!(
                     "a session serves at most {MAX_JOBS_PER_SESSION} jobs"
                 ))
+            } else if self.participant_jobs(caller, job) >= MAX_JOBS_PER_PARTICIPANT {
+                Some(format!(
+                    "a participant's sessions serve at most {MAX_JOBS_PER_PARTICIPANT} jobs together on a broker"
+                ))
             } else if self.queues.len() >= MAX_JOB_QUEUES
                 && !self.queues.contains_key(&queue_key(caller.ns, job))
                 && !self.release_idle_queue(conn)
@@ -1024,6 +1034,21 @@ impl Jobs {
             self.pull_more(conn, &queue_key(caller.ns, job), now);
         }
         Ok(())
+    }
+
+    /// Distinct jobs other than `job` that the caller's participant serves here, in any
+    /// of its sessions.
+    fn participant_jobs(&self, caller: &Caller<'_>, job: &str) -> usize {
+        let mut jobs: HashSet<&str> = HashSet::new();
+        let mine = self
+            .workers
+            .values()
+            .filter(|w| w.ns == caller.ns && w.name == caller.name);
+        for w in mine {
+            let served = w.serving.iter().filter(|(_, s)| s.slots > 0);
+            jobs.extend(served.map(|(j, _)| j.as_str()).filter(|&j| j != job));
+        }
+        jobs.len()
     }
 
     /// Room for another job's queue: forgets one that no session here serves and that
@@ -1280,11 +1305,13 @@ impl Jobs {
                         q.trust_after_nanos =
                             answered_at.and_then(|t| t.checked_add(TRUST_MARGIN_NANOS));
                         q.last_consumer_seq = 0;
+                        q.told = false;
                     }
                     self.consumer_ready(conn, &queue, now)
                 }
                 Ok(Err(e)) => {
                     log::warn!(queue:% = queue; "consumer refused: {e}");
+                    self.tell_unserved(&queue, &e.to_string());
                     self.consumer_failed(&queue, now);
                 }
                 Err(e) => {
@@ -1788,7 +1815,7 @@ mod tests {
 
     use serde_json::{Value, json};
 
-    use super::{MAX_JOB_QUEUES, MAX_JOBS_PER_SESSION};
+    use super::{MAX_JOB_QUEUES, MAX_JOBS_PER_PARTICIPANT, MAX_JOBS_PER_SESSION};
 
     use crate::broker::config::Job;
     use crate::testing::harness::{self, Harness, Session};
@@ -1876,6 +1903,45 @@ mod tests {
             let s = h.join(0, &format!("squatter{round}"), json!({"serve": serve}));
             h.close(s);
         }
+        let w = h.join(0, "w", json!({}));
+        let r = h.request(w, json!({"op":"serve","job":"render","slots":1}));
+        assert_eq!(r["op"], "ok", "{r}");
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let offer = h.wait_for(w, |f| f["op"] == "offer");
+        assert_eq!(offer["task"], task, "{offer}");
+    }
+
+    #[test]
+    fn one_participants_sessions_serve_a_bounded_number_of_jobs_together() {
+        // Sessions are bounded per participant (1,024 by default), jobs per session (64):
+        // 16 open sessions of one participant that may serve `>` took every job queue
+        // of the broker, and every other participant's `serve` was refused while they
+        // stayed; across brokers, the namespace's job consumers too.
+        let mut h = bench(3);
+        let mut squatters = Vec::new();
+        let mut refused = 0;
+        for round in 0..(MAX_JOB_QUEUES / MAX_JOBS_PER_SESSION) {
+            let s = h.join(0, "squatter", json!({}));
+            for i in 0..MAX_JOBS_PER_SESSION {
+                let job = format!("junk{round}x{i}");
+                let r = h.request(s, json!({"op":"serve","job":job,"slots":1}));
+                if r["op"] != "ok" {
+                    assert_eq!(
+                        (&r["code"], &r["path"]),
+                        (&json!("forbidden"), &json!("/job")),
+                        "{r}"
+                    );
+                    refused += 1;
+                }
+            }
+            squatters.push(s);
+        }
+        assert_eq!(refused, MAX_JOB_QUEUES - MAX_JOBS_PER_PARTICIPANT);
+        // A job it serves already may be served by more of its sessions.
+        let more = h.join(0, "squatter", json!({}));
+        let r = h.request(more, json!({"op":"serve","job":"junk0x0","slots":1}));
+        assert_eq!(r["op"], "ok", "{r}");
         let w = h.join(0, "w", json!({}));
         let r = h.request(w, json!({"op":"serve","job":"render","slots":1}));
         assert_eq!(r["op"], "ok", "{r}");

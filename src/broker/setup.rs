@@ -369,7 +369,10 @@ mod tests {
         }
         existing["max_consumers"] = json!(50);
         assert!(consumer_limit_update(&desired, &existing).is_none());
-        let unlimited = binding::tasks_stream_config("acme", StreamSettings::default());
+        let unlimited = StreamConfig {
+            max_consumers: None,
+            ..binding::tasks_stream_config("acme", StreamSettings::default())
+        };
         existing["max_consumers"] = json!(-1);
         assert!(consumer_limit_update(&unlimited, &existing).is_none());
     }

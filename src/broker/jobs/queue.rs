@@ -33,6 +33,7 @@ impl Jobs {
                 acks_due: 0,
                 trust_after_nanos: None,
                 last_consumer_seq: 0,
+                told: false,
             },
         );
         self.create_consumer(conn, &qk, now);
@@ -75,6 +76,35 @@ impl Jobs {
                 log::warn!(queue:% = qk; "consumer request failed: {e}");
                 self.consumer_failed(qk, now);
             }
+        }
+    }
+
+    /// JetStream refused the job's consumer (its stream at `max_consumers`, say): the
+    /// sessions that serve it here hear why once, since their `serve` was answered `ok`
+    /// and nothing will be offered until the consumer is made.
+    pub(super) fn tell_unserved(&mut self, qk: &str, why: &str) {
+        let Some(q) = self.queues.get_mut(qk).filter(|q| !q.told) else {
+            return;
+        };
+        q.told = true;
+        let (ns, job) = (q.ns.clone(), q.job.clone());
+        let e = AmpError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "job `{job}` is not offered: JetStream refused its consumer ({why}); the broker keeps asking"
+            ),
+        )
+        .with_path("/job");
+        let text = reply::error(None, &e);
+        let serving = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.ns == ns && w.serving.get(&job).is_some_and(|s| s.slots > 0));
+        for (&session, _) in serving {
+            self.out.push_back(JobsOutput::Frame {
+                session,
+                text: text.clone(),
+            });
         }
     }
 
