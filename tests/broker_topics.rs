@@ -226,6 +226,95 @@ fn a_durable_subscription_resumes_with_unacked_events_first() {
 }
 
 #[test]
+fn a_new_durable_subscription_starts_where_its_from_says() {
+    // Spec 2.3: `from` defaults to `new` and is ignored only when a durable is resumed.
+    // Every new durable replayed the whole stream, whatever its `from`.
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let seqs: Vec<u64> = (1..=3).map(|i| publish(&mut p, "t.x", json!(i))).collect();
+    let ok = s.request(json!({"op":"subscribe","topic":"t.x","sub":"new","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let ok = s.request(
+        json!({"op":"subscribe","topic":"t.x","sub":"seq","durable":true,"from":{"seq":seqs[1]}}),
+    );
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let from_seq = events(&mut s, 2);
+    assert!(
+        from_seq.iter().all(|e| e["sub"] == "seq"),
+        "only the one from seq 2 replays: {from_seq:?}"
+    );
+    assert_eq!(
+        from_seq
+            .iter()
+            .map(|e| e["seq"].as_u64())
+            .collect::<Vec<_>>(),
+        vec![Some(seqs[1]), Some(seqs[2])]
+    );
+    assert!(s.next_op("event", QUIET).is_none(), "nothing more");
+    let later = publish(&mut p, "t.x", json!(4));
+    let mut got: Vec<(String, u64)> = events(&mut s, 2)
+        .iter()
+        .map(|e| {
+            (
+                e["sub"].as_str().unwrap_or_default().to_string(),
+                e["seq"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec![("new".to_string(), later), ("seq".to_string(), later)]
+    );
+    // A `from` that is no time is refused for a durable too (it was not even read).
+    let bad = s.request(
+        json!({"op":"subscribe","topic":"t.x","sub":"bad","durable":true,"from":{"time":"yesterday"}}),
+    );
+    assert_eq!(bad["code"], "schema", "{bad}");
+}
+
+#[test]
+fn a_durable_subscribe_refused_for_another_topic_leaves_its_reader_alone() {
+    // Spec 2.6: a request that fails changes nothing. The take-over came first: the
+    // session reading the durable lost it to a subscribe that was then refused.
+    let (_nats, broker) = setup();
+    let mut p = Client::login(&broker, "acme", "pub", "pub-token");
+    let mut s1 = Client::login(&broker, "acme", "sub", "sub-token");
+    let mut s2 = Client::login(&broker, "acme", "sub", "sub-token");
+    let ok = s1.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    publish(&mut p, "d.a", json!(1));
+    let first = events(&mut s1, 1).remove(0);
+    let other = s2.request(json!({"op":"subscribe","topic":"d.*","sub":"keep","durable":true}));
+    assert_eq!(other["code"], "conflict", "{other}");
+    publish(&mut p, "d.b", json!(2));
+    let second = s1.next_op("event", WAIT);
+    assert_eq!(
+        second.as_ref().map(|e| &e["body"]),
+        Some(&json!(2)),
+        "{second:?}"
+    );
+    let ok = s1.request(json!({"op":"ack","id":"a1","sub":"keep","seq":first["seq"]}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
+fn durables_subscribed_without_a_name_get_names_of_their_own() {
+    // Named `s<n>` from a counter each broker starts at 1: after a restart, or on another
+    // broker, a new durable got an old one's name, events and place.
+    let (_nats, broker) = setup();
+    let mut s = Client::login(&broker, "acme", "sub", "sub-token");
+    let a = s.request(json!({"op":"subscribe","topic":"t.a","durable":true}));
+    let b = s.request(json!({"op":"subscribe","topic":"t.b","durable":true}));
+    let (a, b) = (
+        a["sub"].as_str().unwrap_or(""),
+        b["sub"].as_str().unwrap_or(""),
+    );
+    assert!(a.len() > 20 && b.len() > 20 && a != b, "{a} {b}");
+}
+
+#[test]
 fn a_durable_resumed_after_its_broker_was_killed_gets_the_unacked_event_first() {
     // The killed broker cannot hand event 2 back: it comes again only after its ack wait
     // (30 s), while the consumer would hand the resumed session newer events at once.

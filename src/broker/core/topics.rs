@@ -123,8 +123,8 @@ pub(super) struct Subscription {
     /// Durable only: counted in `durables_creating` until its consumer's create is
     /// answered.
     creating: bool,
-    /// Plain only: the deliver policy asked for, used again if the consumer must be
-    /// recreated before any event arrived.
+    /// The deliver policy asked for, used again if the consumer must be made again
+    /// before any event arrived.
     start: DeliverFrom,
 }
 
@@ -231,6 +231,10 @@ impl Broker {
         }
         let sub = match f.sub {
             Some(sub) => sub,
+            // A durable's name outlives the session and the broker: a counter would give
+            // the next broker started, or another one, the same name, and with it this
+            // durable's events and place.
+            None if f.durable => format!("d{}", self.ids.next_id()),
             None => {
                 self.next_sub += 1;
                 format!("s{}", self.next_sub)
@@ -249,7 +253,22 @@ impl Broker {
             return self.fail(session, &f.id, e);
         }
         let filter = binding::topic_subject(ns, &f.topic);
+        if f.durable && self.durable_read_here_for_another_topic(ns, name, &sub, &filter) {
+            // Refused before the take-over below, which would end the session reading it:
+            // a request that fails changes nothing.
+            let e = AmpError::new(
+                ErrorCode::Conflict,
+                format!("durable subscription `{sub}` exists for another topic"),
+            )
+            .with_path("/sub");
+            return self.fail(session, &f.id, e);
+        }
         let stream = binding::topics_stream(ns);
+        // A durable's `from` counts when its consumer is made; a resume ignores it.
+        let start = match deliver_from(&f.from) {
+            Ok(start) => start,
+            Err(e) => return self.fail(session, &f.id, e),
+        };
         let (consumer, config, start) = if f.durable {
             let consumer = binding::durable_sub_consumer(name, &sub);
             let config = binding::durable_sub_config(
@@ -259,13 +278,10 @@ impl Broker {
                 DURABLE_ACK_WAIT.as_secs(),
                 DURABLE_WINDOW,
                 caps.durable_inactive_s,
-            );
-            (consumer, config, DeliverFrom::All)
+            )
+            .deliver_from(start.clone());
+            (consumer, config, start)
         } else {
-            let start = match deliver_from(&f.from) {
-                Ok(start) => start,
-                Err(e) => return self.fail(session, &f.id, e),
-            };
             let consumer = self.plain_consumer_name();
             let config =
                 binding::plain_sub_config(&consumer, &filter, start.clone(), EPHEMERAL_INACTIVE);
@@ -380,6 +396,25 @@ impl Broker {
             }
             let _ = self.drop_subscription(conn, other, sub, false, now);
         }
+    }
+
+    /// Whether a session of the participant here reads durable `sub` with another filter.
+    fn durable_read_here_for_another_topic(
+        &self,
+        ns: &str,
+        name: &str,
+        sub: &str,
+        filter: &str,
+    ) -> bool {
+        let Some(p) = self.presence.get(&participant_key(ns, name)) else {
+            return false;
+        };
+        p.sessions.iter().any(|id| {
+            self.sessions
+                .get(id)
+                .and_then(|s| s.subs.get(sub))
+                .is_some_and(|t| t.durable && t.filter != filter)
+        })
     }
 
     /// What a take-over this broker sends says about its sender, so it can tell its own.
@@ -1271,7 +1306,7 @@ impl Broker {
         let from = match t.inflight.keys().next() {
             Some(&oldest) => DeliverFrom::Sequence(oldest),
             None if t.last_seq > 0 => DeliverFrom::Sequence(t.last_seq.saturating_add(1)),
-            None => DeliverFrom::All,
+            None => t.start.clone(),
         };
         let (ns, owner, filter) = (t.ns.clone(), t.owner.clone(), t.filter.clone());
         let consumer = t.pull.consumer().to_string();
