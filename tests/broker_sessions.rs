@@ -692,6 +692,46 @@ fn a_dead_brokers_participants_go_down_through_the_registry_ttl() {
 }
 
 #[test]
+fn a_broker_cut_off_from_nats_while_a_participant_left_hears_its_down_once_back() {
+    // Broker one reaches NATS through a relay. While the link is cut, b leaves broker
+    // two and its key's delete ages out of the stream (the delete lives one TTL, a marker
+    // another): the watch, which resumed after the last revision it had seen, never saw
+    // it, and one's mirror kept b for good.
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let mut config = open_config(&["w", "b"]);
+    config["limits"] = json!({"registry_ttl_s": 2});
+    let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    let mut b = Client::login(&two, "acme", "b", "b-token");
+    let up = presence_of(&mut w, "b", WAIT).expect("b up");
+    assert_eq!(up["state"], "up", "{up}");
+    relay.cut();
+    assert_eq!(b.request(json!({"op":"bye"}))["op"], "ok");
+    // The cut lasts until nothing of b is left in the bucket.
+    let mut js = nats.jetstream();
+    let kv = js.kv_bind("AMP_REGISTRY_acme").expect("registry bucket");
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while js.kv_entry(&kv, "b").is_ok() {
+        assert!(
+            std::time::Instant::now() < until,
+            "b's delete never aged out"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    relay.restore();
+    let down = presence_of(&mut w, "b", Duration::from_secs(15));
+    assert_eq!(
+        down.as_ref().map(|d| d["state"].clone()),
+        Some(json!("down")),
+        "b left while broker one was away: {down:?}"
+    );
+    assert!(!who_lists(&mut w, "b"), "b is gone");
+}
+
+#[test]
 fn the_publish_path_is_rate_limited_with_an_honest_retry_after() {
     let nats = NatsServer::start();
     let mut config = open_config(&["a", "b"]);

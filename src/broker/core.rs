@@ -825,6 +825,15 @@ impl Broker {
                     checks.push((p.inbox.restart(conn, now), PullOwner::Inbox(key.clone())));
                 }
                 checks.extend(self.restart_subscriptions(conn, now));
+                // Registry watches read their buckets again: deletes made meanwhile may
+                // have aged out of the stream.
+                let namespaces: Vec<String> = self.registries.keys().cloned().collect();
+                for ns in namespaces {
+                    if let Some((registry, _)) = self.registries.get_mut(&ns) {
+                        registry.resync(now);
+                    }
+                    self.drive_registry(conn, &ns, now);
+                }
                 for (at, owner) in checks {
                     self.check_pull_at(at, owner);
                 }

@@ -4,7 +4,7 @@
 //! a broker that dies stops refreshing its keys, and their TTL expiry markers read as
 //! `down`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde_json::value::RawValue;
@@ -53,6 +53,9 @@ impl Change {
 pub struct Registry {
     watcher: KvWatcher,
     entries: BTreeMap<String, Entry>,
+    /// While the watch reads the bucket again (after a reset): the names of `entries` it
+    /// has seen so far; the others are gone when it is done.
+    confirmed: Option<BTreeSet<String>>,
     ready: bool,
     /// The watch's deadline as last filed in the timer table, and its generation: a
     /// deadline filed earlier is stale when it fires.
@@ -71,16 +74,17 @@ impl Registry {
         now: Instant,
     ) -> Result<Registry, JsError> {
         let kv = Kv::new(api, &binding::registry_bucket(ns))?;
-        let watcher = KvWatcher::new(
-            kv,
-            WatchOptions::default(),
-            deliver_prefix,
-            consumer_base,
-            now,
-        )?;
+        // Rebuilt from the bucket after every reset: entries expire, and a delete that aged
+        // out while the watch was away would otherwise stay in the mirror for good.
+        let options = WatchOptions {
+            resync: true,
+            ..WatchOptions::default()
+        };
+        let watcher = KvWatcher::new(kv, options, deliver_prefix, consumer_base, now)?;
         Ok(Registry {
             watcher,
             entries: BTreeMap::new(),
+            confirmed: None,
             ready: false,
             filed: None,
             generation: 0,
@@ -114,6 +118,13 @@ impl Registry {
         self.filed = None;
         self.watcher.handle_timeout(now);
         true
+    }
+
+    /// The connection to NATS is back: the watch reads the bucket again (a consumer that
+    /// outlived the outage delivered nothing meanwhile, and a delete made then may have
+    /// aged out of the stream since).
+    pub fn resync(&mut self, now: Instant) {
+        self.watcher.restart("the NATS connection was lost", now);
     }
 
     pub fn poll_action(&mut self) -> Option<WatchAction> {
@@ -154,6 +165,9 @@ impl Registry {
                     } else {
                         None
                     };
+                    if let (Some(confirmed), Some(_)) = (&mut self.confirmed, &value) {
+                        confirmed.insert(name.clone());
+                    }
                     match value {
                         // Brokers write entries with one serialiser (members sorted), so
                         // the same entry is the same text.
@@ -171,9 +185,24 @@ impl Registry {
                         }
                     }
                 }
-                WatchEvent::InitialValuesDone => self.ready = true,
+                WatchEvent::InitialValuesDone => {
+                    self.ready = true;
+                    if let Some(confirmed) = self.confirmed.take() {
+                        let gone: Vec<String> = self
+                            .entries
+                            .keys()
+                            .filter(|name| !confirmed.contains(*name))
+                            .cloned()
+                            .collect();
+                        for name in gone {
+                            self.entries.remove(&name);
+                            changes.push(Change::Down(name));
+                        }
+                    }
+                }
                 WatchEvent::Reset { reason } => {
-                    log::info!("registry watch reset: {reason}")
+                    log::info!("registry watch reset: {reason}");
+                    self.confirmed = Some(BTreeSet::new());
                 }
                 WatchEvent::Failed(e) => log::warn!("registry watch failed: {e}"),
             }

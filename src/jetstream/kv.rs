@@ -577,6 +577,12 @@ pub struct WatchOptions {
     /// Events held before the watcher stops taking deliveries (and later resumes by
     /// resetting from the last revision it reported).
     pub max_pending_events: usize,
+    /// Each new consumer (after a reset, or [`KvWatcher::restart`]) reads every key's
+    /// latest revision again and reports [`WatchEvent::InitialValuesDone`] again, instead
+    /// of resuming after the last revision reported: a resume never hears of a delete
+    /// whose revisions aged out while the watch was away (keys with a TTL), so a mirror
+    /// is rebuilt from what the bucket holds. Not with `updates_only`.
+    pub resync: bool,
 }
 
 impl Default for WatchOptions {
@@ -589,6 +595,7 @@ impl Default for WatchOptions {
             idle_heartbeat: Duration::from_secs(5),
             retry_delay: Duration::from_millis(500),
             max_pending_events: 4096,
+            resync: false,
         }
     }
 }
@@ -715,7 +722,11 @@ impl KvWatcher {
                 .map(|k| format!("$KV.{}.{k}", self.kv.bucket))
                 .collect()
         };
-        let resume_after = self.last_revision.max(self.start_floor);
+        let resume_after = if self.resyncs() {
+            0
+        } else {
+            self.last_revision.max(self.start_floor)
+        };
         let (deliver_policy, opt_start_seq) = if resume_after > 0 {
             (
                 DeliverPolicy::ByStartSequence,
@@ -754,7 +765,14 @@ impl KvWatcher {
         }
     }
 
+    fn resyncs(&self) -> bool {
+        self.options.resync && !self.options.updates_only
+    }
+
     fn start_generation(&mut self, now: Instant) {
+        if self.resyncs() {
+            self.initial_done = false;
+        }
         self.generation += 1;
         self.consumer = format!("{}_{}", self.name_base, self.generation);
         self.last_consumer_seq = 0;
@@ -800,6 +818,13 @@ impl KvWatcher {
         self.resets += 1;
         self.events.push_back(WatchEvent::Reset { reason });
         self.start_generation(now);
+    }
+
+    /// Starts over with a new consumer, as a reset does: e.g. once a lost connection is
+    /// back, since a consumer that outlived it delivered nothing meanwhile, and what came
+    /// and went meanwhile may be gone from the stream.
+    pub fn restart(&mut self, reason: &str, now: Instant) {
+        self.reset(reason.to_string(), now);
     }
 
     /// A message of the watch subscription.

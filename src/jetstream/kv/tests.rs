@@ -306,6 +306,48 @@ fn watcher_gap_resets_from_the_last_revision_and_ignores_the_old_consumer() {
 }
 
 #[test]
+fn a_resync_watch_reads_every_key_again_after_a_reset_or_a_restart() {
+    let options = WatchOptions {
+        resync: true,
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = create_of(&mut w);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 2)),
+        t0,
+    );
+    data(&mut w, "W_1", "a", 10, 1, 1, None, t0);
+    data(&mut w, "W_1", "b", 12, 2, 0, None, t0);
+    assert_eq!(events(&mut w, t0).len(), 3);
+    data(&mut w, "W_1", "a", 14, 4, 0, None, t0);
+    let ev = events(&mut w, t0);
+    assert!(matches!(&ev[..], [WatchEvent::Reset { reason }] if reason.contains("gap")));
+    let (generation, body) = create_of(&mut w);
+    assert_eq!(generation, 2);
+    assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+    assert_eq!(body["config"].get("opt_start_seq"), None);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 2 },
+        Ok(&info_reply("W_2", 1)),
+        t0,
+    );
+    data(&mut w, "W_2", "a", 14, 1, 0, None, t0);
+    let ev = events(&mut w, t0);
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(ev[1], WatchEvent::InitialValuesDone, "told again");
+    w.restart("reconnected", t0);
+    assert!(matches!(
+        &events(&mut w, t0)[..],
+        [WatchEvent::Reset { .. }]
+    ));
+    let (generation, body) = create_of(&mut w);
+    assert_eq!(generation, 3);
+    assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+}
+
+#[test]
 fn watcher_answers_flow_control_and_checks_heartbeats() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
     let _ = create_of(&mut w);
