@@ -337,6 +337,18 @@ fn a_site_that_started_offline_sets_up_the_fleet_streams_itself_when_no_hub_brok
     let got = receive(&mut alice, 1);
     assert_eq!(got.len(), 1, "{got:?}\nsite log:\n{}", site.log());
     assert_eq!(got[0]["body"], "offline start");
+    // The site's registry watch asked the hub for the bucket before the site had made
+    // it there ("stream not found"); it stopped for good, and `who` answered [].
+    let until = Instant::now() + WAIT;
+    let mut listed = Vec::new();
+    while Instant::now() < until {
+        listed = names(&alice.request(json!({"op":"who"})));
+        if listed == ["alice", "bob"] {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(listed, ["alice", "bob"], "site log:\n{}", site.log());
 
     let r = alice.request(json!({"op":"submit","job":"render","task":"T1","body":{"frame":1}}));
     assert_eq!(r["op"], "ok", "{r}");

@@ -5,7 +5,7 @@
 //! `down`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::value::RawValue;
 
@@ -76,8 +76,11 @@ impl Registry {
         let kv = Kv::new(api, &binding::registry_bucket(ns))?;
         // Rebuilt from the bucket after every reset: entries expire, and a delete that aged
         // out while the watch was away would otherwise stay in the mirror for good.
+        // A bucket not there yet (a leaf site's hub that came up after it, before the
+        // site made the bucket there) is asked for again, not given up on.
         let options = WatchOptions {
             resync: true,
+            missing_bucket_retry: Some(Duration::from_secs(1)),
             ..WatchOptions::default()
         };
         let watcher = KvWatcher::new(kv, options, deliver_prefix, consumer_base, now)?;
@@ -214,7 +217,6 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn an_entry_kept_as_text_still_says_what_its_participant_serves() {
@@ -232,6 +234,34 @@ mod tests {
             Serving::of(&odd).serve.is_empty(),
             "an entry in another shape serves nothing"
         );
+    }
+
+    #[test]
+    fn a_watch_that_finds_no_bucket_asks_again_later() {
+        // A leaf site whose hub came up after it: the watch's create reached the hub
+        // before the site had made the bucket there, and the watch stopped for good.
+        let t0 = Instant::now();
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", t0)
+            .expect("registry");
+        let create = |r: &mut Registry| {
+            std::iter::from_fn(|| r.poll_action()).find_map(|a| match a {
+                WatchAction::Request { kind, .. } => Some(kind),
+                _ => None,
+            })
+        };
+        let kind = create(&mut r).expect("a consumer create");
+        let gone = br#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#;
+        r.watcher().on_reply(kind, Ok(gone), t0);
+        assert!(r.poll_changes(t0).is_empty());
+        assert!(!r.watcher().is_stopped(), "the watch stopped");
+        let (at, generation) = r.deadline_to_file().expect("a retry");
+        assert!(
+            at > t0 && at <= t0 + Duration::from_secs(2),
+            "{:?}",
+            at - t0
+        );
+        assert!(r.on_deadline(generation, at));
+        assert!(create(&mut r).is_some(), "asked again");
     }
 
     #[test]

@@ -583,6 +583,9 @@ pub struct WatchOptions {
     /// whose revisions aged out while the watch was away (keys with a TTL), so a mirror
     /// is rebuilt from what the bucket holds. Not with `updates_only`.
     pub resync: bool,
+    /// A bucket not found is asked for again after this long instead of stopping the
+    /// watch (a bucket someone else is yet to create).
+    pub missing_bucket_retry: Option<Duration>,
 }
 
 impl Default for WatchOptions {
@@ -596,6 +599,7 @@ impl Default for WatchOptions {
             retry_delay: Duration::from_millis(500),
             max_pending_events: 4096,
             resync: false,
+            missing_bucket_retry: None,
         }
     }
 }
@@ -938,19 +942,25 @@ impl KvWatcher {
                     self.events.push_back(WatchEvent::InitialValuesDone);
                 }
             }
-            Err(JsError::StreamNotFound(_)) => self.fail(JsError::BucketNotFound),
+            Err(JsError::StreamNotFound(_)) => match self.options.missing_bucket_retry {
+                Some(delay) => self.retry_after("bucket not found".to_string(), delay, now),
+                None => self.fail(JsError::BucketNotFound),
+            },
             Err(
                 e @ (JsError::Invalid(_) | JsError::NotEnabled | JsError::NotEnabledForAccount(_)),
             ) => self.fail(e),
             Err(JsError::Api(e)) if e.code == 400 => self.fail(JsError::Api(e)),
-            Err(e) => {
-                self.events.push_back(WatchEvent::Reset {
-                    reason: format!("consumer create failed: {e}"),
-                });
-                self.state =
-                    WatchState::RetryAt(now.checked_add(self.options.retry_delay).unwrap_or(now));
-            }
+            Err(e) => self.retry_after(
+                format!("consumer create failed: {e}"),
+                self.options.retry_delay,
+                now,
+            ),
         }
+    }
+
+    fn retry_after(&mut self, reason: String, delay: Duration, now: Instant) {
+        self.events.push_back(WatchEvent::Reset { reason });
+        self.state = WatchState::RetryAt(now.checked_add(delay).unwrap_or(now));
     }
 
     /// When [`KvWatcher::handle_timeout`] is next due.
