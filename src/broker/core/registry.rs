@@ -15,10 +15,40 @@ const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
 /// Participants whose last registry write here is remembered for the gap.
 pub(super) const REGISTRY_RECENT: usize = 65_536;
 
-/// Where a watcher's snapshot stands: the last name sent.
+/// Where a watcher's snapshot stands: the last name sent, and what the session was told
+/// before a repeated `watch` started it over.
 pub(super) struct Snapshot {
     ns: String,
     after: Option<String>,
+    told: Told,
+}
+
+/// Names a session was told `up` for, and every change of since: their changes are told
+/// at once even while the snapshot has yet to reach them again.
+enum Told {
+    Nothing,
+    UpTo(String),
+    All,
+}
+
+impl Told {
+    fn covers(&self, name: &str) -> bool {
+        match self {
+            Told::Nothing => false,
+            Told::UpTo(last) => name <= last.as_str(),
+            Told::All => true,
+        }
+    }
+
+    /// With the names up to `after` too.
+    fn and(self, after: Option<String>) -> Told {
+        match (self, after) {
+            (Told::All, _) => Told::All,
+            (told, None) => told,
+            (Told::UpTo(last), Some(after)) => Told::UpTo(last.max(after)),
+            (Told::Nothing, Some(after)) => Told::UpTo(after),
+        }
+    }
 }
 
 impl Broker {
@@ -258,22 +288,29 @@ impl Broker {
             return;
         }
         self.ok(session, id, FrameWriter::ok(Some(id)));
-        self.watchers
+        let again = !self
+            .watchers
             .entry(ns.to_string())
             .or_default()
             .insert(session);
         // A snapshot under way starts over at its next burst: a session repeating `watch`
-        // gets no more than one burst per written queue.
-        let under_way = self
-            .snapshots
-            .insert(
-                session,
-                Snapshot {
-                    ns: ns.to_string(),
-                    after: None,
-                },
-            )
-            .is_some();
+        // gets no more than one burst per written queue. Names it was told `up` for
+        // still hear every change (a `down` the new snapshot would never tell).
+        let earlier = self.snapshots.remove(&session);
+        let under_way = earlier.is_some();
+        let told = match earlier {
+            Some(snapshot) => snapshot.told.and(snapshot.after),
+            None if again => Told::All,
+            None => Told::Nothing,
+        };
+        self.snapshots.insert(
+            session,
+            Snapshot {
+                ns: ns.to_string(),
+                after: None,
+                told,
+            },
+        );
         if !under_way {
             self.continue_snapshot(session);
         }
@@ -314,11 +351,12 @@ impl Broker {
     }
 
     /// Whether a change of `name` is for `session` now: not while its snapshot has yet
-    /// to reach the name.
+    /// to reach the name, unless the session was told of it before the snapshot started
+    /// over.
     fn snapshot_passed(&self, session: SessionId, name: &str) -> bool {
-        self.snapshots
-            .get(&session)
-            .is_none_or(|s| s.after.as_deref().is_some_and(|after| name <= after))
+        self.snapshots.get(&session).is_none_or(|s| {
+            s.after.as_deref().is_some_and(|after| name <= after) || s.told.covers(name)
+        })
     }
 
     /// Carries out what a registry watch asked for and tells watching sessions what changed.
@@ -498,6 +536,58 @@ mod tests {
         assert_eq!(h.broker(0).footprint().presence_snapshots, 0);
         h.release_drains();
         drop((a, present));
+    }
+
+    #[test]
+    fn a_watch_repeated_before_a_name_left_still_tells_its_down() {
+        // The snapshot started over hid changes of names it had yet to reach again, and
+        // one told `up` before that left before it got there: never told `down`.
+        let mut config = crate::testing::harness::development_config();
+        config.limits.max_outbound_bytes = 1200;
+        let mut h = Harness::new(config, 1, 1);
+        let names = ["b", "c", "d", "e", "f", "g", "h"];
+        let mut present: std::collections::BTreeMap<&str, _> = names
+            .iter()
+            .map(|n| (*n, h.join(0, n, json!({}))))
+            .collect();
+        h.hold_drains = true;
+        let w = h.join(0, "w", json!({}));
+        let told = |frames: Vec<serde_json::Value>| -> Vec<String> {
+            frames
+                .iter()
+                .filter(|f| f["op"] == "presence")
+                .map(|f| format!("{} {}", f["name"].as_str().unwrap_or("?"), f["state"]))
+                .collect()
+        };
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        let first = told(h.take(w));
+        assert!(first.contains(&"b \"up\"".to_string()), "{first:?}");
+        // Again while the snapshot is under way; b leaves before the new one gets to it.
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        if let Some(b) = present.remove("b") {
+            h.close(b);
+        }
+        h.advance(std::time::Duration::from_millis(300));
+        let mut rest = told(h.take(w));
+        while h.release_drains() > 0 {
+            rest.extend(told(h.take(w)));
+        }
+        assert!(rest.contains(&"b \"down\"".to_string()), "{rest:?}");
+        assert!(rest.contains(&"h \"up\"".to_string()), "{rest:?}");
+        // Again after a whole snapshot: a name past the new one's first burst leaves.
+        assert_eq!(h.request(w, json!({"op":"watch"}))["op"], "ok");
+        let burst = told(h.take(w));
+        assert!(!burst.contains(&"h \"up\"".to_string()), "{burst:?}");
+        if let Some(gone) = present.remove("h") {
+            h.close(gone);
+        }
+        h.advance(std::time::Duration::from_millis(300));
+        let mut rest = told(h.take(w));
+        while h.release_drains() > 0 {
+            rest.extend(told(h.take(w)));
+        }
+        assert!(rest.contains(&"h \"down\"".to_string()), "{rest:?}");
+        drop(present);
     }
 
     #[test]
