@@ -579,7 +579,7 @@ mod tests {
             json!({"durable_name": "job_render", "filter_subject": "amp.acme.job.render",
                    "deliver_policy": "all", "ack_policy": "explicit", "ack_wait": 45 * S,
                    "max_deliver": -1, "max_ack_pending": -1,
-                   "inactive_threshold": 24 * 3600 * S})
+                   "inactive_threshold": 600 * S})
         );
         assert_eq!(
             wire(&durable_sub_config(
