@@ -47,6 +47,9 @@ pub fn inbound_limit(max_payload: usize) -> usize {
 /// a server (or a path) that accepts and then drops at once is dialed with backoff, not
 /// again and again at round-trip speed.
 const STABLE_CONNECTION: Duration = Duration::from_secs(1);
+/// How long a server that announced lame duck mode is avoided: nats-server's default
+/// `lame_duck_duration`, after which it has shut down (and may be back, healthy).
+const LAME_DUCK_PERIOD: Duration = Duration::from_secs(120);
 /// Outstanding user pings (`ping()`) at once.
 const MAX_USER_PINGS: usize = 1024;
 /// After `output()` is drained this far, the buffer is compacted.
@@ -207,8 +210,15 @@ struct PoolEntry {
     failures: u32,
     /// Not before this instant (backoff).
     retry_at: Option<Instant>,
-    /// Announced lame duck mode; avoided while another server is known.
-    lame_duck: bool,
+    /// Announced lame duck mode: avoided until then, while another server is known and
+    /// the others have not all failed since.
+    lame_duck_until: Option<Instant>,
+}
+
+impl PoolEntry {
+    fn in_lame_duck(&self, now: Instant) -> bool {
+        self.lame_duck_until.is_some_and(|t| now < t)
+    }
 }
 
 /// The sans-IO NATS client connection. See the module docs for how a shell drives it.
@@ -289,7 +299,7 @@ impl Connection {
                 discovered: false,
                 failures: 0,
                 retry_at: None,
-                lame_duck: false,
+                lame_duck_until: None,
             })
             .collect();
         if !options.no_randomize {
@@ -1076,26 +1086,26 @@ impl Connection {
                 let ldm = info.ldm;
                 self.info = Some(info);
                 if ldm {
-                    self.on_lame_duck(server);
+                    self.on_lame_duck(server, now);
                 }
             }
             _ => self.info = Some(info),
         }
     }
 
-    fn on_lame_duck(&mut self, server: usize) {
+    fn on_lame_duck(&mut self, server: usize, now: Instant) {
         if let Some(entry) = self.pool.get_mut(server) {
-            if entry.lame_duck {
+            if entry.lame_duck_until.is_some_and(|t| now < t) {
                 return;
             }
-            entry.lame_duck = true;
+            entry.lame_duck_until = Some(after(now, LAME_DUCK_PERIOD));
         }
         self.events.push_back(Event::LameDuck);
         let elsewhere = self
             .pool
             .iter()
             .enumerate()
-            .any(|(i, e)| i != server && !e.lame_duck);
+            .any(|(i, e)| i != server && !e.in_lame_duck(now));
         if elsewhere && self.options.allow_reconnect {
             // Let what is written reach this server, then move; new publishes meanwhile
             // wait in the reconnect buffer.
@@ -1128,7 +1138,7 @@ impl Connection {
                 discovered: true,
                 failures: 0,
                 retry_at: None,
-                lame_duck: false,
+                lame_duck_until: None,
             });
         }
     }
@@ -1209,7 +1219,7 @@ impl Connection {
         // Its failures are forgotten once the connection has lasted (`lost`).
         if let Some(e) = self.pool.get_mut(server) {
             e.retry_at = None;
-            e.lame_duck = false;
+            e.lame_duck_until = None;
         }
         self.keepalive_out = 0;
         self.pings.clear();
@@ -1444,18 +1454,27 @@ impl Connection {
         }
     }
 
-    /// Picks the server after `after` in rotation (avoiding lame-duck ones when possible)
-    /// and waits for its backoff.
+    /// Picks the server after `after` in rotation and waits for its backoff. Servers in
+    /// lame duck mode are passed over only until every other server has failed once in a
+    /// row: a mark guides the move it caused, and never keeps a server from being dialed
+    /// (one INFO naming an address that never answers had the connection dial that alone,
+    /// for good, the configured server passed over).
     fn schedule(&mut self, after: usize, now: Instant) {
         let n = self.pool.len();
         if n == 0 {
             self.close_for_good(Error::NoServers);
             return;
         }
+        let others = self.pool.iter().filter(|e| !e.in_lame_duck(now)).count();
+        let avoid = self.failures_in_a_row < others as u32;
         let candidates = (1..=n).map(|k| (after + k) % n);
         let pick = candidates
             .clone()
-            .find(|&i| self.pool.get(i).is_some_and(|e| !e.lame_duck))
+            .find(|&i| {
+                self.pool
+                    .get(i)
+                    .is_some_and(|e| !(avoid && e.in_lame_duck(now)))
+            })
             .unwrap_or((after + 1) % n);
         let at = self
             .pool

@@ -814,6 +814,67 @@ fn async_info_adds_connect_urls_and_lame_duck_moves_to_another_server() {
 }
 
 #[test]
+fn a_lame_duck_mark_does_not_keep_the_configured_server_from_being_dialed_again() {
+    // One INFO marks the only configured server lame duck and names a server that never
+    // answers: the mark kept the connection dialing that one alone, forever.
+    let mut h = Harness::new(Harness::options("a:1"));
+    h.connect();
+    h.events();
+    h.conn.receive(
+        b"INFO {\"ldm\":true,\"connect_urls\":[\"192.0.2.1:4222\"]}\r\n",
+        h.now,
+    );
+    assert!(h.conn.poll_close(), "moves away from the lame duck");
+    let mut dialed = Vec::new();
+    for _ in 0..50 {
+        h.advance(Duration::from_secs(5));
+        if let Some(addr) = h.conn.poll_connect(h.now) {
+            if addr.port == 1 {
+                // The mark guided the move it caused, once.
+                assert_eq!(dialed, ["192.0.2.1:4222"]);
+                return;
+            }
+            dialed.push(addr.to_string());
+            h.conn.on_transport_closed(h.now, "refused");
+        }
+    }
+    panic!("a:1 never dialed again; dialed {dialed:?}");
+}
+
+#[test]
+fn after_two_lame_duck_moves_a_restarted_server_is_dialed_when_the_last_one_is_down() {
+    // a goes lame duck: on to b. a restarts healthy; b goes lame duck: on to c, which is
+    // down. a stayed marked, and only c was dialed from then on.
+    let mut h = Harness::new(Harness::options("a:1,b:2,c:3"));
+    h.connect();
+    let ldm = b"INFO {\"ldm\":true}\r\n";
+    h.conn.receive(ldm, h.now);
+    assert!(h.conn.poll_close());
+    h.advance(Duration::from_secs(5));
+    assert_eq!(h.conn.poll_connect(h.now).map(|a| a.port), Some(2));
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.conn.receive(b"PONG\r\n", h.now);
+    h.take_output();
+    h.advance(Duration::from_secs(30));
+    h.conn.receive(ldm, h.now);
+    h.take_output();
+    assert!(h.conn.poll_close());
+    let mut dialed = Vec::new();
+    for _ in 0..10 {
+        h.advance(Duration::from_secs(5));
+        if let Some(addr) = h.conn.poll_connect(h.now) {
+            dialed.push(addr.port);
+            if addr.port == 1 {
+                break;
+            }
+            h.conn.on_transport_closed(h.now, "refused");
+        }
+    }
+    assert_eq!(dialed, [3, 1]);
+}
+
+#[test]
 fn slow_consumer_drops_beyond_the_pending_bound_and_reports_it() {
     let mut o = Harness::options("h:1");
     o.max_pending_messages = 2;
