@@ -1118,9 +1118,35 @@ impl Connection {
         }
     }
 
+    /// The servers an INFO's `connect_urls` names become the discovered ones: those it no
+    /// longer names are forgotten (as nats.go does), except the one in use; configured
+    /// servers stay. An INFO naming none leaves them as they are. Before, every server
+    /// ever named stayed for good: dead pod addresses piled up, each dialed in turn, and
+    /// once `max_discovered_servers` were known no new one was learned.
     fn learn_servers(&mut self, urls: &[String]) {
-        if self.options.ignore_discovered_servers {
+        if self.options.ignore_discovered_servers || urls.is_empty() {
             return;
+        }
+        let named: Vec<ServerAddr> = urls
+            .iter()
+            .filter_map(|u| ServerUrl::parse(u).ok())
+            .map(|u| u.addr)
+            .collect();
+        let current = self.current_server();
+        let mut kept = 0;
+        let mut moved = None;
+        for (i, entry) in std::mem::take(&mut self.pool).into_iter().enumerate() {
+            if entry.discovered && Some(i) != current && !named.contains(&entry.url.addr) {
+                continue;
+            }
+            if Some(i) == current {
+                moved = Some(kept);
+            }
+            self.pool.push(entry);
+            kept += 1;
+        }
+        if let Some(server) = moved {
+            self.set_current_server(server);
         }
         for url in urls {
             let discovered = self.pool.iter().filter(|e| e.discovered).count();
@@ -1140,6 +1166,30 @@ impl Connection {
                 retry_at: None,
                 lame_duck_until: None,
             });
+        }
+    }
+
+    /// The pool index the state names (waiting for, dialing, or connected to).
+    fn current_server(&self) -> Option<usize> {
+        match self.state {
+            State::Waiting { server, .. }
+            | State::Dialing { server, .. }
+            | State::AwaitInfo { server, .. }
+            | State::AwaitPong { server, .. }
+            | State::Connected { server } => Some(server),
+            State::Closed => None,
+        }
+    }
+
+    /// The server the state names is now at pool index `index`.
+    fn set_current_server(&mut self, index: usize) {
+        match &mut self.state {
+            State::Waiting { server, .. }
+            | State::Dialing { server, .. }
+            | State::AwaitInfo { server, .. }
+            | State::AwaitPong { server, .. }
+            | State::Connected { server } => *server = index,
+            State::Closed => {}
         }
     }
 

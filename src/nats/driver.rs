@@ -26,6 +26,10 @@ use std::time::{Duration, Instant};
 /// must not start one more each time.
 const MAX_LOOKUPS: usize = 8;
 static LOOKUPS: AtomicUsize = AtomicUsize::new(0);
+/// Of those, lookups of servers learned from `connect_urls` hold at most this many: the
+/// rest stay for the configured servers, whose dials failed at once while names an INFO
+/// listed (a server's, or whoever is in the middle of a plaintext link) did not answer.
+const MAX_DISCOVERED_LOOKUPS: usize = MAX_LOOKUPS - 2;
 /// How often a pending lookup is looked at.
 const LOOKUP_POLL: Duration = Duration::from_millis(5);
 
@@ -38,13 +42,26 @@ struct Lookup {
     answer: mpsc::Receiver<io::Result<SocketAddr>>,
 }
 
+/// Takes a slot of `running` for a lookup of a `configured` server, or of a discovered one.
+fn reserve(running: &AtomicUsize, configured: bool) -> bool {
+    let max = if configured {
+        MAX_LOOKUPS
+    } else {
+        MAX_DISCOVERED_LOOKUPS
+    };
+    if running.fetch_add(1, Ordering::SeqCst) >= max {
+        running.fetch_sub(1, Ordering::SeqCst);
+        return false;
+    }
+    true
+}
+
 impl Lookup {
-    fn start(addr: &str) -> io::Result<Lookup> {
-        let running = LOOKUPS.fetch_add(1, Ordering::SeqCst);
-        if running >= MAX_LOOKUPS {
-            LOOKUPS.fetch_sub(1, Ordering::SeqCst);
+    fn start(addr: &str, configured: bool) -> io::Result<Lookup> {
+        if !reserve(&LOOKUPS, configured) {
             return Err(io::Error::other(format!(
-                "{MAX_LOOKUPS} host-name lookups are not answering"
+                "host-name lookups are not answering ({MAX_LOOKUPS} at most, \
+                 {MAX_DISCOVERED_LOOKUPS} of discovered servers)"
             )));
         }
         let (tx, answer) = mpsc::channel();
@@ -234,7 +251,8 @@ impl Driver {
                 }
                 match self.conn.poll_connect(now) {
                     Some(addr) => {
-                        self.dial(registry, &addr.to_string(), now);
+                        let configured = self.conn.options().servers.iter().any(|u| u.addr == addr);
+                        self.dial(registry, &addr.to_string(), configured, now);
                         continue;
                     }
                     None => return,
@@ -251,11 +269,11 @@ impl Driver {
     }
 
     /// An address is connected to at once; a host name is looked up first, off the loop.
-    fn dial(&mut self, registry: &Registry, addr: &str, now: Instant) {
+    fn dial(&mut self, registry: &Registry, addr: &str, configured: bool, now: Instant) {
         if let Ok(sa) = addr.parse::<SocketAddr>() {
             return self.connect(registry, addr, Ok(sa), now);
         }
-        match Lookup::start(addr) {
+        match Lookup::start(addr, configured) {
             Ok(lookup) => self.lookup = Some(lookup),
             Err(e) => self.conn.on_transport_closed(now, &format!("{addr}: {e}")),
         }
@@ -526,6 +544,22 @@ mod tests {
         let mut d = Driver::new(conn, Token(2));
         d.drive(poll.registry(), now);
         assert!(d.lookup.is_none() && d.has_socket());
+    }
+
+    #[test]
+    fn lookups_for_discovered_servers_leave_slots_for_the_configured_ones() {
+        // Host names an INFO names whose lookups never answer held every slot, and each
+        // dial of the configured server failed at once while they did.
+        let running = AtomicUsize::new(0);
+        let discovered = (0..MAX_LOOKUPS + 4)
+            .filter(|_| reserve(&running, false))
+            .count();
+        assert!(
+            discovered < MAX_LOOKUPS,
+            "discovered lookups took {discovered}"
+        );
+        let configured = (0..MAX_LOOKUPS).filter(|_| reserve(&running, true)).count();
+        assert_eq!(discovered + configured, MAX_LOOKUPS);
     }
 
     #[test]

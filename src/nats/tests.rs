@@ -875,6 +875,45 @@ fn after_two_lame_duck_moves_a_restarted_server_is_dialed_when_the_last_one_is_d
 }
 
 #[test]
+fn the_latest_connect_urls_replace_the_discovered_servers_but_the_one_in_use() {
+    let mut h = Harness::new(Harness::options("a:1"));
+    h.connect();
+    h.events();
+    let many: Vec<String> = (1..=64).map(|i| format!("\"10.9.0.{i}:4222\"")).collect();
+    let info = format!("INFO {{\"connect_urls\":[{}]}}\r\n", many.join(","));
+    h.conn.receive(info.as_bytes(), h.now);
+    assert_eq!(h.conn.discovered_servers().len(), 64);
+    // Those pods are gone: before, they stayed for good, and the cap counted them, so b
+    // was never learned.
+    h.conn
+        .receive(b"INFO {\"connect_urls\":[\"b:2\"]}\r\n", h.now);
+    let names = |servers: Vec<ServerAddr>| -> Vec<String> {
+        servers.iter().map(ToString::to_string).collect()
+    };
+    assert_eq!(names(h.conn.discovered_servers()), ["b:2"]);
+    assert_eq!(names(h.conn.servers()), ["a:1", "b:2"], "configured stay");
+    // On b, a list without b keeps it while it is the one in use.
+    h.conn.receive(b"INFO {\"ldm\":true}\r\n", h.now);
+    assert!(h.conn.poll_close());
+    h.advance(Duration::from_secs(5));
+    assert_eq!(h.conn.poll_connect(h.now).map(|a| a.port), Some(2));
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.conn.receive(b"PONG\r\n", h.now);
+    h.conn
+        .receive(b"INFO {\"connect_urls\":[\"c:3\"]}\r\n", h.now);
+    assert_eq!(names(h.conn.discovered_servers()), ["b:2", "c:3"]);
+    assert_eq!(
+        h.conn.connected_server().map(ToString::to_string),
+        Some("b:2".into())
+    );
+    // An INFO that names no servers (a lame duck notice, a server outside a cluster)
+    // leaves them as they are.
+    h.conn.receive(b"INFO {\"max_payload\":1048576}\r\n", h.now);
+    assert_eq!(names(h.conn.discovered_servers()), ["b:2", "c:3"]);
+}
+
+#[test]
 fn slow_consumer_drops_beyond_the_pending_bound_and_reports_it() {
     let mut o = Harness::options("h:1");
     o.max_pending_messages = 2;
