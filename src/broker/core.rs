@@ -420,6 +420,9 @@ const REQUESTS_FULL_RETRY_MS: u64 = 100;
 const SESSIONS_FULL_RETRY_MS: u64 = 5000;
 /// The longest wait between two requests for an inbox consumer JetStream refused.
 const INBOX_REFUSED_RETRY_MAX: Duration = Duration::from_secs(60);
+/// A NATS server error is logged at most this often (each is counted): a publish refused
+/// for every message would write a line per message.
+const SERVER_ERROR_LOG_EVERY: Duration = Duration::from_secs(60);
 
 pub struct Broker {
     config: Config,
@@ -461,6 +464,9 @@ pub struct Broker {
     /// Every NATS round trip in flight, of every capability.
     continuations: Continuations,
     metrics: AmpMetrics,
+    /// When a NATS server error was last logged, and those counted since without a line.
+    server_error_logged: Option<Instant>,
+    server_errors_unlogged: u64,
     routes: IdMap<Sid, Route>,
     /// Every deadline, of every capability.
     timers: Timers,
@@ -549,6 +555,8 @@ impl Broker {
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
             metrics: AmpMetrics::new(),
+            server_error_logged: None,
+            server_errors_unlogged: 0,
             routes: IdMap::default(),
             timers: Timers::default(),
             out: VecDeque::new(),
@@ -816,6 +824,28 @@ impl Broker {
                 }
                 let id = self.metrics.nats_invalid_messages;
                 self.metrics.registry.add(id, "", dropped as f64);
+            }
+            Event::ServerError(text) => {
+                self.metrics
+                    .registry
+                    .inc(self.metrics.nats_server_errors, "");
+                if self
+                    .server_error_logged
+                    .is_some_and(|t| now.saturating_duration_since(t) < SERVER_ERROR_LOG_EVERY)
+                {
+                    self.server_errors_unlogged += 1;
+                } else {
+                    self.server_error_logged = Some(now);
+                    let more = std::mem::take(&mut self.server_errors_unlogged);
+                    log::warn!(
+                        "NATS server error: {text} ({more} more since the last such line; each counted in amp_nats_server_errors_total)"
+                    );
+                }
+            }
+            Event::LameDuck => {
+                log::info!(
+                    "NATS server announced lame duck mode: moving to another server when one is known"
+                );
             }
             Event::Reconnected { .. } => {
                 self.metrics.registry.inc(self.metrics.nats_reconnects, "");
@@ -1627,6 +1657,38 @@ mod tests {
             t0,
         );
         assert_eq!(take_wire(&mut conn), "");
+    }
+
+    #[test]
+    fn a_server_error_is_counted_and_logged_at_most_once_a_minute() {
+        // A `-ERR` the server keeps the connection after (a publish the broker's account
+        // may not make) went unseen: no log line, no metric.
+        let t0 = Instant::now();
+        let mut b = broker(t0, [6; 32]);
+        let mut conn = connected(t0);
+        let denied = || {
+            Input::Nats(Event::ServerError(
+                "Permissions Violation for Publish to \"amp.dev.inbox.bob\"".into(),
+            ))
+        };
+        let count = |b: &Broker| b.metrics.registry.value("amp_nats_server_errors_total", "");
+        for _ in 0..3 {
+            b.handle(&mut conn, denied(), t0);
+        }
+        assert_eq!(count(&b), Some(3.0));
+        // The first was logged, the next two wait for the next line.
+        assert_eq!(
+            (b.server_error_logged, b.server_errors_unlogged),
+            (Some(t0), 2)
+        );
+        b.handle(&mut conn, Input::Nats(Event::LameDuck), t0);
+        let t1 = t0 + Duration::from_secs(61);
+        b.handle(&mut conn, denied(), t1);
+        assert_eq!(count(&b), Some(4.0));
+        assert_eq!(
+            (b.server_error_logged, b.server_errors_unlogged),
+            (Some(t1), 0)
+        );
     }
 
     #[test]

@@ -382,6 +382,8 @@ pub struct AmpMetrics {
     pub nats_reconnects: CounterId,
     /// NATS messages dropped for an invalid subject or reply subject.
     pub nats_invalid_messages: CounterId,
+    /// `-ERR`s after which the server kept the connection (a permissions violation).
+    pub nats_server_errors: CounterId,
     /// NATS replies and messages no part of the broker was waiting for, by `kind`.
     pub nats_unmatched: CounterId,
 }
@@ -427,6 +429,11 @@ impl AmpMetrics {
             "NATS messages dropped because their subject or reply subject is invalid.",
             None,
         );
+        let nats_server_errors = r.counter(
+            "amp_nats_server_errors_total",
+            "NATS server errors after which the server kept the connection (permissions violations).",
+            None,
+        );
         let nats_unmatched = r.counter(
             "amp_nats_unmatched_total",
             "NATS replies and messages nothing in the broker was waiting for (late, or for a subscription already gone), by kind.",
@@ -442,6 +449,7 @@ impl AmpMetrics {
             nats_request_seconds,
             nats_reconnects,
             nats_invalid_messages,
+            nats_server_errors,
             nats_unmatched,
         }
     }
