@@ -253,6 +253,12 @@ impl Driver {
                     Some(addr) => {
                         let configured = self.conn.options().servers.iter().any(|u| u.addr == addr);
                         self.dial(registry, &addr.to_string(), configured, now);
+                        if self.lookup.is_some() {
+                            // Its answer is looked at from the next wake-up on, never in
+                            // the pass that started it: one behaviour however fast the
+                            // resolver is.
+                            return;
+                        }
                         continue;
                     }
                     None => return,
