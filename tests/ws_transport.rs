@@ -15,7 +15,10 @@ use amp_broker::ws::WsConfig;
 use tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
 use tungstenite::protocol::frame::{CloseFrame, Frame};
 use tungstenite::{Bytes, Message};
-use ws_support::{Client, connect, connect_from, http, raw_upgrade, read_frame, start};
+use ws_support::{
+    Client, TlsClient, client_frame, connect, connect_from, http, raw_upgrade, read_frame, start,
+    start_tls, tls_connect, upgrade_over,
+};
 
 fn wait(cond: impl FnMut() -> bool) -> bool {
     common::wait_until(Duration::from_secs(10), cond)
@@ -538,4 +541,162 @@ fn close_codes_a_peer_picks_share_one_label() {
     let metrics = http(&server, "GET /metrics HTTP/1.1\r\n\r\n");
     assert!(!metrics.contains("code=\"40"), "{metrics}");
     assert!(!metrics.contains("code=\"other\""), "{metrics}");
+}
+
+/// `/metrics` over TLS from an address of its own; what the probe wrote is added to
+/// `sent` (after the answer, which the server renders before it counts the request).
+fn tls_metrics(
+    server: &ws_support::TestServer,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    sent: &mut usize,
+) -> String {
+    let mut s = tls_connect(server, config.clone(), Ipv4Addr::new(127, 0, 0, 9), false);
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("request");
+    s.flush().expect("flush");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    *sent += s.sock.written;
+    text
+}
+
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits until the server has read every byte the clients wrote (`sent`, probes
+/// included); then its buffered bytes are what those bytes made it queue. `None` when it
+/// does not within 10 s (a connection closed before it read everything).
+fn tls_buffered_once_read(
+    server: &ws_support::TestServer,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    sent: &mut usize,
+) -> Option<usize> {
+    let mut buffered = 0.0;
+    let read_all = wait(|| {
+        let before = *sent;
+        let m = tls_metrics(server, config, sent);
+        buffered = sample(&m, "amp_ws_buffered_bytes");
+        sample(&m, "amp_ws_bytes_total{direction=\"in\"}") >= before as f64
+    });
+    read_all.then_some(buffered as usize)
+}
+
+/// A TLS client that upgrades, never logs in and never reads, over a narrow connection.
+fn tls_pinger(
+    server: &ws_support::TestServer,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    sent: &mut usize,
+) -> TlsClient {
+    let mut s = tls_connect(server, config.clone(), Ipv4Addr::new(127, 0, 0, 2), true);
+    upgrade_over(&mut s);
+    *sent += s.sock.written;
+    s
+}
+
+/// Sends `s` 100 pings of 125 bytes at a time until `enough` says so of the server's
+/// metrics once it has read them (at most 40 rounds); false if it never did.
+fn ping_until(
+    server: &ws_support::TestServer,
+    config: &std::sync::Arc<rustls::ClientConfig>,
+    s: &mut TlsClient,
+    sent: &mut usize,
+    mut enough: impl FnMut(&str) -> bool,
+) -> bool {
+    let burst: Vec<u8> = (0..100)
+        .flat_map(|_| client_frame(0x9, &[b'p'; 125]))
+        .collect();
+    for _ in 0..40 {
+        let before = s.sock.written;
+        s.write_all(&burst).expect("pings");
+        s.flush().expect("flush");
+        *sent += s.sock.written - before;
+        let mut metrics = String::new();
+        let read_all = wait(|| {
+            let before = *sent;
+            metrics = tls_metrics(server, config, sent);
+            sample(&metrics, "amp_ws_bytes_total{direction=\"in\"}") >= before as f64
+        });
+        assert!(read_all, "the server did not read the pings");
+        if enough(&metrics) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Connections not logged in are shed first when the memory budget is full, also over
+/// TLS where what they hold is ciphertext: before, shedding one freed only its plaintext
+/// (its ciphertext counted until the slot was gone, later), so the pass went through all
+/// of them and then closed a logged-in session the sheds already made room for.
+#[test]
+fn tls_connections_not_logged_in_are_shed_before_a_logged_in_session() {
+    const BUDGET: usize = 1 << 20;
+    const PINGERS: usize = 12;
+    let pki = common::tls::Pki::new();
+    let tls = pki.server_files(&pki.server).load().expect("server TLS");
+    let server = start_tls(
+        WsConfig {
+            max_buffered_bytes: BUDGET,
+            ..WsConfig::default()
+        },
+        tls,
+    );
+    let config = pki.client_config(false);
+    let mut sent = 0;
+    // Each pings until the server holds 40 kB more, as ciphertext the kernel did not
+    // take: within the 64 KiB bound before a hello.
+    let mut pingers = Vec::new();
+    let mut held = 0.0;
+    for _ in 0..PINGERS {
+        let mut pinger = tls_pinger(&server, &config, &mut sent);
+        let start = held;
+        let filled = ping_until(&server, &config, &mut pinger, &mut sent, |m| {
+            held = sample(m, "amp_ws_buffered_bytes");
+            held >= start + 40_000.0
+        });
+        assert!(filled, "the pongs never waited: {held} bytes held");
+        pingers.push(pinger);
+    }
+    let held = held as usize;
+    eprintln!("{PINGERS} TLS peers pinging before their hello hold {held} bytes");
+    assert!(held < BUDGET, "{held}");
+
+    // A logged-in session that does not read is sent half their holdings past the
+    // budget: shedding some of them makes room for it.
+    let stream = tls_connect(&server, config.clone(), Ipv4Addr::new(127, 0, 0, 3), true);
+    let (mut session, _) = tungstenite::client(server.url(), stream).expect("upgrade");
+    login_over(&mut session);
+    let echo = "e".repeat(64 << 10);
+    let echoes = (BUDGET - held / 2) / echo.len();
+    for _ in 0..echoes {
+        session.send(Message::text(echo.clone())).expect("send");
+    }
+    sent += session.get_ref().sock.written;
+    // (Not if the session is closed before its last message is read.)
+    tls_buffered_once_read(&server, &config, &mut sent);
+    let sheds = sample(
+        &tls_metrics(&server, &config, &mut sent),
+        "amp_ws_memory_sheds_total",
+    );
+    eprintln!("{echoes} echoes of 64 KiB queued for the session; {sheds} connections shed");
+    for i in 0..echoes {
+        match session.read() {
+            Ok(Message::Text(t)) => assert_eq!(t.len(), echo.len()),
+            other => panic!("echo {i} of {echoes}: {other:?}"),
+        }
+    }
+    assert!(
+        sheds >= 1.0 && sheds <= PINGERS as f64,
+        "{sheds} sheds for {PINGERS} connections not logged in"
+    );
+    drop(pingers);
+}
+
+fn login_over<S: Read + Write>(ws: &mut tungstenite::WebSocket<S>) {
+    ws.send(Message::text("login")).expect("login");
+    assert_eq!(ws.read().expect("login echo"), Message::text("login"));
 }

@@ -153,6 +153,12 @@ impl TlsSession {
         }
     }
 
+    /// Drops the ciphertext not written yet: the connection is dropped without it.
+    pub fn discard_output(&mut self) {
+        self.out = Vec::new();
+        self.out_pos = 0;
+    }
+
     /// Bytes of ciphertext queued, for the transport's memory accounting.
     pub fn queued(&self) -> usize {
         self.out.len() - self.out_pos

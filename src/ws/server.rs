@@ -132,6 +132,9 @@ struct Slot {
     /// Counted in [`WsServer::waiting`] under this group until it logs in or closes;
     /// `None` once logged in, and for the plain listener's (internal) connections.
     waiting: Option<Group>,
+    /// Closed for the memory budget: another pass before its slot goes must not count,
+    /// log and close it again.
+    shed: bool,
 }
 
 #[derive(Debug)]
@@ -803,6 +806,7 @@ impl WsServer {
                     queued: 0,
                     state: "http",
                     waiting: (!plain).then_some(group),
+                    shed: false,
                 });
                 if !plain {
                     self.waiting.add(group, index);
@@ -957,6 +961,7 @@ impl WsServer {
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
+                    .filter(|s| !s.shed)
                     .map(|s| (s.conn.is_admitted(), Reverse(s.accounted), i))
             })
             .filter(|&(_, Reverse(held), _)| held > 0)
@@ -973,9 +978,13 @@ impl WsServer {
                     self.buffered, self.cfg.max_buffered_bytes
                 );
                 slot.conn.shed(now);
-                if slot.tls.as_deref().is_some_and(|t| t.queued() > 0) {
+                slot.shed = true;
+                if let Some(tls) = slot.tls.as_deref_mut().filter(|t| t.queued() > 0) {
                     // Its close frame would wait behind ciphertext that still counts
-                    // here (and got healthy connections shed in its place): gone now.
+                    // here: both gone now, so the pass sees the room it made at once
+                    // (counted until the slot went, the ciphertext got every connection
+                    // not logged in shed, then logged-in sessions in its place).
+                    tls.discard_output();
                     slot.conn.abort();
                 }
             }

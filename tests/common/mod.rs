@@ -372,6 +372,22 @@ pub fn connect_from(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
 /// [`connect_from`] with a receive buffer of `rcvbuf` bytes set before the handshake, so
 /// the window it offers stays that small.
 pub fn connect_with(from: Ipv4Addr, to: SocketAddr, rcvbuf: Option<libc::c_int>) -> TcpStream {
+    connect_opts(from, to, rcvbuf, None)
+}
+
+/// [`connect_from`] as a peer that reads nothing and takes little into its kernel: a
+/// 4 KiB receive buffer, and segments of 536 bytes, which keep the server's send buffer
+/// small too (on loopback, with 64 KiB segments, it starts at more than 1 MiB).
+pub fn connect_narrow(from: Ipv4Addr, to: SocketAddr) -> TcpStream {
+    connect_opts(from, to, Some(4096), Some(536))
+}
+
+fn connect_opts(
+    from: Ipv4Addr,
+    to: SocketAddr,
+    rcvbuf: Option<libc::c_int>,
+    mss: Option<libc::c_int>,
+) -> TcpStream {
     let SocketAddr::V4(to) = to else {
         panic!("IPv4 only")
     };
@@ -398,6 +414,15 @@ pub fn connect_with(from: Ipv4Addr, to: SocketAddr, rcvbuf: Option<libc::c_int>)
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUF,
                 (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+        if let Some(mss) = mss {
+            libc::setsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_MAXSEG,
+                (&mss as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             );
         }

@@ -73,10 +73,20 @@ pub struct TestServer {
 /// server; text `login` admits the session (as a broker does once its hello passed) and
 /// is echoed; any other text is echoed.
 pub fn start(cfg: WsConfig) -> TestServer {
+    start_with(cfg, None)
+}
+
+/// [`start`] serving TLS (wss://, https://) with `tls`.
+pub fn start_tls(cfg: WsConfig, tls: Arc<rustls::ServerConfig>) -> TestServer {
+    start_with(cfg, Some(tls))
+}
+
+fn start_with(cfg: WsConfig, tls: Option<Arc<rustls::ServerConfig>>) -> TestServer {
     let mut poll = Poll::new().expect("poll");
     let waker = Arc::new(Waker::new(poll.registry(), Token(1 << 40)).expect("waker"));
     let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
     let mut server = WsServer::bind(addr, cfg, poll.registry(), Token(0), 1).expect("bind");
+    server.set_tls(tls);
     let addr = server.local_addr();
     let host = Arc::new(Host {
         healthy: AtomicBool::new(true),
@@ -264,6 +274,12 @@ pub fn raw_upgrade(addr: SocketAddr) -> TcpStream {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
+    upgrade_over(&mut s);
+    s
+}
+
+/// Sends the upgrade request over `s` by hand and consumes the response head.
+pub fn upgrade_over(s: &mut (impl Read + Write)) {
     s.write_all(
         b"GET /amp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
           Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
@@ -282,6 +298,120 @@ pub fn raw_upgrade(addr: SocketAddr) -> TcpStream {
         "{}",
         String::from_utf8_lossy(&head)
     );
+    s.flush().expect("flush");
+}
+
+/// A masked client frame.
+pub fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [0x3a, 0x91, 0x5c, 0x07];
+    let mut f = vec![0x80 | opcode];
+    let len = payload.len();
+    if len < 126 {
+        f.push(0x80 | len as u8);
+    } else if len <= 0xFFFF {
+        f.push(0x80 | 126);
+        f.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        f.push(0x80 | 127);
+        f.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// A TCP stream that counts the bytes written to it: what the server has to read.
+pub struct Counted {
+    pub tcp: TcpStream,
+    pub written: usize,
+}
+
+impl Read for Counted {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.tcp.read(buf)
+    }
+}
+
+impl Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.tcp.write(buf)?;
+        self.written += n;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.tcp.flush()
+    }
+}
+
+/// A TLS client whose writes never read: `rustls::StreamOwned` reads whatever the server
+/// sent at every write, which a client that does not read must not do.
+pub struct TlsClient {
+    pub conn: rustls::ClientConnection,
+    pub sock: Counted,
+}
+
+impl TlsClient {
+    fn write_records(&mut self) -> std::io::Result<()> {
+        while self.conn.wants_write() {
+            self.conn.write_tls(&mut self.sock)?;
+        }
+        Ok(())
+    }
+}
+
+impl Read for TlsClient {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            match self.conn.reader().read(buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                other => return other,
+            }
+            if self.conn.read_tls(&mut self.sock)? == 0 {
+                return Ok(0);
+            }
+            self.conn
+                .process_new_packets()
+                .map_err(std::io::Error::other)?;
+        }
+    }
+}
+
+impl Write for TlsClient {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_records()?;
+        let n = self.conn.writer().write(buf)?;
+        self.write_records()?;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.write_records()
+    }
+}
+
+/// A finished TLS handshake with the server from the loopback address `from`; `narrow`:
+/// over [`connect_narrow`](super::common::connect_narrow), for a client that stops reading.
+pub fn tls_connect(
+    server: &TestServer,
+    config: Arc<rustls::ClientConfig>,
+    from: std::net::Ipv4Addr,
+    narrow: bool,
+) -> TlsClient {
+    let tcp = if narrow {
+        super::common::connect_narrow(from, server.addr)
+    } else {
+        super::common::connect_from(from, server.addr)
+    };
+    tcp.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+    let conn = rustls::ClientConnection::new(config, name).expect("client");
+    let mut s = TlsClient {
+        conn,
+        sock: Counted { tcp, written: 0 },
+    };
+    while s.conn.is_handshaking() {
+        s.conn.complete_io(&mut s.sock).expect("TLS handshake");
+    }
     s
 }
 
