@@ -628,6 +628,32 @@ fn ping_until(
     false
 }
 
+/// Before its hello a connection's output is bounded at 64 KiB, and over TLS that counts
+/// the ciphertext waiting for the peer too: before, the pongs moved into TLS (up to 64
+/// KiB of it) freed their room in the connection's own queue, so one peer held twice
+/// the bound.
+#[test]
+fn pongs_before_hello_over_tls_count_their_ciphertext_in_the_64_kib_bound() {
+    let pki = common::tls::Pki::new();
+    let tls = pki.server_files(&pki.server).load().expect("server TLS");
+    let server = start_tls(WsConfig::default(), tls);
+    let config = pki.client_config(false);
+    let mut sent = 0;
+    let mut pinger = tls_pinger(&server, &config, &mut sent);
+    let mut most = 0.0f64;
+    // Until the pongs fill its bound and it is closed for them.
+    let closed = ping_until(&server, &config, &mut pinger, &mut sent, |m| {
+        most = most.max(sample(m, "amp_ws_buffered_bytes"));
+        sample(m, "amp_ws_slow_consumers_total") >= 1.0
+    });
+    eprintln!("one TLS peer pinging before its hello held up to {most} bytes; closed: {closed}");
+    assert!(
+        most <= f64::from((64 << 10) + (2 << 10)),
+        "{most} bytes held"
+    );
+    assert!(closed, "never closed for its pongs");
+}
+
 /// Connections not logged in are shed first when the memory budget is full, also over
 /// TLS where what they hold is ciphertext: before, shedding one freed only its plaintext
 /// (its ciphertext counted until the slot was gone, later), so the pass went through all

@@ -163,6 +163,10 @@ pub const WAITING_OUTBOUND: usize = 64 << 10;
 /// Smallest effective `max_outbound_bytes`, so an upgrade response and the control room
 /// always fit.
 const MIN_OUTBOUND: usize = 1024;
+/// Largest HTTP response (or `max_outbound_bytes`, if smaller): a connection that has
+/// not logged in is sent one, so the session's bound is not the one, yet a `/metrics`
+/// body (every family full: a few hundred KiB) must fit.
+pub const MAX_HTTP_RESPONSE: usize = 1 << 20;
 /// Frames decoded per call before the connection yields to others.
 const MAX_FRAMES_PER_CALL: usize = 32;
 /// A throttled session resumes once this many frames (or its burst) are allowed again,
@@ -192,6 +196,10 @@ pub struct Connection {
     /// Its participant logged in: the configured output bound applies, not
     /// [`WAITING_OUTBOUND`].
     admitted: bool,
+    /// Output the layer under this connection (TLS) still holds for the peer: it counts
+    /// against the bound like this connection's own queue, or moving bytes down would
+    /// free room for as many again.
+    queued_below: usize,
     cfg: WsConfig,
 }
 
@@ -212,6 +220,7 @@ impl Connection {
             tokens: f64::from(cfg.frame_burst.max(1)),
             tokens_at: now,
             admitted: false,
+            queued_below: 0,
             cfg,
         }
     }
@@ -288,7 +297,7 @@ impl Connection {
                 if now >= self.idle_deadline() {
                     self.close(close_code::GOING_AWAY, "idle timeout", now);
                 } else if now >= self.next_ping {
-                    if self.queued_bytes() + 2 > self.data_limit() {
+                    if self.held_for_peer() + 2 > self.data_limit() {
                         self.close(close_code::POLICY, "slow consumer", now);
                     } else {
                         push_frame_header(&mut self.out, 0x9, 0);
@@ -439,7 +448,7 @@ impl Connection {
             return Err(SendError::NotOpen);
         }
         let frame_len = text.len().saturating_add(frame_header_len(text.len()));
-        if self.queued_bytes().saturating_add(frame_len) > self.data_limit() {
+        if self.held_for_peer().saturating_add(frame_len) > self.data_limit() {
             self.close(close_code::POLICY, "slow consumer", now);
             return Err(SendError::SlowConsumer);
         }
@@ -505,6 +514,16 @@ impl Connection {
 
     pub fn queued_bytes(&self) -> usize {
         self.out.len() - self.out_pos
+    }
+
+    /// The layer under this connection (TLS) holds `bytes` for the peer now.
+    pub fn set_queued_below(&mut self, bytes: usize) {
+        self.queued_below = bytes;
+    }
+
+    /// Output waiting for the peer, here and in the layer below: what the bound limits.
+    fn held_for_peer(&self) -> usize {
+        self.queued_bytes().saturating_add(self.queued_below)
     }
 
     pub fn poll_event(&mut self) -> Option<ConnEvent> {
@@ -648,7 +667,11 @@ impl Connection {
     fn respond(&mut self, status: Status, content_type: &str, body: &[u8], now: Instant) {
         let mut status = status;
         http::response(&mut self.out, status, content_type, body);
-        if self.queued_bytes() > self.cfg.max_outbound_bytes.max(MIN_OUTBOUND) {
+        let bound = self
+            .cfg
+            .max_outbound_bytes
+            .clamp(MIN_OUTBOUND, MAX_HTTP_RESPONSE);
+        if self.queued_bytes() > bound {
             // A response over the connection's output bound (a huge /metrics) is not sent.
             self.out.clear();
             self.out_pos = 0;
@@ -657,7 +680,7 @@ impl Connection {
                 &mut self.out,
                 status,
                 "text/plain; charset=utf-8",
-                b"response exceeds max_outbound_bytes\n",
+                b"response too large\n",
             );
         }
         self.events.push_back(ConnEvent::Http {
@@ -750,7 +773,7 @@ impl Connection {
                     self.out.extend_from_slice(&payload);
                     // The pong that crossed the bound fits in the control room; the
                     // client sends but does not read.
-                    if self.queued_bytes() > self.data_limit() {
+                    if self.held_for_peer() > self.data_limit() {
                         self.fail(close_code::POLICY, "slow consumer", now);
                     }
                 }
@@ -1567,6 +1590,37 @@ mod tests {
         let out = String::from_utf8(drain_output(&mut c)).unwrap();
         assert!(out.starts_with("HTTP/1.1 503 "), "{out}");
         assert_eq!(events(&mut c), vec![ConnEvent::Http { status: 503 }]);
+    }
+
+    /// HTTP responses have a bound of their own, whatever `max_outbound_bytes` allows a
+    /// session: a `/metrics` body larger than the 64 KiB of a connection waiting for its
+    /// hello is served, one past 1 MiB is not.
+    #[test]
+    fn an_http_response_is_served_up_to_1_mib_whatever_max_outbound_bytes_allows() {
+        struct Sized(usize);
+        impl HttpHost for Sized {
+            fn health(&self) -> Result<(), String> {
+                Ok(())
+            }
+            fn metrics(&self, out: &mut String) {
+                out.push_str(&"x".repeat(self.0));
+            }
+        }
+        let t0 = Instant::now();
+        let cfg = WsConfig {
+            max_outbound_bytes: 64 << 20,
+            ..WsConfig::default()
+        };
+        for (body, status) in [(600_000, 200), ((1 << 20) + 1, 503)] {
+            let mut c = Connection::new(t0, cfg);
+            c.handle_input(b"GET /metrics HTTP/1.1\r\n\r\n", t0, &Sized(body));
+            assert!(
+                c.queued_bytes() <= MAX_HTTP_RESPONSE,
+                "{}",
+                c.queued_bytes()
+            );
+            assert_eq!(events(&mut c), vec![ConnEvent::Http { status }], "{body}");
+        }
     }
 
     /// The allowance is fractional: resuming at `resume_at` must always make progress,

@@ -1015,6 +1015,9 @@ impl WsServer {
                 break;
             }
         }
+        if let Some(tls) = slot.tls.as_deref() {
+            slot.conn.set_queued_below(tls.queued());
+        }
         while slot.tls.is_none() && !slot.conn.output().is_empty() {
             match slot.stream.write(slot.conn.output()) {
                 Ok(0) => {
