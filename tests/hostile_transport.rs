@@ -636,6 +636,11 @@ fn pongs_nobody_reads_before_hello_cannot_fill_the_memory_budget() {
     assert_eq!(served, 10, "log:\n{}", broker.log());
     assert_eq!(refused, 0.0);
     assert!(buffered <= BUDGET as f64, "{buffered} bytes buffered");
+    // Nobody logged in: no warning a peer without a credential could repeat at will
+    // (one each before, 24 here).
+    let log = broker.log();
+    let warnings = log.lines().filter(|l| l.contains("closed 1008")).count();
+    assert_eq!(warnings, 0, "log:\n{log}");
 }
 
 /// The broker child's peak resident set.

@@ -69,6 +69,17 @@ const TLS_HANDSHAKE: u8 = 0x16;
 const MAX_SPARE_OUTPUT: usize = 32;
 const MAX_SPARE_CAPACITY: usize = 16 << 10;
 
+/// The level of a line about one connection's fate: a warning for a logged-in session;
+/// debug for a connection that has not logged in, as anyone can cause one of those per
+/// connection, at the connect rate (the metrics count every one).
+fn peer_level(admitted: bool) -> log::Level {
+    if admitted {
+        log::Level::Warn
+    } else {
+        log::Level::Debug
+    }
+}
+
 /// A session (one connection) as the embedder sees it; never reused for another one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionId(u64);
@@ -972,8 +983,8 @@ impl WsServer {
                 return;
             }
             if let Some(Some(slot)) = self.slots.get_mut(index) {
-                log::warn!(
-                    peer:% = slot.peer;
+                log::log!(
+                    peer_level(slot.conn.is_admitted()), peer:% = slot.peer;
                     "ws: closed 1008 memory budget: it held {held} bytes, {} buffered in all, limit {}",
                     self.buffered, self.cfg.max_buffered_bytes
                 );
@@ -1054,6 +1065,7 @@ impl WsServer {
         let id = SessionId::new(index, self.generations.get(index).copied().unwrap_or(0));
         let peer = slot.peer;
         let queued = slot.conn.queued_bytes();
+        let admitted = slot.conn.is_admitted();
         while let Some(event) = slot.conn.poll_event() {
             let m = &mut self.metrics;
             let event = match event {
@@ -1082,8 +1094,8 @@ impl WsServer {
                     m.registry.inc(m.closes, &label);
                     if code == close_code::POLICY && reason == "slow consumer" {
                         m.registry.inc(m.slow_consumers, "");
-                        log::warn!(
-                            connection:% = id, peer:% = peer;
+                        log::log!(
+                            peer_level(admitted), connection:% = id, peer:% = peer;
                             "ws: closed 1008 slow consumer: {queued} bytes queued, limit {}",
                             self.cfg.max_outbound_bytes
                         );
