@@ -731,3 +731,73 @@ fn a_burst_of_presence_changes_to_watchers_that_do_not_read_stays_within_the_mem
     );
     drop(watchers);
 }
+
+#[test]
+fn complete_messages_read_in_one_turn_stay_within_the_memory_budget() {
+    // Messages decoded from the sockets wait for the broker; before, only those partly
+    // read counted in the memory budget, and one loop turn read up to 1 MiB from every
+    // connection with input (512 KiB for its readiness event, as much again to continue
+    // it) before the broker took any of them.
+    const BUDGET: usize = 8 << 20;
+    const SESSIONS: usize = 200;
+    const EACH: usize = 256 << 10;
+    let nats = NatsServer::start();
+    let mut config = open_config(&["streamer"]);
+    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+    // Acks of nothing outstanding, 16 KiB each with the padding JSON allows: no answer.
+    let ack = format!(
+        "{{\"op\":\"ack\",\"seq\":1}}{}",
+        " ".repeat((16 << 10) - 20)
+    );
+    let frame = client_frame(0x1, ack.as_bytes());
+    let burst: Vec<u8> = std::iter::repeat_n(&frame[..], EACH / ack.len())
+        .flatten()
+        .copied()
+        .collect();
+    let mut sessions: Vec<TcpStream> = (0..SESSIONS)
+        .map(|i| {
+            raw_login(Ipv4Addr::new(127, 0, 0, 4), &broker, "streamer")
+                .unwrap_or_else(|| panic!("login {i}"))
+        })
+        .collect();
+    assert!(raw_ping(&mut sessions[0]), "the padded ack is taken");
+    let peak_before = peak_rss_bytes(pid);
+
+    // Stopped while the messages are written: the kernel holds what it takes of them,
+    // and the broker finds them all ready at once.
+    broker.signal(libc::SIGSTOP);
+    let mut written = vec![0usize; SESSIONS];
+    for (s, done) in sessions.iter_mut().zip(&mut written) {
+        s.set_nonblocking(true).expect("nonblocking");
+        while let Ok(n) = s.write(&burst[*done..]) {
+            *done += n;
+            if n == 0 || *done == burst.len() {
+                break;
+            }
+        }
+    }
+    let ready: usize = written.iter().sum();
+    broker.signal(libc::SIGCONT);
+    for (s, done) in sessions.iter_mut().zip(&written) {
+        s.set_nonblocking(false).expect("blocking");
+        s.write_all(&burst[*done..]).expect("write the rest");
+    }
+    for (i, s) in sessions.iter_mut().enumerate() {
+        assert!(raw_ping(s), "session {i} is still served");
+    }
+    let grew = peak_rss_bytes(pid).saturating_sub(peak_before);
+    eprintln!(
+        "{SESSIONS} sessions sent {} KiB each, {} MiB of it ready at once; the broker's \
+         peak resident set grew {} MiB (budget {} MiB)",
+        burst.len() >> 10,
+        ready >> 20,
+        grew >> 20,
+        BUDGET >> 20
+    );
+    assert!(
+        grew < 2 * BUDGET,
+        "peak resident set grew {grew} bytes with a budget of {BUDGET}"
+    );
+}

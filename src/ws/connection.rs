@@ -47,7 +47,9 @@ pub struct WsConfig {
     pub frame_burst: u32,
     /// Input held (request heads, partial messages, input waiting for the frame
     /// allowance) and output queued, summed over every connection. Past it the connection
-    /// holding the most input is closed (1008) and new connections are refused.
+    /// holding the most input is closed (1008) and new connections are refused. Complete
+    /// messages not taken by the embedder yet count too, for reading: no connection is
+    /// read while they fill it.
     pub max_buffered_bytes: usize,
 }
 
@@ -196,6 +198,8 @@ pub struct Connection {
     /// Its participant logged in: the configured output bound applies, not
     /// [`WAITING_OUTBOUND`].
     admitted: bool,
+    /// Bytes of the text messages in `events`: decoded, not taken yet.
+    decoded: usize,
     /// Output the layer under this connection (TLS) still holds for the peer: it counts
     /// against the bound like this connection's own queue, or moving bytes down would
     /// free room for as many again.
@@ -220,6 +224,7 @@ impl Connection {
             tokens: f64::from(cfg.frame_burst.max(1)),
             tokens_at: now,
             admitted: false,
+            decoded: 0,
             queued_below: 0,
             cfg,
         }
@@ -384,6 +389,14 @@ impl Connection {
             .saturating_add(self.pending.len())
     }
 
+    /// Bytes of the complete text messages decoded and not taken by
+    /// [`poll_event`](Self::poll_event) yet. Not in [`buffered_bytes`](Self::buffered_bytes):
+    /// they are the embedder's within the loop turn, and closing the connection would not
+    /// free them.
+    pub fn decoded_bytes(&self) -> usize {
+        self.decoded
+    }
+
     /// Input held plus output queued.
     pub fn buffered_bytes(&self) -> usize {
         self.input_bytes().saturating_add(self.queued_bytes())
@@ -528,6 +541,9 @@ impl Connection {
 
     pub fn poll_event(&mut self) -> Option<ConnEvent> {
         let event = self.events.pop_front();
+        if let Some(ConnEvent::Text(text)) = &event {
+            self.decoded = self.decoded.saturating_sub(text.len());
+        }
         if self.events.is_empty() && self.events.capacity() > 8 {
             self.events = VecDeque::new();
         }
@@ -762,6 +778,7 @@ impl Connection {
             Item::Text(text) => {
                 // Text the client sent before it saw our close is not delivered.
                 if matches!(self.phase, Phase::Open) {
+                    self.decoded = self.decoded.saturating_add(text.len());
                     self.events.push_back(ConnEvent::Text(text));
                 }
             }

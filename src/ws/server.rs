@@ -26,9 +26,11 @@
 //! has its own; connection `i` has `first_conn_token + i`, for `i < max_connections`.
 //!
 //! Fairness: one readiness event reads at most `MAX_READS_PER_TURN` chunks (each decoding
-//! at most a few dozen frames) from a connection; the rest waits for the next
-//! `handle_timeouts`, i.e. the next loop turn, so the embedder's other sockets and timers
-//! are served in between. `flush` only writes; it never reads.
+//! at most a few dozen frames) from a connection, and a connection is read once per loop
+//! turn; the rest waits for the next turn's `handle_timeouts`, so the embedder's other
+//! sockets and timers are served in between. No connection is read while the memory
+//! budget is full, messages decoded and not yet taken included; those waiting then are
+//! read in turn. `flush` only writes; it never reads.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -146,6 +148,8 @@ struct Slot {
     /// Closed for the memory budget: another pass before its slot goes must not count,
     /// log and close it again.
     shed: bool,
+    /// The loop turn ([`WsServer::turn`]) it was last read in: once per turn.
+    read_in: u64,
 }
 
 #[derive(Debug)]
@@ -284,6 +288,17 @@ pub struct WsServer {
     spare_output: Vec<Vec<u8>>,
     /// Connections that still had input when their read turn ended.
     backlog: Vec<usize>,
+    /// Where the next pass over `backlog` starts: where the memory budget stopped the
+    /// last one, so under pressure every connection gets its turn.
+    backlog_from: usize,
+    /// The memory budget stopped reading with connections left in `backlog`: new input
+    /// waits its turn there too, rather than going ahead of them.
+    reads_paused: bool,
+    /// Loop turns so far (`handle_timeouts` ends one), starting at 1.
+    turn: u64,
+    /// Bytes of the text messages in `events`, decoded and not taken yet: they count
+    /// against the memory budget when reading, so one turn cannot read past it.
+    decoded: usize,
     /// Open connections per source address (IPv6: per /64).
     per_ip: HashMap<AddressKey, usize>,
     /// Connections of the main listener not logged in yet.
@@ -347,6 +362,10 @@ impl WsServer {
             dirty: Vec::new(),
             spare_output: Vec::new(),
             backlog: Vec::new(),
+            backlog_from: 0,
+            reads_paused: false,
+            turn: 1,
+            decoded: 0,
             per_ip: HashMap::new(),
             waiting: Waiting::default(),
             connect_rate: ConnectRate::new(cfg.connects_per_ip_per_s, cfg.connect_burst_per_ip),
@@ -458,7 +477,10 @@ impl WsServer {
         if !matches!(self.slots.get(index), Some(Some(_))) {
             return;
         }
-        if event.is_readable() || event.is_read_closed() || event.is_error() {
+        if self.reads_paused {
+            // In line behind those the budget held back; read this turn if it allows.
+            self.backlog.push(index);
+        } else if event.is_readable() || event.is_read_closed() || event.is_error() {
             let short_read_drains = !event.is_read_closed() && !event.is_error();
             self.read(index, now, host, short_read_drains);
         }
@@ -479,7 +501,18 @@ impl WsServer {
         let mut backlog = std::mem::take(&mut self.backlog);
         backlog.sort_unstable();
         backlog.dedup();
-        for &index in &backlog {
+        let first = backlog.partition_point(|&index| index < self.backlog_from);
+        backlog.rotate_left(first);
+        self.reads_paused = false;
+        for (n, &index) in backlog.iter().enumerate() {
+            if self.reads_full() {
+                // The rest go first next turn.
+                self.reads_paused = true;
+                self.backlog_from = index;
+                self.backlog
+                    .extend_from_slice(backlog.get(n..).unwrap_or_default());
+                break;
+            }
             if matches!(self.slots.get(index), Some(Some(_))) {
                 self.read(index, now, host, false);
                 self.settle(registry, index, now);
@@ -507,6 +540,7 @@ impl WsServer {
             slot.conn.handle_timeout(now);
             self.settle(registry, index, now);
         }
+        self.turn += 1;
     }
 
     /// The earliest moment [`handle_timeouts`](Self::handle_timeouts) or
@@ -523,7 +557,11 @@ impl WsServer {
     }
 
     pub fn poll_event(&mut self) -> Option<(SessionId, SessionEvent)> {
-        self.events.pop_front()
+        let event = self.events.pop_front();
+        if let Some((_, SessionEvent::Text(text))) = &event {
+            self.decoded = self.decoded.saturating_sub(text.len());
+        }
+        event
     }
 
     pub fn has_events(&self) -> bool {
@@ -818,6 +856,7 @@ impl WsServer {
                     state: "http",
                     waiting: (!plain).then_some(group),
                     shed: false,
+                    read_in: 0,
                 });
                 if !plain {
                     self.waiting.add(group, index);
@@ -847,6 +886,11 @@ impl WsServer {
         let Some(Some(slot)) = self.slots.get_mut(index) else {
             return;
         };
+        if slot.read_in == self.turn {
+            self.backlog.push(index);
+            return;
+        }
+        slot.read_in = self.turn;
         let host = WithTransport {
             host,
             metrics: &self.metrics.registry,
@@ -868,6 +912,21 @@ impl WsServer {
                 break;
             }
             if !slot.conn.wants_input() {
+                break;
+            }
+            // What this read may add counts with what is held and decoded so far, this
+            // connection's included: past the budget it waits, in line, for a later turn
+            // (the broker takes the decoded messages in this one).
+            let held = self
+                .buffered
+                .saturating_sub(slot.accounted)
+                .saturating_add(slot.conn.buffered_bytes())
+                .saturating_add(slot.conn.decoded_bytes())
+                .saturating_add(slot.tls.as_deref().map_or(0, TlsSession::queued))
+                .saturating_add(self.decoded);
+            if held > self.cfg.max_buffered_bytes {
+                self.reads_paused = true;
+                self.backlog.push(index);
                 break;
             }
             match slot.stream.read(&mut self.scratch) {
@@ -933,6 +992,12 @@ impl WsServer {
         if self.buffered > self.cfg.max_buffered_bytes {
             self.shed(now);
         }
+    }
+
+    /// Whether held input, queued output and decoded messages not taken yet fill the
+    /// memory budget: no connection is read meanwhile.
+    fn reads_full(&self) -> bool {
+        self.buffered.saturating_add(self.decoded) > self.cfg.max_buffered_bytes
     }
 
     /// Brings `buffered` and its gauge up to date with one connection's holdings.
@@ -1077,7 +1142,10 @@ impl WsServer {
                     m.registry.gauge_add(m.ws_sessions, "", 1.0);
                     SessionEvent::Opened { subprotocol, peer }
                 }
-                ConnEvent::Text(text) => SessionEvent::Text(text),
+                ConnEvent::Text(text) => {
+                    self.decoded = self.decoded.saturating_add(text.len());
+                    SessionEvent::Text(text)
+                }
                 ConnEvent::Closed {
                     code,
                     reason,
