@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::amp::{Broker, Client, open_config};
-use common::{NatsServer, connect_from, connect_with, wait_until};
+use common::{NatsServer, client_frame, connect_from, connect_with, wait_until};
 use serde_json::{Value, json};
 use tungstenite::Message;
 
@@ -45,25 +45,6 @@ fn metric(broker: &Broker, series: &str) -> f64 {
     body.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0.0)
-}
-
-/// A masked client frame.
-fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
-    let mask = [0x3a, 0x91, 0x5c, 0x07];
-    let mut f = vec![0x80 | opcode];
-    let len = payload.len();
-    if len < 126 {
-        f.push(0x80 | len as u8);
-    } else if len <= 0xFFFF {
-        f.push(0x80 | 126);
-        f.extend_from_slice(&(len as u16).to_be_bytes());
-    } else {
-        f.push(0x80 | 127);
-        f.extend_from_slice(&(len as u64).to_be_bytes());
-    }
-    f.extend_from_slice(&mask);
-    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    f
 }
 
 fn set_rcvbuf(stream: &TcpStream, size: libc::c_int) {

@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 
 use amp_broker::amp::SCHEMA_JSON;
 use amp_broker::ws::WsConfig;
+use common::client_frame;
 use tungstenite::protocol::frame::coding::{CloseCode, Data, OpCode};
 use tungstenite::protocol::frame::{CloseFrame, Frame};
 use tungstenite::{Bytes, Message};
 use ws_support::{
-    Client, TlsClient, client_frame, connect, connect_from, http, raw_upgrade, read_frame, start,
-    start_tls, tls_connect, upgrade_over,
+    Client, TlsClient, connect, connect_from, http, raw_upgrade, read_frame, start, start_tls,
+    tls_connect, upgrade_over,
 };
 
 fn wait(cond: impl FnMut() -> bool) -> bool {

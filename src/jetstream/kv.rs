@@ -447,16 +447,22 @@ impl Kv {
         let mut h = HeaderMap::new();
         h.insert(ROLLUP, "sub")
             .map_err(|e| JsError::Invalid(e.to_string()))?;
-        let opts = PublishOptions {
-            expected_last_subject_sequence: Some(revision),
-            ttl,
-            ..PublishOptions::default()
-        };
-        publish_request(&self.write_subject(key)?, Some(&h), value, &opts)
+        self.cas_with(Some(&h), key, value, revision, ttl)
     }
 
     fn cas_request(
         &self,
+        key: &str,
+        value: &[u8],
+        revision: u64,
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
+        self.cas_with(None, key, value, revision, ttl)
+    }
+
+    fn cas_with(
+        &self,
+        headers: Option<&HeaderMap>,
         key: &str,
         value: &[u8],
         revision: u64,
@@ -467,7 +473,7 @@ impl Kv {
             ttl,
             ..PublishOptions::default()
         };
-        publish_request(&self.write_subject(key)?, None, value, &opts)
+        publish_request(&self.write_subject(key)?, headers, value, &opts)
     }
 
     /// A delete marker (`KV-Operation: DEL`), history kept; optionally only if the

@@ -441,3 +441,23 @@ fn connect_opts(
         TcpStream::from_raw_fd(fd)
     }
 }
+
+/// A masked WebSocket client frame, written by hand for what a client library would
+/// refuse to send.
+pub fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [0x3a, 0x91, 0x5c, 0x07];
+    let mut f = vec![0x80 | opcode];
+    let len = payload.len();
+    if len < 126 {
+        f.push(0x80 | len as u8);
+    } else if len <= 0xFFFF {
+        f.push(0x80 | 126);
+        f.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        f.push(0x80 | 127);
+        f.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}

@@ -135,7 +135,7 @@ impl JetStream {
             ),
             ["STREAM", "INFO", name] => (
                 "stream_info_response",
-                self.stream_info(name, wall, server_name),
+                self.stream_info(name, &body, wall, server_name),
             ),
             ["STREAM", "DELETE", name] => ("stream_delete_response", self.stream_delete(name)),
             ["STREAM", "PURGE", name] => ("stream_purge_response", self.stream_purge(name, &body)),
@@ -309,8 +309,28 @@ impl JetStream {
         Ok(self.stream_json(e, wall, server_name))
     }
 
-    fn stream_info(&self, name: &str, wall: u64, server_name: &str) -> Reply {
-        Ok(self.stream_json(self.entry(name)?, wall, server_name))
+    /// With `subjects_filter`, `state.subjects` counts the messages of each matching
+    /// subject, as nats-server's does.
+    fn stream_info(&self, name: &str, body: &Value, wall: u64, server_name: &str) -> Reply {
+        let e = self.entry(name)?;
+        let mut info = self.stream_json(e, wall, server_name);
+        if let Some(filter) = text(body, "subjects_filter") {
+            let mut subjects = serde_json::Map::new();
+            for m in e
+                .stream
+                .msgs
+                .values()
+                .filter(|m| matches(filter.as_bytes(), m.subject.as_bytes()))
+            {
+                let n = subjects
+                    .get(&m.subject)
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0);
+                subjects.insert(m.subject.clone(), json!(n + 1));
+            }
+            info["state"]["subjects"] = Value::Object(subjects);
+        }
+        Ok(info)
     }
 
     fn stream_delete(&mut self, name: &str) -> Reply {
