@@ -603,7 +603,7 @@ impl Config {
                 within(
                     &format!("{at}.keep_finished_s"),
                     job.keep_finished_s,
-                    1,
+                    300,
                     365 * DAY,
                 )?;
             }

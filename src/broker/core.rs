@@ -458,7 +458,7 @@ pub struct Broker {
     topic_deleting: usize,
     /// Subscriptions whose consumers were lost, waiting to hear where their namespace's
     /// stream stands (`Pending::StreamState`): one question per namespace.
-    stream_checks: HashMap<String, Vec<(SessionId, String, u64)>>,
+    stream_checks: HashMap<String, BTreeSet<(SessionId, String, u64)>>,
     /// Durable subscriptions' hand-backs under way, by (stream, consumer).
     hand_backs: BTreeMap<(String, String), topics::HandBack>,
     /// Every NATS round trip in flight, of every capability.

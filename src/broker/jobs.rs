@@ -1354,7 +1354,9 @@ impl Jobs {
                         "the task store did not answer the submit in time and holds no \
                          record of the task; submit it again",
                     );
-                    self.refuse_unmade(sub.session, &sub.re, e)
+                    // Its charge is kept: the create may still land (a read can come
+                    // from a replica behind it), and the retry is then a resubmit.
+                    self.refuse(sub.session, &sub.re, e)
                 }
                 Ok((record, _)) => {
                     if record.submitted_by != sub.from {

@@ -342,7 +342,7 @@ impl PullLoop {
                 .rsplit_once('.')
                 .and_then(|(_, n)| n.parse::<u64>().ok())
                 != Some(self.current);
-        if stale {
+        if stale || (status.is_none() && !self.delivers(msg)) {
             return (Pulled::Heartbeat, None);
         }
         if status != Some(503) {
@@ -408,7 +408,6 @@ impl PullLoop {
                     || (code == 409 && msg.description() == Some(CONSUMER_DELETED));
                 (if lost { Pulled::Lost } else { Pulled::Ended }, self.arm())
             }
-            None if !self.delivers(msg) => (Pulled::Heartbeat, None),
             None => {
                 self.remaining = self.remaining.saturating_sub(1);
                 self.bytes_left = self.bytes_left.saturating_sub(msg.pulled_size() as u64);
@@ -426,7 +425,10 @@ impl PullLoop {
     /// stream and the consumer. Anything else on the pull's subject was put there by
     /// someone who learnt it (a leaf site's hub sees the pulls a site sends into its
     /// domain): acted on, it would be taken for JetStream's, and acked, the broker would
-    /// ack whatever its reply named.
+    /// ack whatever its reply named. A client cannot give a message a `$JS.ACK` reply
+    /// (nats-server refuses it); a leaf node's server can, so a peer holding leaf
+    /// credentials that names the right stream and consumer still passes: there the leaf
+    /// user's permissions are what protects.
     fn delivers(&self, msg: &Message) -> bool {
         msg.reply
             .as_deref()

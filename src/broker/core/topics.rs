@@ -1228,10 +1228,7 @@ impl Broker {
         }
         let waiting = self.stream_checks.entry(ns.clone()).or_default();
         let asked = !waiting.is_empty();
-        let me = (session, sub.to_string(), serial);
-        if !waiting.contains(&me) {
-            waiting.push(me);
-        }
+        waiting.insert((session, sub.to_string(), serial));
         if !asked {
             let req = self
                 .config

@@ -9,6 +9,18 @@ use super::*;
 /// duplicate window, so the repeat is deduplicated whatever the brokers' clocks say.
 const REPEAT_WINDOW_MS: i128 = 90_000;
 
+/// How long a finished task's record stays: its job's `keep_finished_s`, and at least
+/// until what may still come for it has come. A redelivery of its message (an ack lost)
+/// comes within `lease_s`; a resubmit of its id within the streams' duplicate window
+/// (120 s) stores no message, so it must still find the record, not make a new one that
+/// would stay `queued` with nothing to offer; a cancel's retry repeats the result within
+/// `REPEAT_WINDOW_MS`. All of these are past 300 s after the lease.
+pub(super) fn finished_ttl_s(job: &crate::broker::config::Job) -> u64 {
+    const AFTER_LEASE_S: u64 = 300;
+    job.keep_finished_s
+        .max(job.lease_s.saturating_add(AFTER_LEASE_S))
+}
+
 impl Jobs {
     /// Whether what the change of history entry `entry` published may be published again
     /// ([`REPEAT_WINDOW_MS`]).
@@ -181,8 +193,8 @@ impl Jobs {
         // stayed 64 times over, and a finished task's record for good.
         let ttl = (!lives_on).then(|| {
             let ns = write.key.split_once('.').map_or("", |(ns, _)| ns);
-            let keep = self.job_config(ns, &next.job).keep_finished_s;
-            crate::jetstream::MsgTtl::After(Duration::from_secs(keep))
+            let job = self.job_config(ns, &next.job);
+            crate::jetstream::MsgTtl::After(Duration::from_secs(finished_ttl_s(&job)))
         });
         let req = match self.kv.replace_request(&write.key, &json, revision, ttl) {
             Ok(r) => r,
