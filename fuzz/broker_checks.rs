@@ -162,10 +162,14 @@ impl World {
             [7; 32],
         )
         .expect("broker");
+        // A fixed seed: the server order, backoff jitter and subject tokens the same in
+        // every run, so a crash found replays.
+        let mut options = Options::new("nats://127.0.0.1:4222");
+        options.rng_seed = Some(7);
         let mut w = World {
             now,
             broker,
-            nats: Nats::new(Options::new("nats://127.0.0.1:4222"), now),
+            nats: Nats::new(options, now),
             ws: (0..SESSIONS).map(|_| None).collect(),
             replies: Vec::new(),
             subs: Vec::new(),
