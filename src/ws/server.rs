@@ -199,7 +199,7 @@ impl TransportMetrics {
             connections: r.gauge("amp_ws_connections", "TCP connections open.", None),
             buffered: r.gauge(
                 "amp_ws_buffered_bytes",
-                "Input held and output queued over all connections.",
+                "Input held, output queued and decoded messages not yet taken by the broker, over all connections.",
                 None,
             ),
             shed: r.counter(
@@ -1003,9 +1003,15 @@ impl WsServer {
     /// Brings `buffered` and its gauge up to date with one connection's holdings.
     fn account(&mut self, index: usize) {
         self.reckon(index);
+        self.show_buffered();
+    }
+
+    /// Sets the gauge to what counts against `max_buffered_bytes`, as last counted.
+    fn show_buffered(&mut self) {
+        let held = self.buffered.saturating_add(self.decoded);
         self.metrics
             .registry
-            .set(self.metrics.buffered, "", self.buffered as f64);
+            .set(self.metrics.buffered, "", held as f64);
     }
 
     /// Brings `buffered` up to date with one connection's holdings.
@@ -1208,9 +1214,7 @@ impl WsServer {
                 self.queued = self.queued.saturating_sub(slot.queued);
                 m.registry.set(m.queued, "", self.queued as f64);
                 self.buffered = self.buffered.saturating_sub(slot.accounted);
-                self.metrics
-                    .registry
-                    .set(self.metrics.buffered, "", self.buffered as f64);
+                self.show_buffered();
                 if let Some(group) = slot.waiting {
                     self.waiting.remove(group, index);
                     self.count_waiting();
