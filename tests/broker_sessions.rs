@@ -729,6 +729,63 @@ fn a_broker_cut_off_from_nats_while_a_participant_left_hears_its_down_once_back(
         "b left while broker one was away: {down:?}"
     );
     assert!(!who_lists(&mut w, "b"), "b is gone");
+    // Away longer than half the TTL: the bucket was read again.
+    assert_eq!(metric(&one, "amp_registry_resyncs_total"), Some(2.0));
+}
+
+#[test]
+fn a_short_nats_outage_resumes_the_registry_watch_without_reading_every_entry() {
+    // Every reconnect made each broker's registry watch read every key of the bucket
+    // again (a fleet of brokers reconnecting at once: brokers x participants messages),
+    // though an outage shorter than the entries' TTL leaves every change made meanwhile,
+    // deletes too, in the stream for a consumer resumed after the last revision seen.
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let one = Broker::start(&format!("nats://{}", relay.addr()), &open_config(&["w"]));
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    const OTHERS: usize = 200;
+    register_others(&nats, &mut w, OTHERS);
+    w.request(json!({"op":"watch"}));
+    presence_of(&mut w, "p0000", WAIT).expect("p0000 in the snapshot");
+    relay.cut();
+    // Changed while broker one is away: one participant leaves, another comes.
+    let mut js = nats.jetstream();
+    let kv = js.kv_bind("AMP_REGISTRY_acme").expect("registry bucket");
+    js.kv_delete(&kv, "p0000").expect("delete");
+    let entry = json!({"broker":"elsewhere","labels":{},"load":{},"name":"q",
+                       "serve":{},"since":"2026-12-06T00:00:00.000Z"});
+    js.kv_put(&kv, "q", entry.to_string().as_bytes())
+        .expect("put");
+    relay.restore();
+    let down = presence_of(&mut w, "p0000", Duration::from_secs(15)).expect("p0000 down");
+    assert_eq!(down["state"], "down", "{down}");
+    let up = presence_of(&mut w, "q", WAIT).expect("q up");
+    assert_eq!(up["state"], "up", "{up}");
+    assert_eq!(metric(&one, "amp_nats_reconnects_total"), Some(1.0));
+    // What the watch's consumer after the reconnect delivered (the newest generation).
+    let stream = "KV_AMP_REGISTRY_acme";
+    let newest = js
+        .consumer_names(stream)
+        .expect("consumers")
+        .into_iter()
+        .max_by_key(|c| c.rsplit('_').next().and_then(|g| g.parse::<u64>().ok()))
+        .expect("the watch's consumer");
+    let delivered = js
+        .consumer_info(stream, &newest)
+        .expect("consumer info")
+        .delivered
+        .consumer_seq;
+    assert!(
+        delivered < 10,
+        "the watch after a short outage read {delivered} entries of {OTHERS}"
+    );
+    assert_eq!(
+        metric(&one, "amp_registry_resyncs_total"),
+        Some(1.0),
+        "the first read of the bucket only"
+    );
+    assert!(!who_lists(&mut w, "p0000"));
+    assert!(who_lists(&mut w, "q"));
 }
 
 #[test]

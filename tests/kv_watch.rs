@@ -211,3 +211,49 @@ fn watcher_whose_consumer_vanishes_resets_from_its_last_revision_without_loss() 
     let (later, _) = entries(&mut w, &mut js, 1, Duration::from_secs(5));
     assert_eq!(later[0].key, "k9");
 }
+
+#[test]
+fn a_resync_watch_resumes_after_a_short_absence_unless_the_stream_lost_what_came_after() {
+    // A resync watch read every key again at each start over; within the bucket's
+    // message lifetime it resumes after its last revision, and reads again only when
+    // the server cannot start it there.
+    let server = common::NatsServer::start();
+    let mut js = connect(&server);
+    let kv = bucket(&mut js, "s");
+    js.kv_put(&kv, "a", b"1").expect("put");
+    js.kv_put(&kv, "b", b"1").expect("put");
+    let options = WatchOptions {
+        resync: true,
+        resume_within_lifetime: Some(Duration::from_secs(3600)),
+        ..WatchOptions::default()
+    };
+    let mut w = js.kv_watch(&kv, options).expect("watch");
+    let (first, _) = entries(&mut w, &mut js, 2, Duration::from_secs(5));
+    assert_eq!(first.len(), 2);
+    assert_eq!(
+        w.next(&mut js, Duration::from_secs(5)).expect("watch"),
+        Some(WatchEvent::InitialValuesDone)
+    );
+    js.kv_put(&kv, "c", b"1").expect("put");
+    w.restart("away for a moment");
+    let (resumed, other) = entries(&mut w, &mut js, 1, Duration::from_secs(5));
+    let keys: Vec<&str> = resumed.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(keys, ["c"], "{other:?}");
+    assert!(!other.contains(&WatchEvent::Resync), "{other:?}");
+    assert_eq!(w.watcher().resyncs(), 1);
+    // What came after the last revision seen is gone from the stream: read again.
+    js.kv_put(&kv, "d", b"1").expect("put");
+    js.purge_stream("KV_s", &Default::default()).expect("purge");
+    w.restart("away for a moment");
+    let mut other = Vec::new();
+    while let Some(e) = w.next(&mut js, Duration::from_secs(5)).expect("watch") {
+        let done = e == WatchEvent::InitialValuesDone;
+        other.push(e);
+        if done {
+            break;
+        }
+    }
+    assert!(other.contains(&WatchEvent::Resync), "{other:?}");
+    assert_eq!(other.last(), Some(&WatchEvent::InitialValuesDone));
+    assert_eq!(w.watcher().resyncs(), 2);
+}

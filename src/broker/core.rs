@@ -619,7 +619,8 @@ impl Broker {
         for ns in namespaces {
             let prefix = conn.new_inbox();
             let base = format!("amp_registry_{}_{ns}", self.broker_id);
-            let registry = Registry::new(&ns, self.config.js_api(&ns), &prefix, &base, now)
+            let ttl = self.config.limits.registry_ttl_s;
+            let registry = Registry::new(&ns, self.config.js_api(&ns), &prefix, &base, ttl, now)
                 .map_err(|e| format!("registry watch of {ns}: {e}"))?;
             self.registries
                 .insert(ns.clone(), (registry, HashMap::new()));
@@ -855,12 +856,13 @@ impl Broker {
                     checks.push((p.inbox.restart(conn, now), PullOwner::Inbox(key.clone())));
                 }
                 checks.extend(self.restart_subscriptions(conn, now));
-                // Registry watches read their buckets again: deletes made meanwhile may
-                // have aged out of the stream.
+                // Registry watches start over: resumed after an outage shorter than half
+                // the entries' TTL, else reading their buckets again (deletes made
+                // meanwhile may have aged out of the stream).
                 let namespaces: Vec<String> = self.registries.keys().cloned().collect();
                 for ns in namespaces {
                     if let Some((registry, _)) = self.registries.get_mut(&ns) {
-                        registry.resync(now);
+                        registry.restart(now);
                     }
                     self.drive_registry(conn, &ns, now);
                 }
@@ -1314,6 +1316,14 @@ impl Broker {
             out,
             "# HELP amp_topic_requests_waiting JetStream API requests for topic subscriptions (consumer creations, lookups, deletes) out or waiting their turn.\n# TYPE amp_topic_requests_waiting gauge\namp_topic_requests_waiting {}",
             self.api.backlog()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP amp_registry_resyncs_total Registry watches that read every entry of their namespace's bucket (each start, and each start over after an outage too long to resume from).\n# TYPE amp_registry_resyncs_total counter\namp_registry_resyncs_total {}",
+            self.registries
+                .values()
+                .map(|(r, _)| r.resyncs())
+                .sum::<u64>()
         );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);

@@ -65,21 +65,25 @@ pub struct Registry {
 
 impl Registry {
     /// `deliver_prefix` must be a subject nobody else uses; `consumer_base` a unique
-    /// consumer name prefix (both per broker and namespace).
+    /// consumer name prefix (both per broker and namespace); `ttl_s` the entries' TTL.
     pub fn new(
         ns: &str,
         api: ApiPrefix,
         deliver_prefix: &str,
         consumer_base: &str,
+        ttl_s: u64,
         now: Instant,
     ) -> Result<Registry, JsError> {
         let kv = Kv::new(api, &binding::registry_bucket(ns))?;
-        // Rebuilt from the bucket after every reset: entries expire, and a delete that aged
-        // out while the watch was away would otherwise stay in the mirror for good.
+        // Rebuilt from the bucket after a reset unless the watch was away for less than
+        // half of what any message of the bucket lives (every write and delete carries
+        // the TTL, markers live as long): a delete that aged out while the watch was
+        // away would otherwise stay in the mirror for good.
         // A bucket not there yet (a leaf site's hub that came up after it, before the
         // site made the bucket there) is asked for again, not given up on.
         let options = WatchOptions {
             resync: true,
+            resume_within_lifetime: Some(Duration::from_secs(ttl_s)),
             missing_bucket_retry: Some(Duration::from_secs(1)),
             ..WatchOptions::default()
         };
@@ -123,11 +127,16 @@ impl Registry {
         true
     }
 
-    /// The connection to NATS is back: the watch reads the bucket again (a consumer that
-    /// outlived the outage delivered nothing meanwhile, and a delete made then may have
-    /// aged out of the stream since).
-    pub fn resync(&mut self, now: Instant) {
+    /// The connection to NATS is back: a new consumer (one that outlived the outage
+    /// delivered nothing meanwhile) resumes, or reads the bucket again when a delete made
+    /// meanwhile may have aged out of the stream since.
+    pub fn restart(&mut self, now: Instant) {
         self.watcher.restart("the NATS connection was lost", now);
+    }
+
+    /// How many times the watch read every entry of the bucket.
+    pub fn resyncs(&self) -> u64 {
+        self.watcher.resyncs()
     }
 
     pub fn poll_action(&mut self) -> Option<WatchAction> {
@@ -203,10 +212,8 @@ impl Registry {
                         }
                     }
                 }
-                WatchEvent::Reset { reason } => {
-                    log::info!("registry watch reset: {reason}");
-                    self.confirmed = Some(BTreeSet::new());
-                }
+                WatchEvent::Reset { reason } => log::info!("registry watch reset: {reason}"),
+                WatchEvent::Resync => self.confirmed = Some(BTreeSet::new()),
                 WatchEvent::Failed(e) => log::warn!("registry watch failed: {e}"),
             }
         }
@@ -241,7 +248,7 @@ mod tests {
         // A leaf site whose hub came up after it: the watch's create reached the hub
         // before the site had made the bucket there, and the watch stopped for good.
         let t0 = Instant::now();
-        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", t0)
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
             .expect("registry");
         let create = |r: &mut Registry| {
             std::iter::from_fn(|| r.poll_action()).find_map(|a| match a {
@@ -267,7 +274,7 @@ mod tests {
     #[test]
     fn the_watch_deadline_is_filed_once_and_earlier_ones_go_stale() {
         let t0 = Instant::now();
-        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", t0)
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
             .expect("registry");
         let silence = t0 + Duration::from_secs(15);
         let (at, first) = r.deadline_to_file().expect("a deadline to file");

@@ -553,6 +553,11 @@ impl BlockingWatch {
         &self.watcher
     }
 
+    /// Starts over with a new consumer, as after a lost connection.
+    pub fn restart(&mut self, reason: &str) {
+        self.watcher.restart(reason, Instant::now());
+    }
+
     fn run_actions(&mut self, js: &mut Context) -> Result<(), JsError> {
         while let Some(action) = self.watcher.poll_action() {
             match action {

@@ -533,6 +533,9 @@ pub enum WatchEvent {
     InitialValuesDone,
     /// The consumer was recreated from the last seen revision (informational).
     Reset { reason: String },
+    /// A `resync` watch's new consumer reads every key's latest revision again; the
+    /// entries up to the next [`WatchEvent::InitialValuesDone`] are what the bucket holds.
+    Resync,
     /// The watch cannot go on (the bucket is gone).
     Failed(JsError),
 }
@@ -589,6 +592,13 @@ pub struct WatchOptions {
     /// whose revisions aged out while the watch was away (keys with a TTL), so a mirror
     /// is rebuilt from what the bucket holds. Not with `updates_only`.
     pub resync: bool,
+    /// With `resync`: every message of the bucket lives at least this long (keys, their
+    /// deletes and the server's markers all carry a TTL this long or longer). A consumer
+    /// that starts over within half of it of the watch last being caught up resumes after
+    /// the last revision instead: nothing written since has aged out yet. Unless the
+    /// server does not start it there (the stream no longer holds the next revision, or
+    /// was made anew), which reads every key again after all.
+    pub resume_within_lifetime: Option<Duration>,
     /// A bucket not found is asked for again after this long instead of stopping the
     /// watch (a bucket someone else is yet to create).
     pub missing_bucket_retry: Option<Duration>,
@@ -605,6 +615,7 @@ impl Default for WatchOptions {
             retry_delay: Duration::from_millis(500),
             max_pending_events: 4096,
             resync: false,
+            resume_within_lifetime: None,
             missing_bucket_retry: None,
         }
     }
@@ -642,6 +653,12 @@ pub struct KvWatcher {
     start_floor: u64,
     last_consumer_seq: u64,
     last_activity: Instant,
+    /// When the watch last knew it had every message the stream held: a delivery with
+    /// nothing pending after it, or an idle heartbeat at the last delivery.
+    caught_up: Option<Instant>,
+    /// The current consumer resumes after `last_revision` where a resync would read all.
+    resuming: bool,
+    resyncs_done: u64,
     initial_done: bool,
     overflowed: bool,
     resets: u64,
@@ -685,6 +702,9 @@ impl KvWatcher {
             start_floor: 0,
             last_consumer_seq: 0,
             last_activity: now,
+            caught_up: None,
+            resuming: false,
+            resyncs_done: 0,
             initial_done,
             overflowed: false,
             resets: 0,
@@ -713,6 +733,11 @@ impl KvWatcher {
         self.resets
     }
 
+    /// How many consumers read every key again (the first included), with `resync`.
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs_done
+    }
+
     /// The current consumer's name.
     pub fn consumer_name(&self) -> &str {
         &self.consumer
@@ -732,7 +757,7 @@ impl KvWatcher {
                 .map(|k| format!("$KV.{}.{k}", self.kv.bucket))
                 .collect()
         };
-        let resume_after = if self.resyncs() {
+        let resume_after = if self.rereads() && !self.resuming {
             0
         } else {
             self.last_revision.max(self.start_floor)
@@ -775,13 +800,31 @@ impl KvWatcher {
         }
     }
 
-    fn resyncs(&self) -> bool {
+    fn rereads(&self) -> bool {
         self.options.resync && !self.options.updates_only
     }
 
+    /// Whether a consumer starting now may resume after the last revision instead of
+    /// reading every key: a resync under way has to start over, and a message written
+    /// since the watch was last caught up is still in the stream only within its lifetime
+    /// (half of it here: the rest leaves room for the create's round trip and delivery).
+    fn may_resume(&self, now: Instant) -> bool {
+        self.initial_done
+            && self.last_revision > 0
+            && self
+                .caught_up
+                .zip(self.options.resume_within_lifetime)
+                .is_some_and(|(at, lifetime)| now.saturating_duration_since(at) < lifetime / 2)
+    }
+
     fn start_generation(&mut self, now: Instant) {
-        if self.resyncs() {
-            self.initial_done = false;
+        if self.rereads() {
+            self.resuming = self.may_resume(now);
+            if !self.resuming {
+                self.initial_done = false;
+                self.resyncs_done += 1;
+                self.events.push_back(WatchEvent::Resync);
+            }
         }
         self.generation += 1;
         self.consumer = format!("{}_{}", self.name_base, self.generation);
@@ -859,6 +902,11 @@ impl KvWatcher {
                 self.last_activity = now;
                 if let Some(reply) = stalled_reply {
                     self.answer(reply);
+                } else if last_consumer_seq == Some(self.last_consumer_seq)
+                    && self.state == WatchState::Active
+                    && self.initial_done
+                {
+                    self.caught_up = Some(now);
                 }
                 if let Some(seq) = last_consumer_seq
                     && seq != self.last_consumer_seq
@@ -916,9 +964,12 @@ impl KvWatcher {
         self.last_revision = meta.stream_sequence;
         let pending = meta.pending;
         self.events.push_back(WatchEvent::Entry(entry));
-        if !self.initial_done && pending == 0 {
-            self.initial_done = true;
-            self.events.push_back(WatchEvent::InitialValuesDone);
+        if pending == 0 {
+            if !self.initial_done {
+                self.initial_done = true;
+                self.events.push_back(WatchEvent::InitialValuesDone);
+            }
+            self.caught_up = Some(now);
         }
     }
 
@@ -936,6 +987,24 @@ impl KvWatcher {
             return;
         }
         match reply.and_then(parse_response::<ConsumerInfo>) {
+            Ok(info)
+                if self.resuming
+                    && info.delivered.consumer_seq == 0
+                    && info.delivered.stream_seq != self.last_revision =>
+            {
+                // The server moves a start sequence into the stream: what came after the
+                // last revision is gone (or the stream is another one). Told only while
+                // nothing was delivered (the reply may follow the first deliveries, and
+                // then says where they got to); the lifetime holds either way.
+                self.caught_up = None;
+                self.reset(
+                    format!(
+                        "the stream starts the consumer after {}, not after revision {}",
+                        info.delivered.stream_seq, self.last_revision
+                    ),
+                    now,
+                );
+            }
             Ok(info) => {
                 self.state = WatchState::Active;
                 self.last_activity = now;
@@ -943,9 +1012,12 @@ impl KvWatcher {
                     // A reset must not skip writes made between this consumer and the next.
                     self.start_floor = info.delivered.stream_seq;
                 }
-                if !self.initial_done && info.num_pending == 0 && self.last_consumer_seq == 0 {
-                    self.initial_done = true;
-                    self.events.push_back(WatchEvent::InitialValuesDone);
+                if info.num_pending == 0 && self.last_consumer_seq == 0 {
+                    if !self.initial_done {
+                        self.initial_done = true;
+                        self.events.push_back(WatchEvent::InitialValuesDone);
+                    }
+                    self.caught_up = Some(now);
                 }
             }
             Err(JsError::StreamNotFound(_)) => match self.options.missing_bucket_retry {

@@ -320,10 +320,13 @@ fn a_resync_watch_reads_every_key_again_after_a_reset_or_a_restart() {
     );
     data(&mut w, "W_1", "a", 10, 1, 1, None, t0);
     data(&mut w, "W_1", "b", 12, 2, 0, None, t0);
-    assert_eq!(events(&mut w, t0).len(), 3);
+    let ev = events(&mut w, t0);
+    assert_eq!((ev.len(), &ev[0]), (4, &WatchEvent::Resync), "{ev:?}");
     data(&mut w, "W_1", "a", 14, 4, 0, None, t0);
     let ev = events(&mut w, t0);
-    assert!(matches!(&ev[..], [WatchEvent::Reset { reason }] if reason.contains("gap")));
+    assert!(
+        matches!(&ev[..], [WatchEvent::Reset { reason }, WatchEvent::Resync] if reason.contains("gap"))
+    );
     let (generation, body) = create_of(&mut w);
     assert_eq!(generation, 2);
     assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
@@ -340,11 +343,87 @@ fn a_resync_watch_reads_every_key_again_after_a_reset_or_a_restart() {
     w.restart("reconnected", t0);
     assert!(matches!(
         &events(&mut w, t0)[..],
-        [WatchEvent::Reset { .. }]
+        [WatchEvent::Reset { .. }, WatchEvent::Resync]
     ));
     let (generation, body) = create_of(&mut w);
     assert_eq!(generation, 3);
     assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+    assert_eq!(w.resyncs(), 3);
+}
+
+fn resumed_reply(name: &str, consumer_seq: u64, stream_seq: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "stream_name": "KV_cfg", "name": name, "config": {}, "num_pending": 0,
+        "delivered": {"consumer_seq": consumer_seq, "stream_seq": stream_seq}
+    }))
+    .expect("json")
+}
+
+#[test]
+fn a_resync_watch_resumes_within_half_the_lifetime_after_it_was_last_caught_up() {
+    let options = WatchOptions {
+        resync: true,
+        resume_within_lifetime: Some(Duration::from_secs(10)),
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = create_of(&mut w);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 1)),
+        t0,
+    );
+    data(&mut w, "W_1", "a", 10, 1, 0, None, t0);
+    events(&mut w, t0);
+    // Back 4 s after the last delivery: resumed after revision 10.
+    let t1 = t0 + Duration::from_secs(4);
+    w.restart("reconnected", t1);
+    assert!(matches!(
+        &events(&mut w, t1)[..],
+        [WatchEvent::Reset { .. }]
+    ));
+    let (_, body) = create_of(&mut w);
+    assert_eq!(body["config"]["deliver_policy"], "by_start_sequence");
+    assert_eq!(body["config"]["opt_start_seq"], 11);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 2 },
+        Ok(&resumed_reply("W_2", 0, 10)),
+        t1,
+    );
+    assert_eq!(events(&mut w, t1), []);
+    // Caught up at the create (nothing pending); back 6 s later: read again.
+    let t2 = t1 + Duration::from_secs(6);
+    w.restart("reconnected", t2);
+    assert!(matches!(
+        &events(&mut w, t2)[..],
+        [WatchEvent::Reset { .. }, WatchEvent::Resync]
+    ));
+    let (_, body) = create_of(&mut w);
+    assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 3 },
+        Ok(&info_reply("W_3", 1)),
+        t2,
+    );
+    data(&mut w, "W_3", "a", 20, 1, 0, None, t2);
+    events(&mut w, t2);
+    // Resumed in time, but the stream starts the consumer past revision 20: read again.
+    w.restart("reconnected", t2);
+    let _ = create_of(&mut w);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 4 },
+        Ok(&resumed_reply("W_4", 0, 25)),
+        t2,
+    );
+    let ev = events(&mut w, t2);
+    assert!(
+        matches!(&ev[..], [WatchEvent::Reset { .. }, WatchEvent::Reset { reason }, WatchEvent::Resync] if reason.contains("not after revision 20")),
+        "{ev:?}"
+    );
+    let (generation, body) = create_of(&mut w);
+    assert_eq!(generation, 5);
+    assert_eq!(body["config"]["deliver_policy"], "last_per_subject");
+    assert_eq!(w.resyncs(), 3);
 }
 
 #[test]

@@ -287,7 +287,18 @@ impl Consumer {
                 .rev()
                 .find(|(_, m)| self.wants(&m.subject))
                 .map_or(stream.last_seq + 1, |(s, _)| *s),
-            DeliverPolicy::ByStartSequence => self.cfg.opt_start_seq.unwrap_or(1).max(1),
+            // As nats-server does: a start outside the stream is moved into it (and the
+            // consumer's info says where it starts).
+            DeliverPolicy::ByStartSequence => {
+                let start = self.cfg.opt_start_seq.unwrap_or(1).max(1);
+                if stream.last_seq == 0 {
+                    1
+                } else if start < stream.first_seq() {
+                    stream.first_seq()
+                } else {
+                    start.min(stream.last_seq + 1)
+                }
+            }
             DeliverPolicy::ByStartTime => {
                 let t = self
                     .cfg
