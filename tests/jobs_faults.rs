@@ -535,3 +535,50 @@ fn a_job_consumer_that_disappears_is_created_again_without_spinning_and_the_queu
         );
     }
 }
+
+/// Waiting pulls at the server for the job `render`'s consumer.
+fn waiting_pulls(js: &mut amp_broker::jetstream::Context) -> u64 {
+    js.consumer_info("AMP_TASKS_acme", "job_render")
+        .map(|i| i.num_waiting)
+        .unwrap_or(u64::MAX)
+}
+
+/// A job queue's pulls answered on subjects its subscription still covered after a
+/// reconnect: the subscription came back with the connection, so a pull from before the
+/// drop was live again at the server next to the one the broker sent after it, and
+/// the queue held two pulls for one free slot until the old one expired (10 s), taking
+/// a second task it had no slot for.
+#[test]
+fn after_a_reconnect_a_job_queue_holds_no_pull_from_before_it() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let broker = Broker::start(
+        &format!("nats://{}", relay.addr()),
+        &config(&["app", "w"], 30, 5000),
+    );
+    let mut app = login(&broker, "app");
+    let mut w = login_serving(&broker, "w", 1);
+    let mut js = nats.jetstream();
+    assert!(common::wait_until(WAIT, || waiting_pulls(&mut js) == 1));
+    relay.cut();
+    relay.restore();
+    assert!(common::wait_until(WAIT, || {
+        common::amp::metric(&broker, "amp_nats_reconnects_total") == Some(1.0)
+    }));
+    let r = app.request(json!({"op":"submit","job":"render","task":"R1","body":"x"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let offer = w.next_op("offer", WAIT).expect("offer");
+    assert_eq!(offer["task"], "R1");
+    let r = w.request(json!({"op":"claim","task":"R1"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    // The one slot is taken: nothing of this broker waits at the server any more (the
+    // pull from before the reconnect would have lived on for up to 10 s).
+    assert!(
+        common::wait_until(Duration::from_secs(3), || waiting_pulls(&mut js) == 0),
+        "pulls still waiting with no free slot: {}",
+        waiting_pulls(&mut js)
+    );
+    let r = w.request(json!({"op":"complete","task":"R1","result":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    assert_eq!(task_result(&mut app, &broker)["body"]["state"], "completed");
+}

@@ -557,6 +557,9 @@ enum Timer {
 /// The jobs engine of one broker.
 pub struct Jobs {
     broker_id: String,
+    /// This process among those that ran under `broker_id`: session ids start again with
+    /// every process, so the name a lease gives its holder carries it.
+    incarnation: String,
     jobs: BTreeMap<String, BTreeMap<String, Job>>,
     kv: TaskKv,
     api: JsApis,
@@ -668,8 +671,11 @@ impl Jobs {
     ) -> Result<Jobs, String> {
         let api = JsApis::new(config);
         let kv = TaskKv::new(config).map_err(|e| e.to_string())?;
+        let mut incarnation = ids.derive("incarnation").next_id();
+        incarnation.truncate(8);
         Ok(Jobs {
             broker_id: broker_id.to_string(),
+            incarnation,
             jobs: config
                 .namespaces
                 .iter()
@@ -866,8 +872,10 @@ impl Jobs {
             .unwrap_or_default()
     }
 
+    /// Who holds an offer or a lease, in the task store: `<broker id>/<incarnation>/<session>`
+    /// (read from the right, whatever the broker id holds).
     fn session_name(&self, session: SessionId) -> String {
-        format!("{}/{session}", self.broker_id)
+        format!("{}/{}/{session}", self.broker_id, self.incarnation)
     }
 
     // ---- frames ------------------------------------------------------------------------
@@ -1185,18 +1193,47 @@ impl Jobs {
 
     // ---- the job queues ----------------------------------------------------------------
 
-    /// The NATS connection came back: pulls in flight died with the old one, and the
-    /// server may have restarted with less of the consumer's state than it had, so no
-    /// delivery's record is taken from its message until the consumer is created (or
-    /// found) again.
+    /// The NATS connection came back: pulls in flight died with the old one or are
+    /// dropped by the server now that nobody listens on their subject (the queue's pulls
+    /// are answered under a new one), and the server may have restarted with less of the
+    /// consumer's state than it had, so no delivery's record is taken from its message
+    /// until the consumer is created (or found) again, which also subscribes anew.
     pub fn on_reconnected(&mut self, conn: &mut Connection, now: Instant) {
         let keys: Vec<String> = self.queues.keys().cloned().collect();
         for qk in keys {
-            if let Some(q) = self.queues.get_mut(&qk) {
-                q.pull.forget_pulls();
+            let prefix = conn.new_inbox();
+            if let Some(q) = self.queues.get_mut(&qk)
+                && let Some(sid) = q.pull.forget_pulls(conn, prefix)
+            {
+                self.routes.remove(&sid);
             }
             self.create_consumer(conn, &qk, now);
         }
+    }
+
+    /// A delivery of a job queue on a subscription this broker had ended (see
+    /// [`PullLoop::forget_pulls`]): a task this broker handles (a redelivery of one it
+    /// holds) is taken as delivered; any other goes back at once rather than after its
+    /// AckWait. False when it is no job queue's.
+    pub fn unread_delivery(&mut self, conn: &mut Connection, msg: &Message, now: Instant) -> bool {
+        let Some(ack) = msg.reply.as_deref() else {
+            return false;
+        };
+        let Ok(meta) = AckMetadata::parse(ack) else {
+            return false;
+        };
+        let Some((ns, job)) = binding::job_of_consumer(meta.stream, meta.consumer) else {
+            return false;
+        };
+        let qk = queue_key(ns, job);
+        let held = Envelope::from_json(&msg.payload)
+            .is_ok_and(|env| self.tasks.contains_key(&task_key(ns, &env.id)));
+        if held && self.queues.contains_key(&qk) {
+            self.delivery(conn, &qk, msg, now);
+        } else {
+            self.nak(conn, ack, None);
+        }
+        true
     }
 
     /// A message on a subscription; false when the subscription is not one of ours.
@@ -2098,5 +2135,25 @@ mod tests {
         let revoked = h.wait_for(w, |f| f["op"] == "revoked");
         assert_eq!(revoked["reason"], "cancelled");
         assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+    }
+
+    /// A broker restarted with the same `--broker-id` numbers its sessions as the last
+    /// process did, and a second process started under the same id before the first
+    /// stopped (a rolling deploy) has the same numbers at the same time. A lease named its
+    /// holder `<broker id>/<session>`: a refused write whose record showed that name's
+    /// running lease was taken as the session's own (`adopt_lease`), so another
+    /// process's session became the holder of a lease it never claimed.
+    #[test]
+    fn two_processes_under_one_broker_id_never_name_a_session_alike() {
+        use crate::broker::clock::Clock;
+        use crate::ids::IdSource;
+        let config = harness::development_config();
+        let clock = Clock::new(std::time::Instant::now(), harness::WALL_MS);
+        let process = |seed: u8| {
+            super::Jobs::new("b1", &config, clock, IdSource::from_seed([seed; 32])).expect("jobs")
+        };
+        let (old, new) = (process(1), process(2));
+        assert_ne!(old.session_name(1 << 32), new.session_name(1 << 32));
+        assert_eq!(old.session_name(7), old.session_name(7));
     }
 }

@@ -622,12 +622,20 @@ impl PullLoop {
         newest
     }
 
-    /// On demand: the pulls in flight died with the old connection.
-    pub fn forget_pulls(&mut self) {
+    /// On demand, after a reconnect: the pulls from before it are forgotten, and so is
+    /// the subscription, which came back with the connection and made each of those
+    /// pulls that the server still held live again next to the ones sent from now on:
+    /// two pulls for one free slot until they expired. Later pulls are answered under
+    /// `deliver_prefix`, the old ones find nobody listening and the server drops them.
+    /// Returns the old subscription (detached) for the owner to forget; what it still
+    /// brings comes as [`crate::nats::Event::Unread`].
+    pub fn forget_pulls(&mut self, conn: &mut Connection, deliver_prefix: String) -> Option<Sid> {
         if let Some(shares) = self.shares.as_mut() {
             shares.pulls.clear();
         }
         self.remaining = 0;
+        self.deliver = deliver_prefix;
+        self.detach(conn)
     }
 }
 

@@ -95,7 +95,7 @@ pub struct TaskRecord {
     /// offered); after completion, who completed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,
-    /// The session (`<broker>/<session>`) holding the offer or the lease: one participant
+    /// The session (`<broker>/<incarnation>/<session>`) holding the offer or the lease: one participant
     /// may have several sessions, each with its own in-flight state. After `completed` or
     /// `failed` by the holder it names the session that reported the outcome, so that the
     /// retry of an outcome answered `unavailable` (whose write landed after all) is known

@@ -991,7 +991,10 @@ impl Broker {
     /// only after its ack wait (30 s), after events delivered meanwhile, and a session
     /// resuming the durable sooner would start past it; so it is handed back now, behind
     /// a hand-back of the same consumer still under way.
-    pub(super) fn unread_delivery(&mut self, conn: &mut Connection, msg: &Message) {
+    pub(super) fn unread_delivery(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
+        if self.jobs.unread_delivery(conn, msg, now) {
+            return;
+        }
         let Some(reply) = msg.reply.as_deref() else {
             return;
         };
@@ -1001,8 +1004,8 @@ impl Broker {
         // An inbox message that reached an inbox pull the broker had left (its
         // participant's last session ended, or the pull was renewed) goes back at once,
         // not after its ack wait: the participant's next session here or elsewhere gets
-        // it first. Job queues keep their own redelivery; a plain subscription's consumer
-        // ignores the nak (it acknowledges nothing).
+        // it first (job queues' are the jobs engine's, which does the same). A plain
+        // subscription's consumer ignores the nak (it acknowledges nothing).
         if meta.stream.starts_with(&binding::inbox_stream("")) {
             return nak(conn, reply);
         }
