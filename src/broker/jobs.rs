@@ -556,6 +556,10 @@ enum Timer {
 
 /// The jobs engine of one broker.
 pub struct Jobs {
+    /// Per participant (`ns`, `name`), the jobs its sessions here serve with slots, and
+    /// how many of its sessions serve each: what `MAX_JOBS_PER_PARTICIPANT` bounds, kept
+    /// in step with `serve` and session close rather than counted over every worker.
+    participant_serving: HashMap<(String, String), HashMap<String, u32>>,
     broker_id: String,
     /// This process among those that ran under `broker_id`: session ids start again with
     /// every process, so the name a lease gives its holder carries it.
@@ -676,6 +680,7 @@ impl Jobs {
         Ok(Jobs {
             broker_id: broker_id.to_string(),
             incarnation,
+            participant_serving: HashMap::new(),
             jobs: config
                 .namespaces
                 .iter()
@@ -985,34 +990,61 @@ impl Jobs {
             )
             .with_path("/job"));
         }
-        let serves_it = self
-            .workers
-            .get(&caller.session)
-            .map(|w| (w.serving.contains_key(job), w.serving.len()));
-        if !serves_it.is_some_and(|(serves, _)| serves) {
-            if slots == 0 {
-                // Nothing to stop; recording it would let entries pile up unbounded.
-                return Ok(());
-            }
-            let limit = if serves_it.is_some_and(|(_, n)| n >= MAX_JOBS_PER_SESSION) {
-                Some(format!(
-                    "a session serves at most {MAX_JOBS_PER_SESSION} jobs"
-                ))
-            } else if self.participant_jobs(caller, job) >= MAX_JOBS_PER_PARTICIPANT {
-                Some(format!(
-                    "a participant's sessions serve at most {MAX_JOBS_PER_PARTICIPANT} jobs together on a broker"
-                ))
-            } else if self.queues.len() >= MAX_JOB_QUEUES
-                && !self.queues.contains_key(&queue_key(caller.ns, job))
-                && !self.release_idle_queue(conn)
-            {
-                Some(format!("this broker serves at most {MAX_JOB_QUEUES} jobs"))
-            } else {
-                None
-            };
-            if let Some(message) = limit {
-                return Err(AmpError::new(ErrorCode::Forbidden, message).with_path("/job"));
-            }
+        let (serves, entries, before) =
+            self.workers
+                .get(&caller.session)
+                .map_or((false, 0, 0), |w| {
+                    let entry = w.serving.get(job);
+                    (
+                        entry.is_some(),
+                        w.serving.len(),
+                        entry.map_or(0, |s| s.slots),
+                    )
+                });
+        if !serves && slots == 0 {
+            // Nothing to stop; recording it would let entries pile up unbounded.
+            return Ok(());
+        }
+        // An entry left at `slots: 0` (its tasks may still be out) is checked again when
+        // it starts anew, as a new one is.
+        let starts = before == 0 && slots > 0;
+        let participant = (caller.ns.to_string(), caller.name.to_string());
+        let limit = if !serves && entries >= MAX_JOBS_PER_SESSION {
+            Some(format!(
+                "a session serves at most {MAX_JOBS_PER_SESSION} jobs"
+            ))
+        } else if starts
+            && self
+                .participant_serving
+                .get(&participant)
+                .is_some_and(|jobs| {
+                    !jobs.contains_key(job) && jobs.len() >= MAX_JOBS_PER_PARTICIPANT
+                })
+        {
+            Some(format!(
+                "a participant's sessions serve at most {MAX_JOBS_PER_PARTICIPANT} jobs together on a broker"
+            ))
+        } else if starts
+            && self.queues.len() >= MAX_JOB_QUEUES
+            && !self.queues.contains_key(&queue_key(caller.ns, job))
+            && !self.release_idle_queue(conn)
+        {
+            Some(format!("this broker serves at most {MAX_JOB_QUEUES} jobs"))
+        } else {
+            None
+        };
+        if let Some(message) = limit {
+            return Err(AmpError::new(ErrorCode::Forbidden, message).with_path("/job"));
+        }
+        if starts {
+            *self
+                .participant_serving
+                .entry(participant)
+                .or_default()
+                .entry(job.to_string())
+                .or_default() += 1;
+        } else if before > 0 && slots == 0 {
+            self.stopped_serving(&participant, job);
         }
         let worker = self
             .workers
@@ -1044,27 +1076,28 @@ impl Jobs {
         Ok(())
     }
 
-    /// Distinct jobs other than `job` that the caller's participant serves here, in any
-    /// of its sessions.
-    fn participant_jobs(&self, caller: &Caller<'_>, job: &str) -> usize {
-        let mut jobs: HashSet<&str> = HashSet::new();
-        let mine = self
-            .workers
-            .values()
-            .filter(|w| w.ns == caller.ns && w.name == caller.name);
-        for w in mine {
-            let served = w.serving.iter().filter(|(_, s)| s.slots > 0);
-            jobs.extend(served.map(|(j, _)| j.as_str()).filter(|&j| j != job));
+    /// One session of `participant` no longer serves `job` (`slots: 0`, or closed).
+    fn stopped_serving(&mut self, participant: &(String, String), job: &str) {
+        let Some(jobs) = self.participant_serving.get_mut(participant) else {
+            return;
+        };
+        if let Some(n) = jobs.get_mut(job) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                jobs.remove(job);
+            }
         }
-        jobs.len()
+        if jobs.is_empty() {
+            self.participant_serving.remove(participant);
+        }
     }
 
     /// Room for another job's queue: forgets one that no session here serves and that
     /// holds nothing here (no task, no message being placed or acknowledged); false when
     /// there is none. Jobs are named by clients, so queues of jobs served once must not
     /// stay for good. Its consumer stays in JetStream for the brokers that serve it; a
-    /// pull still out is abandoned, and what it brings is delivered again after the
-    /// job's lease, as after a crash.
+    /// pull still out is abandoned, and what it still brings is handed back at once
+    /// ([`Jobs::unread_delivery`]).
     fn release_idle_queue(&mut self, conn: &mut Connection) -> bool {
         let served: HashSet<String> = self
             .workers
@@ -1161,6 +1194,10 @@ impl Jobs {
         let Some(worker) = self.workers.remove(&session) else {
             return;
         };
+        let participant = (worker.ns.clone(), worker.name.clone());
+        for (job, _) in worker.serving.iter().filter(|(_, s)| s.slots > 0) {
+            self.stopped_serving(&participant, job);
+        }
         let keys: Vec<String> = self
             .tasks
             .iter()
@@ -1988,6 +2025,47 @@ mod tests {
         let task = submit(&mut h, app, 1);
         let offer = h.wait_for(w, |f| f["op"] == "offer");
         assert_eq!(offer["task"], task, "{offer}");
+    }
+
+    /// The count of jobs a participant serves here follows every serve, `slots: 0` and
+    /// session close. It was counted afresh over every worker at each `serve` of a job
+    /// the session had no entry for, and an entry left at `slots: 0` was not one: a
+    /// session that stopped its 64 jobs while another took 64 more served its own again
+    /// without a check, 128 jobs for one participant.
+    #[test]
+    fn a_participants_job_count_follows_serve_stop_and_close() {
+        let mut h = bench(3);
+        let serve = |h: &mut Harness, s: Session, job: &str, slots: u32| {
+            h.request(s, json!({"op":"serve","job":job,"slots":slots}))["op"] == "ok"
+        };
+        let a = h.join(0, "squatter", json!({}));
+        for i in 0..MAX_JOBS_PER_PARTICIPANT {
+            assert!(serve(&mut h, a, &format!("a{i}"), 1));
+        }
+        assert!(!serve(&mut h, a, "a-more", 1), "65 jobs");
+        for i in 0..MAX_JOBS_PER_PARTICIPANT {
+            assert!(serve(&mut h, a, &format!("a{i}"), 0));
+        }
+        let b = h.join(0, "squatter", json!({}));
+        for i in 0..MAX_JOBS_PER_PARTICIPANT {
+            assert!(serve(&mut h, b, &format!("b{i}"), 1));
+        }
+        assert!(
+            !serve(&mut h, a, "a0", 1),
+            "a stopped job served again past the limit"
+        );
+        // A job another of its sessions serves is no new job; new slots change nothing.
+        let c = h.join(0, "squatter", json!({}));
+        assert!(serve(&mut h, c, "b0", 2));
+        assert!(serve(&mut h, b, "b0", 3));
+        h.close(b);
+        // b's close leaves only b0, which c still serves.
+        for i in 1..MAX_JOBS_PER_PARTICIPANT {
+            assert!(serve(&mut h, a, &format!("a{i}"), 1), "a{i} after b closed");
+        }
+        assert!(!serve(&mut h, a, "a0", 1), "b0 and a1..a63 are 64");
+        assert!(serve(&mut h, c, "b0", 0));
+        assert!(serve(&mut h, a, "a0", 1));
     }
 
     #[test]
