@@ -2335,6 +2335,95 @@ fn a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body() {
     assert!(!events.is_empty(), "Ann's own events are stored: {page}");
 }
 
+/// `Authorization` of a request on `mig.v0_1.acme.<op>` signed by `key` with message id
+/// `id` at `ts`.
+fn nkey_authorization(key: &KeyPair, id: &str, ts: &str, op: &str) -> String {
+    use base64::Engine;
+    let signed = format!("{id}\n{ts}\nmig.v0_1.acme.{op}");
+    let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key.sign(signed.as_bytes()));
+    format!("NKey {} {sig}", key.public_key())
+}
+
+/// A signed PUBLISH whose reply subject is not under its signer's prefix (someone else's,
+/// or no participant's: a client without its inbox prefix) is dropped unanswered, yet it
+/// reached every subscriber of its topic all the same. It was dropped before its id
+/// counted, so the id stayed free: Bob copied Ann's request with his own body and her
+/// reply subject, and the copy was stored as her event. Its id is now used up on every
+/// broker as any refused PUBLISH's is.
+#[test]
+fn a_signed_publish_dropped_for_its_reply_subject_cannot_be_stored_with_another_body() {
+    let w = world_configured(2, None, |c| {
+        let chat = json!({"publish": ["chat.>"], "subscribe": ["chat.>"]});
+        let listed = &mut c["namespaces"]["acme"]["participants"];
+        listed["ann"]["permissions"] = chat.clone();
+        listed["bob"]["permissions"] = chat;
+    });
+    let mut bob = Mig::connect(&w, "bob");
+    bob.call(json!({"cmd": "subscribe", "sub": "tap", "subject": "mig.v0_1.acme.events.chat.>"}));
+    let mut ann = Mig::connect_nkey(&w);
+    let answers = "_INBOX_acme_ann.forged";
+    ann.call(json!({"cmd": "subscribe", "sub": "answers", "subject": answers}));
+    let ts = now_rfc3339();
+    let op = "events.chat.room";
+    let dropped = [("d-1", "_INBOX_acme_bob.x"), ("d-2", "_INBOX.x")];
+    for (id, reply) in dropped {
+        let body = json!({"header": {"tenant_id": "acme", "message_id": id, "timestamp": ts},
+                          "payload": {"id": id}});
+        let auth = nkey_authorization(&w.ann, id, &ts, op);
+        ann.call(
+            json!({"cmd": "publish", "subject": format!("mig.v0_1.acme.{op}"), "body": body,
+                        "headers": {"Authorization": auth}, "reply": reply}),
+        );
+    }
+    const DROPPED: &str = "amp_mig_rejected_total{reason=\"reply_subject\"}";
+    let count = |b: usize| common::amp::metric(&w.brokers[b], DROPPED).unwrap_or(0.0);
+    let both = common::wait_until(WAIT, || count(0) + count(1) == 2.0);
+    assert!(both, "the two requests were not dropped");
+    // Each id is created in AMP_MIG_SEEN after its drop; before, neither was.
+    let recorded = common::wait_until(WAIT, || seen_keys(&w) == 2);
+    // What Bob saw: both requests whole.
+    let mut tapped = Vec::new();
+    let seen = common::wait_until(WAIT, || {
+        let got = bob.call(json!({"cmd": "collected", "sub": "tap"}));
+        tapped = got["messages"].as_array().cloned().unwrap_or_default();
+        tapped.len() == 2
+    });
+    assert!(seen, "Bob saw {tapped:?}");
+    // Several copies of each, so that both brokers get some.
+    let mut sent = 0;
+    for m in &tapped {
+        let mut forged = m["body"].clone();
+        forged["payload"] = json!({"x": "forged"});
+        for _ in 0..4 {
+            bob.call(
+                json!({"cmd": "publish", "subject": m["subject"], "body": forged,
+                            "headers": m["headers"], "reply": answers}),
+            );
+            sent += 1;
+        }
+    }
+    let mut replies = Vec::new();
+    let all = common::wait_until(WAIT, || {
+        let got = ann.call(json!({"cmd": "collected", "sub": "answers"}));
+        replies = got["messages"].as_array().cloned().unwrap_or_default();
+        replies.len() >= sent
+    });
+    assert!(all, "{} of {sent} copies answered", replies.len());
+    let page = bob.request(
+        "control.subscribe",
+        json!({"header": {"tenant_id": "acme"}, "topic": "chat.>"}),
+    );
+    let stored = page["events"].as_array().cloned().unwrap_or_default();
+    let codes: Vec<&str> = replies
+        .iter()
+        .map(|r| r["body"]["error"]["code"].as_str().unwrap_or("none"))
+        .collect();
+    assert!(
+        stored.is_empty() && codes.iter().all(|c| *c == "MIG_UNAUTHORIZED") && recorded,
+        "stored as Ann's: {stored:?}; answers: {codes:?}; ids recorded: {recorded}"
+    );
+}
+
 /// Every write to the task store is a compare-and-set publish on the record's subject,
 /// and nats-server delivers a publish to core subscribers even when the stream refuses
 /// it. An invocation watching its record through a core subscription took such a write

@@ -27,6 +27,13 @@ pub const REPLAY_WINDOW: Duration = Duration::from_secs(120);
 pub enum Refusal {
     /// No answer: the reply subject is missing or not the caller's (counted by `reason`).
     Drop(&'static str),
+    /// No answer, as `Drop("reply_subject")`, to a request others receive (a PUBLISH)
+    /// whose signature by `name` verified: it reached every subscriber of its topic all
+    /// the same, so its `id` is used up as a refused PUBLISH's is.
+    Misdirected {
+        name: String,
+        id: String,
+    },
     Unauthorized,
     /// Too many failures for this participant: try again after this long.
     Throttled(Duration),
@@ -97,7 +104,14 @@ impl Authenticator {
         wall_ms: i64,
     ) -> Result<Proved, Refusal> {
         let reply = req.reply.ok_or(Refusal::Drop("no_reply_subject"))?;
-        let owner = subjects::reply_owner(req.ns, reply).ok_or(Refusal::Drop("reply_subject"))?;
+        let Some(owner) = subjects::reply_owner(req.ns, reply) else {
+            // Only a listed participant's signature names its signer without an owner.
+            let signer = req
+                .exposed
+                .then(|| self.prove(config, issuer, req, None, wall_ms))
+                .flatten();
+            return Err(misdirected(signer));
+        };
         if req.exposed
             && req
                 .authorization
@@ -118,11 +132,11 @@ impl Authenticator {
         {
             return Err(Refusal::Throttled(d));
         }
-        let proved = self.prove(config, issuer, req, wall_ms);
+        let proved = self.prove(config, issuer, req, Some(owner), wall_ms);
         match (proved, throttled) {
             (Some(p), _) if p.name == owner => Ok(p),
             // A real credential with someone else's reply subject: answer nothing.
-            (Some(_), _) => Err(Refusal::Drop("reply_subject")),
+            (Some(p), _) => Err(misdirected(Some(p).filter(|_| req.exposed))),
             (None, Some(d)) => Err(Refusal::Throttled(d)),
             (None, None) => {
                 self.throttle.record_failure(ANY, &key, now);
@@ -131,15 +145,17 @@ impl Authenticator {
         }
     }
 
+    /// Who `req`'s credential proves; `owner` is the participant its reply subject names
+    /// (a token is tried against it only, and without it only a signature proves anyone).
     fn prove(
         &mut self,
         config: &Config,
         issuer: Option<&str>,
         req: &Presented<'_>,
+        owner: Option<&str>,
         wall_ms: i64,
     ) -> Option<Proved> {
         let value = req.authorization?.trim();
-        let owner = subjects::reply_owner(req.ns, req.reply?)?;
         let unsigned = |name| Proved {
             name,
             signed_id: None,
@@ -152,7 +168,7 @@ impl Authenticator {
             return owner_presented(
                 config,
                 req.ns,
-                owner,
+                owner?,
                 &auth::present(Credential::Token(token), b""),
             )
             .map(unsigned);
@@ -329,13 +345,13 @@ impl ReplayCache {
 }
 
 /// The listed participant whose key signed; else, when the namespace's `open` entry
-/// accepts it, the reply subject's owner (open entries take any name). A signature is
-/// no guess: one by another participant's key is told apart (no answer to a reply
-/// subject it does not own).
+/// accepts it, the reply subject's owner (open entries take any name), if it names one.
+/// A signature is no guess: one by another participant's key is told apart (no answer to
+/// a reply subject it does not own).
 fn who_signed(
     config: &Config,
     ns: &str,
-    owner: &str,
+    owner: Option<&str>,
     presented: &auth::Presented<'_>,
 ) -> Option<String> {
     let namespace = config.namespaces.get(ns)?;
@@ -346,12 +362,25 @@ fn who_signed(
         }
     }
     found.or_else(|| {
+        let owner = owner?;
         let open = namespace
             .open
             .as_ref()
             .filter(|_| !namespace.participants.contains_key(owner));
         (open.is_some() && auth::accepts(open, presented)).then(|| owner.to_string())
     })
+}
+
+/// The refusal of a request whose reply subject is not its prover's: nothing to answer,
+/// and a signed id to use up when `signer` proved one on a subject others receive.
+fn misdirected(signer: Option<Proved>) -> Refusal {
+    match signer {
+        Some(Proved {
+            name,
+            signed_id: Some(id),
+        }) => Refusal::Misdirected { name, id },
+        _ => Refusal::Drop("reply_subject"),
+    }
 }
 
 /// `owner` (the participant the reply subject names) when the token presented is its
@@ -714,6 +743,42 @@ mod tests {
         let mut publish = req("_INBOX_acme_ann.1", &auth);
         publish.exposed = true;
         assert_eq!(a.admit(&c, None, &publish, now, NOW_MS), Ok("ann".into()));
+    }
+
+    /// A PUBLISH reaches every subscriber of its topic whatever its reply subject: one
+    /// dropped for it names its signer, whose id the front end then uses up.
+    #[test]
+    fn a_signed_publish_with_a_reply_subject_not_its_signers_names_the_signer() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let c = config(&ann.public_key());
+        let now = Instant::now();
+        let auth = signed_by(&ann);
+        for reply in ["_INBOX_acme_bob.1", "_INBOX.x"] {
+            let mut publish = req(reply, &auth);
+            publish.exposed = true;
+            assert_eq!(
+                Authenticator::new().admit(&c, None, &publish, now, NOW_MS),
+                Err(Refusal::Misdirected {
+                    name: "ann".into(),
+                    id: "m1".into()
+                }),
+                "{reply}"
+            );
+            publish.exposed = false;
+            assert_eq!(
+                Authenticator::new().admit(&c, None, &publish, now, NOW_MS),
+                Err(Refusal::Drop("reply_subject")),
+                "{reply}"
+            );
+        }
+        // A bad signature on a subject others receive proves nobody.
+        let bad = format!("{auth}x");
+        let mut forged = req("_INBOX.x", &bad);
+        forged.exposed = true;
+        assert_eq!(
+            Authenticator::new().admit(&c, None, &forged, now, NOW_MS),
+            Err(Refusal::Drop("reply_subject"))
+        );
     }
 
     #[test]

@@ -18,9 +18,9 @@ use crate::jetstream::ack::AckKind;
 use crate::jetstream::ack::AckMetadata;
 use crate::jetstream::api::ApiPrefix;
 use crate::jetstream::consumer::ConsumerAction;
-use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::publish::{PubAck, parse_pub_ack};
 use crate::jetstream::stream::{MsgSelector, parse_msg_get};
-use crate::nats::{Connection, Message, RequestError};
+use crate::nats::{Connection, Message, RequestError, RequestId};
 use crate::proto::headers::HeaderMap;
 
 /// The durable consumer on `AMP_TOPICS_<ns>` that feeds the live event subjects.
@@ -428,22 +428,8 @@ impl Mig {
         error: MigError,
         now: Instant,
     ) {
-        let Some(s) = signed else {
-            return self.respond(conn, answer, Err(error), now);
-        };
-        let caller = format!("{}/{}", s.ns, s.name);
-        let bound = config.mig.max_claims_per_caller;
-        if self.claims_held.admit(&caller, bound, now).is_err() {
-            return self.respond(conn, answer, Err(error), now);
-        }
-        let sent = seen::claim(config.js_api(s.ns), s.ns, s.name, s.id)
-            .map_err(|e| e.to_string())
-            .and_then(|c| {
-                conn.request(&c.subject, c.headers.as_ref(), &c.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
-        let Ok(req) = sent else {
-            self.claims_held.settle(&caller, None, now);
+        let Some((req, caller)) = signed.and_then(|s| self.claim_refused(conn, config, s, now))
+        else {
             return self.respond(conn, answer, Err(error), now);
         };
         let held = ClaimedPublish {
@@ -459,6 +445,73 @@ impl Mig {
         };
         let pending = Pending::Claim(Box::new(held));
         self.staged.push(req, super::Awaiting(pending), now);
+    }
+
+    /// A signed PUBLISH dropped unanswered for its reply subject (not its signer's)
+    /// reached every subscriber of its topic all the same: its id is used up here and
+    /// recorded for every broker, as a refused PUBLISH's is. Before, it was dropped before
+    /// its id counted, and a subscriber's copy with another body and the signer's reply
+    /// subject was stored as the signer's event.
+    pub(super) fn use_up_dropped(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        s: Signed<'_>,
+        now: Instant,
+    ) {
+        let wall = self.wall_ms(now);
+        let capacity = config.mig.max_signed_ids;
+        // A replay's id was used up by the request it copies.
+        if let Err(super::Refusal::Unauthorized) = self
+            .auth
+            .take_signed(s.ns, s.name, s.id, capacity, now, wall)
+        {
+            return;
+        }
+        if let Some((req, caller)) = self.claim_refused(conn, config, s, now) {
+            let pending = Pending::DroppedClaim(caller);
+            self.staged.push(req, super::Awaiting(pending), now);
+        }
+    }
+
+    /// Sends the create of a refused signed PUBLISH's id, counted in its caller's
+    /// `mig.max_claims_per_caller`: the request and the caller (`ns/name`), or nothing past
+    /// that bound or without a connection (the id is then used up on this broker only).
+    fn claim_refused(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        s: Signed<'_>,
+        now: Instant,
+    ) -> Option<(RequestId, String)> {
+        let caller = format!("{}/{}", s.ns, s.name);
+        let bound = config.mig.max_claims_per_caller;
+        self.claims_held.admit(&caller, bound, now).ok()?;
+        let sent = seen::claim(config.js_api(s.ns), s.ns, s.name, s.id)
+            .map_err(|e| e.to_string())
+            .and_then(|c| {
+                conn.request(&c.subject, c.headers.as_ref(), &c.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
+            Ok(req) => Some((req, caller)),
+            Err(_) => {
+                self.claims_held.settle(&caller, None, now);
+                None
+            }
+        }
+    }
+
+    /// A refusal's claim was answered: it counts until its key's TTL has passed, also
+    /// when the answer was lost, since the server may have stored the key.
+    pub(super) fn settle_claim(
+        &mut self,
+        caller: &str,
+        acked: &Result<Result<PubAck, JsError>, RequestError>,
+        now: Instant,
+    ) {
+        let created = matches!(acked, Ok(Ok(_)) | Err(_)).then_some(seen::KEEP);
+        self.claims_held.settle(caller, created, now);
     }
 
     /// The signed id is recorded (or was taken before): the event is stored (or refused
@@ -478,10 +531,7 @@ impl Mig {
                 bytes,
             } => (subject, nats, bytes),
             AfterClaim::Refuse { error, caller } => {
-                // Counted until the key's TTL has passed; also when the answer was lost,
-                // since the server may have stored the key.
-                let created = matches!(acked, Ok(Ok(_)) | Err(_)).then_some(seen::KEEP);
-                self.claims_held.settle(&caller, created, now);
+                self.settle_claim(&caller, &acked, now);
                 let error = match acked {
                     Ok(Err(JsError::WrongLastSequence(_))) => self.replayed(),
                     _ => error,

@@ -96,6 +96,9 @@ enum Pending {
     InvocationOwner(Box<Invocation>),
     /// A PUBLISH's signed id being recorded, before its event is stored.
     Claim(Box<events::ClaimedPublish>),
+    /// The signed id of a PUBLISH dropped unanswered being recorded, for its caller
+    /// (`ns/name`) in `claims_held`.
+    DroppedClaim(String),
     Publish(Box<events::PublishRequest>),
     Replay(Box<events::ReplayPage>),
     /// A cancel forwarded to the broker that may hold its invocation.
@@ -333,6 +336,11 @@ impl Mig {
                 self.invocation_owner_read(conn, ctx, *inv, reply, now)
             }
             Pending::Claim(p) => self.claimed(conn, *p, reply, now),
+            Pending::DroppedClaim(caller) => {
+                let acked =
+                    reply.map(|m| crate::jetstream::publish::parse_pub_ack(m.status(), &m.payload));
+                self.settle_claim(&caller, &acked, now);
+            }
             Pending::Publish(p) => self.published(conn, *p, reply, now),
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
@@ -538,7 +546,12 @@ impl Mig {
         };
         let proved = match verdict {
             Ok(p) => p,
-            Err(refusal) => return self.refused(conn, &answer, refusal, now),
+            Err(refusal) => {
+                if let Refusal::Misdirected { name, id } = &refusal {
+                    self.use_up_dropped(conn, ctx.config, events::Signed { ns, name, id }, now);
+                }
+                return self.refused(conn, &answer, refusal, now);
+            }
         };
         let name = proved.name;
         // A signed PUBLISH reaches every subscriber of its topic, and its signature does
@@ -665,6 +678,10 @@ impl Mig {
         Some(match r {
             Refusal::Drop(reason) => {
                 self.metrics.rejected(reason);
+                return None;
+            }
+            Refusal::Misdirected { .. } => {
+                self.metrics.rejected("reply_subject");
                 return None;
             }
             Refusal::Unauthorized => MigError::new(Code::Unauthorized, "authentication failed"),
