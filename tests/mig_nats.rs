@@ -2424,6 +2424,69 @@ fn a_signed_publish_dropped_for_its_reply_subject_cannot_be_stored_with_another_
     );
 }
 
+/// A PUBLISH keeps its event (up to `max_payload`) while its signed id is created in
+/// `AMP_MIG_SEEN`, and only the caller's pace bounded how many: with JetStream slow to
+/// answer, the bytes held grew with what callers sent. They now count in the bound that
+/// submits waiting for JetStream share, a quarter of `limits.max_buffered_bytes`.
+#[test]
+fn publish_bodies_waiting_for_jetstream_are_bounded_in_bytes() {
+    let w = world_configured(1, None, |c| {
+        c["limits"]["max_buffered_bytes"] = json!(8 << 20);
+        let chat = json!({"publish": ["chat.>"], "subscribe": ["chat.>"]});
+        c["namespaces"]["acme"]["participants"]["ann"]["permissions"] = chat;
+    });
+    // JetStream keeps taking ids but stops answering: each claim waits for its timeout.
+    let mut js = broker_js(&w);
+    let mut seen = js.stream_info("KV_AMP_MIG_SEEN").expect("bucket").config;
+    seen.no_ack = Some(true);
+    js.update_stream(&seen).expect("acks off");
+    let mut ann = Mig::connect_nkey(&w);
+    let ts = now_rfc3339();
+    let op = "events.chat.big";
+    let filler = "x".repeat(200_000);
+    let publish = |ann: &mut Mig, id: &str, wait: bool| {
+        let body = json!({"header": {"tenant_id": "acme", "message_id": id, "timestamp": ts},
+                          "payload": {"fill": filler}});
+        let auth = nkey_authorization(&w.ann, id, &ts, op);
+        ann.send(
+            json!({"cmd": "request", "subject": format!("mig.v0_1.acme.{op}"),
+                        "body": body, "headers": {"Authorization": auth}, "timeout": 15,
+                        "wait": wait}),
+        )
+    };
+    // 40 x 200 kB = 8 MB against a 2 MiB share: about 10 are held, the rest refused.
+    let tags: Vec<String> = (0..40)
+        .map(|n| publish(&mut ann, &format!("big-{n}"), false))
+        .collect();
+    let mut codes = Vec::new();
+    for tag in &tags {
+        let r = ann.wait(tag);
+        assert!(r.get("error").is_none(), "{r}");
+        codes.push(error_code(&r["reply"]).to_string());
+        if error_code(&r["reply"]) == "MIG_BACKPRESSURE" {
+            let retry = &r["reply"]["error"]["details"]["retry_after_ms"];
+            assert!(retry.as_u64().is_some_and(|ms| ms > 0), "{r}");
+        }
+    }
+    let refused = codes.iter().filter(|c| *c == "MIG_BACKPRESSURE").count();
+    assert!(
+        (25..=32).contains(&refused),
+        "{refused} of 40 refused while JetStream did not answer: {codes:?}"
+    );
+    // The held ones were answered when their claims timed out, and the room is back.
+    assert!(
+        codes
+            .iter()
+            .all(|c| c == "MIG_BACKPRESSURE" || c == "MIG_UNAVAILABLE"),
+        "{codes:?}"
+    );
+    seen.no_ack = Some(false);
+    js.update_stream(&seen).expect("acks on");
+    let tag = publish(&mut ann, "big-after", true);
+    let r = ann.wait(&tag);
+    assert_eq!(r["reply"]["accepted"], true, "{r}");
+}
+
 /// Every write to the task store is a compare-and-set publish on the record's subject,
 /// and nats-server delivers a publish to core subscribers even when the stream refuses
 /// it. An invocation watching its record through a core subscription took such a write

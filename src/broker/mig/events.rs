@@ -11,6 +11,7 @@ use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub, seen};
 use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
 use crate::broker::envelope::{self, Envelope, Kind};
+use crate::broker::held_bytes::{self, Hold};
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{Check, PullLoop, Pulled};
 use crate::jetstream::JsError;
@@ -89,6 +90,8 @@ enum AfterClaim {
         subject: String,
         nats: HeaderMap,
         bytes: Vec<u8>,
+        /// Released once the event is handed to the connection's bounded write buffer.
+        _hold: Hold,
     },
     /// `caller` (`ns/name`) holds the claim in `claims_held`.
     Refuse { error: MigError, caller: String },
@@ -315,8 +318,7 @@ impl Mig {
                 "payload is required and must be a JSON object",
             )
         } else {
-            let bytes = body.get("payload").map_or(0, |p| p.to_string().len());
-            super::take_rate(ctx.rates, participant, ns, name, bytes, now)
+            Ok(())
         };
         // Only a signature reaches this far (`Refusal::Exposed`).
         let signed = Signed {
@@ -379,11 +381,27 @@ impl Mig {
             .detail("amp_code", json!("too_large"));
             return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
         }
+        // The event waits for its id's claim; pipelined PUBLISHes with JetStream slow to
+        // answer held as many as the caller's pace let in. Asked before the rate is
+        // charged, so that a refusal for want of room spends none of it.
+        let Some(hold) = ctx.jobs.held_bytes().take(bytes.len() + nats.encoded_len()) else {
+            let e = MigError::new(
+                Code::Backpressure,
+                "the broker holds as many bytes as it may while JetStream answers",
+            )
+            .detail("retry_after_ms", json!(held_bytes::RETRY_AFTER_MS));
+            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+        };
+        let rated = body.get("payload").map_or(0, |p| p.to_string().len());
+        if let Err(e) = super::take_rate(ctx.rates, participant, ns, name, rated, now) {
+            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+        }
         let event = ClaimedPublish {
             then: AfterClaim::Store {
                 subject: binding::topic_subject(ns, topic),
                 nats,
                 bytes,
+                _hold: hold,
             },
             request: PublishRequest {
                 reply: answer.reply.to_string(),
@@ -524,12 +542,13 @@ impl Mig {
         now: Instant,
     ) {
         let acked = reply.map(|m| parse_pub_ack(m.status(), &m.payload));
-        let (subject, nats, bytes) = match event.then {
+        let (subject, nats, bytes, _hold) = match event.then {
             AfterClaim::Store {
                 subject,
                 nats,
                 bytes,
-            } => (subject, nats, bytes),
+                _hold,
+            } => (subject, nats, bytes, _hold),
             AfterClaim::Refuse { error, caller } => {
                 self.settle_claim(&caller, &acked, now);
                 let error = match acked {
