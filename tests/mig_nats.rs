@@ -2487,6 +2487,60 @@ fn publish_bodies_waiting_for_jetstream_are_bounded_in_bytes() {
     assert_eq!(r["reply"]["accepted"], true, "{r}");
 }
 
+/// Live events come from one durable consumer per tenant (`mig_events`) that every broker
+/// pulls. Deleted (by an operator, or gone with a server that restarted without its
+/// state), the feed's pulls were refused for good and live events stopped without a
+/// word. It is now made again, from the event after the last one the feed delivered.
+#[test]
+fn live_events_go_on_after_their_consumer_is_deleted() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    alice.call(
+        json!({"cmd": "subscribe", "sub": "live", "subject": "mig.v0_1.acme.events.orders.>"}),
+    );
+    let mut ann = Mig::connect_nkey(&w);
+    let mut publish = |n: u64| {
+        let body = json!({"header": {"tenant_id": "acme"}, "payload": {"n": n}});
+        let r = ann.signed(&w, "events.orders.eu", body);
+        assert_eq!(r["accepted"], true, "{r}");
+        r["sequence"].as_u64().expect("sequence")
+    };
+    let live = |alice: &mut Mig| -> Vec<u64> {
+        let got = alice.call(json!({"cmd": "collected", "sub": "live"}));
+        got["messages"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter(|m| m["body"].get("event_id").is_some())
+                    .filter_map(|m| m["body"]["sequence"].as_u64())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let first = publish(1);
+    let mut got = Vec::new();
+    let arrived = common::wait_until(WAIT, || {
+        got = live(&mut alice);
+        got.contains(&first)
+    });
+    assert!(arrived, "the first event never came live: {got:?}");
+    let deleted = broker_js(&w).delete_consumer("AMP_TOPICS_acme", "mig_events");
+    assert_eq!(deleted.ok(), Some(true));
+    let later: Vec<u64> = (2..=3).map(&mut publish).collect();
+    let arrived = common::wait_until(WAIT, || {
+        got = live(&mut alice);
+        later.iter().all(|s| got.contains(s))
+    });
+    assert!(
+        arrived,
+        "live after the consumer was deleted: {got:?}; published {later:?}"
+    );
+    let mut each = got.clone();
+    each.sort_unstable();
+    each.dedup();
+    assert_eq!(each.len(), got.len(), "an event came live twice: {got:?}");
+}
+
 /// Every write to the task store is a compare-and-set publish on the record's subject,
 /// and nats-server delivers a publish to core subscribers even when the stream refuses
 /// it. An invocation watching its record through a core subscription took such a write

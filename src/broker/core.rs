@@ -1427,7 +1427,7 @@ fn js_request(
 /// `create` of a name in use (10148), or an update that may not move the start (10012,
 /// "deliver policy can not be updated"; a consumer made again after its loss starts at a
 /// sequence, and a later first login's `create or update` asks for all).
-fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
+pub(super) fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
     match e.err_code() {
         Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) => true,
         Some(crate::jetstream::error::ERR_CONSUMER_CREATE) => {

@@ -2,7 +2,7 @@
 //! durable consumer per tenant (`mig_events`, shared by every broker) feeds the live
 //! subjects, and SUBSCRIBE pages through the stored events from an exclusive cursor.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
@@ -10,6 +10,7 @@ use super::envelope::{Code, Echo, MigError};
 use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub, seen};
 use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
+use crate::broker::core::consumer_exists;
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::held_bytes::{self, Hold};
 use crate::broker::permissions::{self, Action};
@@ -17,8 +18,8 @@ use crate::broker::pull_loop::{Check, PullLoop, Pulled};
 use crate::jetstream::JsError;
 use crate::jetstream::ack::AckKind;
 use crate::jetstream::ack::AckMetadata;
-use crate::jetstream::api::ApiPrefix;
-use crate::jetstream::consumer::ConsumerAction;
+use crate::jetstream::api::{ApiPrefix, check_error};
+use crate::jetstream::consumer::{ConsumerAction, DeliverFrom};
 use crate::jetstream::publish::{PubAck, parse_pub_ack};
 use crate::jetstream::stream::{MsgSelector, parse_msg_get};
 use crate::nats::{Connection, Message, RequestError, RequestId};
@@ -30,6 +31,8 @@ pub const LIVE_CONSUMER: &str = "mig_events";
 const LIVE_MAX_ACK_PENDING: u32 = 1000;
 /// Events pulled at once for the live subjects.
 const LIVE_BATCH: u32 = 64;
+/// The longest a feed whose consumer could not be made waits before asking again.
+const LIVE_RETRY_MAX: Duration = Duration::from_secs(60);
 /// SUBSCRIBE page size: default and most.
 const PAGE_DEFAULT: u64 = 100;
 const PAGE_MAX: u64 = 1000;
@@ -127,6 +130,12 @@ pub struct ReplayPage {
 pub struct LiveFeed {
     ns: String,
     pull: PullLoop,
+    /// The highest stream sequence the feed knows its consumer delivered (here, or to
+    /// any broker when it was made): a consumer made again after its loss starts after it.
+    /// `None` until it knows one: such a consumer takes new events only.
+    seen: Option<u64>,
+    /// Tries in a row to make the consumer again that failed.
+    retries: u32,
 }
 
 fn is_topic(t: &str) -> bool {
@@ -151,7 +160,7 @@ fn event_message(ns: &str, seq: u64, env: &Envelope, replay: bool, timestamp: &s
 
 impl Mig {
     /// Creates each tenant's live-feed consumer (idempotent: every broker asks for the
-    /// same one) and starts pulling it.
+    /// same one) and pulls it once it is there.
     pub(super) fn start_live(
         &mut self,
         conn: &mut Connection,
@@ -160,47 +169,199 @@ impl Mig {
     ) -> Result<(), String> {
         for ns in config.namespaces.keys() {
             let stream = binding::topics_stream(ns);
-            let api = config.js_api(ns);
-            let live = binding::mig_live_consumer_config(LIVE_CONSUMER, LIVE_MAX_ACK_PENDING);
-            let req = api
-                .consumer_create(&stream, &live, ConsumerAction::CreateOrUpdate)
-                .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
-            let id = conn
-                .request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
-            let mut pull =
-                PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH).in_domain(api);
-            let sid = pull.attach(conn).map_err(|e| e.to_string())?;
-            self.subs.insert(sid, Sub::Live(self.live.len()));
-            self.staged.push(
-                id,
-                super::Awaiting(Pending::LiveConsumer(self.live.len())),
-                now,
-            );
+            let pull = PullLoop::new(stream, LIVE_CONSUMER.to_string(), LIVE_BATCH)
+                .in_domain(config.js_api(ns));
             self.live.push(LiveFeed {
                 ns: ns.clone(),
                 pull,
+                seen: None,
+                retries: 0,
             });
+            self.make_live_consumer(conn, config, self.live.len() - 1, now)
+                .map_err(|e| format!("MIG live consumer of {ns}: {e}"))?;
         }
         Ok(())
     }
 
+    /// Asks for feed `feed`'s consumer: new events only while the feed knows no event
+    /// (`CreateOrUpdate`, as at start), else from the one after the last it knows of,
+    /// made only if it is not there (another broker may have made it first).
+    fn make_live_consumer(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        feed: usize,
+        now: Instant,
+    ) -> Result<(), String> {
+        let Some(f) = self.live.get(feed) else {
+            return Ok(());
+        };
+        let live = binding::mig_live_consumer_config(LIVE_CONSUMER, LIVE_MAX_ACK_PENDING);
+        let (live, action) = match f.seen {
+            None => (live, ConsumerAction::CreateOrUpdate),
+            Some(seq) => (
+                live.deliver_from(DeliverFrom::Sequence(seq.saturating_add(1))),
+                ConsumerAction::Create,
+            ),
+        };
+        let req = config
+            .js_api(&f.ns)
+            .consumer_create(&binding::topics_stream(&f.ns), &live, action)
+            .map_err(|e| e.to_string())?;
+        let id = conn
+            .request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+            .map_err(|e| e.to_string())?;
+        self.staged
+            .push(id, super::Awaiting(Pending::LiveConsumer(feed)), now);
+        Ok(())
+    }
+
+    /// The feed's consumer is there (made, or found made by another broker): the feed
+    /// pulls it. Otherwise it asks again later.
     pub(super) fn live_consumer_ready(
         &mut self,
         conn: &mut Connection,
         feed: usize,
-        ok: bool,
+        reply: Result<Message, RequestError>,
         now: Instant,
     ) {
         let Some(f) = self.live.get_mut(feed) else {
             return;
         };
-        if !ok {
-            log::warn!(ns:% = f.ns; "MIG live event consumer not created; live events are off for this tenant");
-            return;
+        let answer = reply
+            .map_err(|e| e.to_string())
+            .and_then(|m| match check_error(&m.payload) {
+                Ok(()) => Ok(Some(m)),
+                Err(e) if consumer_exists(&e) => Ok(None),
+                Err(e) => Err(e.to_string()),
+            });
+        let info = match answer {
+            Ok(info) => info,
+            Err(e) => {
+                log::warn!(ns:% = f.ns; "MIG live event consumer not made ({e}); asking again later");
+                return self.retry_live(feed, now);
+            }
+        };
+        // Where the consumer stands: what it delivered, to any broker, is not published
+        // again by a consumer made after its loss.
+        let delivered = info
+            .and_then(|m| serde_json::from_slice::<Value>(&m.payload).ok())
+            .and_then(|v| v["delivered"]["stream_seq"].as_u64());
+        if let Some(d) = delivered {
+            f.seen = Some(f.seen.map_or(d, |s| s.max(d)));
         }
+        if f.pull.sid().is_none() {
+            match f.pull.attach(conn) {
+                Ok(sid) => {
+                    self.subs.insert(sid, Sub::Live(feed));
+                }
+                Err(e) => {
+                    log::warn!(ns:% = f.ns; "MIG live event subscription failed ({e}); asking again later");
+                    return self.retry_live(feed, now);
+                }
+            }
+        }
+        f.retries = 0;
         let at = f.pull.pull(conn, now);
         self.arm_live(feed, at);
+    }
+
+    /// The feed's consumer is gone (deleted, or lost with a server that restarted
+    /// without its state): pulling alone would be refused once a second for good, and
+    /// live events stopped without a word. The stream is asked where it stands first: one
+    /// made again from nothing starts its sequences at 1, below the last event the feed
+    /// knows of, and a consumer made after that event would hear nothing until the new
+    /// stream passed it.
+    fn live_lost(&mut self, conn: &mut Connection, config: &Config, feed: usize, now: Instant) {
+        let Some(f) = self.live.get_mut(feed) else {
+            return;
+        };
+        if let Some(sid) = f.pull.detach(conn) {
+            self.subs.remove(&sid);
+        }
+        let sent = config
+            .js_api(&f.ns)
+            .stream_info(&binding::topics_stream(&f.ns))
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
+            Ok(id) => {
+                let pending = Pending::LiveStream(feed);
+                self.staged.push(id, super::Awaiting(pending), now);
+            }
+            Err(e) => {
+                log::warn!(ns:% = f.ns; "MIG live event stream not asked ({e}); asking again later");
+                self.retry_live(feed, now);
+            }
+        }
+    }
+
+    /// Where the topics stream of a feed whose consumer is gone stands: the consumer is
+    /// made again after the last event the feed knows of, or from the stream's start if
+    /// the stream went back behind it (everything in the new stream came after).
+    pub(super) fn live_stream_read(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        feed: usize,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let Some(f) = self.live.get_mut(feed) else {
+            return;
+        };
+        let last = reply.map_err(|e| e.to_string()).and_then(|m| {
+            check_error(&m.payload).map_err(|e| e.to_string())?;
+            serde_json::from_slice::<Value>(&m.payload)
+                .ok()
+                .and_then(|v| v["state"]["last_seq"].as_u64())
+                .ok_or_else(|| "no state.last_seq".to_string())
+        });
+        let last = match last {
+            Ok(last) => last,
+            Err(e) => {
+                log::warn!(ns:% = f.ns; "MIG live event stream unavailable ({e}); asking again later");
+                return self.retry_live(feed, now);
+            }
+        };
+        if f.seen.is_some_and(|seen| seen > last) {
+            log::warn!(ns:% = f.ns; "topics stream went back to seq {last}; MIG live events follow it from its start");
+            f.seen = Some(0);
+        }
+        log::warn!(ns:% = f.ns; "MIG live event consumer gone; making it again");
+        if let Err(e) = self.make_live_consumer(conn, config, feed, now) {
+            log::warn!(ns:% = self.live[feed].ns; "MIG live event consumer not asked for ({e}); asking again later");
+            self.retry_live(feed, now);
+        }
+    }
+
+    /// Asks again for a feed's consumer after 1, 2, 4 ... at most 60 s.
+    fn retry_live(&mut self, feed: usize, now: Instant) {
+        let Some(f) = self.live.get_mut(feed) else {
+            return;
+        };
+        let wait = Duration::from_secs(1 << f.retries.min(6)).min(LIVE_RETRY_MAX);
+        f.retries = f.retries.saturating_add(1);
+        self.later.push(
+            crate::deadline::after(now, wait),
+            super::Alarm::LiveRetry(feed),
+        );
+    }
+
+    /// A feed waiting to ask again for its consumer does.
+    pub(super) fn live_retry(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        feed: usize,
+        now: Instant,
+    ) {
+        if self.live.get(feed).is_some_and(|f| f.pull.sid().is_none()) {
+            self.live_lost(conn, config, feed, now);
+        }
     }
 
     pub(super) fn arm_live(&mut self, feed: usize, check: Option<Check>) {
@@ -241,6 +402,7 @@ impl Mig {
     pub(super) fn live_delivery(
         &mut self,
         conn: &mut Connection,
+        config: &Config,
         feed: usize,
         msg: &Message,
         now: Instant,
@@ -250,16 +412,21 @@ impl Mig {
         };
         let (pulled, at) = f.pull.on_message(conn, msg, now);
         let ns = f.ns.clone();
-        self.arm_live(feed, at);
-        if pulled != Pulled::Message {
-            return;
+        let reply = msg.reply.as_deref().filter(|_| pulled == Pulled::Message);
+        let seq = reply
+            .and_then(|r| AckMetadata::parse(r).ok())
+            .map(|m| m.stream_sequence);
+        if let Some(seq) = seq {
+            f.seen = Some(f.seen.map_or(seq, |s| s.max(seq)));
         }
-        let Some(reply) = msg.reply.as_deref() else {
+        let seq = seq.unwrap_or(0);
+        if pulled == Pulled::Lost {
+            return self.live_lost(conn, config, feed, now);
+        }
+        self.arm_live(feed, at);
+        let Some(reply) = reply else {
             return;
         };
-        let seq = AckMetadata::parse(reply)
-            .map(|m| m.stream_sequence)
-            .unwrap_or(0);
         if let Ok(env) = Envelope::from_json(&msg.payload)
             && let Some(topic) = env.topic.as_deref().filter(|t| is_topic(t))
         {

@@ -90,6 +90,8 @@ enum Pending {
     Record(SessionId),
     Depth(SessionId),
     LiveConsumer(usize),
+    /// Where a live feed's stream stands, its consumer lost.
+    LiveStream(usize),
     /// An invoke's message id being taken for it, before it starts.
     InvocationClaim(Box<Invocation>),
     /// Who holds the message id an invoke found taken.
@@ -114,6 +116,8 @@ pub enum Alarm {
     Deadline(SessionId),
     /// A live event feed's pull check (index into `live`).
     LiveCheck(usize, u64),
+    /// A live event feed whose consumer could not be made asks again.
+    LiveRetry(usize),
     /// An invocation's task record read again (`rechecks`).
     Recheck(SessionId),
 }
@@ -300,7 +304,7 @@ impl Mig {
             Some(Sub::Requests) => self.on_request(conn, ctx, msg, now),
             Some(Sub::Live(feed)) => {
                 let feed = *feed;
-                self.live_delivery(conn, feed, msg, now);
+                self.live_delivery(conn, ctx.config, feed, msg, now);
             }
             Some(Sub::Task(session)) => {
                 let session = *session;
@@ -326,11 +330,8 @@ impl Mig {
         match p {
             Pending::Record(session) => self.record_read(conn, ctx, session, reply, now),
             Pending::Depth(session) => self.depth_read(conn, ctx, session, reply, now),
-            Pending::LiveConsumer(feed) => {
-                let ok =
-                    reply.is_ok_and(|m| crate::jetstream::api::check_error(&m.payload).is_ok());
-                self.live_consumer_ready(conn, feed, ok, now);
-            }
+            Pending::LiveConsumer(feed) => self.live_consumer_ready(conn, feed, reply, now),
+            Pending::LiveStream(feed) => self.live_stream_read(conn, ctx.config, feed, reply, now),
             Pending::InvocationClaim(inv) => self.invocation_claimed(conn, ctx, *inv, reply, now),
             Pending::InvocationOwner(inv) => {
                 self.invocation_owner_read(conn, ctx, *inv, reply, now)
@@ -401,7 +402,7 @@ impl Mig {
             Alarm::Deadline(session) | Alarm::Recheck(session) => {
                 self.invocations.contains_key(session)
             }
-            Alarm::LiveCheck(..) => true,
+            Alarm::LiveCheck(..) | Alarm::LiveRetry(_) => true,
         }
     }
 
@@ -417,6 +418,7 @@ impl Mig {
             Alarm::LiveCheck(feed, generation) => {
                 return self.live_check(conn, feed, generation, now);
             }
+            Alarm::LiveRetry(feed) => return self.live_retry(conn, ctx.config, feed, now),
             Alarm::Recheck(session) => return self.recheck(conn, session, now),
             Alarm::Deadline(session) => session,
         };
