@@ -216,3 +216,54 @@ fn sigusr2_refuses_new_connections_spreads_the_closes_and_exits_zero() {
     let status = broker.wait_exit(WAIT).expect("the broker exits");
     assert!(status.success(), "exit status {status}");
 }
+
+/// Labels the operator sets are the operator's word on what a worker may take: one a
+/// reload removed went on admitting the worker's open sessions (and any session the
+/// participant opened while one was still open) to tasks restricted to it, and its
+/// registry entry kept announcing it.
+#[test]
+fn sighup_applies_changed_labels_to_open_sessions_and_their_offers() {
+    let nats = NatsServer::start();
+    // Offers outlive the test's wait: a task offered to the wrong worker stays there.
+    let mut config = common::jobs::config(&["app", "w1", "w2"], 30, 60_000);
+    for w in ["w1", "w2"] {
+        config["namespaces"]["acme"]["participants"][w]["labels"] = json!({"clearance":"high"});
+    }
+    let broker = Broker::start(&nats.url(), &config);
+    let mut app = common::jobs::login(&broker, "app");
+    // w1 serves first: the longest idle, it is the one chosen among equals.
+    let mut w1 = common::jobs::login_serving(&broker, "w1", 1);
+    let mut w2 = common::jobs::login_serving(&broker, "w2", 1);
+
+    let mut cleared = config.clone();
+    cleared["namespaces"]["acme"]["participants"]["w1"]["labels"] = json!({});
+    broker.reload(&cleared, "reloaded");
+
+    let ok = app.request(
+        json!({"op":"submit","job":"render","task":"secret","body":1,
+                               "eligible":{"labels":{"clearance":"high"}}}),
+    );
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let offer = w2
+        .next_op("offer", WAIT)
+        .expect("the task goes to w2, the only worker still labelled");
+    assert_eq!(offer["task"], "secret", "{offer}");
+    // A ping's answer comes after anything the broker sent w1 before it.
+    ping_ok(&mut w1);
+    let offered = w1.next_op("offer", Duration::ZERO);
+    assert!(offered.is_none(), "w1 was offered the task: {offered:?}");
+
+    let labels_of_w1 = |app: &mut Client| {
+        let who = app.request(json!({"op":"who","job":"render"}));
+        who["participants"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == "w1"))
+            .map(|p| p["labels"].clone())
+    };
+    // Its registry entry says so too.
+    assert!(
+        wait_until(WAIT, || labels_of_w1(&mut app) == Some(json!({}))),
+        "w1's entry still announces {:?}",
+        labels_of_w1(&mut app)
+    );
+}

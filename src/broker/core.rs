@@ -22,7 +22,7 @@ use super::bounded_map::BoundedMap;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::clock::Clock;
-use super::config::Config;
+use super::config::{Config, Participant};
 use super::continuations::{Continuation, Continuations};
 use super::dead_letters;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
@@ -211,6 +211,9 @@ struct Presence {
     sessions: Vec<SessionId>,
     /// Its sessions' requests not yet answered (`Session::participant_outstanding`).
     outstanding: Rc<Cell<usize>>,
+    /// The labels its first session declared, and with the configuration's on top the
+    /// ones in force: a reload recomputes those from these.
+    declared: BTreeMap<String, String>,
     labels: BTreeMap<String, String>,
     since: String,
     inbox: PullLoop,
@@ -436,6 +439,9 @@ pub struct Broker {
     /// consumers are made before they log in (start-up makes the others' in `setup.rs`):
     /// made-up names must not take their room.
     kept_inboxes: HashSet<String>,
+    /// Present participants whose labels a reload changed: their registry entries are
+    /// written again (a reload has no connection to write them on).
+    relabeled: Vec<String>,
     /// Topic subscriptions' API requests, a few out at a time, sessions taking turns.
     api: ApiQueue<(Request, Pending, Instant)>,
     /// Set while `send_api_requests` runs: what it completes may queue more.
@@ -542,6 +548,7 @@ impl Broker {
             presence: HashMap::new(),
             inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
             kept_inboxes: HashSet::new(),
+            relabeled: Vec::new(),
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
             watchers: HashMap::new(),
@@ -687,11 +694,29 @@ impl Broker {
         }
         self.config = new;
         self.jobs.reload_settings(&self.config);
+        self.relabel();
         for &(session, why) in &ended {
             log::info!(session:% = format_args!("{}-{session}", self.broker_id); "reload closes the session: {why}");
             self.close(session, close::POLICY, "configuration changed");
         }
         Ok(ended.len())
+    }
+
+    /// The configuration's labels are the operator's: a reload that changed them applies
+    /// to open sessions, to the offers their workers may take and to their registry
+    /// entries, not only to sessions that come later.
+    fn relabel(&mut self) {
+        for (key, p) in &mut self.presence {
+            let Some((ns, name)) = key.split_once('/') else {
+                continue;
+            };
+            let labels = session::labels(&p.declared, self.config.participant(ns, name));
+            if labels != p.labels {
+                self.jobs.relabel(ns, name, &labels);
+                p.labels = labels;
+                self.relabeled.push(key.clone());
+            }
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -768,6 +793,11 @@ impl Broker {
         // Creations a reload queued (it has no connection to send them on).
         if !self.kept_inboxes.is_empty() {
             self.send_inbox_creates(conn, now);
+        }
+        for key in std::mem::take(&mut self.relabeled) {
+            if let Some((ns, name)) = key.split_once('/') {
+                self.registry_changed(conn, ns, name, now);
+            }
         }
         self.file_continuations();
         self.file_timers();

@@ -864,6 +864,16 @@ impl Jobs {
             .collect();
     }
 
+    /// The labels of `ns/name` changed (a reload): its workers are offered tasks by the
+    /// new ones from now on; offers and leases already out stay.
+    pub fn relabel(&mut self, ns: &str, name: &str, labels: &BTreeMap<String, String>) {
+        for w in self.workers.values_mut() {
+            if w.ns == ns && w.name == name {
+                w.labels.clone_from(labels);
+            }
+        }
+    }
+
     /// Whether the session serves at least one job.
     pub fn is_worker(&self, session: SessionId) -> bool {
         self.workers.contains_key(&session)

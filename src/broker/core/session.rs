@@ -217,10 +217,6 @@ impl Broker {
             .registry
             .gauge_add(self.metrics.sessions, "", 1.0);
         let id = Some(hello.id.clone());
-        // Labels the session declares, with the configuration's on top: an operator's
-        // label cannot be overridden by the participant.
-        let mut labels = hello.labels.clone();
-        labels.extend(participant.map(|p| p.labels.clone()).unwrap_or_default());
         let (ns, name) = (ns.to_string(), name.to_string());
         self.out.push_back(Output::LoggedIn { session });
         if let Some(s) = self.sessions.get_mut(&session) {
@@ -241,7 +237,8 @@ impl Broker {
             .or_insert_with(|| Presence {
                 sessions: Vec::new(),
                 outstanding: Rc::default(),
-                labels,
+                labels: labels(&hello.labels, participant),
+                declared: hello.labels.clone(),
                 since: self.clock.timestamp(now),
                 // Its window of unacknowledged messages bounds their number, not their
                 // size: each pull brings at most a quarter of a session's outbound
@@ -450,6 +447,17 @@ impl Broker {
             }
         }
     }
+}
+
+/// Labels a session declares, with the configuration's on top: an operator's label
+/// cannot be overridden by the participant.
+pub(super) fn labels(
+    declared: &BTreeMap<String, String>,
+    participant: Option<&Participant>,
+) -> BTreeMap<String, String> {
+    let mut labels = declared.clone();
+    labels.extend(participant.map(|p| p.labels.clone()).unwrap_or_default());
+    labels
 }
 
 #[cfg(all(test, feature = "testing"))]
