@@ -267,3 +267,59 @@ fn sighup_applies_changed_labels_to_open_sessions_and_their_offers() {
         labels_of_w1(&mut app)
     );
 }
+
+/// Removing a listed participant is meant to revoke it. In a namespace with an `open`
+/// entry it did the opposite: the name became one anyone with the open credential could
+/// take, and with it the inbox (messages still waiting for the participant), durable
+/// subscriptions and tasks JetStream keeps under that name. Such a reload is refused now,
+/// with the member named.
+#[test]
+fn sighup_refuses_to_hand_a_delisted_name_to_the_open_entry() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["alice", "bob"]);
+    config["namespaces"]["acme"]["open"] = json!({
+        "token_sha256": common::amp::token_hash("open-token"),
+        "permissions": {"send": [">"]},
+    });
+    let broker = Broker::start(&nats.url(), &config);
+    let mut alice = Client::login(&broker, "acme", "alice", "alice-token");
+    let ok = alice.request(json!({"op":"send","to":"bob","body":{"for":"bob only"}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+
+    let mut without_bob = config.clone();
+    without_bob["namespaces"]["acme"]["participants"]
+        .as_object_mut()
+        .expect("participants")
+        .remove("bob");
+    // Either outcome is logged with this prefix.
+    broker.reload(&without_bob, "SIGHUP:");
+
+    let mut taker = Client::connect(&broker);
+    let e = taker.request(json!({"op":"hello","ns":"acme","name":"bob",
+                                "auth":{"type":"token","token":"open-token"}}));
+    if e["op"] == "ok" {
+        let taken = taker.next_op("message", WAIT);
+        panic!("the open credential took bob's name; bob's message went with it: {taken:?}");
+    }
+    assert_eq!(e["code"], "unauthenticated", "{e}");
+    let log = broker.log();
+    assert!(
+        log.contains("refused") && log.contains("namespaces.acme.participants.bob"),
+        "the refusal names the member; log:\n{log}"
+    );
+    let _bob = Client::login(&broker, "acme", "bob", "bob-token");
+
+    // The revocation the refusal suggests: bob stays listed, under a credential nobody
+    // holds. His session closes and his name stays out of the open entry's reach.
+    let mut revoked = config.clone();
+    revoked["namespaces"]["acme"]["participants"]["bob"]["token_sha256"] =
+        json!(common::amp::token_hash("a token nobody was given"));
+    broker.reload(&revoked, "reloaded");
+    for token in ["bob-token", "open-token"] {
+        let mut c = Client::connect(&broker);
+        let e = c.request(json!({"op":"hello","ns":"acme","name":"bob",
+                                "auth":{"type":"token","token":token}}));
+        assert_eq!(e["code"], "unauthenticated", "{token}: {e}");
+    }
+    ping_ok(&mut alice);
+}

@@ -637,7 +637,8 @@ impl Broker {
     }
 
     /// Swaps in a re-read configuration. Refused, with the members named, when it changes
-    /// what only a restart applies (see [`reload`]); otherwise sessions whose participant
+    /// what only a restart applies, or removes a listed participant from a namespace with
+    /// an `open` entry (see [`reload`]); otherwise sessions whose participant
     /// is gone or whose credential changed, or that hold a subscription the new
     /// permissions do not allow, are closed (1008) and every other session goes on under
     /// the new permissions from its next frame. Returns how many were closed.
@@ -647,6 +648,16 @@ impl Broker {
             return Err(format!(
                 "these members change only with a restart: {}",
                 restart.join(", ")
+            ));
+        }
+        let delisted = reload::delisted_under_open(&self.config, &new);
+        if !delisted.is_empty() {
+            return Err(format!(
+                "removing a listed participant from a namespace with an `open` entry would \
+                 hand its name, inbox, durable subscriptions and tasks to every holder of the \
+                 open credential: {}; to revoke it, keep it listed under a credential nobody \
+                 holds (its sessions close)",
+                delisted.join(", ")
             ));
         }
         let mut ended: Vec<(SessionId, &'static str)> = self

@@ -77,6 +77,26 @@ pub fn restart_only_changes(old: &Config, new: &Config) -> Vec<String> {
     changed
 }
 
+/// Participants `new` no longer lists in a namespace it leaves (or makes) `open`, named as
+/// in the file. Removing one is meant to revoke it; there, its name would pass to whoever
+/// holds the open credential, with the inbox, durable subscriptions and tasks JetStream
+/// keeps under that name. Nothing keeps the list of names once listed, so a reload that
+/// would do it is refused instead.
+pub fn delisted_under_open(old: &Config, new: &Config) -> Vec<String> {
+    let mut delisted = Vec::new();
+    for (ns, after) in new.namespaces.iter().filter(|(_, n)| n.open.is_some()) {
+        let Some(before) = old.namespaces.get(ns) else {
+            continue;
+        };
+        for name in before.participants.keys() {
+            if !after.participants.contains_key(name) {
+                delisted.push(format!("namespaces.{ns}.participants.{name}"));
+            }
+        }
+    }
+    delisted
+}
+
 /// Why a reload ends an authenticated session of `ns/name`, if it does. `serving` says
 /// whether the session serves jobs: its offers were admitted under the old `serve`
 /// permission, which is checked only when serving starts.
@@ -199,6 +219,30 @@ mod tests {
         live.limits.presence_listed_per_s += 1;
         live.limits.max_sessions_per_participant += 1;
         assert!(restart_only_changes(&old, &live).is_empty());
+    }
+
+    #[test]
+    fn a_listed_name_leaves_a_namespace_only_while_it_is_not_open() {
+        let old = base("", TOKEN_A, "{}", "");
+        let without_bob = |open: bool| {
+            let open = if open {
+                format!(r#", "open": {{"token_sha256": "{TOKEN_B}"}}"#)
+            } else {
+                String::new()
+            };
+            config(&format!(
+                r#"{{"namespaces": {{"acme": {{"participants": {{
+                     "alice": {{"token_sha256": "{TOKEN_A}"}}}}{open}}}}}}}"#
+            ))
+        };
+        assert!(delisted_under_open(&old, &without_bob(false)).is_empty());
+        // Opening the namespace in the same reload hands the name over as well.
+        assert_eq!(
+            delisted_under_open(&old, &without_bob(true)),
+            ["namespaces.acme.participants.bob"]
+        );
+        assert!(delisted_under_open(&without_bob(true), &old).is_empty());
+        assert!(delisted_under_open(&without_bob(true), &without_bob(false)).is_empty());
     }
 
     #[test]
