@@ -336,6 +336,10 @@ pub fn run(
             Err(e) => return Err(e),
         }
         let now = Instant::now();
+        broker.observe_wall_clock(
+            now,
+            crate::rfc3339::unix_millis(std::time::SystemTime::now()),
+        );
         // Lag is measured before any work of this turn, so the first probe served after a
         // stall already sees it.
         liveness.woke(deadline.filter(|d| *d <= now), now);

@@ -14,9 +14,15 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::deadline::after;
 use crate::rfc3339;
 
+/// How far the OS wall clock may be from a broker's [`Clock`] before the broker anchors
+/// it again ([`Clock::follow`]): a step (NTP, an operator, a resume from suspend), not the
+/// few microseconds between reading the two clocks.
+pub const STEP_TOLERANCE_MS: i64 = 1000;
+
 /// Wall-clock milliseconds derived from a monotonic `Instant`: the wall time at `now` is
-/// `anchor_ms + (now - anchor)`. Anchored once, so every lease, timestamp and budget
-/// window of a broker is stamped consistently.
+/// `anchor_ms + (now - anchor)`. The monotonic clock moves at the wall clock's rate (NTP
+/// slews both), so stamps stay consistent between steps of the wall clock, which the
+/// runtime reports ([`Clock::follow`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Clock {
     anchor: Instant,
@@ -32,6 +38,16 @@ impl Clock {
     /// Anchored at the OS clocks now: for the runtime.
     pub fn system() -> Clock {
         Clock::new(Instant::now(), rfc3339::unix_millis(SystemTime::now()))
+    }
+
+    /// `wall_ms` is the OS wall clock read at `now`. When it is more than
+    /// [`STEP_TOLERANCE_MS`] off this clock, the clock anchored there and the step (ms,
+    /// negative backwards): nats-server and the other brokers on the host follow the OS
+    /// clock, and JWTs, the callout's request windows and MIG signature windows are
+    /// judged against theirs.
+    pub fn follow(&self, now: Instant, wall_ms: i64) -> Option<(Clock, i64)> {
+        let step = wall_ms.saturating_sub(self.ms(now));
+        (step.saturating_abs() > STEP_TOLERANCE_MS).then(|| (Clock::new(now, wall_ms), step))
     }
 
     /// Unix time in milliseconds at `now`.
@@ -107,6 +123,23 @@ mod tests {
     }
 
     #[test]
+    fn only_a_step_past_the_tolerance_moves_the_anchor() {
+        let t0 = Instant::now();
+        let clock = Clock::new(t0, 1_800_000_000_000);
+        let later = t0 + Duration::from_secs(10);
+        assert_eq!(clock.follow(later, 1_800_000_010_000), None);
+        assert_eq!(clock.follow(later, 1_800_000_011_000), None, "jitter");
+        let (ahead, step) = clock
+            .follow(later, 1_800_003_610_000)
+            .expect("an hour ahead");
+        assert_eq!(step, 3_600_000);
+        assert_eq!(ahead.ms(later + Duration::from_secs(1)), 1_800_003_611_000);
+        let (behind, step) = clock.follow(later, 1_799_999_000_000).expect("behind");
+        assert_eq!((step, behind.ms(later)), (-1_010_000, 1_799_999_000_000));
+        assert!(clock.follow(later, i64::MIN).is_some(), "no overflow");
+    }
+
+    #[test]
     fn os_randomness_is_there() {
         let (a, b) = (
             random_token().expect("token"),
@@ -115,5 +148,45 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.len(), 32);
         assert_ne!(os_seed().expect("seed"), os_seed().expect("seed"));
+    }
+}
+
+#[cfg(all(test, feature = "testing"))]
+mod stepped {
+    //! The broker core on the model, whose wall clock steps as an OS clock does.
+
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use crate::rfc3339;
+    use crate::testing::harness::Harness;
+
+    #[test]
+    fn a_step_of_the_wall_clock_is_followed() {
+        // The clock was anchored once, at start: after an NTP step every timestamp, JWT
+        // and callout answer of the broker stayed as far off as the step, for good.
+        let mut h = Harness::development(1);
+        let alice = h.join(0, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        // An hour ahead, then an hour behind where the broker started.
+        for (by, forward) in [(3600, true), (3600, false)] {
+            h.step_wall_clock(Duration::from_secs(by), forward);
+            h.advance(Duration::from_millis(10));
+            let ok = h.request(alice, json!({"op":"send","to":"bob","body":1}));
+            assert_eq!(ok["op"], "ok", "{ok}");
+            let m = h.wait_for(bob, |f| f["op"] == "message");
+            let stamped = m["ts"]
+                .as_str()
+                .and_then(rfc3339::parse_nanos)
+                .and_then(|ns| i64::try_from(ns / 1_000_000).ok());
+            let wall = h.server.wall_clock_millis(h.now);
+            assert!(
+                stamped.is_some_and(|ms| (wall - ms).abs() < 1000),
+                "stamped {:?}, the wall clock reads {}",
+                m["ts"],
+                rfc3339::format_millis(wall)
+            );
+        }
     }
 }

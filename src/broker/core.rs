@@ -730,6 +730,22 @@ impl Broker {
         }
     }
 
+    /// The OS wall clock read `wall_ms` at `now` (the runtime says so every turn): a step
+    /// of it is followed. Deadlines already armed keep their monotonic instants.
+    pub fn observe_wall_clock(&mut self, now: Instant, wall_ms: i64) {
+        let Some((clock, step)) = self.clock.follow(now, wall_ms) else {
+            return;
+        };
+        log::warn!(
+            "the wall clock stepped {} ms {}: timestamps, JWTs, the auth callout and MIG signature windows follow it",
+            step.unsigned_abs(),
+            if step > 0 { "ahead" } else { "back" }
+        );
+        self.clock = clock;
+        self.jobs.set_clock(clock);
+        self.mig.set_clock(clock);
+    }
+
     pub fn config(&self) -> &Config {
         &self.config
     }
@@ -1594,6 +1610,87 @@ mod tests {
         let n = conn.output().len();
         conn.consume_output(n);
         wire
+    }
+
+    #[test]
+    fn jwts_and_callout_answers_follow_a_step_of_the_wall_clock() {
+        // The wall clock was anchored once, at start. After the host's clock stepped an
+        // hour ahead (as nats-server's did), every JWT the broker issued had expired when
+        // issued and every callout request "expires more than 300 s ahead".
+        use crate::broker::callout::AUTH_REQUEST_AUDIENCE;
+        use crate::nkeys::{KeyKind, KeyPair};
+        let t0 = Instant::now();
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let server = KeyPair::generate(KeyKind::Server).expect("key");
+        let user = KeyPair::generate(KeyKind::User).expect("key");
+        // The callout admits listed participants only.
+        let mut config = Config::development(crate::keygen::token_sha256(TOKEN));
+        if let Some(dev) = config.namespaces.get_mut("dev")
+            && let Some(open) = dev.open.clone()
+        {
+            dev.participants.insert("alice".into(), open);
+        }
+        let clock = Clock::new(t0, WALL_MS);
+        let mut b = Broker::new(config, "b1".into(), clock, [6; 32])
+            .expect("broker")
+            .with_issuer(issuer, &[server.public_key()]);
+        let mut conn = connected(t0);
+        b.start(&mut conn, t0).expect("start");
+        let wire = take_wire(&mut conn);
+        let sid = wire
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("SUB {AUTH_CALLOUT_SUBJECT} ")))
+            .expect("the callout subscription")
+            .to_string();
+
+        let t1 = t0 + Duration::from_secs(5);
+        let stepped_s = (WALL_MS + 5_000) / 1000 + 3600;
+        b.observe_wall_clock(t1, stepped_s * 1000);
+
+        challenge_nonce(&mut b, 1, t1);
+        let hello = json!({"op":"hello","id":"h","ns":"dev","name":"alice",
+            "auth":{"type":"token","token":TOKEN}});
+        b.session_frame(&mut conn, 1, &hello.to_string(), t1);
+        let ok = frames(&mut b).into_iter().find(|f| f["op"] == "ok");
+        let jwt = ok.as_ref().and_then(|f| f["jwt"].as_str()).expect("a JWT");
+        let claims = crate::jwt::decode(jwt).expect("JWT").claims;
+        assert_eq!(claims["iat"], json!(stepped_s), "{claims:?}");
+
+        let request = json!({
+            "sub": "ACALLOUT", "aud": AUTH_REQUEST_AUDIENCE,
+            "iat": stepped_s, "exp": stepped_s + 2,
+            "nats": {
+                "server_id": {"name": "A", "host": "0.0.0.0", "id": "NSERVERID", "version": "2.15.1"},
+                "user_nkey": user.public_key(),
+                "client_info": {"host": "127.0.0.1", "id": 7, "kind": "Client", "type": "nats"},
+                "connect_opts": {"user": "dev/alice", "pass": TOKEN},
+                "type": "authorization_request", "version": 2,
+            },
+        });
+        let Value::Object(request) = request else {
+            unreachable!("a JSON object literal")
+        };
+        let request = crate::jwt::encode(&request, &server).expect("request");
+        let msg = format!(
+            "MSG {AUTH_CALLOUT_SUBJECT} {sid} _INBOX.callout {}\r\n{request}\r\n",
+            request.len()
+        );
+        conn.receive(msg.as_bytes(), t1);
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t1);
+        }
+        let wire = take_wire(&mut conn);
+        let answer = wire
+            .lines()
+            .skip_while(|l| !l.starts_with("PUB _INBOX.callout "))
+            .nth(1)
+            .expect("an answer");
+        // An empty answer is a refusal too.
+        let nats = crate::jwt::decode(answer).map(|d| d.claims["nats"].clone());
+        assert!(
+            nats.as_ref().is_ok_and(|n| n["jwt"].is_string()),
+            "not authorized: {nats:?}"
+        );
     }
 
     #[test]

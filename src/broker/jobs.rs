@@ -874,6 +874,10 @@ impl Jobs {
         }
     }
 
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+
     /// Whether the session serves at least one job.
     pub fn is_worker(&self, session: SessionId) -> bool {
         self.workers.contains_key(&session)

@@ -56,7 +56,6 @@ struct Mailbox {
 }
 
 pub struct Harness {
-    t0: Instant,
     pub now: Instant,
     pub server: Server,
     config: Config,
@@ -90,7 +89,6 @@ impl Harness {
         let mut server = Server::new(options, t0);
         provision(&mut server, &config, t0);
         let mut h = Harness {
-            t0,
             now: t0,
             server,
             config,
@@ -122,7 +120,8 @@ impl Harness {
         seed[..8].copy_from_slice(&self.seed.to_le_bytes());
         seed[8] = index as u8;
         seed[9] = self.incarnations[index];
-        let clock = Clock::new(self.t0, WALL_MS);
+        // The OS clock a new process reads: the model's, stepped or not.
+        let clock = Clock::new(self.now, self.server.wall_clock_millis(self.now));
         let mut broker = Broker::new(self.config.clone(), format!("b{index}"), clock, seed)
             .unwrap_or_else(|e| panic!("harness: broker b{index} does not build: {e}"));
         broker
@@ -273,6 +272,16 @@ impl Harness {
             self.step(until);
         }
         self.settle();
+    }
+
+    /// The host's wall clock steps (NTP, an operator): the model's stream timestamps and
+    /// the brokers' OS clock, which the runtime reads every turn, read `by` more (or less).
+    pub fn step_wall_clock(&mut self, by: Duration, forward: bool) {
+        self.server.set_wall_clock_offset(by, forward);
+        let wall = self.server.wall_clock_millis(self.now);
+        for n in &mut self.nodes {
+            n.broker.observe_wall_clock(self.now, wall);
+        }
     }
 
     /// A broker process dies and one with the same id and configuration starts: its

@@ -276,6 +276,13 @@ impl Mig {
         self.metrics.render(out);
     }
 
+    /// A step of the wall clock was followed ([`Broker::observe_wall_clock`]).
+    ///
+    /// [`Broker::observe_wall_clock`]: crate::broker::Broker::observe_wall_clock
+    pub fn set_clock(&mut self, clock: Clock) {
+        self.clock = clock;
+    }
+
     fn wall_ms(&self, now: Instant) -> i64 {
         self.clock.ms(now)
     }

@@ -140,6 +140,11 @@ impl Server {
         self.clock.set_offset(if forward { n } else { -n });
     }
 
+    /// Unix milliseconds of the simulated wall clock at `now`.
+    pub fn wall_clock_millis(&self, now: Instant) -> i64 {
+        i64::try_from(self.clock.nanos(now) / 1_000_000).unwrap_or(i64::MAX)
+    }
+
     fn tick(&mut self, now: Instant) {
         if now > self.now {
             self.now = now;
