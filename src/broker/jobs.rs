@@ -1202,8 +1202,9 @@ impl Jobs {
     }
 
     /// The session is gone. Its offers go back to the queue at once; its leases stay until
-    /// they run out (the worker may still finish through another session of a restarted
-    /// process? no: leases are per session, so the task is re-offered after `lease_s`).
+    /// they run out, and JetStream then redelivers the task: a lease is held by the
+    /// session ([`Jobs::session_name`]), so no later session, not even the same worker's
+    /// after a reconnect, can finish it.
     pub fn session_closed(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         let Some(worker) = self.workers.remove(&session) else {
             return;
