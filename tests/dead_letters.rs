@@ -280,3 +280,91 @@ fn a_large_task_out_of_attempts_is_dead_lettered_without_dropping_the_connection
         broker.log()
     );
 }
+
+/// A letter holds the task's headers and its record's `eligible` and last error, each of
+/// which may be near `max_payload` while the task still fits: left out of the letter, the
+/// body alone was not enough. Its publish failed, and the task message was NAKed to try
+/// again a second later, for ever, publishing the `task_result` again each time (past
+/// JetStream's 2-minute duplicate window, a second result). The letter now leaves out
+/// what it must (the body, then `eligible`, then the headers, then the error), says so,
+/// and is stored on the first try.
+#[test]
+fn a_letter_too_large_even_without_its_body_leaves_out_more_and_is_stored_once() {
+    let nats = NatsServer::with_config("max_payload: 65536");
+    let broker = Broker::start(&nats.url(), &config());
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    // 56 KB of headers in the task message, 25 KB of eligible names in its record.
+    let headers: serde_json::Map<String, Value> = (0..7)
+        .map(|i| (format!("x-pad-{i}"), json!("h".repeat(8000))))
+        .collect();
+    let mut names = vec![json!("w1")];
+    names.extend((0..380).map(|i| json!(format!("{i:0>64}"))));
+    let r = app.request(
+        json!({"op":"submit","job":"render","task":"H","body":{"frame":1},
+                               "max_attempts":1,"headers":headers,"eligible":{"names":names}}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "H");
+    let message = "\u{20ac}".repeat(4096);
+    let f = w1.request(json!({"op":"fail","task":"H","retry":true,
+                              "error":{"code":"gpu_lost","message":message}}));
+    assert_eq!(f["op"], "ok", "{f}");
+    let m = task_result(&mut app, &broker);
+    assert_eq!(m["body"]["state"], "failed", "{m}");
+
+    // Stored before the result went out, without what did not fit, with the error.
+    let page = letters(&mut app, None);
+    let list = page["letters"].as_array().expect("letters");
+    assert_eq!(list.len(), 1, "{page}\nbroker log:\n{}", broker.log());
+    let l = &list[0];
+    assert_eq!(l["task"], "H");
+    assert_eq!(l["body"], Value::Null);
+    assert_eq!(l["headers"], json!({}));
+    for part in ["body_omitted", "eligible_omitted", "headers_omitted"] {
+        assert_eq!(l[part], true, "{part}: {l}");
+    }
+    assert!(l.get("error_omitted").is_none(), "{l}");
+    assert_eq!(l["error"]["code"], "gpu_lost");
+    assert_eq!(l["error"]["message"], message);
+    let seq = l["seq"].as_u64().expect("seq");
+    let r = app.request(json!({"op":"redrive","job":"render","seq":seq}));
+    assert_eq!(r["code"], "conflict", "{r}");
+
+    // The task message is terminated: no redelivery stores it or announces it again.
+    let mut js = nats.jetstream();
+    let gone = common::wait_until(WAIT, || {
+        js.stream_info("AMP_TASKS_acme")
+            .is_ok_and(|i| i.state.messages == 0)
+    });
+    assert!(
+        gone,
+        "the task message stays; broker log:\n{}",
+        broker.log()
+    );
+    let log = broker.log();
+    assert!(!log.contains("dead letter not stored"), "{log}");
+    // One line for the operator, naming the task, the job and what was left out, and
+    // none of the task's content.
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("left out")).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    for needed in [
+        "WARN",
+        "task=acme.H",
+        "job=render",
+        "body",
+        "eligible",
+        "headers",
+    ] {
+        assert!(lines[0].contains(needed), "{needed}: {}", lines[0]);
+    }
+    assert!(
+        !lines[0].contains("hhhh") && !lines[0].contains('\u{20ac}'),
+        "{}",
+        lines[0]
+    );
+    assert_eq!(
+        common::amp::metric(&broker, "amp_jobs_dead_letters_trimmed_total"),
+        Some(1.0)
+    );
+}

@@ -34,6 +34,30 @@ pub fn is_dead(record: &TaskRecord) -> bool {
     record.state == TaskState::Failed && record.attempt >= record.max_attempts
 }
 
+/// A part of a letter that may be left out for it to fit in one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    Body,
+    Eligible,
+    Headers,
+    Error,
+}
+
+impl Part {
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Body => "body",
+            Part::Eligible => "eligible",
+            Part::Headers => "headers",
+            Part::Error => "error",
+        }
+    }
+}
+
+/// The order [`Letter::fit`] leaves parts out in: the body first (the largest as a rule),
+/// then what says least about why the task failed; the error last.
+const OMITTABLE: [Part; 4] = [Part::Body, Part::Eligible, Part::Headers, Part::Error];
+
 /// One stored dead letter.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Letter {
@@ -54,6 +78,13 @@ pub struct Letter {
     /// failure, and the task cannot be redriven from it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub body_omitted: bool,
+    /// As `body_omitted`, for the other parts [`Letter::fit`] may leave out.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub eligible_omitted: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub headers_omitted: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub error_omitted: bool,
     /// When the task failed (RFC 3339).
     pub failed_at: String,
 }
@@ -89,16 +120,81 @@ impl Letter {
                 .collect(),
             body: env.body.to_raw(),
             body_omitted: false,
+            eligible_omitted: false,
+            headers_omitted: false,
+            error_omitted: false,
             failed_at,
         })
     }
 
-    /// Leaves the body out, for a letter that would be too large to store with it.
-    pub fn without_body(&mut self) {
-        if let Ok(null) = RawValue::from_string("null".to_string()) {
-            self.body = null;
-            self.body_omitted = true;
+    /// The letter as stored, in at most `max` bytes: parts are left out in [`OMITTABLE`]
+    /// order until it fits. The task fitted in a message, but its letter adds its record's
+    /// `eligible` and error to its body and headers, each of which may be near the limit.
+    /// `None`: it does not fit even without them.
+    pub fn fit(&mut self, max: usize) -> Option<Vec<u8>> {
+        let mut json = self.to_json();
+        for part in OMITTABLE {
+            if json.len() <= max {
+                return Some(json);
+            }
+            if self.omit(part) {
+                json = self.to_json();
+            }
         }
+        (json.len() <= max).then_some(json)
+    }
+
+    /// Leaves `part` out; `false` if there was nothing to leave out.
+    fn omit(&mut self, part: Part) -> bool {
+        match part {
+            Part::Body => match RawValue::from_string("null".to_string()) {
+                // A `null` body is the whole task's: nothing is left out.
+                Ok(null) if self.body.get() != "null" => {
+                    self.body = null;
+                    self.body_omitted = true;
+                }
+                _ => return false,
+            },
+            Part::Eligible => {
+                if self.eligible.take().is_none() {
+                    return false;
+                }
+                self.eligible_omitted = true;
+            }
+            Part::Headers => {
+                if self.headers.is_empty() {
+                    return false;
+                }
+                self.headers.clear();
+                self.headers_omitted = true;
+            }
+            Part::Error => {
+                if self.error.take().is_none() {
+                    return false;
+                }
+                self.error_omitted = true;
+            }
+        }
+        true
+    }
+
+    /// The parts left out of it.
+    pub fn omitted(&self) -> Vec<Part> {
+        OMITTABLE
+            .into_iter()
+            .filter(|part| match part {
+                Part::Body => self.body_omitted,
+                Part::Eligible => self.eligible_omitted,
+                Part::Headers => self.headers_omitted,
+                Part::Error => self.error_omitted,
+            })
+            .collect()
+    }
+
+    /// Whether a redrive can submit its task as it was: a task without its body, headers
+    /// or `eligible` (which may keep it from workers it must not reach) is another task.
+    pub fn redrivable(&self) -> bool {
+        self.omitted().iter().all(|p| *p == Part::Error)
     }
 
     pub fn parse(stored: &[u8]) -> Result<Letter, serde_json::Error> {
@@ -145,8 +241,8 @@ impl Letter {
             "headers": self.headers,
             "body": self.body,
         });
-        if self.body_omitted {
-            v["body_omitted"] = json!(true);
+        for part in self.omitted() {
+            v[format!("{}_omitted", part.name())] = json!(true);
         }
         if let Some(e) = &self.error {
             v["error"] = e.clone();
@@ -221,17 +317,76 @@ mod tests {
     }
 
     #[test]
-    fn a_letter_without_its_body_says_so_and_keeps_the_rest() {
-        let r = record(TaskState::Failed, 2, 2);
-        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":{"big":"x"}}"#;
-        let mut l = Letter::new(&r, msg, String::new()).expect("letter");
-        assert!(!String::from_utf8_lossy(&l.to_json()).contains("body_omitted"));
-        l.without_body();
-        let back = Letter::parse(&l.to_json()).expect("parse");
-        assert!(back.body_omitted);
+    fn a_letter_leaves_out_only_what_it_must_body_first_and_says_so() {
+        let mut r = record(TaskState::Failed, 2, 2);
+        r.eligible = Some(Eligible {
+            names: Some(vec!["w".repeat(64); 40]),
+            labels: None,
+        });
+        let msg = format!(
+            r#"{{"id":"T1","kind":"task","from":"acme/alice","ts":"t","headers":{{"h":"{}"}},"body":{{"big":"{}"}}}}"#,
+            "h".repeat(2000),
+            "x".repeat(3000)
+        );
+        let whole = Letter::new(&r, msg.as_bytes(), String::new()).expect("letter");
+        let size = whole.to_json().len();
+        assert!(!String::from_utf8_lossy(&whole.to_json()).contains("_omitted"));
+        assert!(whole.redrivable());
+
+        // Room for all of it: nothing left out.
+        let mut l = Letter::parse(&whole.to_json()).expect("parse");
+        assert_eq!(l.fit(size).map(|j| j.len()), Some(size));
+        assert!(l.omitted().is_empty());
+
+        // Room for all but the body.
+        let mut l = Letter::parse(&whole.to_json()).expect("parse");
+        let json = l.fit(size - 100).expect("fits without the body");
+        assert_eq!(l.omitted(), [Part::Body]);
+        let back = Letter::parse(&json).expect("parse");
+        assert!(back.body_omitted && !back.redrivable());
         assert_eq!(back.body.get(), "null");
+        assert_eq!(back.headers["h"].len(), 2000);
         assert_eq!(back.view(1)["body_omitted"], true);
         assert_eq!(back.view(1)["error"]["code"], "boom");
+        assert!(back.view(1).get("headers_omitted").is_none());
+
+        // Room for neither the eligible names (2,600 bytes) nor the headers (2,000): both
+        // go, the error stays.
+        let mut l = Letter::parse(&whole.to_json()).expect("parse");
+        let json = l.fit(size - 3000 - 2600 - 100).expect("fits");
+        assert_eq!(l.omitted(), [Part::Body, Part::Eligible, Part::Headers]);
+        let back = Letter::parse(&json).expect("parse");
+        let view = back.view(1);
+        assert_eq!(view["headers"], json!({}));
+        assert_eq!(
+            (&view["eligible_omitted"], &view["headers_omitted"]),
+            (&json!(true), &json!(true))
+        );
+        assert_eq!(view["error"]["code"], "boom");
+        assert!(back.eligible.is_none());
+
+        // Room for the ids alone: the error goes too; less than that, no letter.
+        let mut bare = Letter::parse(&whole.to_json()).expect("parse");
+        assert!(bare.fit(0).is_none());
+        let least = bare.to_json().len();
+        let mut l = Letter::parse(&whole.to_json()).expect("parse");
+        let json = l.fit(least).expect("fits");
+        assert_eq!(Letter::parse(&json).expect("parse").omitted().len(), 4);
+        let mut l = Letter::parse(&whole.to_json()).expect("parse");
+        assert!(l.fit(least - 1).is_none());
+    }
+
+    #[test]
+    fn a_null_body_or_no_headers_is_not_left_out() {
+        let r = record(TaskState::Failed, 1, 1);
+        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":null}"#;
+        let mut l = Letter::new(&r, msg, String::new()).expect("letter");
+        let size = l.to_json().len();
+        // Only the error can make room: the letter says nothing of a body or headers.
+        let json = l.fit(size - 1).expect("fits without the error");
+        let back = Letter::parse(&json).expect("parse");
+        assert_eq!(back.omitted(), [Part::Error]);
+        assert!(back.redrivable(), "the task is whole");
     }
 
     #[test]

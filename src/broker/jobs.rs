@@ -598,6 +598,8 @@ pub struct Jobs {
     /// `task_result` unconfirmed): the retry that finds the task cancelled publishes the
     /// result again and answers `ok`, where a cancel of a finished task answers `conflict`.
     unsent_cancels: BoundedMap<String, ()>,
+    /// Paces the warnings about dead letters too large to store whole.
+    trimmed_log: letters::TrimmedLog,
 }
 
 /// Counters for metrics and the benchmark.
@@ -615,6 +617,8 @@ pub struct JobsStats {
     pub js_ops: u64,
     /// Dead letters stored (a repeat of one is counted again).
     pub dead_letters: u64,
+    /// Dead letters stored with parts left out to fit (a repeat is not counted again).
+    pub dead_letters_trimmed: u64,
     /// Deliveries offered on the record their message carries, without a read.
     pub record_reads_spared: u64,
 }
@@ -706,6 +710,7 @@ impl Jobs {
             stats: JobsStats::default(),
             held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
             unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
+            trimmed_log: letters::TrimmedLog::default(),
         })
     }
 
@@ -780,6 +785,11 @@ impl Jobs {
                 "dead_letters",
                 "Dead letters stored for tasks failed with no attempts left",
                 s.dead_letters,
+            ),
+            (
+                "dead_letters_trimmed",
+                "Dead letters stored with parts left out, too large to store whole",
+                s.dead_letters_trimmed,
             ),
             (
                 "jetstream_ops",

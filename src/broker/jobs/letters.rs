@@ -2,7 +2,7 @@
 //! storing one before a failed task's message is terminated, and the AMP `dead_letters`
 //! and `redrive` requests.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -13,7 +13,7 @@ use crate::amp::frame::{self as amp_frame, DeadLetters};
 use crate::amp::reply::FrameWriter;
 use crate::amp::{AmpError, ErrorCode};
 use crate::broker::binding;
-use crate::broker::dead_letters::{self, Letter, PAGE, PAGE_BYTES, SCAN};
+use crate::broker::dead_letters::{self, Letter, PAGE, PAGE_BYTES, Part, SCAN};
 use crate::broker::envelope::{self, Kind};
 use crate::broker::permissions::{self, Action};
 use crate::broker::task_store::TaskRecord;
@@ -37,6 +37,47 @@ pub(super) struct LetterPage {
     scanned: usize,
     letters: Vec<Value>,
     bytes: usize,
+}
+
+/// At most one warning about a letter too large to store whole per this long: any
+/// submitter can cause one per task.
+const TRIMMED_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Paces the warnings about letters too large to store whole; the next line says how many
+/// went unlogged in between (`amp_jobs_dead_letters_trimmed_total` counts every letter
+/// stored with parts left out).
+#[derive(Debug, Default)]
+pub(super) struct TrimmedLog {
+    last: Option<Instant>,
+    unlogged: u64,
+}
+
+impl TrimmedLog {
+    /// Whether a line is due now and, if so, how many went unlogged before it.
+    fn due(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .last
+            .is_some_and(|t| now.saturating_duration_since(t) < TRIMMED_LOG_EVERY)
+        {
+            self.unlogged += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
+
+/// The `(N more since the last)` of a paced line.
+fn unlogged_note(unlogged: u64) -> String {
+    match unlogged {
+        0 => String::new(),
+        n => format!(" ({n} more since the last such line)"),
+    }
+}
+
+fn part_names(parts: &[Part]) -> String {
+    let names: Vec<&str> = parts.iter().map(|p| p.name()).collect();
+    names.join(", ")
 }
 
 /// A `redrive` waiting for its letter.
@@ -113,13 +154,20 @@ impl Jobs {
         };
         let subject = binding::dlq_subject(ns_of(&outcome.record), &letter.job);
         let headers = letter.headers(&self.broker_id);
-        let mut json = letter.to_json();
-        if json.len() + headers.encoded_len() > conn.max_payload() {
-            // The task fitted, its letter (the body and the rest) does not: the failure is
-            // kept without the body rather than retried for ever.
-            letter.without_body();
-            json = letter.to_json();
-        }
+        // A letter too large to store would be too large on every retry: what does not fit
+        // is left out rather than retried for ever (each retry announcing the outcome again).
+        let max = conn.max_payload();
+        let Some(json) = letter.fit(max.saturating_sub(headers.encoded_len())) else {
+            // Only a server `max_payload` of a few hundred bytes leaves no room for the ids.
+            if let Some(unlogged) = self.trimmed_log.due(now) {
+                let key = task_key(ns_of(&outcome.record), &outcome.record.id);
+                log::warn!(task:% = key, job:% = letter.job;
+                    "no dead letter: too large for the server's max_payload of {max} bytes \
+                     even without its body, eligible, headers and error{}",
+                    unlogged_note(unlogged));
+            }
+            return self.announce(conn, *outcome, now);
+        };
         match self.request(conn, &subject, Some(&headers), &json, now) {
             Ok(id) => self.await_reply(
                 id,
@@ -150,6 +198,17 @@ impl Jobs {
         };
         self.stats.dead_letters += 1;
         let ns = ns_of(&outcome.record);
+        let omitted = letter.omitted();
+        if !ack.duplicate && !omitted.is_empty() {
+            self.stats.dead_letters_trimmed += 1;
+            if let Some(unlogged) = self.trimmed_log.due(now) {
+                let key = task_key(ns, &letter.task);
+                log::warn!(task:% = key, job:% = letter.job;
+                    "dead letter {} stored with its {} left out: too large for the server's \
+                     max_payload of {} bytes{}",
+                    ack.seq, part_names(&omitted), conn.max_payload(), unlogged_note(unlogged));
+            }
+        }
         let capability = self
             .jobs
             .get(ns)
@@ -369,12 +428,13 @@ impl Jobs {
             .with_path("/seq");
             return self.refuse_unmade(r.session, &r.re, e);
         };
-        if letter.body_omitted {
+        if !letter.redrivable() {
             let e = AmpError::new(
                 ErrorCode::Conflict,
                 format!(
-                    "dead letter {} holds no body (it was too large to keep): submit the task again",
-                    r.seq
+                    "dead letter {} holds no {} (too large to keep): submit the task again",
+                    r.seq,
+                    part_names(&letter.omitted())
                 ),
             )
             .with_path("/seq");
@@ -424,4 +484,22 @@ pub(super) fn redrive_refusal(
 ) -> Option<AmpError> {
     (!permissions::allows(permissions, Action::Submit, job))
         .then(|| not_permitted("redriving the dead letters of", job))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_about_trimmed_letters_are_paced_and_count_the_unlogged() {
+        let t0 = Instant::now();
+        let mut log = TrimmedLog::default();
+        assert_eq!(log.due(t0), Some(0));
+        assert_eq!(log.due(t0 + Duration::from_secs(1)), None);
+        assert_eq!(log.due(t0 + Duration::from_secs(9)), None);
+        assert_eq!(log.due(t0 + TRIMMED_LOG_EVERY), Some(2));
+        assert_eq!(log.due(t0 + TRIMMED_LOG_EVERY * 3), Some(0));
+        assert_eq!(unlogged_note(0), "");
+        assert_eq!(unlogged_note(2), " (2 more since the last such line)");
+    }
 }
