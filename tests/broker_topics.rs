@@ -809,3 +809,32 @@ fn a_durable_gets_every_event_its_broker_lost_in_reconnects_and_keeps_flowing() 
         "events left unacknowledged"
     );
 }
+
+#[test]
+fn a_durable_subscribe_refused_for_another_topic_on_another_broker_leaves_its_reader_alone() {
+    // The take-over message named no topic: broker one ended its session's reading of the
+    // durable for a subscribe on broker two that its consumer lookup then refused.
+    let nats = NatsServer::start();
+    let config = open_config(&["pub", "sub"]);
+    let one = Broker::start(&nats.url(), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let mut reader = Client::login(&one, "acme", "sub", "sub-token");
+    let ok = reader.request(json!({"op":"subscribe","topic":"x.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    publish(&mut p, "x.a", json!(1));
+    let first = events(&mut reader, 1).remove(0);
+    let mut other = Client::login(&two, "acme", "sub", "sub-token");
+    let refused =
+        other.request(json!({"op":"subscribe","topic":"x.*","sub":"keep","durable":true}));
+    assert_eq!(refused["code"], "conflict", "{refused}");
+    publish(&mut p, "x.b", json!(2));
+    let second = reader.next_op("event", WAIT);
+    assert_eq!(
+        second.as_ref().map(|e| &e["body"]),
+        Some(&json!(2)),
+        "{second:?}"
+    );
+    let ok = reader.request(json!({"op":"ack","id":"a1","sub":"keep","seq":first["seq"]}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}

@@ -329,14 +329,16 @@ impl Broker {
             start,
         };
         if f.durable {
-            self.take_over_durable(conn, Some(session), ns, name, &sub, now);
+            self.take_over_durable(conn, Some(session), ns, name, &sub, Some(&filter), now);
             // And from sessions on other brokers (brokers share nothing but NATS): they
-            // hand its events back as a session here would.
+            // hand its events back as a session here would. The topic goes with it: one
+            // read there for another topic is no take-over, the subscribe is refused.
+            let payload = format!("{filter} {}", self.takeover_origin());
             let _ = conn.publish(
                 &durable_takeover_subject(ns, name, &sub),
                 None,
                 None,
-                self.takeover_origin().as_bytes(),
+                payload.as_bytes(),
             );
         }
         if let Some(s) = self.sessions.get_mut(&session) {
@@ -364,7 +366,10 @@ impl Broker {
     /// A durable subscription is read by one session of its participant: a session that
     /// subscribes it takes it from another that has it (a client that reconnected before
     /// its old connection was seen to end), whose unacknowledged events are handed back
-    /// as when a session ends. `except` is the taking session when it is on this broker.
+    /// as when a session ends. `except` is the taking session when it is on this broker;
+    /// `filter` the topic it subscribes (none from brokers of earlier releases): a
+    /// session reading the durable for another topic keeps it.
+    #[allow(clippy::too_many_arguments)]
     fn take_over_durable(
         &mut self,
         conn: &mut Connection,
@@ -372,6 +377,7 @@ impl Broker {
         ns: &str,
         name: &str,
         sub: &str,
+        filter: Option<&str>,
         now: Instant,
     ) {
         let holders: Vec<SessionId> = self
@@ -386,7 +392,7 @@ impl Broker {
                         .sessions
                         .get(&other)
                         .and_then(|s| s.subs.get(sub))
-                        .is_some_and(|t| t.durable)
+                        .is_some_and(|t| t.durable && filter.is_none_or(|f| f == t.filter))
             })
             .collect();
         for other in holders {
@@ -429,9 +435,13 @@ impl Broker {
     /// Another broker's session took a durable subscription over (see
     /// [`durable_takeover_subject`]): sessions here that read it stop.
     pub(super) fn durable_taken(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
-        if msg.payload == self.takeover_origin().as_bytes() || !is_takeover(msg) {
+        let Some((filter, origin)) = parse_takeover(msg) else {
+            return;
+        };
+        if origin == self.takeover_origin() {
             return;
         }
+        let filter = filter.map(str::to_string);
         let rest = msg.subject.strip_prefix(DURABLE_TAKEOVER_PREFIX);
         let mut tokens = rest
             .and_then(|r| r.strip_prefix('.'))
@@ -441,7 +451,7 @@ impl Broker {
             (tokens.next(), tokens.next(), tokens.next(), tokens.next())
         {
             let (ns, name, sub) = (ns.to_string(), name.to_string(), sub.to_string());
-            self.take_over_durable(conn, None, &ns, &name, &sub, now);
+            self.take_over_durable(conn, None, &ns, &name, &sub, filter.as_deref(), now);
         }
     }
 
@@ -1614,20 +1624,32 @@ fn nak(conn: &mut Connection, ack: &str) {
     let _ = conn.publish(ack, None, None, &AckKind::Nak { delay: None }.payload());
 }
 
-/// Whether a message on a take-over subject is one a broker sent: no reply, no headers,
-/// `<broker id> <incarnation>`. Participants cannot publish there, but whatever can send
-/// JetStream a request can have its answer sent there (a reply subject is not checked
-/// against permissions), and those answers are JSON, empty, or carry headers or a reply.
-fn is_takeover(msg: &Message) -> bool {
-    let text = std::str::from_utf8(&msg.payload).unwrap_or("");
-    msg.reply.is_none()
-        && msg.headers.is_none()
-        && text.rsplit_once(" ").is_some_and(|(id, incarnation)| {
-            !id.is_empty()
-                && !id.starts_with('{')
-                && !incarnation.is_empty()
-                && incarnation.bytes().all(|b| b.is_ascii_alphanumeric())
-        })
+/// A message on a take-over subject, if a broker sent it: no reply, no headers,
+/// `<topic filter> <broker id> <incarnation>`, or without the filter from brokers of
+/// earlier releases (which read the filter as part of the broker id, so still take the
+/// durable over). Its filter, if any, and its sender (`<broker id> <incarnation>`).
+/// Participants cannot publish there, but whatever can send JetStream a request can have
+/// its answer sent there (a reply subject is not checked against permissions), and those
+/// answers are JSON, empty, or carry headers or a reply.
+fn parse_takeover(msg: &Message) -> Option<(Option<&str>, &str)> {
+    let text = std::str::from_utf8(&msg.payload).ok()?;
+    if msg.reply.is_some() || msg.headers.is_some() || text.starts_with('{') {
+        return None;
+    }
+    let (rest, incarnation) = text.rsplit_once(' ')?;
+    let (filter, id) = match rest.rsplit_once(' ') {
+        Some((filter, id)) => (Some(filter).filter(|f| !f.is_empty()), id),
+        None => (None, rest),
+    };
+    let broker = !id.is_empty()
+        && !incarnation.is_empty()
+        && incarnation.bytes().all(|b| b.is_ascii_alphanumeric());
+    broker.then(|| {
+        (
+            filter,
+            &text[text.len() - id.len() - 1 - incarnation.len()..],
+        )
+    })
 }
 
 #[cfg(all(test, feature = "testing"))]
@@ -1687,16 +1709,32 @@ mod tests {
             headers: None,
             payload: payload.as_bytes().to_vec(),
         };
-        assert!(super::is_takeover(&msg("b7f3a9 K2QX7JHA", None)));
+        let parse = |payload, reply| {
+            let m = msg(payload, reply);
+            super::parse_takeover(&m).map(|(f, o)| (f.map(str::to_string), o.to_string()))
+        };
+        // From a broker of an earlier release, and from this one with its topic.
+        assert_eq!(
+            parse("b7f3a9 K2QX7JHA", None),
+            Some((None, "b7f3a9 K2QX7JHA".into()))
+        );
+        assert_eq!(
+            parse("amp.acme.topic.t.* b7f3a9 K2QX7JHA", None),
+            Some((Some("amp.acme.topic.t.*".into()), "b7f3a9 K2QX7JHA".into()))
+        );
         // What JetStream sends to a reply subject a request named.
         let info = r#"{"type":"io.nats.jetstream.api.v1.consumer_info_response"}"#;
-        assert!(!super::is_takeover(&msg(info, None)));
-        assert!(!super::is_takeover(&msg("", None)));
-        assert!(!super::is_takeover(&msg(
-            "b7f3a9 K2QX7JHA",
-            Some("$JS.ACK.AMP_INBOX_acme.inbox_eve.1.1.1.1.0")
-        )));
-        assert!(!super::is_takeover(&msg("{ 1", None)));
+        assert_eq!(parse(info, None), None);
+        assert_eq!(parse("", None), None);
+        assert_eq!(
+            parse(
+                "b7f3a9 K2QX7JHA",
+                Some("$JS.ACK.AMP_INBOX_acme.inbox_eve.1.1.1.1.0")
+            ),
+            None
+        );
+        assert_eq!(parse("{ 1", None), None);
+        assert_eq!(parse("{\"a\": 1} b7f3a9 K2QX7JHA", None), None);
     }
 
     #[test]
