@@ -241,17 +241,33 @@ impl Callout {
             Err(reason) => return bad(reason),
         };
         let host: Option<IpAddr> = request.client_info.host.parse().ok();
-        let verdict = self.check(participants, &request, unix_s);
-        let claimed = verdict.participant();
-        let throttle_key = claimed.clone().unwrap_or_else(|| claimed_name(&request));
-        if let Some(ip) = host
-            && let Verdict::Delay(_) = self.throttle.check(ip, &throttle_key, now)
-        {
-            return self.refuse(&request, unix_s, claimed, "throttled".into());
+        // A token is a guess: while its address or name is throttled it is not even
+        // checked, so guessing stays slow. A signature of this connection's nonce, or a
+        // JWT this broker signed, is no guess: it is checked and a good one passes, so
+        // failures in a participant's name, from anywhere, cannot lock its NKey or JWT
+        // logins out (as `hello` treats an NKey proof).
+        let presented = Presented::of(&request.connect_opts);
+        let guess = matches!(presented, Presented::User | Presented::Token);
+        if guess && let Some(ip) = host {
+            // An `auth_token` names its participant only once it is checked.
+            let verdict = match presented {
+                Presented::User => self.throttle.check(ip, &claimed_name(&request), now),
+                _ => self.throttle.check_address(ip, now),
+            };
+            if let Verdict::Delay(_) = verdict {
+                return self.refuse(&request, unix_s, None, "throttled".into());
+            }
         }
+        let verdict = self.check(participants, &request, presented, unix_s);
         match verdict {
             Checked::Accepted { ns, name, until } => {
                 let participant = format!("{ns}/{name}");
+                if guess
+                    && let Some(ip) = host
+                    && let Verdict::Delay(_) = self.throttle.check(ip, &participant, now)
+                {
+                    return self.refuse(&request, unix_s, Some(participant), "throttled".into());
+                }
                 if let Some(ip) = host {
                     self.throttle.record_success(ip, &participant, now);
                 }
@@ -283,7 +299,10 @@ impl Callout {
                 reason,
             } => {
                 if let Some(ip) = host {
-                    self.throttle.record_failure(ip, &throttle_key, now);
+                    let key = participant
+                        .clone()
+                        .unwrap_or_else(|| claimed_name(&request));
+                    self.throttle.record_failure(ip, &key, now);
                 }
                 self.refuse(&request, unix_s, participant, reason)
             }
@@ -354,66 +373,45 @@ impl Callout {
     }
 
     /// Which participant the credential proves, if any.
-    fn check(&self, participants: &Config, r: &Request, unix_s: u64) -> Checked {
+    fn check(
+        &self,
+        participants: &Config,
+        r: &Request,
+        presented: Presented<'_>,
+        unix_s: u64,
+    ) -> Checked {
         let o = &r.connect_opts;
-        let refused = |participant: Option<String>, reason: &str| Checked::Refused {
-            participant,
-            reason: reason.to_string(),
-        };
-        // nats-server passes a client's `jwt` only in operator mode; in configuration mode
-        // a JWT from `hello` travels as the token.
-        if !o.jwt.is_empty() {
-            return self.check_jwt(participants, &o.jwt, r, unix_s);
-        }
-        if looks_like_jwt(&o.auth_token) {
-            return self.check_jwt(participants, &o.auth_token, r, unix_s);
-        }
-        if !o.nkey.is_empty() {
-            // The signature is checked before the key is looked up, so an unknown key
-            // costs the same Ed25519 work as a known one and timing reveals no keys.
-            let Ok(key) = PublicKey::decode_kind(&o.nkey, KeyKind::User) else {
-                return refused(None, "malformed nkey");
-            };
-            let signed = signed_nonce(&key, &r.client_info.nonce, &o.sig);
-            let Some((ns, name)) = find_by_nkey(participants, &o.nkey) else {
-                return refused(None, "unknown nkey");
-            };
-            if !signed {
-                return refused(Some(format!("{ns}/{name}")), "bad nonce signature");
+        let refused = Checked::refused;
+        match presented {
+            Presented::Jwt(token) => self.check_jwt(participants, token, r, unix_s),
+            Presented::NKey => check_nkey(participants, r),
+            Presented::User => {
+                let Some((ns, name)) = split_participant(&o.user) else {
+                    return refused(None, "user is not ns/name");
+                };
+                let who = Some(format!("{ns}/{name}"));
+                let Some(p) = lookup(participants, ns, name) else {
+                    // Spend the same work as a real check, so timing does not reveal names.
+                    let _ = token_matches(None, &o.pass);
+                    return refused(who, "unknown participant");
+                };
+                if !token_matches(p.token_sha256.as_deref(), &o.pass) {
+                    return refused(who, "wrong token");
+                }
+                Checked::accepted(ns, name)
             }
-            return Checked::accepted(&ns, &name);
-        }
-        if !o.user.is_empty() {
-            let Some((ns, name)) = split_participant(&o.user) else {
-                return refused(None, "user is not ns/name");
-            };
-            let who = Some(format!("{ns}/{name}"));
-            let Some(p) = lookup(participants, ns, name) else {
-                // Spend the same work as a real check, so timing does not reveal names.
-                let _ = token_matches(None, &o.pass);
-                return refused(who, "unknown participant");
-            };
-            if !token_matches(p.token_sha256.as_deref(), &o.pass) {
-                return refused(who, "wrong token");
-            }
-            return Checked::accepted(ns, name);
-        }
-        if !o.auth_token.is_empty() {
-            return match find_by_token(participants, &o.auth_token) {
+            Presented::Token => match find_by_token(participants, &o.auth_token) {
                 Some((ns, name)) => Checked::accepted(&ns, &name),
                 None => refused(None, "unknown token"),
-            };
+            },
+            Presented::Nothing => refused(None, "no credential"),
         }
-        refused(None, "no credential")
     }
 
     /// A user JWT this broker issued: valid, unexpired, naming a configured participant;
     /// unless it is a bearer token, `sig` must be the signature of the nonce by its user key.
     fn check_jwt(&self, participants: &Config, token: &str, r: &Request, unix_s: u64) -> Checked {
-        let refused = |participant: Option<String>, reason: &str| Checked::Refused {
-            participant,
-            reason: reason.to_string(),
-        };
+        let refused = Checked::refused;
         let issuer = self.config.issuer.public_key();
         let user = match scoped_jwt::verify_user(token, &issuer, unix_s) {
             Ok(u) => u,
@@ -523,10 +521,61 @@ impl Checked {
         }
     }
 
-    fn participant(&self) -> Option<String> {
-        match self {
-            Checked::Accepted { ns, name, .. } => Some(format!("{ns}/{name}")),
-            Checked::Refused { participant, .. } => participant.clone(),
+    fn refused(participant: Option<String>, reason: &str) -> Checked {
+        Checked::Refused {
+            participant,
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// An NKey and its signature of this connection's nonce.
+fn check_nkey(participants: &Config, r: &Request) -> Checked {
+    let o = &r.connect_opts;
+    // The signature is checked before the key is looked up, so an unknown key costs the
+    // same Ed25519 work as a known one and timing reveals no keys.
+    let Ok(key) = PublicKey::decode_kind(&o.nkey, KeyKind::User) else {
+        return Checked::refused(None, "malformed nkey");
+    };
+    let signed = signed_nonce(&key, &r.client_info.nonce, &o.sig);
+    let Some((ns, name)) = find_by_nkey(participants, &o.nkey) else {
+        return Checked::refused(None, "unknown nkey");
+    };
+    if !signed {
+        return Checked::refused(Some(format!("{ns}/{name}")), "bad nonce signature");
+    }
+    Checked::accepted(&ns, &name)
+}
+
+/// Which credential a CONNECT presents, in the order they are looked at.
+#[derive(Debug, Clone, Copy)]
+enum Presented<'r> {
+    /// A JWT from `hello` (or the callout): `jwt`, or a token that is one. nats-server
+    /// passes a client's `jwt` only in operator mode; in configuration mode a JWT from
+    /// `hello` travels as the token.
+    Jwt(&'r str),
+    NKey,
+    /// `user` = `ns/name` and `pass` = its token.
+    User,
+    /// `auth_token` = some participant's token.
+    Token,
+    Nothing,
+}
+
+impl<'r> Presented<'r> {
+    fn of(o: &'r ConnectOpts) -> Presented<'r> {
+        if !o.jwt.is_empty() {
+            Presented::Jwt(&o.jwt)
+        } else if looks_like_jwt(&o.auth_token) {
+            Presented::Jwt(&o.auth_token)
+        } else if !o.nkey.is_empty() {
+            Presented::NKey
+        } else if !o.user.is_empty() {
+            Presented::User
+        } else if !o.auth_token.is_empty() {
+            Presented::Token
+        } else {
+            Presented::Nothing
         }
     }
 }

@@ -137,12 +137,7 @@ impl HelloThrottle {
     /// [`record_failure`](Self::record_failure) or [`record_success`](Self::record_success).
     pub fn check(&self, addr: IpAddr, participant: &str, now: Instant) -> Verdict {
         let key = AddressKey::of(addr);
-        let mut wait = Duration::ZERO;
-        if let Some(a) = self.addresses.get(&key)
-            && !self.address_forgotten(a, now)
-        {
-            wait = wait.max(a.not_before.saturating_duration_since(now));
-        }
+        let mut wait = self.address_wait(key, now);
         if let Some(p) = self.participant(participant)
             && !self.is_known(p, key, now)
         {
@@ -157,6 +152,26 @@ impl HelloThrottle {
             Verdict::Allow
         } else {
             Verdict::Delay(wait)
+        }
+    }
+
+    /// [`check`](Self::check) of the address alone, for a credential that names no
+    /// participant until it has been checked (a NATS `auth_token`).
+    pub fn check_address(&self, addr: IpAddr, now: Instant) -> Verdict {
+        let wait = self.address_wait(AddressKey::of(addr), now);
+        if wait.is_zero() {
+            Verdict::Allow
+        } else {
+            Verdict::Delay(wait)
+        }
+    }
+
+    fn address_wait(&self, key: AddressKey, now: Instant) -> Duration {
+        match self.addresses.get(&key) {
+            Some(a) if !self.address_forgotten(a, now) => {
+                a.not_before.saturating_duration_since(now)
+            }
+            _ => Duration::ZERO,
         }
     }
 

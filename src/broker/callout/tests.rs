@@ -43,7 +43,18 @@ fn world() -> World {
 
 /// An authorization request as nats-server builds it.
 fn request(server: &KeyPair, user_nkey: &str, connect_opts: Value, nonce: bool) -> Vec<u8> {
-    let mut client_info = json!({"host": "127.0.0.1", "id": 7, "kind": "Client", "type": "nats"});
+    request_from(server, user_nkey, connect_opts, nonce, "127.0.0.1")
+}
+
+/// The same, from a client at `host` (as the server reports it).
+fn request_from(
+    server: &KeyPair,
+    user_nkey: &str,
+    connect_opts: Value,
+    nonce: bool,
+    host: &str,
+) -> Vec<u8> {
+    let mut client_info = json!({"host": host, "id": 7, "kind": "Client", "type": "nats"});
     if nonce {
         client_info["nonce"] = json!(NONCE);
     }
@@ -105,8 +116,12 @@ impl World {
     }
 
     fn ask_at(&mut self, connect_opts: Value, after: Duration) -> (Reply, String) {
+        self.ask_from("127.0.0.1", connect_opts, after)
+    }
+
+    fn ask_from(&mut self, host: &str, connect_opts: Value, after: Duration) -> (Reply, String) {
         let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
-        let payload = request(&self.server, &user, connect_opts, true);
+        let payload = request_from(&self.server, &user, connect_opts, true, host);
         let reply = self
             .callout
             .handle(&self.config, None, &payload, self.start + after, NOW);
@@ -622,4 +637,48 @@ fn a_jwt_issued_for_a_hello_jwt_ends_when_that_one_does() {
     assert_eq!(authorized(&reply), Some("acme/w1"), "{:?}", reply.outcome);
     let (_, claims) = response(&w, &reply, &user);
     assert_eq!(claims.expect("user jwt")["exp"].as_u64(), Some(NOW + 120));
+}
+
+#[test]
+fn failures_in_a_participants_name_do_not_lock_its_proofs_out() {
+    // Someone without any credential connects to NATS as `acme/w2` and `acme/w1` with
+    // made-up passwords, each from five hosts, emptying both participants' buckets. Their
+    // proofs (w2's signature of this connection's nonce, w1's JWT from `hello`) are no
+    // guesses: from a sixth host they are accepted, as `hello` accepts an NKey proof.
+    let mut w = world();
+    w.callout = fresh(&w);
+    for (name, net) in [("acme/w1", 1), ("acme/w2", 2)] {
+        for host in 1..=5 {
+            for _ in 0..5 {
+                let (reply, _) = w.ask_from(
+                    &format!("198.51.{net}.{host}"),
+                    json!({"user": name, "pass": "x"}),
+                    Duration::ZERO,
+                );
+                assert_eq!(authorized(&reply), None);
+            }
+        }
+    }
+    let sixth = "192.0.2.6";
+    let sig = sign_nonce(&w.nkey_user, NONCE);
+    let nkey = w.nkey_user.public_key();
+    let (reply, _) = w.ask_from(sixth, json!({"nkey": nkey, "sig": sig}), Duration::ZERO);
+    assert_eq!(authorized(&reply), Some("acme/w2"), "{:?}", reply.outcome);
+    let acme = w.config.namespaces["acme"].clone();
+    let bearer = hello_jwt(&w.account, &acme, "w1", NOW - 10);
+    let (reply, _) = w.ask_from(sixth, json!({"auth_token": bearer}), Duration::ZERO);
+    assert_eq!(authorized(&reply), Some("acme/w1"), "{:?}", reply.outcome);
+    // A token is a guess: from an address w1 never logged in from, it waits for the
+    // bucket, as in `hello`, whichever way it comes.
+    for opts in [
+        json!({"user": "acme/w1", "pass": "s3cret"}),
+        json!({"auth_token": "s3cret"}),
+    ] {
+        let (reply, _) = w.ask_from("192.0.2.7", opts, Duration::ZERO);
+        assert!(
+            matches!(&reply.outcome, Outcome::Refused { reason, .. } if reason == "throttled"),
+            "{:?}",
+            reply.outcome
+        );
+    }
 }
