@@ -43,6 +43,7 @@ use sha2::{Digest, Sha256};
 
 use super::config::{Config, Participant};
 use super::mig::config::readable_dead_letters;
+use super::rate_limit::DebtBucket;
 use super::scoped_jwt::{self, UserGrant, VerifyError};
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use crate::jwt::{self, Claims, JwtError};
@@ -103,6 +104,8 @@ pub enum Outcome {
     /// The request itself was unusable (not a server-signed authorization request); the
     /// reply is empty, which the server takes as a refusal.
     BadRequest { reason: String },
+    /// Past `callout.max_requests_per_s`: not looked at, and the reply is empty.
+    Shed,
 }
 
 /// The reply to publish, and what happened.
@@ -163,6 +166,8 @@ pub struct Callout {
     learned_servers: Vec<String>,
     /// `user_nkey` of each answered request that has not expired yet, with its `exp`.
     seen: HashMap<String, u64>,
+    /// Requests answered, at `callout.max_requests_per_s`; from the first request on.
+    budget: Option<DebtBucket>,
 }
 
 impl Callout {
@@ -172,6 +177,7 @@ impl Callout {
             config,
             learned_servers: Vec::new(),
             seen: HashMap::new(),
+            budget: None,
         }
     }
 
@@ -233,6 +239,17 @@ impl Callout {
             payload: Vec::new(),
             outcome: Outcome::BadRequest { reason },
         };
+        // Before anything that costs: an empty reply is a refusal to the server, signed
+        // by nobody. Not answering at all would also do, but the server would hold the
+        // client for its whole auth timeout first.
+        let rate = f64::from(participants.callout.max_requests_per_s);
+        let budget = self.budget.get_or_insert_with(|| DebtBucket::new(now));
+        if budget.take(1.0, rate, now).is_err() {
+            return Reply {
+                payload: Vec::new(),
+                outcome: Outcome::Shed,
+            };
+        }
         if headers.is_some_and(|h| h.get(SERVER_XKEY_HEADER).is_some()) {
             return bad("encrypted authorization requests are not supported".into());
         }
@@ -286,6 +303,7 @@ impl Callout {
                     audience: Some(&self.config.account),
                     mig: dlq.as_deref(),
                 };
+                count(Work::Ed25519);
                 match scoped_jwt::issue(&self.config.issuer, &grant) {
                     Ok(user_jwt) => Reply {
                         payload: self.response(&request, unix_s, Ok(&user_jwt)),
@@ -327,6 +345,7 @@ impl Callout {
 
     fn decode_request(&mut self, payload: &[u8], unix_s: u64) -> Result<Request, String> {
         let text = std::str::from_utf8(payload).map_err(|_| "request is not UTF-8".to_string())?;
+        count(Work::Ed25519);
         let mut decoded = jwt::decode(text).map_err(|e| e.to_string())?;
         if decoded.issuer.kind() != KeyKind::Server {
             return Err("request not signed by a server key".into());
@@ -413,6 +432,7 @@ impl Callout {
     fn check_jwt(&self, participants: &Config, token: &str, r: &Request, unix_s: u64) -> Checked {
         let refused = Checked::refused;
         let issuer = self.config.issuer.public_key();
+        count(Work::Ed25519);
         let user = match scoped_jwt::verify_user(token, &issuer, unix_s) {
             Ok(u) => u,
             Err(e) => return refused(None, &jwt_reason(&e)),
@@ -468,6 +488,7 @@ impl Callout {
         claims.insert("nats".into(), nats);
         // Encoding a map of strings and numbers cannot fail; an empty reply is still a
         // refusal to the server.
+        count(Work::Ed25519);
         jwt::encode(&claims, &self.config.issuer)
             .map(String::into_bytes)
             .unwrap_or_default()
@@ -651,6 +672,7 @@ fn token_matches(stored: Option<&str>, token: &str) -> bool {
 }
 
 fn sha256_hex(s: &str) -> String {
+    count(Work::Sha256);
     Sha256::digest(s.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -675,10 +697,36 @@ fn signed_nonce(key: &PublicKey, nonce: &str, sig: &str) -> bool {
         .decode(sig)
         .or_else(|_| URL_SAFE.decode(sig))
         .or_else(|_| STANDARD.decode(sig));
+    count(Work::Ed25519);
     match raw {
         Ok(raw) => key.verify(nonce.as_bytes(), &raw).is_ok(),
         Err(_) => false,
     }
+}
+
+/// The costly steps of answering a request.
+#[derive(Debug, Clone, Copy)]
+enum Work {
+    Sha256,
+    Ed25519,
+}
+
+/// Counts [`Work`] in unit tests, to show which requests skip it.
+fn count(_work: Work) {
+    #[cfg(test)]
+    WORK.with(|w| {
+        let (hashes, signatures) = w.get();
+        w.set(match _work {
+            Work::Sha256 => (hashes + 1, signatures),
+            Work::Ed25519 => (hashes, signatures + 1),
+        })
+    });
+}
+
+#[cfg(test)]
+thread_local! {
+    /// SHA-256 hashes and Ed25519 operations so far on this thread.
+    static WORK: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((0, 0)) };
 }
 
 #[cfg(test)]

@@ -48,10 +48,20 @@ pub struct CalloutTrust {
     /// connection had.
     #[serde(default = "default_jwt_ttl_s")]
     pub jwt_ttl_s: u64,
+    /// Authorization requests answered per second (one second's worth at once): each
+    /// costs up to five Ed25519 operations, and every NATS connect to a server using the
+    /// callout is one. Past it a request gets an empty reply, which the server takes as
+    /// a refusal, without any checking.
+    #[serde(default = "default_callout_requests_per_s")]
+    pub max_requests_per_s: u32,
 }
 
 fn default_jwt_ttl_s() -> u64 {
     3600
+}
+
+fn default_callout_requests_per_s() -> u32 {
+    500
 }
 
 impl Default for CalloutTrust {
@@ -59,6 +69,7 @@ impl Default for CalloutTrust {
         CalloutTrust {
             server_keys: Vec::new(),
             jwt_ttl_s: default_jwt_ttl_s(),
+            max_requests_per_s: default_callout_requests_per_s(),
         }
     }
 }
@@ -420,6 +431,16 @@ impl Config {
         super::mig::config::validate_settings(&self.mig)?;
         within("callout.server_keys", self.callout.server_keys.len(), 0, 64)?;
         within("callout.jwt_ttl_s", self.callout.jwt_ttl_s, 60, DAY)?;
+        // Each answered request's id is remembered until the end of the second its `exp`
+        // names (nats-server's auth timeout ahead, 2 s by default): one second's worth at
+        // once and three seconds' worth after it stay within
+        // `callout::MAX_REMEMBERED_REQUESTS` at 4,000 a second.
+        within(
+            "callout.max_requests_per_s",
+            self.callout.max_requests_per_s,
+            1,
+            4_000,
+        )?;
         within("allowed_origins", self.allowed_origins.len(), 0, 256)?;
         for (i, key) in self.callout.server_keys.iter().enumerate() {
             if !is_server_key(key) {
@@ -1075,6 +1096,12 @@ mod tests {
         assert_eq!(c.callout.jwt_ttl_s, 3600);
         let e = parse(r#"{"callout":{"jwt_ttl_s":30}}"#).expect_err("too short");
         assert_eq!(e.path, "callout.jwt_ttl_s", "{e}");
+        assert_eq!(c.callout.max_requests_per_s, 500);
+        for rate in [0, 4001] {
+            let e = parse(&format!(r#"{{"callout":{{"max_requests_per_s":{rate}}}}}"#))
+                .expect_err("out of bounds");
+            assert_eq!(e.path, "callout.max_requests_per_s", "{e}");
+        }
     }
 
     #[test]

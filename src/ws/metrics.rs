@@ -386,6 +386,8 @@ pub struct AmpMetrics {
     pub nats_server_errors: CounterId,
     /// NATS replies and messages no part of the broker was waiting for, by `kind`.
     pub nats_unmatched: CounterId,
+    /// Auth callout requests, by `outcome`.
+    pub callout_requests: CounterId,
 }
 
 impl AmpMetrics {
@@ -439,6 +441,11 @@ impl AmpMetrics {
             "NATS replies and messages nothing in the broker was waiting for (late, or for a subscription already gone), by kind.",
             Some("kind"),
         );
+        let callout_requests = r.counter(
+            "amp_callout_requests_total",
+            "Auth callout requests, by outcome (authorized, refused, throttled, bad, shed).",
+            Some("outcome"),
+        );
         AmpMetrics {
             registry: r,
             frames_in,
@@ -451,6 +458,7 @@ impl AmpMetrics {
             nats_invalid_messages,
             nats_server_errors,
             nats_unmatched,
+            callout_requests,
         }
     }
 }

@@ -682,3 +682,65 @@ fn failures_in_a_participants_name_do_not_lock_its_proofs_out() {
         );
     }
 }
+
+/// (SHA-256 hashes, Ed25519 operations) the callout did on this thread so far.
+fn work() -> (u32, u32) {
+    super::WORK.with(|w| w.get())
+}
+
+#[test]
+fn a_throttled_token_guess_costs_no_hash() {
+    // One host guesses tokens as fast as it can connect. Past its free failures it
+    // waits; its guesses meanwhile were hashed all the same (and an `auth_token` one
+    // compared with every participant's), only to be refused as throttled.
+    let mut w = world();
+    for (host, guess) in [
+        ("192.0.2.1", json!({"user": "acme/w1", "pass": "guess"})),
+        ("192.0.2.2", json!({"auth_token": "guess"})),
+    ] {
+        let (hashes, _) = work();
+        for _ in 0..50 {
+            let (reply, _) = w.ask_from(host, guess.clone(), Duration::ZERO);
+            assert_eq!(authorized(&reply), None);
+        }
+        let hashed = work().0 - hashes;
+        // Three free failures, and the one after which the address waits.
+        assert_eq!(hashed, 4, "50 guesses from {host} hashed {hashed} times");
+    }
+}
+
+#[test]
+fn past_the_request_budget_a_request_costs_nothing_and_gets_an_empty_reply() {
+    // Every NATS connect is a request, and each answered one costs up to five Ed25519
+    // operations: connecting in a loop took the broker's whole event loop.
+    let mut w = world();
+    w.config.callout.max_requests_per_s = 5;
+    for second in 0..3u64 {
+        let payloads: Vec<Vec<u8>> = (0..15)
+            .map(|_| {
+                let user = KeyPair::generate(KeyKind::User).expect("key").public_key();
+                let opts = json!({"user": "acme/w1", "pass": "s3cret"});
+                request(&w.server, &user, opts, true)
+            })
+            .collect();
+        let (hashes, signatures) = work();
+        let at = w.start + Duration::from_secs(second);
+        let replies: Vec<Reply> = payloads
+            .iter()
+            .map(|p| w.callout.handle(&w.config, None, p, at, NOW))
+            .collect();
+        let (hashed, signed) = (work().0 - hashes, work().1 - signatures);
+        // Per request within the budget: the request's signature, the user JWT's and
+        // the response's.
+        assert!(
+            signed <= 5 * 3 && hashed <= 5,
+            "second {second}: 15 requests cost {signed} Ed25519 operations and {hashed} hashes, with a budget of 5 requests"
+        );
+        let answered = replies.iter().filter(|r| authorized(r).is_some()).count();
+        assert_eq!(answered, 5, "second {second}");
+        for reply in replies.iter().filter(|r| authorized(r).is_none()) {
+            assert_eq!(reply.outcome, Outcome::Shed);
+            assert!(reply.payload.is_empty());
+        }
+    }
+}

@@ -17,6 +17,16 @@ impl Broker {
             now,
             self.clock.unix_seconds(now),
         );
+        let outcome = match &reply.outcome {
+            Outcome::Authorized { .. } => "authorized",
+            Outcome::Refused { reason, .. } if reason == "throttled" => "throttled",
+            Outcome::Refused { .. } => "refused",
+            Outcome::BadRequest { .. } => "bad",
+            Outcome::Shed => "shed",
+        };
+        self.metrics
+            .registry
+            .inc(self.metrics.callout_requests, outcome);
         match &reply.outcome {
             Outcome::Authorized { participant } => {
                 log::info!(participant:% = participant; "auth callout authorized"
@@ -38,6 +48,8 @@ impl Broker {
                 participant:% = participant.as_deref().unwrap_or("?"), reason:% = reason;
                 "auth callout refused"
             ),
+            // Counted; a line each would flood the log at the rate it protects against.
+            Outcome::Shed => log::debug!("auth callout over its budget: empty reply"),
             Outcome::BadRequest { reason } => {
                 log::warn!("auth callout ignored a bad request: {reason}")
             }
