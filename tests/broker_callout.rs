@@ -9,7 +9,7 @@ use std::time::Duration;
 use amp_broker::broker::scoped_jwt;
 use amp_broker::nats::{Client as NatsClient, Event, Options};
 use amp_broker::nkeys::{KeyKind, KeyPair};
-use common::amp::{CalloutServer, Client, open_config};
+use common::amp::{CalloutServer, Client, metric, open_config};
 use serde_json::json;
 
 #[test]
@@ -159,5 +159,48 @@ fn the_callout_answers_only_requests_signed_by_the_pinned_server_key() {
             |v| v.contains("Permissions Violation") && v.contains("$SYS.REQ.USER.AUTH")
         ),
         "nats-server refuses a client's publish on the callout subject"
+    );
+}
+
+#[test]
+fn brokers_sharing_the_callout_answer_each_connect_once() {
+    // Brokers with the same issuer on one server each got every request and each did
+    // all its work (signatures checked and made), the server taking whichever answer
+    // came first. In a queue group each request goes to one of them.
+    let callout = CalloutServer::start();
+    let config = open_config(&["a"]);
+    let brokers = [callout.broker(&config, &[]), callout.broker(&config, &[])];
+    let authorized = |b: &common::amp::Broker| {
+        metric(b, "amp_callout_requests_total{outcome=\"authorized\"}").unwrap_or(0.0)
+    };
+    let connect = || {
+        let options = Options::new(&callout.nats.url()).with_user_password("acme/a", "a-token");
+        NatsClient::connect(options).expect("the callout admits the participant");
+    };
+    // Until both have answered one, so both are subscribed.
+    let mut connects = 0;
+    while brokers.iter().any(|b| authorized(b) == 0.0) {
+        assert!(
+            connects < 100,
+            "one broker answered none of {connects} connects"
+        );
+        connect();
+        connects += 1;
+    }
+    for _ in 0..20 {
+        connect();
+        connects += 1;
+    }
+    let answered = || brokers.iter().map(authorized).sum::<f64>();
+    assert!(
+        common::wait_until(Duration::from_secs(10), || answered()
+            >= f64::from(connects)),
+        "{} answers to {connects} connects",
+        answered()
+    );
+    assert_eq!(
+        answered(),
+        f64::from(connects),
+        "answers to {connects} connects"
     );
 }

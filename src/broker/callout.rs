@@ -51,6 +51,9 @@ use crate::nkeys::{KeyKind, KeyPair, PublicKey};
 use crate::proto::headers::HeaderMap;
 
 pub const AUTH_CALLOUT_SUBJECT: &str = "$SYS.REQ.USER.AUTH";
+/// The queue group brokers serving one server's callout share, so each request is
+/// answered (and its signatures checked and made) by one of them, not by every one.
+pub const AUTH_CALLOUT_QUEUE: &str = "amp_callout";
 /// The `aud` of every authorization request.
 pub const AUTH_REQUEST_AUDIENCE: &str = "nats-authorization-request";
 /// Present when the server encrypted the request.

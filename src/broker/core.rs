@@ -20,7 +20,7 @@ use super::auth::{self, Credential};
 use super::binding;
 use super::bounded_map::BoundedMap;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
-use super::callout::{AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
+use super::callout::{AUTH_CALLOUT_QUEUE, AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
 use super::clock::Clock;
 use super::config::{Config, Participant};
 use super::continuations::{Continuation, Continuations};
@@ -613,7 +613,7 @@ impl Broker {
     pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
         if self.callout.is_some() {
             let sid = conn
-                .subscribe(AUTH_CALLOUT_SUBJECT, None)
+                .subscribe(AUTH_CALLOUT_SUBJECT, Some(AUTH_CALLOUT_QUEUE))
                 .map_err(|e| format!("auth callout subscription: {e}"))?;
             self.routes.insert(sid, Route::Callout);
         }
