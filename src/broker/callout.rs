@@ -32,7 +32,7 @@
 //! while it generates a fresh `user_nkey` per connecting client and binds the response to it.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
 use base64::Engine;
@@ -260,7 +260,13 @@ impl Callout {
             Ok(r) => r,
             Err(reason) => return bad(reason),
         };
-        let host: Option<IpAddr> = request.client_info.host.parse().ok();
+        // A host that is no address (none reported) shares one key, so its guesses are
+        // still counted, and its participant's bucket still applies.
+        let ip = request
+            .client_info
+            .host
+            .parse()
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         // A token is a guess: while its address or name is throttled it is not even
         // checked, so guessing stays slow. A signature of this connection's nonce, or a
         // JWT this broker signed, is no guess: it is checked and a good one passes, so
@@ -268,29 +274,27 @@ impl Callout {
         // logins out (as `hello` treats an NKey proof).
         let presented = Presented::of(&request.connect_opts);
         let guess = matches!(presented, Presented::User | Presented::Token);
-        if guess && let Some(ip) = host {
+        if guess {
             // An `auth_token` names its participant only once it is checked.
-            let verdict = match presented {
-                Presented::User => self.throttle.check(ip, &claimed_name(&request), now),
-                _ => self.throttle.check_address(ip, now),
+            let (verdict, claimed) = match presented {
+                Presented::User => {
+                    let name = claimed_name(&request);
+                    (self.throttle.check(ip, &name, now), Some(name))
+                }
+                _ => (self.throttle.check_address(ip, now), None),
             };
             if let Verdict::Delay(_) = verdict {
-                return self.refuse(&request, unix_s, None, "throttled".into());
+                return self.refuse(&request, unix_s, claimed, "throttled".into());
             }
         }
         let verdict = self.check(participants, &request, presented, unix_s);
         match verdict {
             Checked::Accepted { ns, name, until } => {
                 let participant = format!("{ns}/{name}");
-                if guess
-                    && let Some(ip) = host
-                    && let Verdict::Delay(_) = self.throttle.check(ip, &participant, now)
-                {
+                if guess && let Verdict::Delay(_) = self.throttle.check(ip, &participant, now) {
                     return self.refuse(&request, unix_s, Some(participant), "throttled".into());
                 }
-                if let Some(ip) = host {
-                    self.throttle.record_success(ip, &participant, now);
-                }
+                self.throttle.record_success(ip, &participant, now);
                 let Some(p) = lookup(participants, &ns, &name) else {
                     return self.refuse(&request, unix_s, None, "vanished".into());
                 };
@@ -319,12 +323,10 @@ impl Callout {
                 participant,
                 reason,
             } => {
-                if let Some(ip) = host {
-                    let key = participant
-                        .clone()
-                        .unwrap_or_else(|| claimed_name(&request));
-                    self.throttle.record_failure(ip, &key, now);
-                }
+                let key = participant
+                    .clone()
+                    .unwrap_or_else(|| claimed_name(&request));
+                self.throttle.record_failure(ip, &key, now);
                 self.refuse(&request, unix_s, participant, reason)
             }
         }

@@ -744,3 +744,31 @@ fn past_the_request_budget_a_request_costs_nothing_and_gets_an_empty_reply() {
         }
     }
 }
+
+#[test]
+fn a_client_host_that_is_no_address_is_throttled_all_the_same() {
+    // A request whose client host is empty or not an IP address (nats-server reports
+    // what it has) was neither checked nor counted: guessing from there was unlimited.
+    let mut w = world();
+    for host in ["", "not-an-address"] {
+        w.callout = fresh(&w);
+        for _ in 0..6 {
+            let (reply, _) = w.ask_from(
+                host,
+                json!({"user": "acme/w1", "pass": "guess"}),
+                Duration::ZERO,
+            );
+            assert_eq!(authorized(&reply), None);
+        }
+        let (reply, _) = w.ask_from(
+            host,
+            json!({"user": "acme/w1", "pass": "s3cret"}),
+            Duration::ZERO,
+        );
+        assert!(
+            matches!(&reply.outcome, Outcome::Refused { reason, .. } if reason == "throttled"),
+            "host {host:?}: {:?}",
+            reply.outcome
+        );
+    }
+}
