@@ -650,6 +650,37 @@ impl Config {
             }
             super::mig::config::validate_namespace(&at, ns)?;
         }
+        self.check_unique_credentials()
+    }
+
+    /// No two entries (participants or `open` entries, in any namespaces) hold the same
+    /// token or NKey: the auth callout finds the participant of a NATS `auth_token` or
+    /// NKey login by the credential alone, and a listed participant sharing its
+    /// namespace's `open` credential could be anyone holding that.
+    fn check_unique_credentials(&self) -> Result<(), ConfigError> {
+        let mut holders: std::collections::HashMap<String, String> = Default::default();
+        for (ns_name, ns) in &self.namespaces {
+            let at = |name: &str| format!("namespaces.{ns_name}.participants.{name}");
+            let listed = ns.participants.iter().map(|(name, p)| (at(name), p));
+            let open = ns
+                .open
+                .iter()
+                .map(|p| (format!("namespaces.{ns_name}.open"), p));
+            for (at, p) in listed.chain(open) {
+                // Validated: exactly one of the two, a token's hash in either case.
+                let (kind, credential) = match (&p.nkey, &p.token_sha256) {
+                    (Some(key), _) => ("NKey", key.clone()),
+                    (None, Some(hash)) => ("token", hash.to_ascii_lowercase()),
+                    (None, None) => continue,
+                };
+                if let Some(first) = holders.insert(format!("{kind} {credential}"), at.clone()) {
+                    return Err(err(
+                        at,
+                        format!("holds the same {kind} as {first}; give each its own"),
+                    ));
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -1195,5 +1226,58 @@ mod tests {
         }
         let e = parse(r#"{"limits":{"max_topic_subscriptions":32769}}"#).expect_err("too many");
         assert_eq!(e.path, "limits.max_topic_subscriptions");
+    }
+
+    #[test]
+    fn no_two_entries_may_hold_the_same_credential() {
+        // The callout finds the participant of a NATS `auth_token` by its hash alone and
+        // of an NKey by the key alone: two holding the same one were accepted, and a
+        // token login came in as the last of them, an NKey login as the first.
+        let hash = "ab".repeat(32);
+        let token = |h: &str| format!(r#"{{"token_sha256":"{h}"}}"#);
+        let nkey = format!(r#"{{"nkey":"{KEY}"}}"#);
+        let cases = [
+            (
+                format!(
+                    r#"{{"acme":{{"participants":{{"a":{t},"b":{t}}}}}}}"#,
+                    t = token(&hash)
+                ),
+                "namespaces.acme.participants.b",
+                "namespaces.acme.participants.a",
+            ),
+            (
+                format!(
+                    r#"{{"acme":{{"participants":{{"a":{}}}}},"beta":{{"participants":{{"a":{}}}}}}}"#,
+                    token(&hash),
+                    token(&hash.to_uppercase())
+                ),
+                "namespaces.beta.participants.a",
+                "namespaces.acme.participants.a",
+            ),
+            (
+                format!(r#"{{"acme":{{"participants":{{"a":{nkey},"b":{nkey}}}}}}}"#),
+                "namespaces.acme.participants.b",
+                "namespaces.acme.participants.a",
+            ),
+            (
+                format!(
+                    r#"{{"acme":{{"participants":{{"a":{t}}},"open":{t}}}}}"#,
+                    t = token(&hash)
+                ),
+                "namespaces.acme.open",
+                "namespaces.acme.participants.a",
+            ),
+        ];
+        for (namespaces, second, first) in cases {
+            let e = parse(&format!(r#"{{"namespaces":{namespaces}}}"#)).expect_err(second);
+            assert_eq!(e.path, second, "{e}");
+            assert!(e.problem.contains(first), "{e}");
+        }
+        let distinct = format!(
+            r#"{{"namespaces":{{"acme":{{"participants":{{"a":{},"b":{nkey}}},"open":{}}}}}}}"#,
+            token(&hash),
+            token(&"cd".repeat(32))
+        );
+        parse(&distinct).expect("distinct credentials");
     }
 }
