@@ -421,6 +421,7 @@ impl Config {
     }
 
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
+        reject_duplicate_members(text)?;
         let config: Config = serde_json::from_slice(text)
             .map_err(|e| err("", format!("invalid configuration: {e}")))?;
         config.validate()?;
@@ -760,6 +761,106 @@ impl Participant {
             if let Some(window) = policy.window_s {
                 within(&format!("{at}.window_s"), window, 1, 31 * DAY)?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// Refuses a member given twice in one object, anywhere in the file, naming it: serde
+/// keeps the last of a map's duplicate keys without a word (a struct's duplicate fields
+/// are errors, but without the path). Anything else wrong is left to the parse proper.
+fn reject_duplicate_members(text: &[u8]) -> Result<(), ConfigError> {
+    let duplicate = std::cell::RefCell::new(None);
+    let walk = Members {
+        at: String::new(),
+        duplicate: &duplicate,
+    };
+    let _ = serde::de::DeserializeSeed::deserialize(
+        walk,
+        &mut serde_json::Deserializer::from_slice(text),
+    );
+    match duplicate.into_inner() {
+        Some(at) => Err(err(at, "given twice; each member may appear once")),
+        None => Ok(()),
+    }
+}
+
+/// A walk over any JSON value at path `at` that stops at the first object member seen
+/// twice, leaving its path in `duplicate`.
+struct Members<'a> {
+    at: String,
+    duplicate: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Members<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Members<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut i = 0usize;
+        loop {
+            let element = Members {
+                at: format!("{}[{i}]", self.at),
+                duplicate: self.duplicate,
+            };
+            if seq.next_element_seed(element)?.is_none() {
+                return Ok(());
+            }
+            i += 1;
+        }
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut keys = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let at = if self.at.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", self.at)
+            };
+            if !keys.insert(key) {
+                *self.duplicate.borrow_mut() = Some(at);
+                return Err(serde::de::Error::custom("duplicate member"));
+            }
+            map.next_value_seed(Members {
+                at,
+                duplicate: self.duplicate,
+            })?;
         }
         Ok(())
     }
@@ -1279,5 +1380,55 @@ mod tests {
             token(&"cd".repeat(32))
         );
         parse(&distinct).expect("distinct credentials");
+    }
+
+    #[test]
+    fn a_member_given_twice_is_refused_naming_it() {
+        // serde keeps the last of a map's duplicate keys: a participant listed twice
+        // (the second pasted from another, its permissions meant for that one) loaded
+        // silently as one, and so did namespaces, jobs and labels.
+        let p = format!(r#"{{"nkey":"{KEY}"}}"#);
+        let cases = [
+            (
+                format!(r#"{{"namespaces":{{"acme":{{"participants":{{"a":{p},"a":{p}}}}}}}}}"#),
+                "namespaces.acme.participants.a",
+            ),
+            (
+                r#"{"namespaces":{"acme":{},"acme":{}}}"#.to_string(),
+                "namespaces.acme",
+            ),
+            (
+                r#"{"namespaces":{"acme":{"jobs":{"render":{},"render":{"lease_s":5}}}}}"#
+                    .to_string(),
+                "namespaces.acme.jobs.render",
+            ),
+            (
+                format!(
+                    r#"{{"namespaces":{{"acme":{{"participants":{{"a":{{"nkey":"{KEY}","labels":{{"tier":"x","tier":"y"}}}}}}}}}}}}"#
+                ),
+                "namespaces.acme.participants.a.labels.tier",
+            ),
+            (
+                r#"{"limits":{"max_frame":1,"max_frame":2}}"#.to_string(),
+                "limits.max_frame",
+            ),
+            // The same key spelled with an escape.
+            (
+                r#"{"namespaces":{"acme":{},"\u0061cme":{}}}"#.to_string(),
+                "namespaces.acme",
+            ),
+            (
+                r#"{"allowed_origins":[],"mig":{"enabled":false},"allowed_origins":[]}"#
+                    .to_string(),
+                "allowed_origins",
+            ),
+        ];
+        for (json, path) in cases {
+            let e = parse(&json).expect_err(path);
+            assert_eq!(e.path, path, "{e}");
+            assert!(e.problem.contains("twice"), "{e}");
+        }
+        let e = parse(r#"{"namespaces":{"acme":{}}"#).expect_err("truncated");
+        assert!(e.problem.contains("invalid configuration"), "{e}");
     }
 }
