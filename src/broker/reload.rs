@@ -140,13 +140,15 @@ mod tests {
 
     const TOKEN_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     const TOKEN_B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+    /// Bob's own: no two participants may share a token.
+    const TOKEN_BOB: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
 
     fn base(extra_limits: &str, alice_token: &str, alice_perms: &str, more: &str) -> Config {
         config(&format!(
             r#"{{"limits": {{{extra_limits}}},
                 "namespaces": {{"acme": {{"participants": {{
                   "alice": {{"token_sha256": "{alice_token}", "permissions": {alice_perms}}},
-                  "bob": {{"token_sha256": "{TOKEN_A}"}}{more}
+                  "bob": {{"token_sha256": "{TOKEN_BOB}"}}{more}
                 }}}}}}}}"#
         ))
     }
