@@ -16,7 +16,8 @@
 //!
 //! The user JWT is always rebuilt from the current configuration, never copied from a
 //! presented JWT. Failures are throttled like `hello` (per client host and participant),
-//! and the error sent back never says which part was wrong.
+//! and the error sent back never says which part was wrong. At most
+//! `callout.max_requests_per_s` requests are looked at; past it the reply is empty.
 //!
 //! Sans-IO: [`Callout::handle`] takes the request message and returns the reply payload;
 //! the runtime subscribes to [`AUTH_CALLOUT_SUBJECT`] and publishes the payload to the
@@ -169,7 +170,7 @@ pub struct Callout {
     learned_servers: Vec<String>,
     /// `user_nkey` of each answered request that has not expired yet, with its `exp`.
     seen: HashMap<String, u64>,
-    /// Requests answered, at `callout.max_requests_per_s`; from the first request on.
+    /// Requests looked at, at most `callout.max_requests_per_s`; from the first one on.
     budget: Option<DebtBucket>,
 }
 
