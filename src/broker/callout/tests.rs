@@ -557,24 +557,33 @@ fn an_unknown_nkey_costs_the_same_signature_check_as_a_known_one() {
         std::hint::black_box(callout.handle(&w.config, None, &payload, w.start, NOW));
         t.elapsed()
     };
-    let (mut unknown, mut wrong) = (Vec::new(), Vec::new());
-    for _ in 0..31 {
-        unknown.push(time(&stranger));
-        wrong.push(time(&known));
-    }
-    // The fastest of each: other work on the machine only ever adds time, so the
-    // minimum is the cost itself (a median moved with the load of parallel tests).
-    let (u, k) = (
-        unknown.iter().min().copied().unwrap_or_default(),
-        wrong.iter().min().copied().unwrap_or_default(),
-    );
-    eprintln!("fastest refused callout: unknown nkey {u:?}, known nkey with a bad signature {k:?}");
+    let measure = || {
+        let (mut unknown, mut wrong) = (Vec::new(), Vec::new());
+        for _ in 0..31 {
+            unknown.push(time(&stranger));
+            wrong.push(time(&known));
+        }
+        // The fastest of each: other work on the machine only ever adds time, so the
+        // minimum is the cost itself (a median moved with the load of parallel tests).
+        (
+            unknown.iter().min().copied().unwrap_or_default(),
+            wrong.iter().min().copied().unwrap_or_default(),
+        )
+    };
     // Without the check an unknown key skips one of the three Ed25519 operations
-    // (request verify, nonce verify, response signature): about 0.6 of the time.
-    // The bound above is loose: a loaded machine (a parallel build) made the fastest of
-    // 31 unknown ones 1.27 times the known one once; the leak would be below, not above.
-    let ratio = u.as_secs_f64() / k.as_secs_f64();
-    assert!((0.85..1.5).contains(&ratio), "unknown {u:?} vs known {k:?}");
+    // (request verify, nonce verify, response signature): about 0.6 of the time, in
+    // every measurement. A loaded machine (parallel crypto-heavy tests) has put single
+    // measurements out of the loose bound either way, so one of three must be in it.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let (u, k) = measure();
+        let ratio = u.as_secs_f64() / k.as_secs_f64();
+        if (0.85..1.5).contains(&ratio) {
+            return;
+        }
+        seen.push(format!("unknown {u:?} vs known {k:?}"));
+    }
+    panic!("an unknown nkey is refused faster or slower than a known one: {seen:?}");
 }
 
 #[test]
