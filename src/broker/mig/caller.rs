@@ -70,6 +70,8 @@ pub struct Presented<'a> {
 pub struct Authenticator {
     throttle: HelloThrottle,
     seen: ReplayCache,
+    /// Ed25519 checks made (NKey signatures and issued JWTs): `amp_mig_verifications_total`.
+    verifications: u64,
 }
 
 impl Default for Authenticator {
@@ -88,7 +90,12 @@ impl Authenticator {
         Authenticator {
             throttle: HelloThrottle::new(config),
             seen: ReplayCache::default(),
+            verifications: 0,
         }
+    }
+
+    pub fn verifications(&self) -> u64 {
+        self.verifications
     }
 
     /// The participant name the request proves, or why not. A signed request's id is
@@ -163,6 +170,7 @@ impl Authenticator {
         if let Some(token) = value.strip_prefix("Bearer ") {
             let token = token.trim();
             if token.matches('.').count() == 2 {
+                self.verifications += 1;
                 return verify_jwt(config, issuer?, req.ns, token, wall_ms).map(unsigned);
             }
             return owner_presented(
@@ -186,6 +194,7 @@ impl Authenticator {
                 nkey,
                 sig: sig.trim(),
             };
+            self.verifications += 1;
             let name = who_signed(
                 config,
                 req.ns,

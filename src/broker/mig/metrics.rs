@@ -76,7 +76,8 @@ impl Metrics {
         *self.rejected.entry(reason).or_insert(0) += 1;
     }
 
-    pub fn render(&self, out: &mut String) {
+    /// `verifications`: the Ed25519 checks authentication made.
+    pub fn render(&self, out: &mut String, verifications: u64) {
         out.push_str("# HELP amp_mig_requests_total MIG requests answered, by operation, capability and code.\n");
         out.push_str("# TYPE amp_mig_requests_total counter\n");
         for ((op, cap, code), n) in &self.requests {
@@ -120,6 +121,9 @@ impl Metrics {
             "amp_mig_cancels_forwarded_total {}",
             self.forwarded_cancels
         );
+        out.push_str("# HELP amp_mig_verifications_total Ed25519 checks of MIG credentials (NKey signatures, issued JWTs).\n");
+        out.push_str("# TYPE amp_mig_verifications_total counter\n");
+        let _ = writeln!(out, "amp_mig_verifications_total {verifications}");
     }
 }
 
@@ -153,7 +157,7 @@ mod tests {
         m.request("invoke", "made-up", "MIG_UNAUTHORIZED", Duration::ZERO);
         m.request("invoke", "render.v2", "OK", Duration::ZERO);
         let mut out = String::new();
-        m.render(&mut out);
+        m.render(&mut out, 0);
         assert!(!out.contains("a\"b"), "{out}");
         assert!(!out.contains("made-up"), "{out}");
         assert!(

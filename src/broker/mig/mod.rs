@@ -273,7 +273,7 @@ impl Mig {
     }
 
     pub fn render_metrics(&self, out: &mut String) {
-        self.metrics.render(out);
+        self.metrics.render(out, self.auth.verifications());
     }
 
     /// A step of the wall clock was followed ([`Broker::observe_wall_clock`]).
