@@ -2307,14 +2307,21 @@ fn a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body() {
         sent += 1;
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Every copy is answered (to Ann's inbox, the reply subject Bob gave them).
+    // Every copy is refused: answered (to Ann's inbox, the reply subject Bob gave them),
+    // or, past a few such refusals a second, answered with nothing and counted.
     let mut answers = Vec::new();
+    let mut unanswered = 0;
     let all = common::wait_until(WAIT, || {
         let got = ann.call(json!({"cmd": "collected", "sub": "answers"}));
         answers = got["messages"].as_array().cloned().unwrap_or_default();
-        answers.len() >= sent
+        unanswered = refusals_unanswered(&w);
+        answers.len() + unanswered >= sent
     });
-    assert!(all, "{} of {sent} copies answered", answers.len());
+    assert!(
+        all,
+        "{} of {sent} copies answered, {unanswered} refused unanswered",
+        answers.len()
+    );
     let taken: Vec<&Value> = answers
         .iter()
         .filter(|a| a["body"]["accepted"] == true)
@@ -2333,6 +2340,16 @@ fn a_signed_publish_refused_for_pace_cannot_be_stored_with_another_body() {
         "Bob's body stored as Ann's event: {stored:?}; answers accepted: {taken:?}"
     );
     assert!(!events.is_empty(), "Ann's own events are stored: {page}");
+}
+
+/// Refusals of unproved requests every broker answered with nothing.
+fn refusals_unanswered(w: &World) -> usize {
+    w.brokers
+        .iter()
+        .filter_map(|b| {
+            common::amp::metric(b, "amp_mig_rejected_total{reason=\"refusal_unanswered\"}")
+        })
+        .sum::<f64>() as usize
 }
 
 /// `Authorization` of a request on `mig.v0_1.acme.<op>` signed by `key` with message id
@@ -2604,4 +2621,154 @@ fn a_task_record_write_the_store_refused_does_not_answer_an_invoke() {
     assert_eq!(stored["state"], "queued", "{stored}");
     let answer = alice.wait(&tag)["reply"].clone();
     assert_eq!(error_code(&answer), "MIG_TIMEOUT", "{answer}");
+}
+
+/// A NATS connection of `acme/<name>` (its token) with its reply prefix as inbox prefix,
+/// for sending more than the python client can.
+fn nats_as(w: &World, name: &str) -> amp_broker::nats::Client {
+    let options = amp_broker::nats::Options::new(&w.nats_url())
+        .with_user_password(&format!("acme/{name}"), &format!("{name}-token"))
+        .with_inbox_prefix(&format!("_INBOX_acme_{name}"));
+    amp_broker::nats::Client::connect(options).expect("connect")
+}
+
+/// `n` requests with a signature by nobody under `key` (an 86-character base64url
+/// string, as a real one is), a fresh timestamp and a reply subject in some made-up
+/// participant's prefix, each body padded to 4 KB after its header.
+fn forged_flood(nc: &mut amp_broker::nats::Client, key: impl Fn(usize) -> String, n: usize) {
+    let ts = now_rfc3339();
+    let pad = "p".repeat(4096);
+    for i in 0..n {
+        let mut h = amp_broker::nats::HeaderMap::new();
+        let auth = format!("NKey {} {}", key(i), "A".repeat(86));
+        h.insert("Authorization", &auth).expect("header");
+        let body = json!({"header": {"tenant_id": "acme", "message_id": format!("f{i}"),
+                          "timestamp": ts}, "payload": {"pad": pad}});
+        let reply = format!("_INBOX_acme_x{i}.x");
+        nc.publish(
+            "mig.v0_1.acme.hello",
+            Some(&reply),
+            Some(&h),
+            body.to_string().as_bytes(),
+        )
+        .expect("publish");
+    }
+    nc.flush(WAIT).expect("flush");
+}
+
+/// A request with the sender's token behind everything it sent: NATS keeps one
+/// connection's messages in order, so once it is answered the broker has taken all of them.
+fn answered_behind(nc: &mut amp_broker::nats::Client, name: &str) {
+    let mut h = amp_broker::nats::HeaderMap::new();
+    h.insert("Authorization", &format!("Bearer {name}-token"))
+        .expect("header");
+    let body = json!({"header": {"tenant_id": "acme"}}).to_string();
+    let r = nc
+        .request("mig.v0_1.acme.hello", Some(&h), body.as_bytes(), WAIT)
+        .expect("the broker answers behind the flood");
+    let v: Value = serde_json::from_slice(&r.payload).expect("json");
+    assert_eq!(v["selected_version"], "0.1", "{v}");
+}
+
+fn verifications(w: &World) -> u64 {
+    common::amp::metric(&w.brokers[0], "amp_mig_verifications_total").unwrap_or(-1.0) as u64
+}
+
+/// Every participant may publish MIG requests, and each request with an NKey
+/// `Authorization` cost an Ed25519 verification (and a parse of the whole body) whatever
+/// its key, its reply subject or how many came before: one client sending at full speed
+/// kept the broker's one thread verifying, until nats-server cut the broker's connection
+/// as a slow consumer. Verifications are now budgeted before any Ed25519 work, per key
+/// (`mig.verifications_per_key_per_s`, 200) and in all, and a key no participant has
+/// costs none.
+#[test]
+fn a_flood_of_forged_signatures_costs_a_bounded_number_of_verifications() {
+    let w = world(1);
+    let mut session = w.amp_client(0, "alice");
+    let mut carol = nats_as(&w, "carol");
+    let before = verifications(&w);
+    let started = Instant::now();
+    let ann = w.ann.public_key();
+    forged_flood(&mut carol, |_| ann.clone(), 10_000);
+    // The broker is still at it (or should be done with little): a WebSocket session is
+    // answered promptly all the same.
+    let ping = Instant::now();
+    let pong = session.request(json!({"op": "ping"}));
+    assert_eq!(pong["op"], "ok", "{pong}");
+    let ping_took = ping.elapsed();
+    answered_behind(&mut carol, "carol");
+    let elapsed = started.elapsed().as_secs_f64();
+    let spent = verifications(&w) - before;
+    let budget = (200.0 * (elapsed + 1.0)).ceil() as u64 + 1;
+    assert!(
+        spent <= budget,
+        "10,000 forged requests cost {spent} verifications in {elapsed:.1} s (budget {budget})"
+    );
+    assert!(
+        ping_took < Duration::from_secs(1),
+        "a ping took {ping_took:?}"
+    );
+
+    // A key no participant has is refused without a verification.
+    let keys: Vec<String> = (0..2000)
+        .map(|_| KeyPair::generate(KeyKind::User).expect("key").public_key())
+        .collect();
+    let before = verifications(&w);
+    forged_flood(&mut carol, |i| keys[i].clone(), keys.len());
+    answered_behind(&mut carol, "carol");
+    assert_eq!(verifications(&w), before, "unknown keys were verified");
+}
+
+/// A refusal before any credential is proved went to whatever reply subject the request
+/// named: anyone could put a stream of `MIG_UNAUTHORIZED` (then throttled
+/// `MIG_RATE_LIMITED`) answers, headers they chose echoed, into another participant's
+/// inbox. Such refusals are now answered at most a few a second per reply prefix.
+#[test]
+fn refusals_of_unproved_requests_are_not_a_stream_into_anothers_inbox() {
+    let w = world(1);
+    let mut bob = Mig::connect(&w, "bob");
+    bob.call(json!({"cmd": "subscribe", "sub": "inbox", "subject": "_INBOX_acme_bob.>"}));
+    let mut carol = nats_as(&w, "carol");
+    let started = Instant::now();
+    let mut h = amp_broker::nats::HeaderMap::new();
+    h.insert("Authorization", "Bearer not-bobs-token")
+        .expect("header");
+    for i in 0..200 {
+        let body = json!({"header": {"tenant_id": "acme", "message_id": format!("r{i}")}});
+        carol
+            .publish(
+                "mig.v0_1.acme.hello",
+                Some(&format!("_INBOX_acme_bob.r{i}")),
+                Some(&h),
+                body.to_string().as_bytes(),
+            )
+            .expect("publish");
+    }
+    answered_behind(&mut carol, "carol");
+    let elapsed = started.elapsed().as_secs_f64();
+    // The broker answered Carol after whatever it sent Bob, and `collected` flushes Bob's
+    // connection first: every refusal sent is in.
+    let got = bob.call(json!({"cmd": "collected", "sub": "inbox"}));
+    let refusals: Vec<&Value> = got["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .filter(|m| {
+                    m["subject"]
+                        .as_str()
+                        .and_then(|s| s.strip_prefix("_INBOX_acme_bob.r"))
+                        .is_some_and(|n| n.parse::<u32>().is_ok())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let budget = (5.0 * (elapsed + 1.0)).ceil() as usize + 1;
+    assert!(
+        refusals.len() <= budget,
+        "{} of 200 refusals reached Bob's inbox in {elapsed:.1} s (budget {budget})",
+        refusals.len()
+    );
+    // The first ones are answered as the spec has it.
+    assert!(!refusals.is_empty(), "no refusal was answered at all");
+    assert_eq!(error_code(&refusals[0]["body"]), "MIG_UNAUTHORIZED");
 }

@@ -65,7 +65,8 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: Option<&[String]>
     }
     // With MIG off nothing of it is granted. With it on: the broker authenticates each
     // MIG request and answers only under the caller's reply prefix, so publishing them
-    // lets a participant do nothing it could not do over WebSocket.
+    // lets a participant do nothing it could not do over WebSocket. Every participant
+    // gets them, so the work an unproved request costs is budgeted (mig::caller).
     if let Some(dlq) = mig {
         publish.extend(super::mig::subjects::request_publish_allow(ns));
         for t in &p.publish {

@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::broker::auth::{self, Credential};
+use crate::broker::bounded_map::BoundedMap;
 use crate::broker::config::Config;
+use crate::broker::rate_limit::DebtBucket;
 use crate::broker::scoped_jwt;
 use crate::broker::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 
@@ -42,6 +44,9 @@ pub enum Refusal {
     /// The replay cache is full and the caller holds as many of its ids as anyone: its
     /// oldest leaves the window in this long.
     Crowded(Duration),
+    /// The credential's key (or all keys) had its Ed25519 checks for now: it was not
+    /// checked; one could be in this long.
+    Busy(Duration),
 }
 
 /// Who a request proved, and the signed message id the front end takes at once.
@@ -57,9 +62,10 @@ pub struct Presented<'a> {
     pub subject: &'a str,
     pub reply: Option<&'a str>,
     pub authorization: Option<&'a str>,
-    /// The caller's own `message_id` and `timestamp` (signed requests need both).
-    pub message_id: Option<&'a str>,
-    pub timestamp: Option<&'a str>,
+    /// The caller's own `message_id` and `timestamp` (signed requests need both), read
+    /// from the body only for a signature about to be checked: nothing else of an
+    /// unproved request's body is worth reading.
+    pub signed_fields: &'a dyn Fn() -> Option<(String, String)>,
     /// The subject is one every subscriber of a topic receives, headers included (a
     /// PUBLISH shares the live events subject): a `Bearer` credential on it has been
     /// handed to them, so it proves nothing; only a signature (over this message's id
@@ -72,6 +78,11 @@ pub struct Authenticator {
     seen: ReplayCache,
     /// Ed25519 checks made (NKey signatures and issued JWTs): `amp_mig_verifications_total`.
     verifications: u64,
+    /// Ed25519 checks allowed, taken before each is made: any participant may publish MIG
+    /// requests, and without it one client sending forged signatures at full speed kept
+    /// the broker's one thread verifying until nats-server cut its connection as a slow
+    /// consumer.
+    budget: Budget,
 }
 
 impl Default for Authenticator {
@@ -91,6 +102,7 @@ impl Authenticator {
             throttle: HelloThrottle::new(config),
             seen: ReplayCache::default(),
             verifications: 0,
+            budget: Budget::default(),
         }
     }
 
@@ -115,7 +127,8 @@ impl Authenticator {
             // Only a listed participant's signature names its signer without an owner.
             let signer = req
                 .exposed
-                .then(|| self.prove(config, issuer, req, None, wall_ms))
+                .then(|| self.prove(config, issuer, req, None, now, wall_ms).ok())
+                .flatten()
                 .flatten();
             return Err(misdirected(signer));
         };
@@ -139,7 +152,9 @@ impl Authenticator {
         {
             return Err(Refusal::Throttled(d));
         }
-        let proved = self.prove(config, issuer, req, Some(owner), wall_ms);
+        let proved = self
+            .prove(config, issuer, req, Some(owner), now, wall_ms)
+            .map_err(Refusal::Busy)?;
         match (proved, throttled) {
             (Some(p), _) if p.name == owner => Ok(p),
             // A real credential with someone else's reply subject: answer nothing.
@@ -154,15 +169,19 @@ impl Authenticator {
 
     /// Who `req`'s credential proves; `owner` is the participant its reply subject names
     /// (a token is tried against it only, and without it only a signature proves anyone).
+    /// `Err`: an Ed25519 check was due and the budget had none left, for this long.
     fn prove(
         &mut self,
         config: &Config,
         issuer: Option<&str>,
         req: &Presented<'_>,
         owner: Option<&str>,
+        now: Instant,
         wall_ms: i64,
-    ) -> Option<Proved> {
-        let value = req.authorization?.trim();
+    ) -> Result<Option<Proved>, Duration> {
+        let Some(value) = req.authorization.map(str::trim) else {
+            return Ok(None);
+        };
         let unsigned = |name| Proved {
             name,
             signed_id: None,
@@ -170,49 +189,85 @@ impl Authenticator {
         if let Some(token) = value.strip_prefix("Bearer ") {
             let token = token.trim();
             if token.matches('.').count() == 2 {
+                // Only a participant's JWT proves anything, and a Bearer credential on a
+                // subject others receive proves nothing (`Refusal::Exposed`).
+                let (Some(issuer), Some(owner)) = (issuer, owner) else {
+                    return Ok(None);
+                };
+                if req.exposed || config.participant(req.ns, owner).is_none() {
+                    return Ok(None);
+                }
+                // The JWT names its holder only once verified: the reply prefix stands in.
+                self.spend(config, &format!("jwt {}/{owner}", req.ns), now)?;
                 self.verifications += 1;
-                return verify_jwt(config, issuer?, req.ns, token, wall_ms).map(unsigned);
+                return Ok(verify_jwt(config, issuer, req.ns, token, wall_ms).map(unsigned));
             }
-            return owner_presented(
-                config,
-                req.ns,
-                owner?,
-                &auth::present(Credential::Token(token), b""),
-            )
-            .map(unsigned);
-        }
-        if let Some(rest) = value.strip_prefix("NKey ") {
-            let (nkey, sig) = rest.trim().split_once(' ')?;
-            let (id, ts) = (req.message_id?, req.timestamp?);
-            let ts_ms = crate::rfc3339::parse_nanos(ts)? / 1_000_000;
-            let window = REPLAY_WINDOW.as_millis() as i128;
-            if (ts_ms - i128::from(wall_ms)).abs() > window {
-                return None;
-            }
-            let signed = format!("{id}\n{ts}\n{}", req.subject);
-            let credential = Credential::NKey {
-                nkey,
-                sig: sig.trim(),
+            let Some(owner) = owner else {
+                return Ok(None);
             };
-            self.verifications += 1;
-            let name = who_signed(
-                config,
-                req.ns,
-                owner,
-                &auth::present(credential, signed.as_bytes()),
-            )?;
-            // Only a fresh id proves this message; one seen already is refused as a
-            // failed proof (here, or in `take_signed`).
-            let key = format!("{}/{name}", req.ns);
-            if self.seen.holds(&key, id, wall_ms) {
-                return None;
-            }
-            return Some(Proved {
-                name,
-                signed_id: Some(id.to_string()),
-            });
+            let presented = auth::present(Credential::Token(token), b"");
+            return Ok(owner_presented(config, req.ns, owner, &presented).map(unsigned));
         }
-        None
+        let Some(rest) = value.strip_prefix("NKey ") else {
+            return Ok(None);
+        };
+        let Some((nkey, sig)) = rest.trim().split_once(' ') else {
+            return Ok(None);
+        };
+        // A key no participant has proves nobody: refused at the cost of a lookup. (The
+        // answer is the same either way; only the time tells whether a public key is
+        // configured, which is no secret.)
+        let Some(holder) = key_holder(config, req.ns, owner, nkey) else {
+            return Ok(None);
+        };
+        if !publishable(config, req, &holder) {
+            self.spend(config, &format!("nkey {nkey}"), now)?;
+        }
+        let Some((id, ts)) = (req.signed_fields)() else {
+            return Ok(None);
+        };
+        let Some(ts_nanos) = crate::rfc3339::parse_nanos(&ts) else {
+            return Ok(None);
+        };
+        let window = REPLAY_WINDOW.as_millis() as i128;
+        if (ts_nanos / 1_000_000 - i128::from(wall_ms)).abs() > window {
+            return Ok(None);
+        }
+        let signed = format!("{id}\n{ts}\n{}", req.subject);
+        let credential = Credential::NKey {
+            nkey,
+            sig: sig.trim(),
+        };
+        self.verifications += 1;
+        let Some(name) = who_signed(
+            config,
+            req.ns,
+            owner,
+            &auth::present(credential, signed.as_bytes()),
+        ) else {
+            return Ok(None);
+        };
+        // Only a fresh id proves this message; one seen already is refused as a
+        // failed proof (here, or in `take_signed`).
+        let key = format!("{}/{name}", req.ns);
+        if self.seen.holds(&key, &id, wall_ms) {
+            return Ok(None);
+        }
+        Ok(Some(Proved {
+            name,
+            signed_id: Some(id),
+        }))
+    }
+
+    /// Takes one Ed25519 check for `key` from the budget, or says when one could be made.
+    fn spend(&mut self, config: &Config, key: &str, now: Instant) -> Result<(), Duration> {
+        let m = &config.mig;
+        self.budget.take(
+            key,
+            m.verifications_per_key_per_s,
+            m.verifications_per_s,
+            now,
+        )
     }
 
     /// Takes the signed id of a request proved by `ns/name` once within the window, in a
@@ -380,6 +435,74 @@ fn who_signed(
     })
 }
 
+/// Who a signature by `nkey` would prove, found without checking it: the listed
+/// participant with that key, else the reply subject's owner when the namespace's `open`
+/// entry has it (as [`who_signed`] decides).
+fn key_holder(config: &Config, ns: &str, owner: Option<&str>, nkey: &str) -> Option<String> {
+    let namespace = config.namespaces.get(ns)?;
+    let listed = namespace
+        .participants
+        .iter()
+        .find(|(_, p)| p.nkey.as_deref() == Some(nkey))
+        .map(|(name, _)| name.clone());
+    listed.or_else(|| {
+        let owner = owner.filter(|o| !namespace.participants.contains_key(*o))?;
+        let open = namespace.open.as_ref()?.nkey.as_deref();
+        (open == Some(nkey)).then(|| owner.to_string())
+    })
+}
+
+/// Whether `req` is a PUBLISH that `holder`, the participant its key is, may make. Such a
+/// request reaches every subscriber of its topic, who may send it again with another body
+/// (the signature does not cover it): refused before its signature is checked, its id
+/// would not be used up, and the copy sent once the budget allows would be stored as
+/// `holder`'s event. So its check is never put off; any other request's copy is refused
+/// anyway (nobody else sees a request on any other subject).
+fn publishable(config: &Config, req: &Presented<'_>, holder: &str) -> bool {
+    use crate::broker::permissions::{Action, allows};
+    let Some((_, subjects::Op::Publish(topic))) = subjects::parse(req.subject) else {
+        return false;
+    };
+    req.exposed
+        && config
+            .participant(req.ns, holder)
+            .is_some_and(|p| allows(&p.permissions, Action::Publish, topic))
+}
+
+/// Work allowed a second in all and per key (a token bucket each, holding one second's
+/// worth), taken before the work is done.
+#[derive(Default)]
+pub struct Budget {
+    all: Option<DebtBucket>,
+    per_key: Option<BoundedMap<String, DebtBucket>>,
+}
+
+/// Keys whose buckets are remembered at once (the oldest forgotten first, full again).
+const BUDGET_KEYS: usize = 65_536;
+
+impl Budget {
+    /// Takes one for `key` (then from the whole), or says how long until it could. A key
+    /// refused takes nothing from the whole, so one key cannot use it up.
+    pub fn take(
+        &mut self,
+        key: &str,
+        per_key: u32,
+        all: u32,
+        now: Instant,
+    ) -> Result<(), Duration> {
+        let keys = self
+            .per_key
+            .get_or_insert_with(|| BoundedMap::new(BUDGET_KEYS));
+        keys.get_or_insert_with(key.to_string(), || DebtBucket::new(now))
+            .take(1.0, f64::from(per_key), now)
+            .map_err(Duration::from_millis)?;
+        self.all
+            .get_or_insert_with(|| DebtBucket::new(now))
+            .take(1.0, f64::from(all), now)
+            .map_err(Duration::from_millis)
+    }
+}
+
 /// The refusal of a request whose reply subject is not its prover's: nothing to answer,
 /// and a signed id to use up when `signer` proved one on a subject others receive.
 fn misdirected(signer: Option<Proved>) -> Refusal {
@@ -469,10 +592,14 @@ mod tests {
             subject: "mig.v0_1.acme.discover",
             reply: Some(reply),
             authorization: Some(authorization),
-            message_id: Some("m1"),
-            timestamp: Some("2026-12-01T00:00:00Z"),
+            signed_fields: &m1_now,
             exposed: false,
         }
+    }
+
+    /// The message id and timestamp of [`req`]'s message.
+    fn m1_now() -> Option<(String, String)> {
+        Some(("m1".into(), "2026-12-01T00:00:00Z".into()))
     }
 
     const NOW_MS: i64 = 1_796_083_200_000; // 2026-12-01T00:00:00Z
@@ -867,5 +994,122 @@ mod tests {
             ),
             (1, 1, 1, 1)
         );
+    }
+
+    /// Ed25519 checks are taken from a budget before they are made (per key, then in
+    /// all), and a key no participant has costs none.
+    #[test]
+    fn signatures_are_checked_within_a_budget_and_unknown_keys_not_at_all() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let mut c = config(&ann.public_key());
+        c.mig.verifications_per_key_per_s = 3;
+        c.mig.verifications_per_s = 5;
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let stranger = KeyPair::generate(KeyKind::User).expect("key");
+        let forged = |k: &KeyPair| format!("NKey {} {}", k.public_key(), "A".repeat(86));
+        for n in 0..100 {
+            let r = a.authenticate(
+                &c,
+                None,
+                &req(&format!("_INBOX_acme_s{n}.1"), &forged(&stranger)),
+                now,
+                NOW_MS,
+            );
+            assert_eq!(r, Err(Refusal::Unauthorized));
+        }
+        assert_eq!(a.verifications(), 0, "an unknown key was checked");
+        let refused: Vec<_> = (0..100)
+            .map(|n| {
+                a.authenticate(
+                    &c,
+                    None,
+                    &req(&format!("_INBOX_acme_x{n}.1"), &forged(&ann)),
+                    now,
+                    NOW_MS,
+                )
+            })
+            .collect();
+        assert_eq!(a.verifications(), 3);
+        assert!(
+            refused[3..]
+                .iter()
+                .all(|r| matches!(r, Err(Refusal::Busy(_)))),
+            "{refused:?}"
+        );
+        // Ann's key spent, the rest of the whole is left for another key.
+        let bob = KeyPair::generate(KeyKind::User).expect("key");
+        if let Some(p) = c
+            .namespaces
+            .get_mut("acme")
+            .and_then(|n| n.participants.get_mut("bob"))
+        {
+            p.nkey = Some(bob.public_key());
+        }
+        for _ in 0..3 {
+            let _ = a.authenticate(
+                &c,
+                None,
+                &req("_INBOX_acme_y.1", &forged(&bob)),
+                now,
+                NOW_MS,
+            );
+        }
+        assert_eq!(a.verifications(), 5);
+        // A second on, Ann's own signature passes again.
+        let later = now + Duration::from_secs(1);
+        assert_eq!(
+            a.admit(
+                &c,
+                None,
+                &req("_INBOX_acme_ann.1", &signed_by(&ann)),
+                later,
+                NOW_MS
+            ),
+            Ok("ann".into())
+        );
+    }
+
+    /// A PUBLISH reaches every subscriber of its topic: put off unchecked, its id would
+    /// stay free for a subscriber's copy with another body once the budget allows. So a
+    /// PUBLISH its key's participant may make is checked whatever the budget says.
+    #[test]
+    fn a_publish_its_signer_may_make_is_checked_whatever_the_budget() {
+        let ann = KeyPair::generate(KeyKind::User).expect("key");
+        let mut c = config(&ann.public_key());
+        c.mig.verifications_per_key_per_s = 1;
+        c.mig.verifications_per_s = 1;
+        if let Some(p) = c
+            .namespaces
+            .get_mut("acme")
+            .and_then(|n| n.participants.get_mut("ann"))
+        {
+            p.permissions.publish = vec!["chat.>".into()];
+        }
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let forged = format!("NKey {} {}", ann.public_key(), "A".repeat(86));
+        let _ = a.authenticate(&c, None, &req("_INBOX_acme_x.1", &forged), now, NOW_MS);
+        assert!(matches!(
+            a.authenticate(&c, None, &req("_INBOX_acme_x.2", &forged), now, NOW_MS),
+            Err(Refusal::Busy(_))
+        ));
+        let publish = |subject: &'static str, authorization: &str, a: &mut Authenticator| {
+            let mut r = req("_INBOX_acme_ann.1", authorization);
+            r.subject = subject;
+            r.exposed = true;
+            a.admit(&c, None, &r, now, NOW_MS)
+        };
+        let subject = "mig.v0_1.acme.events.chat.room";
+        let signed = format!("m1\n2026-12-01T00:00:00Z\n{subject}");
+        let sig =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(ann.sign(signed.as_bytes()));
+        let auth = format!("NKey {} {sig}", ann.public_key());
+        assert_eq!(publish(subject, &auth, &mut a), Ok("ann".into()));
+        // One she may not make would be refused all the same: it waits for the budget.
+        assert!(matches!(
+            publish("mig.v0_1.acme.events.other", &forged, &mut a),
+            Err(Refusal::Busy(_))
+        ));
     }
 }

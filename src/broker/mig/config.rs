@@ -23,6 +23,16 @@ pub struct MigSettings {
     /// Signed message ids one broker remembers within the replay window (every tenant's
     /// NKey callers share them fairly).
     pub max_signed_ids: usize,
+    /// Ed25519 checks of MIG credentials (NKey signatures, issued JWTs) one broker makes a
+    /// second, in all; past it a request is refused `MIG_RATE_LIMITED` unchecked.
+    pub verifications_per_s: u32,
+    /// The same for one presented key (an issued JWT: one reply prefix).
+    pub verifications_per_key_per_s: u32,
+    /// Refusals of requests that proved nobody (their reply subject is anyone's choice)
+    /// answered a second, in all; past it they are answered with nothing.
+    pub refusals_per_s: u32,
+    /// The same for one reply prefix.
+    pub refusals_per_prefix_per_s: u32,
 }
 
 impl Default for MigSettings {
@@ -34,6 +44,10 @@ impl Default for MigSettings {
             max_pending: 4096,
             max_claims_per_caller: 8192,
             max_signed_ids: 65_536,
+            verifications_per_s: 2000,
+            verifications_per_key_per_s: 200,
+            refusals_per_s: 1000,
+            refusals_per_prefix_per_s: 5,
         }
     }
 }
@@ -121,6 +135,17 @@ pub fn validate_settings(s: &MigSettings) -> Result<(), ConfigError> {
         1_000_000,
     )?;
     within("mig.max_signed_ids", s.max_signed_ids, 1, 1_048_576)?;
+    for (path, value) in [
+        ("mig.verifications_per_s", s.verifications_per_s),
+        (
+            "mig.verifications_per_key_per_s",
+            s.verifications_per_key_per_s,
+        ),
+        ("mig.refusals_per_s", s.refusals_per_s),
+        ("mig.refusals_per_prefix_per_s", s.refusals_per_prefix_per_s),
+    ] {
+        within(path, value, 1, 1_000_000)?;
+    }
     Ok(())
 }
 

@@ -187,6 +187,65 @@ fn string_field<'a>(h: &'a Map<String, Value>, name: &str) -> Result<Option<&'a 
     }
 }
 
+/// How far into a body its `header` is looked for before the request proves anyone.
+pub const PEEK_BYTES: usize = 16 * 1024;
+
+/// A body holding only the `header` member of `payload` (none when it has none), read
+/// without the rest: before a credential is proved only the header is of use (a
+/// signature's id and time, the echo of a refusal), and parsing a whole body of up to
+/// the server's max_payload for each of a flood of forged requests was work anyone
+/// could make the broker do. Reading stops after the header and never goes past
+/// [`PEEK_BYTES`]; `None` when the body is no JSON object or its header does not end
+/// within them (put `header` first in a large body).
+pub fn peek_header(payload: &[u8]) -> Option<Map<String, Value>> {
+    use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
+
+    /// Whether a member's name is `header`, read without keeping it.
+    struct IsHeader(bool);
+    impl<'de> serde::Deserialize<'de> for IsHeader {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Name;
+            impl Visitor<'_> for Name {
+                type Value = IsHeader;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a member name")
+                }
+                fn visit_str<E>(self, v: &str) -> Result<IsHeader, E> {
+                    Ok(IsHeader(v == "header"))
+                }
+            }
+            d.deserialize_str(Name)
+        }
+    }
+
+    struct Seek<'s>(&'s mut Option<Map<String, Value>>);
+    impl<'de> Visitor<'de> for Seek<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut body = Map::new();
+            while let Some(IsHeader(header)) = map.next_key()? {
+                if header {
+                    body.insert("header".into(), map.next_value()?);
+                    break;
+                }
+                map.next_value::<IgnoredAny>()?;
+            }
+            *self.0 = Some(body);
+            Ok(())
+        }
+    }
+
+    let window = payload.get(..PEEK_BYTES).unwrap_or(payload);
+    let mut found = None;
+    // Stopping after the header leaves the object unclosed, which the deserializer then
+    // reports: what was found before is all that is wanted.
+    let _ = serde_json::Deserializer::from_slice(window).deserialize_map(Seek(&mut found));
+    found
+}
+
 /// Reads `body.header`, taking absent fields from the NATS headers of the same names, and
 /// refusing a NATS header that disagrees with the JSON one.
 pub fn parse_header(
@@ -436,5 +495,28 @@ mod tests {
         assert_eq!(v["code"], "MIG_RATE_LIMITED");
         assert_eq!(v["details"]["retry_after_ms"], 20);
         assert_eq!(v["details"]["amp_code"], "rate_limited");
+    }
+
+    #[test]
+    fn the_header_is_read_without_the_rest_of_the_body() {
+        let header = json!({"tenant_id": "acme", "message_id": "m1"});
+        // Not read past the header: what follows may be anything.
+        let body = format!(r#"{{"header": {header}, "payload": {{"x": [1, 2"#);
+        let got = peek_header(body.as_bytes()).expect("a header");
+        assert_eq!(got.get("header"), Some(&header));
+        let after = format!(r#"{{"a": 1, "header": {header}}}"#);
+        assert_eq!(
+            peek_header(after.as_bytes()).and_then(|b| b.get("header").cloned()),
+            Some(header.clone())
+        );
+        assert_eq!(peek_header(br#"{"a": 1}"#), Some(Map::new()));
+        assert_eq!(peek_header(b"[1]"), None);
+        assert_eq!(peek_header(b"nope"), None);
+        // Past the window: not found.
+        let late = format!(
+            r#"{{"pad": "{}", "header": {header}}}"#,
+            "p".repeat(PEEK_BYTES)
+        );
+        assert_eq!(peek_header(late.as_bytes()), None);
     }
 }

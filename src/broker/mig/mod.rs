@@ -22,6 +22,7 @@ pub mod subjects;
 #[cfg(test)]
 mod tests;
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,7 @@ use super::timers::Later;
 use crate::amp::frame::ClientFrame;
 use crate::nats::{Connection, Message, RequestError, Sid};
 
-use caller::{Authenticator, Presented, Refusal};
+use caller::{Authenticator, Budget, Presented, Refusal};
 use cancel::{CancelRequest, cancel_frame};
 use envelope::{Code, Echo, HeaderError, MigError};
 use invoke::{Invocation, Stage};
@@ -164,6 +165,8 @@ pub struct Mig {
     /// Each caller's pace (`ns/name`): MIG requests come on NATS, past the WebSocket
     /// frame limiter, so they are paced here the same way.
     pace: BoundedMap<String, Pace>,
+    /// Answers to refusals of requests that proved nobody, per reply prefix and in all.
+    refusals: Budget,
 }
 
 /// A caller's request buckets: requests at `limits.max_frames_per_s`, and the
@@ -217,6 +220,7 @@ impl Mig {
             live: Vec::new(),
             later: Later::default(),
             pace: BoundedMap::new(PACE_MEMORY),
+            refusals: Budget::default(),
         })
     }
 
@@ -501,44 +505,31 @@ impl Mig {
             // A delivered event (ours or anyone's) shares the subject: not a request.
             return;
         }
-        let body: Option<Map<String, Value>> = match serde_json::from_slice(&msg.payload) {
-            Ok(Value::Object(m)) => Some(m),
-            _ => None,
+        let Some(reply) = msg.reply.as_deref() else {
+            self.metrics.rejected("no_reply_subject");
+            return;
         };
-        let header = body
-            .as_ref()
-            .map(|b| envelope::parse_header(b, msg.headers.as_ref(), || self.ids.next_id()));
-        let (message_id, timestamp) = match &header {
-            Some(Ok(h)) => (
-                h.message_id_given.then_some(h.message_id.as_str()),
-                h.timestamp.as_deref(),
-            ),
-            _ => (None, None),
+        // Only the header is read before a credential is proved, and only when needed
+        // (a signature's id and time, a refusal's echo): the whole body after.
+        let peeked = OnceCell::new();
+        let peek = || peeked.get_or_init(|| envelope::peek_header(&msg.payload));
+        let signed_fields = || {
+            let h = envelope::parse_header(peek().as_ref()?, msg.headers.as_ref(), String::new);
+            let h = h.ok().filter(|h| h.message_id_given)?;
+            Some((h.message_id, h.timestamp?))
         };
         let presented = Presented {
             ns,
             subject: &msg.subject,
-            reply: msg.reply.as_deref(),
+            reply: Some(reply),
             authorization: msg.headers.as_ref().and_then(|h| h.get("Authorization")),
-            message_id,
-            timestamp,
+            signed_fields: &signed_fields,
             exposed: matches!(op, subjects::Op::Publish(_)),
         };
         let wall = self.wall_ms(now);
         let verdict =
             self.auth
                 .authenticate(ctx.config, self.issuer.as_deref(), &presented, now, wall);
-        let Some(reply) = msg.reply.as_deref() else {
-            self.metrics.rejected("no_reply_subject");
-            return;
-        };
-        let mut echo = Echo {
-            tenant_id: ns.to_string(),
-            ..Echo::default()
-        };
-        if let Some(Ok(h)) = &header {
-            echo = Echo::of(h);
-        }
         // Only a capability the tenant has is a label: any other name from the subject
         // (answered `MIG_UNSUPPORTED_CAPABILITY`, or refused before a credential was
         // proved) would fill the series with a caller's choice.
@@ -546,20 +537,43 @@ impl Mig {
             subjects::Op::Invoke(c) if offers(ctx.config, ns, c) => c,
             _ => "",
         };
-        let answer = Answer {
-            reply,
-            echo: &echo,
-            op: op.label(),
-            capability,
-            received: now,
-        };
         let proved = match verdict {
             Ok(p) => p,
             Err(refusal) => {
                 if let Refusal::Misdirected { name, id } = &refusal {
                     self.use_up_dropped(conn, ctx.config, events::Signed { ns, name, id }, now);
                 }
-                return self.refused(conn, &answer, refusal, now);
+                let Some(e) = self.refusal_error(refusal) else {
+                    return;
+                };
+                // Its reply subject is anyone's choice: a few such answers a second go to
+                // one prefix, so nobody streams refusals into another's inbox.
+                let owner = subjects::reply_owner(ns, reply).unwrap_or_default();
+                let m = &ctx.config.mig;
+                let key = format!("{ns}/{owner}");
+                let budget = (m.refusals_per_prefix_per_s, m.refusals_per_s);
+                if self.refusals.take(&key, budget.0, budget.1, now).is_err() {
+                    self.metrics.rejected("refusal_unanswered");
+                    return;
+                }
+                let echo = match peek()
+                    .as_ref()
+                    .map(|b| envelope::parse_header(b, msg.headers.as_ref(), || self.ids.next_id()))
+                {
+                    Some(Ok(h)) => Echo::of(&h),
+                    _ => Echo {
+                        tenant_id: ns.to_string(),
+                        ..Echo::default()
+                    },
+                };
+                let answer = Answer {
+                    reply,
+                    echo: &echo,
+                    op: op.label(),
+                    capability,
+                    received: now,
+                };
+                return self.respond(conn, &answer, Err(e), now);
             }
         };
         let name = proved.name;
@@ -573,6 +587,27 @@ impl Mig {
                 id,
             }),
             _ => None,
+        };
+        let body: Option<Map<String, Value>> = match serde_json::from_slice(&msg.payload) {
+            Ok(Value::Object(m)) => Some(m),
+            _ => None,
+        };
+        let header = body
+            .as_ref()
+            .map(|b| envelope::parse_header(b, msg.headers.as_ref(), || self.ids.next_id()));
+        let mut echo = Echo {
+            tenant_id: ns.to_string(),
+            ..Echo::default()
+        };
+        if let Some(Ok(h)) = &header {
+            echo = Echo::of(h);
+        }
+        let answer = Answer {
+            reply,
+            echo: &echo,
+            op: op.label(),
+            capability,
+            received: now,
         };
         // A verified signature's id is used up at once, before anything can refuse its
         // request: a copy sent later (the caller's resend, or a subscriber's with its own
@@ -617,6 +652,16 @@ impl Mig {
                 return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
             }
         };
+        // The signature was checked against the first `header` of the body; a second one
+        // (JSON keeps the last) would have the request go on under another id.
+        if proved
+            .signed_id
+            .as_ref()
+            .is_some_and(|id| *id != header.message_id)
+        {
+            let e = MigError::new(Code::InvalidRequest, "the body has more than one header");
+            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+        }
         if header.tenant_id != ns {
             let e = MigError::new(
                 Code::Forbidden,
@@ -675,13 +720,6 @@ impl Mig {
         self.respond(conn, &answer, result, now);
     }
 
-    /// Answers a request whose credential did not pass (or nothing, for `Drop`).
-    fn refused(&mut self, conn: &mut Connection, answer: &Answer<'_>, r: Refusal, now: Instant) {
-        if let Some(e) = self.refusal_error(r) {
-            self.respond(conn, answer, Err(e), now);
-        }
-    }
-
     /// The answer to a refusal of authentication (none for `Drop`, only counted).
     fn refusal_error(&mut self, r: Refusal) -> Option<MigError> {
         Some(match r {
@@ -703,6 +741,14 @@ impl Mig {
             }
             Refusal::Throttled(d) => MigError::new(Code::RateLimited, "too many failed attempts")
                 .detail("retry_after_ms", json!(millis(d))),
+            Refusal::Busy(d) => {
+                self.metrics.rejected("verification_budget");
+                MigError::new(
+                    Code::RateLimited,
+                    "too many credentials to check: try again later",
+                )
+                .detail("retry_after_ms", json!(millis(d)))
+            }
             Refusal::Crowded(d) => {
                 self.metrics.rejected("replay_cache_share");
                 MigError::new(
