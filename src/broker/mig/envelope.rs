@@ -187,16 +187,14 @@ fn string_field<'a>(h: &'a Map<String, Value>, name: &str) -> Result<Option<&'a 
     }
 }
 
-/// How far into a body its `header` is looked for before the request proves anyone.
-pub const PEEK_BYTES: usize = 16 * 1024;
-
 /// A body holding only the `header` member of `payload` (none when it has none), read
 /// without the rest: before a credential is proved only the header is of use (a
-/// signature's id and time, the echo of a refusal), and parsing a whole body of up to
+/// signature's id and time, the echo of a refusal), and building the whole body of up to
 /// the server's max_payload for each of a flood of forged requests was work anyone
-/// could make the broker do. Reading stops after the header and never goes past
-/// [`PEEK_BYTES`]; `None` when the body is no JSON object or its header does not end
-/// within them (put `header` first in a large body).
+/// could make the broker do. Reading stops after the header; members before it are
+/// skipped without being kept, so a body costs no more than the bytes NATS brought (JSON
+/// does not order members: a client may put `header` anywhere). `None` when the body is
+/// no JSON object or breaks off before its header ends.
 pub fn peek_header(payload: &[u8]) -> Option<Map<String, Value>> {
     use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
 
@@ -238,11 +236,10 @@ pub fn peek_header(payload: &[u8]) -> Option<Map<String, Value>> {
         }
     }
 
-    let window = payload.get(..PEEK_BYTES).unwrap_or(payload);
     let mut found = None;
     // Stopping after the header leaves the object unclosed, which the deserializer then
     // reports: what was found before is all that is wanted.
-    let _ = serde_json::Deserializer::from_slice(window).deserialize_map(Seek(&mut found));
+    let _ = serde_json::Deserializer::from_slice(payload).deserialize_map(Seek(&mut found));
     found
 }
 
@@ -512,11 +509,14 @@ mod tests {
         assert_eq!(peek_header(br#"{"a": 1}"#), Some(Map::new()));
         assert_eq!(peek_header(b"[1]"), None);
         assert_eq!(peek_header(b"nope"), None);
-        // Past the window: not found.
+        // Anywhere in a large body.
         let late = format!(
             r#"{{"pad": "{}", "header": {header}}}"#,
-            "p".repeat(PEEK_BYTES)
+            "p".repeat(1 << 20)
         );
-        assert_eq!(peek_header(late.as_bytes()), None);
+        assert_eq!(
+            peek_header(late.as_bytes()).and_then(|b| b.get("header").cloned()),
+            Some(header.clone())
+        );
     }
 }
