@@ -5,8 +5,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::NatsServer;
 use common::amp::{Broker, Client, http_get, open_config};
+use common::{NatsServer, wait_until};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -115,4 +115,34 @@ fn a_killed_broker_loses_nothing_acknowledged_and_redelivers_what_was_not_acked(
         again, unacked,
         "every unacknowledged message comes again, no acknowledged one does"
     );
+}
+
+#[test]
+fn a_broker_restarted_at_once_under_the_same_id_still_watches_the_registry() {
+    // The registry watch's consumer was named after the broker id and namespace only. A
+    // broker killed and started again under the same id (systemd's restart, a
+    // StatefulSet's pod) found its last process's consumer still there (it lives 15 s
+    // without interest), was refused its own create, and stopped watching for good:
+    // `who` and `watch` knew nobody on other brokers for the life of the process.
+    let nats = NatsServer::start();
+    let config = open_config(&["w", "p"]);
+    let other = Broker::start_with(&nats.url(), &config, &["--broker-id", "b2"]);
+    let _p = Client::login(&other, "acme", "p", "p-token");
+    let mut first = Broker::start_with(&nats.url(), &config, &["--broker-id", "b1"]);
+    let mut w = Client::login(&first, "acme", "w", "w-token");
+    assert!(wait_until(WAIT, || lists(&mut w, "p")), "p is on broker b2");
+    first.kill();
+    let again = Broker::start_with(&nats.url(), &config, &["--broker-id", "b1"]);
+    let mut w = Client::login(&again, "acme", "w", "w-token");
+    assert!(
+        wait_until(WAIT, || lists(&mut w, "p")),
+        "the restarted broker never learnt of p on b2"
+    );
+}
+
+fn lists(c: &mut Client, name: &str) -> bool {
+    let who = c.request(json!({"op":"who"}));
+    who["participants"]
+        .as_array()
+        .is_some_and(|ps| ps.iter().any(|p| p["name"] == name))
 }

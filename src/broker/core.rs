@@ -625,7 +625,10 @@ impl Broker {
         let namespaces: Vec<String> = self.config.namespaces.keys().cloned().collect();
         for ns in namespaces {
             let prefix = conn.new_inbox();
-            let base = format!("amp_registry_{}_{ns}", self.broker_id);
+            // The process's incarnation too: a broker started again at once under the
+            // same id finds its last process's consumer still there (it outlives its
+            // subscriber by up to 15 s) and would be refused its own.
+            let base = format!("amp_registry_{}_{}_{ns}", self.broker_id, self.incarnation);
             let ttl = self.config.limits.registry_ttl_s;
             let registry = Registry::new(&ns, self.config.js_api(&ns), &prefix, &base, ttl, now)
                 .map_err(|e| format!("registry watch of {ns}: {e}"))?;
