@@ -12,8 +12,6 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-
 use super::admission::Admission;
 use super::api_queue::{ApiQueue, Lane};
 use super::auth::{self, Credential};
@@ -126,6 +124,9 @@ pub struct Footprint {
     pub topic_requests: usize,
     /// `watch` snapshots not yet all sent.
     pub presence_snapshots: usize,
+    /// Participants whose registry section this broker keeps track of (present here, or
+    /// its removal still out).
+    pub registry_sections: usize,
     /// Offer watches of the jobs engine (one per task offered here and not yet settled).
     pub offer_watches: usize,
     pub timers: usize,
@@ -233,15 +234,9 @@ struct Presence {
     /// every message the inbox still keeps once more.
     inbox_seen: u64,
     inbox_from: Option<u64>,
-    /// Whether its registry entry was written (else its end deletes nothing), and
-    /// whether a change waits for `REGISTRY_WRITE_GAP` to pass (`Timer::RegistryFlush`).
-    registry_written: bool,
+    /// Whether a change of its registry entry waits for `REGISTRY_WRITE_GAP` to pass
+    /// (`Timer::RegistryFlush`).
     registry_due: bool,
-    /// The revision of its entry's last write here, once JetStream acknowledged it and
-    /// while no later write is out: its end deletes only that revision, never another
-    /// broker's later write (see `registry_delete`). Writes are numbered to tell.
-    registry_revision: Option<u64>,
-    registry_writes: u32,
 }
 
 /// Whose pull loop a check timer is for.
@@ -262,8 +257,11 @@ enum Pending {
     AckSync { session: SessionId, re: String },
     /// The inbox consumer of a participant was created or found.
     InboxConsumer { participant: String },
-    /// A registry entry write; failures are logged, the next refresh retries.
-    RegistryPut { participant: String, write: u32 },
+    /// A compare-and-set write of this broker's section of a participant's registry
+    /// entry; failures other than a refusal are logged, the next refresh retries.
+    RegistryWrite { participant: String },
+    /// A read of a participant's registry entry after a write was refused.
+    RegistryRead { participant: String },
     /// A request of a namespace's registry watch.
     Watch { ns: String, kind: WatchRequestKind },
     /// A read or compare-and-set write of a participant's task budget.
@@ -324,7 +322,8 @@ impl Pending {
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
             Pending::StreamState { .. } => NatsOp::StreamInfo,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
-            Pending::RegistryPut { .. } => NatsOp::KvPut,
+            Pending::RegistryWrite { .. } => NatsOp::KvPut,
+            Pending::RegistryRead { .. } => NatsOp::KvGet,
             Pending::Budget { op } => match op.kind {
                 KvOpKind::Get => NatsOp::KvGet,
                 KvOpKind::Write { .. } => NatsOp::KvPut,
@@ -502,6 +501,9 @@ pub struct Broker {
     inbox_retrying: HashMap<String, Instant>,
     /// When each participant's registry entry was last written or deleted here.
     registry_last: BoundedMap<String, Instant>,
+    /// Where this broker's section of each participant's entry stands: one for each
+    /// participant present here, and one for each whose last write is still out.
+    registry_sections: HashMap<String, registry::SectionState>,
     /// The MIG/NATS front end over the same jobs.
     mig: super::mig::Mig,
     /// Wall time at each `now` (timestamps, JWT times, budget windows).
@@ -580,6 +582,7 @@ impl Broker {
             refreshing: HashSet::new(),
             inbox_retrying: HashMap::new(),
             registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
+            registry_sections: HashMap::new(),
             mig,
             clock,
             ids: root.derive("core"),
@@ -765,6 +768,7 @@ impl Broker {
             in_flight: self.continuations.in_flight(),
             topic_requests: self.api.backlog(),
             presence_snapshots: self.snapshots.len(),
+            registry_sections: self.registry_sections.len(),
             offer_watches: self.jobs.offer_watches(),
             timers: self.timers.armed(),
             held_submits: self.held_submits.values().map(Vec::len).sum(),
@@ -984,19 +988,15 @@ impl Broker {
                 }
                 self.send_inbox_creates(conn, now);
             }
-            Pending::RegistryPut { participant, write } => match reply {
-                Ok(m) => {
-                    if let Ok(ack) = parse_pub_ack(m.status(), &m.payload)
-                        && let Some(p) = self.presence.get_mut(&participant)
-                        && p.registry_writes == write
-                    {
-                        p.registry_revision = Some(ack.seq);
-                    }
-                }
-                Err(e) => {
-                    log::warn!(participant:% = participant; "registry put unanswered: {e}")
-                }
-            },
+            Pending::RegistryWrite { participant } => {
+                let ack = reply
+                    .map_err(|e| JsError::Transport(e.to_string()))
+                    .and_then(|m| parse_pub_ack(m.status(), &m.payload));
+                self.registry_written(conn, participant, ack.map(|a| a.seq), now)
+            }
+            Pending::RegistryRead { participant } => {
+                self.registry_read(conn, participant, reply, now)
+            }
             Pending::SubLookup { to, config } => self.sub_lookup_done(conn, to, config, reply, now),
             Pending::SubConsumer(to) => self.sub_consumer_done(conn, to, reply, now),
             Pending::SubReset {
@@ -1563,6 +1563,8 @@ fn base64_url(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     //! The core on an injected clock and a fixed seed: no OS clock, no OS randomness.
+
+    use serde_json::{Value, json};
 
     use super::*;
     use crate::nats::Options;

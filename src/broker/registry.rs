@@ -3,6 +3,13 @@
 //! `up` / `update` / `down`. Entries of every broker sharing the JetStream appear here;
 //! a broker that dies stops refreshing its keys, and their TTL expiry markers read as
 //! `down`.
+//!
+//! One key per participant serves every broker: the value is the entry clients see plus
+//! `brokers`, each broker's section (what its sessions of the participant serve, and
+//! until when the section stands unless that broker writes it again). Brokers change
+//! only their own section, by compare-and-set, and the entry shown sums them, so a
+//! participant on two brokers is one entry that goes `down` only when its last session
+//! on either ends.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -34,6 +41,160 @@ impl Serving {
     }
 }
 
+/// The most brokers' sections one entry keeps. A participant is on no more brokers than
+/// share the namespace; past this a broker leaves its own out (the entry still shows the
+/// participant, without what its sessions there serve) rather than grow the value.
+pub const MAX_SECTIONS: usize = 64;
+
+/// One broker's part of a participant's entry.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Section {
+    /// Unix milliseconds after which any broker's next write drops it: its broker died
+    /// or lost its way to NATS without removing it.
+    pub until: i64,
+    #[serde(default)]
+    pub since: String,
+    #[serde(default)]
+    pub serve: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub load: BTreeMap<String, u64>,
+    /// Left out when the same as the entry's: labels are up to about 21 KB, and one
+    /// participant's sessions nearly always say the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+/// An entry's value as brokers write it; brokers of earlier releases wrote no `brokers`.
+#[derive(Default, serde::Deserialize)]
+struct Written {
+    #[serde(default)]
+    broker: String,
+    #[serde(default)]
+    since: String,
+    #[serde(default)]
+    serve: BTreeMap<String, u64>,
+    #[serde(default)]
+    load: BTreeMap<String, u64>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+}
+
+/// A value as stored: the entry shown to clients (the value without `brokers`) and the
+/// `brokers` member's text, if any. None when the value is not JSON.
+pub fn split(value: &[u8]) -> Option<(Entry, Option<Entry>)> {
+    let mut parsed: serde_json::Value = serde_json::from_slice(value).ok()?;
+    let brokers = parsed
+        .as_object_mut()
+        .and_then(|o| o.remove("brokers"))
+        .and_then(|b| serde_json::value::to_raw_value(&b).ok());
+    let shown = serde_json::value::to_raw_value(&parsed).ok()?;
+    Some((shown, brokers))
+}
+
+/// The sections of a stored value. One an earlier release wrote (no `brokers`) is one
+/// section of the broker it names, standing a TTL from when it was written.
+pub fn sections_of(
+    shown: &RawValue,
+    brokers: Option<&RawValue>,
+    written_ms: i64,
+    ttl_ms: i64,
+) -> BTreeMap<String, Section> {
+    let entry: Written = serde_json::from_str(shown.get()).unwrap_or_default();
+    let Some(brokers) = brokers else {
+        if entry.broker.is_empty() {
+            return BTreeMap::new();
+        }
+        let section = Section {
+            until: written_ms.saturating_add(ttl_ms),
+            since: entry.since,
+            serve: entry.serve,
+            load: entry.load,
+            labels: Some(entry.labels),
+        };
+        return BTreeMap::from([(entry.broker, section)]);
+    };
+    let mut sections: BTreeMap<String, Section> =
+        serde_json::from_str(brokers.get()).unwrap_or_default();
+    for section in sections.values_mut() {
+        section.labels.get_or_insert_with(|| entry.labels.clone());
+    }
+    sections
+}
+
+/// What a broker writes to make a participant's value hold `mine` as its section.
+#[derive(Debug, PartialEq)]
+pub enum Composed {
+    Put(String),
+    /// Its section was the last one standing.
+    Delete,
+    /// Nothing of it to remove.
+    Nothing,
+    /// [`MAX_SECTIONS`] other brokers hold sections.
+    Full,
+}
+
+/// `sections` (as stored) with `me`'s section replaced by `mine` (removed with `None`)
+/// and those past their `until` dropped; the entry shown sums what the sections serve,
+/// has the earliest `since`, and the `broker` and `labels` of the latest session.
+pub fn compose(
+    name: &str,
+    mut sections: BTreeMap<String, Section>,
+    me: &str,
+    mine: Option<Section>,
+    now_ms: i64,
+) -> Composed {
+    let had_mine = sections.remove(me).is_some();
+    sections.retain(|_, s| s.until > now_ms);
+    match mine {
+        None if !had_mine => return Composed::Nothing,
+        None if sections.is_empty() => return Composed::Delete,
+        None => {}
+        Some(_) if sections.len() >= MAX_SECTIONS => return Composed::Full,
+        Some(mine) => {
+            sections.insert(me.to_string(), mine);
+        }
+    }
+    let mut serve: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut load: BTreeMap<&str, u64> = BTreeMap::new();
+    for section in sections.values() {
+        for (job, n) in &section.serve {
+            let sum = serve.entry(job).or_default();
+            *sum = sum.saturating_add(*n);
+        }
+        for (job, n) in &section.load {
+            let sum = load.entry(job).or_default();
+            *sum = sum.saturating_add(*n);
+        }
+    }
+    let since = sections.values().map(|s| s.since.as_str()).min();
+    let latest = sections
+        .iter()
+        .max_by(|a, b| (&a.1.since, a.0).cmp(&(&b.1.since, b.0)));
+    let (broker, labels) = match latest {
+        Some((broker, s)) => (broker.clone(), s.labels.clone().unwrap_or_default()),
+        None => (String::new(), BTreeMap::new()),
+    };
+    let value = serde_json::json!({
+        "name": name,
+        "serve": serve,
+        "load": load,
+        "labels": labels,
+        "since": since,
+        "broker": broker,
+        "brokers": sections
+            .iter()
+            .map(|(id, s)| {
+                let mut s = s.clone();
+                if s.labels.as_ref() == Some(&labels) {
+                    s.labels = None;
+                }
+                (id.clone(), s)
+            })
+            .collect::<BTreeMap<_, _>>(),
+    });
+    Composed::Put(value.to_string())
+}
+
 /// A change the watching sessions of this namespace are told about.
 #[derive(Debug, Clone)]
 pub enum Change {
@@ -50,9 +211,18 @@ impl Change {
     }
 }
 
+/// A participant's value as the watch last delivered it.
+struct Mirrored {
+    shown: Entry,
+    brokers: Option<Entry>,
+    revision: u64,
+    written_ms: i64,
+}
+
 pub struct Registry {
     watcher: KvWatcher,
-    entries: BTreeMap<String, Entry>,
+    entries: BTreeMap<String, Mirrored>,
+    ttl_ms: i64,
     /// While the watch reads the bucket again (after a reset): the names of `entries` it
     /// has seen so far; the others are gone when it is done.
     confirmed: Option<BTreeSet<String>>,
@@ -91,6 +261,7 @@ impl Registry {
         Ok(Registry {
             watcher,
             entries: BTreeMap::new(),
+            ttl_ms: i64::try_from(ttl_s.saturating_mul(1000)).unwrap_or(i64::MAX),
             confirmed: None,
             ready: false,
             filed: None,
@@ -149,7 +320,29 @@ impl Registry {
     }
 
     pub fn entries(&self) -> impl Iterator<Item = (&String, &Entry)> {
-        self.entries.iter()
+        self.entries.iter().map(|(name, m)| (name, &m.shown))
+    }
+
+    /// The revision of `name`'s value as last seen here, and its sections.
+    pub fn sections(&self, name: &str) -> Option<(u64, BTreeMap<String, Section>)> {
+        let m = self.entries.get(name)?;
+        let sections = sections_of(&m.shown, m.brokers.as_deref(), m.written_ms, self.ttl_ms);
+        Some((m.revision, sections))
+    }
+
+    /// Whether `name`'s value as last seen here has a section of `broker`.
+    pub fn has_section(&self, name: &str, broker: &str) -> bool {
+        self.sections(name)
+            .is_some_and(|(_, sections)| sections.contains_key(broker))
+    }
+
+    /// The sections of a value read with a get: as [`Registry::sections`].
+    pub fn sections_read(&self, value: &[u8], written_ms: i64) -> BTreeMap<String, Section> {
+        split(value)
+            .map(|(shown, brokers)| {
+                sections_of(&shown, brokers.as_deref(), written_ms, self.ttl_ms)
+            })
+            .unwrap_or_default()
     }
 
     /// Entries present (what a listing of them costs).
@@ -161,7 +354,9 @@ impl Registry {
     pub fn entries_after(&self, after: Option<&str>) -> impl Iterator<Item = (&String, &Entry)> {
         use std::ops::Bound::{Excluded, Unbounded};
         let from = after.map_or(Unbounded, Excluded);
-        self.entries.range::<str, _>((from, Unbounded))
+        self.entries
+            .range::<str, _>((from, Unbounded))
+            .map(|(name, m)| (name, &m.shown))
     }
 
     /// Applies what the watch reported since the last call; returns the changes.
@@ -172,24 +367,30 @@ impl Registry {
                 WatchEvent::Entry(entry) => {
                     let name = entry.key.clone();
                     let live = entry.operation == KvOperation::Put && entry.marker.is_none();
-                    let value = if live {
-                        serde_json::from_slice::<Entry>(&entry.value).ok()
-                    } else {
-                        None
-                    };
+                    let value = if live { split(&entry.value) } else { None };
                     if let (Some(confirmed), Some(_)) = (&mut self.confirmed, &value) {
                         confirmed.insert(name.clone());
                     }
                     match value {
-                        // Brokers write entries with one serialiser (members sorted), so
-                        // the same entry is the same text.
-                        Some(value) => match self.entries.insert(name.clone(), value.clone()) {
-                            None => changes.push(Change::Up(name, value)),
-                            Some(old) if old.get() != value.get() => {
-                                changes.push(Change::Update(name, value))
+                        // Entries are compared as shown: a refresh that moves only a
+                        // section's `until` tells nobody. Brokers write them with one
+                        // serialiser (members sorted), so the same entry is the same text.
+                        Some((shown, brokers)) => {
+                            let mirrored = Mirrored {
+                                shown: shown.clone(),
+                                brokers,
+                                revision: entry.revision,
+                                written_ms: i64::try_from(entry.created_nanos / 1_000_000)
+                                    .unwrap_or(0),
+                            };
+                            match self.entries.insert(name.clone(), mirrored) {
+                                None => changes.push(Change::Up(name, shown)),
+                                Some(old) if old.shown.get() != shown.get() => {
+                                    changes.push(Change::Update(name, shown))
+                                }
+                                Some(_) => {}
                             }
-                            Some(_) => {}
-                        },
+                        }
                         None => {
                             if self.entries.remove(&name).is_some() {
                                 changes.push(Change::Down(name));
@@ -241,6 +442,138 @@ mod tests {
             Serving::of(&odd).serve.is_empty(),
             "an entry in another shape serves nothing"
         );
+    }
+
+    fn section(until: i64, since: &str, render: u64) -> Section {
+        Section {
+            until,
+            since: since.into(),
+            serve: BTreeMap::from([("render".to_string(), render)]),
+            load: BTreeMap::from([("render".to_string(), 0)]),
+            labels: Some(BTreeMap::from([("gpu".to_string(), "yes".to_string())])),
+        }
+    }
+
+    fn put(composed: Composed) -> serde_json::Value {
+        match composed {
+            Composed::Put(text) => serde_json::from_str(&text).expect("json"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The sections of a value as a broker writes it, as the watch would deliver it.
+    fn read_back(value: &serde_json::Value) -> BTreeMap<String, Section> {
+        let (shown, brokers) = split(value.to_string().as_bytes()).expect("value");
+        sections_of(&shown, brokers.as_deref(), 0, 15_000)
+    }
+
+    #[test]
+    fn each_broker_changes_its_own_section_and_the_entry_sums_them() {
+        let t = 1_000_000;
+        let one = put(compose(
+            "p",
+            BTreeMap::new(),
+            "b1",
+            Some(section(t + 15_000, "2026-01-01T00:00:01.000Z", 2)),
+            t,
+        ));
+        assert_eq!(one["serve"]["render"], 2);
+        assert_eq!(one["broker"], "b1");
+        // Labels the same as the entry's are written once.
+        assert!(one["brokers"]["b1"].get("labels").is_none(), "{one}");
+        let two = put(compose(
+            "p",
+            read_back(&one),
+            "b2",
+            Some(section(t + 15_000, "2026-01-01T00:00:02.000Z", 3)),
+            t,
+        ));
+        assert_eq!(two["serve"]["render"], 5, "{two}");
+        assert_eq!(two["since"], "2026-01-01T00:00:01.000Z");
+        assert_eq!(two["broker"], "b2", "the latest session's");
+        assert_eq!(two["labels"]["gpu"], "yes");
+        let sections = read_back(&two);
+        assert_eq!(
+            sections["b1"].labels,
+            section(0, "", 0).labels,
+            "labels read back"
+        );
+        // A refresh that changes nothing but `until` shows the same entry.
+        let again = put(compose(
+            "p",
+            sections.clone(),
+            "b1",
+            Some(section(t + 20_000, "2026-01-01T00:00:01.000Z", 2)),
+            t + 5_000,
+        ));
+        let shown = |v: &serde_json::Value| {
+            split(v.to_string().as_bytes()).map(|(s, _)| s.get().to_string())
+        };
+        assert_eq!(shown(&again), shown(&two));
+        // Removing one's section leaves the other's; the last one's is a delete.
+        let left = put(compose("p", sections, "b1", None, t));
+        assert_eq!(left["serve"]["render"], 3);
+        assert_eq!(left["since"], "2026-01-01T00:00:02.000Z");
+        assert_eq!(
+            compose("p", read_back(&left), "b2", None, t),
+            Composed::Delete
+        );
+        assert_eq!(
+            compose("p", read_back(&left), "b1", None, t),
+            Composed::Nothing
+        );
+    }
+
+    #[test]
+    fn a_dead_brokers_section_goes_at_the_next_write_and_an_earlier_release_reads_as_one() {
+        let t = 1_000_000;
+        let dead = BTreeMap::from([(
+            "b9".to_string(),
+            section(t - 1, "2026-01-01T00:00:00.000Z", 7),
+        )]);
+        let mine = section(t + 15_000, "2026-01-01T00:00:05.000Z", 1);
+        let value = put(compose("p", dead.clone(), "b1", Some(mine), t));
+        assert_eq!(value["serve"]["render"], 1, "{value}");
+        assert!(value["brokers"].get("b9").is_none(), "{value}");
+        // Nothing of this broker's there: a dead broker's section is left to the key's TTL.
+        assert_eq!(compose("p", dead, "b1", None, t), Composed::Nothing);
+        // A value without sections is its broker's one, standing a TTL from its write.
+        let old = br#"{"broker":"b0","labels":{},"load":{"render":1},"name":"p","serve":{"render":4},"since":"2026-01-01T00:00:00.000Z"}"#;
+        let (shown, brokers) = split(old).expect("value");
+        assert!(brokers.is_none());
+        let sections = sections_of(&shown, None, t, 15_000);
+        assert_eq!(sections["b0"].until, t + 15_000);
+        assert_eq!(sections["b0"].serve["render"], 4);
+        let value = put(compose(
+            "p",
+            sections,
+            "b1",
+            Some(section(t + 15_000, "2026-01-01T00:00:05.000Z", 1)),
+            t,
+        ));
+        assert_eq!(value["serve"]["render"], 5, "{value}");
+        assert_eq!(value["load"]["render"], 1, "{value}");
+    }
+
+    #[test]
+    fn an_entry_keeps_at_most_max_sections_and_a_broker_past_them_leaves_its_own_out() {
+        let t = 1_000_000;
+        let full: BTreeMap<String, Section> = (0..MAX_SECTIONS)
+            .map(|i| {
+                (
+                    format!("b{i:03}"),
+                    section(t + 1, "2026-01-01T00:00:00.000Z", 1),
+                )
+            })
+            .collect();
+        let mine = section(t + 15_000, "2026-01-01T00:00:05.000Z", 1);
+        assert_eq!(
+            compose("p", full.clone(), "me", Some(mine.clone()), t),
+            Composed::Full
+        );
+        // One already in keeps its place.
+        let value = put(compose("p", full, "b000", Some(mine), t));
+        assert_eq!(value["serve"]["render"], MAX_SECTIONS, "{value}");
     }
 
     #[test]

@@ -479,11 +479,23 @@ impl Kv {
     /// A delete marker (`KV-Operation: DEL`), history kept; optionally only if the
     /// latest revision is `revision`.
     pub fn delete_request(&self, key: &str, revision: Option<u64>) -> Result<Request, JsError> {
+        self.delete_ttl_request(key, revision, None)
+    }
+
+    /// [`Kv::delete_request`] whose marker expires after `ttl`, as the value it replaces
+    /// would have (a bucket whose keys each carry `Nats-TTL`).
+    pub fn delete_ttl_request(
+        &self,
+        key: &str,
+        revision: Option<u64>,
+        ttl: Option<MsgTtl>,
+    ) -> Result<Request, JsError> {
         let mut h = HeaderMap::new();
         h.insert(KV_OPERATION, "DEL")
             .map_err(|e| JsError::Invalid(e.to_string()))?;
         let opts = PublishOptions {
             expected_last_subject_sequence: revision,
+            ttl,
             ..PublishOptions::default()
         };
         publish_request(&self.write_subject(key)?, Some(&h), b"", &opts)

@@ -2,7 +2,9 @@
 //! that mirrors every broker's, and `who` / `watch`.
 
 use super::*;
-use crate::broker::registry::{Change, Entry, Serving};
+use crate::broker::registry::{Change, Composed, Entry, MAX_SECTIONS, Section, Serving, compose};
+use crate::jetstream::MsgTtl;
+use crate::jetstream::kv::Kv;
 
 /// The most bytes of `up` frames one burst of a `watch` snapshot queues.
 const SNAPSHOT_BURST: usize = 256 * 1024;
@@ -14,6 +16,33 @@ const SNAPSHOT_BURST: usize = 256 * 1024;
 const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
 /// Participants whose last registry write here is remembered for the gap.
 pub(super) const REGISTRY_RECENT: usize = 65_536;
+/// Compare-and-set refusals in a row before a write waits for the next refresh: each is
+/// another broker's write in between, so more than a few means they keep racing.
+const REGISTRY_CAS_TRIES: u8 = 8;
+
+/// A request about a participant's entry: a compare-and-set write or delete on the
+/// revision given, or a read.
+enum RegistryOp {
+    Put(String, u64),
+    Delete(u64),
+    Read,
+}
+
+/// Where this broker's section of one participant's entry stands.
+#[derive(Default)]
+pub(super) struct SectionState {
+    /// A write or read of the entry is out; the next waits for its answer.
+    busy: bool,
+    /// Something changed while busy: written once it is answered.
+    again: bool,
+    /// Refusals in a row.
+    refused: u8,
+    /// The highest revision this broker's writes were acknowledged at: a mirror behind
+    /// it has yet to see them, and the entry is read instead.
+    acked: u64,
+    /// The entry as read after a refusal, for the next write.
+    read: Option<(u64, BTreeMap<String, Section>)>,
+}
 
 /// Where a watcher's snapshot stands: the last name sent, and what the session was told
 /// before a repeated `watch` started it over.
@@ -52,17 +81,22 @@ impl Told {
 }
 
 impl Broker {
-    pub(super) fn registry_entry(&self, ns: &str, name: &str) -> Option<Value> {
+    /// This broker's section of the participant's entry: what its sessions here serve,
+    /// standing one TTL from `now`. None when it has no session here.
+    fn registry_section(&self, ns: &str, name: &str, now: Instant) -> Option<Section> {
         let p = self.presence.get(&participant_key(ns, name))?;
         let (serve, load) = self.jobs.registry_view(ns, name);
-        Some(json!({
-            "name": name,
-            "serve": serve,
-            "load": load,
-            "labels": p.labels,
-            "since": p.since,
-            "broker": self.broker_id,
-        }))
+        let ttl_ms = self.config.limits.registry_ttl_s.saturating_mul(1000);
+        Some(Section {
+            until: self
+                .clock
+                .ms(now)
+                .saturating_add(i64::try_from(ttl_ms).unwrap_or(i64::MAX)),
+            since: p.since.clone(),
+            serve: serve.into_iter().map(|(j, n)| (j, u64::from(n))).collect(),
+            load: load.into_iter().map(|(j, n)| (j, u64::from(n))).collect(),
+            labels: Some(p.labels.clone()),
+        })
     }
 
     /// Writes the entry and keeps it refreshed while the participant is present. A timer
@@ -118,7 +152,8 @@ impl Broker {
         }
     }
 
-    /// Writes the registry entry now, without starting another refresh cycle.
+    /// Writes this broker's section of the entry now, without starting another refresh
+    /// cycle.
     pub(super) fn registry_write(
         &mut self,
         conn: &mut Connection,
@@ -126,77 +161,215 @@ impl Broker {
         name: &str,
         now: Instant,
     ) {
-        let Some(entry) = self.registry_entry(ns, name) else {
-            return;
-        };
-        let key = participant_key(ns, name);
-        let mut write = 0;
-        if let Some(p) = self.presence.get_mut(&key) {
-            p.registry_written = true;
-            p.registry_writes = p.registry_writes.wrapping_add(1);
-            p.registry_revision = None;
-            write = p.registry_writes;
-        }
-        *self.registry_last.get_or_insert_with(key, || now) = now;
-        let ttl = self.config.limits.registry_ttl_s;
-        let mut headers = HeaderMap::new();
-        let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
-        let subject = self
-            .config
-            .js_api(ns)
-            .kv_write_subject(&binding::registry_bucket(ns), name);
-        match conn.request(
-            &subject,
-            Some(&headers),
-            entry.to_string().as_bytes(),
-            JS_TIMEOUT,
-            now,
-        ) {
-            Ok(req) => {
-                self.await_reply(
-                    req,
-                    now,
-                    Pending::RegistryPut {
-                        participant: participant_key(ns, name),
-                        write,
-                    },
-                );
-            }
-            Err(e) => {
-                log::warn!(participant:% = format_args!("{ns}/{name}"); "registry put failed: {e}")
-            }
-        }
+        self.registry_sync(conn, ns, name, now);
     }
 
-    /// Deletes the entry this broker wrote: only `revision`, when known, since one key
-    /// serves all brokers and a session of the participant on another broker may have
-    /// written it since (a reconnect's overlap): deleting that one told every watcher
-    /// `down` for a participant still connected. Unknown (a write still out), any.
-    pub(super) fn registry_delete(
+    /// Makes the participant's entry hold this broker's section as it is now (none once
+    /// its last session here ended): a compare-and-set on the revision last seen, so
+    /// other brokers' sections stay as they are. One write per participant is out at a
+    /// time; a change meanwhile is written once it is answered.
+    pub(super) fn registry_sync(
         &mut self,
         conn: &mut Connection,
         ns: &str,
         name: &str,
-        revision: Option<u64>,
         now: Instant,
     ) {
-        *self
-            .registry_last
-            .get_or_insert_with(participant_key(ns, name), || now) = now;
-        // The marker expires as the entry would have: names that came once (an open
-        // namespace takes any) do not stay in the bucket for good.
-        let ttl = self.config.limits.registry_ttl_s;
-        let mut headers = HeaderMap::new();
-        let _ = headers.insert("KV-Operation", "DEL");
-        let _ = headers.insert("Nats-TTL", &format!("{ttl}s"));
-        if let Some(revision) = revision {
-            let _ = headers.insert("Nats-Expected-Last-Subject-Sequence", &revision.to_string());
+        let key = participant_key(ns, name);
+        let state = self.registry_sections.entry(key.clone()).or_default();
+        if state.busy {
+            state.again = true;
+            return;
         }
-        let subject = self
-            .config
-            .js_api(ns)
-            .kv_write_subject(&binding::registry_bucket(ns), name);
-        let _ = conn.publish(&subject, None, Some(&headers), b"");
+        state.again = false;
+        let acked = state.acked;
+        let base = match state.read.take() {
+            Some(read) => Some(read),
+            None => match self.registries.get(ns).and_then(|(r, _)| r.sections(name)) {
+                Some((revision, sections)) if revision >= acked => Some((revision, sections)),
+                // Not there, as far as this broker knows: a create, refused (and the key
+                // read) when it holds a delete marker or a value the mirror has yet to see.
+                None if acked == 0 => Some((0, BTreeMap::new())),
+                // The mirror has yet to see this broker's own last write: read the key.
+                _ => None,
+            },
+        };
+        let Some((revision, sections)) = base else {
+            return self.registry_request(conn, ns, name, RegistryOp::Read, now);
+        };
+        let mine = self.registry_section(ns, name, now);
+        match compose(name, sections, &self.broker_id, mine, self.clock.ms(now)) {
+            Composed::Put(value) => {
+                let op = RegistryOp::Put(value, revision);
+                self.registry_request(conn, ns, name, op, now)
+            }
+            Composed::Delete => {
+                self.registry_request(conn, ns, name, RegistryOp::Delete(revision), now)
+            }
+            Composed::Nothing => {
+                self.registry_sections.remove(&key);
+            }
+            Composed::Full => log::warn!(
+                participant:% = key;
+                "registry entry holds {MAX_SECTIONS} other brokers' sections; this one's left out"
+            ),
+        }
+    }
+
+    fn registry_request(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        name: &str,
+        op: RegistryOp,
+        now: Instant,
+    ) {
+        let key = participant_key(ns, name);
+        let ttl = MsgTtl::After(Duration::from_secs(self.config.limits.registry_ttl_s));
+        let request = Kv::new(self.config.js_api(ns), &binding::registry_bucket(ns)).and_then(
+            |kv| match &op {
+                RegistryOp::Put(value, revision) => {
+                    kv.update_ttl_request(name, value.as_bytes(), *revision, ttl)
+                }
+                RegistryOp::Delete(revision) => {
+                    kv.delete_ttl_request(name, Some(*revision), Some(ttl))
+                }
+                RegistryOp::Read => kv.get_request(name),
+            },
+        );
+        let sent = request.map_err(|e| e.to_string()).and_then(|req| {
+            conn.request(
+                &req.subject,
+                req.headers.as_ref(),
+                &req.payload,
+                JS_TIMEOUT,
+                now,
+            )
+            .map_err(|e| e.to_string())
+        });
+        match sent {
+            Ok(req) => {
+                if let Some(state) = self.registry_sections.get_mut(&key) {
+                    state.busy = true;
+                }
+                if !matches!(op, RegistryOp::Read) {
+                    *self.registry_last.get_or_insert_with(key.clone(), || now) = now;
+                }
+                let pending = match op {
+                    RegistryOp::Read => Pending::RegistryRead { participant: key },
+                    RegistryOp::Put(..) | RegistryOp::Delete(_) => {
+                        Pending::RegistryWrite { participant: key }
+                    }
+                };
+                self.await_reply(req, now, pending);
+            }
+            Err(e) => {
+                log::warn!(participant:% = key; "registry write failed: {e}");
+                self.registry_settled(&key);
+            }
+        }
+    }
+
+    /// A write of this broker's section was answered: its revision, or why not.
+    pub(super) fn registry_written(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        revision: Result<u64, JsError>,
+        now: Instant,
+    ) {
+        let Some(state) = self.registry_sections.get_mut(&key) else {
+            return;
+        };
+        state.busy = false;
+        let read = match revision {
+            Ok(revision) => {
+                state.acked = state.acked.max(revision);
+                state.refused = 0;
+                false
+            }
+            // Another broker wrote the entry since this one last saw it.
+            Err(JsError::WrongLastSequence(_)) if state.refused < REGISTRY_CAS_TRIES => {
+                state.refused += 1;
+                true
+            }
+            Err(e) => {
+                state.refused = 0;
+                log::warn!(participant:% = key; "registry write refused: {e}");
+                false
+            }
+        };
+        let Some((ns, name)) = key.split_once('/') else {
+            return;
+        };
+        let (ns, name) = (ns.to_string(), name.to_string());
+        if read {
+            self.registry_request(conn, &ns, &name, RegistryOp::Read, now);
+        } else if self.registry_sections.get(&key).is_some_and(|s| s.again) {
+            self.registry_sync(conn, &ns, &name, now);
+        } else {
+            self.registry_settled(&key);
+        }
+    }
+
+    /// The entry as read after a refusal: written again on top of it.
+    pub(super) fn registry_read(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let Some((ns, name)) = key.split_once('/') else {
+            return;
+        };
+        let (ns, name) = (ns.to_string(), name.to_string());
+        let read = reply
+            .map_err(|e| JsError::Transport(e.to_string()))
+            .and_then(|m| {
+                Kv::new(self.config.js_api(&ns), &binding::registry_bucket(&ns))?.parse_get(
+                    &name,
+                    m.headers.as_ref(),
+                    &m.payload,
+                )
+            });
+        let read = match read {
+            Ok(entry) if entry.is_deleted() => Some((entry.revision, BTreeMap::new())),
+            Ok(entry) => {
+                let written_ms = i64::try_from(entry.created_nanos / 1_000_000).unwrap_or(0);
+                let sections = self
+                    .registries
+                    .get(&ns)
+                    .map(|(r, _)| r.sections_read(&entry.value, written_ms))
+                    .unwrap_or_default();
+                Some((entry.revision, sections))
+            }
+            Err(JsError::KeyNotFound) => Some((0, BTreeMap::new())),
+            Err(e) => {
+                log::warn!(participant:% = key; "registry read failed: {e}");
+                None
+            }
+        };
+        let Some(state) = self.registry_sections.get_mut(&key) else {
+            return;
+        };
+        state.busy = false;
+        match read {
+            Some(read) => {
+                state.read = Some(read);
+                self.registry_sync(conn, &ns, &name, now);
+            }
+            None => self.registry_settled(&key),
+        }
+    }
+
+    /// Nothing of the participant's section is out: its state is forgotten once it has
+    /// no session here either.
+    fn registry_settled(&mut self, key: &str) {
+        let idle = self.registry_sections.get(key).is_some_and(|s| !s.busy);
+        if idle && !self.presence.contains_key(key) {
+            self.registry_sections.remove(key);
+        }
     }
 
     /// Charges a listing of `ns`'s participants to the session's `listing` bucket: every
@@ -428,13 +601,23 @@ impl Broker {
         if changes.is_empty() {
             return;
         }
-        // An entry of a participant still present here went: another broker's session of
-        // it ended and deleted the key they share, or a refresh was lost and it expired.
-        // Written again now, not at the next refresh.
+        // The entry of a participant still present here went, or came without this
+        // broker's section: a refresh was lost and it expired, or a broker of an earlier
+        // release (which knows no sections) deleted or rewrote it, or two first writes
+        // crossed. Written again now, not at the next refresh.
         for change in &changes {
-            if let Change::Down(name) = change
-                && self.presence.contains_key(&participant_key(ns, name))
-            {
+            let name = change.name();
+            if !self.presence.contains_key(&participant_key(ns, name)) {
+                continue;
+            }
+            let lost = match change {
+                Change::Down(_) => true,
+                Change::Up(..) | Change::Update(..) => self
+                    .registries
+                    .get(ns)
+                    .is_some_and(|(r, _)| !r.has_section(name, &self.broker_id)),
+            };
+            if lost {
                 self.registry_changed(conn, ns, name, now);
             }
         }
@@ -675,5 +858,8 @@ mod tests {
             "{:?}",
             h.broker(0).watchers
         );
+        // Their entries' removals answered, nothing of either is kept.
+        h.advance(std::time::Duration::from_millis(300));
+        assert_eq!(h.broker(0).footprint().registry_sections, 0);
     }
 }

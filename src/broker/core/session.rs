@@ -78,22 +78,16 @@ impl Broker {
                 self.check_pull_at(None, PullOwner::Inbox(key.clone()));
             }
             if last {
-                let written = match self.presence.remove(&key) {
-                    Some(mut p) => {
-                        if let Some(sid) = p.inbox.detach(conn) {
-                            self.routes.remove(&sid);
-                        }
-                        p.registry_written.then_some(p.registry_revision)
-                    }
-                    None => None,
-                };
+                if let Some(mut p) = self.presence.remove(&key)
+                    && let Some(sid) = p.inbox.detach(conn)
+                {
+                    self.routes.remove(&sid);
+                }
                 // One a reload asked to keep is still wanted.
                 if !self.kept_inboxes.contains(&key) {
                     self.inbox_creates.withdraw(&key);
                 }
-                if let Some(revision) = written {
-                    self.registry_delete(conn, &ns, &name, revision, now);
-                }
+                self.registry_sync(conn, &ns, &name, now);
             }
         }
         // Handed back after the last session's inbox pull is unsubscribed: JetStream
@@ -253,12 +247,9 @@ impl Broker {
                 unwritten: Vec::new(),
                 held: Vec::new(),
                 inbox_refused: None,
-                registry_written: false,
                 registry_due: false,
                 inbox_seen: 0,
                 inbox_from: None,
-                registry_revision: None,
-                registry_writes: 0,
             });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {

@@ -215,6 +215,7 @@ pub fn run(cfg: SimConfig) -> Result<Report, Failure> {
             || f.held_submits != 0
             || f.topic_requests != 0
             || f.presence_snapshots != 0
+            || f.registry_sections != 0
             || f.offer_watches != 0
         {
             w.checker.violation(format!(
