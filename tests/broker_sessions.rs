@@ -759,6 +759,38 @@ fn what_a_participant_serves_on_two_brokers_is_summed_in_its_one_entry() {
     assert_eq!(down["state"], "down", "{down}");
 }
 
+#[test]
+fn an_entry_a_broker_of_an_earlier_release_wrote_is_kept_as_its_section() {
+    // A rolling upgrade: a broker that knows no sections writes p's whole entry as its
+    // own. The new broker, where p is present too, writes its section again at once and
+    // keeps the old broker's part (read as that broker's section).
+    let nats = NatsServer::start();
+    let mut config = open_config(&["w", "p"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}});
+    config["limits"] = json!({"registry_ttl_s": 60});
+    let one = Broker::start(&nats.url(), &config);
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    let mut p = Client::login(&one, "acme", "p", "p-token");
+    let ok = p.request(json!({"op":"serve","job":"render","slots":2}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    presence_until(&mut w, "p", |f| f["entry"]["serve"]["render"] == 2);
+    let mut js = nats.jetstream();
+    let kv = js.kv_bind("AMP_REGISTRY_acme").expect("registry bucket");
+    let old = json!({"broker":"old","labels":{},"load":{"render":1},"name":"p",
+                     "serve":{"render":4},"since":"2026-01-01T00:00:00.000Z"});
+    js.kv_put(&kv, "p", old.to_string().as_bytes())
+        .expect("put");
+    let both = presence_until(&mut w, "p", |f| f["entry"]["serve"]["render"] == 6);
+    assert_eq!(both["entry"]["load"]["render"], 1, "{both}");
+    assert_eq!(both["entry"]["since"], "2026-01-01T00:00:00.000Z", "{both}");
+    assert_eq!(both["entry"]["broker"], one_broker_id(&w), "{both}");
+    // p's last session on the new broker ends: the old broker's part stands alone.
+    assert_eq!(p.request(json!({"op":"bye"}))["op"], "ok");
+    let left = presence_until(&mut w, "p", |f| f["entry"]["serve"]["render"] == 4);
+    assert_eq!(left["entry"]["broker"], "old", "{left}");
+}
+
 fn one_broker_id(c: &Client) -> serde_json::Value {
     c.challenge["broker"].clone()
 }
