@@ -229,11 +229,6 @@ struct Presence {
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,
-    /// The highest inbox sequence handed to a session here, and where a consumer made
-    /// again after its loss starts (`Pulled::Lost`): made from the start it would bring
-    /// every message the inbox still keeps once more.
-    inbox_seen: u64,
-    inbox_from: Option<u64>,
     /// Whether a change of its registry entry waits for `REGISTRY_WRITE_GAP` to pass
     /// (`Timer::RegistryFlush`).
     registry_due: bool,
@@ -969,8 +964,8 @@ impl Broker {
                 self.inbox_creates.done();
                 match reply.map(|m| crate::jetstream::api::check_error(&m.payload)) {
                     Ok(Ok(())) => self.start_inbox(conn, &participant, now),
-                    // There under another start: made again from where this or another
-                    // broker stood (`inbox_from`), or never gone (only unserved a while).
+                    // There under another start (an earlier version of the broker made it
+                    // again from a sequence): used as it is.
                     Ok(Err(e)) if consumer_exists(&e) => self.start_inbox(conn, &participant, now),
                     // A domain that just came back may not have its streams yet.
                     Ok(Err(e))
@@ -1479,14 +1474,11 @@ fn js_request(
     .map_err(|e| e.to_string())
 }
 
-/// Why JetStream did not store a message. Limits or storage that are full (a stream's
-/// `max_bytes` with discard `new`, the account's or the server's storage) and a stream
-/// nobody answers for are JetStream's state, not a failure of the broker: `unavailable`,
-/// safe to retry later with the same `idem`. Anything else is `internal`.
 /// JetStream's answer when the consumer asked for is there with another start: a
 /// `create` of a name in use (10148), or an update that may not move the start (10012,
-/// "deliver policy can not be updated"; a consumer made again after its loss starts at a
-/// sequence, and a later first login's `create or update` asks for all).
+/// "deliver policy can not be updated"; an inbox consumer an earlier version of the
+/// broker made again after its loss starts at a sequence, and a first login's `create or
+/// update` asks for all).
 pub(super) fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
     match e.err_code() {
         Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) => true,
@@ -1497,6 +1489,10 @@ pub(super) fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
     }
 }
 
+/// Why JetStream did not store a message. Limits or storage that are full (a stream's
+/// `max_bytes` with discard `new`, the account's or the server's storage) and a stream
+/// nobody answers for are JetStream's state, not a failure of the broker: `unavailable`,
+/// safe to retry later with the same `idem`. Anything else is `internal`.
 fn store_refused(e: &JsError) -> AmpError {
     /// `JSStreamStoreFailedF` (maximum bytes, messages or messages per subject exceeded),
     /// `JSInsufficientResourcesErr`, `JSMemoryResourcesExceededErr`,

@@ -2,7 +2,6 @@
 //! deliveries to the participant's sessions and their acks.
 
 use super::*;
-use crate::jetstream::DeliverFrom;
 
 /// Largest stored-envelope buffer kept between sends.
 const STORE_SCRATCH_KEEP: usize = 16 << 10;
@@ -212,26 +211,22 @@ impl Broker {
                 self.inbox_creates.done();
                 continue;
             };
-            let mut config = binding::inbox_consumer_config(
+            // From the start, after a loss too: acks do not remove messages from the
+            // inbox (limits retention), but only the start keeps every one not yet
+            // acknowledged, wherever it was out (another broker's sessions, a NAK's
+            // delay, a closed session's hand-back). The price of a lost consumer is
+            // the inbox's kept messages once more.
+            let config = binding::inbox_consumer_config(
                 ns,
                 name,
                 namespace.inbox.ack_wait_s,
                 namespace.inbox.inbox_window,
             );
-            let from = self.presence.get(&key).and_then(|p| p.inbox_from);
-            let action = match from {
-                // Only made if it is not there: updated, a consumer that only went
-                // unserved a while would be refused a new start.
-                Some(seq) => {
-                    config = config.deliver_from(DeliverFrom::Sequence(seq));
-                    ConsumerAction::Create
-                }
-                None => ConsumerAction::CreateOrUpdate,
-            };
-            let req =
-                self.config
-                    .js_api(ns)
-                    .consumer_create(&binding::inbox_stream(ns), &config, action);
+            let req = self.config.js_api(ns).consumer_create(
+                &binding::inbox_stream(ns),
+                &config,
+                ConsumerAction::CreateOrUpdate,
+            );
             match js_request(conn, req, now) {
                 Ok(req) => self.await_reply(req, now, Pending::InboxConsumer { participant: key }),
                 Err(e) => {
@@ -312,7 +307,6 @@ impl Broker {
         else {
             return;
         };
-        p.inbox_from = None;
         if let Some((refusals, _)) = p.inbox_refused.take() {
             log::info!(participant:% = participant; "inbox consumer created after {refusals} refusals");
         }
@@ -407,26 +401,16 @@ impl Broker {
         };
         let (pulled, check) = p.inbox.on_message(conn, &msg, now);
         if pulled == Pulled::Lost {
-            // Deleted (an operator, a replica set that lost it): made again, from the
-            // oldest message still unacknowledged here or else the next one, then pulled.
-            let oldest = p
-                .sessions
-                .iter()
-                .filter_map(|id| self.sessions.get(id))
-                .flat_map(|s| s.inflight.keys())
-                .min();
-            if p.inbox_seen > 0 {
-                let next = p.inbox_seen.saturating_add(1);
-                p.inbox_from = Some(oldest.map_or(next, |&o| o.min(next)));
-            }
+            // Deleted (an operator, a replica set that lost it, its stream made anew):
+            // made again, then pulled.
             let sid = p.inbox.detach(conn);
             if let Some(sid) = sid {
                 self.routes.remove(&sid);
             }
+            // After a moment: nats-server can give a consumer made again right after
+            // its delete the deleted one's older saved state.
             log::warn!(participant:% = participant; "inbox consumer gone; making it again");
-            if let Some((ns, name)) = participant.split_once('/') {
-                self.ensure_inbox_consumer(conn, ns, name, now);
-            }
+            self.retry_inbox_consumer(participant.to_string(), now);
             return;
         }
         // The session it goes to, chosen while the presence is at hand (one lookup).
@@ -444,7 +428,6 @@ impl Broker {
                     break 'choose None;
                 }
             };
-            p.inbox_seen = p.inbox_seen.max(seq);
             // A redelivery supersedes the delivery another session of the participant
             // here still holds (JetStream gave up waiting for its ack).
             for id in &p.sessions {

@@ -248,8 +248,6 @@ impl Broker {
                 held: Vec::new(),
                 inbox_refused: None,
                 registry_due: false,
-                inbox_seen: 0,
-                inbox_from: None,
             });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {
