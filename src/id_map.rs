@@ -3,10 +3,11 @@
 //! resistance of the default SipHash to chosen keys buys nothing here, and these maps are
 //! looked up several times for every message.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+pub type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
 
 /// A multiplicative hash of the integers a key is made of.
 #[derive(Debug, Default, Clone, Copy)]

@@ -25,7 +25,7 @@ use super::continuations::{Continuation, Continuations};
 use super::dead_letters;
 use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::held_bytes::Hold;
-use super::id_map::IdMap;
+use super::id_map::{IdMap, IdSet};
 use super::ids::IdSource;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::mig::config::readable_dead_letters;
@@ -224,8 +224,9 @@ struct Presence {
     /// messages go to the others while there are any. Waiting for all of them let one
     /// session that stopped reading, its output kept short of its bound, hold every
     /// sibling to one pull per 15 s; sending it more would fill it to its bound instead.
-    unwritten: Vec<SessionId>,
-    held: Vec<SessionId>,
+    /// Sets: the choice of a delivery's session asks of each session whether it is held.
+    unwritten: IdSet<SessionId>,
+    held: IdSet<SessionId>,
     /// JetStream's refusal of the inbox consumer and how many times in a row: the
     /// participant's sessions are told, and the broker asks again ever more slowly.
     inbox_refused: Option<(u32, Box<str>)>,

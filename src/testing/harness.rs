@@ -265,6 +265,19 @@ impl Harness {
         held.len()
     }
 
+    /// Tells the broker that `s`'s output is written, if its drain was held; whether it was.
+    pub fn release_drain(&mut self, s: Session) -> bool {
+        let Some(i) = self.held_drains.iter().position(|&h| h == s) else {
+            return false;
+        };
+        self.held_drains.swap_remove(i);
+        let n = &mut self.nodes[s.node];
+        n.broker
+            .handle(&mut n.conn, Input::Drained { session: s.id }, self.now);
+        self.settle();
+        true
+    }
+
     /// Lets `d` of virtual time pass, running every deadline on the way.
     pub fn advance(&mut self, d: Duration) {
         let until = self.now + d;

@@ -67,8 +67,8 @@ impl Broker {
             let last = match self.presence.get_mut(&key) {
                 Some(p) => {
                     p.sessions.retain(|&x| x != session);
-                    p.unwritten.retain(|&x| x != session);
-                    p.held.retain(|&x| x != session);
+                    p.unwritten.remove(&session);
+                    p.held.remove(&session);
                     p.sessions.is_empty()
                 }
                 None => false,
@@ -244,8 +244,8 @@ impl Broker {
                 )
                 .paced((self.config.limits.max_outbound_bytes / 4) as u64)
                 .in_domain(self.config.js_api(&ns)),
-                unwritten: Vec::new(),
-                held: Vec::new(),
+                unwritten: IdSet::default(),
+                held: IdSet::default(),
                 inbox_refused: None,
                 registry_due: false,
             });
