@@ -71,6 +71,10 @@ pub struct Harness {
     /// written.
     pub hold_drains: bool,
     held_drains: Vec<Session>,
+    /// Set: the broker hears of a session it closed only at [`Harness::release_closes`]
+    /// (the runtime tells it later in the same turn, after other NATS events).
+    pub hold_closes: bool,
+    held_closes: Vec<Session>,
 }
 
 impl Harness {
@@ -100,6 +104,8 @@ impl Harness {
             incarnations: vec![0; brokers],
             hold_drains: false,
             held_drains: Vec::new(),
+            hold_closes: false,
+            held_closes: Vec::new(),
         };
         for _ in 0..brokers {
             let node = h.start_node(h.nodes.len());
@@ -265,6 +271,19 @@ impl Harness {
         held.len()
     }
 
+    /// Tells the brokers that the sessions they closed meanwhile are gone.
+    pub fn release_closes(&mut self) {
+        for s in std::mem::take(&mut self.held_closes) {
+            let n = &mut self.nodes[s.node];
+            n.broker.handle(
+                &mut n.conn,
+                Input::SessionClosed { session: s.id },
+                self.now,
+            );
+        }
+        self.settle();
+    }
+
     /// Tells the broker that `s`'s output is written, if its drain was held; whether it was.
     pub fn release_drain(&mut self, s: Session) -> bool {
         let Some(i) = self.held_drains.iter().position(|&h| h == s) else {
@@ -418,6 +437,9 @@ impl Harness {
                 let s = Session { node, id: session };
                 if let Some(mb) = self.mailboxes.get_mut(&s) {
                     mb.closed.get_or_insert((code, reason.to_string()));
+                }
+                if self.hold_closes {
+                    return self.held_closes.push(s);
                 }
                 let n = &mut self.nodes[node];
                 n.broker

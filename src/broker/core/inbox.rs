@@ -431,15 +431,21 @@ impl Broker {
                     s.inflight.remove(&seq);
                 }
             }
-            let inflight = |id: &SessionId| {
+            // Those the broker closed stay until their end is reported; a delivery
+            // given to one would come back only then, one delivery more.
+            let open = |id: &SessionId| {
                 self.sessions
                     .get(id)
-                    .map_or(usize::MAX, |s| s.inflight.len())
+                    .filter(|s| matches!(s.state, SessionState::Active { .. }))
+                    .map(|s| (*id, s.inflight.len()))
             };
-            let free = p.sessions.iter().copied().filter(|id| !p.held.contains(id));
+            let least = |(_, inflight): &(SessionId, usize)| *inflight;
+            let free = p.sessions.iter().filter(|id| !p.held.contains(id));
             let target = free
-                .min_by_key(inflight)
-                .or_else(|| p.sessions.iter().copied().min_by_key(inflight));
+                .filter_map(open)
+                .min_by_key(least)
+                .or_else(|| p.sessions.iter().filter_map(open).min_by_key(least))
+                .map(|(id, _)| id);
             // Before the pull's check below, which asks what it waits for.
             if let Some(t) = target {
                 p.unwritten.insert(t);
@@ -661,6 +667,28 @@ mod tests {
         assert!(
             ratio < 3.0,
             "200 redeliveries took {all:?} with 1,023 sessions held, {none:?} with none ({ratio:.1}x)"
+        );
+    }
+
+    #[test]
+    fn a_closing_session_is_not_chosen_for_a_delivery() {
+        // Closed by the broker, a session stays among its participant's until the
+        // transport reports its end: a message chosen for it meanwhile went back only
+        // then, to come to a sibling as a redelivery.
+        let mut h = bench(30, 8, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let leaving = h.join(0, "bob", json!({}));
+        let staying = h.join(0, "bob", json!({}));
+        h.hold_closes = true;
+        assert_eq!(h.request(leaving, json!({"op":"bye"}))["op"], "ok");
+        let seq = send(&mut h, alice, "bob", 1);
+        let got = h.take(staying);
+        h.release_closes();
+        let m = got.iter().find(|f| f["op"] == "message");
+        assert_eq!(
+            m.map(|m| (m["seq"].as_u64(), m["delivery"].as_u64())),
+            Some((Some(seq), Some(1))),
+            "before the leaving session's end: {got:?}"
         );
     }
 
