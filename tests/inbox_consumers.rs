@@ -592,3 +592,29 @@ fn an_inbox_stream_made_anew_is_delivered_from_its_start() {
         .unwrap_or_else(|| panic!("the new stream's first message; log:\n{}", broker.log()));
     assert_eq!(m["body"], "new");
 }
+
+#[test]
+fn a_confirmed_ack_that_timed_out_can_be_sent_again() {
+    // The delivery was forgotten before JetStream answered: the `unavailable` answer
+    // says "safe to retry", and the retry answered `not_found`.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let ok = a.request(json!({"op":"send","to":"b","body":"hi"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let m = b.next_op("message", WAIT).expect("a message");
+    let pid = i32::try_from(nats.pid().expect("nats-server pid")).expect("pid");
+    // SAFETY: kill(2) with the pid of the nats-server this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let first = b.request(json!({"op":"ack","seq":m["seq"]}));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert_eq!(first["code"], "unavailable", "{first}");
+    let again = b.request(json!({"op":"ack","seq":m["seq"]}));
+    assert_eq!(again["op"], "ok", "{again}");
+    assert!(
+        b.next_op("message", Duration::from_millis(500)).is_none(),
+        "acknowledged, it came again"
+    );
+}

@@ -249,8 +249,13 @@ pub struct Awaiting(Pending);
 enum Pending {
     /// A `send` stored in an inbox: answer `ok {seq, dup}`.
     Send { session: SessionId, re: String },
-    /// An ack the client asked to be confirmed.
-    AckSync { session: SessionId, re: String },
+    /// An ack the client asked to be confirmed; an inbox delivery's `(seq, ack subject)`,
+    /// given back to the session if it fails.
+    AckSync {
+        session: SessionId,
+        re: String,
+        keep: Option<(u64, String)>,
+    },
     /// The inbox consumer of a participant was created or found.
     InboxConsumer { participant: String },
     /// A compare-and-set write of this broker's section of a participant's registry
@@ -957,9 +962,12 @@ impl Broker {
                 },
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
-            Pending::AckSync { session, re } => match reply {
+            Pending::AckSync { session, re, keep } => match reply {
                 Ok(_) => self.ok(session, &re, FrameWriter::ok(Some(&re))),
-                Err(e) => self.fail(session, &re, unavailable(e)),
+                Err(e) => {
+                    self.keep_delivery(session, keep);
+                    self.fail(session, &re, unavailable(e))
+                }
             },
             Pending::InboxConsumer { participant } => {
                 self.inbox_creates.done();

@@ -155,7 +155,10 @@ impl Broker {
             }
             return;
         };
-        self.ack(conn, session, id, &ack_subject, kind, now);
+        // Unconfirmed, the client hears `unavailable` ("safe to retry"): the delivery
+        // is kept for the retry.
+        let keep = id.is_some().then(|| (seq, ack_subject.clone()));
+        self.ack_keeping(conn, session, id, &ack_subject, kind, keep, now);
     }
 
     /// Acks a delivery; with a request id, answers once JetStream confirmed it.
@@ -168,16 +171,45 @@ impl Broker {
         kind: AckKind,
         now: Instant,
     ) {
+        self.ack_keeping(conn, session, id, ack_subject, kind, None, now);
+    }
+
+    /// [`ack`](Self::ack), an inbox delivery (`seq`, ack subject) given back to the
+    /// session if the confirmed ack fails.
+    #[allow(clippy::too_many_arguments)]
+    fn ack_keeping(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        id: Option<String>,
+        ack_subject: &str,
+        kind: AckKind,
+        keep: Option<(u64, String)>,
+        now: Instant,
+    ) {
         match id {
             Some(re) => match conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
                 Ok(req) => {
-                    self.await_reply(req, now, Pending::AckSync { session, re });
+                    self.await_reply(req, now, Pending::AckSync { session, re, keep });
                 }
-                Err(e) => self.fail(session, &re, unavailable(e)),
+                Err(e) => {
+                    self.keep_delivery(session, keep);
+                    self.fail(session, &re, unavailable(e))
+                }
             },
             None => {
                 let _ = conn.publish(ack_subject, None, None, &kind.payload());
             }
+        }
+    }
+
+    /// An inbox delivery whose confirmed ack failed is the session's again, unless it
+    /// was delivered to it anew meanwhile (that ack subject counts).
+    pub(super) fn keep_delivery(&mut self, session: SessionId, keep: Option<(u64, String)>) {
+        if let Some((seq, ack_subject)) = keep
+            && let Some(s) = self.sessions.get_mut(&session)
+        {
+            s.inflight.entry(seq).or_insert(ack_subject);
         }
     }
 
