@@ -958,6 +958,23 @@ fn the_publish_path_is_rate_limited_with_an_honest_retry_after() {
     );
 }
 
+#[test]
+fn a_send_refused_as_too_large_spends_no_rate() {
+    // The rate was taken before the stored envelope was measured against the server's
+    // `max_payload`: a refused send used up the sender's budget.
+    let nats = NatsServer::with_config("max_payload: 65536");
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"msgs_per_s": 0.01, "burst": 1});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let big = "x".repeat(70_000);
+    let refused = a.request(json!({"op":"send","to":"b","body":big}));
+    assert_eq!(refused["code"], "too_large", "{refused}");
+    let ok = a.request(json!({"op":"send","to":"b","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
 /// A stream JetStream stores no more in (an operator's `max_bytes` with discard `new`
 /// here; a full disk or account limit alike) refuses a `send` as `unavailable`, saying so,
 /// where it answered `internal` as if the broker had failed; nothing is stored, and the

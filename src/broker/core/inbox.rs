@@ -39,7 +39,8 @@ impl Broker {
             return self.fail(session, &send.id, e);
         }
         let body = send.body.into_text();
-        if let Err(e) = self.take_rate_with(ns, name, limits, body.len(), now) {
+        let bytes = body.len();
+        if let Err(e) = self.take_rate_with(ns, name, limits, bytes, now) {
             return self.fail(session, &send.id, e);
         }
         // Written into the last send's strings: five allocations a message fewer.
@@ -76,13 +77,20 @@ impl Broker {
         env.body = body;
         subject.clear();
         binding::push_inbox_subject(&mut subject, ns, to);
-        self.store(conn, session, send.id, &subject, &env, now);
+        if !self.store(conn, session, send.id, &subject, &env, now)
+            && let Some(limits) = &limits
+        {
+            // Refused before it went out (too large, no room to send): nothing happened.
+            self.rates
+                .refund(&participant_key(ns, name), limits, 1, bytes as u64);
+        }
         env.headers.clear();
         env.body = Default::default();
         self.send_scratch = (Some(env), subject);
     }
 
-    /// Publishes an envelope to its stream and answers the request when JetStream acks.
+    /// Publishes an envelope to its stream and answers the request when JetStream acks;
+    /// whether the publish went out (else the request is answered already).
     pub(super) fn store(
         &mut self,
         conn: &mut Connection,
@@ -91,7 +99,7 @@ impl Broker {
         subject: &str,
         env: &Envelope,
         now: Instant,
-    ) {
+    ) -> bool {
         let (mut payload, mut headers) = std::mem::take(&mut self.store_scratch);
         payload.clear();
         headers.clear();
@@ -117,18 +125,25 @@ impl Broker {
                 format!("the stored message would exceed the server's max_payload of {max} bytes"),
             )
             .with_path("");
-            return self.fail(session, &re, e);
+            self.fail(session, &re, e);
+            return false;
         }
-        match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now) {
+        let sent = match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now)
+        {
             Ok(req) => {
                 self.await_reply(req, now, Pending::Send { session, re });
+                true
             }
-            Err(e) => self.fail(session, &re, unavailable(e)),
-        }
+            Err(e) => {
+                self.fail(session, &re, unavailable(e));
+                false
+            }
+        };
         // Kept for the next unless a large body grew it.
         if payload.capacity() <= STORE_SCRATCH_KEEP {
             self.store_scratch = (payload, headers);
         }
+        sent
     }
 
     pub(super) fn inbox_ack(
