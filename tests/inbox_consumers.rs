@@ -618,3 +618,26 @@ fn a_confirmed_ack_that_timed_out_can_be_sent_again() {
         "acknowledged, it came again"
     );
 }
+
+#[test]
+fn an_inbox_consumer_of_someone_elses_messages_delivers_none_of_them() {
+    // A consumer named `inbox_b` that JetStream will not update (here its start; an
+    // operator's mistake or a stray account user) is used as it is: its filter was
+    // never looked at, and b's sessions were given a's messages.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut stray = binding::inbox_consumer_config("acme", "a", 30, 64)
+        .deliver_from(amp_broker::jetstream::DeliverFrom::Sequence(1));
+    stray.durable_name = Some(binding::inbox_consumer("b"));
+    nats.jetstream()
+        .create_consumer("AMP_INBOX_acme", &stray, ConsumerAction::Create)
+        .expect("the stray consumer");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let ok = b.request(json!({"op":"send","to":"a","body":"for a only"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let m = a.next_op("message", WAIT).expect("a's message");
+    assert_eq!(m["body"], "for a only");
+    let leaked = b.next_op("message", Duration::from_secs(1));
+    assert!(leaked.is_none(), "b was given a's message: {leaked:?}");
+}

@@ -471,6 +471,16 @@ impl Broker {
                     break 'choose None;
                 }
             };
+            // A consumer of that name JetStream would not update is used as it is: one
+            // somebody else made may deliver another participant's messages.
+            if !binding::is_inbox_subject(&msg.subject, participant) {
+                log::warn!(participant:% = participant, subject:% = msg.subject; "terminating an inbox delivery of another subject: consumer {} is not the broker's (an operator removes it)", p.inbox.consumer());
+                let term = AckKind::Term {
+                    reason: Some("not this participant's inbox".into()),
+                };
+                let _ = conn.publish(&reply, None, None, &term.payload());
+                break 'choose None;
+            }
             // A redelivery supersedes the delivery another session of the participant
             // here still holds (JetStream gave up waiting for its ack).
             for id in &p.sessions {
