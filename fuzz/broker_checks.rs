@@ -16,17 +16,40 @@
 //   6 t        time passes: t * 37 ms
 //   7 s        session s ends
 //   8          the NATS connection drops and comes back
+//   9          a JetStream server (the in-process model, streams provisioned) takes the
+//              NATS connection over from the fuzzer-played one: the core reconnects to
+//              it, and from then on what the core writes reaches the model and what the
+//              model answers reaches the core (consumers made, pulls answered, messages
+//              stored and delivered); once it is there, 9 restarts it
+//  10 k p ..   a JetStream delivery on a pull the core wrote (k picks one; a `MSG.NEXT`'s
+//              reply subject and sid), its `$JS.ACK.<stream>.<consumer>....` reply built
+//              from the pull, its headers and payload those of a message the core
+//              published (p picks one) or, with none yet, p's bytes
+//  11 k s ..   a status on a pull (100 Idle Heartbeat, 404, 408, 409 variants, 503, ...)
+//  12 k n ..   a delivery on a pull whose ack subject is not the pull's (another stream
+//              or consumer, or fuzzer text), n payload bytes
+//  13 k n ..   a message on the subscription k picks (not only the newest), n payload
+//              bytes, with or without a `$JS.ACK` reply
+//  14 k e ..   an answer to the request k picks: a JetStream API error, a 503 no
+//              responders or an empty body
+//  15 t        time passes: t s (ack waits, leases, heartbeats)
+//
+// Ops 0-8 mean what they meant before 9-15 were added (their op bytes are below 9 in
+// every seed), so older inputs replay as they were.
 
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use amp_broker::broker::clock::Clock;
 use amp_broker::broker::config::Config;
 use amp_broker::broker::{Broker, Input, Output};
 use amp_broker::keygen::token_sha256;
 use amp_broker::nats::{Connection as Nats, Options};
+use amp_broker::proto::{Op, Parsed, Parser, Role};
+use amp_broker::testing::harness::provision;
+use amp_broker::testing::nats_model::{ClientId, ModelOptions, Server};
 use amp_broker::ws::{ConnEvent, Connection as Ws, HttpHost, WsConfig};
 
 struct Host;
@@ -150,7 +173,49 @@ struct World {
     sent: Vec<String>,
     /// Sessions whose snapshot waits for their queue to be written.
     drain_waiters: Vec<u64>,
+    /// The parser of what the core wrote (it must always be valid client protocol).
+    parser: Parser,
+    /// (stream, consumer, reply subject) of the pulls the core wrote, newest last.
+    pulls: Vec<(String, String, String)>,
+    /// (header block, payload) of messages the core published to `amp.` subjects.
+    published: Vec<(Option<Vec<u8>>, Vec<u8>)>,
+    /// The JetStream model, once op 9 brought it, and the core's link to it.
+    model: Option<Model>,
 }
+
+struct Model {
+    server: Server,
+    link: Option<ClientId>,
+}
+
+/// The model's wall clock: the core's.
+const WALL_START_S: u64 = 1_800_000_000;
+
+const STATUSES: &[&str] = &[
+    "NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 0\r\nNats-Last-Stream: 0\r\n\r\n",
+    "NATS/1.0 404 No Messages\r\n\r\n",
+    "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\nNats-Pending-Bytes: 0\r\n\r\n",
+    "NATS/1.0 409 Exceeded MaxWaiting\r\n\r\n",
+    "NATS/1.0 409 Batch Completed\r\nNats-Pending-Messages: 0\r\nNats-Pending-Bytes: 0\r\n\r\n",
+    "NATS/1.0 409 Message Size Exceeds MaxBytes\r\nNats-Pending-Messages: 3\r\nNats-Pending-Bytes: 99999\r\n\r\n",
+    "NATS/1.0 409 Consumer Deleted\r\n\r\n",
+    "NATS/1.0 409 Leadership Change\r\n\r\n",
+    "NATS/1.0 503\r\n\r\n",
+    "NATS/1.0 400 Bad Request\r\n\r\n",
+    "NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 18446744073709551615\r\nNats-Pending-Bytes: x\r\n\r\n",
+    "NATS/1.0 100 FlowControl Request\r\n\r\n",
+];
+
+/// Answers to a request: JetStream API errors nats-server gives, and nothing.
+const API_ERRORS: &[&str] = &[
+    r#"{"type":"io.nats.jetstream.api.v1.consumer_create_response","error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#,
+    r#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#,
+    r#"{"error":{"code":404,"err_code":10014,"description":"consumer not found"}}"#,
+    r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 7"}}"#,
+    r#"{"error":{"code":500,"err_code":10077,"description":"insufficient resources"}}"#,
+    r#"{"stream":"AMP_INBOX_acme","seq":18446744073709551615,"duplicate":true}"#,
+    "",
+];
 
 impl World {
     fn new() -> World {
@@ -176,6 +241,15 @@ impl World {
             wire: Vec::new(),
             sent: Vec::new(),
             drain_waiters: Vec::new(),
+            parser: {
+                let mut p = Parser::new(Role::Server);
+                p.max_payload = 64 << 20;
+                p.max_control_line = 1 << 20;
+                p
+            },
+            pulls: Vec::new(),
+            published: Vec::new(),
+            model: None,
         };
         w.connect();
         let _ = w.broker.start(&mut w.nats, now);
@@ -184,11 +258,65 @@ impl World {
     }
 
     fn connect(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            if self.nats.poll_close()
+                && let Some(c) = m.link.take()
+            {
+                m.server.disconnect(c, self.now);
+            }
+            if m.link.is_none() && self.nats.poll_connect(self.now).is_some() {
+                m.link = Some(m.server.accept(self.now));
+                self.nats.on_transport_open(self.now);
+            }
+            return;
+        }
         if self.nats.poll_connect(self.now).is_some() {
             self.nats.on_transport_open(self.now);
             self.nats.receive(INFO, self.now);
             self.nats.receive(b"PONG\r\n", self.now);
         }
+    }
+
+    /// Op 9: the model takes over (the core reconnects to it), or restarts.
+    fn model_takes_over(&mut self) {
+        if let Some(m) = self.model.as_mut() {
+            m.server.restart(self.now);
+            return;
+        }
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(WALL_START_S);
+        let mut options = ModelOptions::new(wall);
+        options.max_pending_output = 8 << 20;
+        let mut server = Server::new(options, self.now);
+        provision(&mut server, &config(), self.now);
+        self.model = Some(Model { server, link: None });
+        self.nats
+            .on_transport_closed(self.now, "fuzz: a JetStream server takes over");
+    }
+
+    /// Moves bytes between the core's connection and the model; true when any moved.
+    fn pump_model(&mut self) -> bool {
+        if self.model.is_none() {
+            return false;
+        }
+        self.connect();
+        let Some(m) = self.model.as_mut() else {
+            return false;
+        };
+        let Some(c) = m.link else {
+            return false;
+        };
+        if m.server.is_closed(c) {
+            m.server.disconnect(c, self.now);
+            m.link = None;
+            self.nats.on_transport_closed(self.now, "closed by the server");
+            return true;
+        }
+        let out = m.server.take_output(c);
+        if out.is_empty() {
+            return false;
+        }
+        self.nats.receive(&out, self.now);
+        true
     }
 
     fn input(&mut self, input: Input<'_>) {
@@ -198,7 +326,7 @@ impl World {
     /// Moves events between the machines until they are quiet (bounded rounds).
     fn settle(&mut self) {
         for _ in 0..32 {
-            let mut busy = false;
+            let mut busy = self.pump_model();
             while let Some(event) = self.nats.poll_event() {
                 busy = true;
                 self.input(Input::Nats(event));
@@ -260,7 +388,7 @@ impl World {
                     Output::WhenDrained { session } => self.drain_waiters.push(session),
                 }
             }
-            self.drain_wire();
+            busy |= self.drain_wire();
             // As the runtime does: the rest of a snapshot once the queue is written.
             for session in std::mem::take(&mut self.drain_waiters) {
                 if let Some(Some(ws)) = self.ws.get(session as usize) {
@@ -287,48 +415,123 @@ impl World {
         }
     }
 
-    /// Takes what the core wrote to NATS and notes its requests and subscriptions.
-    fn drain_wire(&mut self) {
+    /// Takes what the core wrote to NATS (to the model, when there is one) and notes its
+    /// requests, subscriptions, pulls and published messages; true when it wrote any.
+    fn drain_wire(&mut self) -> bool {
         let out = self.nats.output();
         assert!(
             out.len() <= NATS_OUT_BOUND,
             "NATS output grew to {}",
             out.len()
         );
+        if out.is_empty() {
+            return false;
+        }
+        if let Some(m) = self.model.as_mut()
+            && let Some(c) = m.link
+        {
+            m.server.receive(c, out, self.now);
+        }
         self.wire.extend_from_slice(out);
         let n = out.len();
         self.nats.consume_output(n);
-        let text = String::from_utf8_lossy(&self.wire).into_owned();
-        for line in text.split("\r\n") {
-            let mut parts = line.split(' ');
-            match (parts.next(), parts.next(), parts.next(), parts.next()) {
-                (Some("PUB" | "HPUB"), Some(_), Some(reply), Some(_)) if reply.starts_with('_') => {
-                    self.replies.push(reply.to_string())
-                }
-                (Some("SUB"), Some(subject), Some(sid), None) => {
-                    self.subs.push((subject.to_string(), sid.to_string()))
-                }
-                (Some("SUB"), Some(subject), Some(_queue), Some(sid)) => {
-                    self.subs.push((subject.to_string(), sid.to_string()))
-                }
+        let mut wire = std::mem::take(&mut self.wire);
+        let mut start = 0;
+        loop {
+            let rest = wire.get(start..).unwrap_or_default();
+            let (op, used) = match self.parser.parse(rest) {
+                Ok(Parsed::Complete(op, used)) => (op, used),
+                Ok(Parsed::Partial { .. }) => break,
+                Err(e) => panic!(
+                    "the core wrote what is not client protocol ({e:?}): {:?}",
+                    String::from_utf8_lossy(&rest[..rest.len().min(200)])
+                ),
+            };
+            start += used;
+            let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            match op {
+                Op::Pub {
+                    subject,
+                    reply,
+                    payload,
+                } => self.note_publish(subject, reply, None, payload),
+                Op::Hpub {
+                    subject,
+                    reply,
+                    headers,
+                    payload,
+                } => self.note_publish(subject, reply, Some(headers), payload),
+                Op::Sub { subject, sid, .. } => self.subs.push((text(subject), text(sid))),
                 _ => {}
             }
         }
-        // Keep the tail of a line cut in the middle.
-        let keep = self.wire.len() - text.rfind("\r\n").map_or(0, |i| i + 2).min(self.wire.len());
-        self.wire.drain(..self.wire.len() - keep);
+        wire.drain(..start);
+        self.wire = wire;
         let extra = self.subs.len().saturating_sub(64);
         self.subs.drain(..extra);
         let extra = self.replies.len().saturating_sub(64);
         self.replies.drain(..extra);
-        if self.wire.len() > 1 << 16 {
-            self.wire.clear();
+        let extra = self.pulls.len().saturating_sub(32);
+        self.pulls.drain(..extra);
+        let extra = self.published.len().saturating_sub(16);
+        self.published.drain(..extra);
+        true
+    }
+
+    fn note_publish(
+        &mut self,
+        subject: &[u8],
+        reply: Option<&[u8]>,
+        headers: Option<&[u8]>,
+        payload: &[u8],
+    ) {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let Some(reply) = reply.map(text) else {
+            if subject.starts_with(b"amp.") {
+                self.published
+                    .push((headers.map(<[u8]>::to_vec), payload.to_vec()));
+            }
+            return;
+        };
+        if let Some(rest) = subject.strip_prefix(b"$JS.API.CONSUMER.MSG.NEXT.")
+            && let Some((stream, consumer)) = text(rest).split_once('.')
+        {
+            self.pulls
+                .push((stream.to_string(), consumer.to_string(), reply.clone()));
+        }
+        if subject.starts_with(b"amp.") && payload.len() < 4096 {
+            self.published
+                .push((headers.map(<[u8]>::to_vec), payload.to_vec()));
+        }
+        if reply.starts_with('_') {
+            self.replies.push(reply);
         }
     }
 
     /// A message from the server: on `sid`'s subject, or a reply subject.
     fn deliver(&mut self, subject: &str, sid: &str, payload: &[u8]) {
-        let mut msg = format!("MSG {subject} {sid} {}\r\n", payload.len()).into_bytes();
+        self.deliver_full(subject, sid, None, None, payload);
+    }
+
+    fn deliver_full(
+        &mut self,
+        subject: &str,
+        sid: &str,
+        reply: Option<&str>,
+        headers: Option<&[u8]>,
+        payload: &[u8],
+    ) {
+        let reply = reply.map_or(String::new(), |r| format!(" {r}"));
+        let mut msg = match headers {
+            None => format!("MSG {subject} {sid}{reply} {}\r\n", payload.len()).into_bytes(),
+            Some(h) => format!(
+                "HMSG {subject} {sid}{reply} {} {}\r\n",
+                h.len(),
+                h.len() + payload.len()
+            )
+            .into_bytes(),
+        };
+        msg.extend_from_slice(headers.unwrap_or_default());
         msg.extend_from_slice(payload);
         msg.extend_from_slice(b"\r\n");
         self.nats.receive(&msg, self.now);
@@ -336,15 +539,116 @@ impl World {
 
     fn reply_sid(&self, reply: &str) -> Option<String> {
         self.subs.iter().rev().find_map(|(subject, sid)| {
-            let prefix = subject.strip_suffix('*').or(subject.strip_suffix('>'))?;
-            reply.starts_with(prefix).then(|| sid.clone())
+            let matches = match subject.strip_suffix('*').or(subject.strip_suffix('>')) {
+                Some(prefix) => reply.starts_with(prefix),
+                None => subject == reply,
+            };
+            matches.then(|| sid.clone())
         })
+    }
+
+    /// The pull `k` picks: (stream, consumer, reply subject, sid).
+    fn pull(&self, k: u8) -> Option<(String, String, String, String)> {
+        let (stream, consumer, reply) = self.pulls.get(usize::from(k) % self.pulls.len().max(1))?;
+        let sid = self.reply_sid(reply)?;
+        Some((stream.clone(), consumer.clone(), reply.clone(), sid))
+    }
+
+    /// Op 10: a delivery on a pull, as JetStream makes it.
+    fn pull_delivery(&mut self, c: &mut Cursor<'_>) {
+        let k = c.byte().unwrap_or(0);
+        let p = c.byte().unwrap_or(0);
+        let seq = u64::from(c.byte().unwrap_or(1));
+        let delivered = 1 + u64::from(c.byte().unwrap_or(0) % 4);
+        let Some((stream, consumer, reply, sid)) = self.pull(k) else {
+            return;
+        };
+        let (headers, payload) = match self.published.len() {
+            0 => (None, c.take(usize::from(p % 64)).to_vec()),
+            n => self.published[usize::from(p) % n].clone(),
+        };
+        let ack = format!(
+            "$JS.ACK.{stream}.{consumer}.{delivered}.{seq}.{seq}.{}.{}",
+            (WALL_START_S + seq) * 1_000_000_000,
+            p % 8
+        );
+        self.deliver_full(&reply, &sid, Some(&ack), headers.as_deref(), &payload);
+    }
+
+    /// Op 11: a status on a pull.
+    fn pull_status(&mut self, c: &mut Cursor<'_>) {
+        let k = c.byte().unwrap_or(0);
+        let s = usize::from(c.byte().unwrap_or(0)) % STATUSES.len();
+        let Some((_, _, reply, sid)) = self.pull(k) else {
+            return;
+        };
+        self.deliver_full(&reply, &sid, None, Some(STATUSES[s].as_bytes()), b"");
+    }
+
+    /// Op 12: a delivery on a pull with an ack subject that is not the pull's.
+    fn foreign_delivery(&mut self, c: &mut Cursor<'_>) {
+        let k = c.byte().unwrap_or(0);
+        let n = usize::from(c.byte().unwrap_or(0) % 64);
+        let payload = c.take(n).to_vec();
+        let Some((stream, consumer, reply, sid)) = self.pull(k) else {
+            return;
+        };
+        let ack = match k % 4 {
+            0 => format!("$JS.ACK.OTHER.{consumer}.1.1.1.1.0"),
+            1 => format!("$JS.ACK.{stream}.other.1.1.1.1.0"),
+            2 => format!("$JS.ACK.{stream}.{consumer}.1.1"),
+            _ => format!(
+                "$JS.ACK.{stream}.{consumer}.x.{}.1.1.0",
+                String::from_utf8_lossy(&payload)
+                    .chars()
+                    .filter(char::is_ascii_alphanumeric)
+                    .collect::<String>()
+            ),
+        };
+        self.deliver_full(&reply, &sid, Some(&ack), None, &payload);
+    }
+
+    /// Op 13: a message on the subscription `k` picks.
+    fn message_on(&mut self, c: &mut Cursor<'_>) {
+        let k = c.byte().unwrap_or(0);
+        let n = usize::from(c.byte().unwrap_or(0));
+        let payload = c.take(n).to_vec();
+        let Some((subject, sid)) = self
+            .subs
+            .get(usize::from(k) % self.subs.len().max(1))
+            .cloned()
+        else {
+            return;
+        };
+        let subject = subject.replace('*', "x").replace('>', "x.y");
+        let reply = (k & 1 != 0).then(|| format!("$JS.ACK.S.C.1.{k}.{k}.1.0"));
+        self.deliver_full(&subject, &sid, reply.as_deref(), None, &payload);
+    }
+
+    /// Op 14: an API error (or no responders, or nothing) to the request `k` picks.
+    fn request_error(&mut self, c: &mut Cursor<'_>) {
+        let k = c.byte().unwrap_or(0);
+        let e = usize::from(c.byte().unwrap_or(0));
+        if self.replies.is_empty() {
+            return;
+        }
+        let reply = self.replies[usize::from(k) % self.replies.len()].clone();
+        let Some(sid) = self.reply_sid(&reply) else {
+            return;
+        };
+        if e % (API_ERRORS.len() + 1) == API_ERRORS.len() {
+            self.deliver_full(&reply, &sid, None, Some(b"NATS/1.0 503\r\n\r\n"), b"");
+        } else {
+            let body = API_ERRORS[e % (API_ERRORS.len() + 1)];
+            self.deliver(&reply, &sid, body.as_bytes());
+        }
     }
 
     fn advance(&mut self, by: Duration) {
         let until = self.now + by;
         loop {
-            let next = [self.broker.poll_timeout(), self.nats.poll_timeout()]
+            let model = self.model.as_ref().and_then(|m| m.server.poll_timeout());
+            let next = [self.broker.poll_timeout(), self.nats.poll_timeout(), model]
                 .into_iter()
                 .flatten()
                 .chain(self.ws.iter().flatten().filter_map(|w| w.next_deadline()))
@@ -353,6 +657,9 @@ impl World {
             let Some(t) = next else { break };
             self.now = self.now.max(t);
             self.nats.handle_timeout(self.now);
+            if let Some(m) = self.model.as_mut() {
+                m.server.handle_timeout(self.now);
+            }
             for ws in self.ws.iter_mut().flatten() {
                 ws.handle_timeout(self.now);
             }
@@ -382,7 +689,7 @@ pub fn run(data: &[u8]) -> Vec<String> {
         if steps > 400 {
             break;
         }
-        match op % 9 {
+        match op % 16 {
             0 => {
                 let s = usize::from(c.byte().unwrap_or(0)) % SESSIONS;
                 if w.ws[s].is_none() {
@@ -440,12 +747,27 @@ pub fn run(data: &[u8]) -> Vec<String> {
                     ws.handle_eof(w.now);
                 }
             }
-            _ => {
+            8 => {
+                if let Some(m) = w.model.as_mut()
+                    && let Some(c) = m.link.take()
+                {
+                    m.server.disconnect(c, w.now);
+                }
                 w.nats
                     .on_transport_closed(w.now, "fuzz: connection dropped");
                 w.settle();
                 w.advance(Duration::from_secs(3));
                 w.connect();
+            }
+            9 => w.model_takes_over(),
+            10 => w.pull_delivery(&mut c),
+            11 => w.pull_status(&mut c),
+            12 => w.foreign_delivery(&mut c),
+            13 => w.message_on(&mut c),
+            14 => w.request_error(&mut c),
+            _ => {
+                let t = u64::from(c.byte().unwrap_or(0));
+                w.advance(Duration::from_secs(t));
             }
         }
         w.settle();

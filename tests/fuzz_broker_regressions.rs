@@ -47,3 +47,18 @@ fn a_canned_program_logs_in_and_has_a_send_stored() {
         "hello and the stored send answered ok: {sent:?}"
     );
 }
+
+/// Op 9 hands the NATS connection to the JetStream model: a send is stored and pulled to
+/// its receiver, a publish reaches a topic subscriber, a submitted task is offered.
+#[test]
+fn a_program_with_the_jetstream_model_reaches_deliveries_events_and_offers() {
+    let seed = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fuzz/seeds/broker/jetstream-model-deliveries"
+    ))
+    .expect("seed");
+    let sent = broker_checks::run(&seed);
+    for want in ["1:message", "1:event", "0:offer"] {
+        assert!(sent.iter().any(|s| s == want), "no {want} in {sent:?}");
+    }
+}
