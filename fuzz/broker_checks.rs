@@ -308,7 +308,8 @@ impl World {
         if m.server.is_closed(c) {
             m.server.disconnect(c, self.now);
             m.link = None;
-            self.nats.on_transport_closed(self.now, "closed by the server");
+            self.nats
+                .on_transport_closed(self.now, "closed by the server");
             return true;
         }
         let out = m.server.take_output(c);

@@ -239,8 +239,14 @@ impl World {
                 panic!("told to start TLS without an open socket");
             };
             assert!(!t.tls, "told to start TLS twice on one socket");
-            assert_eq!(name, t.addr.host, "TLS for another server than the one dialed");
-            assert!(self.options.tls_required(), "TLS started though not asked for");
+            assert_eq!(
+                name, t.addr.host,
+                "TLS for another server than the one dialed"
+            );
+            assert!(
+                self.options.tls_required(),
+                "TLS started though not asked for"
+            );
             t.tls = true;
         }
         if let Some(addr) = self.conn.poll_connect(self.now) {
@@ -435,7 +441,8 @@ impl World {
             return;
         }
         let before = self.conn.discovered_servers();
-        let plaintext = matches!(&self.socket, Socket::Open(t) if self.options.tls_required() && !t.tls);
+        let plaintext =
+            matches!(&self.socket, Socket::Open(t) if self.options.tls_required() && !t.tls);
         self.conn.receive(bytes, self.now);
         if plaintext {
             assert_eq!(
@@ -499,7 +506,10 @@ impl World {
             3 => Some("NATS/1.0 408 Request Timeout\r\nNats-Pending-Messages: 1\r\n\r\n".into()),
             _ => Some("NATS/1.0\r\nA: b\r\n\r\n".to_string()),
         };
-        let payload = if headers.as_deref().is_some_and(|h| h.starts_with("NATS/1.0 5")) {
+        let payload = if headers
+            .as_deref()
+            .is_some_and(|h| h.starts_with("NATS/1.0 5"))
+        {
             Vec::new()
         } else {
             payload

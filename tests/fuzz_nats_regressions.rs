@@ -46,7 +46,10 @@ fn the_seeds_reach_handshakes_reconnects_and_discovered_servers() {
     let r = nats_checks::run(&seed("handshake-publish-request"));
     assert!(r.connected, "{r:?}");
     let r = nats_checks::run(&seed("reconnect-pool-lame-duck"));
-    assert!(r.connected && r.reconnects >= 2 && r.discovered >= 1, "{r:?}");
+    assert!(
+        r.connected && r.reconnects >= 2 && r.discovered >= 1,
+        "{r:?}"
+    );
     for tls in ["tls-after-info", "tls-handshake-first"] {
         let r = nats_checks::run(&seed(tls));
         assert!(r.connected, "{tls}: {r:?}");

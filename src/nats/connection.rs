@@ -978,6 +978,18 @@ impl Connection {
     }
 
     fn handle_op(&mut self, op: Op<'_>, now: Instant) {
+        if matches!(self.state, State::AwaitInfo { .. }) && !matches!(op, Op::Info(_) | Op::Err(_))
+        {
+            // A server's first bytes are its INFO (nats.go refuses anything else).
+            // Answering a PING here put a PONG ahead of CONNECT, which a server with auth
+            // refuses, and in plaintext on a connection that must be TLS.
+            self.close_transport = true;
+            self.protocol_failure(
+                now,
+                "protocol error: the server did not start with INFO".into(),
+            );
+            return;
+        }
         match op {
             Op::Info(json) => self.on_info(json, now),
             Op::Msg {
@@ -997,10 +1009,12 @@ impl Connection {
                 // Each PING asks for bytes: a server that sends them and never reads
                 // would have them pile up without end.
                 if self.out.len() - self.out_pos >= self.options.max_write_buffer {
+                    // During the handshake too: then the attempt fails (`lost` alone left
+                    // it waiting for the handshake deadline, its socket already dropped).
                     self.close_transport = true;
-                    self.lost(
+                    self.protocol_failure(
                         now,
-                        "stale connection: the server does not read what it asks for",
+                        "stale connection: the server does not read what it asks for".into(),
                     );
                 } else {
                     encode::pong(&mut self.out);

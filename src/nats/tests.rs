@@ -226,6 +226,59 @@ fn server_ping_is_answered_with_pong() {
     assert_eq!(ops(&h.take_output()), ["PONG"]);
 }
 
+/// nats-server's first bytes are always its INFO (nats.go refuses anything else). A PING
+/// before it was answered: a PONG went out ahead of CONNECT (which a server with auth
+/// takes as an authorization violation) and, on a `tls://` connection, in plaintext.
+#[test]
+fn anything_but_info_or_err_before_the_info_fails_the_attempt_unanswered() {
+    for first in ["PING\r\n", "PONG\r\n", "+OK\r\n", "MSG a 1 0\r\n\r\n"] {
+        for url in ["h:1", "tls://h:1"] {
+            let mut o = Harness::options(url);
+            o.retry_on_failed_connect = true;
+            let mut h = Harness::new(o);
+            h.conn.poll_connect(h.now).expect("a server to dial");
+            h.conn.on_transport_open(h.now);
+            h.conn.receive(first.as_bytes(), h.now);
+            h.conn.receive(INFO.as_bytes(), h.now);
+            let out = String::from_utf8_lossy(h.conn.output()).into_owned();
+            assert_eq!(out, "", "{first:?} on {url}");
+            assert!(
+                h.conn.poll_close(),
+                "{first:?} on {url}: the attempt goes on"
+            );
+            assert!(!h.conn.is_connected());
+        }
+    }
+}
+
+/// A PING flood before the handshake's PONG, the PONGs never read: the attempt fails
+/// and the server is dialed again after its backoff. Before, the connection asked the
+/// shell to drop the socket but stayed in its handshake, its output still queued, until
+/// the connect timeout, and then asked again to drop a socket already gone.
+#[test]
+fn a_ping_flood_during_the_handshake_fails_the_attempt_at_once() {
+    let mut o = Harness::options("h:1");
+    o.max_write_buffer = 1000;
+    o.retry_on_failed_connect = true;
+    let mut h = Harness::new(o);
+    h.conn.poll_connect(h.now).expect("a server to dial");
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.conn.receive(&b"PING\r\n".repeat(300), h.now);
+    assert!(h.conn.poll_close());
+    let out = String::from_utf8_lossy(h.conn.output()).into_owned();
+    assert_eq!(out, "", "output of a dropped socket");
+    let redial = h.conn.poll_timeout().expect("a redial");
+    assert!(
+        redial < h.now + Duration::from_secs(1),
+        "waits {:?} for the handshake deadline of a dropped socket",
+        redial - h.now
+    );
+    h.advance(Duration::from_secs(1));
+    assert!(h.conn.poll_connect(h.now).is_some(), "not dialed again");
+    assert!(!h.conn.poll_close(), "a second drop of the same socket");
+}
+
 #[test]
 fn request_times_out_at_its_deadline_on_the_virtual_clock() {
     let mut h = Harness::new(Harness::options("h:1"));
