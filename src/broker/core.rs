@@ -1650,6 +1650,7 @@ mod tests {
         let sid = wire
             .lines()
             .find_map(|l| l.strip_prefix(&format!("SUB {AUTH_CALLOUT_SUBJECT} ")))
+            .and_then(|rest| rest.split(' ').next_back())
             .expect("the callout subscription")
             .to_string();
 
