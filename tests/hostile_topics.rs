@@ -526,9 +526,14 @@ fn a_subscribe_flood_does_not_hold_up_other_participants_subscriptions() {
             "victim's subscription {i}, waits {waits:?}: {ok}"
         );
     }
-    let slowest = waits.iter().max().copied().unwrap_or_default();
+    // Behind the flood they waited ever longer (4.9 s, then timed out); beside it, tens
+    // of milliseconds, with now and then one round trip held up by the rest of a loaded
+    // 2-core machine (other tests of this binary run alongside): up to 1.5 s was seen.
+    let mut sorted = waits.clone();
+    sorted.sort();
+    let (median, slowest) = (sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
     assert!(
-        slowest < Duration::from_secs(1),
+        median < Duration::from_millis(500) && slowest < Duration::from_secs(3),
         "the victim's subscriptions waited {waits:?} behind {pairs} subscribe/unsubscribe pairs"
     );
     // A flooding session is held back by its deletes not yet answered (at most its 64
