@@ -20,7 +20,11 @@ use amp_broker::nats::{Client, Event, Options};
 use amp_broker::rfc3339;
 use serde_json::{Value, json};
 
-const TOKEN_SHA: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+/// The engine is driven without sessions, so no token is ever presented; each entry still
+/// needs one of its own (the configuration refuses a token held twice).
+fn token_sha(n: u8) -> String {
+    format!("{n:064x}")
+}
 
 fn config(lease_s: u64, offer_ms: u64, max_attempts: u32) -> Config {
     let all = json!({"submit": ["*"], "serve": ["*"]});
@@ -28,13 +32,13 @@ fn config(lease_s: u64, offer_ms: u64, max_attempts: u32) -> Config {
         "namespaces": {"acme": {
             "jobs": {"render": {"lease_s": lease_s, "offer_ms": offer_ms, "max_attempts": max_attempts}},
             "participants": {
-                "app": {"token_sha256": TOKEN_SHA, "permissions": all},
-                "other": {"token_sha256": TOKEN_SHA, "permissions": all},
-                "w1": {"token_sha256": TOKEN_SHA, "permissions": all},
-                "w2": {"token_sha256": TOKEN_SHA, "permissions": all, "labels": {"gpu": "a100"}},
-                "w3": {"token_sha256": TOKEN_SHA, "permissions": all},
-                "w4": {"token_sha256": TOKEN_SHA, "permissions": all},
-                "nobody": {"token_sha256": TOKEN_SHA, "permissions": {}}
+                "app": {"token_sha256": token_sha(0), "permissions": all},
+                "other": {"token_sha256": token_sha(1), "permissions": all},
+                "w1": {"token_sha256": token_sha(2), "permissions": all},
+                "w2": {"token_sha256": token_sha(3), "permissions": all, "labels": {"gpu": "a100"}},
+                "w3": {"token_sha256": token_sha(4), "permissions": all},
+                "w4": {"token_sha256": token_sha(5), "permissions": all},
+                "nobody": {"token_sha256": token_sha(6), "permissions": {}}
             }
         }}
     });
