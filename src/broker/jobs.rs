@@ -405,6 +405,13 @@ enum Pending {
         ns: String,
         task: String,
         dup: bool,
+        /// A republish past the duplicate window: the record (at its revision) to bind to
+        /// the message stored.
+        bind: Option<Box<(TaskRecord, u64)>>,
+    },
+    /// A record being bound to a republished task message.
+    Bind {
+        key: String,
     },
     /// The removal of a cancelled task's message from the job's queue.
     MessageDelete {
@@ -462,7 +469,7 @@ impl Pending {
     fn op(&self) -> Option<NatsOp> {
         Some(match self {
             Pending::ConsumerCreate { .. } => NatsOp::ConsumerCreate,
-            Pending::SubmitCreate(_) | Pending::Cas { .. } => NatsOp::KvPut,
+            Pending::SubmitCreate(_) | Pending::Cas { .. } | Pending::Bind { .. } => NatsOp::KvPut,
             Pending::SubmitExisting(_)
             | Pending::DeliveryRead { .. }
             | Pending::Read(_)
@@ -626,6 +633,11 @@ pub struct JobsStats {
 /// The namespace of a task: its submitter's (task ids are namespace-wide).
 fn ns_of(record: &TaskRecord) -> &str {
     record.submitted_by.split_once('/').map_or("", |(ns, _)| ns)
+}
+
+/// The stream sequence of the task message a delivery's ack subject acknowledges.
+fn message_seq(ack: &str) -> Option<u64> {
+    AckMetadata::parse(ack).ok().map(|m| m.stream_sequence)
 }
 
 fn task_key(ns: &str, task: &str) -> String {
@@ -1424,7 +1436,7 @@ impl Jobs {
                         self.stats.submitted += 1;
                         let mut sub = *sub;
                         carry_record(&mut sub, ack.seq, conn.max_payload());
-                        self.publish_task(conn, sub, false, now);
+                        self.publish_task(conn, sub, false, None, now);
                     }
                     Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
                     // JetStream answered that it stored nothing.
@@ -1457,7 +1469,7 @@ impl Jobs {
                     // from a replica behind it), and the retry is then a resubmit.
                     self.refuse(sub.session, &sub.re, e)
                 }
-                Ok((record, _)) => {
+                Ok((record, revision)) => {
                     if record.submitted_by != sub.from {
                         // Someone else's task: the same answer whatever its job, body or
                         // state, so a probe learns only that the id is taken.
@@ -1476,14 +1488,21 @@ impl Jobs {
                         self.refuse_unmade(sub.session, &sub.re, e);
                     } else if record.state == TaskState::Queued
                         && record.attempt == 0
-                        && self.repeatable(record.history.first(), now)
+                        && record.history.len() == 1
+                        && record.msg_seq.is_none()
+                        && self.published.get(&task_key(&sub.ns, &sub.task)).is_none()
                     {
-                        // The message may never have been stored (an `unavailable` before):
-                        // publish again; its message id makes a repeat a duplicate, and
-                        // only within the duplicate window: later, a resubmit (over budget
-                        // too, a retry spends none) stored one more copy of the task each
-                        // time, each delivered and offered on its own.
-                        self.publish_task(conn, *sub, true, now);
+                        // No delivery of its message has been seen, and it may never have
+                        // been stored (refused, or its answer lost): publish again, at any
+                        // age, or a task answered `unavailable` and retried past 90 s was
+                        // `dup` and never queued. Within the duplicate window its message
+                        // id makes a repeat a duplicate; past it the record is bound to
+                        // the message just stored, and a copy stored before is terminated
+                        // when delivered (`TaskRecord::msg_seq`), so that a resubmit stores
+                        // at most one more copy, never offered or finished twice.
+                        let bind = (!self.repeatable(record.history.first(), now))
+                            .then(|| Box::new((record, revision)));
+                        self.publish_task(conn, *sub, true, bind, now);
                     } else {
                         let text = FrameWriter::ok(Some(&sub.re))
                             .str("task", &sub.task)
@@ -1504,11 +1523,16 @@ impl Jobs {
                 ns,
                 task,
                 dup,
+                bind,
             } => match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
                 Ok(Ok(ack)) => {
-                    *self
-                        .published
-                        .get_or_insert_with(task_key(&ns, &task), || ack.seq) = ack.seq;
+                    let key = task_key(&ns, &task);
+                    if let Some(bound) = bind {
+                        let (mut record, revision) = *bound;
+                        record.msg_seq = Some(ack.seq);
+                        self.bind_record(conn, key.clone(), &record, revision, now);
+                    }
+                    *self.published.get_or_insert_with(key, || ack.seq) = ack.seq;
                     let text = FrameWriter::ok(Some(&re))
                         .str("task", &task)
                         .value("dup", &(dup || ack.duplicate))
@@ -1628,6 +1652,16 @@ impl Jobs {
             }
             Pending::LetterPage(page) => self.letter_page(conn, *page, reply, now),
             Pending::Redrive(r) => self.redrive_read(conn, *r, reply, now),
+            Pending::Bind { key } => {
+                // Refused for a change made meanwhile: a delivery's, which bound the record
+                // to the message it delivered, or a cancel.
+                if let Err(e) = reply
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| parse_pub_ack(m.status(), &m.payload).map_err(|e| e.to_string()))
+                {
+                    log::info!(task:% = key; "task record not bound to its republished message: {e}");
+                }
+            }
             Pending::MessageDelete { key } => {
                 // A message already gone (pulled and acked meanwhile) is the same outcome.
                 if let Err(e) = reply
@@ -2142,6 +2176,180 @@ mod tests {
         let again = h.request(app, submit);
         assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(true)));
         assert_eq!(messages(&h), 1, "past it no copy is stored");
+    }
+
+    /// Sets the tasks stream's `max_msg_size` (`-1`: none): below a task's size, every
+    /// task message is refused as JetStream refuses one at a full stream, say.
+    fn limit_task_messages(h: &mut Harness, max_msg_size: i64) {
+        let info = h.nats_request("$JS.API.STREAM.INFO.AMP_TASKS_dev", &[], b"");
+        let mut config = info["config"].clone();
+        config["max_msg_size"] = json!(max_msg_size);
+        let body = config.to_string();
+        let r = h.nats_request("$JS.API.STREAM.UPDATE.AMP_TASKS_dev", &[], body.as_bytes());
+        assert!(r.get("error").is_none() && r != Value::Null, "{r}");
+    }
+
+    /// Stores a second copy of a task message, as a republish past the stream's
+    /// duplicate window does.
+    fn store_copy(h: &mut Harness, payload: &[u8], msg_id: &str) {
+        let headers = [("Nats-Msg-Id", msg_id), ("AMP-Kind", "task")];
+        let ack = h.nats_request("amp.dev.job.render", &headers, payload);
+        assert!(ack["seq"].is_u64(), "copy not stored: {ack}");
+    }
+
+    #[test]
+    fn a_submit_the_tasks_stream_refused_is_queued_by_a_retry_past_the_duplicate_window() {
+        // The record is made before the message: a message JetStream refused left a
+        // record `queued` and nothing to deliver. A retry within 90 s published again;
+        // a later one was told `ok`, `dup: true`, for a task never offered nor finished.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let submit = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+        limit_task_messages(&mut h, 16);
+        let refused = h.request(app, submit.clone());
+        assert_eq!(refused["code"], "unavailable", "{refused}");
+        h.advance(Duration::from_secs(100));
+        limit_task_messages(&mut h, -1);
+        let again = h.request(app, submit);
+        assert_eq!(again["op"], "ok", "{again}");
+        let w = worker(&mut h, "w1");
+        offer(&mut h, w, "T");
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":"T"}))["op"],
+            "ok"
+        );
+        assert_eq!(task_result(&mut h, app, "T")["state"], "completed");
+    }
+
+    /// Tasks a copy of whose message is stored: each copy is delivered, and each
+    /// must be known as the task's second message, not taken for the task's own.
+    #[test]
+    fn a_second_message_of_a_finished_task_publishes_no_second_result() {
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let stored = h.server.stream_messages("AMP_TASKS_dev");
+        let payload = stored
+            .first()
+            .map(|m| m.2.to_vec())
+            .expect("the task message");
+        let w = worker(&mut h, "w1");
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":task}))["op"],
+            "ok"
+        );
+        task_result(&mut h, app, &task);
+        // Past the inbox's duplicate window, a second result would be a second message.
+        h.advance(Duration::from_secs(150));
+        store_copy(&mut h, &payload, "copy");
+        h.advance(Duration::from_secs(10));
+        let late: Vec<Value> = h
+            .take(app)
+            .into_iter()
+            .filter(|f| f["kind"] == "task_result")
+            .collect();
+        assert!(late.is_empty(), "a second result: {late:?}");
+        assert!(
+            h.take(w).iter().all(|f| f["op"] != "offer"),
+            "offered again"
+        );
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+    }
+
+    #[test]
+    fn a_second_message_of_a_leased_task_is_neither_offered_nor_taken_for_the_lease() {
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let stored = h.server.stream_messages("AMP_TASKS_dev");
+        let payload = stored
+            .first()
+            .map(|m| m.2.to_vec())
+            .expect("the task message");
+        let w1 = worker(&mut h, "w1");
+        offer(&mut h, w1, &task);
+        assert_eq!(h.request(w1, json!({"op":"claim","task":task}))["op"], "ok");
+        let w2 = worker(&mut h, "w2");
+        store_copy(&mut h, &payload, "copy");
+        // The holder heartbeats through several lease lengths; the copy comes meanwhile.
+        for _ in 0..6 {
+            h.advance(Duration::from_secs(1));
+            let hb = h.request(w1, json!({"op":"heartbeat","task":task}));
+            assert_eq!(hb["op"], "ok", "{hb}");
+        }
+        assert!(
+            h.take(w2).iter().all(|f| f["op"] != "offer"),
+            "copy offered"
+        );
+        // Gone at once, not taken for the lease's message (whose in-progress acks then
+        // went to the copy, and the task's own message came back after the result).
+        assert_eq!(h.server.stream_messages("AMP_TASKS_dev").len(), 1);
+        assert_eq!(
+            h.request(w1, json!({"op":"complete","task":task}))["op"],
+            "ok"
+        );
+        assert_eq!(task_result(&mut h, app, &task)["attempts"], 1);
+        h.advance(Duration::from_secs(150));
+        let late: Vec<Value> = h
+            .take(app)
+            .into_iter()
+            .filter(|f| f["kind"] == "task_result")
+            .collect();
+        assert!(late.is_empty(), "a second result: {late:?}");
+        let offers: Vec<Value> = [w1, w2]
+            .into_iter()
+            .flat_map(|w| h.take(w))
+            .filter(|f| f["op"] == "offer")
+            .collect();
+        assert!(offers.is_empty(), "offered again: {offers:?}");
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+    }
+
+    #[test]
+    fn a_resubmit_through_another_broker_past_the_window_queues_one_task_not_two() {
+        // That broker cannot tell whether the first message was stored: it stores it
+        // again, and the copy that is not the record's is terminated unoffered.
+        let mut config = harness::development_config();
+        let job = Job {
+            lease_s: LEASE_S,
+            offer_ms: 1000,
+            ..Job::default()
+        };
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.jobs.insert("render".into(), job);
+        }
+        let mut h = Harness::new(config, 2, 7);
+        let app0 = h.join(0, "app", json!({}));
+        let app1 = h.join(1, "app", json!({}));
+        let submit = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+        assert_eq!(h.request(app0, submit.clone())["op"], "ok");
+        h.advance(Duration::from_secs(130));
+        let again = h.request(app1, submit);
+        assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(true)));
+        assert_eq!(h.server.stream_messages("AMP_TASKS_dev").len(), 2);
+        let w = worker(&mut h, "w1");
+        offer(&mut h, w, "T");
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":"T"}))["op"],
+            "ok"
+        );
+        task_result(&mut h, app0, "T");
+        h.advance(Duration::from_secs(150));
+        assert!(
+            h.take(w).iter().all(|f| f["op"] != "offer"),
+            "offered twice"
+        );
+        let late: Vec<Value> = [app0, app1]
+            .into_iter()
+            .flat_map(|a| h.take(a))
+            .filter(|f| f["kind"] == "task_result")
+            .collect();
+        assert!(late.is_empty(), "a second result: {late:?}");
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
     }
 
     #[test]

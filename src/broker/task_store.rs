@@ -125,6 +125,12 @@ pub struct TaskRecord {
     /// outcome as its reply, from the record, so no `task_result` goes to its AMP inbox.
     #[serde(default, skip_serializing_if = "is_false")]
     pub via_mig: bool,
+    /// The stream sequence of the task message whose deliveries act on this record: the
+    /// first delivery whose change is written binds it (or a resubmit that had to store
+    /// the message again, see `jobs::submit`). A copy of the message stored later (a
+    /// republish past the stream's duplicate window) is none of the task's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub msg_seq: Option<u64>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -255,6 +261,7 @@ impl TaskRecord {
             progress: None,
             progress_n: 0,
             via_mig: false,
+            msg_seq: None,
         }
     }
 
@@ -367,6 +374,10 @@ impl TaskRecord {
         if self.via_mig {
             member(&mut out, "via_mig");
             out.push_str("true");
+        }
+        if let Some(seq) = self.msg_seq {
+            member(&mut out, "msg_seq");
+            push_decimal(&mut out, seq);
         }
         out.push('}');
         out.into_bytes()
@@ -687,6 +698,7 @@ mod tests {
         full.progress = Some(json!(0.5));
         full.progress_n = 3;
         full.via_mig = true;
+        full.msg_seq = Some(u64::MAX);
         full.history.push(HistoryEntry {
             state: TaskState::Offered,
             at: "2027-01-15T08:00:00.000Z".into(),

@@ -316,6 +316,54 @@ impl Harness {
         }
     }
 
+    /// A request on `subject` from a client of the test's own (an operator's tool, or a
+    /// publisher the broker does not know): the JSON of its reply, `Null` when none came.
+    /// `headers` go as an `HPUB` (a JetStream publish with `Nats-Msg-Id`, say).
+    pub fn nats_request(&mut self, subject: &str, headers: &[(&str, &str)], body: &[u8]) -> Value {
+        let now = self.now;
+        let c = self.server.accept(now);
+        let mut wire =
+            b"CONNECT {\"headers\":true,\"verbose\":false}\r\nSUB _TEST.R 1\r\n".to_vec();
+        if headers.is_empty() {
+            wire.extend_from_slice(format!("PUB {subject} _TEST.R {}\r\n", body.len()).as_bytes());
+        } else {
+            let mut head = String::from("NATS/1.0\r\n");
+            for (k, v) in headers {
+                head.push_str(&format!("{k}: {v}\r\n"));
+            }
+            head.push_str("\r\n");
+            let total = head.len() + body.len();
+            wire.extend_from_slice(
+                format!("HPUB {subject} _TEST.R {} {total}\r\n{head}", head.len()).as_bytes(),
+            );
+        }
+        wire.extend_from_slice(body);
+        wire.extend_from_slice(b"\r\n");
+        self.server.receive(c, &wire, now);
+        let out = String::from_utf8_lossy(&self.server.take_output(c)).into_owned();
+        self.server.disconnect(c, now);
+        self.settle();
+        // `MSG _TEST.R 1 <n>\r\n<json>\r\n`: the reply is the line after the MSG line.
+        out.split("\r\n")
+            .skip_while(|l| !l.starts_with("MSG _TEST.R"))
+            .nth(1)
+            .and_then(|json| serde_json::from_str(json).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// SIGHUP with `config`: every broker re-reads it.
+    pub fn reload(&mut self, config: Config) {
+        for n in &mut self.nodes {
+            if let Err(e) = n.broker.reload(config.clone()) {
+                panic!("harness: reload refused: {e}");
+            }
+            // The runtime's next turn: what the reload queued goes out.
+            n.broker.handle(&mut n.conn, Input::Timeout, self.now);
+        }
+        self.config = config;
+        self.settle();
+    }
+
     /// A broker process dies and one with the same id and configuration starts: its
     /// sessions are closed from the client's side (1006), its NATS transport drops.
     pub fn crash(&mut self, node: usize) {

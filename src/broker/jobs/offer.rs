@@ -133,11 +133,15 @@ impl Jobs {
             }
         };
         let key = task_key(&ns, &env.id);
-        if let Some(t) = self.tasks.get_mut(&key) {
-            // A redelivery of a task this broker already handles (its in-progress acks were
-            // lost): keep the newest ack subject and carry on.
-            t.ack_subject = ack;
-            t.ack_basis = ack_basis;
+        if self.tasks.contains_key(&key) {
+            if !self.another_copy(conn, &key, &ack)
+                && let Some(t) = self.tasks.get_mut(&key)
+            {
+                // A redelivery of a task this broker already handles (its in-progress acks
+                // were lost): keep the newest ack subject and carry on.
+                t.ack_subject = ack;
+                t.ack_basis = ack_basis;
+            }
             return self.pull_more(conn, qk, now);
         }
         if let Some(read) = self.record_in_message(qk, delivered, stored_nanos, msg, &env) {
@@ -201,6 +205,30 @@ impl Jobs {
                 );
             }
         }
+    }
+
+    /// Whether `ack` delivers another message of task `key` than the one its local task
+    /// here is on (a copy stored past the duplicate window, see `TaskRecord::msg_seq`):
+    /// taken for a redelivery, it took over the local task's ack subject, and the
+    /// task's own message, redelivered later, published its result a second time. The
+    /// copy goes for good once the local task's record is bound to its own message, and
+    /// comes back a little later until then (the offer here may be declined).
+    pub(super) fn another_copy(&mut self, conn: &mut Connection, key: &str, ack: &str) -> bool {
+        let Some(t) = self.tasks.get(key) else {
+            return false;
+        };
+        let (Some(mine), Some(this)) = (message_seq(&t.ack_subject), message_seq(ack)) else {
+            return false;
+        };
+        if mine == this {
+            return false;
+        }
+        if t.record.msg_seq == Some(mine) {
+            self.term_copy(conn, ack);
+        } else {
+            self.nak(conn, ack, Some(NO_TAKER_DELAY));
+        }
+        true
     }
 
     /// The record a task message carries (`AMP-Task-Record`, written at submit with the
@@ -277,13 +305,18 @@ impl Jobs {
         if let Some(q) = self.queues.get_mut(qk) {
             q.unplaced = q.unplaced.saturating_sub(1);
         }
-        if let Some(t) = self.tasks.get_mut(&key) {
-            // Delivered twice while the first delivery's record was being read (its AckWait
-            // ran out meanwhile): one local task, on the newer delivery's ack subject.
-            let seq = |a: &str| AckMetadata::parse(a).map_or(0, |m| m.consumer_sequence);
-            if seq(&ack) > seq(&t.ack_subject) {
-                t.ack_subject = ack;
-                t.ack_basis = ack_basis;
+        if self.tasks.contains_key(&key) {
+            if !self.another_copy(conn, &key, &ack)
+                && let Some(t) = self.tasks.get_mut(&key)
+            {
+                // Delivered twice while the first delivery's record was being read (its
+                // AckWait ran out meanwhile): one local task, on the newer delivery's ack
+                // subject.
+                let seq = |a: &str| AckMetadata::parse(a).map_or(0, |m| m.consumer_sequence);
+                if seq(&ack) > seq(&t.ack_subject) {
+                    t.ack_subject = ack;
+                    t.ack_basis = ack_basis;
+                }
             }
             return self.pull_more(conn, qk, now);
         }
@@ -306,6 +339,15 @@ impl Jobs {
                 return self.pull_more(conn, qk, now);
             }
         };
+        if record
+            .msg_seq
+            .zip(message_seq(&ack))
+            .is_some_and(|(bound, seq)| bound != seq)
+        {
+            // Neither offered nor finished again: the task's own message does both.
+            self.term_copy(conn, &ack);
+            return self.pull_more(conn, qk, now);
+        }
         let now_ms = self.clock.ms(now);
         match record.on_delivery(now_ms) {
             // A crash or a lost ack between the outcome and the ack.

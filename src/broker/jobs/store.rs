@@ -163,16 +163,24 @@ impl Jobs {
             }
             return;
         }
+        let delivered = write.ack.as_deref().and_then(message_seq);
+        if let (Some(bound), Some(seq)) = (record.msg_seq, delivered)
+            && bound != seq
+        {
+            return self.superseded(conn, write, now);
+        }
         let now_ms = self.clock.ms(now);
         let actor = self.actor_of(&write.op, &write.key);
         let next = {
             let change = self.change_for(&write.op, &actor, &write.key);
             record.apply(&change, now_ms)
         };
-        let next = match next {
+        let mut next = match next {
             Ok(next) => next,
             Err(refusal) => return self.refused(conn, write, record, revision, refusal, now),
         };
+        // Written with the first change a delivery makes, so no extra write is spent.
+        next.msg_seq = next.msg_seq.or(delivered);
         let json = next.to_json();
         let max = conn.max_payload();
         let reserve = (max / 4).min(RECORD_RESERVE);
@@ -213,6 +221,38 @@ impl Jobs {
             }
             Err(e) => self.write_failed(conn, write, send_error(&e), now),
         }
+    }
+
+    /// The change was for a delivery of a copy of the task's message, not of the one the
+    /// record is bound to (`TaskRecord::msg_seq`): the copy goes for good, and whatever
+    /// this broker held on it (an offer, unwritten) ends, as an offer that lost its task.
+    pub(super) fn superseded(&mut self, conn: &mut Connection, write: Write, now: Instant) {
+        log::info!(task:% = write.key; "a copy of the task message is terminated");
+        let task = write.key.split_once('.').map_or("", |(_, t)| t).to_string();
+        if let Some((session, re)) = write.op.answer_to() {
+            let re = re.to_string();
+            self.refuse(session, &re, lease_lost(&task));
+        }
+        if let Some(ack) = &write.ack {
+            self.term_copy(conn, ack);
+        }
+        let leased = self
+            .tasks
+            .get(&write.key)
+            .filter(|t| t.leased)
+            .map(|t| t.session);
+        if let Some(session) = leased {
+            self.revoke(session, &task, "lease_expired");
+        }
+        if write.op.local_session().is_some() {
+            self.release_local(conn, &write.key, now);
+        }
+    }
+
+    /// Terminates a delivered copy of a task message (see [`Jobs::superseded`]).
+    pub(super) fn term_copy(&mut self, conn: &mut Connection, ack: &str) {
+        let reason = Some("a copy of the task's message".into());
+        self.ack(conn, ack, AckKind::Term { reason });
     }
 
     /// The change cannot be made on the record as it is (at `revision`).

@@ -207,6 +207,7 @@ impl Jobs {
         conn: &mut Connection,
         sub: Submission,
         dup: bool,
+        bind: Option<Box<(TaskRecord, u64)>>,
         now: Instant,
     ) {
         match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
@@ -220,10 +221,37 @@ impl Jobs {
                         ns: sub.ns,
                         task: sub.task,
                         dup,
+                        bind,
                     },
                 );
             }
             Err(e) => self.refuse(sub.session, &sub.re, send_error(&e)),
+        }
+    }
+
+    /// Writes `record` (bound to a republished message) over `revision`; a change made
+    /// meanwhile wins.
+    pub(super) fn bind_record(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        record: &TaskRecord,
+        revision: u64,
+        now: Instant,
+    ) {
+        let sent = self
+            .kv
+            .replace_request(&key, &record.to_json(), revision, None)
+            .map_err(|e| e.to_string())
+            .and_then(|req| {
+                self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now)
+                    .map_err(|e| e.to_string())
+            });
+        match sent {
+            Ok(id) => self.await_reply(id, now, Pending::Bind { key }),
+            Err(e) => {
+                log::info!(task:% = key; "task record not bound to its republished message: {e}")
+            }
         }
     }
 }
