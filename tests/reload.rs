@@ -323,3 +323,33 @@ fn sighup_refuses_to_hand_a_delisted_name_to_the_open_entry() {
     }
     ping_ok(&mut alice);
 }
+
+/// Spec 2.4: a job's `lease_s` is its consumer's AckWait. The consumer was made once with
+/// the `lease_s` of its day, and a reload changed the broker's `lease_s` only: JetStream
+/// went on redelivering by the old one (every 30 s under 120 s leases).
+#[test]
+fn sighup_that_changes_lease_s_updates_the_job_consumers_ack_wait() {
+    let nats = NatsServer::start();
+    let config = common::jobs::config(&["app", "w1"], 30, 5_000);
+    let broker = Broker::start(&nats.url(), &config);
+    let _w1 = common::jobs::login_serving(&broker, "w1", 1);
+    let mut js = nats.jetstream();
+    let mut ack_wait = || {
+        js.consumer_info("AMP_TASKS_acme", "job_render")
+            .ok()
+            .and_then(|info| info.config.ack_wait)
+    };
+    assert!(
+        wait_until(WAIT, || ack_wait() == Some(Duration::from_secs(30))),
+        "the job consumer: {:?}",
+        ack_wait()
+    );
+    let mut longer = config.clone();
+    longer["namespaces"]["acme"]["jobs"]["render"]["lease_s"] = json!(120);
+    broker.reload(&longer, "reloaded");
+    assert!(
+        wait_until(WAIT, || ack_wait() == Some(Duration::from_secs(120))),
+        "AckWait after the reload: {:?}",
+        ack_wait()
+    );
+}

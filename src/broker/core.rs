@@ -829,6 +829,7 @@ impl Broker {
         if !self.kept_inboxes.is_empty() {
             self.send_inbox_creates(conn, now);
         }
+        self.jobs.after_reload(conn, now);
         for key in std::mem::take(&mut self.relabeled) {
             if let Some((ns, name)) = key.split_once('/') {
                 self.registry_changed(conn, ns, name, now);

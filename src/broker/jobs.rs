@@ -185,6 +185,10 @@ struct JobQueue {
     /// Its serving sessions were told JetStream refuses its consumer (once until it is
     /// made).
     told: bool,
+    /// The consumer's AckWait as its last create (or update) answered: what JetStream
+    /// redelivers by, which the broker keeps messages and times their release by. It is
+    /// the job's `lease_s` unless another broker made the consumer with another one.
+    ack_wait: Option<Duration>,
 }
 
 /// A message stored before a restart was stamped before the server went down, and the
@@ -215,14 +219,31 @@ fn carry_record(sub: &mut Submission, revision: u64, max_payload: usize) {
     }
 }
 
-/// The server's time in a consumer info (`ts`, RFC 3339 with nanoseconds).
-fn consumer_info_time(payload: &[u8]) -> Option<u64> {
+/// What a consumer info says that the job queue uses: the server's time (`ts`, RFC 3339
+/// with nanoseconds, as ns since the epoch) and the consumer's AckWait.
+fn consumer_info_of(payload: &[u8]) -> (Option<u64>, Option<Duration>) {
     #[derive(serde::Deserialize)]
-    struct Stamped {
+    struct Info {
         ts: Option<String>,
+        config: Option<Config>,
     }
-    let ts = serde_json::from_slice::<Stamped>(payload).ok()?.ts?;
-    u64::try_from(crate::rfc3339::parse_nanos(&ts)?).ok()
+    #[derive(serde::Deserialize)]
+    struct Config {
+        ack_wait: Option<u64>,
+    }
+    let Ok(info) = serde_json::from_slice::<Info>(payload) else {
+        return (None, None);
+    };
+    let ts = info
+        .ts
+        .and_then(|ts| crate::rfc3339::parse_nanos(&ts))
+        .and_then(|ns| u64::try_from(ns).ok());
+    let ack_wait = info
+        .config
+        .and_then(|c| c.ack_wait)
+        .filter(|n| *n > 0)
+        .map(Duration::from_nanos);
+    (ts, ack_wait)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -607,6 +628,9 @@ pub struct Jobs {
     unsent_cancels: BoundedMap<String, ()>,
     /// Paces the warnings about dead letters too large to store whole.
     trimmed_log: letters::TrimmedLog,
+    /// Job queues whose consumer a reload changed the AckWait of (see
+    /// [`Jobs::after_reload`]).
+    consumer_updates: Vec<String>,
 }
 
 /// Counters for metrics and the benchmark.
@@ -723,6 +747,7 @@ impl Jobs {
             held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
             unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
             trimmed_log: letters::TrimmedLog::default(),
+            consumer_updates: Vec::new(),
         })
     }
 
@@ -876,7 +901,8 @@ impl Jobs {
     }
 
     /// Takes the job settings of a reloaded configuration; tasks already offered or
-    /// leased keep the lease they were given.
+    /// leased keep the lease they were given. The consumers of job queues here whose
+    /// AckWait is not the new `lease_s` are updated by [`Jobs::after_reload`].
     pub fn reload_settings(&mut self, config: &Config) {
         self.mig_enabled = config.mig.enabled;
         self.jobs = config
@@ -884,6 +910,24 @@ impl Jobs {
             .iter()
             .map(|(ns, n)| (ns.clone(), n.jobs.clone()))
             .collect();
+        let stale: Vec<String> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| {
+                let lease = Duration::from_secs(self.job_config(&q.ns, &q.job).lease_s);
+                q.ack_wait != Some(lease)
+            })
+            .map(|(qk, _)| qk.clone())
+            .collect();
+        self.consumer_updates.extend(stale);
+    }
+
+    /// Sends the consumer updates a reload asked for (it has no connection to send them
+    /// on).
+    pub fn after_reload(&mut self, conn: &mut Connection, now: Instant) {
+        for qk in std::mem::take(&mut self.consumer_updates) {
+            self.create_consumer(conn, &qk, now);
+        }
     }
 
     /// The labels of `ns/name` changed (a reload): its workers are offered tasks by the
@@ -1409,9 +1453,10 @@ impl Jobs {
         }
         match pending {
             Pending::ConsumerCreate { queue } => match reply
-                .map(|m| check_error(&m.payload).map(|()| consumer_info_time(&m.payload)))
+                .map(|m| check_error(&m.payload).map(|()| consumer_info_of(&m.payload)))
             {
-                Ok(Ok(answered_at)) => {
+                Ok(Ok((answered_at, ack_wait))) => {
+                    self.consumer_ack_wait_read(&queue, ack_wait);
                     if let Some(q) = self.queues.get_mut(&queue) {
                         q.trust_after_nanos =
                             answered_at.and_then(|t| t.checked_add(TRUST_MARGIN_NANOS));
@@ -2350,6 +2395,64 @@ mod tests {
             .collect();
         assert!(late.is_empty(), "a second result: {late:?}");
         assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+    }
+
+    fn with_lease(lease_s: u64) -> crate::broker::config::Config {
+        let mut config = harness::development_config();
+        let job = Job {
+            lease_s,
+            offer_ms: 1000,
+            ..Job::default()
+        };
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.jobs.insert("render".into(), job);
+        }
+        config
+    }
+
+    fn job_consumer(h: &mut Harness) -> Value {
+        h.nats_request("$JS.API.CONSUMER.INFO.AMP_TASKS_dev.job_render", &[], b"")
+    }
+
+    const NANOS: u64 = 1_000_000_000;
+
+    #[test]
+    fn a_reload_that_changes_lease_s_changes_the_job_consumers_ack_wait() {
+        // The consumer was made once, with the lease_s of its day: a reload changed the
+        // broker's lease_s and not the consumer's AckWait, which spec 2.4 says it is.
+        let mut h = Harness::new(with_lease(30), 1, 7);
+        worker(&mut h, "w1");
+        assert_eq!(job_consumer(&mut h)["config"]["ack_wait"], 30 * NANOS);
+        h.reload(with_lease(120));
+        let info = job_consumer(&mut h);
+        assert_eq!(info["config"]["ack_wait"], 120 * NANOS, "{info}");
+    }
+
+    #[test]
+    fn a_lease_made_longer_by_a_reload_is_not_redelivered_while_it_runs() {
+        // With the consumer's AckWait still at the old 3 s and the broker keeping the
+        // message by a 10 s one, JetStream redelivered a leased task every 3 s.
+        let mut h = Harness::new(with_lease(3), 1, 7);
+        let app = h.join(0, "app", json!({}));
+        // A free slot keeps a pull out, which a redelivery would answer.
+        let w = h.join(0, "w1", json!({"serve":[{"job":"render","slots":2}]}));
+        h.reload(with_lease(10));
+        let task = submit(&mut h, app, 1);
+        let o = offer(&mut h, w, &task);
+        assert_eq!(o["lease_s"], 10, "{o}");
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        h.advance(Duration::from_secs(8));
+        let info = job_consumer(&mut h);
+        assert_eq!(
+            (&info["delivered"]["consumer_seq"], &info["num_redelivered"]),
+            (&json!(1), &json!(0)),
+            "{info}"
+        );
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":task}))["op"],
+            "ok"
+        );
+        assert_eq!(task_result(&mut h, app, &task)["attempts"], 1);
     }
 
     #[test]

@@ -245,9 +245,9 @@ impl Jobs {
         self.next_waiting(conn, key, now);
     }
 
-    /// The message's AckWait: the job's `lease_s`.
+    /// The message's AckWait: the job consumer's (its `lease_s`, when every broker agrees).
     fn ack_wait(&self, t: &LocalTask) -> Duration {
-        Duration::from_secs(self.job_config(&t.ns, &t.job).lease_s.max(1))
+        self.consumer_ack_wait(&t.ns, &t.job)
     }
 
     /// Keeps the message of the lease `key` from being redelivered while the lease runs,

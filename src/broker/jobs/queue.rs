@@ -34,6 +34,7 @@ impl Jobs {
                 trust_after_nanos: None,
                 last_consumer_seq: 0,
                 told: false,
+                ack_wait: None,
             },
         );
         self.create_consumer(conn, &qk, now);
@@ -77,6 +78,37 @@ impl Jobs {
                 self.consumer_failed(qk, now);
             }
         }
+    }
+
+    /// The AckWait the consumer of `qk` has, as its create answered; a warning when it
+    /// is not this broker's `lease_s` (only one AckWait holds for every broker serving
+    /// the job: the last to make the consumer sets it).
+    pub(super) fn consumer_ack_wait_read(&mut self, qk: &str, ack_wait: Option<Duration>) {
+        let Some(q) = self.queues.get(qk) else {
+            return;
+        };
+        let lease_s = self.job_config(&q.ns, &q.job).lease_s;
+        if let Some(a) = ack_wait.filter(|a| *a != Duration::from_secs(lease_s)) {
+            log::warn!(
+                queue:% = qk;
+                "the job consumer's AckWait is {} ms, not this broker's lease_s of {lease_s} s: \
+                 brokers serving a job must agree on its lease_s; leases are kept by the consumer's",
+                a.as_millis()
+            );
+        }
+        if let Some(q) = self.queues.get_mut(qk) {
+            q.ack_wait = ack_wait.or(q.ack_wait);
+        }
+    }
+
+    /// The AckWait JetStream redelivers the messages of `ns/job` by: the consumer's, as
+    /// read back, else the job's `lease_s` it is made with.
+    pub(super) fn consumer_ack_wait(&self, ns: &str, job: &str) -> Duration {
+        self.queues
+            .get(&queue_key(ns, job))
+            .and_then(|q| q.ack_wait)
+            .unwrap_or_else(|| Duration::from_secs(self.job_config(ns, job).lease_s))
+            .max(Duration::from_secs(1))
     }
 
     /// JetStream refused the job's consumer (its stream at `max_consumers`, say): the

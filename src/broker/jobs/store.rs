@@ -11,14 +11,16 @@ const REPEAT_WINDOW_MS: i128 = 90_000;
 
 /// How long a finished task's record stays: its job's `keep_finished_s`, and at least
 /// until what may still come for it has come. A redelivery of its message (an ack lost)
-/// comes within `lease_s`; a resubmit of its id within the streams' duplicate window
-/// (120 s) stores no message, so it must still find the record, not make a new one that
-/// would stay `queued` with nothing to offer; a cancel's retry repeats the result within
+/// comes within the consumer's AckWait (`ack_wait`, the job's `lease_s` when brokers
+/// agree); a resubmit of its id within the streams' duplicate window (120 s) stores no
+/// message, so it must still find the record, not make a new one that would stay
+/// `queued` with nothing to offer; a cancel's retry repeats the result within
 /// `REPEAT_WINDOW_MS`. All of these are past 300 s after the lease.
-pub(super) fn finished_ttl_s(job: &crate::broker::config::Job) -> u64 {
+pub(super) fn finished_ttl_s(job: &crate::broker::config::Job, ack_wait: Duration) -> u64 {
     const AFTER_LEASE_S: u64 = 300;
+    let redelivery_s = job.lease_s.max(ack_wait.as_secs());
     job.keep_finished_s
-        .max(job.lease_s.saturating_add(AFTER_LEASE_S))
+        .max(redelivery_s.saturating_add(AFTER_LEASE_S))
 }
 
 impl Jobs {
@@ -202,7 +204,8 @@ impl Jobs {
         let ttl = (!lives_on).then(|| {
             let ns = write.key.split_once('.').map_or("", |(ns, _)| ns);
             let job = self.job_config(ns, &next.job);
-            crate::jetstream::MsgTtl::After(Duration::from_secs(finished_ttl_s(&job)))
+            let ack_wait = self.consumer_ack_wait(ns, &next.job);
+            crate::jetstream::MsgTtl::After(Duration::from_secs(finished_ttl_s(&job, ack_wait)))
         });
         let req = match self.kv.replace_request(&write.key, &json, revision, ttl) {
             Ok(r) => r,
