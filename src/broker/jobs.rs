@@ -1479,6 +1479,9 @@ impl Jobs {
                 match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
                     Ok(Ok(ack)) => {
                         self.stats.submitted += 1;
+                        // A new task: the message stored under its id before was an
+                        // earlier task's, whose record expired.
+                        self.published.remove(&task_key(&sub.ns, &sub.task));
                         let mut sub = *sub;
                         carry_record(&mut sub, ack.seq, conn.max_payload());
                         self.publish_task(conn, sub, false, None, now);
@@ -2265,6 +2268,42 @@ mod tests {
             "ok"
         );
         assert_eq!(task_result(&mut h, app, "T")["state"], "completed");
+    }
+
+    #[test]
+    fn a_reused_task_id_whose_message_was_refused_is_queued_by_its_retry() {
+        // The broker remembers the sequence of each task message it stored; a task id
+        // used again once its finished record had expired still found the first use's
+        // there, and its retry was answered `dup` as if the new message were stored.
+        let mut config = with_lease(LEASE_S);
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.keep_finished_s = 300;
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let submit = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+        assert_eq!(h.request(app, submit.clone())["op"], "ok");
+        offer(&mut h, w, "T");
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":"T"}))["op"],
+            "ok"
+        );
+        task_result(&mut h, app, "T");
+        h.advance(Duration::from_secs(400));
+        let status = h.request(app, json!({"op":"status","task":"T"}));
+        assert_eq!(status["code"], "not_found", "the record expired: {status}");
+        limit_task_messages(&mut h, 16);
+        let refused = h.request(app, submit.clone());
+        assert_eq!(refused["code"], "unavailable", "{refused}");
+        limit_task_messages(&mut h, -1);
+        assert_eq!(h.request(app, submit)["op"], "ok");
+        offer(&mut h, w, "T");
     }
 
     /// Tasks a copy of whose message is stored: each copy is delivered, and each
