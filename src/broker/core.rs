@@ -984,7 +984,9 @@ impl Broker {
                         log::warn!(participant:% = participant; "inbox consumer refused: {e}");
                         self.retry_inbox_consumer(participant, now);
                     }
-                    Ok(Err(e)) => self.inbox_consumer_refused(participant, &e, now),
+                    Ok(Err(e)) => {
+                        self.inbox_consumer_refused(participant, &naming_the_field(e), now)
+                    }
                     Err(e) => {
                         log::warn!(participant:% = participant; "inbox consumer request failed: {e}"
                         );
@@ -1484,18 +1486,67 @@ fn js_request(
     .map_err(|e| e.to_string())
 }
 
+/// Consumer fields nats-server 2.15 never updates, by the words of its 10012 answer
+/// (`checkNewConsumerConfig`). The first three are where a consumer starts.
+const FIXED_CONSUMER_FIELDS: [(&str, &str); 12] = [
+    ("deliver policy can not be updated", "deliver_policy"),
+    ("start sequence can not be updated", "opt_start_seq"),
+    ("start time can not be updated", "opt_start_time"),
+    ("ack policy can not be updated", "ack_policy"),
+    ("replay policy can not be updated", "replay_policy"),
+    ("storage type can not be updated", "mem_storage"),
+    ("heart beats can not be updated", "idle_heartbeat"),
+    ("flow control can not be updated", "flow_control"),
+    ("max waiting can not be updated", "max_waiting"),
+    (
+        "can not update pull consumer to push based",
+        "deliver_subject",
+    ),
+    (
+        "can not update push consumer to pull based",
+        "deliver_subject",
+    ),
+    ("direct can not be updated", "direct"),
+];
+
+/// The field an existing consumer has otherwise than asked for and JetStream will not
+/// update, from a 10012 answer.
+fn fixed_consumer_field(e: &JsError) -> Option<&'static str> {
+    let api = e.api_error()?;
+    (api.err_code == crate::jetstream::error::ERR_CONSUMER_CREATE)
+        .then(|| {
+            FIXED_CONSUMER_FIELDS
+                .iter()
+                .find(|(text, _)| api.description.contains(text))
+        })
+        .flatten()
+        .map(|(_, field)| *field)
+}
+
 /// JetStream's answer when the consumer asked for is there with another start: a
 /// `create` of a name in use (10148), or an update that may not move the start (10012,
-/// "deliver policy can not be updated"; an inbox consumer an earlier version of the
-/// broker made again after its loss starts at a sequence, and a first login's `create or
-/// update` asks for all).
-pub(super) fn consumer_exists(e: &crate::jetstream::JsError) -> bool {
-    match e.err_code() {
-        Some(crate::jetstream::error::ERR_CONSUMER_EXISTS) => true,
-        Some(crate::jetstream::error::ERR_CONSUMER_CREATE) => {
-            e.to_string().contains("can not be updated")
-        }
-        _ => false,
+/// "deliver policy can not be updated" and the start's sequence or time; a consumer made
+/// again after its loss starts at a sequence, and a later first login's `create or
+/// update` asks for all). Any other field JetStream will not update (an ack policy of
+/// `none`, a push consumer) is a consumer that would not do what the broker needs:
+/// [`naming_the_field`] says which.
+pub(super) fn consumer_exists(e: &JsError) -> bool {
+    e.err_code() == Some(crate::jetstream::error::ERR_CONSUMER_EXISTS)
+        || fixed_consumer_field(e)
+            .is_some_and(|f| ["deliver_policy", "opt_start_seq", "opt_start_time"].contains(&f))
+}
+
+/// A consumer refused for a field JetStream does not update, with the field named.
+pub(super) fn naming_the_field(e: JsError) -> JsError {
+    match (fixed_consumer_field(&e), e.api_error()) {
+        (Some(field), Some(api)) => JsError::Api(crate::jetstream::error::ApiError {
+            description: format!(
+                "the consumer there has another `{field}`, which JetStream does not update ({})",
+                api.description
+            ),
+            ..api.clone()
+        }),
+        _ => e,
     }
 }
 

@@ -10,7 +10,7 @@ use super::envelope::{Code, Echo, MigError};
 use super::{Answer, JS_TIMEOUT, Mig, Pending, Sub, seen};
 use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
-use crate::broker::core::consumer_exists;
+use crate::broker::core::{consumer_exists, naming_the_field};
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::held_bytes::{self, Hold};
 use crate::broker::permissions::{self, Action};
@@ -233,7 +233,7 @@ impl Mig {
             .and_then(|m| match check_error(&m.payload) {
                 Ok(()) => Ok(Some(m)),
                 Err(e) if consumer_exists(&e) => Ok(None),
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(naming_the_field(e).to_string()),
             });
         let info = match answer {
             Ok(info) => info,

@@ -522,6 +522,9 @@ impl JetStream {
                 if action == "create" {
                     return Err(errors::consumer_exists());
                 }
+                if let Some(why) = consumer::fixed_field_change(&c.config, &config) {
+                    return Err(errors::consumer_create(why));
+                }
                 c.update_config(config, cfg);
             }
         } else {

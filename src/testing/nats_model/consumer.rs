@@ -228,6 +228,43 @@ pub fn normalize_config(
     Ok((value, cfg))
 }
 
+/// Why nats-server refuses to update consumer config `old` to `new`, in its words
+/// (`checkNewConsumerConfig`, in its order): the fields it never changes.
+pub fn fixed_field_change(old: &Value, new: &Value) -> Option<&'static str> {
+    const FIXED: [(&str, &str); 9] = [
+        ("deliver_policy", "deliver policy can not be updated"),
+        ("mem_storage", "storage type can not be updated"),
+        ("opt_start_seq", "start sequence can not be updated"),
+        ("opt_start_time", "start time can not be updated"),
+        ("ack_policy", "ack policy can not be updated"),
+        ("replay_policy", "replay policy can not be updated"),
+        ("idle_heartbeat", "heart beats can not be updated"),
+        ("flow_control", "flow control can not be updated"),
+        ("max_waiting", "max waiting can not be updated"),
+    ];
+    // Absent, false, 0 and "" are one value to the server's Go structs.
+    let get = |c: &Value, k: &str| match c.get(k) {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Value::Null,
+        Some(Value::Number(n)) if n.as_f64() == Some(0.0) => Value::Null,
+        Some(Value::String(s)) if s.is_empty() => Value::Null,
+        Some(v) => v.clone(),
+    };
+    let changed = |k: &str| get(old, k) != get(new, k);
+    let (before, after) = FIXED.split_at(8);
+    if let Some((_, why)) = before.iter().find(|(k, _)| changed(k)) {
+        return Some(why);
+    }
+    if changed("deliver_subject") {
+        if get(old, "deliver_subject").is_null() {
+            return Some("can not update pull consumer to push based");
+        }
+        if get(new, "deliver_subject").is_null() {
+            return Some("can not update push consumer to pull based");
+        }
+    }
+    after.iter().find(|(k, _)| changed(k)).map(|(_, why)| *why)
+}
+
 fn filters_of(cfg: &ConsumerConfig) -> Vec<String> {
     let mut f: Vec<String> = cfg.filter_subjects.clone().unwrap_or_default();
     if let Some(s) = cfg.filter_subject.as_ref().filter(|s| !s.is_empty()) {

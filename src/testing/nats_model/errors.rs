@@ -97,6 +97,10 @@ pub fn purge_denied() -> ApiErr {
 pub fn consumer_exists() -> ApiErr {
     e(400, 10148, "consumer already exists")
 }
+/// `JSConsumerCreateErrF`: the reason is the description.
+pub fn consumer_create(why: &str) -> ApiErr {
+    e(500, 10012, why)
+}
 pub fn consumer_missing() -> ApiErr {
     e(400, 10149, "consumer does not exist")
 }
