@@ -642,6 +642,10 @@ pub fn describe(config: &Config) -> String {
                 j.lease_s, j.offer_ms, j.max_attempts
             ));
         }
+        out.push_str(&format!(
+            "  warning: namespace {name}: nothing in this configuration bounds its {}; client input fills them until JetStream's storage is full (set limits on the streams, or the account's storage; README \"A store that is full\")\n",
+            unbounded_stores(ns).join(", ")
+        ));
     }
     let changed = changed_limits(&config.limits);
     if changed.is_empty() {
@@ -656,6 +660,21 @@ pub fn describe(config: &Config) -> String {
         ));
     }
     out
+}
+
+/// The namespace's streams client input fills that its configuration sets no bound on,
+/// each with the members that would. The tasks stream has none of its own: a limit is
+/// set on the stream itself.
+fn unbounded_stores(ns: &crate::broker::config::Namespace) -> Vec<&'static str> {
+    let mut stores = Vec::new();
+    if ns.inbox.max_age_s == 0 {
+        stores.push("inbox (inbox.max_age_s)");
+    }
+    if ns.topics.max_age_s == 0 && ns.topics.max_bytes == 0 {
+        stores.push("topics (topics.max_age_s, topics.max_bytes)");
+    }
+    stores.push("tasks");
+    stores
 }
 
 fn changed_limits(l: &Limits) -> Vec<String> {

@@ -87,6 +87,35 @@ fn each_command_prints_its_own_help_and_exits_0() {
     assert!(stderr(&out).contains("unknown flag `--bogus`"));
 }
 
+/// Client input fills a namespace's inbox, topics and tasks streams; with the defaults
+/// nothing bounds them, and the operator is told where to set a bound.
+#[test]
+fn check_config_warns_of_stores_nothing_bounds() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("config.json");
+    let mut config = open_config(&["alice"]);
+    std::fs::write(&file, config.to_string()).expect("write");
+    let out = run(&["check-config", &file.display().to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(
+            "warning: namespace acme: nothing in this configuration bounds its inbox \
+             (inbox.max_age_s), topics (topics.max_age_s, topics.max_bytes), tasks"
+        ),
+        "{text}"
+    );
+    config["namespaces"]["acme"]["inbox"] = json!({"max_age_s": 86400});
+    config["namespaces"]["acme"]["topics"] = json!({"max_bytes": 1 << 30});
+    std::fs::write(&file, config.to_string()).expect("write");
+    let text = stdout(&run(&["check-config", &file.display().to_string()]));
+    assert!(
+        text.contains("warning: namespace acme: nothing in this configuration bounds its tasks"),
+        "{text}"
+    );
+    assert!(!text.contains("bounds its inbox"), "{text}");
+}
+
 #[test]
 fn check_config_describes_a_valid_file_and_names_the_member_of_a_bad_one() {
     let dir = tempfile::tempdir().expect("dir");

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::jetstream::{
     AckPolicy, ConsumerConfig, DeliverFrom, DiscardPolicy, RetentionPolicy, StorageType,
@@ -177,7 +177,9 @@ fn base_stream(
 }
 
 /// `max_consumers` bounds the participants with an inbox consumer; it is always set, as a
-/// stream without one gets nats-server's default (1,000 since 2.15).
+/// stream without one gets nats-server's default (1,000 since 2.15). Discard `new`: a
+/// byte or message limit an operator sets refuses new sends (`unavailable`) instead of
+/// removing messages accepted and not yet taken.
 pub fn inbox_stream_config(
     ns: &str,
     max_age_s: u64,
@@ -187,6 +189,7 @@ pub fn inbox_stream_config(
     StreamConfig {
         max_age: Some(Duration::from_secs(max_age_s)),
         max_consumers: Some(count(max_consumers)),
+        discard: Some(DiscardPolicy::New),
         ..base_stream(
             inbox_stream(ns),
             format!("amp.{ns}.inbox.*"),
@@ -232,9 +235,12 @@ fn aged(c: StreamConfig, max_age_s: u64, max_bytes: u64) -> StreamConfig {
 /// gets nats-server's default (1,000 since 2.15).
 pub const JOB_CONSUMERS: u64 = 10_000;
 
+/// Discard `new`, as the inbox: a full task stream refuses new submits instead of removing
+/// queued tasks whose records would then wait for good.
 pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> StreamConfig {
     StreamConfig {
         max_consumers: Some(count(JOB_CONSUMERS)),
+        discard: Some(DiscardPolicy::New),
         ..base_stream(
             tasks_stream(ns),
             format!("amp.{ns}.job.*"),
@@ -423,7 +429,7 @@ pub fn mig_live_consumer_config(name: &str, max_ack_pending: u32) -> ConsumerCon
     .deliver_from(DeliverFrom::New)
 }
 
-/// What an existing stream or consumer must agree on for the broker to adopt it.
+/// What an existing stream must agree on for the broker to adopt it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rule {
     /// Must be equal: the broker's semantics depend on it.
@@ -432,37 +438,154 @@ enum Rule {
     CoversSubjects,
     /// Must be a positive number (any value works, none does not).
     Positive,
-    /// May differ: an operator's tuning (replicas, limits) is kept as it is.
+    /// No limit (0 or -1), or one no lower than ours; where we set none, none.
+    AtLeast,
+    /// Must be off, empty or absent: the broker's writes would go elsewhere, be refused
+    /// or never be acknowledged.
+    Unset,
+    /// May differ: an operator's tuning, kept as it is and reported.
     Tunable,
 }
 
-fn rule(field: &str) -> Rule {
-    match field {
-        "subjects" => Rule::CoversSubjects,
-        "subject_delete_marker_ttl" => Rule::Positive,
-        "num_replicas" | "max_age" | "max_bytes" | "max_consumers" | "duplicate_window"
-        | "discard" | "storage" => Rule::Tunable,
+/// The kinds of stream whose guarantees differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A KV bucket: records the broker reads back (tasks, budgets, MIG ids, presence).
+    Bucket,
+    /// `AMP_TASKS_<ns>`: each accepted task's only message.
+    Tasks,
+    /// `AMP_INBOX_<ns>`: accepted messages until their recipient takes them.
+    Inbox,
+    /// Topics and dead letters, bounded by the operator's choice.
+    Other,
+}
+
+fn kind(desired: &StreamConfig) -> Kind {
+    if desired.name.starts_with("KV_") {
+        Kind::Bucket
+    } else if desired.retention == Some(RetentionPolicy::WorkQueue) {
+        Kind::Tasks
+    } else if desired.name.starts_with("AMP_INBOX_") {
+        Kind::Inbox
+    } else {
+        Kind::Other
+    }
+}
+
+/// A namespace stream whose content clients put there: the inbox, topics and tasks
+/// (dead letters are bounded by default, buckets hold records with their own TTLs).
+pub fn fed_by_clients(desired: &StreamConfig) -> bool {
+    kind(desired) != Kind::Bucket && !desired.name.starts_with("AMP_DLQ_")
+}
+
+/// A stream (as the server reports it) without an age, byte or message limit.
+pub fn unbounded(config: &Value) -> bool {
+    ["max_age", "max_bytes", "max_msgs"]
+        .iter()
+        .all(|f| config.get(f).is_none_or(unset))
+}
+
+/// Fields checked whether the broker sets them or not: an operator or an earlier tool may
+/// have set any of them.
+const ALWAYS_CHECKED: [&str; 17] = [
+    "discard",
+    "storage",
+    "max_age",
+    "max_bytes",
+    "max_msgs",
+    "max_msgs_per_subject",
+    "max_msg_size",
+    "duplicate_window",
+    "num_replicas",
+    "deny_purge",
+    "sealed",
+    "no_ack",
+    "allow_msg_counter",
+    "subject_transform",
+    "republish",
+    "mirror",
+    "sources",
+];
+
+/// Why each rule is what it is, by field and kind:
+/// - a limit with discard `old` removes accepted tasks and messages, and a bucket's
+///   records (a queued task, a MIG id inside its replay window), so tasks, inbox and
+///   buckets keep discard `new`: full, they refuse new writes instead;
+/// - `max_age` on tasks or a bucket removes records no TTL of ours has ended;
+/// - `max_msgs_per_subject` removes a subject's oldest even with discard `new`: one job's
+///   tasks, or one participant's unacknowledged messages;
+/// - `max_msg_size` refuses a task or message the broker accepted within `max_frame`;
+/// - a shorter `duplicate_window` stores a client's retry of a send or submit twice;
+/// - memory storage forgets tasks and records when the server restarts;
+/// - `deny_purge` makes the server refuse the rollups every task-store write carries.
+fn rule(kind: Kind, field: &str) -> Rule {
+    use Kind::*;
+    match (field, kind) {
+        ("subjects", _) => Rule::CoversSubjects,
+        ("subject_delete_marker_ttl", _) => Rule::Positive,
+        ("discard", Bucket | Tasks | Inbox) | ("storage", Bucket | Tasks) => Rule::Same,
+        ("max_age", Bucket | Tasks) | ("duplicate_window", Tasks | Inbox) => Rule::AtLeast,
+        ("max_msgs_per_subject" | "max_msg_size", Tasks | Inbox) | ("deny_purge", Bucket) => {
+            Rule::Unset
+        }
+        ("sealed" | "no_ack" | "allow_msg_counter" | "subject_transform" | "republish", _)
+        | ("mirror" | "sources", _) => Rule::Unset,
+        ("num_replicas" | "max_age" | "max_bytes" | "max_msgs" | "max_consumers", _)
+        | ("duplicate_window" | "discard" | "storage" | "deny_purge", _)
+        | ("max_msgs_per_subject" | "max_msg_size", Other) => Rule::Tunable,
         _ => Rule::Same,
     }
 }
 
-/// Checks an existing configuration (as the server reports it) against ours. Fields the
-/// server omits take the JetStream defaults (`false`, `0`, empty). Returns the first
-/// incompatible field with both values.
-pub fn check_compatible(desired: &StreamConfig, existing: &Value) -> Result<(), Incompatible> {
+/// An adopted value other than the one the broker would create.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Difference {
+    pub field: String,
+    pub want: Value,
+    pub have: Value,
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` is {} where the broker would create {}",
+            self.field,
+            shown(&self.field, &self.have),
+            shown(&self.field, &self.want)
+        )
+    }
+}
+
+/// Checks an existing configuration (as the server reports it) against ours. Fields
+/// either side omits take the JetStream defaults (`false`, `0`, empty). Returns the
+/// first incompatible field with both values, or every tunable the stream has otherwise
+/// than ours.
+pub fn check_compatible(
+    desired: &StreamConfig,
+    existing: &Value,
+) -> Result<Vec<Difference>, Incompatible> {
+    let kind = kind(desired);
     let desired = serde_json::to_value(desired).unwrap_or(Value::Null);
-    let Some(fields) = desired.as_object() else {
-        return Ok(());
+    let Some(ours) = desired.as_object() else {
+        return Ok(Vec::new());
     };
-    for (field, want) in fields {
-        let have = existing
-            .get(field)
-            .cloned()
-            .unwrap_or_else(|| default_of(want));
-        let ok = match rule(field) {
+    let fields = ours.keys().map(String::as_str).chain(
+        ALWAYS_CHECKED
+            .into_iter()
+            .filter(|f| !ours.contains_key(*f)),
+    );
+    let mut differences = Vec::new();
+    for field in fields {
+        let want = ours.get(field).cloned().unwrap_or(Value::Null);
+        let have = existing.get(field).cloned().unwrap_or(Value::Null);
+        let rule = rule(kind, field);
+        let ok = match rule {
             Rule::Tunable => true,
-            Rule::Same => same(want, &have),
+            Rule::Same => same(&want, &have),
             Rule::Positive => have.as_u64().is_some_and(|n| n > 0),
+            Rule::AtLeast => unset(&have) || (!unset(&want) && number(&have) >= number(&want)),
+            Rule::Unset => unset(&have),
             Rule::CoversSubjects => {
                 let have: Vec<&str> = have
                     .as_array()
@@ -477,29 +600,59 @@ pub fn check_compatible(desired: &StreamConfig, existing: &Value) -> Result<(), 
         };
         if !ok {
             return Err(Incompatible {
-                field: field.clone(),
-                want: want.clone(),
+                field: field.to_string(),
+                need: match rule {
+                    Rule::Unset => "it unset".to_string(),
+                    Rule::AtLeast if unset(&want) => "no limit".to_string(),
+                    Rule::AtLeast => format!("no limit or at least {}", shown(field, &want)),
+                    Rule::Positive => "a positive value".to_string(),
+                    _ => shown(field, &want),
+                },
+                have: shown(field, &have),
+            });
+        }
+        if rule != Rule::CoversSubjects && !same(&want, &have) {
+            differences.push(Difference {
+                field: field.to_string(),
+                want,
                 have,
             });
         }
     }
-    Ok(())
+    Ok(differences)
 }
 
-fn default_of(v: &Value) -> Value {
+/// Off, empty, absent, or a limit of none (`0`, `-1`).
+fn unset(v: &Value) -> bool {
     match v {
-        Value::Bool(_) => Value::Bool(false),
-        Value::Number(_) => json!(0),
-        Value::String(_) => json!(""),
-        Value::Array(_) => json!([]),
-        _ => Value::Null,
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64().is_some_and(|n| n <= 0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+    }
+}
+
+fn number(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(0.0)
+}
+
+/// Durations in seconds, the way the configuration writes them.
+fn shown(field: &str, v: &Value) -> String {
+    const DURATIONS: [&str; 3] = ["max_age", "duplicate_window", "subject_delete_marker_ttl"];
+    match v.as_f64() {
+        Some(n) if DURATIONS.contains(&field) && n > 0.0 => format!("{} s", n / 1e9),
+        _ if unset(v) && !v.is_boolean() && !v.is_string() => "none".to_string(),
+        _ => v.to_string(),
     }
 }
 
 /// Numbers compare by value (the server writes `-1` where we write `-1`, but may write
-/// `0` as `0` or omit it); everything else structurally.
+/// `0` as `0` or omit it), unset values as one; everything else structurally.
 fn same(a: &Value, b: &Value) -> bool {
     match (a, b) {
+        _ if unset(a) && unset(b) => true,
         (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
         _ => a == b,
     }
@@ -508,8 +661,9 @@ fn same(a: &Value, b: &Value) -> bool {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Incompatible {
     pub field: String,
-    pub want: Value,
-    pub have: Value,
+    /// What the broker needs, in words.
+    pub need: String,
+    pub have: String,
 }
 
 impl std::fmt::Display for Incompatible {
@@ -517,7 +671,7 @@ impl std::fmt::Display for Incompatible {
         write!(
             f,
             "field `{}` is {} but the broker needs {}",
-            self.field, self.have, self.want
+            self.field, self.have, self.need
         )
     }
 }
@@ -525,6 +679,7 @@ impl std::fmt::Display for Incompatible {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_job_consumer_names_its_namespace_and_job_back() {
@@ -740,7 +895,67 @@ mod tests {
         existing["num_replicas"] = json!(3);
         existing["max_age"] = json!(86_400 * 1_000_000_000u64);
         existing["sealed"] = json!(false);
-        assert_eq!(check_compatible(&desired, &existing), Ok(()));
+        existing["max_bytes"] = json!(1 << 30);
+        let differences = check_compatible(&desired, &existing).expect("adopted");
+        let mut shown: Vec<String> = differences.iter().map(ToString::to_string).collect();
+        shown.sort();
+        assert_eq!(
+            shown,
+            [
+                "`max_age` is 86400 s where the broker would create none",
+                "`max_bytes` is 1073741824 where the broker would create none",
+                "`num_replicas` is 3 where the broker would create 1",
+            ]
+        );
+    }
+
+    /// Each value that breaks a guarantee of the broker, on the resource where it does:
+    /// tasks or inbox messages removed before they are taken, records expiring under a
+    /// queued task, rollups refused, writes stored elsewhere or never acknowledged.
+    #[test]
+    fn refuses_every_value_that_breaks_a_guarantee_naming_its_field() {
+        const S: u64 = 1_000_000_000;
+        let s = StreamSettings::default();
+        let tasks = tasks_stream_config("acme", s);
+        let inbox = inbox_stream_config("acme", 0, 10_000, s);
+        let topics = topics_stream_config("acme", 0, 0, 10, s);
+        let state = task_state_stream_config(s);
+        let seen = mig_seen_stream_config(s);
+        let cases: Vec<(&StreamConfig, &str, Value)> = vec![
+            (&tasks, "max_age", json!(S)),
+            (&tasks, "max_msgs_per_subject", json!(5)),
+            (&tasks, "max_msg_size", json!(1024)),
+            (&tasks, "duplicate_window", json!(10 * S)),
+            (&tasks, "storage", json!("memory")),
+            (&inbox, "max_msgs_per_subject", json!(10)),
+            (&inbox, "max_msg_size", json!(1024)),
+            (&inbox, "duplicate_window", json!(10 * S)),
+            (&state, "max_age", json!(3600 * S)),
+            (&state, "deny_purge", json!(true)),
+            (&state, "storage", json!("memory")),
+            (&state, "discard", json!("old")),
+            (&seen, "max_age", json!(60 * S)),
+            (&seen, "discard", json!("old")),
+            (&topics, "sealed", json!(true)),
+            (&topics, "no_ack", json!(true)),
+            (&topics, "allow_msg_counter", json!(true)),
+            (
+                &topics,
+                "subject_transform",
+                json!({"src": ">", "dest": "x.>"}),
+            ),
+            (&topics, "republish", json!({"src": ">", "dest": "copy.>"})),
+            (&topics, "mirror", json!({"name": "ELSEWHERE"})),
+            (&topics, "sources", json!([{"name": "ELSEWHERE"}])),
+        ];
+        for (desired, field, value) in cases {
+            let mut existing = wire(desired);
+            existing[field] = value.clone();
+            let e = check_compatible(desired, &existing)
+                .err()
+                .unwrap_or_else(|| panic!("{} adopted with {field} {value}", desired.name));
+            assert_eq!(e.field, field, "{}: {e}", desired.name);
+        }
     }
 
     #[test]

@@ -254,7 +254,8 @@ impl Default for Job {
 pub struct Inbox {
     pub ack_wait_s: u64,
     pub inbox_window: u32,
-    /// 0 keeps messages until acknowledged.
+    /// How long the inbox stream keeps a message, acknowledged or not: the stream keeps
+    /// by age, not by acknowledgement. 0 keeps every message for good.
     pub max_age_s: u64,
     /// The inbox stream's `max_consumers`: how many participants of the namespace have an
     /// inbox consumer (each keeps its durable once created). Always set, because

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::binding::{self, StreamSettings};
 use super::config::{Config, Namespace};
 use crate::jetstream::api::check_error;
-use crate::jetstream::{ApiPrefix, ConsumerAction, JsError, Request, StreamConfig};
+use crate::jetstream::{ApiPrefix, ConsumerAction, DiscardPolicy, JsError, Request, StreamConfig};
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -224,6 +224,9 @@ enum Failure {
     Fatal(String),
 }
 
+/// JetStream's answer to a create of a stream that exists with another configuration.
+const ERR_STREAM_NAME_IN_USE: u32 = 10058;
+
 fn ensure_stream(
     client: &mut Client,
     api: &ApiPrefix,
@@ -232,35 +235,107 @@ fn ensure_stream(
     let name = desired.name.as_str();
     let fatal = Failure::Fatal;
     let invalid = |e| fatal(format!("stream {name}: {e}"));
-    let info = request(client, &api.stream_info(name).map_err(invalid)?)?;
+    let info_request = api.stream_info(name).map_err(invalid)?;
+    let info = request(client, &info_request)?;
     match check_error(&info) {
-        Ok(()) => {
-            let parsed: Value = serde_json::from_slice(&info)
-                .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?;
-            let mut existing = parsed["config"].clone();
-            if let Some(updated) = message_ttl_update(desired, &existing) {
-                call(client, api.stream_update(&updated)).map_err(|e| {
-                    fatal(format!(
-                        "stream {name}: per-message TTLs could not be enabled: {e}"
-                    ))
-                })?;
-                log::info!("stream {name}: per-message TTLs enabled");
-                existing = serde_json::to_value(&updated).unwrap_or(existing);
-            }
-            binding::check_compatible(desired, &existing)
-                .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
-            Ok(match consumer_limit_update(desired, &existing) {
-                None => format!("adopted stream {name} ({})", api.as_str()),
-                Some(updated) => raise_consumer_limit(client, api, &updated),
-            })
-        }
+        Ok(()) => adopt(client, api, desired, &info),
         Err(e) if e.err_code() == Some(10059) => {
             let created = request(client, &api.stream_create(desired).map_err(invalid)?)?;
-            check_error(&created).map_err(|e| fatal(format!("creating stream {name}: {e}")))?;
-            Ok(format!("created stream {name} ({})", api.as_str()))
+            match check_error(&created) {
+                Ok(()) => {
+                    warn_if_unbounded(desired, &serde_json::to_value(desired).unwrap_or_default());
+                    Ok(format!("created stream {name} ({})", api.as_str()))
+                }
+                // Another broker, with other settings, made it between our look and our
+                // create: judged as one found there.
+                Err(e) if e.err_code() == Some(ERR_STREAM_NAME_IN_USE) => {
+                    let info = request(client, &info_request)?;
+                    check_error(&info).map_err(|e| fatal(format!("stream {name}: {e}")))?;
+                    adopt(client, api, desired, &info)
+                }
+                Err(e) => Err(fatal(format!("creating stream {name}: {e}"))),
+            }
         }
         Err(e) => Err(fatal(format!("stream {name}: {e}"))),
     }
+}
+
+/// Adopts an existing stream (its `STREAM.INFO` reply) after the updates it may get, or
+/// says which field prevents it. Every value kept that differs from ours is logged.
+fn adopt(
+    client: &mut Client,
+    api: &ApiPrefix,
+    desired: &StreamConfig,
+    info: &[u8],
+) -> Result<String, Failure> {
+    let name = desired.name.as_str();
+    let fatal = Failure::Fatal;
+    let parsed: Value = serde_json::from_slice(info)
+        .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?;
+    let mut existing = parsed["config"].clone();
+    let updates: [(&str, Update); 2] = [
+        ("per-message TTLs enabled", message_ttl_update),
+        ("discard set to new", discard_update),
+    ];
+    for (what, update) in updates {
+        if let Some(updated) = update(desired, &existing) {
+            call(client, api.stream_update(&updated))
+                .map_err(|e| fatal(format!("stream {name}: {what} failed: {e}")))?;
+            log::info!("stream {name}: {what}");
+            existing = serde_json::to_value(&updated).unwrap_or(existing);
+        }
+    }
+    let differences = binding::check_compatible(desired, &existing)
+        .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
+    let raised = consumer_limit_update(desired, &existing)
+        .is_some_and(|updated| raise_consumer_limit(client, api, &updated));
+    for d in differences {
+        if !(raised && d.field == "max_consumers") {
+            log::warn!("stream {name} adopted as it is: {d}");
+        }
+    }
+    warn_if_unbounded(desired, &existing);
+    Ok(if raised {
+        format!(
+            "adopted stream {name} ({}), its max_consumers set to {}",
+            api.as_str(),
+            desired.max_consumers.unwrap_or_default()
+        )
+    } else {
+        format!("adopted stream {name} ({})", api.as_str())
+    })
+}
+
+/// Every namespace stream client input fills (inbox, topics, tasks) that nothing bounds:
+/// one participant could fill the JetStream storage every namespace shares.
+fn warn_if_unbounded(desired: &StreamConfig, config: &Value) {
+    if binding::fed_by_clients(desired) && binding::unbounded(config) {
+        log::warn!(
+            "stream {} has no age, byte or message limit: client input fills it until JetStream's storage is full",
+            desired.name
+        );
+    }
+}
+
+type Update = fn(&StreamConfig, &Value) -> Option<StreamConfig>;
+
+/// Earlier releases created the inbox and tasks streams with discard `old`: a limit an
+/// operator sets then removes accepted messages and tasks silently. Discard `new` refuses
+/// new writes instead (`unavailable`, "JetStream cannot store the message now"), and the
+/// server allows the update; nothing changes before a limit is reached.
+fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConfig> {
+    let migrated = [binding::inbox_stream(""), binding::tasks_stream("")];
+    if desired.discard != Some(DiscardPolicy::New)
+        || !migrated
+            .iter()
+            .any(|p| desired.name.starts_with(p.as_str()))
+        || existing.get("discard").and_then(Value::as_str) != Some("old")
+    {
+        return None;
+    }
+    let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
+    updated.discard = Some(DiscardPolicy::New);
+    Some(updated)
 }
 
 /// An existing stream without a consumer limit of its own (`max_consumers` 0 or -1, as
@@ -309,20 +384,17 @@ fn message_ttl_update(desired: &StreamConfig, existing: &Value) -> Option<Stream
 }
 
 /// Servers before the update was allowed refuse it: the stream is adopted as it is, with
-/// a warning that says what that costs.
-fn raise_consumer_limit(client: &mut Client, api: &ApiPrefix, updated: &StreamConfig) -> String {
+/// a warning that says what that costs. Whether the limit was raised.
+fn raise_consumer_limit(client: &mut Client, api: &ApiPrefix, updated: &StreamConfig) -> bool {
     let name = updated.name.as_str();
     let want = updated.max_consumers.unwrap_or_default();
     match call(client, api.stream_update(updated)) {
-        Ok(()) => format!(
-            "adopted stream {name} ({}), its max_consumers set to {want}",
-            api.as_str()
-        ),
+        Ok(()) => true,
         Err(e) => {
             log::warn!(
                 "stream {name}: max_consumers could not be set to {want} ({e}); the server's default limit applies"
             );
-            format!("adopted stream {name} ({})", api.as_str())
+            false
         }
     }
 }

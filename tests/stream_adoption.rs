@@ -1,0 +1,279 @@
+//! Streams and buckets found at start-up: adopted when they keep the broker's guarantees
+//! (every adopted value other than the broker's logged), refused naming the field when
+//! they do not, and judged the same way when another broker creates one first. The inbox
+//! and tasks streams refuse new writes when full instead of evicting what they accepted.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use amp_broker::broker::binding::{self, StreamSettings};
+use amp_broker::jetstream::{AckPolicy, ConsumerAction, Context, DiscardPolicy};
+use common::NatsServer;
+use common::amp::{Broker, Client, open_config};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+#[test]
+fn a_tasks_stream_that_drops_tasks_by_age_stops_start_up_naming_max_age() {
+    let nats = NatsServer::start();
+    let mut tasks = binding::tasks_stream_config("acme", StreamSettings::default());
+    tasks.max_age = Some(Duration::from_secs(3600));
+    nats.jetstream()
+        .create_stream(&tasks)
+        .expect("tasks stream");
+    let err = Broker::start_expecting_failure(&nats.url(), &open_config(&["a"]));
+    assert!(
+        err.contains("existing stream AMP_TASKS_acme cannot be used: field `max_age` is 3600 s but the broker needs no limit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn every_adopted_value_other_than_the_brokers_is_logged() {
+    let nats = NatsServer::start();
+    let inbox = binding::inbox_stream_config(
+        "acme",
+        86_400,
+        10_000,
+        StreamSettings {
+            duplicate_window_s: 300,
+            ..StreamSettings::default()
+        },
+    );
+    nats.jetstream()
+        .create_stream(&inbox)
+        .expect("inbox stream");
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    let log = broker.log();
+    for line in [
+        "stream AMP_INBOX_acme adopted as it is: `max_age` is 86400 s where the broker would create none",
+        "stream AMP_INBOX_acme adopted as it is: `duplicate_window` is 300 s where the broker would create 120 s",
+    ] {
+        assert!(log.contains(line), "{line} not in\n{log}");
+    }
+    assert!(
+        !log.contains("stream AMP_TOPICS_acme adopted as it is"),
+        "{log}"
+    );
+}
+
+/// Forwards connections to `target`; before it passes on the first message that names
+/// `marker` it runs `first`: another broker's request landing between two of ours.
+fn interposing_proxy(
+    target: String,
+    marker: &'static [u8],
+    first: impl Fn() + Send + Sync + 'static,
+) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("proxy port");
+    let port = listener.local_addr().expect("proxy addr").port();
+    let first = Arc::new(first);
+    let fired = Arc::new(AtomicBool::new(false));
+    std::thread::spawn(move || {
+        for inbound in listener.incoming() {
+            let Ok(inbound) = inbound else { continue };
+            let Ok(outbound) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let (Ok(mut from_server), Ok(mut to_client)) =
+                (outbound.try_clone(), inbound.try_clone())
+            else {
+                continue;
+            };
+            std::thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
+            let (first, fired) = (first.clone(), fired.clone());
+            std::thread::spawn(move || {
+                let (mut from_client, mut to_server) = (inbound, outbound);
+                let mut buf = vec![0; 64 * 1024];
+                // The end of the last read: a marker split between two reads is found.
+                let mut tail: Vec<u8> = Vec::new();
+                while let Ok(n) = from_client.read(&mut buf) {
+                    if n == 0 {
+                        return;
+                    }
+                    tail.extend_from_slice(&buf[..n]);
+                    if tail.windows(marker.len()).any(|w| w == marker)
+                        && !fired.swap(true, Ordering::SeqCst)
+                    {
+                        first();
+                    }
+                    let keep = tail.len().saturating_sub(marker.len());
+                    tail.drain(..keep);
+                    if to_server.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_stream_another_broker_creates_first_with_other_settings_is_judged_as_found() {
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let port = interposing_proxy(nats.addr(), b"STREAM.CREATE.AMP_TASKS_acme ", move || {
+        let mut js = Context::new(
+            amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&url))
+                .expect("connect"),
+        );
+        let mut other = binding::tasks_stream_config("acme", StreamSettings::default());
+        other.max_consumers = Some(500);
+        js.create_stream(&other).expect("the other broker's stream");
+    });
+    let broker = Broker::start(&format!("nats://127.0.0.1:{port}"), &open_config(&["a"]));
+    let log = broker.log();
+    assert!(
+        log.contains("adopted stream AMP_TASKS_acme ($JS.API)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("stream AMP_TASKS_acme adopted as it is: `max_consumers` is 500"),
+        "{log}"
+    );
+}
+
+#[test]
+fn inbox_and_tasks_streams_of_earlier_releases_get_discard_new() {
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let s = StreamSettings::default();
+    for mut earlier in [
+        binding::inbox_stream_config("acme", 0, 10_000, s),
+        binding::tasks_stream_config("acme", s),
+    ] {
+        earlier.discard = Some(DiscardPolicy::Old);
+        js.create_stream(&earlier).expect("earlier stream");
+    }
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    for stream in ["AMP_INBOX_acme", "AMP_TASKS_acme"] {
+        let info = js.stream_info(stream).expect("stream");
+        assert_eq!(info.config.discard, Some(DiscardPolicy::New), "{stream}");
+        assert!(
+            broker
+                .log()
+                .contains(&format!("stream {stream}: discard set to new")),
+            "{}",
+            broker.log()
+        );
+    }
+}
+
+/// Sets an operator's byte limit on `stream`, everything else kept.
+fn bound(js: &mut Context, stream: &str, max_bytes: i64) {
+    let mut config = js.stream_info(stream).expect("stream").config;
+    config.max_bytes = Some(max_bytes);
+    js.update_stream(&config).expect("bounded");
+}
+
+fn stored(js: &mut Context, stream: &str) -> (u64, u64) {
+    let state = js.stream_info(stream).expect("stream").state;
+    (state.first_seq, state.messages)
+}
+
+#[test]
+fn a_full_inbox_refuses_new_sends_and_keeps_what_it_accepted() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "b"]));
+    let mut js = nats.jetstream();
+    bound(&mut js, "AMP_INBOX_acme", 4096);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let body = "x".repeat(500);
+    let mut accepted = 0;
+    let refused = loop {
+        assert!(
+            accepted < 50,
+            "50 sends of 500 bytes into 4 KiB all accepted"
+        );
+        let answer = a.request(json!({"op":"send","to":"b","body":format!("{accepted}{body}")}));
+        if answer["op"] != "ok" {
+            break answer;
+        }
+        accepted += 1;
+    };
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    let text = refused["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("JetStream cannot store the message now"),
+        "{text}"
+    );
+    assert!(accepted > 0);
+    assert_eq!(stored(&mut js, "AMP_INBOX_acme"), (1, accepted));
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let first = b.next_op("message", WAIT).expect("the first message kept");
+    assert_eq!(first["body"], format!("0{body}"));
+}
+
+#[test]
+fn a_full_tasks_stream_refuses_new_submits_and_keeps_what_it_accepted() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &common::jobs::config(&["a"], 30, 5000));
+    let mut js = nats.jetstream();
+    bound(&mut js, "AMP_TASKS_acme", 4096);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let body = "x".repeat(500);
+    let mut accepted = 0;
+    let refused = loop {
+        assert!(
+            accepted < 50,
+            "50 submits of 500 bytes into 4 KiB all accepted"
+        );
+        let answer = a.request(
+            json!({"op":"submit","job":"render","task":format!("T{accepted}"),"body":body}),
+        );
+        if answer["op"] != "ok" {
+            break answer;
+        }
+        accepted += 1;
+    };
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    let text = refused["message"].as_str().unwrap_or_default();
+    assert!(text.contains("maximum bytes exceeded"), "{text}");
+    assert!(accepted > 0);
+    assert_eq!(stored(&mut js, "AMP_TASKS_acme"), (1, accepted));
+}
+
+#[test]
+fn an_inbox_consumer_that_acks_nothing_is_refused_naming_ack_policy() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a", "w1"]));
+    let mut js = nats.jetstream();
+    let mut config = binding::inbox_consumer_config("acme", "w1", 30, 64);
+    config.ack_policy = Some(AckPolicy::None);
+    js.create_consumer("AMP_INBOX_acme", &config, ConsumerAction::Create)
+        .expect("a consumer made by someone else");
+    let mut w1 = Client::login(&broker, "acme", "w1", "w1-token");
+    let told = w1
+        .next_op("error", WAIT)
+        .unwrap_or_else(|| panic!("w1 not told; broker log:\n{}", broker.log()));
+    assert_eq!(told["code"], "unavailable", "{told}");
+    let text = told["message"].as_str().unwrap_or_default();
+    assert!(text.contains("your inbox is not delivered"), "{text}");
+    assert!(text.contains("`ack_policy`"), "{text}");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let ok = a.request(json!({"op":"send","to":"w1","body":"kept"}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
+fn the_start_up_log_names_every_store_nothing_bounds() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["topics"] = json!({"max_age_s": 3600});
+    let broker = Broker::start(&nats.url(), &config);
+    let log = broker.log();
+    for stream in ["AMP_INBOX_acme", "AMP_TASKS_acme"] {
+        let line = format!(
+            "stream {stream} has no age, byte or message limit: client input fills it until JetStream's storage is full"
+        );
+        assert!(log.contains(&line), "{line} not in\n{log}");
+    }
+    assert!(!log.contains("stream AMP_TOPICS_acme has no"), "{log}");
+    assert!(!log.contains("stream AMP_DLQ_acme has no"), "{log}");
+}
