@@ -277,3 +277,21 @@ fn the_start_up_log_names_every_store_nothing_bounds() {
     assert!(!log.contains("stream AMP_TOPICS_acme has no"), "{log}");
     assert!(!log.contains("stream AMP_DLQ_acme has no"), "{log}");
 }
+
+#[test]
+fn a_durable_found_with_another_ack_policy_is_refused_naming_it() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    let mut config = binding::durable_sub_config("a", "keep", "amp.acme.topic.d.>", 30, 128, 600);
+    config.ack_policy = Some(AckPolicy::None);
+    config.ack_wait = None;
+    config.max_ack_pending = None;
+    nats.jetstream()
+        .create_consumer("AMP_TOPICS_acme", &config, ConsumerAction::Create)
+        .expect("a consumer made by someone else");
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let answer = a.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true}));
+    assert_eq!(answer["code"], "conflict", "{answer}");
+    let text = answer["message"].as_str().unwrap_or_default();
+    assert!(text.contains("`ack_policy`"), "{text}");
+}

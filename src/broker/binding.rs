@@ -713,8 +713,10 @@ mod tests {
         assert_eq!(inbox["subjects"], json!(["amp.acme.inbox.*"]));
         assert_eq!(inbox["retention"], "limits");
         assert_eq!(inbox["max_consumers"], 10_000);
+        assert_eq!(inbox["discard"], "new");
         let tasks = wire(&tasks_stream_config("acme", s));
         assert_eq!(tasks["retention"], "workqueue");
+        assert_eq!(tasks["discard"], "new");
         assert_eq!(tasks["subjects"], json!(["amp.acme.job.*"]));
         let topics = wire(&topics_stream_config("acme", 3600, 0, 10, s));
         assert_eq!(topics["subjects"], json!(["amp.acme.topic.>"]));

@@ -534,6 +534,27 @@ impl Broker {
                     .with_path("/sub");
                     return self.sub_failed(conn, to, e, now);
                 }
+                // A consumer of the name made by someone else: one that acks nothing
+                // loses what a dropped session had, a push one is never pulled.
+                let c = &info["config"];
+                let unusable = if c["ack_policy"].as_str() != Some("explicit") {
+                    Some("ack_policy")
+                } else if c["deliver_subject"].as_str().is_some_and(|s| !s.is_empty()) {
+                    Some("deliver_subject")
+                } else {
+                    None
+                };
+                if let Some(field) = unusable {
+                    let e = AmpError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "durable subscription `{}` has a consumer whose `{field}` the broker cannot use",
+                            to.sub
+                        ),
+                    )
+                    .with_path("/sub");
+                    return self.sub_failed(conn, to, e, now);
+                }
                 if let Some(t) = self.sub_of(&to) {
                     t.resumed = Resumed::after_lookup(&info, DURABLE_ACK_WAIT, now);
                     if let Some(until) = t.resumed.as_ref().map(Resumed::until) {
