@@ -188,20 +188,9 @@ impl Broker {
         while let Some(op) = self.budgets.poll_op() {
             // Keys are `<ns>.<name>.<window>`: a fleet namespace counts in its domain.
             let ns = op.key.split('.').next().unwrap_or_default();
-            let sent = crate::broker::budget::bucket(self.config.js_api(ns))
-                .and_then(|kv| op.request(&kv))
-                .map_err(|e| e.to_string())
-                .and_then(|req| {
-                    conn.request(
-                        &req.subject,
-                        req.headers.as_ref(),
-                        &req.payload,
-                        JS_TIMEOUT,
-                        now,
-                    )
-                    .map_err(|e| e.to_string())
-                });
-            match sent {
+            let request = crate::broker::budget::bucket(self.config.js_api(ns))
+                .and_then(|kv| op.request(&kv));
+            match js_request(conn, request, now) {
                 Ok(id) => self.await_reply(id, now, Pending::Budget { op }),
                 Err(_) => {
                     let settled = self.budgets.on_reply(op.id, KvReply::Failed);

@@ -237,17 +237,7 @@ impl Broker {
                 RegistryOp::Read => kv.get_request(name),
             },
         );
-        let sent = request.map_err(|e| e.to_string()).and_then(|req| {
-            conn.request(
-                &req.subject,
-                req.headers.as_ref(),
-                &req.payload,
-                JS_TIMEOUT,
-                now,
-            )
-            .map_err(|e| e.to_string())
-        });
-        match sent {
+        match js_request(conn, request, now) {
             Ok(req) => {
                 if let Some(state) = self.registry_sections.get_mut(&key) {
                     state.busy = true;
