@@ -279,14 +279,13 @@ impl Mig {
         if let Some(sid) = f.pull.detach(conn) {
             self.subs.remove(&sid);
         }
-        let sent = config
-            .js_api(&f.ns)
-            .stream_info(&binding::topics_stream(&f.ns))
-            .map_err(|e| e.to_string())
-            .and_then(|req| {
-                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
+        let sent = super::js_request(
+            conn,
+            config
+                .js_api(&f.ns)
+                .stream_info(&binding::topics_stream(&f.ns)),
+            now,
+        );
         match sent {
             Ok(id) => {
                 let pending = Pending::LiveStream(feed);
@@ -851,13 +850,7 @@ impl Mig {
             from: page.from,
         };
         let stream = binding::topics_stream(&page.ns);
-        let sent = ApiPrefix::default()
-            .msg_get(&stream, &which)
-            .map_err(|e| e.to_string())
-            .and_then(|req| {
-                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
+        let sent = super::js_request(conn, ApiPrefix::default().msg_get(&stream, &which), now);
         match sent {
             Ok(id) => {
                 self.staged

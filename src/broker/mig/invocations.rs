@@ -187,12 +187,11 @@ impl Mig {
         let refusal = match acked {
             Ok(Ok(_)) => return self.claimed_for(conn, inv, now),
             Ok(Err(JsError::WrongLastSequence(_))) => {
-                let read = seen::invocation_owner(ctx.config.js_api(&inv.ns), &inv.ns, &message_id)
-                    .map_err(|e| e.to_string())
-                    .and_then(|req| {
-                        conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                            .map_err(|e| e.to_string())
-                    });
+                let read = super::js_request(
+                    conn,
+                    seen::invocation_owner(ctx.config.js_api(&inv.ns), &inv.ns, &message_id),
+                    now,
+                );
                 match read {
                     Ok(id) => {
                         self.claiming += 1;
@@ -308,14 +307,7 @@ impl Mig {
                 return self.refuse(conn, inv, e, now);
             }
         };
-        let read = self
-            .kv
-            .get_request(&key)
-            .map_err(|e| e.to_string())
-            .and_then(|req| {
-                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
+        let read = super::js_request(conn, self.kv.get_request(&key), now);
         let id = match read {
             Ok(id) => id,
             Err(e) => {
@@ -587,16 +579,14 @@ impl Mig {
             return self.submit(conn, ctx, session, now);
         }
         inv.stage = Stage::Counting;
-        let sent = ApiPrefix::default()
-            .stream_info_subjects(
+        let sent = super::js_request(
+            conn,
+            ApiPrefix::default().stream_info_subjects(
                 &crate::broker::binding::tasks_stream(&inv.ns),
                 &crate::broker::binding::job_subject(&inv.ns, &inv.job),
-            )
-            .map_err(|e| e.to_string())
-            .and_then(|req| {
-                conn.request(&req.subject, None, &req.payload, JS_TIMEOUT, now)
-                    .map_err(|e| e.to_string())
-            });
+            ),
+            now,
+        );
         match sent {
             Ok(id) => {
                 self.staged

@@ -66,6 +66,24 @@ const BACKPRESSURE_RETRY_MS: u64 = 1000;
 const FINISHED_MEMORY: usize = 16_384;
 const JS_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Sends a request of the typed JetStream builders; a name they refuse and a connection
+/// that cannot take the request both come back as why it was not sent.
+fn js_request(
+    conn: &mut Connection,
+    req: Result<crate::jetstream::Request, crate::jetstream::JsError>,
+    now: Instant,
+) -> Result<crate::nats::RequestId, String> {
+    let req = req.map_err(|e| e.to_string())?;
+    conn.request(
+        &req.subject,
+        req.headers.as_ref(),
+        &req.payload,
+        JS_TIMEOUT,
+        now,
+    )
+    .map_err(|e| e.to_string())
+}
+
 /// What the core lends the front end for one step.
 pub struct Ctx<'a> {
     pub config: &'a Config,
