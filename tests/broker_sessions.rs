@@ -620,7 +620,13 @@ fn a_participant_leaving_one_broker_stays_present_through_its_session_on_another
     let up = presence_of(&mut w, "b", WAIT).expect("b up");
     assert_eq!(up["state"], "up", "{up}");
     let _new = Client::login(&two, "acme", "b", "b-token");
-    let moved = presence_of(&mut w, "b", WAIT).expect("b's entry from broker two");
+    let Some(moved) = presence_of(&mut w, "b", WAIT) else {
+        panic!(
+            "no presence of b's entry from broker two; broker one:\n{}\nbroker two:\n{}",
+            one.log(),
+            two.log()
+        );
+    };
     assert_ne!(moved["entry"]["broker"], one_broker_id(&w), "{moved}");
     assert_eq!(old.request(json!({"op":"bye"}))["op"], "ok");
     // The entry now describes b's session on broker two alone (its `since`): an
