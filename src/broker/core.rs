@@ -1148,7 +1148,7 @@ impl Broker {
                 }
             }
             Timer::ResumeWait(session, sub, serial) => {
-                self.resume_wait_over(conn, session, &sub, serial, now)
+                self.resume_wait_over(conn, session, &sub, serial)
             }
             Timer::SubRetry(session, sub, serial) => {
                 self.retry_subscription(conn, session, &sub, serial, now)

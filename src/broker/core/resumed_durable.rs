@@ -15,9 +15,6 @@
 //! as were out have come, or one ack wait and a margin has passed (when every event out
 //! at the lookup was due again). Then all it holds are naked in stream order, and
 //! JetStream delivers them again first, in that order, before anything newer.
-//!
-//! A live session's durable whose deliveries went missing on the way (its consumer
-//! sequences skip, see `topics.rs`) waits the same way for the missing ones.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -29,10 +26,8 @@ const MARGIN: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 pub(super) struct Resumed {
-    /// The events waited for are above this stream sequence...
-    above: u64,
-    /// ...and at or below this one: after a lookup, the last the consumer had delivered
-    /// then (every event out then is at or below it).
+    /// The last stream sequence the consumer had delivered at the lookup: every event
+    /// out then is at or below it.
     through: u64,
     /// Events out at the lookup that have not come yet.
     left: u64,
@@ -69,7 +64,6 @@ impl Resumed {
     pub(super) fn after_lookup(info: &Value, ack_wait: Duration, now: Instant) -> Option<Resumed> {
         let left = info["num_ack_pending"].as_u64().filter(|&n| n > 0)?;
         Some(Resumed {
-            above: 0,
             through: info["delivered"]["stream_seq"].as_u64().unwrap_or(0),
             left,
             until: now + ack_wait + MARGIN,
@@ -77,28 +71,6 @@ impl Resumed {
             naked: 0,
             waiting: true,
         })
-    }
-
-    /// The order keeper for a durable whose `lost` deliveries went missing on the way
-    /// (out to a connection that dropped): which events they were is not known, only
-    /// that those that matter were never sent, so are above `last_sent`; it holds
-    /// everything until as many such events came again, or one ack wait and the margin
-    /// has passed, by when each of them was due again.
-    pub(super) fn after_loss(
-        lost: u64,
-        last_sent: u64,
-        ack_wait: Duration,
-        now: Instant,
-    ) -> Resumed {
-        Resumed {
-            above: last_sent,
-            through: u64::MAX,
-            left: lost,
-            until: now + ack_wait + MARGIN,
-            held: BTreeMap::new(),
-            naked: 0,
-            waiting: true,
-        }
     }
 
     pub(super) fn until(&self) -> Instant {
@@ -121,11 +93,7 @@ impl Resumed {
                 ack: reply.to_string(),
                 nak: 0,
             };
-            // An event waited for comes again: it was delivered before.
-            if self.held.insert(seq, held).is_none()
-                && redelivery
-                && (self.above + 1..=self.through).contains(&seq)
-            {
+            if self.held.insert(seq, held).is_none() && seq <= self.through {
                 self.left = self.left.saturating_sub(1);
             }
             if self.left == 0 || now >= self.until {
@@ -158,27 +126,9 @@ impl Resumed {
         Admit::Hold
     }
 
-    /// More deliveries were lost on the way while it waits: it waits for those too.
-    /// The new end of the wait, if it still waits.
-    pub(super) fn lost_again(
-        &mut self,
-        lost: u64,
-        ack_wait: Duration,
-        now: Instant,
-    ) -> Option<Instant> {
-        if !self.waiting {
-            return None;
-        }
-        self.left = self.left.saturating_add(lost);
-        self.through = u64::MAX;
-        self.until = self.until.max(now + ack_wait + MARGIN);
-        Some(self.until)
-    }
-
-    /// A timer for the end of the wait: unless the wait was made longer since, it hands
-    /// back what it holds.
-    pub(super) fn wait_over(&mut self, now: Instant, naks: &mut Vec<String>) {
-        if self.waiting && now >= self.until {
+    /// The wait is over (its timer): hands back what it holds.
+    pub(super) fn wait_over(&mut self, naks: &mut Vec<String>) {
+        if self.waiting {
             self.hand_back(naks);
         }
     }
@@ -200,11 +150,6 @@ impl Resumed {
         };
         self.held.insert(seq, h);
         naks.push(reply.to_string());
-    }
-
-    /// The lowest event held or expected.
-    pub(super) fn first_held(&self) -> Option<u64> {
-        self.held.keys().next().copied()
     }
 
     /// Nothing held or expected any more: the subscription goes on as any other.
@@ -279,7 +224,7 @@ mod tests {
         naks.clear();
         r2.admit(6, false, "a6", now, &mut naks);
         r2.admit(8, false, "a8", now, &mut naks);
-        r2.wait_over(r2.until(), &mut naks);
+        r2.wait_over(&mut naks);
         assert_eq!(naks, ["a6", "a8"]);
         assert_eq!(r2.admit(7, true, "b7", now, &mut naks), Admit::Hold);
         assert_eq!(r2.admit(6, true, "c6", now, &mut naks), Admit::Send);
@@ -297,7 +242,7 @@ mod tests {
         let mut naks = Vec::new();
         assert_eq!(r.admit(4, true, "a4", now, &mut naks), Admit::Hold);
         assert_eq!(r.admit(6, false, "a6", now, &mut naks), Admit::Hold);
-        r.wait_over(r.until(), &mut naks);
+        r.wait_over(&mut naks);
         assert_eq!(naks, ["a4", "a6"]);
         // 3, still out elsewhere, comes before the handed-back ones: still in order.
         assert_eq!(r.admit(3, true, "a3", now, &mut naks), Admit::Send);

@@ -2,11 +2,10 @@
 //! consumer read by its own pull loop. A plain subscription's consumer is ephemeral and
 //! acknowledges nothing; a durable one (`binding::durable_sub_consumer`) survives the
 //! session and its events must be acked. Events of a subscription reach the session in stream order:
-//! a consumer sequence that skips means a lost delivery; a plain consumer is recreated
-//! from the last event the session saw, a durable holds its events until the lost ones
-//! come again (`resumed_durable.rs`).
+//! a consumer sequence that skips means a lost delivery, and the consumer is recreated
+//! from the last event the session saw.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -115,14 +114,12 @@ pub(super) struct Subscription {
     /// Durable only: resumed while its consumer had events out; keeps them before newer
     /// ones (`resumed_durable.rs`).
     resumed: Option<Resumed>,
-    /// Durable only: the last events the session acknowledged, so that one coming again
-    /// because its ack was lost on the way (a reconnect) is acknowledged again rather
-    /// than sent twice. At most `DURABLE_WINDOW`, lowest forgotten first (such a one is
-    /// sent again: at least once).
-    acked: BTreeSet<u64>,
-    /// Durable only: the NATS connection was made again since the last delivery, and
-    /// deliveries out to the old one may have been lost on the way.
-    reconnected: bool,
+    /// Durable only: events that came (again) behind the last one sent and were never
+    /// sent in this session (a delivery lost on the way, an event another session left):
+    /// not sent, to keep the order, and handed back with the rest when the session ends,
+    /// so they come first in the next one. At most `DURABLE_WINDOW`, lowest dropped
+    /// first (it comes again after its ack wait all the same).
+    passed: BTreeMap<u64, String>,
     /// Durable only: counted in `durables_creating` until its consumer's create is
     /// answered.
     creating: bool,
@@ -138,7 +135,7 @@ impl Subscription {
         self.last_seq = 0;
         self.last_consumer_seq = 0;
         self.inflight.clear();
-        self.acked.clear();
+        self.passed.clear();
         self.resumed = None;
         self.start = DeliverFrom::All;
     }
@@ -323,8 +320,7 @@ impl Broker {
             last_consumer_seq: 0,
             inflight: BTreeMap::new(),
             resumed: None,
-            acked: BTreeSet::new(),
-            reconnected: false,
+            passed: BTreeMap::new(),
             creating: false,
             start,
         };
@@ -937,7 +933,8 @@ impl Broker {
         } else {
             let stream = binding::topics_stream(&t.ns);
             let consumer = t.pull.consumer().to_string();
-            let mut back = std::mem::take(&mut t.inflight);
+            let mut back = std::mem::take(&mut t.passed);
+            back.append(&mut t.inflight);
             if let Some(r) = t.resumed.take() {
                 back.extend(r.into_held());
             }
@@ -1114,7 +1111,6 @@ impl Broker {
         for (&session, s) in &mut self.sessions {
             for (sub, t) in &mut s.subs {
                 if t.durable {
-                    t.reconnected = true;
                     checks.push((
                         t.pull.restart(conn, now),
                         PullOwner::Sub(session, sub.clone()),
@@ -1175,39 +1171,7 @@ impl Broker {
             if seq <= t.last_seq {
                 return;
             }
-        } else {
-            // Consumer sequences that skip: deliveries went missing on the way (out to a
-            // connection that dropped), and come again only after their ack wait. Sent
-            // meanwhile, newer events would put them behind the session's last one; so
-            // everything waits for them, as a resume does.
-            let reconnected = std::mem::take(&mut t.reconnected);
-            let lost = match t.last_consumer_seq {
-                0 => 0,
-                last => consumer_seq.saturating_sub(last.saturating_add(1)),
-            };
-            t.last_consumer_seq = consumer_seq;
-            let last_sent = t.last_seq;
-            let wait = match &mut t.resumed {
-                _ if lost == 0 => None,
-                None => {
-                    let r = Resumed::after_loss(lost, last_sent, DURABLE_ACK_WAIT, now);
-                    Some(t.resumed.insert(r).until())
-                }
-                // While a resume is put in order, deliveries that go to another reader
-                // (a pull of the session it took over) are expected; only a reconnect
-                // loses some.
-                Some(r) if reconnected => r.lost_again(lost, DURABLE_ACK_WAIT, now),
-                Some(_) => None,
-            };
-            if let Some(until) = wait {
-                let serial = t.serial;
-                log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "{lost} durable deliveries lost on the way; holding events until they come again");
-                self.set_timer(until, Timer::ResumeWait(session, sub.to_string(), serial));
-            }
         }
-        let Some(t) = self.subscription_mut(session, sub) else {
-            return;
-        };
         if let Some(r) = &mut t.resumed {
             let mut naks = Vec::new();
             let admit = r.admit(seq, meta.delivered > 1, reply, now, &mut naks);
@@ -1218,23 +1182,21 @@ impl Broker {
         }
         if t.durable && seq <= t.last_seq {
             // An event behind the session's last one: a redelivery of one it got (its
-            // ack wait ran out, or its ack was lost), not sent twice within the session.
+            // ack wait ran out, or its ack was lost), or one it never got (`passed`):
+            // not sent twice within the session, nor out of order. Its newest ack
+            // subject is kept, and it comes first in the participant's next session if
+            // it stays unacknowledged.
             if let Some(ack) = t.inflight.get_mut(&seq) {
-                // Its newest ack subject is the one to use.
                 *ack = reply.to_string();
-                return;
+            } else {
+                t.passed.insert(seq, reply.to_string());
+                if t.passed.len() > DURABLE_WINDOW as usize {
+                    t.passed.pop_first();
+                }
             }
-            if t.acked.contains(&seq) {
-                let _ = conn.publish(reply, None, None, &AckKind::Ack.payload());
-                return;
-            }
-            // One it never got (a delivery lost where the wait above did not see it, an
-            // event another session left): sent now, out of order. Kept back, it would
-            // never reach this session and hold one of the durable's unacknowledged
-            // slots for as long as the session lasts; at least once comes first.
-            log::info!(session = session, sub:% = sub, seq:% = seq; "durable event sent behind later ones");
+            return;
         }
-        t.last_seq = t.last_seq.max(seq);
+        t.last_seq = seq;
         if t.durable {
             t.inflight.insert(seq, reply.to_string());
         }
@@ -1262,7 +1224,6 @@ impl Broker {
         session: SessionId,
         sub: &str,
         serial: u64,
-        now: Instant,
     ) {
         let Some(t) = self
             .subscription_mut(session, sub)
@@ -1274,7 +1235,7 @@ impl Broker {
             return;
         };
         let mut naks = Vec::new();
-        r.wait_over(now, &mut naks);
+        r.wait_over(&mut naks);
         settle_resumed(conn, t, &naks);
     }
 
@@ -1362,8 +1323,7 @@ impl Broker {
     }
 
     /// A durable's consumer again under its name, from its oldest event unacknowledged
-    /// here (sent, or held to keep the order), else the one after the last sent (its
-    /// events before that were acknowledged).
+    /// here, else the one after the last sent (its events before that were acknowledged).
     fn remake_durable(
         &mut self,
         conn: &mut Connection,
@@ -1374,17 +1334,8 @@ impl Broker {
         let Some(t) = self.subscription_mut(session, sub) else {
             return;
         };
-        let held = t.resumed.as_ref().and_then(Resumed::first_held);
-        let from = match t
-            .inflight
-            .keys()
-            .next()
-            .copied()
-            .into_iter()
-            .chain(held)
-            .min()
-        {
-            Some(oldest) => DeliverFrom::Sequence(oldest),
+        let from = match t.inflight.keys().next() {
+            Some(&oldest) => DeliverFrom::Sequence(oldest),
             None if t.last_seq > 0 => DeliverFrom::Sequence(t.last_seq.saturating_add(1)),
             None => t.start.clone(),
         };
@@ -1592,12 +1543,7 @@ impl Broker {
             }
             return;
         }
-        let Some(ack_subject) = t.inflight.remove(&seq).inspect(|_| {
-            t.acked.insert(seq);
-            if t.acked.len() > DURABLE_WINDOW as usize {
-                t.acked.pop_first();
-            }
-        }) else {
+        let Some(ack_subject) = t.inflight.remove(&seq) else {
             if let Some(re) = id {
                 let e = AmpError::new(
                     ErrorCode::NotFound,
