@@ -368,3 +368,52 @@ fn a_letter_too_large_even_without_its_body_leaves_out_more_and_is_stored_once()
         Some(1.0)
     );
 }
+
+/// A letter that could not be stored leaves the task message NAKed for a redelivery
+/// that stores it then, a second later, for as long as the dead-letter stream refuses.
+/// Each redelivery published the `task_result` again, and once the submitter's inbox no
+/// longer deduplicated its id (JetStream's duplicate window, 120 s; 1 s here) each was a
+/// second result. The result is now published once, and the record says so.
+#[test]
+fn a_dead_letter_refused_past_the_inbox_duplicate_window_leaves_one_task_result() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &config());
+    let mut js = nats.jetstream();
+    let mut inbox = js.stream_info("AMP_INBOX_acme").expect("inbox").config;
+    inbox.duplicate_window = Some(Duration::from_secs(1));
+    js.update_stream(&inbox).expect("a 1 s duplicate window");
+    let dlq = js.stream_info("AMP_DLQ_acme").expect("dead letters").config;
+    assert!(js.delete_stream("AMP_DLQ_acme").expect("dead letters gone"));
+    let mut app = login(&broker, "app");
+    let mut w1 = login_serving(&broker, "w1", 1);
+    let r = app.request(json!({"op":"submit","job":"render","task":"D","body":1,
+                               "max_attempts":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    claim(&mut w1, "D");
+    let f = w1.request(json!({"op":"fail","task":"D","error":{"code":"x"}}));
+    assert_eq!(f["op"], "ok", "{f}");
+    assert_eq!(task_result(&mut app, &broker)["body"]["state"], "failed");
+    // Redelivered and refused again for 3 s or more: three times the window.
+    let tries = || broker.log().matches("dead letter not stored yet").count();
+    assert!(
+        common::wait_until(WAIT, || tries() >= 5),
+        "{}",
+        broker.log()
+    );
+    let second = app.next_op("message", Duration::from_secs(2));
+    assert!(second.is_none(), "a second result: {second:?}");
+    // The stream back: the next redelivery stores the letter and terminates the message.
+    js.create_stream(&dlq).expect("dead letters back");
+    assert!(
+        common::wait_until(WAIT, || {
+            js.stream_info("AMP_TASKS_acme")
+                .is_ok_and(|i| i.state.messages == 0)
+        }),
+        "{}",
+        broker.log()
+    );
+    let page = letters(&mut app, None);
+    assert_eq!(page["letters"][0]["task"], "D", "{page}");
+    let second = app.next_op("message", Duration::from_secs(2));
+    assert!(second.is_none(), "a second result: {second:?}");
+}

@@ -362,6 +362,9 @@ enum Op {
         re: String,
         by: String,
     },
+    /// The broker stored the `task_result` of a task whose message stays for a
+    /// redelivery (see `TaskRecord::result_sent`).
+    ResultSent,
 }
 
 impl Op {
@@ -375,7 +378,7 @@ impl Op {
             | Op::Complete { session, .. }
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. } => Some(*session),
-            Op::Exhaust | Op::Cancel { .. } => None,
+            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent => None,
         }
     }
 
@@ -528,6 +531,9 @@ struct Finish {
     /// The key of a cancelled task: its message is gone, and only the client's retry of
     /// the cancel publishes the result again (see [`Jobs::unsent_cancels`]).
     cancelled: Option<String>,
+    /// The key of a completed or failed task whose message stays for a redelivery (its
+    /// dead letter not stored yet): once the result is stored, the record says so.
+    stays: Option<String>,
 }
 
 struct Submission {
@@ -1720,10 +1726,15 @@ impl Jobs {
                     log::warn!(task:% = key; "cancelled task not dequeued: {e}");
                 }
             }
-            Pending::Result(finish) => {
+            Pending::Result(mut finish) => {
                 let finish = match &reply {
                     Ok(m) => match parse_pub_ack(m.status(), &m.payload) {
-                        Ok(_) => finish,
+                        Ok(_) => {
+                            if let Some(key) = finish.stays.take() {
+                                self.result_sent(conn, key, now);
+                            }
+                            finish
+                        }
                         // A refusal would only repeat: the result is given up.
                         Err(e) => {
                             log::warn!("task result refused: {e}");
@@ -2304,6 +2315,51 @@ mod tests {
         limit_task_messages(&mut h, -1);
         assert_eq!(h.request(app, submit)["op"], "ok");
         offer(&mut h, w, "T");
+    }
+
+    #[test]
+    fn a_dead_letter_refused_past_the_duplicate_window_leaves_one_task_result() {
+        // A letter that could not be stored NAKs the task message for a redelivery that
+        // stores it then; each redelivery announced the outcome again, and once the
+        // inbox's 120 s duplicate window had passed the submitter got a second
+        // `task_result` (and another every second after that).
+        let mut h = bench(1);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let dlq = h.nats_request("$JS.API.STREAM.INFO.AMP_DLQ_dev", &[], b"")["config"].clone();
+        let gone = h.nats_request("$JS.API.STREAM.DELETE.AMP_DLQ_dev", &[], b"");
+        assert_eq!(gone["success"], true, "{gone}");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        let f = h.request(w, json!({"op":"fail","task":task,"error":{"code":"x"}}));
+        assert_eq!(f["op"], "ok", "{f}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "failed");
+        h.advance(Duration::from_secs(150));
+        let results = |h: &mut Harness| {
+            h.take(app)
+                .into_iter()
+                .filter(|f| f["kind"] == "task_result")
+                .collect::<Vec<Value>>()
+        };
+        let late = results(&mut h);
+        assert!(late.is_empty(), "{} more results: {late:?}", late.len());
+        assert_eq!(
+            h.server.stream_messages("AMP_TASKS_dev").len(),
+            1,
+            "the message waits for its letter"
+        );
+        // The stream back: the letter is stored, the message goes, no result follows.
+        let made = h.nats_request(
+            "$JS.API.STREAM.CREATE.AMP_DLQ_dev",
+            &[],
+            dlq.to_string().as_bytes(),
+        );
+        assert!(made.get("error").is_none(), "{made}");
+        h.advance(Duration::from_secs(5));
+        assert_eq!(h.server.stream_messages("AMP_DLQ_dev").len(), 1);
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+        assert!(results(&mut h).is_empty());
     }
 
     /// Tasks a copy of whose message is stored: each copy is delivered, and each

@@ -131,6 +131,12 @@ pub struct TaskRecord {
     /// republish past the stream's duplicate window) is none of the task's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub msg_seq: Option<u64>,
+    /// The `task_result` of this completed or failed task is stored in the submitter's
+    /// inbox while its message stays for a redelivery (its dead letter not stored yet):
+    /// that redelivery must not publish it again, as past the inbox's duplicate window
+    /// its message id no longer makes a repeat a duplicate.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub result_sent: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -192,6 +198,9 @@ pub enum Change<'a> {
     Cancel {
         by: &'a str,
     },
+    /// The `task_result` of a completed or failed task is stored (see
+    /// [`TaskRecord::result_sent`]).
+    ResultSent,
 }
 
 /// Why a change does not apply to the record as it is.
@@ -262,6 +271,7 @@ impl TaskRecord {
             progress_n: 0,
             via_mig: false,
             msg_seq: None,
+            result_sent: false,
         }
     }
 
@@ -379,6 +389,10 @@ impl TaskRecord {
             member(&mut out, "msg_seq");
             push_decimal(&mut out, seq);
         }
+        if self.result_sent {
+            member(&mut out, "result_sent");
+            out.push_str("true");
+        }
         out.push('}');
         out.into_bytes()
     }
@@ -441,7 +455,7 @@ impl TaskRecord {
         {
             return Err(Refusal::NotSubmitter);
         }
-        if self.state.is_terminal() {
+        if self.state.is_terminal() && *change != Change::ResultSent {
             return Err(Refusal::Finished(self.state));
         }
         let mut next = self.clone();
@@ -543,6 +557,16 @@ impl TaskRecord {
                     }));
                 }
                 next.push_history(TaskState::Failed, now_ms, by);
+            }
+            Change::ResultSent => {
+                // Said already, or nothing to say (not finished, or cancelled: a
+                // cancelled task has no message left to come back).
+                if self.result_sent
+                    || !matches!(self.state, TaskState::Completed | TaskState::Failed)
+                {
+                    return Err(Refusal::Finished(self.state));
+                }
+                next.result_sent = true;
             }
             Change::Cancel { by } => {
                 if self.submitted_by != *by {
@@ -699,6 +723,7 @@ mod tests {
         full.progress_n = 3;
         full.via_mig = true;
         full.msg_seq = Some(u64::MAX);
+        full.result_sent = true;
         full.history.push(HistoryEntry {
             state: TaskState::Offered,
             at: "2027-01-15T08:00:00.000Z".into(),
@@ -837,6 +862,46 @@ mod tests {
             claim(&cancelled, W1, T0 + 5),
             Err(Refusal::Finished(TaskState::Cancelled))
         );
+    }
+
+    #[test]
+    fn only_a_completed_or_failed_task_records_its_result_once() {
+        let leased = task(3)
+            .apply(
+                &Change::Claim {
+                    by: W1,
+                    lease_ms: LEASE,
+                    offered_at_ms: T0,
+                },
+                T0,
+            )
+            .expect("leased");
+        assert_eq!(
+            leased.apply(&Change::ResultSent, T0),
+            Err(Refusal::Finished(TaskState::Leased))
+        );
+        let failed = leased
+            .apply(
+                &Change::Fail {
+                    by: W1,
+                    error: json!({"code":"x"}),
+                    retry: false,
+                },
+                T0 + 1,
+            )
+            .expect("fail");
+        let sent = failed.apply(&Change::ResultSent, T0 + 2).expect("sent");
+        assert!(sent.result_sent && !failed.result_sent);
+        assert_eq!(sent.history, failed.history, "no history entry");
+        assert_eq!(
+            sent.apply(&Change::ResultSent, T0 + 3),
+            Err(Refusal::Finished(TaskState::Failed)),
+            "once"
+        );
+        let cancelled = task(3)
+            .apply(&Change::Cancel { by: "acme/app" }, T0)
+            .expect("cancel");
+        assert!(cancelled.apply(&Change::ResultSent, T0).is_err());
     }
 
     #[test]

@@ -34,7 +34,8 @@ impl Jobs {
 
     /// Sends the `task_result` to the submitter's inbox, then the message's ack, then the
     /// answer: the result is stored before the message can go, so a crash in between
-    /// leaves a message whose redelivery publishes the result again.
+    /// leaves a message whose redelivery publishes the result again. A record that says
+    /// its result is stored publishes none.
     pub(super) fn publish_result(
         &mut self,
         conn: &mut Connection,
@@ -49,17 +50,21 @@ impl Jobs {
             reply,
             redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
             cancelled: None,
+            stays: None,
         };
         let Some((ns, submitter)) = record
             .submitted_by
             .split_once('/')
-            .filter(|_| !record.via_mig)
+            .filter(|_| !record.via_mig && !record.result_sent)
         else {
             return self.finish(conn, finish, now);
         };
         let key = task_key(ns, &record.id);
         if record.state == TaskState::Cancelled {
             finish.cancelled = Some(key.clone());
+        }
+        if finish.redelivery_resends && matches!(finish.ack, Some((_, AckKind::Nak { .. }))) {
+            finish.stays = Some(key.clone());
         }
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
         let body = crate::amp::Body::from_value(&record.result_body()).into_text();
@@ -119,6 +124,18 @@ impl Jobs {
             self.unsent_cancels.get_or_insert_with(key.clone(), || ());
         }
         finish
+    }
+
+    /// Records that the `task_result` of task `key` is stored, so that the redelivery of
+    /// its message publishes it no more: read, then a compare-and-set like any change.
+    pub(super) fn result_sent(&mut self, conn: &mut Connection, key: String, now: Instant) {
+        let write = Write {
+            key,
+            op: Op::ResultSent,
+            ack: None,
+            tries: 0,
+        };
+        self.read(conn, write, now);
     }
 
     /// The outcome is stored and its `task_result` too: the message goes and the requester

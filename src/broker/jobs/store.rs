@@ -88,6 +88,7 @@ impl Jobs {
         match op {
             Op::Offer { .. } => Change::Offer { to: by },
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
+            Op::ResultSent => Change::ResultSent,
             Op::Claim { .. } => Change::Claim {
                 by,
                 lease_ms,
@@ -122,7 +123,9 @@ impl Jobs {
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. }
             | Op::Cancel { session, .. } => *session,
-            Op::Exhaust => return (format!("broker/{}", self.broker_id), String::new()),
+            Op::Exhaust | Op::ResultSent => {
+                return (format!("broker/{}", self.broker_id), String::new());
+            }
         };
         let participant = match op {
             Op::Cancel { by, .. } => by.clone(),
@@ -340,6 +343,8 @@ impl Jobs {
                 };
                 self.refuse(session, &re, e);
             }
+            // Recorded already (by another delivery's broker), or the record moved on.
+            Op::ResultSent => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
                     let re = re.to_string();
@@ -642,6 +647,7 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
+            Op::ResultSent => {}
         }
     }
 }
