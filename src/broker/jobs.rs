@@ -428,14 +428,16 @@ enum Pending {
         re: String,
         ns: String,
         task: String,
+        /// A resubmit's republish: the record is bound to the message stored.
         dup: bool,
-        /// A republish past the duplicate window: the record (at its revision) to bind to
-        /// the message stored.
-        bind: Option<Box<(TaskRecord, u64)>>,
+        /// The record as stored (its JSON) and its revision.
+        stored: Box<(Vec<u8>, u64)>,
     },
-    /// A record being bound to a republished task message.
-    Bind {
+    /// A record being rewritten as it was, bound to the task message a resubmit stored
+    /// or given an expiry (`what`, for the log).
+    Rewrite {
         key: String,
+        what: &'static str,
     },
     /// The removal of a cancelled task's message from the job's queue.
     MessageDelete {
@@ -493,7 +495,9 @@ impl Pending {
     fn op(&self) -> Option<NatsOp> {
         Some(match self {
             Pending::ConsumerCreate { .. } => NatsOp::ConsumerCreate,
-            Pending::SubmitCreate(_) | Pending::Cas { .. } | Pending::Bind { .. } => NatsOp::KvPut,
+            Pending::SubmitCreate(_) | Pending::Cas { .. } | Pending::Rewrite { .. } => {
+                NatsOp::KvPut
+            }
             Pending::SubmitExisting(_)
             | Pending::DeliveryRead { .. }
             | Pending::Read(_)
@@ -1490,7 +1494,8 @@ impl Jobs {
                         self.published.remove(&task_key(&sub.ns, &sub.task));
                         let mut sub = *sub;
                         carry_record(&mut sub, ack.seq, conn.max_payload());
-                        self.publish_task(conn, sub, false, None, now);
+                        let stored = (std::mem::take(&mut sub.record), ack.seq);
+                        self.publish_task(conn, sub, false, stored, now);
                     }
                     Ok(Err(JsError::WrongLastSequence(_))) => self.read_existing(conn, sub, now),
                     // JetStream answered that it stored nothing.
@@ -1550,13 +1555,13 @@ impl Jobs {
                         // been stored (refused, or its answer lost): publish again, at any
                         // age, or a task answered `unavailable` and retried past 90 s was
                         // `dup` and never queued. Within the duplicate window its message
-                        // id makes a repeat a duplicate; past it the record is bound to
-                        // the message just stored, and a copy stored before is terminated
-                        // when delivered (`TaskRecord::msg_seq`), so that a resubmit stores
-                        // at most one more copy, never offered or finished twice.
-                        let bind = (!self.repeatable(record.history.first(), now))
-                            .then(|| Box::new((record, revision)));
-                        self.publish_task(conn, *sub, true, bind, now);
+                        // id makes a repeat a duplicate; past it a copy is stored. Either
+                        // way the record is bound to the message stored: a copy stored
+                        // before is terminated when delivered (`TaskRecord::msg_seq`), so
+                        // a resubmit stores at most one more copy, never offered or
+                        // finished twice, and the expiry of a record whose message was
+                        // refused (`Jobs::expire_unqueued`) goes with the rewrite.
+                        self.publish_task(conn, *sub, true, (record.to_json(), revision), now);
                     } else {
                         let text = FrameWriter::ok(Some(&sub.re))
                             .str("task", &sub.task)
@@ -1577,14 +1582,12 @@ impl Jobs {
                 ns,
                 task,
                 dup,
-                bind,
+                stored,
             } => match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
                 Ok(Ok(ack)) => {
                     let key = task_key(&ns, &task);
-                    if let Some(bound) = bind {
-                        let (mut record, revision) = *bound;
-                        record.msg_seq = Some(ack.seq);
-                        self.bind_record(conn, key.clone(), &record, revision, now);
+                    if dup {
+                        self.bind_record(conn, key.clone(), *stored, ack.seq, now);
                     }
                     *self.published.get_or_insert_with(key, || ack.seq) = ack.seq;
                     let text = FrameWriter::ok(Some(&re))
@@ -1593,7 +1596,16 @@ impl Jobs {
                         .finish();
                     self.out.push_back(JobsOutput::Reply { session, re, text });
                 }
-                Ok(Err(e)) => self.refuse(session, &re, unavailable(e)),
+                // JetStream answered that it stored nothing.
+                Ok(Err(e)) => {
+                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    self.refuse(session, &re, unavailable(e));
+                }
+                Err(e @ RequestError::NoResponders) => {
+                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    self.refuse(session, &re, unavailable(e));
+                }
+                // It may be stored all the same: its delivery binds the record.
                 Err(e) => self.refuse(session, &re, unavailable(e)),
             },
             Pending::DeliveryRead {
@@ -1706,14 +1718,14 @@ impl Jobs {
             }
             Pending::LetterPage(page) => self.letter_page(conn, *page, reply, now),
             Pending::Redrive(r) => self.redrive_read(conn, *r, reply, now),
-            Pending::Bind { key } => {
+            Pending::Rewrite { key, what } => {
                 // Refused for a change made meanwhile: a delivery's, which bound the record
-                // to the message it delivered, or a cancel.
+                // to the message it delivered, a cancel, or another rewrite.
                 if let Err(e) = reply
                     .map_err(|e| e.to_string())
                     .and_then(|m| parse_pub_ack(m.status(), &m.payload).map_err(|e| e.to_string()))
                 {
-                    log::info!(task:% = key; "task record not bound to its republished message: {e}");
+                    log::info!(task:% = key; "task record not {what}: {e}");
                 }
             }
             Pending::MessageDelete { key } => {
@@ -2360,6 +2372,54 @@ mod tests {
         assert_eq!(h.server.stream_messages("AMP_DLQ_dev").len(), 1);
         assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
         assert!(results(&mut h).is_empty());
+    }
+
+    #[test]
+    fn a_submit_whose_message_was_refused_and_never_retried_leaves_no_record_for_good() {
+        // The record is made before the message: one whose message JetStream refused
+        // stayed `queued` with nothing to deliver, and nothing ever removed it.
+        let mut config = with_lease(LEASE_S);
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.keep_finished_s = 300;
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let status =
+            |h: &mut Harness, task: &str| h.request(app, json!({"op":"status","task":task}));
+        limit_task_messages(&mut h, 16);
+        for task in ["A", "B"] {
+            let r = h.request(
+                app,
+                json!({"op":"submit","job":"render","task":task,"body":1}),
+            );
+            assert_eq!(r["code"], "unavailable", "{r}");
+        }
+        limit_task_messages(&mut h, -1);
+        // B's retry stores its message: B is kept as long as it waits (nobody serves the
+        // job yet), A, never retried, goes as a finished record would.
+        h.advance(Duration::from_secs(30));
+        let r = h.request(
+            app,
+            json!({"op":"submit","job":"render","task":"B","body":1}),
+        );
+        assert_eq!((&r["op"], &r["dup"]), (&json!("ok"), &json!(true)), "{r}");
+        assert_eq!(status(&mut h, "A")["task"]["state"], "queued");
+        h.advance(Duration::from_secs(400));
+        let a = status(&mut h, "A");
+        assert_eq!(a["code"], "not_found", "{a}");
+        assert_eq!(status(&mut h, "B")["task"]["state"], "queued");
+        let w = worker(&mut h, "w1");
+        offer(&mut h, w, "B");
+        // A's id is free again, and a retry of A now is a task like any other.
+        let r = h.request(
+            app,
+            json!({"op":"submit","job":"render","task":"A","body":1}),
+        );
+        assert_eq!((&r["op"], &r["dup"]), (&json!("ok"), &json!(false)), "{r}");
     }
 
     /// Tasks a copy of whose message is stored: each copy is delivered, and each

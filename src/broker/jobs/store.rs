@@ -5,8 +5,8 @@
 use super::*;
 
 /// How long after a change a repair may still publish what the change published (a
-/// cancel's `task_result`, a submit's task message) again: well inside the streams' 120 s
-/// duplicate window, so the repeat is deduplicated whatever the brokers' clocks say.
+/// cancel's `task_result`) again: well inside the streams' 120 s duplicate window, so the
+/// repeat is deduplicated whatever the brokers' clocks say.
 const REPEAT_WINDOW_MS: i128 = 90_000;
 
 /// How long a finished task's record stays: its job's `keep_finished_s`, and at least

@@ -202,14 +202,16 @@ impl Jobs {
         self.refuse(session, re, e);
     }
 
+    /// Stores the task message of `sub`, whose record is `stored` (JSON, revision).
     pub(super) fn publish_task(
         &mut self,
         conn: &mut Connection,
         sub: Submission,
         dup: bool,
-        bind: Option<Box<(TaskRecord, u64)>>,
+        stored: (Vec<u8>, u64),
         now: Instant,
     ) {
+        let key = task_key(&sub.ns, &sub.task);
         match self.request(conn, &sub.subject, Some(&sub.headers), &sub.payload, now) {
             Ok(id) => {
                 self.await_reply(
@@ -221,37 +223,86 @@ impl Jobs {
                         ns: sub.ns,
                         task: sub.task,
                         dup,
-                        bind,
+                        stored: Box::new(stored),
                     },
                 );
             }
-            Err(e) => self.refuse(sub.session, &sub.re, send_error(&e)),
+            Err(e) => {
+                // Not sent, so not stored.
+                self.expire_unqueued(conn, key, stored, now);
+                self.refuse(sub.session, &sub.re, send_error(&e));
+            }
         }
     }
 
-    /// Writes `record` (bound to a republished message) over `revision`; a change made
-    /// meanwhile wins.
+    /// Binds the record `stored` (JSON, revision) to the task message at `seq`, which a
+    /// resubmit stored or found stored.
     pub(super) fn bind_record(
         &mut self,
         conn: &mut Connection,
         key: String,
-        record: &TaskRecord,
-        revision: u64,
+        (json, revision): (Vec<u8>, u64),
+        seq: u64,
+        now: Instant,
+    ) {
+        let mut record = match TaskRecord::from_json(&json) {
+            Ok(r) => r,
+            Err(e) => return log::warn!(task:% = key; "task record not bound: {e}"),
+        };
+        record.msg_seq = Some(seq);
+        let json = record.to_json();
+        let what = "bound to its task message";
+        self.rewrite(conn, key, (&json, revision), None, what, now);
+    }
+
+    /// The record `stored` (JSON, revision) of a task whose message JetStream refused
+    /// (or that was never sent) expires as a finished task's does, unless a retry stores
+    /// the message first (its bind rewrites the record without the expiry); else it
+    /// would stay `queued` for good, with nothing to deliver. A change made meanwhile
+    /// wins: the message was stored after all (a delivery or a resubmit bound the
+    /// record), or the task was cancelled.
+    pub(super) fn expire_unqueued(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        (json, revision): (Vec<u8>, u64),
+        now: Instant,
+    ) {
+        let job = match TaskRecord::from_json(&json) {
+            Ok(r) => r.job,
+            Err(e) => return log::warn!(task:% = key; "task record given no expiry: {e}"),
+        };
+        let ns = key.split_once('.').map_or("", |(ns, _)| ns);
+        let config = self.job_config(ns, &job);
+        let ack_wait = self.consumer_ack_wait(ns, &job);
+        let ttl = crate::jetstream::MsgTtl::After(Duration::from_secs(
+            super::store::finished_ttl_s(&config, ack_wait),
+        ));
+        let what = "given its expiry";
+        self.rewrite(conn, key, (&json, revision), Some(ttl), what, now);
+    }
+
+    /// Writes `json` over `revision` of `key` (`what` it is for, for the log).
+    fn rewrite(
+        &mut self,
+        conn: &mut Connection,
+        key: String,
+        (json, revision): (&[u8], u64),
+        ttl: Option<crate::jetstream::MsgTtl>,
+        what: &'static str,
         now: Instant,
     ) {
         let sent = self
             .kv
-            .replace_request(&key, &record.to_json(), revision, None)
+            .replace_request(&key, json, revision, ttl)
             .map_err(|e| e.to_string())
             .and_then(|req| {
                 self.request(conn, &req.subject, req.headers.as_ref(), &req.payload, now)
                     .map_err(|e| e.to_string())
             });
         match sent {
-            Ok(id) => self.await_reply(id, now, Pending::Bind { key }),
-            Err(e) => {
-                log::info!(task:% = key; "task record not bound to its republished message: {e}")
-            }
+            Ok(id) => self.await_reply(id, now, Pending::Rewrite { key, what }),
+            Err(e) => log::info!(task:% = key; "task record not {what}: {e}"),
         }
     }
 }
