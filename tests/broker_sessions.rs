@@ -981,6 +981,59 @@ fn a_send_refused_as_too_large_spends_no_rate() {
     assert_eq!(ok["op"], "ok", "{ok}");
 }
 
+#[test]
+fn a_publish_refused_as_too_large_spends_no_rate() {
+    // As a send's did before 04df7f1: the rate was taken before the stored envelope was
+    // measured against the server's `max_payload`.
+    let nats = NatsServer::with_config("max_payload: 65536");
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"msgs_per_s": 0.01, "burst": 1});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let big = "x".repeat(70_000);
+    let refused = a.request(json!({"op":"publish","topic":"t.x","body":big}));
+    assert_eq!(refused["code"], "too_large", "{refused}");
+    let ok = a.request(json!({"op":"publish","topic":"t.x","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+/// A send or publish JetStream answered with a refusal stored nothing (spec 2.6: it
+/// changes nothing a later request can observe), yet kept its rate charge: with a burst
+/// of 2, the two refused while the streams were full left none for the retries once an
+/// operator made room.
+#[test]
+fn a_send_or_publish_jetstream_refuses_gives_its_rate_back() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"msgs_per_s": 0.01, "burst": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut js = nats.jetstream();
+    let limit = |js: &mut amp_broker::jetstream::Context, stream: &str, max_bytes: i64| {
+        let mut config = js.stream_info(stream).expect("stream").config;
+        config.max_bytes = Some(max_bytes);
+        config.discard = Some(amp_broker::jetstream::DiscardPolicy::New);
+        js.update_stream(&config).expect("an operator's tuning");
+    };
+    limit(&mut js, "AMP_INBOX_acme", 256);
+    limit(&mut js, "AMP_TOPICS_acme", 256);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let body = "x".repeat(1000);
+    let send = json!({"op":"send","to":"b","body":body,"idem":"k"});
+    let publish = json!({"op":"publish","topic":"t.x","body":body,"idem":"k"});
+    for frame in [&send, &publish] {
+        let refused = a.request(frame.clone());
+        assert_eq!(refused["code"], "unavailable", "{frame}: {refused}");
+    }
+    limit(&mut js, "AMP_INBOX_acme", -1);
+    limit(&mut js, "AMP_TOPICS_acme", -1);
+    for frame in [&send, &publish] {
+        let ok = a.request(frame.clone());
+        assert_eq!(ok["op"], "ok", "{frame}: {ok}");
+    }
+}
+
 /// A stream JetStream stores no more in (an operator's `max_bytes` with discard `new`
 /// here; a full disk or account limit alike) refuses a `send` as `unavailable`, saying so,
 /// where it answered `internal` as if the broker had failed; nothing is stored, and the

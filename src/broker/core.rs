@@ -247,8 +247,13 @@ pub struct Awaiting(Pending);
 
 /// A JetStream round trip waiting for its reply.
 enum Pending {
-    /// A `send` stored in an inbox: answer `ok {seq, dup}`.
-    Send { session: SessionId, re: String },
+    /// A `send` stored in an inbox or a `publish` in a topics stream: answer
+    /// `ok {seq, dup}`. `charged`: the sender's rate, given back if nothing was stored.
+    Send {
+        session: SessionId,
+        re: String,
+        charged: Option<u64>,
+    },
     /// An ack the client asked to be confirmed; an inbox delivery's `(seq, ack subject)`,
     /// given back to the session if it fails.
     AckSync {
@@ -951,7 +956,11 @@ impl Broker {
         now: Instant,
     ) {
         match pending {
-            Pending::Send { session, re } => match reply {
+            Pending::Send {
+                session,
+                re,
+                charged,
+            } => match reply {
                 Ok(msg) => match parse_pub_ack(msg.status(), &msg.payload) {
                     Ok(ack) => {
                         let answer = FrameWriter::ok_in(Some(&re), self.frame_buffer(64))
@@ -959,7 +968,12 @@ impl Broker {
                             .bool("dup", ack.duplicate);
                         self.ok(session, &re, answer)
                     }
-                    Err(e) => self.fail(session, &re, store_refused(&e)),
+                    Err(e) => {
+                        if stored_nothing(&e) {
+                            self.refund_rate(session, charged);
+                        }
+                        self.fail(session, &re, store_refused(&e))
+                    }
                 },
                 Err(e) => self.fail(session, &re, unavailable(e)),
             },
@@ -1570,6 +1584,13 @@ fn store_refused(e: &JsError) -> AmpError {
         ErrorCode::Internal,
         format!("JetStream refused the message: {e}"),
     )
+}
+
+/// Whether a publish JetStream answered with `e` certainly stored nothing: an error in
+/// its PubAck, or no stream listening. A timeout, a reply lost with the connection or
+/// one not understood may follow a stored message.
+fn stored_nothing(e: &JsError) -> bool {
+    e.api_error().is_some() || matches!(e, JsError::NoResponders)
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {

@@ -39,10 +39,10 @@ impl Broker {
             return self.fail(session, &send.id, e);
         }
         let body = send.body.into_text();
-        let bytes = body.len();
-        if let Err(e) = self.take_rate_with(ns, name, limits, bytes, now) {
-            return self.fail(session, &send.id, e);
-        }
+        let charged = match self.take_rate_with(ns, name, limits, body.len(), now) {
+            Ok(charged) => charged,
+            Err(e) => return self.fail(session, &send.id, e),
+        };
         // Written into the last send's strings: five allocations a message fewer.
         let (env, mut subject) = std::mem::take(&mut self.send_scratch);
         let mut env = env.unwrap_or_else(|| Envelope {
@@ -77,20 +77,16 @@ impl Broker {
         env.body = body;
         subject.clear();
         binding::push_inbox_subject(&mut subject, ns, to);
-        if !self.store(conn, session, send.id, &subject, &env, now)
-            && let Some(limits) = &limits
-        {
-            // Refused before it went out (too large, no room to send): nothing happened.
-            self.rates
-                .refund(&participant_key(ns, name), limits, 1, bytes as u64);
-        }
+        self.store(conn, session, send.id, &subject, &env, charged, now);
         env.headers.clear();
         env.body = Default::default();
         self.send_scratch = (Some(env), subject);
     }
 
-    /// Publishes an envelope to its stream and answers the request when JetStream acks;
-    /// whether the publish went out (else the request is answered already).
+    /// Publishes an envelope to its stream and answers the request when JetStream acks.
+    /// `charged` (the sender's rate, see [`take_rate`](Broker::take_rate)) is given back
+    /// when nothing was stored: refused here, or by JetStream.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn store(
         &mut self,
         conn: &mut Connection,
@@ -98,8 +94,9 @@ impl Broker {
         re: String,
         subject: &str,
         env: &Envelope,
+        charged: Option<u64>,
         now: Instant,
-    ) -> bool {
+    ) {
         let (mut payload, mut headers) = std::mem::take(&mut self.store_scratch);
         payload.clear();
         headers.clear();
@@ -125,25 +122,28 @@ impl Broker {
                 format!("the stored message would exceed the server's max_payload of {max} bytes"),
             )
             .with_path("");
+            self.refund_rate(session, charged);
             self.fail(session, &re, e);
-            return false;
+            return;
         }
-        let sent = match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now)
-        {
+        match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => {
-                self.await_reply(req, now, Pending::Send { session, re });
-                true
+                let pending = Pending::Send {
+                    session,
+                    re,
+                    charged,
+                };
+                self.await_reply(req, now, pending);
             }
             Err(e) => {
+                self.refund_rate(session, charged);
                 self.fail(session, &re, unavailable(e));
-                false
             }
-        };
+        }
         // Kept for the next unless a large body grew it.
         if payload.capacity() <= STORE_SCRATCH_KEEP {
             self.store_scratch = (payload, headers);
         }
-        sent
     }
 
     pub(super) fn inbox_ack(

@@ -5,14 +5,15 @@ use super::*;
 
 impl Broker {
     /// The publish-path token buckets (`send`, `publish`, `submit`): one message and the
-    /// body's bytes.
+    /// body's bytes. What was charged (`None` for a participant without limits), for a
+    /// [`refund_rate`](Self::refund_rate).
     pub(super) fn take_rate(
         &mut self,
         ns: &str,
         name: &str,
         body_bytes: usize,
         now: Instant,
-    ) -> Result<(), AmpError> {
+    ) -> Result<Option<u64>, AmpError> {
         let limits = self
             .config
             .participant(ns, name)
@@ -29,17 +30,38 @@ impl Broker {
         limits: Option<rate_limit::Limits>,
         body_bytes: usize,
         now: Instant,
-    ) -> Result<(), AmpError> {
-        let Some(limits) = limits else { return Ok(()) };
+    ) -> Result<Option<u64>, AmpError> {
+        let Some(limits) = limits else {
+            return Ok(None);
+        };
+        let bytes = body_bytes as u64;
         self.rates
-            .try_take(
-                &participant_key(ns, name),
-                &limits,
-                1,
-                body_bytes as u64,
-                now,
-            )
+            .try_take(&participant_key(ns, name), &limits, 1, bytes, now)
+            .map(|()| Some(bytes))
             .map_err(|r| AmpError::rate_limited(r.retry_after_ms))
+    }
+
+    /// Gives a session's participant back a charge of [`take_rate`](Self::take_rate) for a
+    /// request that stored nothing (spec 2.6: a failed request changes nothing a later
+    /// one can observe). A session already gone keeps its participant's charge.
+    pub(super) fn refund_rate(&mut self, session: SessionId, charged: Option<u64>) {
+        let Some(bytes) = charged else { return };
+        let Some((ns, name)) = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.state.participant())
+        else {
+            return;
+        };
+        let limits = self
+            .config
+            .participant(ns, name)
+            .and_then(|p| p.policy.as_ref())
+            .and_then(rate_limit::Limits::from_policy);
+        if let Some(limits) = limits {
+            let key = participant_key(ns, name);
+            self.rates.refund(&key, &limits, 1, bytes);
+        }
     }
 
     /// See [`Jobs::refusal`]; `None` for a participant a reload removed (the frame is

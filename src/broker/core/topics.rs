@@ -185,9 +185,10 @@ impl Broker {
             return self.fail(session, &p.id, e);
         }
         let body = p.body.into_text();
-        if let Err(e) = self.take_rate(ns, name, body.len(), now) {
-            return self.fail(session, &p.id, e);
-        }
+        let charged = match self.take_rate(ns, name, body.len(), now) {
+            Ok(charged) => charged,
+            Err(e) => return self.fail(session, &p.id, e),
+        };
         let from = participant_key(ns, name);
         let id = match &p.idem {
             Some(key) => envelope::idempotent_id(Kind::Event, &from, topic, key),
@@ -205,7 +206,7 @@ impl Broker {
             body,
         };
         let subject = binding::topic_subject(ns, topic);
-        self.store(conn, session, p.id, &subject, &env, now);
+        self.store(conn, session, p.id, &subject, &env, charged, now);
     }
 
     pub(super) fn subscribe(
