@@ -216,3 +216,44 @@ fn a_password_in_the_nats_url_is_not_printed_when_nats_cannot_be_reached() {
     assert!(err.contains("alice:<redacted>@127.0.0.1"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
 }
+
+/// Spec 2.7 copies `headers.traceparent` to the stored NATS header `traceparent`. One
+/// that no NATS header can carry (a control character: the schema refuses only CR and
+/// LF) was stored without it, the send and publish answered `ok`; now such a frame is
+/// refused `schema` naming the member, as a submit's was (naming only `/headers`), and
+/// gives its rate back. A value that is not W3C trace context but can be carried is kept
+/// as it is: the spec asks for the copy, not for a format.
+#[test]
+fn a_traceparent_no_nats_header_can_carry_is_refused_naming_it() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}});
+    // The submit's charge and one each for the send and the publish that are stored.
+    config["namespaces"]["acme"]["participants"]["a"]["policy"] =
+        json!({"msgs_per_s": 0.01, "burst": 3});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let bad = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\u{1}";
+    for frame in [
+        json!({"op":"submit","job":"render","body":1,"headers":{"traceparent":bad}}),
+        json!({"op":"send","to":"b","body":1,"headers":{"traceparent":bad}}),
+        json!({"op":"publish","topic":"t.x","body":1,"headers":{"traceparent":bad}}),
+    ] {
+        let refused = a.request(frame.clone());
+        assert_eq!(
+            (refused["code"].as_str(), refused["path"].as_str()),
+            (Some("schema"), Some("/headers/traceparent")),
+            "{frame}: {refused}"
+        );
+    }
+    let kept = "not trace context";
+    let ok = a.request(json!({"op":"send","to":"b","body":1,"headers":{"traceparent":kept}}));
+    let seq = ok["seq"].as_u64().unwrap_or_else(|| panic!("{ok}"));
+    let stored = nats
+        .jetstream()
+        .get_msg("AMP_INBOX_acme", &MsgSelector::Sequence(seq))
+        .expect("stored message");
+    assert_eq!(stored.header("traceparent"), Some(kept));
+    let ok = a.request(json!({"op":"publish","topic":"t.x","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+}

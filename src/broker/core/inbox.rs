@@ -111,8 +111,19 @@ impl Broker {
         for (k, value) in stamped {
             headers.append_trusted(k, value);
         }
-        if let Some(tp) = env.headers.get("traceparent") {
-            let _ = headers.append("traceparent", tp);
+        // Spec 2.7 copies it to the stored header: one no NATS header carries (a control
+        // character, which the schema lets through) is refused, not stored without it.
+        if let Some(tp) = env.headers.get("traceparent")
+            && let Err(e) = headers.append("traceparent", tp)
+        {
+            let e = AmpError::new(
+                ErrorCode::Schema,
+                format!("`traceparent` cannot be stored as a NATS header: {e}"),
+            )
+            .with_path("/headers/traceparent");
+            self.refund_rate(session, charged);
+            self.fail(session, &re, e);
+            return;
         }
         // The connection's limit: an INFO without `max_payload` (0) does not change it.
         let max = conn.max_payload();

@@ -131,9 +131,10 @@ impl Jobs {
             stamped.push(("traceparent", tp.as_str()));
         }
         for (k, v) in stamped {
+            // The traceparent is the only value the client chose.
             if let Err(e) = headers.insert(k, v) {
                 let e = AmpError::new(ErrorCode::Schema, format!("header not storable: {e}"))
-                    .with_path("/headers");
+                    .with_path("/headers/traceparent");
                 return self.refuse_unmade(session, &submit.id, e);
             }
         }
