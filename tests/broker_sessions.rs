@@ -286,6 +286,112 @@ fn a_session_stuck_on_other_output_does_not_hold_its_siblings_inbox() {
     drop(stuck);
 }
 
+/// `a` sends `b` a message that `late` gets and leaves unacknowledged, and once its ack
+/// wait has run out JetStream's redelivery goes to `early` (`late` held one more when it
+/// came, so now they hold as many and the first session takes it): the message's
+/// sequence.
+fn give_to_late_then_to_early(a: &mut Client, early: &mut Client, late: &mut Client) -> u64 {
+    let mut send = |body: &str| {
+        let ok = a.request(json!({"op":"send","to":"b","body":body}));
+        ok["seq"].as_u64().unwrap_or_else(|| panic!("{ok}"))
+    };
+    let filler = send("filler");
+    let m = early.next_op("message", WAIT).expect("the filler");
+    assert_eq!(m["seq"].as_u64(), Some(filler));
+    let seq = send("moved");
+    let m = late.next_op("message", WAIT).expect("delivery 1");
+    assert_eq!(
+        (m["seq"].as_u64(), m["delivery"].as_u64()),
+        (Some(seq), Some(1))
+    );
+    assert_eq!(early.request(json!({"op":"ack","seq":filler}))["op"], "ok");
+    let m = early.next_op("message", WAIT).expect("delivery 2");
+    assert_eq!(
+        (m["seq"].as_u64(), m["delivery"].as_u64()),
+        (Some(seq), Some(2))
+    );
+    seq
+}
+
+/// A session whose delivery ran out its ack wait and went to a sibling session here
+/// still holds the message (its client may be done with it, and JetStream takes an ack
+/// of a stream sequence from any of its deliveries): its `ack` answered `not_found`,
+/// where the same session on another broker than the sibling's was answered `ok`.
+/// Its `nak` and its end leave the sibling's delivery alone.
+#[test]
+fn a_delivery_given_again_to_a_sibling_session_is_still_the_first_ones_to_ack() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"ack_wait_s": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut early = Client::login(&broker, "acme", "b", "b-token");
+    let mut late = Client::login(&broker, "acme", "b", "b-token");
+
+    let seq = give_to_late_then_to_early(&mut a, &mut early, &mut late);
+    let acked = late.request(json!({"op":"ack","seq":seq}));
+    assert_eq!(acked["op"], "ok", "{acked}");
+    let again = early.request(json!({"op":"ack","seq":seq}));
+    assert_eq!(again["op"], "ok", "{again}");
+    assert!(
+        early.next_op("message", Duration::from_secs(3)).is_none(),
+        "acknowledged, it came again"
+    );
+
+    // A nak of it, or the session's end, would hand back what the sibling now holds.
+    let seq = give_to_late_then_to_early(&mut a, &mut early, &mut late);
+    let naked = late.request(json!({"op":"nak","seq":seq}));
+    assert_eq!(naked["op"], "ok", "{naked}");
+    assert_eq!(late.request(json!({"op":"bye"}))["op"], "ok");
+    assert_eq!(late.closed_with(WAIT), Some(1000));
+    let taken = early.next_op("message", Duration::from_millis(500));
+    assert!(
+        taken.is_none(),
+        "taken from the session holding it: {taken:?}"
+    );
+    assert_eq!(early.request(json!({"op":"ack","seq":seq}))["op"], "ok");
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in /proc).
+fn stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name's closing parenthesis.
+            stat.rsplit_once(") ")
+                .is_some_and(|(_, rest)| rest.starts_with('T'))
+        })
+    })
+}
+
+/// A confirmed ack of such a moved delivery that JetStream did not answer in time
+/// (`unavailable`, nats-server stopped) can be sent again, as one of a delivery the
+/// session holds can (`inbox_consumers::a_confirmed_ack_that_timed_out_can_be_sent_again`).
+#[test]
+fn a_confirmed_ack_of_a_moved_delivery_that_timed_out_can_be_sent_again() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"ack_wait_s": 2});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut early = Client::login(&broker, "acme", "b", "b-token");
+    let mut late = Client::login(&broker, "acme", "b", "b-token");
+    let seq = give_to_late_then_to_early(&mut a, &mut early, &mut late);
+    let pid = i32::try_from(nats.pid().expect("nats-server pid")).expect("pid");
+    // SAFETY: kill(2) with the pid of the nats-server this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // kill(2) only queues the signal: one of its threads could still answer the ack.
+    assert!(common::wait_until(WAIT, || stopped(pid)), "not stopped");
+    let first = late.request(json!({"op":"ack","seq":seq}));
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert_eq!(first["code"], "unavailable", "{first}");
+    let again = late.request(json!({"op":"ack","seq":seq}));
+    assert_eq!(again["op"], "ok", "{again}");
+}
+
 #[test]
 fn nak_redelivers_and_idem_resends_answer_the_same_seq() {
     let (_nats, broker) = setup(&["a", "b"]);

@@ -198,6 +198,11 @@ struct Session {
     participant_outstanding: Rc<Cell<usize>>,
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
     inflight: IdMap<u64, String>,
+    /// Those of them JetStream gave again to a sibling session here (their ack wait ran
+    /// out): still this session's to acknowledge (JetStream takes an ack of a stream
+    /// sequence from any of its deliveries' subjects), never handed back, as a NAK would
+    /// take the message from the sibling holding it now. At most `inbox_window`.
+    moved: IdMap<u64, String>,
     subs: HashMap<String, topics::Subscription>,
     /// Consumers of subscriptions this session ended, their deletes not yet answered:
     /// they count against its subscriptions, or subscribe/unsubscribe would queue
@@ -245,6 +250,14 @@ enum PullOwner {
 /// A continuation of the core, opaque to the table that keeps it.
 pub struct Awaiting(Pending);
 
+/// An inbox delivery a confirmed ack took from its session: stream sequence, ack
+/// subject, and whether the session held it or it had moved to a sibling.
+struct Kept {
+    seq: u64,
+    ack_subject: String,
+    moved: bool,
+}
+
 /// A JetStream round trip waiting for its reply.
 enum Pending {
     /// A `send` stored in an inbox or a `publish` in a topics stream: answer
@@ -254,12 +267,12 @@ enum Pending {
         re: String,
         charged: Option<u64>,
     },
-    /// An ack the client asked to be confirmed; an inbox delivery's `(seq, ack subject)`,
-    /// given back to the session if it fails.
+    /// An ack the client asked to be confirmed; the inbox delivery it took from the
+    /// session, given back if it fails.
     AckSync {
         session: SessionId,
         re: String,
-        keep: Option<(u64, String)>,
+        keep: Option<Kept>,
     },
     /// The inbox consumer of a participant was created or found.
     InboxConsumer { participant: String },

@@ -166,11 +166,20 @@ impl Broker {
         kind: AckKind,
         now: Instant,
     ) {
-        let ack_subject = self
-            .sessions
-            .get_mut(&session)
-            .and_then(|s| s.inflight.remove(&seq));
-        let Some(ack_subject) = ack_subject else {
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return;
+        };
+        let held = s.inflight.remove(&seq);
+        let was_moved = held.is_none();
+        let moved = was_moved.then(|| s.moved.remove(&seq)).flatten();
+        if moved.is_some() && matches!(kind, AckKind::Nak { .. }) {
+            // Out again already, with a sibling: nothing to hand back.
+            if let Some(re) = id {
+                self.ok(session, &re, FrameWriter::ok(Some(&re)));
+            }
+            return;
+        }
+        let Some(ack_subject) = held.or(moved) else {
             if let Some(re) = id {
                 let e = AmpError::new(
                     ErrorCode::NotFound,
@@ -183,7 +192,11 @@ impl Broker {
         };
         // Unconfirmed, the client hears `unavailable` ("safe to retry"): the delivery
         // is kept for the retry.
-        let keep = id.is_some().then(|| (seq, ack_subject.clone()));
+        let keep = id.is_some().then(|| Kept {
+            seq,
+            ack_subject: ack_subject.clone(),
+            moved: was_moved,
+        });
         self.ack_keeping(conn, session, id, &ack_subject, kind, keep, now);
     }
 
@@ -210,7 +223,7 @@ impl Broker {
         id: Option<String>,
         ack_subject: &str,
         kind: AckKind,
-        keep: Option<(u64, String)>,
+        keep: Option<Kept>,
         now: Instant,
     ) {
         match id {
@@ -229,14 +242,36 @@ impl Broker {
         }
     }
 
-    /// An inbox delivery whose confirmed ack failed is the session's again, unless it
-    /// was delivered to it anew meanwhile (that ack subject counts).
-    pub(super) fn keep_delivery(&mut self, session: SessionId, keep: Option<(u64, String)>) {
-        if let Some((seq, ack_subject)) = keep
-            && let Some(s) = self.sessions.get_mut(&session)
+    /// An inbox delivery whose confirmed ack failed is the session's again, where it
+    /// was, unless it was delivered to it anew meanwhile (that ack subject counts).
+    pub(super) fn keep_delivery(&mut self, session: SessionId, keep: Option<Kept>) {
+        let Some(kept) = keep else {
+            return;
+        };
+        let window = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.state.participant())
+            .map_or(64, |(ns, _)| self.inbox_window(ns));
+        if let Some(s) = self.sessions.get_mut(&session)
+            && !s.inflight.contains_key(&kept.seq)
         {
-            s.inflight.entry(seq).or_insert(ack_subject);
+            let held = if kept.moved {
+                &mut s.moved
+            } else {
+                &mut s.inflight
+            };
+            hold(held, kept.seq, kept.ack_subject, window);
         }
+    }
+
+    /// The inbox window of a namespace's participants (the default for one a reload
+    /// removed).
+    fn inbox_window(&self, ns: &str) -> usize {
+        self.config
+            .namespaces
+            .get(ns)
+            .map_or(64, |n| n.inbox.inbox_window as usize)
     }
 
     /// Queues the creation (or update) of the participant's inbox consumer; see
@@ -447,6 +482,9 @@ impl Broker {
         mut msg: Message,
         now: Instant,
     ) {
+        let window = participant
+            .split_once('/')
+            .map_or(64, |(ns, _)| self.inbox_window(ns));
         let Some(p) = self.presence.get_mut(participant) else {
             if let Some(reply) = msg.reply.as_deref().filter(|_| msg.status().is_none()) {
                 let _ = conn.publish(reply, None, None, &AckKind::Nak { delay: None }.payload());
@@ -493,10 +531,13 @@ impl Broker {
                 break 'choose None;
             }
             // A redelivery supersedes the delivery another session of the participant
-            // here still holds (JetStream gave up waiting for its ack).
+            // here still holds (JetStream gave up waiting for its ack): that session
+            // may still acknowledge it, but no longer hands it back.
             for id in &p.sessions {
-                if let Some(s) = self.sessions.get_mut(id) {
-                    s.inflight.remove(&seq);
+                if let Some(s) = self.sessions.get_mut(id)
+                    && let Some(ack_subject) = s.inflight.remove(&seq)
+                {
+                    hold(&mut s.moved, seq, ack_subject, window);
                 }
             }
             // Those the broker closed stay until their end is reported; a delivery
@@ -566,33 +607,31 @@ impl Broker {
                 },
             )
             .finish();
-        let window = participant
-            .split_once('/')
-            .and_then(|(ns, _)| self.config.namespaces.get(ns))
-            .map_or(64, |n| n.inbox.inbox_window as usize);
         if let Some(s) = self.sessions.get_mut(&target) {
-            if s.inflight.len() >= window {
-                forget_oldest_delivery(&mut s.inflight);
-            }
-            s.inflight.insert(seq, reply);
+            s.moved.remove(&seq);
+            hold(&mut s.inflight, seq, reply, window);
         }
         self.frame(target, text);
     }
 }
 
+/// Files a delivery (stream sequence -> ack subject) in a session's held or moved ones.
 /// JetStream has at most a window of a participant's messages unacknowledged, so a
 /// session holding a full window holds some its consumer already redelivered elsewhere
 /// (to a session on another broker, after their ack wait): the oldest delivery (lowest
 /// consumer sequence) goes. Were it still pending, its ack would answer `not_found` and
 /// the message would come again after its ack wait: at least once still holds.
-fn forget_oldest_delivery(inflight: &mut IdMap<u64, String>) {
-    let oldest = inflight
-        .iter()
-        .min_by_key(|(_, ack)| AckMetadata::parse(ack).map_or(0, |m| m.consumer_sequence))
-        .map(|(&seq, _)| seq);
-    if let Some(seq) = oldest {
-        inflight.remove(&seq);
+fn hold(held: &mut IdMap<u64, String>, seq: u64, ack_subject: String, window: usize) {
+    if held.len() >= window && !held.contains_key(&seq) {
+        let oldest = held
+            .iter()
+            .min_by_key(|(_, ack)| AckMetadata::parse(ack).map_or(0, |m| m.consumer_sequence))
+            .map(|(&seq, _)| seq);
+        if let Some(seq) = oldest {
+            held.remove(&seq);
+        }
     }
+    held.insert(seq, ack_subject);
 }
 
 #[cfg(all(test, feature = "testing"))]

@@ -16,6 +16,7 @@ impl Broker {
                 charged: HashSet::new(),
                 participant_outstanding: Rc::default(),
                 inflight: IdMap::default(),
+                moved: IdMap::default(),
                 subs: HashMap::new(),
                 deleting: 0,
                 listing: rate_limit::DebtBucket::new(now),
