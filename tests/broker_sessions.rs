@@ -5,6 +5,8 @@ mod common;
 
 use std::time::Duration;
 
+use amp_broker::broker::binding::{self, StreamSettings};
+use amp_broker::jetstream::MsgTtl;
 use common::NatsServer;
 use common::amp::{Broker, Client, http_get, metric, open_config};
 use serde_json::{Value, json};
@@ -1033,6 +1035,83 @@ fn a_short_nats_outage_resumes_the_registry_watch_without_reading_every_entry() 
     );
     assert!(!who_lists(&mut w, "p0000"));
     assert!(who_lists(&mut w, "q"));
+}
+
+#[test]
+fn a_registry_bucket_whose_markers_outlive_less_than_its_entries_still_tells_a_resumed_watch() {
+    // The bucket was made when `registry_ttl_s` was 2, so its expiry markers live 2 s;
+    // the broker, now at 20, was adopting it as it was and resuming its watch after
+    // outages of up to 10 s: past a marker that had aged out meanwhile. p's expiry never
+    // reached broker one's mirror, and p stayed listed for good.
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let made_at_two = binding::registry_stream_config("acme", 2, StreamSettings::default());
+    js.create_stream(&made_at_two).expect("registry bucket");
+    let relay = common::relay::Relay::start(&nats.addr());
+    let mut config = open_config(&["w"]);
+    config["limits"] = json!({"registry_ttl_s": 20});
+    let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let mut w = Client::login(&one, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    // q, present on a broker that stays, keeps the stream's first sequence before p's, so
+    // the server starts a resumed consumer where it is asked to; p, present on a broker
+    // that died, expires 3 s after its last write.
+    let kv = js.kv_bind("AMP_REGISTRY_acme").expect("registry bucket");
+    let entry = |name: &str| {
+        json!({"broker":"elsewhere","labels":{},"load":{},"name":name,
+               "serve":{},"since":"2026-12-06T00:00:00.000Z"})
+        .to_string()
+    };
+    js.kv_put(&kv, "q", entry("q").as_bytes()).expect("put");
+    js.kv_put_ttl(
+        &kv,
+        "p",
+        entry("p").as_bytes(),
+        MsgTtl::After(Duration::from_secs(3)),
+    )
+    .expect("put");
+    let up = presence_of(&mut w, "p", WAIT).expect("p up");
+    assert_eq!(up["state"], "up", "{up}");
+    relay.cut();
+    // The cut lasts until p's marker has been there longer than the 2 s it was made to
+    // live (gone, with the bucket as it was made): far less than half of 20 s.
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    let mut marker_seen: Option<std::time::Instant> = None;
+    loop {
+        assert!(std::time::Instant::now() < until, "p's entry never expired");
+        match js.kv_entry(&kv, "p") {
+            Ok(e) if !e.is_deleted() => {}
+            Ok(_) => {
+                let seen = *marker_seen.get_or_insert_with(std::time::Instant::now);
+                if seen.elapsed() > Duration::from_secs(3) {
+                    break;
+                }
+            }
+            Err(_) if marker_seen.is_some() => break,
+            Err(e) => panic!("p's entry: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    relay.restore();
+    let down = presence_of(&mut w, "p", Duration::from_secs(15));
+    assert_eq!(
+        down.as_ref().map(|d| d["state"].clone()),
+        Some(json!("down")),
+        "p expired while broker one was away: {down:?}"
+    );
+    assert!(!who_lists(&mut w, "p"), "p is gone");
+    assert_eq!(
+        metric(&one, "amp_registry_resyncs_total"),
+        Some(1.0),
+        "the watch resumed: the first read of the bucket only"
+    );
+    let log = one.log();
+    assert!(
+        log.contains(
+            "stream KV_AMP_REGISTRY_acme: subject_delete_marker_ttl raised to registry_ttl_s"
+        ),
+        "{log}"
+    );
 }
 
 #[test]

@@ -436,8 +436,9 @@ enum Rule {
     Same,
     /// The existing subject list must include every subject of ours.
     CoversSubjects,
-    /// Must be a positive number (any value works, none does not).
-    Positive,
+    /// Must be set and no lower than ours: a lifetime others rely on, where none is not
+    /// "no limit" but nothing at all.
+    NoShorter,
     /// No limit (0 or -1), or one no lower than ours; where we set none, none.
     AtLeast,
     /// Must be off, empty or absent: the broker's writes would go elsewhere, be refused
@@ -522,7 +523,7 @@ fn rule(kind: Kind, field: &str) -> Rule {
     use Kind::*;
     match (field, kind) {
         ("subjects", _) => Rule::CoversSubjects,
-        ("subject_delete_marker_ttl", _) => Rule::Positive,
+        ("subject_delete_marker_ttl", _) => Rule::NoShorter,
         ("discard", Bucket | Tasks | Inbox) | ("storage", Bucket | Tasks) => Rule::Same,
         ("max_age", Bucket | Tasks) | ("duplicate_window", Tasks | Inbox) => Rule::AtLeast,
         ("max_msgs_per_subject" | "max_msg_size", Tasks | Inbox) | ("deny_purge", Bucket) => {
@@ -583,7 +584,7 @@ pub fn check_compatible(
         let ok = match rule {
             Rule::Tunable => true,
             Rule::Same => same(&want, &have),
-            Rule::Positive => have.as_u64().is_some_and(|n| n > 0),
+            Rule::NoShorter => !unset(&have) && number(&have) >= number(&want),
             Rule::AtLeast => unset(&have) || (!unset(&want) && number(&have) >= number(&want)),
             Rule::Unset => unset(&have),
             Rule::CoversSubjects => {
@@ -605,7 +606,7 @@ pub fn check_compatible(
                     Rule::Unset => "it unset".to_string(),
                     Rule::AtLeast if unset(&want) => "no limit".to_string(),
                     Rule::AtLeast => format!("no limit or at least {}", shown(field, &want)),
-                    Rule::Positive => "a positive value".to_string(),
+                    Rule::NoShorter => format!("at least {}", shown(field, &want)),
                     _ => shown(field, &want),
                 },
                 have: shown(field, &have),
@@ -962,6 +963,7 @@ mod tests {
 
     #[test]
     fn names_the_field_that_prevents_adoption() {
+        const S: u64 = 1_000_000_000;
         let desired = tasks_stream_config("acme", StreamSettings::default());
         let mut existing = wire(&desired);
         existing["retention"] = json!("limits");
@@ -989,6 +991,19 @@ mod tests {
                 .field,
             "subject_delete_marker_ttl"
         );
+        // Markers that age out before the entries do: a watch resumed within half of the
+        // entries' TTL could miss an expiry.
+        existing["subject_delete_marker_ttl"] = json!(14 * S);
+        assert_eq!(
+            check_compatible(&desired, &existing)
+                .expect_err("markers shorter than the entries")
+                .to_string(),
+            "field `subject_delete_marker_ttl` is 14 s but the broker needs at least 15 s"
+        );
+        existing["subject_delete_marker_ttl"] = json!(60 * S);
+        let kept = check_compatible(&desired, &existing).expect("longer markers");
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(kept[0].field, "subject_delete_marker_ttl");
         existing = wire(&desired);
         existing["subjects"] = json!(["$KV.OTHER.>"]);
         assert_eq!(

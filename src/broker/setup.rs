@@ -273,9 +273,13 @@ fn adopt(
     let parsed: Value = serde_json::from_slice(info)
         .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?;
     let mut existing = parsed["config"].clone();
-    let updates: [(&str, Update); 2] = [
+    let updates: [(&str, Update); 3] = [
         ("per-message TTLs enabled", message_ttl_update),
         ("discard set to new", discard_update),
+        (
+            "subject_delete_marker_ttl raised to registry_ttl_s",
+            marker_ttl_update,
+        ),
     ];
     for (what, update) in updates {
         if let Some(updated) = update(desired, &existing) {
@@ -335,6 +339,25 @@ fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConf
     }
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
     updated.discard = Some(DiscardPolicy::New);
+    Some(updated)
+}
+
+/// A registry bucket made when `registry_ttl_s` was shorter keeps markers that age out
+/// before the entries do, and a watch resumed within half of `registry_ttl_s` would miss
+/// an expiry whose marker is gone already. The server allows the marker TTL to change; a
+/// longer one (another broker's longer `registry_ttl_s`) is kept, and none at all is
+/// refused by [`binding::check_compatible`].
+fn marker_ttl_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConfig> {
+    let want = desired.subject_delete_marker_ttl?;
+    let have = existing
+        .get("subject_delete_marker_ttl")
+        .and_then(Value::as_u64)
+        .filter(|&n| n > 0)?;
+    if u128::from(have) >= want.as_nanos() {
+        return None;
+    }
+    let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
+    updated.subject_delete_marker_ttl = Some(want);
     Some(updated)
 }
 
@@ -471,5 +494,27 @@ mod tests {
         let updated = message_ttl_update(&tasks, &existing).expect("switched on");
         assert_eq!(updated.allow_msg_ttl, Some(true));
         assert_eq!(updated.max_msgs_per_subject, tasks.max_msgs_per_subject);
+    }
+
+    #[test]
+    fn registry_markers_shorter_than_the_entries_are_raised_longer_ones_kept() {
+        const S: u64 = 1_000_000_000;
+        let desired = binding::registry_stream_config("acme", 20, StreamSettings::default());
+        let mut existing = serde_json::to_value(&desired).expect("json");
+        existing["future_field"] = json!({"kept": true});
+        existing["subject_delete_marker_ttl"] = json!(2 * S);
+        let updated = marker_ttl_update(&desired, &existing).expect("raised");
+        assert_eq!(
+            updated.subject_delete_marker_ttl,
+            Some(Duration::from_secs(20))
+        );
+        let wire = serde_json::to_value(&updated).expect("json");
+        assert_eq!(wire["future_field"], json!({"kept": true}));
+        for kept in [json!(20 * S), json!(60 * S), json!(0), Value::Null] {
+            existing["subject_delete_marker_ttl"] = kept.clone();
+            assert!(marker_ttl_update(&desired, &existing).is_none(), "{kept}");
+        }
+        let inbox = binding::inbox_stream_config("acme", 0, 10_000, StreamSettings::default());
+        assert!(marker_ttl_update(&inbox, &serde_json::to_value(&inbox).expect("json")).is_none());
     }
 }
