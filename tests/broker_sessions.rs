@@ -1040,8 +1040,8 @@ fn a_short_nats_outage_resumes_the_registry_watch_without_reading_every_entry() 
 #[test]
 fn a_registry_bucket_whose_markers_outlive_less_than_its_entries_still_tells_a_resumed_watch() {
     // The bucket was made when `registry_ttl_s` was 2, so its expiry markers live 2 s;
-    // the broker, now at 20, was adopting it as it was and resuming its watch after
-    // outages of up to 10 s: past a marker that had aged out meanwhile. p's expiry never
+    // the broker, now at 30, was adopting it as it was and resuming its watch after
+    // outages of up to 15 s: past a marker that had aged out meanwhile. p's expiry never
     // reached broker one's mirror, and p stayed listed for good.
     let nats = NatsServer::start();
     let mut js = nats.jetstream();
@@ -1049,7 +1049,7 @@ fn a_registry_bucket_whose_markers_outlive_less_than_its_entries_still_tells_a_r
     js.create_stream(&made_at_two).expect("registry bucket");
     let relay = common::relay::Relay::start(&nats.addr());
     let mut config = open_config(&["w"]);
-    config["limits"] = json!({"registry_ttl_s": 20});
+    config["limits"] = json!({"registry_ttl_s": 30});
     let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
     let mut w = Client::login(&one, "acme", "w", "w-token");
     w.request(json!({"op":"watch"}));
@@ -1074,7 +1074,7 @@ fn a_registry_bucket_whose_markers_outlive_less_than_its_entries_still_tells_a_r
     assert_eq!(up["state"], "up", "{up}");
     relay.cut();
     // The cut lasts until p's marker has been there longer than the 2 s it was made to
-    // live (gone, with the bucket as it was made): far less than half of 20 s.
+    // live (gone, with the bucket as it was made): far less than half of 30 s.
     let until = std::time::Instant::now() + Duration::from_secs(15);
     let mut marker_seen: Option<std::time::Instant> = None;
     loop {
