@@ -155,6 +155,11 @@ const JS_TIMEOUT: Duration = Duration::from_secs(4);
 const HELD_SUBMIT_RETRY_MS: u64 = 1000;
 
 impl SessionState {
+    /// Past its hello and not closed by the broker.
+    fn is_active(&self) -> bool {
+        matches!(self, SessionState::Active { .. })
+    }
+
     /// The participant of a session past its hello (closing or not).
     fn participant(&self) -> Option<(&str, &str)> {
         match self {

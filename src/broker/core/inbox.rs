@@ -434,13 +434,20 @@ impl Broker {
                         .push_back(Output::WhenDrained { session: *session });
                 }
             }
-            // Granted once any of the participant's sessions here has written its output.
+            // Granted once any of the participant's open sessions here has written its
+            // output: one the broker closed takes no more (see `grant_inbox`).
             PullOwner::Inbox(participant) => {
                 if let Some(p) = self.presence.get(participant)
                     && p.inbox.wants_credit()
                 {
                     for &session in &p.sessions {
-                        self.out.push_back(Output::WhenDrained { session });
+                        if self
+                            .sessions
+                            .get(&session)
+                            .is_some_and(|s| s.state.is_active())
+                        {
+                            self.out.push_back(Output::WhenDrained { session });
+                        }
                     }
                 }
             }
@@ -451,11 +458,13 @@ impl Broker {
     }
 
     /// The session wrote its output: its participant's inbox pulls again if it waits
-    /// for credit (see `Presence::unwritten`).
+    /// for credit (see `Presence::unwritten`). Not for a session the broker closed: it
+    /// writes nothing more, and its pull would bring deliveries nobody here can take.
     pub(super) fn grant_inbox(&mut self, conn: &mut Connection, session: SessionId, now: Instant) {
         let Some((ns, name)) = self
             .sessions
             .get(&session)
+            .filter(|s| s.state.is_active())
             .and_then(|s| s.state.participant())
         else {
             return;
@@ -559,7 +568,8 @@ impl Broker {
             if let Some(t) = target {
                 p.unwritten.insert(t);
             }
-            Some((reply, seq, delivered, target))
+            let closing = p.sessions.first().copied();
+            Some((reply, seq, delivered, target.ok_or(closing)))
         };
         if check.is_some() {
             self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
@@ -567,9 +577,25 @@ impl Broker {
         let Some((reply, seq, delivered, target)) = chosen else {
             return;
         };
-        let Some(target) = target else {
-            let _ = conn.publish(&reply, None, None, &AckKind::Nak { delay: None }.payload());
-            return;
+        let target = match target {
+            Ok(target) => target,
+            // Every session here is closing: the delivery stays with one of them, unread,
+            // and goes back at its end, after the pull if that was the last (see
+            // `session_closed`). A NAK now would bring it straight back to this pull,
+            // again and again until then.
+            Err(closing) => {
+                match closing.and_then(|id| self.sessions.get_mut(&id)) {
+                    Some(s) => {
+                        s.moved.remove(&seq);
+                        hold(&mut s.inflight, seq, reply, window);
+                    }
+                    None => {
+                        let nak = AckKind::Nak { delay: None }.payload();
+                        let _ = conn.publish(&reply, None, None, &nak);
+                    }
+                }
+                return;
+            }
         };
         let env = match EnvelopeView::parse(&msg.payload) {
             Ok(env) => env,
@@ -797,6 +823,33 @@ mod tests {
             Some((Some(seq), Some(1))),
             "before the leaving session's end: {got:?}"
         );
+    }
+
+    #[test]
+    fn a_participant_whose_only_session_here_is_closing_leaves_its_messages_waiting() {
+        // With every session of bob's here closing, a delivery was NAKed at once, came
+        // straight back to the same pull, and each closing session, written at once,
+        // granted the pull a new batch: deliveries without end until the transport
+        // reported the session's end (up to the 5 s close timeout), each one counted
+        // against the message.
+        let mut h = bench(30, 8, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        h.hold_closes = true;
+        assert_eq!(h.request(bob, json!({"op":"bye"}))["op"], "ok");
+        let seq = send(&mut h, alice, "bob", 1);
+        h.advance(Duration::from_secs(1));
+        let info = h.nats_request("$JS.API.CONSUMER.INFO.AMP_INBOX_dev.inbox_bob", &[], b"");
+        let delivered = info["delivered"]["consumer_seq"].as_u64();
+        assert!(
+            delivered.is_some_and(|n| n <= 2) && info["num_redelivered"].as_u64() <= Some(1),
+            "while bob's only session here was closing: {info}"
+        );
+        h.release_closes();
+        let next = h.join(0, "bob", json!({}));
+        let m = message(&mut h, next);
+        assert_eq!(m["seq"].as_u64(), Some(seq), "{m}");
+        assert!(m["delivery"].as_u64().is_some_and(|d| d <= 2), "{m}");
     }
 
     #[test]
