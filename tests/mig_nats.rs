@@ -2780,3 +2780,167 @@ fn refusals_of_unproved_requests_are_not_a_stream_into_anothers_inbox() {
     assert!(!refusals.is_empty(), "no refusal was answered at all");
     assert_eq!(error_code(&refusals[0]["body"]), "MIG_UNAUTHORIZED");
 }
+
+/// `n` requests of `nc` on `subject`, each body made by `body(i)`, all answered on `inbox`.
+fn pipeline(
+    nc: &mut amp_broker::nats::Client,
+    subject: &str,
+    inbox: &str,
+    headers: impl Fn(usize) -> amp_broker::nats::HeaderMap,
+    body: impl Fn(usize) -> Value,
+    n: usize,
+) {
+    for i in 0..n {
+        let bytes = body(i).to_string();
+        nc.publish(subject, Some(inbox), Some(&headers(i)), bytes.as_bytes())
+            .expect("publish");
+    }
+    nc.flush(WAIT).expect("flush");
+}
+
+/// The next `n` answers on `sid`, each `MIG_RATE_LIMITED` with a `retry_after_ms`: refused
+/// at once, before any request taken was answered (its claim timed out).
+fn refused_first(nc: &mut amp_broker::nats::Client, sid: amp_broker::nats::Sid, n: usize) {
+    for refused in 0..n {
+        let m = nc
+            .next_message(sid, WAIT)
+            .expect("read")
+            .unwrap_or_else(|| panic!("{refused} of {n} answered"));
+        let reply: Value = serde_json::from_slice(&m.payload).expect("json");
+        assert_eq!(
+            error_code(&reply),
+            "MIG_RATE_LIMITED",
+            "answer {refused} of the {n} expected refused: {reply}"
+        );
+        let retry = &reply["error"]["details"]["retry_after_ms"];
+        assert!(retry.as_u64().is_some_and(|ms| ms > 0), "{reply}");
+    }
+}
+
+/// The next `n` answers on `sid`, each `MIG_UNAVAILABLE`: requests taken whose claims
+/// timed out.
+fn timed_out(nc: &mut amp_broker::nats::Client, sid: amp_broker::nats::Sid, n: usize) {
+    for k in 0..n {
+        let m = nc
+            .next_message(sid, WAIT)
+            .expect("read")
+            .unwrap_or_else(|| panic!("{k} of the {n} taken answered"));
+        let reply: Value = serde_json::from_slice(&m.payload).expect("json");
+        assert_eq!(error_code(&reply), "MIG_UNAVAILABLE", "{reply}");
+    }
+}
+
+/// Switches `AMP_MIG_SEEN`'s acks off (JetStream keeps taking message ids but stops
+/// answering: each claim waits for the broker's 5 s request timeout) or on again.
+fn silence_seen(w: &World, silent: bool) {
+    let mut js = broker_js(w);
+    let mut seen = js.stream_info("KV_AMP_MIG_SEEN").expect("bucket").config;
+    seen.no_ack = Some(silent);
+    js.update_stream(&seen).expect("acks switched");
+}
+
+/// A MIG caller's JetStream requests were held only to its pace: with JetStream slow to
+/// answer, one caller at 1,000 requests a second held thousands of the broker's NATS
+/// request slots (65,536 for everything it does), a dozen held them all, and every AMP
+/// `send`, `submit` and registry write failed `unavailable`. They now count in the
+/// participant's requests in flight, one count with its WebSocket sessions'
+/// (`limits.max_participant_requests_in_flight`).
+#[test]
+fn a_mig_caller_holds_at_most_its_participants_share_of_requests_in_flight() {
+    let w = world_configured(1, None, |c| {
+        c["limits"]["max_participant_requests_in_flight"] = json!(64);
+        c["namespaces"]["acme"]["participants"]["alice"]["permissions"]["send"] = json!(["bob"]);
+        c["namespaces"]["acme"]["participants"]["bob"]["permissions"]["send"] = json!(["alice"]);
+    });
+    let mut alice_ws = w.amp_client(0, "alice");
+    let mut bob_ws = w.amp_client(0, "bob");
+    let mut alice = nats_as(&w, "alice");
+    let inbox = "_INBOX_acme_alice.flood";
+    let sid = alice.subscribe(inbox, None).expect("subscribe");
+    let bearer = |_: usize| {
+        let mut h = amp_broker::nats::HeaderMap::new();
+        h.insert("Authorization", "Bearer alice-token")
+            .expect("header");
+        h
+    };
+    silence_seen(&w, true);
+    // Keyed invokes: each has its message id claimed in `AMP_MIG_SEEN` first.
+    let (sent, cap) = (300, 64);
+    let started = Instant::now();
+    let invoke = |i: usize| {
+        json!({"header": {"tenant_id": "acme", "message_id": format!("k{i}"),
+                          "idempotency_key": format!("k{i}")}, "payload": {}})
+    };
+    let subject = format!("mig.v0_1.acme.invoke.{INFER}");
+    pipeline(&mut alice, &subject, inbox, bearer, invoke, sent);
+    refused_first(&mut alice, sid, sent - cap);
+    // While the 64 wait (their claims time out 5 s after they went out): a page of
+    // replay is refused too, and so is the participant's request on WebSocket (one
+    // count for both), while another participant's is taken.
+    let page = json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "max_inflight": 1});
+    let subscribe = "mig.v0_1.acme.control.subscribe";
+    pipeline(&mut alice, subscribe, inbox, bearer, |_| page.clone(), 1);
+    refused_first(&mut alice, sid, 1);
+    alice_ws.send(&json!({"op":"send","id":"a0","to":"bob","body":0}));
+    let f = alice_ws.answer_to("a0");
+    assert_eq!(f["code"], "rate_limited", "{f}");
+    let message = f["message"].as_str().unwrap_or_default();
+    assert!(message.contains("participant has at most 64"), "{f}");
+    let f = bob_ws.request(json!({"op":"send","to":"alice","body":0}));
+    assert_eq!(f["op"], "ok", "{f}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the checks ran into the claims' timeout: {:?}",
+        started.elapsed()
+    );
+    // The 64 taken are answered when their claims time out, and the count comes back down.
+    timed_out(&mut alice, sid, cap);
+    silence_seen(&w, false);
+    let f = alice_ws.request(json!({"op":"send","to":"bob","body":1}));
+    assert_eq!(f["op"], "ok", "{f}");
+    let r = alice
+        .request(
+            subscribe,
+            Some(&bearer(0)),
+            page.to_string().as_bytes(),
+            WAIT,
+        )
+        .expect("a page");
+    let reply: Value = serde_json::from_slice(&r.payload).expect("json");
+    assert_eq!(reply["caught_up"], true, "{reply}");
+}
+
+/// The same for signed PUBLISHes, whose refusals have their ids claimed for every broker
+/// too: past the cap the refusal is answered at once, its id used up on this broker only.
+#[test]
+fn a_publisher_on_nats_holds_at_most_its_participants_share_of_requests_in_flight() {
+    // Few: a debug build verifies a signature in tens of milliseconds.
+    let (sent, cap) = (40, 16);
+    let w = world_configured(1, None, |c| {
+        c["limits"]["max_participant_requests_in_flight"] = json!(cap);
+    });
+    let options = amp_broker::nats::Options::new(&w.nats_url())
+        .with_nkey_seed(&w.ann.seed())
+        .expect("seed")
+        .with_inbox_prefix("_INBOX_acme_ann");
+    let mut ann = amp_broker::nats::Client::connect(options).expect("ann on NATS");
+    let inbox = "_INBOX_acme_ann.flood";
+    let sid = ann.subscribe(inbox, None).expect("subscribe");
+    silence_seen(&w, true);
+    let ts = now_rfc3339();
+    let op = "events.orders.eu";
+    let signed = |i: usize| {
+        let mut h = amp_broker::nats::HeaderMap::new();
+        let auth = nkey_authorization(&w.ann, &format!("p{i}"), &ts, op);
+        h.insert("Authorization", &auth).expect("header");
+        h
+    };
+    let publish = |i: usize| {
+        json!({"header": {"tenant_id": "acme", "message_id": format!("p{i}"), "timestamp": ts},
+               "payload": {"n": i}})
+    };
+    let subject = format!("mig.v0_1.acme.{op}");
+    pipeline(&mut ann, &subject, inbox, signed, publish, sent);
+    refused_first(&mut ann, sid, sent - cap);
+    timed_out(&mut ann, sid, cap);
+}

@@ -40,6 +40,12 @@ impl<P> Staged<P> {
     fn drain(&mut self) -> std::vec::Drain<'_, (RequestId, P, Instant)> {
         self.list.drain(..)
     }
+
+    /// What was staged, for tests that answer the requests themselves.
+    #[cfg(test)]
+    pub fn take(&mut self) -> Vec<(RequestId, P)> {
+        self.list.drain(..).map(|(id, p, _)| (id, p)).collect()
+    }
 }
 
 /// Every request in flight, with when it was sent (for the round-trip histogram).

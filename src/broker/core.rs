@@ -27,6 +27,7 @@ use super::envelope::{self, Envelope, EnvelopeView, Kind};
 use super::held_bytes::Hold;
 use super::id_map::{IdMap, IdSet};
 use super::ids::IdSource;
+use super::in_flight;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::mig::config::readable_dead_letters;
 use super::permissions::{self, Action};
@@ -198,8 +199,9 @@ struct Session {
     /// Those of them (submits, redrives) that took a task of the participant's budget:
     /// one the jobs engine refuses having created nothing gives it back.
     charged: HashSet<String>,
-    /// Requests not yet answered over all sessions of its participant, shared by them
-    /// from `hello` on: it moves only with `outstanding`, so it cannot drift.
+    /// Requests in flight of its participant, shared from `hello` on with its other
+    /// sessions and its MIG requests (`in_flight`): the session moves it only with
+    /// `outstanding`, so it cannot drift.
     participant_outstanding: Rc<Cell<usize>>,
     /// Inbox deliveries not yet acknowledged: stream sequence -> ack subject.
     inflight: IdMap<u64, String>,
@@ -220,8 +222,6 @@ struct Session {
 /// A participant with at least one live session on this broker.
 struct Presence {
     sessions: Vec<SessionId>,
-    /// Its sessions' requests not yet answered (`Session::participant_outstanding`).
-    outstanding: Rc<Cell<usize>>,
     /// The labels its first session declared, and with the configuration's on top the
     /// ones in force: a reload recomputes those from these.
     declared: BTreeMap<String, String>,
@@ -438,9 +438,6 @@ const SESSION_API_IN_FLIGHT: usize = 16;
 /// `retry_after_ms` of a subscribe refused while the session's unsubscribed consumers
 /// are still being deleted: about one delete's round trip under load.
 const DELETING_RETRY_MS: u64 = 250;
-/// `retry_after_ms` of a request refused because its session has its maximum of requests
-/// in flight: about a JetStream round trip under load.
-const REQUESTS_FULL_RETRY_MS: u64 = 100;
 /// `retry_after_ms` of a hello refused because its participant holds its share of the
 /// broker's sessions: a client should not come straight back.
 const SESSIONS_FULL_RETRY_MS: u64 = 5000;
@@ -530,6 +527,8 @@ pub struct Broker {
     registry_sections: HashMap<String, registry::SectionState>,
     /// The MIG/NATS front end over the same jobs.
     mig: super::mig::Mig,
+    /// Each participant's requests in flight, its sessions' and its MIG requests'.
+    in_flight: in_flight::Tally,
     /// Wall time at each `now` (timestamps, JWT times, budget windows).
     clock: Clock,
     /// Ids of messages and events sent without an idempotency key.
@@ -608,6 +607,7 @@ impl Broker {
             registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
             registry_sections: HashMap::new(),
             mig,
+            in_flight: Default::default(),
             clock,
             ids: root.derive("core"),
             nonces: root.derive("nonces"),

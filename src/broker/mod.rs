@@ -16,6 +16,7 @@ pub mod dead_letters;
 pub mod domains;
 pub mod envelope;
 pub mod held_bytes;
+pub mod in_flight;
 pub use crate::id_map;
 pub use crate::ids;
 pub mod jobs;

@@ -16,6 +16,7 @@ impl Broker {
             jobs: &mut self.jobs,
             rates: &mut self.rates,
             budgets: &mut self.budgets,
+            in_flight: &mut self.in_flight,
             registry,
         };
         (&mut self.mig, ctx)

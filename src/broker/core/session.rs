@@ -231,7 +231,6 @@ impl Broker {
             .entry(key.clone())
             .or_insert_with(|| Presence {
                 sessions: Vec::new(),
-                outstanding: Rc::default(),
                 labels: labels(&hello.labels, participant),
                 declared: hello.labels.clone(),
                 since: self.clock.timestamp(now),
@@ -252,7 +251,7 @@ impl Broker {
             });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {
-            s.participant_outstanding = presence.outstanding.clone();
+            s.participant_outstanding = self.in_flight.count(&key);
         }
         let refused = presence
             .inbox_refused
@@ -338,7 +337,7 @@ impl Broker {
             {
                 // Each may hold one of the broker's NATS request slots, which all
                 // sessions share: a session waits for answers rather than taking more.
-                let mut e = AmpError::rate_limited(REQUESTS_FULL_RETRY_MS);
+                let mut e = AmpError::rate_limited(in_flight::FULL_RETRY_MS);
                 e.message = format!("{why}; wait for their answers").into();
                 return self.error(session, Some(id), &e);
             }

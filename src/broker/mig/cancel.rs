@@ -9,6 +9,7 @@ use super::envelope::{self, Code, Echo, MigError};
 use super::invoke::{self, Stage};
 use super::{Answer, BACKPRESSURE_RETRY_MS, Ctx, Mig, jobs_frame};
 use crate::amp::frame::{ClientFrame, TaskRef};
+use crate::broker::in_flight::Ticket;
 use crate::broker::jobs::SessionId;
 use crate::nats::Connection;
 
@@ -26,6 +27,9 @@ pub struct CancelRequest {
     /// Another caller's invocation here has this message id: the caller's own may still be
     /// on another broker, and only a search that finds none answers `MIG_FORBIDDEN`.
     foreign: bool,
+    /// Its place in its caller's requests in flight until it is answered (one another
+    /// broker forwarded is counted there).
+    _ticket: Option<Ticket>,
 }
 
 /// A cancel sent to the broker holding the keyed invocation, if one does.
@@ -50,6 +54,7 @@ impl Mig {
         reply: &str,
         header: &envelope::Header,
         body: &Map<String, Value>,
+        ticket: Option<Ticket>,
         now: Instant,
     ) {
         let echo = Echo::of(header);
@@ -99,6 +104,7 @@ impl Mig {
             invocation: mine,
             forwarded: false,
             foreign,
+            _ticket: ticket,
         };
         // The caller's invocation of this id is still having the id claimed: the cancel
         // waits for that answer (the invocation has not started, so it is not found yet).
@@ -231,6 +237,7 @@ impl Mig {
             invocation: Some(session),
             forwarded: true,
             foreign: false,
+            _ticket: None,
         };
         if inv.caller != caller {
             return self.answer_forwarded(conn, &request, Err(forbidden()));

@@ -13,6 +13,7 @@ use crate::broker::config::{Config, Participant, is_topic_pattern};
 use crate::broker::core::{consumer_exists, naming_the_field};
 use crate::broker::envelope::{self, Envelope, Kind};
 use crate::broker::held_bytes::{self, Hold};
+use crate::broker::in_flight::Ticket;
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{Check, PullLoop, Pulled};
 use crate::jetstream::JsError;
@@ -67,6 +68,8 @@ pub struct PublishRequest {
     topic: String,
     event_id: String,
     received: Instant,
+    /// Its place in its caller's requests in flight, through the claim and the store.
+    _ticket: Option<Ticket>,
 }
 
 impl PublishRequest {
@@ -124,6 +127,8 @@ pub struct ReplayPage {
     bytes: usize,
     limit: usize,
     received: Instant,
+    /// Its place in its caller's requests in flight, from the first read to the answer.
+    _ticket: Option<Ticket>,
 }
 
 /// The live feed of one tenant.
@@ -463,6 +468,7 @@ impl Mig {
         answer: &Answer<'_>,
         header: &super::envelope::Header,
         body: &Map<String, Value>,
+        ticket: Option<Ticket>,
         now: Instant,
     ) {
         let refused = |code: Code, m: &str| Err(MigError::new(code, m));
@@ -493,7 +499,14 @@ impl Mig {
             id: &header.message_id,
         };
         if let Err(e) = check {
-            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+            return self.refuse_signed(
+                conn,
+                ctx.config,
+                ticket.map(|t| (signed, t)),
+                answer,
+                e,
+                now,
+            );
         }
         let from = format!("{ns}/{name}");
         let id = match &header.idempotency_key {
@@ -545,7 +558,14 @@ impl Mig {
                 ),
             )
             .detail("amp_code", json!("too_large"));
-            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+            return self.refuse_signed(
+                conn,
+                ctx.config,
+                ticket.map(|t| (signed, t)),
+                answer,
+                e,
+                now,
+            );
         }
         // The event waits for its id's claim; pipelined PUBLISHes with JetStream slow to
         // answer held as many as the caller's pace let in. Asked before the rate is
@@ -556,11 +576,25 @@ impl Mig {
                 "the broker holds as many bytes as it may while JetStream answers",
             )
             .detail("retry_after_ms", json!(held_bytes::RETRY_AFTER_MS));
-            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+            return self.refuse_signed(
+                conn,
+                ctx.config,
+                ticket.map(|t| (signed, t)),
+                answer,
+                e,
+                now,
+            );
         };
         let rated = body.get("payload").map_or(0, |p| p.to_string().len());
         if let Err(e) = super::take_rate(ctx.rates, participant, ns, name, rated, now) {
-            return self.refuse_signed(conn, ctx.config, Some(signed), answer, e, now);
+            return self.refuse_signed(
+                conn,
+                ctx.config,
+                ticket.map(|t| (signed, t)),
+                answer,
+                e,
+                now,
+            );
         }
         let event = ClaimedPublish {
             then: AfterClaim::Store {
@@ -575,6 +609,7 @@ impl Mig {
                 topic: topic.to_string(),
                 event_id: id,
                 received: now,
+                _ticket: ticket,
             },
         };
         // The id is recorded for every broker before the event is stored.
@@ -607,13 +642,13 @@ impl Mig {
         &mut self,
         conn: &mut Connection,
         config: &Config,
-        signed: Option<Signed<'_>>,
+        claim: Option<(Signed<'_>, Ticket)>,
         answer: &Answer<'_>,
         error: MigError,
         now: Instant,
     ) {
-        let Some((req, caller)) = signed.and_then(|s| self.claim_refused(conn, config, s, now))
-        else {
+        let claimed = claim.and_then(|(s, t)| self.claim_refused(conn, config, s, t, now));
+        let Some((req, caller, ticket)) = claimed else {
             return self.respond(conn, answer, Err(error), now);
         };
         let held = ClaimedPublish {
@@ -625,6 +660,7 @@ impl Mig {
                 topic: String::new(),
                 event_id: String::new(),
                 received: answer.received,
+                _ticket: Some(ticket),
             },
         };
         let pending = Pending::Claim(Box::new(held));
@@ -641,6 +677,7 @@ impl Mig {
         conn: &mut Connection,
         config: &Config,
         s: Signed<'_>,
+        ticket: Option<Ticket>,
         now: Instant,
     ) {
         let wall = self.wall_ms(now);
@@ -652,22 +689,25 @@ impl Mig {
         {
             return;
         }
-        if let Some((req, caller)) = self.claim_refused(conn, config, s, now) {
-            let pending = Pending::DroppedClaim(caller);
+        let claimed = ticket.and_then(|t| self.claim_refused(conn, config, s, t, now));
+        if let Some((req, caller, ticket)) = claimed {
+            let pending = Pending::DroppedClaim(caller, ticket);
             self.staged.push(req, super::Awaiting(pending), now);
         }
     }
 
     /// Sends the create of a refused signed PUBLISH's id, counted in its caller's
-    /// `mig.max_claims_per_caller`: the request and the caller (`ns/name`), or nothing past
-    /// that bound or without a connection (the id is then used up on this broker only).
+    /// `mig.max_claims_per_caller` and held in its requests in flight by `ticket`: the
+    /// request, the caller (`ns/name`) and the ticket, or nothing past that bound or
+    /// without a connection (the id is then used up on this broker only).
     fn claim_refused(
         &mut self,
         conn: &mut Connection,
         config: &Config,
         s: Signed<'_>,
+        ticket: Ticket,
         now: Instant,
-    ) -> Option<(RequestId, String)> {
+    ) -> Option<(RequestId, String, Ticket)> {
         let caller = format!("{}/{}", s.ns, s.name);
         let bound = config.mig.max_claims_per_caller;
         self.claims_held.admit(&caller, bound, now).ok()?;
@@ -678,7 +718,7 @@ impl Mig {
                     .map_err(|e| e.to_string())
             });
         match sent {
-            Ok(req) => Some((req, caller)),
+            Ok(req) => Some((req, caller, ticket)),
             Err(_) => {
                 self.claims_held.settle(&caller, None, now);
                 None
@@ -782,6 +822,7 @@ impl Mig {
 
     // ---- SUBSCRIBE (replay pages) ----------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn replay(
         &mut self,
         conn: &mut Connection,
@@ -789,6 +830,7 @@ impl Mig {
         participant: &Participant,
         answer: &Answer<'_>,
         body: &Map<String, Value>,
+        ticket: Option<Ticket>,
         now: Instant,
     ) {
         let topic = body.get("topic").and_then(Value::as_str).unwrap_or("");
@@ -840,6 +882,7 @@ impl Mig {
             bytes: 0,
             limit: page_limit(conn.max_payload()),
             received: now,
+            _ticket: ticket,
         };
         self.read_next(conn, page, now);
     }

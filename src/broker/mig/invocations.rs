@@ -14,6 +14,7 @@ use super::{
 };
 use crate::amp::frame::ClientFrame;
 use crate::broker::budget::Spend;
+use crate::broker::in_flight::Ticket;
 use crate::broker::jobs::SessionId;
 use crate::broker::task_store::{TaskRecord, body_digest};
 use crate::jetstream::kv::KvOperation;
@@ -27,6 +28,7 @@ impl Mig {
         conn: &mut Connection,
         ctx: &mut Ctx<'_>,
         r: invoke::Request<'_>,
+        ticket: Option<Ticket>,
         now: Instant,
     ) {
         let echo = Echo::of(r.header);
@@ -121,7 +123,8 @@ impl Mig {
                 return self.respond(conn, &answer, Err(e), now);
             }
         }
-        let inv = Invocation::new(&r, accepted, deadline_ms, now);
+        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
+        inv.ticket = ticket;
         *self
             .waiting_per_caller
             .entry((inv.ns.clone(), inv.caller.clone()))
@@ -430,7 +433,7 @@ impl Mig {
                     Ok(record) => {
                         if let Some(inv) = self.invocations.get_mut(&session) {
                             if looking {
-                                inv.stage = Stage::Waiting;
+                                inv.waits();
                             }
                             if shows(inv, &record) {
                                 inv.rechecks = 0;

@@ -8,6 +8,7 @@ use sha2::{Digest, Sha256};
 
 use crate::amp::frame::{Headers, Submit};
 use crate::broker::config::{Config, Participant};
+use crate::broker::in_flight::Ticket;
 use crate::broker::permissions::{self, Action};
 use crate::broker::task_store::{TaskRecord, TaskState};
 
@@ -71,6 +72,9 @@ pub struct Invocation {
     pub cancel_after_submit: Option<CancelRequest>,
     /// For `server_stream`: where frames go and how far they got.
     pub stream: Option<Stream>,
+    /// Its place in its caller's requests in flight until its task exists (claim, record
+    /// read, budget, queue count, submit): it then only waits.
+    pub ticket: Option<Ticket>,
 }
 
 /// The frames of one streaming invoke.
@@ -244,7 +248,15 @@ impl Invocation {
             cancel_reason: None,
             cancel_watch: None,
             cancel_after_submit: None,
+            ticket: None,
         }
+    }
+
+    /// Its task exists: it waits for the task's outcome, reading the task's record only
+    /// when the record changes.
+    pub fn waits(&mut self) {
+        self.stage = Stage::Waiting;
+        self.ticket = None;
     }
 
     pub fn submit_frame(&self) -> Submit {

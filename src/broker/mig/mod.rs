@@ -33,6 +33,7 @@ use super::clock::Clock;
 use super::config::{Config, Participant};
 use super::continuations::Staged;
 use super::ids::IdSource;
+use super::in_flight::{self, Tally, Ticket};
 use super::jobs::{Caller, Jobs, SessionId};
 use super::rate_limit::{self, DebtBucket, RateLimiter};
 use super::registry::Registry;
@@ -91,6 +92,8 @@ pub struct Ctx<'a> {
     pub rates: &'a mut RateLimiter,
     /// Task budgets (`tasks_per_window`), spent by each invoke that creates a task.
     pub budgets: &'a mut crate::broker::budget::Budgets,
+    /// Each participant's requests in flight, shared with its WebSocket sessions.
+    pub in_flight: &'a mut Tally,
     /// The registry of the request's tenant (serving slots and leases, for heartbeats).
     pub registry: Option<&'a Registry>,
 }
@@ -118,8 +121,8 @@ enum Pending {
     /// A PUBLISH's signed id being recorded, before its event is stored.
     Claim(Box<events::ClaimedPublish>),
     /// The signed id of a PUBLISH dropped unanswered being recorded, for its caller
-    /// (`ns/name`) in `claims_held`.
-    DroppedClaim(String),
+    /// (`ns/name`) in `claims_held`, counted in its requests in flight.
+    DroppedClaim(String, Ticket),
     Publish(Box<events::PublishRequest>),
     Replay(Box<events::ReplayPage>),
     /// A cancel forwarded to the broker that may hold its invocation.
@@ -366,7 +369,7 @@ impl Mig {
                 self.invocation_owner_read(conn, ctx, *inv, reply, now)
             }
             Pending::Claim(p) => self.claimed(conn, *p, reply, now),
-            Pending::DroppedClaim(caller) => {
+            Pending::DroppedClaim(caller, _ticket) => {
                 let acked =
                     reply.map(|m| crate::jetstream::publish::parse_pub_ack(m.status(), &m.payload));
                 self.settle_claim(&caller, &acked, now);
@@ -408,7 +411,7 @@ impl Mig {
         }
         match error {
             None => {
-                inv.stage = Stage::Waiting;
+                inv.waits();
                 if let Some(c) = inv.cancel_after_submit.take() {
                     self.cancel_task(conn, ctx, session, c, now);
                 }
@@ -559,7 +562,10 @@ impl Mig {
             Ok(p) => p,
             Err(refusal) => {
                 if let Refusal::Misdirected { name, id } = &refusal {
-                    self.use_up_dropped(conn, ctx.config, events::Signed { ns, name, id }, now);
+                    let cap = ctx.config.limits.max_participant_requests_in_flight;
+                    let ticket = ctx.in_flight.take(&format!("{ns}/{name}"), cap);
+                    let signed = events::Signed { ns, name, id };
+                    self.use_up_dropped(conn, ctx.config, signed, ticket, now);
                 }
                 let Some(e) = self.refusal_error(refusal) else {
                     return;
@@ -595,9 +601,17 @@ impl Mig {
             }
         };
         let name = proved.name;
+        // A request that asks JetStream (a refused signed PUBLISH too, for its claim)
+        // holds a place in its participant's requests in flight until that is answered:
+        // each holds one of the broker's NATS request slots, which everything shares.
+        let cap = ctx.config.limits.max_participant_requests_in_flight;
+        let asks = asks_jetstream(&op);
+        let ticket = asks
+            .then(|| ctx.in_flight.take(&format!("{ns}/{name}"), cap))
+            .flatten();
         // A signed PUBLISH reaches every subscriber of its topic, and its signature does
         // not cover the body: whatever refuses it below records its id for every broker
-        // first (`refuse_signed`).
+        // first (`refuse_signed`), when its place allows.
         let exposed = match (&op, proved.signed_id.as_deref()) {
             (subjects::Op::Publish(_), Some(id)) => Some(events::Signed {
                 ns,
@@ -639,35 +653,49 @@ impl Mig {
                     return;
                 };
                 let exposed = exposed.filter(|_| !replay);
-                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+                return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
             }
         }
         let cost = match op {
             subjects::Op::Subscribe => events::page_cost(body.as_ref()),
             _ => 1,
         };
+        if asks && ticket.is_none() {
+            self.metrics.rejected("requests_in_flight");
+            let e = MigError::new(
+                Code::RateLimited,
+                format!(
+                    "a participant has at most {cap} requests in flight; wait for their answers"
+                ),
+            )
+            .detail("retry_after_ms", json!(in_flight::FULL_RETRY_MS))
+            .detail("amp_code", json!("rate_limited"));
+            // No place for a refused PUBLISH's claim either: its id is used up on this
+            // broker only, as past `mig.max_claims_per_caller`.
+            return self.refuse_signed(conn, ctx.config, None, &answer, e, now);
+        }
         if let Err(ms) = self.paced(ctx, ns, &name, &op, cost, now) {
             self.metrics.rejected("rate_limited");
             let e = MigError::new(Code::RateLimited, "too many requests")
                 .detail("retry_after_ms", json!(ms));
-            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
         }
         let (Some(body), Some(header)) = (body, header) else {
             let e = MigError::new(Code::InvalidRequest, "the body must be a JSON object");
-            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
         };
         let header = match header {
             Ok(h) => h,
             Err(HeaderError::Invalid(m)) => {
                 let e = MigError::new(Code::InvalidRequest, m);
-                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+                return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
             }
             Err(HeaderError::Version(v)) => {
                 let e = MigError::new(
                     Code::VersionMismatch,
                     format!("mig_version `{v}` is not supported; this broker speaks 0.1"),
                 );
-                return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+                return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
             }
         };
         // The signature was checked against the first `header` of the body; a second one
@@ -678,19 +706,19 @@ impl Mig {
             .is_some_and(|id| *id != header.message_id)
         {
             let e = MigError::new(Code::InvalidRequest, "the body has more than one header");
-            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
         }
         if header.tenant_id != ns {
             let e = MigError::new(
                 Code::Forbidden,
                 "header.tenant_id is not the tenant of the subject",
             );
-            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
         }
 
         let Some(participant) = ctx.config.participant(ns, &name) else {
             let e = MigError::new(Code::Unauthorized, "authentication failed");
-            return self.refuse_signed(conn, ctx.config, exposed, &answer, e, now);
+            return self.refuse_signed(conn, ctx.config, exposed.zip(ticket), &answer, e, now);
         };
         let result = match op {
             subjects::Op::Hello => ops::hello(&body, &self.broker_id),
@@ -712,7 +740,7 @@ impl Mig {
                     header: &header,
                     body: &body,
                 };
-                return self.invoke(conn, ctx, inv, now);
+                return self.invoke(conn, ctx, inv, ticket, now);
             }
             subjects::Op::Publish(topic) => {
                 return self.publish(
@@ -725,14 +753,17 @@ impl Mig {
                     &answer,
                     &header,
                     &body,
+                    ticket,
                     now,
                 );
             }
             subjects::Op::Subscribe => {
-                return self.replay(conn, ns, participant, &answer, &body, now);
+                return self.replay(conn, ns, participant, &answer, &body, ticket, now);
             }
             subjects::Op::Cancel(target) => {
-                return self.cancel(conn, ctx, ns, &name, target, reply, &header, &body, now);
+                return self.cancel(
+                    conn, ctx, ns, &name, target, reply, &header, &body, ticket, now,
+                );
             }
         };
         self.respond(conn, &answer, result, now);
@@ -797,6 +828,15 @@ impl Mig {
         }
         let took = now.saturating_duration_since(a.received);
         self.metrics.request(a.op, a.capability, code, took);
+    }
+}
+
+/// Whether the operation asks JetStream (or a broker that asks it) on its caller's behalf.
+fn asks_jetstream(op: &subjects::Op<'_>) -> bool {
+    use subjects::Op;
+    match op {
+        Op::Invoke(_) | Op::Publish(_) | Op::Subscribe | Op::Cancel(_) => true,
+        Op::Hello | Op::Discover | Op::Heartbeat => false,
     }
 }
 

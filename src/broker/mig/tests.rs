@@ -12,6 +12,7 @@ use crate::broker::budget::{BudgetConfig, Budgets};
 use crate::broker::clock::Clock;
 use crate::broker::config::Config;
 use crate::broker::ids::IdSource;
+use crate::broker::in_flight::Tally;
 use crate::broker::jobs::Jobs;
 use crate::broker::rate_limit::RateLimiter;
 use crate::broker::task_store::body_digest;
@@ -40,11 +41,13 @@ fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
     let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
     let mut rates = RateLimiter::new(16);
     let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
     let mut ctx = Ctx {
         config: &config,
         jobs: &mut jobs,
         rates: &mut rates,
         budgets: &mut budgets,
+        in_flight: &mut in_flight,
         registry: None,
     };
     let mut options = Options::new("nats://127.0.0.1:4222");
@@ -122,11 +125,13 @@ fn a_record_sign_ahead_of_the_store_is_read_again_until_the_store_shows_it() {
     let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
     let mut rates = RateLimiter::new(16);
     let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
     let mut ctx = Ctx {
         config: &config,
         jobs: &mut jobs,
         rates: &mut rates,
         budgets: &mut budgets,
+        in_flight: &mut in_flight,
         registry: None,
     };
     let mut options = Options::new("nats://127.0.0.1:4222");
@@ -234,4 +239,89 @@ fn a_record_sign_ahead_of_the_store_is_read_again_until_the_store_shows_it() {
         mig.invocations.contains_key(&refused),
         "answered from a refused write"
     );
+}
+
+/// A caller's requests that ask JetStream hold places in its participant's requests in
+/// flight (`limits.max_participant_requests_in_flight`): a replay page holds one from its
+/// first read to its answer, carried from read to read, and gives it back however it
+/// ends (here a timeout); past the cap a request is refused before it asks anything.
+#[test]
+fn replay_pages_hold_their_place_in_flight_until_they_are_answered() {
+    use sha2::{Digest, Sha256};
+    let t0 = Instant::now();
+    let hash: String = Sha256::digest(b"alice-token")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let v = json!({"mig": {"enabled": true},
+        "limits": {"max_participant_requests_in_flight": 4},
+        "namespaces": {"acme": {
+            "participants": {"alice": {"token_sha256": hash,
+                                       "permissions": {"subscribe": ["orders.>"]}}},
+            "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
+    let config = Config::parse(v.to_string().as_bytes()).expect("config");
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
+    let mut rates = RateLimiter::new(16);
+    let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
+    let held = in_flight.count("acme/alice");
+    let mut ctx = Ctx {
+        config: &config,
+        jobs: &mut jobs,
+        rates: &mut rates,
+        budgets: &mut budgets,
+        in_flight: &mut in_flight,
+        registry: None,
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let mut conn = Connection::new(options, t0);
+    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+
+    let mut headers = HeaderMap::new();
+    headers
+        .insert("Authorization", "Bearer alice-token")
+        .expect("header");
+    let page = json!({"header": {"tenant_id": "acme"}, "topic": "orders.>", "max_inflight": 2});
+    let subscribe = Message {
+        subject: "mig.v0_1.acme.control.subscribe".into(),
+        reply: Some("_INBOX_acme_alice.1".into()),
+        headers: Some(headers),
+        payload: page.to_string().into_bytes(),
+    };
+    let out = conn.pending_requests();
+    for _ in 0..10 {
+        mig.on_request(&mut conn, &mut ctx, &subscribe, t0);
+    }
+    assert_eq!(
+        conn.pending_requests(),
+        out + 4,
+        "past the cap nothing is asked"
+    );
+    assert_eq!(held.get(), 4);
+    // Each page's first read finds an event: its second read holds the same place.
+    let stored = json!({"message": {"subject": "amp.acme.topic.orders.eu", "seq": 1,
+        "data": "e30=", "time": "2026-01-01T00:00:00Z"}})
+    .to_string();
+    for (_, awaiting) in mig.staged.take() {
+        let found = Ok(Message {
+            subject: "_INBOX.get".into(),
+            reply: None,
+            headers: None,
+            payload: stored.clone().into_bytes(),
+        });
+        mig.on_reply(&mut conn, &mut ctx, awaiting, found, t0);
+    }
+    let second = mig.staged.take();
+    assert_eq!(second.len(), 4, "every page read on");
+    assert_eq!(held.get(), 4, "a page's next read took no second place");
+    for (_, awaiting) in second {
+        let timed_out = Err(crate::nats::RequestError::Timeout);
+        mig.on_reply(&mut conn, &mut ctx, awaiting, timed_out, t0);
+    }
+    assert_eq!(held.get(), 0, "every page answered gave its place back");
+    mig.on_request(&mut conn, &mut ctx, &subscribe, t0);
+    assert_eq!(held.get(), 1, "room again");
 }
