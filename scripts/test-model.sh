@@ -23,7 +23,8 @@ tests=(
   jetstream_interop_nats_py
   amp_fast_path broker_budget broker_contract broker_restarts broker_sessions broker_topics
   dead_letters hostile_config hostile_jobs hostile_topics hostile_transport jobs_engine
-  jobs_faults jobs_sessions logs operator_probes policy_budget reload stream_adoption ws_transport
+  jobs_faults jobs_sessions logs lost_streams operator_probes policy_budget reload stream_adoption
+  ws_transport
 )
 args=()
 for t in "${tests[@]}"; do args+=(--test "$t"); done

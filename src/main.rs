@@ -193,7 +193,8 @@ fn serve(args: ServeArgs) -> Result<(), String> {
     };
     // The core reads no clock and no random source: both are handed to it here, once.
     // Generated task and message ids must be unguessable: no randomness, no broker.
-    let mut broker = Broker::new(config, broker_id, Clock::system(), clock::os_seed()?)?;
+    let mut broker = Broker::new(config, broker_id, Clock::system(), clock::os_seed()?)?
+        .with_stream_settings(settings);
     if let Some(issuer) = issuer {
         log::info!(
             "issuing user JWTs and answering the auth callout as account {}",

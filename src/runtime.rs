@@ -219,7 +219,7 @@ struct Host<'a> {
 
 impl HttpHost for Host<'_> {
     fn health(&self) -> Result<(), String> {
-        self.health.check()
+        self.health.check().and_then(|()| self.broker.readiness())
     }
 
     fn live(&self) -> Result<(), String> {

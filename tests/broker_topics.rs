@@ -689,14 +689,14 @@ fn a_subscription_whose_consumer_cannot_be_made_again_tries_until_it_can() {
     let mut js = nats.jetstream();
     let info = js.stream_info("AMP_TOPICS_acme").expect("stream");
     assert!(js.delete_stream("AMP_TOPICS_acme").expect("delete"));
-    // Until the pull loops have found their consumers gone and a retry has come after a
-    // failed one.
+    // The pull loops find their consumers gone and the stream with them; the broker makes
+    // the stream again (`lost_streams.rs`), and the subscriptions' retries find it.
     assert!(common::wait_until(WAIT, || broker
         .log()
-        .matches("topics stream unavailable")
-        .count()
-        >= 2));
-    js.create_stream(&info.config).expect("the stream back");
+        .contains("topics stream unavailable")));
+    assert!(common::wait_until(WAIT, || js
+        .stream_info("AMP_TOPICS_acme")
+        .is_ok_and(|back| back.config.subjects == info.config.subjects)));
     let seq = publish(&mut p, "t.x", json!("after"));
     assert_eq!(seq, 1, "the stream starts again");
     let mut after: Vec<Value> = (0..2)

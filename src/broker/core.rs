@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::admission::Admission;
 use super::api_queue::{ApiQueue, Lane};
 use super::auth::{self, Credential};
-use super::binding;
+use super::binding::{self, StreamSettings};
 use super::bounded_map::BoundedMap;
 use super::budget::{Budget, BudgetConfig, Budgets, KvOp, KvOpKind, KvReply, Settled, Spend};
 use super::callout::{AUTH_CALLOUT_QUEUE, AUTH_CALLOUT_SUBJECT, Callout, CalloutConfig, Outcome};
@@ -35,7 +35,9 @@ use super::pull_loop::{Check, PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
 use super::registry::{Change, Registry};
 use super::reload;
+use super::remake::{self, Remakes};
 use super::scoped_jwt;
+use super::setup;
 use super::throttle::{HelloThrottle, ThrottleConfig, Verdict};
 use super::timers::{Timers, Wake};
 use crate::amp::frame::{self as amp_frame, Auth, ClientFrame, Hello};
@@ -265,12 +267,14 @@ struct Kept {
 
 /// A JetStream round trip waiting for its reply.
 enum Pending {
-    /// A `send` stored in an inbox or a `publish` in a topics stream: answer
-    /// `ok {seq, dup}`. `charged`: the sender's rate, given back if nothing was stored.
+    /// A `send` stored in an inbox, or a `publish` in the topics stream (`topic`):
+    /// answer `ok {seq, dup}`. `charged`: the sender's rate, given back if nothing was
+    /// stored.
     Send {
         session: SessionId,
         re: String,
         charged: Option<u64>,
+        topic: bool,
     },
     /// An ack the client asked to be confirmed; the inbox delivery it took from the
     /// session, given back if it fails.
@@ -322,6 +326,8 @@ enum Pending {
         acks: Vec<String>,
         looks: u8,
     },
+    /// A stream found gone, made again (`remake.rs`).
+    Remake(remake::Key),
 }
 
 impl Pending {
@@ -345,6 +351,7 @@ impl Pending {
             | Pending::ConsumerGone { .. } => NatsOp::ConsumerDelete,
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
             Pending::StreamState { .. } => NatsOp::StreamInfo,
+            Pending::Remake(_) => NatsOp::StreamCreate,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
             Pending::RegistryWrite { .. } => NatsOp::KvPut,
             Pending::RegistryRead { .. } => NatsOp::KvGet,
@@ -423,6 +430,8 @@ enum Timer {
     /// A participant's registry entry changed within `REGISTRY_WRITE_GAP` of its last
     /// write: written now.
     RegistryFlush(String),
+    /// A stream found gone whose create failed is asked for again.
+    Remake(remake::Key),
 }
 
 /// How long after a lost inbox consumer request it is sent again.
@@ -513,6 +522,9 @@ pub struct Broker {
     issuer: Option<KeyPair>,
     /// Task budgets counted in JetStream, shared by every broker.
     budgets: Budgets,
+    /// Streams and buckets found gone, being made again as start-up made them.
+    remakes: Remakes,
+    stream_settings: StreamSettings,
     /// Submits waiting for a budget reservation, per participant.
     held_submits: HashMap<String, Vec<(SessionId, ClientFrame, Hold)>>,
     /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
@@ -601,6 +613,8 @@ impl Broker {
             callout: None,
             issuer: None,
             budgets: Budgets::new(BudgetConfig::default()),
+            remakes: Remakes::default(),
+            stream_settings: StreamSettings::default(),
             held_submits: HashMap::new(),
             refreshing: HashSet::new(),
             inbox_retrying: HashMap::new(),
@@ -633,6 +647,18 @@ impl Broker {
         self.mig.set_issuer(issuer.public_key());
         self.issuer = Some(issuer);
         self
+    }
+
+    /// The settings start-up made the streams with (`--replicas`): a stream found gone
+    /// is made again with them.
+    pub fn with_stream_settings(mut self, settings: StreamSettings) -> Broker {
+        self.stream_settings = settings;
+        self
+    }
+
+    /// Ready unless a stream or bucket found gone is not back yet (named), for `/readyz`.
+    pub fn readiness(&self) -> Result<(), String> {
+        self.remakes.readiness()
     }
 
     /// Starts what runs for the broker's whole life: one registry watch per namespace,
@@ -951,7 +977,7 @@ impl Broker {
                 let namespaces: Vec<String> = self.registries.keys().cloned().collect();
                 for ns in namespaces {
                     if let Some((registry, _)) = self.registries.get_mut(&ns) {
-                        registry.restart(now);
+                        registry.restart("the NATS connection was lost", now);
                     }
                     self.drive_registry(conn, &ns, now);
                 }
@@ -978,8 +1004,15 @@ impl Broker {
                 session,
                 re,
                 charged,
-            } => match reply {
-                Ok(msg) => match parse_pub_ack(msg.status(), &msg.payload) {
+                topic,
+            } => {
+                let ack = reply
+                    .map_err(|e| match e {
+                        RequestError::NoResponders => JsError::NoResponders,
+                        e => JsError::Transport(e.to_string()),
+                    })
+                    .and_then(|msg| parse_pub_ack(msg.status(), &msg.payload));
+                match ack {
                     Ok(ack) => {
                         let answer = FrameWriter::ok_in(Some(&re), self.frame_buffer(64))
                             .uint("seq", ack.seq)
@@ -990,11 +1023,31 @@ impl Broker {
                         if stored_nothing(&e) {
                             self.refund_rate(session, charged);
                         }
-                        self.fail(session, &re, store_refused(&e))
+                        match e {
+                            // No stream holds the subject: the namespace's stream is gone.
+                            JsError::NoResponders => {
+                                let ns = self
+                                    .sessions
+                                    .get(&session)
+                                    .and_then(|s| s.state.participant())
+                                    .map(|(ns, _)| ns.to_string());
+                                let Some(ns) = ns else {
+                                    return self.fail(session, &re, store_refused(&e));
+                                };
+                                let stream = if topic {
+                                    binding::topics_stream(&ns)
+                                } else {
+                                    binding::inbox_stream(&ns)
+                                };
+                                self.stream_gone(conn, &ns, &stream, now);
+                                self.fail(session, &re, remake::gone(&stream))
+                            }
+                            JsError::Transport(e) => self.fail(session, &re, unavailable(e)),
+                            e => self.fail(session, &re, store_refused(&e)),
+                        }
                     }
-                },
-                Err(e) => self.fail(session, &re, unavailable(e)),
-            },
+                }
+            }
             Pending::AckSync { session, re, keep } => match reply {
                 Ok(_) => self.ok(session, &re, FrameWriter::ok(Some(&re))),
                 Err(e) => {
@@ -1009,11 +1062,16 @@ impl Broker {
                     // There under another start (an earlier version of the broker made it
                     // again from a sequence): used as it is.
                     Ok(Err(e)) if consumer_exists(&e) => self.start_inbox(conn, &participant, now),
-                    // A domain that just came back may not have its streams yet.
+                    // A domain that just came back may not have its streams yet, or the
+                    // stream was deleted: made again, the consumer after it.
                     Ok(Err(e))
                         if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) =>
                     {
                         log::warn!(participant:% = participant; "inbox consumer refused: {e}");
+                        if let Some((ns, _)) = participant.split_once('/') {
+                            let ns = ns.to_string();
+                            self.stream_gone(conn, &ns, &binding::inbox_stream(&ns), now);
+                        }
                         self.retry_inbox_consumer(participant, now);
                     }
                     Ok(Err(e)) => {
@@ -1028,6 +1086,13 @@ impl Broker {
                 self.send_inbox_creates(conn, now);
             }
             Pending::RegistryWrite { participant } => {
+                if let Err(RequestError::NoResponders) = &reply
+                    && let Some((ns, _)) = participant.split_once('/')
+                {
+                    let ns = ns.to_string();
+                    let bucket = ["KV_", &binding::registry_bucket(&ns)].concat();
+                    self.stream_gone(conn, &ns, &bucket, now);
+                }
                 let ack = reply
                     .map_err(|e| JsError::Transport(e.to_string()))
                     .and_then(|m| parse_pub_ack(m.status(), &m.payload));
@@ -1074,6 +1139,7 @@ impl Broker {
                 }
             }
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
+            Pending::Remake(key) => self.remake_done(conn, key, reply, now),
             Pending::HandBack {
                 stream,
                 consumer,
@@ -1185,6 +1251,11 @@ impl Broker {
             Timer::SubRetry(session, sub, serial) => {
                 self.retry_subscription(conn, session, &sub, serial, now)
             }
+            Timer::Remake(key) => {
+                if self.remakes.due(&key) {
+                    self.send_remake(conn, key, now);
+                }
+            }
             Timer::PullCheck(owner, generation) => {
                 let at = match &owner {
                     PullOwner::Inbox(key) => self
@@ -1224,6 +1295,7 @@ impl Broker {
                     self.registry_changed(conn, &ns, &name, now);
                 }
                 JobsOutput::Refund { session, re } => self.refund_budget(session, &re, now),
+                JobsOutput::StreamGone { ns, stream } => self.stream_gone(conn, &ns, &stream, now),
             }
         }
     }
@@ -1426,6 +1498,80 @@ impl Broker {
         );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);
+    }
+
+    /// A request found `stream` of namespace `ns` gone: it is made again as start-up
+    /// made it, unless that is under way (or it is no stream start-up makes).
+    fn stream_gone(&mut self, conn: &mut Connection, ns: &str, stream: &str, now: Instant) {
+        let ours = setup::desired_stream(&self.config, ns, stream, self.stream_settings).is_some();
+        if ours && self.remakes.begin(ns, stream) {
+            log::warn!("stream {stream} is gone (deleted while the broker runs?): making it again");
+            self.send_remake(conn, (ns.to_string(), stream.to_string()), now);
+        }
+    }
+
+    fn send_remake(&mut self, conn: &mut Connection, key: remake::Key, now: Instant) {
+        let (ns, stream) = (&key.0, &key.1);
+        // A reload may have taken it out of the configuration meanwhile.
+        let Some((api, desired)) =
+            setup::desired_stream(&self.config, ns, stream, self.stream_settings)
+        else {
+            return self.remakes.done(&key);
+        };
+        match js_request(conn, api.stream_create(&desired), now) {
+            Ok(id) => self.await_reply(id, now, Pending::Remake(key)),
+            Err(e) => self.remake_missed(key, e, true, now),
+        }
+    }
+
+    fn remake_done(
+        &mut self,
+        conn: &mut Connection,
+        key: remake::Key,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let stream = key.1.clone();
+        let ns = key.0.clone();
+        match reply.map(|m| (check_error(&m.payload), m)) {
+            Ok((Ok(()), m)) => {
+                log::info!("stream {stream} made again");
+                if stream == binding::topics_stream(&ns) {
+                    let last = serde_json::from_slice::<serde_json::Value>(&m.payload)
+                        .ok()
+                        .and_then(|v| v["state"]["last_seq"].as_u64())
+                        .unwrap_or(0);
+                    self.topics_made_again(&ns, last);
+                }
+            }
+            // There again, made by another broker (its settings may differ from ours,
+            // as an adopted stream's may).
+            Ok((Err(e), _)) if e.err_code() == Some(setup::ERR_STREAM_NAME_IN_USE) => {
+                log::info!("stream {stream} is there again")
+            }
+            Ok((Err(e), _)) => return self.remake_missed(key, e.to_string(), false, now),
+            Err(e) => return self.remake_missed(key, e.to_string(), true, now),
+        }
+        self.remakes.done(&key);
+        // The registry watch's consumer went with its bucket and says nothing of it (a
+        // push consumer): it would start over only after three missed heartbeats.
+        if stream == ["KV_", &binding::registry_bucket(&ns)].concat()
+            && let Some((registry, _)) = self.registries.get_mut(&ns)
+        {
+            registry.restart("its bucket was made again", now);
+            self.drive_registry(conn, &ns, now);
+        }
+    }
+
+    fn remake_missed(&mut self, key: remake::Key, why: String, away: bool, now: Instant) {
+        let stream = key.1.clone();
+        if let Some(wait) = self.remakes.missed(&key, why.clone(), away) {
+            log::warn!(
+                "stream {stream} could not be made again: {why}; trying again in {} s",
+                wait.as_secs()
+            );
+            self.set_timer(after(now, wait), Timer::Remake(key));
+        }
     }
 
     fn frame(&mut self, session: SessionId, text: String) {

@@ -143,6 +143,8 @@ pub enum JobsOutput {
     /// Submit or redrive `re` of `session` is refused having created nothing: what the
     /// core charged for it is given back. Comes before its answer.
     Refund { session: SessionId, re: String },
+    /// A request found `stream` of namespace `ns` gone: the core makes it again.
+    StreamGone { ns: String, stream: String },
 }
 
 /// The session a request comes from, as the core knows it.
@@ -688,6 +690,17 @@ fn not_permitted(what: &str, job: &str) -> AmpError {
         format!("{what} `{job}` is not permitted"),
     )
     .with_path("/job")
+}
+
+impl Jobs {
+    /// Tells the core that `stream` of `ns` is gone; the answer for the request that
+    /// found it so.
+    fn stream_gone(&mut self, ns: &str, stream: String) -> AmpError {
+        let e = crate::broker::remake::gone(&stream);
+        let ns = ns.to_string();
+        self.out.push_back(JobsOutput::StreamGone { ns, stream });
+        e
+    }
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {
@@ -1477,6 +1490,11 @@ impl Jobs {
                 }
                 Ok(Err(e)) => {
                     log::warn!(queue:% = queue; "consumer refused: {e}");
+                    if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND)
+                        && let Some((ns, _)) = queue.split_once('/')
+                    {
+                        self.stream_gone(ns, binding::tasks_stream(ns));
+                    }
                     self.tell_unserved(&queue, &e.to_string());
                     self.consumer_failed(&queue, now);
                 }
@@ -1508,8 +1526,11 @@ impl Jobs {
                     Err(RequestError::Timeout | RequestError::Disconnected) => {
                         self.read_existing(conn, sub, now)
                     }
-                    Err(e @ RequestError::NoResponders) => {
-                        self.refuse_unmade(sub.session, &sub.re, unavailable(e))
+                    // No stream holds the task store's subjects: it is gone.
+                    Err(RequestError::NoResponders) => {
+                        let e =
+                            self.stream_gone(&sub.ns, format!("KV_{}", binding::TASK_STATE_BUCKET));
+                        self.refuse_unmade(sub.session, &sub.re, e)
                     }
                     Err(e) => self.refuse(sub.session, &sub.re, unavailable(e)),
                 }
@@ -1596,12 +1617,15 @@ impl Jobs {
                         .finish();
                     self.out.push_back(JobsOutput::Reply { session, re, text });
                 }
+                // No stream holds the job's subject: the tasks stream is gone. The
+                // record expires unless a retry publishes it again meanwhile.
+                Ok(Err(JsError::NoResponders)) | Err(RequestError::NoResponders) => {
+                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    let e = self.stream_gone(&ns, binding::tasks_stream(&ns));
+                    self.refuse(session, &re, e)
+                }
                 // JetStream answered that it stored nothing.
                 Ok(Err(e)) => {
-                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
-                    self.refuse(session, &re, unavailable(e));
-                }
-                Err(e @ RequestError::NoResponders) => {
                     self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
                     self.refuse(session, &re, unavailable(e));
                 }

@@ -26,6 +26,7 @@ pub mod pull_loop;
 pub mod rate_limit;
 pub mod registry;
 pub mod reload;
+pub mod remake;
 pub mod scoped_jwt;
 pub mod setup;
 pub mod task_store;

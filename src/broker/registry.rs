@@ -298,11 +298,12 @@ impl Registry {
         true
     }
 
-    /// The connection to NATS is back: a new consumer (one that outlived the outage
-    /// delivered nothing meanwhile) resumes, or reads the bucket again when a delete made
-    /// meanwhile may have aged out of the stream since.
-    pub fn restart(&mut self, now: Instant) {
-        self.watcher.restart("the NATS connection was lost", now);
+    /// The connection to NATS is back, or the bucket was made again (`why`): a new
+    /// consumer (one that outlived the outage delivered nothing meanwhile) resumes, or
+    /// reads the bucket again when a delete made meanwhile may have aged out of the
+    /// stream since or the stream is a new one.
+    pub fn restart(&mut self, why: &str, now: Instant) {
+        self.watcher.restart(why, now);
     }
 
     /// How many times the watch read every entry of the bucket.

@@ -62,6 +62,21 @@ pub fn desired_streams(
     streams
 }
 
+/// What start-up makes of stream `name` in the JetStream of namespace `ns` (its domain's
+/// API and configuration), for making it again after it was deleted while the broker ran.
+pub fn desired_stream(
+    config: &Config,
+    ns: &str,
+    name: &str,
+    settings: StreamSettings,
+) -> Option<(ApiPrefix, StreamConfig)> {
+    let domain = config.namespaces.get(ns)?.jetstream_domain.as_deref();
+    let stream = desired_streams(config, domain, settings)
+        .into_iter()
+        .find(|s| s.name == name)?;
+    Some((config.js_api(ns), stream))
+}
+
 /// What start-up set up, and the domains it could not reach.
 pub struct Setup {
     /// A line per stream saying whether it was created or adopted.
@@ -225,7 +240,7 @@ enum Failure {
 }
 
 /// JetStream's answer to a create of a stream that exists with another configuration.
-const ERR_STREAM_NAME_IN_USE: u32 = 10058;
+pub const ERR_STREAM_NAME_IN_USE: u32 = 10058;
 
 fn ensure_stream(
     client: &mut Client,

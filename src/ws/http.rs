@@ -18,7 +18,7 @@ pub const MAX_HEADERS: usize = 32;
 /// What a complete request head asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    /// `/healthz` and `/readyz`: NATS up and JetStream answering.
+    /// `/healthz` and `/readyz`: NATS up, JetStream answering, no stream found gone.
     Health,
     /// `/livez`: the event loop turns on time, whatever NATS does.
     Live,

@@ -478,11 +478,12 @@ pub enum NatsOp {
     StreamMsgDelete,
     StreamMsgGet,
     StreamInfo,
+    StreamCreate,
 }
 
 impl NatsOp {
     /// Label values, indexed by the variant's position.
-    pub const LABELS: [&'static str; 11] = [
+    pub const LABELS: [&'static str; 12] = [
         "stream_publish",
         "ack_sync",
         "consumer_create",
@@ -494,6 +495,7 @@ impl NatsOp {
         "stream_msg_delete",
         "stream_msg_get",
         "stream_info",
+        "stream_create",
     ];
 
     pub const fn index(self) -> usize {

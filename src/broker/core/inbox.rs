@@ -139,10 +139,12 @@ impl Broker {
         }
         match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now) {
             Ok(req) => {
+                let topic = env.topic.is_some();
                 let pending = Pending::Send {
                     session,
                     re,
                     charged,
+                    topic,
                 };
                 self.await_reply(req, now, pending);
             }

@@ -1090,6 +1090,20 @@ impl Broker {
         }
     }
 
+    /// Namespace `ns`'s topics stream was made again here, holding events up to `last`:
+    /// every subscription that had gone past that follows the new stream from its start.
+    /// Its lost consumer's own look at the stream would find the same, unless events
+    /// published meanwhile brought the new stream up to where the old one was.
+    pub(super) fn topics_made_again(&mut self, ns: &str, last: u64) {
+        for s in self.sessions.values_mut() {
+            for t in s.subs.values_mut() {
+                if t.ns == ns && t.last_seq > last {
+                    t.went_back();
+                }
+            }
+        }
+    }
+
     pub(super) fn subscription_mut(
         &mut self,
         session: SessionId,
@@ -1291,6 +1305,9 @@ impl Broker {
                 .and_then(|v| v["state"]["last_seq"].as_u64()),
             Ok((Err(e), _)) => {
                 log::warn!(namespace:% = ns; "topics stream unavailable ({e}); its subscriptions try again in {}s", SUB_RETRY.as_secs());
+                if e.err_code() == Some(crate::jetstream::error::ERR_STREAM_NOT_FOUND) {
+                    self.stream_gone(conn, &ns, &binding::topics_stream(&ns), now);
+                }
                 None
             }
             Err(e) => {
