@@ -1116,9 +1116,9 @@ mod tests {
         let mut conn = Connection::new(o, t0);
         handshake(&mut conn, t0);
         pulls_sent(&mut conn);
-        conn.publish("fill", None, None, &[0; 250]).expect("fits");
         let mut p = PullLoop::new("S".into(), "C".into(), 4);
         p.attach(&mut conn).expect("subscribe");
+        conn.publish("fill", None, None, &[0; 200]).expect("fits");
         let retry = p
             .pull(&mut conn, t0)
             .expect("a check although nothing was sent");

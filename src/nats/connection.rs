@@ -54,6 +54,8 @@ const LAME_DUCK_PERIOD: Duration = Duration::from_secs(120);
 const MAX_USER_PINGS: usize = 1024;
 /// After `output()` is drained this far, the buffer is compacted.
 const COMPACT_AT: usize = 64 * 1024;
+/// The longest `UNSUB <sid>\r\n` (a sid is a u64): what an owed UNSUB needs room for.
+const UNSUB_LINE_MAX: usize = 6 + 20 + 2;
 
 /// A message delivered to a subscription or as a reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,6 +266,11 @@ pub struct Connection {
     /// forgotten once those events are polled (`ended_order`, in that count's order).
     pub(super) ended_while_queued: HashMap<Sid, u64>,
     ended_order: VecDeque<(u64, Sid)>,
+    /// Subscriptions ended while the write buffer had no room for their UNSUB: written,
+    /// in order and ahead of any SUB, as `output()` drains; forgotten with the transport
+    /// (the next server never hears of them). Each counts against `max_subscriptions`
+    /// until written, so they are bounded as the subscriptions were.
+    unsub_owed: VecDeque<Sid>,
     /// Events polled since the start.
     polled: u64,
     invalid_since_report: u64,
@@ -342,6 +349,7 @@ impl Connection {
             dropped_since_report: 0,
             ended_while_queued: HashMap::new(),
             ended_order: VecDeque::new(),
+            unsub_owed: VecDeque::new(),
             polled: 0,
             invalid_since_report: 0,
             pings: VecDeque::new(),
@@ -499,6 +507,18 @@ impl Connection {
             self.out.drain(..self.out_pos);
             self.out_pos = 0;
         }
+        if self.is_connected() {
+            self.write_owed_unsubs();
+        }
+    }
+
+    fn write_owed_unsubs(&mut self) {
+        while let Some(&sid) = self.unsub_owed.front()
+            && self.has_room(UNSUB_LINE_MAX)
+        {
+            self.unsub_owed.pop_front();
+            encode::unsubscribe(&mut self.out, sid.0.to_string(), None);
+        }
     }
 
     /// The next instant `handle_timeout` has work (dial, handshake timeout, keepalive,
@@ -540,6 +560,9 @@ impl Connection {
                     self.close_transport = true;
                     self.lost(now, "stale connection: PINGs unanswered");
                 } else {
+                    // Past the write bound too: a server that reads nothing leaves at most
+                    // `max_pings_outstanding` of these unwritten before it is dropped, and
+                    // one left out would keep such a server looking alive.
                     self.keepalive_out += 1;
                     self.pings.push_back(PingKind::Keepalive);
                     encode::ping(&mut self.out);
@@ -711,11 +734,8 @@ impl Connection {
         };
         let connected = self.sends_now();
         let buf = if connected {
-            let unwritten = self.out.len() - self.out_pos;
-            if unwritten + op_len > self.options.max_write_buffer {
-                return Err(Error::WriteBufferFull {
-                    capacity: self.options.max_write_buffer,
-                });
+            if !self.has_room(op_len) {
+                return Err(self.write_buffer_full());
             }
             &mut self.out
         } else {
@@ -778,10 +798,18 @@ impl Connection {
         if self.state == State::Closed {
             return Err(self.closed_error());
         }
-        if self.subs.len() >= self.options.max_subscriptions {
+        if self.subs.len() + self.unsub_owed.len() >= self.options.max_subscriptions {
             return Err(Error::TooManySubscriptions {
                 max: self.options.max_subscriptions,
             });
+        }
+        if self.is_connected() {
+            let op_len = 4 + subject.len() + 1 + queue.map_or(0, |q| q.len() + 1) + 20 + 2;
+            // An owed UNSUB goes first: a SUB would take the room it waits for, and a
+            // server that never reads would see SUBs pile up behind it.
+            if !self.unsub_owed.is_empty() || !self.has_room(op_len) {
+                return Err(self.write_buffer_full());
+            }
         }
         let sid = self.subs.insert(subject, queue);
         if self.is_connected() {
@@ -801,12 +829,19 @@ impl Connection {
             return Err(Error::UnknownSubscription(sid.0));
         }
         let connected = self.is_connected();
+        let room = self.unsub_owed.is_empty() && self.has_room(UNSUB_LINE_MAX + 21);
+        let full = self.write_buffer_full();
         let sub = self
             .subs
             .get_mut(sid)
             .ok_or(Error::UnknownSubscription(sid.0))?;
         match max_msgs {
             Some(max) if sub.delivered < max => {
+                // The subscription goes on: without its line the limit would hold here
+                // and not at the server, so the caller hears of it instead.
+                if connected && !room {
+                    return Err(full);
+                }
                 sub.max = Some(max);
                 let remaining = sub.remaining_on_this_connection();
                 if connected {
@@ -820,8 +855,12 @@ impl Connection {
                     self.ended_while_queued.insert(sid, pushed);
                     self.ended_order.push_back((pushed, sid));
                 }
-                if connected {
+                // Ended here either way (what still comes for it is `Unread`); the
+                // server hears of it once there is room.
+                if connected && room {
                     encode::unsubscribe(&mut self.out, sid.0.to_string(), None);
+                } else if connected {
+                    self.unsub_owed.push_back(sid);
                 }
             }
         }
@@ -892,6 +931,9 @@ impl Connection {
                 capacity: MAX_USER_PINGS,
             });
         }
+        if !self.has_room(6) {
+            return Err(self.write_buffer_full());
+        }
         self.next_user_ping += 1;
         self.pings.push_back(PingKind::User(self.next_user_ping));
         encode::ping(&mut self.out);
@@ -917,6 +959,17 @@ impl Connection {
                 self.state,
                 State::AwaitInfo { .. } | State::AwaitPong { .. } | State::Connected { .. }
             )
+    }
+
+    /// Whether `op_len` more bytes fit under `max_write_buffer`.
+    fn has_room(&self, op_len: usize) -> bool {
+        self.out.len() - self.out_pos + op_len <= self.options.max_write_buffer
+    }
+
+    fn write_buffer_full(&self) -> Error {
+        Error::WriteBufferFull {
+            capacity: self.options.max_write_buffer,
+        }
     }
 
     fn closed_error(&self) -> Error {
@@ -1554,6 +1607,7 @@ impl Connection {
         self.rbuf = Vec::new();
         self.out.clear();
         self.out_pos = 0;
+        self.unsub_owed.clear();
         self.pings.clear();
         self.keepalive_out = 0;
         self.next_ping = None;

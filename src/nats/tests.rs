@@ -1270,3 +1270,55 @@ fn a_jetstream_delivery_after_unsubscribe_is_handed_over_as_unread() {
         "{events:?}"
     );
 }
+
+/// SUB, UNSUB and PING lines went into the write buffer unchecked: a server that did not
+/// read, with the broker subscribing and unsubscribing again and again (topic
+/// subscriptions, offer watches, MIG), grew it without end.
+#[test]
+fn control_lines_count_against_the_write_buffer_bound() {
+    let mut o = Harness::options("h:1");
+    o.max_write_buffer = 1000;
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    let early = h.conn.subscribe("early", None).expect("room");
+    h.conn.publish("a", None, None, &[0; 950]).expect("fits");
+    let mut refused = 0;
+    for i in 0..1000 {
+        match h.conn.subscribe(&format!("churn.{i}"), None) {
+            Ok(sid) => h.conn.unsubscribe(sid, None).expect("ends"),
+            Err(e) => {
+                assert_eq!(e, Error::WriteBufferFull { capacity: 1000 });
+                refused += 1;
+            }
+        }
+        if let Err(e) = h.conn.ping() {
+            assert_eq!(e, Error::WriteBufferFull { capacity: 1000 });
+        }
+        assert!(
+            h.conn.output().len() <= 1000,
+            "{} bytes unwritten",
+            h.conn.output().len()
+        );
+    }
+    assert!(refused > 990, "{refused}");
+    // An UNSUB with no room still ends the subscription here; its line waits for room.
+    h.conn.unsubscribe(early, None).expect("ends");
+    assert!(h.conn.output().len() <= 1000);
+    let written = ops(&h.take_output());
+    assert!(
+        !written.iter().any(|op| op.starts_with("SUB churn")),
+        "{written:?}"
+    );
+    assert_eq!(ops(&h.take_output()), [format!("UNSUB {early} None")]);
+    // What was refused was never live: the reconnect restores none of it.
+    h.now += Duration::from_secs(5);
+    h.conn.on_transport_closed(h.now, "reset by peer");
+    h.events();
+    h.connect();
+    let restored = ops(&h.take_output());
+    assert!(
+        !restored.iter().any(|op| op.starts_with("SUB")),
+        "{restored:?}"
+    );
+}

@@ -416,8 +416,13 @@ impl Broker {
                 );
                 self.check_pull_at(check, PullOwner::Inbox(participant.to_string()));
             }
-            Err(e) => log::warn!(participant:% = participant; "inbox subscription failed: {e}"
-            ),
+            // No room for the SUB (the server not reading) or no subscription left: the
+            // inbox would stay silent for good unless asked again.
+            Err(e) => {
+                log::warn!(participant:% = participant; "inbox subscription failed: {e}; asking again");
+                let at = crate::deadline::after(now, INBOX_CONSUMER_RETRY);
+                self.retry_inbox_at(participant.to_string(), at);
+            }
         }
     }
 

@@ -1491,16 +1491,26 @@ impl Broker {
             let at = crate::deadline::after(now, SUB_RETRY);
             return self.set_timer(at, Timer::SubRetry(session, sub, serial));
         }
-        if let Ok(sid) = t.pull.attach_status_only(conn) {
-            let check = t.pull.pull(conn, now);
-            self.routes.insert(
-                sid,
-                Route::Sub {
-                    session,
-                    sub: sub.clone(),
-                },
-            );
-            self.check_pull_at(check, PullOwner::Sub(session, sub));
+        match t.pull.attach_status_only(conn) {
+            Ok(sid) => {
+                let check = t.pull.pull(conn, now);
+                self.routes.insert(
+                    sid,
+                    Route::Sub {
+                        session,
+                        sub: sub.clone(),
+                    },
+                );
+                self.check_pull_at(check, PullOwner::Sub(session, sub));
+            }
+            // No room for the SUB (the server not reading) or no subscription left: as
+            // silent as a refused consumer unless tried again.
+            Err(e) => {
+                let serial = t.serial;
+                log::debug!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "subscription could not be resumed ({e}); trying again");
+                let at = crate::deadline::after(now, SUB_RETRY);
+                self.set_timer(at, Timer::SubRetry(session, sub, serial));
+            }
         }
     }
 
