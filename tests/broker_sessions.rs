@@ -1276,3 +1276,78 @@ fn a_participant_holds_at_most_its_share_of_the_brokers_sessions() {
     assert_eq!(held.remove(0).closed_with(WAIT), Some(1000));
     let _again = Client::login(&broker, "acme", "a", "a-token");
 }
+
+/// Consumers by name, with the pulls waiting for each at the server.
+type Waiting = Vec<(String, u64)>;
+
+fn waiting_pulls(js: &mut amp_broker::jetstream::Context, stream: &str) -> Waiting {
+    let names = js.consumer_names(stream).unwrap_or_default();
+    let mut waiting: Waiting = names
+        .into_iter()
+        .map(|c| {
+            let n = js
+                .consumer_info(stream, &c)
+                .map_or(u64::MAX, |i| i.num_waiting);
+            (c, n)
+        })
+        .collect();
+    waiting.sort();
+    waiting
+}
+
+/// An inbox's and a durable subscription's pulls answered on subjects their
+/// subscriptions still covered after a reconnect: each subscription came back with the
+/// connection, so the pull from before the drop, still held by the server, was live
+/// again next to the one sent after it. Two pulls for one loop until the old one expired
+/// (20 s): what the loop counted as one window was two.
+#[test]
+fn after_a_reconnect_inboxes_and_subscriptions_hold_no_pull_from_before_it() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let one = Broker::start(
+        &format!("nats://{}", relay.addr()),
+        &open_config(&["a", "b"]),
+    );
+    let mut b = Client::login(&one, "acme", "b", "b-token");
+    let ok = b.request(json!({"op":"subscribe","topic":"d.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut js = nats.jetstream();
+    let one_each = |js: &mut amp_broker::jetstream::Context| {
+        let mut inbox = waiting_pulls(js, "AMP_INBOX_acme");
+        inbox.retain(|(c, _)| c == "inbox_b");
+        let topics = waiting_pulls(js, "AMP_TOPICS_acme");
+        (inbox, topics)
+    };
+    let all_one = |(inbox, topics): &(Waiting, Waiting)| {
+        inbox.len() == 1 && topics.len() == 1 && inbox.iter().chain(topics).all(|(_, n)| *n == 1)
+    };
+    assert!(
+        common::wait_until(WAIT, || all_one(&one_each(&mut js))),
+        "{:?}",
+        one_each(&mut js)
+    );
+    relay.cut();
+    relay.restore();
+    assert!(common::wait_until(WAIT, || {
+        metric(&one, "amp_nats_reconnects_total") == Some(1.0)
+    }));
+    // A publish answered through the broker's connection after the reconnect: the server
+    // has had the pulls the reconnect sent by then.
+    let mut a = Client::login(&one, "acme", "a", "a-token");
+    let ok = a.request(json!({"op":"publish","topic":"other.x","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let waiting = one_each(&mut js);
+    assert!(
+        all_one(&waiting),
+        "one pull each for b's inbox and subscription: {waiting:?}"
+    );
+    // Both still deliver.
+    let ok = a.request(json!({"op":"publish","topic":"d.x","body":2}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let event = b.next_op("event", WAIT).expect("the event");
+    assert_eq!(event["body"], 2, "{event}");
+    let ok = a.request(json!({"op":"send","to":"b","body":3}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let msg = b.next_op("message", WAIT).expect("the message");
+    assert_eq!(msg["body"], 3, "{msg}");
+}

@@ -503,6 +503,11 @@ pub struct Broker {
     server_error_logged: Option<Instant>,
     server_errors_unlogged: u64,
     routes: IdMap<Sid, Route>,
+    /// Durable subscriptions' pull subscriptions left at the last reconnect
+    /// ([`PullLoop::retire`]): what the server sent on them before it had the UNSUB
+    /// comes ahead of the new pull's events, and goes to the session in that order.
+    /// Bounded by the durable subscriptions of that moment; replaced at the next.
+    retired_pulls: HashMap<Sid, (SessionId, String)>,
     /// Every deadline, of every capability.
     timers: Timers,
     out: VecDeque<Output>,
@@ -602,6 +607,7 @@ impl Broker {
             server_error_logged: None,
             server_errors_unlogged: 0,
             routes: IdMap::default(),
+            retired_pulls: HashMap::new(),
             timers: Timers::default(),
             out: VecDeque::new(),
             throttle: HelloThrottle::new(ThrottleConfig::default()),
@@ -924,7 +930,18 @@ impl Broker {
                     }
                 }
             },
-            Event::Unread { msg, .. } => self.unread_delivery(conn, &msg, now),
+            Event::Unread { sid, msg } => match self.retired_pulls.get(&sid) {
+                Some((session, sub)) => {
+                    let (session, sub) = (*session, sub.clone());
+                    self.retired_pull_delivery(conn, session, &sub, msg, now);
+                }
+                // A MIG live feed's pull subscription left at the reconnect, or none.
+                None => {
+                    if !self.mig_message(conn, sid, &msg, now) {
+                        self.unread_delivery(conn, &msg, now);
+                    }
+                }
+            },
             Event::Response { id, msg } => self.reply(conn, id, Ok(msg), now),
             Event::RequestFailed { id, error } => self.reply(conn, id, Err(error), now),
             Event::InvalidMessages { dropped } => {
@@ -965,12 +982,26 @@ impl Broker {
             }
             Event::Reconnected { .. } => {
                 self.metrics.registry.inc(self.metrics.nats_reconnects, "");
-                // Pulls in flight died with the old connection; ask again.
-                let mut checks = Vec::new();
-                for (key, p) in &mut self.presence {
-                    checks.push((p.inbox.restart(conn, now), PullOwner::Inbox(key.clone())));
+                // Pulls still held by the server came back with their subscriptions:
+                // each inbox pulls on a fresh one (`PullLoop::retire`), and what the old
+                // one still brings is handed back (`unread_delivery`).
+                let inboxes: Vec<String> = self
+                    .presence
+                    .iter()
+                    .filter(|(_, p)| p.inbox.sid().is_some())
+                    .map(|(key, _)| key.clone())
+                    .collect();
+                for key in inboxes {
+                    if let Some(sid) = self
+                        .presence
+                        .get_mut(&key)
+                        .and_then(|p| p.inbox.retire(conn))
+                    {
+                        self.routes.remove(&sid);
+                    }
+                    self.start_inbox(conn, &key, now);
                 }
-                checks.extend(self.restart_subscriptions(conn, now));
+                self.restart_subscriptions(conn, now);
                 // Registry watches start over: resumed after an outage shorter than half
                 // the entries' TTL, else reading their buckets again (deletes made
                 // meanwhile may have aged out of the stream).
@@ -980,9 +1011,6 @@ impl Broker {
                         registry.restart("the NATS connection was lost", now);
                     }
                     self.drive_registry(conn, &ns, now);
-                }
-                for (at, owner) in checks {
-                    self.check_pull_at(at, owner);
                 }
                 self.jobs.on_reconnected(conn, now);
                 self.mig.after_reconnect(conn, now);

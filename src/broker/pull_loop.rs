@@ -9,9 +9,10 @@
 //!   its owner grants it, once its reader has written what the last one brought, so a
 //!   reader gets its backlog as fast as it reads it. Each pull is answered on its
 //!   own numbered subject and only the latest one's statuses count: a pull replaced while
-//!   still alive at the server (silent, or from before a reconnect) would otherwise renew
-//!   itself with every status and the loop would hold two pulls, then more, for good.
-//!   Nothing is sent while disconnected: the reconnect sends the one pull.
+//!   still alive at the server (a silent one) would otherwise renew itself with every
+//!   status and the loop would hold two pulls, then more, for good. Nothing is sent while
+//!   disconnected: the reconnect sends the one pull, on a fresh subscription
+//!   ([`PullLoop::retire`]).
 //! - *On demand* (each job's queue): pulls sized by the owner's free slots, several
 //!   outstanding, each answered on its own numbered subject so that its 404/408/409 says
 //!   how much of it is not coming; a pull is over at its expiry whether or not a status
@@ -265,6 +266,18 @@ impl PullLoop {
         Some(sid)
     }
 
+    /// Steady, after a reconnect: the subscription came back with the connection, and
+    /// with it each pull from before the drop that the server still held, live again next
+    /// to the one sent after it: two pulls for one loop, more in flight than its batch,
+    /// window or grant allow, until the old one expired (20 s). Dropped here, the server
+    /// drops those pulls (nobody listens on their subject any more); the owner attaches
+    /// again (a fresh inbox) and pulls. Returns the old subscription: what it still
+    /// brings comes as [`crate::nats::Event::Unread`].
+    pub fn retire(&mut self, conn: &mut Connection) -> Option<Sid> {
+        self.remaining = 0;
+        self.detach(conn)
+    }
+
     /// Sends a pull unless one is outstanding; returns when to check on it.
     pub fn pull(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
         if self.sid.is_none() || self.remaining > 0 || !conn.sends_now() {
@@ -429,7 +442,7 @@ impl PullLoop {
     /// (nats-server refuses it); a leaf node's server can, so a peer holding leaf
     /// credentials that names the right stream and consumer still passes: there the leaf
     /// user's permissions are what protects.
-    fn delivers(&self, msg: &Message) -> bool {
+    pub fn delivers(&self, msg: &Message) -> bool {
         msg.reply
             .as_deref()
             .and_then(|r| AckMetadata::parse(r).ok())
@@ -452,7 +465,8 @@ impl PullLoop {
         self.arm()
     }
 
-    /// After a reconnect the outstanding pull died with the old connection.
+    /// The outstanding pull is gone (died with the old connection, or left with its
+    /// subscription): the next one now.
     pub fn restart(&mut self, conn: &mut Connection, now: Instant) -> Option<Check> {
         self.remaining = 0;
         self.pull(conn, now)

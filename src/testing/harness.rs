@@ -382,6 +382,25 @@ impl Harness {
         self.settle();
     }
 
+    /// A broker's NATS transport drops (the server sees it go); its connection dials
+    /// again and goes through its reconnect.
+    pub fn drop_nats(&mut self, node: usize) {
+        if let Some(c) = self.nodes[node].link.take() {
+            self.server.disconnect(c, self.now);
+        }
+        self.nodes[node]
+            .conn
+            .on_transport_closed(self.now, "dropped by the test");
+        self.advance(Duration::from_secs(1));
+    }
+
+    /// A NATS event, as if the broker's connection had read it.
+    pub fn nats_event(&mut self, node: usize, event: crate::nats::Event) {
+        let n = &mut self.nodes[node];
+        n.broker.handle(&mut n.conn, Input::Nats(event), self.now);
+        self.settle();
+    }
+
     /// Runs what is due at the next deadline, at most `until`.
     fn step(&mut self, until: Instant) {
         let next = self.next_deadline().map_or(until, |t| t.min(until));

@@ -12,8 +12,8 @@ use serde_json::Value;
 
 use super::resumed_durable::{Admit, Resumed};
 use super::{
-    Broker, Check, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, Timer,
-    participant_key, unavailable,
+    Broker, DELETING_RETRY_MS, Lane, Pending, PullOwner, Route, SessionId, Timer, participant_key,
+    unavailable,
 };
 use crate::amp::frame::{self as amp_frame, FromName, Publish, Subscribe};
 use crate::amp::reply::FrameWriter;
@@ -1112,33 +1112,55 @@ impl Broker {
         self.sessions.get_mut(&session)?.subs.get_mut(sub)
     }
 
-    /// After a reconnect: durable subscriptions pull again; plain ones get a new consumer
-    /// starting after their last event, since an in-memory consumer does not survive a
-    /// server restart (a server that lost its data lost the stream's sequences too:
-    /// `subscription_lost` looks).
-    pub(super) fn restart_subscriptions(
-        &mut self,
-        conn: &mut Connection,
-        now: Instant,
-    ) -> Vec<(Option<Check>, PullOwner)> {
-        let mut checks = Vec::new();
+    /// After a reconnect: durable subscriptions pull again, on a fresh pull subscription
+    /// ([`PullLoop::retire`]; what the old one still brings goes to the session first,
+    /// [`retired_pull_delivery`](Self::retired_pull_delivery)); plain ones get a new
+    /// consumer starting after their last event, since an in-memory consumer does not
+    /// survive a server restart (a server that lost its data lost the stream's sequences
+    /// too: `subscription_lost` looks).
+    pub(super) fn restart_subscriptions(&mut self, conn: &mut Connection, now: Instant) {
+        self.retired_pulls.clear();
+        let mut durable = Vec::new();
         let mut plain = Vec::new();
         for (&session, s) in &mut self.sessions {
             for (sub, t) in &mut s.subs {
-                if t.durable {
-                    checks.push((
-                        t.pull.restart(conn, now),
-                        PullOwner::Sub(session, sub.clone()),
-                    ));
-                } else {
+                if !t.durable {
                     plain.push((session, sub.clone()));
+                } else if let Some(sid) = t.pull.retire(conn) {
+                    durable.push((session, sub.clone(), sid));
                 }
             }
+        }
+        for (session, sub, retired) in durable {
+            self.routes.remove(&retired);
+            self.retired_pulls.insert(retired, (session, sub.clone()));
+            self.attach_sub(conn, session, sub, now);
         }
         for (session, sub) in plain {
             self.subscription_lost(conn, session, &sub, now);
         }
-        checks
+    }
+
+    /// An event a durable subscription's pull from before the reconnect brought: the
+    /// server sent it before it had the UNSUB, so ahead of anything the new pull brings,
+    /// and it goes to the session as any other (uncounted: the new pull did not bring
+    /// it). Handed back when the subscription is gone.
+    pub(super) fn retired_pull_delivery(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        msg: Message,
+        now: Instant,
+    ) {
+        let ours = self
+            .subscription_mut(session, sub)
+            .is_some_and(|t| t.durable && t.pull.delivers(&msg));
+        if ours {
+            self.topic_event(conn, session, sub, &msg, now);
+        } else {
+            self.unread_delivery(conn, &msg, now);
+        }
     }
 
     /// One message on a subscription's pull inbox.
@@ -1161,9 +1183,20 @@ impl Broker {
         if check.is_some() || t.pull.wants_credit() {
             self.check_pull_at(check, PullOwner::Sub(session, sub.to_string()));
         }
-        if pulled != Pulled::Message {
-            return;
+        if pulled == Pulled::Message {
+            self.topic_event(conn, session, sub, &msg, now);
         }
+    }
+
+    /// A delivery of a subscription's consumer, to its session in stream order.
+    fn topic_event(
+        &mut self,
+        conn: &mut Connection,
+        session: SessionId,
+        sub: &str,
+        msg: &Message,
+        now: Instant,
+    ) {
         let Some(reply) = msg.reply.as_deref() else {
             return;
         };
@@ -1491,6 +1524,14 @@ impl Broker {
             let at = crate::deadline::after(now, SUB_RETRY);
             return self.set_timer(at, Timer::SubRetry(session, sub, serial));
         }
+        self.attach_sub(conn, session, sub, now);
+    }
+
+    /// A subscription whose consumer is there subscribes and pulls.
+    fn attach_sub(&mut self, conn: &mut Connection, session: SessionId, sub: String, now: Instant) {
+        let Some(t) = self.subscription_mut(session, &sub) else {
+            return;
+        };
         match t.pull.attach_status_only(conn) {
             Ok(sid) => {
                 let check = t.pull.pull(conn, now);
@@ -1694,6 +1735,76 @@ mod tests {
         let bob = h.join(0, "bob", json!({}));
         assert_eq!(h.request(bob, sub)["op"], "ok");
         assert_eq!(seqs(&events(&mut h, bob, "d", 3)), published[2..]);
+    }
+
+    /// After a reconnect a durable pulls on a fresh subscription (its old one, restored
+    /// with the connection, kept the pull from before the drop live next to the new
+    /// one). What the server sent on the old one before it had the UNSUB comes ahead of
+    /// the new pull's events: it goes to the session as any other, in that order, not
+    /// back to JetStream (whose redelivery would come behind later events, and be held
+    /// out of the session to keep the order).
+    #[test]
+    fn a_durables_event_from_its_pull_before_a_reconnect_goes_out_in_order() {
+        let mut h = Harness::development(1);
+        let alice = h.join(0, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true,"from":"all"});
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        let first = publish(&mut h, alice, "t.a", 1);
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [first]);
+        let pull = |h: &Harness| {
+            let t = &h.broker(0).sessions[&bob.id].subs["d"];
+            (t.pull.sid(), t.pull.consumer().to_string())
+        };
+        let (old, consumer) = pull(&h);
+        let old = old.expect("subscribed");
+        h.drop_nats(0);
+        let (new, _) = pull(&h);
+        assert!(new.is_some_and(|s| s != old), "{new:?} after {old:?}");
+        assert!(h.broker(0).retired_pulls.contains_key(&old));
+        let next = first + 1;
+        let envelope = json!({"id":"e2","kind":"event","from":"dev/alice","topic":"t.a",
+                              "ts":"2027-01-15T08:00:01.000Z","body":{"n":2}});
+        let late = crate::nats::Message {
+            subject: "amp.dev.topic.t.a".into(),
+            reply: Some(format!(
+                "$JS.ACK.AMP_TOPICS_dev.{consumer}.1.{next}.2.1800000001000000000.0"
+            )),
+            headers: None,
+            payload: envelope.to_string().into_bytes(),
+        };
+        h.nats_event(
+            0,
+            crate::nats::Event::Unread {
+                sid: old,
+                msg: late,
+            },
+        );
+        let got = h.take(bob);
+        let events: Vec<&Value> = got.iter().filter(|f| f["op"] == "event").collect();
+        assert_eq!(events.len(), 1, "{got:?}");
+        assert_eq!(
+            (&events[0]["seq"], &events[0]["body"]["n"]),
+            (&json!(next), &json!(2))
+        );
+        // Anything else on it is no event of the subscription's: not sent.
+        let foreign = crate::nats::Message {
+            subject: "amp.dev.topic.t.a".into(),
+            reply: Some(format!(
+                "$JS.ACK.AMP_TOPICS_dev.other.1.{}.3.1800000001000000000.0",
+                next + 1
+            )),
+            headers: None,
+            payload: envelope.to_string().into_bytes(),
+        };
+        h.nats_event(
+            0,
+            crate::nats::Event::Unread {
+                sid: old,
+                msg: foreign,
+            },
+        );
+        assert!(h.take(bob).iter().all(|f| f["op"] != "event"));
     }
 
     #[test]

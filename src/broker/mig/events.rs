@@ -389,17 +389,53 @@ impl Mig {
         self.arm_live(feed, next);
     }
 
-    /// Pulls in flight died with the old connection, and record changes may have been
-    /// missed.
+    /// A pull still held by the server came back with its subscription: each feed pulls
+    /// on a fresh one ([`PullLoop::retire`]). Record changes may have been missed.
     pub fn after_reconnect(&mut self, conn: &mut Connection, now: Instant) {
+        self.subs.retain(|_, s| !matches!(s, Sub::RetiredLive(_)));
         for feed in 0..self.live.len() {
-            let at = self
-                .live
-                .get_mut(feed)
-                .and_then(|f| f.pull.restart(conn, now));
-            self.arm_live(feed, at);
+            let Some(f) = self.live.get_mut(feed) else {
+                continue;
+            };
+            let Some(retired) = f.pull.retire(conn) else {
+                continue;
+            };
+            self.subs.insert(retired, Sub::RetiredLive(feed));
+            match f.pull.attach(conn) {
+                Ok(sid) => {
+                    self.subs.insert(sid, Sub::Live(feed));
+                    let at = f.pull.restart(conn, now);
+                    self.arm_live(feed, at);
+                }
+                Err(e) => {
+                    log::warn!(ns:% = f.ns; "MIG live event subscription failed ({e}); asking again later");
+                    self.retry_live(feed, now);
+                }
+            }
         }
         self.reread_records(conn, now);
+    }
+
+    /// A delivery of the feed's pull from before the reconnect: published as any other,
+    /// uncounted (the new pull did not bring it).
+    pub(super) fn retired_live_delivery(
+        &mut self,
+        conn: &mut Connection,
+        feed: usize,
+        msg: &Message,
+        now: Instant,
+    ) {
+        let Some(f) = self.live.get_mut(feed).filter(|f| f.pull.delivers(msg)) else {
+            return;
+        };
+        let seq = msg
+            .reply
+            .as_deref()
+            .and_then(|r| AckMetadata::parse(r).ok())
+            .map_or(0, |m| m.stream_sequence);
+        f.seen = Some(f.seen.map_or(seq, |s| s.max(seq)));
+        let ns = f.ns.clone();
+        self.publish_live(conn, &ns, seq, msg, now);
     }
 
     /// One delivery of a tenant's live feed: published once on its live subject, then acked.
@@ -428,17 +464,31 @@ impl Mig {
             return self.live_lost(conn, config, feed, now);
         }
         self.arm_live(feed, at);
-        let Some(reply) = reply else {
+        if reply.is_some() {
+            self.publish_live(conn, &ns, seq, msg, now);
+        }
+    }
+
+    /// Publishes a delivery of a feed on its live subject, then acks it.
+    fn publish_live(
+        &mut self,
+        conn: &mut Connection,
+        ns: &str,
+        seq: u64,
+        msg: &Message,
+        now: Instant,
+    ) {
+        let Some(reply) = msg.reply.as_deref() else {
             return;
         };
         if let Ok(env) = Envelope::from_json(&msg.payload)
             && let Some(topic) = env.topic.as_deref().filter(|t| is_topic(t))
         {
             let ts = self.timestamp(now);
-            let event = event_message(&ns, seq, &env, false, &ts);
+            let event = event_message(ns, seq, &env, false, &ts);
             let subject = format!("{}.{ns}.events.{topic}", super::subjects::ROOT);
             let echo = Echo {
-                tenant_id: ns.clone(),
+                tenant_id: ns.to_string(),
                 message_id: Some(env.id.clone()),
                 ..Echo::default()
             };

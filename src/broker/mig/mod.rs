@@ -102,6 +102,10 @@ enum Sub {
     Requests,
     /// Deliveries of a tenant's live event feed (index into `live`).
     Live(usize),
+    /// The feed's pull subscription left at the last reconnect ([`PullLoop::retire`]):
+    /// what the server sent on it before it had the UNSUB is published in its order,
+    /// ahead of what the new pull brings. One per feed, replaced at the next reconnect.
+    RetiredLive(usize),
     /// Changes of one invocation's task record.
     Task(SessionId),
     /// Cancels of one keyed invocation forwarded by other brokers.
@@ -337,6 +341,10 @@ impl Mig {
             Some(Sub::Live(feed)) => {
                 let feed = *feed;
                 self.live_delivery(conn, ctx.config, feed, msg, now);
+            }
+            Some(Sub::RetiredLive(feed)) => {
+                let feed = *feed;
+                self.retired_live_delivery(conn, feed, msg, now);
             }
             Some(Sub::Task(session)) => {
                 let session = *session;
