@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use amp_broker::broker::scoped_jwt;
-use amp_broker::nats::{Client as NatsClient, Event, Options};
+use amp_broker::nats::{Client as NatsClient, Event, Options, creds};
 use amp_broker::nkeys::{KeyKind, KeyPair};
 use common::amp::{CalloutServer, Client, metric, open_config};
 use serde_json::json;
@@ -202,5 +202,103 @@ fn brokers_sharing_the_callout_answer_each_connect_once() {
         answered(),
         f64::from(connects),
         "answers to {connects} connects"
+    );
+}
+
+/// `acme` with token participant `a`, whose subscriptions are capped at `cap`.
+fn capped_config(cap: usize) -> serde_json::Value {
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["topics"] = json!({
+        "max_subscriptions_per_session": cap,
+        "max_subscriptions_per_participant": cap,
+    });
+    config
+}
+
+/// Subscribes `n` times under the reply prefix of `acme/a` and returns the server's
+/// refusals, lower case (nats-server has spelled them both ways).
+fn subscribe_under_own_prefix(direct: &mut NatsClient, n: usize) -> Vec<String> {
+    for i in 0..n {
+        direct
+            .subscribe(&format!("_INBOX_acme_a.own.{i}"), None)
+            .expect("subscribe");
+    }
+    // The server answers every SUB before the flush's PONG.
+    direct.flush(Duration::from_secs(5)).expect("flush");
+    direct
+        .take_events()
+        .into_iter()
+        .filter_map(|event| match event {
+            Event::ServerError(text) => Some(text.to_lowercase()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_hello_jwt_holds_its_connection_to_the_participant_subscription_cap() {
+    // Over WebSocket a participant holds at most `max_subscriptions_per_participant`
+    // subscriptions; its NATS connection was unlimited (`"subs": -1`) on the shared
+    // server, where its reply prefix `_INBOX_<ns>_<name>.>` takes any number of subjects.
+    // nats-server applies a user JWT's limits when the client presents it: an
+    // operator-mode server that trusts the issuing account.
+    const CAP: usize = 8;
+    let (server, account) = common::operator_mode_server();
+    let dir = tempfile::tempdir().expect("dir");
+    let broker_user = KeyPair::generate(KeyKind::User).expect("key");
+    let broker_jwt = amp_broker::jwt::encode(
+        &amp_broker::jwt::user_claims(&broker_user.public_key(), "broker", None),
+        &account,
+    )
+    .expect("jwt");
+    let (creds, seed) = (
+        dir.path().join("broker.creds"),
+        dir.path().join("issuer.seed"),
+    );
+    std::fs::write(&creds, creds::format(&broker_jwt, &broker_user.seed())).expect("write");
+    std::fs::write(&seed, account.seed()).expect("write");
+    let (creds, seed) = (creds.display().to_string(), seed.display().to_string());
+    let broker = common::amp::Broker::start_with(
+        &server.url(),
+        &capped_config(CAP),
+        &["--nats-creds", &creds, "--issuer-seed-file", &seed],
+    );
+    let mut c = Client::connect(&broker);
+    let ok = c.request(
+        json!({"op":"hello","ns":"acme","name":"a","auth":{"type":"token","token":"a-token"}}),
+    );
+    let jwt = ok["jwt"].as_str().expect("hello returns a JWT");
+    // A token participant's JWT is a bearer token: the seed signs nothing that counts.
+    let any_seed = KeyPair::generate(KeyKind::User).expect("key").seed();
+    let options = Options::new(&server.url())
+        .with_credentials(&creds::format(jwt, &any_seed))
+        .expect("creds")
+        .with_inbox_prefix("_INBOX_acme_a");
+    let mut direct = NatsClient::connect(options).expect("the hello JWT admits the participant");
+    assert_eq!(
+        subscribe_under_own_prefix(&mut direct, CAP + 1),
+        ["maximum subscriptions exceeded"],
+        "subscription {} of a cap of {CAP}",
+        CAP + 1
+    );
+    assert!(direct.is_connected(), "the server keeps the connection");
+}
+
+#[test]
+fn nats_server_applies_no_limit_of_a_user_jwt_from_the_callout() {
+    // The callout's JWT carries the same `subs` as `hello`'s, but nats-server 2.15.1 takes
+    // only its permissions: it drops the client's JWT before it applies user limits
+    // (README "Direct NATS access"). Should a release apply them, this fails and the
+    // README's caveat goes.
+    const CAP: usize = 8;
+    let callout = CalloutServer::start();
+    let _broker = callout.broker(&capped_config(CAP), &[]);
+    let options = Options::new(&callout.nats.url())
+        .with_user_password("acme/a", "a-token")
+        .with_inbox_prefix("_INBOX_acme_a");
+    let mut direct = NatsClient::connect(options).expect("the callout admits the participant");
+    assert_eq!(
+        subscribe_under_own_prefix(&mut direct, CAP + 1),
+        Vec::<String>::new()
     );
 }

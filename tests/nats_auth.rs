@@ -84,40 +84,9 @@ fn nkey_signs_the_nonce_and_an_unknown_key_is_refused() {
     assert!(matches!(err, Error::Authorization(_)), "{err:?}");
 }
 
-/// An operator-mode server trusting a freshly made operator, with one account preloaded;
-/// returns the server and the account key that signs user JWTs.
-fn operator_mode_server() -> (common::NatsServer, KeyPair) {
-    let operator = KeyPair::generate(KeyKind::Operator).expect("operator");
-    let account = KeyPair::generate(KeyKind::Account).expect("account");
-    // JetStream (on in every test server) needs a system account in operator mode.
-    let system = KeyPair::generate(KeyKind::Account).expect("system account");
-    let system_jwt = jwt::encode(
-        &jwt::system_account_claims(&system.public_key(), "SYS"),
-        &operator,
-    )
-    .expect("system jwt");
-    let operator_jwt = jwt::encode(
-        &jwt::operator_claims(&operator.public_key(), "test-operator"),
-        &operator,
-    )
-    .expect("operator jwt");
-    let account_jwt = jwt::encode(
-        &jwt::account_claims(&account.public_key(), "test-account"),
-        &operator,
-    )
-    .expect("account jwt");
-    let server = common::NatsServer::with_config(&format!(
-        "operator: {operator_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
-         resolver_preload: {{\n  {acc}: {account_jwt}\n  {sys}: {system_jwt}\n}}\n",
-        acc = account.public_key(),
-        sys = system.public_key(),
-    ));
-    (server, account)
-}
-
 #[test]
 fn creds_file_authenticates_in_operator_mode() {
-    let (server, account) = operator_mode_server();
+    let (server, account) = common::operator_mode_server();
     let user = KeyPair::generate(KeyKind::User).expect("user");
     let user_jwt = jwt::encode(
         &jwt::user_claims(&user.public_key(), "test-user", None),
@@ -139,7 +108,7 @@ fn creds_file_authenticates_in_operator_mode() {
 
 #[test]
 fn creds_signed_by_an_untrusted_account_are_refused() {
-    let (server, _account) = operator_mode_server();
+    let (server, _account) = common::operator_mode_server();
     let rogue = KeyPair::generate(KeyKind::Account).expect("rogue account");
     let user = KeyPair::generate(KeyKind::User).expect("user");
     let user_jwt =

@@ -336,7 +336,8 @@ fn an_nkey_participant_signs_the_server_nonce_and_gets_its_own_lanes() {
 fn a_token_participants_jwt_from_hello_is_a_bearer_token() {
     let s = setup();
     let p = &s.config.namespaces["acme"].participants["w1"];
-    let jwt = scoped_jwt::hello_jwt(&s.account, "acme", "w1", p, unix_s(), 600, None).expect("jwt");
+    let jwt =
+        scoped_jwt::hello_jwt(&s.account, "acme", "w1", p, 1024, unix_s(), 600, None).expect("jwt");
     // nats-server drops a client's `jwt` outside operator mode, so it travels as the token.
     let run = s.run(
         "w1",
@@ -354,23 +355,40 @@ fn wrong_credentials_are_refused() {
     let s = setup();
     let stranger = KeyPair::generate(KeyKind::User).expect("key");
     let p = s.config.namespaces["acme"].participants["w2"].clone();
-    let expired = scoped_jwt::hello_jwt(&s.account, "acme", "w2", &p, unix_s() - 700, 600, None)
-        .expect("jwt");
+    let expired = scoped_jwt::hello_jwt(
+        &s.account,
+        "acme",
+        "w2",
+        &p,
+        1024,
+        unix_s() - 700,
+        600,
+        None,
+    )
+    .expect("jwt");
     let foreign = KeyPair::generate(KeyKind::Account).expect("key");
     let forged =
-        scoped_jwt::hello_jwt(&foreign, "acme", "w2", &p, unix_s(), 600, None).expect("jwt");
+        scoped_jwt::hello_jwt(&foreign, "acme", "w2", &p, 1024, unix_s(), 600, None).expect("jwt");
     let stranger_seed = s.write("stranger.nk", &stranger.seed());
     // Not a bearer token: without a nonce signature by w2's key it proves nothing.
-    let nkey_jwt =
-        scoped_jwt::hello_jwt(&s.account, "acme", "w2", &p, unix_s(), 600, None).expect("jwt");
+    let nkey_jwt = scoped_jwt::hello_jwt(&s.account, "acme", "w2", &p, 1024, unix_s(), 600, None)
+        .expect("jwt");
     let w1 = s.config.namespaces["acme"].participants["w1"].clone();
-    let expired_bearer =
-        scoped_jwt::hello_jwt(&s.account, "acme", "w1", &w1, unix_s() - 700, 600, None)
-            .expect("jwt");
+    let expired_bearer = scoped_jwt::hello_jwt(
+        &s.account,
+        "acme",
+        "w1",
+        &w1,
+        1024,
+        unix_s() - 700,
+        600,
+        None,
+    )
+    .expect("jwt");
     let forged_bearer =
-        scoped_jwt::hello_jwt(&foreign, "acme", "w1", &w1, unix_s(), 600, None).expect("jwt");
+        scoped_jwt::hello_jwt(&foreign, "acme", "w1", &w1, 1024, unix_s(), 600, None).expect("jwt");
     let mut tampered: Vec<String> =
-        scoped_jwt::hello_jwt(&s.account, "acme", "w1", &w1, unix_s(), 600, None)
+        scoped_jwt::hello_jwt(&s.account, "acme", "w1", &w1, 1024, unix_s(), 600, None)
             .expect("jwt")
             .split('.')
             .map(str::to_string)

@@ -310,6 +310,7 @@ impl Callout {
                     bearer: false,
                     audience: Some(&self.config.account),
                     mig: dlq.as_deref(),
+                    max_subscriptions: scoped_jwt::subscription_cap(participants, &ns),
                 };
                 count(Work::Ed25519);
                 match scoped_jwt::issue(&self.config.issuer, &grant) {

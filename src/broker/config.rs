@@ -303,7 +303,8 @@ pub struct Topics {
     /// Subscriptions, plain and durable, one session holds at once.
     pub max_subscriptions_per_session: usize,
     /// Subscriptions, plain and durable, all sessions of one participant hold at once on
-    /// a broker: its share of `limits.max_topic_subscriptions`.
+    /// a broker: its share of `limits.max_topic_subscriptions`. Also the `subs` of its
+    /// NATS JWT, so one direct connection holds no more.
     pub max_subscriptions_per_participant: usize,
     /// Durable subscriptions one participant has in the namespace, counted in JetStream
     /// when a new one would be created.

@@ -26,7 +26,7 @@
 use serde_json::{Map, Value, json};
 
 use super::binding;
-use super::config::Permissions;
+use super::config::{Config, Permissions, Topics};
 use crate::jwt::{self, Claims, JwtError};
 use crate::nkeys::{KeyKind, KeyPair, PublicKey};
 
@@ -86,6 +86,15 @@ pub fn allow_lists(ns: &str, name: &str, p: &Permissions, mig: Option<&[String]>
     AllowLists { publish, subscribe }
 }
 
+/// The `subs` limit of `ns`'s participants on NATS: over WebSocket all sessions of one
+/// participant on a broker hold at most this many, so one NATS connection may too.
+pub fn subscription_cap(config: &Config, ns: &str) -> usize {
+    config.namespaces.get(ns).map_or_else(
+        || Topics::default().max_subscriptions_per_participant,
+        |n| n.topics.max_subscriptions_per_participant,
+    )
+}
+
 /// What goes into one scoped user JWT.
 #[derive(Debug, Clone)]
 pub struct UserGrant<'a> {
@@ -105,6 +114,9 @@ pub struct UserGrant<'a> {
     pub audience: Option<&'a str>,
     /// MIG over NATS is enabled: the grant includes its subjects (see [`allow_lists`]).
     pub mig: Option<&'a [String]>,
+    /// `subs`: what one connection may hold on the shared server, the namespace's
+    /// `topics.max_subscriptions_per_participant`.
+    pub max_subscriptions: usize,
 }
 
 fn object(value: Value) -> Claims {
@@ -127,7 +139,10 @@ pub fn user_claims(g: &UserGrant<'_>) -> Claims {
     let mut nats = json!({
         "pub": publish,
         "sub": {"allow": lists.subscribe},
-        "subs": -1,
+        // Its reply prefix alone would take any number of subscriptions on the server all
+        // brokers and participants share. Payload stays the server's `max_payload`, and
+        // nats-server counts no data for users.
+        "subs": g.max_subscriptions,
         "data": -1,
         "payload": -1,
         "type": "user",
@@ -159,11 +174,13 @@ pub fn issue(issuer: &KeyPair, g: &UserGrant<'_>) -> Result<String, JwtError> {
 /// The JWT `hello` returns to `ns/name`: for an NKey participant its `sub` is the
 /// participant's own key (so the participant connects to NATS with this JWT and its seed);
 /// for a token participant a fresh user key, and the JWT is a bearer token.
+#[allow(clippy::too_many_arguments)]
 pub fn hello_jwt(
     issuer: &KeyPair,
     ns: &str,
     name: &str,
     participant: &super::config::Participant,
+    max_subscriptions: usize,
     unix_s: u64,
     ttl_s: u64,
     mig: Option<&[String]>,
@@ -187,6 +204,7 @@ pub fn hello_jwt(
         bearer,
         audience: None,
         mig,
+        max_subscriptions,
     });
     claims.insert(
         CREDENTIAL_CLAIM.into(),
@@ -328,6 +346,7 @@ mod tests {
             bearer: false,
             audience: None,
             mig: Some(&[]),
+            max_subscriptions: 1024,
         }
     }
 
@@ -385,6 +404,25 @@ mod tests {
             claims["nats"]["sub"],
             json!({"allow": ["_INBOX_acme_w1.>", "amp.acme.topic.orders.>"]})
         );
+    }
+
+    #[test]
+    fn a_connection_may_hold_as_many_subscriptions_as_the_participant_over_websocket() {
+        let w1 = |hash: &str| json!({"w1": {"token_sha256": hash.repeat(64)}});
+        let config = json!({"namespaces": {
+            "acme": {"participants": w1("a"), "topics": {"max_subscriptions_per_participant": 8}},
+            "beta": {"participants": w1("b")},
+        }});
+        let config = Config::parse(config.to_string().as_bytes()).expect("config");
+        assert_eq!(subscription_cap(&config, "acme"), 8);
+        assert_eq!(subscription_cap(&config, "beta"), 1024);
+        let p = perms();
+        let mut g = grant(&p, "U");
+        g.max_subscriptions = subscription_cap(&config, "acme");
+        let claims = user_claims(&g);
+        assert_eq!(claims["nats"]["subs"], json!(8));
+        // -1: the server's own `max_payload`.
+        assert_eq!(claims["nats"]["payload"], json!(-1));
     }
 
     #[test]

@@ -16,6 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use amp_broker::jwt;
+use amp_broker::nkeys::{KeyKind, KeyPair};
 use amp_broker::testing::nats_model::ModelOptions;
 use amp_broker::testing::nats_model::tcp::ModelServer;
 
@@ -296,6 +298,37 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// An operator-mode server trusting a freshly made operator, with one account preloaded;
+/// returns the server and the account key that signs user JWTs.
+pub fn operator_mode_server() -> (NatsServer, KeyPair) {
+    let operator = KeyPair::generate(KeyKind::Operator).expect("operator");
+    let account = KeyPair::generate(KeyKind::Account).expect("account");
+    // JetStream (on in every test server) needs a system account in operator mode.
+    let system = KeyPair::generate(KeyKind::Account).expect("system account");
+    let system_jwt = jwt::encode(
+        &jwt::system_account_claims(&system.public_key(), "SYS"),
+        &operator,
+    )
+    .expect("system jwt");
+    let operator_jwt = jwt::encode(
+        &jwt::operator_claims(&operator.public_key(), "test-operator"),
+        &operator,
+    )
+    .expect("operator jwt");
+    let account_jwt = jwt::encode(
+        &jwt::account_claims(&account.public_key(), "test-account"),
+        &operator,
+    )
+    .expect("account jwt");
+    let server = NatsServer::with_config(&format!(
+        "operator: {operator_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
+         resolver_preload: {{\n  {acc}: {account_jwt}\n  {sys}: {system_jwt}\n}}\n",
+        acc = account.public_key(),
+        sys = system.public_key(),
+    ));
+    (server, account)
 }
 
 /// Polls `cond` until it holds or `timeout` passes; for conditions no event announces.

@@ -175,6 +175,7 @@ fn hello_jwt(account: &KeyPair, acme: &Namespace, name: &str, iat: u64) -> Strin
         "acme",
         name,
         &acme.participants[name],
+        acme.topics.max_subscriptions_per_participant,
         iat,
         600,
         Some(&[]),
@@ -197,6 +198,7 @@ fn user_and_password_token_authorizes_with_the_scoped_user_jwt() {
             claims["nats"]["sub"]["allow"],
             json!(["_INBOX_acme_w1.>", "amp.acme.topic.orders.eu.*"])
         );
+        assert_eq!(claims["nats"]["subs"], json!(1024));
         assert_eq!(claims["exp"], json!(NOW + 3600));
     }
 }

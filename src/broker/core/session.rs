@@ -266,7 +266,8 @@ impl Broker {
         if let (Some(issuer), Some(p)) = (&self.issuer, self.config.participant(&ns, &name)) {
             let mig = readable_dead_letters(&self.config, &ns, p);
             let (now_s, ttl) = (self.clock.unix_seconds(now), self.config.callout.jwt_ttl_s);
-            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, now_s, ttl, mig.as_deref()) {
+            let subs = scoped_jwt::subscription_cap(&self.config, &ns);
+            match scoped_jwt::hello_jwt(issuer, &ns, &name, p, subs, now_s, ttl, mig.as_deref()) {
                 Ok(jwt) => reply = reply.str("jwt", &jwt),
                 Err(e) => log::warn!(participant:% = key; "no JWT for the participant: {e}"),
             }

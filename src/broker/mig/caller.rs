@@ -638,6 +638,7 @@ mod tests {
             "acme",
             name,
             p,
+            crate::broker::scoped_jwt::subscription_cap(c, "acme"),
             (NOW_MS / 1000) as u64,
             3600,
             Some(&[]),
