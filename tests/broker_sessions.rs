@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use amp_broker::broker::binding::{self, StreamSettings};
 use amp_broker::jetstream::MsgTtl;
+use amp_broker::nats::{Client as NatsClient, Options};
 use common::NatsServer;
-use common::amp::{Broker, Client, http_get, metric, open_config};
+use common::amp::{Broker, Client, http_get, metric, open_config, open_to_any_name};
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -541,7 +542,8 @@ fn watch_reports_up_and_down_and_who_lists_present_participants() {
 }
 
 /// Writes `count` registry entries of participants elsewhere straight to the bucket and
-/// waits until the broker's view (asked through `a`) has them all.
+/// waits until the broker's view (asked through `a`) has them all. Their names are not
+/// listed: the namespace needs an `open` entry ([`open_to_any_name`]).
 fn register_others(nats: &NatsServer, a: &mut Client, count: usize) {
     let mut js = amp_broker::jetstream::Context::new(
         amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
@@ -586,7 +588,7 @@ fn who_and_watch_list_at_most_their_share_of_participants_a_second() {
     // entries for the broker to write out: at the frame rate alone, a session could have
     // it list millions a second.
     let nats = NatsServer::start();
-    let mut config = open_config(&["a", "w"]);
+    let mut config = open_to_any_name(open_config(&["a", "w"]));
     config["limits"] = json!({"presence_listed_per_s": 10000});
     let broker = Broker::start(&nats.url(), &config);
     let mut a = Client::login(&broker, "acme", "a", "a-token");
@@ -627,7 +629,7 @@ fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
     // bound of 64 KiB: the watch's `up`s take about five times that. Sent at once they
     // closed the watcher as a slow consumer.
     let nats = NatsServer::start();
-    let mut config = open_config(&["a", "w"]);
+    let mut config = open_to_any_name(open_config(&["a", "w"]));
     config["limits"] = json!({"max_outbound_bytes": 65536});
     let broker = Broker::start(&nats.url(), &config);
     let mut a = Client::login(&broker, "acme", "a", "a-token");
@@ -817,6 +819,44 @@ fn presence_until(w: &mut Client, name: &str, done: impl Fn(&Value) -> bool) -> 
 }
 
 #[test]
+fn a_registry_key_that_is_no_participants_name_is_never_told() {
+    // Anyone who may publish on `$KV.AMP_REGISTRY_<ns>.>` in the broker's account put
+    // keys every broker mirrored and told every watcher as `up`, without bound.
+    let nats = NatsServer::start();
+    let broker = Broker::start(&nats.url(), &open_config(&["w", "p"]));
+    let mut w = Client::login(&broker, "acme", "w", "w-token");
+    w.request(json!({"op":"watch"}));
+    let mut raw = NatsClient::connect(Options::new(&nats.url())).expect("connect");
+    for key in ["ceo", "x.y"] {
+        let entry = json!({"name": key, "broker": "forged", "serve": {}, "load": {}, "labels": {}});
+        let ack = raw
+            .request(
+                &format!("$KV.AMP_REGISTRY_acme.{key}"),
+                None,
+                entry.to_string().as_bytes(),
+                WAIT,
+            )
+            .expect("stored");
+        let ack: Value = serde_json::from_slice(&ack.payload).expect("ack");
+        assert!(ack["seq"].is_u64(), "{ack}");
+    }
+    // The watch delivers in stream order: the forgeries come before p's entry.
+    let _p = Client::login(&broker, "acme", "p", "p-token");
+    let mut told = Vec::new();
+    while told.last() != Some(&json!("p")) {
+        let f = w.next_op("presence", WAIT).expect("p's presence");
+        told.push(f["name"].clone());
+    }
+    assert!(
+        !told.contains(&json!("ceo")) && !told.contains(&json!("x.y")),
+        "{told:?}"
+    );
+    assert!(!who_lists(&mut w, "ceo"));
+    let refused = metric(&broker, "amp_registry_keys_refused_total{reason=\"name\"}");
+    assert_eq!(refused, Some(2.0));
+}
+
+#[test]
 fn what_a_participant_serves_on_two_brokers_is_summed_in_its_one_entry() {
     // Each broker's refresh rewrote the one entry with its own `serve`, `load` and
     // `broker`: what it said of the jobs served followed the last writer.
@@ -992,7 +1032,7 @@ fn a_short_nats_outage_resumes_the_registry_watch_without_reading_every_entry() 
     let relay = common::relay::Relay::start(&nats.addr());
     // A resume is allowed within half the TTL: 15 s, not the default's 7.5 s, which a
     // loaded machine's reconnect has overrun (a whole read, 202 of 200).
-    let mut config = open_config(&["w"]);
+    let mut config = open_to_any_name(open_config(&["w"]));
     config["limits"] = json!({"registry_ttl_s": 30});
     let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
     let mut w = Client::login(&one, "acme", "w", "w-token");
@@ -1052,7 +1092,7 @@ fn a_registry_bucket_whose_markers_outlive_less_than_its_entries_still_tells_a_r
     let made_at_two = binding::registry_stream_config("acme", 2, StreamSettings::default());
     js.create_stream(&made_at_two).expect("registry bucket");
     let relay = common::relay::Relay::start(&nats.addr());
-    let mut config = open_config(&["w"]);
+    let mut config = open_to_any_name(open_config(&["w"]));
     config["limits"] = json!({"registry_ttl_s": 30});
     let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
     let mut w = Client::login(&one, "acme", "w", "w-token");

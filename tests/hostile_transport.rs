@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::amp::{Broker, Client, open_config};
+use common::amp::{Broker, Client, open_config, open_to_any_name};
 use common::{NatsServer, client_frame, connect_from, connect_with, wait_until};
 use serde_json::{Value, json};
 use tungstenite::Message;
@@ -639,7 +639,7 @@ fn a_burst_of_presence_changes_to_watchers_that_do_not_read_stays_within_the_mem
     const WATCHERS: usize = 200;
     const CHANGES: usize = 8_000;
     let nats = NatsServer::start();
-    let mut config = open_config(&["watcher", "honest"]);
+    let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
     config["limits"] = json!({"max_buffered_bytes": BUDGET});
     let broker = Broker::start(&nats.url(), &config);
     let pid = broker.pid().expect("pid");

@@ -1524,6 +1524,15 @@ impl Broker {
                 .map(|(r, _)| r.resyncs())
                 .sum::<u64>()
         );
+        let (names, full) = self
+            .registries
+            .values()
+            .map(|(r, _)| r.refused())
+            .fold((0, 0), |(a, b), (n, f)| (a + n, b + f));
+        let _ = writeln!(
+            out,
+            "# HELP amp_registry_keys_refused_total Registry bucket entries the mirror left out: no participant's name (name), or a new name admitted by `open` past the cap (full).\n# TYPE amp_registry_keys_refused_total counter\namp_registry_keys_refused_total{{reason=\"name\"}} {names}\namp_registry_keys_refused_total{{reason=\"full\"}} {full}"
+        );
         self.jobs.render_metrics(out);
         self.mig.render_metrics(out);
     }

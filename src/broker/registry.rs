@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::value::RawValue;
 
 use super::binding;
+use super::config::{Namespace, is_name};
 use crate::jetstream::kv::{Kv, KvOperation, KvWatcher, WatchAction, WatchEvent, WatchOptions};
 use crate::jetstream::{ApiPrefix, JsError};
 
@@ -211,6 +212,53 @@ impl Change {
     }
 }
 
+/// Whether the mirror keeps a key: the names of a namespace's participants are its only
+/// legitimate keys, and anyone who may publish on `$KV.>` in the broker's account (or a
+/// misbehaving server) could add others, each an `up` to every watcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// A listed participant: always kept (the configuration bounds them).
+    Listed,
+    /// A name the namespace's `open` entry admits: kept while the mirror holds fewer than
+    /// its cap.
+    Open,
+    /// Not a participant of the namespace.
+    No,
+}
+
+impl Admit {
+    /// How `ns`'s configuration takes `name` as a key of its registry.
+    pub fn of(ns: &Namespace, name: &str) -> Admit {
+        if ns.participants.contains_key(name) {
+            Admit::Listed
+        } else if ns.open.is_some() && is_name(name) {
+            Admit::Open
+        } else {
+            Admit::No
+        }
+    }
+}
+
+/// Entries beyond which the mirror takes no new [`Admit::Open`] key: each present
+/// participant holds a consumer on the namespace's inbox stream, and JetStream holds that
+/// stream to `inbox.max_consumers` (at least the listed participants).
+pub fn mirror_cap(ns: &Namespace) -> usize {
+    usize::try_from(ns.inbox.max_consumers).unwrap_or(usize::MAX)
+}
+
+/// Keys the mirror left out, and when it last said so.
+#[derive(Debug, Default)]
+struct Refused {
+    names: u64,
+    full: u64,
+    /// Refusals since the last warning, and when that was.
+    unwarned: u64,
+    warned: Option<Instant>,
+}
+
+/// The most often a registry mirror warns of keys it left out.
+const REFUSAL_WARN_GAP: Duration = Duration::from_secs(60);
+
 /// A participant's value as the watch last delivered it.
 struct Mirrored {
     shown: Entry,
@@ -220,6 +268,7 @@ struct Mirrored {
 }
 
 pub struct Registry {
+    ns: String,
     watcher: KvWatcher,
     entries: BTreeMap<String, Mirrored>,
     ttl_ms: i64,
@@ -231,6 +280,7 @@ pub struct Registry {
     /// deadline filed earlier is stale when it fires.
     filed: Option<Instant>,
     generation: u64,
+    refused: Refused,
 }
 
 impl Registry {
@@ -259,6 +309,7 @@ impl Registry {
         };
         let watcher = KvWatcher::new(kv, options, deliver_prefix, consumer_base, now)?;
         Ok(Registry {
+            ns: ns.to_string(),
             watcher,
             entries: BTreeMap::new(),
             ttl_ms: i64::try_from(ttl_s.saturating_mul(1000)).unwrap_or(i64::MAX),
@@ -266,6 +317,7 @@ impl Registry {
             ready: false,
             filed: None,
             generation: 0,
+            refused: Refused::default(),
         })
     }
 
@@ -360,15 +412,60 @@ impl Registry {
             .map(|(name, m)| (name, &m.shown))
     }
 
-    /// Applies what the watch reported since the last call; returns the changes.
-    pub fn poll_changes(&mut self, now: Instant) -> Vec<Change> {
+    /// Keys left out: not a participant's name, and past the cap.
+    pub fn refused(&self) -> (u64, u64) {
+        (self.refused.names, self.refused.full)
+    }
+
+    fn refuse(&mut self, name: &str, why: &str, now: Instant) {
+        self.refused.unwarned += 1;
+        if self
+            .refused
+            .warned
+            .is_some_and(|at| now.saturating_duration_since(at) < REFUSAL_WARN_GAP)
+        {
+            return;
+        }
+        let count = std::mem::take(&mut self.refused.unwarned);
+        self.refused.warned = Some(now);
+        log::warn!(ns:% = self.ns, key:? = name; "registry mirror left out {count} key(s) since its last warning, this one as {why}");
+    }
+
+    /// Applies what the watch reported since the last call; returns the changes. A key
+    /// `admit` refuses is left out (and dropped if held), as is a new [`Admit::Open`] one
+    /// while `cap` entries are held.
+    pub fn poll_changes(
+        &mut self,
+        now: Instant,
+        admit: impl Fn(&str) -> Admit,
+        cap: usize,
+    ) -> Vec<Change> {
         let mut changes = Vec::new();
         while let Some(event) = self.watcher.poll_event(now) {
             match event {
                 WatchEvent::Entry(entry) => {
                     let name = entry.key.clone();
                     let live = entry.operation == KvOperation::Put && entry.marker.is_none();
-                    let value = if live { split(&entry.value) } else { None };
+                    let mut value = if live { split(&entry.value) } else { None };
+                    if value.is_some() {
+                        match admit(&name) {
+                            Admit::Open
+                                if self.entries.len() >= cap
+                                    && !self.entries.contains_key(&name) =>
+                            {
+                                self.refused.full += 1;
+                                self.refuse(&name, "one past the cap", now);
+                                continue;
+                            }
+                            Admit::Listed | Admit::Open => {}
+                            Admit::No => {
+                                self.refused.names += 1;
+                                self.refuse(&name, "no participant's name", now);
+                                // One held since a reload delisted it goes.
+                                value = None;
+                            }
+                        }
+                    }
                     if let (Some(confirmed), Some(_)) = (&mut self.confirmed, &value) {
                         confirmed.insert(name.clone());
                     }
@@ -593,7 +690,7 @@ mod tests {
         let kind = create(&mut r).expect("a consumer create");
         let gone = br#"{"error":{"code":404,"err_code":10059,"description":"stream not found"}}"#;
         r.watcher().on_reply(kind, Ok(gone), t0);
-        assert!(r.poll_changes(t0).is_empty());
+        assert!(r.poll_changes(t0, |_| Admit::Listed, 1).is_empty());
         assert!(!r.watcher().is_stopped(), "the watch stopped");
         let (at, generation) = r.deadline_to_file().expect("a retry");
         assert!(
@@ -603,6 +700,94 @@ mod tests {
         );
         assert!(r.on_deadline(generation, at));
         assert!(create(&mut r).is_some(), "asked again");
+    }
+
+    /// Answers the create of `r`'s watch and delivers `keys` to it, each a put of an
+    /// entry, the last with nothing pending after it.
+    fn delivered(r: &mut Registry, keys: &[&str], t0: Instant) {
+        let kind = std::iter::from_fn(|| r.poll_action())
+            .find_map(|a| match a {
+                WatchAction::Request { kind, .. } => Some(kind),
+                _ => None,
+            })
+            .expect("a consumer create");
+        let consumer = r.watcher().consumer_name().to_string();
+        let info = serde_json::json!({
+            "stream_name": "KV_AMP_REGISTRY_acme", "name": consumer, "config": {},
+            "num_pending": keys.len(),
+        });
+        r.watcher()
+            .on_reply(kind, Ok(info.to_string().as_bytes()), t0);
+        for (i, key) in keys.iter().enumerate() {
+            let seq = i + 1;
+            let pending = keys.len() - seq;
+            let reply = format!(
+                "$JS.ACK.KV_AMP_REGISTRY_acme.{consumer}.1.{seq}.{seq}.1700000000000000000.{pending}"
+            );
+            let subject = format!("$KV.AMP_REGISTRY_acme.{key}");
+            let payload = format!(r#"{{"name":"{key}","broker":"b9"}}"#);
+            r.watcher().on_message(
+                &crate::jetstream::Delivery {
+                    subject: &subject,
+                    reply: Some(&reply),
+                    headers: None,
+                    payload: payload.as_bytes(),
+                },
+                t0,
+            );
+        }
+    }
+
+    fn namespace(open: bool, max_consumers: u64) -> Namespace {
+        let mut ns = serde_json::json!({
+            "participants": {"w1": {"token_sha256": "a".repeat(64)}},
+            "inbox": {"max_consumers": max_consumers},
+        });
+        if open {
+            ns["open"] = serde_json::json!({"token_sha256": "b".repeat(64)});
+        }
+        let config = serde_json::json!({"namespaces": {"acme": ns}});
+        let mut config =
+            super::super::config::Config::parse(config.to_string().as_bytes()).expect("config");
+        config.namespaces.remove("acme").expect("acme")
+    }
+
+    fn ups(changes: &[Change]) -> Vec<&str> {
+        changes
+            .iter()
+            .filter(|c| matches!(c, Change::Up(..)))
+            .map(Change::name)
+            .collect()
+    }
+
+    #[test]
+    fn the_mirror_keeps_only_participant_names_and_at_most_its_cap_of_open_ones() {
+        // Anyone who may publish on `$KV.AMP_REGISTRY_acme.<key>` made every broker mirror
+        // the key and tell every watcher `up`, without bound.
+        let t0 = Instant::now();
+        let keys = ["ceo", "w1", "o1", "o2", "o3", "o4", "a_b-1"];
+        let listed_only = namespace(false, 3);
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
+            .expect("registry");
+        delivered(&mut r, &keys, t0);
+        let changes = r.poll_changes(t0, |n| Admit::of(&listed_only, n), mirror_cap(&listed_only));
+        assert_eq!(ups(&changes), ["w1"]);
+        assert_eq!(r.present(), 1);
+        assert_eq!(r.refused(), (6, 0));
+
+        // With `open`, any valid name is a participant's, up to the cap; the listed one
+        // still fits past it.
+        let open = namespace(true, 3);
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
+            .expect("registry");
+        let keys = ["o0", "o1", "o2", "ceo", "o3", "a_b-1", "w1"];
+        delivered(&mut r, &keys, t0);
+        let changes = r.poll_changes(t0, |n| Admit::of(&open, n), mirror_cap(&open));
+        assert_eq!(ups(&changes), ["o0", "o1", "o2", "w1"], "{changes:?}");
+        assert_eq!(r.present(), 4);
+        assert_eq!(r.refused(), (0, 3));
+        assert_eq!(Admit::of(&open, "a.b"), Admit::No);
+        assert_eq!(Admit::of(&open, &"x".repeat(65)), Admit::No);
     }
 
     #[test]

@@ -41,6 +41,14 @@ pub fn open_config(names: &[&str]) -> Value {
     json!({"namespaces": {"acme": {"participants": participants}}})
 }
 
+/// `config`'s namespace `acme` with an `open` entry (token `open-token`, no permissions):
+/// registry entries other brokers write of participants not listed here are mirrored
+/// only when a name is admissible this way.
+pub fn open_to_any_name(mut config: Value) -> Value {
+    config["namespaces"]["acme"]["open"] = json!({"token_sha256": token_hash("open-token")});
+    config
+}
+
 /// A running broker process, killed when dropped.
 pub struct Broker {
     child: Option<Child>,

@@ -2,7 +2,9 @@
 //! that mirrors every broker's, and `who` / `watch`.
 
 use super::*;
-use crate::broker::registry::{Change, Composed, Entry, MAX_SECTIONS, Section, Serving, compose};
+use crate::broker::registry::{
+    Admit, Change, Composed, Entry, MAX_SECTIONS, Section, Serving, compose, mirror_cap,
+};
 use crate::jetstream::MsgTtl;
 use crate::jetstream::kv::Kv;
 
@@ -579,7 +581,13 @@ impl Broker {
                 }
             }
         }
-        let changes = registry.poll_changes(now);
+        // Field borrow, as above.
+        let namespace = self.config.namespaces.get(ns);
+        let changes = registry.poll_changes(
+            now,
+            |name| namespace.map_or(Admit::No, |n| Admit::of(n, name)),
+            namespace.map_or(0, mirror_cap),
+        );
         if let Some((at, generation)) = registry.deadline_to_file() {
             // Field borrow, as above.
             let timer = Timer::RegistryWatch {
