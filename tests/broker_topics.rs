@@ -345,7 +345,8 @@ fn a_durable_resumed_after_its_broker_was_killed_gets_the_unacked_event_first() 
     assert_eq!(
         got,
         [e2, e3],
-        "the event the killed broker held first, then the new one"
+        "the event the killed broker held first, then the new one; log:\n{}",
+        other.log()
     );
 }
 
@@ -749,4 +750,92 @@ fn a_durable_subscribe_refused_for_another_topic_on_another_broker_leaves_its_re
     );
     let ok = reader.request(json!({"op":"ack","id":"a1","sub":"keep","seq":first["seq"]}));
     assert_eq!(ok["op"], "ok", "{ok}");
+}
+
+#[test]
+fn a_durable_gets_every_event_its_broker_lost_in_reconnects_and_keeps_flowing() {
+    // Broker one reaches NATS through a relay. Three times the link goes silent while
+    // the server sends broker one's pull a batch, and is then cut: the batch is lost on
+    // the way, out to the consumer but never seen. After their ack wait those events
+    // came back behind the session's last event, were never sent (`passed`), and each
+    // held one of the durable's 256 unacknowledged slots for as long as the session
+    // lasted.
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let config = open_config(&["pub", "sub"]);
+    let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let mut s = Client::login(&one, "acme", "sub", "sub-token");
+    let ok = s.request(json!({"op":"subscribe","topic":"r.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let mut js = nats.jetstream();
+    let consumer = amp_broker::broker::binding::durable_sub_consumer("sub", "keep");
+    let mut delivered_through = |seq: u64| {
+        common::wait_until(WAIT, || {
+            js.consumer_info("AMP_TOPICS_acme", &consumer)
+                .is_ok_and(|i| i.delivered.stream_seq >= seq)
+        })
+    };
+    let mut published = vec![publish(&mut p, "r.x", json!("first"))];
+    let first = events(&mut s, 1).remove(0);
+    assert_eq!(
+        s.request(json!({"op":"ack","sub":"keep","seq":first["seq"]}))["op"],
+        "ok"
+    );
+    for round in 1..=3 {
+        relay.freeze();
+        let lost: Vec<u64> = (0..20)
+            .map(|n| publish(&mut p, "r.x", json!({"round": round, "n": n})))
+            .collect();
+        let last = lost[lost.len() - 1];
+        assert!(delivered_through(last), "round {round}: the batch went out");
+        relay.cut();
+        relay.restore();
+        assert!(
+            common::wait_until(WAIT, || common::amp::metric(
+                &one,
+                "amp_nats_reconnects_total"
+            ) == Some(f64::from(round))),
+            "round {round}: broker one is back"
+        );
+        published.extend(lost);
+        // Pulled again after the reconnect: it reaches the consumer's new pull.
+        let after = publish(&mut p, "r.x", json!({"round": round, "after": true}));
+        assert!(delivered_through(after), "round {round}: pulled again");
+        published.push(after);
+    }
+    let mut missing: std::collections::BTreeSet<u64> = published[1..].iter().copied().collect();
+    // The lost events come again after their 30 s ack wait.
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let mut got = Vec::new();
+    while !missing.is_empty() && std::time::Instant::now() < until {
+        if let Some(e) = s.next_op("event", Duration::from_secs(1)) {
+            let seq = e["seq"].as_u64().unwrap_or_default();
+            missing.remove(&seq);
+            got.push(seq);
+            s.send(&json!({"op":"ack","sub":"keep","seq":seq}));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "never delivered: {missing:?}, got {got:?}; broker log:\n{}",
+        one.log()
+    );
+    // Held until the lost ones came again, in stream order (spec 2.3).
+    assert_eq!(got, published[1..], "in stream order, each once");
+    // The durable flows on, and no event holds an unacknowledged slot. (The publisher's
+    // session, unread meanwhile, missed the broker's pings.)
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let later = publish(&mut p, "r.x", json!("later"));
+    let e = events(&mut s, 1).remove(0);
+    assert_eq!(e["seq"].as_u64(), Some(later), "{e}");
+    s.send(&json!({"op":"ack","sub":"keep","seq":later}));
+    let mut js = nats.jetstream();
+    assert!(
+        common::wait_until(WAIT, || js
+            .consumer_info("AMP_TOPICS_acme", &consumer)
+            .is_ok_and(|i| i.num_ack_pending == 0)),
+        "events left unacknowledged"
+    );
 }

@@ -1274,7 +1274,7 @@ impl Broker {
                 }
             }
             Timer::ResumeWait(session, sub, serial) => {
-                self.resume_wait_over(conn, session, &sub, serial)
+                self.resume_wait_over(conn, session, &sub, serial, now)
             }
             Timer::SubRetry(session, sub, serial) => {
                 self.retry_subscription(conn, session, &sub, serial, now)

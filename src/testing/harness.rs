@@ -46,6 +46,10 @@ struct Node {
     broker: Broker,
     conn: Connection,
     link: Option<ClientId>,
+    /// Set ([`Harness::deafen`]): what the server sends it is lost on the way.
+    deaf: bool,
+    /// Set ([`Harness::mute`]): what it sends the server is lost on the way.
+    mute: bool,
 }
 
 /// What a session has received and not yet been read by the test.
@@ -137,6 +141,8 @@ impl Harness {
             broker,
             conn,
             link: None,
+            deaf: false,
+            mute: false,
         }
     }
 
@@ -364,6 +370,32 @@ impl Harness {
         self.settle();
     }
 
+    /// From now on (`deaf`) or no more, whatever the server sends `node` is lost on the
+    /// way, whole messages at a time (its deliveries counted as delivered all the same),
+    /// while what the broker sends still arrives: a link that is going down.
+    pub fn deafen(&mut self, node: usize, deaf: bool) {
+        self.nodes[node].deaf = deaf;
+    }
+
+    /// From now on (`mute`) or no more, whatever `node` sends the server is lost on the
+    /// way, whole writes at a time (acks among them).
+    pub fn mute(&mut self, node: usize, mute: bool) {
+        self.nodes[node].mute = mute;
+    }
+
+    /// `node`'s NATS connection drops (its broker reconnects); it hears and is heard
+    /// again.
+    pub fn cut(&mut self, node: usize) {
+        let n = &mut self.nodes[node];
+        n.deaf = false;
+        n.mute = false;
+        if let Some(c) = n.link.take() {
+            self.server.disconnect(c, self.now);
+            n.conn.on_transport_closed(self.now, "link cut");
+        }
+        self.settle();
+    }
+
     /// A broker process dies and one with the same id and configuration starts: its
     /// sessions are closed from the client's side (1006), its NATS transport drops.
     pub fn crash(&mut self, node: usize) {
@@ -453,11 +485,13 @@ impl Harness {
                     let bytes = n.conn.output().to_vec();
                     if !bytes.is_empty() {
                         n.conn.consume_output(bytes.len());
-                        self.server.receive(c, &bytes, now);
+                        if !n.mute {
+                            self.server.receive(c, &bytes, now);
+                        }
                         busy = true;
                     }
                     let out = self.server.take_output(c);
-                    if !out.is_empty() {
+                    if !out.is_empty() && !n.deaf {
                         n.conn.receive(&out, now);
                         busy = true;
                     }

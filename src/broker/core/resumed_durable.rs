@@ -15,6 +15,9 @@
 //! as were out have come, or one ack wait and a margin has passed (when every event out
 //! at the lookup was due again). Then all it holds are naked in stream order, and
 //! JetStream delivers them again first, in that order, before anything newer.
+//!
+//! A live session's durable whose deliveries went missing on the way (its consumer
+//! sequences skip, see `topics.rs`) waits the same way for the missing ones.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -26,8 +29,10 @@ const MARGIN: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 pub(super) struct Resumed {
-    /// The last stream sequence the consumer had delivered at the lookup: every event
-    /// out then is at or below it.
+    /// The events waited for are above this stream sequence...
+    above: u64,
+    /// ...and at or below this one: after a lookup, the last the consumer had delivered
+    /// then (every event out then is at or below it).
     through: u64,
     /// Events out at the lookup that have not come yet.
     left: u64,
@@ -64,6 +69,7 @@ impl Resumed {
     pub(super) fn after_lookup(info: &Value, ack_wait: Duration, now: Instant) -> Option<Resumed> {
         let left = info["num_ack_pending"].as_u64().filter(|&n| n > 0)?;
         Some(Resumed {
+            above: 0,
             through: info["delivered"]["stream_seq"].as_u64().unwrap_or(0),
             left,
             until: now + ack_wait + MARGIN,
@@ -71,6 +77,28 @@ impl Resumed {
             naked: 0,
             waiting: true,
         })
+    }
+
+    /// The order keeper for a durable whose `lost` deliveries went missing on the way
+    /// (out to a connection that dropped): which events they were is not known, only
+    /// that those that matter were never sent, so are above `last_sent`; it holds
+    /// everything until as many such events came again, or one ack wait and the margin
+    /// has passed, by when each of them was due again.
+    pub(super) fn after_loss(
+        lost: u64,
+        last_sent: u64,
+        ack_wait: Duration,
+        now: Instant,
+    ) -> Resumed {
+        Resumed {
+            above: last_sent,
+            through: u64::MAX,
+            left: lost,
+            until: now + ack_wait + MARGIN,
+            held: BTreeMap::new(),
+            naked: 0,
+            waiting: true,
+        }
     }
 
     pub(super) fn until(&self) -> Instant {
@@ -93,7 +121,11 @@ impl Resumed {
                 ack: reply.to_string(),
                 nak: 0,
             };
-            if self.held.insert(seq, held).is_none() && seq <= self.through {
+            // An event waited for comes again: it was delivered before.
+            if self.held.insert(seq, held).is_none()
+                && redelivery
+                && (self.above + 1..=self.through).contains(&seq)
+            {
                 self.left = self.left.saturating_sub(1);
             }
             if self.left == 0 || now >= self.until {
@@ -126,9 +158,27 @@ impl Resumed {
         Admit::Hold
     }
 
-    /// The wait is over (its timer): hands back what it holds.
-    pub(super) fn wait_over(&mut self, naks: &mut Vec<String>) {
-        if self.waiting {
+    /// More deliveries were lost on the way while it waits: it waits for those too.
+    /// The new end of the wait, if it still waits.
+    pub(super) fn lost_again(
+        &mut self,
+        lost: u64,
+        ack_wait: Duration,
+        now: Instant,
+    ) -> Option<Instant> {
+        if !self.waiting {
+            return None;
+        }
+        self.left = self.left.saturating_add(lost);
+        self.through = u64::MAX;
+        self.until = self.until.max(now + ack_wait + MARGIN);
+        Some(self.until)
+    }
+
+    /// A timer for the end of the wait: unless the wait was made longer since, it hands
+    /// back what it holds.
+    pub(super) fn wait_over(&mut self, now: Instant, naks: &mut Vec<String>) {
+        if self.waiting && now >= self.until {
             self.hand_back(naks);
         }
     }
@@ -224,7 +274,7 @@ mod tests {
         naks.clear();
         r2.admit(6, false, "a6", now, &mut naks);
         r2.admit(8, false, "a8", now, &mut naks);
-        r2.wait_over(&mut naks);
+        r2.wait_over(r2.until(), &mut naks);
         assert_eq!(naks, ["a6", "a8"]);
         assert_eq!(r2.admit(7, true, "b7", now, &mut naks), Admit::Hold);
         assert_eq!(r2.admit(6, true, "c6", now, &mut naks), Admit::Send);
@@ -242,7 +292,7 @@ mod tests {
         let mut naks = Vec::new();
         assert_eq!(r.admit(4, true, "a4", now, &mut naks), Admit::Hold);
         assert_eq!(r.admit(6, false, "a6", now, &mut naks), Admit::Hold);
-        r.wait_over(&mut naks);
+        r.wait_over(r.until(), &mut naks);
         assert_eq!(naks, ["a4", "a6"]);
         // 3, still out elsewhere, comes before the handed-back ones: still in order.
         assert_eq!(r.admit(3, true, "a3", now, &mut naks), Admit::Send);
@@ -256,5 +306,47 @@ mod tests {
         assert!(!r.is_over());
         assert_eq!(r.admit(6, true, "a6", later, &mut naks), Admit::Send);
         assert!(r.is_over());
+    }
+
+    #[test]
+    fn a_loss_waits_for_as_many_events_above_the_last_sent_then_all_come_in_order() {
+        // 5 sent; two deliveries lost on the way (6 and 7); 9 is new, 4 (out, its ack
+        // wait run out) comes again behind 5 and does not count.
+        let now = Instant::now();
+        let mut r = Resumed::after_loss(2, 5, Duration::from_secs(30), now);
+        let mut naks = Vec::new();
+        assert_eq!(r.admit(9, false, "a9", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(4, true, "a4", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(6, true, "a6", now, &mut naks), Admit::Hold);
+        assert!(naks.is_empty(), "{naks:?}");
+        assert_eq!(r.admit(7, true, "a7", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a4", "a6", "a7", "a9"]);
+        for seq in [4, 6, 7, 9] {
+            assert_eq!(r.admit(seq, true, "", now, &mut naks), Admit::Send);
+        }
+        assert!(r.is_over());
+    }
+
+    #[test]
+    fn a_loss_while_waiting_makes_the_wait_longer() {
+        let now = Instant::now();
+        let ack_wait = Duration::from_secs(30);
+        let mut r = Resumed::after_loss(1, 5, ack_wait, now);
+        let mut naks = Vec::new();
+        assert_eq!(r.admit(8, false, "a8", now, &mut naks), Admit::Hold);
+        let later = now + Duration::from_secs(10);
+        assert_eq!(
+            r.lost_again(1, ack_wait, later),
+            Some(later + ack_wait + MARGIN)
+        );
+        // The first wait's timer finds the wait made longer: nothing handed back yet.
+        r.wait_over(now + ack_wait + MARGIN, &mut naks);
+        assert!(naks.is_empty(), "{naks:?}");
+        assert_eq!(r.admit(6, true, "a6", later, &mut naks), Admit::Hold);
+        assert!(naks.is_empty(), "one lost delivery still to come: {naks:?}");
+        assert_eq!(r.admit(7, true, "a7", later, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a6", "a7", "a8"]);
+        // Over, it waits no more.
+        assert_eq!(r.lost_again(1, ack_wait, later), None);
     }
 }

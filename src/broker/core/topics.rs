@@ -2,10 +2,11 @@
 //! consumer read by its own pull loop. A plain subscription's consumer is ephemeral and
 //! acknowledges nothing; a durable one (`binding::durable_sub_consumer`) survives the
 //! session and its events must be acked. Events of a subscription reach the session in stream order:
-//! a consumer sequence that skips means a lost delivery, and the consumer is recreated
-//! from the last event the session saw.
+//! a consumer sequence that skips means a lost delivery; a plain consumer is recreated
+//! from the last event the session saw, a durable holds its events until the lost ones
+//! come again (`resumed_durable.rs`).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -115,11 +116,20 @@ pub(super) struct Subscription {
     /// ones (`resumed_durable.rs`).
     resumed: Option<Resumed>,
     /// Durable only: events that came (again) behind the last one sent and were never
-    /// sent in this session (a delivery lost on the way, an event another session left):
-    /// not sent, to keep the order, and handed back with the rest when the session ends,
-    /// so they come first in the next one. At most `DURABLE_WINDOW`, lowest dropped
-    /// first (it comes again after its ack wait all the same).
+    /// sent in this session (a delivery lost where the wait for lost ones did not cover
+    /// it, an event another session left): not sent, since the session's events go in
+    /// stream order, and handed back with the rest when the session ends, so they come
+    /// first in the next one. At most `DURABLE_WINDOW`, lowest dropped first (it comes
+    /// again after its ack wait all the same).
     passed: BTreeMap<u64, String>,
+    /// Durable only: the last events the session acknowledged, so that one coming again
+    /// because its ack was lost on the way (a reconnect) is acknowledged again rather
+    /// than kept back as never sent. At most `DURABLE_WINDOW`, lowest forgotten first
+    /// (such a one is `passed`).
+    acked: BTreeSet<u64>,
+    /// Durable only: the NATS connection was made again since the last delivery, and
+    /// deliveries out to the old one may have been lost on the way.
+    reconnected: bool,
     /// Durable only: counted in `durables_creating` until its consumer's create is
     /// answered.
     creating: bool,
@@ -136,6 +146,7 @@ impl Subscription {
         self.last_consumer_seq = 0;
         self.inflight.clear();
         self.passed.clear();
+        self.acked.clear();
         self.resumed = None;
         self.start = DeliverFrom::All;
     }
@@ -322,6 +333,8 @@ impl Broker {
             inflight: BTreeMap::new(),
             resumed: None,
             passed: BTreeMap::new(),
+            acked: BTreeSet::new(),
+            reconnected: false,
             creating: false,
             start,
         };
@@ -1126,7 +1139,10 @@ impl Broker {
             for (sub, t) in &mut s.subs {
                 if !t.durable {
                     plain.push((session, sub.clone()));
-                } else if let Some(sid) = t.pull.retire(conn) {
+                    continue;
+                }
+                t.reconnected = true;
+                if let Some(sid) = t.pull.retire(conn) {
                     durable.push((session, sub.clone(), sid));
                 }
             }
@@ -1219,7 +1235,39 @@ impl Broker {
             if seq <= t.last_seq {
                 return;
             }
+        } else {
+            // Consumer sequences that skip: deliveries went missing on the way (out to a
+            // connection that dropped), and come again only after their ack wait. Sent
+            // meanwhile, newer events would put them behind the session's last one; so
+            // everything waits for them, as a resume does.
+            let reconnected = std::mem::take(&mut t.reconnected);
+            let lost = match t.last_consumer_seq {
+                0 => 0,
+                last => consumer_seq.saturating_sub(last.saturating_add(1)),
+            };
+            t.last_consumer_seq = consumer_seq;
+            let last_sent = t.last_seq;
+            let wait = match &mut t.resumed {
+                _ if lost == 0 => None,
+                None => {
+                    let r = Resumed::after_loss(lost, last_sent, DURABLE_ACK_WAIT, now);
+                    Some(t.resumed.insert(r).until())
+                }
+                // While a resume is put in order, deliveries that go to another reader
+                // (a pull of the session it took over) are expected; only a reconnect
+                // loses some.
+                Some(r) if reconnected => r.lost_again(lost, DURABLE_ACK_WAIT, now),
+                Some(_) => None,
+            };
+            if let Some(until) = wait {
+                let serial = t.serial;
+                log::info!(session:% = format_args!("{}-{session}", self.broker_id), sub:% = sub; "{lost} durable deliveries lost on the way; holding events until they come again");
+                self.set_timer(until, Timer::ResumeWait(session, sub.to_string(), serial));
+            }
         }
+        let Some(t) = self.subscription_mut(session, sub) else {
+            return;
+        };
         if let Some(r) = &mut t.resumed {
             let mut naks = Vec::new();
             let admit = r.admit(seq, meta.delivered > 1, reply, now, &mut naks);
@@ -1229,15 +1277,21 @@ impl Broker {
             }
         }
         if t.durable && seq <= t.last_seq {
-            // An event behind the session's last one: a redelivery of one it got (its
-            // ack wait ran out, or its ack was lost), or one it never got (`passed`):
-            // not sent twice within the session, nor out of order. Its newest ack
-            // subject is kept, and it comes first in the participant's next session if
-            // it stays unacknowledged.
+            // An event behind the session's last one is never sent (spec 2.3: in stream
+            // order, no duplicates within the session). A redelivery of one it has out
+            // (its ack wait ran out) keeps its newest ack subject; one it acknowledged
+            // (the ack lost on the way) is acknowledged again.
             if let Some(ack) = t.inflight.get_mut(&seq) {
                 *ack = reply.to_string();
+            } else if t.acked.contains(&seq) {
+                let _ = conn.publish(reply, None, None, &AckKind::Ack.payload());
             } else {
-                t.passed.insert(seq, reply.to_string());
+                // One it never got (lost on the way where the wait for lost deliveries
+                // did not cover it, an event another session left after this one went
+                // past it): it comes first in the participant's next session.
+                if t.passed.insert(seq, reply.to_string()).is_none() {
+                    log::info!(session = session, sub:% = sub, seq:% = seq; "durable event came behind the session's last one; kept for its next session");
+                }
                 if t.passed.len() > DURABLE_WINDOW as usize {
                     t.passed.pop_first();
                 }
@@ -1272,6 +1326,7 @@ impl Broker {
         session: SessionId,
         sub: &str,
         serial: u64,
+        now: Instant,
     ) {
         let Some(t) = self
             .subscription_mut(session, sub)
@@ -1283,7 +1338,7 @@ impl Broker {
             return;
         };
         let mut naks = Vec::new();
-        r.wait_over(&mut naks);
+        r.wait_over(now, &mut naks);
         settle_resumed(conn, t, &naks);
     }
 
@@ -1612,7 +1667,12 @@ impl Broker {
             }
             return;
         }
-        let Some(ack_subject) = t.inflight.remove(&seq) else {
+        let Some(ack_subject) = t.inflight.remove(&seq).inspect(|_| {
+            t.acked.insert(seq);
+            if t.acked.len() > DURABLE_WINDOW as usize {
+                t.acked.pop_first();
+            }
+        }) else {
             if let Some(re) = id {
                 let e = AmpError::new(
                     ErrorCode::NotFound,
@@ -1902,6 +1962,109 @@ mod tests {
             .filter(|f| f["op"] == "event")
             .collect();
         assert!(stray.is_empty(), "events again: {stray:?}");
+    }
+
+    /// Events `s` was sent on `sub`, all that came by now.
+    fn sent(h: &mut Harness, s: Session, sub: &str) -> Vec<u64> {
+        let frames = h.take(s);
+        let got: Vec<Value> = frames
+            .into_iter()
+            .filter(|f| f["op"] == "event" && f["sub"] == sub)
+            .collect();
+        seqs(&got)
+    }
+
+    /// The durable `d` of `dev/bob`: its events unacknowledged.
+    fn ack_pending(h: &mut Harness) -> u64 {
+        let consumer = crate::broker::binding::durable_sub_consumer("bob", "d");
+        let subject = format!("$JS.API.CONSUMER.INFO.AMP_TOPICS_dev.{consumer}");
+        let info = h.nats_request(&subject, &[], b"");
+        info["num_ack_pending"].as_u64().expect("consumer info")
+    }
+
+    #[test]
+    fn durable_deliveries_lost_in_a_reconnect_come_again_in_order() {
+        // Deliveries out to a NATS connection that drops never reach the broker and come
+        // again after their ack wait, behind newer ones: the newer ones wait for them.
+        let mut h = Harness::development(2);
+        let alice = h.join(1, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true});
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        let first = publish(&mut h, alice, "t.a", 1);
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [first]);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":first}));
+        h.deafen(0, true);
+        let mut published: Vec<u64> = (2..=4).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        h.cut(0);
+        published.push(publish(&mut h, alice, "t.a", 5));
+        h.advance(Duration::from_secs(40));
+        let got = sent(&mut h, bob, "d");
+        assert_eq!(got, published, "each once, in stream order");
+        for seq in &got {
+            h.send(bob, json!({"op":"ack","sub":"d","seq":seq}));
+        }
+        h.advance(Duration::from_secs(1));
+        assert_eq!(ack_pending(&mut h), 0);
+    }
+
+    #[test]
+    fn a_durable_event_that_comes_behind_the_last_one_sent_waits_for_the_next_session() {
+        // Event 2 is lost in a reconnect, 3 waits for it; its redelivery is lost too, and
+        // unseen (standing for any way the wait ends before a lost event is back), so
+        // the wait ends and 3 is sent. 2 then comes behind 3: sent, it would break the
+        // stream order within the session (the simulator's "event 8 after 20").
+        let mut h = Harness::development(2);
+        let alice = h.join(1, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true});
+        assert_eq!(h.request(bob, sub.clone())["op"], "ok");
+        let first = publish(&mut h, alice, "t.a", 1);
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [first]);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":first}));
+        h.deafen(0, true);
+        let lost = publish(&mut h, alice, "t.a", 2);
+        h.cut(0);
+        let third = publish(&mut h, alice, "t.a", 3);
+        h.advance(Duration::from_secs(29));
+        assert_eq!(sent(&mut h, bob, "d"), [0u64; 0], "3 waits for 2");
+        h.deafen(0, true);
+        h.advance(Duration::from_secs(2));
+        h.deafen(0, false);
+        h.advance(Duration::from_secs(40));
+        assert_eq!(sent(&mut h, bob, "d"), [third], "2 came behind 3: not sent");
+        h.send(bob, json!({"op":"ack","sub":"d","seq":third}));
+        h.advance(Duration::from_secs(1));
+        assert_eq!(ack_pending(&mut h), 1, "2, kept for the next session");
+        h.close(bob);
+        let bob = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [lost]);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":lost}));
+        let later = publish(&mut h, alice, "t.a", 4);
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [later]);
+    }
+
+    #[test]
+    fn a_durable_event_whose_ack_was_lost_in_a_reconnect_is_acknowledged_again() {
+        // The ack of 1 is lost with the connection; 1 comes again after its ack wait,
+        // behind the session's last event. Kept back as never sent, it held one of the
+        // durable's unacknowledged slots for the rest of the session and came again in
+        // the next one.
+        let mut h = Harness::development(2);
+        let alice = h.join(1, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true});
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        let published: Vec<u64> = (1..=2).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        assert_eq!(seqs(&events(&mut h, bob, "d", 2)), published);
+        h.mute(0, true);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":published[0]}));
+        h.cut(0);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":published[1]}));
+        h.advance(Duration::from_secs(40));
+        assert_eq!(sent(&mut h, bob, "d"), [0u64; 0], "nothing twice");
+        assert_eq!(ack_pending(&mut h), 0);
     }
 
     #[test]
