@@ -839,3 +839,53 @@ fn a_durable_gets_every_event_its_broker_lost_in_reconnects_and_keeps_flowing() 
         "events left unacknowledged"
     );
 }
+
+#[test]
+fn a_durable_consumer_lost_before_its_first_event_is_made_again_where_it_started() {
+    // The durable's consumer is deleted before it delivered anything, while broker one's
+    // link to NATS is silent, and events are published meanwhile. Made again from the
+    // subscribe's `from` ("new"), the consumer started after them: never delivered.
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let config = open_config(&["pub", "sub"]);
+    let one = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let two = Broker::start(&nats.url(), &config);
+    let mut p = Client::login(&two, "acme", "pub", "pub-token");
+    let mut s = Client::login(&one, "acme", "sub", "sub-token");
+    publish(&mut p, "n.x", json!("before"));
+    let ok = s.request(json!({"op":"subscribe","topic":"n.>","sub":"keep","durable":true}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    relay.freeze();
+    let mut js = nats.jetstream();
+    let consumer = amp_broker::broker::binding::durable_sub_consumer("sub", "keep");
+    assert!(
+        js.delete_consumer("AMP_TOPICS_acme", &consumer)
+            .expect("delete")
+    );
+    let missed: Vec<u64> = (0..3).map(|n| publish(&mut p, "n.x", json!(n))).collect();
+    relay.cut();
+    relay.restore();
+    let got: Vec<u64> = (0..3)
+        .map(|i| {
+            s.next_op("event", Duration::from_secs(20))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "event {i} of {missed:?} after the consumer was made again; broker log:\n{}",
+                        one.log()
+                    )
+                })["seq"]
+                .as_u64()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(
+        got, missed,
+        "from where the first consumer started, in order"
+    );
+    for seq in &got {
+        s.send(&json!({"op":"ack","sub":"keep","seq":seq}));
+    }
+    let later = publish(&mut p, "n.x", json!("later"));
+    assert_eq!(events(&mut s, 1)[0]["seq"].as_u64(), Some(later));
+    assert!(s.next_op("event", QUIET).is_none(), "nothing twice");
+}

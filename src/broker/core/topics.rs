@@ -133,8 +133,10 @@ pub(super) struct Subscription {
     /// Durable only: counted in `durables_creating` until its consumer's create is
     /// answered.
     creating: bool,
-    /// The deliver policy asked for, used again if the consumer must be made again
-    /// before any event arrived.
+    /// Where the consumer is made again from if it is lost before any event arrived:
+    /// the deliver policy asked for until the consumer is made or found, then its first
+    /// unacknowledged event as JetStream reported it (a policy asked for again would
+    /// skip what was published since).
     start: DeliverFrom,
 }
 
@@ -566,6 +568,8 @@ impl Broker {
                     return self.sub_failed(conn, to, e, now);
                 }
                 if let Some(t) = self.sub_of(&to) {
+                    // A resume ignores `from`: made again, it starts here too.
+                    t.start = first_unacked(&info).unwrap_or(t.start.clone());
                     t.resumed = Resumed::after_lookup(&info, DURABLE_ACK_WAIT, now);
                     if let Some(until) = t.resumed.as_ref().map(Resumed::until) {
                         let serial = t.serial;
@@ -777,11 +781,14 @@ impl Broker {
                 // event arrived before it (`from: "new"` must not turn into "all").
                 let info: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
                 let start = info["delivered"]["stream_seq"].as_u64();
-                if let (Some(t), Some(seq)) = (self.sub_of(&to), start)
-                    && !t.durable
-                    && t.last_seq == 0
-                {
-                    t.last_seq = seq;
+                if let Some(t) = self.sub_of(&to) {
+                    if t.durable {
+                        t.start = first_unacked(&info).unwrap_or(t.start.clone());
+                    } else if let Some(seq) = start
+                        && t.last_seq == 0
+                    {
+                        t.last_seq = seq;
+                    }
                 }
                 self.sub_ready(conn, to, now)
             }
@@ -1429,7 +1436,8 @@ impl Broker {
     }
 
     /// A durable's consumer again under its name, from its oldest event unacknowledged
-    /// here, else the one after the last sent (its events before that were acknowledged).
+    /// here, else the one after the last sent (its events before that were acknowledged),
+    /// else where its consumer started (`start`).
     fn remake_durable(
         &mut self,
         conn: &mut Connection,
@@ -1703,6 +1711,13 @@ fn deliver_from(from: &amp_frame::From) -> Result<DeliverFrom, AmpError> {
             DeliverFrom::Time(rfc3339::format_millis(millis))
         }
     })
+}
+
+/// The first unacknowledged event of the durable consumer `info` describes: right above
+/// its ack floor (a new consumer's floor is just below where its deliver policy starts).
+fn first_unacked(info: &Value) -> Option<DeliverFrom> {
+    let floor = info["ack_floor"]["stream_seq"].as_u64()?;
+    Some(DeliverFrom::Sequence(floor.saturating_add(1)))
 }
 
 /// Naks what a resumed durable's order keeper handed back, and drops the keeper once it
@@ -2065,6 +2080,36 @@ mod tests {
         h.advance(Duration::from_secs(40));
         assert_eq!(sent(&mut h, bob, "d"), [0u64; 0], "nothing twice");
         assert_eq!(ack_pending(&mut h), 0);
+    }
+
+    #[test]
+    fn a_resumed_durable_whose_consumer_is_lost_before_an_event_came_loses_none() {
+        // Resumed (its `from` ignored), then its consumer deleted while broker 0 hears
+        // nothing, and events published meanwhile: made again from the subscribe's
+        // `from` ("new"), it started after them.
+        let mut h = Harness::development(2);
+        let alice = h.join(1, "alice", json!({}));
+        let bob = h.join(0, "bob", json!({}));
+        let sub = json!({"op":"subscribe","topic":"t.a","sub":"d","durable":true});
+        assert_eq!(h.request(bob, sub.clone())["op"], "ok");
+        let first = publish(&mut h, alice, "t.a", 1);
+        assert_eq!(seqs(&events(&mut h, bob, "d", 1)), [first]);
+        h.send(bob, json!({"op":"ack","sub":"d","seq":first}));
+        h.close(bob);
+        let bob = h.join(0, "bob", json!({}));
+        assert_eq!(h.request(bob, sub)["op"], "ok");
+        h.deafen(0, true);
+        let consumer = crate::broker::binding::durable_sub_consumer("bob", "d");
+        let deleted = h.nats_request(
+            &format!("$JS.API.CONSUMER.DELETE.AMP_TOPICS_dev.{consumer}"),
+            &[],
+            b"",
+        );
+        assert_eq!(deleted["success"], true, "{deleted}");
+        let missed: Vec<u64> = (2..=3).map(|n| publish(&mut h, alice, "t.a", n)).collect();
+        h.cut(0);
+        h.advance(Duration::from_secs(10));
+        assert_eq!(sent(&mut h, bob, "d"), missed);
     }
 
     #[test]
