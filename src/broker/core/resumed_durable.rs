@@ -52,6 +52,8 @@ struct Held {
     ack: String,
     /// When it was naked, by [`Resumed::naked`]; 0 while held.
     nak: u64,
+    /// It came before lower ones naked before it and was put behind them once more.
+    again: bool,
 }
 
 /// What the subscription does with a delivery.
@@ -120,6 +122,7 @@ impl Resumed {
             let held = Held {
                 ack: reply.to_string(),
                 nak: 0,
+                again: false,
             };
             // An event waited for comes again: it was delivered before.
             if self.held.insert(seq, held).is_none()
@@ -142,19 +145,29 @@ impl Resumed {
             self.held.remove(&seq);
             return Admit::Send;
         }
-        if let Some(mine) = self.held.get(&seq).filter(|_| redelivery).map(|h| h.nak) {
+        let mut again = false;
+        if let Some(h) = self.held.get(&seq).filter(|_| redelivery) {
             // Expected, but a lower one is still to come. If that one was naked after
-            // this one, it is behind it: this one goes behind it again. If before, it
-            // went to another reader of the consumer (a session of the participant on
-            // another broker) and is not waited for.
-            if !self.held.range(..seq).any(|(_, lower)| lower.nak > mine) {
-                self.held = self.held.split_off(&seq.saturating_add(1));
-                return Admit::Send;
+            // this one, it is behind it: this one goes behind it again. If before, either
+            // this is its own redelivery racing the naks (held about as long as the ack
+            // wait, its ack wait ran out as the wait ended), or the lower one went to
+            // another reader of the consumer (a session of the participant on another
+            // broker). One more turn behind them tells: the second time it is sent, the
+            // lower ones not waited for.
+            if !self.held.range(..seq).any(|(_, lower)| lower.nak > h.nak) {
+                if h.again {
+                    self.held = self.held.split_off(&seq.saturating_add(1));
+                    return Admit::Send;
+                }
+                again = true;
             }
         }
         // New and on its way before the naks reached the server, or handed back by
         // another session meanwhile, or expected after one still to come: behind them.
         self.nak(seq, reply, naks);
+        if let Some(h) = self.held.get_mut(&seq) {
+            h.again = again;
+        }
         Admit::Hold
     }
 
@@ -197,6 +210,7 @@ impl Resumed {
         let h = Held {
             ack: reply.to_string(),
             nak: self.naked,
+            again: false,
         };
         self.held.insert(seq, h);
         naks.push(reply.to_string());
@@ -296,8 +310,10 @@ mod tests {
         assert_eq!(naks, ["a4", "a6"]);
         // 3, still out elsewhere, comes before the handed-back ones: still in order.
         assert_eq!(r.admit(3, true, "a3", now, &mut naks), Admit::Send);
-        // The handed-back 4 went to another reader: 6 is sent when it comes.
-        assert_eq!(r.admit(6, true, "a6", now, &mut naks), Admit::Send);
+        // The handed-back 4 went to another reader: 6 goes behind it once, and is sent
+        // when it comes again.
+        assert_eq!(r.admit(6, true, "b6", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(6, true, "c6", now, &mut naks), Admit::Send);
         assert!(r.is_over());
 
         let mut r = resumed(now);
@@ -348,5 +364,37 @@ mod tests {
         assert_eq!(naks, ["a6", "a7", "a8"]);
         // Over, it waits no more.
         assert_eq!(r.lost_again(1, ack_wait, later), None);
+    }
+
+    #[test]
+    fn a_held_events_own_redelivery_racing_the_naks_goes_behind_the_lower_ones_once() {
+        // Seen in broker_topics' killed-broker test: 3 was held for as long as 2's ack
+        // wait, so its own ack wait ran out just as the wait ended with 2. That
+        // redelivery of 3 came before the naked 2 and was taken for "2 went to another
+        // reader": 3 was sent, and 2 came behind it and never reached the session.
+        let now = Instant::now();
+        let mut r = resumed(now);
+        let mut naks = Vec::new();
+        assert_eq!(r.admit(3, false, "a3", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(2, true, "a2", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(1, true, "a1", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a1", "a2", "a3"]);
+        assert_eq!(r.admit(1, true, "b1", now, &mut naks), Admit::Send);
+        // 3's own ack wait ran out.
+        assert_eq!(r.admit(3, true, "b3", now, &mut naks), Admit::Hold);
+        assert_eq!(naks, ["a1", "a2", "a3", "b3"]);
+        assert_eq!(r.admit(2, true, "b2", now, &mut naks), Admit::Send);
+        assert_eq!(r.admit(3, true, "c3", now, &mut naks), Admit::Send);
+        assert!(r.is_over());
+        // 2 went to another reader indeed: 3 is sent when it comes again.
+        let mut r = resumed(now);
+        naks.clear();
+        r.admit(3, false, "a3", now, &mut naks);
+        r.admit(2, true, "a2", now, &mut naks);
+        r.admit(1, true, "a1", now, &mut naks);
+        assert_eq!(r.admit(1, true, "b1", now, &mut naks), Admit::Send);
+        assert_eq!(r.admit(3, true, "b3", now, &mut naks), Admit::Hold);
+        assert_eq!(r.admit(3, true, "c3", now, &mut naks), Admit::Send);
+        assert!(r.is_over());
     }
 }
