@@ -87,6 +87,9 @@ pub struct Client {
     pub leases: BTreeMap<String, i64>,
     /// Since its `watch` was answered: the participants this session was told are up.
     pub watching: Option<BTreeSet<String>>,
+    /// Told up before a repeated `watch`: the new snapshot may tell them up once more,
+    /// and their changes keep coming before it does (a `down` it would never tell).
+    pub retold: BTreeSet<String>,
 }
 
 impl Client {
@@ -110,6 +113,7 @@ impl Client {
             unsettled: BTreeMap::new(),
             leases: BTreeMap::new(),
             watching: None,
+            retold: BTreeSet::new(),
         }
     }
 
@@ -417,9 +421,12 @@ impl World {
         };
         let name = frame["name"].as_str().unwrap_or_default().to_string();
         let fine = match frame["state"].as_str() {
-            Some("up") => seen.insert(name),
+            Some("up") => seen.insert(name.clone()) || c.retold.remove(&name),
             Some("update") => seen.contains(&name),
-            Some("down") => seen.remove(&name),
+            Some("down") => {
+                c.retold.remove(&name);
+                seen.remove(&name)
+            }
             _ => false,
         };
         if !fine {
@@ -629,8 +636,13 @@ impl World {
             Req::Subscribe(view) if ok => {
                 self.clients[client].subs.insert(view.sub.clone(), view);
             }
-            // Its snapshot follows: everyone present, told again.
-            Req::Watch if ok => self.clients[client].watching = Some(BTreeSet::new()),
+            // Its snapshot follows: everyone present, told again (once more for names a
+            // watch before told up, whose changes keep coming meanwhile).
+            Req::Watch if ok => {
+                let c = &mut self.clients[client];
+                let seen = c.watching.get_or_insert_with(BTreeSet::new);
+                c.retold = seen.clone();
+            }
             Req::Submit { task } => {
                 if code == "budget_exhausted" {
                     self.checker.counts.budget_refusals += 1;
@@ -760,6 +772,7 @@ impl World {
         c.subs.clear();
         c.leases.clear();
         c.watching = None;
+        c.retold.clear();
         c.serving = false;
         let back = if self.draining {
             c.rng.range(10, 200)
