@@ -1620,13 +1620,18 @@ impl Jobs {
                 // No stream holds the job's subject: the tasks stream is gone. The
                 // record expires unless a retry publishes it again meanwhile.
                 Ok(Err(JsError::NoResponders)) | Err(RequestError::NoResponders) => {
-                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    if !dup {
+                        self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    }
                     let e = self.stream_gone(&ns, binding::tasks_stream(&ns));
                     self.refuse(session, &re, e)
                 }
-                // JetStream answered that it stored nothing.
+                // JetStream answered that it stored nothing. Of a resubmit's publish
+                // only: the first's message may be waiting all the same.
                 Ok(Err(e)) => {
-                    self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    if !dup {
+                        self.expire_unqueued(conn, task_key(&ns, &task), *stored, now);
+                    }
                     self.refuse(session, &re, unavailable(e));
                 }
                 // It may be stored all the same: its delivery binds the record.
@@ -2444,6 +2449,43 @@ mod tests {
             json!({"op":"submit","job":"render","task":"A","body":1}),
         );
         assert_eq!((&r["op"], &r["dup"]), (&json!("ok"), &json!(false)), "{r}");
+    }
+
+    #[test]
+    fn a_resubmit_jetstream_refuses_leaves_the_record_of_a_queued_task_alone() {
+        // A resubmit on another broker past the duplicate window publishes again; that
+        // publish refused said nothing of the first, whose message still waits, yet the
+        // record was given an expiry: the message, delivered after it, found no record
+        // and was terminated, a task answered `ok` lost.
+        let mut config = with_lease(LEASE_S);
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.keep_finished_s = 300;
+        }
+        let mut h = Harness::new(config, 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let r = h.request(
+            app,
+            json!({"op":"submit","job":"render","task":"T","body":1}),
+        );
+        assert_eq!((&r["op"], &r["dup"]), (&json!("ok"), &json!(false)), "{r}");
+        h.advance(Duration::from_secs(130));
+        limit_task_messages(&mut h, 16);
+        let again = h.join(1, "app", json!({}));
+        let r = h.request(
+            again,
+            json!({"op":"submit","job":"render","task":"T","body":1}),
+        );
+        assert_eq!(r["code"], "unavailable", "{r}");
+        limit_task_messages(&mut h, -1);
+        h.advance(Duration::from_secs(400));
+        let status = h.request(app, json!({"op":"status","task":"T"}));
+        assert_eq!(status["task"]["state"], "queued", "{status}");
+        let w = worker(&mut h, "w1");
+        offer(&mut h, w, "T");
     }
 
     /// Tasks a copy of whose message is stored: each copy is delivered, and each

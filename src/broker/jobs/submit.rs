@@ -229,8 +229,10 @@ impl Jobs {
                 );
             }
             Err(e) => {
-                // Not sent, so not stored.
-                self.expire_unqueued(conn, key, stored, now);
+                // Not sent, so not stored; a resubmit's says nothing of the first's.
+                if !dup {
+                    self.expire_unqueued(conn, key, stored, now);
+                }
                 self.refuse(sub.session, &sub.re, send_error(&e));
             }
         }
@@ -256,8 +258,8 @@ impl Jobs {
         self.rewrite(conn, key, (&json, revision), None, what, now);
     }
 
-    /// The record `stored` (JSON, revision) of a task whose message JetStream refused
-    /// (or that was never sent) expires as a finished task's does, unless a retry stores
+    /// The record `stored` (JSON, revision) of a task whose first message JetStream
+    /// refused (or that was never sent) expires as a finished task's does, unless a retry stores
     /// the message first (its bind rewrites the record without the expiry); else it
     /// would stay `queued` for good, with nothing to deliver. A change made meanwhile
     /// wins: the message was stored after all (a delivery or a resubmit bound the
