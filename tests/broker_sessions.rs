@@ -223,14 +223,22 @@ fn a_session_that_does_not_read_does_not_draw_its_siblings_inbox_onto_itself() {
     let tcp = common::connect_with(std::net::Ipv4Addr::LOCALHOST, broker.addr, Some(4096));
     let silent = Client::connect_over(&broker, tcp).hello("acme", "b", "b-token");
     let mut reading = Client::login(&broker, "acme", "b", "b-token");
-    send_to_b(&broker, MESSAGES, &"x".repeat(400_000));
-    let mut seqs = std::collections::BTreeSet::new();
-    while seqs.len() < MESSAGES {
-        let m = reading
-            .next_op("message", Duration::from_secs(30))
-            .unwrap_or_else(|| panic!("{} of {MESSAGES} messages", seqs.len()));
-        seqs.insert(m["seq"].as_u64().expect("seq"));
-    }
+    // Read while the messages are sent: a session answers the broker's pings only when
+    // read, and 64 sends of 400 kB can take longer than 3 x heartbeat_s on a loaded
+    // machine. Read only once they were all answered, the reading session was closed
+    // for its silence as well ("idle timeout", 12 of 64 messages got).
+    let body = "x".repeat(400_000);
+    std::thread::scope(|s| {
+        s.spawn(|| send_to_b(&broker, MESSAGES, &body));
+        let mut seqs = std::collections::BTreeSet::new();
+        while seqs.len() < MESSAGES {
+            let Some(m) = reading.next_op("message", Duration::from_secs(30)) else {
+                let closed = reading.next_op("_closed", Duration::ZERO);
+                panic!("{} of {MESSAGES} messages; {closed:?}", seqs.len());
+            };
+            seqs.insert(m["seq"].as_u64().expect("seq"));
+        }
+    });
     let metrics = http_get(broker.addr, "/metrics").expect("metrics").1;
     assert!(
         metrics
