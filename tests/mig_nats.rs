@@ -2944,3 +2944,48 @@ fn a_publisher_on_nats_holds_at_most_its_participants_share_of_requests_in_fligh
     refused_first(&mut ann, sid, sent - cap);
     timed_out(&mut ann, sid, cap);
 }
+
+/// Spec section 3: the broker duplicates `traceparent`, `session_id` and the header's other
+/// ids as NATS headers on every message it publishes. One a NATS header cannot carry (a
+/// control character other than tab) was checked only for its length: a PUBLISH stored
+/// its event without the `traceparent` header and answered `accepted`, and a reply left
+/// the field out of its NATS headers. It is a malformed request member, refused
+/// `MIG_INVALID_REQUEST` naming it (as AMP refuses it `schema`), or not proved when it
+/// is in a signed request's header.
+#[test]
+fn a_header_field_no_nats_header_can_carry_is_refused() {
+    let w = world(1);
+    let bad = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\u{1}";
+    let mut ann = Mig::connect_nkey(&w);
+    let r = ann.signed(
+        &w,
+        "events.orders.eu",
+        json!({"header": {"tenant_id": "acme", "traceparent": bad}, "payload": {"n": 1}}),
+    );
+    // A signature is checked against a header that parses: as for a traceparent over
+    // its length, a signed request whose header does not is not proved.
+    assert_eq!(error_code(&r), "MIG_UNAUTHORIZED", "{r}");
+    let mut alice = Mig::connect(&w, "alice");
+    let (events, caught_up) = replay_all(&mut alice, "orders.>", 2);
+    assert!(caught_up);
+    assert_eq!(events, Vec::<Value>::new(), "nothing is stored");
+    for (name, v) in [("traceparent", bad), ("session_id", "s\u{7f}")] {
+        let r = alice.request("hello", json!({"header": {"tenant_id": "acme", name: v}}));
+        assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "{r}");
+        let named = format!("header.{name}");
+        assert!(
+            r["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(&named)),
+            "{r}"
+        );
+    }
+    // A tab is a character a NATS header carries: such a value is echoed in both.
+    let tabbed = "not\ttrace context";
+    let r = alice.call(json!({"cmd": "request", "subject": "mig.v0_1.acme.hello",
+        "body": {"header": {"tenant_id": "acme", "traceparent": tabbed}},
+        "headers": {"Authorization": "Bearer alice-token"}, "timeout": 15}));
+    assert_eq!(r["reply"]["selected_version"], "0.1", "{r}");
+    assert_eq!(r["reply"]["header"]["traceparent"], tabbed, "{r}");
+    assert_eq!(r["headers"]["traceparent"], tabbed, "{r}");
+}

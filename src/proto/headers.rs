@@ -517,7 +517,8 @@ fn check_name(name: &str) -> Result<(), HeaderError> {
     Ok(())
 }
 
-fn check_value(value: &str) -> Result<(), HeaderError> {
+/// Whether `value` is one a header line can carry: no CR, LF or other control byte but tab.
+pub fn check_value(value: &str) -> Result<(), HeaderError> {
     let value = value.as_bytes();
     // Word at a time up to the first control byte; a tab there (allowed) sends the rest
     // through the byte loop.

@@ -269,6 +269,13 @@ pub fn parse_header(
         }
         let value = json.or(from_nats).map(str::to_string);
         if let Some(v) = &value {
+            // Every message the broker publishes for the request duplicates these as NATS
+            // headers (spec section 3): one they cannot carry would be dropped from them.
+            if crate::proto::headers::check_value(v).is_err() {
+                return Err(HeaderError::Invalid(format!(
+                    "header.{name} holds a control character no NATS header can carry"
+                )));
+            }
             match *name {
                 "mig_version" => {}
                 "traceparent" if v.len() > MAX_TRACEPARENT_BYTES => {
@@ -460,6 +467,14 @@ mod tests {
             String::new,
         );
         assert!(matches!(e, Err(HeaderError::Invalid(_))), "{e:?}");
+        for (name, v) in [("traceparent", "00-a\u{1}"), ("session_id", "s\u{7f}")] {
+            let e = parse_header(
+                &body(json!({"header": {"tenant_id": "acme", name: v}})),
+                None,
+                String::new,
+            );
+            assert!(matches!(e, Err(HeaderError::Invalid(_))), "{name}: {e:?}");
+        }
         let long = "x".repeat(129);
         let e = parse_header(
             &body(json!({"header": {"tenant_id": "acme", "idempotency_key": long}})),

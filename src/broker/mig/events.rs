@@ -587,6 +587,7 @@ impl Mig {
         ] {
             let _ = nats.insert(k, v);
         }
+        // parse_header let through only a traceparent a NATS header carries.
         if let Some(tp) = &header.traceparent {
             let _ = nats.insert("traceparent", tp);
         }
