@@ -1256,6 +1256,48 @@ fn a_publish_refused_as_too_large_spends_no_rate() {
     assert_eq!(ok["op"], "ok", "{ok}");
 }
 
+/// A submit or redrive the jobs engine refuses having made nothing gave its budget back
+/// (`broker_budget::a_submit_the_engine_refuses_spends_nothing_of_the_budget`) but kept
+/// its rate charge, unlike a refused send or publish: with a burst of 1, the conflict
+/// left none for the submits after it.
+#[test]
+fn a_submit_the_engine_refuses_gives_its_rate_back() {
+    let nats = NatsServer::with_config("max_payload: 65536");
+    let mut config = open_config(&["app", "a"]);
+    config["namespaces"]["acme"]["participants"]["app"]["policy"] =
+        json!({"msgs_per_s": 0.01, "burst": 1});
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {}});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut c = Client::login(&broker, "acme", "app", "app-token");
+    let r = a.request(json!({"op":"submit","job":"render","task":"T","body":1}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let bad = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\u{1}";
+    for (frame, code) in [
+        (
+            json!({"op":"submit","job":"render","task":"T","body":1}),
+            "conflict",
+        ),
+        (
+            json!({"op":"submit","job":"render","body":1,"headers":{"traceparent":bad}}),
+            "schema",
+        ),
+        // Past max_payload only once its envelope is made.
+        (
+            json!({"op":"submit","job":"render","body":"x".repeat(65_500)}),
+            "too_large",
+        ),
+        (json!({"op":"redrive","job":"render","seq":999}), "not_found"),
+    ] {
+        let e = c.request(frame.clone());
+        assert_eq!(e["code"], code, "{frame}: {e}");
+    }
+    let r = c.request(json!({"op":"submit","job":"render","body":2}));
+    assert_eq!(r["op"], "ok", "the rate is whole after refusals: {r}");
+    let e = c.request(json!({"op":"submit","job":"render","body":3}));
+    assert_eq!(e["code"], "rate_limited", "{e}");
+}
+
 /// A send or publish JetStream answered with a refusal stored nothing (spec 2.6: it
 /// changes nothing a later request can observe), yet kept its rate charge: with a burst
 /// of 2, the two refused while the streams were full left none for the retries once an

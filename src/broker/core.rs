@@ -192,15 +192,24 @@ enum SessionState {
     },
 }
 
+/// A submit's or redrive's charges against its participant's policy.
+#[derive(Debug, Default)]
+struct Charge {
+    /// A task of the budget.
+    budget: bool,
+    /// The rate, as [`Broker::take_rate`] charged it.
+    rate: Option<u64>,
+}
+
 struct Session {
     state: SessionState,
     /// The client's address, for throttling failed hellos.
     peer: SocketAddr,
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: HashSet<String>,
-    /// Those of them (submits, redrives) that took a task of the participant's budget:
+    /// What those of them that are submits or redrives took of the participant's limits:
     /// one the jobs engine refuses having created nothing gives it back.
-    charged: HashSet<String>,
+    charged: HashMap<String, Charge>,
     /// Requests in flight of its participant, shared from `hello` on with its other
     /// sessions and its MIG requests (`in_flight`): the session moves it only with
     /// `outstanding`, so it cannot drift.
@@ -1322,7 +1331,7 @@ impl Broker {
                 JobsOutput::ServeChanged { ns, name } => {
                     self.registry_changed(conn, &ns, &name, now);
                 }
-                JobsOutput::Refund { session, re } => self.refund_budget(session, &re, now),
+                JobsOutput::Refund { session, re } => self.refund_unmade(session, &re, now),
                 JobsOutput::StreamGone { ns, stream } => self.stream_gone(conn, &ns, &stream, now),
             }
         }

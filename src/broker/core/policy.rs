@@ -135,7 +135,7 @@ impl Broker {
         match spend {
             Spend::Granted => {
                 if let (Some(s), Some(id)) = (self.sessions.get_mut(&session), frame.id()) {
-                    s.charged.insert(id.to_string());
+                    s.charged.entry(id.to_string()).or_default().budget = true;
                 }
                 true
             }
@@ -184,21 +184,26 @@ impl Broker {
         }
     }
 
-    /// Request `re` of `session`, charged a task of its participant's budget, was
-    /// refused having created nothing: the task goes back to this broker's reservation
-    /// (no JetStream operation: the window's count in `AMP_BUDGET` says what the brokers
-    /// reserved, and the task stays reserved here for the participant's next submit).
-    pub(super) fn refund_budget(&mut self, session: SessionId, re: &str, now: Instant) {
+    /// Request `re` of `session`, a submit or redrive, was refused having created
+    /// nothing: what it was charged goes back, as for a send that stored nothing. A task
+    /// of the budget goes back to this broker's reservation (no JetStream operation: the
+    /// window's count in `AMP_BUDGET` says what the brokers reserved, and the task stays
+    /// reserved here for the participant's next submit).
+    pub(super) fn refund_unmade(&mut self, session: SessionId, re: &str, now: Instant) {
         let Some(s) = self.sessions.get_mut(&session) else {
             return;
         };
-        if !s.charged.remove(re) {
+        let Some(charge) = s.charged.remove(re) else {
             return;
-        }
+        };
         let SessionState::Active { ns, name } = &s.state else {
             return;
         };
         let (ns, name) = (ns.clone(), name.clone());
+        self.refund_rate(session, charge.rate);
+        if !charge.budget {
+            return;
+        }
         if let Some(budget) = Budget::of(&self.config, &ns, &name) {
             let unix_ms = self.clock.unix_seconds(now) * 1000;
             self.budgets

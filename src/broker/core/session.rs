@@ -13,7 +13,7 @@ impl Broker {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 outstanding: HashSet::new(),
-                charged: HashSet::new(),
+                charged: HashMap::new(),
                 participant_outstanding: Rc::default(),
                 inflight: IdMap::default(),
                 moved: IdMap::default(),
@@ -416,8 +416,14 @@ impl Broker {
                     if !self.jobs.held_bytes().has_room(bytes) {
                         return self.fail(session, id, crate::broker::held_bytes::full());
                     }
-                    if let Err(e) = self.take_rate(ns, name, bytes, now) {
-                        return self.fail(session, id, e);
+                    match self.take_rate(ns, name, bytes, now) {
+                        Err(e) => return self.fail(session, id, e),
+                        Ok(Some(rate)) => {
+                            if let Some(s) = self.sessions.get_mut(&session) {
+                                s.charged.entry(id.to_string()).or_default().rate = Some(rate);
+                            }
+                        }
+                        Ok(None) => {}
                     }
                     if !self.spend_budget(conn, session, ns, name, &frame, now) {
                         return;
