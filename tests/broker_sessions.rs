@@ -1287,7 +1287,10 @@ fn a_submit_the_engine_refuses_gives_its_rate_back() {
             json!({"op":"submit","job":"render","body":"x".repeat(65_500)}),
             "too_large",
         ),
-        (json!({"op":"redrive","job":"render","seq":999}), "not_found"),
+        (
+            json!({"op":"redrive","job":"render","seq":999}),
+            "not_found",
+        ),
     ] {
         let e = c.request(frame.clone());
         assert_eq!(e["code"], code, "{frame}: {e}");
