@@ -384,6 +384,14 @@ fn a_dead_letter_refused_past_the_inbox_duplicate_window_leaves_one_task_result(
     js.update_stream(&inbox).expect("a 1 s duplicate window");
     let dlq = js.stream_info("AMP_DLQ_acme").expect("dead letters").config;
     assert!(js.delete_stream("AMP_DLQ_acme").expect("dead letters gone"));
+    // The broker makes a deleted stream again: a stream on one of its subjects keeps it
+    // from that.
+    let blocker = amp_broker::jetstream::StreamConfig {
+        name: "BLOCKER".into(),
+        subjects: vec!["amp.acme.dlq.nobody".into()],
+        ..Default::default()
+    };
+    js.create_stream(&blocker).expect("blocker");
     let mut app = login(&broker, "app");
     let mut w1 = login_serving(&broker, "w1", 1);
     let r = app.request(json!({"op":"submit","job":"render","task":"D","body":1,
@@ -403,6 +411,7 @@ fn a_dead_letter_refused_past_the_inbox_duplicate_window_leaves_one_task_result(
     let second = app.next_op("message", Duration::from_secs(2));
     assert!(second.is_none(), "a second result: {second:?}");
     // The stream back: the next redelivery stores the letter and terminates the message.
+    assert!(js.delete_stream("BLOCKER").expect("blocker gone"));
     js.create_stream(&dlq).expect("dead letters back");
     assert!(
         common::wait_until(WAIT, || {

@@ -192,3 +192,67 @@ fn a_registry_bucket_deleted_while_the_broker_runs_is_made_again() {
     });
     assert!(listed, "the registry never listed both again");
 }
+
+/// The dead-letter stream, written only when a task runs out of attempts: its letter
+/// store found it gone (no responders) and the task was tried again every second, but
+/// nothing made the stream again; `dead_letters` listed nothing as if there were no
+/// letters, and `/readyz` said ready.
+#[test]
+fn a_dead_letter_stream_deleted_while_the_broker_runs_is_made_again() {
+    let nats = NatsServer::start();
+    let mut config = common::jobs::config(&["c", "w"], 30, 5000);
+    config["namespaces"]["acme"]["jobs"]["render"]["max_attempts"] = json!(1);
+    let broker = Broker::start(&nats.url(), &config);
+    let mut c = common::jobs::login(&broker, "c");
+    let mut w = common::jobs::login_serving(&broker, "w", 1);
+
+    let mut js = nats.jetstream();
+    delete_and_block(&mut js, "AMP_DLQ_acme", "amp.acme.dlq.nobody");
+    let ok = c.request(json!({"op":"submit","job":"render","task":"F","body":{"n":1}}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let offer = w.next_op("offer", WAIT).expect("the task offered");
+    assert_eq!(offer["task"], "F", "{offer}");
+    let r = w.request(json!({"op":"claim","task":"F"}));
+    assert_eq!(r["op"], "ok", "{r}");
+    let r = w.request(json!({"op":"fail","task":"F","error":{"code":"bad","message":"no"}}));
+    assert_eq!(r["op"], "ok", "{r}");
+    readyz_becomes(&broker, 503, "AMP_DLQ_acme");
+    refused_for_a_while(&c.request(json!({"op":"dead_letters","job":"render"})));
+
+    unblock(&mut js);
+    readyz_becomes(&broker, 200, "");
+    js.stream_info("AMP_DLQ_acme").expect("made again");
+    // The task message is delivered again, and its letter stored this time.
+    let mut last = Value::Null;
+    let listed = common::wait_until(WAIT, || {
+        last = c.request(json!({"op":"dead_letters","job":"render"}));
+        last["letters"].as_array().is_some_and(|l| l.len() == 1)
+    });
+    assert!(listed, "the letter was never stored: {last}");
+    assert_eq!(last["letters"][0]["task"], "F", "{last}");
+}
+
+/// The budget bucket every task budget is counted in: a submit that read it found no
+/// stream and was refused, every later one the same, until a restart.
+#[test]
+fn a_budget_bucket_deleted_while_the_broker_runs_is_made_again() {
+    let nats = NatsServer::start();
+    let mut config = common::jobs::config(&["c"], 30, 5000);
+    config["namespaces"]["acme"]["participants"]["c"]["policy"] =
+        json!({"tasks_per_window": 100, "window_s": 3600});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut c = common::jobs::login(&broker, "c");
+
+    let mut js = nats.jetstream();
+    delete_and_block(&mut js, "KV_AMP_BUDGET", "$KV.AMP_BUDGET.nobody");
+    let submit = json!({"op":"submit","job":"render","task":"T1","body":{"n":1}});
+    let refused = c.request(submit.clone());
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    readyz_becomes(&broker, 503, "KV_AMP_BUDGET");
+
+    unblock(&mut js);
+    readyz_becomes(&broker, 200, "");
+    js.stream_info("KV_AMP_BUDGET").expect("made again");
+    let ok = c.request(submit);
+    assert_eq!(ok["op"], "ok", "{ok}");
+}

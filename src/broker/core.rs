@@ -1184,6 +1184,12 @@ impl Broker {
                 looks,
             } => self.hand_back_done(conn, (stream, consumer, acks, looks), reply, now),
             Pending::Budget { op } => {
+                // Neither a direct get nor a put finds a stream: the bucket is gone.
+                if let Err(RequestError::NoResponders) = &reply {
+                    let ns = op.key.split('.').next().unwrap_or_default().to_string();
+                    let bucket = ["KV_", crate::broker::budget::BUDGET_BUCKET].concat();
+                    self.stream_gone(conn, &ns, &bucket, now);
+                }
                 let reply = match (&reply, &op.kind) {
                     (Ok(m), KvOpKind::Get) => {
                         KvReply::from_get(m.status(), m.headers.as_ref(), &m.payload)

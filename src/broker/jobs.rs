@@ -2370,6 +2370,14 @@ mod tests {
         let dlq = h.nats_request("$JS.API.STREAM.INFO.AMP_DLQ_dev", &[], b"")["config"].clone();
         let gone = h.nats_request("$JS.API.STREAM.DELETE.AMP_DLQ_dev", &[], b"");
         assert_eq!(gone["success"], true, "{gone}");
+        // Kept from being made again: a stream on one of its subjects.
+        let blocker = json!({"name":"BLOCKER","subjects":["amp.dev.dlq.nobody"]});
+        let made = h.nats_request(
+            "$JS.API.STREAM.CREATE.BLOCKER",
+            &[],
+            blocker.to_string().as_bytes(),
+        );
+        assert!(made.get("error").is_none(), "{made}");
         let task = submit(&mut h, app, 1);
         offer(&mut h, w, &task);
         assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
@@ -2391,6 +2399,8 @@ mod tests {
             "the message waits for its letter"
         );
         // The stream back: the letter is stored, the message goes, no result follows.
+        let gone = h.nats_request("$JS.API.STREAM.DELETE.BLOCKER", &[], b"");
+        assert_eq!(gone["success"], true, "{gone}");
         let made = h.nats_request(
             "$JS.API.STREAM.CREATE.AMP_DLQ_dev",
             &[],

@@ -194,7 +194,15 @@ impl Jobs {
         let ack = match reply.map(|m| parse_pub_ack(m.status(), &m.payload)) {
             Ok(Ok(ack)) => ack,
             Ok(Err(e)) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
-            Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
+            Err(e) => {
+                // No stream holds the subject: it was deleted, and its redelivery would
+                // find it so for ever.
+                if e == RequestError::NoResponders {
+                    let ns = ns_of(&outcome.record);
+                    self.stream_gone(ns, binding::dlq_stream(ns));
+                }
+                return self.letter_failed(conn, *outcome, &e.to_string(), now);
+            }
         };
         self.stats.dead_letters += 1;
         let ns = ns_of(&outcome.record);
@@ -333,10 +341,10 @@ impl Jobs {
     ) {
         let stored = match read_stored(reply) {
             Ok(Some(m)) => m,
-            // The end of the job's letters (or no stream holding any yet).
+            // The end of the job's letters.
             Ok(None) => return self.answer_page(page, false),
             Err(e) => {
-                let e = unreadable(e);
+                let e = self.unreadable(&page.ns, e);
                 return self.refuse(page.session, &page.re, e);
             }
         };
@@ -416,7 +424,7 @@ impl Jobs {
             }
             Ok(_) => None,
             Err(e) => {
-                let e = unreadable(e);
+                let e = self.unreadable(&r.ns, e);
                 return self.refuse_unmade(r.session, &r.re, e);
             }
         };
@@ -466,14 +474,30 @@ fn unreadable(e: String) -> AmpError {
     )
 }
 
-/// A `STREAM.MSG.GET` answer: the message, `None` when there is none (or no stream), or
-/// what went wrong.
-fn read_stored(reply: Result<Message, RequestError>) -> Result<Option<StoredMessage>, String> {
+/// Why a dead letter could not be read.
+enum Unread {
+    /// Start-up made the stream, so it was deleted since: made again, its letters lost.
+    StreamGone,
+    Failed(String),
+}
+
+impl Jobs {
+    fn unreadable(&mut self, ns: &str, e: Unread) -> AmpError {
+        match e {
+            Unread::StreamGone => self.stream_gone(ns, binding::dlq_stream(ns)),
+            Unread::Failed(e) => unreadable(e),
+        }
+    }
+}
+
+/// A `STREAM.MSG.GET` answer: the message, `None` when there is none, or what went wrong.
+fn read_stored(reply: Result<Message, RequestError>) -> Result<Option<StoredMessage>, Unread> {
     match reply.map(|m| parse_msg_get(&m.payload)) {
         Ok(Ok(m)) => Ok(Some(m)),
-        Ok(Err(JsError::MessageNotFound(_) | JsError::StreamNotFound(_))) => Ok(None),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(e) => Err(e.to_string()),
+        Ok(Err(JsError::MessageNotFound(_))) => Ok(None),
+        Ok(Err(JsError::StreamNotFound(_))) => Err(Unread::StreamGone),
+        Ok(Err(e)) => Err(Unread::Failed(e.to_string())),
+        Err(e) => Err(Unread::Failed(e.to_string())),
     }
 }
 
