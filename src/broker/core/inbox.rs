@@ -250,15 +250,31 @@ impl Broker {
         let Some(kept) = keep else {
             return;
         };
-        let window = self
+        let participant = self
             .sessions
             .get(&session)
             .and_then(|s| s.state.participant())
+            .map(|(ns, name)| (ns.to_string(), participant_key(ns, name)));
+        let window = participant
+            .as_ref()
             .map_or(64, |(ns, _)| self.inbox_window(ns));
+        // Redelivered to a sibling while the ack was out: the sibling's now, as any
+        // delivery that moved (a nak or the end of this session must not take it back).
+        let sibling_has_it = participant
+            .and_then(|(_, key)| self.presence.get(&key))
+            .is_some_and(|p| {
+                p.sessions.iter().any(|&id| {
+                    id != session
+                        && self
+                            .sessions
+                            .get(&id)
+                            .is_some_and(|o| o.inflight.contains_key(&kept.seq))
+                })
+            });
         if let Some(s) = self.sessions.get_mut(&session)
             && !s.inflight.contains_key(&kept.seq)
         {
-            let held = if kept.moved {
+            let held = if kept.moved || sibling_has_it {
                 &mut s.moved
             } else {
                 &mut s.inflight
@@ -857,6 +873,43 @@ mod tests {
         let m = message(&mut h, next);
         assert_eq!(m["seq"].as_u64(), Some(seq), "{m}");
         assert!(m["delivery"].as_u64().is_some_and(|d| d <= 2), "{m}");
+    }
+
+    #[test]
+    fn a_confirmed_ack_that_failed_after_its_message_went_to_a_sibling_leaves_it_there() {
+        // A confirmed ack takes the delivery from its session; its message, redelivered
+        // meanwhile, went to a sibling. The ack failing put it back as the first
+        // session's own, whose nak (or end) then took it from the sibling: delivered
+        // once more while the sibling worked on it. The ack wait, 3 s, runs out before
+        // the ack's 4 s timeout, and the sibling's own before the test is done.
+        let mut h = bench(3, 8, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let first = h.join(0, "bob", json!({}));
+        let sibling = h.join(0, "bob", json!({}));
+        let one = send(&mut h, alice, "bob", 1);
+        assert_eq!(message(&mut h, first)["seq"].as_u64(), Some(one));
+        let two = send(&mut h, alice, "bob", 2);
+        assert_eq!(message(&mut h, sibling)["seq"].as_u64(), Some(two));
+        let three = send(&mut h, alice, "bob", 3);
+        assert_eq!(message(&mut h, first)["seq"].as_u64(), Some(three));
+        let acked = h.request(sibling, json!({"op":"ack","seq":two}));
+        assert_eq!(acked["op"], "ok", "{acked}");
+        h.mute(0, true);
+        let failed = h.request(first, json!({"op":"ack","seq":one}));
+        assert_eq!(failed["code"], "unavailable", "{failed}");
+        let again = h.wait_for(sibling, |f| f["op"] == "message" && f["seq"] == one);
+        assert_eq!(again["delivery"].as_u64(), Some(2), "{again}");
+        h.mute(0, false);
+        let nak = h.request(first, json!({"op":"nak","seq":one}));
+        assert_eq!(nak["op"], "ok", "{nak}");
+        h.advance(Duration::from_millis(500));
+        let taken: Vec<Value> = h
+            .take(sibling)
+            .into_iter()
+            .chain(h.take(first))
+            .filter(|f| f["op"] == "message" && f["seq"] == one)
+            .collect();
+        assert!(taken.is_empty(), "taken from the sibling: {taken:?}");
     }
 
     #[test]
