@@ -670,6 +670,10 @@ pub struct KvWatcher {
     caught_up: Option<Instant>,
     /// The current consumer resumes after `last_revision` where a resync would read all.
     resuming: bool,
+    /// The stream sequence it was made to resume after: its create's answer says where
+    /// the server started it (deliveries may have moved `last_revision` on before it
+    /// comes).
+    resumed_after: u64,
     resyncs_done: u64,
     initial_done: bool,
     overflowed: bool,
@@ -711,6 +715,7 @@ impl KvWatcher {
             consumer: String::new(),
             state: WatchState::Creating,
             last_revision: 0,
+            resumed_after: 0,
             start_floor: 0,
             last_consumer_seq: 0,
             last_activity: now,
@@ -832,6 +837,7 @@ impl KvWatcher {
     fn start_generation(&mut self, now: Instant) {
         if self.rereads() {
             self.resuming = self.may_resume(now);
+            self.resumed_after = self.last_revision.max(self.start_floor);
             if !self.resuming {
                 self.initial_done = false;
                 self.resyncs_done += 1;
@@ -1002,7 +1008,7 @@ impl KvWatcher {
             Ok(info)
                 if self.resuming
                     && info.delivered.consumer_seq == 0
-                    && info.delivered.stream_seq != self.last_revision =>
+                    && info.delivered.stream_seq != self.resumed_after =>
             {
                 // The server moves a start sequence into the stream: what came after the
                 // last revision is gone (or the stream is another one). Told only while
@@ -1012,7 +1018,7 @@ impl KvWatcher {
                 self.reset(
                     format!(
                         "the stream starts the consumer after {}, not after revision {}",
-                        info.delivered.stream_seq, self.last_revision
+                        info.delivered.stream_seq, self.resumed_after
                     ),
                     now,
                 );

@@ -427,6 +427,47 @@ fn a_resync_watch_resumes_within_half_the_lifetime_after_it_was_last_caught_up()
 }
 
 #[test]
+fn a_resumed_watch_whose_deliveries_come_before_its_create_answer_stays_resumed() {
+    // The server starts pushing before it answers the create, and the answer tells the
+    // consumer as made (nothing delivered): compared with the revision the deliveries
+    // had reached, it read as a consumer started past the gap, and the watch read the
+    // whole bucket again (seen in CI: "starts the consumer after 201, not after revision
+    // 203").
+    let options = WatchOptions {
+        resync: true,
+        resume_within_lifetime: Some(Duration::from_secs(10)),
+        ..WatchOptions::default()
+    };
+    let Fixture { mut w, t0 } = watcher(options);
+    let _ = create_of(&mut w);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 1 },
+        Ok(&info_reply("W_1", 1)),
+        t0,
+    );
+    data(&mut w, "W_1", "a", 10, 1, 0, None, t0);
+    events(&mut w, t0);
+    let t1 = t0 + Duration::from_secs(1);
+    w.restart("reconnected", t1);
+    events(&mut w, t1);
+    let (_, body) = create_of(&mut w);
+    assert_eq!(body["config"]["opt_start_seq"], 11);
+    data(&mut w, "W_2", "b", 11, 1, 1, None, t1);
+    data(&mut w, "W_2", "c", 12, 2, 0, None, t1);
+    w.on_reply(
+        WatchRequestKind::CreateConsumer { generation: 2 },
+        Ok(&resumed_reply("W_2", 0, 10)),
+        t1,
+    );
+    let ev = events(&mut w, t1);
+    assert!(
+        ev.iter().all(|e| matches!(e, WatchEvent::Entry(_))),
+        "{ev:?}"
+    );
+    assert_eq!(w.resyncs(), 1);
+}
+
+#[test]
 fn watcher_answers_flow_control_and_checks_heartbeats() {
     let Fixture { mut w, t0 } = watcher(WatchOptions::default());
     let _ = create_of(&mut w);
