@@ -2327,14 +2327,7 @@ mod tests {
         // The broker remembers the sequence of each task message it stored; a task id
         // used again once its finished record had expired still found the first use's
         // there, and its retry was answered `dup` as if the new message were stored.
-        let mut config = with_lease(LEASE_S);
-        if let Some(job) = config
-            .namespaces
-            .get_mut("dev")
-            .and_then(|ns| ns.jobs.get_mut("render"))
-        {
-            job.keep_finished_s = 300;
-        }
+        let config = keeping_finished_records(300);
         let mut h = Harness::new(config, 1, 7);
         let app = h.join(0, "app", json!({}));
         let w = worker(&mut h, "w1");
@@ -2417,14 +2410,7 @@ mod tests {
     fn a_submit_whose_message_was_refused_and_never_retried_leaves_no_record_for_good() {
         // The record is made before the message: one whose message JetStream refused
         // stayed `queued` with nothing to deliver, and nothing ever removed it.
-        let mut config = with_lease(LEASE_S);
-        if let Some(job) = config
-            .namespaces
-            .get_mut("dev")
-            .and_then(|ns| ns.jobs.get_mut("render"))
-        {
-            job.keep_finished_s = 300;
-        }
+        let config = keeping_finished_records(300);
         let mut h = Harness::new(config, 1, 7);
         let app = h.join(0, "app", json!({}));
         let status =
@@ -2467,14 +2453,7 @@ mod tests {
         // publish refused said nothing of the first, whose message still waits, yet the
         // record was given an expiry: the message, delivered after it, found no record
         // and was terminated, a task answered `ok` lost.
-        let mut config = with_lease(LEASE_S);
-        if let Some(job) = config
-            .namespaces
-            .get_mut("dev")
-            .and_then(|ns| ns.jobs.get_mut("render"))
-        {
-            job.keep_finished_s = 300;
-        }
+        let config = keeping_finished_records(300);
         let mut h = Harness::new(config, 2, 7);
         let app = h.join(0, "app", json!({}));
         let r = h.request(
@@ -2626,6 +2605,19 @@ mod tests {
             .collect();
         assert!(late.is_empty(), "a second result: {late:?}");
         assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+    }
+
+    /// `with_lease(LEASE_S)` whose job keeps finished records `s` seconds.
+    fn keeping_finished_records(s: u64) -> crate::broker::config::Config {
+        let mut config = with_lease(LEASE_S);
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.keep_finished_s = s;
+        }
+        config
     }
 
     fn with_lease(lease_s: u64) -> crate::broker::config::Config {
