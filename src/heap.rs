@@ -4,6 +4,8 @@
 //! `malloc_trim` hands the free pages back; the event loop calls it now and then, when a
 //! turn had nothing left over, so it never delays work waiting in the same turn.
 
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, Hash};
 use std::time::{Duration, Instant};
 
 /// At most this often: a trim walks the free lists, and pages it gives back are faulted in
@@ -27,13 +29,70 @@ impl Trimmer {
         self.next
     }
 
-    /// Trims when due.
-    pub fn tick(&mut self, now: Instant) {
-        if now < self.next {
-            return;
-        }
+    /// Whether a trim is due: the owner compacts its tables first ([`Compact`]), so what
+    /// they held beyond their needs is free when [`Trimmer::trim`] runs.
+    pub fn due(&self, now: Instant) -> bool {
+        now >= self.next
+    }
+
+    pub fn trim(&mut self, now: Instant) {
         self.next = now + TRIM_INTERVAL;
         trim();
+    }
+}
+
+/// A table sized for a burst keeps that size when the burst is over (Rust's collections
+/// never shrink on their own): 10,000 hellos leave request, timer and event tables with
+/// room for 10,000 each, which `malloc_trim` cannot give back while they hold it.
+/// `compact` shrinks a table to twice what it holds once it has four times that room.
+pub trait Compact {
+    fn compact(&mut self);
+}
+
+/// Room any table may keep however little it holds.
+const COMPACT_FLOOR: usize = 64;
+
+fn shrunk(len: usize, capacity: usize) -> Option<usize> {
+    (capacity > COMPACT_FLOOR && capacity / 4 > len).then(|| (2 * len).max(COMPACT_FLOOR))
+}
+
+impl<K: Eq + Hash, V, S: BuildHasher> Compact for HashMap<K, V, S> {
+    fn compact(&mut self) {
+        if let Some(to) = shrunk(self.len(), self.capacity()) {
+            self.shrink_to(to);
+        }
+    }
+}
+
+impl<K: Eq + Hash, S: BuildHasher> Compact for HashSet<K, S> {
+    fn compact(&mut self) {
+        if let Some(to) = shrunk(self.len(), self.capacity()) {
+            self.shrink_to(to);
+        }
+    }
+}
+
+impl<T> Compact for VecDeque<T> {
+    fn compact(&mut self) {
+        if let Some(to) = shrunk(self.len(), self.capacity()) {
+            self.shrink_to(to);
+        }
+    }
+}
+
+impl<T> Compact for Vec<T> {
+    fn compact(&mut self) {
+        if let Some(to) = shrunk(self.len(), self.capacity()) {
+            self.shrink_to(to);
+        }
+    }
+}
+
+impl<T: Ord> Compact for BinaryHeap<T> {
+    fn compact(&mut self) {
+        if let Some(to) = shrunk(self.len(), self.capacity()) {
+            self.shrink_to(to);
+        }
     }
 }
 

@@ -526,8 +526,11 @@ pub fn run(
             }
         }
 
-        if !unfinished {
-            trimmer.tick(now);
+        if !unfinished && trimmer.due(now) {
+            broker.compact(now);
+            nats.connection_mut().compact();
+            crate::heap::Compact::compact(&mut ids);
+            trimmer.trim(now);
         }
         liveness.worked(now, Instant::now());
         if drain_until.is_some_and(|limit| ws.is_drained() || now >= limit) {

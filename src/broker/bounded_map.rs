@@ -78,6 +78,13 @@ impl<K: Hash + Eq + Clone, V> BoundedMap<K, V> {
         self.compact();
     }
 
+    /// Gives back the room of entries gone (see [`crate::heap::Compact`]).
+    pub fn compact_tables(&mut self) {
+        use crate::heap::Compact;
+        self.entries.compact();
+        self.order.compact();
+    }
+
     fn evict_oldest(&mut self) -> bool {
         while let Some((key, generation)) = self.order.pop_front() {
             if self

@@ -66,6 +66,11 @@ impl Continuations {
         }
     }
 
+    /// Gives back the room a burst of requests left (see [`crate::heap::Compact`]).
+    pub fn compact(&mut self) {
+        crate::heap::Compact::compact(&mut self.table);
+    }
+
     /// The continuation of request `id`, taken out of the table.
     pub fn take(&mut self, id: RequestId) -> Option<(Continuation, Instant)> {
         self.table.remove(&id)

@@ -469,8 +469,10 @@ pub struct Broker {
     config: Config,
     validator: FrameValidator,
     broker_id: String,
-    sessions: IdMap<SessionId, Session>,
-    presence: HashMap<String, Presence>,
+    /// Boxed, as is `presence`: a table has up to twice the slots of its entries, and a
+    /// slot of the struct itself would cost its size for every empty one.
+    sessions: IdMap<SessionId, Box<Session>>,
+    presence: HashMap<String, Box<Presence>>,
     /// Inbox consumer creations, a few out at a time (see `admission.rs`).
     inbox_creates: Admission,
     /// Participants a reload listed in a namespace with an `open` entry, whose inbox
@@ -823,6 +825,33 @@ impl Broker {
 
     pub fn session_count(&self) -> usize {
         self.sessions.len()
+    }
+
+    /// Gives back the room a burst (a reconnect storm's 10,000 hellos, their consumers and
+    /// registry writes) left in the core's tables, and forgets registry write times past
+    /// their gap; the shell calls it before it trims the heap.
+    pub fn compact(&mut self, now: Instant) {
+        use crate::heap::Compact;
+        self.registry_last
+            .retain(|_, at| after(*at, registry::REGISTRY_WRITE_GAP) > now);
+        self.registry_last.compact_tables();
+        self.forget_settled_sections();
+        self.sessions.compact();
+        self.presence.compact();
+        self.continuations.compact();
+        self.timers.compact();
+        self.routes.compact();
+        self.out.compact();
+        self.snapshots.compact();
+        self.retired_pulls.compact();
+        self.held_submits.compact();
+        self.refreshing.compact();
+        self.inbox_retrying.compact();
+        self.registry_sections.compact();
+        self.participant_subs.compact();
+        self.participant_deleting.compact();
+        self.durables_creating.compact();
+        self.in_flight.compact();
     }
 
     /// What the core holds, for bounds checks (simulators, tests).

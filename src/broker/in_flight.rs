@@ -41,6 +41,13 @@ impl Tally {
         count
     }
 
+    /// Forgets counts nobody holds and gives back the room they left.
+    pub fn compact(&mut self) {
+        self.counts.retain(|_, c| c.strong_count() > 0);
+        self.sweep_at = (self.counts.len() * 2).max(SWEEP_MIN);
+        crate::heap::Compact::compact(&mut self.counts);
+    }
+
     /// One more request of `participant` in flight, or `None` when it has `max`.
     pub fn take(&mut self, participant: &str, max: usize) -> Option<Ticket> {
         let count = self.count(participant);

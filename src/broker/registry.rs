@@ -376,6 +376,11 @@ impl Registry {
         self.entries.iter().map(|(name, m)| (name, &m.shown))
     }
 
+    /// The revision of `name`'s value as last seen here.
+    pub fn revision(&self, name: &str) -> Option<u64> {
+        self.entries.get(name).map(|m| m.revision)
+    }
+
     /// The revision of `name`'s value as last seen here, and its sections.
     pub fn sections(&self, name: &str) -> Option<(u64, BTreeMap<String, Section>)> {
         let m = self.entries.get(name)?;

@@ -252,7 +252,9 @@ impl HelloThrottle {
             before.unwrap_or(ParticipantState {
                 tokens: burst,
                 updated: now,
-                known: Vec::new(),
+                // Most participants log in from one address: a first push would make
+                // room for four.
+                known: Vec::with_capacity(1),
             })
         });
         p.known

@@ -111,4 +111,11 @@ impl Timers {
     pub fn armed(&self) -> usize {
         self.heap.len()
     }
+
+    /// Gives back the room a burst of timers left (see [`crate::heap::Compact`]).
+    pub fn compact(&mut self) {
+        use crate::heap::Compact;
+        self.heap.compact();
+        self.wakes.compact();
+    }
 }

@@ -486,6 +486,18 @@ impl Connection {
         }
     }
 
+    /// Gives back the room a burst left in its tables (see [`crate::heap::Compact`]):
+    /// 10,000 logins' requests and the events their answers made.
+    pub fn compact(&mut self) {
+        use crate::heap::Compact;
+        self.subs.compact();
+        self.requests.compact();
+        self.events.compact();
+        self.ended_while_queued.compact();
+        self.ended_order.compact();
+        self.unsub_owed.compact();
+    }
+
     /// Bytes waiting to be written.
     pub fn output(&self) -> &[u8] {
         self.out.get(self.out_pos..).unwrap_or(&[])

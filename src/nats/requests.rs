@@ -63,6 +63,10 @@ impl RequestTable {
         }
     }
 
+    pub fn compact(&mut self) {
+        crate::heap::Compact::compact(&mut self.pending);
+    }
+
     pub fn next_deadline(&self) -> Option<Instant> {
         self.deadlines.first().map(|(d, _)| *d)
     }

@@ -62,6 +62,10 @@ impl SubscriptionTable {
         self.subs.is_empty()
     }
 
+    pub fn compact(&mut self) {
+        crate::heap::Compact::compact(&mut self.subs);
+    }
+
     pub fn insert(&mut self, subject: &str, queue: Option<&str>) -> Sid {
         self.next_sid += 1;
         let sid = self.next_sid;

@@ -15,7 +15,7 @@ const SNAPSHOT_BURST: usize = 256 * 1024;
 /// rate, or a hello and a close over and over, would otherwise be a KV write, and an
 /// `update` to every watcher on every broker, each time); a change within it is written
 /// when it has passed, and an entry never written needs no delete.
-const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
+pub(super) const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
 /// Participants whose last registry write here is remembered for the gap.
 pub(super) const REGISTRY_RECENT: usize = 65_536;
 /// Compare-and-set refusals in a row before a write waits for the next refresh: each is
@@ -362,6 +362,21 @@ impl Broker {
         if idle && !self.presence.contains_key(key) {
             self.registry_sections.remove(key);
         }
+    }
+
+    /// Forgets the state of sections whose last write is settled and which the mirror
+    /// shows at or past it: a present participant's state then says nothing the mirror
+    /// does not (the next write starts from the mirror's revision), so it need not be kept
+    /// between refreshes, at a table slot and a key for each participant.
+    pub(super) fn forget_settled_sections(&mut self) {
+        let registries = &self.registries;
+        self.registry_sections.retain(|key, state| {
+            let settled = !state.busy && !state.again && state.read.is_none();
+            let seen = key
+                .split_once('/')
+                .and_then(|(ns, name)| registries.get(ns)?.0.revision(name));
+            !(settled && seen.is_some_and(|revision| revision >= state.acked))
+        });
     }
 
     /// Charges a listing of `ns`'s participants to the session's `listing` bucket: every

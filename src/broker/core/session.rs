@@ -9,7 +9,7 @@ impl Broker {
         let nonce = self.nonces.next_nonce();
         self.sessions.insert(
             session,
-            Session {
+            Box::new(Session {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 outstanding: HashSet::new(),
@@ -20,7 +20,7 @@ impl Broker {
                 subs: HashMap::new(),
                 deleting: 0,
                 listing: rate_limit::DebtBucket::new(now),
-            },
+            }),
         );
         let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
             .str("nonce", &base64_url(&nonce))
@@ -226,10 +226,8 @@ impl Broker {
             .namespaces
             .get(&ns)
             .map_or(64, |n| n.inbox.inbox_window);
-        let presence = self
-            .presence
-            .entry(key.clone())
-            .or_insert_with(|| Presence {
+        let presence = self.presence.entry(key.clone()).or_insert_with(|| {
+            Box::new(Presence {
                 sessions: Vec::new(),
                 labels: labels(&hello.labels, participant),
                 declared: hello.labels.clone(),
@@ -248,7 +246,8 @@ impl Broker {
                 held: IdSet::default(),
                 inbox_refused: None,
                 registry_due: false,
-            });
+            })
+        });
         presence.sessions.push(session);
         if let Some(s) = self.sessions.get_mut(&session) {
             s.participant_outstanding = self.in_flight.count(&key);
