@@ -105,6 +105,14 @@ impl Letter {
                 record.id
             ));
         }
+        // A message of an earlier use of the id would be redriven as this task's.
+        let job = env.job.as_ref().map_or("", |j| j.as_str());
+        if !record.submitted_as(env.from.as_str(), job, env.body.get()) {
+            return Err(format!(
+                "the message of task `{}` is of another submission",
+                record.id
+            ));
+        }
         Ok(Letter {
             task: record.id.clone(),
             job: record.job.clone(),
@@ -293,6 +301,12 @@ mod tests {
         r
     }
 
+    /// `r` as submitted with `body`.
+    fn with_body(mut r: TaskRecord, body: &Value) -> TaskRecord {
+        r.body_sha256 = super::super::task_store::body_digest(body);
+        r
+    }
+
     #[test]
     fn only_failures_with_no_attempt_left_are_dead() {
         assert!(is_dead(&record(TaskState::Failed, 3, 3)));
@@ -303,7 +317,7 @@ mod tests {
 
     #[test]
     fn a_letter_keeps_the_body_headers_and_last_error_of_its_own_task() {
-        let r = record(TaskState::Failed, 2, 2);
+        let r = with_body(record(TaskState::Failed, 2, 2), &json!({"n":[1,2]}));
         let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{"traceparent":"00-x"},"body":{"n":[1,2]}}"#;
         let l = Letter::new(&r, msg, "2026-12-03T00:00:00.000Z".into()).expect("letter");
         let back = Letter::parse(&l.to_json()).expect("parse");
@@ -317,16 +331,34 @@ mod tests {
     }
 
     #[test]
+    fn a_letter_is_made_of_its_own_submission_only() {
+        // A task id is free again once its record expired; a message of its earlier
+        // use, still queued, is not this task's, and redriven it would run that body.
+        let r = record(TaskState::Failed, 1, 1);
+        let own =
+            br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
+        assert!(Letter::new(&r, own, String::new()).is_ok());
+        for earlier in [
+            r#"{"id":"T1","kind":"task","from":"acme/mallory","job":"infer","ts":"t","body":1}"#,
+            r#"{"id":"T1","kind":"task","from":"acme/alice","job":"render","ts":"t","body":1}"#,
+            r#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":2}"#,
+        ] {
+            let e = Letter::new(&r, earlier.as_bytes(), String::new());
+            assert!(e.is_err(), "{earlier}");
+        }
+    }
+
+    #[test]
     fn a_letter_leaves_out_only_what_it_must_body_first_and_says_so() {
-        let mut r = record(TaskState::Failed, 2, 2);
+        let big = "x".repeat(3000);
+        let mut r = with_body(record(TaskState::Failed, 2, 2), &json!({ "big": big }));
         r.eligible = Some(Eligible {
             names: Some(vec!["w".repeat(64); 40]),
             labels: None,
         });
         let msg = format!(
-            r#"{{"id":"T1","kind":"task","from":"acme/alice","ts":"t","headers":{{"h":"{}"}},"body":{{"big":"{}"}}}}"#,
+            r#"{{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{{"h":"{}"}},"body":{{"big":"{big}"}}}}"#,
             "h".repeat(2000),
-            "x".repeat(3000)
         );
         let whole = Letter::new(&r, msg.as_bytes(), String::new()).expect("letter");
         let size = whole.to_json().len();
@@ -378,8 +410,9 @@ mod tests {
 
     #[test]
     fn a_null_body_or_no_headers_is_not_left_out() {
-        let r = record(TaskState::Failed, 1, 1);
-        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":null}"#;
+        let r = with_body(record(TaskState::Failed, 1, 1), &Value::Null);
+        let msg =
+            br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":null}"#;
         let mut l = Letter::new(&r, msg, String::new()).expect("letter");
         let size = l.to_json().len();
         // Only the error can make room: the letter says nothing of a body or headers.
@@ -392,7 +425,8 @@ mod tests {
     #[test]
     fn letters_are_read_by_their_submitter_and_the_job_s_workers_only() {
         let r = record(TaskState::Failed, 1, 1);
-        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
+        let msg =
+            br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
         let l = Letter::new(&r, msg, String::new()).expect("letter");
         assert!(l.visible_to("acme/alice", false));
         assert!(!l.visible_to("acme/bob", false));
@@ -402,7 +436,8 @@ mod tests {
     #[test]
     fn a_redrive_names_one_task_per_letter_and_redriver() {
         let r = record(TaskState::Failed, 1, 1);
-        let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
+        let msg =
+            br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
         let l = Letter::new(&r, msg, String::new()).expect("letter");
         let alice = "acme/alice";
         assert_eq!(l.redrive_task(4, alice), l.redrive_task(4, alice));

@@ -1655,7 +1655,7 @@ impl Jobs {
                     ack,
                     delivered,
                     env,
-                    read,
+                    (read, false),
                     ack_basis,
                     watch,
                     now,
@@ -1666,6 +1666,18 @@ impl Jobs {
                 let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));
                 match self.parse_record(ns, task, reply) {
                     Ok((record, revision)) => {
+                        let earlier_use = write.ack.is_some()
+                            && self
+                                .tasks
+                                .get(&write.key)
+                                .is_some_and(|t| !t.record.same_use(&record));
+                        if earlier_use {
+                            // The task's record expired and its id was used again while
+                            // this change of a delivery waited (the record an unread offer
+                            // was made on, say): the message is of the earlier use, and
+                            // would bind the new record to itself.
+                            return self.superseded(conn, write, now);
+                        }
                         if let Some(t) = self.tasks.get_mut(&write.key) {
                             t.record = Rc::new(record.clone());
                             t.revision = revision;
@@ -2349,6 +2361,151 @@ mod tests {
         limit_task_messages(&mut h, -1);
         assert_eq!(h.request(app, submit)["op"], "ok");
         offer(&mut h, w, "T");
+    }
+
+    /// Task `T` of `dev/alice` (body `{"n":1}`) cancelled through broker 1 while
+    /// queued: broker 0 stored its message, so the cancel could not remove it, and it
+    /// outlives its record, which `wait` lets expire. Session `submitter` then submits
+    /// `T` again with body `{"n":2}`.
+    fn reuse_an_id_whose_message_was_left(
+        h: &mut Harness,
+        alice: Session,
+        submitter: Session,
+        wait: impl FnOnce(&mut Harness),
+    ) {
+        let first = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+        assert_eq!(h.request(alice, first)["op"], "ok");
+        let alice_b = h.join(1, "alice", json!({}));
+        let cancel = h.request(alice_b, json!({"op":"cancel","task":"T"}));
+        assert_eq!(cancel["op"], "ok", "{cancel}");
+        h.close(alice_b);
+        let of_t = |h: &Harness| {
+            let stored = h.server.stream_messages("AMP_TASKS_dev");
+            let id = |m: &(u64, &str, &[u8])| {
+                serde_json::from_slice::<Value>(m.2).ok()?["id"]
+                    .as_str()
+                    .map(String::from)
+            };
+            stored
+                .iter()
+                .filter(|m| id(m).as_deref() == Some("T"))
+                .count()
+        };
+        assert_eq!(of_t(h), 1, "the first message stays");
+        wait(h);
+        let status = h.request(alice, json!({"op":"status","task":"T"}));
+        assert_eq!(status["code"], "not_found", "the record expired: {status}");
+        let again = json!({"op":"submit","job":"render","task":"T","body":{"n":2}});
+        let again = h.request(submitter, again);
+        assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(false)));
+        assert_eq!(of_t(h), 2, "and waits before the new one");
+    }
+
+    /// The `completed` `task_result` of `T` that `app` gets.
+    fn completed_result(h: &mut Harness, app: Session) -> Value {
+        let m = h.wait_for(app, |f| {
+            f["kind"] == "task_result"
+                && f["body"]["task"] == "T"
+                && f["body"]["state"] == "completed"
+        });
+        m["body"].clone()
+    }
+
+    #[test]
+    fn a_task_id_used_again_runs_its_own_body_not_a_message_its_first_use_left() {
+        // The record bound itself to whichever message of its id came first: the first
+        // use's message, left in the queue by a cancel that could not remove it, was
+        // offered under the new record, ran (cancelled as it was), and its result went
+        // to the new submitter, whose own task was then terminated as a copy. Someone
+        // else reusing the id got alice's body and result; alice herself the old body.
+        for reuser in ["mallory", "alice"] {
+            let mut h = Harness::new(keeping_finished_records(300), 2, 7);
+            let alice = h.join(0, "alice", json!({}));
+            let submitter = match reuser {
+                "alice" => alice,
+                name => h.join(0, name, json!({})),
+            };
+            let wait = |h: &mut Harness| h.advance(Duration::from_secs(400));
+            reuse_an_id_whose_message_was_left(&mut h, alice, submitter, wait);
+            let w = worker(&mut h, "w1");
+            let o = offer(&mut h, w, "T");
+            assert_eq!(
+                (&o["body"], &o["from"]),
+                (&json!({"n":2}), &json!(format!("dev/{reuser}"))),
+                "{o}"
+            );
+            assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+            let done = h.request(w, json!({"op":"complete","task":"T","result":{"of":2}}));
+            assert_eq!(done["op"], "ok", "{done}");
+            let r = completed_result(&mut h, submitter);
+            assert_eq!(r["result"], json!({"of":2}), "{r}");
+            h.advance(Duration::from_secs(10));
+            assert!(
+                h.take(w).iter().all(|f| f["op"] != "offer"),
+                "offered again"
+            );
+            assert!(
+                h.server.stream_messages("AMP_TASKS_dev").is_empty(),
+                "the first use's message is terminated"
+            );
+        }
+    }
+
+    #[test]
+    fn a_message_of_a_task_ids_first_use_offered_from_its_own_headers_is_not_leased() {
+        // A first delivery is offered from the record its message carries, unread: the
+        // first use's message, delivered after the id was used again, was offered as the
+        // record it carried; its claim's compare-and-set met the new record, read it,
+        // and bound it to the old message, which then ran for the new submitter.
+        let mut h = Harness::new(keeping_finished_records(300), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let alice = h.join(0, "alice", json!({}));
+        let mallory = h.join(0, "mallory", json!({}));
+        // Its one slot busy, the worker pulls nothing while the id expires and is reused.
+        let w = worker(&mut h, "w1");
+        let busy = submit(&mut h, app, 0);
+        offer(&mut h, w, &busy);
+        assert_eq!(h.request(w, json!({"op":"claim","task":busy}))["op"], "ok");
+        // Stored well after the broker saw the consumer: its record is trusted unread.
+        h.advance(Duration::from_secs(1));
+        assert_eq!(
+            h.request(w, json!({"op":"heartbeat","task":busy}))["op"],
+            "ok"
+        );
+        let wait = |h: &mut Harness| {
+            for _ in 0..200 {
+                h.advance(Duration::from_secs(2));
+                let hb = h.request(w, json!({"op":"heartbeat","task":busy}));
+                assert_eq!(hb["op"], "ok", "{hb}");
+            }
+        };
+        reuse_an_id_whose_message_was_left(&mut h, alice, mallory, wait);
+        assert!(
+            h.take(w).iter().all(|f| f["op"] != "offer"),
+            "nothing offered while the slot is busy"
+        );
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":busy}))["op"],
+            "ok"
+        );
+        // The old message comes first, offered unread (README: such an offer's claim
+        // answers `lease_lost`); it is not leased, and terminated.
+        let o = offer(&mut h, w, "T");
+        assert_eq!(o["body"], json!({"n":1}), "{o}");
+        let claim = h.request(w, json!({"op":"claim","task":"T"}));
+        assert_eq!(claim["code"], "lease_lost", "{claim}");
+        let o = offer(&mut h, w, "T");
+        assert_eq!(
+            (&o["body"], &o["from"]),
+            (&json!({"n":2}), &json!("dev/mallory")),
+            "{o}"
+        );
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        let done = h.request(w, json!({"op":"complete","task":"T","result":{"of":2}}));
+        assert_eq!(done["op"], "ok", "{done}");
+        assert_eq!(completed_result(&mut h, mallory)["result"], json!({"of":2}));
+        h.advance(Duration::from_secs(10));
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
     }
 
     #[test]

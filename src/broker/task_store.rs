@@ -406,6 +406,29 @@ impl TaskRecord {
         self.job == job && self.body_sha256 == body_sha256
     }
 
+    /// Whether a task message from `from` (`ns/name`) of `job` with `body` (its JSON
+    /// text) is this record's submission. A task id is free again once its record
+    /// expired, and a message of its earlier use may outlive that record (a cancel that
+    /// could not remove it, a copy of racing submits): it is not the new record's,
+    /// unless its submitter sent the very job and body again. Parses the body: for a
+    /// message not yet bound to the record (`msg_seq`) read from the store only.
+    pub fn submitted_as(&self, from: &str, job: &str, body: &str) -> bool {
+        self.submitted_by == from
+            && self.job == job
+            && serde_json::from_str::<Value>(body)
+                .is_ok_and(|b| body_digest(&b) == self.body_sha256)
+    }
+
+    /// Whether `other` is a record of the same use of the task id as this one (its
+    /// submission the same, and made at the same moment), not one the id got when used
+    /// again after this one expired.
+    pub fn same_use(&self, other: &TaskRecord) -> bool {
+        self.id == other.id
+            && self.submitted_by == other.submitted_by
+            && self.same_submission(&other.job, &other.body_sha256)
+            && self.history.first() == other.history.first()
+    }
+
     /// Whether participant `who` (`ns/name`) may read this record with `status` (spec 2.7):
     /// the submitter always, the lease holder while it holds the lease.
     pub fn may_see_status(&self, who: &str) -> bool {

@@ -158,7 +158,7 @@ impl Jobs {
                 ack,
                 delivered,
                 env,
-                Ok(read),
+                (Ok(read), true),
                 ack_basis,
                 watch,
                 now,
@@ -264,6 +264,14 @@ impl Jobs {
         fresh.then_some((record, revision))
     }
 
+    /// Whether the task message `env`, delivered by job queue `qk`, is the submission
+    /// `record` was made for ([`TaskRecord::submitted_as`]).
+    fn submission_of(&self, qk: &str, record: &TaskRecord, env: &Envelope) -> bool {
+        self.queues
+            .get(qk)
+            .is_some_and(|q| record.submitted_as(&env.from, &q.job, &env.body))
+    }
+
     /// A delivered task that is finished: make sure the submitter heard (the result's
     /// message id dedupes a repeat), then ack the message away.
     pub(super) fn finished_delivery(
@@ -288,6 +296,8 @@ impl Jobs {
     }
 
     /// The record of a delivered task arrived: offer it, finish it, or release it.
+    /// `carried`: the record is the one the message carries (`record_in_message`), not
+    /// one read from the task store.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn placed(
         &mut self,
@@ -297,7 +307,7 @@ impl Jobs {
         ack: String,
         delivered: u64,
         env: Box<Envelope>,
-        read: Result<(TaskRecord, u64), JsError>,
+        (read, carried): (Result<(TaskRecord, u64), JsError>, bool),
         ack_basis: Option<Instant>,
         premade_watch: Option<Sid>,
         now: Instant,
@@ -346,6 +356,15 @@ impl Jobs {
         {
             // Neither offered nor finished again: the task's own message does both.
             self.term_copy(conn, &ack);
+            return self.pull_more(conn, qk, now);
+        }
+        if !carried && record.msg_seq.is_none() && !self.submission_of(qk, &record, &env) {
+            // A message of an earlier use of the task id, whose record expired: offered
+            // under this one it ran a cancelled task, or another submitter's body for
+            // this record's submitter, whose own message was then terminated as a copy.
+            log::info!(task:% = key; "a message of an earlier use of the task id is terminated");
+            let reason = Some("a message of an earlier use of the task id".into());
+            self.ack(conn, &ack, AckKind::Term { reason });
             return self.pull_more(conn, qk, now);
         }
         let now_ms = self.clock.ms(now);
