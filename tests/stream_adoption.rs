@@ -210,6 +210,52 @@ fn a_full_inbox_refuses_new_sends_and_keeps_what_it_accepted() {
     assert_eq!(first["body"], format!("0{body}"));
 }
 
+/// What the broker itself stores in a full inbox, a task's `task_result`, waits for room
+/// instead of being given up: before, the refusal dropped it and the task message was
+/// acked all the same, so the submitter never heard of its task's outcome.
+#[test]
+fn a_task_result_refused_by_a_full_inbox_is_stored_once_it_has_room() {
+    let nats = NatsServer::start();
+    let broker = Broker::start(
+        &nats.url(),
+        &common::jobs::config(&["a", "c", "w1"], 30, 5000),
+    );
+    let mut js = nats.jetstream();
+    bound(&mut js, "AMP_INBOX_acme", 4096);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut w1 = common::jobs::login_serving(&broker, "w1", 1);
+    let body = "x".repeat(500);
+    let refused = (0..50)
+        .map(|n| a.request(json!({"op":"send","to":"c","body":format!("{n}{body}")})))
+        .find(|answer| answer["op"] != "ok")
+        .expect("50 sends of 500 bytes into 4 KiB all accepted");
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    let ok = a.request(json!({"op":"submit","job":"render","task":"T","body":1}));
+    assert_eq!(ok["op"], "ok", "{ok}");
+    let offer = w1.next_op("offer", WAIT).expect("the task offered");
+    assert_eq!(offer["task"], "T", "{offer}");
+    assert_eq!(w1.request(json!({"op":"claim","task":"T"}))["op"], "ok");
+    // Answered once the inbox has answered the result's publish: refused, full.
+    let done = w1.request(json!({"op":"complete","task":"T","result":{"px":9}}));
+    assert_eq!(done["op"], "ok", "{done}");
+    assert_eq!(
+        stored(&mut js, "AMP_TASKS_acme").1,
+        1,
+        "the task message waits to publish its result again"
+    );
+    bound(&mut js, "AMP_INBOX_acme", -1);
+    let result = a.next_op("message", WAIT).expect("the task_result");
+    assert_eq!(result["kind"], "task_result", "{result}");
+    assert_eq!(result["body"]["task"], "T", "{result}");
+    assert_eq!(result["body"]["state"], "completed", "{result}");
+    assert_eq!(result["body"]["result"]["px"], 9, "{result}");
+    assert!(common::wait_until(WAIT, || stored(
+        &mut js,
+        "AMP_TASKS_acme"
+    )
+    .1 == 0));
+}
+
 #[test]
 fn a_full_tasks_stream_refuses_new_submits_and_keeps_what_it_accepted() {
     let nats = NatsServer::start();

@@ -1086,7 +1086,7 @@ impl Broker {
                         self.ok(session, &re, answer)
                     }
                     Err(e) => {
-                        if stored_nothing(&e) {
+                        if e.stored_nothing() {
                             self.refund_rate(session, charged);
                         }
                         match e {
@@ -1814,12 +1814,7 @@ pub(super) fn naming_the_field(e: JsError) -> JsError {
 /// nobody answers for are JetStream's state, not a failure of the broker: `unavailable`,
 /// safe to retry later with the same `idem`. Anything else is `internal`.
 fn store_refused(e: &JsError) -> AmpError {
-    /// `JSStreamStoreFailedF` (maximum bytes, messages or messages per subject exceeded),
-    /// `JSInsufficientResourcesErr`, `JSMemoryResourcesExceededErr`,
-    /// `JSStorageResourcesExceededErr`.
-    const FULL: [u32; 4] = [10077, 10023, 10028, 10047];
-    let full = e.err_code().is_some_and(|c| FULL.contains(&c));
-    if full || matches!(e, JsError::NoResponders | JsError::Timeout) {
+    if e.store_unavailable() {
         return AmpError::new(
             ErrorCode::Unavailable,
             format!("JetStream cannot store the message now: {e}"),
@@ -1829,13 +1824,6 @@ fn store_refused(e: &JsError) -> AmpError {
         ErrorCode::Internal,
         format!("JetStream refused the message: {e}"),
     )
-}
-
-/// Whether a publish JetStream answered with `e` certainly stored nothing: an error in
-/// its PubAck, or no stream listening. A timeout, a reply lost with the connection or
-/// one not understood may follow a stored message.
-fn stored_nothing(e: &JsError) -> bool {
-    e.api_error().is_some() || matches!(e, JsError::NoResponders)
 }
 
 fn unavailable(e: impl std::fmt::Display) -> AmpError {

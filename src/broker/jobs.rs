@@ -95,6 +95,20 @@ const DECLINE_MEMORY: Duration = Duration::from_secs(3);
 const MAX_DECLINES: usize = 65_536;
 /// A task whose record cannot be read is retried after this.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// The longest a task message waits to publish again a `task_result` a full inbox
+/// refused (see [`refused_result_delay`]).
+const REFUSED_RESULT_MAX_DELAY: Duration = Duration::from_secs(30);
+
+/// How long a task message whose `task_result` JetStream refused (its inbox full) waits
+/// at its `delivered`-th delivery: room comes back with the inbox's `max_age` or an
+/// operator, seldom within a second, and each try is a redelivery, a record read and a
+/// publish.
+fn refused_result_delay(delivered: u64) -> Duration {
+    let doublings = delivered.saturating_sub(1).min(8) as u32;
+    RETRY_DELAY
+        .saturating_mul(1 << doublings)
+        .min(REFUSED_RESULT_MAX_DELAY)
+}
 /// Compare-and-set attempts on one change before giving up with `unavailable`.
 const MAX_CAS_TRIES: u8 = 8;
 /// What a task record keeps free of `max_payload` (a quarter of it at most) when its
@@ -367,6 +381,9 @@ enum Op {
     /// The broker stored the `task_result` of a task whose message stays for a
     /// redelivery (see `TaskRecord::result_sent`).
     ResultSent,
+    /// The broker stored the dead letter of a task whose message stays for a
+    /// redelivery (see `TaskRecord::lettered`).
+    Lettered,
 }
 
 impl Op {
@@ -380,7 +397,7 @@ impl Op {
             | Op::Complete { session, .. }
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. } => Some(*session),
-            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent => None,
+            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent | Op::Lettered => None,
         }
     }
 
@@ -526,20 +543,27 @@ struct Outcome {
     by: String,
     ack: Option<(String, AckKind)>,
     reply: Option<(SessionId, String, String)>,
+    /// Its dead letter is stored (see [`Finish::lettered`]).
+    lettered: bool,
 }
 
 /// What follows a stored outcome: the message's ack and the requester's answer.
 struct Finish {
+    /// The task's key.
+    key: String,
     ack: Option<(String, AckKind)>,
     reply: Option<(SessionId, String, String)>,
     /// A redelivery of the task message publishes the result again (completed, failed).
     redelivery_resends: bool,
-    /// The key of a cancelled task: its message is gone, and only the client's retry of
-    /// the cancel publishes the result again (see [`Jobs::unsent_cancels`]).
-    cancelled: Option<String>,
-    /// The key of a completed or failed task whose message stays for a redelivery (its
-    /// dead letter not stored yet): once the result is stored, the record says so.
-    stays: Option<String>,
+    /// A cancelled task: its message is gone, and only the client's retry of the cancel
+    /// publishes the result again (see [`Jobs::unsent_cancels`]).
+    cancelled: bool,
+    /// A completed or failed task whose message stays for a redelivery (its dead letter
+    /// not stored yet): once the result is stored, the record says so.
+    stays: bool,
+    /// Its dead letter was just stored: should the message stay for the result, the
+    /// record says so.
+    lettered: bool,
 }
 
 struct Submission {
@@ -635,9 +659,12 @@ pub struct Jobs {
     /// Bytes of submits waiting for JetStream (see [`HeldBytes`]).
     held: HeldBytes,
     /// Cancelled tasks whose cancel was answered `unavailable` (its write or its
-    /// `task_result` unconfirmed): the retry that finds the task cancelled publishes the
-    /// result again and answers `ok`, where a cancel of a finished task answers `conflict`.
-    unsent_cancels: BoundedMap<String, ()>,
+    /// `task_result` unconfirmed or refused): the retry that finds the task cancelled
+    /// publishes the result again and answers `ok`, where a cancel of a finished task
+    /// answers `conflict`. `true` while every publish of the result from here was
+    /// refused (none of them stored), so a retry may publish it at any age, not only
+    /// within the inbox's duplicate window.
+    unsent_cancels: BoundedMap<String, bool>,
     /// Paces the warnings about dead letters too large to store whole.
     trimmed_log: letters::TrimmedLog,
     /// Job queues whose consumer a reload changed the AckWait of (see
@@ -1780,23 +1807,41 @@ impl Jobs {
                 }
             }
             Pending::Result(mut finish) => {
-                let finish = match &reply {
-                    Ok(m) => match parse_pub_ack(m.status(), &m.payload) {
-                        Ok(_) => {
-                            if let Some(key) = finish.stays.take() {
-                                self.result_sent(conn, key, now);
-                            }
-                            finish
+                let answer = reply
+                    .map_err(|e| e.to_string())
+                    .map(|m| parse_pub_ack(m.status(), &m.payload));
+                let finish = match answer {
+                    Ok(Ok(_)) => {
+                        if finish.cancelled {
+                            self.unsent_cancels.remove(&finish.key);
                         }
-                        // A refusal would only repeat: the result is given up.
-                        Err(e) => {
-                            log::warn!("task result refused: {e}");
-                            finish
+                        if std::mem::take(&mut finish.stays) {
+                            self.mark(conn, finish.key.clone(), Op::ResultSent, now);
                         }
-                    },
+                        finish
+                    }
+                    // A full inbox has room again once its `max_age` or an operator
+                    // frees some: the result waits for it, as one unanswered does.
+                    Ok(Err(e)) if e.store_unavailable() => {
+                        log::warn!(task:% = finish.key; "task result refused for now: {e}");
+                        if e == JsError::NoResponders {
+                            let ns = finish.key.split_once('.').map_or("", |(ns, _)| ns);
+                            self.stream_gone(ns, binding::inbox_stream(ns));
+                        }
+                        self.result_unsent(conn, finish, e.stored_nothing(), now)
+                    }
+                    // Refused as it is (a `max_msg_size` below its size): it would be
+                    // refused again every time.
+                    Ok(Err(e)) => {
+                        log::error!(task:% = finish.key; "task result refused, given up: {e}");
+                        if finish.cancelled {
+                            self.unsent_cancels.remove(&finish.key);
+                        }
+                        finish
+                    }
                     Err(e) => {
-                        log::warn!("task result unanswered: {e}");
-                        self.result_unsent(finish)
+                        log::warn!(task:% = finish.key; "task result unanswered: {e}");
+                        self.result_unsent(conn, finish, false, now)
                     }
                 };
                 self.finish(conn, finish, now);
@@ -2290,15 +2335,126 @@ mod tests {
         assert_eq!(messages(&h), 1, "past it no copy is stored");
     }
 
+    /// Sets `field` of `stream`'s configuration, as an operator's `nats stream edit`.
+    fn set_stream_limit(h: &mut Harness, stream: &str, field: &str, value: i64) {
+        let info = h.nats_request(&format!("$JS.API.STREAM.INFO.{stream}"), &[], b"");
+        let mut config = info["config"].clone();
+        config[field] = json!(value);
+        let body = config.to_string();
+        let update = format!("$JS.API.STREAM.UPDATE.{stream}");
+        let r = h.nats_request(&update, &[], body.as_bytes());
+        assert!(r.get("error").is_none() && r != Value::Null, "{r}");
+    }
+
     /// Sets the tasks stream's `max_msg_size` (`-1`: none): below a task's size, every
     /// task message is refused as JetStream refuses one at a full stream, say.
     fn limit_task_messages(h: &mut Harness, max_msg_size: i64) {
-        let info = h.nats_request("$JS.API.STREAM.INFO.AMP_TASKS_dev", &[], b"");
-        let mut config = info["config"].clone();
-        config["max_msg_size"] = json!(max_msg_size);
-        let body = config.to_string();
-        let r = h.nats_request("$JS.API.STREAM.UPDATE.AMP_TASKS_dev", &[], body.as_bytes());
-        assert!(r.get("error").is_none() && r != Value::Null, "{r}");
+        set_stream_limit(h, "AMP_TASKS_dev", "max_msg_size", max_msg_size);
+    }
+
+    /// Fills the inbox stream (discard `new`): `from` sends one message, and `max_msgs`
+    /// becomes what the stream holds, so JetStream refuses the next one (10077).
+    fn fill_inbox(h: &mut Harness, from: Session, to: &str) {
+        let sent = h.request(from, json!({"op":"send","to":to,"body":"filler"}));
+        assert_eq!(sent["op"], "ok", "{sent}");
+        let held = h.server.stream_messages("AMP_INBOX_dev").len();
+        set_stream_limit(h, "AMP_INBOX_dev", "max_msgs", held as i64);
+    }
+
+    fn task_results(h: &mut Harness, app: Session) -> Vec<Value> {
+        h.take(app)
+            .into_iter()
+            .filter(|f| f["kind"] == "task_result")
+            .collect()
+    }
+
+    #[test]
+    fn a_task_result_the_full_inbox_refused_is_stored_once_the_inbox_has_room() {
+        // A result the submitter's inbox stream refused (full) was given up ("a refusal
+        // would only repeat") and the task message acked all the same: nothing was left
+        // to publish it again, and the submitter never heard, room or not.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        fill_inbox(&mut h, app, "w1");
+        let done = h.request(w, json!({"op":"complete","task":task,"result":{"px":9}}));
+        assert_eq!(done["op"], "ok", "{done}");
+        h.advance(Duration::from_secs(60));
+        assert!(task_results(&mut h, app).is_empty());
+        assert_eq!(
+            h.server.stream_messages("AMP_TASKS_dev").len(),
+            1,
+            "the message waits to publish the result again"
+        );
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let r = task_result(&mut h, app, &task);
+        assert_eq!(
+            (&r["state"], &r["result"]["px"]),
+            (&json!("completed"), &json!(9))
+        );
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+        // Past the inbox's duplicate window: still the one result.
+        h.advance(Duration::from_secs(150));
+        let late = task_results(&mut h, app);
+        assert!(late.is_empty(), "{} more results: {late:?}", late.len());
+        assert!(
+            h.take(w).iter().all(|f| f["op"] != "offer"),
+            "offered again"
+        );
+    }
+
+    #[test]
+    fn a_failed_task_out_of_attempts_whose_result_the_full_inbox_refused_keeps_one_letter_and_tells_later()
+     {
+        let mut h = bench(1);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        fill_inbox(&mut h, app, "w1");
+        let f = h.request(w, json!({"op":"fail","task":task,"error":{"code":"x"}}));
+        assert_eq!(f["op"], "ok", "{f}");
+        h.advance(Duration::from_secs(150));
+        assert!(task_results(&mut h, app).is_empty());
+        assert_eq!(h.server.stream_messages("AMP_DLQ_dev").len(), 1);
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        assert_eq!(task_result(&mut h, app, &task)["state"], "failed");
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+        h.advance(Duration::from_secs(150));
+        assert!(task_results(&mut h, app).is_empty());
+        assert_eq!(h.server.stream_messages("AMP_DLQ_dev").len(), 1);
+    }
+
+    #[test]
+    fn a_cancel_whose_task_result_the_full_inbox_refused_is_unavailable_until_a_retry_stores_it() {
+        // The cancel answered `ok` with no result stored, and its retry `conflict`.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "{c}");
+        assert!(c["retry_after_ms"].as_u64().is_some(), "{c}");
+        // Past the 90 s within which a cancel of a cancelled task republishes its result:
+        // none was stored, so the retry still stores it.
+        h.advance(Duration::from_secs(100));
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "still full: {c}");
+        h.advance(Duration::from_secs(100));
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["op"], "ok", "{c}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+        let again = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(again["code"], "conflict", "{again}");
+        h.advance(Duration::from_secs(10));
+        assert!(task_results(&mut h, app).is_empty());
+        h.take(other);
     }
 
     /// Stores a second copy of a task message, as a republish past the stream's

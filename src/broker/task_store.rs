@@ -137,6 +137,12 @@ pub struct TaskRecord {
     /// its message id no longer makes a repeat a duplicate.
     #[serde(default, skip_serializing_if = "is_false")]
     pub result_sent: bool,
+    /// The dead letter of this failed task is stored while its message stays for a
+    /// redelivery (its `task_result` not stored yet, the inbox full): that redelivery
+    /// must not store it again, as past the letters' duplicate window its message id no
+    /// longer makes a repeat a duplicate.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub lettered: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -201,6 +207,8 @@ pub enum Change<'a> {
     /// The `task_result` of a completed or failed task is stored (see
     /// [`TaskRecord::result_sent`]).
     ResultSent,
+    /// The dead letter of a failed task is stored (see [`TaskRecord::lettered`]).
+    Lettered,
 }
 
 /// Why a change does not apply to the record as it is.
@@ -272,6 +280,7 @@ impl TaskRecord {
             via_mig: false,
             msg_seq: None,
             result_sent: false,
+            lettered: false,
         }
     }
 
@@ -393,6 +402,10 @@ impl TaskRecord {
             member(&mut out, "result_sent");
             out.push_str("true");
         }
+        if self.lettered {
+            member(&mut out, "lettered");
+            out.push_str("true");
+        }
         out.push('}');
         out.into_bytes()
     }
@@ -478,7 +491,7 @@ impl TaskRecord {
         {
             return Err(Refusal::NotSubmitter);
         }
-        if self.state.is_terminal() && *change != Change::ResultSent {
+        if self.state.is_terminal() && !matches!(change, Change::ResultSent | Change::Lettered) {
             return Err(Refusal::Finished(self.state));
         }
         let mut next = self.clone();
@@ -590,6 +603,12 @@ impl TaskRecord {
                     return Err(Refusal::Finished(self.state));
                 }
                 next.result_sent = true;
+            }
+            Change::Lettered => {
+                if self.lettered || self.state != TaskState::Failed {
+                    return Err(Refusal::Finished(self.state));
+                }
+                next.lettered = true;
             }
             Change::Cancel { by } => {
                 if self.submitted_by != *by {
@@ -747,6 +766,7 @@ mod tests {
         full.via_mig = true;
         full.msg_seq = Some(u64::MAX);
         full.result_sent = true;
+        full.lettered = true;
         full.history.push(HistoryEntry {
             state: TaskState::Offered,
             at: "2027-01-15T08:00:00.000Z".into(),
@@ -925,6 +945,17 @@ mod tests {
             .apply(&Change::Cancel { by: "acme/app" }, T0)
             .expect("cancel");
         assert!(cancelled.apply(&Change::ResultSent, T0).is_err());
+        // Only a failed task has a dead letter, marked once, with no history entry.
+        assert!(leased.apply(&Change::Lettered, T0).is_err());
+        assert!(cancelled.apply(&Change::Lettered, T0).is_err());
+        let lettered = failed.apply(&Change::Lettered, T0 + 2).expect("lettered");
+        assert!(lettered.lettered && !lettered.result_sent && !failed.lettered);
+        assert_eq!(lettered.history, failed.history, "no history entry");
+        assert_eq!(
+            lettered.apply(&Change::Lettered, T0 + 3),
+            Err(Refusal::Finished(TaskState::Failed)),
+            "once"
+        );
     }
 
     #[test]

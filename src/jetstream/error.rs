@@ -24,6 +24,12 @@ pub const ERR_NOT_ENABLED_FOR_ACCOUNT: u32 = 10039;
 /// JetStream not enabled (503).
 pub const ERR_NOT_ENABLED: u32 = 10076;
 
+/// A stream limit with discard `new` or the storage is full: `JSStreamStoreFailedF`
+/// (maximum bytes, messages or messages per subject exceeded),
+/// `JSInsufficientResourcesErr`, `JSMemoryResourcesExceededErr`,
+/// `JSStorageResourcesExceededErr`.
+pub const ERRS_STORE_FULL: [u32; 4] = [10077, 10023, 10028, 10047];
+
 /// The `error` object of a JetStream API response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiError {
@@ -109,6 +115,23 @@ impl JsError {
             | JsError::Api(e) => Some(e),
             _ => None,
         }
+    }
+
+    /// A publish JetStream did not store now but may later: a limit or the storage is
+    /// full ([`ERRS_STORE_FULL`]), no stream answers for the subject, or no answer came
+    /// in time. JetStream's state, not the message's: the same message may be stored
+    /// once there is room again.
+    pub fn store_unavailable(&self) -> bool {
+        self.err_code()
+            .is_some_and(|c| ERRS_STORE_FULL.contains(&c))
+            || matches!(self, JsError::NoResponders | JsError::Timeout)
+    }
+
+    /// Whether a publish answered with this error certainly stored nothing: an error in
+    /// its PubAck, or no stream listening. A timeout, a reply lost with the connection or
+    /// one not understood may follow a stored message.
+    pub fn stored_nothing(&self) -> bool {
+        self.api_error().is_some() || matches!(self, JsError::NoResponders)
     }
 
     /// The JetStream `err_code` (10076 for [`JsError::NotEnabled`]).

@@ -108,7 +108,9 @@ impl Jobs {
             .and_then(|(a, _)| AckMetadata::parse(a).ok())
             .map(|m| m.stream_sequence);
         let ns = record.submitted_by.split_once('/').map(|(ns, _)| ns);
-        let (true, Some(seq), Some(ns)) = (dead_letters::is_dead(record), seq, ns) else {
+        // A letter stored while the message stayed for its result is stored once.
+        let letter_due = dead_letters::is_dead(record) && !record.lettered;
+        let (true, Some(seq), Some(ns)) = (letter_due, seq, ns) else {
             return self.publish_result(conn, record, by, ack, reply, now);
         };
         let outcome = Box::new(Outcome {
@@ -116,6 +118,7 @@ impl Jobs {
             by: by.to_string(),
             ack,
             reply,
+            lettered: false,
         });
         let which = MsgSelector::Sequence(seq);
         match self.msg_get(conn, ns, &binding::tasks_stream(ns), &which, now) {
@@ -240,11 +243,11 @@ impl Jobs {
                 log::warn!("dead letter not published on {subject}: {e}");
             }
         }
-        self.announce(conn, *outcome, now);
-    }
-
-    fn announce(&mut self, conn: &mut Connection, o: Outcome, now: Instant) {
-        self.publish_result(conn, &o.record, &o.by, o.ack, o.reply, now);
+        let outcome = Outcome {
+            lettered: true,
+            ..*outcome
+        };
+        self.announce(conn, outcome, now);
     }
 
     /// The letter could not be stored: the outcome stands and is announced, but the task

@@ -45,13 +45,26 @@ impl Jobs {
         reply: Option<(SessionId, String, String)>,
         now: Instant,
     ) {
-        let mut finish = Finish {
-            ack,
-            reply,
-            redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
-            cancelled: None,
-            stays: None,
-        };
+        let finish = Finish::new(record, ack, reply);
+        self.send_result(conn, record, by, finish, now);
+    }
+
+    /// [`publish_result`](Self::publish_result) of an outcome whose dead letter, if any,
+    /// was stored (`o.lettered`).
+    pub(super) fn announce(&mut self, conn: &mut Connection, o: Outcome, now: Instant) {
+        let mut finish = Finish::new(&o.record, o.ack, o.reply);
+        finish.lettered = o.lettered;
+        self.send_result(conn, &o.record, &o.by, finish, now);
+    }
+
+    fn send_result(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        by: &str,
+        mut finish: Finish,
+        now: Instant,
+    ) {
         let Some((ns, submitter)) = record
             .submitted_by
             .split_once('/')
@@ -59,13 +72,9 @@ impl Jobs {
         else {
             return self.finish(conn, finish, now);
         };
-        let key = task_key(ns, &record.id);
-        if record.state == TaskState::Cancelled {
-            finish.cancelled = Some(key.clone());
-        }
-        if finish.redelivery_resends && matches!(finish.ack, Some((_, AckKind::Nak { .. }))) {
-            finish.stays = Some(key.clone());
-        }
+        finish.stays =
+            finish.redelivery_resends && matches!(finish.ack, Some((_, AckKind::Nak { .. })));
+        let key = finish.key.clone();
         let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
         let body = crate::amp::Body::from_value(&record.result_body()).into_text();
         let env = Envelope {
@@ -94,44 +103,64 @@ impl Jobs {
             }
             Err(e) => {
                 log::warn!(task:% = key; "task result not sent: {e}");
-                let finish = self.result_unsent(finish);
+                let finish = self.result_unsent(conn, finish, false, now);
                 self.finish(conn, finish, now);
             }
         }
     }
 
-    /// The result did not reach the submitter's inbox (e.g. while its stream elects a
-    /// leader). A completed or failed task's message is left for redelivery, which sends
-    /// the result again (deduplicated by its message id), instead of acknowledged away.
-    /// A cancelled task has no message left to come back: its cancel answers `unavailable`
-    /// and the retry the client makes publishes the result again. It answered `ok`, and
-    /// the client told so never retried: the submitter never heard of the outcome
-    /// (`tests/jobs_engine.rs`,
-    /// `a_cancel_whose_task_result_was_not_stored_is_unavailable_and_its_retry_stores_it`).
-    pub(super) fn result_unsent(&mut self, mut finish: Finish) -> Finish {
+    /// The result did not reach the submitter's inbox: unanswered (e.g. while its stream
+    /// elects a leader), or refused by a full stream (`stored_nothing`). A completed or
+    /// failed task's message is left for redelivery, which sends the result again
+    /// (deduplicated by its message id), instead of acknowledged away; after a refusal
+    /// it waits longer at each delivery ([`refused_result_delay`]). A cancelled task has
+    /// no message left to come back: its cancel answers `unavailable` and the retry the
+    /// client makes publishes the result again. It answered `ok`, and the client told so
+    /// never retried: the submitter never heard of the outcome (`tests/jobs_engine.rs`,
+    /// `a_cancel_whose_task_result_was_not_stored_is_unavailable_and_its_retry_stores_it`;
+    /// refused, `jobs::tests::a_cancel_whose_task_result_the_full_inbox_refused_is_unavailable_until_a_retry_stores_it`).
+    pub(super) fn result_unsent(
+        &mut self,
+        conn: &mut Connection,
+        mut finish: Finish,
+        stored_nothing: bool,
+        now: Instant,
+    ) -> Finish {
         if finish.redelivery_resends
-            && let Some((_, kind)) = &mut finish.ack
+            && let Some((subject, kind)) = &mut finish.ack
         {
-            *kind = AckKind::Nak {
-                delay: Some(RETRY_DELAY),
+            let delay = match AckMetadata::parse(subject) {
+                Ok(m) if stored_nothing => refused_result_delay(m.delivered),
+                _ => RETRY_DELAY,
             };
+            *kind = AckKind::Nak { delay: Some(delay) };
+            if finish.lettered {
+                // The redelivery is for the result alone: its letter is not stored
+                // again (a second one once the letters' duplicate window has passed).
+                self.mark(conn, finish.key.clone(), Op::Lettered, now);
+            }
         }
-        if let Some(key) = &finish.cancelled
+        if finish.cancelled
             && let Some((_, re, text)) = &mut finish.reply
         {
-            let e = unavailable("the task is cancelled but its task_result is not stored yet");
+            let mut e = unavailable("the task is cancelled but its task_result is not stored yet");
+            e.retry_after_ms = u64::try_from(RETRY_DELAY.as_millis()).ok();
             *text = reply::error(Some(re.as_str()), &e);
-            self.unsent_cancels.get_or_insert_with(key.clone(), || ());
+            let unsent = self
+                .unsent_cancels
+                .get_or_insert_with(finish.key.clone(), || stored_nothing);
+            *unsent &= stored_nothing;
         }
         finish
     }
 
-    /// Records that the `task_result` of task `key` is stored, so that the redelivery of
-    /// its message publishes it no more: read, then a compare-and-set like any change.
-    pub(super) fn result_sent(&mut self, conn: &mut Connection, key: String, now: Instant) {
+    /// Records what of the outcome of task `key` is stored (its `task_result`, its dead
+    /// letter), so that the redelivery of its message stores it no more: read, then a
+    /// compare-and-set like any change.
+    pub(super) fn mark(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
         let write = Write {
             key,
-            op: Op::ResultSent,
+            op,
             ack: None,
             tries: 0,
         };
@@ -157,6 +186,24 @@ impl Jobs {
         }
         if let Some((session, re, text)) = finish.reply {
             self.out.push_back(JobsOutput::Reply { session, re, text });
+        }
+    }
+}
+
+impl Finish {
+    fn new(
+        record: &TaskRecord,
+        ack: Option<(String, AckKind)>,
+        reply: Option<(SessionId, String, String)>,
+    ) -> Finish {
+        Finish {
+            key: task_key(ns_of(record), &record.id),
+            ack,
+            reply,
+            redelivery_resends: matches!(record.state, TaskState::Completed | TaskState::Failed),
+            cancelled: record.state == TaskState::Cancelled,
+            stays: false,
+            lettered: false,
         }
     }
 }

@@ -89,6 +89,7 @@ impl Jobs {
             Op::Offer { .. } => Change::Offer { to: by },
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
             Op::ResultSent => Change::ResultSent,
+            Op::Lettered => Change::Lettered,
             Op::Claim { .. } => Change::Claim {
                 by,
                 lease_ms,
@@ -123,7 +124,7 @@ impl Jobs {
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. }
             | Op::Cancel { session, .. } => *session,
-            Op::Exhaust | Op::ResultSent => {
+            Op::Exhaust | Op::ResultSent | Op::Lettered => {
                 return (format!("broker/{}", self.broker_id), String::new());
             }
         };
@@ -316,19 +317,27 @@ impl Jobs {
                 // sent again later stored a second result (simulator seed 0x13da2e, a
                 // repeat 122 s after the cancel).
                 let recent = self.repeatable(record.history.last(), now);
-                let retry = self.unsent_cancels.remove(&key).is_some();
+                // Kept until the result is stored (`Jobs::result_unsent` says whether any
+                // publish of it might have been).
+                let unsent = self.unsent_cancels.get(&key).copied();
                 if let Refusal::Finished(TaskState::Cancelled) = refusal
-                    && recent
+                    && (recent || unsent == Some(true))
                 {
-                    if retry {
+                    if unsent.is_some() {
                         // The retry of a cancel answered `unavailable` (its write or its
-                        // result unconfirmed): answered as the cancel it repeats, once
-                        // the result is stored (`unavailable` again if it is not).
+                        // result unconfirmed, or refused): answered as the cancel it
+                        // repeats, once the result is stored (`unavailable` again if it
+                        // is not). When every publish of it was refused none is stored,
+                        // so it is published again past the window too.
                         let text = reply::ok(Some(&re));
                         let reply = Some((session, re, text));
                         return self.publish_result(conn, record, &by, None, reply, now);
                     }
                     self.publish_result(conn, record, &by, None, None, now);
+                }
+                if let Refusal::Finished(_) = refusal {
+                    // Answered `conflict`: a later retry is no retry of this one's.
+                    self.unsent_cancels.remove(&key);
                 }
                 let e = match refusal {
                     Refusal::NotSubmitter => AmpError::new(
@@ -344,7 +353,7 @@ impl Jobs {
                 self.refuse(session, &re, e);
             }
             // Recorded already (by another delivery's broker), or the record moved on.
-            Op::ResultSent => {}
+            Op::ResultSent | Op::Lettered => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
                     let re = re.to_string();
@@ -445,8 +454,9 @@ impl Jobs {
         log::warn!(task:% = write.key; "task change failed: {e}");
         if matches!(write.op, Op::Cancel { .. }) && e.code == ErrorCode::Unavailable {
             // Its write may have landed all the same: see `unsent_cancels`.
-            self.unsent_cancels
-                .get_or_insert_with(write.key.clone(), || ());
+            *self
+                .unsent_cancels
+                .get_or_insert_with(write.key.clone(), || false) = false;
         }
         if let Some((session, re)) = write.op.answer_to() {
             let re = re.to_string();
@@ -647,7 +657,7 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
-            Op::ResultSent => {}
+            Op::ResultSent | Op::Lettered => {}
         }
     }
 }
