@@ -1364,6 +1364,22 @@ fn a_capability_task_out_of_attempts_is_a_dead_letter_its_workers_hear_of_and_ma
     let offer = worker.next_op("offer", WAIT).expect("the redriven task");
     assert_eq!(offer["task"], r["task"], "{offer}");
     assert_eq!(offer["body"], body, "{offer}");
+    // No invocation waits for it: none of the failed one's ids or deadline come along,
+    // and its outcome reaches the redriver's inbox as any task's. The letter's
+    // `mig_capability` header took it for an invoke's, and no `task_result` came.
+    for stale in ["mig_capability", "deadline_ms", "message_id", "mig_version"] {
+        assert!(offer["headers"].get(stale).is_none(), "{stale}: {offer}");
+    }
+    let claim = worker.request(json!({"op":"claim","task":r["task"]}));
+    assert_eq!(claim["op"], "ok", "{claim}");
+    let done = worker.request(json!({"op":"complete","task":r["task"],"result":{"ok":1}}));
+    assert_eq!(done["op"], "ok", "{done}");
+    let result = app
+        .next_op("message", WAIT)
+        .expect("the redriven task's task_result");
+    assert_eq!(result["kind"], "task_result", "{result}");
+    assert_eq!(result["body"]["task"], r["task"], "{result}");
+    assert_eq!(result["body"]["state"], "completed", "{result}");
 }
 
 #[test]

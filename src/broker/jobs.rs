@@ -2992,6 +2992,28 @@ mod tests {
     }
 
     #[test]
+    fn a_submit_naming_a_mig_capability_in_its_headers_still_gets_its_task_result() {
+        // Only the MIG front's own submits are answered as MIG replies; the header took
+        // any task for one (a redriven MIG letter keeps it), and its result went nowhere.
+        let mut h = bench(3);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let ok = h.request(
+            app,
+            json!({"op":"submit","job":"render","task":"T","body":1,
+                   "headers":{"mig_capability":"acme.render"}}),
+        );
+        assert_eq!(ok["op"], "ok", "{ok}");
+        offer(&mut h, w, "T");
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        assert_eq!(
+            h.request(w, json!({"op":"complete","task":"T"}))["op"],
+            "ok"
+        );
+        assert_eq!(task_result(&mut h, app, "T")["state"], "completed");
+    }
+
+    #[test]
     fn a_task_goes_from_submit_to_one_result() {
         let mut h = bench(3);
         let app = h.join(0, "app", json!({}));

@@ -15,6 +15,7 @@ use crate::amp::{AmpError, ErrorCode};
 use crate::broker::binding;
 use crate::broker::dead_letters::{self, Letter, PAGE, PAGE_BYTES, Part, SCAN};
 use crate::broker::envelope::{self, Kind};
+use crate::broker::mig::INVOCATION_HEADERS;
 use crate::broker::permissions::{self, Action};
 use crate::broker::task_store::TaskRecord;
 use crate::jetstream::ack::{AckKind, AckMetadata};
@@ -452,19 +453,27 @@ impl Jobs {
             return self.refuse_unmade(r.session, &r.re, e);
         }
         let body = crate::amp::Body::parse(letter.body.get()).unwrap_or_default();
+        // The redriver is part of it: a worker, who sees every letter of its job,
+        // redriving one first must not take the id from the letter's submitter.
+        let task = letter.redrive_task(r.seq, &format!("{}/{}", r.ns, r.name));
+        let mut headers = letter.headers;
+        if headers.contains_key("mig_capability") {
+            // A MIG invoke's task: the invocation is over (its caller was answered), so
+            // its ids and deadline would only mislead the worker (a deadline long past,
+            // an idempotency key whose outcome is the failure).
+            headers.retain(|k, _| !INVOCATION_HEADERS.contains(&k.as_str()));
+        }
         let submit = amp_frame::Submit {
             id: r.re,
             job: r.job,
             body,
-            // The redriver is part of it: a worker, who sees every letter of its job,
-            // redriving one first must not take the id from the letter's submitter.
-            task: Some(letter.redrive_task(r.seq, &format!("{}/{}", r.ns, r.name))),
+            task: Some(task),
             max_attempts: None,
             eligible: letter.eligible.map(|e| amp_frame::Eligible {
                 names: e.names,
                 labels: e.labels,
             }),
-            headers: letter.headers,
+            headers,
         };
         self.submit_as(conn, r.session, (&r.ns, &r.name), submit, false, now);
     }

@@ -107,8 +107,10 @@ impl Jobs {
             eligible,
             now_ms,
         );
-        // Only the submitter's own inbox is spared by it, so the header cannot hurt anyone.
-        record.via_mig = submit.headers.contains_key("mig_capability");
+        // The MIG front's own submits: a client's, or a redriven letter of an invoke's
+        // task, carrying the header is answered in its inbox as any task.
+        record.via_mig = crate::broker::mig::is_mig_session(session)
+            && submit.headers.contains_key("mig_capability");
         let body = submit.body.into_text();
         let env = Envelope {
             id: task.clone(),

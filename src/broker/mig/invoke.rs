@@ -203,6 +203,19 @@ pub fn cancelled(reason: &str) -> MigError {
     e
 }
 
+/// The task headers of an invocation that describe the invocation itself (its ids,
+/// capability and deadline), all but `traceparent`: a redrive of its dead letter is a
+/// task no invocation waits for, and drops them (`jobs::letters`).
+pub const INVOCATION_HEADERS: [&str; 7] = [
+    "mig_version",
+    "message_id",
+    "tenant_id",
+    "session_id",
+    "mig_capability",
+    "deadline_ms",
+    "idempotency_key",
+];
+
 impl Invocation {
     pub fn new(r: &Request<'_>, accepted: Accepted, deadline_ms: u64, now: Instant) -> Invocation {
         let h = r.header;

@@ -55,6 +55,7 @@ pub fn is_mig_session(session: SessionId) -> bool {
     session >= SESSION_BASE
 }
 
+pub use invoke::INVOCATION_HEADERS;
 pub use subjects::tenant_of;
 
 pub use ops::FEATURES;

@@ -325,3 +325,36 @@ fn replay_pages_hold_their_place_in_flight_until_they_are_answered() {
     mig.on_request(&mut conn, &mut ctx, &subscribe, t0);
     assert_eq!(held.get(), 1, "room again");
 }
+
+/// A redrive of an invocation's dead letter drops what describes the invocation: every
+/// header an invocation's task gets, `traceparent` aside, must be named there.
+#[test]
+fn every_header_of_an_invocation_but_its_traceparent_is_one_a_redrive_drops() {
+    let config = config();
+    let body: Map<String, Value> = serde_json::from_value(json!({
+        "header": {"tenant_id": "acme", "message_id": "m1", "session_id": "s1",
+                   "idempotency_key": "k1",
+                   "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        "payload": {}
+    }))
+    .expect("body");
+    let header = envelope::parse_header(&body, None, || "made".into()).expect("header");
+    let participant = config.participant("acme", "alice").expect("alice");
+    let r = invoke::Request {
+        ns: "acme",
+        caller: "alice",
+        participant,
+        capability: "infer",
+        reply: "_INBOX_acme_alice.1",
+        header: &header,
+        body: &body,
+    };
+    let accepted = invoke::accept(&config, &r).expect("accepted");
+    let inv = Invocation::new(&r, accepted, 1000, Instant::now());
+    let mut names: Vec<&str> = inv.headers.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    let mut expected: Vec<&str> = invoke::INVOCATION_HEADERS.to_vec();
+    expected.push("traceparent");
+    expected.sort_unstable();
+    assert_eq!(names, expected);
+}
