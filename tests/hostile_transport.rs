@@ -13,20 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::amp::{Broker, Client, open_config, open_to_any_name};
-use common::{NatsServer, client_frame, connect_from, connect_with, wait_until};
+use common::{NatsServer, client_frame, connect_from, connect_with, status_bytes, wait_until};
 use serde_json::{Value, json};
 use tungstenite::Message;
-
-/// A size the broker child's `/proc/<pid>/status` gives in kB (`VmRSS:`, `VmHWM:`).
-fn status_bytes(pid: u32, field: &str) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|kb| kb.parse::<usize>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
 
 /// The broker child's resident set.
 fn rss_bytes(pid: u32) -> usize {

@@ -2528,6 +2528,94 @@ fn publish_bodies_waiting_for_jetstream_are_bounded_in_bytes() {
     assert_eq!(r["reply"]["accepted"], true, "{r}");
 }
 
+/// An INVOKE kept its whole payload, parsed as a `serde_json::Value` (32 bytes for each
+/// `0,` of an array), until it was answered or its deadline (up to 300 s) passed, and only
+/// the number of invocations was bounded (1,024 per caller): one caller with NATS
+/// credentials made the broker hold GBs. Here, 32 invokes of 100 kB sent at once: before,
+/// 21 waited (the jobs engine refused the rest) and the peak grew 51 MiB, against a
+/// budget of 8. An invocation now keeps its payload as text, only until its submit, against
+/// the bound that submits waiting for JetStream share (a quarter of
+/// `limits.max_buffered_bytes`): 20 are taken, 12 refused, and the peak grows 2-5 MiB.
+#[test]
+fn invoke_payloads_are_not_held_while_their_tasks_wait() {
+    const INVOKES: usize = 32;
+    let w = world_configured(1, None, |c| {
+        c["limits"]["max_buffered_bytes"] = json!(8 << 20);
+    });
+    let pid = w.brokers[0].pid().expect("pid");
+    let mut js = broker_js(&w);
+    // Tasks of `idle`, which nobody serves: each invocation waits for its deadline.
+    let mut queued = || -> usize {
+        let req = js
+            .api()
+            .stream_info_subjects("AMP_TASKS_acme", "amp.acme.job.idle")
+            .expect("request");
+        let info: Value = js
+            .send(&req)
+            .ok()
+            .and_then(|m| serde_json::from_slice(&m.payload).ok())
+            .unwrap_or(Value::Null);
+        let n = info["state"]["subjects"]["amp.acme.job.idle"].as_u64();
+        n.map_or(0, |n| n as usize)
+    };
+    let mut alice = Mig::connect(&w, "alice");
+    // 100 kB of `0,` each, 1.6 MB as a `Value`. (Five times as long, a debug build took
+    // longer to handle 64 of them than the requests' timeouts.)
+    let zeros = vec!["0"; 50_000].join(",");
+    let body = |n: usize| {
+        Value::String(format!(
+            r#"{{"header":{{"tenant_id":"acme","message_id":"big-{n}","deadline_ms":300000}},"payload":{{"a":[{zeros}]}}}}"#
+        ))
+    };
+    // One first, so that what handling one such request takes is in the baseline.
+    let first = alice.invoke_later("observatory.idle", body(0));
+    let started = common::wait_until(WAIT, || queued() == 1);
+    assert!(
+        started,
+        "the first task was not queued: {:?}",
+        alice.answered(&first)
+    );
+    let before = common::status_bytes(pid, "VmHWM:");
+
+    let tags: Vec<String> = (1..=INVOKES)
+        .map(|n| alice.invoke_later("observatory.idle", body(n)))
+        .collect();
+    // Each is either refused at once or accepted and its task queued.
+    let mut answers: HashMap<String, Value> = HashMap::new();
+    let mut tasks = 0;
+    let settled = common::wait_until(WAIT, || {
+        for tag in &tags {
+            if !answers.contains_key(tag)
+                && let Some(a) = alice.answered(tag)
+            {
+                answers.insert(tag.clone(), a);
+            }
+        }
+        tasks = queued().saturating_sub(1);
+        answers.len() + tasks == INVOKES
+    });
+    let grew = common::status_bytes(pid, "VmHWM:").saturating_sub(before);
+    assert!(
+        settled,
+        "{} answered and {tasks} tasks of {INVOKES}: {answers:?}",
+        answers.len()
+    );
+    assert!(
+        grew < 16 << 20,
+        "the broker's peak resident set grew {} MiB with {tasks} invocations of 100 kB waiting",
+        grew >> 20
+    );
+    assert!(tasks > 0, "every invoke was refused");
+    // Refused for want of room. The jobs engine's submit holds a payload and its envelope
+    // against the same bound, once the invocation has let go of the payload: 20 of them
+    // fit as 20 payloads did, so the engine refuses none here.
+    for a in answers.values() {
+        assert_eq!(error_code(&a["reply"]), "MIG_BACKPRESSURE", "{a}");
+        let retry = &a["reply"]["error"]["details"]["retry_after_ms"];
+        assert!(retry.as_u64().is_some_and(|ms| ms > 0), "{a}");
+    }
+}
+
 /// Live events come from one durable consumer per tenant (`mig_events`) that every broker
 /// pulls. Deleted (by an operator, or gone with a server that restarted without its
 /// state), the feed's pulls were refused for good and live events stopped without a

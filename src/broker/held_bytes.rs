@@ -1,5 +1,6 @@
 //! Client bytes the broker holds while JetStream answers: a submit's task message until
-//! the task store's create is answered, a submit's frame while its task budget is read.
+//! the task store's create is answered, a submit's frame while its task budget is read, a
+//! MIG PUBLISH's event until it is stored, a MIG INVOKE's payload until its submit.
 //! Requests in flight are capped in number, not in bytes; with JetStream slow, pipelined
 //! submits of large bodies held up to a thousand of them per session for the 4 s request
 //! timeout, outside every memory bound. Together they hold at most this bound.

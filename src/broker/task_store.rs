@@ -241,7 +241,11 @@ pub enum OnDelivery {
 /// SHA-256 hex of a body's canonical JSON (object keys sorted, no whitespace).
 pub fn body_digest(body: &Value) -> String {
     // `Value` keeps objects in sorted maps, so its serialisation is canonical.
-    let text = serde_json::to_string(body).unwrap_or_default();
+    canonical_digest(&serde_json::to_string(body).unwrap_or_default())
+}
+
+/// [`body_digest`] of the value whose serde_json serialisation is `text`.
+pub fn canonical_digest(text: &str) -> String {
     crate::broker::envelope::hex(&Sha256::digest(text.as_bytes()))
 }
 

@@ -331,6 +331,17 @@ pub fn operator_mode_server() -> (NatsServer, KeyPair) {
     (server, account)
 }
 
+/// A size a child process's `/proc/<pid>/status` gives in kB (`VmRSS:`, `VmHWM:`).
+pub fn status_bytes(pid: u32, field: &str) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|kb| kb.parse::<usize>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 /// Polls `cond` until it holds or `timeout` passes; for conditions no event announces.
 pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

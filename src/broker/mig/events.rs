@@ -12,7 +12,7 @@ use crate::broker::binding;
 use crate::broker::config::{Config, Participant, is_topic_pattern};
 use crate::broker::core::{consumer_exists, naming_the_field};
 use crate::broker::envelope::{self, Envelope, Kind};
-use crate::broker::held_bytes::{self, Hold};
+use crate::broker::held_bytes::Hold;
 use crate::broker::in_flight::Ticket;
 use crate::broker::permissions::{self, Action};
 use crate::broker::pull_loop::{Check, PullLoop, Pulled};
@@ -621,20 +621,18 @@ impl Mig {
         // The event waits for its id's claim; pipelined PUBLISHes with JetStream slow to
         // answer held as many as the caller's pace let in. Asked before the rate is
         // charged, so that a refusal for want of room spends none of it.
-        let Some(hold) = ctx.jobs.held_bytes().take(bytes.len() + nats.encoded_len()) else {
-            let e = MigError::new(
-                Code::Backpressure,
-                "the broker holds as many bytes as it may while JetStream answers",
-            )
-            .detail("retry_after_ms", json!(held_bytes::RETRY_AFTER_MS));
-            return self.refuse_signed(
-                conn,
-                ctx.config,
-                ticket.map(|t| (signed, t)),
-                answer,
-                e,
-                now,
-            );
+        let hold = match super::hold_bytes(ctx.jobs, bytes.len() + nats.encoded_len()) {
+            Ok(hold) => hold,
+            Err(e) => {
+                return self.refuse_signed(
+                    conn,
+                    ctx.config,
+                    ticket.map(|t| (signed, t)),
+                    answer,
+                    e,
+                    now,
+                );
+            }
         };
         let rated = body.get("payload").map_or(0, |p| p.to_string().len());
         if let Err(e) = super::take_rate(ctx.rates, participant, ns, name, rated, now) {

@@ -16,7 +16,7 @@ use crate::amp::frame::ClientFrame;
 use crate::broker::budget::Spend;
 use crate::broker::in_flight::Ticket;
 use crate::broker::jobs::SessionId;
-use crate::broker::task_store::{TaskRecord, body_digest};
+use crate::broker::task_store::TaskRecord;
 use crate::jetstream::kv::KvOperation;
 use crate::jetstream::publish::parse_pub_ack;
 use crate::jetstream::{ApiPrefix, JsError};
@@ -44,8 +44,11 @@ impl Mig {
             },
             received: now,
         };
-        let accepted = invoke::accept(ctx.config, &r).and_then(|job| {
-            let bytes = r.body.get("payload").map_or(0, |p| p.to_string().len());
+        let accepted = invoke::accept(ctx.config, &r).and_then(|accepted| {
+            let bytes = accepted.payload.get().len();
+            // Held until its task exists. Asked before the rate is charged, so that a
+            // refusal for want of room spends none of it.
+            let hold = super::hold_bytes(ctx.jobs, bytes)?;
             take_rate(ctx.rates, r.participant, r.ns, r.caller, bytes, now)?;
             // A message id names the stream and is what CANCEL finds: one another caller's
             // invocation here uses would let this one end its stream or its cancel.
@@ -82,9 +85,9 @@ impl Mig {
                 return Err(MigError::new(Code::Backpressure, message)
                     .detail("retry_after_ms", json!(BACKPRESSURE_RETRY_MS)));
             }
-            Ok(job)
+            Ok((accepted, hold))
         });
-        let accepted = match accepted {
+        let (accepted, hold) = match accepted {
             Ok(a) => a,
             Err(e) => return self.respond(conn, &answer, Err(e), now),
         };
@@ -123,7 +126,7 @@ impl Mig {
                 return self.respond(conn, &answer, Err(e), now);
             }
         }
-        let mut inv = Invocation::new(&r, accepted, deadline_ms, now);
+        let mut inv = Invocation::new(&r, accepted, hold, deadline_ms, now);
         inv.ticket = ticket;
         *self
             .waiting_per_caller
@@ -650,8 +653,16 @@ impl Mig {
         let Some(inv) = self.invocations.get_mut(&session) else {
             return;
         };
+        // Submitted once: nothing goes back to an earlier stage.
+        let Some((body, hold)) = inv.payload.take() else {
+            let e = MigError::new(Code::Internal, "the invocation was submitted twice");
+            return self.finish(conn, session, Err(e), now);
+        };
         inv.stage = Stage::Submitting;
-        let frame = ClientFrame::Submit(inv.submit_frame());
+        // The jobs engine holds the task message against the same bound until the task
+        // exists; let go first, so that its hold finds the room this one had.
+        drop(hold);
+        let frame = ClientFrame::Submit(inv.submit_frame(body));
         let (ns, caller) = (inv.ns.clone(), inv.caller.clone());
         jobs_frame(conn, ctx, session, &ns, &caller, frame, now);
     }
@@ -670,7 +681,7 @@ impl Mig {
             let e = MigError::new(Code::Internal, "the task belongs to someone else");
             return self.finish(conn, session, Err(e), now);
         }
-        if record.job != inv.job || record.body_sha256 != body_digest(&inv.payload) {
+        if record.job != inv.job || record.body_sha256 != inv.digest {
             let e = MigError::new(
                 Code::InvalidRequest,
                 "this idempotency_key was used with another capability or payload",

@@ -6,11 +6,13 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
+use crate::amp::Body;
 use crate::amp::frame::{Headers, Submit};
 use crate::broker::config::{Config, Participant};
+use crate::broker::held_bytes::Hold;
 use crate::broker::in_flight::Ticket;
 use crate::broker::permissions::{self, Action};
-use crate::broker::task_store::{TaskRecord, TaskState};
+use crate::broker::task_store::{self, TaskRecord, TaskState};
 
 use super::cancel::CancelRequest;
 use super::envelope::{Code, Echo, Header, MigError};
@@ -65,7 +67,14 @@ pub struct Invocation {
     /// A keyed invocation listens for cancels other brokers forward
     /// ([`super::subjects::forwarded_cancel_subject`]).
     pub cancel_watch: Option<crate::nats::Sid>,
-    pub payload: Value,
+    /// The payload's text from acceptance until the submit takes it, held against the
+    /// bound on bytes waiting for JetStream (`held_bytes.rs`). It was kept parsed, and
+    /// counted nowhere, until the invocation ended: up to `mig.max_deadline_ms`, 1,024
+    /// invocations a caller.
+    pub payload: Option<(Body, Hold)>,
+    /// The payload's `body_sha256`, all a task record is checked against once the task
+    /// exists.
+    pub digest: String,
     pub headers: Headers,
     pub cancel_reason: Option<String>,
     /// A cancel that came while the submit was out.
@@ -86,10 +95,12 @@ pub struct Stream {
     pub progress_n: u32,
 }
 
-/// What an accepted invoke is: the job, and whether the caller asked for a stream.
+/// What an accepted invoke is: the job, whether the caller asked for a stream, and the
+/// payload as the submit sends it.
 pub struct Accepted {
     pub job: String,
     pub streaming: bool,
+    pub payload: Body,
 }
 
 /// The job the request may invoke, or the MIG error that refuses it.
@@ -121,15 +132,12 @@ pub fn accept(config: &Config, r: &Request<'_>) -> Result<Accepted, MigError> {
         )
         .detail("amp_code", json!("forbidden")));
     }
-    match r.body.get("payload") {
-        Some(Value::Object(_)) => {}
-        _ => {
-            return Err(MigError::new(
-                Code::InvalidRequest,
-                "payload is required and must be a JSON object",
-            ));
-        }
-    }
+    let Some(payload @ Value::Object(_)) = r.body.get("payload") else {
+        return Err(MigError::new(
+            Code::InvalidRequest,
+            "payload is required and must be a JSON object",
+        ));
+    };
     let streaming = match r.body.get("stream_preference") {
         None | Some(Value::Null) => false,
         Some(Value::String(mode)) if mode == "unary" => false,
@@ -163,6 +171,7 @@ pub fn accept(config: &Config, r: &Request<'_>) -> Result<Accepted, MigError> {
     Ok(Accepted {
         job: job.clone(),
         streaming,
+        payload: Body::from_value(payload),
     })
 }
 
@@ -217,7 +226,14 @@ pub const INVOCATION_HEADERS: [&str; 7] = [
 ];
 
 impl Invocation {
-    pub fn new(r: &Request<'_>, accepted: Accepted, deadline_ms: u64, now: Instant) -> Invocation {
+    /// `hold` holds the bytes of `accepted.payload`.
+    pub fn new(
+        r: &Request<'_>,
+        accepted: Accepted,
+        hold: Hold,
+        deadline_ms: u64,
+        now: Instant,
+    ) -> Invocation {
         let h = r.header;
         let task = task_id(r.ns, r.caller, h.idempotency_key.as_deref(), &h.message_id);
         let mut headers = Headers::new();
@@ -256,7 +272,9 @@ impl Invocation {
             stale: false,
             rechecks: 0,
             recheck_due: false,
-            payload: r.body.get("payload").cloned().unwrap_or(Value::Null),
+            // `Body::from_value` writes serde_json's compact form, which the store hashes.
+            digest: task_store::canonical_digest(accepted.payload.get()),
+            payload: Some((accepted.payload, hold)),
             headers,
             cancel_reason: None,
             cancel_watch: None,
@@ -270,13 +288,15 @@ impl Invocation {
     pub fn waits(&mut self) {
         self.stage = Stage::Waiting;
         self.ticket = None;
+        // A retry that found its first try's task never submits it.
+        self.payload = None;
     }
 
-    pub fn submit_frame(&self) -> Submit {
+    pub fn submit_frame(&self, body: Body) -> Submit {
         Submit {
             id: "submit".to_string(),
             job: self.job.clone(),
-            body: crate::amp::Body::from_value(&self.payload),
+            body,
             task: Some(self.task.clone()),
             max_attempts: None,
             eligible: None,

@@ -32,6 +32,7 @@ use super::bounded_map::BoundedMap;
 use super::clock::Clock;
 use super::config::{Config, Participant};
 use super::continuations::Staged;
+use super::held_bytes::{self, Hold};
 use super::ids::IdSource;
 use super::in_flight::{self, Tally, Ticket};
 use super::jobs::{Caller, Jobs, SessionId};
@@ -851,6 +852,19 @@ fn asks_jetstream(op: &subjects::Op<'_>) -> bool {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Holds `bytes` of a request against the bound that submits waiting for JetStream share
+/// (`held_bytes.rs`), or refuses it `MIG_BACKPRESSURE`: a PUBLISH's event until it is
+/// stored, an INVOKE's payload until its task exists.
+fn hold_bytes(jobs: &Jobs, bytes: usize) -> Result<Hold, MigError> {
+    jobs.held_bytes().take(bytes).ok_or_else(|| {
+        MigError::new(
+            Code::Backpressure,
+            "the broker holds as many bytes as it may while JetStream answers",
+        )
+        .detail("retry_after_ms", json!(held_bytes::RETRY_AFTER_MS))
+    })
 }
 
 /// Whether tenant `ns` has capability `id`.

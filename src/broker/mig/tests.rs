@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 use serde_json::{Map, Value, json};
 
 use super::invoke::{self, Invocation, Stage};
-use super::{Alarm, Ctx, Mig, envelope};
+use super::{Alarm, Awaiting, Ctx, Mig, Pending, envelope};
 use crate::broker::budget::{BudgetConfig, Budgets};
 use crate::broker::clock::Clock;
 use crate::broker::config::Config;
+use crate::broker::held_bytes::{HeldBytes, Hold};
 use crate::broker::ids::IdSource;
 use crate::broker::in_flight::Tally;
-use crate::broker::jobs::Jobs;
+use crate::broker::jobs::{Jobs, SessionId};
 use crate::broker::rate_limit::RateLimiter;
 use crate::broker::task_store::body_digest;
 use crate::broker::timers::{Timers, Wake};
@@ -26,6 +27,11 @@ fn config() -> Config {
                                    "permissions": {"submit": ["infer"]}}},
         "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
     Config::parse(v.to_string().as_bytes()).expect("config")
+}
+
+/// A hold on no bound, for an invocation a test makes itself.
+fn unbound() -> Hold {
+    HeldBytes::new(0).take(0).expect("nothing fits")
 }
 
 /// The deadline of an invocation passed while the task store's create of its task was
@@ -71,7 +77,7 @@ fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
         body: &body,
     };
     let accepted = invoke::accept(&config, &r).expect("accepted");
-    let inv = Invocation::new(&r, accepted, 1000, t0);
+    let inv = Invocation::new(&r, accepted, unbound(), 1000, t0);
     let session = mig.new_session();
     mig.invocations.insert(session, inv);
     mig.submit(&mut conn, &mut ctx, session, t0);
@@ -99,7 +105,13 @@ fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
     );
     assert!(mig.expired_submits.is_empty());
     // A submit refused after the deadline leaves nothing to cancel.
-    let inv = Invocation::new(&r, invoke::accept(&config, &r).expect("accepted"), 1000, t0);
+    let inv = Invocation::new(
+        &r,
+        invoke::accept(&config, &r).expect("accepted"),
+        unbound(),
+        1000,
+        t0,
+    );
     let session = mig.new_session();
     mig.invocations.insert(session, inv);
     mig.submit(&mut conn, &mut ctx, session, t0);
@@ -156,7 +168,8 @@ fn a_record_sign_ahead_of_the_store_is_read_again_until_the_store_shows_it() {
         body: &body,
     };
     let waiting = || {
-        let mut inv = Invocation::new(&r, invoke::accept(&config, &r).expect("ok"), 60_000, t0);
+        let accepted = invoke::accept(&config, &r).expect("ok");
+        let mut inv = Invocation::new(&r, accepted, unbound(), 60_000, t0);
         inv.stage = Stage::Waiting;
         inv
     };
@@ -350,11 +363,150 @@ fn every_header_of_an_invocation_but_its_traceparent_is_one_a_redrive_drops() {
         body: &body,
     };
     let accepted = invoke::accept(&config, &r).expect("accepted");
-    let inv = Invocation::new(&r, accepted, 1000, Instant::now());
+    let hold = crate::broker::held_bytes::HeldBytes::new(1 << 20)
+        .take(0)
+        .expect("room");
+    let inv = Invocation::new(&r, accepted, hold, 1000, Instant::now());
     let mut names: Vec<&str> = inv.headers.keys().map(String::as_str).collect();
     names.sort_unstable();
     let mut expected: Vec<&str> = invoke::INVOCATION_HEADERS.to_vec();
     expected.push("traceparent");
     expected.sort_unstable();
     assert_eq!(names, expected);
+}
+
+/// An invocation kept its payload, parsed, until it was answered or its deadline passed
+/// (up to `mig.max_deadline_ms`), counted by nothing but the number of invocations. Its
+/// text is now held against the bound that submits waiting for JetStream share (a quarter
+/// of `limits.max_buffered_bytes`) until its task exists, past which an INVOKE answers
+/// `MIG_BACKPRESSURE`, and the invocation then keeps only the payload's digest.
+#[test]
+fn invoke_payloads_are_held_against_the_bound_until_their_task_exists() {
+    use sha2::{Digest, Sha256};
+    let t0 = Instant::now();
+    let hash: String = Sha256::digest(b"alice-token")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    // 10,000 bytes held at most: three payloads of 2,508 bytes fit, a fourth does not.
+    let v = json!({"mig": {"enabled": true}, "limits": {"max_buffered_bytes": 40_000},
+        "namespaces": {"acme": {
+            "participants": {"alice": {"token_sha256": hash,
+                                       "permissions": {"submit": ["infer"]}}},
+            "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
+    let config = Config::parse(v.to_string().as_bytes()).expect("config");
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
+    let held = jobs.held_bytes().clone();
+    let mut rates = RateLimiter::new(16);
+    let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
+    let mut ctx = Ctx {
+        config: &config,
+        jobs: &mut jobs,
+        rates: &mut rates,
+        budgets: &mut budgets,
+        in_flight: &mut in_flight,
+        registry: None,
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let mut conn = Connection::new(options, t0);
+    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+
+    let payload = json!({"s": "x".repeat(2_500)});
+    let len = payload.to_string().len();
+    assert_eq!(len, 2_508);
+    let invoke = |n: u32| {
+        let mut headers = HeaderMap::new();
+        headers
+            .insert("Authorization", "Bearer alice-token")
+            .expect("header");
+        let body = json!({"header": {"tenant_id": "acme", "message_id": format!("m{n}")},
+                          "payload": payload});
+        Message {
+            subject: "mig.v0_1.acme.invoke.infer".into(),
+            reply: Some(format!("_INBOX_acme_alice.{n}")),
+            headers: Some(headers),
+            payload: body.to_string().into_bytes(),
+        }
+    };
+    let backpressure = |mig: &Mig| {
+        let mut out = String::new();
+        mig.metrics.render(&mut out, 0);
+        out.lines()
+            .find(|l| l.contains(r#"code="MIG_BACKPRESSURE""#))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    for n in 0..4 {
+        mig.on_request(&mut conn, &mut ctx, &invoke(n), t0);
+    }
+    assert_eq!(mig.invocations.len(), 3, "a fourth payload did not fit");
+    assert_eq!(held.held(), 3 * len);
+    assert_eq!(backpressure(&mig), 1);
+
+    // Each reads its task record first. One finds its task (a retry of it): it only
+    // waits, with the digest, and its bytes come back.
+    let reads: Vec<SessionId> = mig
+        .staged
+        .take()
+        .into_iter()
+        .filter_map(|(_, Awaiting(p))| match p {
+            Pending::Record(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    let [found, new, _] = reads[..] else {
+        panic!("record reads: {reads:?}");
+    };
+    let direct_get = |subject: String, record: Value| {
+        let mut h = HeaderMap::new();
+        h.insert("Nats-Subject", &subject).expect("header");
+        h.insert("Nats-Sequence", "1").expect("header");
+        Ok(Message {
+            subject: "_INBOX.get".into(),
+            reply: None,
+            headers: Some(h),
+            payload: record.to_string().into_bytes(),
+        })
+    };
+    let task = mig.invocations[&found].task.clone();
+    let record = json!({"id": task, "job": "infer", "state": "queued", "attempt": 0,
+        "max_attempts": 3, "submitted_by": "acme/alice", "body_sha256": body_digest(&payload)});
+    let subject = format!("$KV.AMP_TASK_STATE.acme.{task}");
+    mig.record_read(&mut conn, &mut ctx, found, direct_get(subject, record), t0);
+    let inv = &mig.invocations[&found];
+    assert!(inv.stage == Stage::Waiting && inv.payload.is_none());
+    assert_eq!(
+        held.held(),
+        2 * len,
+        "the bytes of a task that exists are held"
+    );
+
+    // The other's task is new: the submit takes its payload, and the jobs engine holds
+    // the task message (payload and envelope) until the store's create is answered.
+    let elsewhere = "$KV.AMP_TASK_STATE.acme.other".to_string();
+    mig.record_read(
+        &mut conn,
+        &mut ctx,
+        new,
+        direct_get(elsewhere, json!({})),
+        t0,
+    );
+    let inv = &mig.invocations[&new];
+    assert!(inv.stage == Stage::Submitting && inv.payload.is_none());
+    let engine = held.held() - len;
+    assert!(
+        engine > len && engine < len + 2_000,
+        "the engine holds {engine}"
+    );
+    let ok = json!({"op": "ok", "re": "submit"}).to_string();
+    mig.on_jobs_reply(&mut conn, &mut ctx, new, &ok, t0);
+    assert_eq!(mig.invocations[&new].stage, Stage::Waiting);
+    // Room for one more again.
+    mig.on_request(&mut conn, &mut ctx, &invoke(4), t0);
+    assert_eq!(mig.invocations.len(), 4);
+    assert_eq!(backpressure(&mig), 1);
 }
