@@ -431,60 +431,48 @@ pub fn run(
         // Move events between the machines until all of them are quiet, or the round
         // bound is reached (the rest waits for the next turn).
         unfinished = true;
-        for _ in 0..MAX_ROUNDS_PER_TURN {
-            let mut busy = false;
-            while let Some((id, event)) = ws.poll_event() {
-                busy = true;
-                let conn = nats.connection_mut();
-                match event {
-                    SessionEvent::Opened { peer, .. } => {
-                        ids.insert(id.as_u64(), id);
-                        broker.handle(
-                            conn,
-                            Input::SessionOpened {
-                                session: id.as_u64(),
-                                peer,
-                            },
-                            now,
-                        );
-                    }
-                    SessionEvent::Text(text) => broker.handle(
-                        conn,
-                        Input::Frame {
-                            session: id.as_u64(),
-                            text: text.as_str(),
-                        },
-                        now,
-                    ),
-                    SessionEvent::Closed { .. } => {
-                        ids.remove(&id.as_u64());
-                        broker.handle(
-                            conn,
-                            Input::SessionClosed {
-                                session: id.as_u64(),
-                            },
-                            now,
-                        );
-                    }
-                }
-                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
-            }
+        for round in 0..MAX_ROUNDS_PER_TURN {
             // Each event's output goes to the sessions before the next event is handled,
             // and none is handled while their output is over the memory budget: one
-            // burst (a thousand presence changes, each a frame to every watcher) would
-            // otherwise queue all of its frames before any budget saw them. The flush
-            // below writes what sockets take and sheds the connections holding the most
-            // until within the budget; should some still be over, the NATS socket is
-            // not read, so the server waits rather than events queueing.
-            while !ws.over_budget() {
-                let Some(event) = nats.connection_mut().poll_event() else {
-                    break;
-                };
-                busy = true;
-                if !health.observe(&event, now) {
-                    broker.handle(nats.connection_mut(), Input::Nats(event), now);
-                }
-                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
+            // burst (a thousand presence changes, each a frame to every watcher; a `who`
+            // of a few bytes from each of hundreds of sessions, each answered with up to
+            // `max_outbound_bytes`) would otherwise queue all of its frames before any
+            // budget saw them. The flush below writes what sockets take and sheds the
+            // connections holding the most until within the budget; what is left waits
+            // for the next round. The sessions and NATS take turns at going first, as
+            // whichever does may fill the budget for the round: a flood of frames must
+            // not hold up every session's NATS traffic (nor its events pile up, read
+            // while the budget allows but never taken), nor the reverse.
+            let mut busy = false;
+            if round % 2 == 1 {
+                busy |= take_nats_events(
+                    &mut broker,
+                    &mut ws,
+                    &mut nats,
+                    &mut health,
+                    &ids,
+                    &mut drain_waiters,
+                    now,
+                );
+            }
+            busy |= take_session_events(
+                &mut broker,
+                &mut ws,
+                &mut nats,
+                &mut ids,
+                &mut drain_waiters,
+                now,
+            );
+            if round % 2 == 0 {
+                busy |= take_nats_events(
+                    &mut broker,
+                    &mut ws,
+                    &mut nats,
+                    &mut health,
+                    &ids,
+                    &mut drain_waiters,
+                    now,
+                );
             }
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             // NATS first: what a frame reports (an offer's watch subscription, say) is
@@ -502,6 +490,8 @@ pub fn run(
                     nats_bytes: nats.bytes(),
                 },
             );
+            // Should the output still be over the budget after the flush, the NATS socket
+            // is not read, so the server waits rather than events queueing.
             let held = ws.over_budget();
             nats.hold_reads(held);
             // Events the budget held back are taken in the next round.
@@ -595,6 +585,83 @@ fn reload_tls(ws: &mut WsServer, tls: &ListenerTls) {
         }
         Err(e) => log::error!("SIGHUP: TLS certificate not reloaded, the old one is kept: {e}"),
     }
+}
+
+/// Hands the broker the sessions' events (opened, frames, closed), each one's output
+/// to the sessions before the next, until none is left or the output is over the memory
+/// budget; whether it handed any.
+fn take_session_events(
+    broker: &mut Broker,
+    ws: &mut WsServer,
+    nats: &mut Driver,
+    ids: &mut crate::id_map::IdMap<u64, SessionId>,
+    drain_waiters: &mut HashSet<u64>,
+    now: Instant,
+) -> bool {
+    let mut any = false;
+    while !ws.over_budget()
+        && let Some((id, event)) = ws.poll_event()
+    {
+        any = true;
+        let conn = nats.connection_mut();
+        match event {
+            SessionEvent::Opened { peer, .. } => {
+                ids.insert(id.as_u64(), id);
+                broker.handle(
+                    conn,
+                    Input::SessionOpened {
+                        session: id.as_u64(),
+                        peer,
+                    },
+                    now,
+                );
+            }
+            SessionEvent::Text(text) => broker.handle(
+                conn,
+                Input::Frame {
+                    session: id.as_u64(),
+                    text: text.as_str(),
+                },
+                now,
+            ),
+            SessionEvent::Closed { .. } => {
+                ids.remove(&id.as_u64());
+                broker.handle(
+                    conn,
+                    Input::SessionClosed {
+                        session: id.as_u64(),
+                    },
+                    now,
+                );
+            }
+        }
+        deliver(broker, ws, ids, drain_waiters, now);
+    }
+    any
+}
+
+/// The same for what the NATS connection reported (the health probe's answers stop at
+/// `health`).
+fn take_nats_events(
+    broker: &mut Broker,
+    ws: &mut WsServer,
+    nats: &mut Driver,
+    health: &mut Health,
+    ids: &crate::id_map::IdMap<u64, SessionId>,
+    drain_waiters: &mut HashSet<u64>,
+    now: Instant,
+) -> bool {
+    let mut any = false;
+    while !ws.over_budget()
+        && let Some(event) = nats.connection_mut().poll_event()
+    {
+        any = true;
+        if !health.observe(&event, now) {
+            broker.handle(nats.connection_mut(), Input::Nats(event), now);
+        }
+        deliver(broker, ws, ids, drain_waiters, now);
+    }
+    any
 }
 
 /// Hands the broker's output to the sessions; whether there was any.

@@ -771,3 +771,132 @@ fn complete_messages_read_in_one_turn_stay_within_the_memory_budget() {
         "peak resident set grew {grew} bytes with a budget of {BUDGET}"
     );
 }
+
+/// Writes `entries` registry entries `p0`, `p1`, ... with a label of `pad` bytes, as
+/// another broker would, and waits until `asker`'s `who` lists each.
+fn fill_registry(nats: &NatsServer, asker: &mut Client, entries: usize, pad: usize) {
+    let mut peer = amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&nats.url()))
+        .expect("connect");
+    let pad = "x".repeat(pad);
+    for i in 0..entries {
+        let value = json!({"name": format!("p{i}"), "labels": {"pad": pad}}).to_string();
+        peer.publish(
+            &format!("$KV.AMP_REGISTRY_acme.p{i}"),
+            None,
+            None,
+            value.as_bytes(),
+        )
+        .expect("publish");
+    }
+    peer.flush(Duration::from_secs(10)).expect("flush");
+    let listed = wait_until(Duration::from_secs(20), || {
+        let answer = asker.request(json!({"op":"who"}));
+        let names = answer["participants"].as_array().map_or(0, |p| {
+            p.iter()
+                .filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with('p')))
+                .count()
+        });
+        names == entries
+    });
+    assert!(listed, "the registry lists all {entries} entries");
+}
+
+#[test]
+fn who_answers_to_many_sessions_in_one_turn_stay_within_the_memory_budget() {
+    // A `who` is a frame of some 20 bytes whose answer lists the whole registry, up to a
+    // session's outbound bound (4 MiB by default). Frames read in one turn were handled
+    // whole before any budget saw their answers: every session's answer was queued at
+    // once, the memory budget met only at the flush after them.
+    const BUDGET: usize = 16 << 20;
+    const SESSIONS: usize = 200;
+    const ENTRIES: usize = 1_500;
+    let nats = NatsServer::start();
+    let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
+    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+
+    let mut sessions: Vec<Client> = (0..SESSIONS).map(|_| login(&broker, "watcher")).collect();
+    let mut honest = login(&broker, "honest");
+    // Entries of 2 KB: one `who` answer is about 3 MB, within the outbound bound.
+    fill_registry(&nats, &mut honest, ENTRIES, 2_000);
+    for s in &mut sessions {
+        s.stop_reading();
+    }
+    let who = "amp_frames_in_total{op=\"who\"}";
+    let asked = metric(&broker, who);
+    let peak_before = peak_rss_bytes(pid);
+
+    // Every `who` ready at once, as after a moment in which the broker did not run.
+    broker.signal(libc::SIGSTOP);
+    for s in &mut sessions {
+        s.send(&json!({"op":"who","id":"w"}));
+    }
+    broker.signal(libc::SIGCONT);
+    let taken = wait_until(Duration::from_secs(60), || {
+        metric(&broker, who) >= asked + SESSIONS as f64
+    });
+    assert!(taken, "every `who` is taken; log:\n{}", broker.log());
+    let answer = honest.request(json!({"op":"who"}));
+    assert_eq!(
+        answer["participants"].as_array().map(Vec::len),
+        Some(ENTRIES + 2),
+        "the honest session is still answered"
+    );
+    let grew = peak_rss_bytes(pid).saturating_sub(peak_before);
+    eprintln!(
+        "{SESSIONS} sessions asked `who` at once; {} of them shed; the broker's peak \
+         resident set grew {} MiB (budget {} MiB)",
+        metric(&broker, "amp_ws_memory_sheds_total"),
+        grew >> 20,
+        BUDGET >> 20
+    );
+    assert!(
+        grew < 4 * BUDGET,
+        "peak resident set grew {grew} bytes with a budget of {BUDGET}"
+    );
+}
+
+#[test]
+fn a_flood_of_who_answers_does_not_hold_up_other_sessions_nats_traffic() {
+    // Frames wait while the output is over the memory budget, and so do NATS events. Were
+    // the sessions' frames always taken first in a round, each round's would fill the
+    // budget while any were left, and a PubAck would wait behind every frame read before
+    // it (and NATS events pile up, read while the flush left room but never taken). The
+    // two take turns at going first.
+    const SESSIONS: usize = 100;
+    const EACH: usize = 60;
+    const ENTRIES: usize = 300;
+    let nats = NatsServer::start();
+    let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
+    // Answers of some 20 KB, 26 to a budget: a round takes 26, a turn of 64 rounds some
+    // 1,700 of the 6,000.
+    config["limits"] = json!({"max_buffered_bytes": 512 << 10});
+    let broker = Broker::start(&nats.url(), &config);
+
+    let mut flooders: Vec<Client> = (0..SESSIONS).map(|_| login(&broker, "watcher")).collect();
+    let mut first = login(&broker, "honest");
+    let mut last = login(&broker, "honest");
+    fill_registry(&nats, &mut first, ENTRIES, 20);
+
+    // All read in one turn, in the order written: a `send` (answered once its PubAck is
+    // in), the flood, and a `ping` behind the flood (answered when the flood is through).
+    broker.signal(libc::SIGSTOP);
+    first.send(&json!({"op":"send","id":"s","to":"watcher","body":"hi"}));
+    for f in &mut flooders {
+        for i in 0..EACH {
+            f.send(&json!({"op":"who","id":format!("w{i}")}));
+        }
+    }
+    last.send(&json!({"op":"ping","id":"p"}));
+    broker.signal(libc::SIGCONT);
+    let answer = first.answer_to("s");
+    assert_eq!(answer["op"], "ok", "{answer}");
+    let early = last.next_frame(Duration::from_millis(1));
+    assert!(
+        early.is_none(),
+        "the send was answered only after the whole flood read after it: {early:?}"
+    );
+    assert_eq!(last.answer_to("p")["op"], "ok", "the flood is answered");
+    drop(flooders);
+}
