@@ -900,3 +900,66 @@ fn a_flood_of_who_answers_does_not_hold_up_other_sessions_nats_traffic() {
     assert_eq!(last.answer_to("p")["op"], "ok", "the flood is answered");
     drop(flooders);
 }
+
+#[test]
+fn watch_snapshots_asked_by_many_sessions_in_one_turn_stay_within_the_memory_budget() {
+    // A `watch` is answered with the first burst of its snapshot at once (up to 256 KiB),
+    // the next once the session's output is written. Before, the first bursts of every
+    // `watch` read in one turn were queued together. Those the budget holds back wait for
+    // a later round, and every snapshot still goes through to its end.
+    const BUDGET: usize = 2 << 20;
+    const SESSIONS: usize = 200;
+    // Entries of 500 bytes: some 650 KB, three bursts.
+    const ENTRIES: usize = 1_200;
+    let nats = NatsServer::start();
+    let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
+    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    let broker = Broker::start(&nats.url(), &config);
+    let pid = broker.pid().expect("pid");
+
+    let mut sessions: Vec<Client> = (0..SESSIONS).map(|_| login(&broker, "watcher")).collect();
+    let mut honest = login(&broker, "honest");
+    fill_registry(&nats, &mut honest, ENTRIES, 500);
+    let present = ENTRIES + 2;
+    let peak_before = peak_rss_bytes(pid);
+
+    broker.signal(libc::SIGSTOP);
+    for s in &mut sessions {
+        s.send(&json!({"op":"watch","id":"w"}));
+    }
+    broker.signal(libc::SIGCONT);
+    let readers: Vec<_> = sessions
+        .into_iter()
+        .map(|mut s| {
+            std::thread::spawn(move || {
+                let mut told = 0;
+                while told < present {
+                    match s.next_frame(Duration::from_secs(20)) {
+                        Some(f) if f["op"] == "presence" => told += 1,
+                        Some(f) if f["op"] == "_closed" => break,
+                        Some(_) => {}
+                        None => break,
+                    }
+                }
+                told
+            })
+        })
+        .collect();
+    let told: Vec<usize> = readers
+        .into_iter()
+        .map(|r| r.join().expect("reader"))
+        .collect();
+    let grew = peak_rss_bytes(pid).saturating_sub(peak_before);
+    let whole = told.iter().filter(|&&n| n == present).count();
+    eprintln!(
+        "{whole} of {SESSIONS} sessions heard the whole snapshot; the broker's peak resident \
+         set grew {} MiB (budget {} MiB)",
+        grew >> 20,
+        BUDGET >> 20
+    );
+    assert_eq!(whole, SESSIONS, "told: {told:?}");
+    assert!(
+        grew < 4 * BUDGET,
+        "peak resident set grew {grew} bytes with a budget of {BUDGET}"
+    );
+}
