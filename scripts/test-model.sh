@@ -13,8 +13,9 @@
 # run (two_brokers_and_four_workers_...: it passes, but the model's linear scans make it
 # take about ten minutes),
 # and hostile_nats (a CR inside a PUB control line, which nats-server takes and
-# src/proto's server-side parser refuses). Also left out: tests of auth, TLS, clusters,
-# leaf nodes, reconnects and MIG (accounts and the auth callout).
+# src/proto's server-side parser refuses; a client flooding MIG request subjects, which
+# measures how nats-server queues for a broker's connections). Also left out: tests of
+# auth, TLS, clusters, leaf nodes, reconnects and MIG (accounts and the auth callout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=(

@@ -27,6 +27,7 @@ const LISTENER: Token = Token(0);
 const NATS: Token = Token(1);
 const SIGNALS: Token = Token(2);
 const PLAIN_LISTENER: Token = Token(3);
+const INGRESS: Token = Token(4);
 const FIRST_SESSION: usize = 16;
 const GOING_AWAY: u16 = crate::broker::core::close::GOING_AWAY;
 
@@ -46,6 +47,10 @@ const LIVENESS_TICK: Duration = Duration::from_secs(1);
 const LIVENESS_MAX_LAG: Duration = Duration::from_secs(2);
 /// How long `/livez` keeps answering 503 after a stall.
 const LIVENESS_WINDOW: Duration = Duration::from_secs(5);
+/// Bytes the ingress connection reads per loop turn (the main one reads 1 MiB): a flood
+/// of tiny MIG requests (30 bytes each) costs the core microseconds a message, and what
+/// one turn reads of it delays everything else the turn does.
+const INGRESS_READ_ALLOWANCE: usize = 16 * 1024;
 
 pub struct RuntimeOptions {
     pub listen: SocketAddr,
@@ -159,6 +164,48 @@ impl Health {
     }
 }
 
+/// The second NATS connection, for what untrusted parties send (`Broker::start_ingress`):
+/// the auth callout's requests and MIG requests. Its state is only reported, as
+/// `amp_nats_ingress_*`; `/healthz` follows the main connection.
+struct Ingress {
+    driver: Driver,
+    connected: bool,
+    reconnects: u64,
+}
+
+#[derive(Clone, Copy)]
+struct IngressStats {
+    connected: bool,
+    reconnects: u64,
+    bytes: (u64, u64),
+}
+
+impl Ingress {
+    fn observe(&mut self, event: &NatsEvent) {
+        match event {
+            NatsEvent::Connected { .. } | NatsEvent::Reconnected { .. } => {
+                let again = matches!(event, NatsEvent::Reconnected { .. });
+                self.reconnects = self.reconnects.saturating_add(u64::from(again));
+                self.connected = true;
+                log::info!("NATS ingress connection up");
+            }
+            NatsEvent::Disconnected { reason } => {
+                self.connected = false;
+                log::warn!("NATS ingress connection down: {reason}");
+            }
+            _ => {}
+        }
+    }
+
+    fn stats(&self) -> IngressStats {
+        IngressStats {
+            connected: self.connected,
+            reconnects: self.reconnects,
+            bytes: self.driver.bytes(),
+        }
+    }
+}
+
 /// What `/livez` reports: whether the loop's recent wake-ups came on time. A loop that is
 /// blocked right now answers nothing at all, which is why probes need a timeout.
 #[derive(Debug, Default)]
@@ -215,6 +262,7 @@ struct Host<'a> {
     broker: &'a Broker,
     /// NATS socket bytes (in, out) as of this turn.
     nats_bytes: (u64, u64),
+    ingress: Option<IngressStats>,
 }
 
 impl HttpHost for Host<'_> {
@@ -256,6 +304,22 @@ impl HttpHost for Host<'_> {
             "# TYPE amp_event_loop_max_lag_seconds gauge\namp_event_loop_max_lag_seconds {}",
             l.max_lag.as_secs_f64()
         );
+        if let Some(i) = self.ingress {
+            let up = u8::from(i.connected);
+            let (bytes_in, bytes_out) = i.bytes;
+            let _ = writeln!(
+                out,
+                "# HELP amp_nats_ingress_connected Whether the NATS connection for MIG requests and auth callouts is up.\n\
+                 # TYPE amp_nats_ingress_connected gauge\namp_nats_ingress_connected {up}\n\
+                 # HELP amp_nats_ingress_reconnects_total Reconnections of the NATS connection for MIG requests and auth callouts.\n\
+                 # TYPE amp_nats_ingress_reconnects_total counter\namp_nats_ingress_reconnects_total {}\n\
+                 # HELP amp_nats_ingress_bytes_total Bytes read from (in) and written to (out) the NATS connection for MIG requests and auth callouts.\n\
+                 # TYPE amp_nats_ingress_bytes_total counter\n\
+                 amp_nats_ingress_bytes_total{{direction=\"in\"}} {bytes_in}\n\
+                 amp_nats_ingress_bytes_total{{direction=\"out\"}} {bytes_out}",
+                i.reconnects
+            );
+        }
         metrics::render_build_info(out);
         metrics::render_process(out);
         self.broker.render_metrics(out);
@@ -291,6 +355,22 @@ pub fn run(
     }
     let now = Instant::now();
     let mut nats = Driver::new(nats::Connection::new(opts.nats.clone(), now), NATS);
+    let mut ingress = None;
+    if broker.wants_ingress() {
+        let mut options = opts.nats.clone();
+        options.name = options.name.map(|name| format!("{name} ingress"));
+        let mut driver = Driver::new(nats::Connection::new(options, now), INGRESS)
+            .with_read_allowance(INGRESS_READ_ALLOWANCE);
+        broker
+            .start_ingress(driver.connection_mut())
+            .map_err(io::Error::other)?;
+        driver.drive(poll.registry(), now);
+        ingress = Some(Ingress {
+            driver,
+            connected: false,
+            reconnects: 0,
+        });
+    }
     broker
         .start(nats.connection_mut(), now)
         .map_err(io::Error::other)?;
@@ -314,6 +394,7 @@ pub fn run(
         let deadline = [
             ws.next_deadline(),
             nats.poll_timeout(),
+            ingress.as_ref().and_then(|i| i.driver.poll_timeout()),
             broker.poll_timeout(),
             Some(health.next_probe),
             embedded.as_ref().map(|_| next_supervise),
@@ -349,6 +430,11 @@ pub fn run(
         for event in events.iter() {
             match event.token() {
                 NATS => nats.handle_event(poll.registry(), event, now),
+                INGRESS => {
+                    if let Some(i) = ingress.as_mut() {
+                        i.driver.handle_event(poll.registry(), event, now);
+                    }
+                }
                 SIGNALS => {
                     for request in signals.take() {
                         match request {
@@ -383,6 +469,7 @@ pub fn run(
                         liveness: &liveness,
                         broker: &broker,
                         nats_bytes: nats.bytes(),
+                        ingress: ingress.as_ref().map(Ingress::stats),
                     },
                 ),
                 _ => {}
@@ -411,9 +498,13 @@ pub fn run(
                 liveness: &liveness,
                 broker: &broker,
                 nats_bytes: nats.bytes(),
+                ingress: ingress.as_ref().map(Ingress::stats),
             },
         );
         nats.drive(poll.registry(), now);
+        if let Some(i) = ingress.as_mut() {
+            i.driver.drive(poll.registry(), now);
+        }
         broker.handle(nats.connection_mut(), Input::Timeout, now);
 
         health.tick(nats.connection_mut(), now);
@@ -474,12 +565,26 @@ pub fn run(
                     now,
                 );
             }
+            // The same for the ingress connection; what it brings is answered on the
+            // main one.
+            while let Some(i) = ingress.as_mut().filter(|_| !ws.over_budget()) {
+                let Some(event) = i.driver.connection_mut().poll_event() else {
+                    break;
+                };
+                busy = true;
+                i.observe(&event);
+                broker.handle(nats.connection_mut(), Input::Ingress(event), now);
+                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
+            }
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             // NATS first: what a frame reports (an offer's watch subscription, say) is
             // on its way to the server before the frame is on its way to the client.
             // Written, not read: NATS reads its allowance once per turn, as each
             // WebSocket connection does.
             nats.drive_writes(poll.registry(), now);
+            if let Some(i) = ingress.as_mut() {
+                i.driver.drive_writes(poll.registry(), now);
+            }
             ws.flush(
                 poll.registry(),
                 now,
@@ -488,6 +593,7 @@ pub fn run(
                     liveness: &liveness,
                     broker: &broker,
                     nats_bytes: nats.bytes(),
+                    ingress: ingress.as_ref().map(Ingress::stats),
                 },
             );
             // Should the output still be over the budget after the flush, the NATS socket
@@ -496,6 +602,10 @@ pub fn run(
             nats.hold_reads(held);
             // Events the budget held back are taken in the next round.
             busy |= held || nats.connection_mut().has_events();
+            if let Some(i) = ingress.as_mut() {
+                i.driver.hold_reads(held);
+                busy |= i.driver.connection_mut().has_events();
+            }
             if !drain_waiters.is_empty() {
                 let drained: Vec<u64> = drain_waiters
                     .iter()

@@ -236,3 +236,160 @@ fn a_delivery_forged_on_a_pull_subject_is_not_taken_for_jetstreams() {
         "the broker acted on the forged delivery: {answered}"
     );
 }
+
+/// A MIG `hello` of participant `name` (its token, its reply prefix) over plain NATS.
+fn mig_hello(nats: &NatsServer, name: &str) -> Result<serde_json::Value, String> {
+    let options = amp_broker::nats::Options::new(&nats.url())
+        .with_inbox_prefix(&format!("_INBOX_acme_{name}"));
+    let mut nc = amp_broker::nats::Client::connect(options).map_err(|e| e.to_string())?;
+    let mut h = amp_broker::nats::HeaderMap::new();
+    h.insert("Authorization", &format!("Bearer {name}-token"))
+        .map_err(|e| e.to_string())?;
+    let body = json!({"header": {"tenant_id": "acme"}}).to_string();
+    let r = nc
+        .request("mig.v0_1.acme.hello", Some(&h), body.as_bytes(), WAIT)
+        .map_err(|e| e.to_string())?;
+    serde_json::from_slice(&r.payload).map_err(|e| e.to_string())
+}
+
+/// Takes and acks `b`'s messages until the one with body `{"n": n}`; false if none came.
+/// A send that timed out may have been stored all the same: its delivery is passed over.
+fn delivered(b: &mut Client, n: u64) -> bool {
+    while let Some(m) = b.next_op("message", WAIT) {
+        b.send(&json!({"op":"ack","seq":m["seq"]}));
+        if m["body"]["n"] == n {
+            return true;
+        }
+    }
+    false
+}
+
+/// With MIG on, any participant with a NATS credential may publish on the MIG request
+/// subjects, and nats-server delivers what it publishes there to a broker as fast as it
+/// is sent. Those subjects were subscribed on the broker's only NATS connection, the one
+/// that carries every session's JetStream replies: a flood of empty requests queued in
+/// nats-server ahead of them, sends timed out ('JetStream is unavailable: request timed
+/// out' after 4 s) and the server cut the connection as a slow consumer, every session's
+/// JetStream traffic with it. They now come on a second connection, read a little each
+/// loop turn: the flood delays (or gets cut) only that one.
+#[test]
+fn a_flood_on_the_mig_request_subjects_does_not_hold_up_sessions_jetstream_replies() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["mig"] = json!({"enabled": true});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    round_trip(&mut a, &mut b, 0);
+    let hello = mig_hello(&nats, "a").expect("MIG answers");
+    assert_eq!(hello["selected_version"], "0.1", "{hello}");
+
+    let flooding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut attacker = raw_client(&nats);
+    let flood = {
+        let flooding = flooding.clone();
+        std::thread::spawn(move || {
+            let one = b"PUB mig.v0_1.acme.invoke.x 0\r\n\r\n";
+            let chunk = one.repeat((1 << 20) / one.len());
+            while flooding.load(std::sync::atomic::Ordering::Relaxed) {
+                // nats-server may cut this connection too; the flood then ends early.
+                if attacker.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let started = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut failed = Vec::new();
+    let mut n = 0;
+    while started.elapsed() < Duration::from_secs(10) {
+        n += 1;
+        let t = Instant::now();
+        let ok = a.request(json!({"op":"send","to":"b","body":{"n":n}}));
+        if ok["op"] != "ok" {
+            failed.push(format!("send {n} after {:?}: {ok}", t.elapsed()));
+        } else if !delivered(&mut b, n) {
+            failed.push(format!("send {n} not delivered"));
+        }
+        worst = worst.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+    }
+    flooding.store(false, std::sync::atomic::Ordering::Relaxed);
+    flood.join().expect("flood thread");
+    let reached = metric(
+        &broker,
+        "amp_mig_rejected_total{reason=\"no_reply_subject\"}",
+    );
+    eprintln!(
+        "{n} round trips, worst {worst:?}; {reached:?} flood messages reached MIG; \
+         ingress reconnects {:?}",
+        metric(&broker, "amp_nats_ingress_reconnects_total")
+    );
+    assert!(
+        reached.is_some_and(|d| d > 1000.0),
+        "the flood reached the broker: {reached:?}"
+    );
+    assert!(
+        failed.is_empty() && worst < Duration::from_secs(1),
+        "{n} round trips, worst {worst:?}, failed: {failed:?}; log:\n{}",
+        broker.log()
+    );
+    assert_eq!(
+        metric(&broker, "amp_nats_reconnects_total"),
+        Some(0.0),
+        "log:\n{}",
+        broker.log()
+    );
+    assert!(
+        !broker.log().contains("NATS connection down"),
+        "{}",
+        broker.log()
+    );
+    // Whether or not the server cut the ingress connection, MIG answers again, once
+    // what the server had queued for it is read (up to its 64 MiB `max_pending`: about
+    // 10 s for a debug build on two busy cores).
+    let mut answer = Err(String::new());
+    let after = Instant::now();
+    let answered = wait_until(Duration::from_secs(60), || {
+        answer = mig_hello(&nats, "a");
+        answer.is_ok()
+    });
+    assert!(answered, "MIG answers after the flood: {answer:?}");
+    eprintln!("MIG answered {:?} after the flood", after.elapsed());
+}
+
+/// The ingress connection comes back with the server as the main one does, its
+/// subscriptions with it, and MIG answers again (through the main connection).
+#[test]
+fn mig_requests_are_answered_again_after_the_server_restarts() {
+    let mut nats = NatsServer::start();
+    let mut config = open_config(&["a", "b"]);
+    config["mig"] = json!({"enabled": true});
+    let broker = Broker::start(&nats.url(), &config);
+    let hello = mig_hello(&nats, "a").expect("MIG answers");
+    assert_eq!(hello["selected_version"], "0.1", "{hello}");
+    assert_eq!(metric(&broker, "amp_nats_ingress_connected"), Some(1.0));
+
+    nats.kill();
+    assert!(
+        wait_until(WAIT, || metric(&broker, "amp_nats_connected") == Some(0.0)
+            && metric(&broker, "amp_nats_ingress_connected") == Some(0.0)),
+        "both connections seen down; log:\n{}",
+        broker.log()
+    );
+    nats.start_again();
+    let mut answer = Err(String::new());
+    let answered = wait_until(Duration::from_secs(30), || {
+        answer = mig_hello(&nats, "a");
+        answer.is_ok()
+    });
+    assert!(answered, "{answer:?}; log:\n{}", broker.log());
+    assert_eq!(
+        metric(&broker, "amp_nats_ingress_reconnects_total"),
+        Some(1.0)
+    );
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    round_trip(&mut a, &mut b, 1);
+}

@@ -110,6 +110,9 @@ pub enum Input<'a> {
     /// What the NATS connection reported: up (with the server's facts) or down, a
     /// message on one of the core's subscriptions, a reply or a failed request.
     Nats(Event),
+    /// What the ingress connection ([`Broker::start_ingress`]) reported; the core is
+    /// handed the main connection with it, for the answers.
+    Ingress(Event),
     /// A deadline [`Broker::poll_timeout`] gave has passed.
     Timeout,
     /// What [`Output::WhenDrained`] asked for: the session's queued output is written.
@@ -402,6 +405,8 @@ enum Route {
     },
     /// `$SYS.REQ.USER.AUTH`: the server asks who a connecting client is.
     Callout,
+    /// A MIG request subject ([`super::mig::Mig::request_subscriptions`]).
+    MigRequest,
     Registry {
         ns: String,
     },
@@ -514,6 +519,9 @@ pub struct Broker {
     server_error_logged: Option<Instant>,
     server_errors_unlogged: u64,
     routes: IdMap<Sid, Route>,
+    /// The subscriptions of the ingress connection ([`Broker::start_ingress`]), whose
+    /// sids are its own; none when what untrusted parties send shares `routes`.
+    ingress_routes: Option<IdMap<Sid, Route>>,
     /// Durable subscriptions' pull subscriptions left at the last reconnect
     /// ([`PullLoop::retire`]): what the server sent on them before it had the UNSUB
     /// comes ahead of the new pull's events, and goes to the session in that order.
@@ -618,6 +626,7 @@ impl Broker {
             server_error_logged: None,
             server_errors_unlogged: 0,
             routes: IdMap::default(),
+            ingress_routes: None,
             retired_pulls: HashMap::new(),
             timers: Timers::default(),
             out: VecDeque::new(),
@@ -678,14 +687,49 @@ impl Broker {
         self.remakes.readiness()
     }
 
-    /// Starts what runs for the broker's whole life: one registry watch per namespace,
-    /// and the subscription for other brokers' durable take-overs.
-    pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
+    /// Whether anything untrusted parties may send comes to this broker: the auth
+    /// callout's requests (anyone who connects to the server) and MIG requests (any
+    /// participant with a NATS credential), which nats-server delivers as fast as they
+    /// are sent. They had better come on a connection of their own
+    /// ([`Broker::start_ingress`]).
+    pub fn wants_ingress(&self) -> bool {
+        self.callout.is_some() || self.config.mig.enabled
+    }
+
+    /// Subscribes what untrusted parties send (see [`Broker::wants_ingress`]) on
+    /// `ingress`, a second connection whose events come as [`Input::Ingress`]; call it
+    /// before [`Broker::start`]. A flood there then waits in the server ahead of nothing
+    /// else, and the server cutting that connection as a slow consumer cuts nothing else;
+    /// this connection is only read: answers go out on the one each input is handled
+    /// with. Without it, `start` subscribes these on its own connection.
+    pub fn start_ingress(&mut self, ingress: &mut Connection) -> Result<(), String> {
+        self.ingress_routes = Some(self.subscribe_untrusted(ingress)?.into_iter().collect());
+        Ok(())
+    }
+
+    fn subscribe_untrusted(&self, conn: &mut Connection) -> Result<Vec<(Sid, Route)>, String> {
+        let mut subscribed = Vec::new();
         if self.callout.is_some() {
             let sid = conn
                 .subscribe(AUTH_CALLOUT_SUBJECT, Some(AUTH_CALLOUT_QUEUE))
                 .map_err(|e| format!("auth callout subscription: {e}"))?;
-            self.routes.insert(sid, Route::Callout);
+            subscribed.push((sid, Route::Callout));
+        }
+        for (subject, queue) in super::mig::Mig::request_subscriptions(&self.config) {
+            let sid = conn
+                .subscribe(&subject, Some(queue))
+                .map_err(|e| format!("MIG subscription {subject}: {e}"))?;
+            subscribed.push((sid, Route::MigRequest));
+        }
+        Ok(subscribed)
+    }
+
+    /// Starts what runs for the broker's whole life: one registry watch per namespace,
+    /// and the subscription for other brokers' durable take-overs.
+    pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
+        if self.ingress_routes.is_none() {
+            let subscribed = self.subscribe_untrusted(conn)?;
+            self.routes.extend(subscribed);
         }
         let sid = conn
             .subscribe(&format!("{}.>", topics::DURABLE_TAKEOVER_PREFIX), None)
@@ -911,6 +955,7 @@ impl Broker {
             Input::Frame { session, text } => self.session_frame(conn, session, text, now),
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
+            Input::Ingress(event) => self.ingress_event(conn, event, now),
             Input::Timeout => self.handle_timeout(conn, now),
             Input::Drained { session } => {
                 self.continue_snapshot(session);
@@ -952,6 +997,7 @@ impl Broker {
                     self.topic_delivery(conn, session, &sub, msg, now);
                 }
                 Some(Route::Callout) => self.answer_callout(conn, &msg, now),
+                Some(Route::MigRequest) => self.mig_request(conn, &msg, now),
                 Some(Route::DurableTakeover) => self.durable_taken(conn, &msg, now),
                 Some(Route::Registry { ns }) => {
                     let ns = ns.clone();
@@ -1056,6 +1102,36 @@ impl Broker {
             _ => {}
         }
         self.drain_jobs(conn, now);
+    }
+
+    /// An event of the ingress connection; `conn` is the main one. The ingress makes no
+    /// requests and holds no JetStream subscription, and the server gives its
+    /// subscriptions back at a reconnect: only its messages and the connection-wide
+    /// reports (counted as the main connection's are) matter here.
+    fn ingress_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
+        match event {
+            Event::Message { sid, msg } => {
+                match self.ingress_routes.as_ref().and_then(|r| r.get(&sid)) {
+                    // Their answers go out on the main connection, and with it down a
+                    // MIG request would also find JetStream gone: dropped, as the server
+                    // dropped them with a single connection down (core NATS requests are
+                    // at most once; callers ask again after their timeout), rather than
+                    // each failing into the reconnect buffer and the log.
+                    Some(_) if !conn.is_connected() => {
+                        let id = self.metrics.nats_ingress_dropped;
+                        self.metrics.registry.inc(id, "");
+                    }
+                    Some(Route::Callout) => self.answer_callout(conn, &msg, now),
+                    Some(Route::MigRequest) => self.mig_request(conn, &msg, now),
+                    _ => self.unmatched("message", &msg.subject),
+                }
+                self.drain_jobs(conn, now);
+            }
+            event @ (Event::InvalidMessages { .. } | Event::ServerError(_) | Event::LameDuck) => {
+                self.nats_event(conn, event, now)
+            }
+            _ => {}
+        }
     }
 
     fn complete(
@@ -2008,6 +2084,88 @@ mod tests {
             nats.as_ref().is_ok_and(|n| n["jwt"].is_string()),
             "not authorized: {nats:?}"
         );
+    }
+
+    #[test]
+    fn what_untrusted_parties_send_comes_on_the_ingress_and_is_answered_on_the_main_connection() {
+        // MIG requests and callout requests came on the connection of every session's
+        // JetStream replies, where a flood of them queued ahead of those replies.
+        use crate::nkeys::{KeyKind, KeyPair};
+        let t0 = Instant::now();
+        let mut config = Config::development(crate::keygen::token_sha256(TOKEN));
+        config.mig.enabled = true;
+        if let Some(dev) = config.namespaces.get_mut("dev")
+            && let Some(open) = dev.open.clone()
+        {
+            dev.participants.insert("alice".into(), open);
+        }
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let mut b = Broker::new(config, "b1".into(), Clock::new(t0, WALL_MS), [8; 32])
+            .expect("broker")
+            .with_issuer(issuer, &[]);
+        assert!(b.wants_ingress());
+        let (mut conn, mut ingress) = (connected(t0), connected(t0));
+        b.start_ingress(&mut ingress).expect("ingress");
+        b.start(&mut conn, t0).expect("start");
+        let (main_wire, ingress_wire) = (take_wire(&mut conn), take_wire(&mut ingress));
+        let untrusted = [
+            AUTH_CALLOUT_SUBJECT,
+            "mig.v0_1.dev.hello",
+            "mig.v0_1.dev.invoke.>",
+        ];
+        for subject in untrusted {
+            let sub = format!("SUB {subject} ");
+            assert!(ingress_wire.contains(&sub), "{subject}: {ingress_wire}");
+            assert!(!main_wire.contains(&sub), "{subject}: {main_wire}");
+        }
+        let sid = ingress_wire
+            .lines()
+            .find_map(|l| l.strip_prefix("SUB mig.v0_1.dev.hello "))
+            .and_then(|rest| rest.split(' ').next_back())
+            .expect("the hello subscription")
+            .to_string();
+        // The main connection numbers its subscriptions from 1 too: the sid is the
+        // ingress connection's.
+        assert!(main_wire.contains(&format!(" {sid}\r\n")), "{main_wire}");
+
+        let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+        let body = r#"{"header":{"tenant_id":"dev"}}"#;
+        let msg = format!(
+            "HMSG mig.v0_1.dev.hello {sid} _INBOX_dev_alice.1 {} {}\r\n{headers}{body}\r\n",
+            headers.len(),
+            headers.len() + body.len()
+        );
+        ingress.receive(msg.as_bytes(), t0);
+        while let Some(event) = ingress.poll_event() {
+            b.handle(&mut conn, Input::Ingress(event), t0);
+        }
+        assert!(take_wire(&mut ingress).is_empty(), "nothing goes out there");
+        let wire = take_wire(&mut conn);
+        let answer = wire
+            .split("\r\n")
+            .skip_while(|l| !l.starts_with("HPUB _INBOX_dev_alice.1 "))
+            .find(|l| l.starts_with('{'))
+            .expect("an answer on the main connection");
+        let answer: Value = serde_json::from_str(answer).expect("JSON");
+        assert_eq!(answer["selected_version"], "0.1", "{answer}");
+
+        // With the main connection down the answer could not go out: the request is
+        // dropped and counted, not answered into the reconnect buffer.
+        conn.on_transport_closed(t0, "test");
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t0);
+        }
+        let buffered = conn.reconnect_buffered();
+        ingress.receive(msg.as_bytes(), t0);
+        while let Some(event) = ingress.poll_event() {
+            b.handle(&mut conn, Input::Ingress(event), t0);
+        }
+        assert_eq!(conn.reconnect_buffered(), buffered);
+        let dropped = b
+            .metrics
+            .registry
+            .value("amp_nats_ingress_dropped_total", "");
+        assert_eq!(dropped, Some(1.0));
     }
 
     #[test]

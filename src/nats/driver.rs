@@ -89,8 +89,8 @@ impl Lookup {
 
 /// Bytes read per `read` call.
 const READ_CHUNK: usize = 64 * 1024;
-/// `read` calls per readiness event or `drive`: the rest of a flood waits for the next
-/// `drive`, so the caller's loop serves its other sockets and timers in between.
+/// `read` calls per readiness event or `drive` by default: the rest of a flood waits for
+/// the next `drive`, so the caller's loop serves its other sockets and timers in between.
 const MAX_READS_PER_PASS: usize = 16;
 
 #[derive(Debug)]
@@ -108,6 +108,8 @@ pub struct Driver {
     reads_held: bool,
     /// A pass ran since the last [`Driver::drive`] (a readiness event's).
     read_since_drive: bool,
+    /// `read` calls per pass ([`Driver::with_read_allowance`]).
+    reads_per_pass: usize,
     read_buf: Vec<u8>,
     /// The TLS session under the current socket, once the connection asked for one.
     tls: Option<TlsSession>,
@@ -137,11 +139,22 @@ impl Driver {
             read_more: false,
             reads_held: false,
             read_since_drive: false,
+            reads_per_pass: MAX_READS_PER_PASS,
             read_buf: vec![0; READ_CHUNK],
             bytes_in: 0,
             bytes_out: 0,
             lookup: None,
         }
+    }
+
+    /// At most `bytes` read per pass instead of 1 MiB (in reads of up to 64 KiB, at least
+    /// one read): a connection whose input anyone may send takes a smaller share of each
+    /// loop turn.
+    pub fn with_read_allowance(mut self, bytes: usize) -> Driver {
+        let chunk = bytes.clamp(1, READ_CHUNK);
+        self.read_buf = vec![0; chunk];
+        self.reads_per_pass = (bytes / chunk).max(1);
+        self
     }
 
     /// Bytes read from and written to the server since start (over all reconnections).
@@ -342,7 +355,7 @@ impl Driver {
         }
         self.read_more = false;
         self.read_since_drive = true;
-        for _ in 0..MAX_READS_PER_PASS {
+        for _ in 0..self.reads_per_pass {
             let Some(stream) = self.socket.as_mut() else {
                 return;
             };
@@ -628,7 +641,7 @@ mod tests {
         let mut events = mio::Events::with_capacity(16);
         let now = Instant::now();
         let conn = Connection::new(Options::new(&format!("nats://127.0.0.1:{port}")), now);
-        let mut d = Driver::new(conn, Token(1));
+        let mut d = Driver::new(conn, Token(1)).with_read_allowance(2 * READ_CHUNK);
         d.drive(poll.registry(), now);
         let deadline = Instant::now() + Duration::from_secs(10);
         while d.bytes().0 == 0 {
@@ -641,7 +654,7 @@ mod tests {
         }
         // Each time as after a pass that stopped at its allowance: the rounds of the turn
         // read nothing, its one `drive` reads at most a pass.
-        let pass = (MAX_READS_PER_PASS * READ_CHUNK) as u64;
+        let pass = 2 * READ_CHUNK as u64;
         loop {
             assert!(Instant::now() < deadline, "the flood never came");
             let (read, _) = d.bytes();

@@ -380,6 +380,8 @@ pub struct AmpMetrics {
     /// NATS request round trips, in seconds, by [`NatsOp`].
     pub nats_request_seconds: LabelledHistogramId,
     pub nats_reconnects: CounterId,
+    /// Messages of the ingress connection dropped while the main one was down.
+    pub nats_ingress_dropped: CounterId,
     /// NATS messages dropped for an invalid subject or reply subject.
     pub nats_invalid_messages: CounterId,
     /// `-ERR`s after which the server kept the connection (a permissions violation).
@@ -426,6 +428,11 @@ impl AmpMetrics {
             "Reconnections to the NATS server.",
             None,
         );
+        let nats_ingress_dropped = r.counter(
+            "amp_nats_ingress_dropped_total",
+            "MIG and auth callout requests dropped unread because the NATS connection that answers them was down.",
+            None,
+        );
         let nats_invalid_messages = r.counter(
             "amp_nats_invalid_messages_total",
             "NATS messages dropped because their subject or reply subject is invalid.",
@@ -455,6 +462,7 @@ impl AmpMetrics {
             js_request_seconds,
             nats_request_seconds,
             nats_reconnects,
+            nats_ingress_dropped,
             nats_invalid_messages,
             nats_server_errors,
             nats_unmatched,

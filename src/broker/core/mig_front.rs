@@ -39,6 +39,13 @@ impl Broker {
         true
     }
 
+    /// A message on a MIG request subject, of whichever connection; answered on `conn`.
+    pub(super) fn mig_request(&mut self, conn: &mut Connection, msg: &Message, now: Instant) {
+        let (front, mut ctx) = self.mig_parts(mig::tenant_of(&msg.subject));
+        front.on_request(conn, &mut ctx, msg, now);
+        self.drive_budgets(conn, now);
+    }
+
     /// A reply to a request of the front end.
     pub(super) fn mig_reply(
         &mut self,

@@ -101,7 +101,6 @@ pub struct Ctx<'a> {
 }
 
 enum Sub {
-    Requests,
     /// Deliveries of a tenant's live event feed (index into `live`).
     Live(usize),
     /// The feed's pull subscription left at the last reconnect ([`PullLoop::retire`]):
@@ -251,8 +250,26 @@ impl Mig {
         })
     }
 
-    /// Subscribes to every tenant's request subjects (one queue group per operation, so
-    /// each request is answered by one broker) when MIG is enabled.
+    /// Every tenant's request subjects, each with its queue group (one per operation, so
+    /// each request is answered by one broker), when MIG is enabled. The core subscribes
+    /// them, on the connection for what untrusted parties send, and hands each message
+    /// to [`Mig::on_request`].
+    pub fn request_subscriptions(config: &Config) -> Vec<(String, &'static str)> {
+        if !config.mig.enabled {
+            return Vec::new();
+        }
+        // A tenant homed in another JetStream domain (a fleet namespace at a leaf site)
+        // keeps its task store, queues and topics there, which this front end does not
+        // address: the brokers of that domain answer its requests, not this one.
+        config
+            .namespaces
+            .iter()
+            .filter(|(_, n)| n.jetstream_domain.is_none())
+            .flat_map(|(ns, _)| subjects::request_subscriptions(ns))
+            .collect()
+    }
+
+    /// Starts the live event feeds when MIG is enabled.
     pub fn start(
         &mut self,
         conn: &mut Connection,
@@ -261,21 +278,6 @@ impl Mig {
     ) -> Result<(), String> {
         if !config.mig.enabled {
             return Ok(());
-        }
-        // A tenant homed in another JetStream domain (a fleet namespace at a leaf site)
-        // keeps its task store, queues and topics there, which this front end does not
-        // address: the brokers of that domain answer its requests, not this one.
-        let local = config
-            .namespaces
-            .iter()
-            .filter(|(_, n)| n.jetstream_domain.is_none());
-        for (ns, _) in local {
-            for (subject, queue) in subjects::request_subscriptions(ns) {
-                let sid = conn
-                    .subscribe(&subject, Some(queue))
-                    .map_err(|e| format!("MIG subscription {subject}: {e}"))?;
-                self.subs.insert(sid, Sub::Requests);
-            }
         }
         self.start_live(conn, config, now)
     }
@@ -339,7 +341,6 @@ impl Mig {
         now: Instant,
     ) {
         match self.subs.get(&sid) {
-            Some(Sub::Requests) => self.on_request(conn, ctx, msg, now),
             Some(Sub::Live(feed)) => {
                 let feed = *feed;
                 self.live_delivery(conn, ctx.config, feed, msg, now);
@@ -522,7 +523,8 @@ impl Mig {
         Ok(())
     }
 
-    fn on_request(
+    /// A message on one of the [`Mig::request_subscriptions`]; answers go out on `conn`.
+    pub fn on_request(
         &mut self,
         conn: &mut Connection,
         ctx: &mut Ctx<'_>,
