@@ -629,6 +629,9 @@ pub fn run(
         if !unfinished && trimmer.due(now) {
             broker.compact(now);
             nats.connection_mut().compact();
+            if let Some(i) = ingress.as_mut() {
+                i.driver.connection_mut().compact();
+            }
             crate::heap::Compact::compact(&mut ids);
             trimmer.trim(now);
         }
