@@ -545,6 +545,11 @@ fn main() {
     {
         config["limits"]["registry_ttl_s"] = json!(ttl);
     }
+    // The idle sessions read nothing, so they answer no pings: at the default heartbeat
+    // (10 s) the broker closes them for silence 30 s after their hello, and a memory
+    // phase whose inbox consumers took 20 s to make measured sessions closing. Two
+    // minutes covers the whole phase; the pings they would answer are not counted.
+    config["limits"]["heartbeat_s"] = json!(120);
     config["limits"]["max_connections_per_ip"] = json!(sessions);
     config["limits"]["connect_burst_per_ip"] = json!(sessions);
 

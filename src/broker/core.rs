@@ -883,6 +883,7 @@ impl Broker {
         self.sessions.compact();
         self.presence.compact();
         self.continuations.compact();
+        self.prune_timers();
         self.timers.compact();
         self.routes.compact();
         self.out.compact();
@@ -1563,13 +1564,30 @@ impl Broker {
         self.timers.file(&mut self.jobs.later, Wake::Jobs);
         self.timers.file(&mut self.mig.later, Wake::Mig);
         if self.timers.due_for_pruning() {
-            let (jobs, mig) = (&self.jobs, &self.mig);
-            self.timers.prune(|at, wake| match wake {
-                Wake::Core(_) => true,
-                Wake::Jobs(alarm) => jobs.alarm_matters(alarm, at),
-                Wake::Mig(alarm) => mig.alarm_matters(alarm),
-            });
+            self.prune_timers();
         }
+    }
+
+    /// Drops the timers that no longer matter: every pull loop's checks but its latest
+    /// (a pull re-arms its check on every answer, so an idle inbox leaves one behind each
+    /// time), and what the capabilities say of theirs.
+    fn prune_timers(&mut self) {
+        let (jobs, mig, presence, sessions) =
+            (&self.jobs, &self.mig, &self.presence, &self.sessions);
+        self.timers.prune(|at, wake| match wake {
+            Wake::Core(Alarm(Timer::PullCheck(PullOwner::Inbox(key), generation))) => presence
+                .get(key)
+                .is_some_and(|p| p.inbox.checks(*generation)),
+            Wake::Core(Alarm(Timer::PullCheck(PullOwner::Sub(session, sub), generation))) => {
+                sessions
+                    .get(session)
+                    .and_then(|s| s.subs.get(sub))
+                    .is_some_and(|t| t.pull.checks(*generation))
+            }
+            Wake::Core(_) => true,
+            Wake::Jobs(alarm) => jobs.alarm_matters(alarm, at),
+            Wake::Mig(alarm) => mig.alarm_matters(alarm),
+        });
     }
 
     /// Files the round trips the capabilities started (see [`Staged`]).

@@ -449,6 +449,11 @@ impl PullLoop {
             .is_some_and(|m| m.stream == self.stream && m.consumer == self.consumer)
     }
 
+    /// Whether a check filed with `generation` still counts (see [`PullLoop::check`]).
+    pub fn checks(&self, generation: u64) -> bool {
+        generation == self.generation
+    }
+
     /// At a check's time: a pull that has been silent too long is replaced. A stale
     /// check (another was filed since) does nothing.
     pub fn check(&mut self, conn: &mut Connection, generation: u64, now: Instant) -> Option<Check> {

@@ -6,6 +6,7 @@
 //! ping, pong, close) is encoded here, straight into this connection's output.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::decoder::{self, Decoder, Item};
@@ -204,11 +205,13 @@ pub struct Connection {
     /// against the bound like this connection's own queue, or moving bytes down would
     /// free room for as many again.
     queued_below: usize,
-    cfg: WsConfig,
+    /// Shared by every connection of the server: 136 bytes a connection otherwise.
+    cfg: Arc<WsConfig>,
 }
 
 impl Connection {
-    pub fn new(now: Instant, cfg: WsConfig) -> Self {
+    pub fn new(now: Instant, cfg: impl Into<Arc<WsConfig>>) -> Self {
+        let cfg = cfg.into();
         Connection {
             phase: Phase::Http { head: Vec::new() },
             decoder: Decoder::new(cfg.max_frame),

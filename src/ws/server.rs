@@ -272,7 +272,7 @@ impl HttpHost for WithTransport<'_> {
 }
 
 pub struct WsServer {
-    cfg: WsConfig,
+    cfg: Arc<WsConfig>,
     listener: Option<TcpListener>,
     local_addr: SocketAddr,
     listener_token: Token,
@@ -348,7 +348,7 @@ impl WsServer {
         let local_addr = listener.local_addr()?;
         registry.register(&mut listener, listener_token, Interest::READABLE)?;
         Ok(WsServer {
-            cfg,
+            cfg: Arc::new(cfg),
             listener: Some(listener),
             local_addr,
             listener_token,
@@ -844,7 +844,7 @@ impl WsServer {
             }
             if let Some(entry) = self.slots.get_mut(index) {
                 *entry = Some(Slot {
-                    conn: Connection::new(now, self.cfg),
+                    conn: Connection::new(now, Arc::clone(&self.cfg)),
                     tls: tls.map(Box::new),
                     stream,
                     peer,
