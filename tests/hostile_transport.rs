@@ -812,7 +812,8 @@ fn who_answers_to_many_sessions_in_one_turn_stay_within_the_memory_budget() {
     const ENTRIES: usize = 1_500;
     let nats = NatsServer::start();
     let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
-    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    // One participant, whose sessions share its listing rate: raised so that each is listed.
+    config["limits"] = json!({"max_buffered_bytes": BUDGET, "presence_listed_per_s": 100_000_000});
     let broker = Broker::start(&nats.url(), &config);
     let pid = broker.pid().expect("pid");
 
@@ -871,7 +872,9 @@ fn a_flood_of_who_answers_does_not_hold_up_other_sessions_nats_traffic() {
     let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
     // Answers of some 20 KB, 26 to a budget: a round takes 26, a turn of 64 rounds some
     // 1,700 of the 6,000.
-    config["limits"] = json!({"max_buffered_bytes": 512 << 10});
+    // One participant, whose sessions share its listing rate: raised so that each is listed.
+    config["limits"] =
+        json!({"max_buffered_bytes": 512 << 10, "presence_listed_per_s": 100_000_000});
     let broker = Broker::start(&nats.url(), &config);
 
     let mut flooders: Vec<Client> = (0..SESSIONS).map(|_| login(&broker, "watcher")).collect();
@@ -913,7 +916,8 @@ fn watch_snapshots_asked_by_many_sessions_in_one_turn_stay_within_the_memory_bud
     const ENTRIES: usize = 1_200;
     let nats = NatsServer::start();
     let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
-    config["limits"] = json!({"max_buffered_bytes": BUDGET});
+    // One participant, whose sessions share its listing rate: raised so that each is listed.
+    config["limits"] = json!({"max_buffered_bytes": BUDGET, "presence_listed_per_s": 100_000_000});
     let broker = Broker::start(&nats.url(), &config);
     let pid = broker.pid().expect("pid");
 

@@ -229,8 +229,6 @@ struct Session {
     /// they count against its subscriptions, or subscribe/unsubscribe would queue
     /// deletes without bound.
     deleting: usize,
-    /// Participants its `who` and `watch` may still list (`limits.presence_listed_per_s`).
-    listing: rate_limit::DebtBucket,
 }
 
 /// A participant with at least one live session on this broker.
@@ -257,6 +255,10 @@ struct Presence {
     /// Whether a change of its registry entry waits for `REGISTRY_WRITE_GAP` to pass
     /// (`Timer::RegistryFlush`).
     registry_due: bool,
+    /// Entries its sessions' `who`, `watch` and `dead_letters` may still look at
+    /// (`limits.presence_listed_per_s`): the participant's, not each session's, or its
+    /// rate grew with its sessions.
+    listing: rate_limit::DebtBucket,
 }
 
 /// Whose pull loop a check timer is for.
@@ -558,6 +560,9 @@ pub struct Broker {
     inbox_retrying: HashMap<String, Instant>,
     /// When each participant's registry entry was last written or deleted here.
     registry_last: BoundedMap<String, Instant>,
+    /// The `listing` buckets of participants whose last session ended before they were
+    /// full again, taken up by their next hello: logging in again must not refill one.
+    listing_debts: BoundedMap<String, rate_limit::DebtBucket>,
     /// Where this broker's section of each participant's entry stands: one for each
     /// participant present here, and one for each whose last write is still out.
     registry_sections: HashMap<String, registry::SectionState>,
@@ -645,6 +650,7 @@ impl Broker {
             refreshing: HashSet::new(),
             inbox_retrying: HashMap::new(),
             registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
+            listing_debts: BoundedMap::new(registry::LISTING_DEBTS),
             registry_sections: HashMap::new(),
             mig,
             in_flight: Default::default(),
@@ -879,6 +885,10 @@ impl Broker {
         self.registry_last
             .retain(|_, at| after(*at, registry::REGISTRY_WRITE_GAP) > now);
         self.registry_last.compact_tables();
+        let rate = f64::from(self.config.limits.presence_listed_per_s);
+        self.listing_debts
+            .retain(|_, bucket| !bucket.refilled(rate, now));
+        self.listing_debts.compact_tables();
         self.forget_settled_sections();
         self.sessions.compact();
         self.presence.compact();

@@ -208,6 +208,12 @@ impl DebtBucket {
         let ms = (-self.level / rate * 1000.0).ceil().max(1.0);
         Err(if ms.is_finite() { ms as u64 } else { u64::MAX })
     }
+
+    /// Whether the bucket is full again at `rate` by `now`: as good as a new one.
+    pub fn refilled(&self, rate: f64, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.level + elapsed * rate.max(EPSILON) >= rate
+    }
 }
 
 #[cfg(test)]

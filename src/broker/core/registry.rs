@@ -18,6 +18,11 @@ const SNAPSHOT_BURST: usize = 256 * 1024;
 pub(super) const REGISTRY_WRITE_GAP: Duration = Duration::from_millis(100);
 /// Participants whose last registry write here is remembered for the gap.
 pub(super) const REGISTRY_RECENT: usize = 65_536;
+/// Participants whose unpaid `listing` bucket outlives their sessions, at most: more than
+/// leave owing within the seconds a listing takes to pay back, short of an attacker with
+/// names to spare, who gains nothing by pushing its own out that a new name would not
+/// give it.
+pub(super) const LISTING_DEBTS: usize = 4096;
 /// Compare-and-set refusals in a row before a write waits for the next refresh: each is
 /// another broker's write in between, so more than a few means they keep racing.
 const REGISTRY_CAS_TRIES: u8 = 8;
@@ -379,7 +384,7 @@ impl Broker {
         });
     }
 
-    /// Charges a listing of `ns`'s participants to the session's `listing` bucket: every
+    /// Charges a listing of `ns`'s participants to the participant's `listing` bucket: every
     /// participant counts (a `who` with a `job` looks at each), since each costs the
     /// broker the same however few bytes the asking frame had. Refused: `rate_limited`.
     fn may_list(&mut self, session: SessionId, ns: &str, id: &str, now: Instant) -> bool {
@@ -387,8 +392,8 @@ impl Broker {
         self.charge_listing(session, id, count, now)
     }
 
-    /// Charges `count` entries looked at to the session's `listing` bucket; refused (the
-    /// request answered `rate_limited`), false.
+    /// Charges `count` entries looked at to the `listing` bucket of the session's
+    /// participant; refused (the request answered `rate_limited`), false.
     pub(super) fn charge_listing(
         &mut self,
         session: SessionId,
@@ -397,10 +402,15 @@ impl Broker {
         now: Instant,
     ) -> bool {
         let rate = f64::from(self.config.limits.presence_listed_per_s);
-        let Some(s) = self.sessions.get_mut(&session) else {
+        let Some(p) = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.state.participant())
+            .and_then(|(ns, name)| self.presence.get_mut(&participant_key(ns, name)))
+        else {
             return false;
         };
-        match s.listing.take(count.max(1) as f64, rate, now) {
+        match p.listing.take(count.max(1) as f64, rate, now) {
             Ok(()) => true,
             Err(wait_ms) => {
                 self.fail(session, id, AmpError::rate_limited(wait_ms));
@@ -851,6 +861,64 @@ mod tests {
         h.join(0, "w", json!({}));
         let up = h.wait_for(watcher, |f| f["op"] == "presence" && f["name"] == "w");
         assert_eq!(up["state"], "up", "{up}");
+    }
+
+    #[test]
+    fn a_participant_lists_at_one_rate_however_many_sessions_it_holds_or_opens_again() {
+        // The bucket was each session's, full at its hello: 1,024 sessions listed 1,024
+        // times the rate, and logging in again refilled it.
+        let mut config = crate::testing::harness::development_config();
+        config.limits.presence_listed_per_s = 100;
+        let mut h = Harness::new(config, 1, 1);
+        let others: Vec<_> = (0..19)
+            .map(|i| h.join(0, &format!("p{i}"), json!({})))
+            .collect();
+        let mut w: Vec<_> = (0..4).map(|_| h.join(0, "w", json!({}))).collect();
+        h.advance(std::time::Duration::from_millis(300));
+        // 20 present: a second's worth is 5 listings, whichever sessions ask.
+        let first = h.request(w[0], json!({"op":"who"}));
+        assert_eq!(first["participants"].as_array().map(Vec::len), Some(20));
+        h.advance(std::time::Duration::from_secs(2));
+        let mut listed = 0;
+        let mut refused = None;
+        for round in 0..10 {
+            for (i, &s) in w.iter().enumerate() {
+                let op = if (round + i) % 2 == 0 { "who" } else { "watch" };
+                let answer = h.request(s, json!({ "op": op }));
+                match answer["op"].as_str() {
+                    Some("ok") => listed += 1,
+                    _ => refused = Some(answer),
+                }
+            }
+        }
+        assert_eq!(listed, 5, "4 sessions listed {listed} times in an instant");
+        let refused = refused.expect("refusals");
+        assert_eq!(refused["code"], "rate_limited", "{refused}");
+        // Logging out and in again: still in debt.
+        for s in w.drain(..) {
+            h.close(s);
+        }
+        let again = h.join(0, "w", json!({}));
+        let who = h.request(again, json!({"op":"who"}));
+        assert_eq!(
+            who["code"], "rate_limited",
+            "a new session refilled it: {who}"
+        );
+        let wait = who["retry_after_ms"].as_u64().expect("retry_after_ms");
+        assert!(wait > 0 && wait <= 1000, "{who}");
+        h.advance(std::time::Duration::from_millis(wait));
+        assert_eq!(h.request(again, json!({"op":"who"}))["op"], "ok");
+        // Kept while it owes, and only then.
+        h.close(again);
+        assert_eq!(h.broker(0).listing_debts.len(), 1);
+        h.advance(std::time::Duration::from_secs(2));
+        let back = h.join(0, "w", json!({}));
+        assert_eq!(h.broker(0).listing_debts.len(), 0);
+        assert_eq!(h.request(back, json!({"op":"who"}))["op"], "ok");
+        h.advance(std::time::Duration::from_secs(2));
+        h.close(back);
+        assert_eq!(h.broker(0).listing_debts.len(), 0);
+        drop(others);
     }
 
     #[test]

@@ -19,7 +19,6 @@ impl Broker {
                 moved: IdMap::default(),
                 subs: HashMap::new(),
                 deleting: 0,
-                listing: rate_limit::DebtBucket::new(now),
             }),
         );
         let challenge = FrameWriter::new(amp_frame::server_op::CHALLENGE)
@@ -79,10 +78,16 @@ impl Broker {
                 self.check_pull_at(None, PullOwner::Inbox(key.clone()));
             }
             if last {
-                if let Some(mut p) = self.presence.remove(&key)
-                    && let Some(sid) = p.inbox.detach(conn)
-                {
-                    self.routes.remove(&sid);
+                if let Some(mut p) = self.presence.remove(&key) {
+                    if let Some(sid) = p.inbox.detach(conn) {
+                        self.routes.remove(&sid);
+                    }
+                    let rate = f64::from(self.config.limits.presence_listed_per_s);
+                    if !p.listing.refilled(rate, now) {
+                        *self
+                            .listing_debts
+                            .get_or_insert_with(key.clone(), || p.listing) = p.listing;
+                    }
                 }
                 // One a reload asked to keep is still wanted.
                 if !self.kept_inboxes.contains(&key) {
@@ -246,6 +251,10 @@ impl Broker {
                 held: IdSet::default(),
                 inbox_refused: None,
                 registry_due: false,
+                listing: self
+                    .listing_debts
+                    .remove(&key)
+                    .unwrap_or_else(|| rate_limit::DebtBucket::new(now)),
             })
         });
         presence.sessions.push(session);
