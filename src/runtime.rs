@@ -380,6 +380,8 @@ pub fn run(
     let mut ids: crate::id_map::IdMap<u64, SessionId> = Default::default();
     // Sessions whose `watch` snapshot waits for their output to be written.
     let mut drain_waiters: HashSet<u64> = HashSet::new();
+    // The last of them told, where the next round of telling starts.
+    let mut drained_last = 0;
     let mut events = Events::with_capacity(256);
     let mut drain_until: Option<Instant> = None;
     let mut lame_duck: Option<LameDuck> = None;
@@ -606,20 +608,15 @@ pub fn run(
                 i.driver.hold_reads(held);
                 busy |= i.driver.connection_mut().has_events();
             }
-            if !drain_waiters.is_empty() {
-                let drained: Vec<u64> = drain_waiters
-                    .iter()
-                    .copied()
-                    .filter(|s| ids.get(s).is_none_or(|&id| ws.queued_bytes(id) == 0))
-                    .collect();
-                for session in drained {
-                    drain_waiters.remove(&session);
-                    if ids.contains_key(&session) {
-                        busy = true;
-                        broker.handle(nats.connection_mut(), Input::Drained { session }, now);
-                    }
-                }
-            }
+            busy |= take_drained(
+                &mut broker,
+                &mut ws,
+                &mut nats,
+                &ids,
+                &mut drain_waiters,
+                &mut drained_last,
+                now,
+            );
             if !busy && !ws.has_events() {
                 unfinished = false;
                 break;
@@ -772,6 +769,56 @@ fn take_nats_events(
         if !health.observe(&event, now) {
             broker.handle(nats.connection_mut(), Input::Nats(event), now);
         }
+        deliver(broker, ws, ids, drain_waiters, now);
+    }
+    any
+}
+
+/// Tells the broker of the sessions waiting for their output to be written that it is
+/// (a `watch` snapshot goes on with its next burst, up to 256 KiB; pulls resume), and
+/// forgets those gone; each one's output goes to the sessions before the next is told,
+/// and none is told while the output is over the memory budget: the others wait in
+/// `drain_waiters` for a later round, which starts after the last one told
+/// (`told_last`), so all take turns. Told all at once, sessions that each held back a
+/// few bytes of a burst and then read together had a burst each queued before any
+/// budget saw them. Whether it told any.
+fn take_drained(
+    broker: &mut Broker,
+    ws: &mut WsServer,
+    nats: &mut Driver,
+    ids: &crate::id_map::IdMap<u64, SessionId>,
+    drain_waiters: &mut HashSet<u64>,
+    told_last: &mut u64,
+    now: Instant,
+) -> bool {
+    if drain_waiters.is_empty() {
+        return false;
+    }
+    let mut written: Vec<u64> = drain_waiters
+        .iter()
+        .copied()
+        .filter(|s| ids.get(s).is_none_or(|&id| ws.queued_bytes(id) == 0))
+        .collect();
+    written.sort_unstable();
+    let after = written.partition_point(|&s| s <= *told_last);
+    written.rotate_left(after);
+    let mut any = false;
+    for session in written {
+        let Some(&id) = ids.get(&session) else {
+            drain_waiters.remove(&session);
+            continue;
+        };
+        // The output of one told before may have been for this one.
+        if ws.queued_bytes(id) > 0 {
+            continue;
+        }
+        if ws.over_budget() {
+            break;
+        }
+        drain_waiters.remove(&session);
+        *told_last = session;
+        any = true;
+        broker.handle(nats.connection_mut(), Input::Drained { session }, now);
         deliver(broker, ws, ids, drain_waiters, now);
     }
     any
