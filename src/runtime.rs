@@ -361,9 +361,7 @@ pub fn run(
         options.name = options.name.map(|name| format!("{name} ingress"));
         let mut driver = Driver::new(nats::Connection::new(options, now), INGRESS)
             .with_read_allowance(INGRESS_READ_ALLOWANCE);
-        broker
-            .start_ingress(driver.connection_mut())
-            .map_err(io::Error::other)?;
+        broker.start_ingress();
         driver.drive(poll.registry(), now);
         ingress = Some(Ingress {
             driver,
@@ -568,7 +566,10 @@ pub fn run(
                 );
             }
             // The same for the ingress connection; what it brings is answered on the
-            // main one.
+            // main one, and it is subscribed only while that one is up.
+            if let Some(i) = ingress.as_mut() {
+                broker.tend_ingress(nats.connection(), i.driver.connection_mut());
+            }
             while let Some(i) = ingress.as_mut().filter(|_| !ws.over_budget()) {
                 let Some(event) = i.driver.connection_mut().poll_event() else {
                     break;

@@ -239,6 +239,15 @@ fn a_delivery_forged_on_a_pull_subject_is_not_taken_for_jetstreams() {
 
 /// A MIG `hello` of participant `name` (its token, its reply prefix) over plain NATS.
 fn mig_hello(nats: &NatsServer, name: &str) -> Result<serde_json::Value, String> {
+    mig_hello_within(nats, name, WAIT)
+}
+
+/// [`mig_hello`], waiting at most `wait` for the answer.
+fn mig_hello_within(
+    nats: &NatsServer,
+    name: &str,
+    wait: Duration,
+) -> Result<serde_json::Value, String> {
     let options = amp_broker::nats::Options::new(&nats.url())
         .with_inbox_prefix(&format!("_INBOX_acme_{name}"));
     let mut nc = amp_broker::nats::Client::connect(options).map_err(|e| e.to_string())?;
@@ -247,7 +256,7 @@ fn mig_hello(nats: &NatsServer, name: &str) -> Result<serde_json::Value, String>
         .map_err(|e| e.to_string())?;
     let body = json!({"header": {"tenant_id": "acme"}}).to_string();
     let r = nc
-        .request("mig.v0_1.acme.hello", Some(&h), body.as_bytes(), WAIT)
+        .request("mig.v0_1.acme.hello", Some(&h), body.as_bytes(), wait)
         .map_err(|e| e.to_string())?;
     serde_json::from_slice(&r.payload).map_err(|e| e.to_string())
 }
@@ -392,4 +401,79 @@ fn mig_requests_are_answered_again_after_the_server_restarts() {
     let mut a = Client::login(&broker, "acme", "a", "a-token");
     let mut b = Client::login(&broker, "acme", "b", "b-token");
     round_trip(&mut a, &mut b, 1);
+}
+
+/// MIG `hello`s `broker` answered.
+fn hellos_answered(broker: &Broker) -> u64 {
+    http_get(broker.addr, "/metrics")
+        .map(|(_, body)| body)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("amp_mig_requests_total{op=\"hello\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// What a broker's ingress connection brings is answered on its main connection. With
+/// the main connection down, the ingress kept its queue group subscriptions: the server
+/// went on handing the broker its share of MIG requests (and of callout requests), which
+/// it dropped, and their callers waited out their timeouts while another broker could
+/// have answered every one.
+#[test]
+fn with_its_main_connection_down_a_broker_leaves_mig_requests_to_the_others() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let mut config = open_config(&["a", "b"]);
+    config["mig"] = json!({"enabled": true});
+    let a = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let b = Broker::start(&nats.url(), &config);
+    // Both in the queue group: each has answered one.
+    let mut asked = 0;
+    while hellos_answered(&a) == 0 || hellos_answered(&b) == 0 {
+        assert!(asked < 100, "one broker answered none of {asked} hellos");
+        mig_hello(&nats, "a").expect("MIG answers");
+        asked += 1;
+    }
+
+    // Only A's main connection (and the one it set the streams up on at start, closed
+    // already): its ingress stays up.
+    let cut = relay.cut_where(|said| said.starts_with("CONNECT") && !said.contains(" ingress\""));
+    assert!(cut >= 1, "A's main connection");
+    assert!(
+        wait_until(WAIT, || metric(&a, "amp_nats_connected") == Some(0.0)),
+        "A's main connection seen down; log:\n{}",
+        a.log()
+    );
+    assert_eq!(metric(&a, "amp_nats_ingress_connected"), Some(1.0));
+    let by_b = hellos_answered(&b);
+    let mut failed = Vec::new();
+    for n in 0..20 {
+        let t = Instant::now();
+        // Answered in milliseconds; a busy machine's parallel tests may take longer.
+        if let Err(e) = mig_hello_within(&nats, "a", Duration::from_secs(5)) {
+            failed.push(format!("hello {n} after {:?}: {e}", t.elapsed()));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 20 hellos unanswered; A dropped {:?}: {failed:?}",
+        failed.len(),
+        metric(&a, "amp_nats_ingress_dropped_total")
+    );
+    assert_eq!(hellos_answered(&b) - by_b, 20, "B answered them all");
+
+    // A takes its share again once its main connection is back.
+    relay.restore();
+    assert!(
+        wait_until(WAIT, || metric(&a, "amp_nats_connected") == Some(1.0)),
+        "A's main connection back; log:\n{}",
+        a.log()
+    );
+    let by_a = hellos_answered(&a);
+    let mut asked = 0;
+    while hellos_answered(&a) == by_a {
+        assert!(asked < 100, "A answered none of {asked} hellos");
+        mig_hello(&nats, "a").expect("MIG answers");
+        asked += 1;
+    }
 }

@@ -400,6 +400,17 @@ impl Pending {
     }
 }
 
+/// The ingress connection's side of the core ([`Broker::start_ingress`]).
+#[derive(Default)]
+struct IngressSubs {
+    /// Its subscriptions, by its own sids; made only while the main connection is up
+    /// ([`Broker::tend_ingress`]).
+    routes: IdMap<Sid, Route>,
+    subscribed: bool,
+    /// A failure to subscribe was logged, and none succeeded since.
+    failure_logged: bool,
+}
+
 enum Route {
     /// Shared: every delivery hands it on.
     Inbox {
@@ -521,9 +532,9 @@ pub struct Broker {
     server_error_logged: Option<Instant>,
     server_errors_unlogged: u64,
     routes: IdMap<Sid, Route>,
-    /// The subscriptions of the ingress connection ([`Broker::start_ingress`]), whose
-    /// sids are its own; none when what untrusted parties send shares `routes`.
-    ingress_routes: Option<IdMap<Sid, Route>>,
+    /// The subscriptions of the ingress connection ([`Broker::start_ingress`]); none
+    /// when what untrusted parties send shares `routes`.
+    ingress: Option<IngressSubs>,
     /// Durable subscriptions' pull subscriptions left at the last reconnect
     /// ([`PullLoop::retire`]): what the server sent on them before it had the UNSUB
     /// comes ahead of the new pull's events, and goes to the session in that order.
@@ -631,7 +642,7 @@ impl Broker {
             server_error_logged: None,
             server_errors_unlogged: 0,
             routes: IdMap::default(),
-            ingress_routes: None,
+            ingress: None,
             retired_pulls: HashMap::new(),
             timers: Timers::default(),
             out: VecDeque::new(),
@@ -702,30 +713,82 @@ impl Broker {
         self.callout.is_some() || self.config.mig.enabled
     }
 
-    /// Subscribes what untrusted parties send (see [`Broker::wants_ingress`]) on
-    /// `ingress`, a second connection whose events come as [`Input::Ingress`]; call it
-    /// before [`Broker::start`]. A flood there then waits in the server ahead of nothing
-    /// else, and the server cutting that connection as a slow consumer cuts nothing else;
-    /// this connection is only read: answers go out on the one each input is handled
-    /// with. Without it, `start` subscribes these on its own connection.
-    pub fn start_ingress(&mut self, ingress: &mut Connection) -> Result<(), String> {
-        self.ingress_routes = Some(self.subscribe_untrusted(ingress)?.into_iter().collect());
-        Ok(())
+    /// Takes what untrusted parties send (see [`Broker::wants_ingress`]) off the
+    /// connection [`Broker::start`] is given, onto a second one: call it before `start`,
+    /// then [`Broker::tend_ingress`] with each turn's events, and hand its events in as
+    /// [`Input::Ingress`]. A flood there then waits in the server ahead of nothing else,
+    /// and the server cutting that connection as a slow consumer cuts nothing else; this
+    /// connection is only read: answers go out on the one each input is handled with.
+    pub fn start_ingress(&mut self) {
+        self.ingress = Some(IngressSubs::default());
     }
 
+    /// Subscribes the ingress connection `ingress` while the main connection `conn` is
+    /// up, and ends its subscriptions while it is not (nor yet, at start): what the
+    /// ingress brings is answered on the main connection, so without it this broker
+    /// answers nothing, and a queue group member that answers nothing still gets its
+    /// share of the group's requests (nats-server even prefers members on the
+    /// requester's server) while the other brokers could have answered them. Call it
+    /// after the main connection's events of each round.
+    pub fn tend_ingress(&mut self, conn: &Connection, ingress: &mut Connection) {
+        let up = conn.is_connected();
+        if self.ingress.as_ref().is_none_or(|i| i.subscribed == up) {
+            return;
+        }
+        let made = if up {
+            self.subscribe_untrusted(ingress)
+        } else {
+            Ok(Vec::new())
+        };
+        let Some(subs) = self.ingress.as_mut() else {
+            return;
+        };
+        match made {
+            Ok(made) => {
+                // Ended here at once; what the server sent before it had the UNSUB is
+                // dropped by the connection as a message of no subscription.
+                for (sid, _) in subs.routes.drain() {
+                    let _ = ingress.unsubscribe(sid, None);
+                }
+                subs.routes.extend(made);
+                subs.subscribed = up;
+                subs.failure_logged = false;
+            }
+            // Tried again at the next call: the ingress's write buffer had no room for
+            // the SUBs, or the connection is closed for good.
+            Err(e) if !subs.failure_logged => {
+                subs.failure_logged = true;
+                log::warn!("NATS ingress subscriptions not made: {e}");
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// What untrusted parties send, subscribed on `conn`; none when one fails (those made
+    /// before it are ended).
     fn subscribe_untrusted(&self, conn: &mut Connection) -> Result<Vec<(Sid, Route)>, String> {
-        let mut subscribed = Vec::new();
+        let mut wanted = Vec::new();
         if self.callout.is_some() {
-            let sid = conn
-                .subscribe(AUTH_CALLOUT_SUBJECT, Some(AUTH_CALLOUT_QUEUE))
-                .map_err(|e| format!("auth callout subscription: {e}"))?;
-            subscribed.push((sid, Route::Callout));
+            wanted.push((
+                AUTH_CALLOUT_SUBJECT.to_string(),
+                AUTH_CALLOUT_QUEUE,
+                Route::Callout,
+            ));
         }
         for (subject, queue) in super::mig::Mig::request_subscriptions(&self.config) {
-            let sid = conn
-                .subscribe(&subject, Some(queue))
-                .map_err(|e| format!("MIG subscription {subject}: {e}"))?;
-            subscribed.push((sid, Route::MigRequest));
+            wanted.push((subject, queue, Route::MigRequest));
+        }
+        let mut subscribed = Vec::new();
+        for (subject, queue, route) in wanted {
+            match conn.subscribe(&subject, Some(queue)) {
+                Ok(sid) => subscribed.push((sid, route)),
+                Err(e) => {
+                    for (sid, _) in subscribed {
+                        let _ = conn.unsubscribe(sid, None);
+                    }
+                    return Err(format!("subscription {subject}: {e}"));
+                }
+            }
         }
         Ok(subscribed)
     }
@@ -733,7 +796,7 @@ impl Broker {
     /// Starts what runs for the broker's whole life: one registry watch per namespace,
     /// and the subscription for other brokers' durable take-overs.
     pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
-        if self.ingress_routes.is_none() {
+        if self.ingress.is_none() {
             let subscribed = self.subscribe_untrusted(conn)?;
             self.routes.extend(subscribed);
         }
@@ -1122,12 +1185,13 @@ impl Broker {
     fn ingress_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
         match event {
             Event::Message { sid, msg } => {
-                match self.ingress_routes.as_ref().and_then(|r| r.get(&sid)) {
+                match self.ingress.as_ref().and_then(|i| i.routes.get(&sid)) {
                     // Their answers go out on the main connection, and with it down a
-                    // MIG request would also find JetStream gone: dropped, as the server
-                    // dropped them with a single connection down (core NATS requests are
-                    // at most once; callers ask again after their timeout), rather than
-                    // each failing into the reconnect buffer and the log.
+                    // MIG request would also find JetStream gone: dropped (core NATS
+                    // requests are at most once; callers ask again after their timeout),
+                    // rather than each failing into the reconnect buffer and the log.
+                    // Only what the server sent before it had the ingress's UNSUB
+                    // (`tend_ingress`) comes here.
                     Some(_) if !conn.is_connected() => {
                         let id = self.metrics.nats_ingress_dropped;
                         self.metrics.registry.inc(id, "");
@@ -2118,23 +2182,12 @@ mod tests {
     fn what_untrusted_parties_send_comes_on_the_ingress_and_is_answered_on_the_main_connection() {
         // MIG requests and callout requests came on the connection of every session's
         // JetStream replies, where a flood of them queued ahead of those replies.
-        use crate::nkeys::{KeyKind, KeyPair};
         let t0 = Instant::now();
-        let mut config = Config::development(crate::keygen::token_sha256(TOKEN));
-        config.mig.enabled = true;
-        if let Some(dev) = config.namespaces.get_mut("dev")
-            && let Some(open) = dev.open.clone()
-        {
-            dev.participants.insert("alice".into(), open);
-        }
-        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
-        let mut b = Broker::new(config, "b1".into(), Clock::new(t0, WALL_MS), [8; 32])
-            .expect("broker")
-            .with_issuer(issuer, &[]);
+        let mut b = broker_with_ingress(t0);
         assert!(b.wants_ingress());
         let (mut conn, mut ingress) = (connected(t0), connected(t0));
-        b.start_ingress(&mut ingress).expect("ingress");
         b.start(&mut conn, t0).expect("start");
+        b.tend_ingress(&conn, &mut ingress);
         let (main_wire, ingress_wire) = (take_wire(&mut conn), take_wire(&mut ingress));
         let untrusted = [
             AUTH_CALLOUT_SUBJECT,
@@ -2177,8 +2230,9 @@ mod tests {
         let answer: Value = serde_json::from_str(answer).expect("JSON");
         assert_eq!(answer["selected_version"], "0.1", "{answer}");
 
-        // With the main connection down the answer could not go out: the request is
-        // dropped and counted, not answered into the reconnect buffer.
+        // With the main connection down the answer could not go out: a request read
+        // before the ingress's subscriptions were ended is dropped and counted, not
+        // answered into the reconnect buffer.
         conn.on_transport_closed(t0, "test");
         while let Some(event) = conn.poll_event() {
             b.handle(&mut conn, Input::Nats(event), t0);
@@ -2194,6 +2248,126 @@ mod tests {
             .registry
             .value("amp_nats_ingress_dropped_total", "");
         assert_eq!(dropped, Some(1.0));
+    }
+
+    /// A broker with MIG and the callout, taking their requests on an ingress connection.
+    fn broker_with_ingress(t0: Instant) -> Broker {
+        use crate::nkeys::{KeyKind, KeyPair};
+        let mut config = Config::development(crate::keygen::token_sha256(TOKEN));
+        config.mig.enabled = true;
+        if let Some(dev) = config.namespaces.get_mut("dev")
+            && let Some(open) = dev.open.clone()
+        {
+            dev.participants.insert("alice".into(), open);
+        }
+        let issuer = KeyPair::generate(KeyKind::Account).expect("key");
+        let mut b = Broker::new(config, "b1".into(), Clock::new(t0, WALL_MS), [8; 32])
+            .expect("broker")
+            .with_issuer(issuer, &[]);
+        b.start_ingress();
+        b
+    }
+
+    /// A connection dialed and given its transport, waiting for the server's INFO.
+    fn dialed(now: Instant) -> Connection {
+        let mut conn = Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        conn.poll_connect(now).expect("a server to dial");
+        conn.on_transport_open(now);
+        conn
+    }
+
+    /// The sids of the `SUB`s on `wire`, by subject.
+    fn subscribed(wire: &str) -> BTreeMap<String, String> {
+        wire.lines()
+            .filter_map(|l| l.strip_prefix("SUB "))
+            .filter_map(|rest| {
+                let words: Vec<&str> = rest.split(' ').collect();
+                Some((words.first()?.to_string(), words.last()?.to_string()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_ingress_is_subscribed_only_while_the_main_connection_is_up() {
+        // What the ingress brings is answered on the main connection. Its queue group
+        // subscriptions stayed while that one was down (and were made before it was
+        // first up): the server kept handing this broker its share of the callout's and
+        // MIG's requests (more than a share, as nats-server prefers members on the
+        // requester's server), which it dropped while another broker could answer them.
+        let t0 = Instant::now();
+        let mut b = broker_with_ingress(t0);
+        let (mut conn, mut ingress) = (dialed(t0), connected(t0));
+        b.start(&mut conn, t0).expect("start");
+        b.tend_ingress(&conn, &mut ingress);
+        let wire = take_wire(&mut ingress);
+        assert!(
+            subscribed(&wire).is_empty(),
+            "subscribed before the main connection is up: {wire}"
+        );
+
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\nPONG\r\n",
+            t0,
+        );
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t0);
+        }
+        b.tend_ingress(&conn, &mut ingress);
+        let first = subscribed(&take_wire(&mut ingress));
+        for subject in [AUTH_CALLOUT_SUBJECT, "mig.v0_1.dev.hello"] {
+            assert!(first.contains_key(subject), "{subject}: {first:?}");
+        }
+
+        conn.on_transport_closed(t0, "test");
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t0);
+        }
+        b.tend_ingress(&conn, &mut ingress);
+        let wire = take_wire(&mut ingress);
+        for (subject, sid) in &first {
+            assert!(
+                wire.contains(&format!("UNSUB {sid}\r\n")),
+                "{subject} ({sid}) still subscribed with the main connection down: {wire}"
+            );
+        }
+        b.tend_ingress(&conn, &mut ingress);
+        assert_eq!(take_wire(&mut ingress), "", "ended once");
+
+        // Back: subscribed again, and what comes is answered.
+        let t1 = t0 + Duration::from_secs(60);
+        conn.handle_timeout(t1);
+        conn.poll_connect(t1).expect("dialed again");
+        conn.on_transport_open(t1);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\nPONG\r\n",
+            t1,
+        );
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t1);
+        }
+        take_wire(&mut conn);
+        b.tend_ingress(&conn, &mut ingress);
+        let again = subscribed(&take_wire(&mut ingress));
+        assert_eq!(
+            again.keys().collect::<Vec<_>>(),
+            first.keys().collect::<Vec<_>>()
+        );
+        let sid = &again["mig.v0_1.dev.hello"];
+        let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+        let body = r#"{"header":{"tenant_id":"dev"}}"#;
+        let msg = format!(
+            "HMSG mig.v0_1.dev.hello {sid} _INBOX_dev_alice.1 {} {}\r\n{headers}{body}\r\n",
+            headers.len(),
+            headers.len() + body.len()
+        );
+        ingress.receive(msg.as_bytes(), t1);
+        while let Some(event) = ingress.poll_event() {
+            b.handle(&mut conn, Input::Ingress(event), t1);
+        }
+        assert!(
+            take_wire(&mut conn).contains("HPUB _INBOX_dev_alice.1 "),
+            "answered on the main connection"
+        );
     }
 
     #[test]

@@ -14,8 +14,14 @@ pub struct Relay {
     /// Connections stay open but carry nothing: a link that died without a word.
     frozen: Arc<AtomicBool>,
     stopping: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Arc<Mutex<Vec<Link>>>,
     acceptor: Option<JoinHandle<()>>,
+}
+
+/// One forwarded connection: both sockets, and the first bytes its client sent.
+struct Link {
+    streams: [TcpStream; 2],
+    said: Arc<Mutex<Vec<u8>>>,
 }
 
 impl Relay {
@@ -26,7 +32,7 @@ impl Relay {
         let open = Arc::new(AtomicBool::new(true));
         let frozen = Arc::new(AtomicBool::new(false));
         let stopping = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let conns: Arc<Mutex<Vec<Link>>> = Arc::default();
         let target = target.to_string();
         let acceptor = {
             let (open, frozen, stopping, conns) = (
@@ -54,14 +60,16 @@ impl Relay {
                     if !open.load(Ordering::SeqCst) {
                         continue;
                     }
-                    for s in [&inbound, &outbound] {
-                        if let Ok(c) = s.try_clone() {
-                            list.push(c);
-                        }
+                    let said = Arc::<Mutex<Vec<u8>>>::default();
+                    if let (Ok(a), Ok(b)) = (inbound.try_clone(), outbound.try_clone()) {
+                        list.push(Link {
+                            streams: [a, b],
+                            said: said.clone(),
+                        });
                     }
                     drop(list);
-                    pipe(&inbound, &outbound, &frozen);
-                    pipe(&outbound, &inbound, &frozen);
+                    pipe(&inbound, &outbound, &frozen, Some(said));
+                    pipe(&outbound, &inbound, &frozen, None);
                 }
             })
         };
@@ -81,10 +89,27 @@ impl Relay {
 
     /// Closes every forwarded connection and refuses new ones until [`Relay::restore`].
     pub fn cut(&self) {
+        self.cut_where(|_| true);
+    }
+
+    /// Closes the forwarded connections whose client's first bytes (a NATS client's
+    /// `CONNECT {...}`, with its `name`) `said` holds true for, and refuses new ones
+    /// until [`Relay::restore`]; the others stay. How many it closed.
+    pub fn cut_where(&self, said: impl Fn(&str) -> bool) -> usize {
         self.open.store(false, Ordering::SeqCst);
-        for c in self.conns.lock().expect("relay lock").drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
+        let mut list = self.conns.lock().expect("relay lock");
+        let (cut, kept): (Vec<Link>, Vec<Link>) = list.drain(..).partition(|link| {
+            said(&String::from_utf8_lossy(
+                &link.said.lock().expect("relay lock"),
+            ))
+        });
+        *list = kept;
+        for link in &cut {
+            for s in &link.streams {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
+        cut.len()
     }
 
     pub fn restore(&self) {
@@ -100,8 +125,13 @@ impl Relay {
 }
 
 /// Copies `from` to `to` on a thread until either side closes; drops the bytes while
-/// `frozen`.
-fn pipe(from: &TcpStream, to: &TcpStream, frozen: &Arc<AtomicBool>) {
+/// `frozen`. The first 4 KiB go into `said` too.
+fn pipe(
+    from: &TcpStream,
+    to: &TcpStream,
+    frozen: &Arc<AtomicBool>,
+    said: Option<Arc<Mutex<Vec<u8>>>>,
+) {
     let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
         return;
     };
@@ -111,6 +141,11 @@ fn pipe(from: &TcpStream, to: &TcpStream, frozen: &Arc<AtomicBool>) {
         while let Ok(n) = from.read(&mut buf) {
             if n == 0 {
                 break;
+            }
+            if let Some(said) = said.as_ref() {
+                let mut said = said.lock().expect("relay lock");
+                let room = 4096usize.saturating_sub(said.len()).min(n);
+                said.extend_from_slice(&buf[..room]);
             }
             if frozen.load(Ordering::SeqCst) {
                 continue;
