@@ -576,7 +576,13 @@ pub fn run(
                 };
                 busy = true;
                 i.observe(&event);
-                broker.handle(nats.connection_mut(), Input::Ingress(event), now);
+                let server_id = i.driver.connection().server_info();
+                let server_id = server_id.map(|info| info.server_id.as_str());
+                broker.handle(
+                    nats.connection_mut(),
+                    Input::Ingress { event, server_id },
+                    now,
+                );
                 deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             }
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);

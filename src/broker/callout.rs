@@ -165,7 +165,8 @@ struct ConnectOpts {
 pub struct Callout {
     config: CalloutConfig,
     throttle: HelloThrottle,
-    /// Server keys seen in the INFO of the broker's own connection; trusted when nothing is
+    /// Server keys seen in the INFO of the broker's own connections (the main one and the
+    /// ingress, which may be on different servers of a cluster); trusted when nothing is
     /// pinned.
     learned_servers: Vec<String>,
     /// `user_nkey` of each answered request that has not expired yet, with its `exp`.
@@ -185,8 +186,9 @@ impl Callout {
         }
     }
 
-    /// Trusts `server_id` (from the INFO of the broker's own connection; a server's id is
-    /// its public key) while no server key is pinned. Anything not a server key is ignored.
+    /// Trusts `server_id` (from the INFO of one of the broker's own connections; a server's
+    /// id is its public key) while no server key is pinned. Anything not a server key is
+    /// ignored.
     pub fn learn_server(&mut self, server_id: &str) {
         if self.learned_servers.iter().any(|k| k == server_id)
             || !crate::nkeys::is_valid_public_key(server_id, KeyKind::Server)

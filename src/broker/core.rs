@@ -110,9 +110,13 @@ pub enum Input<'a> {
     /// What the NATS connection reported: up (with the server's facts) or down, a
     /// message on one of the core's subscriptions, a reply or a failed request.
     Nats(Event),
-    /// What the ingress connection ([`Broker::start_ingress`]) reported; the core is
-    /// handed the main connection with it, for the answers.
-    Ingress(Event),
+    /// What the ingress connection ([`Broker::start_ingress`]) reported, with the INFO
+    /// `server_id` of the server it is (or was last) connected to; the core is handed
+    /// the main connection with it, for the answers.
+    Ingress {
+        event: Event,
+        server_id: Option<&'a str>,
+    },
     /// A deadline [`Broker::poll_timeout`] gave has passed.
     Timeout,
     /// What [`Output::WhenDrained`] asked for: the session's queued output is written.
@@ -1029,7 +1033,7 @@ impl Broker {
             Input::Frame { session, text } => self.session_frame(conn, session, text, now),
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
-            Input::Ingress(event) => self.ingress_event(conn, event, now),
+            Input::Ingress { event, server_id } => self.ingress_event(conn, event, server_id, now),
             Input::Timeout => self.handle_timeout(conn, now),
             Input::Drained { session } => {
                 self.continue_snapshot(session);
@@ -1178,11 +1182,17 @@ impl Broker {
         self.drain_jobs(conn, now);
     }
 
-    /// An event of the ingress connection; `conn` is the main one. The ingress makes no
-    /// requests and holds no JetStream subscription, and the server gives its
-    /// subscriptions back at a reconnect: only its messages and the connection-wide
-    /// reports (counted as the main connection's are) matter here.
-    fn ingress_event(&mut self, conn: &mut Connection, event: Event, now: Instant) {
+    /// An event of the ingress connection, connected to `server_id`; `conn` is the main
+    /// one. The ingress makes no requests and holds no JetStream subscription, and the
+    /// server gives its subscriptions back at a reconnect: only its messages and the
+    /// connection-wide reports (counted as the main connection's are) matter here.
+    fn ingress_event(
+        &mut self,
+        conn: &mut Connection,
+        event: Event,
+        server_id: Option<&str>,
+        now: Instant,
+    ) {
         match event {
             Event::Message { sid, msg } => {
                 match self.ingress.as_ref().and_then(|i| i.routes.get(&sid)) {
@@ -1196,7 +1206,16 @@ impl Broker {
                         let id = self.metrics.nats_ingress_dropped;
                         self.metrics.registry.inc(id, "");
                     }
-                    Some(Route::Callout) => self.answer_callout(conn, &msg, now),
+                    Some(Route::Callout) => {
+                        // The ingress may be on another server of a cluster than the
+                        // main connection, and the requests it is handed mostly come
+                        // from its own (nats-server prefers members on the requester's
+                        // server): both connections' servers are trusted unpinned.
+                        if let (Some(callout), Some(id)) = (self.callout.as_mut(), server_id) {
+                            callout.learn_server(id);
+                        }
+                        self.answer_callout(conn, &msg, now)
+                    }
                     Some(Route::MigRequest) => self.mig_request(conn, &msg, now),
                     _ => self.unmatched("message", &msg.subject),
                 }
@@ -2217,9 +2236,7 @@ mod tests {
             headers.len() + body.len()
         );
         ingress.receive(msg.as_bytes(), t0);
-        while let Some(event) = ingress.poll_event() {
-            b.handle(&mut conn, Input::Ingress(event), t0);
-        }
+        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
         assert!(take_wire(&mut ingress).is_empty(), "nothing goes out there");
         let wire = take_wire(&mut conn);
         let answer = wire
@@ -2239,9 +2256,7 @@ mod tests {
         }
         let buffered = conn.reconnect_buffered();
         ingress.receive(msg.as_bytes(), t0);
-        while let Some(event) = ingress.poll_event() {
-            b.handle(&mut conn, Input::Ingress(event), t0);
-        }
+        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
         assert_eq!(conn.reconnect_buffered(), buffered);
         let dropped = b
             .metrics
@@ -2266,6 +2281,15 @@ mod tests {
             .with_issuer(issuer, &[]);
         b.start_ingress();
         b
+    }
+
+    /// Hands the core what `ingress` reported, lending it `conn`.
+    fn feed_ingress(b: &mut Broker, conn: &mut Connection, ingress: &mut Connection, now: Instant) {
+        while let Some(event) = ingress.poll_event() {
+            let server_id = ingress.server_info().map(|i| i.server_id.clone());
+            let server_id = server_id.as_deref();
+            b.handle(conn, Input::Ingress { event, server_id }, now);
+        }
     }
 
     /// A connection dialed and given its transport, waiting for the server's INFO.
@@ -2361,12 +2385,83 @@ mod tests {
             headers.len() + body.len()
         );
         ingress.receive(msg.as_bytes(), t1);
-        while let Some(event) = ingress.poll_event() {
-            b.handle(&mut conn, Input::Ingress(event), t1);
-        }
+        feed_ingress(&mut b, &mut conn, &mut ingress, t1);
         assert!(
             take_wire(&mut conn).contains("HPUB _INBOX_dev_alice.1 "),
             "answered on the main connection"
+        );
+    }
+
+    #[test]
+    fn a_callout_request_from_the_ingress_server_is_trusted_unpinned() {
+        // With no server key pinned, the callout trusted only the servers the main
+        // connection had met. In a cluster the ingress may be on another server, and the
+        // requests it is handed mostly come from there (nats-server prefers queue group
+        // members on the requester's server): each was refused as "signed by untrusted
+        // server", with an empty answer.
+        use crate::broker::callout::AUTH_REQUEST_AUDIENCE;
+        use crate::nkeys::{KeyKind, KeyPair};
+        let t0 = Instant::now();
+        let (s1, s2) = (
+            KeyPair::generate(KeyKind::Server).expect("key"),
+            KeyPair::generate(KeyKind::Server).expect("key"),
+        );
+        let on = |server: &KeyPair| {
+            let mut conn = dialed(t0);
+            let info = format!(
+                "INFO {{\"server_id\":\"{}\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}}\r\nPONG\r\n",
+                server.public_key()
+            );
+            conn.receive(info.as_bytes(), t0);
+            take_wire(&mut conn);
+            conn
+        };
+        let (mut conn, mut ingress) = (on(&s1), on(&s2));
+        let mut b = broker_with_ingress(t0);
+        b.start(&mut conn, t0).expect("start");
+        while let Some(event) = conn.poll_event() {
+            b.handle(&mut conn, Input::Nats(event), t0);
+        }
+        b.tend_ingress(&conn, &mut ingress);
+        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
+        let sid = subscribed(&take_wire(&mut ingress))
+            .remove(AUTH_CALLOUT_SUBJECT)
+            .expect("the callout subscription");
+        take_wire(&mut conn);
+
+        let now_s = WALL_MS / 1000;
+        let user = KeyPair::generate(KeyKind::User).expect("key");
+        let request = json!({
+            "sub": "ACALLOUT", "aud": AUTH_REQUEST_AUDIENCE, "iat": now_s, "exp": now_s + 2,
+            "nats": {
+                "server_id": {"name": "S2", "host": "0.0.0.0", "id": s2.public_key(), "version": "2.15.1"},
+                "user_nkey": user.public_key(),
+                "client_info": {"host": "127.0.0.1", "id": 7, "kind": "Client", "type": "nats"},
+                "connect_opts": {"user": "dev/alice", "pass": TOKEN},
+                "type": "authorization_request", "version": 2,
+            },
+        });
+        let Value::Object(request) = request else {
+            unreachable!("a JSON object literal")
+        };
+        let request = crate::jwt::encode(&request, &s2).expect("request");
+        let msg = format!(
+            "MSG {AUTH_CALLOUT_SUBJECT} {sid} _INBOX.callout {}\r\n{request}\r\n",
+            request.len()
+        );
+        ingress.receive(msg.as_bytes(), t0);
+        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
+        let wire = take_wire(&mut conn);
+        let answer = wire
+            .lines()
+            .skip_while(|l| !l.starts_with("PUB _INBOX.callout "))
+            .nth(1)
+            .unwrap_or_default();
+        // An empty answer is a refusal.
+        let nats = crate::jwt::decode(answer).map(|d| d.claims["nats"].clone());
+        assert!(
+            nats.as_ref().is_ok_and(|n| n["jwt"].is_string()),
+            "not authorized: {nats:?}; {wire}"
         );
     }
 
