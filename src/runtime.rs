@@ -1,5 +1,5 @@
 //! The event loop: one `mio::Poll` carrying the WebSocket listener and sessions, the NATS
-//! connection and the signal pipe, moving bytes and events between them and the broker
+//! connections and the signal pipe, moving bytes and events between them and the broker
 //! core. Everything here is plumbing; decisions are made in `broker::core`.
 
 use std::collections::HashSet;
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use mio::{Events, Interest, Poll, Token};
 
 use crate::broker::config::Config;
-use crate::broker::core::{Broker, Input, Output};
+use crate::broker::core::{Broker, Ingress, Input, Output};
 use crate::embedded::EmbeddedServer;
 use crate::lame_duck::LameDuck;
 use crate::nats::{self, Driver, Event as NatsEvent, RequestError, RequestId};
@@ -27,6 +27,7 @@ const LISTENER: Token = Token(0);
 const NATS: Token = Token(1);
 const SIGNALS: Token = Token(2);
 const PLAIN_LISTENER: Token = Token(3);
+/// The first ingress connection's token; the next one's is the next.
 const INGRESS: Token = Token(4);
 const FIRST_SESSION: usize = 16;
 const GOING_AWAY: u16 = crate::broker::core::close::GOING_AWAY;
@@ -47,9 +48,10 @@ const LIVENESS_TICK: Duration = Duration::from_secs(1);
 const LIVENESS_MAX_LAG: Duration = Duration::from_secs(2);
 /// How long `/livez` keeps answering 503 after a stall.
 const LIVENESS_WINDOW: Duration = Duration::from_secs(5);
-/// Bytes the ingress connection reads per loop turn (the main one reads 1 MiB): a flood
-/// of tiny MIG requests (30 bytes each) costs the core microseconds a message, and what
-/// one turn reads of it delays everything else the turn does.
+/// Bytes the requests ingress connection reads per loop turn (the main one and the events
+/// ingress read 1 MiB): a flood of tiny MIG requests (30 bytes each) costs the core
+/// microseconds a message, and what one turn reads of it delays everything else the turn
+/// does.
 const INGRESS_READ_ALLOWANCE: usize = 16 * 1024;
 
 pub struct RuntimeOptions {
@@ -164,44 +166,50 @@ impl Health {
     }
 }
 
-/// The second NATS connection, for what untrusted parties send (`Broker::start_ingress`):
-/// the auth callout's requests and MIG requests. Its state is only reported, as
-/// `amp_nats_ingress_*`; `/healthz` follows the main connection.
-struct Ingress {
+/// A NATS connection of its own for what untrusted parties send (`Broker::start_ingress`):
+/// the auth callout's and MIG's requests, or MIG's live events. Its state is only
+/// reported, as `amp_nats_ingress_*{connection}`; `/healthz` follows the main connection.
+struct IngressConn {
+    which: Ingress,
     driver: Driver,
     connected: bool,
     reconnects: u64,
 }
 
-#[derive(Clone, Copy)]
-struct IngressStats {
-    connected: bool,
-    reconnects: u64,
-    bytes: (u64, u64),
-}
+impl IngressConn {
+    fn new(which: Ingress, token: Token, options: &nats::Options, now: Instant) -> IngressConn {
+        let mut options = options.clone();
+        options.name = options.name.map(|name| format!("{name} ingress {which}"));
+        let driver = Driver::new(nats::Connection::new(options, now), token);
+        let driver = match which {
+            Ingress::Requests => driver.with_read_allowance(INGRESS_READ_ALLOWANCE),
+            // The brokers' own live events come back here, at the pace the main
+            // connection brings their deliveries: read at its pace too, or they queue
+            // in the server (ahead of PUBLISH requests) until it cuts the connection.
+            Ingress::Events => driver,
+        };
+        IngressConn {
+            which,
+            driver,
+            connected: false,
+            reconnects: 0,
+        }
+    }
 
-impl Ingress {
     fn observe(&mut self, event: &NatsEvent) {
+        let which = self.which;
         match event {
             NatsEvent::Connected { .. } | NatsEvent::Reconnected { .. } => {
                 let again = matches!(event, NatsEvent::Reconnected { .. });
                 self.reconnects = self.reconnects.saturating_add(u64::from(again));
                 self.connected = true;
-                log::info!("NATS ingress connection up");
+                log::info!("NATS ingress connection ({which}) up");
             }
             NatsEvent::Disconnected { reason } => {
                 self.connected = false;
-                log::warn!("NATS ingress connection down: {reason}");
+                log::warn!("NATS ingress connection ({which}) down: {reason}");
             }
             _ => {}
-        }
-    }
-
-    fn stats(&self) -> IngressStats {
-        IngressStats {
-            connected: self.connected,
-            reconnects: self.reconnects,
-            bytes: self.driver.bytes(),
         }
     }
 }
@@ -262,7 +270,7 @@ struct Host<'a> {
     broker: &'a Broker,
     /// NATS socket bytes (in, out) as of this turn.
     nats_bytes: (u64, u64),
-    ingress: Option<IngressStats>,
+    ingress: &'a [IngressConn],
 }
 
 impl HttpHost for Host<'_> {
@@ -304,21 +312,45 @@ impl HttpHost for Host<'_> {
             "# TYPE amp_event_loop_max_lag_seconds gauge\namp_event_loop_max_lag_seconds {}",
             l.max_lag.as_secs_f64()
         );
-        if let Some(i) = self.ingress {
-            let up = u8::from(i.connected);
-            let (bytes_in, bytes_out) = i.bytes;
+        if !self.ingress.is_empty() {
+            let of = "of the NATS ingress connections (requests: MIG requests and auth callouts; events: MIG live events and PUBLISH)";
             let _ = writeln!(
                 out,
-                "# HELP amp_nats_ingress_connected Whether the NATS connection for MIG requests and auth callouts is up.\n\
-                 # TYPE amp_nats_ingress_connected gauge\namp_nats_ingress_connected {up}\n\
-                 # HELP amp_nats_ingress_reconnects_total Reconnections of the NATS connection for MIG requests and auth callouts.\n\
-                 # TYPE amp_nats_ingress_reconnects_total counter\namp_nats_ingress_reconnects_total {}\n\
-                 # HELP amp_nats_ingress_bytes_total Bytes read from (in) and written to (out) the NATS connection for MIG requests and auth callouts.\n\
-                 # TYPE amp_nats_ingress_bytes_total counter\n\
-                 amp_nats_ingress_bytes_total{{direction=\"in\"}} {bytes_in}\n\
-                 amp_nats_ingress_bytes_total{{direction=\"out\"}} {bytes_out}",
-                i.reconnects
+                "# HELP amp_nats_ingress_connected Whether each {of} is up.\n\
+                 # TYPE amp_nats_ingress_connected gauge"
             );
+            for i in self.ingress {
+                let (which, up) = (i.which, u8::from(i.connected));
+                let _ = writeln!(
+                    out,
+                    "amp_nats_ingress_connected{{connection=\"{which}\"}} {up}"
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP amp_nats_ingress_reconnects_total Reconnections of each {of}.\n\
+                 # TYPE amp_nats_ingress_reconnects_total counter"
+            );
+            for i in self.ingress {
+                let _ = writeln!(
+                    out,
+                    "amp_nats_ingress_reconnects_total{{connection=\"{}\"}} {}",
+                    i.which, i.reconnects
+                );
+            }
+            let _ = writeln!(
+                out,
+                "# HELP amp_nats_ingress_bytes_total Bytes read from (in) and written to (out) each {of}.\n\
+                 # TYPE amp_nats_ingress_bytes_total counter"
+            );
+            for i in self.ingress {
+                let (which, (bytes_in, bytes_out)) = (i.which, i.driver.bytes());
+                let _ = writeln!(
+                    out,
+                    "amp_nats_ingress_bytes_total{{connection=\"{which}\",direction=\"in\"}} {bytes_in}\n\
+                     amp_nats_ingress_bytes_total{{connection=\"{which}\",direction=\"out\"}} {bytes_out}"
+                );
+            }
         }
         metrics::render_build_info(out);
         metrics::render_process(out);
@@ -355,19 +387,14 @@ pub fn run(
     }
     let now = Instant::now();
     let mut nats = Driver::new(nats::Connection::new(opts.nats.clone(), now), NATS);
-    let mut ingress = None;
-    if broker.wants_ingress() {
-        let mut options = opts.nats.clone();
-        options.name = options.name.map(|name| format!("{name} ingress"));
-        let mut driver = Driver::new(nats::Connection::new(options, now), INGRESS)
-            .with_read_allowance(INGRESS_READ_ALLOWANCE);
+    let mut ingress: Vec<IngressConn> = (broker.ingresses().into_iter().enumerate())
+        .map(|(n, which)| IngressConn::new(which, Token(INGRESS.0 + n), &opts.nats, now))
+        .collect();
+    if !ingress.is_empty() {
         broker.start_ingress();
-        driver.drive(poll.registry(), now);
-        ingress = Some(Ingress {
-            driver,
-            connected: false,
-            reconnects: 0,
-        });
+    }
+    for i in &mut ingress {
+        i.driver.drive(poll.registry(), now);
     }
     broker
         .start(nats.connection_mut(), now)
@@ -394,7 +421,7 @@ pub fn run(
         let deadline = [
             ws.next_deadline(),
             nats.poll_timeout(),
-            ingress.as_ref().and_then(|i| i.driver.poll_timeout()),
+            ingress.iter().filter_map(|i| i.driver.poll_timeout()).min(),
             broker.poll_timeout(),
             Some(health.next_probe),
             embedded.as_ref().map(|_| next_supervise),
@@ -430,8 +457,8 @@ pub fn run(
         for event in events.iter() {
             match event.token() {
                 NATS => nats.handle_event(poll.registry(), event, now),
-                INGRESS => {
-                    if let Some(i) = ingress.as_mut() {
+                token if ingress.iter().any(|i| i.driver.token() == token) => {
+                    for i in &mut ingress {
                         i.driver.handle_event(poll.registry(), event, now);
                     }
                 }
@@ -469,7 +496,7 @@ pub fn run(
                         liveness: &liveness,
                         broker: &broker,
                         nats_bytes: nats.bytes(),
-                        ingress: ingress.as_ref().map(Ingress::stats),
+                        ingress: &ingress,
                     },
                 ),
                 _ => {}
@@ -498,11 +525,11 @@ pub fn run(
                 liveness: &liveness,
                 broker: &broker,
                 nats_bytes: nats.bytes(),
-                ingress: ingress.as_ref().map(Ingress::stats),
+                ingress: &ingress,
             },
         );
         nats.drive(poll.registry(), now);
-        if let Some(i) = ingress.as_mut() {
+        for i in &mut ingress {
             i.driver.drive(poll.registry(), now);
         }
         broker.handle(nats.connection_mut(), Input::Timeout, now);
@@ -565,25 +592,26 @@ pub fn run(
                     now,
                 );
             }
-            // The same for the ingress connection; what it brings is answered on the
-            // main one, and it is subscribed only while that one is up.
-            if let Some(i) = ingress.as_mut() {
-                broker.tend_ingress(nats.connection(), i.driver.connection_mut());
-            }
-            while let Some(i) = ingress.as_mut().filter(|_| !ws.over_budget()) {
-                let Some(event) = i.driver.connection_mut().poll_event() else {
-                    break;
-                };
-                busy = true;
-                i.observe(&event);
-                let server_id = i.driver.connection().server_info();
-                let server_id = server_id.map(|info| info.server_id.as_str());
-                broker.handle(
-                    nats.connection_mut(),
-                    Input::Ingress { event, server_id },
-                    now,
-                );
-                deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
+            // The same for the ingress connections; what they bring is answered on the
+            // main one, and they are subscribed only while that one is up.
+            for i in &mut ingress {
+                broker.tend_ingress(nats.connection(), i.which, i.driver.connection_mut());
+                while !ws.over_budget()
+                    && let Some(event) = i.driver.connection_mut().poll_event()
+                {
+                    busy = true;
+                    i.observe(&event);
+                    let server_id = i.driver.connection().server_info();
+                    let server_id = server_id.map(|info| info.server_id.as_str());
+                    let which = i.which;
+                    let input = Input::Ingress {
+                        which,
+                        event,
+                        server_id,
+                    };
+                    broker.handle(nats.connection_mut(), input, now);
+                    deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
+                }
             }
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
             // NATS first: what a frame reports (an offer's watch subscription, say) is
@@ -591,7 +619,7 @@ pub fn run(
             // Written, not read: NATS reads its allowance once per turn, as each
             // WebSocket connection does.
             nats.drive_writes(poll.registry(), now);
-            if let Some(i) = ingress.as_mut() {
+            for i in &mut ingress {
                 i.driver.drive_writes(poll.registry(), now);
             }
             ws.flush(
@@ -602,7 +630,7 @@ pub fn run(
                     liveness: &liveness,
                     broker: &broker,
                     nats_bytes: nats.bytes(),
-                    ingress: ingress.as_ref().map(Ingress::stats),
+                    ingress: &ingress,
                 },
             );
             // Should the output still be over the budget after the flush, the NATS socket
@@ -611,7 +639,7 @@ pub fn run(
             nats.hold_reads(held);
             // Events the budget held back are taken in the next round.
             busy |= held || nats.connection_mut().has_events();
-            if let Some(i) = ingress.as_mut() {
+            for i in &mut ingress {
                 i.driver.hold_reads(held);
                 busy |= i.driver.connection_mut().has_events();
             }
@@ -633,7 +661,7 @@ pub fn run(
         if !unfinished && trimmer.due(now) {
             broker.compact(now);
             nats.connection_mut().compact();
-            if let Some(i) = ingress.as_mut() {
+            for i in &mut ingress {
                 i.driver.connection_mut().compact();
             }
             crate::heap::Compact::compact(&mut ids);

@@ -333,7 +333,10 @@ fn a_flood_on_the_mig_request_subjects_does_not_hold_up_sessions_jetstream_repli
     eprintln!(
         "{n} round trips, worst {worst:?}; {reached:?} flood messages reached MIG; \
          ingress reconnects {:?}",
-        metric(&broker, "amp_nats_ingress_reconnects_total")
+        metric(
+            &broker,
+            "amp_nats_ingress_reconnects_total{connection=\"requests\"}"
+        )
     );
     assert!(
         reached.is_some_and(|d| d > 1000.0),
@@ -378,13 +381,22 @@ fn mig_requests_are_answered_again_after_the_server_restarts() {
     let broker = Broker::start(&nats.url(), &config);
     let hello = mig_hello(&nats, "a").expect("MIG answers");
     assert_eq!(hello["selected_version"], "0.1", "{hello}");
-    assert_eq!(metric(&broker, "amp_nats_ingress_connected"), Some(1.0));
+    assert_eq!(
+        metric(
+            &broker,
+            "amp_nats_ingress_connected{connection=\"requests\"}"
+        ),
+        Some(1.0)
+    );
 
     nats.kill();
     assert!(
         wait_until(WAIT, || metric(&broker, "amp_nats_connected") == Some(0.0)
-            && metric(&broker, "amp_nats_ingress_connected") == Some(0.0)),
-        "both connections seen down; log:\n{}",
+            && ["requests", "events"].iter().all(|c| metric(
+                &broker,
+                &format!("amp_nats_ingress_connected{{connection=\"{c}\"}}")
+            ) == Some(0.0))),
+        "the three connections seen down; log:\n{}",
         broker.log()
     );
     nats.start_again();
@@ -394,10 +406,12 @@ fn mig_requests_are_answered_again_after_the_server_restarts() {
         answer.is_ok()
     });
     assert!(answered, "{answer:?}; log:\n{}", broker.log());
-    assert_eq!(
-        metric(&broker, "amp_nats_ingress_reconnects_total"),
-        Some(1.0)
-    );
+    // Each ingress once (the events one may still be on its way back).
+    for c in ["requests", "events"] {
+        let name = format!("amp_nats_ingress_reconnects_total{{connection=\"{c}\"}}");
+        wait_until(WAIT, || metric(&broker, &name) >= Some(1.0));
+        assert_eq!(metric(&broker, &name), Some(1.0), "{name}");
+    }
     let mut a = Client::login(&broker, "acme", "a", "a-token");
     let mut b = Client::login(&broker, "acme", "b", "b-token");
     round_trip(&mut a, &mut b, 1);
@@ -436,15 +450,18 @@ fn with_its_main_connection_down_a_broker_leaves_mig_requests_to_the_others() {
     }
 
     // Only A's main connection (and the one it set the streams up on at start, closed
-    // already): its ingress stays up.
-    let cut = relay.cut_where(|said| said.starts_with("CONNECT") && !said.contains(" ingress\""));
+    // already): its ingress connections stay up.
+    let cut = relay.cut_where(|said| said.starts_with("CONNECT") && !said.contains(" ingress "));
     assert!(cut >= 1, "A's main connection");
     assert!(
         wait_until(WAIT, || metric(&a, "amp_nats_connected") == Some(0.0)),
         "A's main connection seen down; log:\n{}",
         a.log()
     );
-    assert_eq!(metric(&a, "amp_nats_ingress_connected"), Some(1.0));
+    assert_eq!(
+        metric(&a, "amp_nats_ingress_connected{connection=\"requests\"}"),
+        Some(1.0)
+    );
     let by_b = hellos_answered(&b);
     let mut failed = Vec::new();
     for n in 0..20 {

@@ -3093,3 +3093,110 @@ fn a_header_field_no_nats_header_can_carry_is_refused() {
     assert_eq!(r["reply"]["header"]["traceparent"], tabbed, "{r}");
     assert_eq!(r["headers"]["traceparent"], tabbed, "{r}");
 }
+
+/// A NATS connect of `acme/bob` (answered by the auth callout) and a MIG `hello` over it,
+/// each with how long it took; an error names what failed.
+fn connect_and_hello(w: &World) -> Result<(Duration, Duration), String> {
+    let t = Instant::now();
+    let mut options = amp_broker::nats::Options::new(&w.nats_url())
+        .with_user_password("acme/bob", "bob-token")
+        .with_inbox_prefix("_INBOX_acme_bob");
+    options.connect_timeout = Duration::from_secs(10);
+    let mut nc = amp_broker::nats::Client::connect(options)
+        .map_err(|e| format!("connect after {:?}: {e}", t.elapsed()))?;
+    let connected = t.elapsed();
+    let t = Instant::now();
+    let mut h = amp_broker::nats::HeaderMap::new();
+    h.insert("Authorization", "Bearer bob-token")
+        .map_err(|e| e.to_string())?;
+    let body = json!({"header": {"tenant_id": "acme"}}).to_string();
+    let r = nc
+        .request("mig.v0_1.acme.hello", Some(&h), body.as_bytes(), WAIT)
+        .map_err(|e| format!("hello after {:?}: {e}", t.elapsed()))?;
+    let reply: Value = serde_json::from_slice(&r.payload).map_err(|e| e.to_string())?;
+    if reply["selected_version"] != "0.1" {
+        return Err(format!("hello answered {reply}"));
+    }
+    Ok((connected, t.elapsed()))
+}
+
+/// Every event of a tenant's topics, those published over AMP included, goes out on its
+/// live subject `mig.v0_1.<ns>.events.<topic>`, which the brokers subscribe to (a queue
+/// group, for PUBLISH requests): each broker reads its share of the tenant's whole topic
+/// volume back, on the connection that brings the auth callout's and MIG's requests. That
+/// connection read 16 KiB a loop turn, and ordinary topic traffic from WebSocket sessions
+/// queued ahead of every callout and MIG request.
+#[test]
+fn topic_traffic_does_not_hold_up_the_auth_callout_or_mig_requests() {
+    let w = world(1);
+    connect_and_hello(&w).expect("the callout and MIG answer");
+    let publishing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let published = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    const PIPELINE: u64 = 8;
+    let publishers: Vec<_> = (0..2)
+        .map(|p| {
+            let mut alice = w.amp_client(0, "alice");
+            let (publishing, published) = (publishing.clone(), published.clone());
+            std::thread::spawn(move || {
+                let pad = "x".repeat(60 * 1024);
+                // Pipelined, PIPELINE publishes in flight.
+                let mut i = 0u64;
+                while publishing.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    alice.send(&json!({"op":"publish","id":format!("p{i}"),
+                        "topic":format!("orders.p{p}"),"body":{"pad":pad}}));
+                    if i > PIPELINE {
+                        let ok = alice.answer_to(&format!("p{}", i - PIPELINE));
+                        assert_eq!(ok["op"], "ok", "publish: {ok}");
+                        published.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let (mut worst_connect, mut worst_hello) = (Duration::ZERO, Duration::ZERO);
+    let mut failed = Vec::new();
+    let mut n = 0;
+    while started.elapsed() < Duration::from_secs(10) {
+        n += 1;
+        let t = Instant::now();
+        match connect_and_hello(&w) {
+            Ok((connect, hello)) => {
+                worst_connect = worst_connect.max(connect);
+                worst_hello = worst_hello.max(hello);
+            }
+            Err(e) => failed.push(e),
+        }
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+    }
+    publishing.store(false, std::sync::atomic::Ordering::Relaxed);
+    for p in publishers {
+        p.join().expect("publisher");
+    }
+    let published = published.load(std::sync::atomic::Ordering::Relaxed);
+    let reconnects: Vec<_> = ["requests", "events"]
+        .iter()
+        .map(|c| {
+            let name = format!("amp_nats_ingress_reconnects_total{{connection=\"{c}\"}}");
+            common::amp::metric(&w.brokers[0], &name)
+        })
+        .collect();
+    eprintln!(
+        "{published} events of 60 KiB published; {n} connects and hellos, worst {worst_connect:?} \
+         and {worst_hello:?}; ingress reconnects {reconnects:?}"
+    );
+    assert!(published > 100, "the topic traffic ran: {published} events");
+    assert!(
+        failed.is_empty()
+            && worst_connect < Duration::from_secs(1)
+            && worst_hello < Duration::from_secs(1),
+        "{n} connects and hellos, worst {worst_connect:?} and {worst_hello:?}, failed: {failed:?}"
+    );
+    assert_eq!(
+        reconnects,
+        [Some(0.0), Some(0.0)],
+        "log:\n{}",
+        w.brokers[0].log()
+    );
+}

@@ -110,10 +110,11 @@ pub enum Input<'a> {
     /// What the NATS connection reported: up (with the server's facts) or down, a
     /// message on one of the core's subscriptions, a reply or a failed request.
     Nats(Event),
-    /// What the ingress connection ([`Broker::start_ingress`]) reported, with the INFO
-    /// `server_id` of the server it is (or was last) connected to; the core is handed
-    /// the main connection with it, for the answers.
+    /// What ingress connection `which` ([`Broker::start_ingress`]) reported, with the
+    /// INFO `server_id` of the server it is (or was last) connected to; the core is
+    /// handed the main connection with it, for the answers.
     Ingress {
+        which: Ingress,
         event: Event,
         server_id: Option<&'a str>,
     },
@@ -404,7 +405,30 @@ impl Pending {
     }
 }
 
-/// The ingress connection's side of the core ([`Broker::start_ingress`]).
+/// The connections of its own that what untrusted parties send comes on
+/// ([`Broker::start_ingress`]), each read at its own pace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ingress {
+    /// The auth callout's requests, and MIG's but PUBLISH: anyone may send them, they
+    /// are small, and a flood of them had better be read a little each turn.
+    Requests,
+    /// `mig.v0_1.<ns>.events.>`: PUBLISH requests, and, on the same subjects, every live
+    /// event of the namespace's topics, which the brokers publish (those published over
+    /// AMP included) and get back in their queue group: read at the pace the broker
+    /// makes them, as the main connection is.
+    Events,
+}
+
+impl std::fmt::Display for Ingress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Ingress::Requests => "requests",
+            Ingress::Events => "events",
+        })
+    }
+}
+
+/// An ingress connection's side of the core ([`Broker::start_ingress`]).
 #[derive(Default)]
 struct IngressSubs {
     /// Its subscriptions, by its own sids; made only while the main connection is up
@@ -536,9 +560,9 @@ pub struct Broker {
     server_error_logged: Option<Instant>,
     server_errors_unlogged: u64,
     routes: IdMap<Sid, Route>,
-    /// The subscriptions of the ingress connection ([`Broker::start_ingress`]); none
-    /// when what untrusted parties send shares `routes`.
-    ingress: Option<IngressSubs>,
+    /// The subscriptions of the ingress connections ([`Broker::start_ingress`]), by
+    /// [`Ingress`]; none when what untrusted parties send shares `routes`.
+    ingress: Option<[IngressSubs; 2]>,
     /// Durable subscriptions' pull subscriptions left at the last reconnect
     /// ([`PullLoop::retire`]): what the server sent on them before it had the UNSUB
     /// comes ahead of the new pull's events, and goes to the session in that order.
@@ -708,43 +732,52 @@ impl Broker {
         self.remakes.readiness()
     }
 
-    /// Whether anything untrusted parties may send comes to this broker: the auth
-    /// callout's requests (anyone who connects to the server) and MIG requests (any
-    /// participant with a NATS credential), which nats-server delivers as fast as they
-    /// are sent. They had better come on a connection of their own
+    /// The ingress connections what untrusted parties may send wants: the auth callout's
+    /// requests (anyone who connects to the server) and MIG requests (any participant
+    /// with a NATS credential), which nats-server delivers as fast as they are sent, and
+    /// MIG's live events. They had better come on connections of their own
     /// ([`Broker::start_ingress`]).
-    pub fn wants_ingress(&self) -> bool {
-        self.callout.is_some() || self.config.mig.enabled
+    pub fn ingresses(&self) -> Vec<Ingress> {
+        let wanted = self.untrusted_subscriptions();
+        [Ingress::Requests, Ingress::Events]
+            .into_iter()
+            .filter(|which| wanted.iter().any(|(w, ..)| w == which))
+            .collect()
     }
 
-    /// Takes what untrusted parties send (see [`Broker::wants_ingress`]) off the
-    /// connection [`Broker::start`] is given, onto a second one: call it before `start`,
-    /// then [`Broker::tend_ingress`] with each turn's events, and hand its events in as
+    /// Takes what untrusted parties send (see [`Broker::ingresses`]) off the connection
+    /// [`Broker::start`] is given, onto connections of its own: call it before `start`,
+    /// then [`Broker::tend_ingress`] with each turn's events, and hand their events in as
     /// [`Input::Ingress`]. A flood there then waits in the server ahead of nothing else,
-    /// and the server cutting that connection as a slow consumer cuts nothing else; this
-    /// connection is only read: answers go out on the one each input is handled with.
+    /// and the server cutting such a connection as a slow consumer cuts nothing else;
+    /// they are only read: answers go out on the one each input is handled with.
     pub fn start_ingress(&mut self) {
-        self.ingress = Some(IngressSubs::default());
+        self.ingress = Some(Default::default());
     }
 
-    /// Subscribes the ingress connection `ingress` while the main connection `conn` is
-    /// up, and ends its subscriptions while it is not (nor yet, at start): what the
-    /// ingress brings is answered on the main connection, so without it this broker
-    /// answers nothing, and a queue group member that answers nothing still gets its
-    /// share of the group's requests (nats-server even prefers members on the
+    /// Subscribes the ingress connection `ingress` (`which` one) while the main
+    /// connection `conn` is up, and ends its subscriptions while it is not (nor yet, at
+    /// start): what the ingress brings is answered on the main connection, so without it
+    /// this broker answers nothing, and a queue group member that answers nothing still
+    /// gets its share of the group's requests (nats-server even prefers members on the
     /// requester's server) while the other brokers could have answered them. Call it
     /// after the main connection's events of each round.
-    pub fn tend_ingress(&mut self, conn: &Connection, ingress: &mut Connection) {
+    pub fn tend_ingress(&mut self, conn: &Connection, which: Ingress, ingress: &mut Connection) {
         let up = conn.is_connected();
-        if self.ingress.as_ref().is_none_or(|i| i.subscribed == up) {
+        let side = |i: &[IngressSubs; 2]| i.get(which as usize).map(|s| s.subscribed);
+        if self.ingress.as_ref().and_then(side).is_none_or(|s| s == up) {
             return;
         }
         let made = if up {
-            self.subscribe_untrusted(ingress)
+            self.subscribe_untrusted(ingress, Some(which))
         } else {
             Ok(Vec::new())
         };
-        let Some(subs) = self.ingress.as_mut() else {
+        let Some(subs) = self
+            .ingress
+            .as_mut()
+            .and_then(|i| i.get_mut(which as usize))
+        else {
             return;
         };
         match made {
@@ -762,28 +795,45 @@ impl Broker {
             // the SUBs, or the connection is closed for good.
             Err(e) if !subs.failure_logged => {
                 subs.failure_logged = true;
-                log::warn!("NATS ingress subscriptions not made: {e}");
+                log::warn!("NATS ingress ({which}) subscriptions not made: {e}");
             }
             Err(_) => {}
         }
     }
 
-    /// What untrusted parties send, subscribed on `conn`; none when one fails (those made
-    /// before it are ended).
-    fn subscribe_untrusted(&self, conn: &mut Connection) -> Result<Vec<(Sid, Route)>, String> {
+    /// What untrusted parties send, each subject with its queue group, route and the
+    /// ingress connection it comes on.
+    fn untrusted_subscriptions(&self) -> Vec<(Ingress, String, &'static str, Route)> {
         let mut wanted = Vec::new();
         if self.callout.is_some() {
             wanted.push((
+                Ingress::Requests,
                 AUTH_CALLOUT_SUBJECT.to_string(),
                 AUTH_CALLOUT_QUEUE,
                 Route::Callout,
             ));
         }
         for (subject, queue) in super::mig::Mig::request_subscriptions(&self.config) {
-            wanted.push((subject, queue, Route::MigRequest));
+            let which = if queue == super::mig::subjects::EVENTS_QUEUE {
+                Ingress::Events
+            } else {
+                Ingress::Requests
+            };
+            wanted.push((which, subject, queue, Route::MigRequest));
         }
+        wanted
+    }
+
+    /// What untrusted parties send on ingress connection `which` (all of it for `None`),
+    /// subscribed on `conn`; none when one fails (those made before it are ended).
+    fn subscribe_untrusted(
+        &self,
+        conn: &mut Connection,
+        which: Option<Ingress>,
+    ) -> Result<Vec<(Sid, Route)>, String> {
+        let wanted = self.untrusted_subscriptions().into_iter();
         let mut subscribed = Vec::new();
-        for (subject, queue, route) in wanted {
+        for (_, subject, queue, route) in wanted.filter(|(w, ..)| which.is_none_or(|x| x == *w)) {
             match conn.subscribe(&subject, Some(queue)) {
                 Ok(sid) => subscribed.push((sid, route)),
                 Err(e) => {
@@ -801,7 +851,7 @@ impl Broker {
     /// and the subscription for other brokers' durable take-overs.
     pub fn start(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
         if self.ingress.is_none() {
-            let subscribed = self.subscribe_untrusted(conn)?;
+            let subscribed = self.subscribe_untrusted(conn, None)?;
             self.routes.extend(subscribed);
         }
         let sid = conn
@@ -1033,7 +1083,11 @@ impl Broker {
             Input::Frame { session, text } => self.session_frame(conn, session, text, now),
             Input::SessionClosed { session } => self.session_closed(conn, session, now),
             Input::Nats(event) => self.nats_event(conn, event, now),
-            Input::Ingress { event, server_id } => self.ingress_event(conn, event, server_id, now),
+            Input::Ingress {
+                which,
+                event,
+                server_id,
+            } => self.ingress_event(conn, which, event, server_id, now),
             Input::Timeout => self.handle_timeout(conn, now),
             Input::Drained { session } => {
                 self.continue_snapshot(session);
@@ -1182,20 +1236,22 @@ impl Broker {
         self.drain_jobs(conn, now);
     }
 
-    /// An event of the ingress connection, connected to `server_id`; `conn` is the main
-    /// one. The ingress makes no requests and holds no JetStream subscription, and the
-    /// server gives its subscriptions back at a reconnect: only its messages and the
+    /// An event of ingress connection `which`, connected to `server_id`; `conn` is the
+    /// main one. An ingress makes no requests and holds no JetStream subscription, and
+    /// the server gives its subscriptions back at a reconnect: only its messages and the
     /// connection-wide reports (counted as the main connection's are) matter here.
     fn ingress_event(
         &mut self,
         conn: &mut Connection,
+        which: Ingress,
         event: Event,
         server_id: Option<&str>,
         now: Instant,
     ) {
         match event {
             Event::Message { sid, msg } => {
-                match self.ingress.as_ref().and_then(|i| i.routes.get(&sid)) {
+                let side = self.ingress.as_ref().and_then(|i| i.get(which as usize));
+                match side.and_then(|i| i.routes.get(&sid)) {
                     // Their answers go out on the main connection, and with it down a
                     // MIG request would also find JetStream gone: dropped (core NATS
                     // requests are at most once; callers ask again after their timeout),
@@ -2203,11 +2259,11 @@ mod tests {
         // JetStream replies, where a flood of them queued ahead of those replies.
         let t0 = Instant::now();
         let mut b = broker_with_ingress(t0);
-        assert!(b.wants_ingress());
-        let (mut conn, mut ingress) = (connected(t0), connected(t0));
+        assert_eq!(b.ingresses(), [Ingress::Requests, Ingress::Events]);
+        let (mut conn, mut ingress, mut events) = (connected(t0), connected(t0), connected(t0));
         b.start(&mut conn, t0).expect("start");
-        b.tend_ingress(&conn, &mut ingress);
-        let (main_wire, ingress_wire) = (take_wire(&mut conn), take_wire(&mut ingress));
+        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
+        let main_wire = take_wire(&mut conn);
         let untrusted = [
             AUTH_CALLOUT_SUBJECT,
             "mig.v0_1.dev.hello",
@@ -2217,7 +2273,13 @@ mod tests {
             let sub = format!("SUB {subject} ");
             assert!(ingress_wire.contains(&sub), "{subject}: {ingress_wire}");
             assert!(!main_wire.contains(&sub), "{subject}: {main_wire}");
+            assert!(!events_wire.contains(&sub), "{subject}: {events_wire}");
         }
+        // The live events come back there, with PUBLISH requests.
+        assert_eq!(
+            subscribed(&events_wire).into_keys().collect::<Vec<_>>(),
+            ["mig.v0_1.dev.events.>"]
+        );
         let sid = ingress_wire
             .lines()
             .find_map(|l| l.strip_prefix("SUB mig.v0_1.dev.hello "))
@@ -2283,13 +2345,33 @@ mod tests {
         b
     }
 
-    /// Hands the core what `ingress` reported, lending it `conn`.
+    /// Hands the core what the requests `ingress` reported, lending it `conn`.
     fn feed_ingress(b: &mut Broker, conn: &mut Connection, ingress: &mut Connection, now: Instant) {
         while let Some(event) = ingress.poll_event() {
             let server_id = ingress.server_info().map(|i| i.server_id.clone());
-            let server_id = server_id.as_deref();
-            b.handle(conn, Input::Ingress { event, server_id }, now);
+            let (which, server_id) = (Ingress::Requests, server_id.as_deref());
+            b.handle(
+                conn,
+                Input::Ingress {
+                    which,
+                    event,
+                    server_id,
+                },
+                now,
+            );
         }
+    }
+
+    /// [`Broker::tend_ingress`] of both ingress connections; what it wrote on each.
+    fn tend(
+        b: &mut Broker,
+        conn: &Connection,
+        ingress: &mut Connection,
+        events: &mut Connection,
+    ) -> (String, String) {
+        b.tend_ingress(conn, Ingress::Requests, ingress);
+        b.tend_ingress(conn, Ingress::Events, events);
+        (take_wire(ingress), take_wire(events))
     }
 
     /// A connection dialed and given its transport, waiting for the server's INFO.
@@ -2320,13 +2402,13 @@ mod tests {
         // requester's server), which it dropped while another broker could answer them.
         let t0 = Instant::now();
         let mut b = broker_with_ingress(t0);
-        let (mut conn, mut ingress) = (dialed(t0), connected(t0));
+        let (mut conn, mut ingress, mut events) = (dialed(t0), connected(t0), connected(t0));
         b.start(&mut conn, t0).expect("start");
-        b.tend_ingress(&conn, &mut ingress);
-        let wire = take_wire(&mut ingress);
-        assert!(
-            subscribed(&wire).is_empty(),
-            "subscribed before the main connection is up: {wire}"
+        let wires = tend(&mut b, &conn, &mut ingress, &mut events);
+        assert_eq!(
+            wires,
+            (String::new(), String::new()),
+            "subscribed before the main connection is up"
         );
 
         conn.receive(
@@ -2336,26 +2418,28 @@ mod tests {
         while let Some(event) = conn.poll_event() {
             b.handle(&mut conn, Input::Nats(event), t0);
         }
-        b.tend_ingress(&conn, &mut ingress);
-        let first = subscribed(&take_wire(&mut ingress));
+        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
+        let first = [subscribed(&ingress_wire), subscribed(&events_wire)];
         for subject in [AUTH_CALLOUT_SUBJECT, "mig.v0_1.dev.hello"] {
-            assert!(first.contains_key(subject), "{subject}: {first:?}");
+            assert!(first[0].contains_key(subject), "{subject}: {first:?}");
         }
+        assert!(first[1].contains_key("mig.v0_1.dev.events.>"), "{first:?}");
 
         conn.on_transport_closed(t0, "test");
         while let Some(event) = conn.poll_event() {
             b.handle(&mut conn, Input::Nats(event), t0);
         }
-        b.tend_ingress(&conn, &mut ingress);
-        let wire = take_wire(&mut ingress);
-        for (subject, sid) in &first {
-            assert!(
-                wire.contains(&format!("UNSUB {sid}\r\n")),
-                "{subject} ({sid}) still subscribed with the main connection down: {wire}"
-            );
+        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
+        for (wire, first) in [(&ingress_wire, &first[0]), (&events_wire, &first[1])] {
+            for (subject, sid) in first {
+                assert!(
+                    wire.contains(&format!("UNSUB {sid}\r\n")),
+                    "{subject} ({sid}) still subscribed with the main connection down: {wire}"
+                );
+            }
         }
-        b.tend_ingress(&conn, &mut ingress);
-        assert_eq!(take_wire(&mut ingress), "", "ended once");
+        let wires = tend(&mut b, &conn, &mut ingress, &mut events);
+        assert_eq!(wires, (String::new(), String::new()), "ended once");
 
         // Back: subscribed again, and what comes is answered.
         let t1 = t0 + Duration::from_secs(60);
@@ -2370,11 +2454,15 @@ mod tests {
             b.handle(&mut conn, Input::Nats(event), t1);
         }
         take_wire(&mut conn);
-        b.tend_ingress(&conn, &mut ingress);
-        let again = subscribed(&take_wire(&mut ingress));
+        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
+        let again = subscribed(&ingress_wire);
         assert_eq!(
             again.keys().collect::<Vec<_>>(),
-            first.keys().collect::<Vec<_>>()
+            first[0].keys().collect::<Vec<_>>()
+        );
+        assert_eq!(
+            subscribed(&events_wire).keys().collect::<Vec<_>>(),
+            first[1].keys().collect::<Vec<_>>()
         );
         let sid = &again["mig.v0_1.dev.hello"];
         let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
@@ -2422,7 +2510,7 @@ mod tests {
         while let Some(event) = conn.poll_event() {
             b.handle(&mut conn, Input::Nats(event), t0);
         }
-        b.tend_ingress(&conn, &mut ingress);
+        b.tend_ingress(&conn, Ingress::Requests, &mut ingress);
         feed_ingress(&mut b, &mut conn, &mut ingress, t0);
         let sid = subscribed(&take_wire(&mut ingress))
             .remove(AUTH_CALLOUT_SUBJECT)

@@ -62,11 +62,14 @@ pub fn parse(subject: &str) -> Option<(&str, Op<'_>)> {
     Some((tenant, op))
 }
 
+/// The queue group of `events.>`, which brings PUBLISH requests and every live event.
+pub const EVENTS_QUEUE: &str = "amp_mig_events";
+
 /// What the brokers of tenant `ns` subscribe to, each with its queue group, so that one of
 /// them answers each request.
 pub fn request_subscriptions(ns: &str) -> [(String, &'static str); 5] {
     [
-        (format!("{ROOT}.{ns}.events.>"), "amp_mig_events"),
+        (format!("{ROOT}.{ns}.events.>"), EVENTS_QUEUE),
         (format!("{ROOT}.{ns}.hello"), "amp_mig_hello"),
         (format!("{ROOT}.{ns}.discover"), "amp_mig_discover"),
         (format!("{ROOT}.{ns}.invoke.>"), "amp_mig_invoke"),
