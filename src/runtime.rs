@@ -601,8 +601,14 @@ pub fn run(
                 {
                     busy = true;
                     i.observe(&event);
-                    let server_id = i.driver.connection().server_info();
-                    let server_id = server_id.map(|info| info.server_id.as_str());
+                    // The server a callout request came from is the one the ingress is
+                    // connected to: not the INFO of an attempt that failed or has yet
+                    // to complete its handshake.
+                    let connection = i.driver.connection();
+                    let server_id = connection
+                        .server_info()
+                        .filter(|_| connection.is_connected())
+                        .map(|info| info.server_id.as_str());
                     let which = i.which;
                     let input = Input::Ingress {
                         which,

@@ -1256,9 +1256,9 @@ impl Broker {
                     // MIG request would also find JetStream gone: dropped (core NATS
                     // requests are at most once; callers ask again after their timeout),
                     // rather than each failing into the reconnect buffer and the log.
-                    // Only what the server sent before it had the ingress's UNSUB
-                    // (`tend_ingress`) comes here.
-                    Some(_) if !conn.is_connected() => {
+                    // What the server sent before it had the ingress's UNSUB
+                    // (`tend_ingress`, which forgets the routes at once) comes here.
+                    _ if !conn.is_connected() => {
                         let id = self.metrics.nats_ingress_dropped;
                         self.metrics.registry.inc(id, "");
                     }
