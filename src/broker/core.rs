@@ -528,8 +528,9 @@ pub struct Broker {
     /// Present participants whose labels a reload changed: their registry entries are
     /// written again (a reload has no connection to write them on).
     relabeled: Vec<String>,
-    /// Topic subscriptions' API requests, a few out at a time, sessions taking turns.
-    api: ApiQueue<(Request, Pending, Instant)>,
+    /// Topic subscriptions' API requests, a few out at a time, participants taking turns
+    /// (by key, see [`Broker::lane`]).
+    api: ApiQueue<(Request, Pending, Instant), String>,
     /// Set while `send_api_requests` runs: what it completes may queue more.
     api_sending: bool,
     /// Sessions that sent `watch`, by namespace: each change is told to them without a
@@ -1615,12 +1616,23 @@ impl Broker {
         self.metrics.registry.inc(self.metrics.nats_unmatched, kind);
     }
 
+    /// Where a session's JetStream API requests wait: in its participant's turns.
+    fn lane(&self, session: SessionId) -> Lane<String> {
+        let participant = self
+            .sessions
+            .get(&session)
+            .and_then(|s| s.state.participant());
+        // Only sessions past their hello make requests; the empty key is nobody's.
+        let key = participant.map_or_else(String::new, |(ns, name)| participant_key(ns, name));
+        Lane::Session(key, session)
+    }
+
     /// Queues a JetStream API request made for a session's topic subscriptions (see
     /// `api_queue.rs`); its outcome comes to [`complete`](Self::complete) as any other.
     fn api_request(
         &mut self,
         conn: &mut Connection,
-        lane: Lane,
+        lane: Lane<String>,
         req: Result<Request, JsError>,
         pending: Pending,
         now: Instant,

@@ -79,6 +79,9 @@ pub struct Harness {
     /// (the runtime tells it later in the same turn, after other NATS events).
     pub hold_closes: bool,
     held_closes: Vec<Session>,
+    /// Set: every frame a session is sent is also logged here, in the order the brokers
+    /// sent them, across sessions (mailboxes keep each session's order only).
+    pub sent_log: Option<Vec<(Session, Value)>>,
 }
 
 impl Harness {
@@ -110,6 +113,7 @@ impl Harness {
             held_drains: Vec::new(),
             hold_closes: false,
             held_closes: Vec::new(),
+            sent_log: None,
         };
         for _ in 0..brokers {
             let node = h.start_node(h.nodes.len());
@@ -190,16 +194,21 @@ impl Harness {
 
     /// Sends a frame as it is.
     pub fn send(&mut self, s: Session, frame: Value) {
-        let text = frame.to_string();
-        let n = &mut self.nodes[s.node];
-        n.broker.handle(
-            &mut n.conn,
-            Input::Frame {
+        self.send_together(&[(s, frame)]);
+    }
+
+    /// Sends frames of several sessions as one turn of the runtime reads them: each is
+    /// handed to its broker before anything moves to or from NATS.
+    pub fn send_together(&mut self, frames: &[(Session, Value)]) {
+        for (s, frame) in frames {
+            let text = frame.to_string();
+            let n = &mut self.nodes[s.node];
+            let input = Input::Frame {
                 session: s.id,
                 text: &text,
-            },
-            self.now,
-        );
+            };
+            n.broker.handle(&mut n.conn, input, self.now);
+        }
         self.settle();
     }
 
@@ -521,12 +530,16 @@ impl Harness {
     fn route(&mut self, node: usize, out: Output) {
         match out {
             Output::Frame { session, text } => {
-                let frame = serde_json::from_str(&text).unwrap_or_else(|e| {
+                let frame: Value = serde_json::from_str(&text).unwrap_or_else(|e| {
                     panic!("broker sent a frame that is not JSON ({e}): {text}")
                 });
-                if let Some(mb) = self.mailboxes.get_mut(&Session { node, id: session })
+                let s = Session { node, id: session };
+                if let Some(mb) = self.mailboxes.get_mut(&s)
                     && mb.closed.is_none()
                 {
+                    if let Some(log) = &mut self.sent_log {
+                        log.push((s, frame.clone()));
+                    }
                     mb.frames.push_back(frame);
                 }
             }

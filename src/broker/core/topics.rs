@@ -481,7 +481,7 @@ impl Broker {
             .strip_prefix(&binding::topics_stream(""))
             .unwrap_or_default();
         let req = self.config.js_api(ns).consumer_info(stream, consumer);
-        let lane = Lane::Session(to.session);
+        let lane = self.lane(to.session);
         self.api_request(conn, lane, req, Pending::SubLookup { to, config }, now);
     }
 
@@ -518,7 +518,7 @@ impl Broker {
             config,
             ConsumerAction::CreateOrUpdate,
         );
-        let lane = Lane::Session(to.session);
+        let lane = self.lane(to.session);
         self.api_request(conn, lane, req, Pending::SubConsumer(to), now);
     }
 
@@ -610,7 +610,7 @@ impl Broker {
             .config
             .js_api(&ns)
             .consumer_names(&binding::topics_stream(&ns), count.offset as u64);
-        let lane = Lane::Session(count.to.session);
+        let lane = self.lane(count.to.session);
         self.api_request(conn, lane, req, Pending::DurableCount(count), now);
     }
 
@@ -885,7 +885,7 @@ impl Broker {
         // before the delete lands; and the session's room for subscriptions is back
         // once it is answered.
         let pending = Pending::SubDeleted { session, re: id };
-        self.api_request(conn, Lane::Session(session), delete, pending, now);
+        self.api_request(conn, self.lane(session), delete, pending, now);
     }
 
     /// A consumer's delete after `unsubscribe` was answered. The subscription is over in
@@ -1496,7 +1496,7 @@ impl Broker {
             serial,
             consumer,
         };
-        self.api_request(conn, Lane::Session(session), req, pending, now);
+        self.api_request(conn, self.lane(session), req, pending, now);
     }
 
     /// A subscription whose consumer could not be made again tries again, unless it
@@ -2155,5 +2155,50 @@ mod tests {
         assert_eq!(h.request(bob, sub.clone())["op"], "ok");
         let again = h.request(bob, sub);
         assert_eq!(again["op"], "error", "{again}");
+    }
+
+    #[test]
+    fn a_participant_gets_no_more_turns_of_the_api_queue_for_holding_more_sessions() {
+        // Turns went session by session: a participant with 16 sessions had 16 turns to
+        // another's one, whatever share of JetStream's API that left the other.
+        const SESSIONS: usize = 16;
+        const EACH: usize = 8;
+        let mut h = Harness::development(1);
+        let mallory: Vec<Session> = (0..SESSIONS)
+            .map(|_| h.join(0, "mallory", json!({})))
+            .collect();
+        let victim = h.join(0, "victim", json!({}));
+        let subscribe = |id: String| json!({"op":"subscribe","id":id,"topic":"t.>","sub":id});
+        let mut frames: Vec<(Session, Value)> = Vec::new();
+        for (k, &m) in mallory.iter().enumerate() {
+            frames.extend((0..EACH).map(|i| (m, subscribe(format!("m{k}-{i}")))));
+        }
+        frames.extend((0..EACH).map(|i| (victim, subscribe(format!("v{i}")))));
+        h.sent_log = Some(Vec::new());
+        h.send_together(&frames);
+        let answered: Vec<(Session, Value)> = h
+            .sent_log
+            .take()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(_, f)| f["re"].is_string())
+            .collect();
+        assert!(
+            answered.iter().all(|(_, f)| f["op"] == "ok"),
+            "{answered:?}"
+        );
+        assert_eq!(answered.len(), frames.len());
+        let order: Vec<bool> = answered.iter().map(|(s, _)| *s == victim).collect();
+        let last = order.iter().rposition(|&v| v).unwrap_or(usize::MAX);
+        // 16 of mallory's were out before the victim asked; then the two take turns.
+        let limit = crate::broker::core::SESSION_API_IN_FLIGHT + 2 * EACH;
+        let picture: String = order.iter().map(|&v| if v { 'V' } else { '.' }).collect();
+        eprintln!("answers in order (V: the victim's): {picture}");
+        assert!(
+            last < limit,
+            "the victim's last subscription was answered {}th of {}: {picture}",
+            last + 1,
+            order.len()
+        );
     }
 }
