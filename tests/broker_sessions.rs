@@ -673,6 +673,63 @@ fn a_watch_of_more_presence_than_the_outbound_bound_holds_is_sent_in_bursts() {
     assert_eq!(w.request(json!({"op":"ping"}))["op"], "ok");
 }
 
+/// An operator may set `limits.max_buffered_bytes` (all connections) below
+/// `max_outbound_bytes` (one session). A session sent more than that budget at once is
+/// shed (1008 `memory budget`) as the connection holding the most, so a single answer or
+/// burst the broker builds must stay within both.
+fn within_a_small_memory_budget() -> (NatsServer, Broker, Client) {
+    let nats = NatsServer::start();
+    let mut config = open_to_any_name(open_config(&["a", "w"]));
+    config["limits"] = json!({"max_buffered_bytes": 65536});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    // About 210 KB of entries: within the 4 MiB outbound bound, past the budget.
+    register_others(&nats, &mut a, 2000);
+    // A peer whose kernel takes little: what the broker queues for it stays queued.
+    let narrow = common::connect_narrow(std::net::Ipv4Addr::LOCALHOST, broker.addr);
+    let w = Client::connect_over(&broker, narrow).hello("acme", "w", "w-token");
+    (nats, broker, w)
+}
+
+#[test]
+fn a_who_answer_past_the_memory_budget_is_refused_as_too_large() {
+    // Before, the answer was queued whole and the asker shed.
+    let (_nats, broker, mut w) = within_a_small_memory_budget();
+    w.send(&json!({"op":"who","id":"w1"}));
+    let who = w.next_frame(WAIT);
+    let who = who.unwrap_or_else(|| json!({"op": "nothing within the wait"}));
+    assert_eq!(
+        (who["op"].as_str(), who["code"].as_str()),
+        (Some("error"), Some("too_large")),
+        "{who}; sheds: {:?}",
+        metric(&broker, "amp_ws_memory_sheds_total")
+    );
+    assert_eq!(w.request(json!({"op":"ping"}))["op"], "ok");
+    // `who` with a `job` lists fewer, and is answered.
+    let probe = w.request(json!({"op":"who","job":"probe"}));
+    assert_eq!(probe["participants"].as_array().map(Vec::len), Some(1));
+}
+
+#[test]
+fn a_watch_snapshot_comes_in_bursts_within_the_memory_budget() {
+    // Bursts of a quarter of the outbound bound (256 KiB at most): before, the first one
+    // alone passed the budget and the watcher was shed.
+    let (_nats, broker, mut w) = within_a_small_memory_budget();
+    assert_eq!(w.request(json!({"op":"watch"}))["op"], "ok");
+    let mut names = std::collections::BTreeSet::new();
+    while names.len() < 2002 {
+        let Some(f) = w.next_op("presence", WAIT) else {
+            panic!(
+                "watch stopped after {} ups; sheds: {:?}",
+                names.len(),
+                metric(&broker, "amp_ws_memory_sheds_total")
+            );
+        };
+        names.insert(f["name"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(w.request(json!({"op":"ping"}))["op"], "ok");
+}
+
 #[test]
 fn two_brokers_share_inboxes_and_presence() {
     let nats = NatsServer::start();

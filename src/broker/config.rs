@@ -117,6 +117,16 @@ pub struct Limits {
     pub max_participant_requests_in_flight: usize,
 }
 
+impl Limits {
+    /// The most the broker queues for one session at once: past `max_outbound_bytes` the
+    /// session is closed as a slow consumer, and past `max_buffered_bytes` (all
+    /// connections together, which an operator may set lower) shed as the connection
+    /// holding the most. An answer past it is refused instead; bursts take a quarter.
+    pub fn session_room(&self) -> usize {
+        self.max_outbound_bytes.min(self.max_buffered_bytes)
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {

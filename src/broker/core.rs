@@ -1587,7 +1587,17 @@ impl Broker {
                 JobsOutput::Frame { session, .. } if super::mig::is_mig_session(session) => {}
                 JobsOutput::Reply { session, re, text } => {
                     self.answered(session, &re);
-                    self.frame(session, text);
+                    // Past the session's room the answer could only close it: a `status`
+                    // holds a task's result (up to the server's max_payload), and a
+                    // `dead_letters` page at least one whole letter.
+                    let room = self.config.limits.session_room();
+                    if text.len() >= room {
+                        let what = format!("the answer is {} bytes", text.len());
+                        let e = past_session_room(&what, room, "");
+                        self.error(session, Some(&re), &e);
+                    } else {
+                        self.frame(session, text);
+                    }
                 }
                 JobsOutput::Frame { session, text } => self.frame(session, text),
                 JobsOutput::ServeChanged { ns, name } => {
@@ -2110,6 +2120,17 @@ fn delivery(msg: &Message) -> Delivery<'_> {
         headers: msg.headers.as_ref(),
         payload: &msg.payload,
     }
+}
+
+/// `too_large` for an answer (`what` it is) past `room`, what a session may be sent at
+/// once ([`Limits::session_room`](super::config::Limits::session_room)); `hint` says how
+/// to ask for less.
+fn past_session_room(what: &str, room: usize, hint: &str) -> AmpError {
+    let why = format!(
+        "{what}, more than the {room} bytes a session may be sent at once (its outbound \
+         bound, or the memory budget of all connections if lower){hint}"
+    );
+    AmpError::new(ErrorCode::TooLarge, why)
 }
 
 fn participant_key(ns: &str, name: &str) -> String {

@@ -24,7 +24,8 @@ pub const PAGE: usize = 20;
 /// Stored letters one `dead_letters` request reads, visible to the caller or not; past it
 /// the answer ends early with its `next` cursor.
 pub const SCAN: usize = 200;
-/// The letters of one answer stop growing past this many bytes (one letter always fits).
+/// The letters of one answer stop growing past this many bytes (one letter always fits),
+/// or past a quarter of what the asker may be sent at once if that is less.
 pub const PAGE_BYTES: usize = 256 * 1024;
 
 /// Whether a stored outcome is one that is dead-lettered: failed with every attempt spent.

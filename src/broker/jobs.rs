@@ -27,7 +27,7 @@ use super::bounded_map::BoundedMap;
 use super::clock::Clock;
 use super::config::{Config, Job, Participant, Permissions};
 use super::continuations::{Continuation, Continuations, Staged};
-use super::dead_letters::Letter;
+use super::dead_letters::{Letter, PAGE_BYTES};
 use super::domains::{JsApis, TaskKv};
 use super::envelope::{self, Envelope, Kind};
 use super::held_bytes::{self, HeldBytes, Hold};
@@ -658,6 +658,8 @@ pub struct Jobs {
     stats: JobsStats,
     /// Bytes of submits waiting for JetStream (see [`HeldBytes`]).
     held: HeldBytes,
+    /// A `dead_letters` page stops growing past this many bytes of letters.
+    page_bytes: usize,
     /// Cancelled tasks whose cancel was answered `unavailable` (its write or its
     /// `task_result` unconfirmed or refused): the retry that finds the task cancelled
     /// publishes the result again and answers `ok`, where a cancel of a finished task
@@ -795,6 +797,8 @@ impl Jobs {
             next_generation: 0,
             stats: JobsStats::default(),
             held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
+            // A quarter of what the asker may be sent at once, as a `watch` burst.
+            page_bytes: (config.limits.session_room() / 4).clamp(1, PAGE_BYTES),
             unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
             trimmed_log: letters::TrimmedLog::default(),
             consumer_updates: Vec::new(),
@@ -2918,6 +2922,100 @@ mod tests {
             .collect();
         assert!(late.is_empty(), "a second result: {late:?}");
         assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+    }
+
+    /// One attempt per task, and a memory budget of 64 KiB (all connections), below the
+    /// 4 MiB outbound bound: what a session may be sent at once.
+    fn within_a_small_memory_budget() -> Harness {
+        let mut config = with_lease(LEASE_S);
+        config.limits.max_buffered_bytes = 64 << 10;
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.max_attempts = 1;
+        }
+        Harness::new(config, 1, 7)
+    }
+
+    /// A task of `app`'s with `body`, taken by `w` and ended with `end` (a `complete` or
+    /// `fail` frame without its task).
+    fn ended(h: &mut Harness, (app, body): (Session, &str), w: Session, end: Value) -> String {
+        let ok = h.request(app, json!({"op":"submit","job":"render","body":body}));
+        let task = ok["task"].as_str().unwrap_or_else(|| panic!("{ok}"));
+        let task = task.to_string();
+        offer(h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        let mut end = end;
+        end["task"] = json!(task);
+        let done = h.request(w, end);
+        assert_eq!(done["op"], "ok", "{done}");
+        task
+    }
+
+    #[test]
+    fn a_status_past_what_a_session_may_be_sent_at_once_is_refused_as_too_large() {
+        // The budget sheds the connection holding the most once past it: an answer
+        // larger than the whole budget would close the asker. Before, it was sent.
+        let mut h = within_a_small_memory_budget();
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let result = json!({"op":"complete","result":"x".repeat(100 << 10)});
+        let big = ended(&mut h, (app, "b"), w, result);
+        let status = h.request(app, json!({"op":"status","task":big}));
+        let text = status.to_string();
+        assert_eq!(
+            (status["op"].as_str(), status["code"].as_str()),
+            (Some("error"), Some("too_large")),
+            "{} bytes: {}",
+            text.len(),
+            &text[..text.len().min(300)]
+        );
+        let small = ended(
+            &mut h,
+            (app, "s"),
+            w,
+            json!({"op":"complete","result":"done"}),
+        );
+        let status = h.request(app, json!({"op":"status","task":small}));
+        assert_eq!(status["task"]["result"], "done", "{status}");
+    }
+
+    #[test]
+    fn dead_letter_pages_stay_within_what_a_session_may_be_sent_at_once() {
+        // Pages grew to 256 KiB of letters whatever the memory budget: past it, the
+        // asker would be shed. Now a quarter of what a session may be sent at once.
+        let mut h = within_a_small_memory_budget();
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        // Bodies of 12 KiB (a submit's body is held within a quarter of the budget).
+        let body = "y".repeat(12 << 10);
+        let fail = json!({"op":"fail","error":{"code":"no","message":"no"}});
+        let tasks: Vec<String> = (0..6)
+            .map(|_| ended(&mut h, (app, &body), w, fail.clone()))
+            .collect();
+        let room = 64 << 10;
+        let mut listed = Vec::new();
+        let mut from = None;
+        for _ in 0..10 {
+            let mut req = json!({"op":"dead_letters","job":"render"});
+            if let Some(seq) = from {
+                req["from"] = json!({"seq": seq});
+            }
+            let page = h.request(app, req);
+            let size = page.to_string().len();
+            assert_eq!(page["op"], "ok", "{size} bytes");
+            assert!(size < room, "a page of {size} bytes for a room of {room}");
+            for l in page["letters"].as_array().into_iter().flatten() {
+                listed.push(l["task"].as_str().unwrap_or_default().to_string());
+            }
+            from = page["next"]["seq"].as_u64();
+            if from.is_none() {
+                break;
+            }
+        }
+        assert_eq!(listed, tasks);
     }
 
     /// `with_lease(LEASE_S)` whose job keeps finished records `s` seconds.

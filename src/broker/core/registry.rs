@@ -439,11 +439,11 @@ impl Broker {
             None => Vec::new(),
         };
         let count = participants.len();
-        // A frame past the session's outbound bound could only close it as a slow
-        // consumer: the asker hears why instead, and keeps its session. Entries are kept
-        // as the text they are sent as, so the size is known before the frame is built
-        // (a `who` refused this way cost a whole frame's writing each time).
-        let bound = self.config.limits.max_outbound_bytes;
+        // A frame past the session's room could only close it (a slow consumer, or shed
+        // for the memory budget): the asker hears why instead, and keeps its session.
+        // Entries are kept as the text they are sent as, so the size is known before the
+        // frame is built (a `who` refused this way cost a whole frame's writing each time).
+        let bound = self.config.limits.session_room();
         let size = participants
             .iter()
             .map(|e| e.get().len() + 1)
@@ -451,15 +451,9 @@ impl Broker {
             + 64
             + 6 * id.len(); // the id as JSON, each character escaped at worst
         if size >= bound {
-            let e = AmpError::new(
-                ErrorCode::TooLarge,
-                format!(
-                    "the answer lists {count} participants in about {size} bytes, more than a \
-                     session's outbound bound of {bound} bytes; `watch` sends them a burst at a \
-                     time, and `who` with a `job` lists fewer"
-                ),
-            );
-            return self.fail(session, id, e);
+            let what = format!("the answer lists {count} participants in about {size} bytes");
+            let hint = "; `watch` sends them a burst at a time, and `who` with a `job` lists fewer";
+            return self.fail(session, id, past_session_room(&what, bound, hint));
         }
         let answer = FrameWriter::ok(Some(id))
             .value("participants", &participants)
@@ -470,9 +464,12 @@ impl Broker {
 
     /// Answers `watch`, then sends an `up` for every participant present: a burst at a
     /// time, the next once the session's output is written (`Input::Drained`), so a
-    /// namespace of any size fits a session's outbound bound. Changes meanwhile are told
-    /// only for names the snapshot has passed; the others it sends as they are when it
-    /// gets to them (and not at all when they left).
+    /// namespace of any size fits what a session may be sent at once
+    /// ([`Limits::session_room`]). Changes meanwhile are told only for names the snapshot
+    /// has passed; the others it sends as they are when it gets to them (and not at all
+    /// when they left).
+    ///
+    /// [`Limits::session_room`]: crate::broker::config::Limits::session_room
     pub(super) fn watch(&mut self, session: SessionId, ns: &str, id: &str, now: Instant) {
         if !self.may_list(session, ns, id, now) {
             return;
@@ -510,8 +507,8 @@ impl Broker {
         let Some(mut snapshot) = self.snapshots.remove(&session) else {
             return;
         };
-        // A quarter of the outbound bound: the answers and changes queued beside it fit.
-        let burst = (self.config.limits.max_outbound_bytes / 4).clamp(1, SNAPSHOT_BURST);
+        // A quarter of the session's room: the answers and changes queued beside it fit.
+        let burst = (self.config.limits.session_room() / 4).clamp(1, SNAPSHOT_BURST);
         let mut frames = Vec::new();
         let mut bytes = 0;
         let mut more = false;

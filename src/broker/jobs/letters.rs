@@ -13,7 +13,7 @@ use crate::amp::frame::{self as amp_frame, DeadLetters};
 use crate::amp::reply::FrameWriter;
 use crate::amp::{AmpError, ErrorCode};
 use crate::broker::binding;
-use crate::broker::dead_letters::{self, Letter, PAGE, PAGE_BYTES, Part, SCAN};
+use crate::broker::dead_letters::{self, Letter, PAGE, Part, SCAN};
 use crate::broker::envelope::{self, Kind};
 use crate::broker::mig::INVOCATION_HEADERS;
 use crate::broker::permissions::{self, Action};
@@ -363,7 +363,7 @@ impl Jobs {
             Ok(_) => {}
             Err(e) => log::warn!("dead letter {} unreadable: {e}", stored.sequence),
         }
-        if page.letters.len() >= PAGE || page.bytes >= PAGE_BYTES || page.scanned >= SCAN {
+        if page.letters.len() >= PAGE || page.bytes >= self.page_bytes || page.scanned >= SCAN {
             return self.answer_page(page, true);
         }
         self.read_letter(conn, page, now);
