@@ -968,6 +968,57 @@ fn a_cancel_whose_task_result_was_not_stored_is_unavailable_and_its_retry_stores
     assert_eq!(inbox_results(&mut client), 1);
 }
 
+/// A cancel whose `task_result` a full inbox refused answers `unavailable`, and its
+/// retry republishes the result also past the 90 s repeat window while every publish of
+/// it there was refused. A cancel of the cancelled task through another broker stored
+/// the result meanwhile; the retry past the inbox's duplicate window (120 s; 1 s here)
+/// stored it a second time.
+#[test]
+fn a_refused_cancel_result_a_cancel_through_another_broker_stored_is_not_stored_again() {
+    let server = common::NatsServer::start();
+    let mut a = Broker::start(&server.url(), "b1", config(30, 5000, 3));
+    let mut b = Broker::start(&server.url(), "b2", config(30, 5000, 3));
+    let mut client = Client::connect(Options::new(&server.url())).expect("connect");
+    let mut js = server.jetstream();
+    let r = a.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    assert_eq!(r["op"], "ok", "{r}");
+    // Full: one message held, and no room for another (discard `new` refuses it).
+    let filler = js.publish(
+        "amp.acme.inbox.other",
+        None,
+        b"{}",
+        &amp_broker::jetstream::PublishOptions::default(),
+    );
+    filler.expect("filler stored");
+    let mut inbox = js.stream_info("AMP_INBOX_acme").expect("inbox").config;
+    inbox.max_msgs = Some(1);
+    js.update_stream(&inbox).expect("inbox full");
+    let r = a.request(APP, "app", json!({"op":"cancel","id":"x1","task":"T"}));
+    assert_eq!(r["code"], "unavailable", "{r}");
+    inbox.max_msgs = Some(-1);
+    inbox.duplicate_window = Some(Duration::from_secs(1));
+    js.update_stream(&inbox)
+        .expect("room, and a 1 s duplicate window");
+    let r = b.request(APP, "app", json!({"op":"cancel","id":"y1","task":"T"}));
+    assert_eq!(r["code"], "conflict", "{r}");
+    // Its result's publish goes without the answer waiting for it.
+    let deadline = Instant::now() + SECS;
+    while inbox_results(&mut client) == 0 {
+        assert!(Instant::now() < deadline, "the repeat stores the result");
+        b.step(Duration::from_millis(5));
+    }
+    // Past the duplicate window (b's writes moving meanwhile), the retry through a.
+    b.frames_for(APP, Duration::from_millis(1500));
+    let r = a.request(APP, "app", json!({"op":"cancel","id":"x2","task":"T"}));
+    assert_eq!(r, json!({"op":"ok","re":"x2"}));
+    a.frames_for(APP, Duration::from_millis(200));
+    assert_eq!(inbox_results(&mut client), 1, "task_results stored");
+}
+
 #[test]
 fn only_eligible_sessions_get_offers_and_an_untakeable_task_stays_queued() {
     let server = common::NatsServer::start();

@@ -564,6 +564,9 @@ struct Finish {
     /// Its dead letter was just stored: should the message stay for the result, the
     /// record says so.
     lettered: bool,
+    /// A cancelled task's result published again for a later cancel: once stored, the
+    /// record says so (see [`TaskRecord::result_sent`]).
+    repeat: bool,
 }
 
 struct Submission {
@@ -1819,7 +1822,7 @@ impl Jobs {
                         if finish.cancelled {
                             self.unsent_cancels.remove(&finish.key);
                         }
-                        if std::mem::take(&mut finish.stays) {
+                        if std::mem::take(&mut finish.stays) || finish.repeat {
                             self.mark(conn, finish.key.clone(), Op::ResultSent, now);
                         }
                         finish
@@ -2459,6 +2462,42 @@ mod tests {
         h.advance(Duration::from_secs(10));
         assert!(task_results(&mut h, app).is_empty());
         h.take(other);
+    }
+
+    #[test]
+    fn a_refused_cancel_result_another_broker_stored_is_not_stored_again_by_a_late_retry() {
+        // Broker 0 remembers that every publish it made of the cancel's result was
+        // refused, and so republishes it on a retry past the 90 s repeat window; the
+        // result a cancel through broker 1 stored meanwhile was stored a second time.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "{c}");
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let app_b = h.join(1, "app", json!({}));
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "conflict", "{c}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+        // Past the inbox's 120 s duplicate window, the retry of the first cancel.
+        h.advance(Duration::from_secs(150));
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["op"], "ok", "the result is stored: {c}");
+        h.advance(Duration::from_secs(10));
+        let late = task_results(&mut h, app);
+        assert!(late.is_empty(), "{} more results: {late:?}", late.len());
+        let stored = h.server.stream_messages("AMP_INBOX_dev");
+        let results = stored
+            .iter()
+            .filter(|m| {
+                serde_json::from_slice::<Value>(m.2).is_ok_and(|e| e["body"]["task"] == task)
+            })
+            .count();
+        assert_eq!(results, 1, "task_results stored");
+        h.take(other);
+        h.take(app_b);
     }
 
     /// Stores a second copy of a task message, as a republish past the stream's

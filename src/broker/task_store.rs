@@ -134,7 +134,9 @@ pub struct TaskRecord {
     /// The `task_result` of this completed or failed task is stored in the submitter's
     /// inbox while its message stays for a redelivery (its dead letter not stored yet):
     /// that redelivery must not publish it again, as past the inbox's duplicate window
-    /// its message id no longer makes a repeat a duplicate.
+    /// its message id no longer makes a repeat a duplicate. Of a cancelled task: a
+    /// repeat of its cancel stored it, so the retry of a cancel whose own publishes were
+    /// all refused, which republishes past that window, must not.
     #[serde(default, skip_serializing_if = "is_false")]
     pub result_sent: bool,
     /// The dead letter of this failed task is stored while its message stays for a
@@ -204,8 +206,7 @@ pub enum Change<'a> {
     Cancel {
         by: &'a str,
     },
-    /// The `task_result` of a completed or failed task is stored (see
-    /// [`TaskRecord::result_sent`]).
+    /// The `task_result` of a finished task is stored (see [`TaskRecord::result_sent`]).
     ResultSent,
     /// The dead letter of a failed task is stored (see [`TaskRecord::lettered`]).
     Lettered,
@@ -599,11 +600,8 @@ impl TaskRecord {
                 next.push_history(TaskState::Failed, now_ms, by);
             }
             Change::ResultSent => {
-                // Said already, or nothing to say (not finished, or cancelled: a
-                // cancelled task has no message left to come back).
-                if self.result_sent
-                    || !matches!(self.state, TaskState::Completed | TaskState::Failed)
-                {
+                // Said already, or nothing to say yet.
+                if self.result_sent || !self.state.is_terminal() {
                     return Err(Refusal::Finished(self.state));
                 }
                 next.result_sent = true;
@@ -912,7 +910,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_completed_or_failed_task_records_its_result_once() {
+    fn only_a_finished_task_records_its_result_once() {
         let leased = task(3)
             .apply(
                 &Change::Claim {
@@ -948,7 +946,10 @@ mod tests {
         let cancelled = task(3)
             .apply(&Change::Cancel { by: "acme/app" }, T0)
             .expect("cancel");
-        assert!(cancelled.apply(&Change::ResultSent, T0).is_err());
+        // A cancelled task's, when a repeat of its cancel stored it.
+        let told = cancelled.apply(&Change::ResultSent, T0 + 1).expect("sent");
+        assert!(told.result_sent && told.history == cancelled.history);
+        assert!(told.apply(&Change::ResultSent, T0 + 2).is_err(), "once");
         // Only a failed task has a dead letter, marked once, with no history entry.
         assert!(leased.apply(&Change::Lettered, T0).is_err());
         assert!(cancelled.apply(&Change::Lettered, T0).is_err());

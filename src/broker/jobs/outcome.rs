@@ -57,6 +57,21 @@ impl Jobs {
         self.send_result(conn, &o.record, &o.by, finish, now);
     }
 
+    /// [`publish_result`](Self::publish_result) of cancelled task `record` for a cancel
+    /// that came after the one that cancelled it.
+    pub(super) fn repeat_result(
+        &mut self,
+        conn: &mut Connection,
+        record: &TaskRecord,
+        by: &str,
+        reply: Option<(SessionId, String, String)>,
+        now: Instant,
+    ) {
+        let mut finish = Finish::new(record, None, reply);
+        finish.repeat = true;
+        self.send_result(conn, record, by, finish, now);
+    }
+
     fn send_result(
         &mut self,
         conn: &mut Connection,
@@ -70,6 +85,11 @@ impl Jobs {
             .split_once('/')
             .filter(|_| !record.via_mig && !record.result_sent)
         else {
+            if finish.cancelled {
+                // Nothing to store (a repeat of the cancel stored it): a retry of a cancel
+                // answered `unavailable` is answered as stored.
+                self.unsent_cancels.remove(&finish.key);
+            }
             return self.finish(conn, finish, now);
         };
         finish.stays =
@@ -204,6 +224,7 @@ impl Finish {
             cancelled: record.state == TaskState::Cancelled,
             stays: false,
             lettered: false,
+            repeat: false,
         }
     }
 }

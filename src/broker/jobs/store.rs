@@ -327,13 +327,14 @@ impl Jobs {
                         // The retry of a cancel answered `unavailable` (its write or its
                         // result unconfirmed, or refused): answered as the cancel it
                         // repeats, once the result is stored (`unavailable` again if it
-                        // is not). When every publish of it was refused none is stored,
-                        // so it is published again past the window too.
+                        // is not). When every publish of it here was refused it is
+                        // published again past the window too, unless the record says a
+                        // repeat through another broker stored it.
                         let text = reply::ok(Some(&re));
                         let reply = Some((session, re, text));
-                        return self.publish_result(conn, record, &by, None, reply, now);
+                        return self.repeat_result(conn, record, &by, reply, now);
                     }
-                    self.publish_result(conn, record, &by, None, None, now);
+                    self.repeat_result(conn, record, &by, None, now);
                 }
                 if let Refusal::Finished(_) = refusal {
                     // Answered `conflict`: a later retry is no retry of this one's.
