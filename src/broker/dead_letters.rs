@@ -91,10 +91,12 @@ pub struct Letter {
 }
 
 impl Letter {
-    /// The letter of failed task `record`, whose stored task message is `task_message`.
+    /// The letter of failed task `record`, whose stored task message is `task_message`
+    /// (its `AMP-Task-Use` header `use_id`).
     pub fn new(
         record: &TaskRecord,
         task_message: &[u8],
+        use_id: Option<&str>,
         failed_at: String,
     ) -> Result<Letter, String> {
         let env = EnvelopeView::parse(task_message)
@@ -108,7 +110,7 @@ impl Letter {
         }
         // A message of an earlier use of the id would be redriven as this task's.
         let job = env.job.as_ref().map_or("", |j| j.as_str());
-        if !record.submitted_as(env.from.as_str(), job, env.body.get()) {
+        if !record.submitted_as(use_id, env.from.as_str(), job, env.body.get()) {
             return Err(format!(
                 "the message of task `{}` is of another submission",
                 record.id
@@ -320,15 +322,15 @@ mod tests {
     fn a_letter_keeps_the_body_headers_and_last_error_of_its_own_task() {
         let r = with_body(record(TaskState::Failed, 2, 2), &json!({"n":[1,2]}));
         let msg = br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{"traceparent":"00-x"},"body":{"n":[1,2]}}"#;
-        let l = Letter::new(&r, msg, "2026-12-03T00:00:00.000Z".into()).expect("letter");
+        let l = Letter::new(&r, msg, None, "2026-12-03T00:00:00.000Z".into()).expect("letter");
         let back = Letter::parse(&l.to_json()).expect("parse");
         assert_eq!(back.body.get(), r#"{"n":[1,2]}"#);
         assert_eq!(back.headers["traceparent"], "00-x");
         assert_eq!(back.view(7)["error"]["code"], "boom");
         assert_eq!(back.view(7)["seq"], 7);
         let other = br#"{"id":"T2","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
-        assert!(Letter::new(&r, other, String::new()).is_err());
-        assert!(Letter::new(&r, b"not json", String::new()).is_err());
+        assert!(Letter::new(&r, other, None, String::new()).is_err());
+        assert!(Letter::new(&r, b"not json", None, String::new()).is_err());
     }
 
     #[test]
@@ -338,15 +340,21 @@ mod tests {
         let r = record(TaskState::Failed, 1, 1);
         let own =
             br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
-        assert!(Letter::new(&r, own, String::new()).is_ok());
+        assert!(Letter::new(&r, own, None, String::new()).is_ok());
         for earlier in [
             r#"{"id":"T1","kind":"task","from":"acme/mallory","job":"infer","ts":"t","body":1}"#,
             r#"{"id":"T1","kind":"task","from":"acme/alice","job":"render","ts":"t","body":1}"#,
             r#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":2}"#,
         ] {
-            let e = Letter::new(&r, earlier.as_bytes(), String::new());
+            let e = Letter::new(&r, earlier.as_bytes(), None, String::new());
             assert!(e.is_err(), "{earlier}");
         }
+        // Its use told by the message's header: even the same submission of another
+        // use is not this task's.
+        let mut r = r;
+        r.use_id = Some("u2".into());
+        assert!(Letter::new(&r, own, Some("u2"), String::new()).is_ok());
+        assert!(Letter::new(&r, own, Some("u1"), String::new()).is_err());
     }
 
     #[test]
@@ -361,7 +369,7 @@ mod tests {
             r#"{{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{{"h":"{}"}},"body":{{"big":"{big}"}}}}"#,
             "h".repeat(2000),
         );
-        let whole = Letter::new(&r, msg.as_bytes(), String::new()).expect("letter");
+        let whole = Letter::new(&r, msg.as_bytes(), None, String::new()).expect("letter");
         let size = whole.to_json().len();
         assert!(!String::from_utf8_lossy(&whole.to_json()).contains("_omitted"));
         assert!(whole.redrivable());
@@ -414,7 +422,7 @@ mod tests {
         let r = with_body(record(TaskState::Failed, 1, 1), &Value::Null);
         let msg =
             br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":null}"#;
-        let mut l = Letter::new(&r, msg, String::new()).expect("letter");
+        let mut l = Letter::new(&r, msg, None, String::new()).expect("letter");
         let size = l.to_json().len();
         // Only the error can make room: the letter says nothing of a body or headers.
         let json = l.fit(size - 1).expect("fits without the error");
@@ -428,7 +436,7 @@ mod tests {
         let r = record(TaskState::Failed, 1, 1);
         let msg =
             br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
-        let l = Letter::new(&r, msg, String::new()).expect("letter");
+        let l = Letter::new(&r, msg, None, String::new()).expect("letter");
         assert!(l.visible_to("acme/alice", false));
         assert!(!l.visible_to("acme/bob", false));
         assert!(l.visible_to("acme/bob", true));
@@ -439,7 +447,7 @@ mod tests {
         let r = record(TaskState::Failed, 1, 1);
         let msg =
             br#"{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","body":1}"#;
-        let l = Letter::new(&r, msg, String::new()).expect("letter");
+        let l = Letter::new(&r, msg, None, String::new()).expect("letter");
         let alice = "acme/alice";
         assert_eq!(l.redrive_task(4, alice), l.redrive_task(4, alice));
         assert_ne!(l.redrive_task(4, alice), l.redrive_task(5, alice));

@@ -16,6 +16,8 @@ mod queue;
 mod store;
 mod submit;
 
+use offer::RecordFrom;
+
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -216,6 +218,9 @@ const TRUST_MARGIN_NANOS: u64 = 250_000_000;
 
 /// A task message's header carrying its record as created: `<revision> <record JSON>`.
 const RECORD_HEADER: &str = "AMP-Task-Record";
+/// A task message's header naming the use of its task id it is of
+/// ([`TaskRecord::use_id`]).
+const USE_HEADER: &str = "AMP-Task-Use";
 
 /// Puts the record as created (at `revision`) in the task message's headers, unless
 /// that would take the message past `max_payload` (the delivery reads it then).
@@ -469,6 +474,8 @@ enum Pending {
         ack: String,
         delivered: u64,
         env: Box<Envelope>,
+        /// The message's `AMP-Task-Use` header.
+        use_id: Option<String>,
         ack_basis: Option<Instant>,
         /// The offer watch, made before the read (see `delivery`).
         watch: Option<Sid>,
@@ -1606,6 +1613,15 @@ impl Jobs {
                         && record.msg_seq.is_none()
                         && self.published.get(&task_key(&sub.ns, &sub.task)).is_none()
                     {
+                        // The copy is of the record's use, not of this submit's, whose
+                        // record was never made.
+                        let mut sub = sub;
+                        sub.headers.remove(USE_HEADER);
+                        if let Some(use_id) = &record.use_id
+                            && let Err(e) = sub.headers.insert(USE_HEADER, use_id)
+                        {
+                            log::warn!(task:% = sub.task; "task use not carried: {e}");
+                        }
                         // No delivery of its message has been seen, and it may never have
                         // been stored (refused, or its answer lost): publish again, at any
                         // age, or a task answered `unavailable` and retried past 90 s was
@@ -1677,6 +1693,7 @@ impl Jobs {
                 ack,
                 delivered,
                 env,
+                use_id,
                 ack_basis,
                 watch,
             } => {
@@ -1689,7 +1706,7 @@ impl Jobs {
                     ack,
                     delivered,
                     env,
-                    (read, false),
+                    (read, RecordFrom::Store(use_id)),
                     ack_basis,
                     watch,
                     now,
@@ -2562,17 +2579,19 @@ mod tests {
         offer(&mut h, w, "T");
     }
 
-    /// Task `T` of `dev/alice` (body `{"n":1}`) cancelled through broker 1 while
-    /// queued: broker 0 stored its message, so the cancel could not remove it, and it
-    /// outlives its record, which `wait` lets expire. Session `submitter` then submits
-    /// `T` again with body `{"n":2}`.
+    /// Task `T` of `dev/alice` (body `{"n":1}`, headers `{"use":"first"}`) cancelled
+    /// through broker 1 while queued: broker 0 stored its message, so the cancel could
+    /// not remove it, and it outlives its record, which `wait` lets expire. Session
+    /// `submitter` then submits `T` again with `body` and headers `{"use":"second"}`.
     fn reuse_an_id_whose_message_was_left(
         h: &mut Harness,
         alice: Session,
         submitter: Session,
+        body: Value,
         wait: impl FnOnce(&mut Harness),
     ) {
-        let first = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+        let first = json!({"op":"submit","job":"render","task":"T","body":{"n":1},
+                           "headers":{"use":"first"}});
         assert_eq!(h.request(alice, first)["op"], "ok");
         let alice_b = h.join(1, "alice", json!({}));
         let cancel = h.request(alice_b, json!({"op":"cancel","task":"T"}));
@@ -2594,7 +2613,8 @@ mod tests {
         wait(h);
         let status = h.request(alice, json!({"op":"status","task":"T"}));
         assert_eq!(status["code"], "not_found", "the record expired: {status}");
-        let again = json!({"op":"submit","job":"render","task":"T","body":{"n":2}});
+        let again = json!({"op":"submit","job":"render","task":"T","body":body,
+                           "headers":{"use":"second"}});
         let again = h.request(submitter, again);
         assert_eq!((&again["op"], &again["dup"]), (&json!("ok"), &json!(false)));
         assert_eq!(of_t(h), 2, "and waits before the new one");
@@ -2625,7 +2645,7 @@ mod tests {
                 name => h.join(0, name, json!({})),
             };
             let wait = |h: &mut Harness| h.advance(Duration::from_secs(400));
-            reuse_an_id_whose_message_was_left(&mut h, alice, submitter, wait);
+            reuse_an_id_whose_message_was_left(&mut h, alice, submitter, json!({"n":2}), wait);
             let w = worker(&mut h, "w1");
             let o = offer(&mut h, w, "T");
             assert_eq!(
@@ -2648,6 +2668,36 @@ mod tests {
                 "the first use's message is terminated"
             );
         }
+    }
+
+    #[test]
+    fn a_task_id_its_submitter_uses_again_with_the_same_body_runs_the_new_submission() {
+        // The earlier message was the record's submission by submitter, job and body,
+        // so it was offered (with the cancelled submit's headers) and bound the record,
+        // and the new submit's message was terminated as a copy.
+        let mut h = Harness::new(keeping_finished_records(300), 2, 7);
+        let alice = h.join(0, "alice", json!({}));
+        let wait = |h: &mut Harness| h.advance(Duration::from_secs(400));
+        reuse_an_id_whose_message_was_left(&mut h, alice, alice, json!({"n":1}), wait);
+        let w = worker(&mut h, "w1");
+        let o = offer(&mut h, w, "T");
+        assert_eq!(o["headers"]["use"], "second", "{o}");
+        assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+        let done = h.request(w, json!({"op":"complete","task":"T","result":{"of":2}}));
+        assert_eq!(done["op"], "ok", "{done}");
+        assert_eq!(completed_result(&mut h, alice)["result"], json!({"of":2}));
+        h.advance(Duration::from_secs(10));
+        assert!(
+            h.take(w).iter().all(|f| f["op"] != "offer"),
+            "offered again"
+        );
+        let mut more = task_results(&mut h, alice);
+        more.retain(|f| f["body"]["state"] != "cancelled");
+        assert!(more.is_empty(), "{} more results: {more:?}", more.len());
+        assert!(
+            h.server.stream_messages("AMP_TASKS_dev").is_empty(),
+            "the first use's message is terminated"
+        );
     }
 
     #[test]
@@ -2678,7 +2728,7 @@ mod tests {
                 assert_eq!(hb["op"], "ok", "{hb}");
             }
         };
-        reuse_an_id_whose_message_was_left(&mut h, alice, mallory, wait);
+        reuse_an_id_whose_message_was_left(&mut h, alice, mallory, json!({"n":2}), wait);
         assert!(
             h.take(w).iter().all(|f| f["op"] != "offer"),
             "nothing offered while the slot is busy"

@@ -145,6 +145,14 @@ pub struct TaskRecord {
     /// longer makes a repeat a duplicate.
     #[serde(default, skip_serializing_if = "is_false")]
     pub lettered: bool,
+    /// The use of the task id this record is: drawn at random by the submit that made
+    /// it, and carried by its task message (header `AMP-Task-Use`; a resubmit's copy
+    /// carries the record's). A task id is free again once its record expired, and a
+    /// message of an earlier use may outlive that record: only a message carrying this
+    /// one is the record's, even one of the same submitter, job and body. `None` in a
+    /// record an earlier release made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_id: Option<String>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -286,6 +294,7 @@ impl TaskRecord {
             msg_seq: None,
             result_sent: false,
             lettered: false,
+            use_id: None,
         }
     }
 
@@ -411,6 +420,10 @@ impl TaskRecord {
             member(&mut out, "lettered");
             out.push_str("true");
         }
+        if let Some(use_id) = &self.use_id {
+            member(&mut out, "use_id");
+            push_json_str(&mut out, use_id);
+        }
         out.push('}');
         out.into_bytes()
     }
@@ -424,23 +437,32 @@ impl TaskRecord {
         self.job == job && self.body_sha256 == body_sha256
     }
 
-    /// Whether a task message from `from` (`ns/name`) of `job` with `body` (its JSON
-    /// text) is this record's submission. A task id is free again once its record
-    /// expired, and a message of its earlier use may outlive that record (a cancel that
-    /// could not remove it, a copy of racing submits): it is not the new record's,
-    /// unless its submitter sent the very job and body again. Parses the body: for a
-    /// message not yet bound to the record (`msg_seq`) read from the store only.
-    pub fn submitted_as(&self, from: &str, job: &str, body: &str) -> bool {
+    /// Whether a task message with `AMP-Task-Use` header `use_id`, from `from`
+    /// (`ns/name`), of `job` with `body` (its JSON text) is this record's submission. A
+    /// task id is free again once its record expired, and a message of its earlier use
+    /// may outlive that record (a cancel that could not remove it, a copy of racing
+    /// submits): it is not the new record's ([`TaskRecord::use_id`]). Where the record
+    /// or the message is an earlier release's and has none, its submitter, job and body
+    /// decide, which the same submitter sending the same job and body again passes.
+    /// Parses the body then: for a message not yet bound to the record (`msg_seq`) read
+    /// from the store only.
+    pub fn submitted_as(&self, use_id: Option<&str>, from: &str, job: &str, body: &str) -> bool {
+        if let (Some(mine), Some(theirs)) = (self.use_id.as_deref(), use_id) {
+            return mine == theirs;
+        }
         self.submitted_by == from
             && self.job == job
             && serde_json::from_str::<Value>(body)
                 .is_ok_and(|b| body_digest(&b) == self.body_sha256)
     }
 
-    /// Whether `other` is a record of the same use of the task id as this one (its
-    /// submission the same, and made at the same moment), not one the id got when used
-    /// again after this one expired.
+    /// Whether `other` is a record of the same use of the task id as this one, not one
+    /// the id got when used again after this one expired: the same `use_id`, or, for a
+    /// record of an earlier release, the same submission made at the same moment.
     pub fn same_use(&self, other: &TaskRecord) -> bool {
+        if let (Some(mine), Some(theirs)) = (&self.use_id, &other.use_id) {
+            return self.id == other.id && mine == theirs;
+        }
         self.id == other.id
             && self.submitted_by == other.submitted_by
             && self.same_submission(&other.job, &other.body_sha256)
@@ -769,6 +791,7 @@ mod tests {
         full.msg_seq = Some(u64::MAX);
         full.result_sent = true;
         full.lettered = true;
+        full.use_id = Some("u\"1".into());
         full.history.push(HistoryEntry {
             state: TaskState::Offered,
             at: "2027-01-15T08:00:00.000Z".into(),
@@ -1308,6 +1331,28 @@ mod tests {
         let a: Value = serde_json::from_str(r#"{"a":1,"b":[true,null]}"#).expect("json");
         let b: Value = serde_json::from_str(r#"{ "b": [true, null], "a": 1 }"#).expect("json");
         assert_eq!(body_digest(&a), body_digest(&b));
+    }
+
+    #[test]
+    fn a_use_of_a_task_id_is_told_by_its_use_id_not_by_its_submission() {
+        // Two uses by one submitter of one job and body, made in the same millisecond
+        // (two brokers' clocks apart by the time between them).
+        let mut first = task(3);
+        first.use_id = Some("one".into());
+        let mut again = task(3);
+        again.use_id = Some("two".into());
+        assert!(!first.same_use(&again));
+        assert!(first.same_use(&first.clone()));
+        let body = r#"{"frame":1}"#;
+        assert!(first.submitted_as(Some("one"), "acme/app", "render", body));
+        assert!(!again.submitted_as(Some("one"), "acme/app", "render", body));
+        // A record or a message of an earlier release has none: the submission decides.
+        let old = task(3);
+        assert!(old.same_use(&first) && first.same_use(&old));
+        assert!(old.submitted_as(Some("one"), "acme/app", "render", body));
+        assert!(first.submitted_as(None, "acme/app", "render", body));
+        assert!(!first.submitted_as(None, "acme/app", "render", r#"{"frame":2}"#));
+        assert!(!first.submitted_as(None, "acme/bob", "render", body));
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::{
-    Caller, Jobs, Outcome, Pending, RETRY_DELAY, SessionId, not_permitted, ns_of, task_key,
+    Caller, Jobs, Outcome, Pending, RETRY_DELAY, SessionId, USE_HEADER, not_permitted, ns_of,
+    task_key,
 };
 use crate::amp::frame::{self as amp_frame, DeadLetters};
 use crate::amp::reply::FrameWriter;
@@ -147,7 +148,8 @@ impl Jobs {
             Err(e) => return self.letter_failed(conn, *outcome, &e.to_string(), now),
         };
         let failed_at = rfc3339::format_millis(self.clock.ms(now));
-        let mut letter = match Letter::new(&outcome.record, &stored.payload, failed_at) {
+        let use_id = stored.header(USE_HEADER);
+        let mut letter = match Letter::new(&outcome.record, &stored.payload, use_id, failed_at) {
             Ok(l) => l,
             Err(e) => {
                 // Not a task envelope: nothing to redrive; the outcome stands.

@@ -3,6 +3,14 @@
 
 use super::*;
 
+/// Where the record a delivered task is placed on comes from.
+pub(super) enum RecordFrom {
+    /// The message's own header (`record_in_message`): made with this very message.
+    Message,
+    /// The task store; with the message's `AMP-Task-Use` header.
+    Store(Option<String>),
+}
+
 /// Who here may take a task ([`Jobs::admits`]).
 enum Admits {
     Free,
@@ -158,7 +166,7 @@ impl Jobs {
                 ack,
                 delivered,
                 env,
-                (Ok(read), true),
+                (Ok(read), RecordFrom::Message),
                 ack_basis,
                 watch,
                 now,
@@ -175,6 +183,11 @@ impl Jobs {
                     // connection, so the server has it before the offer can reach anybody:
                     // a `status` asked through another broker after the offer finds it.
                     let watch = self.watch(conn, &key);
+                    let use_id = msg
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get(USE_HEADER))
+                        .map(str::to_string);
                     self.await_reply(
                         id,
                         now,
@@ -184,6 +197,7 @@ impl Jobs {
                             ack,
                             delivered,
                             env: Box::new(env),
+                            use_id,
                             ack_basis,
                             watch,
                         },
@@ -264,12 +278,19 @@ impl Jobs {
         fresh.then_some((record, revision))
     }
 
-    /// Whether the task message `env`, delivered by job queue `qk`, is the submission
-    /// `record` was made for ([`TaskRecord::submitted_as`]).
-    fn submission_of(&self, qk: &str, record: &TaskRecord, env: &Envelope) -> bool {
+    /// Whether the task message `env` with `AMP-Task-Use` header `use_id`, delivered by
+    /// job queue `qk`, is the submission `record` was made for
+    /// ([`TaskRecord::submitted_as`]).
+    fn submission_of(
+        &self,
+        qk: &str,
+        record: &TaskRecord,
+        use_id: Option<&str>,
+        env: &Envelope,
+    ) -> bool {
         self.queues
             .get(qk)
-            .is_some_and(|q| record.submitted_as(&env.from, &q.job, &env.body))
+            .is_some_and(|q| record.submitted_as(use_id, &env.from, &q.job, &env.body))
     }
 
     /// A delivered task that is finished: make sure the submitter heard (the result's
@@ -296,8 +317,6 @@ impl Jobs {
     }
 
     /// The record of a delivered task arrived: offer it, finish it, or release it.
-    /// `carried`: the record is the one the message carries (`record_in_message`), not
-    /// one read from the task store.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn placed(
         &mut self,
@@ -307,7 +326,7 @@ impl Jobs {
         ack: String,
         delivered: u64,
         env: Box<Envelope>,
-        (read, carried): (Result<(TaskRecord, u64), JsError>, bool),
+        (read, from): (Result<(TaskRecord, u64), JsError>, RecordFrom),
         ack_basis: Option<Instant>,
         premade_watch: Option<Sid>,
         now: Instant,
@@ -358,10 +377,14 @@ impl Jobs {
             self.term_copy(conn, &ack);
             return self.pull_more(conn, qk, now);
         }
-        if !carried && record.msg_seq.is_none() && !self.submission_of(qk, &record, &env) {
+        if let RecordFrom::Store(use_id) = &from
+            && record.msg_seq.is_none()
+            && !self.submission_of(qk, &record, use_id.as_deref(), &env)
+        {
             // A message of an earlier use of the task id, whose record expired: offered
             // under this one it ran a cancelled task, or another submitter's body for
-            // this record's submitter, whose own message was then terminated as a copy.
+            // this record's submitter, whose own message was then terminated as a copy;
+            // the same submitter's same body ran with the cancelled submit's headers.
             log::info!(task:% = key; "a message of an earlier use of the task id is terminated");
             let reason = Some("a message of an earlier use of the task id".into());
             self.ack(conn, &ack, AckKind::Term { reason });

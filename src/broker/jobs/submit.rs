@@ -111,6 +111,8 @@ impl Jobs {
         // task, carrying the header is answered in its inbox as any task.
         record.via_mig = crate::broker::mig::is_mig_session(session)
             && submit.headers.contains_key("mig_capability");
+        let use_id = self.ids.next_id();
+        record.use_id = Some(use_id.clone());
         let body = submit.body.into_text();
         let env = Envelope {
             id: task.clone(),
@@ -128,6 +130,7 @@ impl Jobs {
             ("Nats-Msg-Id", task.as_str()),
             ("AMP-From", from.as_str()),
             ("AMP-Kind", Kind::Task.as_str()),
+            (USE_HEADER, use_id.as_str()),
         ];
         if let Some(tp) = env.headers.get("traceparent") {
             stamped.push(("traceparent", tp.as_str()));
