@@ -1019,6 +1019,74 @@ fn a_refused_cancel_result_a_cancel_through_another_broker_stored_is_not_stored_
     assert_eq!(inbox_results(&mut client), 1, "task_results stored");
 }
 
+/// The record of task `T` in namespace `acme`, as the task store holds it.
+fn record_of_t(js: &mut amp_broker::jetstream::Context) -> Value {
+    let kv = js.kv_bind("AMP_TASK_STATE").expect("task store");
+    let entry = js.kv_get(&kv, "acme.T").expect("record");
+    serde_json::from_slice(&entry.value).expect("record JSON")
+}
+
+/// A dead task whose letter could not be stored keeps its message for a redelivery,
+/// and the record is marked `result_sent` once its `task_result` is stored. The mark is
+/// sent with the message's NAK, not waited for: a redelivery that finds no mark (here
+/// the mark's write and the NAK are lost, and the message comes back after its AckWait)
+/// publishes the result again, a duplicate within the inbox's 120 s window, and writes
+/// the mark. One result all the same; only a mark that failed for the whole window
+/// would let a repeat through.
+#[test]
+fn a_result_sent_mark_lost_on_its_way_leaves_one_task_result() {
+    let server = common::NatsServer::start();
+    let mut b = Broker::start(&server.url(), "b1", config(2, 5000, 1));
+    let mut client = Client::connect(Options::new(&server.url())).expect("connect");
+    let mut js = server.jetstream();
+    b.request(
+        APP,
+        "app",
+        json!({"op":"submit","id":"t","job":"render","task":"T","body":1}),
+    );
+    b.request(
+        W1,
+        "w1",
+        json!({"op":"serve","id":"v","job":"render","slots":1}),
+    );
+    b.offer(W1, SECS);
+    b.request(W1, "w1", json!({"op":"claim","id":"c","task":"T"}));
+    // No dead-letter stream is made here: the letter finds none.
+    b.send(
+        W1,
+        "w1",
+        json!({"op":"fail","id":"f","task":"T","error":{"code":"bad"}}),
+    );
+    // The result is stored; what the engine writes next (the mark's read, the NAK) is
+    // lost.
+    let deadline = Instant::now() + SECS;
+    while !b.step_losing(Duration::from_millis(5), None, Some(b".KV_AMP_TASK_STATE")) {
+        assert!(Instant::now() < deadline, "the mark is read");
+    }
+    assert_eq!(b.reply(W1, "f")["state"], "failed");
+    assert_eq!(inbox_results(&mut client), 1);
+    assert!(record_of_t(&mut js).get("result_sent").is_none());
+    let deadline = Instant::now() + SECS;
+    while record_of_t(&mut js).get("result_sent").is_none() {
+        assert!(Instant::now() < deadline, "a redelivery marks the record");
+        b.step(Duration::from_millis(20));
+    }
+    assert_eq!(inbox_results(&mut client), 1, "the repeat is a duplicate");
+    // The letter's stream comes: the letter is stored, the message goes, no result.
+    let dlq = binding::dlq_stream_config("acme", 3600, 0, StreamSettings::default());
+    js.create_stream(&dlq).expect("dead-letter stream");
+    let messages = |js: &mut amp_broker::jetstream::Context, stream: &str| {
+        js.stream_info(stream).expect("stream info").state.messages
+    };
+    let deadline = Instant::now() + SECS;
+    while messages(&mut js, "AMP_TASKS_acme") > 0 {
+        assert!(Instant::now() < deadline, "the task message goes");
+        b.step(Duration::from_millis(20));
+    }
+    assert_eq!(messages(&mut js, "AMP_DLQ_acme"), 1);
+    assert_eq!(inbox_results(&mut client), 1, "task_results stored");
+}
+
 #[test]
 fn only_eligible_sessions_get_offers_and_an_untakeable_task_stays_queued() {
     let server = common::NatsServer::start();
