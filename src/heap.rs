@@ -53,7 +53,23 @@ pub trait Compact {
 const COMPACT_FLOOR: usize = 64;
 
 fn shrunk(len: usize, capacity: usize) -> Option<usize> {
-    (capacity > COMPACT_FLOOR && capacity / 4 > len).then(|| (2 * len).max(COMPACT_FLOOR))
+    shrunk_to_floor(len, capacity, COMPACT_FLOOR)
+}
+
+fn shrunk_to_floor(len: usize, capacity: usize, floor: usize) -> Option<usize> {
+    (capacity > floor && capacity / 4 > len).then(|| (2 * len).max(floor))
+}
+
+/// Room a connection's byte buffer keeps however little it holds: what a busy moment
+/// needs without growing again.
+const BUFFER_FLOOR: usize = 64 << 10;
+
+/// [`Compact`] for a connection's read or write buffer: a burst (10,000 logins' consumer
+/// creations) grows the NATS write buffer to megabytes, which it kept for good.
+pub fn compact_buffer(buf: &mut Vec<u8>) {
+    if let Some(to) = shrunk_to_floor(buf.len(), buf.capacity(), BUFFER_FLOOR) {
+        buf.shrink_to(to);
+    }
 }
 
 impl<K: Eq + Hash, V, S: BuildHasher> Compact for HashMap<K, V, S> {
@@ -106,3 +122,33 @@ fn trim() {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_buffer_a_burst_grew_gives_its_room_back_but_keeps_what_it_holds() {
+        let mut buf: Vec<u8> = Vec::with_capacity(4 << 20);
+        compact_buffer(&mut buf);
+        assert!(buf.capacity() <= 2 * BUFFER_FLOOR, "{}", buf.capacity());
+        let mut buf = vec![7u8; 100 << 10];
+        buf.reserve(1 << 20);
+        compact_buffer(&mut buf);
+        assert!(buf.capacity() <= 2 * (100 << 10), "{}", buf.capacity());
+        assert!(buf.len() == 100 << 10 && buf.iter().all(|&b| b == 7));
+        // Room a busy moment needs stays.
+        let mut buf: Vec<u8> = Vec::with_capacity(BUFFER_FLOOR);
+        compact_buffer(&mut buf);
+        assert_eq!(buf.capacity(), BUFFER_FLOOR);
+    }
+
+    #[test]
+    fn an_idle_websocket_connection_keeps_no_event_room() {
+        // Compacting a table holding a quarter of its room halves it, to a floor.
+        let mut q: VecDeque<u64> = VecDeque::with_capacity(10_000);
+        q.push_back(1);
+        q.compact();
+        assert!(q.capacity() < 10_000 && q.capacity() >= COMPACT_FLOOR);
+    }
+}

@@ -666,6 +666,7 @@ pub fn run(
 
         if !unfinished && trimmer.due(now) {
             broker.compact(now);
+            ws.compact();
             nats.connection_mut().compact();
             for i in &mut ingress {
                 i.driver.connection_mut().compact();

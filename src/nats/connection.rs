@@ -496,6 +496,8 @@ impl Connection {
         self.ended_while_queued.compact();
         self.ended_order.compact();
         self.unsub_owed.compact();
+        crate::heap::compact_buffer(&mut self.rbuf);
+        crate::heap::compact_buffer(&mut self.out);
     }
 
     /// Bytes waiting to be written.

@@ -517,6 +517,16 @@ impl Connection {
         })
     }
 
+    /// Gives back the room of an event queue and a control frame buffer that are empty:
+    /// an idle session keeps the room of its first burst (its upgrade, its hello) for
+    /// good otherwise, about 130 bytes each at 10,000 sessions.
+    pub fn compact(&mut self) {
+        if self.events.is_empty() {
+            self.events = VecDeque::new();
+        }
+        self.decoder.compact();
+    }
+
     /// Lends this connection an empty buffer from `spare` when it has none.
     pub fn lend_output(&mut self, spare: &mut Vec<Vec<u8>>) {
         if self.out.capacity() == 0

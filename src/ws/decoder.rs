@@ -91,6 +91,13 @@ impl Decoder {
         }
     }
 
+    /// Frees the control frame buffer between control frames.
+    pub fn compact(&mut self) {
+        if self.control.is_empty() {
+            self.control = Vec::new();
+        }
+    }
+
     /// Reads from `data` until one frame is complete or `data` runs out; how many bytes
     /// it used, and the item when a frame completed. After an error the decoder must not
     /// be used again.

@@ -277,7 +277,9 @@ pub struct WsServer {
     local_addr: SocketAddr,
     listener_token: Token,
     first_token: usize,
-    slots: Vec<Option<Slot>>,
+    /// Boxed: a vacant slot (the table keeps the room of its peak) then costs a pointer,
+    /// not a whole connection's state.
+    slots: Vec<Option<Box<Slot>>>,
     generations: Vec<u32>,
     free: Vec<usize>,
     open: usize,
@@ -588,6 +590,21 @@ impl WsServer {
         result
     }
 
+    /// Gives back the room its tables and idle connections keep beyond their needs (see
+    /// [`crate::heap::Compact`]); called before a trim, which then finds it free.
+    pub fn compact(&mut self) {
+        use crate::heap::Compact;
+        for slot in self.slots.iter_mut().flatten() {
+            slot.conn.compact();
+        }
+        self.timers.compact();
+        self.events.compact();
+        self.dirty.compact();
+        self.backlog.compact();
+        self.free.compact();
+        self.per_ip.compact();
+    }
+
     /// Whether input held and output queued are past the memory budget: the caller holds
     /// back what would queue more until [`WsServer::flush`] has written what sockets take
     /// and shed the connections still holding the most.
@@ -746,14 +763,16 @@ impl WsServer {
         if self.generations.get(id.index()) != Some(&id.generation()) {
             return None;
         }
-        self.slots.get(id.index()).and_then(Option::as_ref)
+        self.slots.get(id.index()).and_then(Option::as_deref)
     }
 
     fn slot_mut(&mut self, id: SessionId) -> Option<&mut Slot> {
         if self.generations.get(id.index()) != Some(&id.generation()) {
             return None;
         }
-        self.slots.get_mut(id.index()).and_then(Option::as_mut)
+        self.slots
+            .get_mut(id.index())
+            .and_then(Option::as_deref_mut)
     }
 
     /// Accepts what waits on the listener, or on the plain one when `plain`, up to its
@@ -843,7 +862,7 @@ impl WsServer {
                 continue;
             }
             if let Some(entry) = self.slots.get_mut(index) {
-                *entry = Some(Slot {
+                *entry = Some(Box::new(Slot {
                     conn: Connection::new(now, Arc::clone(&self.cfg)),
                     tls: tls.map(Box::new),
                     stream,
@@ -857,7 +876,7 @@ impl WsServer {
                     waiting: (!plain).then_some(group),
                     shed: false,
                     read_in: 0,
-                });
+                }));
                 if !plain {
                     self.waiting.add(group, index);
                     self.count_waiting();
