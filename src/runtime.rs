@@ -551,13 +551,14 @@ pub fn run(
         unfinished = true;
         for round in 0..MAX_ROUNDS_PER_TURN {
             // Each event's output goes to the sessions before the next event is handled,
-            // and none is handled while their output is over the memory budget: one
-            // burst (a thousand presence changes, each a frame to every watcher; a `who`
-            // of a few bytes from each of hundreds of sessions, each answered with up to
-            // `max_outbound_bytes`) would otherwise queue all of its frames before any
-            // budget saw them. The flush below writes what sockets take and sheds the
-            // connections holding the most until within the budget; what is left waits
-            // for the next round. The sessions and NATS take turns at going first, as
+            // frame by frame until their output is over the memory budget, and no event
+            // is handled while any of it waits (`room`): one burst (a thousand presence
+            // changes, each a frame to every watcher; a `who` of a few bytes from each of
+            // hundreds of sessions, each answered with up to `max_outbound_bytes`; one
+            // registry resync telling every watcher thousands of `down`s) would otherwise
+            // queue all of its frames before any budget saw them. The flush below writes
+            // what sockets take and sheds the connections holding the most until within
+            // the budget; what is left waits for the next round. The sessions and NATS take turns at going first, as
             // whichever does may fill the budget for the round: a flood of frames must
             // not hold up every session's NATS traffic (nor its events pile up, read
             // while the budget allows but never taken), nor the reverse.
@@ -596,7 +597,7 @@ pub fn run(
             // main one, and they are subscribed only while that one is up.
             for i in &mut ingress {
                 broker.tend_ingress(nats.connection(), i.which, i.driver.connection_mut());
-                while !ws.over_budget()
+                while room(&mut broker, &mut ws, &ids, &mut drain_waiters, now)
                     && let Some(event) = i.driver.connection_mut().poll_event()
                 {
                     busy = true;
@@ -616,7 +617,6 @@ pub fn run(
                         server_id,
                     };
                     broker.handle(nats.connection_mut(), input, now);
-                    deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
                 }
             }
             busy |= deliver(&mut broker, &mut ws, &ids, &mut drain_waiters, now);
@@ -639,9 +639,10 @@ pub fn run(
                     ingress: &ingress,
                 },
             );
-            // Should the output still be over the budget after the flush, the NATS socket
-            // is not read, so the server waits rather than events queueing.
-            let held = ws.over_budget();
+            // Should the output still be over the budget after the flush, or the broker
+            // hold output the budget left for later, the NATS socket is not read, so the
+            // server waits rather than events queueing.
+            let held = ws.over_budget() || broker.has_output();
             nats.hold_reads(held);
             // Events the budget held back are taken in the next round.
             busy |= held || nats.connection_mut().has_events();
@@ -740,8 +741,7 @@ fn reload_tls(ws: &mut WsServer, tls: &ListenerTls) {
 }
 
 /// Hands the broker the sessions' events (opened, frames, closed), each one's output
-/// to the sessions before the next, until none is left or the output is over the memory
-/// budget; whether it handed any.
+/// to the sessions before the next, while there is [`room`]; whether it handed any.
 fn take_session_events(
     broker: &mut Broker,
     ws: &mut WsServer,
@@ -751,7 +751,7 @@ fn take_session_events(
     now: Instant,
 ) -> bool {
     let mut any = false;
-    while !ws.over_budget()
+    while room(broker, ws, ids, drain_waiters, now)
         && let Some((id, event)) = ws.poll_event()
     {
         any = true;
@@ -787,7 +787,6 @@ fn take_session_events(
                 );
             }
         }
-        deliver(broker, ws, ids, drain_waiters, now);
     }
     any
 }
@@ -804,14 +803,13 @@ fn take_nats_events(
     now: Instant,
 ) -> bool {
     let mut any = false;
-    while !ws.over_budget()
+    while room(broker, ws, ids, drain_waiters, now)
         && let Some(event) = nats.connection_mut().poll_event()
     {
         any = true;
         if !health.observe(&event, now) {
             broker.handle(nats.connection_mut(), Input::Nats(event), now);
         }
-        deliver(broker, ws, ids, drain_waiters, now);
     }
     any
 }
@@ -819,7 +817,7 @@ fn take_nats_events(
 /// Tells the broker of the sessions waiting for their output to be written that it is
 /// (a `watch` snapshot goes on with its next burst, up to 256 KiB; pulls resume), and
 /// forgets those gone; each one's output goes to the sessions before the next is told,
-/// and none is told while the output is over the memory budget: the others wait in
+/// and none is told without [`room`]: the others wait in
 /// `drain_waiters` for a later round, which starts after the last one told
 /// (`told_last`), so all take turns. Told all at once, sessions that each held back a
 /// few bytes of a burst and then read together had a burst each queued before any
@@ -850,23 +848,39 @@ fn take_drained(
             drain_waiters.remove(&session);
             continue;
         };
+        if !room(broker, ws, ids, drain_waiters, now) {
+            break;
+        }
         // The output of one told before may have been for this one.
         if ws.queued_bytes(id) > 0 {
             continue;
-        }
-        if ws.over_budget() {
-            break;
         }
         drain_waiters.remove(&session);
         *told_last = session;
         any = true;
         broker.handle(nats.connection_mut(), Input::Drained { session }, now);
-        deliver(broker, ws, ids, drain_waiters, now);
     }
     any
 }
 
-/// Hands the broker's output to the sessions; whether there was any.
+/// Whether the broker may be handed another input: its output, handed to the sessions
+/// first as far as the budget allows, is all with them, and within the memory budget.
+/// An input's output is thus queued only once the last one's is, and the budget sees
+/// each frame of a fan-out, not only whole fan-outs between inputs.
+fn room(
+    broker: &mut Broker,
+    ws: &mut WsServer,
+    ids: &crate::id_map::IdMap<u64, SessionId>,
+    drain_waiters: &mut HashSet<u64>,
+    now: Instant,
+) -> bool {
+    deliver(broker, ws, ids, drain_waiters, now);
+    !ws.over_budget() && !broker.has_output()
+}
+
+/// Hands the broker's output to the sessions until it is over the memory budget: the
+/// rest waits in the broker for a later round, after the flush has written what sockets
+/// take and shed the connections holding the most. Whether it handed any.
 fn deliver(
     broker: &mut Broker,
     ws: &mut WsServer,
@@ -875,7 +889,9 @@ fn deliver(
     now: Instant,
 ) -> bool {
     let mut any = false;
-    while let Some(out) = broker.poll_output() {
+    while !ws.over_budget()
+        && let Some(out) = broker.poll_output()
+    {
         any = true;
         match out {
             Output::Frame { session, text } => {

@@ -967,3 +967,105 @@ fn watch_snapshots_asked_by_many_sessions_in_one_turn_stay_within_the_memory_bud
         "peak resident set grew {grew} bytes with a budget of {BUDGET}"
     );
 }
+
+#[test]
+fn a_registry_resync_that_finds_every_entry_gone_stays_within_the_memory_budget() {
+    // After an outage longer than half the entries' TTL the registry watch reads the
+    // bucket again, and every name its mirror held that the bucket no longer has goes
+    // `down` at the end of that read: one event, a frame per name to every watcher. The
+    // budget is checked between events, so the whole fan-out was queued in the core at
+    // once and then copied to the sessions before any budget saw it. Anyone who may
+    // write the bucket (or a fleet of brokers gone during the outage) makes the names.
+    const BUDGET: usize = 16 << 20;
+    const WATCHERS: usize = 200;
+    const ENTRIES: usize = 5_000;
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let mut config = open_to_any_name(open_config(&["watcher", "honest"]));
+    // One participant, whose sessions share its listing rate: raised so that each watches.
+    config["limits"] = json!({"max_buffered_bytes": BUDGET, "registry_ttl_s": 2,
+                              "presence_listed_per_s": 100_000_000});
+    let broker = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let pid = broker.pid().expect("pid");
+
+    let mut honest = login(&broker, "honest");
+    fill_registry(&nats, &mut honest, ENTRIES, 0);
+    // Every watcher hears its whole snapshot, so that every name's `down` is for it.
+    // Its answer waits among the frames (200 snapshots at once take a while on a loaded
+    // machine, longer than `request` waits).
+    let snapshot = |mut c: Client| {
+        c.send(&json!({"op":"watch","id":"w"}));
+        let mut told = 0;
+        while told < ENTRIES {
+            match c.next_op("presence", Duration::from_secs(30)) {
+                Some(f) if f["name"].as_str().is_some_and(|n| n.starts_with('p')) => told += 1,
+                Some(_) => {}
+                None => panic!("a snapshot stopped after {told} names"),
+            }
+        }
+        c
+    };
+    let readers: Vec<_> = (0..WATCHERS)
+        .map(|_| {
+            let c = login(&broker, "watcher");
+            std::thread::spawn(move || snapshot(c))
+        })
+        .collect();
+    let mut watchers: Vec<Client> = readers
+        .into_iter()
+        .map(|r| r.join().expect("watcher"))
+        .collect();
+    for w in &mut watchers {
+        w.stop_reading();
+    }
+    let honest = snapshot(honest);
+    let reader = std::thread::spawn(move || {
+        let mut honest = honest;
+        let mut gone = std::collections::HashSet::new();
+        while gone.len() < ENTRIES {
+            match honest.next_op("presence", Duration::from_secs(30)) {
+                Some(f) if f["state"] == "down" => {
+                    let name = f["name"].as_str().unwrap_or_default();
+                    if name.starts_with('p') {
+                        gone.insert(name.to_string());
+                    }
+                }
+                Some(_) => {}
+                None => break,
+            }
+        }
+        gone.len()
+    });
+    let peak_before = peak_rss_bytes(pid);
+
+    relay.cut();
+    let mut js = nats.jetstream();
+    js.purge_stream("KV_AMP_REGISTRY_acme", &Default::default())
+        .expect("purge the registry");
+    // Away for more than half the TTL (1 s): the watch reads the bucket again rather
+    // than resume. Time is the condition here, nothing to wait on.
+    std::thread::sleep(Duration::from_secs(2));
+    relay.restore();
+
+    let heard = reader.join().expect("reader");
+    let grew = peak_rss_bytes(pid).saturating_sub(peak_before);
+    eprintln!(
+        "the honest watcher heard {heard} of {ENTRIES} names go down; {} watchers shed; the \
+         broker's peak resident set grew {} MiB (budget {} MiB)",
+        metric(&broker, "amp_ws_memory_sheds_total"),
+        grew >> 20,
+        BUDGET >> 20
+    );
+    assert_eq!(heard, ENTRIES, "log:\n{}", broker.log());
+    assert_eq!(
+        metric(&broker, "amp_registry_resyncs_total"),
+        2.0,
+        "the bucket was read again; log:\n{}",
+        broker.log()
+    );
+    assert!(
+        grew < 4 * BUDGET,
+        "peak resident set grew {grew} bytes with a budget of {BUDGET}"
+    );
+    drop(watchers);
+}

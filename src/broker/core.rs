@@ -53,7 +53,7 @@ use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
 use crate::ws::metrics::{AmpMetrics, NatsOp};
-use registry::Snapshot;
+use registry::{Fanout, Snapshot};
 
 mod identity;
 mod inbox;
@@ -90,6 +90,23 @@ pub enum Output {
     WhenDrained {
         session: SessionId,
     },
+}
+
+/// An entry of the core's output queue. Presence changes are kept once, not as a frame
+/// per watcher: their frames are made one at a time as [`Broker::poll_output`] takes
+/// them, so the runtime can stop taking at its memory budget. One end of a registry
+/// resync tells every watcher thousands of `down`s at once, and as frames it was names
+/// times watchers in the queue (1 KB times 200 times 5,000, say) before any budget saw it.
+#[derive(Debug)]
+enum Queued {
+    One(Output),
+    Presence(Fanout),
+}
+
+impl From<Output> for Queued {
+    fn from(output: Output) -> Queued {
+        Queued::One(output)
+    }
 }
 
 /// What the runtime hands the core. The core touches no socket, clock or random source:
@@ -142,7 +159,7 @@ pub struct Footprint {
     pub offer_watches: usize,
     pub timers: usize,
     pub held_submits: usize,
-    /// Outputs not yet taken with `poll_output`.
+    /// Outputs not yet taken with `poll_output` (a presence fan-out counts one).
     pub queued_outputs: usize,
     /// The most requests one session has unanswered.
     pub max_session_outstanding: usize,
@@ -571,7 +588,7 @@ pub struct Broker {
     retired_pulls: HashMap<Sid, (SessionId, String)>,
     /// Every deadline, of every capability.
     timers: Timers,
-    out: VecDeque<Output>,
+    out: VecDeque<Queued>,
     throttle: HelloThrottle,
     rates: RateLimiter,
     /// Per namespace: the registry mirror and the subscriptions its watch asked for.
@@ -1056,7 +1073,22 @@ impl Broker {
     }
 
     pub fn poll_output(&mut self) -> Option<Output> {
-        self.out.pop_front()
+        loop {
+            match self.out.pop_front()? {
+                Queued::One(output) => return Some(output),
+                Queued::Presence(mut fanout) => {
+                    if let Some(frame) = self.next_presence_frame(&mut fanout) {
+                        self.out.push_front(Queued::Presence(fanout));
+                        return Some(frame);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether output waits to be taken with [`Broker::poll_output`].
+    pub fn has_output(&self) -> bool {
+        !self.out.is_empty()
     }
 
     /// Gives back the text of a [`Output::Frame`] once it is written or queued, to be
@@ -1927,7 +1959,7 @@ impl Broker {
             .and_then(|t| t.get(..memchr::memchr(b'"', t.as_bytes())?))
             .unwrap_or("unknown");
         self.metrics.registry.inc(self.metrics.frames_out, op);
-        self.out.push_back(Output::Frame { session, text });
+        self.out.push_back(Output::Frame { session, text }.into());
     }
 
     /// Sends an error reply (`re` when the frame had an id) and counts it by code.
@@ -1951,11 +1983,14 @@ impl Broker {
                 self.unwatch(&ns, session);
             }
         }
-        self.out.push_back(Output::Close {
-            session,
-            code,
-            reason: reason.to_string(),
-        });
+        self.out.push_back(
+            Output::Close {
+                session,
+                code,
+                reason: reason.to_string(),
+            }
+            .into(),
+        );
     }
 
     /// The session hears of presence changes no more.

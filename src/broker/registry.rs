@@ -210,6 +210,12 @@ impl Change {
             Change::Up(n, _) | Change::Update(n, _) | Change::Down(n) => n,
         }
     }
+
+    pub fn into_name(self) -> String {
+        match self {
+            Change::Up(n, _) | Change::Update(n, _) | Change::Down(n) => n,
+        }
+    }
 }
 
 /// Whether the mirror keeps a key: the names of a namespace's participants are its only

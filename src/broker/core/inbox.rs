@@ -454,7 +454,7 @@ impl Broker {
                     .is_some_and(|t| t.pull.wants_credit())
                 {
                     self.out
-                        .push_back(Output::WhenDrained { session: *session });
+                        .push_back(Output::WhenDrained { session: *session }.into());
                 }
             }
             // Granted once any of the participant's open sessions here has written its
@@ -469,7 +469,7 @@ impl Broker {
                             .get(&session)
                             .is_some_and(|s| s.state.is_active())
                         {
-                            self.out.push_back(Output::WhenDrained { session });
+                            self.out.push_back(Output::WhenDrained { session }.into());
                         }
                     }
                 }

@@ -51,6 +51,19 @@ pub(super) struct SectionState {
     read: Option<(u64, BTreeMap<String, Section>)>,
 }
 
+/// Presence changes of a namespace, each to be told to every watcher whose snapshot has
+/// passed its name (see [`Broker::next_presence_frame`]).
+#[derive(Debug)]
+pub(super) struct Fanout {
+    ns: String,
+    /// Each change's name and frame, in the order they came.
+    changes: Vec<(String, String)>,
+    /// The change being told.
+    next: usize,
+    /// The last watcher told it.
+    told: Option<SessionId>,
+}
+
 /// Where a watcher's snapshot stands: the last name sent, and what the session was told
 /// before a repeated `watch` started it over.
 pub(super) struct Snapshot {
@@ -533,7 +546,7 @@ impl Broker {
         }
         if more {
             self.snapshots.insert(session, snapshot);
-            self.out.push_back(Output::WhenDrained { session });
+            self.out.push_back(Output::WhenDrained { session }.into());
         }
     }
 
@@ -641,19 +654,54 @@ impl Broker {
                 self.registry_changed(conn, ns, name, now);
             }
         }
-        let watchers: Vec<SessionId> = self
-            .watchers
-            .get(ns)
-            .map(|w| w.iter().copied().collect())
-            .unwrap_or_default();
-        for change in &changes {
-            let text = presence_frame(change);
-            for &session in &watchers {
-                if self.snapshot_passed(session, change.name()) {
-                    self.frame(session, text.clone());
-                }
-            }
+        if self.watchers.get(ns).is_some_and(|w| !w.is_empty()) {
+            let changes = changes
+                .into_iter()
+                .map(|change| {
+                    let text = presence_frame(&change);
+                    (change.into_name(), text)
+                })
+                .collect();
+            self.out.push_back(Queued::Presence(Fanout {
+                ns: ns.to_string(),
+                changes,
+                next: 0,
+                told: None,
+            }));
         }
+    }
+
+    /// The next frame of a presence fan-out: its change at `next` for the next watcher
+    /// after `told` whose snapshot has passed the name. None once every change is told.
+    /// Who hears a change is decided here, not when it came: the runtime hands the core
+    /// no other input (but timers) until its output is taken, so nothing the sessions
+    /// send moves a snapshot or adds a watcher in between.
+    pub(super) fn next_presence_frame(&mut self, f: &mut Fanout) -> Option<Output> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        while let Some((name, text)) = f.changes.get(f.next) {
+            let watchers = self.watchers.get(&f.ns)?;
+            let from = f.told.map_or(Unbounded, Excluded);
+            let next = watchers
+                .range((from, Unbounded))
+                .copied()
+                .find(|&session| self.snapshot_passed(session, name));
+            let Some(session) = next else {
+                f.next += 1;
+                f.told = None;
+                continue;
+            };
+            f.told = Some(session);
+            let mut frame = self.frame_buffer(text.len());
+            frame.push_str(text);
+            self.metrics
+                .registry
+                .inc(self.metrics.frames_out, amp_frame::server_op::PRESENCE);
+            return Some(Output::Frame {
+                session,
+                text: frame,
+            });
+        }
+        None
     }
 }
 

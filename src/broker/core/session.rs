@@ -218,7 +218,7 @@ impl Broker {
             .gauge_add(self.metrics.sessions, "", 1.0);
         let id = Some(hello.id.clone());
         let (ns, name) = (ns.to_string(), name.to_string());
-        self.out.push_back(Output::LoggedIn { session });
+        self.out.push_back(Output::LoggedIn { session }.into());
         if let Some(s) = self.sessions.get_mut(&session) {
             s.state = SessionState::Active {
                 ns: Rc::from(ns.as_str()),
