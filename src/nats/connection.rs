@@ -260,6 +260,8 @@ pub struct Connection {
 
     events: VecDeque<Event>,
     queued_messages: usize,
+    /// What the messages and responses among `events` hold (`Message::pulled_size`).
+    queued_bytes: usize,
     dropped_since_report: u64,
     /// Subscriptions ended while events were queued, each with the count of events
     /// pushed by then: a delivery of theirs among those is polled as `Unread`. Each is
@@ -346,6 +348,7 @@ impl Connection {
             resp_sid: None,
             events: VecDeque::new(),
             queued_messages: 0,
+            queued_bytes: 0,
             dropped_since_report: 0,
             ended_while_queued: HashMap::new(),
             ended_order: VecDeque::new(),
@@ -598,6 +601,12 @@ impl Connection {
         !self.events.is_empty()
     }
 
+    /// Bytes of the messages and responses waiting to be polled: subjects, header
+    /// blocks and payloads.
+    pub fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
     pub fn poll_event(&mut self) -> Option<Event> {
         let event = match self.events.pop_front()? {
             Event::Message { sid, msg }
@@ -618,10 +627,11 @@ impl Connection {
             self.ended_order.pop_front();
             self.ended_while_queued.remove(&sid);
         }
-        if matches!(
-            event,
-            Event::Message { .. } | Event::Unread { .. } | Event::Response { .. }
-        ) {
+        if let Event::Message { msg, .. }
+        | Event::Unread { msg, .. }
+        | Event::Response { msg, .. } = &event
+        {
+            self.queued_bytes = self.queued_bytes.saturating_sub(msg.pulled_size());
             self.queued_messages = self.queued_messages.saturating_sub(1);
             if self.dropped_since_report > 0 && self.queued_messages == 0 {
                 let dropped = std::mem::take(&mut self.dropped_since_report);
@@ -1462,6 +1472,7 @@ impl Connection {
         }
         let msg = make_message(subject, reply, headers, payload, status_only);
         self.queued_messages += 1;
+        self.queued_bytes += msg.pulled_size();
         self.events.push_back(if known {
             Event::Message { sid, msg }
         } else {
@@ -1493,6 +1504,7 @@ impl Connection {
             });
         } else {
             self.queued_messages += 1;
+            self.queued_bytes += msg.pulled_size();
             self.events.push_back(Event::Response { id, msg });
         }
     }

@@ -191,9 +191,18 @@ impl Driver {
         self.reads_held = hold;
     }
 
+    /// Whether the events read and not yet taken hold a pass's allowance: the socket is
+    /// not read until the caller takes them. Held only while the caller was over its
+    /// memory budget, a caller slowed by that budget took fewer events each turn than a
+    /// pass read, and they piled up to `max_pending_messages`, of up to `max_payload`
+    /// each. So the queue holds at most a pass, a read and one message more.
+    fn queue_full(&self) -> bool {
+        self.conn.queued_bytes() >= self.reads_per_pass.saturating_mul(self.read_buf.len())
+    }
+
     /// The next instant [`Driver::drive`] must run even without readiness.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if self.read_more && !self.reads_held {
+        if self.read_more && !self.reads_held && !self.queue_full() {
             return Some(Instant::now());
         }
         let conn = self.conn.poll_timeout();
@@ -348,14 +357,17 @@ impl Driver {
     /// the socket's queue is empty and the next byte raises a new edge (see the same
     /// rule in `ws::server`).
     fn read(&mut self, registry: &Registry, now: Instant, short_read_drains: bool) {
-        if self.reads_held {
+        if self.reads_held || self.queue_full() {
             // Edge-triggered readiness is not repeated: remember to read.
             self.read_more = true;
             return;
         }
         self.read_more = false;
         self.read_since_drive = true;
-        for _ in 0..self.reads_per_pass {
+        for n in 0..self.reads_per_pass {
+            if n > 0 && self.queue_full() {
+                break;
+            }
             let Some(stream) = self.socket.as_mut() else {
                 return;
             };
@@ -534,7 +546,7 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nats::Options;
+    use crate::nats::{Event, Options};
 
     #[test]
     fn a_host_name_is_looked_up_off_the_loop_and_then_dialed() {
@@ -621,6 +633,114 @@ mod tests {
         turn(&mut d, &mut poll);
         let n = server.read(&mut buf).expect("the CONNECT, once released");
         assert!(buf.get(..n).is_some_and(|b| b.starts_with(b"CONNECT ")));
+    }
+
+    /// A server that answers the handshake, waits for a `SUB` and then writes `flood`
+    /// messages of `size` bytes to it as fast as the socket takes them; its port.
+    fn flooding_server(flood: usize, size: usize) -> u16 {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let info = "INFO {\"server_id\":\"S\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\n";
+            s.write_all(info.as_bytes()).expect("info");
+            let mut said = String::new();
+            let mut buf = [0u8; 4096];
+            let mut ponged = false;
+            let sid = loop {
+                let n = s.read(&mut buf).expect("read");
+                assert!(n > 0, "the client left");
+                said.push_str(&String::from_utf8_lossy(&buf[..n]));
+                if !ponged && said.contains("PING\r\n") {
+                    ponged = true;
+                    s.write_all(b"PONG\r\n").expect("pong");
+                }
+                if let Some(line) = said.lines().find(|l| l.starts_with("SUB flood ")) {
+                    break line.rsplit(' ').next().unwrap_or_default().to_string();
+                }
+            };
+            let msg = format!("MSG flood {sid} {size}\r\n{}\r\n", "x".repeat(size));
+            for _ in 0..flood {
+                if s.write_all(msg.as_bytes()).is_err() {
+                    return;
+                }
+            }
+            // Open until the test is done with it (not joined).
+            std::thread::sleep(Duration::from_secs(30));
+        });
+        port
+    }
+
+    /// Runs loop turns (readiness, then `drive`) without taking any event, until the
+    /// driver has read nothing for a while; the bytes it read.
+    fn turns_until_quiet(d: &mut Driver, poll: &mut mio::Poll) -> u64 {
+        let mut events = mio::Events::with_capacity(16);
+        let mut quiet = 0;
+        while quiet < 10 {
+            let before = d.bytes().0;
+            poll.poll(&mut events, Some(Duration::from_millis(20)))
+                .expect("poll");
+            for e in events.iter() {
+                d.handle_event(poll.registry(), e, Instant::now());
+            }
+            d.drive(poll.registry(), Instant::now());
+            quiet = if d.bytes().0 == before { quiet + 1 } else { 0 };
+        }
+        d.bytes().0
+    }
+
+    #[test]
+    fn events_nobody_takes_stop_the_reads_one_pass_past_the_allowance() {
+        // The socket was held only while the caller was over its memory budget: events
+        // read and not yet taken (a caller slowed by that budget, a turn's rounds used
+        // up) piled up as fast as the server wrote, up to `max_pending_messages`
+        // messages of any size.
+        const SIZE: usize = 1024;
+        const FLOOD: usize = 16 * 1024;
+        let port = flooding_server(FLOOD, SIZE);
+        let mut poll = mio::Poll::new().expect("poll");
+        let mut events = mio::Events::with_capacity(16);
+        let now = Instant::now();
+        let conn = Connection::new(Options::new(&format!("nats://127.0.0.1:{port}")), now);
+        let mut d = Driver::new(conn, Token(1));
+        d.drive(poll.registry(), now);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !d.connection().is_connected() {
+            assert!(Instant::now() < deadline, "never connected");
+            poll.poll(&mut events, Some(Duration::from_millis(50)))
+                .expect("poll");
+            for e in events.iter() {
+                d.handle_event(poll.registry(), e, Instant::now());
+            }
+            d.drive(poll.registry(), Instant::now());
+        }
+        while d.connection_mut().poll_event().is_some() {}
+        d.connection_mut()
+            .subscribe("flood", None)
+            .expect("subscribe");
+        d.drive(poll.registry(), Instant::now());
+
+        turns_until_quiet(&mut d, &mut poll);
+        let allowance = MAX_READS_PER_PASS * READ_CHUNK;
+        let queued = d.connection().queued_bytes();
+        assert!(
+            queued > 0 && queued <= allowance + READ_CHUNK + SIZE,
+            "{queued} bytes of events queued, one pass is {allowance}"
+        );
+        // Taken, they make room: the reads go on.
+        let mut taken = 0;
+        while let Some(e) = d.connection_mut().poll_event() {
+            taken += usize::from(matches!(e, Event::Message { .. }));
+        }
+        assert_eq!(d.connection().queued_bytes(), 0);
+        let read = d.bytes().0;
+        turns_until_quiet(&mut d, &mut poll);
+        assert!(
+            d.bytes().0 > read,
+            "nothing read once the events were taken"
+        );
+        assert!(d.connection().queued_bytes() > 0 && taken < FLOOD);
     }
 
     #[test]
