@@ -95,8 +95,9 @@ pub enum Output {
 /// An entry of the core's output queue. Presence changes are kept once, not as a frame
 /// per watcher: their frames are made one at a time as [`Broker::poll_output`] takes
 /// them, so the runtime can stop taking at its memory budget. One end of a registry
-/// resync tells every watcher thousands of `down`s at once, and as frames it was names
-/// times watchers in the queue (1 KB times 200 times 5,000, say) before any budget saw it.
+/// resync tells every watcher thousands of `down`s at once: as frames, names times
+/// watchers of them were in the queue (a million for 5,000 names and 200 watchers)
+/// before any budget saw one.
 #[derive(Debug)]
 enum Queued {
     One(Output),
