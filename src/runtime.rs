@@ -558,10 +558,11 @@ pub fn run(
             // registry resync telling every watcher thousands of `down`s) would otherwise
             // queue all of its frames before any budget saw them. The flush below writes
             // what sockets take and sheds the connections holding the most until within
-            // the budget; what is left waits for the next round. The sessions and NATS take turns at going first, as
-            // whichever does may fill the budget for the round: a flood of frames must
-            // not hold up every session's NATS traffic (nor its events pile up, read
-            // while the budget allows but never taken), nor the reverse.
+            // the budget; what is left waits for the next round. The sessions and NATS
+            // take turns at going first, as whichever does may fill the budget for the
+            // round: a flood of frames must not hold up every session's NATS traffic (nor
+            // its events pile up, read while the budget allows but never taken), nor the
+            // reverse.
             let mut busy = false;
             if round % 2 == 1 {
                 busy |= take_nats_events(
