@@ -48,10 +48,11 @@ const LIVENESS_TICK: Duration = Duration::from_secs(1);
 const LIVENESS_MAX_LAG: Duration = Duration::from_secs(2);
 /// How long `/livez` keeps answering 503 after a stall.
 const LIVENESS_WINDOW: Duration = Duration::from_secs(5);
-/// Bytes the requests ingress connection reads per loop turn (the main one and the events
-/// ingress read 1 MiB): a flood of tiny MIG requests (30 bytes each) costs the core
-/// microseconds a message, and what one turn reads of it delays everything else the turn
-/// does.
+/// Bytes the requests and callout ingress connections each read per loop turn (the main
+/// one and the events ingress read 1 MiB): a flood of tiny MIG requests (30 bytes each)
+/// costs the core microseconds a message, a connect loop's callout requests each up to
+/// five signature operations, and what one turn reads of either delays everything else
+/// the turn does.
 const INGRESS_READ_ALLOWANCE: usize = 16 * 1024;
 
 pub struct RuntimeOptions {
@@ -167,7 +168,7 @@ impl Health {
 }
 
 /// A NATS connection of its own for what untrusted parties send (`Broker::start_ingress`):
-/// the auth callout's and MIG's requests, or MIG's live events. Its state is only
+/// the auth callout's requests, MIG's, or MIG's live events. Its state is only
 /// reported, as `amp_nats_ingress_*{connection}`; `/healthz` follows the main connection.
 struct IngressConn {
     which: Ingress,
@@ -182,7 +183,9 @@ impl IngressConn {
         options.name = options.name.map(|name| format!("{name} ingress {which}"));
         let driver = Driver::new(nats::Connection::new(options, now), token);
         let driver = match which {
-            Ingress::Requests => driver.with_read_allowance(INGRESS_READ_ALLOWANCE),
+            Ingress::Callout | Ingress::Requests => {
+                driver.with_read_allowance(INGRESS_READ_ALLOWANCE)
+            }
             // The brokers' own live events come back here, at the pace the main
             // connection brings their deliveries: read at its pace too, or they queue
             // in the server (ahead of PUBLISH requests) until it cuts the connection.
@@ -313,7 +316,7 @@ impl HttpHost for Host<'_> {
             l.max_lag.as_secs_f64()
         );
         if !self.ingress.is_empty() {
-            let of = "of the NATS ingress connections (requests: MIG requests and auth callouts; events: MIG live events and PUBLISH)";
+            let of = "of the NATS ingress connections (callout: auth callout requests; requests: MIG requests; events: MIG live events and PUBLISH)";
             let _ = writeln!(
                 out,
                 "# HELP amp_nats_ingress_connected Whether each {of} is up.\n\

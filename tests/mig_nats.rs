@@ -3094,17 +3094,22 @@ fn a_header_field_no_nats_header_can_carry_is_refused() {
     assert_eq!(r["headers"]["traceparent"], tabbed, "{r}");
 }
 
-/// A NATS connect of `acme/bob` (answered by the auth callout) and a MIG `hello` over it,
-/// each with how long it took; an error names what failed.
-fn connect_and_hello(w: &World) -> Result<(Duration, Duration), String> {
+/// A NATS connect of `acme/bob`, answered by the auth callout, with how long it took.
+fn callout_connect(w: &World) -> Result<(amp_broker::nats::Client, Duration), String> {
     let t = Instant::now();
     let mut options = amp_broker::nats::Options::new(&w.nats_url())
         .with_user_password("acme/bob", "bob-token")
         .with_inbox_prefix("_INBOX_acme_bob");
     options.connect_timeout = Duration::from_secs(10);
-    let mut nc = amp_broker::nats::Client::connect(options)
+    let nc = amp_broker::nats::Client::connect(options)
         .map_err(|e| format!("connect after {:?}: {e}", t.elapsed()))?;
-    let connected = t.elapsed();
+    Ok((nc, t.elapsed()))
+}
+
+/// A NATS connect of `acme/bob` (answered by the auth callout) and a MIG `hello` over it,
+/// each with how long it took; an error names what failed.
+fn connect_and_hello(w: &World) -> Result<(Duration, Duration), String> {
+    let (mut nc, connected) = callout_connect(w)?;
     let t = Instant::now();
     let mut h = amp_broker::nats::HeaderMap::new();
     h.insert("Authorization", "Bearer bob-token")
@@ -3175,7 +3180,7 @@ fn topic_traffic_does_not_hold_up_the_auth_callout_or_mig_requests() {
         p.join().expect("publisher");
     }
     let published = published.load(std::sync::atomic::Ordering::Relaxed);
-    let reconnects: Vec<_> = ["requests", "events"]
+    let reconnects: Vec<_> = ["callout", "requests", "events"]
         .iter()
         .map(|c| {
             let name = format!("amp_nats_ingress_reconnects_total{{connection=\"{c}\"}}");
@@ -3195,8 +3200,94 @@ fn topic_traffic_does_not_hold_up_the_auth_callout_or_mig_requests() {
     );
     assert_eq!(
         reconnects,
-        [Some(0.0), Some(0.0)],
+        [Some(0.0), Some(0.0), Some(0.0)],
         "log:\n{}",
         w.brokers[0].log()
     );
+}
+
+/// With MIG on, any participant with a NATS credential may publish on the MIG request
+/// subjects, as fast as it likes. They came on the same ingress connection as the auth
+/// callout's requests, read 16 KiB a loop turn: a flood of them queued in the server ahead
+/// of every callout request, and NATS clients could not log in while it lasted. The
+/// callout's requests now come on an ingress connection of their own.
+#[test]
+fn a_flood_on_the_mig_request_subjects_does_not_hold_up_the_auth_callout() {
+    use std::io::Read;
+    let w = world(1);
+    callout_connect(&w).expect("the callout answers");
+    // carol may publish on the MIG request subjects, as every participant may.
+    let mut attacker = std::net::TcpStream::connect(w.callout.nats.addr()).expect("connect");
+    attacker
+        .write_all(
+            b"CONNECT {\"verbose\":false,\"pedantic\":false,\"protocol\":1,\
+              \"user\":\"acme/carol\",\"pass\":\"carol-token\"}\r\nPING\r\n",
+        )
+        .expect("write");
+    attacker.set_read_timeout(Some(WAIT)).expect("read timeout");
+    let mut said = Vec::new();
+    while !String::from_utf8_lossy(&said).contains("PONG") {
+        let mut buf = [0u8; 4096];
+        let n = attacker.read(&mut buf).expect("the server's answer");
+        assert!(n > 0, "closed: {}", String::from_utf8_lossy(&said));
+        said.extend_from_slice(&buf[..n]);
+        assert!(!String::from_utf8_lossy(&said).contains("-ERR"), "{said:?}");
+    }
+    let flooding = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let flood = {
+        let flooding = flooding.clone();
+        std::thread::spawn(move || {
+            let one = b"PUB mig.v0_1.acme.invoke.x 0\r\n\r\n";
+            let chunk = one.repeat((1 << 20) / one.len());
+            while flooding.load(std::sync::atomic::Ordering::Relaxed) {
+                // nats-server may cut this connection; the flood then ends early.
+                if attacker.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let started = Instant::now();
+    let mut worst = Duration::ZERO;
+    let mut failed = Vec::new();
+    let mut n = 0;
+    while started.elapsed() < Duration::from_secs(10) {
+        n += 1;
+        let t = Instant::now();
+        match callout_connect(&w) {
+            Ok((_, took)) => worst = worst.max(took),
+            Err(e) => failed.push(e),
+        }
+        std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+    }
+    flooding.store(false, std::sync::atomic::Ordering::Relaxed);
+    flood.join().expect("flood thread");
+    let broker = &w.brokers[0];
+    let reached = common::amp::metric(
+        broker,
+        "amp_mig_rejected_total{reason=\"no_reply_subject\"}",
+    );
+    let reconnects: Vec<_> = ["callout", "requests"]
+        .iter()
+        .map(|c| {
+            let name = format!("amp_nats_ingress_reconnects_total{{connection=\"{c}\"}}");
+            common::amp::metric(broker, &name)
+        })
+        .collect();
+    eprintln!(
+        "{n} connects, worst {worst:?}, {} failed; {reached:?} flood messages reached MIG; \
+         ingress reconnects (callout, requests) {reconnects:?}",
+        failed.len(),
+    );
+    assert!(
+        reached.is_some_and(|d| d > 1000.0),
+        "the flood reached the broker: {reached:?}"
+    );
+    assert!(
+        failed.is_empty() && worst < Duration::from_secs(1),
+        "{n} connects, worst {worst:?}, failed: {failed:?}; log:\n{}",
+        broker.log()
+    );
+    // The server may cut the requests ingress as a slow consumer, never the callout's.
+    assert_eq!(reconnects[0], Some(0.0), "log:\n{}", broker.log());
 }

@@ -166,8 +166,8 @@ pub struct Callout {
     config: CalloutConfig,
     throttle: HelloThrottle,
     /// Server keys seen in the INFO of the broker's own connections (the main one and the
-    /// ingress, which may be on different servers of a cluster); trusted when nothing is
-    /// pinned.
+    /// callout's ingress, which may be on different servers of a cluster); trusted when
+    /// nothing is pinned.
     learned_servers: Vec<String>,
     /// `user_nkey` of each answered request that has not expired yet, with its `exp`.
     seen: HashMap<String, u64>,

@@ -427,8 +427,12 @@ impl Pending {
 /// ([`Broker::start_ingress`]), each read at its own pace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ingress {
-    /// The auth callout's requests, and MIG's but PUBLISH: anyone may send them, they
-    /// are small, and a flood of them had better be read a little each turn.
+    /// The auth callout's requests: whoever connects to the server makes one. Apart from
+    /// MIG's, which any participant may flood, so that a flood there keeps no NATS client
+    /// from logging in.
+    Callout,
+    /// MIG's requests but PUBLISH: any participant may send them, they are small, and a
+    /// flood of them had better be read a little each turn.
     Requests,
     /// `mig.v0_1.<ns>.events.>`: PUBLISH requests, and, on the same subjects, every live
     /// event of the namespace's topics, which the brokers publish (those published over
@@ -440,6 +444,7 @@ pub enum Ingress {
 impl std::fmt::Display for Ingress {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Ingress::Callout => "callout",
             Ingress::Requests => "requests",
             Ingress::Events => "events",
         })
@@ -581,7 +586,7 @@ pub struct Broker {
     routes: IdMap<Sid, Route>,
     /// The subscriptions of the ingress connections ([`Broker::start_ingress`]), by
     /// [`Ingress`]; none when what untrusted parties send shares `routes`.
-    ingress: Option<[IngressSubs; 2]>,
+    ingress: Option<[IngressSubs; 3]>,
     /// Durable subscriptions' pull subscriptions left at the last reconnect
     /// ([`PullLoop::retire`]): what the server sent on them before it had the UNSUB
     /// comes ahead of the new pull's events, and goes to the session in that order.
@@ -758,7 +763,7 @@ impl Broker {
     /// ([`Broker::start_ingress`]).
     pub fn ingresses(&self) -> Vec<Ingress> {
         let wanted = self.untrusted_subscriptions();
-        [Ingress::Requests, Ingress::Events]
+        [Ingress::Callout, Ingress::Requests, Ingress::Events]
             .into_iter()
             .filter(|which| wanted.iter().any(|(w, ..)| w == which))
             .collect()
@@ -783,7 +788,7 @@ impl Broker {
     /// after the main connection's events of each round.
     pub fn tend_ingress(&mut self, conn: &Connection, which: Ingress, ingress: &mut Connection) {
         let up = conn.is_connected();
-        let side = |i: &[IngressSubs; 2]| i.get(which as usize).map(|s| s.subscribed);
+        let side = |i: &[IngressSubs; 3]| i.get(which as usize).map(|s| s.subscribed);
         if self.ingress.as_ref().and_then(side).is_none_or(|s| s == up) {
             return;
         }
@@ -826,7 +831,7 @@ impl Broker {
         let mut wanted = Vec::new();
         if self.callout.is_some() {
             wanted.push((
-                Ingress::Requests,
+                Ingress::Callout,
                 AUTH_CALLOUT_SUBJECT.to_string(),
                 AUTH_CALLOUT_QUEUE,
                 Route::Callout,
@@ -2328,27 +2333,31 @@ mod tests {
         // JetStream replies, where a flood of them queued ahead of those replies.
         let t0 = Instant::now();
         let mut b = broker_with_ingress(t0);
-        assert_eq!(b.ingresses(), [Ingress::Requests, Ingress::Events]);
-        let (mut conn, mut ingress, mut events) = (connected(t0), connected(t0), connected(t0));
-        b.start(&mut conn, t0).expect("start");
-        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
-        let main_wire = take_wire(&mut conn);
-        let untrusted = [
-            AUTH_CALLOUT_SUBJECT,
-            "mig.v0_1.dev.hello",
-            "mig.v0_1.dev.invoke.>",
-        ];
-        for subject in untrusted {
+        assert_eq!(
+            b.ingresses(),
+            [Ingress::Callout, Ingress::Requests, Ingress::Events]
+        );
+        let mut conns = [connected(t0), connected(t0), connected(t0), connected(t0)];
+        let [conn, callout, ingress, events] = &mut conns;
+        b.start(conn, t0).expect("start");
+        let [callout_wire, ingress_wire, events_wire] =
+            tend(&mut b, conn, callout, ingress, events);
+        let main_wire = take_wire(conn);
+        for subject in ["mig.v0_1.dev.hello", "mig.v0_1.dev.invoke.>"] {
             let sub = format!("SUB {subject} ");
             assert!(ingress_wire.contains(&sub), "{subject}: {ingress_wire}");
-            assert!(!main_wire.contains(&sub), "{subject}: {main_wire}");
-            assert!(!events_wire.contains(&sub), "{subject}: {events_wire}");
+            for other in [&main_wire, &callout_wire, &events_wire] {
+                assert!(!other.contains(&sub), "{subject}: {other}");
+            }
         }
-        // The live events come back there, with PUBLISH requests.
-        assert_eq!(
-            subscribed(&events_wire).into_keys().collect::<Vec<_>>(),
-            ["mig.v0_1.dev.events.>"]
-        );
+        // The callout's requests on a connection of their own, and the live events, with
+        // PUBLISH requests, on another.
+        for (wire, subject) in [
+            (&callout_wire, AUTH_CALLOUT_SUBJECT),
+            (&events_wire, "mig.v0_1.dev.events.>"),
+        ] {
+            assert_eq!(subscribed(wire).into_keys().collect::<Vec<_>>(), [subject]);
+        }
         let sid = ingress_wire
             .lines()
             .find_map(|l| l.strip_prefix("SUB mig.v0_1.dev.hello "))
@@ -2367,9 +2376,9 @@ mod tests {
             headers.len() + body.len()
         );
         ingress.receive(msg.as_bytes(), t0);
-        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
-        assert!(take_wire(&mut ingress).is_empty(), "nothing goes out there");
-        let wire = take_wire(&mut conn);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t0);
+        assert!(take_wire(ingress).is_empty(), "nothing goes out there");
+        let wire = take_wire(conn);
         let answer = wire
             .split("\r\n")
             .skip_while(|l| !l.starts_with("HPUB _INBOX_dev_alice.1 "))
@@ -2383,11 +2392,11 @@ mod tests {
         // answered into the reconnect buffer.
         conn.on_transport_closed(t0, "test");
         while let Some(event) = conn.poll_event() {
-            b.handle(&mut conn, Input::Nats(event), t0);
+            b.handle(conn, Input::Nats(event), t0);
         }
         let buffered = conn.reconnect_buffered();
         ingress.receive(msg.as_bytes(), t0);
-        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t0);
         assert_eq!(conn.reconnect_buffered(), buffered);
         let dropped = b
             .metrics
@@ -2414,11 +2423,17 @@ mod tests {
         b
     }
 
-    /// Hands the core what the requests `ingress` reported, lending it `conn`.
-    fn feed_ingress(b: &mut Broker, conn: &mut Connection, ingress: &mut Connection, now: Instant) {
+    /// Hands the core what ingress `which` reported, lending it `conn`.
+    fn feed_ingress(
+        b: &mut Broker,
+        conn: &mut Connection,
+        which: Ingress,
+        ingress: &mut Connection,
+        now: Instant,
+    ) {
         while let Some(event) = ingress.poll_event() {
             let server_id = ingress.server_info().map(|i| i.server_id.clone());
-            let (which, server_id) = (Ingress::Requests, server_id.as_deref());
+            let server_id = server_id.as_deref();
             b.handle(
                 conn,
                 Input::Ingress {
@@ -2431,16 +2446,18 @@ mod tests {
         }
     }
 
-    /// [`Broker::tend_ingress`] of both ingress connections; what it wrote on each.
+    /// [`Broker::tend_ingress`] of the three ingress connections; what it wrote on each.
     fn tend(
         b: &mut Broker,
         conn: &Connection,
+        callout: &mut Connection,
         ingress: &mut Connection,
         events: &mut Connection,
-    ) -> (String, String) {
+    ) -> [String; 3] {
+        b.tend_ingress(conn, Ingress::Callout, callout);
         b.tend_ingress(conn, Ingress::Requests, ingress);
         b.tend_ingress(conn, Ingress::Events, events);
-        (take_wire(ingress), take_wire(events))
+        [take_wire(callout), take_wire(ingress), take_wire(events)]
     }
 
     /// A connection dialed and given its transport, waiting for the server's INFO.
@@ -2471,12 +2488,13 @@ mod tests {
         // requester's server), which it dropped while another broker could answer them.
         let t0 = Instant::now();
         let mut b = broker_with_ingress(t0);
-        let (mut conn, mut ingress, mut events) = (dialed(t0), connected(t0), connected(t0));
-        b.start(&mut conn, t0).expect("start");
-        let wires = tend(&mut b, &conn, &mut ingress, &mut events);
+        let mut conns = [dialed(t0), connected(t0), connected(t0), connected(t0)];
+        let [conn, callout, ingress, events] = &mut conns;
+        b.start(conn, t0).expect("start");
+        let wires = tend(&mut b, conn, callout, ingress, events);
         assert_eq!(
             wires,
-            (String::new(), String::new()),
+            <[String; 3]>::default(),
             "subscribed before the main connection is up"
         );
 
@@ -2485,21 +2503,24 @@ mod tests {
             t0,
         );
         while let Some(event) = conn.poll_event() {
-            b.handle(&mut conn, Input::Nats(event), t0);
+            b.handle(conn, Input::Nats(event), t0);
         }
-        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
-        let first = [subscribed(&ingress_wire), subscribed(&events_wire)];
-        for subject in [AUTH_CALLOUT_SUBJECT, "mig.v0_1.dev.hello"] {
-            assert!(first[0].contains_key(subject), "{subject}: {first:?}");
+        let first = tend(&mut b, conn, callout, ingress, events).map(|w| subscribed(&w));
+        let one_each = [
+            AUTH_CALLOUT_SUBJECT,
+            "mig.v0_1.dev.hello",
+            "mig.v0_1.dev.events.>",
+        ];
+        for (subject, subscribed) in one_each.iter().zip(&first) {
+            assert!(subscribed.contains_key(*subject), "{subject}: {first:?}");
         }
-        assert!(first[1].contains_key("mig.v0_1.dev.events.>"), "{first:?}");
 
         conn.on_transport_closed(t0, "test");
         while let Some(event) = conn.poll_event() {
-            b.handle(&mut conn, Input::Nats(event), t0);
+            b.handle(conn, Input::Nats(event), t0);
         }
-        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
-        for (wire, first) in [(&ingress_wire, &first[0]), (&events_wire, &first[1])] {
+        let wires = tend(&mut b, conn, callout, ingress, events);
+        for (wire, first) in wires.iter().zip(&first) {
             for (subject, sid) in first {
                 assert!(
                     wire.contains(&format!("UNSUB {sid}\r\n")),
@@ -2507,8 +2528,8 @@ mod tests {
                 );
             }
         }
-        let wires = tend(&mut b, &conn, &mut ingress, &mut events);
-        assert_eq!(wires, (String::new(), String::new()), "ended once");
+        let wires = tend(&mut b, conn, callout, ingress, events);
+        assert_eq!(wires, <[String; 3]>::default(), "ended once");
 
         // Back: subscribed again, and what comes is answered.
         let t1 = t0 + Duration::from_secs(60);
@@ -2520,20 +2541,17 @@ mod tests {
             t1,
         );
         while let Some(event) = conn.poll_event() {
-            b.handle(&mut conn, Input::Nats(event), t1);
+            b.handle(conn, Input::Nats(event), t1);
         }
-        take_wire(&mut conn);
-        let (ingress_wire, events_wire) = tend(&mut b, &conn, &mut ingress, &mut events);
-        let again = subscribed(&ingress_wire);
-        assert_eq!(
-            again.keys().collect::<Vec<_>>(),
-            first[0].keys().collect::<Vec<_>>()
-        );
-        assert_eq!(
-            subscribed(&events_wire).keys().collect::<Vec<_>>(),
-            first[1].keys().collect::<Vec<_>>()
-        );
-        let sid = &again["mig.v0_1.dev.hello"];
+        take_wire(conn);
+        let again = tend(&mut b, conn, callout, ingress, events).map(|w| subscribed(&w));
+        for (again, first) in again.iter().zip(&first) {
+            assert_eq!(
+                again.keys().collect::<Vec<_>>(),
+                first.keys().collect::<Vec<_>>()
+            );
+        }
+        let sid = &again[1]["mig.v0_1.dev.hello"];
         let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
         let body = r#"{"header":{"tenant_id":"dev"}}"#;
         let msg = format!(
@@ -2542,9 +2560,9 @@ mod tests {
             headers.len() + body.len()
         );
         ingress.receive(msg.as_bytes(), t1);
-        feed_ingress(&mut b, &mut conn, &mut ingress, t1);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t1);
         assert!(
-            take_wire(&mut conn).contains("HPUB _INBOX_dev_alice.1 "),
+            take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "),
             "answered on the main connection"
         );
     }
@@ -2579,8 +2597,8 @@ mod tests {
         while let Some(event) = conn.poll_event() {
             b.handle(&mut conn, Input::Nats(event), t0);
         }
-        b.tend_ingress(&conn, Ingress::Requests, &mut ingress);
-        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
+        b.tend_ingress(&conn, Ingress::Callout, &mut ingress);
+        feed_ingress(&mut b, &mut conn, Ingress::Callout, &mut ingress, t0);
         let sid = subscribed(&take_wire(&mut ingress))
             .remove(AUTH_CALLOUT_SUBJECT)
             .expect("the callout subscription");
@@ -2607,7 +2625,7 @@ mod tests {
             request.len()
         );
         ingress.receive(msg.as_bytes(), t0);
-        feed_ingress(&mut b, &mut conn, &mut ingress, t0);
+        feed_ingress(&mut b, &mut conn, Ingress::Callout, &mut ingress, t0);
         let wire = take_wire(&mut conn);
         let answer = wire
             .lines()
