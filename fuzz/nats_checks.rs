@@ -319,7 +319,8 @@ impl World {
                 Event::ServerError(_)
                 | Event::LameDuck
                 | Event::SlowConsumer { .. }
-                | Event::InvalidMessages { .. } => {}
+                | Event::InvalidMessages { .. }
+                | Event::AfterUnsubscribe { .. } => {}
             }
         }
         assert!(

@@ -1316,6 +1316,12 @@ impl Broker {
                 }
                 self.drain_jobs(conn, now);
             }
+            // What the server handed a subscription this ingress had ended (`tend_ingress`)
+            // before it had the UNSUB: requests another broker could have answered.
+            Event::AfterUnsubscribe { dropped } => {
+                let id = self.metrics.nats_ingress_dropped;
+                self.metrics.registry.add(id, "", dropped as f64);
+            }
             event @ (Event::InvalidMessages { .. } | Event::ServerError(_) | Event::LameDuck) => {
                 self.nats_event(conn, event, now)
             }
@@ -2224,7 +2230,12 @@ mod tests {
 
     /// A NATS connection through its handshake, on the same virtual clock.
     fn connected(now: Instant) -> Connection {
-        let mut conn = Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        connected_with(Options::new("nats://127.0.0.1:4222"), now)
+    }
+
+    /// [`connected`], with `options`.
+    fn connected_with(options: Options, now: Instant) -> Connection {
+        let mut conn = Connection::new(options, now);
         conn.poll_connect(now).expect("a server to dial");
         conn.on_transport_open(now);
         conn.receive(
@@ -2368,13 +2379,7 @@ mod tests {
         // ingress connection's.
         assert!(main_wire.contains(&format!(" {sid}\r\n")), "{main_wire}");
 
-        let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
-        let body = r#"{"header":{"tenant_id":"dev"}}"#;
-        let msg = format!(
-            "HMSG mig.v0_1.dev.hello {sid} _INBOX_dev_alice.1 {} {}\r\n{headers}{body}\r\n",
-            headers.len(),
-            headers.len() + body.len()
-        );
+        let msg = hello_on(&sid);
         ingress.receive(msg.as_bytes(), t0);
         feed_ingress(&mut b, conn, Ingress::Requests, ingress, t0);
         assert!(take_wire(ingress).is_empty(), "nothing goes out there");
@@ -2515,10 +2520,7 @@ mod tests {
             assert!(subscribed.contains_key(*subject), "{subject}: {first:?}");
         }
 
-        conn.on_transport_closed(t0, "test");
-        while let Some(event) = conn.poll_event() {
-            b.handle(conn, Input::Nats(event), t0);
-        }
+        main_down(&mut b, conn, t0);
         let wires = tend(&mut b, conn, callout, ingress, events);
         for (wire, first) in wires.iter().zip(&first) {
             for (subject, sid) in first {
@@ -2533,17 +2535,7 @@ mod tests {
 
         // Back: subscribed again, and what comes is answered.
         let t1 = t0 + Duration::from_secs(60);
-        conn.handle_timeout(t1);
-        conn.poll_connect(t1).expect("dialed again");
-        conn.on_transport_open(t1);
-        conn.receive(
-            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\nPONG\r\n",
-            t1,
-        );
-        while let Some(event) = conn.poll_event() {
-            b.handle(conn, Input::Nats(event), t1);
-        }
-        take_wire(conn);
+        main_back(&mut b, conn, t1);
         let again = tend(&mut b, conn, callout, ingress, events).map(|w| subscribed(&w));
         for (again, first) in again.iter().zip(&first) {
             assert_eq!(
@@ -2552,19 +2544,134 @@ mod tests {
             );
         }
         let sid = &again[1]["mig.v0_1.dev.hello"];
-        let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
-        let body = r#"{"header":{"tenant_id":"dev"}}"#;
-        let msg = format!(
-            "HMSG mig.v0_1.dev.hello {sid} _INBOX_dev_alice.1 {} {}\r\n{headers}{body}\r\n",
-            headers.len(),
-            headers.len() + body.len()
-        );
+        let msg = hello_on(sid);
         ingress.receive(msg.as_bytes(), t1);
         feed_ingress(&mut b, conn, Ingress::Requests, ingress, t1);
         assert!(
             take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "),
             "answered on the main connection"
         );
+    }
+
+    /// The main connection `conn` lost, the core told.
+    fn main_down(b: &mut Broker, conn: &mut Connection, now: Instant) {
+        conn.on_transport_closed(now, "test");
+        while let Some(event) = conn.poll_event() {
+            b.handle(conn, Input::Nats(event), now);
+        }
+    }
+
+    /// The main connection `conn` back after [`main_down`] (its reconnect due by `now`),
+    /// the core told; what it wrote is taken.
+    fn main_back(b: &mut Broker, conn: &mut Connection, now: Instant) {
+        conn.handle_timeout(now);
+        conn.poll_connect(now).expect("dialed again");
+        conn.on_transport_open(now);
+        conn.receive(
+            b"INFO {\"server_id\":\"S1\",\"version\":\"2.15.1\",\"proto\":1,\"headers\":true,\"max_payload\":1048576}\r\nPONG\r\n",
+            now,
+        );
+        while let Some(event) = conn.poll_event() {
+            b.handle(conn, Input::Nats(event), now);
+        }
+        take_wire(conn);
+    }
+
+    /// A MIG `hello` of alice the server delivers on subscription `sid`.
+    fn hello_on(sid: &str) -> String {
+        let headers = format!("NATS/1.0\r\nAuthorization: Bearer {TOKEN}\r\n\r\n");
+        let body = r#"{"header":{"tenant_id":"dev"}}"#;
+        format!(
+            "HMSG mig.v0_1.dev.hello {sid} _INBOX_dev_alice.1 {} {}\r\n{headers}{body}\r\n",
+            headers.len(),
+            headers.len() + body.len()
+        )
+    }
+
+    #[test]
+    fn what_the_server_sent_before_it_had_the_ingress_unsubs_is_dropped_and_counted() {
+        // With the main connection down the ingress's subscriptions end at once, and
+        // what the server handed them before it read the UNSUBs still comes: requests
+        // another broker could have answered. The connection dropped them as messages of
+        // no subscription, and amp_nats_ingress_dropped_total counted only those read
+        // before the UNSUBs were written.
+        let t0 = Instant::now();
+        let mut b = broker_with_ingress(t0);
+        let mut small = Options::new("nats://127.0.0.1:4222");
+        small.max_write_buffer = 4096;
+        let mut conns = [
+            connected(t0),
+            connected(t0),
+            connected_with(small, t0),
+            connected(t0),
+        ];
+        let [conn, callout, ingress, events] = &mut conns;
+        b.start(conn, t0).expect("start");
+        take_wire(conn);
+        let sid = |wires: [String; 3]| subscribed(&wires[1])["mig.v0_1.dev.hello"].clone();
+        let first = sid(tend(&mut b, conn, callout, ingress, events));
+        let dropped = |b: &Broker| {
+            let registry = &b.metrics.registry;
+            registry.value("amp_nats_ingress_dropped_total", "")
+        };
+
+        main_down(&mut b, conn, t0);
+        let wires = tend(&mut b, conn, callout, ingress, events);
+        assert!(
+            wires[1].contains(&format!("UNSUB {first}\r\n")),
+            "{wires:?}"
+        );
+        ingress.receive(hello_on(&first).as_bytes(), t0);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t0);
+        assert_eq!(
+            dropped(&b),
+            Some(1.0),
+            "sent before the server had the UNSUB"
+        );
+
+        // The UNSUBs are owed only when the ingress's write buffer has no room for them:
+        // its server has read none of what the ingress wrote, up to `max_write_buffer`
+        // (64 MiB in the broker), and an ingress writes nothing but its SUBs, UNSUBs and
+        // keepalive. Then the server goes on handing it requests until it reads again,
+        // or until the ingress, finding its PINGs unanswered, reconnects without them.
+        let t1 = t0 + Duration::from_secs(60);
+        main_back(&mut b, conn, t1);
+        let again = sid(tend(&mut b, conn, callout, ingress, events));
+        // Room for less than an UNSUB line is left.
+        let filler = 4096 - ingress.output().len() - 30 - "PUB filler 4000\r\n\r\n".len();
+        let filler = vec![b'x'; filler];
+        ingress
+            .publish("filler", None, None, &filler)
+            .expect("room");
+        let full = ingress.output().len();
+        main_down(&mut b, conn, t1);
+        b.tend_ingress(conn, Ingress::Requests, ingress);
+        assert_eq!(ingress.output().len(), full, "the UNSUBs are owed");
+        ingress.receive(hello_on(&again).as_bytes(), t1);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t1);
+        assert_eq!(dropped(&b), Some(2.0), "sent while the UNSUBs were owed");
+        // Back before they are written: no SUB goes out ahead of them.
+        let t2 = t1 + Duration::from_secs(60);
+        main_back(&mut b, conn, t2);
+        b.tend_ingress(conn, Ingress::Requests, ingress);
+        assert_eq!(
+            ingress.output().len(),
+            full,
+            "a SUB ahead of the owed UNSUBs"
+        );
+        take_wire(ingress);
+        let owed = take_wire(ingress);
+        assert!(owed.contains(&format!("UNSUB {again}\r\n")), "{owed}");
+        assert!(!owed.contains("SUB mig."), "{owed}");
+        let third = sid(tend(&mut b, conn, callout, ingress, events));
+        assert_ne!(third, again);
+        ingress.receive(hello_on(&third).as_bytes(), t2);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t2);
+        assert!(
+            take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "),
+            "answered"
+        );
+        assert_eq!(dropped(&b), Some(2.0));
     }
 
     #[test]

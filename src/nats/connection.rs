@@ -152,6 +152,12 @@ pub enum Event {
     InvalidMessages {
         dropped: u64,
     },
+    /// Messages were dropped because they came for no subscription of this connection:
+    /// one it had ended, the server sending them before it had the UNSUB (a JetStream
+    /// delivery comes as `Unread` instead). At most one per `receive`.
+    AfterUnsubscribe {
+        dropped: u64,
+    },
     /// For good: `close()`, refused credentials on first connect, reconnect attempts used
     /// up, or no server reachable at first connect.
     Closed {
@@ -263,6 +269,8 @@ pub struct Connection {
     /// What the messages and responses among `events` hold (`Message::pulled_size`).
     queued_bytes: usize,
     dropped_since_report: u64,
+    /// Messages of ended subscriptions dropped in this `receive` (`AfterUnsubscribe`).
+    ended_since_report: u64,
     /// Subscriptions ended while events were queued, each with the count of events
     /// pushed by then: a delivery of theirs among those is polled as `Unread`. Each is
     /// forgotten once those events are polled (`ended_order`, in that count's order).
@@ -350,6 +358,7 @@ impl Connection {
             queued_messages: 0,
             queued_bytes: 0,
             dropped_since_report: 0,
+            ended_since_report: 0,
             ended_while_queued: HashMap::new(),
             ended_order: VecDeque::new(),
             unsub_owed: VecDeque::new(),
@@ -486,6 +495,10 @@ impl Connection {
         if self.invalid_since_report > 0 {
             let dropped = std::mem::take(&mut self.invalid_since_report);
             self.events.push_back(Event::InvalidMessages { dropped });
+        }
+        if self.ended_since_report > 0 {
+            let dropped = std::mem::take(&mut self.ended_since_report);
+            self.events.push_back(Event::AfterUnsubscribe { dropped });
         }
     }
 
@@ -1463,6 +1476,7 @@ impl Connection {
         let (delivery, status_only) = self.subs.deliver(sid);
         let known = delivery != Delivery::Unknown;
         if !known && !reply.is_some_and(|r| r.starts_with(b"$JS.ACK.")) {
+            self.ended_since_report += 1;
             return;
         }
         if self.queued_messages >= self.options.max_pending_messages {

@@ -1261,12 +1261,13 @@ fn a_jetstream_delivery_after_unsubscribe_is_handed_over_as_unread() {
         format!("MSG pull.in {sid} {ack} 1\r\nx\r\n").as_bytes(),
         h.now,
     );
-    // A plain message on an ended subscription is still nobody's.
+    // A plain message on an ended subscription is still nobody's: dropped, and said so.
     h.conn
         .receive(format!("MSG pull.in {sid} 1\r\ny\r\n").as_bytes(), h.now);
     let events = h.events();
     assert!(
-        matches!(&events[..], [Event::Unread { sid: s, msg }] if *s == sid && msg.reply.as_deref() == Some(ack)),
+        matches!(&events[..], [Event::Unread { sid: s, msg }, Event::AfterUnsubscribe { dropped: 1 }]
+            if *s == sid && msg.reply.as_deref() == Some(ack)),
         "{events:?}"
     );
 }
