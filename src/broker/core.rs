@@ -282,6 +282,12 @@ struct Presence {
     /// (`limits.presence_listed_per_s`): the participant's, not each session's, or its
     /// rate grew with its sessions.
     listing: rate_limit::DebtBucket,
+    /// Its registry entry as this broker writes it. Kept here while it is present: in
+    /// tables of their own, keyed by participant, every refresh (a third of the TTL)
+    /// made them again, 3 MB a wave at 10,000 participants. While its leaving is written
+    /// (and the write gap and the last refresh timer run) they are in
+    /// `registry_sections`, `registry_last` and `refreshing`.
+    registry: registry::Written,
 }
 
 /// Whose pull loop a check timer is for.
@@ -616,19 +622,14 @@ pub struct Broker {
     stream_settings: StreamSettings,
     /// Submits waiting for a budget reservation, per participant.
     held_submits: HashMap<String, Vec<(SessionId, ClientFrame, Hold)>>,
-    /// Participants whose `RegistryRefresh` timer is armed: one chain each, however often
-    /// their sessions come and go within a refresh interval.
-    refreshing: HashSet<String>,
     /// Participants with an inbox consumer retry armed, and when (`Timer::InboxConsumerRetry`).
     inbox_retrying: HashMap<String, Instant>,
-    /// When each participant's registry entry was last written or deleted here.
-    registry_last: BoundedMap<String, Instant>,
     /// The `listing` buckets of participants whose last session ended before they were
     /// full again, taken up by their next hello: logging in again must not refill one.
     listing_debts: BoundedMap<String, rate_limit::DebtBucket>,
-    /// Where this broker's section of each participant's entry stands: one for each
-    /// participant present here, and one for each whose last write is still out.
-    registry_sections: HashMap<String, registry::SectionState>,
+    /// What this broker knows of the registry entries of participants no longer present,
+    /// while it matters (a present one's is in its `Presence`).
+    registry_kept: registry::Kept,
     /// The MIG/NATS front end over the same jobs.
     mig: super::mig::Mig,
     /// Each participant's requests in flight, its sessions' and its MIG requests'.
@@ -710,11 +711,9 @@ impl Broker {
             remakes: Remakes::default(),
             stream_settings: StreamSettings::default(),
             held_submits: HashMap::new(),
-            refreshing: HashSet::new(),
             inbox_retrying: HashMap::new(),
-            registry_last: BoundedMap::new(registry::REGISTRY_RECENT),
             listing_debts: BoundedMap::new(registry::LISTING_DEBTS),
-            registry_sections: HashMap::new(),
+            registry_kept: registry::Kept::default(),
             mig,
             in_flight: Default::default(),
             clock,
@@ -1023,14 +1022,14 @@ impl Broker {
     /// their gap; the shell calls it before it trims the heap.
     pub fn compact(&mut self, now: Instant) {
         use crate::heap::Compact;
-        self.registry_last
+        self.registry_kept
+            .last
             .retain(|_, at| after(*at, registry::REGISTRY_WRITE_GAP) > now);
-        self.registry_last.compact_tables();
+        self.registry_kept.last.compact_tables();
         let rate = f64::from(self.config.limits.presence_listed_per_s);
         self.listing_debts
             .retain(|_, bucket| !bucket.refilled(rate, now));
         self.listing_debts.compact_tables();
-        self.forget_settled_sections();
         self.sessions.compact();
         self.presence.compact();
         self.continuations.compact();
@@ -1041,9 +1040,9 @@ impl Broker {
         self.snapshots.compact();
         self.retired_pulls.compact();
         self.held_submits.compact();
-        self.refreshing.compact();
+        self.registry_kept.refreshing.compact();
         self.inbox_retrying.compact();
-        self.registry_sections.compact();
+        self.registry_kept.sections.compact();
         self.participant_subs.compact();
         self.participant_deleting.compact();
         self.durables_creating.compact();
@@ -1058,7 +1057,7 @@ impl Broker {
             in_flight: self.continuations.in_flight(),
             topic_requests: self.api.backlog(),
             presence_snapshots: self.snapshots.len(),
-            registry_sections: self.registry_sections.len(),
+            registry_sections: self.registry_kept.sections.len(),
             offer_watches: self.jobs.offer_watches(),
             timers: self.timers.armed(),
             held_submits: self.held_submits.values().map(Vec::len).sum(),
@@ -1544,7 +1543,12 @@ impl Broker {
                 }
             }
             Timer::RegistryRefresh(key) => {
-                self.refreshing.remove(&key);
+                match self.presence.get_mut(&key) {
+                    Some(p) => p.registry.refreshing = false,
+                    None => {
+                        self.registry_kept.refreshing.remove(&key);
+                    }
+                }
                 if let Some((ns, name)) = key
                     .split_once('/')
                     .filter(|_| self.presence.contains_key(&key))

@@ -35,6 +35,59 @@ enum RegistryOp {
     Read,
 }
 
+/// A participant's registry entry as this broker writes it (see `Presence::registry`).
+#[derive(Default)]
+pub(super) struct Written {
+    section: SectionState,
+    /// When this broker last wrote or deleted it.
+    last: Option<Instant>,
+    /// Its `RegistryRefresh` timer is armed.
+    pub(super) refreshing: bool,
+}
+
+/// What this broker knows of the registry entries of participants no longer present: the
+/// write state of those whose delete is still out, the time of the last write while
+/// `REGISTRY_WRITE_GAP` runs, and their still armed refresh timers.
+pub(super) struct Kept {
+    pub(super) sections: HashMap<String, SectionState>,
+    pub(super) last: BoundedMap<String, Instant>,
+    pub(super) refreshing: HashSet<String>,
+}
+
+impl Default for Kept {
+    fn default() -> Self {
+        Kept {
+            sections: HashMap::new(),
+            last: BoundedMap::new(REGISTRY_RECENT),
+            refreshing: HashSet::new(),
+        }
+    }
+}
+
+impl Kept {
+    /// What was kept of a participant's entry since it was last present, for its new
+    /// `Presence`.
+    pub(super) fn arrived(&mut self, key: &str) -> Written {
+        Written {
+            section: self.sections.remove(key).unwrap_or_default(),
+            last: self.last.remove(&key.to_string()),
+            refreshing: self.refreshing.remove(key),
+        }
+    }
+
+    /// Keeps what a participant's leaving `Presence` knew of its entry: its write state
+    /// (its delete is written next), the time of its last write, its armed refresh timer.
+    pub(super) fn left(&mut self, key: &str, written: Written) {
+        self.sections.insert(key.to_string(), written.section);
+        if let Some(at) = written.last {
+            *self.last.get_or_insert_with(key.to_string(), || at) = at;
+        }
+        if written.refreshing {
+            self.refreshing.insert(key.to_string());
+        }
+    }
+}
+
 /// Where this broker's section of one participant's entry stands.
 #[derive(Default)]
 pub(super) struct SectionState {
@@ -131,7 +184,11 @@ impl Broker {
     ) {
         self.registry_changed(conn, ns, name, now);
         let key = participant_key(ns, name);
-        if !self.refreshing.insert(key.clone()) {
+        let armed = match self.presence.get_mut(&key) {
+            Some(p) => std::mem::replace(&mut p.registry.refreshing, true),
+            None => !self.registry_kept.refreshing.insert(key.clone()),
+        };
+        if armed {
             return;
         }
         let ttl = self.config.limits.registry_ttl_s;
@@ -139,9 +196,12 @@ impl Broker {
         match now.checked_add(refresh) {
             Some(at) => self.set_timer(at, Timer::RegistryRefresh(key)),
             // Beyond the clock's range: the entry outlives the process anyway.
-            None => {
-                self.refreshing.remove(&key);
-            }
+            None => match self.presence.get_mut(&key) {
+                Some(p) => p.registry.refreshing = false,
+                None => {
+                    self.registry_kept.refreshing.remove(&key);
+                }
+            },
         }
     }
 
@@ -162,8 +222,7 @@ impl Broker {
         if p.registry_due {
             return;
         }
-        let last = self.registry_last.get(&key).copied();
-        match last.map(|at| after(at, REGISTRY_WRITE_GAP)) {
+        match p.registry.last.map(|at| after(at, REGISTRY_WRITE_GAP)) {
             Some(next) if next > now => {
                 p.registry_due = true;
                 self.set_timer(next, Timer::RegistryFlush(key));
@@ -196,7 +255,7 @@ impl Broker {
         now: Instant,
     ) {
         let key = participant_key(ns, name);
-        let state = self.registry_sections.entry(key.clone()).or_default();
+        let state = self.section_entry(&key);
         if state.busy {
             state.again = true;
             return;
@@ -226,9 +285,12 @@ impl Broker {
             Composed::Delete => {
                 self.registry_request(conn, ns, name, RegistryOp::Delete(revision), now)
             }
-            Composed::Nothing => {
-                self.registry_sections.remove(&key);
-            }
+            Composed::Nothing => match self.presence.get_mut(&key) {
+                Some(p) => p.registry.section = SectionState::default(),
+                None => {
+                    self.registry_kept.sections.remove(&key);
+                }
+            },
             Composed::Full => log::warn!(
                 participant:% = key;
                 "registry entry holds {MAX_SECTIONS} other brokers' sections; this one's left out"
@@ -259,11 +321,19 @@ impl Broker {
         );
         match js_request(conn, request, now) {
             Ok(req) => {
-                if let Some(state) = self.registry_sections.get_mut(&key) {
+                if let Some(state) = self.section_mut(&key) {
                     state.busy = true;
                 }
                 if !matches!(op, RegistryOp::Read) {
-                    *self.registry_last.get_or_insert_with(key.clone(), || now) = now;
+                    match self.presence.get_mut(&key) {
+                        Some(p) => p.registry.last = Some(now),
+                        None => {
+                            *self
+                                .registry_kept
+                                .last
+                                .get_or_insert_with(key.clone(), || now) = now
+                        }
+                    }
                 }
                 let pending = match op {
                     RegistryOp::Read => Pending::RegistryRead { participant: key },
@@ -288,7 +358,7 @@ impl Broker {
         revision: Result<u64, JsError>,
         now: Instant,
     ) {
-        let Some(state) = self.registry_sections.get_mut(&key) else {
+        let Some(state) = self.section_mut(&key) else {
             return;
         };
         state.busy = false;
@@ -315,7 +385,7 @@ impl Broker {
         let (ns, name) = (ns.to_string(), name.to_string());
         if read {
             self.registry_request(conn, &ns, &name, RegistryOp::Read, now);
-        } else if self.registry_sections.get(&key).is_some_and(|s| s.again) {
+        } else if self.section(&key).is_some_and(|s| s.again) {
             self.registry_sync(conn, &ns, &name, now);
         } else {
             self.registry_settled(&key);
@@ -360,7 +430,7 @@ impl Broker {
                 None
             }
         };
-        let Some(state) = self.registry_sections.get_mut(&key) else {
+        let Some(state) = self.section_mut(&key) else {
             return;
         };
         state.busy = false;
@@ -376,25 +446,40 @@ impl Broker {
     /// Nothing of the participant's section is out: its state is forgotten once it has
     /// no session here either.
     fn registry_settled(&mut self, key: &str) {
-        let idle = self.registry_sections.get(key).is_some_and(|s| !s.busy);
+        let idle = self
+            .registry_kept
+            .sections
+            .get(key)
+            .is_some_and(|s| !s.busy);
         if idle && !self.presence.contains_key(key) {
-            self.registry_sections.remove(key);
+            self.registry_kept.sections.remove(key);
         }
     }
 
-    /// Forgets the state of sections whose last write is settled and which the mirror
-    /// shows at or past it: a present participant's state then says nothing the mirror
-    /// does not (the next write starts from the mirror's revision), so it need not be kept
-    /// between refreshes, at a table slot and a key for each participant.
-    pub(super) fn forget_settled_sections(&mut self) {
-        let registries = &self.registries;
-        self.registry_sections.retain(|key, state| {
-            let settled = !state.busy && !state.again && state.read.is_none();
-            let seen = key
-                .split_once('/')
-                .and_then(|(ns, name)| registries.get(ns)?.0.revision(name));
-            !(settled && seen.is_some_and(|revision| revision >= state.acked))
-        });
+    /// Where this broker's section of the participant's entry stands, if anywhere.
+    fn section(&self, key: &str) -> Option<&SectionState> {
+        match self.presence.get(key) {
+            Some(p) => Some(&p.registry.section),
+            None => self.registry_kept.sections.get(key),
+        }
+    }
+
+    fn section_mut(&mut self, key: &str) -> Option<&mut SectionState> {
+        match self.presence.get_mut(key) {
+            Some(p) => Some(&mut p.registry.section),
+            None => self.registry_kept.sections.get_mut(key),
+        }
+    }
+
+    fn section_entry(&mut self, key: &str) -> &mut SectionState {
+        match self.presence.get_mut(key) {
+            Some(p) => &mut p.registry.section,
+            None => self
+                .registry_kept
+                .sections
+                .entry(key.to_string())
+                .or_default(),
+        }
     }
 
     /// Charges a listing of `ns`'s participants to the participant's `listing` bucket: every

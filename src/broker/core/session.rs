@@ -79,6 +79,8 @@ impl Broker {
             }
             if last {
                 if let Some(mut p) = self.presence.remove(&key) {
+                    self.registry_kept
+                        .left(&key, std::mem::take(&mut p.registry));
                     if let Some(sid) = p.inbox.detach(conn) {
                         self.routes.remove(&sid);
                     }
@@ -226,6 +228,11 @@ impl Broker {
             };
         }
         let first = !self.presence.contains_key(&key);
+        let written = if first {
+            self.registry_kept.arrived(&key)
+        } else {
+            registry::Written::default()
+        };
         let window = self
             .config
             .namespaces
@@ -255,6 +262,7 @@ impl Broker {
                     .listing_debts
                     .remove(&key)
                     .unwrap_or_else(|| rate_limit::DebtBucket::new(now)),
+                registry: written,
             })
         });
         presence.sessions.push(session);
