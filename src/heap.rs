@@ -35,6 +35,12 @@ impl Trimmer {
         now >= self.next
     }
 
+    /// Makes a trim due now: start-up (streams made, schemas compiled) leaves a few
+    /// megabytes free that would otherwise stay resident until the first interval ends.
+    pub fn soon(&mut self, now: Instant) {
+        self.next = self.next.min(now);
+    }
+
     pub fn trim(&mut self, now: Instant) {
         self.next = now + TRIM_INTERVAL;
         trim();
@@ -141,6 +147,17 @@ mod tests {
         let mut buf: Vec<u8> = Vec::with_capacity(BUFFER_FLOOR);
         compact_buffer(&mut buf);
         assert_eq!(buf.capacity(), BUFFER_FLOOR);
+    }
+
+    #[test]
+    fn a_trim_made_due_by_start_up_comes_at_once_and_then_at_the_interval() {
+        let t0 = Instant::now();
+        let mut t = Trimmer::new(t0);
+        assert!(!t.due(t0 + Duration::from_secs(1)));
+        t.soon(t0 + Duration::from_secs(1));
+        assert!(t.due(t0 + Duration::from_secs(1)));
+        t.trim(t0 + Duration::from_secs(1));
+        assert_eq!(t.deadline(), t0 + Duration::from_secs(1) + TRIM_INTERVAL);
     }
 
     #[test]

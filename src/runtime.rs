@@ -417,6 +417,7 @@ pub fn run(
     let mut liveness = Liveness::default();
     let mut next_tick = now + LIVENESS_TICK;
     let mut trimmer = crate::heap::Trimmer::new(now);
+    let mut trimmed_when_ready = false;
     // Work was left over by the last turn's bounded rounds: poll without waiting.
     let mut unfinished = false;
 
@@ -669,6 +670,10 @@ pub fn run(
             }
         }
 
+        if !trimmed_when_ready && health.check().is_ok() && broker.readiness().is_ok() {
+            trimmed_when_ready = true;
+            trimmer.soon(now);
+        }
         if !unfinished && trimmer.due(now) {
             broker.compact(now);
             ws.compact();

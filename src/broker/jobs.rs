@@ -670,6 +670,9 @@ pub struct Jobs {
     held: HeldBytes,
     /// A `dead_letters` page stops growing past this many bytes of letters.
     page_bytes: usize,
+    /// The most one letter of a page may take: three quarters of what the asker may be
+    /// sent at once, leaving room for what is queued beside it.
+    letter_bytes: usize,
     /// Cancelled tasks whose cancel was answered `unavailable` (its write or its
     /// `task_result` unconfirmed or refused): the retry that finds the task cancelled
     /// publishes the result again and answers `ok`, where a cancel of a finished task
@@ -809,6 +812,7 @@ impl Jobs {
             held: HeldBytes::new(config.limits.max_buffered_bytes / 4),
             // A quarter of what the asker may be sent at once, as a `watch` burst.
             page_bytes: (config.limits.session_room() / 4).clamp(1, PAGE_BYTES),
+            letter_bytes: config.limits.session_room() / 4 * 3,
             unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
             trimmed_log: letters::TrimmedLog::default(),
             consumer_updates: Vec::new(),
@@ -3069,6 +3073,52 @@ mod tests {
         );
         let status = h.request(app, json!({"op":"status","task":small}));
         assert_eq!(status["task"]["result"], "done", "{status}");
+    }
+
+    #[test]
+    fn a_large_dead_letter_starts_a_page_of_its_own_and_hides_no_other() {
+        // A page took a letter before checking its bytes: the small letter before a
+        // large one and the large one made a page past the asker's room, answered
+        // `too_large` without its `next`, so neither they nor any later letter could be
+        // paged to.
+        let mut config = with_lease(LEASE_S);
+        config.limits.max_outbound_bytes = 64 << 10;
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.max_attempts = 1;
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let fail = json!({"op":"fail","error":{"code":"no","message":"no"}});
+        let tasks: Vec<String> = [4 << 10, 60 << 10, 4 << 10]
+            .iter()
+            .map(|&n| ended(&mut h, (app, &"z".repeat(n)), w, fail.clone()))
+            .collect();
+        let mut listed = Vec::new();
+        let mut from = None;
+        for _ in 0..10 {
+            let mut req = json!({"op":"dead_letters","job":"render"});
+            if let Some(seq) = from {
+                req["from"] = json!({"seq": seq});
+            }
+            let page = h.request(app, req);
+            assert_eq!(page["op"], "ok", "after {listed:?}: {}", page["code"]);
+            for l in page["letters"].as_array().into_iter().flatten() {
+                listed.push(l["task"].as_str().unwrap_or_default().to_string());
+                // Past three quarters of the room alone, it comes without its body.
+                let large = l["task"] == tasks[1];
+                assert_eq!(l["body_omitted"] == true, large, "{}", l["task"]);
+            }
+            from = page["next"]["seq"].as_u64();
+            if from.is_none() {
+                break;
+            }
+        }
+        assert_eq!(listed, tasks);
     }
 
     #[test]

@@ -354,17 +354,30 @@ impl Jobs {
                 return self.refuse(page.session, &page.re, e);
             }
         };
-        page.next = stored.sequence + 1;
-        page.scanned += 1;
         match Letter::parse(&stored.payload) {
-            Ok(l) if l.visible_to(&page.who, page.may_serve) => {
-                let view = l.view(stored.sequence);
-                page.bytes += stored.payload.len();
-                page.letters.push(view);
+            Ok(mut l) if l.visible_to(&page.who, page.may_serve) => {
+                let mut size = stored.payload.len();
+                if !page.letters.is_empty() && page.bytes.saturating_add(size) > self.page_bytes {
+                    // It starts the next page: with those before it, the page could be
+                    // past what the asker may be sent at once, refused whole, `next`
+                    // and all, hiding it and every later letter.
+                    return self.answer_page(page, true);
+                }
+                if size > self.letter_bytes {
+                    // Alone it may still be: its body, eligible list and headers are
+                    // left out until it fits (the view says which).
+                    if let Some(fitted) = l.fit(self.letter_bytes) {
+                        size = fitted.len();
+                    }
+                }
+                page.bytes += size;
+                page.letters.push(l.view(stored.sequence));
             }
             Ok(_) => {}
             Err(e) => log::warn!("dead letter {} unreadable: {e}", stored.sequence),
         }
+        page.next = stored.sequence + 1;
+        page.scanned += 1;
         if page.letters.len() >= PAGE || page.bytes >= self.page_bytes || page.scanned >= SCAN {
             return self.answer_page(page, true);
         }
