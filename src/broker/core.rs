@@ -129,7 +129,8 @@ pub enum Input<'a> {
     /// message on one of the core's subscriptions, a reply or a failed request.
     Nats(Event),
     /// What ingress connection `which` ([`Broker::start_ingress`]) reported, with the
-    /// INFO `server_id` of the server it is (or was last) connected to; the core is
+    /// INFO `server_id` of the server it is connected to (none while it is not: a
+    /// callout is trusted only from a server this broker is connected to); the core is
     /// handed the main connection with it, for the answers.
     Ingress {
         which: Ingress,

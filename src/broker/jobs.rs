@@ -3017,11 +3017,16 @@ mod tests {
         assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
     }
 
-    /// One attempt per task, and a memory budget of 64 KiB (all connections), below the
-    /// 4 MiB outbound bound: what a session may be sent at once.
-    fn within_a_small_memory_budget() -> Harness {
+    /// One attempt per task, and 64 KiB that a session may be sent at once: the memory
+    /// budget of all connections (`buffered`), below the 4 MiB outbound bound, or that
+    /// bound.
+    fn with_a_room_of_64_kib(buffered: bool) -> Harness {
         let mut config = with_lease(LEASE_S);
-        config.limits.max_buffered_bytes = 64 << 10;
+        if buffered {
+            config.limits.max_buffered_bytes = 64 << 10;
+        } else {
+            config.limits.max_outbound_bytes = 64 << 10;
+        }
         if let Some(job) = config
             .namespaces
             .get_mut("dev")
@@ -3030,6 +3035,10 @@ mod tests {
             job.max_attempts = 1;
         }
         Harness::new(config, 1, 7)
+    }
+
+    fn within_a_small_memory_budget() -> Harness {
+        with_a_room_of_64_kib(true)
     }
 
     /// A task of `app`'s with `body`, taken by `w` and ended with `end` (a `complete` or
@@ -3081,16 +3090,7 @@ mod tests {
         // large one and the large one made a page past the asker's room, answered
         // `too_large` without its `next`, so neither they nor any later letter could be
         // paged to.
-        let mut config = with_lease(LEASE_S);
-        config.limits.max_outbound_bytes = 64 << 10;
-        if let Some(job) = config
-            .namespaces
-            .get_mut("dev")
-            .and_then(|ns| ns.jobs.get_mut("render"))
-        {
-            job.max_attempts = 1;
-        }
-        let mut h = Harness::new(config, 1, 7);
+        let mut h = with_a_room_of_64_kib(false);
         let app = h.join(0, "app", json!({}));
         let w = worker(&mut h, "w1");
         let fail = json!({"op":"fail","error":{"code":"no","message":"no"}});
