@@ -2178,6 +2178,48 @@ fn one_caller_cannot_fill_the_bucket_of_taken_ids() {
     assert_eq!(seen_keys(&w), 21, "alice's 20 claims and bob's");
 }
 
+/// `AMP_MIG_SEEN` deleted while the broker runs (an operator, anyone with JetStream
+/// rights): a named invoke's claim finds nobody, is answered `MIG_UNAVAILABLE` with
+/// `retry_after_ms`, and the broker makes the bucket again. Before, it stayed gone and
+/// every named invoke and signed PUBLISH failed until a restart.
+#[test]
+fn the_bucket_of_taken_ids_deleted_while_the_broker_runs_is_made_again() {
+    let w = world(1);
+    let mut worker = w.worker(0, "infer", 1);
+    let mut alice = Mig::connect(&w, "alice");
+    let keyed = |id: &str| {
+        json!({"header": header(json!({"message_id": id, "idempotency_key": id})),
+               "payload": {}})
+    };
+    assert_eq!(seen_keys(&w), 0);
+    assert!(
+        broker_js(&w)
+            .delete_stream("KV_AMP_MIG_SEEN")
+            .expect("delete")
+    );
+
+    let r = alice.request(&format!("invoke.{INFER}"), keyed("gone"));
+    assert_eq!(error_code(&r), "MIG_UNAVAILABLE", "{r}");
+    assert!(
+        common::wait_until(WAIT, || broker_js(&w)
+            .stream_info("KV_AMP_MIG_SEEN")
+            .is_ok()),
+        "AMP_MIG_SEEN never made again; the refusal was {r}"
+    );
+    assert_eq!(r["error"]["retryable"], true, "{r}");
+    assert!(
+        r["error"]["details"]["retry_after_ms"]
+            .as_u64()
+            .is_some_and(|ms| ms > 0),
+        "{r}"
+    );
+
+    let tag = alice.invoke_later(INFER, keyed("back"));
+    serve_one(&mut worker, json!({"op":"complete","result":{"ok":1}}));
+    assert_eq!(alice.wait(&tag)["reply"]["payload"], json!({"ok": 1}));
+    assert_eq!(seen_keys(&w), 1, "the claim is in the bucket made again");
+}
+
 fn now_rfc3339() -> String {
     amp_broker::rfc3339::format_system_time(std::time::SystemTime::now())
 }

@@ -54,6 +54,13 @@ impl Broker {
         reply: Result<Message, RequestError>,
         now: Instant,
     ) {
+        if let Err(RequestError::NoResponders) = &reply
+            && let Some(ns) = pending.seen_tenant()
+        {
+            let ns = ns.to_string();
+            let bucket = ["KV_", mig::seen::BUCKET].concat();
+            self.stream_gone(conn, &ns, &bucket, now);
+        }
         let (front, mut ctx) = self.mig_parts(None);
         front.on_reply(conn, &mut ctx, pending, reply, now);
         self.drive_budgets(conn, now);

@@ -93,6 +93,8 @@ pub struct ClaimedPublish {
 
 enum AfterClaim {
     Store {
+        /// The tenant whose bucket holds the claim.
+        ns: String,
         subject: String,
         nats: HeaderMap,
         bytes: Vec<u8>,
@@ -101,6 +103,16 @@ enum AfterClaim {
     },
     /// `caller` (`ns/name`) holds the claim in `claims_held`.
     Refuse { error: MigError, caller: String },
+}
+
+impl ClaimedPublish {
+    /// The tenant whose bucket the claim went to.
+    pub(super) fn ns(&self) -> &str {
+        match &self.then {
+            AfterClaim::Store { ns, .. } => ns,
+            AfterClaim::Refuse { caller, .. } => super::caller_tenant(caller),
+        }
+    }
 }
 
 /// The signer and id of a PUBLISH whose signature verified.
@@ -647,6 +659,7 @@ impl Mig {
         }
         let event = ClaimedPublish {
             then: AfterClaim::Store {
+                ns: ns.to_string(),
                 subject: binding::topic_subject(ns, topic),
                 nats,
                 bytes,
@@ -803,6 +816,7 @@ impl Mig {
                 nats,
                 bytes,
                 _hold,
+                ..
             } => (subject, nats, bytes, _hold),
             AfterClaim::Refuse { error, caller } => {
                 self.settle_claim(&caller, &acked, now);
@@ -835,6 +849,7 @@ impl Mig {
                 Code::Unavailable,
                 format!("JetStream did not record the signed id: {e}"),
             ),
+            Err(RequestError::NoResponders) => seen::gone(),
             Err(e) => MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}")),
         };
         self.respond(conn, &event.request.answer(), Err(refusal), now);

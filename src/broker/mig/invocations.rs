@@ -211,6 +211,7 @@ impl Mig {
                 Code::Unavailable,
                 format!("JetStream did not record the message id: {e}"),
             ),
+            Err(RequestError::NoResponders) => seen::gone(),
             Err(e) => MigError::new(Code::Unavailable, format!("JetStream did not answer: {e}")),
         };
         self.refuse(conn, inv, refusal, now)

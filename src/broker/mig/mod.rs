@@ -137,6 +137,24 @@ enum Pending {
 /// A continuation of this module, opaque to the core's table that keeps it.
 pub struct Awaiting(Pending);
 
+impl Awaiting {
+    /// The tenant whose `AMP_MIG_SEEN` this request went to, when it is a claim or a read
+    /// there: a claim with no responders found the bucket gone, for the core to make again.
+    pub(crate) fn seen_tenant(&self) -> Option<&str> {
+        match &self.0 {
+            Pending::InvocationClaim(inv) | Pending::InvocationOwner(inv) => Some(&inv.ns),
+            Pending::Claim(p) => Some(p.ns()),
+            Pending::DroppedClaim(caller, _) => Some(caller_tenant(caller)),
+            _ => None,
+        }
+    }
+}
+
+/// The tenant of a caller named `ns/name`.
+fn caller_tenant(caller: &str) -> &str {
+    caller.split_once('/').map_or(caller, |(ns, _)| ns)
+}
+
 /// A timer of the front end, in the core's table.
 pub enum Alarm {
     /// An invocation's deadline.

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::caller::REPLAY_WINDOW;
+use super::envelope::{Code, MigError};
 use crate::broker::envelope::hex;
 use crate::jetstream::kv::Kv;
 use crate::jetstream::{ApiPrefix, JsError, MsgTtl, Request};
@@ -77,6 +78,19 @@ pub fn claim_invocation(
         &invocation_key(ns, message_id),
         caller.as_bytes(),
         Some(MsgTtl::After(ttl)),
+    )
+}
+
+/// The answer to a request whose claim had no responders: the bucket is gone, and the
+/// core makes it again (`remake`), so the caller is told to come back.
+pub fn gone() -> MigError {
+    MigError::new(
+        Code::Unavailable,
+        format!("JetStream stream KV_{BUCKET} is gone; the broker is making it again"),
+    )
+    .detail(
+        "retry_after_ms",
+        serde_json::json!(crate::broker::remake::RETRY_AFTER_MS),
     )
 }
 
