@@ -286,8 +286,7 @@ struct Presence {
     /// Its registry entry as this broker writes it. Kept here while it is present: in
     /// tables of their own, keyed by participant, every refresh (a third of the TTL)
     /// made them again, 3 MB a wave at 10,000 participants. While its leaving is written
-    /// (and the write gap and the last refresh timer run) they are in
-    /// `registry_sections`, `registry_last` and `refreshing`.
+    /// (and the write gap and the last refresh timer run) they are in `registry_kept`.
     registry: registry::Written,
 }
 
