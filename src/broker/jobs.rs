@@ -3098,6 +3098,24 @@ mod tests {
             .iter()
             .map(|&n| ended(&mut h, (app, &"z".repeat(n)), w, fail.clone()))
             .collect();
+        let listed = page_through_letters(&mut h, app, |page| {
+            assert_eq!(page["op"], "ok", "{}", page["code"]);
+            for l in page["letters"].as_array().into_iter().flatten() {
+                // Past three quarters of the room alone, it comes without its body.
+                let large = l["task"] == tasks[1];
+                assert_eq!(l["body_omitted"] == true, large, "{}", l["task"]);
+            }
+        });
+        assert_eq!(listed, tasks);
+    }
+
+    /// The tasks of every letter of `render`'s dead letters, asked page after page (at
+    /// most 10) by `app`; `check` sees each page.
+    fn page_through_letters(
+        h: &mut Harness,
+        app: Session,
+        mut check: impl FnMut(&Value),
+    ) -> Vec<String> {
         let mut listed = Vec::new();
         let mut from = None;
         for _ in 0..10 {
@@ -3106,19 +3124,16 @@ mod tests {
                 req["from"] = json!({"seq": seq});
             }
             let page = h.request(app, req);
-            assert_eq!(page["op"], "ok", "after {listed:?}: {}", page["code"]);
+            check(&page);
             for l in page["letters"].as_array().into_iter().flatten() {
                 listed.push(l["task"].as_str().unwrap_or_default().to_string());
-                // Past three quarters of the room alone, it comes without its body.
-                let large = l["task"] == tasks[1];
-                assert_eq!(l["body_omitted"] == true, large, "{}", l["task"]);
             }
             from = page["next"]["seq"].as_u64();
             if from.is_none() {
                 break;
             }
         }
-        assert_eq!(listed, tasks);
+        listed
     }
 
     #[test]
@@ -3135,25 +3150,11 @@ mod tests {
             .map(|_| ended(&mut h, (app, &body), w, fail.clone()))
             .collect();
         let room = 64 << 10;
-        let mut listed = Vec::new();
-        let mut from = None;
-        for _ in 0..10 {
-            let mut req = json!({"op":"dead_letters","job":"render"});
-            if let Some(seq) = from {
-                req["from"] = json!({"seq": seq});
-            }
-            let page = h.request(app, req);
+        let listed = page_through_letters(&mut h, app, |page| {
             let size = page.to_string().len();
             assert_eq!(page["op"], "ok", "{size} bytes");
             assert!(size < room, "a page of {size} bytes for a room of {room}");
-            for l in page["letters"].as_array().into_iter().flatten() {
-                listed.push(l["task"].as_str().unwrap_or_default().to_string());
-            }
-            from = page["next"]["seq"].as_u64();
-            if from.is_none() {
-                break;
-            }
-        }
+        });
         assert_eq!(listed, tasks);
     }
 
