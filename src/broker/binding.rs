@@ -28,15 +28,13 @@ pub fn inbox_stream(ns: &str) -> String {
 pub fn inbox_subject(ns: &str, name: &str) -> String {
     ["amp.", ns, ".inbox.", name].concat()
 }
-/// Whether `subject` is [`inbox_subject`] of `participant` (`ns/name`).
-pub fn is_inbox_subject(subject: &str, participant: &str) -> bool {
-    participant.split_once('/').is_some_and(|(ns, name)| {
-        subject
-            .strip_prefix("amp.")
-            .and_then(|s| s.strip_prefix(ns))
-            .and_then(|s| s.strip_prefix(".inbox."))
-            == Some(name)
-    })
+/// Whether `subject` is [`inbox_subject`] of `ns`/`name`.
+pub fn is_inbox_subject(subject: &str, ns: &str, name: &str) -> bool {
+    subject
+        .strip_prefix("amp.")
+        .and_then(|s| s.strip_prefix(ns))
+        .and_then(|s| s.strip_prefix(".inbox."))
+        == Some(name)
 }
 
 /// [`inbox_subject`] appended to `out`.
@@ -691,13 +689,17 @@ mod tests {
         );
         assert_eq!(job_of_consumer("AMP_INBOX_acme", &consumer), None);
         assert_eq!(job_of_consumer(&stream, "inbox_render"), None);
-        assert!(is_inbox_subject(&inbox_subject("acme", "bob"), "acme/bob"));
+        assert!(is_inbox_subject(
+            &inbox_subject("acme", "bob"),
+            "acme",
+            "bob"
+        ));
         for other in [
             "amp.acme.inbox.bobby",
             "amp.acme.inbox.bo",
             "amp.acmex.inbox.bob",
         ] {
-            assert!(!is_inbox_subject(other, "acme/bob"), "{other}");
+            assert!(!is_inbox_subject(other, "acme", "bob"), "{other}");
         }
     }
 

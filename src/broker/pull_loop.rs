@@ -347,6 +347,22 @@ impl PullLoop {
         msg: &Message,
         now: Instant,
     ) -> (Pulled, Option<Check>) {
+        let meta = msg
+            .reply
+            .as_deref()
+            .and_then(|r| AckMetadata::parse(r).ok());
+        self.on_delivery(conn, msg, meta.as_ref(), now)
+    }
+
+    /// [`PullLoop::on_message`] for a caller that has parsed the message's ack subject
+    /// (`meta`) for its own use: each delivery's is parsed once.
+    pub fn on_delivery(
+        &mut self,
+        conn: &mut Connection,
+        msg: &Message,
+        meta: Option<&AckMetadata>,
+        now: Instant,
+    ) -> (Pulled, Option<Check>) {
         let status = msg.status();
         // A status comes on its pull's subject; a message on its own stream subject.
         let stale = status.is_some()
@@ -355,7 +371,7 @@ impl PullLoop {
                 .rsplit_once('.')
                 .and_then(|(_, n)| n.parse::<u64>().ok())
                 != Some(self.current);
-        if stale || (status.is_none() && !self.delivers(msg)) {
+        if stale || (status.is_none() && !meta.is_some_and(|m| self.names(m))) {
             return (Pulled::Heartbeat, None);
         }
         if status != Some(503) {
@@ -446,7 +462,11 @@ impl PullLoop {
         msg.reply
             .as_deref()
             .and_then(|r| AckMetadata::parse(r).ok())
-            .is_some_and(|m| m.stream == self.stream && m.consumer == self.consumer)
+            .is_some_and(|m| self.names(&m))
+    }
+
+    fn names(&self, meta: &AckMetadata) -> bool {
+        meta.stream == self.stream && meta.consumer == self.consumer
     }
 
     /// Whether a check filed with `generation` still counts (see [`PullLoop::check`]).

@@ -514,16 +514,21 @@ impl Broker {
         mut msg: Message,
         now: Instant,
     ) {
-        let window = participant
-            .split_once('/')
-            .map_or(64, |(ns, _)| self.inbox_window(ns));
+        let parts = participant.split_once('/');
+        let window = parts.map_or(64, |(ns, _)| self.inbox_window(ns));
         let Some(p) = self.presence.get_mut(participant) else {
             if let Some(reply) = msg.reply.as_deref().filter(|_| msg.status().is_none()) {
                 let _ = conn.publish(reply, None, None, &AckKind::Nak { delay: None }.payload());
             }
             return;
         };
-        let (pulled, check) = p.inbox.on_message(conn, &msg, now);
+        let meta = msg
+            .reply
+            .as_deref()
+            .and_then(|r| AckMetadata::parse(r).ok());
+        let (pulled, check) = p.inbox.on_delivery(conn, &msg, meta.as_ref(), now);
+        // A message the pull counts names this consumer in a well-formed ack subject.
+        let numbers = meta.map(|m| (m.stream_sequence, m.delivered));
         if pulled == Pulled::Lost {
             // Deleted (an operator, a replica set that lost it, its stream made anew):
             // made again, then pulled.
@@ -539,22 +544,14 @@ impl Broker {
         }
         // The session it goes to, chosen while the presence is at hand (one lookup).
         let chosen = 'choose: {
-            if pulled != Pulled::Message {
+            let (Pulled::Message, Some((seq, delivered)), Some(reply)) =
+                (pulled, numbers, msg.reply.take())
+            else {
                 break 'choose None;
-            }
-            let Some(reply) = msg.reply.take() else {
-                break 'choose None;
-            };
-            let (seq, delivered) = match AckMetadata::parse(&reply) {
-                Ok(m) => (m.stream_sequence, m.delivered),
-                Err(e) => {
-                    log::warn!(participant:% = participant; "inbox delivery without ack metadata: {e}");
-                    break 'choose None;
-                }
             };
             // A consumer of that name JetStream would not update is used as it is: one
             // somebody else made may deliver another participant's messages.
-            if !binding::is_inbox_subject(&msg.subject, participant) {
+            if !parts.is_some_and(|(ns, name)| binding::is_inbox_subject(&msg.subject, ns, name)) {
                 log::warn!(participant:% = participant, subject:% = msg.subject; "terminating an inbox delivery of another subject: consumer {} is not the broker's (an operator removes it)", p.inbox.consumer());
                 let term = AckKind::Term {
                     reason: Some("not this participant's inbox".into()),
