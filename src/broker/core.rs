@@ -102,6 +102,15 @@ pub enum Output {
 enum Queued {
     One(Output),
     Presence(Fanout),
+    /// The same frame for each of these sessions, each one's copy made as it is taken:
+    /// the `error` told to every session of a participant, or every worker of a job,
+    /// whose consumer JetStream refused. As a frame each, up to 1,024 copies (every
+    /// worker, for a job) waited here at once, each as long as the text of the refusal
+    /// the server's answer carries.
+    Each {
+        to: std::vec::IntoIter<SessionId>,
+        text: String,
+    },
 }
 
 impl From<Output> for Queued {
@@ -161,7 +170,8 @@ pub struct Footprint {
     pub offer_watches: usize,
     pub timers: usize,
     pub held_submits: usize,
-    /// Outputs not yet taken with `poll_output` (a presence fan-out counts one).
+    /// Outputs not yet taken with `poll_output` (a presence fan-out counts one, as does
+    /// a frame for several sessions).
     pub queued_outputs: usize,
     /// The most requests one session has unanswered.
     pub max_session_outstanding: usize,
@@ -1087,6 +1097,20 @@ impl Broker {
                         return Some(frame);
                     }
                 }
+                Queued::Each { mut to, text } => {
+                    let Some(session) = to.next() else { continue };
+                    // The last one is sent the text itself.
+                    if to.len() == 0 {
+                        return Some(Output::Frame { session, text });
+                    }
+                    let mut frame = self.frame_buffer(text.len());
+                    frame.push_str(&text);
+                    self.out.push_front(Queued::Each { to, text });
+                    return Some(Output::Frame {
+                        session,
+                        text: frame,
+                    });
+                }
             }
         }
     }
@@ -1648,6 +1672,10 @@ impl Broker {
                     }
                 }
                 JobsOutput::Frame { session, text } => self.frame(session, text),
+                JobsOutput::Each { mut sessions, text } => {
+                    sessions.retain(|&s| !super::mig::is_mig_session(s));
+                    self.frame_to_each(sessions, text);
+                }
                 JobsOutput::ServeChanged { ns, name } => {
                     self.registry_changed(conn, &ns, &name, now);
                 }
@@ -1969,13 +1997,32 @@ impl Broker {
     }
 
     fn frame(&mut self, session: SessionId, text: String) {
-        // Every frame starts with its op (`{"op":"..."`); count it by that.
+        self.count_frames(&text, 1);
+        self.out.push_back(Output::Frame { session, text }.into());
+    }
+
+    /// Sends `text` to each of `sessions`: queued once, each one's copy made as it is
+    /// taken ([`Queued::Each`]).
+    fn frame_to_each(&mut self, sessions: Vec<SessionId>, text: String) {
+        if sessions.is_empty() {
+            return;
+        }
+        self.count_frames(&text, sessions.len());
+        self.out.push_back(Queued::Each {
+            to: sessions.into_iter(),
+            text,
+        });
+    }
+
+    /// Counts `n` frames of `text`'s op: every frame starts with it (`{"op":"..."`).
+    fn count_frames(&mut self, text: &str, n: usize) {
         let op = text
             .get(7..)
             .and_then(|t| t.get(..memchr::memchr(b'"', t.as_bytes())?))
             .unwrap_or("unknown");
-        self.metrics.registry.inc(self.metrics.frames_out, op);
-        self.out.push_back(Output::Frame { session, text }.into());
+        self.metrics
+            .registry
+            .add(self.metrics.frames_out, op, n as f64);
     }
 
     /// Sends an error reply (`re` when the frame had an id) and counts it by code.
@@ -1984,6 +2031,16 @@ impl Broker {
             .registry
             .inc(self.metrics.errors, e.code.as_str());
         self.frame(session, reply::error(re, e));
+    }
+
+    /// Sends an error with no `re` to each of `sessions`, queued once
+    /// ([`frame_to_each`](Self::frame_to_each)).
+    fn error_to_each(&mut self, sessions: Vec<SessionId>, e: &AmpError) {
+        let n = sessions.len() as f64;
+        self.metrics
+            .registry
+            .add(self.metrics.errors, e.code.as_str(), n);
+        self.frame_to_each(sessions, reply::error(None, e));
     }
 
     fn close(&mut self, session: SessionId, code: u16, reason: &str) {

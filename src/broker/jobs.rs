@@ -154,6 +154,12 @@ pub enum JobsOutput {
     },
     /// A frame on the broker's initiative (`offer`, `revoked`).
     Frame { session: SessionId, text: String },
+    /// The same frame on the broker's initiative to each of these sessions (a job's
+    /// consumer refused, told to its workers): one text, not a frame each.
+    Each {
+        sessions: Vec<SessionId>,
+        text: String,
+    },
     /// The jobs `ns/name` serves changed: its registry entry should be rewritten.
     ServeChanged { ns: String, name: String },
     /// Submit or redrive `re` of `session` is refused having created nothing: what the
@@ -2176,6 +2182,63 @@ mod tests {
         });
         h.send(app, json!({"op":"ack","seq":m["seq"]}));
         m["body"].clone()
+    }
+
+    #[test]
+    fn a_refused_job_consumer_is_queued_once_for_all_of_its_workers() {
+        // Each session serving the job is told; the frames were made at once, one per
+        // worker (every session of the broker may serve it) in the core's queue before
+        // any budget saw one, each carrying JetStream's text of the refusal: a server or
+        // a responder that misbehaves sets that text's length, up to max_payload.
+        const WORKERS: usize = 1024;
+        let mut h = bench(3);
+        let workers: Vec<Session> = (0..WORKERS).map(|_| worker(&mut h, "w")).collect();
+        // An operator's limit of one consumer on the task stream; render's consumer is
+        // deleted and its room taken before the broker's new one reaches the server.
+        let info = h.nats_request("$JS.API.STREAM.INFO.AMP_TASKS_dev", &[], b"");
+        let mut config = info["config"].clone();
+        config["max_consumers"] = json!(1);
+        let updated = h.nats_request(
+            "$JS.API.STREAM.UPDATE.AMP_TASKS_dev",
+            &[],
+            config.to_string().as_bytes(),
+        );
+        assert!(updated["error"].is_null(), "{updated}");
+        h.mute(0, true);
+        let deleted = h.nats_request("$JS.API.CONSUMER.DELETE.AMP_TASKS_dev.job_render", &[], b"");
+        assert_eq!(deleted["success"], true, "{deleted}");
+        let filler = json!({"stream_name":"AMP_TASKS_dev",
+            "config":{"durable_name":"filler","ack_policy":"explicit"}});
+        let made = h.nats_request(
+            "$JS.API.CONSUMER.CREATE.AMP_TASKS_dev.filler",
+            &[],
+            filler.to_string().as_bytes(),
+        );
+        assert!(made["error"].is_null(), "{made}");
+        h.mute(0, false);
+        // The lost create times out (4 s), and the next, 2 s later, is refused.
+        h.hold_output = true;
+        h.advance(Duration::from_secs(7));
+        let queued = h.broker(0).footprint().queued_outputs;
+        h.hold_output = false;
+        h.advance(Duration::from_millis(1));
+        for &w in &workers {
+            let told = h.take(w);
+            let refusals = told
+                .iter()
+                .filter(|f| {
+                    f["code"] == "unavailable"
+                        && f["message"]
+                            .as_str()
+                            .is_some_and(|m| m.starts_with("job `render` is not offered"))
+                })
+                .count();
+            assert_eq!(refusals, 1, "{w:?} was told {told:?}");
+        }
+        assert!(
+            queued < 16,
+            "one refusal told to {WORKERS} workers left {queued} outputs in the core at once"
+        );
     }
 
     #[test]

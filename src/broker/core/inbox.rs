@@ -398,9 +398,8 @@ impl Broker {
         p.inbox_refused = Some((refusals.saturating_add(1), why.into()));
         if let Some(error) = error {
             log::warn!(participant:% = participant; "inbox consumer refused: {e}; asking again");
-            for session in p.sessions.clone() {
-                self.error(session, None, &error);
-            }
+            let sessions = p.sessions.clone();
+            self.error_to_each(sessions, &error);
         } else {
             log::debug!(participant:% = participant; "inbox consumer refused again ({}): {e}", refusals + 1);
         }
@@ -907,6 +906,49 @@ mod tests {
             .filter(|f| f["op"] == "message" && f["seq"] == one)
             .collect();
         assert!(taken.is_empty(), "taken from the sibling: {taken:?}");
+    }
+
+    #[test]
+    fn an_inbox_refusal_is_queued_once_for_all_of_its_participants_sessions() {
+        // Each of a participant's sessions is told; the frames were made at once, up to
+        // 1,024 of them (its share of the broker's sessions) in the core's queue before
+        // any budget saw one, each carrying JetStream's text of the refusal: a server or
+        // a responder that misbehaves sets that text's length, up to max_payload.
+        const SESSIONS: usize = 1024;
+        let mut config = harness::development_config();
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.inbox.max_consumers = 2;
+        }
+        let mut h = Harness::new(config, 1, 3);
+        let _alice = h.join(0, "alice", json!({}));
+        let bob: Vec<Session> = (0..SESSIONS).map(|_| h.join(0, "bob", json!({}))).collect();
+        // Bob's consumer deleted (an operator, or anyone with the account's JetStream
+        // API); carol takes its room before it is asked for again.
+        let deleted = h.nats_request("$JS.API.CONSUMER.DELETE.AMP_INBOX_dev.inbox_bob", &[], b"");
+        assert_eq!(deleted["success"], true, "{deleted}");
+        let _carol = h.join(0, "carol", json!({}));
+        h.hold_output = true;
+        h.advance(Duration::from_secs(2));
+        let queued = h.broker(0).footprint().queued_outputs;
+        h.hold_output = false;
+        h.advance(Duration::from_millis(1));
+        for &s in &bob {
+            let told = h.take(s);
+            let refusals = told
+                .iter()
+                .filter(|f| {
+                    f["code"] == "unavailable"
+                        && f["message"]
+                            .as_str()
+                            .is_some_and(|m| m.starts_with("your inbox is not delivered"))
+                })
+                .count();
+            assert_eq!(refusals, 1, "{s:?} was told {told:?}");
+        }
+        assert!(
+            queued < 16,
+            "one refusal told to {SESSIONS} sessions left {queued} outputs in the core at once"
+        );
     }
 
     #[test]

@@ -127,17 +127,16 @@ impl Jobs {
             ),
         )
         .with_path("/job");
-        let text = reply::error(None, &e);
-        let serving = self
+        let sessions = self
             .workers
             .iter()
-            .filter(|(_, w)| w.ns == ns && w.serving.get(&job).is_some_and(|s| s.slots > 0));
-        for (&session, _) in serving {
-            self.out.push_back(JobsOutput::Frame {
-                session,
-                text: text.clone(),
-            });
-        }
+            .filter(|(_, w)| w.ns == ns && w.serving.get(&job).is_some_and(|s| s.slots > 0))
+            .map(|(&session, _)| session)
+            .collect();
+        self.out.push_back(JobsOutput::Each {
+            sessions,
+            text: reply::error(None, &e),
+        });
     }
 
     pub(super) fn consumer_failed(&mut self, qk: &str, now: Instant) {
