@@ -536,6 +536,10 @@ pub fn run(
         for i in &mut ingress {
             i.driver.drive(poll.registry(), now);
         }
+        // Not held for `room` as other input is: what timers queue is bounded by what
+        // the broker holds (each deadline fires once), not by what an input brings, and
+        // is delivered within the budget all the same; registry refreshes, pull checks
+        // and leases keep their time while a fan-out waits.
         broker.handle(nats.connection_mut(), Input::Timeout, now);
 
         health.tick(nats.connection_mut(), now);
