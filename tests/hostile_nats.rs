@@ -358,6 +358,13 @@ fn a_flood_on_the_mig_request_subjects_does_not_hold_up_sessions_jetstream_repli
         "{}",
         broker.log()
     );
+    // Busy, the main connection reads all the time: never taken for silent, its
+    // ingresses never unsubscribed.
+    assert!(
+        !broker.log().contains("NATS connection silent"),
+        "{}",
+        broker.log()
+    );
     // Whether or not the server cut the ingress connection, MIG answers again, once
     // what the server had queued for it is read (up to its 64 MiB `max_pending`: about
     // 10 s for a debug build on two busy cores).
@@ -530,6 +537,90 @@ fn with_its_main_connection_down_a_broker_leaves_mig_requests_to_the_others() {
     while hellos_answered(&a) == by_a {
         assert!(asked < 100, "A answered none of {asked} hellos");
         mig_hello(&nats, "a").expect("MIG answers");
+        asked += 1;
+    }
+}
+
+/// A main connection that dies without a word (a partition, a frozen peer: no FIN, no
+/// RST) was seen down only by its keepalive, 60 to 90 s later. All that time A's ingress
+/// kept its queue group subscriptions, and the server went on handing A its share of MIG
+/// requests, answered on the dead link, while B could have answered every one.
+#[test]
+fn with_its_main_connection_silent_a_broker_leaves_mig_requests_to_the_others() {
+    let monitor = format!("127.0.0.1:{}", common::free_port());
+    let nats = NatsServer::with_config(&format!("http: \"{monitor}\""));
+    let relay = common::relay::Relay::start(&nats.addr());
+    let mut config = open_config(&["a", "b"]);
+    config["mig"] = json!({"enabled": true});
+    let a = Broker::start(&format!("nats://{}", relay.addr()), &config);
+    let b = Broker::start(&nats.url(), &config);
+    let mut asked = 0;
+    while hellos_answered(&a) == 0 || hellos_answered(&b) == 0 {
+        assert!(asked < 100, "one broker answered none of {asked} hellos");
+        mig_hello(&nats, "a").expect("MIG answers");
+        asked += 1;
+    }
+
+    // Only A's main link carries nothing from now on; its ingress connections carry on.
+    let main = |said: &str| said.starts_with("CONNECT") && !said.contains(" ingress ");
+    assert!(relay.freeze_where(main) >= 1, "A's main connection");
+    let frozen = Instant::now();
+    // Callers keep asking meanwhile; what the server hands A is lost until A leaves the
+    // queue group.
+    let mut lost = 0;
+    let left = wait_until(WAIT, || {
+        lost += usize::from(mig_hello_within(&nats, "a", Duration::from_millis(500)).is_err());
+        an_ingress_unsubscribed(&monitor)
+    });
+    assert!(
+        left,
+        "A's ingress still subscribed {:?} after its main link went silent ({lost} hellos \
+         lost meanwhile, A dropped {:?})",
+        frozen.elapsed(),
+        metric(&a, "amp_nats_ingress_dropped_total")
+    );
+    eprintln!(
+        "A's UNSUBs seen by the server {:?} after its main link went silent; {lost} hellos lost",
+        frozen.elapsed()
+    );
+    assert_eq!(
+        metric(&a, "amp_nats_connected"),
+        Some(1.0),
+        "seen silent, not down: its keepalive has not given up"
+    );
+    assert!(
+        wait_until(WAIT, || a.log().contains("NATS connection silent")),
+        "A's log says why:\n{}",
+        a.log()
+    );
+    let by_b = hellos_answered(&b);
+    let mut failed = Vec::new();
+    for n in 0..20 {
+        let t = Instant::now();
+        if let Err(e) = mig_hello_within(&nats, "a", Duration::from_secs(5)) {
+            failed.push(format!("hello {n} after {:?}: {e}", t.elapsed()));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 20 hellos unanswered: {failed:?}",
+        failed.len()
+    );
+    assert_eq!(hellos_answered(&b) - by_b, 20, "B answered them all");
+
+    // The frozen link dropped bytes mid-stream: it is closed, and A takes its share again
+    // once its main connection is back.
+    relay.cut_where(main);
+    relay.restore();
+    let by_a = hellos_answered(&a);
+    let mut asked = 0;
+    while hellos_answered(&a) == by_a {
+        assert!(
+            asked < 200,
+            "A answered none of {asked} hellos; log:\n{}",
+            a.log()
+        );
+        let _ = mig_hello_within(&nats, "a", Duration::from_millis(500));
         asked += 1;
     }
 }

@@ -789,14 +789,15 @@ impl Broker {
     }
 
     /// Subscribes the ingress connection `ingress` (`which` one) while the main
-    /// connection `conn` is up, and ends its subscriptions while it is not (nor yet, at
-    /// start): what the ingress brings is answered on the main connection, so without it
-    /// this broker answers nothing, and a queue group member that answers nothing still
-    /// gets its share of the group's requests (nats-server even prefers members on the
-    /// requester's server) while the other brokers could have answered them. Call it
-    /// after the main connection's events of each round.
+    /// connection `conn` is up and not silent ([`Connection::is_silent`]), and ends its
+    /// subscriptions while it is not (nor yet, at start): what the ingress brings is
+    /// answered on the main connection, so without it this broker answers nothing, and a
+    /// queue group member that answers nothing still gets its share of the group's
+    /// requests (nats-server even prefers members on the requester's server) while the
+    /// other brokers could have answered them. Call it after the main connection's events
+    /// of each round.
     pub fn tend_ingress(&mut self, conn: &Connection, which: Ingress, ingress: &mut Connection) {
-        let up = conn.is_connected();
+        let up = conn.is_connected() && !conn.is_silent();
         let side = |i: &[IngressSubs; 3]| i.get(which as usize).map(|s| s.subscribed);
         if self.ingress.as_ref().and_then(side).is_none_or(|s| s == up) {
             return;
@@ -2612,6 +2613,64 @@ mod tests {
             take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "),
             "answered on the main connection"
         );
+    }
+
+    #[test]
+    fn the_ingress_is_subscribed_only_while_the_main_connection_answers() {
+        // A main connection that dies without a word stays connected until its keepalive
+        // gives up, 60 to 90 s on: the ingress kept its subscriptions all that time, and
+        // what the server handed this broker was answered into the dead link.
+        let t0 = Instant::now();
+        let probe = Duration::from_millis(1500);
+        let mut b = broker_with_ingress(t0);
+        let mut main = Options::new("nats://127.0.0.1:4222");
+        main.silence_probe = Some(probe);
+        let mut conns = [
+            connected_with(main, t0),
+            connected(t0),
+            connected(t0),
+            connected(t0),
+        ];
+        let [conn, callout, ingress, events] = &mut conns;
+        b.start(conn, t0).expect("start");
+        take_wire(conn);
+        let first = tend(&mut b, conn, callout, ingress, events).map(|w| subscribed(&w));
+
+        // A hello answered on the main connection, which reads nothing from then on.
+        ingress.receive(hello_on(&first[1]["mig.v0_1.dev.hello"]).as_bytes(), t0);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t0);
+        assert!(take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "));
+        let t1 = t0 + probe;
+        conn.handle_timeout(t1);
+        assert!(take_wire(conn).ends_with("PING\r\n"), "probed");
+        let wires = tend(&mut b, conn, callout, ingress, events);
+        assert_eq!(wires, <[String; 3]>::default(), "subscribed while probed");
+        let t2 = t1 + probe;
+        conn.handle_timeout(t2);
+        assert!(conn.is_silent() && conn.is_connected());
+        let wires = tend(&mut b, conn, callout, ingress, events);
+        for (wire, first) in wires.iter().zip(&first) {
+            for (subject, sid) in first {
+                assert!(
+                    wire.contains(&format!("UNSUB {sid}\r\n")),
+                    "{subject} ({sid}) still subscribed with the main connection silent: {wire}"
+                );
+            }
+        }
+
+        // It answers again: subscribed again, and what comes is answered.
+        let t3 = t2 + Duration::from_secs(1);
+        conn.receive(b"PONG\r\n", t3);
+        let again = tend(&mut b, conn, callout, ingress, events).map(|w| subscribed(&w));
+        for (again, first) in again.iter().zip(&first) {
+            assert_eq!(
+                again.keys().collect::<Vec<_>>(),
+                first.keys().collect::<Vec<_>>()
+            );
+        }
+        ingress.receive(hello_on(&again[1]["mig.v0_1.dev.hello"]).as_bytes(), t3);
+        feed_ingress(&mut b, conn, Ingress::Requests, ingress, t3);
+        assert!(take_wire(conn).contains("HPUB _INBOX_dev_alice.1 "));
     }
 
     /// The main connection `conn` lost, the core told.

@@ -208,6 +208,48 @@ enum State {
 enum PingKind {
     Keepalive,
     User(u64),
+    /// [`Options::silence_probe`]'s.
+    Probe,
+}
+
+/// What [`Options::silence_probe`] follows of the current transport.
+#[derive(Debug, Clone, Copy)]
+struct Silence {
+    /// When it last brought bytes, or had them waiting unread ([`Connection::input_held`]).
+    heard_at: Instant,
+    /// Something was written since `heard_at`.
+    wrote: bool,
+    /// When the probe PING out was queued.
+    probe_at: Option<Instant>,
+    silent: bool,
+}
+
+impl Silence {
+    fn new(now: Instant) -> Silence {
+        Silence {
+            heard_at: now,
+            wrote: false,
+            probe_at: None,
+            silent: false,
+        }
+    }
+
+    fn heard(&mut self, now: Instant) {
+        self.heard_at = self.heard_at.max(now);
+        self.wrote = false;
+        self.silent = false;
+    }
+
+    /// When the next PING is due, or the one out makes the connection silent.
+    fn deadline(&self, probe: Duration) -> Option<Instant> {
+        match self.probe_at {
+            None if self.wrote => Some(after(self.heard_at, probe)),
+            // Measured from the last read too: bytes ahead of its PONG show the server
+            // is there, and a link that dies after them is silent `probe` later.
+            Some(at) if !self.silent => Some(after(at.max(self.heard_at), probe)),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -287,6 +329,7 @@ pub struct Connection {
 
     pings: VecDeque<PingKind>,
     keepalive_out: u32,
+    silence: Silence,
     next_ping: Option<Instant>,
     next_user_ping: u64,
     lame_duck_move: bool,
@@ -366,6 +409,7 @@ impl Connection {
             invalid_since_report: 0,
             pings: VecDeque::new(),
             keepalive_out: 0,
+            silence: Silence::new(now),
             next_ping: None,
             next_user_ping: 0,
             lame_duck_move: false,
@@ -475,6 +519,9 @@ impl Connection {
         ) {
             return;
         }
+        if !bytes.is_empty() {
+            self.silence.heard(now);
+        }
         if self.rbuf.is_empty() {
             // Parse straight from the caller's bytes; keep only an incomplete tail.
             let used = self.parse_all(bytes, now);
@@ -523,6 +570,7 @@ impl Connection {
 
     /// `n` bytes of `output()` were written.
     pub fn consume_output(&mut self, n: usize) {
+        self.silence.wrote |= n > 0;
         self.out_pos = (self.out_pos + n).min(self.out.len());
         if self.out_pos == self.out.len() {
             self.out.clear();
@@ -559,7 +607,14 @@ impl Connection {
             State::Dialing { deadline, .. }
             | State::AwaitInfo { deadline, .. }
             | State::AwaitPong { deadline, .. } => Some(deadline),
-            State::Connected { .. } => self.next_ping,
+            State::Connected { .. } => {
+                let probe = self.options.silence_probe;
+                let probe = probe.and_then(|p| self.silence.deadline(p));
+                match (self.next_ping, probe) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
+            }
             State::Closed => None,
         };
         match (state, self.requests.next_deadline()) {
@@ -601,12 +656,49 @@ impl Connection {
             }
             _ => {}
         }
+        self.probe_silence(now);
         for id in self.requests.expire(now) {
             self.events.push_back(Event::RequestFailed {
                 id,
                 error: RequestError::Timeout,
             });
         }
+    }
+
+    /// [`Options::silence_probe`]: a PING once something written has waited with nothing
+    /// read, and silent once that has waited too.
+    fn probe_silence(&mut self, now: Instant) {
+        let Some(probe) = self.options.silence_probe.filter(|_| self.is_connected()) else {
+            return;
+        };
+        if self.silence.deadline(probe).is_none_or(|t| now < t) {
+            return;
+        }
+        if self.silence.probe_at.is_some() {
+            self.silence.silent = true;
+        } else {
+            // Past the write bound, as the keepalive's: one at a time, and a server that
+            // reads nothing is what it asks about.
+            self.pings.push_back(PingKind::Probe);
+            encode::ping(&mut self.out);
+            self.silence.probe_at = Some(now);
+        }
+    }
+
+    /// The shell has input of this connection it does not read yet (its caller holds
+    /// reads): the server is heard, and the silence it would find is its own.
+    pub fn input_held(&mut self, now: Instant) {
+        self.last_now = self.last_now.max(now);
+        if self.is_connected() {
+            self.silence.heard(now);
+        }
+    }
+
+    /// Connected, but nothing read for a while although a PING asked
+    /// ([`Options::silence_probe`]): the link or the server may be gone without a word,
+    /// which only the keepalive, much later, takes for a lost connection.
+    pub fn is_silent(&self) -> bool {
+        self.silence.silent && self.is_connected()
     }
 
     /// Whether events wait to be polled.
@@ -1358,6 +1450,7 @@ impl Connection {
                     Some(PingKind::Keepalive) => {
                         self.keepalive_out = self.keepalive_out.saturating_sub(1);
                     }
+                    Some(PingKind::Probe) => self.silence.probe_at = None,
                     None => {}
                 }
             }
@@ -1377,6 +1470,7 @@ impl Connection {
         }
         self.keepalive_out = 0;
         self.pings.clear();
+        self.silence = Silence::new(now);
         self.next_ping = Some(after(now, self.options.ping_interval));
         // Restore subscriptions, then what was published while away.
         for (sid, sub) in self.subs.all_mut() {
@@ -1650,6 +1744,7 @@ impl Connection {
         self.unsub_owed.clear();
         self.pings.clear();
         self.keepalive_out = 0;
+        self.silence = Silence::new(self.last_now);
         self.next_ping = None;
         self.lame_duck_move = false;
         self.parser.max_payload = inbound_limit(self.max_payload);

@@ -360,6 +360,7 @@ impl Driver {
         if self.reads_held || self.queue_full() {
             // Edge-triggered readiness is not repeated: remember to read.
             self.read_more = true;
+            self.conn.input_held(now);
             return;
         }
         self.read_more = false;

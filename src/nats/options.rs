@@ -213,6 +213,12 @@ pub struct Options {
     pub ping_interval: Duration,
     /// Unanswered keepalive PINGs tolerated; one more and the connection is stale.
     pub max_pings_outstanding: u32,
+    /// Probing a quiet connection (`None`: not probed): once something is written with
+    /// nothing read for this long, a PING; that PING unanswered with nothing read for as
+    /// long again, the connection is *silent* (`Connection::is_silent`) until it reads
+    /// again. It stays up: only the keepalive gives it up, after `ping_interval` times
+    /// `max_pings_outstanding` or more.
+    pub silence_probe: Option<Duration>,
     /// For dialing plus the INFO/CONNECT/PONG handshake.
     pub connect_timeout: Duration,
     /// Reconnect after losing an established connection.
@@ -374,6 +380,7 @@ impl Default for Options {
             echo: true,
             ping_interval: Duration::from_secs(30),
             max_pings_outstanding: 2,
+            silence_probe: None,
             connect_timeout: Duration::from_secs(2),
             allow_reconnect: true,
             retry_on_failed_connect: false,

@@ -1323,3 +1323,94 @@ fn control_lines_count_against_the_write_buffer_bound() {
         "{restored:?}"
     );
 }
+
+#[test]
+fn a_quiet_connection_is_probed_and_silent_until_it_reads_again() {
+    // A link that dies without a word was found only by the keepalive: stale after two
+    // unanswered PINGs, 60 to 90 s. The broker's main connection is probed sooner, and
+    // its ingresses follow it being silent.
+    let probe = Duration::from_millis(1500);
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(probe);
+    // Out of the way: this test's PINGs are the probe's.
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    h.conn.subscribe("s", None).expect("sub");
+    h.take_output();
+    h.conn.receive(b"MSG s 1 2\r\nhi\r\n", h.now);
+
+    // Writing and reading, the connection is not probed.
+    for _ in 0..10 {
+        h.conn.publish("p", None, None, b"x").expect("publish");
+        assert_eq!(ops(&h.take_output()), ["PUB p x"]);
+        h.advance(Duration::from_secs(1));
+        h.conn.receive(b"MSG s 1 2\r\nhi\r\n", h.now);
+    }
+    // Nor is it with nothing written, however long.
+    h.advance(Duration::from_secs(20));
+    assert!(h.take_output().is_empty());
+
+    // Written after a quiet spell: a PING with it; unanswered for as long, silent.
+    h.conn.publish("p", None, None, b"x").expect("publish");
+    h.take_output();
+    h.advance(Duration::ZERO);
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.advance(probe - Duration::from_millis(1));
+    assert!(!h.conn.is_silent());
+    h.advance(Duration::from_millis(1));
+    assert!(h.conn.is_silent());
+    assert!(h.conn.is_connected(), "left to the keepalive");
+    assert!(h.take_output().is_empty(), "one probe at a time");
+    h.advance(Duration::from_secs(5));
+    assert!(h.take_output().is_empty(), "one probe at a time");
+
+    // Anything read ends it, ahead of the PONG too; silent again once that much
+    // time has passed without the PONG or any other read.
+    h.conn.receive(b"MSG s 1 2\r\nhi\r\n", h.now);
+    assert!(!h.conn.is_silent());
+    h.advance(probe - Duration::from_millis(1));
+    assert!(!h.conn.is_silent());
+    h.advance(Duration::from_millis(1));
+    assert!(h.conn.is_silent());
+    // Input the shell holds unread counts as heard: the silence is the caller's.
+    h.conn.input_held(h.now);
+    assert!(!h.conn.is_silent());
+    h.conn.receive(b"PONG\r\n", h.now);
+    h.advance(Duration::from_secs(5));
+    assert!(!h.conn.is_silent());
+    assert!(h.take_output().is_empty(), "answered: no probe");
+    let events = h.events();
+    assert!(
+        events.iter().all(|e| matches!(e, Event::Message { .. })),
+        "the probe's PONG reaches no caller: {events:?}"
+    );
+
+    // A new transport starts heard.
+    h.conn.publish("p", None, None, b"x").expect("publish");
+    h.take_output();
+    h.advance(Duration::ZERO);
+    h.advance(probe);
+    assert!(h.conn.is_silent());
+    h.conn.on_transport_closed(h.now, "gone");
+    assert!(!h.conn.is_silent());
+    h.connect();
+    h.advance(probe * 4);
+    assert!(!h.conn.is_silent());
+}
+
+#[test]
+fn without_a_silence_probe_only_the_keepalive_pings() {
+    let mut o = Harness::options("h:1");
+    o.ping_interval = Duration::from_secs(30);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.conn.publish("p", None, None, b"x").expect("publish");
+    h.take_output();
+    h.advance(Duration::from_secs(29));
+    assert!(h.take_output().is_empty());
+    assert!(!h.conn.is_silent());
+    h.advance(Duration::from_secs(1));
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+}

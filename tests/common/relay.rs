@@ -18,10 +18,12 @@ pub struct Relay {
     acceptor: Option<JoinHandle<()>>,
 }
 
-/// One forwarded connection: both sockets, and the first bytes its client sent.
+/// One forwarded connection: both sockets, the first bytes its client sent, and whether
+/// it alone is frozen ([`Relay::freeze_where`]).
 struct Link {
     streams: [TcpStream; 2],
     said: Arc<Mutex<Vec<u8>>>,
+    frozen: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -61,13 +63,16 @@ impl Relay {
                         continue;
                     }
                     let said = Arc::<Mutex<Vec<u8>>>::default();
+                    let link_frozen = Arc::new(AtomicBool::new(false));
                     if let (Ok(a), Ok(b)) = (inbound.try_clone(), outbound.try_clone()) {
                         list.push(Link {
                             streams: [a, b],
                             said: said.clone(),
+                            frozen: link_frozen.clone(),
                         });
                     }
                     drop(list);
+                    let frozen = [frozen.clone(), link_frozen];
                     pipe(&inbound, &outbound, &frozen, Some(said));
                     pipe(&outbound, &inbound, &frozen, None);
                 }
@@ -115,6 +120,9 @@ impl Relay {
     pub fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
         self.frozen.store(false, Ordering::SeqCst);
+        for link in self.conns.lock().expect("relay lock").iter() {
+            link.frozen.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Drops everything in both directions from now on, closing nothing: only the
@@ -122,14 +130,29 @@ impl Relay {
     pub fn freeze(&self) {
         self.frozen.store(true, Ordering::SeqCst);
     }
+
+    /// [`Relay::freeze`] for the forwarded connections whose client's first bytes `said`
+    /// holds true for (see [`Relay::cut_where`]); the others, and new ones, carry on. How
+    /// many it froze.
+    pub fn freeze_where(&self, said: impl Fn(&str) -> bool) -> usize {
+        let list = self.conns.lock().expect("relay lock");
+        let frozen = list.iter().filter(|link| {
+            said(&String::from_utf8_lossy(
+                &link.said.lock().expect("relay lock"),
+            ))
+        });
+        frozen
+            .inspect(|link| link.frozen.store(true, Ordering::SeqCst))
+            .count()
+    }
 }
 
 /// Copies `from` to `to` on a thread until either side closes; drops the bytes while
-/// `frozen`. The first 4 KiB go into `said` too.
+/// either of `frozen` (the relay's, the link's) is set. The first 4 KiB go into `said` too.
 fn pipe(
     from: &TcpStream,
     to: &TcpStream,
-    frozen: &Arc<AtomicBool>,
+    frozen: &[Arc<AtomicBool>; 2],
     said: Option<Arc<Mutex<Vec<u8>>>>,
 ) {
     let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
@@ -147,7 +170,7 @@ fn pipe(
                 let room = 4096usize.saturating_sub(said.len()).min(n);
                 said.extend_from_slice(&buf[..room]);
             }
-            if frozen.load(Ordering::SeqCst) {
+            if frozen.iter().any(|f| f.load(Ordering::SeqCst)) {
                 continue;
             }
             if to.write_all(&buf[..n]).is_err() {
