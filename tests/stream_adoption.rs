@@ -165,6 +165,33 @@ fn inbox_and_tasks_streams_of_earlier_releases_get_discard_new() {
     }
 }
 
+#[test]
+fn a_tasks_duplicate_window_reaching_past_the_shortest_kept_record_is_lowered() {
+    // A task id is free again once its finished record expired (300 s after at the
+    // least), and its next use's message has the same message id: an operator's longer
+    // window took it for a duplicate of the last use's, and the submit was answered `ok`
+    // for a task never queued.
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let day = StreamSettings {
+        duplicate_window_s: 86_400,
+        ..StreamSettings::default()
+    };
+    js.create_stream(&binding::tasks_stream_config("acme", day))
+        .expect("tasks stream");
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    let info = js.stream_info("AMP_TASKS_acme").expect("stream");
+    assert_eq!(
+        info.config.duplicate_window,
+        Some(Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S))
+    );
+    let log = broker.log();
+    assert!(
+        log.contains("stream AMP_TASKS_acme: duplicate_window lowered to 240 s"),
+        "{log}"
+    );
+}
+
 /// Sets an operator's byte limit on `stream`, everything else kept.
 fn bound(js: &mut Context, stream: &str, max_bytes: i64) {
     let mut config = js.stream_info(stream).expect("stream").config;

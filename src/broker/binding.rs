@@ -233,6 +233,13 @@ fn aged(c: StreamConfig, max_age_s: u64, max_bytes: u64) -> StreamConfig {
 /// gets nats-server's default (1,000 since 2.15).
 pub const JOB_CONSUMERS: u64 = 10_000;
 
+/// The longest duplicate window the tasks stream keeps (an operator's longer one is
+/// lowered to it at start): a minute inside the shortest time a finished task's record is
+/// kept (`keep_finished_s`, 300 s at the least). A task id is free again once its record
+/// expired, and the next use's message has the same message id, the task id (spec section
+/// 4), so a window reaching back to the last use's message took it for a duplicate.
+pub const TASKS_DUPLICATE_WINDOW_MAX_S: u64 = 240;
+
 /// Discard `new`, as the inbox: a full task stream refuses new submits instead of removing
 /// queued tasks whose records would then wait for good.
 pub fn tasks_stream_config(ns: &str, s: StreamSettings) -> StreamConfig {

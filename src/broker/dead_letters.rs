@@ -5,8 +5,9 @@
 //!
 //! The letter is read from the task message itself (`STREAM.MSG.GET` by the sequence in
 //! its ack subject), so no broker keeps task bodies while they run. The letter's
-//! `Nats-Msg-Id` is the task id: a redelivery after a crash between the letter and the
-//! terminate stores nothing twice.
+//! `Nats-Msg-Id` is the task id and its use (`TaskRecord::use_scoped`): a redelivery
+//! after a crash between the letter and the terminate stores nothing twice, and a later
+//! use of the id stores its own.
 
 use std::collections::BTreeMap;
 
@@ -217,12 +218,12 @@ impl Letter {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
-    /// The headers it is stored with.
-    pub fn headers(&self, broker: &str) -> HeaderMap {
+    /// The headers it is stored with, under message id `msg_id`.
+    pub fn headers(&self, broker: &str, msg_id: &str) -> HeaderMap {
         let mut h = HeaderMap::new();
         let from = format!("broker/{broker}");
         for (k, v) in [
-            ("Nats-Msg-Id", self.task.as_str()),
+            ("Nats-Msg-Id", msg_id),
             ("AMP-From", from.as_str()),
             ("AMP-Kind", "dead_letter"),
         ] {

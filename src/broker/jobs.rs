@@ -2584,6 +2584,50 @@ mod tests {
         h.take(app_b);
     }
 
+    #[test]
+    fn a_task_id_used_again_gets_its_result_and_letter_under_longer_duplicate_windows() {
+        // A result's and a letter's message ids were derived from the task id alone: with
+        // the inbox's and the dead letters' duplicate windows lengthened past the finished
+        // record's lifetime (an operator's `nats stream edit`), the next use of the id had
+        // its result and letter taken for duplicates of the first's, never stored.
+        let mut config = keeping_finished_records(300);
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.max_attempts = 1;
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let day = (86_400 * NANOS) as i64;
+        for stream in ["AMP_INBOX_dev", "AMP_DLQ_dev"] {
+            set_stream_limit(&mut h, stream, "duplicate_window", day);
+        }
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        for n in [1, 2] {
+            let submit = json!({"op":"submit","job":"render","task":"T","body":{"n":n}});
+            let ok = h.request(app, submit);
+            assert_eq!(
+                (&ok["op"], &ok["dup"]),
+                (&json!("ok"), &json!(false)),
+                "{ok}"
+            );
+            offer(&mut h, w, "T");
+            assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+            let code = format!("e{n}");
+            let f = h.request(w, json!({"op":"fail","task":"T","error":{"code":code}}));
+            assert_eq!(f["op"], "ok", "{f}");
+            let r = task_result(&mut h, app, "T");
+            assert_eq!(
+                (&r["state"], &r["error"]["code"]),
+                (&json!("failed"), &json!(code))
+            );
+            assert_eq!(h.server.stream_messages("AMP_DLQ_dev").len(), n as usize);
+            h.advance(Duration::from_secs(400));
+        }
+    }
+
     /// Stores a second copy of a task message, as a republish past the stream's
     /// duplicate window does.
     fn store_copy(h: &mut Harness, payload: &[u8], msg_id: &str) {

@@ -10,7 +10,9 @@ use serde_json::Value;
 use super::binding::{self, StreamSettings};
 use super::config::{Config, Namespace};
 use crate::jetstream::api::check_error;
-use crate::jetstream::{ApiPrefix, ConsumerAction, DiscardPolicy, JsError, Request, StreamConfig};
+use crate::jetstream::{
+    ApiPrefix, ConsumerAction, DiscardPolicy, JsError, Request, RetentionPolicy, StreamConfig,
+};
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -296,13 +298,22 @@ fn adopt(
             marker_ttl_update,
         ),
     ];
+    let mut apply = |updated: StreamConfig, what: &str, existing: &mut Value| {
+        call(client, api.stream_update(&updated))
+            .map_err(|e| fatal(format!("stream {name}: {what} failed: {e}")))?;
+        log::info!("stream {name}: {what}");
+        if let Ok(now) = serde_json::to_value(&updated) {
+            *existing = now;
+        }
+        Ok(())
+    };
     for (what, update) in updates {
         if let Some(updated) = update(desired, &existing) {
-            call(client, api.stream_update(&updated))
-                .map_err(|e| fatal(format!("stream {name}: {what} failed: {e}")))?;
-            log::info!("stream {name}: {what}");
-            existing = serde_json::to_value(&updated).unwrap_or(existing);
+            apply(updated, what, &mut existing)?;
         }
+    }
+    if let Some((updated, what)) = duplicate_window_update(desired, &existing) {
+        apply(updated, &what, &mut existing)?;
     }
     let differences = binding::check_compatible(desired, &existing)
         .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
@@ -355,6 +366,34 @@ fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConf
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
     updated.discard = Some(DiscardPolicy::New);
     Some(updated)
+}
+
+/// The tasks stream's duplicate window is brought within what keeps a task id's uses
+/// apart ([`binding::TASKS_DUPLICATE_WINDOW_MAX_S`]); an operator's longer one made the
+/// next use's message a duplicate of the last use's, `ok` to a task never queued.
+/// Says what it changed.
+fn duplicate_window_update(
+    desired: &StreamConfig,
+    existing: &Value,
+) -> Option<(StreamConfig, String)> {
+    if desired.retention != Some(RetentionPolicy::WorkQueue) {
+        return None;
+    }
+    let max = Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S);
+    let have = existing
+        .get("duplicate_window")
+        .and_then(Value::as_u64)
+        .map(Duration::from_nanos)?;
+    if have <= max {
+        return None;
+    }
+    let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
+    updated.duplicate_window = Some(max);
+    let what = format!(
+        "duplicate_window lowered to {} s, inside the shortest time a finished task's record is kept",
+        max.as_secs()
+    );
+    Some((updated, what))
 }
 
 /// A registry bucket made when `registry_ttl_s` was shorter keeps markers that age out

@@ -456,6 +456,19 @@ impl TaskRecord {
                 .is_ok_and(|b| body_digest(&b) == self.body_sha256)
     }
 
+    /// `id`, the message id of something this task's outcome stores (its `task_result`,
+    /// its dead letter), made this use's own. The id was the task's alone: a later use of
+    /// it (this record expired) was a duplicate of the earlier use's while that was still
+    /// inside a stream's duplicate window, which an operator may lengthen past the
+    /// record's lifetime, and its result or letter was never stored. A record of an
+    /// earlier release, without a use id, keeps the id it published under.
+    pub fn use_scoped(&self, id: &str) -> String {
+        match &self.use_id {
+            Some(u) => [id, ".", u].concat(),
+            None => id.to_string(),
+        }
+    }
+
     /// Whether `other` is a record of the same use of the task id as this one, not one
     /// the id got when used again after this one expired: the same `use_id`, or, for a
     /// record of an earlier release, the same submission made at the same moment.

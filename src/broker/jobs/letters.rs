@@ -159,7 +159,8 @@ impl Jobs {
             }
         };
         let subject = binding::dlq_subject(ns_of(&outcome.record), &letter.job);
-        let headers = letter.headers(&self.broker_id);
+        let msg_id = outcome.record.use_scoped(&letter.task);
+        let headers = letter.headers(&self.broker_id, &msg_id);
         // A letter too large to store would be too large on every retry: what does not fit
         // is left out rather than retried for ever (each retry announcing the outcome again).
         let max = conn.max_payload();

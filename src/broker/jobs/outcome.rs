@@ -95,7 +95,12 @@ impl Jobs {
         finish.stays =
             finish.redelivery_resends && matches!(finish.ack, Some((_, AckKind::Nak { .. })));
         let key = finish.key.clone();
-        let id = envelope::idempotent_id(Kind::TaskResult, "broker", &record.submitted_by, &key);
+        let id = envelope::idempotent_id(
+            Kind::TaskResult,
+            "broker",
+            &record.submitted_by,
+            &record.use_scoped(&key),
+        );
         let body = crate::amp::Body::from_value(&record.result_body()).into_text();
         let env = Envelope {
             id: id.clone(),
