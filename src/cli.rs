@@ -10,7 +10,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::broker::binding::StreamSettings;
 use crate::broker::config::{Config, Limits};
+use crate::broker::setup;
 
 const SERVE_FLAGS: &str = "\
 serve flags (each also read from the environment, see below):
@@ -642,6 +644,14 @@ pub fn describe(config: &Config) -> String {
                 j.lease_s, j.offer_ms, j.max_attempts
             ));
         }
+        let settings = StreamSettings::default();
+        let window = setup::outcome_window_s(ns, settings);
+        if window > settings.duplicate_window_s {
+            out.push_str(&format!(
+                "  inbox and dead letters: duplicate_window {window} s (the longest lease_s and {} s), message ids kept in the server's memory that long\n",
+                setup::REDELIVERY_MARGIN_S
+            ));
+        }
         out.push_str(&format!(
             "  warning: namespace {name}: nothing in this configuration bounds its {}; client input fills them until JetStream's storage is full (set limits on the streams, or the account's storage; README \"A store that is full\")\n",
             unbounded_stores(ns).join(", ")
@@ -1090,6 +1100,10 @@ mod tests {
         assert!(out.contains(": alice"), "{out}");
         assert!(
             out.contains("job resize: lease 60 s, offer 5000 ms"),
+            "{out}"
+        );
+        assert!(
+            out.contains("inbox and dead letters: duplicate_window 150 s"),
             "{out}"
         );
         assert!(

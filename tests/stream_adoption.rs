@@ -192,6 +192,35 @@ fn a_tasks_duplicate_window_reaching_past_the_shortest_kept_record_is_lowered() 
     );
 }
 
+#[test]
+fn inbox_and_dead_letter_windows_made_under_shorter_leases_are_raised() {
+    // A finished task's message whose ack was lost comes back one lease after its last
+    // delivery and publishes the result and letter again; kept at 120 s, the window let a
+    // 300 s lease's repeat through as a second result.
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let s = StreamSettings::default();
+    js.create_stream(&binding::inbox_stream_config("acme", 0, 10_000, s))
+        .expect("inbox stream");
+    js.create_stream(&binding::dlq_stream_config("acme", 3600, 0, s))
+        .expect("dead-letter stream");
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 300}});
+    let broker = Broker::start(&nats.url(), &config);
+    for stream in ["AMP_INBOX_acme", "AMP_DLQ_acme"] {
+        let info = js.stream_info(stream).expect("stream");
+        assert_eq!(
+            info.config.duplicate_window,
+            Some(Duration::from_secs(390)),
+            "{stream}"
+        );
+        let line = format!(
+            "stream {stream}: duplicate_window raised to 390 s, the longest lease_s and 90 s"
+        );
+        assert!(broker.log().contains(&line), "{}", broker.log());
+    }
+}
+
 /// Sets an operator's byte limit on `stream`, everything else kept.
 fn bound(js: &mut Context, stream: &str, max_bytes: i64) {
     let mut config = js.stream_info(stream).expect("stream").config;

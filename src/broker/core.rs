@@ -381,6 +381,12 @@ enum Pending {
     },
     /// A stream found gone, made again (`remake.rs`).
     Remake(remake::Key),
+    /// A stream whose duplicate window a reload lengthened: read (`what` none), then
+    /// updated (`what` it changed).
+    WindowRaise {
+        key: remake::Key,
+        what: Option<String>,
+    },
 }
 
 impl Pending {
@@ -405,6 +411,8 @@ impl Pending {
             Pending::SubLookup { .. } | Pending::HandBack { .. } => NatsOp::ConsumerInfo,
             Pending::StreamState { .. } => NatsOp::StreamInfo,
             Pending::Remake(_) => NatsOp::StreamCreate,
+            Pending::WindowRaise { what: None, .. } => NatsOp::StreamInfo,
+            Pending::WindowRaise { .. } => NatsOp::StreamUpdate,
             Pending::DurableCount(_) => NatsOp::ConsumerList,
             Pending::RegistryWrite { .. } => NatsOp::KvPut,
             Pending::RegistryRead { .. } => NatsOp::KvGet,
@@ -567,6 +575,9 @@ pub struct Broker {
     /// Present participants whose labels a reload changed: their registry entries are
     /// written again (a reload has no connection to write them on).
     relabeled: Vec<String>,
+    /// Inbox and dead-letter streams whose duplicate window a reload lengthened (a
+    /// longer lease): raised as start-up would (`setup::duplicate_window_update`).
+    window_raises: Vec<remake::Key>,
     /// Topic subscriptions' API requests, a few out at a time, participants taking turns
     /// (by key, see [`Broker::lane`]).
     api: ApiQueue<(Request, Pending, Instant), String>,
@@ -689,6 +700,7 @@ impl Broker {
             inbox_creates: Admission::new(INBOX_CREATES_IN_FLIGHT),
             kept_inboxes: HashSet::new(),
             relabeled: Vec::new(),
+            window_raises: Vec::new(),
             api: ApiQueue::new(SESSION_API_IN_FLIGHT),
             api_sending: false,
             watchers: HashMap::new(),
@@ -977,6 +989,17 @@ impl Broker {
                 }
             }
         }
+        for (ns, n) in &new.namespaces {
+            let Some(before) = self.config.namespaces.get(ns) else {
+                continue;
+            };
+            let window = |n| setup::outcome_window_s(n, self.stream_settings);
+            if window(n) > window(before) {
+                for stream in [binding::inbox_stream(ns), binding::dlq_stream(ns)] {
+                    self.window_raises.push((ns.clone(), stream));
+                }
+            }
+        }
         self.config = new;
         self.jobs.reload_settings(&self.config);
         self.relabel();
@@ -1158,9 +1181,12 @@ impl Broker {
                 self.grant_inbox(conn, session, now);
             }
         }
-        // Creations a reload queued (it has no connection to send them on).
+        // Creations and updates a reload queued (it has no connection to send them on).
         if !self.kept_inboxes.is_empty() {
             self.send_inbox_creates(conn, now);
+        }
+        for key in std::mem::take(&mut self.window_raises) {
+            self.send_window_raise(conn, key, None, now);
         }
         self.jobs.after_reload(conn, now);
         for key in std::mem::take(&mut self.relabeled) {
@@ -1501,6 +1527,7 @@ impl Broker {
             }
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::Remake(key) => self.remake_done(conn, key, reply, now),
+            Pending::WindowRaise { key, what } => self.window_raised(conn, key, what, reply, now),
             Pending::HandBack {
                 stream,
                 consumer,
@@ -1947,6 +1974,61 @@ impl Broker {
         }
     }
 
+    /// Reads the stream of `key` (`update` none) to raise its duplicate window, or sends
+    /// the `update` that does. One that fails is logged: a restart raises it.
+    fn send_window_raise(
+        &mut self,
+        conn: &mut Connection,
+        key: remake::Key,
+        update: Option<(crate::jetstream::StreamConfig, String)>,
+        now: Instant,
+    ) {
+        let Some((api, _)) =
+            setup::desired_stream(&self.config, &key.0, &key.1, self.stream_settings)
+        else {
+            return;
+        };
+        let (req, what) = match update {
+            None => (api.stream_info(&key.1), None),
+            Some((updated, what)) => (api.stream_update(&updated), Some(what)),
+        };
+        match js_request(conn, req, now) {
+            Ok(id) => self.await_reply(id, now, Pending::WindowRaise { key, what }),
+            Err(e) => window_not_raised(&key.1, &e),
+        }
+    }
+
+    fn window_raised(
+        &mut self,
+        conn: &mut Connection,
+        key: remake::Key,
+        what: Option<String>,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let answer = reply.map_err(|e| e.to_string()).and_then(|m| {
+            check_error(&m.payload).map_err(|e| e.to_string())?;
+            Ok(m.payload)
+        });
+        let stream = key.1.clone();
+        match (answer, what) {
+            (Err(e), _) => window_not_raised(&stream, &e),
+            (Ok(_), Some(what)) => log::info!("stream {stream}: {what}"),
+            (Ok(info), None) => {
+                let existing = serde_json::from_slice::<serde_json::Value>(&info)
+                    .map(|v| v["config"].clone())
+                    .unwrap_or_default();
+                let desired =
+                    setup::desired_stream(&self.config, &key.0, &stream, self.stream_settings);
+                if let Some(update) =
+                    desired.and_then(|(_, d)| setup::duplicate_window_update(&d, &existing))
+                {
+                    self.send_window_raise(conn, key, Some(update), now);
+                }
+            }
+        }
+    }
+
     fn remake_done(
         &mut self,
         conn: &mut Connection,
@@ -2103,6 +2185,12 @@ impl Broker {
 
 /// Sends a request of the typed JetStream builders; a name they refuse and a connection
 /// that cannot take the request both come back as why it was not sent.
+fn window_not_raised(stream: &str, e: &str) {
+    log::error!(
+        "stream {stream}: duplicate_window not raised for the reloaded lease_s ({e}); a task result or letter published again after a lost ack past the window it has is stored twice, until a restart raises it"
+    );
+}
+
 fn js_request(
     conn: &mut Connection,
     req: Result<Request, JsError>,

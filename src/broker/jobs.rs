@@ -2584,6 +2584,48 @@ mod tests {
         h.take(app_b);
     }
 
+    /// The `task_result`s of `task` stored in the namespace's inbox stream.
+    fn stored_results(h: &Harness, task: &str) -> usize {
+        h.server
+            .stream_messages("AMP_INBOX_dev")
+            .iter()
+            .filter(|m| {
+                serde_json::from_slice::<Value>(m.2)
+                    .is_ok_and(|e| e["kind"] == "task_result" && e["body"]["task"] == task)
+            })
+            .count()
+    }
+
+    #[test]
+    fn a_completion_whose_ack_is_lost_under_a_long_lease_leaves_one_task_result() {
+        // The redelivery of a finished task's message publishes its result again, which
+        // its message id dedupes within the inbox's duplicate window. That was 120 s
+        // whatever the lease: an ack lost under a 300 s lease brought the message back
+        // past it, and the submitter got a second `task_result`.
+        let mut h = Harness::new(with_lease(300), 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        h.lose_write(0, b"$JS.ACK.AMP_TASKS_dev.");
+        let done = h.request(w, json!({"op":"complete","task":task}));
+        assert_eq!(done["op"], "ok", "{done}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "completed");
+        assert_eq!(
+            h.server.stream_messages("AMP_TASKS_dev").len(),
+            1,
+            "ack lost"
+        );
+        h.advance(Duration::from_secs(420));
+        assert!(
+            h.server.stream_messages("AMP_TASKS_dev").is_empty(),
+            "the redelivery acks the message away"
+        );
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+        h.take(app);
+    }
+
     #[test]
     fn a_task_id_used_again_gets_its_result_and_letter_under_longer_duplicate_windows() {
         // A result's and a letter's message ids were derived from the task id alone: with
@@ -3307,6 +3349,26 @@ mod tests {
         h.reload(with_lease(120));
         let info = job_consumer(&mut h);
         assert_eq!(info["config"]["ack_wait"], 120 * NANOS, "{info}");
+    }
+
+    #[test]
+    fn a_reload_that_lengthens_a_lease_lengthens_the_inbox_and_dead_letter_windows() {
+        // The window that keeps a repeated result or letter a duplicate must outlast the
+        // lease (`a_completion_whose_ack_is_lost_under_a_long_lease_leaves_one_task_result`);
+        // the streams were made under the lease the broker started with.
+        let mut h = Harness::new(with_lease(30), 1, 7);
+        let window = |h: &mut Harness, stream: &str| {
+            let info = h.nats_request(&format!("$JS.API.STREAM.INFO.{stream}"), &[], b"");
+            info["config"]["duplicate_window"].clone()
+        };
+        for stream in ["AMP_INBOX_dev", "AMP_DLQ_dev"] {
+            assert_eq!(window(&mut h, stream), 120 * NANOS, "{stream}");
+        }
+        h.reload(with_lease(300));
+        for stream in ["AMP_INBOX_dev", "AMP_DLQ_dev"] {
+            assert_eq!(window(&mut h, stream), 390 * NANOS, "{stream}");
+        }
+        assert_eq!(window(&mut h, "AMP_TASKS_dev"), 120 * NANOS);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::binding::{self, StreamSettings};
-use super::config::{Config, Namespace};
+use super::config::{Config, Job, Namespace};
 use crate::jetstream::api::check_error;
 use crate::jetstream::{
     ApiPrefix, ConsumerAction, DiscardPolicy, JsError, Request, RetentionPolicy, StreamConfig,
@@ -16,6 +16,28 @@ use crate::jetstream::{
 use crate::nats::{Client, Options};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How much longer than its longest lease a namespace's inbox and dead letters keep
+/// message ids: the margin the default 30 s lease had in the 120 s window.
+pub const REDELIVERY_MARGIN_S: u64 = 90;
+
+/// The duplicate window of namespace `n`'s inbox and dead-letter streams: the broker's
+/// own, or its jobs' longest `lease_s` (a job it does not list has the default) and
+/// [`REDELIVERY_MARGIN_S`]. A finished task's message whose ack was lost, or whose broker
+/// died before acking it, comes back one AckWait (the lease) after its last delivery,
+/// and that redelivery publishes the task's result and letter again: still inside the
+/// window, a duplicate. With 120 s whatever the lease, a 300 s lease gave the submitter
+/// a second `task_result`.
+pub fn outcome_window_s(n: &Namespace, settings: StreamSettings) -> u64 {
+    let longest = n
+        .jobs
+        .values()
+        .map(|j| j.lease_s)
+        .fold(Job::default().lease_s, u64::max);
+    settings
+        .duplicate_window_s
+        .max(longest.saturating_add(REDELIVERY_MARGIN_S))
+}
 
 /// The streams the configuration needs in one JetStream domain (`None`: the local one),
 /// in creation order. Every domain in use gets its own task store and budget bucket.
@@ -35,11 +57,15 @@ pub fn desired_streams(
         if n.jetstream_domain.as_deref() != domain {
             continue;
         }
+        let outcomes = StreamSettings {
+            duplicate_window_s: outcome_window_s(n, settings),
+            ..settings
+        };
         streams.push(binding::inbox_stream_config(
             ns,
             n.inbox.max_age_s,
             n.inbox.max_consumers,
-            settings,
+            outcomes,
         ));
         streams.push(binding::topics_stream_config(
             ns,
@@ -53,7 +79,7 @@ pub fn desired_streams(
             ns,
             n.dead_letters.max_age_s,
             n.dead_letters.max_bytes,
-            settings,
+            outcomes,
         ));
         streams.push(binding::registry_stream_config(
             ns,
@@ -368,32 +394,39 @@ fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConf
     Some(updated)
 }
 
-/// The tasks stream's duplicate window is brought within what keeps a task id's uses
-/// apart ([`binding::TASKS_DUPLICATE_WINDOW_MAX_S`]); an operator's longer one made the
-/// next use's message a duplicate of the last use's, `ok` to a task never queued.
-/// Says what it changed.
-fn duplicate_window_update(
+/// A duplicate window that does not keep the broker's guarantees, brought to one that
+/// does; says what it changed. The tasks stream's is kept within what keeps a task id's
+/// uses apart ([`binding::TASKS_DUPLICATE_WINDOW_MAX_S`]): an operator's longer one
+/// made the next use's message a duplicate of the last use's, `ok` to a task never
+/// queued. The inbox's and the dead letters' is raised to ours ([`outcome_window_s`]),
+/// which a stream made under shorter leases (or another broker's) falls short of; the
+/// server allows both.
+pub fn duplicate_window_update(
     desired: &StreamConfig,
     existing: &Value,
 ) -> Option<(StreamConfig, String)> {
-    if desired.retention != Some(RetentionPolicy::WorkQueue) {
-        return None;
-    }
-    let max = Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S);
     let have = existing
         .get("duplicate_window")
         .and_then(Value::as_u64)
         .map(Duration::from_nanos)?;
-    if have <= max {
+    let outcomes = [binding::inbox_stream(""), binding::dlq_stream("")];
+    let (want, what) = if desired.retention == Some(RetentionPolicy::WorkQueue) {
+        let max = Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S);
+        let why = "inside the shortest time a finished task's record is kept";
+        (have > max).then_some((max, format!("lowered to {} s, {why}", max.as_secs())))?
+    } else if outcomes
+        .iter()
+        .any(|p| desired.name.starts_with(p.as_str()))
+    {
+        let need = desired.duplicate_window?;
+        let why = format!("the longest lease_s and {REDELIVERY_MARGIN_S} s");
+        (have < need).then_some((need, format!("raised to {} s, {why}", need.as_secs())))?
+    } else {
         return None;
-    }
+    };
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
-    updated.duplicate_window = Some(max);
-    let what = format!(
-        "duplicate_window lowered to {} s, inside the shortest time a finished task's record is kept",
-        max.as_secs()
-    );
-    Some((updated, what))
+    updated.duplicate_window = Some(want);
+    Some((updated, format!("duplicate_window {what}")))
 }
 
 /// A registry bucket made when `registry_ttl_s` was shorter keeps markers that age out

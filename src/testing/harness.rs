@@ -50,6 +50,8 @@ struct Node {
     deaf: bool,
     /// Set ([`Harness::mute`]): what it sends the server is lost on the way.
     mute: bool,
+    /// Set ([`Harness::lose_write`]): its next write holding these bytes is lost.
+    lose: Option<Vec<u8>>,
 }
 
 /// What a session has received and not yet been read by the test.
@@ -152,6 +154,7 @@ impl Harness {
             link: None,
             deaf: false,
             mute: false,
+            lose: None,
         }
     }
 
@@ -397,6 +400,12 @@ impl Harness {
         self.nodes[node].mute = mute;
     }
 
+    /// The next write `node` sends the server that holds `needle` is lost on the way,
+    /// whole (an ack lost, say, while what went before and comes after arrives).
+    pub fn lose_write(&mut self, node: usize, needle: &[u8]) {
+        self.nodes[node].lose = Some(needle.to_vec());
+    }
+
     /// `node`'s NATS connection drops (its broker reconnects); it hears and is heard
     /// again.
     pub fn cut(&mut self, node: usize) {
@@ -500,7 +509,13 @@ impl Harness {
                     let bytes = n.conn.output().to_vec();
                     if !bytes.is_empty() {
                         n.conn.consume_output(bytes.len());
-                        if !n.mute {
+                        let lost = n
+                            .lose
+                            .as_deref()
+                            .is_some_and(|needle| bytes.windows(needle.len()).any(|w| w == needle));
+                        if lost {
+                            n.lose = None;
+                        } else if !n.mute {
                             self.server.receive(c, &bytes, now);
                         }
                         busy = true;

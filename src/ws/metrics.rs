@@ -487,11 +487,12 @@ pub enum NatsOp {
     StreamMsgGet,
     StreamInfo,
     StreamCreate,
+    StreamUpdate,
 }
 
 impl NatsOp {
     /// Label values, indexed by the variant's position.
-    pub const LABELS: [&'static str; 12] = [
+    pub const LABELS: [&'static str; 13] = [
         "stream_publish",
         "ack_sync",
         "consumer_create",
@@ -504,6 +505,7 @@ impl NatsOp {
         "stream_msg_get",
         "stream_info",
         "stream_create",
+        "stream_update",
     ];
 
     pub const fn index(self) -> usize {
