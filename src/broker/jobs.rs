@@ -395,6 +395,9 @@ enum Op {
     /// The broker stored the dead letter of a task whose message stays for a
     /// redelivery (see `TaskRecord::lettered`).
     Lettered,
+    /// The task's result was refused for want of room: its record is written again as
+    /// it is (see `Change::ResultRefused`).
+    ResultRefused,
 }
 
 impl Op {
@@ -408,7 +411,9 @@ impl Op {
             | Op::Complete { session, .. }
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. } => Some(*session),
-            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent | Op::Lettered => None,
+            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent | Op::Lettered | Op::ResultRefused => {
+                None
+            }
         }
     }
 
@@ -2624,6 +2629,56 @@ mod tests {
         );
         assert_eq!(stored_results(&h, &task), 1, "task_results stored");
         h.take(app);
+    }
+
+    #[test]
+    fn a_task_result_refused_for_longer_than_the_record_is_kept_is_stored_once_there_is_room() {
+        // The finished record expired after `keep_finished_s` (here 300 s) while the full
+        // inbox refused its result: the next redelivery found no record, and the message
+        // was terminated as one without a task. The result was never stored.
+        let mut h = Harness::new(keeping_finished_records(300), 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let task = submit(&mut h, app, 1);
+        offer(&mut h, w, &task);
+        assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+        fill_inbox(&mut h, app, "w1");
+        let done = h.request(w, json!({"op":"complete","task":task,"result":{"px":9}}));
+        assert_eq!(done["op"], "ok", "{done}");
+        h.advance(Duration::from_secs(900));
+        assert!(task_results(&mut h, app).is_empty());
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let r = task_result(&mut h, app, &task);
+        assert_eq!(r["result"]["px"], 9, "{r}");
+        assert!(h.server.stream_messages("AMP_TASKS_dev").is_empty());
+        // Stored: the record expires after all, and nothing more is published.
+        h.advance(Duration::from_secs(900));
+        assert!(task_results(&mut h, app).is_empty());
+        let status = h.request(app, json!({"op":"status","task":task}));
+        assert_eq!(status["code"], "not_found", "{status}");
+        h.take(w);
+    }
+
+    #[test]
+    fn a_cancel_whose_result_is_refused_for_longer_than_the_record_is_kept_is_stored_by_a_retry() {
+        // The cancelled record expired `keep_finished_s` (here 300 s) after the cancel,
+        // however often its retries were refused meanwhile: the next retry found no task,
+        // and the result was never stored.
+        let mut h = Harness::new(keeping_finished_records(300), 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        for _ in 0..4 {
+            let c = h.request(app, json!({"op":"cancel","task":task}));
+            assert_eq!(c["code"], "unavailable", "{c}");
+            h.advance(Duration::from_secs(200));
+        }
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["op"], "ok", "{c}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+        h.take(other);
     }
 
     #[test]

@@ -218,6 +218,12 @@ pub enum Change<'a> {
     ResultSent,
     /// The dead letter of a failed task is stored (see [`TaskRecord::lettered`]).
     Lettered,
+    /// The `task_result` of a finished task was refused for want of room (a full inbox):
+    /// the record is written as it is, so that its expiry (`keep_finished_s`) starts
+    /// over. What publishes the result again (a redelivery of its message, a retry of
+    /// its cancel) needs the record; counted from the outcome, it expired while the
+    /// inbox stayed full, and the result was never stored.
+    ResultRefused,
 }
 
 /// Why a change does not apply to the record as it is.
@@ -531,7 +537,11 @@ impl TaskRecord {
         {
             return Err(Refusal::NotSubmitter);
         }
-        if self.state.is_terminal() && !matches!(change, Change::ResultSent | Change::Lettered) {
+        let about_outcome = matches!(
+            change,
+            Change::ResultSent | Change::Lettered | Change::ResultRefused
+        );
+        if self.state.is_terminal() && !about_outcome {
             return Err(Refusal::Finished(self.state));
         }
         let mut next = self.clone();
@@ -647,6 +657,11 @@ impl TaskRecord {
                 }
                 next.lettered = true;
             }
+            // Stored meanwhile (a repeat through another broker), or nothing to tell yet.
+            Change::ResultRefused if self.result_sent || !self.state.is_terminal() => {
+                return Err(Refusal::Finished(self.state));
+            }
+            Change::ResultRefused => {}
             Change::Cancel { by } => {
                 if self.submitted_by != *by {
                     return Err(Refusal::NotSubmitter);
@@ -986,6 +1001,17 @@ mod tests {
         let told = cancelled.apply(&Change::ResultSent, T0 + 1).expect("sent");
         assert!(told.result_sent && told.history == cancelled.history);
         assert!(told.apply(&Change::ResultSent, T0 + 2).is_err(), "once");
+        // A refused result rewrites a finished record as it is, until one is stored.
+        assert!(leased.apply(&Change::ResultRefused, T0).is_err());
+        assert_eq!(
+            failed.apply(&Change::ResultRefused, T0 + 2).as_ref(),
+            Ok(&failed)
+        );
+        assert_eq!(
+            cancelled.apply(&Change::ResultRefused, T0 + 1).as_ref(),
+            Ok(&cancelled)
+        );
+        assert!(sent.apply(&Change::ResultRefused, T0 + 3).is_err());
         // Only a failed task has a dead letter, marked once, with no history entry.
         assert!(leased.apply(&Change::Lettered, T0).is_err());
         assert!(cancelled.apply(&Change::Lettered, T0).is_err());

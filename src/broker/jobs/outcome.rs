@@ -151,6 +151,7 @@ impl Jobs {
         stored_nothing: bool,
         now: Instant,
     ) -> Finish {
+        let mut written = false;
         if finish.redelivery_resends
             && let Some((subject, kind)) = &mut finish.ack
         {
@@ -163,7 +164,13 @@ impl Jobs {
                 // The redelivery is for the result alone: its letter is not stored
                 // again (a second one once the letters' duplicate window has passed).
                 self.mark(conn, finish.key.clone(), Op::Lettered, now);
+                written = true;
             }
+        }
+        if stored_nothing && !written {
+            // Its expiry starts over (`Change::ResultRefused`; the mark above does that
+            // too), so the record outlives a full inbox as long as refusals keep coming.
+            self.mark(conn, finish.key.clone(), Op::ResultRefused, now);
         }
         if finish.cancelled
             && let Some((_, re, text)) = &mut finish.reply

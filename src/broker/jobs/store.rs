@@ -90,6 +90,7 @@ impl Jobs {
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
             Op::ResultSent => Change::ResultSent,
             Op::Lettered => Change::Lettered,
+            Op::ResultRefused => Change::ResultRefused,
             Op::Claim { .. } => Change::Claim {
                 by,
                 lease_ms,
@@ -124,7 +125,7 @@ impl Jobs {
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. }
             | Op::Cancel { session, .. } => *session,
-            Op::Exhaust | Op::ResultSent | Op::Lettered => {
+            Op::Exhaust | Op::ResultSent | Op::Lettered | Op::ResultRefused => {
                 return (format!("broker/{}", self.broker_id), String::new());
             }
         };
@@ -354,7 +355,7 @@ impl Jobs {
                 self.refuse(session, &re, e);
             }
             // Recorded already (by another delivery's broker), or the record moved on.
-            Op::ResultSent | Op::Lettered => {}
+            Op::ResultSent | Op::Lettered | Op::ResultRefused => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
                     let re = re.to_string();
@@ -658,7 +659,7 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
-            Op::ResultSent | Op::Lettered => {}
+            Op::ResultSent | Op::Lettered | Op::ResultRefused => {}
         }
     }
 }
