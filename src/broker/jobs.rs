@@ -395,9 +395,11 @@ enum Op {
     /// The broker stored the dead letter of a task whose message stays for a
     /// redelivery (see `TaskRecord::lettered`).
     Lettered,
-    /// The task's result was refused for want of room: its record is written again as
-    /// it is (see `Change::ResultRefused`).
-    ResultRefused,
+    /// The task's result was refused for want of room, or may have landed unconfirmed
+    /// (see `Change::ResultRefused`).
+    ResultRefused {
+        every: bool,
+    },
 }
 
 impl Op {
@@ -411,9 +413,11 @@ impl Op {
             | Op::Complete { session, .. }
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. } => Some(*session),
-            Op::Exhaust | Op::Cancel { .. } | Op::ResultSent | Op::Lettered | Op::ResultRefused => {
-                None
-            }
+            Op::Exhaust
+            | Op::Cancel { .. }
+            | Op::ResultSent
+            | Op::Lettered
+            | Op::ResultRefused { .. } => None,
         }
     }
 
@@ -2567,8 +2571,10 @@ mod tests {
         assert_eq!(c["code"], "unavailable", "{c}");
         set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
         let app_b = h.join(1, "app", json!({}));
+        // The record says every publish of the result was refused: the retry of the
+        // cancel answered `unavailable`, answered as it once the result is stored.
         let c = h.request(app_b, json!({"op":"cancel","task":task}));
-        assert_eq!(c["code"], "conflict", "{c}");
+        assert_eq!(c["op"], "ok", "{c}");
         assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
         // Past the inbox's 120 s duplicate window, the retry of the first cancel.
         h.advance(Duration::from_secs(150));
@@ -2678,6 +2684,39 @@ mod tests {
         let c = h.request(app, json!({"op":"cancel","task":task}));
         assert_eq!(c["op"], "ok", "{c}");
         assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+        h.take(other);
+    }
+
+    #[test]
+    fn a_refused_cancel_result_is_stored_by_a_late_retry_through_another_broker() {
+        // Only the broker whose publishes were refused knew that none was stored: a retry
+        // through another broker past the 90 s repeat window answered `conflict`, and
+        // the result was never stored.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "{c}");
+        h.advance(Duration::from_secs(150));
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let app_b = h.join(1, "app", json!({}));
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["op"], "ok", "{c}");
+        assert_eq!(stored_results(&h, &task), 1);
+        // Stored once: later retries, here or there, store nothing more (the first
+        // broker answers its remembered cancel `ok`, the other `conflict`).
+        h.advance(Duration::from_secs(150));
+        for s in [app, app_b] {
+            let again = h.request(s, json!({"op":"cancel","task":task}));
+            assert!(
+                again["op"] == "ok" || again["code"] == "conflict",
+                "{again}"
+            );
+        }
+        h.advance(Duration::from_secs(10));
+        assert_eq!(stored_results(&h, &task), 1);
         h.take(other);
     }
 

@@ -145,6 +145,14 @@ pub struct TaskRecord {
     /// longer makes a repeat a duplicate.
     #[serde(default, skip_serializing_if = "is_false")]
     pub lettered: bool,
+    /// Of a cancelled task: every publish of its `task_result` was refused for want of
+    /// room (JetStream stored nothing), as the broker that last had one refused knew of
+    /// its own. A retry of the cancel through any broker publishes it again, also past
+    /// the repeat window, where only the broker that had them refused did: a retry
+    /// through another one answered `conflict` and the result was never stored. Cleared
+    /// when it is stored, or by a broker whose publish of it may have landed.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub result_refused: bool,
     /// The use of the task id this record is: drawn at random by the submit that made
     /// it, and carried by its task message (header `AMP-Task-Use`; a resubmit's copy
     /// carries the record's). A task id is free again once its record expired, and a
@@ -218,12 +226,16 @@ pub enum Change<'a> {
     ResultSent,
     /// The dead letter of a failed task is stored (see [`TaskRecord::lettered`]).
     Lettered,
-    /// The `task_result` of a finished task was refused for want of room (a full inbox):
-    /// the record is written as it is, so that its expiry (`keep_finished_s`) starts
-    /// over. What publishes the result again (a redelivery of its message, a retry of
-    /// its cancel) needs the record; counted from the outcome, it expired while the
-    /// inbox stayed full, and the result was never stored.
-    ResultRefused,
+    /// The `task_result` of a finished task was refused for want of room (a full inbox,
+    /// `every`: as every publish of it the broker made), or a publish of it may have
+    /// landed unconfirmed (not `every`): the record is written again, so that its expiry
+    /// (`keep_finished_s`) starts over, saying so of a cancelled task
+    /// ([`TaskRecord::result_refused`]). What publishes the result again (a redelivery
+    /// of its message, a retry of its cancel) needs the record; counted from the
+    /// outcome, it expired while the inbox stayed full, and the result was never stored.
+    ResultRefused {
+        every: bool,
+    },
 }
 
 /// Why a change does not apply to the record as it is.
@@ -300,6 +312,7 @@ impl TaskRecord {
             msg_seq: None,
             result_sent: false,
             lettered: false,
+            result_refused: false,
             use_id: None,
         }
     }
@@ -422,6 +435,10 @@ impl TaskRecord {
             member(&mut out, "result_sent");
             out.push_str("true");
         }
+        if self.result_refused {
+            member(&mut out, "result_refused");
+            out.push_str("true");
+        }
         if self.lettered {
             member(&mut out, "lettered");
             out.push_str("true");
@@ -539,7 +556,7 @@ impl TaskRecord {
         }
         let about_outcome = matches!(
             change,
-            Change::ResultSent | Change::Lettered | Change::ResultRefused
+            Change::ResultSent | Change::Lettered | Change::ResultRefused { .. }
         );
         if self.state.is_terminal() && !about_outcome {
             return Err(Refusal::Finished(self.state));
@@ -650,6 +667,7 @@ impl TaskRecord {
                     return Err(Refusal::Finished(self.state));
                 }
                 next.result_sent = true;
+                next.result_refused = false;
             }
             Change::Lettered => {
                 if self.lettered || self.state != TaskState::Failed {
@@ -658,10 +676,12 @@ impl TaskRecord {
                 next.lettered = true;
             }
             // Stored meanwhile (a repeat through another broker), or nothing to tell yet.
-            Change::ResultRefused if self.result_sent || !self.state.is_terminal() => {
+            Change::ResultRefused { .. } if self.result_sent || !self.state.is_terminal() => {
                 return Err(Refusal::Finished(self.state));
             }
-            Change::ResultRefused => {}
+            Change::ResultRefused { every } => {
+                next.result_refused = *every && self.state == TaskState::Cancelled;
+            }
             Change::Cancel { by } => {
                 if self.submitted_by != *by {
                     return Err(Refusal::NotSubmitter);
@@ -819,6 +839,7 @@ mod tests {
         full.msg_seq = Some(u64::MAX);
         full.result_sent = true;
         full.lettered = true;
+        full.result_refused = true;
         full.use_id = Some("u\"1".into());
         full.history.push(HistoryEntry {
             state: TaskState::Offered,
@@ -1002,16 +1023,18 @@ mod tests {
         assert!(told.result_sent && told.history == cancelled.history);
         assert!(told.apply(&Change::ResultSent, T0 + 2).is_err(), "once");
         // A refused result rewrites a finished record as it is, until one is stored.
-        assert!(leased.apply(&Change::ResultRefused, T0).is_err());
-        assert_eq!(
-            failed.apply(&Change::ResultRefused, T0 + 2).as_ref(),
-            Ok(&failed)
-        );
-        assert_eq!(
-            cancelled.apply(&Change::ResultRefused, T0 + 1).as_ref(),
-            Ok(&cancelled)
-        );
-        assert!(sent.apply(&Change::ResultRefused, T0 + 3).is_err());
+        let every = Change::ResultRefused { every: true };
+        assert!(leased.apply(&every, T0).is_err());
+        assert_eq!(failed.apply(&every, T0 + 2).as_ref(), Ok(&failed));
+        assert!(sent.apply(&every, T0 + 3).is_err());
+        // A cancelled task's says so, for a retry through any broker, until it is stored
+        // or a publish may have landed.
+        let refused = cancelled.apply(&every, T0 + 1).expect("refused");
+        assert!(refused.result_refused && refused.history == cancelled.history);
+        let maybe = Change::ResultRefused { every: false };
+        assert_eq!(refused.apply(&maybe, T0 + 2).as_ref(), Ok(&cancelled));
+        let stored = refused.apply(&Change::ResultSent, T0 + 2).expect("sent");
+        assert!(stored.result_sent && !stored.result_refused);
         // Only a failed task has a dead letter, marked once, with no history entry.
         assert!(leased.apply(&Change::Lettered, T0).is_err());
         assert!(cancelled.apply(&Change::Lettered, T0).is_err());

@@ -167,11 +167,6 @@ impl Jobs {
                 written = true;
             }
         }
-        if stored_nothing && !written {
-            // Its expiry starts over (`Change::ResultRefused`; the mark above does that
-            // too), so the record outlives a full inbox as long as refusals keep coming.
-            self.mark(conn, finish.key.clone(), Op::ResultRefused, now);
-        }
         if finish.cancelled
             && let Some((_, re, text)) = &mut finish.reply
         {
@@ -182,6 +177,14 @@ impl Jobs {
                 .unsent_cancels
                 .get_or_insert_with(finish.key.clone(), || stored_nothing);
             *unsent &= stored_nothing;
+        }
+        if (stored_nothing || finish.cancelled) && !written {
+            // Its expiry starts over (`Change::ResultRefused`; the mark above does that
+            // too), so the record outlives a full inbox as long as refusals keep coming;
+            // and a cancelled one says whether a retry through any broker may publish it
+            // again past the repeat window: not once a publish of it here may have landed.
+            let every = stored_nothing && self.unsent_cancels.get(&finish.key) != Some(&false);
+            self.mark(conn, finish.key.clone(), Op::ResultRefused { every }, now);
         }
         finish
     }

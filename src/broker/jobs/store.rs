@@ -90,7 +90,7 @@ impl Jobs {
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
             Op::ResultSent => Change::ResultSent,
             Op::Lettered => Change::Lettered,
-            Op::ResultRefused => Change::ResultRefused,
+            Op::ResultRefused { every } => Change::ResultRefused { every: *every },
             Op::Claim { .. } => Change::Claim {
                 by,
                 lease_ms,
@@ -125,7 +125,7 @@ impl Jobs {
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. }
             | Op::Cancel { session, .. } => *session,
-            Op::Exhaust | Op::ResultSent | Op::Lettered | Op::ResultRefused => {
+            Op::Exhaust | Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {
                 return (format!("broker/{}", self.broker_id), String::new());
             }
         };
@@ -321,10 +321,14 @@ impl Jobs {
                 // Kept until the result is stored (`Jobs::result_unsent` says whether any
                 // publish of it might have been).
                 let unsent = self.unsent_cancels.get(&key).copied();
+                // Every publish of it was refused: here, or as the record says, through
+                // the broker the cancel went to (`TaskRecord::result_refused`).
+                let refused =
+                    unsent == Some(true) || (record.result_refused && unsent != Some(false));
                 if let Refusal::Finished(TaskState::Cancelled) = refusal
-                    && (recent || unsent == Some(true))
+                    && (recent || refused)
                 {
-                    if unsent.is_some() {
+                    if unsent.is_some() || refused {
                         // The retry of a cancel answered `unavailable` (its write or its
                         // result unconfirmed, or refused): answered as the cancel it
                         // repeats, once the result is stored (`unavailable` again if it
@@ -355,7 +359,7 @@ impl Jobs {
                 self.refuse(session, &re, e);
             }
             // Recorded already (by another delivery's broker), or the record moved on.
-            Op::ResultSent | Op::Lettered | Op::ResultRefused => {}
+            Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
                     let re = re.to_string();
@@ -659,7 +663,7 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
-            Op::ResultSent | Op::Lettered | Op::ResultRefused => {}
+            Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
         }
     }
 }
