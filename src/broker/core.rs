@@ -2183,14 +2183,16 @@ impl Broker {
     }
 }
 
-/// Sends a request of the typed JetStream builders; a name they refuse and a connection
-/// that cannot take the request both come back as why it was not sent.
+/// Not retried: what it costs is rare (a lost ack past the window the stream has), and
+/// a restart raises the window at adoption.
 fn window_not_raised(stream: &str, e: &str) {
     log::error!(
         "stream {stream}: duplicate_window not raised for the reloaded lease_s ({e}); a task result or letter published again after a lost ack past the window it has is stored twice, until a restart raises it"
     );
 }
 
+/// Sends a request of the typed JetStream builders; a name they refuse and a connection
+/// that cannot take the request both come back as why it was not sent.
 fn js_request(
     conn: &mut Connection,
     req: Result<Request, JsError>,

@@ -328,8 +328,8 @@ fn adopt(
         call(client, api.stream_update(&updated))
             .map_err(|e| fatal(format!("stream {name}: {what} failed: {e}")))?;
         log::info!("stream {name}: {what}");
-        if let Ok(now) = serde_json::to_value(&updated) {
-            *existing = now;
+        if let Ok(applied) = serde_json::to_value(&updated) {
+            *existing = applied;
         }
         Ok(())
     };

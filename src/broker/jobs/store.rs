@@ -5,17 +5,18 @@
 use super::*;
 
 /// How long after a change a repair may still publish what the change published (a
-/// cancel's `task_result`) again: well inside the streams' 120 s duplicate window, so the
-/// repeat is deduplicated whatever the brokers' clocks say.
+/// cancel's `task_result`) again: well inside the inbox's duplicate window (120 s at the
+/// least), so the repeat is deduplicated whatever the brokers' clocks say.
 const REPEAT_WINDOW_MS: i128 = 90_000;
 
 /// How long a finished task's record stays: its job's `keep_finished_s`, and at least
 /// until what may still come for it has come. A redelivery of its message (an ack lost)
 /// comes within the consumer's AckWait (`ack_wait`, the job's `lease_s` when brokers
-/// agree); a resubmit of its id within the streams' duplicate window (120 s) stores no
-/// message, so it must still find the record, not make a new one that would stay
-/// `queued` with nothing to offer; a cancel's retry repeats the result within
-/// `REPEAT_WINDOW_MS`. All of these are past 300 s after the lease.
+/// agree); a resubmit of its id within the tasks stream's duplicate window (at most
+/// `binding::TASKS_DUPLICATE_WINDOW_MAX_S` after its message, stored before the task
+/// finished) stores no message, so it must still find the record, not make a new one
+/// that would stay `queued` with nothing to offer; a cancel's retry repeats the result
+/// within `REPEAT_WINDOW_MS`. All of these are past 300 s after the lease.
 pub(super) fn finished_ttl_s(job: &crate::broker::config::Job, ack_wait: Duration) -> u64 {
     const AFTER_LEASE_S: u64 = 300;
     let redelivery_s = job.lease_s.max(ack_wait.as_secs());
