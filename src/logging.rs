@@ -218,8 +218,9 @@ fn push_char(out: &mut String, c: char) {
     }
 }
 
-/// Unicode format and separator characters a text log should not carry as they are.
-fn invisible(c: char) -> bool {
+/// Unicode format and separator characters a text log, or a peer's text kept in an error
+/// (`jetstream::error::bound_peer_text`), should not carry as they are.
+pub(crate) fn invisible(c: char) -> bool {
     matches!(
         u32::from(c),
         0x00ad
@@ -300,6 +301,7 @@ mod tests {
                 ("quoted", "a\"b\\c"),
                 ("empty", ""),
                 ("bidi", "abc\u{202e}def\u{2028}"),
+                ("why", "a\n2026-12-01T21:00:00.123Z INFO\r\u{1b}[2J"),
             ],
             format_args!("mig invocation \u{200b}"),
         );
@@ -311,6 +313,12 @@ mod tests {
         assert!(l.contains(r#" quoted="a\"b\\c" "#), "{l}");
         assert!(l.contains(r#" empty="" "#), "{l}");
         assert!(l.contains(r" bidi=abc\u{202e}def\u{2028} "), "{l}");
+        // A newline in a value is escaped as one in the message is.
+        assert_eq!(l.matches('\n').count(), 1, "{l}");
+        assert!(
+            l.contains(r#" why="a\n2026-12-01T21:00:00.123Z INFO\r\u{1b}[2J" "#),
+            "{l}"
+        );
         assert!(l.ends_with("mig invocation \\u{200b}\n"), "{l}");
     }
 

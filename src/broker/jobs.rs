@@ -1967,7 +1967,7 @@ impl Jobs {
             return Err(JsError::KeyNotFound);
         }
         let record = TaskRecord::from_json(&entry.value)
-            .map_err(|e| JsError::Malformed(format!("task record {key}: {e}")))?;
+            .map_err(|e| JsError::malformed(format_args!("task record {key}: {e}")))?;
         Ok((record, entry.revision))
     }
 

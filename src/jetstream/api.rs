@@ -142,13 +142,12 @@ struct Envelope {
 /// Decodes a JetStream API reply: the typed body, or the error it carries.
 pub fn parse_response<T: DeserializeOwned>(payload: &[u8]) -> Result<T, JsError> {
     check_error(payload)?;
-    serde_json::from_slice(payload).map_err(|e| JsError::Malformed(e.to_string()))
+    serde_json::from_slice(payload).map_err(JsError::malformed)
 }
 
 /// Returns the reply's `error` as a typed error, if it has one.
 pub fn check_error(payload: &[u8]) -> Result<(), JsError> {
-    let env: Envelope =
-        serde_json::from_slice(payload).map_err(|e| JsError::Malformed(e.to_string()))?;
+    let env: Envelope = serde_json::from_slice(payload).map_err(JsError::malformed)?;
     match env.error {
         Some(e) => Err(JsError::from_api(e)),
         None => Ok(()),
@@ -207,6 +206,37 @@ mod tests {
             parse_response::<SuccessResponse>(b"not json"),
             Err(JsError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn a_peers_text_in_an_error_is_cut_and_its_control_characters_replaced() {
+        use crate::jetstream::error::MAX_PEER_TEXT;
+        // Whoever answers the API first chooses JetStream's description, and the value
+        // a refused field holds, which serde quotes: each up to max_payload, went whole
+        // into every frame and log line the error reached.
+        let forged = format!("x\nINFO  forged\u{1b}[2J\u{202e}{}", "é".repeat(300_000));
+        let refusal =
+            serde_json::json!({"error":{"code":400,"err_code":10012,"description":forged}});
+        let not_a_code = serde_json::json!({"error":{"code":forged}});
+        for body in [refusal, not_a_code] {
+            let e = check_error(body.to_string().as_bytes()).expect_err("an error");
+            let text = e.to_string();
+            let hidden = text
+                .chars()
+                .filter(|&c| c.is_control() || c == '\u{202e}')
+                .count();
+            assert!(
+                text.len() <= MAX_PEER_TEXT + 64 && hidden == 0 && text.contains("é…"),
+                "{} bytes, {hidden} control characters: {:?}...",
+                text.len(),
+                text.chars().take(80).collect::<String>()
+            );
+        }
+        let e = check_error(br#"{"error":{"code":400,"description":"a\nb\u202ec"}}"#);
+        let description = e
+            .err()
+            .and_then(|e| Some(e.api_error()?.description.clone()));
+        assert_eq!(description.as_deref(), Some("a\u{fffd}b\u{fffd}c"));
     }
 
     #[test]

@@ -30,6 +30,38 @@ pub const ERR_NOT_ENABLED: u32 = 10076;
 /// `JSStorageResourcesExceededErr`.
 pub const ERRS_STORE_FULL: [u32; 4] = [10077, 10023, 10028, 10047];
 
+/// The most bytes of a peer's text a [`JsError`] keeps (the `…` that marks a cut aside).
+pub const MAX_PEER_TEXT: usize = 256;
+
+/// Text a NATS peer chose, as an error keeps it: JetStream's description of a refusal, or a
+/// value of its answer that serde quotes. Whoever answers the account's `$JS.API` first
+/// chooses it, up to max_payload, and an error is copied into the frame of each session
+/// told of it, kept while a refusal lasts, and logged. Cut at [`MAX_PEER_TEXT`] bytes; a
+/// control character, or one that reorders or hides what a client shows (as the log sink
+/// escapes them), becomes U+FFFD, so the text cannot pass for more lines or for what
+/// another participant wrote.
+fn bound_peer_text(text: &mut String) {
+    let shown = |c: char| {
+        if c.is_control() || crate::logging::invisible(c) {
+            '\u{fffd}'
+        } else {
+            c
+        }
+    };
+    if text.len() <= MAX_PEER_TEXT && text.chars().all(|c| shown(c) == c) {
+        return;
+    }
+    let mut kept = String::with_capacity(MAX_PEER_TEXT + '…'.len_utf8());
+    for c in text.chars().map(shown) {
+        if kept.len() + c.len_utf8() > MAX_PEER_TEXT {
+            kept.push('…');
+            break;
+        }
+        kept.push(c);
+    }
+    *text = kept;
+}
+
 /// The `error` object of a JetStream API response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiError {
@@ -89,8 +121,10 @@ pub enum JsError {
 }
 
 impl JsError {
-    /// Classifies an API error by its `err_code`.
-    pub fn from_api(e: ApiError) -> JsError {
+    /// Classifies an API error by its `err_code`; its description is bounded here, where
+    /// every answer's error passes, for all who show it.
+    pub fn from_api(mut e: ApiError) -> JsError {
+        bound_peer_text(&mut e.description);
         match e.err_code {
             ERR_STREAM_NOT_FOUND => JsError::StreamNotFound(e),
             ERR_CONSUMER_NOT_FOUND => JsError::ConsumerNotFound(e),
@@ -102,6 +136,14 @@ impl JsError {
             ERR_NOT_ENABLED => JsError::NotEnabled,
             _ => JsError::Api(e),
         }
+    }
+
+    /// A reply not understood; `why` (a serde error quotes the value it refused) is
+    /// bounded as a description is.
+    pub fn malformed(why: impl fmt::Display) -> JsError {
+        let mut why = why.to_string();
+        bound_peer_text(&mut why);
+        JsError::Malformed(why)
     }
 
     /// The server's error object, when the error came from one.

@@ -144,8 +144,7 @@ pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsEr
 
 /// Any PubAck reply: the ack or its error, in one pass.
 fn read_pub_ack(payload: &[u8]) -> Result<PubAck, JsError> {
-    let reply: PubAckReply =
-        serde_json::from_slice(payload).map_err(|e| JsError::Malformed(e.to_string()))?;
+    let reply: PubAckReply = serde_json::from_slice(payload).map_err(JsError::malformed)?;
     match (reply.error, reply.stream, reply.seq) {
         (Some(e), _, _) => Err(JsError::from_api(e)),
         (None, Some(stream), Some(seq)) => Ok(PubAck {

@@ -952,6 +952,75 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_tells_sessions_a_bounded_clean_excerpt_of_the_answers_text() {
+        // Whoever answers the account's `$JS.API` first (a server that misbehaves, a
+        // client of the account subscribed there) chooses the refusal's description:
+        // up to max_payload, control characters and all, it went whole into the frame
+        // of each of the participant's sessions, and was kept for each that joins while
+        // the refusal lasts.
+        let mut h = bench(30, 8, 1);
+        let bob: Vec<Session> = (0..3).map(|_| h.join(0, "bob", json!({}))).collect();
+        let now = h.now;
+        let responder = h.server.accept(now);
+        h.server.receive(
+            responder,
+            b"CONNECT {\"headers\":true,\"verbose\":false}\r\n\
+              SUB $JS.API.CONSUMER.CREATE.AMP_INBOX_dev.> 1\r\n",
+            now,
+        );
+        let deleted = h.nats_request("$JS.API.CONSUMER.DELETE.AMP_INBOX_dev.inbox_bob", &[], b"");
+        assert_eq!(deleted["success"], true, "{deleted}");
+        // JetStream's own answer to the consumer's creation is lost on the way: the
+        // responder's is the first the broker hears.
+        h.deafen(0, true);
+        let mut reply = None;
+        for _ in 0..50 {
+            h.advance(Duration::from_millis(100));
+            let heard = String::from_utf8_lossy(&h.server.take_output(responder)).into_owned();
+            reply = heard
+                .split("\r\n")
+                .find(|l| l.starts_with("MSG $JS.API.CONSUMER.CREATE.AMP_INBOX_dev.inbox_bob"))
+                .and_then(|l| l.split(' ').nth(3).map(str::to_string));
+            if reply.is_some() {
+                break;
+            }
+        }
+        let reply = reply.expect("the broker asks for bob's consumer again");
+        h.deafen(0, false);
+        let description = format!(
+            "no\nINFO  participant=dev/alice forged line\u{1b}[2J\u{202e}{}",
+            "x".repeat(512 * 1024)
+        );
+        let body =
+            json!({"error":{"code":400,"err_code":10012,"description":description}}).to_string();
+        let now = h.now;
+        h.server.receive(
+            responder,
+            format!("PUB {reply} {}\r\n{body}\r\n", body.len()).as_bytes(),
+            now,
+        );
+        h.advance(Duration::ZERO);
+        for &s in &bob {
+            let told = h.take(s);
+            let refusal = told
+                .iter()
+                .filter_map(|f| f["message"].as_str())
+                .find(|m| m.starts_with("your inbox is not delivered"))
+                .unwrap_or_else(|| panic!("{s:?} was not told of the refusal: {told:?}"));
+            let hidden = refusal
+                .chars()
+                .filter(|&c| c.is_control() || c == '\u{202e}')
+                .count();
+            assert!(
+                refusal.len() < 1024 && hidden == 0,
+                "{s:?} was told a refusal of {} bytes, {hidden} control characters: {:?}...",
+                refusal.len(),
+                refusal.chars().take(140).collect::<String>()
+            );
+        }
+    }
+
+    #[test]
     fn a_sender_cannot_name_itself_someone_else() {
         let mut h = bench(5, 8, 1);
         let alice = h.join(0, "alice", json!({}));
