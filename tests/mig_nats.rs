@@ -1625,22 +1625,42 @@ fn a_message_id_in_use_by_another_callers_invocation_is_refused() {
 fn a_signed_publish_replayed_to_another_broker_is_refused() {
     let w = world(2);
     let mut alice = Mig::connect(&w, "alice");
+    let (tapped, other) = tapped_publish(&w, &mut alice);
+    replay_through(&w, &mut alice, &tapped, other);
+    assert_eq!(stored_orders(&mut alice), [json!({"n": 1})]);
+    assert!(
+        w.metrics(other)
+            .contains("amp_mig_rejected_total{reason=\"replay\"} 1"),
+        "{}",
+        w.metrics(other)
+    );
+}
+
+/// PUBLISH answers of broker `b`.
+fn publishes_served(w: &World, b: usize) -> f64 {
+    const SERIES: &str = "amp_mig_request_seconds_count{op=\"publish\"}";
+    common::amp::metric(&w.brokers[b], SERIES).unwrap_or(0.0)
+}
+
+/// Ann's signed PUBLISH `{"n": 1}` on `orders.eu` as `alice` (subscribed to `orders.>`)
+/// received it, request and reply subject, and the broker that did not store it.
+fn tapped_publish(w: &World, alice: &mut Mig) -> (Value, usize) {
     alice.call(
         json!({"cmd": "subscribe", "sub": "tap", "subject": "mig.v0_1.acme.events.orders.>"}),
     );
-    let mut ann = Mig::connect_nkey(&w);
+    let mut ann = Mig::connect_nkey(w);
     let r = ann.signed(
-        &w,
+        w,
         "events.orders.eu",
         json!({"header": {"tenant_id": "acme"}, "payload": {"n": 1}}),
     );
     assert_eq!(r["accepted"], true, "{r}");
-    const SERIES: &str = "amp_mig_request_seconds_count{op=\"publish\"}";
-    let served = |b: usize| common::amp::metric(&w.brokers[b], SERIES).unwrap_or(0.0);
-    let first = if served(0) == 1.0 { 0 } else { 1 };
-    assert_eq!(served(first), 1.0, "one broker stored the original");
-    let other = 1 - first;
-    // What Alice saw: Ann's request, with its reply subject (under Ann's prefix).
+    let first = if publishes_served(w, 0) == 1.0 { 0 } else { 1 };
+    assert_eq!(
+        publishes_served(w, first),
+        1.0,
+        "one broker stored the original"
+    );
     let deadline = Instant::now() + WAIT;
     let tapped = loop {
         let got = alice.call(json!({"cmd": "collected", "sub": "tap"}));
@@ -1656,10 +1676,16 @@ fn a_signed_publish_replayed_to_another_broker_is_refused() {
         assert!(Instant::now() < deadline, "the request was not seen: {got}");
         std::thread::sleep(Duration::from_millis(20));
     };
+    (tapped, 1 - first)
+}
+
+/// Sends `tapped` again with alice's own payload, its headers and reply subject as they
+/// were, until broker `other` has answered one (queue groups spread the requests; the
+/// broker that stored the original refuses each as a replay from its own cache).
+fn replay_through(w: &World, alice: &mut Mig, tapped: &Value, other: usize) {
     let mut forged = tapped["body"].clone();
     forged["payload"] = json!({"n": "forged by alice"});
-    // Sent until the broker that did not store the original has taken one (queue groups
-    // spread the requests; the first broker refuses each as a replay).
+    let served = |b: usize| publishes_served(w, b);
     let mut tries = 0;
     while served(other) == 0.0 {
         tries += 1;
@@ -1675,23 +1701,20 @@ fn a_signed_publish_replayed_to_another_broker_is_refused() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// The payloads of the events stored on `orders.>`.
+fn stored_orders(alice: &mut Mig) -> Vec<Value> {
     let page = alice.request(
         "control.subscribe",
         json!({"header": {"tenant_id": "acme"}, "topic": "orders.>"}),
     );
-    let payloads: Vec<&Value> = page["events"]
+    page["events"]
         .as_array()
-        .expect("events")
+        .unwrap_or_else(|| panic!("events: {page}"))
         .iter()
-        .map(|e| &e["payload"])
-        .collect();
-    assert_eq!(payloads, [&json!({"n": 1})], "{page}");
-    assert!(
-        w.metrics(other)
-            .contains("amp_mig_rejected_total{reason=\"replay\"} 1"),
-        "{}",
-        w.metrics(other)
-    );
+        .map(|e| e["payload"].clone())
+        .collect()
 }
 
 /// The check above sees only its own broker's invocations. With two brokers a caller who
@@ -2185,7 +2208,6 @@ fn one_caller_cannot_fill_the_bucket_of_taken_ids() {
 #[test]
 fn the_bucket_of_taken_ids_deleted_while_the_broker_runs_is_made_again() {
     let w = world(1);
-    let mut worker = w.worker(0, "infer", 1);
     let mut alice = Mig::connect(&w, "alice");
     let keyed = |id: &str| {
         json!({"header": header(json!({"message_id": id, "idempotency_key": id})),
@@ -2214,10 +2236,107 @@ fn the_bucket_of_taken_ids_deleted_while_the_broker_runs_is_made_again() {
         "{r}"
     );
 
-    let tag = alice.invoke_later(INFER, keyed("back"));
-    serve_one(&mut worker, json!({"op":"complete","result":{"ok":1}}));
-    assert_eq!(alice.wait(&tag)["reply"]["payload"], json!({"ok": 1}));
+    // Named invokes wait out the claims of ids in use made again (a second), answered
+    // `MIG_UNAVAILABLE` meanwhile.
+    let stream = json!({"header": header(json!({"message_id": "back", "deadline_ms": 1000})),
+                        "payload": {}, "stream_preference": "server_stream"});
+    let back = answers_past_unavailable(1, || {
+        alice.request(&format!("invoke.{INFER}"), stream.clone())
+    });
+    assert_eq!(back[0]["payload"]["status"], "started", "{back:?}");
     assert_eq!(seen_keys(&w), 1, "the claim is in the bucket made again");
+}
+
+/// Deletes `AMP_MIG_SEEN` and sends `poke` (a request that claims an id) until a broker,
+/// finding the bucket gone, has made it again.
+fn seen_bucket_made_again(w: &World, mut poke: impl FnMut() -> Value) {
+    assert!(
+        broker_js(w)
+            .delete_stream("KV_AMP_MIG_SEEN")
+            .expect("delete")
+    );
+    let mut pokes = Vec::new();
+    let back = common::wait_until(WAIT, || {
+        pokes.push(poke());
+        broker_js(w).stream_info("KV_AMP_MIG_SEEN").is_ok()
+    });
+    assert!(back, "AMP_MIG_SEEN never made again: {pokes:?}");
+}
+
+/// The first `n` answers of `ask` that are not `MIG_UNAVAILABLE`, each of those waited
+/// out for its `retry_after_ms` as a client would.
+fn answers_past_unavailable(n: usize, mut ask: impl FnMut() -> Value) -> Vec<Value> {
+    let deadline = Instant::now() + WAIT;
+    let mut answers = Vec::new();
+    while answers.len() < n {
+        let r = ask();
+        if error_code(&r) != "MIG_UNAVAILABLE" {
+            answers.push(r);
+            continue;
+        }
+        assert!(Instant::now() < deadline, "still unavailable: {r}");
+        let ms = r["error"]["details"]["retry_after_ms"]
+            .as_u64()
+            .unwrap_or(100);
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    answers
+}
+
+/// The bucket made again is empty: the message id of an invocation still running, taken
+/// in the one deleted, was free again on every broker but the one running it. A security
+/// review had Bob's invokes with Alice's stream id refused 6 of 6 before the deletion,
+/// and 8 of 12 `started` (his frames on her stream) once the bucket was back. Every
+/// broker now claims again the ids its invocations hold when it hears the bucket is made.
+#[test]
+fn a_message_id_in_use_stays_taken_once_the_bucket_of_taken_ids_is_made_again() {
+    let w = world(2);
+    let shared = |deadline_ms: u64| {
+        json!({"header": header(json!({"message_id": "shared", "deadline_ms": deadline_ms})),
+               "payload": {}, "stream_preference": "server_stream"})
+    };
+    let mut alice = Mig::connect(&w, "alice");
+    let tag = alice.invoke_later(INFER, shared(60_000));
+    let started = alice.wait(&tag)["reply"].clone();
+    assert_eq!(started["payload"]["status"], "started", "{started}");
+    let mut bob = Mig::connect(&w, "bob");
+    let mut invoke = || bob.request(&format!("invoke.{INFER}"), shared(300));
+    for _ in 0..6 {
+        let r = invoke();
+        assert_eq!(error_code(&r), "MIG_INVALID_REQUEST", "before: {r}");
+    }
+    seen_bucket_made_again(&w, &mut invoke);
+    let answers = answers_past_unavailable(12, &mut invoke);
+    let taken: Vec<&Value> = answers
+        .iter()
+        .filter(|r| error_code(r) != "MIG_INVALID_REQUEST")
+        .collect();
+    assert!(taken.is_empty(), "{} of 12 taken: {taken:?}", taken.len());
+}
+
+/// The same for a signed PUBLISH's id inside its replay window: a subscriber's copy with
+/// its own body, sent to the broker that had not stored the original once the bucket was
+/// made again, was stored as the signer's event.
+#[test]
+fn a_signed_publish_stays_a_replay_once_the_bucket_of_taken_ids_is_made_again() {
+    let w = world(2);
+    let mut alice = Mig::connect(&w, "alice");
+    let (tapped, other) = tapped_publish(&w, &mut alice);
+    let mut bob = Mig::connect(&w, "bob");
+    let mut n = 0;
+    let mut poke = || {
+        n += 1;
+        let id = format!("poke{n}");
+        let body = json!({"header": header(json!({"message_id": id, "deadline_ms": 300})),
+                          "payload": {}, "stream_preference": "server_stream"});
+        bob.request(&format!("invoke.{INFER}"), body)
+    };
+    seen_bucket_made_again(&w, &mut poke);
+    // A copy refused while the brokers wait for the re-claims has its id claimed by that
+    // refusal: sent once they no longer wait, only the broker's re-claim stops it.
+    answers_past_unavailable(2, &mut poke);
+    replay_through(&w, &mut alice, &tapped, other);
+    assert_eq!(stored_orders(&mut alice), [json!({"n": 1})]);
 }
 
 fn now_rfc3339() -> String {

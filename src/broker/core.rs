@@ -2058,6 +2058,11 @@ impl Broker {
             Err(e) => return self.remake_missed(key, e.to_string(), true, now),
         }
         self.remakes.done(&key);
+        // Other brokers hear of it by JetStream's advisory; this one may not (a broker
+        // user without subscribe rights on `$JS.EVENT.>`), so it claims again here too.
+        if stream == ["KV_", super::mig::seen::BUCKET].concat() {
+            self.mig_seen_made_again(conn, now);
+        }
         // The registry watch's consumer went with its bucket and says nothing of it (a
         // push consumer): it would start over only after three missed heartbeats.
         if stream == ["KV_", &binding::registry_bucket(&ns)].concat()

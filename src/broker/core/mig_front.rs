@@ -66,6 +66,12 @@ impl Broker {
         self.drive_budgets(conn, now);
     }
 
+    /// `AMP_MIG_SEEN` was made again by this broker.
+    pub(super) fn mig_seen_made_again(&mut self, conn: &mut Connection, now: Instant) {
+        let (front, ctx) = self.mig_parts(None);
+        front.seen_made_again(conn, ctx.config, now);
+    }
+
     /// A jobs engine answer to one of the front end's pseudo sessions.
     pub(super) fn mig_jobs_reply(
         &mut self,

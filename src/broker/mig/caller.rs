@@ -271,18 +271,21 @@ impl Authenticator {
     }
 
     /// Takes the signed id of a request proved by `ns/name` once within the window, in a
-    /// cache of `capacity` ids; a replay counts as a failed authentication.
+    /// cache of `capacity` ids; a replay counts as a failed authentication. `exposed`: a
+    /// PUBLISH's, which every broker refuses again (`AMP_MIG_SEEN`).
+    #[allow(clippy::too_many_arguments)]
     pub fn take_signed(
         &mut self,
         ns: &str,
         name: &str,
         id: &str,
+        exposed: bool,
         capacity: usize,
         now: Instant,
         wall_ms: i64,
     ) -> Result<(), Refusal> {
         let key = format!("{ns}/{name}");
-        match self.seen.take(&key, id, capacity, wall_ms) {
+        match self.seen.take(&key, id, exposed, capacity, wall_ms) {
             Taken::Fresh => Ok(()),
             Taken::Replay => {
                 self.throttle.record_failure(ANY, &key, now);
@@ -290,6 +293,18 @@ impl Authenticator {
             }
             Taken::Crowded(d) => Err(Refusal::Crowded(d)),
         }
+    }
+
+    /// The ids of signed PUBLISHes taken within two windows: caller (`ns/name`), id, and
+    /// the wall time it was taken at.
+    pub fn exposed_ids(&self, wall_ms: i64) -> impl Iterator<Item = (&str, &str, i64)> {
+        let cutoff = wall_ms - ReplayCache::keep_ms();
+        self.seen.callers.iter().flat_map(move |(caller, ids)| {
+            ids.order
+                .iter()
+                .filter(move |(at, _, exposed)| *exposed && *at >= cutoff)
+                .map(move |(at, id, _)| (&**caller, id.as_str(), *at))
+        })
     }
 }
 
@@ -321,7 +336,8 @@ struct ReplayCache {
 
 #[derive(Default)]
 struct Ids {
-    order: VecDeque<(i64, String)>,
+    /// When each id was taken, and whether it is a PUBLISH's (`exposed`).
+    order: VecDeque<(i64, String, bool)>,
     set: HashSet<String>,
 }
 
@@ -337,7 +353,14 @@ impl ReplayCache {
             .is_some_and(|ids| ids.set.contains(id))
     }
 
-    fn take(&mut self, caller: &str, id: &str, capacity: usize, wall_ms: i64) -> Taken {
+    fn take(
+        &mut self,
+        caller: &str,
+        id: &str,
+        exposed: bool,
+        capacity: usize,
+        wall_ms: i64,
+    ) -> Taken {
         self.expire(wall_ms);
         let mine = self.callers.get(caller);
         if mine.is_some_and(|ids| ids.set.contains(id)) {
@@ -353,12 +376,12 @@ impl ReplayCache {
                     .callers
                     .get(caller)
                     .and_then(|ids| ids.order.front())
-                    .map_or(wall_ms, |(at, _)| *at);
+                    .map_or(wall_ms, |(at, ..)| *at);
                 let ms = (oldest + Self::keep_ms() - wall_ms).max(1);
                 return Taken::Crowded(Duration::from_millis(ms as u64));
             }
             self.change(&top, |ids| {
-                if let Some((_, old)) = ids.order.pop_front() {
+                if let Some((_, old, _)) = ids.order.pop_front() {
                     ids.set.remove(&old);
                 }
             });
@@ -366,7 +389,7 @@ impl ReplayCache {
         let owned = id.to_string();
         self.change(caller, |ids| {
             ids.set.insert(owned.clone());
-            ids.order.push_back((wall_ms, owned));
+            ids.order.push_back((wall_ms, owned, exposed));
         });
         Taken::Fresh
     }
@@ -378,8 +401,8 @@ impl ReplayCache {
             && at < cutoff
         {
             self.change(&caller, |ids| {
-                while ids.order.front().is_some_and(|(at, _)| *at < cutoff) {
-                    if let Some((_, old)) = ids.order.pop_front() {
+                while ids.order.front().is_some_and(|(at, ..)| *at < cutoff) {
+                    if let Some((_, old, _)) = ids.order.pop_front() {
                         ids.set.remove(&old);
                     }
                 }
@@ -393,14 +416,14 @@ impl ReplayCache {
             Some(found) => found,
             None => (Arc::from(caller), Ids::default()),
         };
-        if let Some((at, _)) = ids.order.front() {
+        if let Some((at, ..)) = ids.order.front() {
             self.by_oldest.remove(&(*at, key.clone()));
             self.by_count.remove(&(ids.order.len(), key.clone()));
         }
         let before = ids.order.len();
         f(&mut ids);
         self.total = self.total + ids.order.len() - before;
-        if let Some((at, _)) = ids.order.front() {
+        if let Some((at, ..)) = ids.order.front() {
             self.by_oldest.insert((*at, key.clone()));
             self.by_count.insert((ids.order.len(), key.clone()));
             self.callers.insert(key, ids);
@@ -616,7 +639,7 @@ mod tests {
         ) -> Result<String, Refusal> {
             let p = self.authenticate(config, issuer, req, now, wall_ms)?;
             if let Some(id) = &p.signed_id {
-                self.take_signed(req.ns, &p.name, id, 65_536, now, wall_ms)?;
+                self.take_signed(req.ns, &p.name, id, false, 65_536, now, wall_ms)?;
             }
             Ok(p.name)
         }
@@ -945,47 +968,77 @@ mod tests {
         let mut c = ReplayCache::default();
         for caller in 0..16 {
             for n in 0..4096 {
-                let _ = c.take(&format!("acme/n{caller}"), &format!("m{n}"), 65_536, NOW_MS);
+                let _ = c.take(
+                    &format!("acme/n{caller}"),
+                    &format!("m{n}"),
+                    false,
+                    65_536,
+                    NOW_MS,
+                );
             }
         }
         assert_eq!(c.total, 65_536);
         assert_eq!(
-            c.take("other/ann", "m0", 65_536, NOW_MS),
+            c.take("other/ann", "m0", false, 65_536, NOW_MS),
             Taken::Fresh,
             "a caller with no id remembered is refused"
         );
         assert_eq!(c.total, 65_536, "the cache stays at its capacity");
     }
 
+    /// What a bucket of taken ids made again gets back: a PUBLISH's ids (others received
+    /// them), not those of requests only the broker saw, and none past two windows.
+    #[test]
+    fn only_a_publishs_ids_still_kept_are_listed_as_exposed() {
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let mut take = |name: &str, id: &str, exposed: bool, wall_ms: i64| {
+            let taken = a.take_signed("acme", name, id, exposed, 8, now, wall_ms);
+            assert_eq!(taken, Ok(()), "{id}");
+        };
+        take("ann", "p1", true, NOW_MS);
+        take("ann", "i1", false, NOW_MS);
+        take("bob", "p2", true, NOW_MS + 1000);
+        let mut listed: Vec<_> = a.exposed_ids(NOW_MS + 1000).collect();
+        listed.sort();
+        let bobs = ("acme/bob", "p2", NOW_MS + 1000);
+        assert_eq!(listed, [("acme/ann", "p1", NOW_MS), bobs]);
+        let later = NOW_MS + ReplayCache::keep_ms() + 1;
+        assert_eq!(a.exposed_ids(later).collect::<Vec<_>>(), [bobs]);
+    }
+
     #[test]
     fn a_full_replay_cache_refuses_only_who_holds_the_most() {
         let mut c = ReplayCache::default();
         for n in 0..4 {
-            assert_eq!(c.take("acme/x", &format!("m{n}"), 4, NOW_MS), Taken::Fresh);
+            assert_eq!(
+                c.take("acme/x", &format!("m{n}"), false, 4, NOW_MS),
+                Taken::Fresh
+            );
         }
         // Full: X holds the most and waits until its oldest id leaves the window.
         assert_eq!(
-            c.take("acme/x", "m4", 4, NOW_MS + 1000),
+            c.take("acme/x", "m4", false, 4, NOW_MS + 1000),
             Taken::Crowded(Duration::from_millis(239_000))
         );
         // Y takes the place of X's oldest; X's others are still replays.
-        assert_eq!(c.take("acme/y", "m0", 4, NOW_MS), Taken::Fresh);
-        assert_eq!(c.take("acme/y", "m0", 4, NOW_MS), Taken::Replay);
-        assert_eq!(c.take("acme/x", "m3", 4, NOW_MS), Taken::Replay);
-        assert_eq!(c.take("acme/y", "m1", 4, NOW_MS), Taken::Fresh);
+        assert_eq!(c.take("acme/y", "m0", false, 4, NOW_MS), Taken::Fresh);
+        assert_eq!(c.take("acme/y", "m0", false, 4, NOW_MS), Taken::Replay);
+        assert_eq!(c.take("acme/x", "m3", false, 4, NOW_MS), Taken::Replay);
+        assert_eq!(c.take("acme/y", "m1", false, 4, NOW_MS), Taken::Fresh);
         // Two each: neither may push the other out.
         assert!(matches!(
-            c.take("acme/y", "m2", 4, NOW_MS),
+            c.take("acme/y", "m2", false, 4, NOW_MS),
             Taken::Crowded(_)
         ));
         assert!(matches!(
-            c.take("acme/x", "m9", 4, NOW_MS),
+            c.take("acme/x", "m9", false, 4, NOW_MS),
             Taken::Crowded(_)
         ));
         assert_eq!(c.callers.get("acme/x").map(|i| i.order.len()), Some(2));
         // Past two windows every id has left, and the indexes with them.
         let later = NOW_MS + 3 * REPLAY_WINDOW.as_millis() as i64;
-        assert_eq!(c.take("acme/x", "m0", 4, later), Taken::Fresh);
+        assert_eq!(c.take("acme/x", "m0", false, 4, later), Taken::Fresh);
         assert_eq!(
             (
                 c.total,

@@ -560,6 +560,12 @@ impl Mig {
             name,
             id: &header.message_id,
         };
+        // Another broker's id a copy replays may not be in a bucket just made again yet;
+        // refused, the id is claimed all the same.
+        let check = match check {
+            Ok(()) if self.reclaims.settling(now) => Err(super::reclaim::settling()),
+            checked => checked,
+        };
         if let Err(e) = check {
             return self.refuse_signed(
                 conn,
@@ -747,7 +753,7 @@ impl Mig {
         // A replay's id was used up by the request it copies.
         if let Err(super::Refusal::Unauthorized) = self
             .auth
-            .take_signed(s.ns, s.name, s.id, capacity, now, wall)
+            .take_signed(s.ns, s.name, s.id, true, capacity, now, wall)
         {
             return;
         }

@@ -105,6 +105,11 @@ impl Mig {
         // there is nothing left to cancel, so it is not worth a round trip.
         let named =
             accepted.streaming || (r.header.message_id_given && r.header.idempotency_key.is_some());
+        // The check above has refused an id held here; one held on another broker may not
+        // be in a bucket just made again yet.
+        if named && self.reclaims.settling(now) {
+            return self.respond(conn, &answer, Err(super::reclaim::settling()), now);
+        }
         if named {
             let bound = settings.max_claims_per_caller;
             let caller = format!("{}/{}", r.ns, r.caller);
@@ -135,12 +140,13 @@ impl Mig {
         if !named {
             return self.begin(conn, inv, now);
         }
+        inv.claimed = true;
         let claim = seen::claim_invocation(
             ctx.config.js_api(r.ns),
             r.ns,
             &r.header.message_id,
             r.caller,
-            deadline_ms,
+            Duration::from_millis(deadline_ms),
         )
         .map_err(|e| e.to_string())
         .and_then(|c| {

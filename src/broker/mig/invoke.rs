@@ -84,6 +84,9 @@ pub struct Invocation {
     /// Its place in its caller's requests in flight until its task exists (claim, record
     /// read, budget, queue count, submit): it then only waits.
     pub ticket: Option<Ticket>,
+    /// Its message id is held for it in `AMP_MIG_SEEN` (a stream's, or a keyed invoke's
+    /// its caller chose).
+    pub claimed: bool,
 }
 
 /// The frames of one streaming invoke.
@@ -280,6 +283,7 @@ impl Invocation {
             cancel_watch: None,
             cancel_after_submit: None,
             ticket: None,
+            claimed: false,
         }
     }
 

@@ -17,6 +17,7 @@ mod invocations;
 mod invoke;
 mod metrics;
 mod ops;
+mod reclaim;
 pub mod seen;
 pub mod subjects;
 #[cfg(test)]
@@ -111,6 +112,8 @@ enum Sub {
     Task(SessionId),
     /// Cancels of one keyed invocation forwarded by other brokers.
     ForwardedCancel(SessionId),
+    /// JetStream's word that `AMP_MIG_SEEN` was created ([`reclaim::made_advisory`]).
+    SeenMade,
 }
 
 enum Pending {
@@ -132,6 +135,8 @@ enum Pending {
     Replay(Box<events::ReplayPage>),
     /// A cancel forwarded to the broker that may hold its invocation.
     Forwarded(Box<cancel::Forwarded>),
+    /// An id this broker holds claimed again in tenant `ns`'s bucket made anew.
+    Reclaim(String),
 }
 
 /// A continuation of this module, opaque to the core's table that keeps it.
@@ -145,6 +150,7 @@ impl Awaiting {
             Pending::InvocationClaim(inv) | Pending::InvocationOwner(inv) => Some(&inv.ns),
             Pending::Claim(p) => Some(p.ns()),
             Pending::DroppedClaim(caller, _) => Some(caller_tenant(caller)),
+            Pending::Reclaim(ns) => Some(ns),
             _ => None,
         }
     }
@@ -185,6 +191,8 @@ pub struct Mig {
     claims: HashMap<(String, String), cancel::Claim>,
     /// Live claims this broker made in `AMP_MIG_SEEN`, per caller.
     claims_held: seen::Ledger,
+    /// The ids this broker holds, claimed again in `AMP_MIG_SEEN` made anew.
+    reclaims: reclaim::Reclaims,
     cancels: HashMap<SessionId, CancelRequest>,
     /// Invocations answered at their deadline while their submit was out, by session:
     /// `(tenant, caller, task, when)` to cancel once the submit is answered (a cancel sent
@@ -250,6 +258,7 @@ impl Mig {
             claiming: 0,
             claims: HashMap::new(),
             claims_held: seen::Ledger::default(),
+            reclaims: reclaim::Reclaims::default(),
             cancels: HashMap::new(),
             expired_submits: HashMap::new(),
             by_message: HashMap::new(),
@@ -297,6 +306,10 @@ impl Mig {
         if !config.mig.enabled {
             return Ok(());
         }
+        let sid = conn
+            .subscribe(&reclaim::made_advisory(), None)
+            .map_err(|e| format!("MIG advisory of AMP_MIG_SEEN made: {e}"))?;
+        self.subs.insert(sid, Sub::SeenMade);
         self.start_live(conn, config, now)
     }
 
@@ -375,6 +388,7 @@ impl Mig {
                 let session = *session;
                 self.forwarded_cancel(conn, ctx, session, msg, now);
             }
+            Some(Sub::SeenMade) => self.seen_made_again(conn, ctx.config, now),
             None => {}
         }
     }
@@ -406,6 +420,7 @@ impl Mig {
             Pending::Publish(p) => self.published(conn, *p, reply, now),
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
+            Pending::Reclaim(_) => self.reclaimed(conn, ctx.config, now),
         }
     }
 
@@ -676,7 +691,11 @@ impl Mig {
         // body) is a replay. A refused signed request is signed again with a new id.
         if let Some(id) = &proved.signed_id {
             let capacity = ctx.config.mig.max_signed_ids;
-            if let Err(refusal) = self.auth.take_signed(ns, &name, id, capacity, now, wall) {
+            let published = exposed.is_some();
+            let taken = self
+                .auth
+                .take_signed(ns, &name, id, published, capacity, now, wall);
+            if let Err(refusal) = taken {
                 // A replay's id was used up by the request it copies.
                 let replay = refusal == Refusal::Unauthorized;
                 let Some(e) = self.refusal_error(refusal) else {

@@ -53,7 +53,12 @@ pub fn key(ns: &str, name: &str, message_id: &str) -> String {
 /// The create that takes `message_id` for `name`; it fails with
 /// [`JsError::WrongLastSequence`] when any broker took it before.
 pub fn claim(api: ApiPrefix, ns: &str, name: &str, message_id: &str) -> Result<Request, JsError> {
-    Kv::new(api, BUCKET)?.create_request(&key(ns, name, message_id), b"", Some(MsgTtl::After(KEEP)))
+    claim_key(api, &key(ns, name, message_id), KEEP)
+}
+
+/// The create that takes a signed id's [`key`] for `ttl`.
+pub fn claim_key(api: ApiPrefix, key: &str, ttl: Duration) -> Result<Request, JsError> {
+    Kv::new(api, BUCKET)?.create_request(key, b"", Some(MsgTtl::After(ttl)))
 }
 
 /// The key of the invocation whose `message_id` names a stream and a forwarded cancel in
@@ -63,17 +68,17 @@ pub fn invocation_key(ns: &str, message_id: &str) -> String {
     [ns, ".invoke.", &hex(&digest[..16])].concat()
 }
 
-/// The create that takes `message_id` for `caller`'s invocation until `deadline_ms` plus
-/// [`INVOCATION_MARGIN`] have passed; the value is the caller, so that its own retry
-/// through another broker (which finds the key) is told from someone else's.
+/// The create that takes `message_id` for `caller`'s invocation until its deadline, `left`
+/// from now, plus [`INVOCATION_MARGIN`] have passed; the value is the caller, so that its
+/// own retry through another broker (which finds the key) is told from someone else's.
 pub fn claim_invocation(
     api: ApiPrefix,
     ns: &str,
     message_id: &str,
     caller: &str,
-    deadline_ms: u64,
+    left: Duration,
 ) -> Result<Request, JsError> {
-    let ttl = Duration::from_millis(deadline_ms) + INVOCATION_MARGIN;
+    let ttl = left + INVOCATION_MARGIN;
     Kv::new(api, BUCKET)?.create_request(
         &invocation_key(ns, message_id),
         caller.as_bytes(),

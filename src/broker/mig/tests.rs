@@ -510,3 +510,69 @@ fn invoke_payloads_are_held_against_the_bound_until_their_task_exists() {
     assert_eq!(mig.invocations.len(), 4);
     assert_eq!(backpressure(&mig), 1);
 }
+
+/// The bucket of taken ids made again: every signed PUBLISH id the replay cache holds is
+/// claimed again (a request's id that only this broker saw is not), at most
+/// `OUT_AT_ONCE` at a time, and named invokes and PUBLISHes wait until every one is
+/// answered and the other brokers have had their second.
+#[test]
+fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
+    let t0 = Instant::now();
+    let config = config();
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
+    let mut rates = RateLimiter::new(16);
+    let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
+    let mut ctx = Ctx {
+        config: &config,
+        jobs: &mut jobs,
+        rates: &mut rates,
+        budgets: &mut budgets,
+        in_flight: &mut in_flight,
+        registry: None,
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let mut conn = Connection::new(options, t0);
+    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let wall = mig.wall_ms(t0);
+    for n in 0..1500 {
+        let id = format!("p{n}");
+        let taken = mig
+            .auth
+            .take_signed("acme", "alice", &id, true, 65_536, t0, wall);
+        assert_eq!(taken, Ok(()));
+    }
+    let invoke = mig
+        .auth
+        .take_signed("acme", "alice", "i", false, 65_536, t0, wall);
+    assert_eq!(invoke, Ok(()));
+    assert!(!mig.reclaims.settling(t0));
+
+    let before = conn.pending_requests();
+    mig.seen_made_again(&mut conn, &config, t0);
+    assert_eq!(
+        conn.pending_requests(),
+        before + 1024,
+        "the rest wait for answers"
+    );
+    let mut sent = 0;
+    loop {
+        let out = mig.staged.take();
+        assert!(out.len() <= 1024, "{} out at once", out.len());
+        if out.is_empty() {
+            break;
+        }
+        sent += out.len();
+        for (_, awaiting) in out {
+            assert!(mig.reclaims.settling(t0 + Duration::from_secs(5)));
+            let timed_out = Err(crate::nats::RequestError::Timeout);
+            mig.on_reply(&mut conn, &mut ctx, awaiting, timed_out, t0);
+        }
+    }
+    assert_eq!(sent, 1500, "each PUBLISH's id once, the invoke's not");
+    assert!(mig.reclaims.settling(t0), "the others' second");
+    assert!(!mig.reclaims.settling(t0 + Duration::from_secs(1)));
+}
