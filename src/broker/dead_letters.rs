@@ -60,6 +60,10 @@ impl Part {
 /// then what says least about why the task failed; the error last.
 const OMITTABLE: [Part; 4] = [Part::Body, Part::Eligible, Part::Headers, Part::Error];
 
+/// The parts [`Letter::fit_view`] leaves out, in [`OMITTABLE`] order: a view does not
+/// show `eligible`, so leaving it out would only flag it.
+const SHOWN: [Part; 3] = [Part::Body, Part::Headers, Part::Error];
+
 /// One stored dead letter.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Letter {
@@ -144,16 +148,36 @@ impl Letter {
     /// `eligible` and error to its body and headers, each of which may be near the limit.
     /// `None`: it does not fit even without them.
     pub fn fit(&mut self, max: usize) -> Option<Vec<u8>> {
-        let mut json = self.to_json();
-        for part in OMITTABLE {
-            if json.len() <= max {
-                return Some(json);
+        let (json, fits) = self.fit_with(&OMITTABLE, max, Letter::to_json);
+        fits.then_some(json)
+    }
+
+    /// Its [`view`](Self::view) as entry `seq` of a page, in at most `max` bytes: parts
+    /// left out as [`fit`](Self::fit) does (but `eligible`, which a view does not show).
+    /// Should even its ids alone be more, as small as it gets.
+    pub fn fit_view(&mut self, seq: u64, max: usize) -> String {
+        self.fit_with(&SHOWN, max, |l| l.view(seq)).0
+    }
+
+    /// `show(self)` with `parts` left out in order until it takes at most `max` bytes:
+    /// the text as small as it got, and whether it fits.
+    fn fit_with<T: AsRef<[u8]>>(
+        &mut self,
+        parts: &[Part],
+        max: usize,
+        show: impl Fn(&Letter) -> T,
+    ) -> (T, bool) {
+        let mut text = show(self);
+        for &part in parts {
+            if text.as_ref().len() <= max {
+                return (text, true);
             }
             if self.omit(part) {
-                json = self.to_json();
+                text = show(self);
             }
         }
-        (json.len() <= max).then_some(json)
+        let fits = text.as_ref().len() <= max;
+        (text, fits)
     }
 
     /// Leaves `part` out; `false` if there was nothing to leave out.
@@ -240,26 +264,30 @@ impl Letter {
         may_serve || self.submitted_by == who
     }
 
-    /// The entry of a `dead_letters` answer.
-    pub fn view(&self, seq: u64) -> Value {
-        let mut v = json!({
-            "seq": seq,
-            "task": self.task,
-            "job": self.job,
-            "submitted_by": self.submitted_by,
-            "attempts": self.attempts,
-            "max_attempts": self.max_attempts,
-            "failed_at": self.failed_at,
-            "headers": self.headers,
-            "body": self.body,
-        });
-        for part in self.omitted() {
-            v[format!("{}_omitted", part.name())] = json!(true);
-        }
-        if let Some(e) = &self.error {
-            v["error"] = e.clone();
-        }
-        v
+    /// The entry of a `dead_letters` answer (JSON text). The body is the text stored, as
+    /// a message's is sent: parsed and written again its numbers would be spelt another
+    /// way (`9E15` as `9000000000000000.0`), and a page sized by what is stored would be
+    /// sent larger.
+    pub fn view(&self, seq: u64) -> String {
+        let view = View {
+            seq,
+            task: &self.task,
+            job: &self.job,
+            submitted_by: &self.submitted_by,
+            attempts: self.attempts,
+            max_attempts: self.max_attempts,
+            failed_at: &self.failed_at,
+            headers: &self.headers,
+            body: &self.body,
+            error: self.error.as_ref(),
+            body_omitted: self.body_omitted,
+            eligible_omitted: self.eligible_omitted,
+            headers_omitted: self.headers_omitted,
+            error_omitted: self.error_omitted,
+        };
+        // Strings, maps and already-valid JSON always serialise; `null` keeps a page
+        // valid JSON all the same.
+        serde_json::to_string(&view).unwrap_or_else(|_| "null".to_string())
     }
 
     /// The id of the task `redriver`'s redrive of letter `seq` submits. Derived, so a
@@ -293,6 +321,30 @@ impl Letter {
     }
 }
 
+/// [`Letter::view`]: the letter without `eligible`, with its sequence.
+#[derive(Serialize)]
+struct View<'a> {
+    seq: u64,
+    task: &'a str,
+    job: &'a str,
+    submitted_by: &'a str,
+    attempts: u32,
+    max_attempts: u32,
+    failed_at: &'a str,
+    headers: &'a BTreeMap<String, String>,
+    body: &'a RawValue,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a Value>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    body_omitted: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    eligible_omitted: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    headers_omitted: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    error_omitted: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +355,11 @@ mod tests {
         r.attempt = attempt;
         r.error = Some(json!({"code": "boom"}));
         r
+    }
+
+    /// `l`'s entry of a page, parsed.
+    fn shown(l: &Letter, seq: u64) -> Value {
+        serde_json::from_str(&l.view(seq)).expect("a view is JSON")
     }
 
     /// `r` as submitted with `body`.
@@ -327,8 +384,8 @@ mod tests {
         let back = Letter::parse(&l.to_json()).expect("parse");
         assert_eq!(back.body.get(), r#"{"n":[1,2]}"#);
         assert_eq!(back.headers["traceparent"], "00-x");
-        assert_eq!(back.view(7)["error"]["code"], "boom");
-        assert_eq!(back.view(7)["seq"], 7);
+        assert_eq!(shown(&back, 7)["error"]["code"], "boom");
+        assert_eq!(shown(&back, 7)["seq"], 7);
         let other = br#"{"id":"T2","kind":"task","from":"acme/alice","ts":"t","body":1}"#;
         assert!(Letter::new(&r, other, None, String::new()).is_err());
         assert!(Letter::new(&r, b"not json", None, String::new()).is_err());
@@ -388,9 +445,9 @@ mod tests {
         assert!(back.body_omitted && !back.redrivable());
         assert_eq!(back.body.get(), "null");
         assert_eq!(back.headers["h"].len(), 2000);
-        assert_eq!(back.view(1)["body_omitted"], true);
-        assert_eq!(back.view(1)["error"]["code"], "boom");
-        assert!(back.view(1).get("headers_omitted").is_none());
+        assert_eq!(shown(&back, 1)["body_omitted"], true);
+        assert_eq!(shown(&back, 1)["error"]["code"], "boom");
+        assert!(shown(&back, 1).get("headers_omitted").is_none());
 
         // Room for neither the eligible names (2,600 bytes) nor the headers (2,000): both
         // go, the error stays.
@@ -398,7 +455,7 @@ mod tests {
         let json = l.fit(size - 3000 - 2600 - 100).expect("fits");
         assert_eq!(l.omitted(), [Part::Body, Part::Eligible, Part::Headers]);
         let back = Letter::parse(&json).expect("parse");
-        let view = back.view(1);
+        let view = shown(&back, 1);
         assert_eq!(view["headers"], json!({}));
         assert_eq!(
             (&view["eligible_omitted"], &view["headers_omitted"]),
@@ -416,6 +473,56 @@ mod tests {
         assert_eq!(Letter::parse(&json).expect("parse").omitted().len(), 4);
         let mut l = Letter::parse(&whole.to_json()).expect("parse");
         assert!(l.fit(least - 1).is_none());
+    }
+
+    #[test]
+    fn a_view_shows_the_body_as_stored_and_fits_leaving_out_only_what_it_shows() {
+        // Parsed and written again, `9E15` was shown as `9000000000000000.0`: a page
+        // sized by its stored letters came out larger than counted.
+        let body = format!("[9E15, 1E-5,{}]", vec![r#""x""#; 1000].join(","));
+        let mut r = with_body(
+            record(TaskState::Failed, 1, 1),
+            &serde_json::from_str(&body).expect("json"),
+        );
+        r.error = Some(json!({"code": "boom", "message": "e".repeat(1000)}));
+        r.eligible = Some(Eligible {
+            names: Some(vec!["w".repeat(64); 40]),
+            labels: None,
+        });
+        let msg = format!(
+            r#"{{"id":"T1","kind":"task","from":"acme/alice","job":"infer","ts":"t","headers":{{"h":"{}"}},"body":{body}}}"#,
+            "h".repeat(2000),
+        );
+        let l = Letter::new(&r, msg.as_bytes(), None, String::new()).expect("letter");
+        let stored = l.to_json();
+        let whole = Letter::parse(&stored).expect("parse").view(3);
+        assert!(whole.contains(&format!(r#""body":{body}"#)), "{whole}");
+        assert!(whole.len() < stored.len(), "without its eligible names");
+
+        // Room for all of it: as it is.
+        let mut back = Letter::parse(&stored).expect("parse");
+        assert_eq!(back.fit_view(3, whole.len()), whole);
+        // Room for all but the body: only it goes (`eligible` is not shown anyway).
+        let mut back = Letter::parse(&stored).expect("parse");
+        let view = back.fit_view(3, whole.len() - 100);
+        assert!(view.len() <= whole.len() - 100);
+        assert_eq!(back.omitted(), [Part::Body]);
+        let parsed: Value = serde_json::from_str(&view).expect("json");
+        assert_eq!(
+            (&parsed["body"], &parsed["body_omitted"]),
+            (&Value::Null, &json!(true))
+        );
+        assert_eq!(parsed["error"]["code"], "boom");
+        // Room for the ids alone: the headers and the error go too; less than that, as
+        // small as it gets all the same.
+        let mut back = Letter::parse(&stored).expect("parse");
+        let least = back.fit_view(3, 0);
+        assert_eq!(back.omitted(), [Part::Body, Part::Headers, Part::Error]);
+        let parsed: Value = serde_json::from_str(&least).expect("json");
+        assert_eq!((&parsed["seq"], &parsed["task"]), (&json!(3), &json!("T1")));
+        assert!(parsed.get("eligible_omitted").is_none(), "{least}");
+        let mut back = Letter::parse(&stored).expect("parse");
+        assert_eq!(back.fit_view(3, least.len()), least);
     }
 
     #[test]

@@ -3352,6 +3352,44 @@ mod tests {
         assert_eq!(listed, tasks);
     }
 
+    #[test]
+    fn a_letter_whose_numbers_grow_when_written_again_hides_no_later_letter() {
+        // A page was sized by its letters' stored bytes but showed each body parsed and
+        // written again: `9E15` (4 bytes) came out as `9000000000000000.0` (18), so a
+        // letter under three quarters of the room made a page past it, answered
+        // `too_large` without its `next`: neither it nor any later letter could be paged
+        // to (a review finding).
+        let mut h = with_a_room_of_64_kib(false);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let fail = json!({"op":"fail","error":{"code":"no","message":"no"}});
+        let first = ended(&mut h, (app, "a"), w, fail.clone());
+        // About 20 KiB as sent and stored: alone on its page, and whole.
+        let numbers = vec!["9E15"; 4000].join(",");
+        let text = format!(r#"{{"op":"submit","id":"raw","job":"render","body":[{numbers}]}}"#);
+        let ok = h.request_text(app, "raw", &text);
+        let big = ok["task"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{ok}"))
+            .to_string();
+        offer(&mut h, w, &big);
+        assert_eq!(h.request(w, json!({"op":"claim","task":big}))["op"], "ok");
+        let mut end = fail.clone();
+        end["task"] = json!(big);
+        assert_eq!(h.request(w, end)["op"], "ok");
+        let last = ended(&mut h, (app, "c"), w, fail);
+        let listed = page_through_letters(&mut h, app, |page| {
+            assert_eq!(page["op"], "ok", "{}", page["message"]);
+            for l in page["letters"].as_array().into_iter().flatten() {
+                if l["task"] == big.as_str() {
+                    let shown = l["body"].as_array().map(Vec::len);
+                    assert_eq!(shown, Some(4000), "{}", l["body_omitted"]);
+                }
+            }
+        });
+        assert_eq!(listed, [first, big, last]);
+    }
+
     /// The tasks of every letter of `render`'s dead letters, asked page after page (at
     /// most 10) by `app`; `check` sees each page.
     fn page_through_letters(

@@ -209,15 +209,28 @@ impl Harness {
     /// handed to its broker before anything moves to or from NATS.
     pub fn send_together(&mut self, frames: &[(Session, Value)]) {
         for (s, frame) in frames {
-            let text = frame.to_string();
-            let n = &mut self.nodes[s.node];
-            let input = Input::Frame {
-                session: s.id,
-                text: &text,
-            };
-            n.broker.handle(&mut n.conn, input, self.now);
+            self.hand_over(*s, &frame.to_string());
         }
         self.settle();
+    }
+
+    /// Sends `text`, a frame whose `id` is `id`, exactly as written, and returns its
+    /// answer: its numbers keep their spelling (`9E15`), which a `Value` writes its own
+    /// way (`9000000000000000.0`).
+    pub fn request_text(&mut self, s: Session, id: &str, text: &str) -> Value {
+        self.hand_over(s, text);
+        self.settle();
+        self.wait_for(s, |f| f["re"] == id)
+    }
+
+    /// Hands frame `text` of `s` to its broker.
+    fn hand_over(&mut self, s: Session, text: &str) {
+        let n = &mut self.nodes[s.node];
+        let input = Input::Frame {
+            session: s.id,
+            text,
+        };
+        n.broker.handle(&mut n.conn, input, self.now);
     }
 
     /// Sends `frame` with a fresh `id` and returns its answer (`ok` or `error`), letting

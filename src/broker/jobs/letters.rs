@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::{
     Caller, Jobs, Outcome, Pending, RETRY_DELAY, SessionId, USE_HEADER, not_permitted, ns_of,
@@ -37,7 +37,9 @@ pub(super) struct LetterPage {
     may_serve: bool,
     next: u64,
     scanned: usize,
-    letters: Vec<Value>,
+    /// Each letter's entry as sent ([`Letter::view`]), and their bytes with a separator
+    /// each.
+    letters: Vec<String>,
     bytes: usize,
 }
 
@@ -357,22 +359,23 @@ impl Jobs {
         };
         match Letter::parse(&stored.payload) {
             Ok(mut l) if l.visible_to(&page.who, page.may_serve) => {
-                let mut size = stored.payload.len();
-                if !page.letters.is_empty() && page.bytes.saturating_add(size) > self.page_bytes {
-                    // It starts the next page: with those before it, the page could be
-                    // past what the asker may be sent at once, refused whole, `next`
-                    // and all, hiding it and every later letter.
+                // Sized as sent, not as stored: a page past what the asker may be sent
+                // at once is refused whole, `next` and all, hiding every later letter.
+                let mut view = l.view(stored.sequence);
+                if !page.letters.is_empty()
+                    && page.bytes.saturating_add(view.len() + 1) > self.page_bytes
+                {
+                    // It starts the next page.
                     return self.answer_page(page, true);
                 }
-                if size > self.letter_bytes {
-                    // Alone it may still be: its body, eligible list and headers are
-                    // left out until it fits (the view says which).
-                    if let Some(fitted) = l.fit(self.letter_bytes) {
-                        size = fitted.len();
-                    }
+                if view.len() > self.letter_bytes {
+                    // Alone it may still be: its body, headers and error are left out
+                    // until it fits (the view says which). Only a room too small for a
+                    // letter's ids alone (some hundreds of bytes) is past even that.
+                    view = l.fit_view(stored.sequence, self.letter_bytes);
                 }
-                page.bytes += size;
-                page.letters.push(l.view(stored.sequence));
+                page.bytes += view.len() + 1;
+                page.letters.push(view);
             }
             Ok(_) => {}
             Err(e) => log::warn!("dead letter {} unreadable: {e}", stored.sequence),
@@ -388,7 +391,8 @@ impl Jobs {
     /// `more`: the page ended at a bound, not at the last letter; `next` says where the
     /// following page starts.
     fn answer_page(&mut self, page: LetterPage, more: bool) {
-        let mut w = FrameWriter::ok(Some(&page.re)).value("letters", &page.letters);
+        let letters = format!("[{}]", page.letters.join(","));
+        let mut w = FrameWriter::ok(Some(&page.re)).raw("letters", &letters);
         if more {
             w = w.value("next", &json!({"seq": page.next}));
         }
