@@ -2948,6 +2948,67 @@ mod tests {
     }
 
     #[test]
+    fn a_message_with_a_records_use_id_and_another_submission_is_not_offered_as_its_task() {
+        // With a use id on both sides the use id alone decided: one who can publish into
+        // the task stream and read a queued record's use id (the task store, or the
+        // header of the record's own message) had its message, another body or another
+        // submitter's, offered as the victim's task (a review finding: only brokers, or
+        // who holds JetStream rights in the account, can do so).
+        for (from, body) in [
+            ("dev/alice", json!({"evil":1})),
+            ("dev/mallory", json!({"n":1})),
+        ] {
+            let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+            let alice = h.join(0, "alice", json!({}));
+            let submit = json!({"op":"submit","job":"render","task":"T","body":{"n":1}});
+            assert_eq!(h.request(alice, submit)["op"], "ok");
+            let use_id = h
+                .server
+                .stream_messages("KV_AMP_TASK_STATE")
+                .iter()
+                .find(|m| m.1 == "$KV.AMP_TASK_STATE.dev.T")
+                .and_then(|m| serde_json::from_slice::<Value>(m.2).ok())
+                .and_then(|r| r["use_id"].as_str().map(String::from))
+                .expect("the record's use id");
+            let forged = json!({"id":"T","kind":"task","from":from,"job":"render",
+                                "ts":"2026-12-07T00:00:00.000Z","body":body});
+            let headers = [
+                (super::USE_HEADER, use_id.as_str()),
+                ("Nats-Msg-Id", "forged"),
+            ];
+            let ack = h.nats_request(
+                "amp.dev.job.render",
+                &headers,
+                forged.to_string().as_bytes(),
+            );
+            assert!(ack["seq"].is_u64(), "{ack}");
+            // The record's own message is offered on broker 0, so nothing bound the
+            // record to it yet when broker 1 is delivered the forged one.
+            let w0 = worker(&mut h, "w0");
+            let o = offer(&mut h, w0, "T");
+            assert_eq!(o["body"], json!({"n":1}), "{o}");
+            let w1 = h.join(1, "w1", json!({"serve":[{"job":"render","slots":1}]}));
+            // Within w0's offer (`offer_ms` 1000): after it, the task is w1's to take.
+            h.advance(Duration::from_millis(300));
+            let offered: Vec<Value> = h
+                .take(w1)
+                .into_iter()
+                .filter(|f| f["op"] == "offer")
+                .collect();
+            assert!(offered.is_empty(), "offered as alice's task: {offered:?}");
+            assert_eq!(h.request(w0, json!({"op":"claim","task":"T"}))["op"], "ok");
+            let done = h.request(w0, json!({"op":"complete","task":"T","result":1}));
+            assert_eq!(done["op"], "ok", "{done}");
+            assert_eq!(completed_result(&mut h, alice)["result"], 1);
+            h.advance(Duration::from_secs(10));
+            assert!(
+                h.server.stream_messages("AMP_TASKS_dev").is_empty(),
+                "the forged message is terminated"
+            );
+        }
+    }
+
+    #[test]
     fn a_message_of_a_task_ids_first_use_offered_from_its_own_headers_is_not_leased() {
         // A first delivery is offered from the record its message carries, unread: the
         // first use's message, delivered after the id was used again, was offered as the

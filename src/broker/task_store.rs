@@ -464,18 +464,27 @@ impl TaskRecord {
     /// (`ns/name`), of `job` with `body` (its JSON text) is this record's submission. A
     /// task id is free again once its record expired, and a message of its earlier use
     /// may outlive that record (a cancel that could not remove it, a copy of racing
-    /// submits): it is not the new record's ([`TaskRecord::use_id`]). Where the record
-    /// or the message is an earlier release's and has none, its submitter, job and body
-    /// decide, which the same submitter sending the same job and body again passes.
-    /// Parses the body then: for a message not yet bound to the record (`msg_seq`) read
-    /// from the store only.
+    /// submits): it is not the new record's ([`TaskRecord::use_id`]). The use id tells
+    /// uses apart but is no credential (whoever reads the record or its message has it),
+    /// so the submitter, job and body must be the record's too; where the record or the
+    /// message is an earlier release's and has no use id, they alone decide, which the
+    /// same submitter sending the same job and body again passes.
     pub fn submitted_as(&self, use_id: Option<&str>, from: &str, job: &str, body: &str) -> bool {
-        if let (Some(mine), Some(theirs)) = (self.use_id.as_deref(), use_id) {
-            return mine == theirs;
+        if let (Some(mine), Some(theirs)) = (self.use_id.as_deref(), use_id)
+            && mine != theirs
+        {
+            return false;
         }
-        self.submitted_by == from
-            && self.job == job
-            && serde_json::from_str::<Value>(body)
+        self.submitted_by == from && self.job == job && self.body_is(body)
+    }
+
+    /// Whether `body` (JSON text) is the body this record was submitted with. Text in the
+    /// form the digest is taken of (serde_json's compact form, keys sorted) is only
+    /// hashed; any other is parsed: for a message not yet bound to the record (`msg_seq`)
+    /// read from the store, and a dead letter, only.
+    fn body_is(&self, body: &str) -> bool {
+        canonical_digest(body) == self.body_sha256
+            || serde_json::from_str::<Value>(body)
                 .is_ok_and(|b| body_digest(&b) == self.body_sha256)
     }
 
@@ -493,16 +502,16 @@ impl TaskRecord {
     }
 
     /// Whether `other` is a record of the same use of the task id as this one, not one
-    /// the id got when used again after this one expired: the same `use_id`, or, for a
-    /// record of an earlier release, the same submission made at the same moment.
+    /// the id got when used again after this one expired: the same submission with the
+    /// same `use_id`, or, for a record of an earlier release, made at the same moment.
     pub fn same_use(&self, other: &TaskRecord) -> bool {
-        if let (Some(mine), Some(theirs)) = (&self.use_id, &other.use_id) {
-            return self.id == other.id && mine == theirs;
-        }
-        self.id == other.id
+        let submission = self.id == other.id
             && self.submitted_by == other.submitted_by
-            && self.same_submission(&other.job, &other.body_sha256)
-            && self.history.first() == other.history.first()
+            && self.same_submission(&other.job, &other.body_sha256);
+        match (&self.use_id, &other.use_id) {
+            (Some(mine), Some(theirs)) => submission && mine == theirs,
+            _ => submission && self.history.first() == other.history.first(),
+        }
     }
 
     /// Whether participant `who` (`ns/name`) may read this record with `status` (spec 2.7):
@@ -1415,6 +1424,15 @@ mod tests {
         assert!(first.submitted_as(None, "acme/app", "render", body));
         assert!(!first.submitted_as(None, "acme/app", "render", r#"{"frame":2}"#));
         assert!(!first.submitted_as(None, "acme/bob", "render", body));
+        // The use id is no credential: with it, another submitter, job or body is not
+        // this record's either; the same body spelt otherwise is.
+        assert!(!first.submitted_as(Some("one"), "acme/bob", "render", body));
+        assert!(!first.submitted_as(Some("one"), "acme/app", "encode", body));
+        assert!(!first.submitted_as(Some("one"), "acme/app", "render", r#"{"frame":2}"#));
+        assert!(first.submitted_as(Some("one"), "acme/app", "render", r#"{ "frame": 1 }"#));
+        let mut other = first.clone();
+        other.submitted_by = "acme/bob".into();
+        assert!(!first.same_use(&other));
     }
 
     #[test]
