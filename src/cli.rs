@@ -652,6 +652,9 @@ pub fn describe(config: &Config) -> String {
                 setup::REDELIVERY_MARGIN_S
             ));
         }
+        for cap in setup::window_caps(name, ns, settings) {
+            out.push_str(&format!("  warning: {cap}\n"));
+        }
         out.push_str(&format!(
             "  warning: namespace {name}: nothing in this configuration bounds its {}; client input fills them until JetStream's storage is full (set limits on the streams, or the account's storage; README \"A store that is full\")\n",
             unbounded_stores(ns).join(", ")

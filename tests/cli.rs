@@ -116,6 +116,30 @@ fn check_config_warns_of_stores_nothing_bounds() {
     assert!(!text.contains("bounds its inbox"), "{text}");
 }
 
+/// nats-server refuses a `duplicate_window` over the stream's `max_age`, so the broker
+/// caps the inbox's window of the longest lease and 90 s there; check-config says what
+/// that leaves unguarded, naming the jobs.
+#[test]
+fn check_config_warns_of_an_inbox_window_capped_at_its_max_age() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("config.json");
+    let mut config = open_config(&["alice"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"max_age_s": 300});
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 300}, "tiny": {}});
+    std::fs::write(&file, config.to_string()).expect("write");
+    let out = run(&["check-config", &file.display().to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(
+            "warning: stream AMP_INBOX_acme: duplicate_window capped at inbox.max_age_s, 300 s, \
+             below the 390 s of the longest lease_s and 90 s (jobs: render)"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("AMP_DLQ_acme"), "{text}");
+}
+
 #[test]
 fn check_config_describes_a_valid_file_and_names_the_member_of_a_bad_one() {
     let dir = tempfile::tempdir().expect("dir");

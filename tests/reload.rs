@@ -353,3 +353,36 @@ fn sighup_that_changes_lease_s_updates_the_job_consumers_ack_wait() {
         ack_wait()
     );
 }
+
+/// A reload that lengthens a lease past the inbox's `max_age` raised the window to the
+/// lease and 90 s, which nats-server refuses (over max_age, 10052), logged "a restart
+/// raises it"; the restart then stopped at the same refusal.
+#[test]
+fn sighup_that_lengthens_a_lease_past_the_inbox_max_age_caps_the_window_and_restarts() {
+    let nats = NatsServer::start();
+    let mut config = common::jobs::config(&["app", "w1"], 30, 5_000);
+    config["namespaces"]["acme"]["inbox"] = json!({"max_age_s": 300});
+    let mut broker = Broker::start(&nats.url(), &config);
+    let mut longer = config.clone();
+    longer["namespaces"]["acme"]["jobs"]["render"]["lease_s"] = json!(300);
+    broker.reload(
+        &longer,
+        "stream AMP_DLQ_acme: duplicate_window raised to 390 s",
+    );
+    let mut js = nats.jetstream();
+    let mut window = |stream: &str| {
+        js.stream_info(stream)
+            .ok()
+            .and_then(|info| info.config.duplicate_window)
+    };
+    assert!(
+        wait_until(WAIT, || window("AMP_INBOX_acme")
+            == Some(Duration::from_secs(300))),
+        "{}",
+        broker.log()
+    );
+    assert!(!broker.log().contains("not raised"), "{}", broker.log());
+    broker.restart();
+    assert_eq!(window("AMP_INBOX_acme"), Some(Duration::from_secs(300)));
+    assert_eq!(window("AMP_DLQ_acme"), Some(Duration::from_secs(390)));
+}

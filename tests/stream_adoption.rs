@@ -397,3 +397,76 @@ fn a_durable_found_with_another_ack_policy_is_refused_naming_it() {
     let text = answer["message"].as_str().unwrap_or_default();
     assert!(text.contains("`ack_policy`"), "{text}");
 }
+
+/// The duplicate window `stream` has.
+fn window(js: &mut Context, stream: &str) -> Option<Duration> {
+    js.stream_info(stream).ok()?.config.duplicate_window
+}
+
+#[test]
+fn an_inbox_max_age_shorter_than_the_longest_lease_and_90_s_caps_its_window_and_starts() {
+    // nats-server refuses a window longer than the stream's max_age (10052): the inbox's
+    // window of the longest lease and 90 s (390 s) over a 300 s max_age stopped start-up of
+    // a configuration that started under the 120 s window.
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"max_age_s": 300});
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 300}});
+    let broker = Broker::start(&nats.url(), &config);
+    let mut js = nats.jetstream();
+    assert_eq!(
+        window(&mut js, "AMP_INBOX_acme"),
+        Some(Duration::from_secs(300))
+    );
+    assert_eq!(
+        window(&mut js, "AMP_DLQ_acme"),
+        Some(Duration::from_secs(390))
+    );
+    let line = "stream AMP_INBOX_acme: duplicate_window capped at inbox.max_age_s, 300 s, below the 390 s of the longest lease_s and 90 s (jobs: render)";
+    assert!(broker.log().contains(line), "{}", broker.log());
+}
+
+#[test]
+fn an_inbox_max_age_shorter_than_120_s_caps_its_window_and_starts() {
+    // Refused by nats-server at the 120 s window already (10052), before any lease counted.
+    let nats = NatsServer::start();
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["inbox"] = json!({"max_age_s": 60});
+    let _broker = Broker::start(&nats.url(), &config);
+    let mut js = nats.jetstream();
+    assert_eq!(
+        window(&mut js, "AMP_INBOX_acme"),
+        Some(Duration::from_secs(60))
+    );
+}
+
+#[test]
+fn a_server_duplicate_window_limit_below_the_longest_lease_and_90_s_keeps_120_s_and_starts() {
+    // nats-server's `jetstream { limits { duplicate_window } }` refuses a longer window:
+    // start-up, which created the dead letters and raised the inbox to 390 s, stopped.
+    let nats = NatsServer::with_jetstream("limits { duplicate_window: \"5m\" }", "");
+    let mut js = nats.jetstream();
+    js.create_stream(&binding::inbox_stream_config(
+        "acme",
+        0,
+        10_000,
+        StreamSettings::default(),
+    ))
+    .expect("inbox stream");
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 300}});
+    let broker = Broker::start(&nats.url(), &config);
+    for stream in ["AMP_INBOX_acme", "AMP_DLQ_acme"] {
+        assert_eq!(
+            window(&mut js, stream),
+            Some(Duration::from_secs(120)),
+            "{stream}"
+        );
+        let line = format!("stream {stream}: duplicate_window 390 s refused by the server");
+        assert!(
+            broker.log().contains(&line),
+            "{line} not in\n{}",
+            broker.log()
+        );
+    }
+}

@@ -998,6 +998,9 @@ impl Broker {
                 for stream in [binding::inbox_stream(ns), binding::dlq_stream(ns)] {
                     self.window_raises.push((ns.clone(), stream));
                 }
+                for cap in setup::window_caps(ns, n, self.stream_settings) {
+                    log::warn!("{cap}");
+                }
             }
         }
         self.config = new;
@@ -2188,11 +2191,12 @@ impl Broker {
     }
 }
 
-/// Not retried: what it costs is rare (a lost ack past the window the stream has), and
-/// a restart raises the window at adoption.
+/// Not retried: what it costs is rare (a lost ack past the window the stream has). A
+/// restart tries again, and one the server refuses then too (its
+/// `jetstream.limits.duplicate_window`) starts with the window the stream has.
 fn window_not_raised(stream: &str, e: &str) {
-    log::error!(
-        "stream {stream}: duplicate_window not raised for the reloaded lease_s ({e}); a task result or letter published again after a lost ack past the window it has is stored twice, until a restart raises it"
+    log::warn!(
+        "stream {stream}: duplicate_window not raised for the reloaded lease_s ({e}); a task result or letter published again after a lost ack past the window it has is stored a second time (a restart tries the raise again)"
     );
 }
 

@@ -87,7 +87,54 @@ pub fn desired_streams(
             settings,
         ));
     }
+    for s in &mut streams {
+        // nats-server refuses a window longer than the stream's max_age (10052): an inbox
+        // with max_age_s under 120 s, or under the longest lease and 90 s, never started.
+        if let (Some(age), Some(window)) = (s.max_age, s.duplicate_window)
+            && !age.is_zero()
+            && window > age
+        {
+            s.duplicate_window = Some(age);
+        }
+    }
     streams
+}
+
+/// What [`desired_streams`]' cap at `max_age` takes off namespace `ns`'s inbox and
+/// dead-letter windows, a warning for each, naming the jobs whose lease and
+/// [`REDELIVERY_MARGIN_S`] reach past it: a task's result or letter published again more
+/// than `max_age` after the first (a lost ack under such a lease) is stored a second time,
+/// as under the 120 s window before leases counted.
+pub fn window_caps(ns: &str, n: &Namespace, settings: StreamSettings) -> Vec<String> {
+    let want = outcome_window_s(n, settings);
+    let streams = [
+        (
+            binding::inbox_stream(ns),
+            "inbox.max_age_s",
+            n.inbox.max_age_s,
+        ),
+        (
+            binding::dlq_stream(ns),
+            "dead_letters.max_age_s",
+            n.dead_letters.max_age_s,
+        ),
+    ];
+    let mut caps = Vec::new();
+    for (stream, field, age) in streams {
+        let jobs: Vec<&str> = n
+            .jobs
+            .iter()
+            .filter(|(_, j)| age > 0 && j.lease_s.saturating_add(REDELIVERY_MARGIN_S) > age)
+            .map(|(name, _)| name.as_str())
+            .collect();
+        if !jobs.is_empty() {
+            caps.push(format!(
+                "stream {stream}: duplicate_window capped at {field}, {age} s, below the {want} s of the longest lease_s and {REDELIVERY_MARGIN_S} s (jobs: {}): a task result or letter published again more than {age} s after the first, after a lost ack under such a lease, is stored a second time",
+                jobs.join(", ")
+            ));
+        }
+    }
+    caps
 }
 
 /// What start-up makes of stream `name` in the JetStream of namespace `ns` (its domain's
@@ -166,10 +213,16 @@ fn ensure_domain(
     };
     let mut lines: Vec<String> = desired_streams(config, domain, settings)
         .iter()
-        .map(|desired| ensure_stream(client, &api, desired))
+        .map(|desired| ensure_stream(client, &api, desired, settings))
         .collect::<Result<_, _>>()?;
     for (ns, n) in &config.namespaces {
-        if n.jetstream_domain.as_deref() == domain && n.open.is_some() {
+        if n.jetstream_domain.as_deref() != domain {
+            continue;
+        }
+        for cap in window_caps(ns, n, settings) {
+            log::warn!("{cap}");
+        }
+        if n.open.is_some() {
             lines.push(keep_listed_inboxes(client, &api, ns, n));
         }
     }
@@ -270,10 +323,15 @@ enum Failure {
 /// JetStream's answer to a create of a stream that exists with another configuration.
 pub const ERR_STREAM_NAME_IN_USE: u32 = 10058;
 
+/// JetStream's answer to a stream configuration it refuses, among them a
+/// `duplicate_window` over the server's `jetstream.limits.duplicate_window`.
+const ERR_STREAM_INVALID_CONFIG: u32 = 10052;
+
 fn ensure_stream(
     client: &mut Client,
     api: &ApiPrefix,
     desired: &StreamConfig,
+    settings: StreamSettings,
 ) -> Result<String, Failure> {
     let name = desired.name.as_str();
     let fatal = Failure::Fatal;
@@ -281,7 +339,7 @@ fn ensure_stream(
     let info_request = api.stream_info(name).map_err(invalid)?;
     let info = request(client, &info_request)?;
     match check_error(&info) {
-        Ok(()) => adopt(client, api, desired, &info),
+        Ok(()) => adopt(client, api, desired, &info, settings),
         Err(e) if e.err_code() == Some(10059) => {
             let created = request(client, &api.stream_create(desired).map_err(invalid)?)?;
             match check_error(&created) {
@@ -294,7 +352,16 @@ fn ensure_stream(
                 Err(e) if e.err_code() == Some(ERR_STREAM_NAME_IN_USE) => {
                     let info = request(client, &info_request)?;
                     check_error(&info).map_err(|e| fatal(format!("stream {name}: {e}")))?;
-                    adopt(client, api, desired, &info)
+                    adopt(client, api, desired, &info, settings)
+                }
+                Err(e) if e.err_code() == Some(ERR_STREAM_INVALID_CONFIG) => {
+                    match fallback_window(desired, settings) {
+                        Some(fallback) => {
+                            window_refused(desired, &fallback, &e.to_string());
+                            ensure_stream(client, api, &fallback, settings)
+                        }
+                        None => Err(fatal(format!("creating stream {name}: {e}"))),
+                    }
                 }
                 Err(e) => Err(fatal(format!("creating stream {name}: {e}"))),
             }
@@ -310,6 +377,7 @@ fn adopt(
     api: &ApiPrefix,
     desired: &StreamConfig,
     info: &[u8],
+    settings: StreamSettings,
 ) -> Result<String, Failure> {
     let name = desired.name.as_str();
     let fatal = Failure::Fatal;
@@ -338,9 +406,15 @@ fn adopt(
             apply(updated, what, &mut existing)?;
         }
     }
-    if let Some((updated, what)) = duplicate_window_update(desired, &existing) {
-        apply(updated, &what, &mut existing)?;
+    let mut kept = None;
+    if let Some((updated, what)) = duplicate_window_update(desired, &existing)
+        && let Err(Failure::Fatal(e) | Failure::Away(e)) = apply(updated, &what, &mut existing)
+    {
+        let fallback = fallback_window(desired, settings).ok_or_else(|| fatal(e.clone()))?;
+        window_refused(desired, &fallback, &e);
+        kept = Some(fallback);
     }
+    let desired = kept.as_ref().unwrap_or(desired);
     let differences = binding::check_compatible(desired, &existing)
         .map_err(|e| fatal(format!("existing stream {name} cannot be used: {e}")))?;
     let raised = consumer_limit_update(desired, &existing)
@@ -400,7 +474,9 @@ fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConf
 /// made the next use's message a duplicate of the last use's, `ok` to a task never
 /// queued. The inbox's and the dead letters' is raised to ours ([`outcome_window_s`]),
 /// which a stream made under shorter leases (or another broker's) falls short of; the
-/// server allows both.
+/// server allows both within the stream's `max_age` (ours is capped there) and its own
+/// `jetstream.limits.duplicate_window` (a refused raise keeps the stream's, with a
+/// warning).
 pub fn duplicate_window_update(
     desired: &StreamConfig,
     existing: &Value,
@@ -419,7 +495,11 @@ pub fn duplicate_window_update(
         .any(|p| desired.name.starts_with(p.as_str()))
     {
         let need = desired.duplicate_window?;
-        let why = format!("the longest lease_s and {REDELIVERY_MARGIN_S} s");
+        let why = if desired.max_age == Some(need) {
+            "capped at the stream's max_age".to_string()
+        } else {
+            format!("the longest lease_s and {REDELIVERY_MARGIN_S} s")
+        };
         (have < need).then_some((need, format!("raised to {} s, {why}", need.as_secs())))?
     } else {
         return None;
@@ -427,6 +507,32 @@ pub fn duplicate_window_update(
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
     updated.duplicate_window = Some(want);
     Some((updated, format!("duplicate_window {what}")))
+}
+
+/// `desired` with the window the broker had before leases counted (120 s, or the
+/// stream's `max_age` if shorter), when its own is longer: what an inbox or dead-letter
+/// stream keeps when the server refuses the lease's (its `jetstream.limits`), so that a
+/// configuration that started under that window still starts.
+fn fallback_window(desired: &StreamConfig, settings: StreamSettings) -> Option<StreamConfig> {
+    let base = Duration::from_secs(settings.duplicate_window_s);
+    let base = match desired.max_age {
+        Some(age) if !age.is_zero() => base.min(age),
+        _ => base,
+    };
+    (desired.duplicate_window? > base).then(|| StreamConfig {
+        duplicate_window: Some(base),
+        ..desired.clone()
+    })
+}
+
+fn window_refused(desired: &StreamConfig, fallback: &StreamConfig, e: &str) {
+    let secs = |c: &StreamConfig| c.duplicate_window.unwrap_or_default().as_secs();
+    log::warn!(
+        "stream {}: duplicate_window {} s refused by the server ({e}); kept at {} s at the least: a task result or letter published again after a lost ack more than that after the first is stored a second time",
+        desired.name,
+        secs(desired),
+        secs(fallback)
+    );
 }
 
 /// A registry bucket made when `registry_ttl_s` was shorter keeps markers that age out
