@@ -350,6 +350,22 @@ enum Phase {
     Finishing,
 }
 
+/// What a broker knows of the `task_result` of a cancel it answered `unavailable`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unsent {
+    /// A publish of it may have landed: a retry publishes it again only within the
+    /// inbox's duplicate window.
+    Maybe,
+    /// Every publish of it from here was refused (none stored), and the record does not
+    /// say so yet: a retry may publish it at any age.
+    Refused,
+    /// As `Refused`, and the record says so (`TaskRecord::result_refused`, or
+    /// `result_sent`): from then on the record, which any broker's publish that may have
+    /// landed clears, decides. Trusting this broker's memory past that published a
+    /// result another broker's retry had stored, its PubAck lost (review 2, finding 2).
+    Recorded,
+}
+
 /// A change being written to the task store, and what follows it.
 #[derive(Debug, Clone)]
 enum Op {
@@ -691,10 +707,8 @@ pub struct Jobs {
     /// Cancelled tasks whose cancel was answered `unavailable` (its write or its
     /// `task_result` unconfirmed or refused): the retry that finds the task cancelled
     /// publishes the result again and answers `ok`, where a cancel of a finished task
-    /// answers `conflict`. `true` while every publish of the result from here was
-    /// refused (none of them stored), so a retry may publish it at any age, not only
-    /// within the inbox's duplicate window.
-    unsent_cancels: BoundedMap<String, bool>,
+    /// answers `conflict`.
+    unsent_cancels: BoundedMap<String, Unsent>,
     /// Paces the warnings about dead letters too large to store whole.
     trimmed_log: letters::TrimmedLog,
     /// Job queues whose consumer a reload changed the AckWait of (see
@@ -2718,6 +2732,51 @@ mod tests {
         h.advance(Duration::from_secs(10));
         assert_eq!(stored_results(&h, &task), 1);
         h.take(other);
+    }
+
+    #[test]
+    fn a_cleared_result_refused_is_not_overridden_by_the_refusing_brokers_memory() {
+        // Broker 0's publishes of the cancel's result were all refused (the record says
+        // result_refused). A retry through broker 1 past the repeat window publishes it:
+        // stored, but its PubAck lost, so broker 1 clears the flag (a publish that may
+        // have landed). A retry through broker 0 past the inbox's window published it
+        // again all the same (its own memory said every publish was refused): a second
+        // task_result (review 2, finding 2).
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "{c}");
+        h.advance(Duration::from_secs(150));
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let app_b = h.join(1, "app", json!({}));
+        h.lose_read(1, b"\"stream\":\"AMP_INBOX_dev\"");
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "its PubAck lost: {c}");
+        assert_eq!(stored_results(&h, &task), 1, "stored, its PubAck lost");
+        let record = h
+            .server
+            .stream_messages("KV_AMP_TASK_STATE")
+            .iter()
+            .filter_map(|m| serde_json::from_slice::<Value>(m.2).ok())
+            .filter(|r| r["id"] == task.as_str())
+            .last()
+            .expect("record");
+        assert_eq!(record["state"], "cancelled");
+        assert!(record.get("result_refused").is_none(), "cleared: {record}");
+        assert!(record.get("result_sent").is_none(), "{record}");
+        h.advance(Duration::from_secs(150));
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        h.advance(Duration::from_secs(10));
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+        assert_eq!(
+            c["code"], "conflict",
+            "the record says it may be stored: {c}"
+        );
+        h.take(other);
+        h.take(app_b);
     }
 
     #[test]

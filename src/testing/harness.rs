@@ -52,6 +52,19 @@ struct Node {
     mute: bool,
     /// Set ([`Harness::lose_write`]): its next write holding these bytes is lost.
     lose: Option<Vec<u8>>,
+    /// Set ([`Harness::lose_read`]): the next read holding these bytes is lost.
+    lose_in: Option<Vec<u8>>,
+}
+
+/// Whether `bytes` hold the needle a `lose` field waits for; the needle is spent then.
+fn spends(needle: &mut Option<Vec<u8>>, bytes: &[u8]) -> bool {
+    let found = needle
+        .as_deref()
+        .is_some_and(|n| bytes.windows(n.len()).any(|w| w == n));
+    if found {
+        *needle = None;
+    }
+    found
 }
 
 /// What a session has received and not yet been read by the test.
@@ -155,6 +168,7 @@ impl Harness {
             deaf: false,
             mute: false,
             lose: None,
+            lose_in: None,
         }
     }
 
@@ -419,6 +433,12 @@ impl Harness {
         self.nodes[node].lose = Some(needle.to_vec());
     }
 
+    /// The next read `node` gets from the server that holds `needle` is lost on the
+    /// way, whole (a PubAck lost after its message was stored, say).
+    pub fn lose_read(&mut self, node: usize, needle: &[u8]) {
+        self.nodes[node].lose_in = Some(needle.to_vec());
+    }
+
     /// `node`'s NATS connection drops (its broker reconnects); it hears and is heard
     /// again.
     pub fn cut(&mut self, node: usize) {
@@ -522,19 +542,13 @@ impl Harness {
                     let bytes = n.conn.output().to_vec();
                     if !bytes.is_empty() {
                         n.conn.consume_output(bytes.len());
-                        let lost = n
-                            .lose
-                            .as_deref()
-                            .is_some_and(|needle| bytes.windows(needle.len()).any(|w| w == needle));
-                        if lost {
-                            n.lose = None;
-                        } else if !n.mute {
+                        if !spends(&mut n.lose, &bytes) && !n.mute {
                             self.server.receive(c, &bytes, now);
                         }
                         busy = true;
                     }
                     let out = self.server.take_output(c);
-                    if !out.is_empty() && !n.deaf {
+                    if !out.is_empty() && !n.deaf && !spends(&mut n.lose_in, &out) {
                         n.conn.receive(&out, now);
                         busy = true;
                     }

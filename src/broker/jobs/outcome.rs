@@ -173,17 +173,25 @@ impl Jobs {
             let mut e = unavailable("the task is cancelled but its task_result is not stored yet");
             e.retry_after_ms = u64::try_from(RETRY_DELAY.as_millis()).ok();
             *text = reply::error(Some(re.as_str()), &e);
+            let fresh = if stored_nothing {
+                Unsent::Refused
+            } else {
+                Unsent::Maybe
+            };
             let unsent = self
                 .unsent_cancels
-                .get_or_insert_with(finish.key.clone(), || stored_nothing);
-            *unsent &= stored_nothing;
+                .get_or_insert_with(finish.key.clone(), || fresh);
+            if !stored_nothing {
+                *unsent = Unsent::Maybe;
+            }
         }
         if (stored_nothing || finish.cancelled) && !written {
             // Its expiry starts over (`Change::ResultRefused`; the mark above does that
             // too), so the record outlives a full inbox as long as refusals keep coming;
             // and a cancelled one says whether a retry through any broker may publish it
             // again past the repeat window: not once a publish of it here may have landed.
-            let every = stored_nothing && self.unsent_cancels.get(&finish.key) != Some(&false);
+            let every =
+                stored_nothing && self.unsent_cancels.get(&finish.key) != Some(&Unsent::Maybe);
             self.mark(conn, finish.key.clone(), Op::ResultRefused { every }, now);
         }
         finish

@@ -322,10 +322,17 @@ impl Jobs {
                 // Kept until the result is stored (`Jobs::result_unsent` says whether any
                 // publish of it might have been).
                 let unsent = self.unsent_cancels.get(&key).copied();
-                // Every publish of it was refused: here, or as the record says, through
-                // the broker the cancel went to (`TaskRecord::result_refused`).
-                let refused =
-                    unsent == Some(true) || (record.result_refused && unsent != Some(false));
+                // Every publish of it was refused: here (while the record may not say
+                // so), or as the record says, through the broker the cancel went to
+                // (`TaskRecord::result_refused`).
+                // A retry here that the record says is stored (`result_sent`) repeats
+                // nothing and is answered `ok`, as the cancel it retries.
+                let refused = match unsent {
+                    Some(Unsent::Refused) => true,
+                    Some(Unsent::Maybe) => false,
+                    Some(Unsent::Recorded) => record.result_refused || record.result_sent,
+                    None => record.result_refused,
+                };
                 if let Refusal::Finished(TaskState::Cancelled) = refusal
                     && (recent || refused)
                 {
@@ -359,7 +366,9 @@ impl Jobs {
                 };
                 self.refuse(session, &re, e);
             }
-            // Recorded already (by another delivery's broker), or the record moved on.
+            // Recorded already (by another delivery's broker), or the record moved on:
+            // a result stored meanwhile (`result_sent`).
+            Op::ResultRefused { every: true } => self.refusal_recorded(&key),
             Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
@@ -463,7 +472,7 @@ impl Jobs {
             // Its write may have landed all the same: see `unsent_cancels`.
             *self
                 .unsent_cancels
-                .get_or_insert_with(write.key.clone(), || false) = false;
+                .get_or_insert_with(write.key.clone(), || Unsent::Maybe) = Unsent::Maybe;
         }
         if let Some((session, re)) = write.op.answer_to() {
             let re = re.to_string();
@@ -664,7 +673,18 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
+            Op::ResultRefused { every: true } => self.refusal_recorded(&key),
             Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
+        }
+    }
+
+    /// This broker's `ResultRefused { every: true }` of task `key` is in the record (or
+    /// the record says the result is stored): the record decides from now on.
+    fn refusal_recorded(&mut self, key: &str) {
+        if let Some(unsent) = self.unsent_cancels.get_mut(&key.to_owned())
+            && *unsent == Unsent::Refused
+        {
+            *unsent = Unsent::Recorded;
         }
     }
 }
