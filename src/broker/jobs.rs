@@ -1748,8 +1748,8 @@ impl Jobs {
             }
             Pending::Read(write) => {
                 let (ns, task) = write.key.split_once('.').unwrap_or(("", ""));
-                match self.parse_record(ns, task, reply) {
-                    Ok((record, revision)) => {
+                match self.parse_record_at(ns, task, reply) {
+                    Ok((record, revision, stored_ms)) => {
                         let earlier_use = write.ack.is_some()
                             && self
                                 .tasks
@@ -1765,6 +1765,14 @@ impl Jobs {
                         if let Some(t) = self.tasks.get_mut(&write.key) {
                             t.record = Rc::new(record.clone());
                             t.revision = revision;
+                        }
+                        if let Op::ResultRefused { every } = write.op
+                            && self.refusal_kept(&write.key, &record, every, stored_ms, now)
+                        {
+                            if every {
+                                self.refusal_recorded(&write.key);
+                            }
+                            return;
                         }
                         self.cas(conn, write, &record, revision, now);
                     }
@@ -1974,6 +1982,18 @@ impl Jobs {
         task: &str,
         reply: Result<Message, RequestError>,
     ) -> Result<(TaskRecord, u64), JsError> {
+        self.parse_record_at(ns, task, reply)
+            .map(|(record, revision, _)| (record, revision))
+    }
+
+    /// As [`Jobs::parse_record`], with when the revision was stored (Unix ms, 0 if
+    /// unknown).
+    fn parse_record_at(
+        &self,
+        ns: &str,
+        task: &str,
+        reply: Result<Message, RequestError>,
+    ) -> Result<(TaskRecord, u64, i64), JsError> {
         let m = reply.map_err(|e| JsError::Transport(e.to_string()))?;
         let key = task_key(ns, task);
         let entry = self.kv.parse_get(&key, m.headers.as_ref(), &m.payload)?;
@@ -1982,7 +2002,8 @@ impl Jobs {
         }
         let record = TaskRecord::from_json(&entry.value)
             .map_err(|e| JsError::malformed(format_args!("task record {key}: {e}")))?;
-        Ok((record, entry.revision))
+        let stored_ms = i64::try_from(entry.created_nanos / 1_000_000).unwrap_or(0);
+        Ok((record, entry.revision, stored_ms))
     }
 
     /// Timers due at `now`.
@@ -2680,6 +2701,44 @@ mod tests {
     }
 
     #[test]
+    fn a_full_inbox_costs_a_refused_result_one_record_write_per_half_its_life() {
+        // Each redelivery's refusal rewrote the record to restart its expiry: one write
+        // per finished task every 30 s for as long as the inbox stayed full, which anyone
+        // with `send` can make it (review 2, finding 4: 2400 an hour for 20 tasks).
+        let mut h = Harness::new(keeping_finished_records(300), 1, 7);
+        let app = h.join(0, "app", json!({}));
+        let w = h.join(0, "w1", json!({"serve":[{"job":"render","slots":4}]}));
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        const N: u64 = 20;
+        for n in 0..N {
+            let task = submit(&mut h, app, n);
+            offer(&mut h, w, &task);
+            assert_eq!(h.request(w, json!({"op":"claim","task":task}))["op"], "ok");
+            let done = h.request(w, json!({"op":"complete","task":task}));
+            assert_eq!(done["op"], "ok", "{done}");
+        }
+        let writes = |h: &mut Harness| {
+            h.nats_request("$JS.API.STREAM.INFO.KV_AMP_TASK_STATE", &[], b"")["state"]["last_seq"]
+                .as_u64()
+                .unwrap_or(0)
+        };
+        h.advance(Duration::from_secs(300));
+        let before = writes(&mut h);
+        h.advance(Duration::from_secs(3600));
+        let hour = writes(&mut h) - before;
+        // The record lives 303 s here (keep_finished_s 300; the 3 s lease and 300 s).
+        let most = N * (3600 / 151 + 1);
+        assert!(
+            hour <= most,
+            "{hour} task-store writes in an hour, {most} at most"
+        );
+        assert!(hour >= N, "its expiry must still start over: {hour} writes");
+        h.take(other);
+        h.take(app);
+    }
+
+    #[test]
     fn a_cancel_whose_result_is_refused_for_longer_than_the_record_is_kept_is_stored_by_a_retry() {
         // The cancelled record expired `keep_finished_s` (here 300 s) after the cancel,
         // however often its retries were refused meanwhile: the next retry found no task,
@@ -2760,9 +2819,9 @@ mod tests {
             .server
             .stream_messages("KV_AMP_TASK_STATE")
             .iter()
+            .rev()
             .filter_map(|m| serde_json::from_slice::<Value>(m.2).ok())
-            .filter(|r| r["id"] == task.as_str())
-            .last()
+            .find(|r| r["id"] == task.as_str())
             .expect("record");
         assert_eq!(record["state"], "cancelled");
         assert!(record.get("result_refused").is_none(), "cleared: {record}");
