@@ -102,7 +102,8 @@ fn a_stalled_loop_fails_livez_until_it_keeps_time_again() {
 
     assert!(
         common::wait_until(WAIT, || status(&broker, "/livez") == Some(200)),
-        "live again once the loop has kept time"
+        "live again once the loop has kept time: {:?}",
+        http_get(broker.addr, "/livez")
     );
 }
 

@@ -217,8 +217,8 @@ enum PingKind {
 struct Silence {
     /// When it last brought bytes, or had them waiting unread ([`Connection::input_held`]).
     heard_at: Instant,
-    /// Something was written since `heard_at`.
-    wrote: bool,
+    /// When something was first written since `heard_at`.
+    wrote_at: Option<Instant>,
     /// When the probe PING out was queued.
     probe_at: Option<Instant>,
     silent: bool,
@@ -228,7 +228,7 @@ impl Silence {
     fn new(now: Instant) -> Silence {
         Silence {
             heard_at: now,
-            wrote: false,
+            wrote_at: None,
             probe_at: None,
             silent: false,
         }
@@ -236,14 +236,18 @@ impl Silence {
 
     fn heard(&mut self, now: Instant) {
         self.heard_at = self.heard_at.max(now);
-        self.wrote = false;
+        self.wrote_at = None;
         self.silent = false;
     }
 
     /// When the next PING is due, or the one out makes the connection silent.
     fn deadline(&self, probe: Duration) -> Option<Instant> {
         match self.probe_at {
-            None if self.wrote => Some(after(self.heard_at, probe)),
+            // Never before the write: a deadline already past when it is set reads as a
+            // loop that woke late (`/livez` answered 503 "stalled" after each quiet spell).
+            None => self
+                .wrote_at
+                .map(|wrote| after(self.heard_at, probe).max(wrote)),
             // Measured from the last read too: bytes ahead of its PONG show the server
             // is there, and a link that dies after them is silent `probe` later.
             Some(at) if !self.silent => Some(after(at.max(self.heard_at), probe)),
@@ -568,9 +572,17 @@ impl Connection {
         self.out.get(self.out_pos..).unwrap_or(&[])
     }
 
+    /// [`Connection::consume_output`] at `now`, for a caller that knows the time.
+    pub fn consume_output_at(&mut self, n: usize, now: Instant) {
+        self.last_now = self.last_now.max(now);
+        self.consume_output(n);
+    }
+
     /// `n` bytes of `output()` were written.
     pub fn consume_output(&mut self, n: usize) {
-        self.silence.wrote |= n > 0;
+        if n > 0 && self.silence.wrote_at.is_none() {
+            self.silence.wrote_at = Some(self.last_now);
+        }
         self.out_pos = (self.out_pos + n).min(self.out.len());
         if self.out_pos == self.out.len() {
             self.out.clear();

@@ -465,7 +465,7 @@ impl Driver {
                 }
                 Ok(n) => {
                     self.bytes_out = self.bytes_out.saturating_add(n as u64);
-                    self.conn.consume_output(n);
+                    self.conn.consume_output_at(n, now);
                     if self.conn.poll_close() {
                         self.drop_socket(registry);
                         return false;
@@ -493,7 +493,7 @@ impl Driver {
             };
             let taken = tls.send(self.conn.output());
             if taken > 0 {
-                self.conn.consume_output(taken);
+                self.conn.consume_output_at(taken, now);
             }
             match tls.write_to(stream) {
                 Ok(n) => self.bytes_out = self.bytes_out.saturating_add(n as u64),
