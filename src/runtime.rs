@@ -444,6 +444,8 @@ pub fn run(
     let mut trimmed_when_ready = false;
     // Work was left over by the last turn's bounded rounds: poll without waiting.
     let mut unfinished = false;
+    // When the wait a signal interrupted began: the wait goes on from then.
+    let mut interrupted: Option<Instant> = None;
 
     loop {
         let deadline = [
@@ -461,6 +463,7 @@ pub fn run(
         .into_iter()
         .flatten()
         .min();
+        let waits_from = interrupted.take().unwrap_or_else(Instant::now);
         let timeout = if unfinished {
             Some(Duration::ZERO)
         } else {
@@ -468,7 +471,10 @@ pub fn run(
         };
         match poll.poll(&mut events, timeout) {
             Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                interrupted = Some(waits_from);
+                continue;
+            }
             Err(e) => return Err(e),
         }
         let now = Instant::now();
@@ -477,8 +483,11 @@ pub fn run(
             crate::rfc3339::unix_millis(std::time::SystemTime::now()),
         );
         // Lag is measured before any work of this turn, so the first probe served after a
-        // stall already sees it.
-        liveness.woke(deadline.filter(|d| *d <= now), now);
+        // stall already sees it. A deadline already past when the wait began is due at
+        // once, not late by how long ago it passed: that was the work before the wait,
+        // which `worked` measures.
+        let due = deadline.map(|d| d.max(waits_from));
+        liveness.woke(due.filter(|d| *d <= now), now);
         if now >= next_tick {
             next_tick = now + LIVENESS_TICK;
         }
