@@ -2489,6 +2489,18 @@ mod tests {
 
     /// Fills the inbox stream (discard `new`): `from` sends one message, and `max_msgs`
     /// becomes what the stream holds, so JetStream refuses the next one (10077).
+    /// `app` submits a task and cancels it with the inbox full (filled by sending to
+    /// `other`): the cancel's result is refused, and the cancel answered `unavailable`.
+    fn cancel_refused_by_a_full_inbox(h: &mut Harness) -> (Session, String, Session, Value) {
+        let app = h.join(0, "app", json!({}));
+        let task = submit(h, app, 1);
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(h, app, "other");
+        let c = h.request(app, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "unavailable", "{c}");
+        (app, task, other, c)
+    }
+
     fn fill_inbox(h: &mut Harness, from: Session, to: &str) {
         let sent = h.request(from, json!({"op":"send","to":to,"body":"filler"}));
         assert_eq!(sent["op"], "ok", "{sent}");
@@ -2568,12 +2580,7 @@ mod tests {
     fn a_cancel_whose_task_result_the_full_inbox_refused_is_unavailable_until_a_retry_stores_it() {
         // The cancel answered `ok` with no result stored, and its retry `conflict`.
         let mut h = bench(3);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let other = h.join(0, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        let c = h.request(app, json!({"op":"cancel","task":task}));
-        assert_eq!(c["code"], "unavailable", "{c}");
+        let (app, task, other, c) = cancel_refused_by_a_full_inbox(&mut h);
         assert!(c["retry_after_ms"].as_u64().is_some(), "{c}");
         // Past the 90 s within which a cancel of a cancelled task republishes its result:
         // none was stored, so the retry still stores it.
@@ -2598,12 +2605,7 @@ mod tests {
         // refused, and so republishes it on a retry past the 90 s repeat window; the
         // result a cancel through broker 1 stored meanwhile was stored a second time.
         let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let other = h.join(0, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        let c = h.request(app, json!({"op":"cancel","task":task}));
-        assert_eq!(c["code"], "unavailable", "{c}");
+        let (app, task, other, _) = cancel_refused_by_a_full_inbox(&mut h);
         set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
         let app_b = h.join(1, "app", json!({}));
         // The record says every publish of the result was refused: the retry of the
@@ -2766,12 +2768,7 @@ mod tests {
         // through another broker past the 90 s repeat window answered `conflict`, and
         // the result was never stored.
         let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let other = h.join(0, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        let c = h.request(app, json!({"op":"cancel","task":task}));
-        assert_eq!(c["code"], "unavailable", "{c}");
+        let (app, task, other, _) = cancel_refused_by_a_full_inbox(&mut h);
         h.advance(Duration::from_secs(150));
         set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
         let app_b = h.join(1, "app", json!({}));
@@ -2802,12 +2799,7 @@ mod tests {
         // again all the same (its own memory said every publish was refused): a second
         // task_result (review 2, finding 2).
         let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let other = h.join(0, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        let c = h.request(app, json!({"op":"cancel","task":task}));
-        assert_eq!(c["code"], "unavailable", "{c}");
+        let (app, task, other, _) = cancel_refused_by_a_full_inbox(&mut h);
         h.advance(Duration::from_secs(150));
         set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
         let app_b = h.join(1, "app", json!({}));
