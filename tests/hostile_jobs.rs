@@ -239,20 +239,8 @@ struct Frozen(u32);
 impl Frozen {
     fn new(pid: u32) -> Frozen {
         signal(pid, "-STOP");
-        // A stop reaches each thread on its own: until all are stopped, one may still
-        // answer what is already in its hands (seen on a loaded machine).
-        let stopped = || {
-            std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
-                tasks.flatten().all(|t| {
-                    std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
-                        stat.rsplit_once(") ")
-                            .is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
-                    })
-                })
-            })
-        };
         assert!(
-            common::wait_until(Duration::from_secs(5), stopped),
+            common::wait_until(Duration::from_secs(5), || common::stopped(pid)),
             "nats-server {pid} did not stop"
         );
         Frozen(pid)

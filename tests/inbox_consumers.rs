@@ -604,9 +604,16 @@ fn a_confirmed_ack_that_timed_out_can_be_sent_again() {
     let ok = a.request(json!({"op":"send","to":"b","body":"hi"}));
     assert_eq!(ok["op"], "ok", "{ok}");
     let m = b.next_op("message", WAIT).expect("a message");
-    let pid = i32::try_from(nats.pid().expect("nats-server pid")).expect("pid");
+    let nats_pid = nats.pid().expect("nats-server pid");
+    let pid = i32::try_from(nats_pid).expect("pid");
     // SAFETY: kill(2) with the pid of the nats-server this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // Until every thread is stopped, one may still confirm the ack (CI on a loaded
+    // machine: `{"op":"ok","re":"r2"}` where `unavailable` was due).
+    assert!(
+        common::wait_until(WAIT, || common::stopped(nats_pid)),
+        "nats-server {pid} did not stop"
+    );
     let first = b.request(json!({"op":"ack","seq":m["seq"]}));
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);

@@ -342,6 +342,20 @@ pub fn status_bytes(pid: u32, field: &str) -> usize {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// Whether every thread of process `pid` is stopped (SIGSTOP). A stop reaches each
+/// thread on its own: until all are, one may still answer what is already in its hands
+/// (seen on a loaded machine).
+pub fn stopped(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
+        tasks.flatten().all(|t| {
+            std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
+            })
+        })
+    })
+}
+
 /// Polls `cond` until it holds or `timeout` passes; for conditions no event announces.
 pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
