@@ -363,20 +363,6 @@ fn a_delivery_given_again_to_a_sibling_session_is_still_the_first_ones_to_ack() 
     assert_eq!(early.request(json!({"op":"ack","seq":seq}))["op"], "ok");
 }
 
-/// Whether every thread of process `pid` is stopped (state `T` in /proc).
-fn stopped(pid: i32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks.flatten().all(|t| {
-        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|stat| {
-            // The state follows the command name's closing parenthesis.
-            stat.rsplit_once(") ")
-                .is_some_and(|(_, rest)| rest.starts_with('T'))
-        })
-    })
-}
-
 /// A confirmed ack of such a moved delivery that JetStream did not answer in time
 /// (`unavailable`, nats-server stopped) can be sent again, as one of a delivery the
 /// session holds can (`inbox_consumers::a_confirmed_ack_that_timed_out_can_be_sent_again`).
@@ -390,11 +376,15 @@ fn a_confirmed_ack_of_a_moved_delivery_that_timed_out_can_be_sent_again() {
     let mut early = Client::login(&broker, "acme", "b", "b-token");
     let mut late = Client::login(&broker, "acme", "b", "b-token");
     let seq = give_to_late_then_to_early(&mut a, &mut early, &mut late);
-    let pid = i32::try_from(nats.pid().expect("nats-server pid")).expect("pid");
+    let nats_pid = nats.pid().expect("nats-server pid");
+    let pid = i32::try_from(nats_pid).expect("pid");
     // SAFETY: kill(2) with the pid of the nats-server this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     // kill(2) only queues the signal: one of its threads could still answer the ack.
-    assert!(common::wait_until(WAIT, || stopped(pid)), "not stopped");
+    assert!(
+        common::wait_until(WAIT, || common::stopped(nats_pid)),
+        "not stopped"
+    );
     let first = late.request(json!({"op":"ack","seq":seq}));
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
