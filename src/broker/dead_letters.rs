@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use serde_json::value::RawValue;
-use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
 use super::envelope::EnvelopeView;
@@ -306,19 +306,46 @@ impl Letter {
         format!("redrive-{hex}")
     }
 
-    /// The MIG message published on `mig.v0_1.<ns>.dlq.<capability>`.
-    pub fn mig_message(&self, ns: &str, capability: &str, seq: u64, message_id: &str) -> Value {
-        json!({
-            "header": {"mig_version": super::mig::envelope::MIG_VERSION, "tenant_id": ns,
-                       "message_id": message_id, "timestamp": self.failed_at},
-            "capability": capability,
-            "sequence": seq,
-            "task_id": self.task,
-            "attempts": self.attempts,
-            "error": self.error,
-            "payload": self.body,
-        })
+    /// The MIG message published on `mig.v0_1.<ns>.dlq.<capability>` (JSON text). Its
+    /// `payload` is the body as stored, as [`view`](Self::view) shows it.
+    pub fn mig_message(&self, ns: &str, capability: &str, seq: u64, message_id: &str) -> String {
+        let notice = Notice {
+            header: NoticeHeader {
+                mig_version: super::mig::envelope::MIG_VERSION,
+                tenant_id: ns,
+                message_id,
+                timestamp: &self.failed_at,
+            },
+            capability,
+            sequence: seq,
+            task_id: &self.task,
+            attempts: self.attempts,
+            error: self.error.as_ref(),
+            payload: &self.body,
+        };
+        // As in `view`: strings, maps and already-valid JSON always serialise.
+        serde_json::to_string(&notice).unwrap_or_else(|_| "null".to_string())
     }
+}
+
+/// [`Letter::mig_message`].
+#[derive(Serialize)]
+struct Notice<'a> {
+    header: NoticeHeader<'a>,
+    capability: &'a str,
+    sequence: u64,
+    task_id: &'a str,
+    attempts: u32,
+    error: Option<&'a Value>,
+    payload: &'a RawValue,
+}
+
+#[derive(Serialize)]
+struct NoticeHeader<'a> {
+    mig_version: &'a str,
+    tenant_id: &'a str,
+    message_id: &'a str,
+    timestamp: &'a str,
 }
 
 /// [`Letter::view`]: the letter without `eligible`, with its sequence.
@@ -348,6 +375,7 @@ struct View<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn record(state: TaskState, attempt: u32, max: u32) -> TaskRecord {
         let mut r = TaskRecord::submitted("T1", "infer", "acme/alice", &json!(1), max, None, 0);

@@ -2874,6 +2874,60 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_task_ids_every_use_out_of_attempts_is_a_mig_notice_of_its_own_with_the_body_as_stored() {
+        // The MIG dead-letter notice parsed the body and wrote it again (`9E15` came out
+        // as `9000000000000000.0`, keys sorted, white space gone), and its message id was
+        // derived from the task id alone: a later use of the id out of attempts was
+        // announced under the first use's id, a duplicate to any receiver that keeps ids.
+        let mut config = keeping_finished_records(300);
+        config.mig.enabled = true;
+        if let Some(job) = config
+            .namespaces
+            .get_mut("dev")
+            .and_then(|ns| ns.jobs.get_mut("render"))
+        {
+            job.max_attempts = 1;
+            job.mig = serde_json::from_value(json!({"id": "dev.render"})).ok();
+        }
+        let mut h = Harness::new(config, 1, 7);
+        let listener = h.server.accept(h.now);
+        let sub = b"CONNECT {\"headers\":true,\"verbose\":false}\r\nSUB mig.v0_1.dev.dlq.> 1\r\n";
+        h.server.receive(listener, sub, h.now);
+        let app = h.join(0, "app", json!({}));
+        let w = worker(&mut h, "w1");
+        let bodies = [r#"{"b": 9E15, "a": 1.0e2}"#, r#"[ 1.50, 1e2 ]"#];
+        for body in bodies {
+            let text =
+                format!(r#"{{"op":"submit","id":"raw","job":"render","task":"T","body":{body}}}"#);
+            let ok = h.request_text(app, "raw", &text);
+            assert_eq!(ok["op"], "ok", "{ok}");
+            offer(&mut h, w, "T");
+            assert_eq!(h.request(w, json!({"op":"claim","task":"T"}))["op"], "ok");
+            let f = h.request(w, json!({"op":"fail","task":"T","error":{"code":"no"}}));
+            assert_eq!(f["op"], "ok", "{f}");
+            assert_eq!(task_result(&mut h, app, "T")["state"], "failed");
+            h.advance(Duration::from_secs(400));
+        }
+        let out = String::from_utf8_lossy(&h.server.take_output(listener)).into_owned();
+        // Each notice's JSON is a line of its own: no body here holds a line break.
+        let notices: Vec<&str> = out.split("\r\n").filter(|l| l.starts_with('{')).collect();
+        assert_eq!(notices.len(), 2, "{out}");
+        let mut ids = Vec::new();
+        for (notice, body) in notices.iter().zip(bodies) {
+            let payload = format!(r#""payload":{body}"#);
+            assert!(notice.contains(&payload), "{body} not as stored: {notice}");
+            let v: Value = serde_json::from_str(notice).unwrap_or_else(|e| panic!("{e}: {notice}"));
+            assert_eq!(v["task_id"], "T", "{notice}");
+            ids.push(v["header"]["message_id"].clone());
+        }
+        assert!(ids[0].is_string(), "{ids:?}");
+        assert_ne!(
+            ids[0], ids[1],
+            "the second use's notice has the first's message id"
+        );
+    }
+
     /// Stores a second copy of a task message, as a republish past the stream's
     /// duplicate window does.
     fn store_copy(h: &mut Harness, payload: &[u8], msg_id: &str) {

@@ -233,8 +233,11 @@ impl Jobs {
             .and_then(|j| j.mig.as_ref())
             .map(|m| m.id.clone());
         if let (false, true, Some(cap)) = (ack.duplicate, self.mig_enabled, capability.as_deref()) {
-            let message_id = envelope::idempotent_id(Kind::Task, "dlq", ns, &letter.task);
-            let msg = letter.mig_message(ns, cap, ack.seq, &message_id);
+            // This use's own, as the letter's `Nats-Msg-Id` is: a later use of the task id
+            // is not a repeat of the earlier one's notice.
+            let task = outcome.record.use_scoped(&letter.task);
+            let message_id = envelope::idempotent_id(Kind::Task, "dlq", ns, &task);
+            let body = letter.mig_message(ns, cap, ack.seq, &message_id);
             let subject = crate::broker::mig::subjects::dlq_subject(ns, cap);
             // mig-nats.md section 3: NATS subscribers may route on these without parsing
             // the body, as on every other message the broker publishes for MIG.
@@ -244,7 +247,6 @@ impl Jobs {
                 ..Default::default()
             }
             .nats_headers();
-            let body = msg.to_string();
             if let Err(e) = conn.publish(&subject, None, Some(&headers), body.as_bytes()) {
                 log::warn!("dead letter not published on {subject}: {e}");
             }
