@@ -29,6 +29,45 @@ fn config() -> Config {
     Config::parse(v.to_string().as_bytes()).expect("config")
 }
 
+/// What the front's requests reach: the jobs engine and the limits.
+struct Engines {
+    jobs: Jobs,
+    rates: RateLimiter,
+    budgets: Budgets,
+    in_flight: Tally,
+}
+
+impl Engines {
+    fn ctx<'a>(&'a mut self, config: &'a Config) -> Ctx<'a> {
+        Ctx {
+            config,
+            jobs: &mut self.jobs,
+            rates: &mut self.rates,
+            budgets: &mut self.budgets,
+            in_flight: &mut self.in_flight,
+            registry: None,
+        }
+    }
+}
+
+/// The front of broker `b0` on `config`, on a connection that is not connected (see the
+/// module's comment), and its engines.
+fn bench(config: &Config, t0: Instant) -> (Connection, Mig, Engines) {
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let engines = Engines {
+        jobs: Jobs::new("b0", config, clock, ids.derive("jobs")).expect("jobs"),
+        rates: RateLimiter::new(16),
+        budgets: Budgets::new(BudgetConfig::default()),
+        in_flight: Tally::default(),
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let conn = Connection::new(options, t0);
+    let mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    (conn, mig, engines)
+}
+
 /// A hold on no bound, for an invocation a test makes itself.
 fn unbound() -> Hold {
     HeldBytes::new(0).take(0).expect("nothing fits")
@@ -42,24 +81,8 @@ fn unbound() -> Hold {
 fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
     let t0 = Instant::now();
     let config = config();
-    let clock = Clock::new(t0, 1_800_000_000_000);
-    let ids = IdSource::from_seed([7; 32]);
-    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
-    let mut rates = RateLimiter::new(16);
-    let mut budgets = Budgets::new(BudgetConfig::default());
-    let mut in_flight = Tally::default();
-    let mut ctx = Ctx {
-        config: &config,
-        jobs: &mut jobs,
-        rates: &mut rates,
-        budgets: &mut budgets,
-        in_flight: &mut in_flight,
-        registry: None,
-    };
-    let mut options = Options::new("nats://127.0.0.1:4222");
-    options.retry_on_failed_connect = true;
-    let mut conn = Connection::new(options, t0);
-    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
 
     let body: Map<String, Value> = serde_json::from_value(
         json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {}}),
@@ -132,24 +155,8 @@ fn a_deadline_during_the_submit_cancels_the_task_once_it_exists() {
 fn a_record_sign_ahead_of_the_store_is_read_again_until_the_store_shows_it() {
     let t0 = Instant::now();
     let config = config();
-    let clock = Clock::new(t0, 1_800_000_000_000);
-    let ids = IdSource::from_seed([7; 32]);
-    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
-    let mut rates = RateLimiter::new(16);
-    let mut budgets = Budgets::new(BudgetConfig::default());
-    let mut in_flight = Tally::default();
-    let mut ctx = Ctx {
-        config: &config,
-        jobs: &mut jobs,
-        rates: &mut rates,
-        budgets: &mut budgets,
-        in_flight: &mut in_flight,
-        registry: None,
-    };
-    let mut options = Options::new("nats://127.0.0.1:4222");
-    options.retry_on_failed_connect = true;
-    let mut conn = Connection::new(options, t0);
-    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
     let mut timers = Timers::default();
 
     let body: Map<String, Value> = serde_json::from_value(
@@ -273,25 +280,9 @@ fn replay_pages_hold_their_place_in_flight_until_they_are_answered() {
                                        "permissions": {"subscribe": ["orders.>"]}}},
             "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
     let config = Config::parse(v.to_string().as_bytes()).expect("config");
-    let clock = Clock::new(t0, 1_800_000_000_000);
-    let ids = IdSource::from_seed([7; 32]);
-    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
-    let mut rates = RateLimiter::new(16);
-    let mut budgets = Budgets::new(BudgetConfig::default());
-    let mut in_flight = Tally::default();
-    let held = in_flight.count("acme/alice");
-    let mut ctx = Ctx {
-        config: &config,
-        jobs: &mut jobs,
-        rates: &mut rates,
-        budgets: &mut budgets,
-        in_flight: &mut in_flight,
-        registry: None,
-    };
-    let mut options = Options::new("nats://127.0.0.1:4222");
-    options.retry_on_failed_connect = true;
-    let mut conn = Connection::new(options, t0);
-    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let held = engines.in_flight.count("acme/alice");
+    let mut ctx = engines.ctx(&config);
 
     let mut headers = HeaderMap::new();
     headers
@@ -395,25 +386,9 @@ fn invoke_payloads_are_held_against_the_bound_until_their_task_exists() {
                                        "permissions": {"submit": ["infer"]}}},
             "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
     let config = Config::parse(v.to_string().as_bytes()).expect("config");
-    let clock = Clock::new(t0, 1_800_000_000_000);
-    let ids = IdSource::from_seed([7; 32]);
-    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
-    let held = jobs.held_bytes().clone();
-    let mut rates = RateLimiter::new(16);
-    let mut budgets = Budgets::new(BudgetConfig::default());
-    let mut in_flight = Tally::default();
-    let mut ctx = Ctx {
-        config: &config,
-        jobs: &mut jobs,
-        rates: &mut rates,
-        budgets: &mut budgets,
-        in_flight: &mut in_flight,
-        registry: None,
-    };
-    let mut options = Options::new("nats://127.0.0.1:4222");
-    options.retry_on_failed_connect = true;
-    let mut conn = Connection::new(options, t0);
-    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let held = engines.jobs.held_bytes().clone();
+    let mut ctx = engines.ctx(&config);
 
     let payload = json!({"s": "x".repeat(2_500)});
     let len = payload.to_string().len();
@@ -519,24 +494,8 @@ fn invoke_payloads_are_held_against_the_bound_until_their_task_exists() {
 fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
     let t0 = Instant::now();
     let config = config();
-    let clock = Clock::new(t0, 1_800_000_000_000);
-    let ids = IdSource::from_seed([7; 32]);
-    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
-    let mut rates = RateLimiter::new(16);
-    let mut budgets = Budgets::new(BudgetConfig::default());
-    let mut in_flight = Tally::default();
-    let mut ctx = Ctx {
-        config: &config,
-        jobs: &mut jobs,
-        rates: &mut rates,
-        budgets: &mut budgets,
-        in_flight: &mut in_flight,
-        registry: None,
-    };
-    let mut options = Options::new("nats://127.0.0.1:4222");
-    options.retry_on_failed_connect = true;
-    let mut conn = Connection::new(options, t0);
-    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
     let wall = mig.wall_ms(t0);
     for n in 0..1500 {
         let id = format!("p{n}");
