@@ -941,11 +941,11 @@ fn deliver(
         any = true;
         match out {
             Output::Frame { session, text } => {
-                if let Some(&id) = ids.get(&session) {
-                    // A full queue closes the session inside the transport (slow consumer).
-                    let _ = ws.send_text(id, &text, now);
-                }
-                broker.recycle(text);
+                // A full queue closes the session inside the transport (slow consumer).
+                let sent = ids
+                    .get(&session)
+                    .is_some_and(|&id| ws.send_text(id, &text, now).is_ok());
+                broker.frame_done(text, sent);
             }
             Output::Close {
                 session,

@@ -207,6 +207,50 @@ fn unthrottled_ping_flood_fills_the_output_bound_and_is_closed_slow_consumer() {
     );
 }
 
+/// A logged-in session that sends AMP pings and reads nothing is closed `slow consumer`
+/// when a reply does not fit its queue; that reply, and those to pings it sent before
+/// the close reached the broker, never reach it. `amp_frames_out_total` counted each
+/// reply as the broker queued it, sent or not: as many `ok`s as pings.
+#[test]
+fn replies_a_session_shed_as_a_slow_consumer_never_took_are_not_counted_as_sent() {
+    let nats = NatsServer::start();
+    let mut config = open_config(&["flooder"]);
+    config["limits"] = json!({"max_frames_per_s": 1_000_000, "frame_burst": 1_000_000,
+                              "max_outbound_bytes": 65_536});
+    let broker = Broker::start(&nats.url(), &config);
+    let narrow = common::connect_narrow(Ipv4Addr::LOCALHOST, broker.addr);
+    let client = Client::connect_over(&broker, narrow).hello("acme", "flooder", "flooder-token");
+    let oks = r#"amp_frames_out_total{op="ok"}"#;
+    let pings = r#"amp_frames_in_total{op="ping"}"#;
+    let (oks0, pings0) = (metric(&broker, oks), metric(&broker, pings));
+    let mut ws = client.into_websocket();
+    ws.get_mut()
+        .set_write_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    // Each reply echoes the id, as long as one may be: the queue fills in fewer pings.
+    let ping = json!({"op":"ping","id":"p".repeat(64)}).to_string();
+    let shed = wait_until(Duration::from_secs(30), || {
+        for _ in 0..500 {
+            if ws.write(Message::text(ping.as_str())).is_err() {
+                break;
+            }
+        }
+        let _ = ws.flush();
+        metric(&broker, "amp_ws_slow_consumers_total") >= 1.0
+    });
+    assert!(shed, "never closed as a slow consumer");
+    // Once the core has heard the session is gone, it takes no more of its pings.
+    assert!(wait_until(Duration::from_secs(10), || {
+        metric(&broker, "amp_sessions") == 0.0
+    }));
+    let (sent, answered) = (metric(&broker, oks) - oks0, metric(&broker, pings) - pings0);
+    assert!(answered > 0.0, "no ping reached the broker");
+    assert!(
+        sent < answered,
+        "{sent} replies counted as sent for {answered} pings, the one that did not fit too"
+    );
+}
+
 /// Item: one session streaming frames that get no reply must not hold up the loop.
 #[test]
 fn ack_flood_from_one_session_does_not_delay_other_sessions_or_new_connections() {

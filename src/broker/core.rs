@@ -67,7 +67,8 @@ mod topics;
 /// A WebSocket session, as numbered by the transport.
 pub type SessionId = u64;
 
-/// What the core asks the transport to do.
+/// What the core asks the transport to do. A [`Output::Frame`]'s text is handed back
+/// with [`Broker::frame_done`], saying whether its session took it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Output {
     Frame {
@@ -667,8 +668,8 @@ pub struct Broker {
     /// The last `send`'s envelope and inbox subject, their strings emptied and written
     /// again by the next (each at most a participant key, an id or a timestamp long).
     send_scratch: (Option<Envelope>, String),
-    /// Frames' buffers handed back by the shell once their text was queued
-    /// ([`recycle`](Self::recycle)), for the `ok` and `message` frames every message
+    /// Frames' buffers handed back by the shell once done with their text
+    /// ([`frame_done`](Self::frame_done)), for the `ok` and `message` frames every message
     /// makes: at most `SPARE_FRAMES`, each at most `SPARE_FRAME_BYTES`.
     spare_frames: Vec<String>,
 }
@@ -1147,9 +1148,15 @@ impl Broker {
         !self.out.is_empty()
     }
 
-    /// Gives back the text of a [`Output::Frame`] once it is written or queued, to be
-    /// the buffer of a later frame.
-    pub fn recycle(&mut self, mut text: String) {
+    /// Gives back the text of an [`Output::Frame`] once the embedder is done with it, to
+    /// be the buffer of a later frame; `sent`: its session took it (queued to be written),
+    /// and it counts in `amp_frames_out_total`. Counted when queued here instead, a frame
+    /// for a session closed before it was taken (gone, or shed for a full queue) counted
+    /// as sent.
+    pub fn frame_done(&mut self, mut text: String, sent: bool) {
+        if sent {
+            self.count_frame(&text);
+        }
         if self.spare_frames.len() < SPARE_FRAMES && text.capacity() <= SPARE_FRAME_BYTES {
             text.clear();
             self.spare_frames.push(text);
@@ -2088,7 +2095,6 @@ impl Broker {
     }
 
     fn frame(&mut self, session: SessionId, text: String) {
-        self.count_frames(&text, 1);
         self.out.push_back(Output::Frame { session, text }.into());
     }
 
@@ -2098,22 +2104,19 @@ impl Broker {
         if sessions.is_empty() {
             return;
         }
-        self.count_frames(&text, sessions.len());
         self.out.push_back(Queued::Each {
             to: sessions.into_iter(),
             text,
         });
     }
 
-    /// Counts `n` frames of `text`'s op: every frame starts with it (`{"op":"..."`).
-    fn count_frames(&mut self, text: &str, n: usize) {
+    /// Counts a frame of `text`'s op: every frame starts with it (`{"op":"..."`).
+    fn count_frame(&mut self, text: &str) {
         let op = text
             .get(7..)
             .and_then(|t| t.get(..memchr::memchr(b'"', t.as_bytes())?))
             .unwrap_or("unknown");
-        self.metrics
-            .registry
-            .add(self.metrics.frames_out, op, n as f64);
+        self.metrics.registry.inc(self.metrics.frames_out, op);
     }
 
     /// Sends an error reply (`re` when the frame had an id) and counts it by code.

@@ -585,14 +585,15 @@ impl Harness {
                     panic!("broker sent a frame that is not JSON ({e}): {text}")
                 });
                 let s = Session { node, id: session };
-                if let Some(mb) = self.mailboxes.get_mut(&s)
-                    && mb.closed.is_none()
-                {
+                let mailbox = self.mailboxes.get_mut(&s).filter(|mb| mb.closed.is_none());
+                let sent = mailbox.is_some();
+                if let Some(mb) = mailbox {
                     if let Some(log) = &mut self.sent_log {
                         log.push((s, frame.clone()));
                     }
                     mb.frames.push_back(frame);
                 }
+                self.nodes[node].broker.frame_done(text, sent);
             }
             Output::Close {
                 session,

@@ -952,6 +952,48 @@ mod tests {
     }
 
     #[test]
+    fn frames_are_counted_as_sent_only_when_their_session_takes_them() {
+        // `amp_frames_out_total` counted a frame when the core queued it: one of a
+        // refusal told to each of a participant's sessions, or a reply, for a session
+        // closed before it was taken (gone, or shed by the transport for a full queue)
+        // was counted and never sent.
+        let mut config = harness::development_config();
+        if let Some(ns) = config.namespaces.get_mut("dev") {
+            ns.inbox.max_consumers = 2;
+        }
+        let mut h = Harness::new(config, 1, 3);
+        let _alice = h.join(0, "alice", json!({}));
+        let bob: Vec<Session> = (0..3).map(|_| h.join(0, "bob", json!({}))).collect();
+        let sent = |h: &Harness| {
+            let registry = &h.broker(0).metrics.registry;
+            registry
+                .value("amp_frames_out_total", "error")
+                .unwrap_or(0.0)
+        };
+        let before = sent(&h);
+        // As in the test above: bob's consumer is refused, and each session is told.
+        let deleted = h.nats_request("$JS.API.CONSUMER.DELETE.AMP_INBOX_dev.inbox_bob", &[], b"");
+        assert_eq!(deleted["success"], true, "{deleted}");
+        let _carol = h.join(0, "carol", json!({}));
+        h.hold_output = true;
+        h.advance(Duration::from_secs(2));
+        // A reply queued for the same session behind it.
+        h.send(bob[0], json!({"op":"who","id":"w","ns":"nowhere"}));
+        h.close(bob[0]);
+        h.hold_output = false;
+        h.advance(Duration::from_millis(1));
+        for &s in &bob[1..] {
+            let told = h.take(s);
+            assert!(told.iter().any(|f| f["op"] == "error"), "{s:?}: {told:?}");
+        }
+        assert_eq!(
+            sent(&h) - before,
+            2.0,
+            "frames for the closed session counted"
+        );
+    }
+
+    #[test]
     fn a_refusal_tells_sessions_a_bounded_clean_excerpt_of_the_answers_text() {
         // Whoever answers the account's `$JS.API` first (a server that misbehaves, a
         // client of the account subscribed there) chooses the refusal's description:

@@ -778,9 +778,6 @@ impl Broker {
             f.told = Some(session);
             let mut frame = self.frame_buffer(text.len());
             frame.push_str(text);
-            self.metrics
-                .registry
-                .inc(self.metrics.frames_out, amp_frame::server_op::PRESENCE);
             return Some(Output::Frame {
                 session,
                 text: frame,
