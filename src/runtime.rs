@@ -41,6 +41,13 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// 3 s after what is written finds a link that carries nothing; a PONG waits that long
 /// only on a server or link in trouble, and a busy connection reads all the time.
 const SILENCE_PROBE: Duration = Duration::from_millis(1500);
+/// The main connection's `nats::Options::silence_limit`: silent this long, it is given up
+/// and dialed again, where the keepalive took 60 to 90 s, all that time every session's
+/// JetStream request going into the dead link. nats-server gives a client that takes none
+/// of its output as long (its default `write_deadline`) before it cuts it; a live server
+/// answers a PING within milliseconds even while JetStream is slow, and a PING held up
+/// behind a backlog the link is still taking does not count as unanswered.
+const SILENCE_LIMIT: Duration = Duration::from_secs(10);
 /// How long a drain may take before the broker exits anyway.
 const DRAIN_LIMIT: Duration = Duration::from_secs(10);
 const SUPERVISE_INTERVAL: Duration = Duration::from_secs(1);
@@ -98,8 +105,8 @@ pub fn origin_policy(any: bool, flags: &[String], file: &[String]) -> OriginPoli
 /// out of the event stream; everything else goes on to the broker.
 struct Health {
     connected: bool,
-    /// The main connection was silent (`nats::Connection::is_silent`) at the last tick.
-    silent: bool,
+    /// `nats::Connection::silent_since` at the last tick.
+    silent_since: Option<Instant>,
     jetstream: Result<(), String>,
     probe: Option<RequestId>,
     next_probe: Instant,
@@ -109,7 +116,7 @@ impl Health {
     fn new(now: Instant) -> Health {
         Health {
             connected: false,
-            silent: false,
+            silent_since: None,
             jetstream: Err("JetStream has not answered yet".to_string()),
             probe: None,
             next_probe: now,
@@ -119,9 +126,10 @@ impl Health {
     /// Sends the next probe when one is due and none is out; logs the connection going
     /// silent and answering again.
     fn tick(&mut self, conn: &mut nats::Connection, now: Instant) {
-        if conn.is_silent() != self.silent {
-            self.silent = !self.silent;
-            if self.silent {
+        let was_silent = self.silent_since.is_some();
+        self.silent_since = conn.silent_since();
+        if self.silent_since.is_some() != was_silent {
+            if !was_silent {
                 log::warn!(
                     "NATS connection silent: a PING unanswered for {} ms, nothing read",
                     SILENCE_PROBE.as_millis()
@@ -181,9 +189,16 @@ impl Health {
         false
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self, now: Instant) -> Result<(), String> {
         if !self.connected {
             return Err("NATS connection is down".to_string());
+        }
+        // Ahead of JetStream's answer: its probe waits out its timeout on a dead link.
+        if let Some(since) = self.silent_since {
+            return Err(format!(
+                "NATS connection silent: nothing read for {} ms, a PING unanswered",
+                now.saturating_duration_since(since).as_millis()
+            ));
         }
         self.jetstream.clone()
     }
@@ -300,7 +315,10 @@ struct Host<'a> {
 
 impl HttpHost for Host<'_> {
     fn health(&self) -> Result<(), String> {
-        self.health.check().and_then(|()| self.broker.readiness())
+        let now = Instant::now();
+        self.health
+            .check(now)
+            .and_then(|()| self.broker.readiness())
     }
 
     fn live(&self) -> Result<(), String> {
@@ -413,6 +431,7 @@ pub fn run(
     let now = Instant::now();
     let mut main_options = opts.nats.clone();
     main_options.silence_probe = Some(SILENCE_PROBE);
+    main_options.silence_limit = Some(SILENCE_LIMIT);
     let mut nats = Driver::new(nats::Connection::new(main_options, now), NATS);
     let mut ingress: Vec<IngressConn> = (broker.ingresses().into_iter().enumerate())
         .map(|(n, which)| IngressConn::new(which, Token(INGRESS.0 + n), &opts.nats, now))
@@ -707,7 +726,7 @@ pub fn run(
             }
         }
 
-        if !trimmed_when_ready && health.check().is_ok() && broker.readiness().is_ok() {
+        if !trimmed_when_ready && health.check(now).is_ok() && broker.readiness().is_ok() {
             trimmed_when_ready = true;
             trimmer.soon(now);
         }
@@ -976,7 +995,11 @@ mod tests {
 
     /// A NATS connection through its handshake, on a virtual clock, its output consumed.
     fn connected(now: Instant) -> nats::Connection {
-        let mut conn = nats::Connection::new(Options::new("nats://127.0.0.1:4222"), now);
+        connected_with(Options::new("nats://127.0.0.1:4222"), now)
+    }
+
+    fn connected_with(options: Options, now: Instant) -> nats::Connection {
+        let mut conn = nats::Connection::new(options, now);
         conn.poll_connect(now).expect("a server to dial");
         conn.on_transport_open(now);
         conn.receive(
@@ -1013,13 +1036,16 @@ mod tests {
         let t0 = Instant::now();
         let mut conn = connected(t0);
         let mut health = Health::new(t0);
-        assert!(health.check().is_err(), "down before the first event");
+        assert!(health.check(t0).is_err(), "down before the first event");
         let passed = observed(&mut health, &mut conn, t0);
         assert!(
             matches!(passed[..], [NatsEvent::Connected { .. }]),
             "{passed:?}"
         );
-        assert_eq!(health.check(), Err("JetStream has not answered yet".into()));
+        assert_eq!(
+            health.check(t0),
+            Err("JetStream has not answered yet".into())
+        );
 
         health.tick(&mut conn, t0);
         let reply = probe_reply(&mut conn);
@@ -1028,7 +1054,7 @@ mod tests {
             observed(&mut health, &mut conn, t0).is_empty(),
             "the probe's answer went on"
         );
-        assert_eq!(health.check(), Ok(()));
+        assert_eq!(health.check(t0), Ok(()));
 
         // Not again before the interval; then JetStream is switched off.
         health.tick(&mut conn, t0 + Duration::from_secs(1));
@@ -1042,7 +1068,7 @@ mod tests {
         );
         let passed = observed(&mut health, &mut conn, t1);
         assert!(passed.is_empty(), "{passed:?}");
-        assert_eq!(health.check(), Err("JetStream is not enabled".into()));
+        assert_eq!(health.check(t1), Err("JetStream is not enabled".into()));
 
         // A probe nobody answers fails at its deadline.
         let t2 = t1 + HEALTH_INTERVAL;
@@ -1051,7 +1077,7 @@ mod tests {
         let t3 = t2 + HEALTH_INTERVAL + Duration::from_millis(1);
         conn.handle_timeout(t3);
         assert!(observed(&mut health, &mut conn, t3).is_empty());
-        let err = health.check().err().unwrap_or_default();
+        let err = health.check(t3).err().unwrap_or_default();
         assert!(err.starts_with("JetStream does not answer"), "{err}");
 
         conn.on_transport_closed(t3, "test");
@@ -1060,7 +1086,61 @@ mod tests {
             matches!(passed[..], [NatsEvent::Disconnected { .. }]),
             "{passed:?}"
         );
-        assert_eq!(health.check(), Err("NATS connection is down".into()));
+        assert_eq!(health.check(t3), Err("NATS connection is down".into()));
+    }
+
+    #[test]
+    fn health_is_not_ready_while_the_main_connection_is_silent() {
+        // A dead link was reported only once the JetStream probe out timed out, 5 to
+        // 10 s on, and the broker stayed ready meanwhile.
+        let t0 = Instant::now();
+        let mut options = Options::new("nats://127.0.0.1:4222");
+        options.silence_probe = Some(SILENCE_PROBE);
+        options.silence_limit = Some(SILENCE_LIMIT);
+        let mut conn = connected_with(options, t0);
+        let mut health = Health::new(t0);
+        observed(&mut health, &mut conn, t0);
+        health.tick(&mut conn, t0);
+        let reply = probe_reply(&mut conn);
+        conn.receive(format!("MSG {reply} 1 2\r\n{{}}\r\n").as_bytes(), t0);
+        observed(&mut health, &mut conn, t0);
+        assert_eq!(health.check(t0), Ok(()));
+
+        // The next probe finds the link dead: its PING, then silent.
+        let mut now = t0 + HEALTH_INTERVAL;
+        health.tick(&mut conn, now);
+        probe_reply(&mut conn);
+        while !conn.is_silent() {
+            now = conn.poll_timeout().expect("the probe's deadline");
+            conn.handle_timeout(now);
+            let n = conn.output().len();
+            conn.consume_output_at(n, now);
+        }
+        health.tick(&mut conn, now);
+        assert_eq!(
+            health.check(now + Duration::from_millis(100)),
+            Err("NATS connection silent: nothing read for 3100 ms, a PING unanswered".into())
+        );
+        // Anything read ends it; its PING still unanswered, silent again.
+        conn.receive(b"+OK\r\n", now);
+        health.tick(&mut conn, now);
+        assert_eq!(health.check(now), Ok(()));
+
+        // Silent for the limit: given up, and down.
+        let silent = now + SILENCE_PROBE;
+        conn.handle_timeout(silent);
+        health.tick(&mut conn, silent);
+        assert!(health.check(silent).is_err_and(|e| e.contains("silent")));
+        let limit = silent + SILENCE_LIMIT;
+        conn.handle_timeout(limit);
+        assert!(conn.poll_close(), "given up");
+        let passed = observed(&mut health, &mut conn, limit);
+        assert!(
+            matches!(&passed[..], [NatsEvent::Disconnected { reason }, ..] if reason.contains("stale")),
+            "{passed:?}"
+        );
+        health.tick(&mut conn, limit);
+        assert_eq!(health.check(limit), Err("NATS connection is down".into()));
     }
 
     #[test]

@@ -624,3 +624,119 @@ fn with_its_main_connection_silent_a_broker_leaves_mig_requests_to_the_others() 
         asked += 1;
     }
 }
+
+/// A broker whose main connection goes through `relay`, with sessions `a` and `b` of
+/// `acme` that have exchanged a message.
+fn broker_through(relay: &common::relay::Relay) -> (Broker, Client, Client) {
+    let broker = Broker::start(
+        &format!("nats://{}", relay.addr()),
+        &open_config(&["a", "b"]),
+    );
+    let mut a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    round_trip(&mut a, &mut b, 0);
+    (broker, a, b)
+}
+
+/// From now on the broker's main link carries nothing and closes nothing: a link that
+/// died without a word. New links through the relay carry on.
+fn freeze_main_link(relay: &common::relay::Relay) {
+    let main = |said: &str| said.starts_with("CONNECT") && !said.contains(" ingress ");
+    assert!(
+        relay.freeze_where(main) >= 1,
+        "the broker's main connection"
+    );
+}
+
+/// `/readyz` answered 200 for 5 to 10 s after the main link went silent, until its own
+/// `$JS.API.INFO` timed out: a load balancer went on sending sessions to a broker whose
+/// NATS link was dead. An idle broker on a healthy link stays ready meanwhile: what it
+/// writes after a quiet spell goes with a PING, answered at once.
+#[test]
+fn with_its_main_connection_silent_a_broker_is_not_ready() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let (broker, mut a, _b) = broker_through(&relay);
+    let readyz = || http_get(broker.addr, "/readyz");
+    assert!(wait_until(WAIT, || readyz().is_some_and(|(s, _)| s == 200)));
+    // Two `/readyz` JetStream probes and their PINGs on an idle broker.
+    let mut unready = None;
+    let flapped = wait_until(Duration::from_secs(11), || {
+        unready = readyz().filter(|(s, _)| *s != 200);
+        unready.is_some()
+    });
+    assert!(!flapped, "an idle broker unready: {unready:?}");
+
+    freeze_main_link(&relay);
+    let frozen = Instant::now();
+    // Something written into the dead link; its answer does not matter here.
+    a.send(&json!({"op":"send","id":"into the dead link","to":"b","body":{"n":1}}));
+    let (mut last, mut ready_until) = (None, None);
+    let silent = wait_until(WAIT, || {
+        last = readyz();
+        if last.as_ref().is_some_and(|(s, _)| *s == 200) {
+            ready_until = Some(frozen.elapsed());
+        }
+        last.as_ref()
+            .is_some_and(|(s, why)| *s == 503 && why.contains("silent"))
+    });
+    assert!(
+        silent,
+        "/readyz {:?} after the main link went silent: {last:?}; 200 until {ready_until:?}",
+        frozen.elapsed()
+    );
+    eprintln!("/readyz {last:?} {:?} after the freeze", frozen.elapsed());
+    assert_eq!(
+        http_get(broker.addr, "/healthz").map(|(s, _)| s),
+        Some(503),
+        "/healthz answers as /readyz"
+    );
+    assert_eq!(
+        http_get(broker.addr, "/livez").map(|(s, _)| s),
+        Some(200),
+        "alive all the same"
+    );
+}
+
+/// A main connection silent for good was given up only by its keepalive, 60 to 90 s on:
+/// all that time every session's send, ack and task operation went into the dead link,
+/// each answered only by its own timeout, and the broker did not connect again.
+#[test]
+fn a_broker_gives_up_a_silent_main_connection_without_waiting_for_the_keepalive() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let (broker, mut a, mut b) = broker_through(&relay);
+    let ups = || broker.log().matches("NATS connection up").count();
+    let ups_before = ups();
+
+    freeze_main_link(&relay);
+    let frozen = Instant::now();
+    let lost = a.request(json!({"op":"send","to":"b","body":{"n":1}}));
+    assert_ne!(lost["op"], "ok", "a send into the dead link: {lost}");
+    eprintln!(
+        "the send into the dead link answered {:?} after the freeze: {lost}",
+        frozen.elapsed()
+    );
+    // The keepalive gives up 60 s after the freeze at the soonest.
+    let again = wait_until(Duration::from_secs(25), || ups() > ups_before);
+    assert!(
+        again,
+        "not connected again {:?} after the main link went silent; log:\n{}",
+        frozen.elapsed(),
+        broker.log()
+    );
+    let log = broker.log();
+    let down = log.lines().find(|l| l.contains("NATS connection down: "));
+    assert!(
+        down.is_some_and(|l| l.contains("stale connection")),
+        "given up as a stale connection; log:\n{log}"
+    );
+    eprintln!(
+        "connected again {:?} after the freeze, {down:?}",
+        frozen.elapsed()
+    );
+    assert!(wait_until(WAIT, || {
+        http_get(broker.addr, "/readyz").is_some_and(|(s, _)| s == 200)
+    }));
+    round_trip(&mut a, &mut b, 2);
+}

@@ -221,7 +221,13 @@ struct Silence {
     wrote_at: Option<Instant>,
     /// When the probe PING out was queued.
     probe_at: Option<Instant>,
-    silent: bool,
+    /// Bytes of output up to and including the probe PING not written yet.
+    unsent: usize,
+    /// When the last of those was written: a PING still on its way is not unanswered,
+    /// and a link that takes the backlog ahead of it carries what it is given.
+    moved_at: Instant,
+    /// When the PING out was due to be answered, while nothing has been read since.
+    silent_at: Option<Instant>,
 }
 
 impl Silence {
@@ -230,28 +236,42 @@ impl Silence {
             heard_at: now,
             wrote_at: None,
             probe_at: None,
-            silent: false,
+            unsent: 0,
+            moved_at: now,
+            silent_at: None,
         }
     }
 
     fn heard(&mut self, now: Instant) {
         self.heard_at = self.heard_at.max(now);
         self.wrote_at = None;
-        self.silent = false;
+        self.silent_at = None;
     }
 
-    /// When the next PING is due, or the one out makes the connection silent.
-    fn deadline(&self, probe: Duration) -> Option<Instant> {
-        match self.probe_at {
+    fn wrote(&mut self, n: usize, now: Instant) {
+        if n == 0 {
+            return;
+        }
+        self.wrote_at.get_or_insert(now);
+        if self.unsent > 0 {
+            self.unsent = self.unsent.saturating_sub(n);
+            self.moved_at = now;
+        }
+    }
+
+    /// When the next PING is due, the one out makes the connection silent, or, `limit`
+    /// on, a silent connection is given up.
+    fn deadline(&self, probe: Duration, limit: Option<Duration>) -> Option<Instant> {
+        match (self.probe_at, self.silent_at) {
             // Never before the write: a deadline already past when it is set reads as a
             // loop that woke late (`/livez` answered 503 "stalled" after each quiet spell).
-            None => self
+            (None, _) => self
                 .wrote_at
                 .map(|wrote| after(self.heard_at, probe).max(wrote)),
             // Measured from the last read too: bytes ahead of its PONG show the server
             // is there, and a link that dies after them is silent `probe` later.
-            Some(at) if !self.silent => Some(after(at.max(self.heard_at), probe)),
-            _ => None,
+            (Some(at), None) => Some(after(at.max(self.heard_at), probe)),
+            (Some(_), Some(silent)) => limit.map(|l| after(silent.max(self.moved_at), l)),
         }
     }
 }
@@ -580,9 +600,7 @@ impl Connection {
 
     /// `n` bytes of `output()` were written.
     pub fn consume_output(&mut self, n: usize) {
-        if n > 0 && self.silence.wrote_at.is_none() {
-            self.silence.wrote_at = Some(self.last_now);
-        }
+        self.silence.wrote(n, self.last_now);
         self.out_pos = (self.out_pos + n).min(self.out.len());
         if self.out_pos == self.out.len() {
             self.out.clear();
@@ -621,7 +639,8 @@ impl Connection {
             | State::AwaitPong { deadline, .. } => Some(deadline),
             State::Connected { .. } => {
                 let probe = self.options.silence_probe;
-                let probe = probe.and_then(|p| self.silence.deadline(p));
+                let limit = self.options.silence_limit;
+                let probe = probe.and_then(|p| self.silence.deadline(p, limit));
                 match (self.next_ping, probe) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
@@ -654,8 +673,7 @@ impl Connection {
             }
             State::Connected { .. } if self.next_ping.is_some_and(|t| now >= t) => {
                 if self.keepalive_out >= self.options.max_pings_outstanding {
-                    self.close_transport = true;
-                    self.lost(now, "stale connection: PINGs unanswered");
+                    self.give_up(now, "stale connection: PINGs unanswered");
                 } else {
                     // Past the write bound too: a server that reads nothing leaves at most
                     // `max_pings_outstanding` of these unwritten before it is dropped, and
@@ -678,23 +696,49 @@ impl Connection {
     }
 
     /// [`Options::silence_probe`]: a PING once something written has waited with nothing
-    /// read, and silent once that has waited too.
+    /// read, silent once that has waited too, and given up ([`Options::silence_limit`])
+    /// once silent that long.
     fn probe_silence(&mut self, now: Instant) {
         let Some(probe) = self.options.silence_probe.filter(|_| self.is_connected()) else {
             return;
         };
-        if self.silence.deadline(probe).is_none_or(|t| now < t) {
+        let limit = self.options.silence_limit;
+        let Some(due) = self.silence.deadline(probe, limit).filter(|t| now >= *t) else {
             return;
+        };
+        match (self.silence.probe_at, self.silence.silent_at) {
+            (None, _) => {
+                // Past the write bound, as the keepalive's: one at a time, and a server
+                // that reads nothing is what it asks about.
+                self.pings.push_back(PingKind::Probe);
+                encode::ping(&mut self.out);
+                self.silence.probe_at = Some(now);
+                self.silence.unsent = self.output().len();
+                self.silence.moved_at = now;
+            }
+            (Some(_), None) => {
+                self.silence.silent_at = Some(due);
+                // Called late enough, past the limit too: no deadline left behind in the
+                // past, which the loop would take for a stall.
+                self.probe_silence(now);
+            }
+            (Some(_), Some(_)) => {
+                let quiet = now.saturating_duration_since(self.silence.heard_at);
+                let reason = format!(
+                    "stale connection: nothing read for {} ms, a PING unanswered",
+                    quiet.as_millis()
+                );
+                self.give_up(now, &reason);
+            }
         }
-        if self.silence.probe_at.is_some() {
-            self.silence.silent = true;
-        } else {
-            // Past the write bound, as the keepalive's: one at a time, and a server that
-            // reads nothing is what it asks about.
-            self.pings.push_back(PingKind::Probe);
-            encode::ping(&mut self.out);
-            self.silence.probe_at = Some(now);
-        }
+    }
+
+    /// Gives the transport up as stale (keepalive PINGs unanswered, or silent past
+    /// [`Options::silence_limit`]): the shell drops the socket, requests on the wire fail
+    /// `Disconnected`, and the reconnect begins.
+    fn give_up(&mut self, now: Instant, reason: &str) {
+        self.close_transport = true;
+        self.lost(now, reason);
     }
 
     /// The shell has input of this connection it does not read yet (its caller holds
@@ -708,9 +752,16 @@ impl Connection {
 
     /// Connected, but nothing read for a while although a PING asked
     /// ([`Options::silence_probe`]): the link or the server may be gone without a word,
-    /// which only the keepalive, much later, takes for a lost connection.
+    /// which the keepalive, much later, or [`Options::silence_limit`] takes for a lost
+    /// connection.
     pub fn is_silent(&self) -> bool {
-        self.silence.silent && self.is_connected()
+        self.silent_since().is_some()
+    }
+
+    /// While [`Connection::is_silent`]: when it last read.
+    pub fn silent_since(&self) -> Option<Instant> {
+        let silent = self.silence.silent_at.is_some() && self.is_connected();
+        silent.then_some(self.silence.heard_at)
     }
 
     /// Whether events wait to be polled.

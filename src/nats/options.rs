@@ -216,9 +216,14 @@ pub struct Options {
     /// Probing a quiet connection (`None`: not probed): once something is written with
     /// nothing read for this long, a PING; that PING unanswered with nothing read for as
     /// long again, the connection is *silent* (`Connection::is_silent`) until it reads
-    /// again. It stays up: only the keepalive gives it up, after `ping_interval` times
-    /// `max_pings_outstanding` or more.
+    /// again. It stays up, unless `silence_limit` gives it up sooner than the keepalive
+    /// (after `ping_interval` times `max_pings_outstanding` or more).
     pub silence_probe: Option<Duration>,
+    /// A connection silent (`silence_probe`) this long, counted from when its PING was
+    /// written if that was later, is dropped as the keepalive drops a stale one (`None`:
+    /// only the keepalive drops it). A PING held up by a backlog the link is still taking
+    /// is not yet unanswered.
+    pub silence_limit: Option<Duration>,
     /// For dialing plus the INFO/CONNECT/PONG handshake.
     pub connect_timeout: Duration,
     /// Reconnect after losing an established connection.
@@ -381,6 +386,7 @@ impl Default for Options {
             ping_interval: Duration::from_secs(30),
             max_pings_outstanding: 2,
             silence_probe: None,
+            silence_limit: None,
             connect_timeout: Duration::from_secs(2),
             allow_reconnect: true,
             retry_on_failed_connect: false,

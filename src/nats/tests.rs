@@ -1404,6 +1404,131 @@ fn a_quiet_connection_is_probed_and_silent_until_it_reads_again() {
 }
 
 #[test]
+fn a_connection_silent_for_its_limit_is_given_up_as_a_stale_one() {
+    // Silent, it was given up only by the keepalive, 60 to 90 s on: meanwhile every
+    // request went into the dead link and waited out its own timeout.
+    let (probe, limit) = (Duration::from_millis(1500), Duration::from_secs(10));
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(probe);
+    o.silence_limit = Some(limit);
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    let id = h
+        .conn
+        .request("q", None, b"x", Duration::from_secs(60), h.now)
+        .expect("request");
+    h.take_output();
+    h.advance(probe);
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.advance(probe);
+    assert!(h.conn.is_silent());
+    assert_eq!(
+        h.conn.silent_since(),
+        Some(h.now - probe * 2),
+        "its last read"
+    );
+
+    // A read within the limit ends it; silent again, the limit counts from then.
+    h.advance(limit - Duration::from_millis(1));
+    assert!(h.conn.is_connected());
+    h.conn.receive(b"+OK\r\n", h.now);
+    assert!(!h.conn.is_silent());
+    h.advance(probe);
+    assert!(h.conn.is_silent());
+    h.advance(limit - Duration::from_millis(1));
+    assert!(h.conn.is_connected());
+    h.advance(Duration::from_millis(1));
+    assert!(!h.conn.is_connected());
+    assert!(h.conn.poll_close(), "the shell must drop the socket");
+    let events = h.events();
+    let quiet = (probe + limit).as_millis();
+    assert!(
+        matches!(
+            &events[..],
+            [
+                Event::Disconnected { reason },
+                Event::RequestFailed { id: failed, error: RequestError::Disconnected },
+            ] if *failed == id
+                && reason == &format!("stale connection: nothing read for {quiet} ms, a PING unanswered")
+        ),
+        "as on any loss: {events:?}"
+    );
+    assert!(h.conn.poll_connect(h.now).is_some(), "redialed at once");
+
+    // Woken once, late, past both deadlines: silent and given up in that one call, not
+    // left with a deadline already past (the loop takes one for a stall).
+    h.conn.on_transport_open(h.now);
+    h.conn.receive(INFO.as_bytes(), h.now);
+    h.take_output();
+    h.conn.receive(b"PONG\r\n", h.now);
+    assert!(h.conn.is_connected());
+    h.conn.publish("p", None, None, b"x").expect("publish");
+    h.take_output();
+    h.advance(probe);
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.advance(probe + limit * 2);
+    assert!(!h.conn.is_connected());
+    assert!(h.conn.poll_close());
+}
+
+#[test]
+fn a_ping_behind_a_backlog_the_link_takes_is_not_unanswered_yet() {
+    // A slow link taking a large backlog reads nothing back while the PING waits behind
+    // it: the server cannot answer what it has not been sent.
+    let (probe, limit) = (Duration::from_millis(1500), Duration::from_secs(10));
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(probe);
+    o.silence_limit = Some(limit);
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    h.conn
+        .publish("p", None, None, &vec![b'x'; 100_000])
+        .expect("publish");
+    h.conn.consume_output_at(1000, h.now);
+    h.advance(probe);
+    h.advance(probe);
+    assert!(h.conn.is_silent(), "silent all the same: nothing read");
+    // 1000 bytes a second, 30 s: far past the limit, still taken.
+    for _ in 0..30 {
+        h.advance(Duration::from_secs(1));
+        h.conn.consume_output_at(1000, h.now);
+    }
+    assert!(h.conn.is_connected());
+    // The link takes no more (a dead one, its socket buffer full): given up the limit
+    // after its last write.
+    let last = h.now;
+    h.advance(limit - Duration::from_millis(1));
+    assert!(h.conn.is_connected());
+    h.advance(Duration::from_millis(1));
+    assert!(
+        !h.conn.is_connected(),
+        "{:?} after its last write",
+        h.now - last
+    );
+    assert!(h.conn.poll_close());
+
+    // Its PING written, the limit counts from then.
+    h.connect();
+    h.events();
+    h.conn
+        .publish("p", None, None, &vec![b'x'; 100_000])
+        .expect("publish");
+    h.conn.consume_output_at(1000, h.now);
+    h.advance(probe);
+    h.advance(probe + Duration::from_secs(3));
+    let rest = h.conn.output().len();
+    h.conn.consume_output_at(rest, h.now);
+    h.advance(limit - Duration::from_millis(1));
+    assert!(h.conn.is_connected());
+    h.advance(Duration::from_millis(1));
+    assert!(!h.conn.is_connected());
+}
+
+#[test]
 fn without_a_silence_probe_only_the_keepalive_pings() {
     let mut o = Harness::options("h:1");
     o.ping_interval = Duration::from_secs(30);
