@@ -36,7 +36,9 @@ use super::held_bytes::{self, HeldBytes, Hold};
 use super::ids::IdSource;
 use super::permissions::{self, Action};
 use super::pull_loop::{Answer, PullLoop};
-use super::task_store::{Actor, Change, Eligible, OnDelivery, Refusal, TaskRecord, TaskState};
+use super::task_store::{
+    Actor, Change, Eligible, OnDelivery, Refusal, Refused, TaskRecord, TaskState,
+};
 use super::timers::{Later, Timers, Wake};
 use super::worker_choice::{self, Candidate};
 use crate::amp::frame::{self as amp_frame, ClientFrame, ServeSlots};
@@ -413,9 +415,7 @@ enum Op {
     Lettered,
     /// The task's result was refused for want of room, or may have landed unconfirmed
     /// (see `Change::ResultRefused`).
-    ResultRefused {
-        every: bool,
-    },
+    ResultRefused(Refused),
 }
 
 impl Op {
@@ -433,7 +433,7 @@ impl Op {
             | Op::Cancel { .. }
             | Op::ResultSent
             | Op::Lettered
-            | Op::ResultRefused { .. } => None,
+            | Op::ResultRefused(_) => None,
         }
     }
 
@@ -1766,10 +1766,10 @@ impl Jobs {
                             t.record = Rc::new(record.clone());
                             t.revision = revision;
                         }
-                        if let Op::ResultRefused { every } = write.op
-                            && self.refusal_kept(&write.key, &record, every, stored_ms, now)
+                        if let Op::ResultRefused(refused) = write.op
+                            && self.refusal_kept(&write.key, &record, refused, stored_ms, now)
                         {
-                            if every {
+                            if refused == Refused::Every {
                                 self.refusal_recorded(&write.key);
                             }
                             return;
@@ -2826,6 +2826,44 @@ mod tests {
             c["code"], "conflict",
             "the record says it may be stored: {c}"
         );
+        h.take(other);
+        h.take(app_b);
+    }
+
+    #[test]
+    fn a_refused_repeat_of_a_result_the_cancel_stored_lets_no_late_retry_store_it_again() {
+        // A cancel through broker 1 of the task broker 0 just cancelled repeats its
+        // result, with no reply to give: that repeat reached the full inbox first and was
+        // refused, then broker 0's own publish found room. Broker 1 recorded that every
+        // publish of it was refused, and a cancel past the inbox's duplicate window
+        // stored a second result (review finding 3).
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let app_b = h.join(1, "app", json!({}));
+        let other = h.join(0, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
+        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "conflict", "{c}");
+        assert_eq!(stored_results(&h, &task), 0, "the repeat refused");
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        h.release_writes(0);
+        let c = h.wait_for(app, |f| f["re"] == "c0");
+        assert_eq!(c["op"], "ok", "{c}");
+        assert_eq!(task_result(&mut h, app, &task)["state"], "cancelled");
+        // Past the inbox's duplicate window, a cancel through either broker.
+        h.advance(Duration::from_secs(150));
+        let late: Vec<Value> = [app_b, app]
+            .into_iter()
+            .map(|s| h.request(s, json!({"op":"cancel","task":task})))
+            .collect();
+        h.advance(Duration::from_secs(10));
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+        for c in late {
+            assert_eq!(c["code"], "conflict", "{c}");
+        }
         h.take(other);
         h.take(app_b);
     }

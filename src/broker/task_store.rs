@@ -226,16 +226,40 @@ pub enum Change<'a> {
     ResultSent,
     /// The dead letter of a failed task is stored (see [`TaskRecord::lettered`]).
     Lettered,
-    /// The `task_result` of a finished task was refused for want of room (a full inbox,
-    /// `every`: as every publish of it the broker made), or a publish of it may have
-    /// landed unconfirmed (not `every`): the record is written again, so that its expiry
-    /// (`keep_finished_s`) starts over, saying so of a cancelled task
-    /// ([`TaskRecord::result_refused`]). What publishes the result again (a redelivery
-    /// of its message, a retry of its cancel) needs the record; counted from the
-    /// outcome, it expired while the inbox stayed full, and the result was never stored.
-    ResultRefused {
-        every: bool,
-    },
+    /// The `task_result` of a finished task was refused for want of room (a full inbox),
+    /// or a publish of it may have landed unconfirmed: the record is written again, so
+    /// that its expiry (`keep_finished_s`) starts over, saying of a cancelled task what
+    /// [`Refused`] says ([`TaskRecord::result_refused`]). What publishes the result
+    /// again (a redelivery of its message, a retry of its cancel) needs the record;
+    /// counted from the outcome, it expired while the inbox stayed full, and the result
+    /// was never stored.
+    ResultRefused(Refused),
+}
+
+/// What a [`Change::ResultRefused`] makes of [`TaskRecord::result_refused`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Every publish of the result the broker made for a cancel it answered
+    /// `unavailable` was refused: set, for a cancelled task.
+    Every,
+    /// A publish of it may have landed unconfirmed: cleared.
+    Maybe,
+    /// A repeat for a cancel answered `conflict` was refused: left as it is. The
+    /// cancel's own publish, through another broker, may land after it and writes
+    /// nothing once stored, so `Every` set the flag on a stored result, and a retry
+    /// past the inbox's duplicate window stored it a second time (review finding 3).
+    Keep,
+}
+
+impl Refused {
+    /// `record`'s `result_refused` once this is written to it.
+    pub fn flag(self, record: &TaskRecord) -> bool {
+        match self {
+            Refused::Every => record.state == TaskState::Cancelled,
+            Refused::Maybe => false,
+            Refused::Keep => record.result_refused,
+        }
+    }
 }
 
 /// Why a change does not apply to the record as it is.
@@ -565,7 +589,7 @@ impl TaskRecord {
         }
         let about_outcome = matches!(
             change,
-            Change::ResultSent | Change::Lettered | Change::ResultRefused { .. }
+            Change::ResultSent | Change::Lettered | Change::ResultRefused(_)
         );
         if self.state.is_terminal() && !about_outcome {
             return Err(Refusal::Finished(self.state));
@@ -685,12 +709,10 @@ impl TaskRecord {
                 next.lettered = true;
             }
             // Stored meanwhile (a repeat through another broker), or nothing to tell yet.
-            Change::ResultRefused { .. } if self.result_sent || !self.state.is_terminal() => {
+            Change::ResultRefused(_) if self.result_sent || !self.state.is_terminal() => {
                 return Err(Refusal::Finished(self.state));
             }
-            Change::ResultRefused { every } => {
-                next.result_refused = *every && self.state == TaskState::Cancelled;
-            }
+            Change::ResultRefused(refused) => next.result_refused = refused.flag(self),
             Change::Cancel { by } => {
                 if self.submitted_by != *by {
                     return Err(Refusal::NotSubmitter);
@@ -1032,7 +1054,7 @@ mod tests {
         assert!(told.result_sent && told.history == cancelled.history);
         assert!(told.apply(&Change::ResultSent, T0 + 2).is_err(), "once");
         // A refused result rewrites a finished record as it is, until one is stored.
-        let every = Change::ResultRefused { every: true };
+        let every = Change::ResultRefused(Refused::Every);
         assert!(leased.apply(&every, T0).is_err());
         assert_eq!(failed.apply(&every, T0 + 2).as_ref(), Ok(&failed));
         assert!(sent.apply(&every, T0 + 3).is_err());
@@ -1040,8 +1062,12 @@ mod tests {
         // or a publish may have landed.
         let refused = cancelled.apply(&every, T0 + 1).expect("refused");
         assert!(refused.result_refused && refused.history == cancelled.history);
-        let maybe = Change::ResultRefused { every: false };
+        let maybe = Change::ResultRefused(Refused::Maybe);
         assert_eq!(refused.apply(&maybe, T0 + 2).as_ref(), Ok(&cancelled));
+        // A refused repeat for a cancel answered `conflict` leaves it as it is.
+        let keep = Change::ResultRefused(Refused::Keep);
+        assert_eq!(refused.apply(&keep, T0 + 2).as_ref(), Ok(&refused));
+        assert_eq!(cancelled.apply(&keep, T0 + 2).as_ref(), Ok(&cancelled));
         let stored = refused.apply(&Change::ResultSent, T0 + 2).expect("sent");
         assert!(stored.result_sent && !stored.result_refused);
         // Only a failed task has a dead letter, marked once, with no history entry.

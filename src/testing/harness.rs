@@ -54,6 +54,11 @@ struct Node {
     lose: Option<Vec<u8>>,
     /// Set ([`Harness::lose_read`]): the next read holding these bytes is lost.
     lose_in: Option<Vec<u8>>,
+    /// Set ([`Harness::hold_writes`]): from the write holding these bytes on, what it
+    /// sends the server waits in `held`.
+    hold: Option<Vec<u8>>,
+    /// What it sent since its write holding `hold`, in order ([`Harness::release_writes`]).
+    held: Option<Vec<u8>>,
 }
 
 /// Whether `bytes` hold the needle a `lose` field waits for; the needle is spent then.
@@ -169,6 +174,8 @@ impl Harness {
             mute: false,
             lose: None,
             lose_in: None,
+            hold: None,
+            held: None,
         }
     }
 
@@ -439,12 +446,32 @@ impl Harness {
         self.nodes[node].lose_in = Some(needle.to_vec());
     }
 
+    /// From `node`'s next write that holds `needle` on, what it sends the server is
+    /// held back, in order, until [`Harness::release_writes`]: a publish late on the
+    /// way, overtaken by another broker's.
+    pub fn hold_writes(&mut self, node: usize, needle: &[u8]) {
+        self.nodes[node].hold = Some(needle.to_vec());
+    }
+
+    /// What [`Harness::hold_writes`] held back of `node`'s writes reaches the server.
+    pub fn release_writes(&mut self, node: usize) {
+        let n = &mut self.nodes[node];
+        n.hold = None;
+        if let (Some(bytes), Some(c)) = (n.held.take(), n.link) {
+            self.server.receive(c, &bytes, self.now);
+        }
+        self.settle();
+    }
+
     /// `node`'s NATS connection drops (its broker reconnects); it hears and is heard
     /// again.
     pub fn cut(&mut self, node: usize) {
         let n = &mut self.nodes[node];
         n.deaf = false;
         n.mute = false;
+        // What the link held back goes down with it.
+        n.hold = None;
+        n.held = None;
         if let Some(c) = n.link.take() {
             self.server.disconnect(c, self.now);
             n.conn.on_transport_closed(self.now, "link cut");
@@ -542,7 +569,9 @@ impl Harness {
                     let bytes = n.conn.output().to_vec();
                     if !bytes.is_empty() {
                         n.conn.consume_output(bytes.len());
-                        if !spends(&mut n.lose, &bytes) && !n.mute {
+                        if n.held.is_some() || spends(&mut n.hold, &bytes) {
+                            n.held.get_or_insert_default().extend_from_slice(&bytes);
+                        } else if !spends(&mut n.lose, &bytes) && !n.mute {
                             self.server.receive(c, &bytes, now);
                         }
                         busy = true;

@@ -190,9 +190,18 @@ impl Jobs {
             // too), so the record outlives a full inbox as long as refusals keep coming;
             // and a cancelled one says whether a retry through any broker may publish it
             // again past the repeat window: not once a publish of it here may have landed.
-            let every =
-                stored_nothing && self.unsent_cancels.get(&finish.key) != Some(&Unsent::Maybe);
-            self.mark(conn, finish.key.clone(), Op::ResultRefused { every }, now);
+            // A repeat no cancel waits on (answered `conflict`) tells nothing either way:
+            // the cancel's own publish may land after it.
+            let refused = if !stored_nothing
+                || self.unsent_cancels.get(&finish.key) == Some(&Unsent::Maybe)
+            {
+                Refused::Maybe
+            } else if finish.cancelled && finish.reply.is_none() {
+                Refused::Keep
+            } else {
+                Refused::Every
+            };
+            self.mark(conn, finish.key.clone(), Op::ResultRefused(refused), now);
         }
         finish
     }

@@ -91,7 +91,7 @@ impl Jobs {
             Op::Exhaust => Change::Exhaust { by: &actor.0 },
             Op::ResultSent => Change::ResultSent,
             Op::Lettered => Change::Lettered,
-            Op::ResultRefused { every } => Change::ResultRefused { every: *every },
+            Op::ResultRefused(refused) => Change::ResultRefused(*refused),
             Op::Claim { .. } => Change::Claim {
                 by,
                 lease_ms,
@@ -126,7 +126,7 @@ impl Jobs {
             | Op::Fail { session, .. }
             | Op::Requeue { session, .. }
             | Op::Cancel { session, .. } => *session,
-            Op::Exhaust | Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {
+            Op::Exhaust | Op::ResultSent | Op::Lettered | Op::ResultRefused(_) => {
                 return (format!("broker/{}", self.broker_id), String::new());
             }
         };
@@ -364,8 +364,8 @@ impl Jobs {
             }
             // Recorded already (by another delivery's broker), or the record moved on:
             // a result stored meanwhile (`result_sent`).
-            Op::ResultRefused { every: true } => self.refusal_recorded(&key),
-            Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
+            Op::ResultRefused(Refused::Every) => self.refusal_recorded(&key),
+            Op::ResultSent | Op::Lettered | Op::ResultRefused(_) => {}
             op => {
                 if let Some((session, re)) = op.answer_to() {
                     let re = re.to_string();
@@ -669,8 +669,8 @@ impl Jobs {
                 let text = reply::ok(Some(&re));
                 self.publish_result(conn, &record, &by, term, Some((session, re, text)), now);
             }
-            Op::ResultRefused { every: true } => self.refusal_recorded(&key),
-            Op::ResultSent | Op::Lettered | Op::ResultRefused { .. } => {}
+            Op::ResultRefused(Refused::Every) => self.refusal_recorded(&key),
+            Op::ResultSent | Op::Lettered | Op::ResultRefused(_) => {}
         }
     }
 
@@ -692,20 +692,19 @@ impl Jobs {
         &self,
         key: &str,
         record: &TaskRecord,
-        every: bool,
+        refused: Refused,
         stored_ms: i64,
         now: Instant,
     ) -> bool {
-        let flag = every && record.state == TaskState::Cancelled;
         let half_life =
             i64::try_from(self.finished_ttl(key, &record.job).as_millis() / 2).unwrap_or(i64::MAX);
         record.state.is_terminal()
             && !record.result_sent
-            && record.result_refused == flag
+            && record.result_refused == refused.flag(record)
             && self.clock.ms(now).saturating_sub(stored_ms) < half_life
     }
 
-    /// This broker's `ResultRefused { every: true }` of task `key` is in the record (or
+    /// This broker's `ResultRefused(Refused::Every)` of task `key` is in the record (or
     /// the record says the result is stored): the record decides from now on.
     pub(super) fn refusal_recorded(&mut self, key: &str) {
         if let Some(unsent) = self.unsent_cancels.get_mut(&key.to_owned())
