@@ -63,11 +63,21 @@ fn every_adopted_value_other_than_the_brokers_is_logged() {
     );
 }
 
-/// Forwards connections to `target`; before it passes on the first message that names
-/// `marker` it runs `first`: another broker's request landing between two of ours.
+/// When [`interposing_proxy`] runs its action: before it passes on the bytes that name
+/// its marker, or after, before any that follow.
+#[derive(Clone, Copy, PartialEq)]
+enum When {
+    Before,
+    After,
+}
+
+/// Forwards connections to `target`; before (or after, `when`) it passes on the first
+/// message that names `marker` it runs `first`: another broker's request landing between
+/// two of ours.
 fn interposing_proxy(
     target: String,
     marker: &'static [u8],
+    when: When,
     first: impl Fn() + Send + Sync + 'static,
 ) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("proxy port");
@@ -97,15 +107,18 @@ fn interposing_proxy(
                         return;
                     }
                     tail.extend_from_slice(&buf[..n]);
-                    if tail.windows(marker.len()).any(|w| w == marker)
-                        && !fired.swap(true, Ordering::SeqCst)
-                    {
-                        first();
-                    }
+                    let fire = tail.windows(marker.len()).any(|w| w == marker)
+                        && !fired.swap(true, Ordering::SeqCst);
                     let keep = tail.len().saturating_sub(marker.len());
                     tail.drain(..keep);
+                    if fire && when == When::Before {
+                        first();
+                    }
                     if to_server.write_all(&buf[..n]).is_err() {
                         return;
+                    }
+                    if fire && when == When::After {
+                        first();
                     }
                 }
             });
@@ -118,7 +131,8 @@ fn interposing_proxy(
 fn a_stream_another_broker_creates_first_with_other_settings_is_judged_as_found() {
     let nats = NatsServer::start();
     let url = nats.url();
-    let port = interposing_proxy(nats.addr(), b"STREAM.CREATE.AMP_TASKS_acme ", move || {
+    let marker = b"STREAM.CREATE.AMP_TASKS_acme ";
+    let port = interposing_proxy(nats.addr(), marker, When::Before, move || {
         let mut js = Context::new(
             amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&url))
                 .expect("connect"),
@@ -219,6 +233,47 @@ fn inbox_and_dead_letter_windows_made_under_shorter_leases_are_raised() {
         );
         assert!(broker.log().contains(&line), "{}", broker.log());
     }
+}
+
+#[test]
+fn a_window_raise_another_brokers_stale_update_lowered_is_made_again() {
+    // A broker with a 300 s lease read the 120 s window before this one (a 600 s lease)
+    // raised it to 690 s, and updated it to its own 390 s from that read afterwards: the
+    // window ended at 390 s, and an ack lost under the 600 s lease gave a second result
+    // (review finding 5).
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let read = binding::inbox_stream_config("acme", 0, 10_000, StreamSettings::default());
+    js.create_stream(&read).expect("inbox stream");
+    let url = nats.url();
+    let (lowered, was_lowered) = std::sync::mpsc::channel();
+    let marker = b"STREAM.UPDATE.AMP_INBOX_acme ";
+    let port = interposing_proxy(nats.addr(), marker, When::After, move || {
+        let mut js = Context::new(
+            amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&url))
+                .expect("connect"),
+        );
+        // Our raise, just passed on, lands first.
+        let raised = Some(Duration::from_secs(690));
+        let landed = || window(&mut js, "AMP_INBOX_acme") == raised;
+        assert!(common::wait_until(WAIT, landed));
+        let mut stale = read.clone();
+        stale.duplicate_window = Some(Duration::from_secs(390));
+        js.update_stream(&stale).expect("the other broker's update");
+        lowered.send(()).expect("the test waits");
+    });
+    let mut config = open_config(&["a"]);
+    config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 600}});
+    let broker = Broker::start(&format!("nats://127.0.0.1:{port}"), &config);
+    was_lowered
+        .recv_timeout(WAIT)
+        .expect("lowered by the other broker");
+    assert_eq!(
+        window(&mut js, "AMP_INBOX_acme"),
+        Some(Duration::from_secs(690)),
+        "{}",
+        broker.log()
+    );
 }
 
 /// Sets an operator's byte limit on `stream`, everything else kept.

@@ -383,10 +383,12 @@ enum Pending {
     /// A stream found gone, made again (`remake.rs`).
     Remake(remake::Key),
     /// A stream whose duplicate window a reload lengthened: read (`what` none), then
-    /// updated (`what` it changed).
+    /// updated (`what` it changed), then read again; `updates` sent so far
+    /// (`setup::WINDOW_UPDATES`).
     WindowRaise {
         key: remake::Key,
         what: Option<String>,
+        updates: u8,
     },
 }
 
@@ -1196,7 +1198,7 @@ impl Broker {
             self.send_inbox_creates(conn, now);
         }
         for key in std::mem::take(&mut self.window_raises) {
-            self.send_window_raise(conn, key, None, now);
+            self.send_window_raise(conn, key, None, 0, now);
         }
         self.jobs.after_reload(conn, now);
         for key in std::mem::take(&mut self.relabeled) {
@@ -1537,7 +1539,9 @@ impl Broker {
             }
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::Remake(key) => self.remake_done(conn, key, reply, now),
-            Pending::WindowRaise { key, what } => self.window_raised(conn, key, what, reply, now),
+            Pending::WindowRaise { key, what, updates } => {
+                self.window_raised(conn, key, what, updates, reply, now)
+            }
             Pending::HandBack {
                 stream,
                 consumer,
@@ -1985,12 +1989,14 @@ impl Broker {
     }
 
     /// Reads the stream of `key` (`update` none) to raise its duplicate window, or sends
-    /// the `update` that does. One that fails is logged: a restart raises it.
+    /// the `update` that does, the `updates`th. One that fails is logged: a restart
+    /// raises it.
     fn send_window_raise(
         &mut self,
         conn: &mut Connection,
         key: remake::Key,
         update: Option<(crate::jetstream::StreamConfig, String)>,
+        updates: u8,
         now: Instant,
     ) {
         let Some((api, _)) =
@@ -2003,16 +2009,22 @@ impl Broker {
             Some((updated, what)) => (api.stream_update(&updated), Some(what)),
         };
         match js_request(conn, req, now) {
-            Ok(id) => self.await_reply(id, now, Pending::WindowRaise { key, what }),
+            Ok(id) => {
+                let pending = Pending::WindowRaise { key, what, updates };
+                self.await_reply(id, now, pending)
+            }
             Err(e) => window_not_raised(&key.1, &e),
         }
     }
 
+    /// An update answered is followed by a read, and a read that finds the window short
+    /// (another update took it back, `setup::WINDOW_UPDATES`) by an update.
     fn window_raised(
         &mut self,
         conn: &mut Connection,
         key: remake::Key,
         what: Option<String>,
+        updates: u8,
         reply: Result<Message, RequestError>,
         now: Instant,
     ) {
@@ -2023,17 +2035,24 @@ impl Broker {
         let stream = key.1.clone();
         match (answer, what) {
             (Err(e), _) => window_not_raised(&stream, &e),
-            (Ok(_), Some(what)) => log::info!("stream {stream}: {what}"),
+            (Ok(_), Some(what)) => {
+                log::info!("stream {stream}: {what}");
+                self.send_window_raise(conn, key, None, updates, now);
+            }
             (Ok(info), None) => {
                 let existing = serde_json::from_slice::<serde_json::Value>(&info)
                     .map(|v| v["config"].clone())
                     .unwrap_or_default();
                 let desired =
                     setup::desired_stream(&self.config, &key.0, &stream, self.stream_settings);
-                if let Some(update) =
-                    desired.and_then(|(_, d)| setup::duplicate_window_update(&d, &existing))
-                {
-                    self.send_window_raise(conn, key, Some(update), now);
+                match desired.and_then(|(_, d)| setup::duplicate_window_update(&d, &existing)) {
+                    Some((_, what)) if updates == setup::WINDOW_UPDATES => {
+                        setup::window_changed_back(&stream, &what)
+                    }
+                    Some(update) => {
+                        self.send_window_raise(conn, key, Some(update), updates + 1, now)
+                    }
+                    None => {}
                 }
             }
         }

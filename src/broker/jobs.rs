@@ -3767,6 +3767,19 @@ mod tests {
     }
 
     #[test]
+    fn brokers_reloaded_together_with_different_leases_leave_the_longest_window() {
+        // Each broker read the 120 s window, then updated it to its own need from that
+        // read: the 300 s lease's 390 s landed after the 600 s lease's 690 s, and an ack
+        // lost under the 600 s lease gave a second result (review finding 5).
+        let mut h = Harness::new(with_lease(30), 2, 7);
+        h.reload_each(&[with_lease(600), with_lease(300)]);
+        for stream in ["AMP_INBOX_dev", "AMP_DLQ_dev"] {
+            let info = h.nats_request(&format!("$JS.API.STREAM.INFO.{stream}"), &[], b"");
+            assert_eq!(info["config"]["duplicate_window"], 690 * NANOS, "{stream}");
+        }
+    }
+
+    #[test]
     fn a_lease_made_longer_by_a_reload_is_not_redelivered_while_it_runs() {
         // With the consumer's AckWait still at the old 3 s and the broker keeping the
         // message by a 10 s one, JetStream redelivered a leased task every 3 s.

@@ -392,27 +392,35 @@ fn adopt(
             marker_ttl_update,
         ),
     ];
-    let mut apply = |updated: StreamConfig, what: &str, existing: &mut Value| {
-        call(client, api.stream_update(&updated))
-            .map_err(|e| fatal(format!("stream {name}: {what} failed: {e}")))?;
-        log::info!("stream {name}: {what}");
-        if let Ok(applied) = serde_json::to_value(&updated) {
-            *existing = applied;
-        }
-        Ok(())
-    };
     for (what, update) in updates {
         if let Some(updated) = update(desired, &existing) {
-            apply(updated, what, &mut existing)?;
+            apply(client, api, &updated, what, &mut existing)?;
         }
     }
     let mut kept = None;
-    if let Some((updated, what)) = duplicate_window_update(desired, &existing)
-        && let Err(Failure::Fatal(e) | Failure::Away(e)) = apply(updated, &what, &mut existing)
-    {
-        let fallback = fallback_window(desired, settings).ok_or_else(|| fatal(e.clone()))?;
-        window_refused(desired, &fallback, &e);
-        kept = Some(fallback);
+    let mut updates = 0;
+    while let Some((updated, what)) = duplicate_window_update(desired, &existing) {
+        if updates == WINDOW_UPDATES {
+            window_changed_back(name, &what);
+            break;
+        }
+        if let Err(Failure::Fatal(e) | Failure::Away(e)) =
+            apply(client, api, &updated, &what, &mut existing)
+        {
+            let fallback = fallback_window(desired, settings).ok_or_else(|| fatal(e.clone()))?;
+            window_refused(desired, &fallback, &e);
+            kept = Some(fallback);
+            break;
+        }
+        updates += 1;
+        let info = request(
+            client,
+            &api.stream_info(name).map_err(|e| fatal(e.to_string()))?,
+        )?;
+        check_error(&info).map_err(|e| fatal(format!("stream {name}: {e}")))?;
+        existing = serde_json::from_slice::<Value>(&info)
+            .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?["config"]
+            .take();
     }
     let desired = kept.as_ref().unwrap_or(desired);
     let differences = binding::check_compatible(desired, &existing)
@@ -434,6 +442,40 @@ fn adopt(
     } else {
         format!("adopted stream {name} ({})", api.as_str())
     })
+}
+
+/// Sends `updated`, the configuration stream `existing` gets, and says so.
+fn apply(
+    client: &mut Client,
+    api: &ApiPrefix,
+    updated: &StreamConfig,
+    what: &str,
+    existing: &mut Value,
+) -> Result<(), Failure> {
+    let name = updated.name.as_str();
+    call(client, api.stream_update(updated))
+        .map_err(|e| Failure::Fatal(format!("stream {name}: {what} failed: {e}")))?;
+    log::info!("stream {name}: {what}");
+    if let Ok(applied) = serde_json::to_value(updated) {
+        *existing = applied;
+    }
+    Ok(())
+}
+
+/// How many times a broker updates a stream's duplicate window before it leaves it as it
+/// is. A stream's configuration has no compare-and-set: another broker's update, made
+/// from a read taken before ours landed, may land after ours and take the window back
+/// (one raising it to its own shorter lease's, an operator's `nats stream edit`). So the
+/// window is read again after each update and updated again while it falls short: two
+/// brokers raising it together for leases of 600 s and 300 s left it at 390 s when the
+/// 300 s one's update came last (review finding 5).
+pub const WINDOW_UPDATES: u8 = 3;
+
+/// The warning when [`WINDOW_UPDATES`] updates did not keep the window as `what` says.
+pub fn window_changed_back(stream: &str, what: &str) {
+    log::warn!(
+        "stream {stream}: {what}, {WINDOW_UPDATES} times, each taken back by another update of the stream; left as it is (a restart tries again)"
+    );
 }
 
 /// Every namespace stream client input fills (inbox, topics, tasks) that nothing bounds:

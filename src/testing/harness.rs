@@ -410,14 +410,21 @@ impl Harness {
 
     /// SIGHUP with `config`: every broker re-reads it.
     pub fn reload(&mut self, config: Config) {
-        for n in &mut self.nodes {
+        self.reload_each(&vec![config.clone(); self.nodes.len()]);
+        self.config = config;
+    }
+
+    /// SIGHUP at once on every broker, broker `i` re-reading `configs[i]`: a fleet whose
+    /// files differ. A broker restarted later ([`Harness::crash`]) reads the file the
+    /// bench started with, or the last [`Harness::reload`]'s.
+    pub fn reload_each(&mut self, configs: &[Config]) {
+        for (n, config) in self.nodes.iter_mut().zip(configs) {
             if let Err(e) = n.broker.reload(config.clone()) {
                 panic!("harness: reload refused: {e}");
             }
             // The runtime's next turn: what the reload queued goes out.
             n.broker.handle(&mut n.conn, Input::Timeout, self.now);
         }
-        self.config = config;
         self.settle();
     }
 
