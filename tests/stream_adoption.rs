@@ -207,6 +207,30 @@ fn a_tasks_duplicate_window_reaching_past_the_shortest_kept_record_is_lowered() 
 }
 
 #[test]
+fn a_tasks_duplicate_window_shorter_than_the_brokers_is_raised() {
+    // A submit's retry inside the broker's 120 s window is a duplicate of its first
+    // message; an operator's 30 s window stored it twice. Start-up stopped on it.
+    let nats = NatsServer::start();
+    let mut js = nats.jetstream();
+    let short = StreamSettings {
+        duplicate_window_s: 30,
+        ..StreamSettings::default()
+    };
+    js.create_stream(&binding::tasks_stream_config("acme", short))
+        .expect("tasks stream");
+    let broker = Broker::start(&nats.url(), &open_config(&["a"]));
+    assert_eq!(
+        window(&mut js, "AMP_TASKS_acme"),
+        Some(Duration::from_secs(120))
+    );
+    let log = broker.log();
+    assert!(
+        log.contains("WARN  stream AMP_TASKS_acme: duplicate_window raised to 120 s"),
+        "{log}"
+    );
+}
+
+#[test]
 fn inbox_and_dead_letter_windows_made_under_shorter_leases_are_raised() {
     // A finished task's message whose ack was lost comes back one lease after its last
     // delivery and publishes the result and letter again; kept at 120 s, the window let a

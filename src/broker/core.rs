@@ -2046,11 +2046,12 @@ impl Broker {
                 let desired =
                     setup::desired_stream(&self.config, &key.0, &stream, self.stream_settings);
                 match desired.and_then(|(_, d)| setup::duplicate_window_update(&d, &existing)) {
-                    Some((_, what)) if updates == setup::WINDOW_UPDATES => {
+                    Some((_, what, _)) if updates == setup::WINDOW_UPDATES => {
                         setup::window_changed_back(&stream, &what)
                     }
-                    Some(update) => {
-                        self.send_window_raise(conn, key, Some(update), updates + 1, now)
+                    Some((updated, what, _)) => {
+                        let update = Some((updated, what));
+                        self.send_window_raise(conn, key, update, updates + 1, now)
                     }
                     None => {}
                 }

@@ -394,18 +394,19 @@ fn adopt(
     ];
     for (what, update) in updates {
         if let Some(updated) = update(desired, &existing) {
-            apply(client, api, &updated, what, &mut existing)?;
+            apply(client, api, &updated, what, log::Level::Info, &mut existing)?;
         }
     }
     let mut kept = None;
     let mut updates = 0;
-    while let Some((updated, what)) = duplicate_window_update(desired, &existing) {
+    while let Some((updated, what, level)) = duplicate_window_update(desired, &existing) {
         if updates == WINDOW_UPDATES {
             window_changed_back(name, &what);
+            kept = fallback_window(desired, settings);
             break;
         }
         if let Err(Failure::Fatal(e) | Failure::Away(e)) =
-            apply(client, api, &updated, &what, &mut existing)
+            apply(client, api, &updated, &what, level, &mut existing)
         {
             let fallback = fallback_window(desired, settings).ok_or_else(|| fatal(e.clone()))?;
             window_refused(desired, &fallback, &e);
@@ -413,10 +414,8 @@ fn adopt(
             break;
         }
         updates += 1;
-        let info = request(
-            client,
-            &api.stream_info(name).map_err(|e| fatal(e.to_string()))?,
-        )?;
+        let read = api.stream_info(name).map_err(|e| fatal(e.to_string()))?;
+        let info = request(client, &read)?;
         check_error(&info).map_err(|e| fatal(format!("stream {name}: {e}")))?;
         existing = serde_json::from_slice::<Value>(&info)
             .map_err(|e| fatal(format!("stream {name}: bad info reply: {e}")))?["config"]
@@ -444,18 +443,19 @@ fn adopt(
     })
 }
 
-/// Sends `updated`, the configuration stream `existing` gets, and says so.
+/// Sends `updated`, the configuration stream `existing` gets, and says so at `level`.
 fn apply(
     client: &mut Client,
     api: &ApiPrefix,
     updated: &StreamConfig,
     what: &str,
+    level: log::Level,
     existing: &mut Value,
 ) -> Result<(), Failure> {
     let name = updated.name.as_str();
     call(client, api.stream_update(updated))
         .map_err(|e| Failure::Fatal(format!("stream {name}: {what} failed: {e}")))?;
-    log::info!("stream {name}: {what}");
+    log::log!(level, "stream {name}: {what}");
     if let Ok(applied) = serde_json::to_value(updated) {
         *existing = applied;
     }
@@ -511,27 +511,45 @@ fn discard_update(desired: &StreamConfig, existing: &Value) -> Option<StreamConf
 }
 
 /// A duplicate window that does not keep the broker's guarantees, brought to one that
-/// does; says what it changed. The tasks stream's is kept within what keeps a task id's
-/// uses apart ([`binding::TASKS_DUPLICATE_WINDOW_MAX_S`]): an operator's longer one
-/// made the next use's message a duplicate of the last use's, `ok` to a task never
-/// queued. The inbox's and the dead letters' is raised to ours ([`outcome_window_s`]),
-/// which a stream made under shorter leases (or another broker's) falls short of; the
-/// server allows both within the stream's `max_age` (ours is capped there) and its own
+/// does; says what it changed, and how loud. The tasks stream's is kept from ours (a
+/// submit retried within it is a duplicate; an operator's shorter one stored it twice,
+/// and start-up refused it) to what keeps a task id's uses apart
+/// ([`binding::TASKS_DUPLICATE_WINDOW_MAX_S`]: an operator's longer one made the next
+/// use's message a duplicate of the last use's, `ok` to a task never queued); only an
+/// operator sets it otherwise, hence a warning. The inbox's and the dead letters' is
+/// raised to ours ([`outcome_window_s`]), which a stream made under shorter leases (or
+/// another broker's) falls short of; the server allows all of them within the stream's
+/// `max_age` (ours is capped there; the tasks stream has none) and its own
 /// `jetstream.limits.duplicate_window` (a refused raise keeps the stream's, with a
 /// warning).
 pub fn duplicate_window_update(
     desired: &StreamConfig,
     existing: &Value,
-) -> Option<(StreamConfig, String)> {
+) -> Option<(StreamConfig, String, log::Level)> {
     let have = existing
         .get("duplicate_window")
         .and_then(Value::as_u64)
         .map(Duration::from_nanos)?;
     let outcomes = [binding::inbox_stream(""), binding::dlq_stream("")];
-    let (want, what) = if desired.retention == Some(RetentionPolicy::WorkQueue) {
-        let max = Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S);
-        let why = "inside the shortest time a finished task's record is kept";
-        (have > max).then_some((max, format!("lowered to {} s, {why}", max.as_secs())))?
+    let (want, what, level) = if desired.retention == Some(RetentionPolicy::WorkQueue) {
+        let (min, max) = (
+            desired.duplicate_window?,
+            Duration::from_secs(binding::TASKS_DUPLICATE_WINDOW_MAX_S),
+        );
+        let (want, how, why) = if have > max {
+            let why = "inside the shortest time a finished task's record is kept";
+            (max, "lowered", why)
+        } else if have < min {
+            (
+                min,
+                "raised",
+                "the broker's, within which a retried submit is a duplicate",
+            )
+        } else {
+            return None;
+        };
+        let what = format!("{how} to {} s, {why}", want.as_secs());
+        (want, what, log::Level::Warn)
     } else if outcomes
         .iter()
         .any(|p| desired.name.starts_with(p.as_str()))
@@ -542,13 +560,14 @@ pub fn duplicate_window_update(
         } else {
             format!("the longest lease_s and {REDELIVERY_MARGIN_S} s")
         };
-        (have < need).then_some((need, format!("raised to {} s, {why}", need.as_secs())))?
+        let what = format!("raised to {} s, {why}", need.as_secs());
+        (have < need).then_some((need, what, log::Level::Info))?
     } else {
         return None;
     };
     let mut updated: StreamConfig = serde_json::from_value(existing.clone()).ok()?;
     updated.duplicate_window = Some(want);
-    Some((updated, format!("duplicate_window {what}")))
+    Some((updated, format!("duplicate_window {what}"), level))
 }
 
 /// `desired` with the window the broker had before leases counted (120 s, or the
