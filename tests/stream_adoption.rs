@@ -8,7 +8,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use amp_broker::broker::binding::{self, StreamSettings};
@@ -71,19 +71,20 @@ enum When {
     After,
 }
 
-/// Forwards connections to `target`; before (or after, `when`) it passes on the first
-/// message that names `marker` it runs `first`: another broker's request landing between
-/// two of ours.
+/// Forwards connections to `target`; before (or after, `when`) it passes on each of the
+/// first `times` messages that name `marker` it runs `action`: another broker's request
+/// landing between two of ours.
 fn interposing_proxy(
     target: String,
     marker: &'static [u8],
     when: When,
-    first: impl Fn() + Send + Sync + 'static,
+    times: usize,
+    action: impl Fn() + Send + Sync + 'static,
 ) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("proxy port");
     let port = listener.local_addr().expect("proxy addr").port();
-    let first = Arc::new(first);
-    let fired = Arc::new(AtomicBool::new(false));
+    let action = Arc::new(action);
+    let fired = Arc::new(AtomicUsize::new(0));
     std::thread::spawn(move || {
         for inbound in listener.incoming() {
             let Ok(inbound) = inbound else { continue };
@@ -96,7 +97,7 @@ fn interposing_proxy(
                 continue;
             };
             std::thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
-            let (first, fired) = (first.clone(), fired.clone());
+            let (action, fired) = (action.clone(), fired.clone());
             std::thread::spawn(move || {
                 let (mut from_client, mut to_server) = (inbound, outbound);
                 let mut buf = vec![0; 64 * 1024];
@@ -107,18 +108,22 @@ fn interposing_proxy(
                         return;
                     }
                     tail.extend_from_slice(&buf[..n]);
-                    let fire = tail.windows(marker.len()).any(|w| w == marker)
-                        && !fired.swap(true, Ordering::SeqCst);
+                    let named = tail.windows(marker.len()).any(|w| w == marker);
                     let keep = tail.len().saturating_sub(marker.len());
                     tail.drain(..keep);
+                    if named {
+                        // Found once: not again in what is kept of it.
+                        tail.clear();
+                    }
+                    let fire = named && fired.fetch_add(1, Ordering::SeqCst) < times;
                     if fire && when == When::Before {
-                        first();
+                        action();
                     }
                     if to_server.write_all(&buf[..n]).is_err() {
                         return;
                     }
                     if fire && when == When::After {
-                        first();
+                        action();
                     }
                 }
             });
@@ -132,7 +137,7 @@ fn a_stream_another_broker_creates_first_with_other_settings_is_judged_as_found(
     let nats = NatsServer::start();
     let url = nats.url();
     let marker = b"STREAM.CREATE.AMP_TASKS_acme ";
-    let port = interposing_proxy(nats.addr(), marker, When::Before, move || {
+    let port = interposing_proxy(nats.addr(), marker, When::Before, 1, move || {
         let mut js = Context::new(
             amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&url))
                 .expect("connect"),
@@ -259,20 +264,19 @@ fn inbox_and_dead_letter_windows_made_under_shorter_leases_are_raised() {
     }
 }
 
-#[test]
-fn a_window_raise_another_brokers_stale_update_lowered_is_made_again() {
-    // A broker with a 300 s lease read the 120 s window before this one (a 600 s lease)
-    // raised it to 690 s, and updated it to its own 390 s from that read afterwards: the
-    // window ended at 390 s, and an ack lost under the 600 s lease gave a second result
-    // (review finding 5).
+/// A broker with a 600 s lease starts on an inbox with a 120 s window, and each of its
+/// first `times` updates of that window is followed, before anything more of its reaches
+/// the server, by the update another broker (a 300 s lease) made from its read of the
+/// 120 s: the window taken back to 390 s. Returns once start-up and those updates are
+/// done.
+fn start_with_raises_taken_back(times: usize) -> (NatsServer, Broker) {
     let nats = NatsServer::start();
-    let mut js = nats.jetstream();
     let read = binding::inbox_stream_config("acme", 0, 10_000, StreamSettings::default());
-    js.create_stream(&read).expect("inbox stream");
+    nats.jetstream().create_stream(&read).expect("inbox stream");
     let url = nats.url();
     let (lowered, was_lowered) = std::sync::mpsc::channel();
     let marker = b"STREAM.UPDATE.AMP_INBOX_acme ";
-    let port = interposing_proxy(nats.addr(), marker, When::After, move || {
+    let port = interposing_proxy(nats.addr(), marker, When::After, times, move || {
         let mut js = Context::new(
             amp_broker::nats::Client::connect(amp_broker::nats::Options::new(&url))
                 .expect("connect"),
@@ -289,15 +293,44 @@ fn a_window_raise_another_brokers_stale_update_lowered_is_made_again() {
     let mut config = open_config(&["a"]);
     config["namespaces"]["acme"]["jobs"] = json!({"render": {"lease_s": 600}});
     let broker = Broker::start(&format!("nats://127.0.0.1:{port}"), &config);
-    was_lowered
-        .recv_timeout(WAIT)
-        .expect("lowered by the other broker");
+    for _ in 0..times {
+        was_lowered
+            .recv_timeout(WAIT)
+            .expect("lowered by the other broker");
+    }
+    (nats, broker)
+}
+
+#[test]
+fn a_window_raise_another_brokers_stale_update_lowered_is_made_again() {
+    // Both brokers read 120 s; the 300 s lease's update from that read landed after the
+    // 600 s lease's raise and left 390 s: an ack lost under the 600 s lease gave a second
+    // result (review finding 5).
+    let (nats, broker) = start_with_raises_taken_back(1);
     assert_eq!(
-        window(&mut js, "AMP_INBOX_acme"),
+        window(&mut nats.jetstream(), "AMP_INBOX_acme"),
         Some(Duration::from_secs(690)),
         "{}",
         broker.log()
     );
+}
+
+#[test]
+fn a_window_raise_taken_back_at_every_update_is_left_after_three_with_a_warning() {
+    // Bounded: the stream is then judged as after a raise the server refused.
+    let (nats, broker) = start_with_raises_taken_back(3);
+    assert_eq!(
+        window(&mut nats.jetstream(), "AMP_INBOX_acme"),
+        Some(Duration::from_secs(390))
+    );
+    let log = broker.log();
+    let raise =
+        "stream AMP_INBOX_acme: duplicate_window raised to 690 s, the longest lease_s and 90 s";
+    assert_eq!(log.matches(&format!("INFO  {raise}")).count(), 3, "{log}");
+    let warning = format!(
+        "WARN  {raise}, 3 times, each taken back by another update of the stream; left as it is"
+    );
+    assert!(log.contains(&warning), "{log}");
 }
 
 /// Sets an operator's byte limit on `stream`, everything else kept.
