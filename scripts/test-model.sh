@@ -16,8 +16,9 @@
 # and hostile_nats (a CR inside a PUB control line, which nats-server takes and
 # src/proto's server-side parser refuses; a client flooding MIG request subjects, which
 # measures how nats-server queues for a broker's connections; a broker's main link frozen
-# by a relay, its ingress unsubscribing seen in nats-server's `connz`, its `/readyz` and
-# its giving the link up to dial again timed against nats-server). Also left out:
+# by a relay, its ingress unsubscribing seen in nats-server's `connz`, its `/readyz`, its
+# refusing requests meanwhile and its giving the link up to dial again timed against
+# nats-server). Also left out:
 # tests of auth, TLS, clusters, leaf nodes, reconnects and MIG (accounts and the auth
 # callout).
 set -euo pipefail

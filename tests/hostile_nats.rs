@@ -740,3 +740,43 @@ fn a_broker_gives_up_a_silent_main_connection_without_waiting_for_the_keepalive(
     }));
     round_trip(&mut a, &mut b, 2);
 }
+
+/// Silent until given up (10 s on), the main connection took each session's new request
+/// into the dead link all the same, answered only by its own timeout, 4 s on. Refused at
+/// once now, `unavailable`, while one written before the silence still waits for its
+/// answer: it may have landed.
+#[test]
+fn with_its_main_connection_silent_a_broker_refuses_new_requests_at_once() {
+    let nats = NatsServer::start();
+    let relay = common::relay::Relay::start(&nats.addr());
+    let (broker, mut a, _b) = broker_through(&relay);
+
+    freeze_main_link(&relay);
+    let frozen = Instant::now();
+    a.send(&json!({"op":"send","id":"written","to":"b","body":{"n":1}}));
+    let silent = wait_until(WAIT, || {
+        http_get(broker.addr, "/readyz").is_some_and(|(s, why)| s == 503 && why.contains("silent"))
+    });
+    assert!(silent, "not silent {:?} after the freeze", frozen.elapsed());
+
+    let asked = Instant::now();
+    let refused = a.request(json!({"op":"send","to":"b","body":{"n":2}}));
+    let took = asked.elapsed();
+    eprintln!(
+        "a send {:?} after the freeze, silent, answered {took:?} after it was sent: {refused}",
+        asked - frozen
+    );
+    assert_eq!(refused["code"], "unavailable", "{refused}");
+    assert!(
+        took < Duration::from_secs(1),
+        "a send while silent answered {took:?} after it was sent: {refused}"
+    );
+    let written = a.answer_to("written");
+    assert_eq!(written["code"], "unavailable", "{written}");
+    assert!(
+        written["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("timed out")),
+        "the send written before the silence waited for its answer: {written}"
+    );
+}

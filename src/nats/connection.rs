@@ -1061,6 +1061,7 @@ impl Connection {
 
     /// Publishes a request with a reply subject under the connection's one wildcard inbox
     /// subscription. The outcome comes as `Event::Response` or `Event::RequestFailed`.
+    /// Refused while [`Connection::is_silent`] (`Error::Silent`).
     pub fn request(
         &mut self,
         subject: &str,
@@ -1071,6 +1072,14 @@ impl Connection {
     ) -> Result<RequestId, Error> {
         validate_subject(subject.as_bytes())
             .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
+        // A link that carries nothing answers nothing: its caller would only wait out its
+        // timeout. Requests already written wait on (they may have landed); the first
+        // byte read ends this.
+        if let Some(since) = self.silent_since() {
+            return Err(Error::Silent {
+                quiet: now.saturating_duration_since(since),
+            });
+        }
         if self.requests.len() >= self.options.max_pending_requests {
             return Err(Error::TooManyRequests {
                 max: self.options.max_pending_requests,

@@ -24,6 +24,12 @@ pub enum Error {
     WriteBufferFull {
         capacity: usize,
     },
+    /// A request made while the connection is silent (`Connection::is_silent`); nothing
+    /// was queued.
+    Silent {
+        /// How long nothing has been read.
+        quiet: std::time::Duration,
+    },
     TooManySubscriptions {
         max: usize,
     },
@@ -74,6 +80,11 @@ impl fmt::Display for Error {
                     "write buffer full ({capacity} bytes): server not keeping up"
                 )
             }
+            Error::Silent { quiet } => write!(
+                f,
+                "connection silent: nothing read for {} ms, a PING unanswered",
+                quiet.as_millis()
+            ),
             Error::TooManySubscriptions { max } => write!(f, "more than {max} subscriptions"),
             Error::TooManyRequests { max } => write!(f, "more than {max} pending requests"),
             Error::UnknownSubscription(sid) => write!(f, "no subscription with sid {sid}"),

@@ -1474,6 +1474,59 @@ fn a_connection_silent_for_its_limit_is_given_up_as_a_stale_one() {
 }
 
 #[test]
+fn a_silent_connection_refuses_new_requests_and_keeps_those_written() {
+    // Silent until given up (10 s on), each new request went into the dead link all the
+    // same and waited out its own timeout: a session heard `unavailable` 4 s after its
+    // send instead of at once.
+    let probe = Duration::from_millis(1500);
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(probe);
+    o.silence_limit = Some(Duration::from_secs(10));
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    let timeout = Duration::from_secs(4);
+    let written = h
+        .conn
+        .request("q", None, b"x", timeout, h.now)
+        .expect("request");
+    let out = ops(&h.take_output());
+    let sub = out[0].split(' ').collect::<Vec<_>>();
+    let (prefix, sid) = (sub[1].trim_end_matches('*').to_string(), sub[3].to_string());
+    h.advance(probe);
+    assert_eq!(ops(&h.take_output()), ["PING"]);
+    h.advance(probe);
+    assert!(h.conn.is_silent());
+
+    let refused = h.conn.request("q", None, b"y", timeout, h.now);
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("silent")),
+        "a request while silent: {refused:?}"
+    );
+    assert!(h.take_output().is_empty(), "nothing of it written");
+    assert_eq!(h.conn.pending_requests(), 1, "the one written still waits");
+    assert!(h.events().is_empty());
+
+    // Anything read ends the silence: the written one's reply comes, and requests go
+    // out again.
+    let reply = format!("MSG {prefix}{} {sid} 2\r\nok\r\n", written.0);
+    h.conn.receive(reply.as_bytes(), h.now);
+    assert!(!h.conn.is_silent());
+    let events = h.events();
+    assert!(
+        matches!(&events[..], [Event::Response { id, .. }] if *id == written),
+        "{events:?}"
+    );
+    h.conn
+        .request("q", None, b"z", timeout, h.now)
+        .expect("a request once it reads again");
+    assert_eq!(ops(&h.take_output()), ["PUB q z"]);
+}
+
+#[test]
 fn a_ping_behind_a_backlog_the_link_takes_is_not_unanswered_yet() {
     // A slow link taking a large backlog reads nothing back while the PING waits behind
     // it: the server cannot answer what it has not been sent.
