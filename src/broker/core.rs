@@ -1152,9 +1152,9 @@ impl Broker {
 
     /// Gives back the text of an [`Output::Frame`] once the embedder is done with it, to
     /// be the buffer of a later frame; `sent`: its session took it (queued to be written),
-    /// and it counts in `amp_frames_out_total`. Counted when queued here instead, a frame
-    /// for a session closed before it was taken (gone, or shed for a full queue) counted
-    /// as sent.
+    /// and it counts in `amp_frames_out_total` (an `error` in `amp_errors_total` too).
+    /// Counted when queued here instead, a frame for a session closed before it was taken
+    /// (gone, or shed for a full queue) counted as sent.
     pub fn frame_done(&mut self, mut text: String, sent: bool) {
         if sent {
             self.count_frame(&text);
@@ -2130,30 +2130,36 @@ impl Broker {
         });
     }
 
-    /// Counts a frame of `text`'s op: every frame starts with it (`{"op":"..."`).
+    /// Counts a frame of `text`'s op: every frame starts with it (`{"op":"..."`); an
+    /// `error` also by its code, the first `,"code":"` of its text ([`reply::error`]):
+    /// only `re`, a JSON string, comes before it, and a quote in one follows a backslash.
     fn count_frame(&mut self, text: &str) {
-        let op = text
-            .get(7..)
-            .and_then(|t| t.get(..memchr::memchr(b'"', t.as_bytes())?))
-            .unwrap_or("unknown");
+        // The string value that starts at byte `at`, up to its closing quote (op and code
+        // values are the broker's own names: nothing in them is escaped).
+        let value_at = |at: usize| {
+            let t = text.get(at..)?;
+            t.get(..memchr::memchr(b'"', t.as_bytes())?)
+        };
+        let op = value_at(7).unwrap_or("unknown");
         self.metrics.registry.inc(self.metrics.frames_out, op);
+        if op == amp_frame::server_op::ERROR {
+            const CODE: &[u8] = b",\"code\":\"";
+            let code = memchr::memmem::find(text.as_bytes(), CODE)
+                .and_then(|at| value_at(at + CODE.len()))
+                .unwrap_or("unknown");
+            self.metrics.registry.inc(self.metrics.errors, code);
+        }
     }
 
-    /// Sends an error reply (`re` when the frame had an id) and counts it by code.
+    /// Sends an error reply (`re` when the frame had an id); counted by code once its
+    /// session takes it ([`Broker::frame_done`]).
     fn error(&mut self, session: SessionId, re: Option<&str>, e: &AmpError) {
-        self.metrics
-            .registry
-            .inc(self.metrics.errors, e.code.as_str());
         self.frame(session, reply::error(re, e));
     }
 
     /// Sends an error with no `re` to each of `sessions`, queued once
     /// ([`frame_to_each`](Self::frame_to_each)).
     fn error_to_each(&mut self, sessions: Vec<SessionId>, e: &AmpError) {
-        let n = sessions.len() as f64;
-        self.metrics
-            .registry
-            .add(self.metrics.errors, e.code.as_str(), n);
         self.frame_to_each(sessions, reply::error(None, e));
     }
 

@@ -951,12 +951,12 @@ mod tests {
         );
     }
 
-    #[test]
-    fn frames_are_counted_as_sent_only_when_their_session_takes_them() {
-        // `amp_frames_out_total` counted a frame when the core queued it: one of a
-        // refusal told to each of a participant's sessions, or a reply, for a session
-        // closed before it was taken (gone, or shed by the transport for a full queue)
-        // was counted and never sent.
+    /// Bob's inbox consumer refused (an `error` queued once for his three sessions), a
+    /// reply queued for bob[0] behind it, and bob[0] closed before either is taken: what
+    /// `counted` reads before and after.
+    fn counted_with_a_session_closed_before_it_takes_them<T>(
+        counted: impl Fn(&Harness) -> T,
+    ) -> (T, T) {
         let mut config = harness::development_config();
         if let Some(ns) = config.namespaces.get_mut("dev") {
             ns.inbox.max_consumers = 2;
@@ -964,20 +964,13 @@ mod tests {
         let mut h = Harness::new(config, 1, 3);
         let _alice = h.join(0, "alice", json!({}));
         let bob: Vec<Session> = (0..3).map(|_| h.join(0, "bob", json!({}))).collect();
-        let sent = |h: &Harness| {
-            let registry = &h.broker(0).metrics.registry;
-            registry
-                .value("amp_frames_out_total", "error")
-                .unwrap_or(0.0)
-        };
-        let before = sent(&h);
+        let before = counted(&h);
         // As in the test above: bob's consumer is refused, and each session is told.
         let deleted = h.nats_request("$JS.API.CONSUMER.DELETE.AMP_INBOX_dev.inbox_bob", &[], b"");
         assert_eq!(deleted["success"], true, "{deleted}");
         let _carol = h.join(0, "carol", json!({}));
         h.hold_output = true;
         h.advance(Duration::from_secs(2));
-        // A reply queued for the same session behind it.
         h.send(bob[0], json!({"op":"who","id":"w","ns":"nowhere"}));
         h.close(bob[0]);
         h.hold_output = false;
@@ -986,11 +979,63 @@ mod tests {
             let told = h.take(s);
             assert!(told.iter().any(|f| f["op"] == "error"), "{s:?}: {told:?}");
         }
+        (before, counted(&h))
+    }
+
+    #[test]
+    fn frames_are_counted_as_sent_only_when_their_session_takes_them() {
+        // `amp_frames_out_total` counted a frame when the core queued it: one of a
+        // refusal told to each of a participant's sessions, or a reply, for a session
+        // closed before it was taken (gone, or shed by the transport for a full queue)
+        // was counted and never sent.
+        let (before, after) = counted_with_a_session_closed_before_it_takes_them(|h| {
+            let registry = &h.broker(0).metrics.registry;
+            registry
+                .value("amp_frames_out_total", "error")
+                .unwrap_or(0.0)
+        });
+        assert_eq!(after - before, 2.0, "frames for the closed session counted");
+    }
+
+    #[test]
+    fn errors_are_counted_by_code_only_when_their_session_takes_them() {
+        // `amp_errors_total` counted an error reply when the core made it, so one for a
+        // session closed before it took it counted too, as `amp_frames_out_total` did.
+        let (before, after) = counted_with_a_session_closed_before_it_takes_them(|h| {
+            let mut text = String::new();
+            h.broker(0).metrics.registry.render(&mut text);
+            text.lines()
+                .filter_map(|l| l.strip_prefix("amp_errors_total{code=\""))
+                .filter_map(|l| {
+                    let (code, n) = l.split_once("\"} ")?;
+                    Some((code.to_string(), n.parse::<f64>().ok()?))
+                })
+                .collect::<std::collections::BTreeMap<String, f64>>()
+        });
+        let counted: Vec<(String, f64)> = after
+            .iter()
+            .map(|(code, n)| (code.clone(), n - before.get(code).unwrap_or(&0.0)))
+            .filter(|(_, n)| *n != 0.0)
+            .collect();
         assert_eq!(
-            sent(&h) - before,
-            2.0,
-            "frames for the closed session counted"
+            counted,
+            [("unavailable".to_string(), 2.0)],
+            "errors for the closed session counted"
         );
+    }
+
+    #[test]
+    fn an_errors_code_is_counted_whatever_its_id_says() {
+        // The code is read from the frame's text, behind the `re` the client chose.
+        let mut h = bench(30, 8, 1);
+        let alice = h.join(0, "alice", json!({}));
+        let forged = r#"","code":"forged"#;
+        let frame = json!({"op":"who","id":forged,"ns":"nowhere"});
+        let e = h.request_text(alice, forged, &frame.to_string());
+        assert_eq!((&e["re"], &e["code"]), (&json!(forged), &json!("schema")));
+        let registry = &h.broker(0).metrics.registry;
+        assert_eq!(registry.value("amp_errors_total", "schema"), Some(1.0));
+        assert_eq!(registry.value("amp_errors_total", "forged"), None);
     }
 
     #[test]
