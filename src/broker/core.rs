@@ -1817,7 +1817,12 @@ impl Broker {
                     continue;
                 }
             };
-            let sent = conn.request(&req.subject, req.headers.as_ref(), &req.payload, left, now);
+            // A session's request on a silent link would only wait out its timeout: it
+            // hears `unavailable` now (as a send and an ack with an `id` do). Those
+            // written wait on: they may have landed.
+            let sent = conn.check_heard(now).and_then(|()| {
+                conn.request(&req.subject, req.headers.as_ref(), &req.payload, left, now)
+            });
             match sent {
                 Ok(id) => self.await_reply(id, now, pending),
                 Err(e) => {

@@ -758,6 +758,19 @@ impl Connection {
         self.silent_since().is_some()
     }
 
+    /// `Err(Error::Silent)` while [`Connection::is_silent`], for a caller that would
+    /// rather refuse a request at once than have it wait out its timeout on a link that
+    /// carries nothing. `request` itself does not refuse: its other callers have retry
+    /// paths built around a timeout, and the first byte read ends the silence.
+    pub fn check_heard(&self, now: Instant) -> Result<(), Error> {
+        match self.silent_since() {
+            Some(since) => Err(Error::Silent {
+                quiet: now.saturating_duration_since(since),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// While [`Connection::is_silent`]: when it last read.
     pub fn silent_since(&self) -> Option<Instant> {
         let silent = self.silence.silent_at.is_some() && self.is_connected();
@@ -1061,7 +1074,6 @@ impl Connection {
 
     /// Publishes a request with a reply subject under the connection's one wildcard inbox
     /// subscription. The outcome comes as `Event::Response` or `Event::RequestFailed`.
-    /// Refused while [`Connection::is_silent`] (`Error::Silent`).
     pub fn request(
         &mut self,
         subject: &str,
@@ -1072,14 +1084,6 @@ impl Connection {
     ) -> Result<RequestId, Error> {
         validate_subject(subject.as_bytes())
             .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
-        // A link that carries nothing answers nothing: its caller would only wait out its
-        // timeout. Requests already written wait on (they may have landed); the first
-        // byte read ends this.
-        if let Some(since) = self.silent_since() {
-            return Err(Error::Silent {
-                quiet: now.saturating_duration_since(since),
-            });
-        }
         if self.requests.len() >= self.options.max_pending_requests {
             return Err(Error::TooManyRequests {
                 max: self.options.max_pending_requests,

@@ -24,8 +24,7 @@ pub enum Error {
     WriteBufferFull {
         capacity: usize,
     },
-    /// A request made while the connection is silent (`Connection::is_silent`); nothing
-    /// was queued.
+    /// The connection is silent (`Connection::check_heard`).
     Silent {
         /// How long nothing has been read.
         quiet: std::time::Duration,

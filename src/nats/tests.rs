@@ -1474,10 +1474,10 @@ fn a_connection_silent_for_its_limit_is_given_up_as_a_stale_one() {
 }
 
 #[test]
-fn a_silent_connection_refuses_new_requests_and_keeps_those_written() {
-    // Silent until given up (10 s on), each new request went into the dead link all the
-    // same and waited out its own timeout: a session heard `unavailable` 4 s after its
-    // send instead of at once.
+fn a_silent_connection_says_so_to_who_would_refuse_a_request_and_keeps_those_written() {
+    // Silent until given up (10 s on), each new session request went into the dead link
+    // all the same and waited out its own timeout: a session heard `unavailable` 4 s
+    // after its send instead of at once. The broker's session queue asks `check_heard`.
     let probe = Duration::from_millis(1500);
     let mut o = Harness::options("h:1");
     o.silence_probe = Some(probe);
@@ -1499,14 +1499,14 @@ fn a_silent_connection_refuses_new_requests_and_keeps_those_written() {
     h.advance(probe);
     assert!(h.conn.is_silent());
 
-    let refused = h.conn.request("q", None, b"y", timeout, h.now);
+    let refused = h.conn.check_heard(h.now);
     assert!(
         refused
             .as_ref()
             .is_err_and(|e| e.to_string().contains("silent")),
-        "a request while silent: {refused:?}"
+        "while silent: {refused:?}"
     );
-    assert!(h.take_output().is_empty(), "nothing of it written");
+    assert!(h.take_output().is_empty());
     assert_eq!(h.conn.pending_requests(), 1, "the one written still waits");
     assert!(h.events().is_empty());
 
@@ -1515,6 +1515,7 @@ fn a_silent_connection_refuses_new_requests_and_keeps_those_written() {
     let reply = format!("MSG {prefix}{} {sid} 2\r\nok\r\n", written.0);
     h.conn.receive(reply.as_bytes(), h.now);
     assert!(!h.conn.is_silent());
+    assert!(h.conn.check_heard(h.now).is_ok());
     let events = h.events();
     assert!(
         matches!(&events[..], [Event::Response { id, .. }] if *id == written),

@@ -137,7 +137,11 @@ impl Broker {
             self.fail(session, &re, e);
             return;
         }
-        match conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now) {
+        // A send on a silent link would only wait out its timeout: `unavailable` now.
+        let sent = conn.check_heard(now).and_then(|()| {
+            conn.request(subject, Some(&headers), payload.as_bytes(), JS_TIMEOUT, now)
+        });
+        match sent {
             Ok(req) => {
                 let topic = env.topic.is_some();
                 let pending = Pending::Send {
@@ -229,7 +233,10 @@ impl Broker {
         now: Instant,
     ) {
         match id {
-            Some(re) => match conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now) {
+            Some(re) => match conn
+                .check_heard(now)
+                .and_then(|()| conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now))
+            {
                 Ok(req) => {
                     self.await_reply(req, now, Pending::AckSync { session, re, keep });
                 }
