@@ -160,6 +160,8 @@ struct World {
     dir: tempfile::TempDir,
     /// The NATS side runs TLS with this PKI (brokers and MIG clients verify its CA).
     tls: Option<common::tls::Pki>,
+    /// The brokers' configuration.
+    config: Value,
 }
 
 fn config(ann: &KeyPair) -> Value {
@@ -225,32 +227,37 @@ fn world_configured(
     let callout = CalloutServer::start_with(&tls_block);
     let mut config = config(&ann);
     tweak(&mut config);
-    let url = match &tls {
-        Some(_) => format!("tls://{}", callout.nats.addr()),
-        None => callout.nats.url(),
-    };
-    let ca = tls.as_ref().map(|pki| pki.ca_arg());
-    let extra: Vec<&str> = match &ca {
-        Some(ca) => vec!["--nats-tls-ca", ca],
-        None => Vec::new(),
-    };
-    let brokers = (0..brokers)
-        .map(|_| callout.broker_at(&url, &config, &extra))
-        .collect();
     let dir = tempfile::tempdir().expect("dir");
     std::fs::write(dir.path().join("ann.seed"), ann.seed()).expect("seed");
-    let w = World {
-        brokers,
+    let mut w = World {
+        brokers: Vec::new(),
         callout,
         ann,
         dir,
         tls,
+        config,
     };
+    let url = w.nats_url();
+    for _ in 0..brokers {
+        w.add_broker(&url);
+    }
     w.await_mig();
     w
 }
 
 impl World {
+    /// One more broker of the world's configuration, connecting to `url` (the server's,
+    /// or a relay's in front of it).
+    fn add_broker(&mut self, url: &str) {
+        let ca = self.tls.as_ref().map(|pki| pki.ca_arg());
+        let extra: Vec<&str> = match &ca {
+            Some(ca) => vec!["--nats-tls-ca", ca],
+            None => Vec::new(),
+        };
+        let broker = self.callout.broker_at(url, &self.config, &extra);
+        self.brokers.push(broker);
+    }
+
     fn nats_url(&self) -> String {
         match &self.tls {
             Some(_) => format!("tls://{}", self.callout.nats.addr()),
@@ -2245,6 +2252,11 @@ fn the_bucket_of_taken_ids_deleted_while_the_broker_runs_is_made_again() {
     });
     assert_eq!(back[0]["payload"]["status"], "started", "{back:?}");
     assert_eq!(seen_keys(&w), 1, "the claim is in the bucket made again");
+    // The broker heard of the bucket twice, by its create's answer and by JetStream's
+    // advisory (both within that second); it claimed its ids again once.
+    let log = w.brokers[0].log();
+    let rounds = log.matches("was made again: claiming again").count();
+    assert_eq!(rounds, 1, "{log}");
 }
 
 /// Deletes `AMP_MIG_SEEN` and sends `poke` (a request that claims an id) until a broker,
@@ -2337,6 +2349,88 @@ fn a_signed_publish_stays_a_replay_once_the_bucket_of_taken_ids_is_made_again() 
     answers_past_unavailable(2, &mut poke);
     replay_through(&w, &mut alice, &tapped, other);
     assert_eq!(stored_orders(&mut alice), [json!({"n": 1})]);
+}
+
+/// Who holds invocation message id `id` of tenant acme in `AMP_MIG_SEEN`, if anyone.
+fn invocation_holder(w: &World, id: &str) -> Option<String> {
+    use amp_broker::broker::mig::seen;
+    let mut js = broker_js(w);
+    let kv = js.kv_bind(seen::BUCKET).ok()?;
+    let entry = js.kv_get(&kv, &seen::invocation_key("acme", id)).ok()?;
+    Some(String::from_utf8_lossy(&entry.value).into_owned())
+}
+
+/// A broker whose main connection was down when the bucket was made again never heard
+/// JetStream's advisory: the message id of the invocation it runs stayed free in the new
+/// bucket, and another caller's invoke through another broker took it. Each broker now
+/// asks at every reconnect whether the bucket is the one it knew.
+#[test]
+fn a_message_id_in_use_stays_taken_when_its_broker_was_away_as_the_bucket_was_made_again() {
+    use amp_broker::broker::binding::mig_seen_stream_config;
+    let callout = CalloutServer::start();
+    let relay = common::relay::Relay::start(&callout.nats.addr());
+    let mut w = World {
+        brokers: Vec::new(),
+        callout,
+        ann: KeyPair::generate(KeyKind::User).expect("key"),
+        dir: tempfile::tempdir().expect("dir"),
+        tls: None,
+        config: Value::Null,
+    };
+    w.config = config(&w.ann);
+    // A, through the relay, alone: Alice's stream runs there.
+    w.add_broker(&format!("nats://{}", relay.addr()));
+    w.await_mig();
+    let shared = |deadline_ms: u64| {
+        json!({"header": header(json!({"message_id": "shared", "deadline_ms": deadline_ms})),
+               "payload": {}, "stream_preference": "server_stream"})
+    };
+    let mut alice = Mig::connect(&w, "alice");
+    let tag = alice.invoke_later(INFER, shared(120_000));
+    let started = alice.wait(&tag)["reply"].clone();
+    assert_eq!(started["payload"]["status"], "started", "{started}");
+    let url = w.nats_url();
+    w.add_broker(&url);
+    w.await_mig();
+    let mut bob = Mig::connect(&w, "bob");
+
+    // A's main connection goes down (its ingress connections stay up, and leave MIG
+    // requests to B meanwhile); the bucket is made again, B hears of it and A does not.
+    let main = |said: &str| said.starts_with("CONNECT") && !said.contains(" ingress ");
+    assert!(relay.cut_where(main) >= 1, "A's main connection");
+    let connected = |w: &World| common::amp::metric(&w.brokers[0], "amp_nats_connected");
+    assert!(
+        common::wait_until(WAIT, || connected(&w) == Some(0.0)),
+        "A's main connection seen down"
+    );
+    let mut js = broker_js(&w);
+    assert!(js.delete_stream("KV_AMP_MIG_SEEN").expect("delete"));
+    js.create_stream(&mig_seen_stream_config(Default::default()))
+        .expect("made again");
+    relay.restore();
+    assert!(
+        common::wait_until(WAIT, || connected(&w) == Some(1.0)),
+        "A's main connection back; log:\n{}",
+        w.brokers[0].log()
+    );
+
+    // A claims Alice's id again once it finds the bucket new; then Bob's invokes with her
+    // stream id are refused through either broker.
+    let reclaimed = common::wait_until(WAIT, || {
+        invocation_holder(&w, "shared").as_deref() == Some("alice")
+    });
+    let mut invoke = || bob.request(&format!("invoke.{INFER}"), shared(300));
+    let answers = answers_past_unavailable(12, &mut invoke);
+    let taken: Vec<&Value> = answers
+        .iter()
+        .filter(|r| error_code(r) != "MIG_INVALID_REQUEST")
+        .collect();
+    assert!(
+        taken.is_empty(),
+        "{} of 12 taken (A's claim again seen: {reclaimed}): {taken:?}",
+        taken.len()
+    );
+    assert!(reclaimed, "Alice's id held for her in the new bucket");
 }
 
 fn now_rfc3339() -> String {

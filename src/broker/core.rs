@@ -2073,9 +2073,16 @@ impl Broker {
     ) {
         let stream = key.1.clone();
         let ns = key.0.clone();
+        let seen_bucket = stream == ["KV_", super::mig::seen::BUCKET].concat();
+        // Which bucket this is, when the answer says (another broker's, found in use,
+        // is asked for).
+        let mut created = None;
         match reply.map(|m| (check_error(&m.payload), m)) {
             Ok((Ok(()), m)) => {
                 log::info!("stream {stream} made again");
+                if seen_bucket {
+                    created = super::mig::created(&m.payload).ok();
+                }
                 if stream == binding::topics_stream(&ns) {
                     let last = serde_json::from_slice::<serde_json::Value>(&m.payload)
                         .ok()
@@ -2094,9 +2101,10 @@ impl Broker {
         }
         self.remakes.done(&key);
         // Other brokers hear of it by JetStream's advisory; this one may not (a broker
-        // user without subscribe rights on `$JS.EVENT.>`), so it claims again here too.
-        if stream == ["KV_", super::mig::seen::BUCKET].concat() {
-            self.mig_seen_made_again(conn, now);
+        // user without subscribe rights on `$JS.EVENT.>`), so it claims again here too,
+        // once: the advisory's check then finds the bucket known.
+        if seen_bucket {
+            self.mig_seen_made(conn, created.as_deref(), now);
         }
         // The registry watch's consumer went with its bucket and says nothing of it (a
         // push consumer): it would start over only after three missed heartbeats.

@@ -66,10 +66,19 @@ impl Broker {
         self.drive_budgets(conn, now);
     }
 
-    /// `AMP_MIG_SEEN` was made again by this broker.
-    pub(super) fn mig_seen_made_again(&mut self, conn: &mut Connection, now: Instant) {
+    /// `AMP_MIG_SEEN` was made again by this broker, `created` then (unknown: asked),
+    /// or found made by another.
+    pub(super) fn mig_seen_made(
+        &mut self,
+        conn: &mut Connection,
+        created: Option<&str>,
+        now: Instant,
+    ) {
         let (front, ctx) = self.mig_parts(None);
-        front.seen_made_again(conn, ctx.config, now);
+        match created {
+            Some(created) => front.seen_is(conn, ctx.config, created, now),
+            None => front.check_seen(conn, now),
+        }
     }
 
     /// A jobs engine answer to one of the front end's pseudo sessions.

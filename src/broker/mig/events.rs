@@ -426,6 +426,7 @@ impl Mig {
             }
         }
         self.reread_records(conn, now);
+        self.seen_after_reconnect(conn, now);
     }
 
     /// A delivery of the feed's pull from before the reconnect: published as any other,

@@ -61,6 +61,7 @@ pub use invoke::INVOCATION_HEADERS;
 pub use subjects::tenant_of;
 
 pub use ops::FEATURES;
+pub use reclaim::created;
 /// How long a deadline's cancel waits for its submit's answer before it is forgotten: well
 /// past the jobs engine's 4 s request timeout and a budget read before it.
 const EXPIRED_SUBMIT_WAIT: Duration = Duration::from_secs(30);
@@ -137,6 +138,8 @@ enum Pending {
     Forwarded(Box<cancel::Forwarded>),
     /// An id this broker holds claimed again in tenant `ns`'s bucket made anew.
     Reclaim(String),
+    /// Which `AMP_MIG_SEEN` is there (`reclaim.rs`).
+    SeenCheck,
 }
 
 /// A continuation of this module, opaque to the core's table that keeps it.
@@ -171,6 +174,8 @@ pub enum Alarm {
     LiveRetry(usize),
     /// An invocation's task record read again (`rechecks`).
     Recheck(SessionId),
+    /// Which `AMP_MIG_SEEN` is there is asked again (`reclaim.rs`).
+    SeenCheck,
 }
 
 /// The labels of a MIG caller in the jobs engine: none (they never serve).
@@ -306,10 +311,7 @@ impl Mig {
         if !config.mig.enabled {
             return Ok(());
         }
-        let sid = conn
-            .subscribe(&reclaim::made_advisory(), None)
-            .map_err(|e| format!("MIG advisory of AMP_MIG_SEEN made: {e}"))?;
-        self.subs.insert(sid, Sub::SeenMade);
+        self.watch_seen(conn, now)?;
         self.start_live(conn, config, now)
     }
 
@@ -388,7 +390,7 @@ impl Mig {
                 let session = *session;
                 self.forwarded_cancel(conn, ctx, session, msg, now);
             }
-            Some(Sub::SeenMade) => self.seen_made_again(conn, ctx.config, now),
+            Some(Sub::SeenMade) => self.seen_advisory(conn, now),
             None => {}
         }
     }
@@ -421,6 +423,7 @@ impl Mig {
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
             Pending::Reclaim(_) => self.reclaimed(conn, ctx.config, now),
+            Pending::SeenCheck => self.seen_checked(conn, ctx.config, reply, now),
         }
     }
 
@@ -478,7 +481,7 @@ impl Mig {
             Alarm::Deadline(session) | Alarm::Recheck(session) => {
                 self.invocations.contains_key(session)
             }
-            Alarm::LiveCheck(..) | Alarm::LiveRetry(_) => true,
+            Alarm::LiveCheck(..) | Alarm::LiveRetry(_) | Alarm::SeenCheck => true,
         }
     }
 
@@ -496,6 +499,7 @@ impl Mig {
             }
             Alarm::LiveRetry(feed) => return self.live_retry(conn, ctx.config, feed, now),
             Alarm::Recheck(session) => return self.recheck(conn, session, now),
+            Alarm::SeenCheck => return self.seen_retry(conn, now),
             Alarm::Deadline(session) => session,
         };
         let Some(inv) = self.invocations.get(&session) else {

@@ -1,23 +1,30 @@
 //! `AMP_MIG_SEEN` made again (deleted while the brokers run, `remake.rs`) is empty, but the
 //! ids it held are still in use: a running invocation's message id names its stream and
 //! its forwarded cancels, and a signed PUBLISH's id may be replayed to any broker until its
-//! window ends. Each broker that hears of the new bucket (JetStream's advisory of its
-//! creation, or its own create answered) claims again the ids it holds, and takes no new
-//! claim until it has and the other brokers, who hear of it about when it does, have had
-//! [`SETTLE`] to do the same. Before, another caller's invoke through another broker
-//! took a running stream's id in the new bucket, and a subscriber's copy of a signed
-//! PUBLISH was stored there as the signer's event.
+//! window ends. Each broker that finds a new bucket claims again the ids it holds, and
+//! takes no new claim until it has and the other brokers, who hear of it about when it
+//! does, have had [`SETTLE`] to do the same. Before, another caller's invoke through
+//! another broker took a running stream's id in the new bucket, and a subscriber's copy of
+//! a signed PUBLISH was stored there as the signer's event.
+//!
+//! A bucket is told from the one before by its `created` time, which JetStream keeps
+//! across restarts and gives in every stream info. The broker asks for it at start, at
+//! every reconnect (an advisory sent while its connection was down never reaches it) and
+//! at JetStream's advisory of the bucket's creation; its own create's answer carries it.
+//! So a bucket is claimed again once per broker, however many ways it hears of it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
 use serde_json::json;
 
 use super::envelope::{Code, MigError};
-use super::{Awaiting, Mig, Pending, js_request, seen};
+use super::{Alarm, Awaiting, Mig, Pending, js_request, seen};
 use crate::broker::config::Config;
 use crate::broker::jobs::SessionId;
-use crate::nats::Connection;
+use crate::jetstream::{ApiPrefix, JsError};
+use crate::nats::{Connection, Message, RequestError};
 
 /// Re-claims out at once: a round holds up to `mig.max_pending` invocations and
 /// `mig.max_signed_ids` signed ids, more than the connection's 65,536 request slots that
@@ -31,7 +38,11 @@ pub const SETTLE: Duration = Duration::from_millis(crate::broker::remake::RETRY_
 /// The JetStream advisory of the bucket's creation, in the local JetStream (MIG serves
 /// only the tenants it holds).
 pub fn made_advisory() -> String {
-    format!("$JS.EVENT.ADVISORY.STREAM.CREATED.KV_{}", seen::BUCKET)
+    format!("$JS.EVENT.ADVISORY.STREAM.CREATED.{}", stream())
+}
+
+fn stream() -> String {
+    ["KV_", seen::BUCKET].concat()
 }
 
 /// An id this broker holds.
@@ -46,6 +57,17 @@ enum Held {
     },
 }
 
+/// Where the question "which bucket is there?" stands: one out at a time, and a trigger
+/// while it is out asks once more after its answer (the bucket may have changed since it
+/// was sent).
+#[derive(Default, PartialEq)]
+enum Check {
+    #[default]
+    Idle,
+    Out,
+    Again,
+}
+
 /// The ids being claimed again, and since when new claims wait.
 #[derive(Default)]
 pub struct Reclaims {
@@ -53,6 +75,15 @@ pub struct Reclaims {
     queue: VecDeque<Held>,
     out: usize,
     heard: Option<Instant>,
+    /// The `created` time of the bucket this broker's ids are in, once known.
+    known: Option<String>,
+    check: Check,
+    /// A check that failed is asked again by a timer: one at a time.
+    retry_armed: bool,
+    /// Checks that failed in a row (only the first is logged as a warning).
+    misses: u32,
+    /// MIG is on: the bucket is checked at each reconnect.
+    watching: bool,
 }
 
 impl Reclaims {
@@ -72,17 +103,145 @@ pub fn settling() -> MigError {
     MigError::new(
         Code::Unavailable,
         format!(
-            "JetStream stream KV_{} was made again; the ids in use are being claimed again",
-            seen::BUCKET
+            "JetStream stream {} was made again; the ids in use are being claimed again",
+            stream()
         ),
     )
     .detail("retry_after_ms", json!(SETTLE.as_millis() as u64))
 }
 
+/// What the broker reads of a stream info (or create) answer.
+#[derive(Deserialize)]
+struct Created {
+    created: String,
+}
+
+/// The `created` time of the bucket a STREAM.INFO or STREAM.CREATE answer describes.
+pub fn created(payload: &[u8]) -> Result<String, JsError> {
+    crate::jetstream::api::parse_response::<Created>(payload).map(|c| c.created)
+}
+
 impl Mig {
-    /// The bucket was made again: every id this broker holds is claimed again. A round
-    /// under way starts over, as the bucket may have gone again since its ids were sent.
-    pub fn seen_made_again(&mut self, conn: &mut Connection, config: &Config, now: Instant) {
+    /// Starts watching for the bucket made again: JetStream's advisory, and the bucket
+    /// there now as the one known.
+    pub(super) fn watch_seen(&mut self, conn: &mut Connection, now: Instant) -> Result<(), String> {
+        let sid = conn
+            .subscribe(&made_advisory(), None)
+            .map_err(|e| format!("MIG advisory of {} made: {e}", stream()))?;
+        self.subs.insert(sid, super::Sub::SeenMade);
+        self.reclaims.watching = true;
+        self.check_seen(conn, now);
+        Ok(())
+    }
+
+    /// The main connection is back: the bucket may have been made again while it was
+    /// down, its advisory lost.
+    pub(super) fn seen_after_reconnect(&mut self, conn: &mut Connection, now: Instant) {
+        if self.reclaims.watching {
+            self.check_seen(conn, now);
+        }
+    }
+
+    /// JetStream says the bucket was made. New claims wait from now: the ids this broker
+    /// holds may be missing from it until its answer to the check says which it is.
+    pub(super) fn seen_advisory(&mut self, conn: &mut Connection, now: Instant) {
+        self.reclaims.heard = Some(now);
+        self.check_seen(conn, now);
+    }
+
+    /// The timer of a check that failed.
+    pub(super) fn seen_retry(&mut self, conn: &mut Connection, now: Instant) {
+        self.reclaims.retry_armed = false;
+        self.check_seen(conn, now);
+    }
+
+    /// Asks which bucket is there.
+    pub fn check_seen(&mut self, conn: &mut Connection, now: Instant) {
+        match self.reclaims.check {
+            Check::Idle => {}
+            Check::Out | Check::Again => {
+                self.reclaims.check = Check::Again;
+                return;
+            }
+        }
+        match js_request(conn, ApiPrefix::default().stream_info(&stream()), now) {
+            Ok(id) => {
+                self.reclaims.check = Check::Out;
+                self.staged.push(id, Awaiting(Pending::SeenCheck), now);
+            }
+            Err(e) => self.seen_unchecked(&e, now),
+        }
+    }
+
+    /// The answer to [`Mig::check_seen`].
+    pub(super) fn seen_checked(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let again = self.reclaims.check == Check::Again;
+        self.reclaims.check = Check::Idle;
+        let why = match reply.map(|m| created(&m.payload)) {
+            Ok(Ok(created)) => {
+                self.reclaims.misses = 0;
+                self.seen_is(conn, config, &created, now);
+                None
+            }
+            // Gone: the first claim that finds it so has it made, and this broker's create
+            // or the advisory then tells which it is.
+            Ok(Err(JsError::StreamNotFound(_))) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(e.to_string()),
+        };
+        match why {
+            // The timer's check tells what the one asked for meanwhile would.
+            Some(why) => self.seen_unchecked(&why, now),
+            None if again => self.check_seen(conn, now),
+            None => {}
+        }
+    }
+
+    /// A check not sent or not answered is asked again a second later (JetStream still
+    /// starting after a reconnect): until one is, a bucket made again meanwhile goes
+    /// unnoticed.
+    fn seen_unchecked(&mut self, why: &str, now: Instant) {
+        let r = &mut self.reclaims;
+        let level = if r.misses == 0 {
+            log::Level::Warn
+        } else {
+            log::Level::Debug
+        };
+        r.misses = r.misses.saturating_add(1);
+        log::log!(
+            level,
+            "which {} is there is not known ({why}); asking again every {} ms",
+            stream(),
+            SETTLE.as_millis()
+        );
+        if !std::mem::replace(&mut r.retry_armed, true) {
+            self.later
+                .push(crate::deadline::after(now, SETTLE), Alarm::SeenCheck);
+        }
+    }
+
+    /// The bucket there was created at `created` (a check's answer, or this broker's own
+    /// create's): one other than the bucket known was made again, and gets this broker's
+    /// ids (the first known, at start, only those it already holds).
+    pub fn seen_is(&mut self, conn: &mut Connection, config: &Config, created: &str, now: Instant) {
+        let first = match self.reclaims.known.as_deref() {
+            Some(known) if known == created => return,
+            known => known.is_none(),
+        };
+        self.reclaims.known = Some(created.to_string());
+        self.claim_again(conn, config, first, now);
+    }
+
+    /// Every id this broker holds is claimed again. The `first` bucket it knows, found
+    /// while it holds none, has nothing to claim or wait for. A round under way starts
+    /// over, as the bucket may have gone again since its ids were sent.
+    fn claim_again(&mut self, conn: &mut Connection, config: &Config, first: bool, now: Instant) {
         let wall = self.wall_ms(now);
         let invocations = self
             .invocations
@@ -99,9 +258,12 @@ impl Mig {
             })
         });
         let queue: VecDeque<Held> = invocations.chain(signed).collect();
+        if first && queue.is_empty() {
+            return;
+        }
         log::warn!(
-            "KV_{} was made again: claiming again the {} ids this broker holds",
-            seen::BUCKET,
+            "{} was made again: claiming again the {} ids this broker holds",
+            stream(),
             queue.len()
         );
         self.reclaims.queue = queue;
@@ -151,10 +313,7 @@ impl Mig {
                     // The rest would not go either; new claims must not wait on them.
                     let left = self.reclaims.queue.len() + 1;
                     self.reclaims.queue.clear();
-                    log::warn!(
-                        "{left} ids in use not claimed again in KV_{}: {e}",
-                        seen::BUCKET
-                    );
+                    log::warn!("{left} ids in use not claimed again in {}: {e}", stream());
                     return;
                 }
             }

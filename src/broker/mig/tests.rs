@@ -511,7 +511,7 @@ fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
     assert!(!mig.reclaims.settling(t0));
 
     let before = conn.pending_requests();
-    mig.seen_made_again(&mut conn, &config, t0);
+    mig.seen_is(&mut conn, &config, "2026-12-07T16:38:58.1Z", t0);
     assert_eq!(
         conn.pending_requests(),
         before + 1024,
@@ -534,4 +534,146 @@ fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
     assert_eq!(sent, 1500, "each PUBLISH's id once, the invoke's not");
     assert!(mig.reclaims.settling(t0), "the others' second");
     assert!(!mig.reclaims.settling(t0 + Duration::from_secs(1)));
+}
+
+/// A broker hears of a bucket made again up to three ways (its own create's answer, the
+/// advisory, a reconnect); each asks which bucket is there, and only one it has not known
+/// has its ids claimed again. A check that goes unanswered is asked again a second later.
+#[test]
+fn the_bucket_of_taken_ids_is_claimed_again_once_per_bucket() {
+    let t0 = Instant::now();
+    let config = config();
+    let clock = Clock::new(t0, 1_800_000_000_000);
+    let ids = IdSource::from_seed([7; 32]);
+    let mut jobs = Jobs::new("b0", &config, clock, ids.derive("jobs")).expect("jobs");
+    let mut rates = RateLimiter::new(16);
+    let mut budgets = Budgets::new(BudgetConfig::default());
+    let mut in_flight = Tally::default();
+    let mut ctx = Ctx {
+        config: &config,
+        jobs: &mut jobs,
+        rates: &mut rates,
+        budgets: &mut budgets,
+        in_flight: &mut in_flight,
+        registry: None,
+    };
+    let mut options = Options::new("nats://127.0.0.1:4222");
+    options.retry_on_failed_connect = true;
+    let mut conn = Connection::new(options, t0);
+    let mut mig = Mig::new("b0", clock, ids.derive("mig")).expect("mig");
+    // At start the bucket there is known, and the ids taken later are in it.
+    mig.watch_seen(&mut conn, t0).expect("watching");
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T10:00:00Z"),
+        0
+    );
+    assert!(!mig.reclaims.settling(t0));
+    let wall = mig.wall_ms(t0);
+    for id in ["p1", "p2", "p3"] {
+        let taken = mig
+            .auth
+            .take_signed("acme", "alice", id, true, 64, t0, wall);
+        assert_eq!(taken, Ok(()));
+    }
+    // Made again by this broker: claimed again on its create's answer, not again on the
+    // advisory (nor when its check crossed the create).
+    mig.on_message(&mut conn, &mut ctx, advisory_sid(&mig), &advisory(), t0);
+    mig.seen_is(&mut conn, &config, "2026-12-07T11:00:00Z", t0);
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T11:00:00Z"),
+        3
+    );
+    mig.on_message(&mut conn, &mut ctx, advisory_sid(&mig), &advisory(), t0);
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T11:00:00Z"),
+        0
+    );
+    // Made again while the connection was down: found at the reconnect.
+    mig.after_reconnect(&mut conn, t0);
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T12:00:00Z"),
+        3
+    );
+    // A trigger while a check is out asks again once it is answered.
+    mig.after_reconnect(&mut conn, t0);
+    mig.after_reconnect(&mut conn, t0);
+    mig.after_reconnect(&mut conn, t0);
+    let out = mig.staged.take();
+    assert_eq!(out.len(), 1, "one check out at a time");
+    for (_, awaiting) in out {
+        let reply = stream_info("2026-12-07T12:00:00Z");
+        mig.on_reply(&mut conn, &mut ctx, awaiting, reply, t0);
+    }
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T13:00:00Z"),
+        3
+    );
+    assert_eq!(mig.staged.take().len(), 0);
+    // Unanswered: asked again a second later, by one timer however many fail meanwhile.
+    for _ in 0..2 {
+        mig.after_reconnect(&mut conn, t0);
+        for (_, awaiting) in mig.staged.take() {
+            let timed_out = Err(crate::nats::RequestError::Timeout);
+            mig.on_reply(&mut conn, &mut ctx, awaiting, timed_out, t0);
+        }
+    }
+    let mut timers = Timers::default();
+    timers.file(&mut mig.later, Wake::Mig);
+    assert_eq!(timers.armed(), 1);
+    let Some((at, Wake::Mig(alarm))) = timers.pop_due(t0 + Duration::from_secs(1)) else {
+        panic!("no check asked again");
+    };
+    assert_eq!(at, t0 + Duration::from_secs(1));
+    mig.on_alarm(&mut conn, &mut ctx, alarm, at);
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T13:00:00Z"),
+        0
+    );
+}
+
+/// Hands each check out the answer that the bucket there was `created` then: how many
+/// re-claims went out meanwhile.
+fn answer(mig: &mut Mig, conn: &mut Connection, ctx: &mut Ctx<'_>, created: &str) -> usize {
+    let now = Instant::now();
+    let mut reclaims = 0;
+    for (_, awaiting) in mig.staged.take() {
+        match awaiting {
+            Awaiting(Pending::SeenCheck) => {
+                mig.on_reply(conn, ctx, awaiting, stream_info(created), now)
+            }
+            Awaiting(Pending::Reclaim(_)) => reclaims += 1,
+            _ => panic!("something else was asked"),
+        }
+    }
+    reclaims + mig.staged.take().len()
+}
+
+fn stream_info(created: &str) -> Result<Message, crate::nats::RequestError> {
+    Ok(Message {
+        subject: "_INBOX.x".into(),
+        reply: None,
+        headers: None,
+        payload: json!({"created": created, "config": {}})
+            .to_string()
+            .into_bytes(),
+    })
+}
+
+/// The subscription of JetStream's advisory of the bucket's creation.
+fn advisory_sid(mig: &Mig) -> crate::nats::Sid {
+    mig.subs
+        .iter()
+        .find(|(_, s)| matches!(s, super::Sub::SeenMade))
+        .map(|(sid, _)| *sid)
+        .expect("subscribed")
+}
+
+fn advisory() -> Message {
+    Message {
+        subject: super::reclaim::made_advisory(),
+        reply: None,
+        headers: None,
+        payload: br#"{"type":"io.nats.jetstream.advisory.v1.stream_action","action":"create"}"#
+            .to_vec(),
+    }
 }
