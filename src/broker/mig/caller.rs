@@ -297,13 +297,13 @@ impl Authenticator {
 
     /// The ids of signed PUBLISHes taken within two windows: caller (`ns/name`), id, and
     /// the wall time it was taken at.
-    pub fn exposed_ids(&self, wall_ms: i64) -> impl Iterator<Item = (&str, &str, i64)> {
+    pub fn exposed_ids(&self, wall_ms: i64) -> impl Iterator<Item = (&Arc<str>, &Arc<str>, i64)> {
         let cutoff = wall_ms - ReplayCache::keep_ms();
         self.seen.callers.iter().flat_map(move |(caller, ids)| {
             ids.order
                 .iter()
                 .filter(move |(at, _, exposed)| *exposed && *at >= cutoff)
-                .map(move |(at, id, _)| (&**caller, id.as_str(), *at))
+                .map(move |(at, id, _)| (caller, id, *at))
         })
     }
 }
@@ -336,9 +336,10 @@ struct ReplayCache {
 
 #[derive(Default)]
 struct Ids {
-    /// When each id was taken, and whether it is a PUBLISH's (`exposed`).
-    order: VecDeque<(i64, String, bool)>,
-    set: HashSet<String>,
+    /// When each id was taken, and whether it is a PUBLISH's (`exposed`). One copy of
+    /// each id, shared with `set` (and with a round claiming it again, `reclaim.rs`).
+    order: VecDeque<(i64, Arc<str>, bool)>,
+    set: HashSet<Arc<str>>,
 }
 
 impl ReplayCache {
@@ -386,7 +387,7 @@ impl ReplayCache {
                 }
             });
         }
-        let owned = id.to_string();
+        let owned: Arc<str> = Arc::from(id);
         self.change(caller, |ids| {
             ids.set.insert(owned.clone());
             ids.order.push_back((wall_ms, owned, exposed));
@@ -999,12 +1000,17 @@ mod tests {
         take("ann", "p1", true, NOW_MS);
         take("ann", "i1", false, NOW_MS);
         take("bob", "p2", true, NOW_MS + 1000);
-        let mut listed: Vec<_> = a.exposed_ids(NOW_MS + 1000).collect();
-        listed.sort();
+        let listed = |wall_ms: i64| {
+            let mut ids: Vec<(&str, &str, i64)> = (a.exposed_ids(wall_ms))
+                .map(|(caller, id, at)| (&**caller, &**id, at))
+                .collect();
+            ids.sort();
+            ids
+        };
         let bobs = ("acme/bob", "p2", NOW_MS + 1000);
-        assert_eq!(listed, [("acme/ann", "p1", NOW_MS), bobs]);
+        assert_eq!(listed(NOW_MS + 1000), [("acme/ann", "p1", NOW_MS), bobs]);
         let later = NOW_MS + ReplayCache::keep_ms() + 1;
-        assert_eq!(a.exposed_ids(later).collect::<Vec<_>>(), [bobs]);
+        assert_eq!(listed(later), [bobs]);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! So a bucket is claimed again once per broker, however many ways it hears of it.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -30,9 +31,16 @@ use crate::nats::{Connection, Message, RequestError};
 /// `mig.max_signed_ids` signed ids, more than the connection's 65,536 request slots that
 /// everything shares, so the rest wait for answers.
 const OUT_AT_ONCE: usize = 1024;
+/// Re-claims sent by the step that starts a round; each answer then sends up to
+/// [`PER_ANSWER`], so the ids out double each round trip up to [`OUT_AT_ONCE`] while no
+/// step hashes and sends more than a few. The step that started a round of 65,536 signed
+/// ids used to hash every key and send 1,024 creates (32 to 37 ms in a release build),
+/// holding up every session meanwhile; it now only lists them (3 to 5 ms).
+const FIRST_STEP: usize = 64;
+const PER_ANSWER: usize = 2;
 /// New claims wait this long after the bucket is heard made again, for the other
 /// brokers' re-claims: each hears of it within a round trip and sends its first
-/// [`OUT_AT_ONCE`] at once. The retry a refusal asks for.
+/// [`FIRST_STEP`] at once. The retry a refusal asks for.
 pub const SETTLE: Duration = Duration::from_millis(crate::broker::remake::RETRY_AFTER_MS);
 
 /// The JetStream advisory of the bucket's creation, in the local JetStream (MIG serves
@@ -49,10 +57,12 @@ fn stream() -> String {
 enum Held {
     /// A running invocation's message id, looked up when sent (one ended holds none).
     Invocation(SessionId),
-    /// A signed PUBLISH's [`seen::key`] in tenant `ns`, held until `until`.
+    /// Signed PUBLISH id `id` of `caller` (`ns/name`), held until `until`; its
+    /// [`seen::key`] is hashed when it is sent. Both shared with the replay cache: the
+    /// step that starts a round copies no id.
     Signed {
-        ns: String,
-        key: String,
+        caller: Arc<str>,
+        id: Arc<str>,
         until: Instant,
     },
 }
@@ -248,14 +258,13 @@ impl Mig {
             .iter()
             .filter(|(_, inv)| inv.claimed)
             .map(|(session, _)| Held::Invocation(*session));
-        let signed = self.auth.exposed_ids(wall).filter_map(|(caller, id, at)| {
-            let (ns, name) = caller.split_once('/')?;
+        let signed = self.auth.exposed_ids(wall).map(|(caller, id, at)| {
             let age = Duration::from_millis(u64::try_from(wall - at).unwrap_or(0));
-            Some(Held::Signed {
-                ns: ns.to_string(),
-                key: seen::key(ns, name, id),
+            Held::Signed {
+                caller: caller.clone(),
+                id: id.clone(),
                 until: crate::deadline::after(now, seen::KEEP.saturating_sub(age)),
-            })
+            }
         });
         let queue: VecDeque<Held> = invocations.chain(signed).collect();
         if first && queue.is_empty() {
@@ -268,7 +277,7 @@ impl Mig {
         );
         self.reclaims.queue = queue;
         self.reclaims.heard = Some(now);
-        self.reclaim_more(conn, config, now);
+        self.reclaim_more(conn, config, FIRST_STEP, now);
     }
 
     /// A re-claim was answered: created, or found taken (by a broker that claimed it
@@ -276,11 +285,19 @@ impl Mig {
     /// found nobody has the bucket made again (`Awaiting::seen_tenant`).
     pub(super) fn reclaimed(&mut self, conn: &mut Connection, config: &Config, now: Instant) {
         self.reclaims.out = self.reclaims.out.saturating_sub(1);
-        self.reclaim_more(conn, config, now);
+        self.reclaim_more(conn, config, PER_ANSWER, now);
     }
 
-    fn reclaim_more(&mut self, conn: &mut Connection, config: &Config, now: Instant) {
-        while self.reclaims.out < OUT_AT_ONCE {
+    /// Sends up to `budget` more re-claims, within [`OUT_AT_ONCE`].
+    fn reclaim_more(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        budget: usize,
+        now: Instant,
+    ) {
+        let mut sent = 0;
+        while sent < budget && self.reclaims.out < OUT_AT_ONCE {
             let Some(held) = self.reclaims.queue.pop_front() else {
                 return;
             };
@@ -295,17 +312,22 @@ impl Mig {
                     let request = seen::claim_invocation(api, &inv.ns, id, &inv.caller, left);
                     (inv.ns.clone(), request)
                 }
-                Held::Signed { ns, key, until } => {
+                Held::Signed { caller, id, until } => {
                     let left = until.saturating_duration_since(now);
-                    if left.is_zero() {
+                    let Some((ns, name)) = caller.split_once('/').filter(|_| !left.is_zero())
+                    else {
                         continue;
-                    }
-                    let request = seen::claim_key(config.js_api(&ns), &key, left);
-                    (ns, request)
+                    };
+                    let key = seen::key(ns, name, &id);
+                    (
+                        ns.to_string(),
+                        seen::claim_key(config.js_api(ns), &key, left),
+                    )
                 }
             };
             match js_request(conn, request, now) {
                 Ok(id) => {
+                    sent += 1;
                     self.reclaims.out += 1;
                     self.staged.push(id, Awaiting(Pending::Reclaim(ns)), now);
                 }
