@@ -295,15 +295,14 @@ impl Authenticator {
         }
     }
 
-    /// The ids of signed PUBLISHes taken within two windows: caller (`ns/name`), id, and
-    /// the wall time it was taken at.
+    /// The ids of signed PUBLISHes still kept: caller (`ns/name`), id, and the wall time
+    /// it leaves at.
     pub fn exposed_ids(&self, wall_ms: i64) -> impl Iterator<Item = (&Arc<str>, &Arc<str>, i64)> {
-        let cutoff = wall_ms - ReplayCache::keep_ms();
         self.seen.callers.iter().flat_map(move |(caller, ids)| {
             ids.order
                 .iter()
-                .filter(move |(at, _, exposed)| *exposed && *at >= cutoff)
-                .map(move |(at, id, _)| (caller, id, *at))
+                .filter(move |(until, _, exposed)| *exposed && *until >= wall_ms)
+                .map(move |(until, id, _)| (caller, id, *until))
         })
     }
 }
@@ -316,7 +315,8 @@ enum Taken {
     Crowded(Duration),
 }
 
-/// Signed message ids taken within two windows, per caller, at most `capacity` in all.
+/// Signed message ids taken within two windows (a PUBLISH's, as long as `AMP_MIG_SEEN`
+/// keeps it: [`ReplayCache::keep_ms`]), per caller, at most `capacity` in all.
 /// One cache serves every tenant of the broker, so a full one must not refuse callers
 /// who hold little of it: when full, a caller's id takes the place of the oldest id of
 /// whoever holds the most, unless that is the caller itself, which is then refused. Each
@@ -329,22 +329,35 @@ struct ReplayCache {
     callers: HashMap<Arc<str>, Ids>,
     /// Callers by how many ids they hold.
     by_count: BTreeSet<(usize, Arc<str>)>,
-    /// Callers by when their oldest id was taken.
+    /// Callers by when their oldest id leaves.
     by_oldest: BTreeSet<(i64, Arc<str>)>,
     total: usize,
 }
 
 #[derive(Default)]
 struct Ids {
-    /// When each id was taken, and whether it is a PUBLISH's (`exposed`). One copy of
-    /// each id, shared with `set` (and with a round claiming it again, `reclaim.rs`).
+    /// In the order taken: when each id leaves, and whether it is a PUBLISH's
+    /// (`exposed`). One that leaves later than those behind it (a PUBLISH's) keeps them
+    /// until it leaves, at most a minute: their signatures are outside the window by then.
+    /// One copy of each id, shared with `set` (and with a round claiming it again,
+    /// `reclaim.rs`).
     order: VecDeque<(i64, Arc<str>, bool)>,
     set: HashSet<Arc<str>>,
 }
 
 impl ReplayCache {
-    fn keep_ms() -> i64 {
-        2 * REPLAY_WINDOW.as_millis() as i64
+    /// Two windows cover this broker's clock. A PUBLISH's id (`exposed`) may be
+    /// replayed to another broker whose clock lags by the minute the bucket allows for,
+    /// and a bucket made again gets back only the ids listed here (`reclaim.rs`), so it
+    /// stays as long as the bucket keeps it; before, one from 240 s to 300 s old came
+    /// back to none.
+    fn keep_ms(exposed: bool) -> i64 {
+        let keep = if exposed {
+            super::seen::KEEP
+        } else {
+            2 * REPLAY_WINDOW
+        };
+        keep.as_millis() as i64
     }
 
     fn holds(&mut self, caller: &str, id: &str, wall_ms: i64) -> bool {
@@ -373,12 +386,12 @@ impl ReplayCache {
                 break;
             };
             if most <= held {
-                let oldest = self
+                let leaves = self
                     .callers
                     .get(caller)
                     .and_then(|ids| ids.order.front())
-                    .map_or(wall_ms, |(at, ..)| *at);
-                let ms = (oldest + Self::keep_ms() - wall_ms).max(1);
+                    .map_or(wall_ms, |(until, ..)| *until);
+                let ms = (leaves - wall_ms).max(1);
                 return Taken::Crowded(Duration::from_millis(ms as u64));
             }
             self.change(&top, |ids| {
@@ -390,19 +403,23 @@ impl ReplayCache {
         let owned: Arc<str> = Arc::from(id);
         self.change(caller, |ids| {
             ids.set.insert(owned.clone());
-            ids.order.push_back((wall_ms, owned, exposed));
+            ids.order
+                .push_back((wall_ms + Self::keep_ms(exposed), owned, exposed));
         });
         Taken::Fresh
     }
 
-    /// Ids older than two windows leave.
+    /// Ids past their time leave.
     fn expire(&mut self, wall_ms: i64) {
-        let cutoff = wall_ms - Self::keep_ms();
-        while let Some((at, caller)) = self.by_oldest.first().cloned()
-            && at < cutoff
+        while let Some((until, caller)) = self.by_oldest.first().cloned()
+            && until < wall_ms
         {
             self.change(&caller, |ids| {
-                while ids.order.front().is_some_and(|(at, ..)| *at < cutoff) {
+                while ids
+                    .order
+                    .front()
+                    .is_some_and(|(until, ..)| *until < wall_ms)
+                {
                     if let Some((_, old, _)) = ids.order.pop_front() {
                         ids.set.remove(&old);
                     }
@@ -417,15 +434,15 @@ impl ReplayCache {
             Some(found) => found,
             None => (Arc::from(caller), Ids::default()),
         };
-        if let Some((at, ..)) = ids.order.front() {
-            self.by_oldest.remove(&(*at, key.clone()));
+        if let Some((until, ..)) = ids.order.front() {
+            self.by_oldest.remove(&(*until, key.clone()));
             self.by_count.remove(&(ids.order.len(), key.clone()));
         }
         let before = ids.order.len();
         f(&mut ids);
         self.total = self.total + ids.order.len() - before;
-        if let Some((at, ..)) = ids.order.front() {
-            self.by_oldest.insert((*at, key.clone()));
+        if let Some((until, ..)) = ids.order.front() {
+            self.by_oldest.insert((*until, key.clone()));
             self.by_count.insert((ids.order.len(), key.clone()));
             self.callers.insert(key, ids);
         }
@@ -988,7 +1005,7 @@ mod tests {
     }
 
     /// What a bucket of taken ids made again gets back: a PUBLISH's ids (others received
-    /// them), not those of requests only the broker saw, and none past two windows.
+    /// them), not those of requests only the broker saw, each until it leaves.
     #[test]
     fn only_a_publishs_ids_still_kept_are_listed_as_exposed() {
         let mut a = Authenticator::new();
@@ -1002,15 +1019,55 @@ mod tests {
         take("bob", "p2", true, NOW_MS + 1000);
         let listed = |wall_ms: i64| {
             let mut ids: Vec<(&str, &str, i64)> = (a.exposed_ids(wall_ms))
-                .map(|(caller, id, at)| (&**caller, &**id, at))
+                .map(|(caller, id, until)| (&**caller, &**id, until))
                 .collect();
             ids.sort();
             ids
         };
-        let bobs = ("acme/bob", "p2", NOW_MS + 1000);
-        assert_eq!(listed(NOW_MS + 1000), [("acme/ann", "p1", NOW_MS), bobs]);
-        let later = NOW_MS + ReplayCache::keep_ms() + 1;
-        assert_eq!(listed(later), [bobs]);
+        let keep = ReplayCache::keep_ms(true);
+        let bobs = ("acme/bob", "p2", NOW_MS + 1000 + keep);
+        let anns = ("acme/ann", "p1", NOW_MS + keep);
+        assert_eq!(listed(NOW_MS + 1000), [anns, bobs]);
+        assert_eq!(listed(NOW_MS + keep + 1), [bobs]);
+    }
+
+    /// Another broker takes a signature until 120 s past its timestamp by its own clock,
+    /// which may lag this one's by the minute `AMP_MIG_SEEN` allows for (`seen::KEEP`):
+    /// a PUBLISH's id taken here at 0 with a timestamp 120 s ahead can be replayed there
+    /// until 300 s. A bucket made again gets back only the ids the cache lists, so it
+    /// lists a PUBLISH's id as long as the bucket would have kept it.
+    #[test]
+    fn a_publishs_id_is_listed_as_long_as_the_bucket_of_taken_ids_keeps_it() {
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let taken = a.take_signed("acme", "ann", "p1", true, 8, now, NOW_MS);
+        assert_eq!(taken, Ok(()));
+        let listed = |a: &Authenticator, wall_ms: i64| -> Vec<String> {
+            (a.exposed_ids(wall_ms))
+                .map(|(caller, id, _)| format!("{caller} {id}"))
+                .collect()
+        };
+        let keep = super::super::seen::KEEP.as_millis() as i64;
+        assert_eq!(listed(&a, NOW_MS + 250_000), ["acme/ann p1"]);
+        assert_eq!(listed(&a, NOW_MS + keep), ["acme/ann p1"]);
+        assert!(listed(&a, NOW_MS + keep + 1).is_empty());
+        // An id taken behind it that leaves sooner waits for it; then both leave, and the
+        // indexes with them.
+        let taken = a.take_signed("acme", "ann", "i1", false, 8, now, NOW_MS + 1);
+        assert_eq!(taken, Ok(()));
+        a.seen.expire(NOW_MS + 250_000);
+        assert_eq!(a.seen.total, 2);
+        a.seen.expire(NOW_MS + keep + 1);
+        let c = &a.seen;
+        assert_eq!(
+            (
+                c.total,
+                c.callers.len(),
+                c.by_count.len(),
+                c.by_oldest.len()
+            ),
+            (0, 0, 0, 0)
+        );
     }
 
     #[test]

@@ -258,12 +258,12 @@ impl Mig {
             .iter()
             .filter(|(_, inv)| inv.claimed)
             .map(|(session, _)| Held::Invocation(*session));
-        let signed = self.auth.exposed_ids(wall).map(|(caller, id, at)| {
-            let age = Duration::from_millis(u64::try_from(wall - at).unwrap_or(0));
+        let signed = self.auth.exposed_ids(wall).map(|(caller, id, until)| {
+            let left = Duration::from_millis(u64::try_from(until - wall).unwrap_or(0));
             Held::Signed {
                 caller: caller.clone(),
                 id: id.clone(),
-                until: crate::deadline::after(now, seen::KEEP.saturating_sub(age)),
+                until: crate::deadline::after(now, left),
             }
         });
         let queue: VecDeque<Held> = invocations.chain(signed).collect();
