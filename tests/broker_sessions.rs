@@ -389,7 +389,7 @@ fn a_confirmed_ack_of_a_moved_delivery_that_timed_out_can_be_sent_again() {
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     assert_eq!(first["code"], "unavailable", "{first}");
-    let again = late.request(json!({"op":"ack","seq":seq}));
+    let again = late.request_once_heard(json!({"op":"ack","seq":seq}));
     assert_eq!(again["op"], "ok", "{again}");
 }
 

@@ -131,23 +131,30 @@ impl<T, P: Clone + Eq + Hash> ApiQueue<T, P> {
         self.sessions.insert(session, waiting);
     }
 
-    /// The next request that may go out now, counted as out until [`done`].
+    #[cfg(test)]
+    pub fn admit(&mut self) -> Option<T> {
+        self.admit_from().map(|(item, _)| item)
+    }
+
+    /// The next request that may go out now, counted as out until [`done`], and whether
+    /// it is from [`Lane::Cleanup`].
     ///
     /// [`done`]: ApiQueue::done
-    pub fn admit(&mut self) -> Option<T> {
+    pub fn admit_from(&mut self) -> Option<(T, bool)> {
         if self.in_flight >= self.limit {
             return None;
         }
-        let first = if self.cleanup_turn {
+        let cleanup = self.cleanup_turn;
+        let first = if cleanup {
             self.cleanup.pop_front()
         } else {
             self.next_turn()
         };
         self.cleanup_turn = !self.cleanup_turn;
         let item = match first {
-            Some(item) => item,
-            None if self.cleanup_turn => self.cleanup.pop_front()?,
-            None => self.next_turn()?,
+            Some(item) => (item, cleanup),
+            None if self.cleanup_turn => (self.cleanup.pop_front()?, true),
+            None => (self.next_turn()?, false),
         };
         self.waiting -= 1;
         self.in_flight += 1;

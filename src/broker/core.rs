@@ -1798,7 +1798,7 @@ impl Broker {
         if std::mem::replace(&mut self.api_sending, true) {
             return;
         }
-        while let Some((req, pending, queued)) = self.api.admit() {
+        while let Some(((req, pending, queued), cleanup)) = self.api.admit_from() {
             // Nothing waits for a connection that is not there: a request would only sit
             // in the reconnect buffer until its timeout, holding its place meanwhile, and
             // what waits behind it would be answered in waves of 16 timeouts. And the
@@ -1819,8 +1819,14 @@ impl Broker {
             };
             // A session's request on a silent link would only wait out its timeout: it
             // hears `unavailable` now (as a send and an ack with an `id` do). Those
-            // written wait on: they may have landed.
-            let sent = conn.check_heard(now).and_then(|()| {
+            // written wait on: they may have landed. Work of sessions that ended (a
+            // consumer's delete) has nobody to answer and no retry: it waits its turn.
+            let heard = if cleanup {
+                Ok(())
+            } else {
+                conn.check_heard(now)
+            };
+            let sent = heard.and_then(|()| {
                 conn.request(&req.subject, req.headers.as_ref(), &req.payload, left, now)
             });
             match sent {

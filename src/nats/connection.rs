@@ -254,8 +254,11 @@ impl Silence {
         }
         self.wrote_at.get_or_insert(now);
         if self.unsent > 0 {
+            // The PING is not out yet, and the link takes what is ahead of it: nothing
+            // is unanswered. Silent only `probe` after the link last moved.
             self.unsent = self.unsent.saturating_sub(n);
             self.moved_at = now;
+            self.silent_at = None;
         }
     }
 
@@ -269,8 +272,10 @@ impl Silence {
                 .wrote_at
                 .map(|wrote| after(self.heard_at, probe).max(wrote)),
             // Measured from the last read too: bytes ahead of its PONG show the server
-            // is there, and a link that dies after them is silent `probe` later.
-            (Some(at), None) => Some(after(at.max(self.heard_at), probe)),
+            // is there, and a link that dies after them is silent `probe` later. And
+            // from the last write of what is ahead of the PING and the PING itself: a
+            // PING not sent yet is not unanswered.
+            (Some(at), None) => Some(after(at.max(self.heard_at).max(self.moved_at), probe)),
             (Some(_), Some(silent)) => limit.map(|l| after(silent.max(self.moved_at), l)),
         }
     }

@@ -1545,27 +1545,33 @@ fn a_ping_behind_a_backlog_the_link_takes_is_not_unanswered_yet() {
     h.conn.consume_output_at(1000, h.now);
     h.advance(probe);
     h.advance(probe);
-    assert!(h.conn.is_silent(), "silent all the same: nothing read");
-    // 1000 bytes a second, 30 s: far past the limit, still taken.
+    assert!(
+        h.conn.is_silent(),
+        "the link took nothing since the PING was queued"
+    );
+    // 1000 bytes a second, 30 s: far past the limit, still taken, and not silent.
     for _ in 0..30 {
         h.advance(Duration::from_secs(1));
         h.conn.consume_output_at(1000, h.now);
+        assert!(!h.conn.is_silent());
     }
     assert!(h.conn.is_connected());
-    // The link takes no more (a dead one, its socket buffer full): given up the limit
-    // after its last write.
+    // The link takes no more (a dead one, its socket buffer full): silent `probe` after
+    // its last write, given up the limit after that.
     let last = h.now;
+    h.advance(probe);
+    assert!(h.conn.is_silent());
     h.advance(limit - Duration::from_millis(1));
     assert!(h.conn.is_connected());
     h.advance(Duration::from_millis(1));
     assert!(
         !h.conn.is_connected(),
         "{:?} after its last write",
-        h.now - last
+        h.now - last - probe
     );
     assert!(h.conn.poll_close());
 
-    // Its PING written, the limit counts from then.
+    // Its PING written, unanswered `probe` from then, and given up the limit after that.
     h.connect();
     h.events();
     h.conn
@@ -1576,6 +1582,10 @@ fn a_ping_behind_a_backlog_the_link_takes_is_not_unanswered_yet() {
     h.advance(probe + Duration::from_secs(3));
     let rest = h.conn.output().len();
     h.conn.consume_output_at(rest, h.now);
+    h.advance(probe - Duration::from_millis(1));
+    assert!(!h.conn.is_silent());
+    h.advance(Duration::from_millis(1));
+    assert!(h.conn.is_silent());
     h.advance(limit - Duration::from_millis(1));
     assert!(h.conn.is_connected());
     h.advance(Duration::from_millis(1));
@@ -1595,4 +1605,37 @@ fn without_a_silence_probe_only_the_keepalive_pings() {
     assert!(!h.conn.is_silent());
     h.advance(Duration::from_secs(1));
     assert_eq!(ops(&h.take_output()), ["PING"]);
+}
+
+#[test]
+fn a_link_still_taking_the_backlog_ahead_of_its_ping_is_not_silent() {
+    // The limit waited for a PING behind a backlog the link is still taking, but
+    // `is_silent`/`check_heard` did not: 3 s after the publish, with the PING not even
+    // written and the link taking 1,000 bytes a second, a session's send, ack or
+    // subscribe was refused `unavailable` and /readyz answered 503.
+    let probe = Duration::from_millis(1500);
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(probe);
+    o.silence_limit = Some(Duration::from_secs(10));
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    h.conn
+        .publish("p", None, None, &vec![b'x'; 100_000])
+        .expect("publish");
+    h.conn.consume_output_at(1000, h.now);
+    for _ in 0..6 {
+        h.advance(Duration::from_millis(500));
+        h.conn.consume_output_at(500, h.now);
+    }
+    assert!(
+        !h.conn.output().is_empty(),
+        "the PING still waits to be written"
+    );
+    assert!(
+        h.conn.check_heard(h.now).is_ok(),
+        "refused while the link takes what is ahead of the PING: {:?}",
+        h.conn.check_heard(h.now)
+    );
 }

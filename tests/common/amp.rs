@@ -475,6 +475,26 @@ impl Client {
         self.answer_to(&id)
     }
 
+    /// [`request`](Self::request), sent again while it is answered `unavailable` for a
+    /// main NATS connection that has read nothing since its PING (a nats-server just
+    /// resumed after SIGSTOP has not been heard yet): what a client is told to retry.
+    pub fn request_once_heard(&mut self, frame: Value) -> Value {
+        let silent = |a: &Value| {
+            a["code"] == "unavailable"
+                && a["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("connection silent"))
+        };
+        let mut answer = self.request(frame.clone());
+        super::wait_until(Duration::from_secs(15), || {
+            if silent(&answer) {
+                answer = self.request(frame.clone());
+            }
+            !silent(&answer)
+        });
+        answer
+    }
+
     /// The answer to the request with `id` sent earlier; other frames arriving meanwhile
     /// are kept for `next_frame`.
     pub fn answer_to(&mut self, id: &str) -> Value {
