@@ -422,7 +422,7 @@ impl Mig {
             Pending::Publish(p) => self.published(conn, *p, reply, now),
             Pending::Replay(page) => self.replay_read(conn, *page, reply, now),
             Pending::Forwarded(f) => self.forward_answered(conn, ctx, *f, reply, now),
-            Pending::Reclaim(_) => self.reclaimed(conn, ctx.config, now),
+            Pending::Reclaim(_) => self.reclaimed(conn, ctx.config, reply.as_ref().map(drop), now),
             Pending::SeenCheck => self.seen_checked(conn, ctx.config, reply, now),
         }
     }

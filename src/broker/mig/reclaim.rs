@@ -283,9 +283,29 @@ impl Mig {
     /// A re-claim was answered: created, or found taken (by a broker that claimed it
     /// again first, or by anyone in the gap), either way nothing more to do. One that
     /// found nobody has the bucket made again (`Awaiting::seen_tenant`).
-    pub(super) fn reclaimed(&mut self, conn: &mut Connection, config: &Config, now: Instant) {
+    /// One not answered (timed out, or the connection lost) leaves the round incomplete.
+    pub(super) fn reclaimed(
+        &mut self,
+        conn: &mut Connection,
+        config: &Config,
+        answered: Result<(), &RequestError>,
+        now: Instant,
+    ) {
         self.reclaims.out = self.reclaims.out.saturating_sub(1);
+        if let Err(e) = answered {
+            return self.round_cut(&format!("a re-claim not answered: {e}"), now);
+        }
         self.reclaim_more(conn, config, PER_ANSWER, now);
+    }
+
+    /// A round that did not claim every id again: the bucket is no longer taken for
+    /// known, so the next check (the reconnect's, or this one's timer a second on)
+    /// starts the round again. Before, the check found the bucket known and the ids left
+    /// stayed free in it for another caller to take.
+    fn round_cut(&mut self, why: &str, now: Instant) {
+        self.reclaims.queue.clear();
+        self.reclaims.known = None;
+        self.seen_unchecked(why, now);
     }
 
     /// Sends up to `budget` more re-claims, within [`OUT_AT_ONCE`].
@@ -334,9 +354,8 @@ impl Mig {
                 Err(e) => {
                     // The rest would not go either; new claims must not wait on them.
                     let left = self.reclaims.queue.len() + 1;
-                    self.reclaims.queue.clear();
                     log::warn!("{left} ids in use not claimed again in {}: {e}", stream());
-                    return;
+                    return self.round_cut(&e, now);
                 }
             }
         }

@@ -322,8 +322,13 @@ fn replay_pages_hold_their_place_in_flight_until_they_are_answered() {
     assert_eq!(second.len(), 4, "every page read on");
     assert_eq!(held.get(), 4, "a page's next read took no second place");
     for (_, awaiting) in second {
-        let timed_out = Err(crate::nats::RequestError::Timeout);
-        mig.on_reply(&mut conn, &mut ctx, awaiting, timed_out, t0);
+        let created = Ok(Message {
+            subject: "_INBOX.x".to_string(),
+            reply: None,
+            headers: None,
+            payload: br#"{"stream":"KV_AMP_MIG_SEEN","seq":1}"#.to_vec(),
+        });
+        mig.on_reply(&mut conn, &mut ctx, awaiting, created, t0);
     }
     assert_eq!(held.get(), 0, "every page answered gave its place back");
     mig.on_request(&mut conn, &mut ctx, &subscribe, t0);
@@ -524,8 +529,13 @@ fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
     while let Some((_, awaiting)) = out.pop() {
         assert!(mig.reclaims.settling(t0 + Duration::from_secs(5)));
         let before = conn.pending_requests();
-        let timed_out = Err(crate::nats::RequestError::Timeout);
-        mig.on_reply(&mut conn, &mut ctx, awaiting, timed_out, t0);
+        let created = Ok(Message {
+            subject: "_INBOX.x".to_string(),
+            reply: None,
+            headers: None,
+            payload: br#"{"stream":"KV_AMP_MIG_SEEN","seq":1}"#.to_vec(),
+        });
+        mig.on_reply(&mut conn, &mut ctx, awaiting, created, t0);
         answered += 1;
         let now_sent = conn.pending_requests() - before;
         most_per_step = most_per_step.max(now_sent);
@@ -680,4 +690,40 @@ fn advisory() -> Message {
         payload: br#"{"type":"io.nats.jetstream.advisory.v1.stream_action","action":"create"}"#
             .to_vec(),
     }
+}
+
+/// A round of re-claims cut by a connection loss (each failed `Disconnected`) is started
+/// again by the reconnect's check. Before, `known` was set to the new bucket when the
+/// round started, so the check found it known and the ids stayed free in it.
+#[test]
+fn a_round_cut_by_a_reconnect_is_claimed_again_at_the_reconnect() {
+    let t0 = Instant::now();
+    let config = config();
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
+    mig.watch_seen(&mut conn, t0).expect("watching");
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T10:00:00Z"),
+        0
+    );
+    let wall = mig.wall_ms(t0);
+    for id in ["p1", "p2", "p3"] {
+        let taken = mig
+            .auth
+            .take_signed("acme", "alice", id, true, 64, t0, wall);
+        assert_eq!(taken, Ok(()));
+    }
+    mig.seen_is(&mut conn, &config, "2026-12-07T11:00:00Z", t0);
+    let out = mig.staged.take();
+    assert_eq!(out.len(), 3);
+    for (_, awaiting) in out {
+        let lost = Err(crate::nats::RequestError::Disconnected);
+        mig.on_reply(&mut conn, &mut ctx, awaiting, lost, t0);
+    }
+    mig.after_reconnect(&mut conn, t0);
+    assert_eq!(
+        answer(&mut mig, &mut conn, &mut ctx, "2026-12-07T11:00:00Z"),
+        3,
+        "the ids whose re-claims went down with the connection"
+    );
 }
