@@ -76,69 +76,69 @@ impl<'a> AckMetadata<'a> {
     /// or `$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>[.<token>...]` (v2).
     pub fn parse(reply: &'a str) -> Result<AckMetadata<'a>, JsError> {
         let bad = |why: &str| JsError::Malformed(format!("ack subject {reply:?}: {why}"));
-        let mut tokens = [""; 12];
-        let mut count = 0;
-        // Split at each `.` (memchr: an ASCII byte, so every piece is a `str` slice).
-        let mut start = 0;
-        let ends = memchr::memchr_iter(b'.', reply.as_bytes()).chain(std::iter::once(reply.len()));
-        for end in ends {
-            if count < tokens.len() {
-                tokens[count] = reply.get(start..end).unwrap_or_default();
+        // The tokens are read where they lie: only the names become `str`s.
+        let (dots, dot_count) = crate::scan::dots::<V2_MIN_TOKENS>(reply.as_bytes());
+        let count = dot_count + 1;
+        // Token `i`: from after the dot before it to the dot after it (empty when there
+        // is no such token).
+        let span = |i: usize| {
+            if i >= count {
+                return reply.len()..reply.len();
             }
-            count += 1;
-            start = end + 1;
-        }
-        if tokens[0] != "$JS" || tokens[1] != "ACK" {
+            let start = i
+                .checked_sub(1)
+                .map_or(0, |d| dots.get(d).map_or(reply.len(), |&d| d + 1));
+            let end = if i < dot_count {
+                dots.get(i).copied().unwrap_or(reply.len())
+            } else {
+                reply.len()
+            };
+            start..end
+        };
+        // A dot is ASCII: every span starts and ends on a character boundary.
+        let text = |i: usize| reply.get(span(i)).unwrap_or_default();
+        let bytes = |i: usize| reply.as_bytes().get(span(i)).unwrap_or_default();
+        if bytes(0) != b"$JS" || bytes(1) != b"ACK" {
             return Err(bad("does not start with $JS.ACK"));
         }
-        let (domain, account_hash, rest) = if count == V1_TOKENS {
-            (None, None, &tokens[2..9])
+        let (domain, account_hash, first) = if count == V1_TOKENS {
+            (None, None, 2)
         } else if count >= V2_MIN_TOKENS {
-            let domain = Some(tokens[2]).filter(|d| *d != "_" && !d.is_empty());
-            (domain, Some(tokens[3]), &tokens[4..11])
+            let domain = Some(text(2)).filter(|d| *d != "_" && !d.is_empty());
+            (domain, Some(text(3)), 4)
         } else {
             return Err(bad("wrong number of tokens"));
         };
-        let [stream, consumer, delivered, sseq, cseq, ts, pending] = rest else {
-            return Err(bad("wrong number of tokens"));
-        };
+        let (stream, consumer) = (text(first), text(first + 1));
         if stream.is_empty() || consumer.is_empty() {
             return Err(bad("empty stream or consumer"));
         }
-        // Digits accumulated in one pass (five numbers in every delivery's subject).
-        let num = |t: &str| -> Result<u64, JsError> {
-            if t.is_empty() {
-                return Err(bad("non-numeric field"));
-            }
+        let num = |t: &[u8]| -> Result<u64, JsError> {
             // Nineteen digits cannot overflow a u64: only longer numbers are checked
-            // step by step (the timestamp alone has nineteen).
-            let exact = t.len() <= 19;
-            let mut n: u64 = 0;
-            for b in t.bytes() {
+            // step by step.
+            if t.len() <= 19 {
+                return crate::scan::digits(t).ok_or_else(|| bad("non-numeric field"));
+            }
+            t.iter().try_fold(0u64, |n, &b| {
                 let digit = u64::from(b.wrapping_sub(b'0'));
                 if digit > 9 {
                     return Err(bad("non-numeric field"));
                 }
-                n = if exact {
-                    n * 10 + digit
-                } else {
-                    n.checked_mul(10)
-                        .and_then(|n| n.checked_add(digit))
-                        .ok_or_else(|| bad("number out of range"))?
-                };
-            }
-            Ok(n)
+                n.checked_mul(10)
+                    .and_then(|n| n.checked_add(digit))
+                    .ok_or_else(|| bad("number out of range"))
+            })
         };
         Ok(AckMetadata {
             domain,
             account_hash,
             stream,
             consumer,
-            delivered: num(delivered)?,
-            stream_sequence: num(sseq)?,
-            consumer_sequence: num(cseq)?,
-            timestamp_nanos: num(ts)?,
-            pending: num(pending)?,
+            delivered: num(bytes(first + 2))?,
+            stream_sequence: num(bytes(first + 3))?,
+            consumer_sequence: num(bytes(first + 4))?,
+            timestamp_nanos: num(bytes(first + 5))?,
+            pending: num(bytes(first + 6))?,
         })
     }
 }
@@ -221,6 +221,121 @@ mod tests {
         assert_eq!(no_domain.stream_sequence, 2);
         let no_token = AckMetadata::parse("$JS.ACK._.ACC.S.C.1.2.3.4.5").expect("11 tokens");
         assert_eq!(no_token.pending, 5);
+    }
+
+    /// The parse as it was, a `memchr` per token and a digit at a time: the oracle of
+    /// the one-pass reading.
+    fn parse_token_by_token(reply: &str) -> Result<AckMetadata<'_>, JsError> {
+        let bad = |why: &str| JsError::Malformed(format!("ack subject {reply:?}: {why}"));
+        let mut tokens = [""; 12];
+        let mut count = 0;
+        let mut start = 0;
+        let ends = memchr::memchr_iter(b'.', reply.as_bytes()).chain(std::iter::once(reply.len()));
+        for end in ends {
+            if count < tokens.len() {
+                tokens[count] = reply.get(start..end).unwrap_or_default();
+            }
+            count += 1;
+            start = end + 1;
+        }
+        if tokens[0] != "$JS" || tokens[1] != "ACK" {
+            return Err(bad("does not start with $JS.ACK"));
+        }
+        let (domain, account_hash, rest) = if count == V1_TOKENS {
+            (None, None, &tokens[2..9])
+        } else if count >= V2_MIN_TOKENS {
+            let domain = Some(tokens[2]).filter(|d| *d != "_" && !d.is_empty());
+            (domain, Some(tokens[3]), &tokens[4..11])
+        } else {
+            return Err(bad("wrong number of tokens"));
+        };
+        let [stream, consumer, delivered, sseq, cseq, ts, pending] = rest else {
+            return Err(bad("wrong number of tokens"));
+        };
+        if stream.is_empty() || consumer.is_empty() {
+            return Err(bad("empty stream or consumer"));
+        }
+        let num = |t: &str| -> Result<u64, JsError> {
+            if t.is_empty() {
+                return Err(bad("non-numeric field"));
+            }
+            let mut n: u64 = 0;
+            for b in t.bytes() {
+                let digit = u64::from(b.wrapping_sub(b'0'));
+                if digit > 9 {
+                    return Err(bad("non-numeric field"));
+                }
+                n = n
+                    .checked_mul(10)
+                    .and_then(|n| n.checked_add(digit))
+                    .ok_or_else(|| bad("number out of range"))?;
+            }
+            Ok(n)
+        };
+        Ok(AckMetadata {
+            domain,
+            account_hash,
+            stream,
+            consumer,
+            delivered: num(delivered)?,
+            stream_sequence: num(sseq)?,
+            consumer_sequence: num(cseq)?,
+            timestamp_nanos: num(ts)?,
+            pending: num(pending)?,
+        })
+    }
+
+    #[test]
+    fn the_one_pass_reading_agrees_with_token_by_token() {
+        let numbers = [
+            "0",
+            "7",
+            "007",
+            "1733600000123456789",
+            "9999999999999999999",
+            "18446744073709551615",
+            "18446744073709551616",
+            "184467440737095516150",
+            "12345678",
+            "123456789",
+            "1234567x",
+            "12345678x",
+            "1234567890123456789x",
+            "1:",
+            "-1",
+            "",
+            "é",
+        ];
+        let names = ["S", "", "AMP_INBOX_acme", "_", "é.", "ünï"];
+        let mut subjects = vec![
+            String::new(),
+            "$JS".into(),
+            "$JS.ACK".into(),
+            "$JS.ACK.".into(),
+            "$JSACK.S.C.1.2.3.4.5".into(),
+        ];
+        for prefix in ["$JS.ACK", "$JS.NAK", "$js.ACK"] {
+            for name in names {
+                for (i, n) in numbers.iter().enumerate() {
+                    let m = numbers[(i * 5 + 3) % numbers.len()];
+                    // v1, v2 with and without a domain, a random token, more tokens.
+                    subjects.push(format!("{prefix}.{name}.C.1.{n}.3.{m}.5"));
+                    subjects.push(format!("{prefix}.{name}.C.{n}.2.3.4.{m}"));
+                    subjects.push(format!("{prefix}.{name}.acct.S.C.1.2.{n}.{m}.5"));
+                    subjects.push(format!("{prefix}._.acct.{name}.C.{n}.2.3.4.5.tok"));
+                    subjects.push(format!("{prefix}.d.acct.S.{name}.1.2.3.{n}.{m}.tok.x.y"));
+                    subjects.push(format!("{prefix}.{name}.C.1.2.3.{n}"));
+                    subjects.push(format!("{prefix}.{name}.acct.S.C.1.2.3.4.{n}.{m}.e.f.g.h"));
+                }
+            }
+        }
+        for subject in &subjects {
+            assert_eq!(
+                AckMetadata::parse(subject),
+                parse_token_by_token(subject),
+                "{subject:?}"
+            );
+        }
     }
 
     #[test]
