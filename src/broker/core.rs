@@ -47,7 +47,7 @@ use crate::deadline::after;
 use crate::jetstream::ack::{AckKind, AckMetadata};
 use crate::jetstream::api::check_error;
 use crate::jetstream::kv::{WatchAction, WatchRequestKind};
-use crate::jetstream::publish::parse_pub_ack;
+use crate::jetstream::publish::{parse_pub_ack, pub_ack_seq};
 use crate::jetstream::{ConsumerAction, ConsumerConfig, Delivery, JsError, Request};
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
@@ -1410,12 +1410,12 @@ impl Broker {
                         RequestError::NoResponders => JsError::NoResponders,
                         e => JsError::Transport(e.to_string()),
                     })
-                    .and_then(|msg| parse_pub_ack(msg.status(), &msg.payload));
+                    .and_then(|msg| pub_ack_seq(msg.status(), &msg.payload));
                 match ack {
-                    Ok(ack) => {
+                    Ok((seq, duplicate)) => {
                         let answer = FrameWriter::ok_in(Some(&re), self.frame_buffer(64))
-                            .uint("seq", ack.seq)
-                            .bool("dup", ack.duplicate);
+                            .uint("seq", seq)
+                            .bool("dup", duplicate);
                         self.ok(session, &re, answer)
                     }
                     Err(e) => {

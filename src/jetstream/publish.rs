@@ -131,14 +131,28 @@ pub struct PubAck {
 /// Decodes the reply to a stream publish. A 503 status (no stream on the subject)
 /// is [`JsError::NoResponders`].
 pub fn parse_pub_ack(status: Option<u16>, payload: &[u8]) -> Result<PubAck, JsError> {
-    match status {
-        Some(503) => return Err(JsError::NoResponders),
-        Some(408) => return Err(JsError::Timeout),
-        _ => {}
-    }
+    refused(status)?;
     match plain_pub_ack(payload) {
-        Some(ack) => Ok(ack),
+        Some(ack) => Ok(ack.owned()),
         None => read_pub_ack(payload),
+    }
+}
+
+/// [`parse_pub_ack`]'s `seq` and `duplicate` alone, the stream's and domain's names
+/// not copied: every `send` waits for one, and the sender knows where it stored.
+pub fn pub_ack_seq(status: Option<u16>, payload: &[u8]) -> Result<(u64, bool), JsError> {
+    refused(status)?;
+    match plain_pub_ack(payload) {
+        Some(ack) => Ok((ack.seq, false)),
+        None => read_pub_ack(payload).map(|ack| (ack.seq, ack.duplicate)),
+    }
+}
+
+fn refused(status: Option<u16>) -> Result<(), JsError> {
+    match status {
+        Some(503) => Err(JsError::NoResponders),
+        Some(408) => Err(JsError::Timeout),
+        _ => Ok(()),
     }
 }
 
@@ -157,11 +171,30 @@ fn read_pub_ack(payload: &[u8]) -> Result<PubAck, JsError> {
     }
 }
 
+/// A new message's PubAck as [`plain_pub_ack`] reads it, borrowing from the reply.
+#[derive(Debug)]
+struct PlainPubAck<'a> {
+    stream: &'a str,
+    seq: u64,
+    domain: Option<&'a str>,
+}
+
+impl PlainPubAck<'_> {
+    fn owned(&self) -> PubAck {
+        PubAck {
+            stream: self.stream.to_string(),
+            seq: self.seq,
+            duplicate: false,
+            domain: self.domain.map(str::to_string),
+        }
+    }
+}
+
 /// The PubAck as nats-server writes it for a new message,
 /// `{"stream":"S","seq":N}` or `{"stream":"S","domain":"D","seq":N}`, read without serde
 /// (every publish waits for one). Anything else (an error, `duplicate`, escapes, spacing)
 /// is `None`, for the general parse, which reads these the same.
-fn plain_pub_ack(payload: &[u8]) -> Option<PubAck> {
+fn plain_pub_ack(payload: &[u8]) -> Option<PlainPubAck<'_>> {
     fn string<'a>(rest: &mut &'a [u8], key: &[u8]) -> Option<&'a str> {
         let after = rest.strip_prefix(key)?;
         let (text, tail) = after.split_at_checked(crate::scan::json_plain_len(after))?;
@@ -176,18 +209,21 @@ fn plain_pub_ack(payload: &[u8]) -> Option<PubAck> {
         None
     };
     let digits = rest.strip_prefix(b",\"seq\":")?.strip_suffix(b"}")?;
-    if digits.is_empty()
-        || !digits.iter().all(u8::is_ascii_digit)
-        || (digits.len() > 1 && digits[0] == b'0')
-    {
+    if digits.is_empty() || (digits.len() > 1 && digits[0] == b'0') {
         return None;
     }
-    let seq = std::str::from_utf8(digits).ok()?.parse().ok()?;
-    Some(PubAck {
-        stream: stream.to_string(),
+    // As `u64`'s `parse` reads them, without a UTF-8 check of the digits first: past
+    // `u64::MAX` is `None`.
+    let seq = digits.iter().try_fold(0u64, |n, &b| {
+        let digit = b.wrapping_sub(b'0');
+        (digit <= 9)
+            .then(|| n.checked_mul(10)?.checked_add(u64::from(digit)))
+            .flatten()
+    })?;
+    Some(PlainPubAck {
+        stream,
         seq,
-        duplicate: false,
-        domain: domain.map(str::to_string),
+        domain,
     })
 }
 
@@ -243,14 +279,22 @@ mod tests {
             r#"{"stream":"S","domain":"hub","seq":0}"#,
             r#"{"stream":"S","seq":18446744073709551615}"#,
         ] {
-            let plain = plain_pub_ack(text.as_bytes()).expect("plain");
+            let plain = plain_pub_ack(text.as_bytes()).expect("plain").owned();
             let general = read_pub_ack(text.as_bytes()).expect("general");
-            assert_eq!(format!("{plain:?}"), format!("{general:?}"), "{text}");
+            assert_eq!(plain, general, "{text}");
+            assert_eq!(
+                pub_ack_seq(None, text.as_bytes()),
+                Ok((general.seq, general.duplicate)),
+                "{text}"
+            );
         }
         for text in [
             r#"{"stream":"S","seq":2,"duplicate": true}"#,
             r#"{"stream":"S","seq":18446744073709551616}"#,
+            r#"{"stream":"S","seq":99999999999999999999}"#,
             r#"{"stream":"S","seq":01}"#,
+            r#"{"stream":"S","seq":1a}"#,
+            r#"{"stream":"S","seq":+1}"#,
             r#"{"stream":"S","seq":-1}"#,
             r#"{"stream":"S","seq":}"#,
             r#"{"stream":"S","seq":1.0}"#,
