@@ -172,6 +172,11 @@ const MIN_OUTBOUND: usize = 1024;
 pub const MAX_HTTP_RESPONSE: usize = 1 << 20;
 /// Frames decoded per call before the connection yields to others.
 const MAX_FRAMES_PER_CALL: usize = 32;
+/// Events an emptied queue keeps room for: one call's frames. Freed past eight, a busy
+/// session's queue grew again from nothing at every read of more than eight frames (an
+/// allocation and two or three reallocations each time); an idle session's queue is
+/// still given back at the next trim ([`Connection::compact`]).
+const KEEP_EVENTS: usize = MAX_FRAMES_PER_CALL;
 /// A throttled session resumes once this many frames (or its burst) are allowed again,
 /// rather than waking for each single frame.
 const RESUME_FRAMES: f64 = 16.0;
@@ -557,7 +562,7 @@ impl Connection {
         if let Some(ConnEvent::Text(text)) = &event {
             self.decoded = self.decoded.saturating_sub(text.len());
         }
-        if self.events.is_empty() && self.events.capacity() > 8 {
+        if self.events.is_empty() && self.events.capacity() > KEEP_EVENTS {
             self.events = VecDeque::new();
         }
         event
@@ -1414,6 +1419,29 @@ mod tests {
         assert_eq!(frames[10], close_payload(1008, "slow consumer"));
         // Writing some of it frees room for nothing: the session is closing.
         assert_eq!(c.send_text("x", t0), Err(SendError::NotOpen));
+    }
+
+    #[test]
+    fn the_event_queue_keeps_one_calls_room_and_gives_it_back_when_compacted() {
+        let (mut c, t0) = open(WsConfig::default());
+        let burst: Vec<u8> = (0..MAX_FRAMES_PER_CALL).flat_map(|_| text("m")).collect();
+        c.handle_input(&burst, t0, &HOST);
+        assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
+        // Kept for the next burst rather than grown again from nothing.
+        let room = c.events.capacity();
+        assert!((MAX_FRAMES_PER_CALL..=KEEP_EVENTS).contains(&room), "{room}");
+        c.handle_input(&burst, t0, &HOST);
+        assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
+        assert_eq!(c.events.capacity(), room);
+        // More than one call's worth taken at once: not kept.
+        c.handle_input(&burst, t0, &HOST);
+        c.handle_input(&burst, t0, &HOST);
+        assert_eq!(events(&mut c).len(), 2 * MAX_FRAMES_PER_CALL);
+        assert_eq!(c.events.capacity(), 0);
+        c.handle_input(&burst, t0, &HOST);
+        assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
+        c.compact();
+        assert_eq!(c.events.capacity(), 0, "an idle session holds no room");
     }
 
     #[test]
