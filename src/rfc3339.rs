@@ -50,6 +50,38 @@ pub fn push_millis(out: &mut String, ms: i64) {
     out.push_str(std::str::from_utf8(&text).unwrap_or_default());
 }
 
+/// [`push_millis`] for stamps that come in order, as every `send`'s `ts` does: the text
+/// up to the milliseconds is kept from the last second written, so a stamp is a copy and
+/// three digits rather than a calendar computation.
+#[derive(Debug, Default)]
+pub struct MillisWriter {
+    /// The second `prefix` spells, up to and with its `.`.
+    second: Option<i64>,
+    prefix: String,
+}
+
+impl MillisWriter {
+    /// Appends what [`push_millis`] would.
+    pub fn push(&mut self, out: &mut String, ms: i64) {
+        let milli = ms.rem_euclid(1000);
+        let Some(start) = ms.checked_sub(milli) else {
+            return push_millis(out, ms);
+        };
+        if self.second != Some(start) {
+            self.prefix.clear();
+            push_millis(&mut self.prefix, start);
+            // Every form ends `.000Z`.
+            self.prefix.truncate(self.prefix.len().saturating_sub(4));
+            self.second = Some(start);
+        }
+        out.push_str(&self.prefix);
+        for digit in [milli / 100, milli / 10 % 10, milli % 10] {
+            out.push(char::from(b'0' + digit as u8));
+        }
+        out.push('Z');
+    }
+}
+
 pub fn format_system_time(t: SystemTime) -> String {
     format_millis(unix_millis(t))
 }
@@ -177,6 +209,38 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_writer_writes_what_push_millis_writes() {
+        let mut writer = MillisWriter::default();
+        let mut times: Vec<i64> = vec![
+            0,
+            999,
+            1000,
+            -1,
+            -999,
+            -1000,
+            -1001,
+            1_795_939_860_123,
+            951_782_400_000,
+            253_402_300_799_999,
+            253_402_300_800_000,
+            -62_167_219_200_000,
+            -62_167_219_200_001,
+            i64::MAX,
+            i64::MIN,
+            i64::MIN + 1000,
+        ];
+        // Runs in order across seconds, minutes and a day, and back again.
+        times.extend((0..3000).map(|i| 1_795_939_199_000 + i * 7));
+        times.extend((0..100).map(|i| 1_795_939_199_500 - i * 13));
+        for ms in times {
+            let (mut want, mut got) = (String::from("x"), String::from("x"));
+            push_millis(&mut want, ms);
+            writer.push(&mut got, ms);
+            assert_eq!(got, want, "{ms}");
+        }
+    }
 
     #[test]
     fn formats_utc_with_milliseconds() {

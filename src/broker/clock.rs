@@ -74,11 +74,6 @@ impl Clock {
         rfc3339::format_millis(self.ms(now))
     }
 
-    /// [`timestamp`](Self::timestamp) appended to `out`.
-    pub fn push_timestamp(&self, out: &mut String, now: Instant) {
-        rfc3339::push_millis(out, self.ms(now));
-    }
-
     /// The monotonic instant of Unix time `ms`, seen from `now` (`now` itself when `ms`
     /// is already past).
     pub fn instant(&self, now: Instant, ms: i64) -> Instant {

@@ -660,6 +660,8 @@ pub struct Broker {
     in_flight: in_flight::Tally,
     /// Wall time at each `now` (timestamps, JWT times, budget windows).
     clock: Clock,
+    /// Writes every `send`'s `ts`, keeping the text of the last second.
+    stamps: crate::rfc3339::MillisWriter,
     /// Ids of messages and events sent without an idempotency key.
     ids: IdSource,
     /// Hello challenges.
@@ -742,6 +744,7 @@ impl Broker {
             mig,
             in_flight: Default::default(),
             clock,
+            stamps: Default::default(),
             ids: root.derive("core"),
             nonces: root.derive("nonces"),
             store_scratch: Default::default(),

@@ -72,7 +72,7 @@ impl Broker {
             }
         }
         env.ts.clear();
-        self.clock.push_timestamp(&mut env.ts, now);
+        self.stamps.push(&mut env.ts, self.clock.ms(now));
         env.headers = send.headers;
         env.body = body;
         subject.clear();
