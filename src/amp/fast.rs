@@ -45,7 +45,12 @@ pub fn decode(text: &str) -> Option<ClientFrame> {
     // Only a guess at which struct to try (the first `"op":"` could sit in a nested
     // object): the typed parse checks the real member.
     const OP: &str = r#""op":""#;
-    let start = memchr::memmem::find(text.as_bytes(), OP.as_bytes())? + OP.len();
+    // Most clients write `op` first; a search builds its searcher at every call.
+    let start = if text.strip_prefix('{').is_some_and(|t| t.starts_with(OP)) {
+        1 + OP.len()
+    } else {
+        memchr::memmem::find(text.as_bytes(), OP.as_bytes())? + OP.len()
+    };
     let rest = text.get(start..)?;
     let op = rest.get(..memchr::memchr(b'"', rest.as_bytes())?)?;
     match op {
