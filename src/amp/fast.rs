@@ -166,14 +166,15 @@ enum Plain<'a> {
 }
 
 /// The members of a frame written the plain way, in one pass: an object of members
-/// whose names are among `names` and whose values are strings without escapes, numbers
-/// of digits only, or (for the member named `raw`) any value [`value_end`] is sure of.
+/// whose names `slot` places and whose values are strings without escapes, numbers of
+/// digits only, or (for the member in slot `raw`) any value [`value_end`] is sure of.
 /// `None` for anything else (an escape, a duplicate or other member, another value):
-/// serde then decides.
+/// serde then decides. `slot` is a `match` on the name: it compiles to a comparison of
+/// lengths and a word or two, where a search of a list of names called `memcmp` for each.
 fn plain_members<'a, const N: usize>(
     text: &'a str,
-    names: [&str; N],
-    raw: &str,
+    slot: impl Fn(&[u8]) -> Option<usize>,
+    raw: Option<usize>,
 ) -> Option<[Option<Plain<'a>>; N]> {
     let s = text.as_bytes();
     let mut found = [None; N];
@@ -189,9 +190,8 @@ fn plain_members<'a, const N: usize>(
             return None;
         }
         i = skip_ws(s, i + 1);
-        let name = text.get(name.0..name.1)?;
-        let slot = names.iter().position(|n| *n == name)?;
-        let (value, after) = if name == raw {
+        let slot = slot(s.get(name.0..name.1)?)?;
+        let (value, after) = if raw == Some(slot) {
             let end = value_end(s, i)?;
             (Plain::Raw(text.get(i..end)?), end)
         } else {
@@ -275,7 +275,15 @@ fn optional_str(member: Option<Plain<'_>>) -> Option<Option<&str>> {
 /// strict check after it). `None` leaves the frame to [`send`], which takes every frame
 /// this takes, and more.
 fn plain_send(text: &str) -> Option<ClientFrame> {
-    let [op, id, to, body, idem] = plain_members(text, ["op", "id", "to", "body", "idem"], "body")?;
+    let slot = |name: &[u8]| match name {
+        b"op" => Some(0),
+        b"id" => Some(1),
+        b"to" => Some(2),
+        b"body" => Some(3),
+        b"idem" => Some(4),
+        _ => None,
+    };
+    let [op, id, to, body, idem] = plain_members(text, slot, Some(3))?;
     let (id, to, body, idem) = (id?.str()?, to?.str()?, body?.raw()?, optional_str(idem)?);
     let valid = op?.str()? == "send" && is_id(id) && is_name(to) && idem.is_none_or(is_idem);
     if !valid {
@@ -293,7 +301,14 @@ fn plain_send(text: &str) -> Option<ClientFrame> {
 
 /// `ack` without escapes, without serde.
 fn plain_ack(text: &str) -> Option<ClientFrame> {
-    let [op, id, seq, sub] = plain_members(text, ["op", "id", "seq", "sub"], "")?;
+    let slot = |name: &[u8]| match name {
+        b"op" => Some(0),
+        b"id" => Some(1),
+        b"seq" => Some(2),
+        b"sub" => Some(3),
+        _ => None,
+    };
+    let [op, id, seq, sub] = plain_members(text, slot, None)?;
     let (id, seq, sub) = (optional_str(id)?, seq?.u64()?, optional_str(sub)?);
     let valid =
         op?.str()? == "ack" && id.is_none_or(is_id) && is_seq(seq) && sub.is_none_or(is_name);
