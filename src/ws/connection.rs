@@ -1429,7 +1429,10 @@ mod tests {
         assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
         // Kept for the next burst rather than grown again from nothing.
         let room = c.events.capacity();
-        assert!((MAX_FRAMES_PER_CALL..=KEEP_EVENTS).contains(&room), "{room}");
+        assert!(
+            (MAX_FRAMES_PER_CALL..=KEEP_EVENTS).contains(&room),
+            "{room}"
+        );
         c.handle_input(&burst, t0, &HOST);
         assert_eq!(events(&mut c).len(), MAX_FRAMES_PER_CALL);
         assert_eq!(c.events.capacity(), room);
