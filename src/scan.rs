@@ -15,50 +15,102 @@ const HIGH: u64 = ONES * 0x80;
 /// one of `stops`.
 #[inline]
 pub fn run_len<const N: usize>(s: &[u8], below: u8, stops: [u8; N]) -> usize {
-    let below_in = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
-    let mut done = 0;
     #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
-    for chunk in s.chunks_exact(16) {
-        let hit = sse2_hits(chunk, below, stops);
-        if hit != 0 {
-            return done + hit.trailing_zeros() as usize;
+    {
+        let mut done = 0;
+        let mut chunks = s.chunks_exact(16);
+        for chunk in &mut chunks {
+            let hit = sse2_hits(chunk_words(chunk), below, stops);
+            if hit != 0 {
+                return done + hit.trailing_zeros() as usize;
+            }
+            done += 16;
         }
-        done += 16;
+        // The tail as one more chunk, its padding masked off: most strings the broker
+        // writes are shorter than sixteen bytes.
+        let rest = chunks.remainder();
+        let hit = sse2_hits(tail_words(rest), below, stops) & !(u32::MAX << rest.len());
+        done + if hit != 0 {
+            hit.trailing_zeros() as usize
+        } else {
+            rest.len()
+        }
     }
-    let rest = s.get(done..).unwrap_or_default();
-    for chunk in rest.chunks_exact(8) {
-        let mut bytes = [0u8; 8];
-        bytes.copy_from_slice(chunk);
-        let w = u64::from_le_bytes(bytes);
-        let mut hit = below_in(w, below);
-        for stop in stops {
-            hit |= below_in(w ^ (ONES * u64::from(stop)), 1);
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    {
+        let below_in = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
+        let mut done = 0;
+        for chunk in s.chunks_exact(8) {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            let w = u64::from_le_bytes(bytes);
+            let mut hit = below_in(w, below);
+            for stop in stops {
+                hit |= below_in(w ^ (ONES * u64::from(stop)), 1);
+            }
+            if hit != 0 {
+                return done + (hit.trailing_zeros() / 8) as usize;
+            }
+            done += 8;
         }
-        if hit != 0 {
-            return done + (hit.trailing_zeros() / 8) as usize;
-        }
-        done += 8;
+        let tail = s.get(done..).unwrap_or_default();
+        // Every stop compared without a branch (`contains` calls a byte search per byte).
+        done + tail
+            .iter()
+            .position(|&b| b < below || stops.iter().fold(false, |hit, &s| hit | (s == b)))
+            .unwrap_or(tail.len())
     }
-    let tail = s.get(done..).unwrap_or_default();
-    // Every stop compared without a branch (`contains` calls a byte search per byte).
-    done + tail
-        .iter()
-        .position(|&b| b < below || stops.iter().fold(false, |hit, &s| hit | (s == b)))
-        .unwrap_or(tail.len())
 }
 
-/// One bit per byte of a 16-byte `chunk` (lowest first) that is below `below` or one
-/// of `stops`.
+/// A 16-byte chunk as its two little-endian words.
+#[inline(always)]
+fn chunk_words(chunk: &[u8]) -> (u64, u64) {
+    let word =
+        |h: Option<&[u8]>| u64::from_le_bytes(h.and_then(|h| h.try_into().ok()).unwrap_or([0; 8]));
+    (word(chunk.get(..8)), word(chunk.get(8..16)))
+}
+
+/// The bytes of `rest` (fewer than sixteen) as the two little-endian words of a 16-byte
+/// chunk, zero past its end, read with a few fixed-size loads (overlapping where the
+/// length is not a whole word): copying a tail into a padded buffer called `memcpy`.
+#[inline(always)]
+fn tail_words(rest: &[u8]) -> (u64, u64) {
+    let n = rest.len();
+    let w8 = |at: usize| {
+        rest.get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    let w4 = |at: usize| {
+        rest.get(at..at + 4)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, |b| u64::from(u32::from_le_bytes(b)))
+    };
+    match n {
+        // The last word ends at the tail's end: its first `16 - n` bytes are the first
+        // word's again.
+        8.. => (
+            w8(0),
+            w8(n - 8).checked_shr(8 * (16 - n) as u32).unwrap_or(0),
+        ),
+        4.. => (w4(0) | (w4(n - 4) << (8 * (n - 4))), 0),
+        _ => (
+            rest.iter().rev().fold(0, |w, &b| (w << 8) | u64::from(b)),
+            0,
+        ),
+    }
+}
+
+/// One bit per byte of a 16-byte chunk (its two words; lowest byte first) that is below
+/// `below` or one of `stops`.
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 #[inline(always)]
-fn sse2_hits<const N: usize>(chunk: &[u8], below: u8, stops: [u8; N]) -> u32 {
+fn sse2_hits<const N: usize>((lo, hi): (u64, u64), below: u8, stops: [u8; N]) -> u32 {
     use std::arch::x86_64::*;
-    let word =
-        |h: Option<&[u8]>| i64::from_le_bytes(h.and_then(|h| h.try_into().ok()).unwrap_or([0; 8]));
     // SAFETY: these intrinsics only need SSE2, which this build enables (cfg above);
     // none of them touches memory.
     unsafe {
-        let v = _mm_set_epi64x(word(chunk.get(8..16)), word(chunk.get(..8)));
+        let v = _mm_set_epi64x(hi as i64, lo as i64);
         let mut hit = match below.checked_sub(1) {
             // Unsigned v < below: min(v, below - 1) == v.
             Some(top) => _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(top as i8)), v),
@@ -87,22 +139,25 @@ pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
     #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
     {
         let (mut double, mut high, mut last_dot) = (false, 0u32, false);
-        let mut chunks = s.chunks_exact(16);
-        let mut tail = [b'a'; 16];
-        let rest = chunks.remainder();
-        if let Some(t) = tail.get_mut(..rest.len()) {
-            t.copy_from_slice(rest);
-        }
-        // The tail is padded with a byte that is none of those looked for.
-        let last = (!rest.is_empty()).then_some(&tail[..]);
-        for chunk in (&mut chunks).chain(last) {
-            let (bad, dots, non_ascii) = sse2_subject_masks(chunk);
-            if bad != 0 {
-                return None;
-            }
+        let mut chunk = |(bad, dots, non_ascii): (u32, u32, u32)| {
             double |= dots & (dots >> 1) != 0 || (last_dot && dots & 1 != 0);
             last_dot = dots & 0x8000 != 0;
             high |= non_ascii;
+            bad == 0
+        };
+        let mut chunks = s.chunks_exact(16);
+        for words in (&mut chunks).map(chunk_words) {
+            if !chunk(sse2_subject_masks(words)) {
+                return None;
+            }
+        }
+        // The tail as one more chunk; its zero padding is not a bad byte.
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let (bad, dots, non_ascii) = sse2_subject_masks(tail_words(rest));
+            if !chunk((bad & !(u32::MAX << rest.len()), dots, non_ascii)) {
+                return None;
+            }
         }
         Some((double, high == 0))
     }
@@ -112,18 +167,16 @@ pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
     }
 }
 
-/// Of a 16-byte chunk, one bit per byte: at or below space, DEL, `*` or `>`; `.`; not
-/// ASCII.
+/// Of a 16-byte chunk (its two words), one bit per byte: at or below space, DEL, `*` or
+/// `>`; `.`; not ASCII.
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 #[inline(always)]
-fn sse2_subject_masks(chunk: &[u8]) -> (u32, u32, u32) {
+fn sse2_subject_masks((lo, hi): (u64, u64)) -> (u32, u32, u32) {
     use std::arch::x86_64::*;
-    let word =
-        |h: Option<&[u8]>| i64::from_le_bytes(h.and_then(|h| h.try_into().ok()).unwrap_or([0; 8]));
     // SAFETY: these intrinsics only need SSE2, which this build enables (cfg above);
     // none of them touches memory.
     unsafe {
-        let v = _mm_set_epi64x(word(chunk.get(8..16)), word(chunk.get(..8)));
+        let v = _mm_set_epi64x(hi as i64, lo as i64);
         let is = |b: u8| _mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8));
         let low = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(0x20)), v);
         let bad = _mm_or_si128(
@@ -144,23 +197,23 @@ fn sse2_subject_masks(chunk: &[u8]) -> (u32, u32, u32) {
 #[inline]
 pub fn dots<const N: usize>(s: &[u8]) -> ([usize; N], usize) {
     let (mut at, mut count) = ([0; N], 0);
-    let mut chunks = s.chunks_exact(16);
-    // The tail, padded with bytes that are not dots.
-    let mut tail = [0u8; 16];
-    let rest = chunks.remainder();
-    if let Some(t) = tail.get_mut(..rest.len()) {
-        t.copy_from_slice(rest);
-    }
-    let last = (!rest.is_empty()).then_some(&tail[..]);
-    for (i, chunk) in (&mut chunks).chain(last).enumerate() {
-        let mut mask = dot_mask(chunk);
+    let mut take = |base: usize, mut mask: u32| {
         while mask != 0 {
             if let Some(p) = at.get_mut(count) {
-                *p = i * 16 + mask.trailing_zeros() as usize;
+                *p = base + mask.trailing_zeros() as usize;
             }
             count += 1;
             mask &= mask - 1;
         }
+    };
+    let mut chunks = s.chunks_exact(16);
+    for (i, chunk) in (&mut chunks).enumerate() {
+        take(i * 16, dot_mask(chunk_words(chunk)));
+    }
+    // The tail as one more chunk, padded with zeros, which are not dots.
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        take(s.len() - rest.len(), dot_mask(tail_words(rest)));
     }
     (at, count)
 }
@@ -197,29 +250,24 @@ pub fn digits(s: &[u8]) -> Option<u64> {
     })
 }
 
-/// One bit per `.` of a 16-byte `chunk`, lowest first.
+/// One bit per `.` of a 16-byte chunk (its two words), lowest first.
 #[inline(always)]
-fn dot_mask(chunk: &[u8]) -> u32 {
+fn dot_mask((lo, hi): (u64, u64)) -> u32 {
     #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
     {
         use std::arch::x86_64::*;
-        let word = |h: Option<&[u8]>| {
-            i64::from_le_bytes(h.and_then(|h| h.try_into().ok()).unwrap_or([0; 8]))
-        };
         // SAFETY: these intrinsics only need SSE2, which this build enables (cfg above);
         // none of them touches memory.
         unsafe {
-            let v = _mm_set_epi64x(word(chunk.get(8..16)), word(chunk.get(..8)));
+            let v = _mm_set_epi64x(hi as i64, lo as i64);
             _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b'.' as i8))) as u32
         }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
     {
-        chunk
-            .iter()
-            .take(16)
+        (lo.to_le_bytes().into_iter().chain(hi.to_le_bytes()))
             .enumerate()
-            .fold(0, |m, (i, &b)| m | (u32::from(b == b'.') << i))
+            .fold(0, |m, (i, b)| m | (u32::from(b == b'.') << i))
     }
 }
 
@@ -264,6 +312,20 @@ mod tests {
         s.iter()
             .position(|&b| b < below || stops.contains(&b))
             .unwrap_or(s.len())
+    }
+
+    #[test]
+    fn a_tail_reads_as_its_bytes_padded_with_zeros() {
+        let bytes: Vec<u8> = (0..16u8).map(|i| 0xf1 - i * 15).collect();
+        for n in 0..16 {
+            let mut padded = [0u8; 16];
+            padded[..n].copy_from_slice(&bytes[..n]);
+            let want = (
+                u64::from_le_bytes(padded[..8].try_into().unwrap()),
+                u64::from_le_bytes(padded[8..].try_into().unwrap()),
+            );
+            assert_eq!(tail_words(&bytes[..n]), want, "{n}");
+        }
     }
 
     #[test]
@@ -358,13 +420,23 @@ mod tests {
 
     #[test]
     fn the_run_ends_at_the_first_stop_wherever_it_is_and_whatever_precedes_it() {
-        // Every byte value at every position of a 43-byte run (two 16-byte chunks, a
-        // word and a tail), among fillers that could borrow into it or be taken for it.
-        const LEN: usize = 43;
+        // Every byte value at every position of runs of two 16-byte chunks and a tail,
+        // and of tails alone of every length, among fillers that could borrow into it
+        // or be taken for it.
+        for len in [43, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17] {
+            run_ends_at_the_first_stop(len);
+        }
+        assert_eq!(run_len(b"", 0x20, [b'"']), 0);
+        assert_eq!(run_len(b"\x80\xff\x7f\x80", 0x80, []), 2);
+        let text = "日本語のテキスト".as_bytes();
+        assert_eq!(run_len(text, 0x20, [b'"', b'\\', 0x7f]), text.len());
+    }
+
+    fn run_ends_at_the_first_stop(len: usize) {
         for special in 0..=255u8 {
-            for at in 0..LEN {
+            for at in 0..len {
                 for filler in [b'a', 0x21, 0x7e, 0x80, 0xff, b' ', 0] {
-                    let mut s = vec![filler; LEN];
+                    let mut s = vec![filler; len];
                     s[at] = special;
                     for (below, stops) in [
                         (0x20, [b'"', b'\\', 0x7f]),
@@ -378,16 +450,12 @@ mod tests {
                             "{special:#x} at {at} among {filler:#x}"
                         );
                     }
-                    if at + 1 < LEN {
+                    if at + 1 < len {
                         s[at + 1] = 0;
                         assert_eq!(run_len(&s, 0x20, [b'"']), slow(&s, 0x20, [b'"']));
                     }
                 }
             }
         }
-        assert_eq!(run_len(b"", 0x20, [b'"']), 0);
-        assert_eq!(run_len(b"\x80\xff\x7f\x80", 0x80, []), 2);
-        let text = "日本語のテキスト".as_bytes();
-        assert_eq!(run_len(text, 0x20, [b'"', b'\\', 0x7f]), text.len());
     }
 }
