@@ -49,20 +49,22 @@ pub fn allows(p: &Permissions, action: Action, target: &str) -> bool {
 /// Whether every subject matched by `inner` is also matched by `outer`. With a literal
 /// `inner` this is ordinary wildcard matching.
 pub fn covers(outer: &str, inner: &str) -> bool {
-    let mut o = outer.split('.');
-    let mut i = inner.split('.');
+    // Split a byte at a time: patterns and names are short, and `str::split` set up a
+    // `memchr` search for every token (every `send` checks its target).
+    let mut o = outer.as_bytes().split(|&b| b == b'.');
+    let mut i = inner.as_bytes().split(|&b| b == b'.');
     loop {
         match (o.next(), i.next()) {
             (None, None) => return true,
             // `>` stands for one or more tokens; whatever remains of `inner` is at least one.
-            (Some(">"), Some(_)) => return true,
-            (Some("*"), Some(t)) => {
-                if t == ">" {
+            (Some(b">"), Some(_)) => return true,
+            (Some(b"*"), Some(t)) => {
+                if t == b">" {
                     return false;
                 }
             }
             (Some(a), Some(b)) => {
-                if a != b || b == "*" || b == ">" {
+                if a != b || b == b"*" || b == b">" {
                     return false;
                 }
             }
@@ -107,6 +109,51 @@ mod tests {
         assert!(!covers("orders.*.created", "orders.>"));
         assert!(!covers("orders.*.created", "orders.*.*"));
         assert!(!covers("orders.eu.>", "orders.*.x"));
+    }
+
+    #[test]
+    fn covering_reads_tokens_as_str_split_does() {
+        // The walk as it was, over `str::split`: the oracle of the byte-wise one.
+        fn by_str_split(outer: &str, inner: &str) -> bool {
+            let mut o = outer.split('.');
+            let mut i = inner.split('.');
+            loop {
+                match (o.next(), i.next()) {
+                    (None, None) => return true,
+                    (Some(">"), Some(_)) => return true,
+                    (Some("*"), Some(t)) => {
+                        if t == ">" {
+                            return false;
+                        }
+                    }
+                    (Some(a), Some(b)) => {
+                        if a != b || b == "*" || b == ">" {
+                            return false;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        let tokens = ["", "a", "b", "*", ">", "é", "a*", ">>"];
+        let mut subjects: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+        for a in tokens {
+            for b in tokens {
+                subjects.push(format!("{a}.{b}"));
+                for c in ["a", "*", ">"] {
+                    subjects.push(format!("{a}.{b}.{c}"));
+                }
+            }
+        }
+        for outer in &subjects {
+            for inner in &subjects {
+                assert_eq!(
+                    covers(outer, inner),
+                    by_str_split(outer, inner),
+                    "{outer:?} {inner:?}"
+                );
+            }
+        }
     }
 
     #[test]
