@@ -15,20 +15,20 @@ pub struct FrameWriter {
 
 impl FrameWriter {
     /// Starts a frame with the given `op`.
-    pub fn new(op: &str) -> Self {
+    pub fn new(op: &'static str) -> Self {
         FrameWriter::with_capacity(op, 64)
     }
 
     /// Starts a frame expected to take about `bytes`, so it is allocated once.
-    pub fn with_capacity(op: &str, bytes: usize) -> Self {
+    pub fn with_capacity(op: &'static str, bytes: usize) -> Self {
         FrameWriter::in_buffer(op, String::with_capacity(bytes))
     }
 
     /// Starts a frame in `out`, emptied first: a buffer kept from an earlier frame.
-    pub fn in_buffer(op: &str, mut out: String) -> Self {
+    pub fn in_buffer(op: &'static str, mut out: String) -> Self {
         out.clear();
         out.push_str("{\"op\":");
-        push_json_str(&mut out, op);
+        push_literal(&mut out, op);
         FrameWriter { out }
     }
 
@@ -50,6 +50,14 @@ impl FrameWriter {
     pub fn str(mut self, key: &'static str, value: &str) -> Self {
         self.key(key);
         push_json_str(&mut self.out, value);
+        self
+    }
+
+    /// A string member whose value is one of the broker's own literals (an op, a kind):
+    /// written as it is, like member names.
+    pub fn literal(mut self, key: &'static str, value: &'static str) -> Self {
+        self.key(key);
+        push_literal(&mut self.out, value);
         self
     }
 
@@ -115,6 +123,16 @@ impl FrameWriter {
         self.out.push_str(key);
         self.out.push_str("\":");
     }
+}
+
+/// A literal of the broker's as a JSON string: none needs an escape (debug builds
+/// assert it), so it is not scanned for one, as every frame's `op` was.
+fn push_literal(out: &mut String, s: &'static str) {
+    debug_assert_eq!(json_plain_len(s.as_bytes()), s.len(), "{s}");
+    out.reserve(s.len() + 2);
+    out.push('"');
+    out.push_str(s);
+    out.push('"');
 }
 
 /// `{"op":"ok","re":..}` with no result members.

@@ -650,7 +650,7 @@ impl Broker {
             .uint("delivery", delivered)
             .raw("body", env.body.get())
             .str_map("headers", &env.headers)
-            .str(
+            .literal(
                 "kind",
                 if env.kind == Kind::TaskResult {
                     "task_result"
