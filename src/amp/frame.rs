@@ -109,6 +109,27 @@ pub mod server_op {
     pub const OFFER: &str = "offer";
     pub const REVOKED: &str = "revoked";
     pub const PRESENCE: &str = "presence";
+
+    /// Every op, numbered by its place here ([`index`]).
+    pub const ALL: [&str; 8] = [
+        OK, ERROR, CHALLENGE, MESSAGE, EVENT, OFFER, REVOKED, PRESENCE,
+    ];
+
+    /// `op`'s place in [`ALL`].
+    pub fn index(op: &str) -> Option<usize> {
+        // A `match`: a length test and a word compare, no search of `ALL`.
+        match op {
+            OK => Some(0),
+            ERROR => Some(1),
+            CHALLENGE => Some(2),
+            MESSAGE => Some(3),
+            EVENT => Some(4),
+            OFFER => Some(5),
+            REVOKED => Some(6),
+            PRESENCE => Some(7),
+            _ => None,
+        }
+    }
 }
 
 pub type Headers = BTreeMap<String, String>;

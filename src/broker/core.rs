@@ -52,7 +52,7 @@ use crate::jetstream::{ConsumerAction, ConsumerConfig, Delivery, JsError, Reques
 use crate::nats::{Connection, Event, Message, RequestError, RequestId, Sid};
 use crate::nkeys::KeyPair;
 use crate::proto::headers::HeaderMap;
-use crate::ws::metrics::{AmpMetrics, NatsOp};
+use crate::ws::metrics::{AmpMetrics, NatsOp, SeriesCache};
 use registry::{Fanout, Snapshot};
 
 mod identity;
@@ -610,6 +610,9 @@ pub struct Broker {
     /// Every NATS round trip in flight, of every capability.
     continuations: Continuations,
     metrics: AmpMetrics,
+    /// Where `frames_in` and `frames_out` count each op, by the op's number.
+    frames_in: SeriesCache<{ amp_frame::Op::ALL.len() }>,
+    frames_out: SeriesCache<{ amp_frame::server_op::ALL.len() }>,
     /// When a NATS server error was last logged, and those counted since without a line.
     server_error_logged: Option<Instant>,
     server_errors_unlogged: u64,
@@ -696,6 +699,7 @@ impl Broker {
         let root = IdSource::from_seed(seed);
         let jobs = Jobs::new(&broker_id, &config, clock, root.derive("jobs"))?;
         let mig = super::mig::Mig::new(&broker_id, clock, root.derive("mig"))?;
+        let metrics = AmpMetrics::new();
         Ok(Broker {
             config,
             validator: FrameValidator::new()?,
@@ -718,7 +722,9 @@ impl Broker {
             stream_checks: HashMap::new(),
             hand_backs: BTreeMap::new(),
             continuations: Continuations::default(),
-            metrics: AmpMetrics::new(),
+            frames_in: SeriesCache::new(metrics.frames_in),
+            frames_out: SeriesCache::new(metrics.frames_out),
+            metrics,
             server_error_logged: None,
             server_errors_unlogged: 0,
             routes: IdMap::default(),
@@ -1734,10 +1740,14 @@ impl Broker {
 
     fn count_in(&mut self, decoded: &Result<ClientFrame, Rejected>) {
         let op = match decoded {
-            Ok(frame) => frame.op().as_str(),
-            Err(r) => r.op.map_or("unknown", |op| op.as_str()),
+            Ok(frame) => Some(frame.op()),
+            Err(r) => r.op,
         };
-        self.metrics.registry.inc(self.metrics.frames_in, op);
+        let registry = &mut self.metrics.registry;
+        match op {
+            Some(op) => self.frames_in.add(registry, op as usize, op.as_str(), 1.0),
+            None => registry.inc(self.metrics.frames_in, "unknown"),
+        }
     }
 
     /// A reply or message nobody waits for: normal in small numbers (a message already in
@@ -2163,7 +2173,10 @@ impl Broker {
             t.get(..memchr::memchr(b'"', t.as_bytes())?)
         };
         let op = value_at(7).unwrap_or("unknown");
-        self.metrics.registry.inc(self.metrics.frames_out, op);
+        // An op not among the server's counts as before, its number past the set.
+        let index = amp_frame::server_op::index(op).unwrap_or(usize::MAX);
+        self.frames_out
+            .add(&mut self.metrics.registry, index, op, 1.0);
         if op == amp_frame::server_op::ERROR {
             const CODE: &[u8] = b",\"code\":\"";
             let code = memchr::memmem::find(text.as_bytes(), CODE)
