@@ -167,6 +167,40 @@ pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
     }
 }
 
+/// A literal subject's byte checks in one pass: `None` when `s` holds one of `stops` (the
+/// caller looks closer), else whether it holds two `.` in a row. Every subject the
+/// broker publishes to is checked (its inbox's, every ack's), and a second pass for the
+/// dots cost as much as the first.
+#[inline]
+pub fn double_dot_unless<const N: usize>(s: &[u8], stops: [u8; N]) -> Option<bool> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+    {
+        let (mut double, mut last_dot) = (false, false);
+        let mut chunk = |words: (u64, u64), valid: u32| {
+            let dots = dot_mask(words);
+            double |= dots & (dots >> 1) != 0 || (last_dot && dots & 1 != 0);
+            last_dot = dots & 0x8000 != 0;
+            sse2_hits(words, 0, stops) & valid == 0
+        };
+        let mut chunks = s.chunks_exact(16);
+        for words in (&mut chunks).map(chunk_words) {
+            if !chunk(words, u32::MAX) {
+                return None;
+            }
+        }
+        // The tail as one more chunk; its zero padding is neither a stop nor a dot.
+        let rest = chunks.remainder();
+        if !rest.is_empty() && !chunk(tail_words(rest), !(u32::MAX << rest.len())) {
+            return None;
+        }
+        Some(double)
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    {
+        (run_len(s, 0, stops) == s.len()).then(|| has_double_dot(s))
+    }
+}
+
 /// Of a 16-byte chunk (its two words), one bit per byte: at or below space, DEL, `*` or
 /// `>`; `.`; not ASCII.
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
@@ -397,6 +431,31 @@ mod tests {
             digits(b"9999999999999999999"),
             Some(9_999_999_999_999_999_999)
         );
+    }
+
+    #[test]
+    fn a_subject_pass_finds_stops_and_double_dots_as_the_two_scans_do() {
+        const STOPS: [u8; 3] = [b' ', b'*', 0];
+        for len in 0..40 {
+            for at in 0..len {
+                for (first, second) in [
+                    (b'.', b'.'),
+                    (b'.', b'a'),
+                    (b'*', b'.'),
+                    (b'.', 0),
+                    (0xff, b'.'),
+                ] {
+                    let mut s: Vec<u8> =
+                        (0..len).map(|i| [b'a', b'.', 0xc3, b'-'][i % 4]).collect();
+                    s[at] = first;
+                    if let Some(next) = s.get_mut(at + 1) {
+                        *next = second;
+                    }
+                    let want = (run_len(&s, 0, STOPS) == s.len()).then(|| has_double_dot(&s));
+                    assert_eq!(double_dot_unless(&s, STOPS), want, "{s:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -61,25 +61,20 @@ pub fn validate_pattern(s: &[u8]) -> Result<(), SubjectError> {
 
 /// A literal subject (what PUB may carry): a valid pattern without wildcard tokens.
 pub fn validate_subject(s: &[u8]) -> Result<(), SubjectError> {
-    // Most subjects hold no whitespace, `*` or `>` byte at all: a word-at-a-time scan
-    // says so, and only the tokens' lengths are left to check.
-    if crate::scan::run_len(s, 0, [b' ', b'\t', b'\r', b'\n', 0x0c, b'*', b'>']) == s.len() {
-        return check_tokens_not_empty(s);
+    // Most subjects hold no whitespace, `*` or `>` byte at all: one scan says so and
+    // finds dots in a row, and only the ends are left to check.
+    let stops = [b' ', b'\t', b'\r', b'\n', 0x0c, b'*', b'>'];
+    if let Some(double_dot) = crate::scan::double_dot_unless(s, stops) {
+        return match s {
+            [] => Err(SubjectError::Empty),
+            [b'.', ..] | [.., b'.'] => Err(SubjectError::EmptyToken),
+            _ if double_dot => Err(SubjectError::EmptyToken),
+            _ => Ok(()),
+        };
     }
     validate_pattern(s)?;
     if s.split(|&b| b == b'.').any(|t| t == b"*" || t == b">") {
         return Err(SubjectError::Wildcard);
-    }
-    Ok(())
-}
-
-/// `Empty` or `EmptyToken` when `s` is empty or has a leading, trailing or doubled `.`.
-pub fn check_tokens_not_empty(s: &[u8]) -> Result<(), SubjectError> {
-    if s.is_empty() {
-        return Err(SubjectError::Empty);
-    }
-    if s.first() == Some(&b'.') || s.last() == Some(&b'.') || crate::scan::has_double_dot(s) {
-        return Err(SubjectError::EmptyToken);
     }
     Ok(())
 }
