@@ -1324,19 +1324,28 @@ fn control_lines_count_against_the_write_buffer_bound() {
     );
 }
 
+/// The silence probe's tests: 1.5 s probe and `limit`, connected, the keepalive out of
+/// the way (their PINGs are the probe's).
+const PROBE: Duration = Duration::from_millis(1500);
+
+fn probed(limit: Option<Duration>) -> Harness {
+    let mut o = Harness::options("h:1");
+    o.silence_probe = Some(PROBE);
+    o.silence_limit = limit;
+    o.ping_interval = Duration::from_secs(600);
+    let mut h = Harness::new(o);
+    h.connect();
+    h.events();
+    h
+}
+
 #[test]
 fn a_quiet_connection_is_probed_and_silent_until_it_reads_again() {
     // A link that dies without a word was found only by the keepalive: stale after two
     // unanswered PINGs, 60 to 90 s. The broker's main connection is probed sooner, and
     // its ingresses follow it being silent.
-    let probe = Duration::from_millis(1500);
-    let mut o = Harness::options("h:1");
-    o.silence_probe = Some(probe);
-    // Out of the way: this test's PINGs are the probe's.
-    o.ping_interval = Duration::from_secs(600);
-    let mut h = Harness::new(o);
-    h.connect();
-    h.events();
+    let probe = PROBE;
+    let mut h = probed(None);
     h.conn.subscribe("s", None).expect("sub");
     h.take_output();
     h.conn.receive(b"MSG s 1 2\r\nhi\r\n", h.now);
@@ -1407,14 +1416,8 @@ fn a_quiet_connection_is_probed_and_silent_until_it_reads_again() {
 fn a_connection_silent_for_its_limit_is_given_up_as_a_stale_one() {
     // Silent, it was given up only by the keepalive, 60 to 90 s on: meanwhile every
     // request went into the dead link and waited out its own timeout.
-    let (probe, limit) = (Duration::from_millis(1500), Duration::from_secs(10));
-    let mut o = Harness::options("h:1");
-    o.silence_probe = Some(probe);
-    o.silence_limit = Some(limit);
-    o.ping_interval = Duration::from_secs(600);
-    let mut h = Harness::new(o);
-    h.connect();
-    h.events();
+    let (probe, limit) = (PROBE, Duration::from_secs(10));
+    let mut h = probed(Some(limit));
     let id = h
         .conn
         .request("q", None, b"x", Duration::from_secs(60), h.now)
@@ -1478,14 +1481,8 @@ fn a_silent_connection_says_so_to_who_would_refuse_a_request_and_keeps_those_wri
     // Silent until given up (10 s on), each new session request went into the dead link
     // all the same and waited out its own timeout: a session heard `unavailable` 4 s
     // after its send instead of at once. The broker's session queue asks `check_heard`.
-    let probe = Duration::from_millis(1500);
-    let mut o = Harness::options("h:1");
-    o.silence_probe = Some(probe);
-    o.silence_limit = Some(Duration::from_secs(10));
-    o.ping_interval = Duration::from_secs(600);
-    let mut h = Harness::new(o);
-    h.connect();
-    h.events();
+    let probe = PROBE;
+    let mut h = probed(Some(Duration::from_secs(10)));
     let timeout = Duration::from_secs(4);
     let written = h
         .conn
@@ -1531,14 +1528,8 @@ fn a_silent_connection_says_so_to_who_would_refuse_a_request_and_keeps_those_wri
 fn a_ping_behind_a_backlog_the_link_takes_is_not_unanswered_yet() {
     // A slow link taking a large backlog reads nothing back while the PING waits behind
     // it: the server cannot answer what it has not been sent.
-    let (probe, limit) = (Duration::from_millis(1500), Duration::from_secs(10));
-    let mut o = Harness::options("h:1");
-    o.silence_probe = Some(probe);
-    o.silence_limit = Some(limit);
-    o.ping_interval = Duration::from_secs(600);
-    let mut h = Harness::new(o);
-    h.connect();
-    h.events();
+    let (probe, limit) = (PROBE, Duration::from_secs(10));
+    let mut h = probed(Some(limit));
     h.conn
         .publish("p", None, None, &vec![b'x'; 100_000])
         .expect("publish");
@@ -1613,14 +1604,7 @@ fn a_link_still_taking_the_backlog_ahead_of_its_ping_is_not_silent() {
     // `is_silent`/`check_heard` did not: 3 s after the publish, with the PING not even
     // written and the link taking 1,000 bytes a second, a session's send, ack or
     // subscribe was refused `unavailable` and /readyz answered 503.
-    let probe = Duration::from_millis(1500);
-    let mut o = Harness::options("h:1");
-    o.silence_probe = Some(probe);
-    o.silence_limit = Some(Duration::from_secs(10));
-    o.ping_interval = Duration::from_secs(600);
-    let mut h = Harness::new(o);
-    h.connect();
-    h.events();
+    let mut h = probed(Some(Duration::from_secs(10)));
     h.conn
         .publish("p", None, None, &vec![b'x'; 100_000])
         .expect("publish");
