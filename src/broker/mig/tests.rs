@@ -322,13 +322,7 @@ fn replay_pages_hold_their_place_in_flight_until_they_are_answered() {
     assert_eq!(second.len(), 4, "every page read on");
     assert_eq!(held.get(), 4, "a page's next read took no second place");
     for (_, awaiting) in second {
-        let created = Ok(Message {
-            subject: "_INBOX.x".to_string(),
-            reply: None,
-            headers: None,
-            payload: br#"{"stream":"KV_AMP_MIG_SEEN","seq":1}"#.to_vec(),
-        });
-        mig.on_reply(&mut conn, &mut ctx, awaiting, created, t0);
+        mig.on_reply(&mut conn, &mut ctx, awaiting, created(), t0);
     }
     assert_eq!(held.get(), 0, "every page answered gave its place back");
     mig.on_request(&mut conn, &mut ctx, &subscribe, t0);
@@ -529,13 +523,7 @@ fn a_bucket_of_taken_ids_made_again_gets_its_ids_back_a_window_at_a_time() {
     while let Some((_, awaiting)) = out.pop() {
         assert!(mig.reclaims.settling(t0 + Duration::from_secs(5)));
         let before = conn.pending_requests();
-        let created = Ok(Message {
-            subject: "_INBOX.x".to_string(),
-            reply: None,
-            headers: None,
-            payload: br#"{"stream":"KV_AMP_MIG_SEEN","seq":1}"#.to_vec(),
-        });
-        mig.on_reply(&mut conn, &mut ctx, awaiting, created, t0);
+        mig.on_reply(&mut conn, &mut ctx, awaiting, created(), t0);
         answered += 1;
         let now_sent = conn.pending_requests() - before;
         most_per_step = most_per_step.max(now_sent);
@@ -680,6 +668,16 @@ fn advisory_sid(mig: &Mig) -> crate::nats::Sid {
         .find(|(_, s)| matches!(s, super::Sub::SeenMade))
         .map(|(sid, _)| *sid)
         .expect("subscribed")
+}
+
+/// A key's create answered: stored.
+fn created() -> Result<Message, crate::nats::RequestError> {
+    Ok(Message {
+        subject: "_INBOX.x".to_string(),
+        reply: None,
+        headers: None,
+        payload: br#"{"stream":"KV_AMP_MIG_SEEN","seq":1}"#.to_vec(),
+    })
 }
 
 fn advisory() -> Message {
