@@ -528,12 +528,14 @@ fn a_subscribe_flood_does_not_hold_up_other_participants_subscriptions() {
     }
     // Behind the flood they waited ever longer (4.9 s, then timed out); beside it, tens
     // of milliseconds, with now and then one round trip held up by the rest of a loaded
-    // 2-core machine (other tests of this binary run alongside): up to 1.5 s was seen.
+    // 2-core machine (other tests of this binary run alongside): up to 1.5 s was seen,
+    // and a median of about 1 s once with a profiler running beside the suite. The
+    // waits behind the flood, growing to a timeout, fail the bound on the slowest.
     let mut sorted = waits.clone();
     sorted.sort();
     let (median, slowest) = (sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
     assert!(
-        median < Duration::from_millis(500) && slowest < Duration::from_secs(3),
+        median < Duration::from_millis(1_500) && slowest < Duration::from_secs(3),
         "the victim's subscriptions waited {waits:?} behind {pairs} subscribe/unsubscribe pairs"
     );
     // A flooding session is held back by its deletes not yet answered (at most its 64
