@@ -192,6 +192,44 @@ fn check_config_describes_a_valid_file_and_names_the_member_of_a_bad_one() {
     assert!(stderr(&out).contains("absent.json"), "{}", stderr(&out));
 }
 
+/// A misspelt or mistyped member is named by its path, as a bad value is: before, the
+/// parser's own message named only the field and a line and column, so a `permisions`
+/// under one participant of many sent the operator counting columns.
+#[test]
+fn check_config_names_the_path_of_a_misspelt_or_mistyped_member() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cases = [
+        (
+            json!({"namespaces": {"acme": {"participants": {
+                "alice": {"token_sha256": "00", "permisions": {}}}}}}),
+            "namespaces.acme.participants.alice.permisions: ",
+            "unknown field `permisions`",
+        ),
+        (
+            json!({"limits": {"max_frame": "big"}}),
+            "limits.max_frame: ",
+            "invalid type",
+        ),
+        (
+            json!({"namespaces": {"acme": {"participants": {
+                "bob": {"token_sha256": "00", "permissions": {"send": ["x", 7]}}}}}}),
+            "namespaces.acme.participants.bob.permissions.send[1]: ",
+            "invalid type",
+        ),
+    ];
+    for (i, (config, path, problem)) in cases.into_iter().enumerate() {
+        let file = dir.path().join(format!("bad{i}.json"));
+        std::fs::write(&file, serde_json::to_string_pretty(&config).expect("json")).expect("write");
+        let out = run(&["check-config", &file.display().to_string()]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = stderr(&out);
+        assert!(
+            err.contains(&format!("amp-broker: configuration: {path}")) && err.contains(problem),
+            "expected {path:?} and {problem:?} in: {err}"
+        );
+    }
+}
+
 #[test]
 fn printing_to_a_closed_pipe_ends_quietly() {
     let dir = tempfile::tempdir().expect("dir");

@@ -434,8 +434,12 @@ impl Config {
 
     pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
         reject_duplicate_members(text)?;
-        let config: Config = serde_json::from_slice(text)
-            .map_err(|e| err("", format!("invalid configuration: {e}")))?;
+        let config: Config = serde_json::from_slice(text).map_err(|e| {
+            err(
+                member_at(text, e.line(), e.column()),
+                format!("invalid configuration: {e}"),
+            )
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -795,6 +799,78 @@ fn reject_duplicate_members(text: &[u8]) -> Result<(), ConfigError> {
         Some(at) => Err(err(at, "given twice; each member may appear once")),
         None => Ok(()),
     }
+}
+
+/// The path (`a.b[2].c`) of the member serde was reading at `line` and `column` (1-based,
+/// the last byte it read, as its errors give them; line 0 is no position): its own message names a misspelt or
+/// mistyped member by its last key alone. Scans the text up to there; an object's key is
+/// current from the key until the next `,`.
+fn member_at(text: &[u8], line: usize, column: usize) -> String {
+    enum Frame {
+        Object(Option<String>),
+        Array(usize),
+    }
+    if line == 0 {
+        return String::new();
+    }
+    let line_start: usize = text
+        .split(|&b| b == b'\n')
+        .take(line - 1)
+        .map(|l| l.len() + 1)
+        .sum();
+    // Up to the last byte serde read, not including it: a closing `}` there ends the
+    // member the error is about.
+    let end = (line_start + column.saturating_sub(1)).min(text.len());
+    let mut stack = Vec::new();
+    let mut key_next = false;
+    let mut i = 0;
+    while i < end {
+        match text[i] {
+            b'"' => {
+                let start = i;
+                i += 1;
+                while i < text.len() && text[i] != b'"' {
+                    i += if text[i] == b'\\' { 2 } else { 1 };
+                }
+                if std::mem::take(&mut key_next)
+                    && let Some(Frame::Object(key)) = stack.last_mut()
+                {
+                    *key = text
+                        .get(start..=i)
+                        .and_then(|quoted| serde_json::from_slice(quoted).ok());
+                }
+            }
+            b'{' => {
+                stack.push(Frame::Object(None));
+                key_next = true;
+            }
+            b'[' => stack.push(Frame::Array(0)),
+            b'}' | b']' => {
+                stack.pop();
+                key_next = false;
+            }
+            b',' => match stack.last_mut() {
+                Some(Frame::Object(key)) => {
+                    *key = None;
+                    key_next = true;
+                }
+                Some(Frame::Array(n)) => *n += 1,
+                None => {}
+            },
+            _ => {}
+        }
+        i += 1;
+    }
+    let mut path = String::new();
+    for frame in stack {
+        match frame {
+            Frame::Object(Some(key)) if path.is_empty() => path = key,
+            Frame::Object(Some(key)) => path = format!("{path}.{key}"),
+            Frame::Object(None) => {}
+            Frame::Array(n) => path = format!("{path}[{n}]"),
+        }
+    }
+    path
 }
 
 /// A walk over any JSON value at path `at` that stops at the first object member seen
