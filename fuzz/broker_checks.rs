@@ -350,7 +350,7 @@ impl World {
                             text: t.as_str(),
                         }),
                         ConnEvent::Closed { .. } => {
-                            self.input(Input::SessionClosed { session });
+                            self.input(Input::closed(session));
                             self.ws[s] = None;
                         }
                         ConnEvent::Http { .. } => {}

@@ -841,12 +841,19 @@ fn take_session_events(
                 },
                 now,
             ),
-            SessionEvent::Closed { .. } => {
+            SessionEvent::Closed {
+                code,
+                reason,
+                by_peer,
+            } => {
                 ids.remove(&id.as_u64());
                 broker.handle(
                     conn,
                     Input::SessionClosed {
                         session: id.as_u64(),
+                        code,
+                        reason: &reason,
+                        by_peer,
                     },
                     now,
                 );

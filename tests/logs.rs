@@ -82,3 +82,58 @@ fn json_log_lines_carry_ids_and_never_the_token() {
     assert!(!log.contains("a-token"), "{log}");
     assert!(!log.contains("wrong-secret-token"), "{log}");
 }
+
+/// The end of a session is one line as its start is: at `info` with the session and
+/// the participant for one that logged in, saying who closed it and how; nothing at
+/// `info` for a connection that never logged in (anyone can make those).
+#[test]
+fn a_sessions_end_is_logged_with_its_participant_and_close_code() {
+    let nats = NatsServer::start();
+    let mut broker = Broker::start_with(
+        &nats.url(),
+        &open_config(&["a", "b"]),
+        &["--log-format", "json"],
+    );
+    let a = Client::login(&broker, "acme", "a", "a-token");
+    let mut b = Client::login(&broker, "acme", "b", "b-token");
+    let mut ws = a.into_websocket();
+    use tungstenite::protocol::{CloseFrame, frame::coding::CloseCode};
+    let normal = CloseFrame {
+        code: CloseCode::Normal,
+        reason: "".into(),
+    };
+    ws.close(Some(normal)).expect("close");
+    let _ = ws.flush();
+    assert_eq!(b.request(json!({"op":"bye"}))["op"], "ok");
+    assert_eq!(b.closed_with(WAIT), Some(1000));
+    drop(Client::connect(&broker));
+
+    let ended = |log: &str| -> Vec<Value> {
+        lines(log)
+            .into_iter()
+            .filter(|l| {
+                l["msg"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("session ended"))
+            })
+            .collect()
+    };
+    assert!(
+        common::wait_until(WAIT, || ended(&broker.log()).len() >= 2),
+        "no end lines; log:\n{}",
+        broker.log()
+    );
+    let status = broker.terminate();
+    assert!(status.is_some_and(|s| s.success()), "exit {status:?}");
+    let log = broker.log();
+    let ended = ended(&log);
+    let of = |p: &str| ended.iter().find(|l| l["participant"] == p);
+    let a_end = of("acme/a").unwrap_or_else(|| panic!("no end line for a:\n{log}"));
+    assert_eq!(a_end["msg"], "session ended: 1000 by the peer", "{a_end}");
+    assert_eq!(a_end["level"], "info");
+    assert!(a_end["session"].is_string(), "{a_end}");
+    let b_end = of("acme/b").unwrap_or_else(|| panic!("no end line for b:\n{log}"));
+    assert_eq!(b_end["msg"], "session ended: 1000 bye", "{b_end}");
+    // Each once, and none for the connection that never said hello (it is at `debug`).
+    assert_eq!(ended.len(), 2, "{log}");
+}

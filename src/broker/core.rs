@@ -133,8 +133,14 @@ pub enum Input<'a> {
     },
     /// A text frame of a session.
     Frame { session: SessionId, text: &'a str },
-    /// A session ended (closed by either side, or its transport failed).
-    SessionClosed { session: SessionId },
+    /// A session ended (closed by either side, or its transport failed), with the close
+    /// code and, for a close of the broker's, its reason (a peer's is not logged).
+    SessionClosed {
+        session: SessionId,
+        code: u16,
+        reason: &'a str,
+        by_peer: bool,
+    },
     /// What the NATS connection reported: up (with the server's facts) or down, a
     /// message on one of the core's subscriptions, a reply or a failed request.
     Nats(Event),
@@ -151,6 +157,19 @@ pub enum Input<'a> {
     Timeout,
     /// What [`Output::WhenDrained`] asked for: the session's queued output is written.
     Drained { session: SessionId },
+}
+
+impl Input<'_> {
+    /// A session its peer closed normally (1000): what the simulator's and the tests'
+    /// transports report.
+    pub fn closed(session: SessionId) -> Input<'static> {
+        Input::SessionClosed {
+            session,
+            code: 1000,
+            reason: "",
+            by_peer: true,
+        }
+    }
 }
 
 /// Sizes of what the core holds ([`Broker::footprint`]).
@@ -1019,7 +1038,8 @@ impl Broker {
         self.jobs.reload_settings(&self.config);
         self.relabel();
         for &(session, why) in &ended {
-            log::info!(session:% = format_args!("{}-{session}", self.broker_id); "reload closes the session: {why}");
+            let participant = self.participant_of(session).unwrap_or_default();
+            log::info!(session:% = format_args!("{}-{session}", self.broker_id), participant:% = participant; "reload closes the session: {why}");
             self.close(session, close::POLICY, "configuration changed");
         }
         Ok(ended.len())
@@ -1188,7 +1208,15 @@ impl Broker {
         match input {
             Input::SessionOpened { session, peer } => self.session_opened(session, peer, now),
             Input::Frame { session, text } => self.session_frame(conn, session, text, now),
-            Input::SessionClosed { session } => self.session_closed(conn, session, now),
+            Input::SessionClosed {
+                session,
+                code,
+                reason,
+                by_peer,
+            } => {
+                self.log_session_end(session, code, reason, by_peer);
+                self.session_closed(conn, session, now)
+            }
             Input::Nats(event) => self.nats_event(conn, event, now),
             Input::Ingress {
                 which,
@@ -3049,7 +3077,7 @@ mod tests {
             .filter(|o| matches!(o, Output::Close { .. }))
             .count();
         assert_eq!(closes, 1, "bye closes the session");
-        b.handle(&mut conn, Input::SessionClosed { session: 1 }, t0);
+        b.handle(&mut conn, Input::closed(1), t0);
         let f = b.footprint();
         assert_eq!((f.sessions, f.present_participants), (0, 0), "{f:?}");
     }

@@ -308,11 +308,7 @@ impl Harness {
                 .get_or_insert((1000, "closed by the client".into()));
         }
         let n = &mut self.nodes[s.node];
-        n.broker.handle(
-            &mut n.conn,
-            Input::SessionClosed { session: s.id },
-            self.now,
-        );
+        n.broker.handle(&mut n.conn, Input::closed(s.id), self.now);
         self.settle();
     }
 
@@ -332,11 +328,7 @@ impl Harness {
     pub fn release_closes(&mut self) {
         for s in std::mem::take(&mut self.held_closes) {
             let n = &mut self.nodes[s.node];
-            n.broker.handle(
-                &mut n.conn,
-                Input::SessionClosed { session: s.id },
-                self.now,
-            );
+            n.broker.handle(&mut n.conn, Input::closed(s.id), self.now);
         }
         self.settle();
     }
@@ -645,7 +637,7 @@ impl Harness {
                 }
                 let n = &mut self.nodes[node];
                 n.broker
-                    .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
+                    .handle(&mut n.conn, Input::closed(session), self.now);
             }
             // Mailboxes bound nothing.
             Output::LoggedIn { .. } => {}

@@ -31,6 +31,35 @@ impl Broker {
         self.set_timer(after(now, timeout), Timer::HelloTimeout(session));
     }
 
+    /// One line for the end of a session: at `info` for one that logged in, with its
+    /// participant; at `debug` for one that never did, as anyone can cause one of those
+    /// per connection. A peer's close reason is its own text and is left out.
+    pub(super) fn log_session_end(
+        &self,
+        session: SessionId,
+        code: u16,
+        reason: &str,
+        by_peer: bool,
+    ) {
+        let id = format_args!("{}-{session}", self.broker_id);
+        let by = if by_peer { "by the peer" } else { reason };
+        match self.participant_of(session) {
+            Some(p) => log::info!(session:% = id, participant:% = p; "session ended: {code} {by}"),
+            None => log::debug!(session:% = id; "session ended: {code} {by}"),
+        }
+    }
+
+    /// The participant a session logged in as, also while it closes.
+    pub(super) fn participant_of(&self, session: SessionId) -> Option<String> {
+        match &self.sessions.get(&session)?.state {
+            SessionState::Active { ns, name }
+            | SessionState::Closing {
+                participant: Some((ns, name)),
+            } => Some(participant_key(ns, name)),
+            _ => None,
+        }
+    }
+
     /// The session is gone (closed by either side). Its unacknowledged inbox deliveries
     /// are handed back to JetStream at once, so the participant's next session gets them.
     pub(super) fn session_closed(

@@ -413,7 +413,7 @@ impl World {
                 }
                 let n = &mut self.nodes[node];
                 n.broker
-                    .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
+                    .handle(&mut n.conn, Input::closed(session), self.now);
             }
             // The simulated transport bounds nothing.
             Output::LoggedIn { .. } => {}
@@ -470,7 +470,7 @@ impl World {
         let n = &mut self.nodes[node];
         if n.sessions.remove(&session).is_some() {
             n.broker
-                .handle(&mut n.conn, Input::SessionClosed { session }, self.now);
+                .handle(&mut n.conn, Input::closed(session), self.now);
         }
     }
 
