@@ -501,6 +501,14 @@ impl AmpMetrics {
             "Auth callout requests, by outcome (authorized, refused, throttled, bad, shed).",
             Some("outcome"),
         );
+        // Their label values are a known few: each starts at 0, so a rate or an alert on
+        // one works before its first event.
+        for kind in ["message", "reply"] {
+            r.add(nats_unmatched, kind, 0.0);
+        }
+        for outcome in ["authorized", "refused", "throttled", "bad", "shed"] {
+            r.add(callout_requests, outcome, 0.0);
+        }
         AmpMetrics {
             registry: r,
             frames_in,
@@ -714,6 +722,20 @@ mod tests {
         assert_eq!(got, want);
         assert!(got.contains("t_total{op=\"z\"} 9\n"), "{got}");
         assert!(got.contains("t_total{op=\"other\"}"), "{got}");
+    }
+
+    #[test]
+    fn families_of_a_known_few_label_values_start_with_each_at_zero() {
+        let m = AmpMetrics::new();
+        let mut out = String::new();
+        m.registry.render(&mut out);
+        for series in [
+            "amp_nats_unmatched_total{kind=\"reply\"} 0\n",
+            "amp_callout_requests_total{outcome=\"throttled\"} 0\n",
+            "amp_callout_requests_total{outcome=\"shed\"} 0\n",
+        ] {
+            assert!(out.contains(series), "{series} in {out}");
+        }
     }
 
     #[test]
