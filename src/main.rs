@@ -29,7 +29,9 @@ fn main() -> ExitCode {
             }
         },
         Err(e) => {
-            eprintln!("amp-broker: {e}\n\n{}", cli::usage());
+            eprintln!(
+                "amp-broker: {e}\n`amp-broker --help` lists the commands, `amp-broker serve --help` the flags"
+            );
             ExitCode::from(2)
         }
     }

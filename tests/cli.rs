@@ -84,7 +84,11 @@ fn each_command_prints_its_own_help_and_exits_0() {
 
     let out = run(&["serve", "--bogus"]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("unknown flag `--bogus`"));
+    let err = stderr(&out);
+    assert!(err.contains("unknown flag `--bogus`"));
+    // The mistake and where help is, not 70 lines of usage burying it.
+    assert!(err.lines().count() <= 2, "{err}");
+    assert!(err.contains("amp-broker serve --help"), "{err}");
 }
 
 /// Client input fills a namespace's inbox, topics and tasks streams; with the defaults
