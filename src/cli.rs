@@ -70,9 +70,10 @@ serve flags (each also read from the environment, see below):
   -h, --help             print this help
 
 environment: every flag has a variable named AMP_ + the flag without `--`, upper case, `-`
-as `_` (AMP_LISTEN, AMP_NATS_CREDS, AMP_CALLOUT_SERVER_KEY, ...); AMP_NATS and
-AMP_CALLOUT_SERVER_KEY take comma-separated lists, AMP_NO_SYNC takes 1/true/yes or
-0/false/no. A flag on the command line wins over its variable.
+as `_` (AMP_LISTEN, AMP_NATS_CREDS, AMP_CALLOUT_SERVER_KEY, ...); AMP_NATS,
+AMP_CALLOUT_SERVER_KEY and AMP_ALLOWED_ORIGIN take comma-separated lists; the switches
+(AMP_NO_SYNC, AMP_TLS_REQUIRE_CLIENT_CERT, AMP_NATS_TLS_FIRST) take 1/true/yes/on or
+0/false/no/off. A flag on the command line wins over its variable.
 ";
 
 const COMMANDS: &str = "\
@@ -455,7 +456,9 @@ fn parse_bool(v: &str) -> Result<bool, String> {
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(format!("`{v}` is not a boolean (1/true/yes or 0/false/no)")),
+        _ => Err(format!(
+            "`{v}` is not a boolean (1/true/yes/on or 0/false/no/off)"
+        )),
     }
 }
 
