@@ -30,6 +30,7 @@ use super::ids::IdSource;
 use super::in_flight;
 use super::jobs::{Caller, Jobs, JobsOutput};
 use super::mig::config::readable_dead_letters;
+use super::outstanding::Outstanding;
 use super::permissions::{self, Action};
 use super::pull_loop::{Check, PullLoop, Pulled};
 use super::rate_limit::{self, RateLimiter};
@@ -263,7 +264,7 @@ struct Session {
     /// The client's address, for throttling failed hellos.
     peer: SocketAddr,
     /// Ids of requests not yet answered (they must be unique while outstanding).
-    outstanding: HashSet<String>,
+    outstanding: Outstanding,
     /// What those of them that are submits or redrives took of the participant's limits:
     /// one the jobs engine refuses having created nothing gives it back.
     charged: HashMap<String, Charge>,

@@ -21,6 +21,7 @@ pub use crate::id_map;
 pub use crate::ids;
 pub mod jobs;
 pub mod mig;
+pub mod outstanding;
 pub mod permissions;
 pub mod pull_loop;
 pub mod rate_limit;

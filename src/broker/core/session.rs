@@ -12,7 +12,7 @@ impl Broker {
             Box::new(Session {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
-                outstanding: HashSet::new(),
+                outstanding: Outstanding::default(),
                 charged: HashMap::new(),
                 participant_outstanding: Rc::default(),
                 inflight: IdMap::default(),
@@ -387,7 +387,7 @@ impl Broker {
                 e.message = format!("{why}; wait for their answers").into();
                 return self.error(session, Some(id), &e);
             }
-            if !s.outstanding.insert(id.to_string()) {
+            if !s.outstanding.insert(id) {
                 let e = AmpError::new(
                     ErrorCode::Schema,
                     "id is already used by an outstanding request",
