@@ -641,7 +641,7 @@ pub fn split_participant(s: &str) -> Option<(&str, &str)> {
 }
 
 fn lookup<'c>(c: &'c Config, ns: &str, name: &str) -> Option<&'c Participant> {
-    c.namespaces.get(ns)?.participants.get(name)
+    c.namespaces.get(ns)?.participants.get(name).map(|p| &**p)
 }
 
 fn find_by_nkey(c: &Config, nkey: &str) -> Option<(String, String)> {

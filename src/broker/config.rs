@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 use crate::jetstream::ApiPrefix;
 
@@ -156,8 +157,10 @@ impl Default for Limits {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Namespace {
-    #[serde(default)]
-    pub participants: BTreeMap<String, Participant>,
+    /// Shared: a session holds its participant's entry (`Session::entry`), so a frame
+    /// reads its permissions and policy without looking its name up.
+    #[serde(default, deserialize_with = "shared_entries")]
+    pub participants: BTreeMap<String, Arc<Participant>>,
     #[serde(default)]
     pub jobs: BTreeMap<String, Job>,
     #[serde(default)]
@@ -168,12 +171,23 @@ pub struct Namespace {
     pub dead_letters: DeadLetters,
     /// Accepts any valid participant name not listed above, with this credential and these
     /// permissions. Development mode uses it; in production every participant is listed.
-    #[serde(default)]
-    pub open: Option<Participant>,
+    #[serde(default, deserialize_with = "shared_entry")]
+    pub open: Option<Arc<Participant>>,
     /// The JetStream domain that holds this namespace's streams, consumers and buckets,
     /// used through `$JS.<domain>.API`; `None`: the JetStream the broker is connected to.
     #[serde(default)]
     pub jetstream_domain: Option<String>,
+}
+
+fn shared_entries<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, Arc<Participant>>, D::Error> {
+    let entries = BTreeMap::<String, Participant>::deserialize(d)?;
+    Ok(entries.into_iter().map(|(k, p)| (k, Arc::new(p))).collect())
+}
+
+fn shared_entry<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Arc<Participant>>, D::Error> {
+    Ok(Option::<Participant>::deserialize(d)?.map(Arc::new))
 }
 
 impl Namespace {
@@ -408,7 +422,7 @@ impl Config {
             policy: None,
         };
         let dev = Namespace {
-            open: Some(open),
+            open: Some(Arc::new(open)),
             ..Namespace::default()
         };
         Config {
@@ -424,6 +438,11 @@ impl Config {
 
     /// The participant `ns/name`, listed or accepted by the namespace's `open` entry.
     pub fn participant(&self, ns: &str, name: &str) -> Option<&Participant> {
+        self.entry(ns, name).map(|p| &**p)
+    }
+
+    /// [`participant`](Self::participant), shared.
+    pub fn entry(&self, ns: &str, name: &str) -> Option<&Arc<Participant>> {
         let namespace = self.namespaces.get(ns)?;
         namespace.participants.get(name).or(if is_name(name) {
             namespace.open.as_ref()

@@ -10,6 +10,7 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::admission::Admission;
@@ -263,6 +264,10 @@ struct Session {
     state: SessionState,
     /// The client's address, for throttling failed hellos.
     peer: SocketAddr,
+    /// Its participant's configuration entry from `hello` on, the configuration's own
+    /// (a reload puts the new one in): a `send` reads its permissions and policy here,
+    /// not by its name in the configuration's maps.
+    entry: Option<Arc<Participant>>,
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: Outstanding,
     /// What those of them that are submits or redrives took of the participant's limits:
@@ -1036,6 +1041,11 @@ impl Broker {
             }
         }
         self.config = new;
+        for s in self.sessions.values_mut() {
+            if let SessionState::Active { ns, name } = &s.state {
+                s.entry = self.config.entry(ns, name).cloned();
+            }
+        }
         self.jobs.reload_settings(&self.config);
         self.relabel();
         for &(session, why) in &ended {

@@ -603,6 +603,7 @@ fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
         .namespaces
         .get_mut("acme")
         .and_then(|n| n.participants.get_mut("w1"))
+        .map(std::sync::Arc::make_mut)
     {
         p.token_sha256 = Some(token_sha256("rotated"));
     }
@@ -620,6 +621,7 @@ fn a_hello_jwt_stops_working_when_its_participants_credential_changes() {
         .namespaces
         .get_mut("acme")
         .and_then(|n| n.participants.get_mut("w2"))
+        .map(std::sync::Arc::make_mut)
     {
         p.nkey = None;
         p.token_sha256 = Some(token_sha256("now-a-token"));

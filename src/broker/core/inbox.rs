@@ -17,7 +17,8 @@ impl Broker {
         now: Instant,
     ) {
         let to = send.to.as_str();
-        let sender = self.config.participant(ns, name);
+        let entry = self.sessions.get(&session).and_then(|s| s.entry.clone());
+        let sender = entry.as_deref();
         let allowed = sender.is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
         let limits = sender
             .and_then(|p| p.policy.as_ref())
@@ -695,6 +696,7 @@ mod tests {
 
     use serde_json::{Value, json};
 
+    use crate::broker::config::Policy;
     use crate::testing::harness::{self, Harness, Session};
 
     fn bench(ack_wait_s: u64, window: u32, brokers: usize) -> Harness {
@@ -714,6 +716,46 @@ mod tests {
 
     fn message(h: &mut Harness, s: Session) -> Value {
         h.wait_for(s, |f| f["op"] == "message")
+    }
+
+    /// A session holds its participant's entry from `hello` on, not its name's lookup:
+    /// a reload must put the new one in, so a withdrawn or granted permission and a new
+    /// policy apply from the next `send`, for listed and `open` participants alike.
+    #[test]
+    fn a_reload_applies_to_an_open_sessions_next_send() {
+        let config = harness::development_config();
+        let mut h = Harness::new(config.clone(), 1, 3);
+        let ann = h.join(0, "ann", json!({}));
+        send(&mut h, ann, "bob", 1);
+        let with = |send: &[&str], policy: Option<Policy>| {
+            let mut c = config.clone();
+            if let Some(open) = c.namespaces.get_mut("dev").and_then(|n| n.open.as_mut()) {
+                let open = std::sync::Arc::make_mut(open);
+                open.permissions.send = send.iter().map(|s| s.to_string()).collect();
+                open.policy = policy;
+            }
+            c
+        };
+        let code = |h: &mut Harness, n: u64| {
+            let e = h.request(ann, json!({"op":"send","to":"bob","body":{"n":n}}));
+            e["code"].as_str().map(str::to_string)
+        };
+        h.reload(with(&["carol"], None));
+        assert_eq!(code(&mut h, 2).as_deref(), Some("forbidden"));
+        h.reload(with(&["bob"], None));
+        send(&mut h, ann, "bob", 3);
+        let one = Policy {
+            msgs_per_s: Some(0.001),
+            burst: Some(1),
+            bytes_per_s: None,
+            tasks_per_window: None,
+            window_s: None,
+        };
+        h.reload(with(&["bob"], Some(one)));
+        send(&mut h, ann, "bob", 4);
+        assert_eq!(code(&mut h, 5).as_deref(), Some("rate_limited"));
+        h.reload(config);
+        send(&mut h, ann, "bob", 6);
     }
 
     #[test]

@@ -298,7 +298,7 @@ mod tests {
         // that its task existed.
         let mut config = harness::development_config();
         if let Some(ns) = config.namespaces.get_mut("dev")
-            && let Some(open) = ns.open.clone()
+            && let Some(open) = ns.open.as_deref().cloned()
         {
             let budgeted = Participant {
                 policy: Some(Policy {
@@ -310,7 +310,7 @@ mod tests {
                 }),
                 ..open
             };
-            ns.participants.insert("app".into(), budgeted);
+            ns.participants.insert("app".into(), budgeted.into());
         }
         let mut h = Harness::new(config, 1, 3);
         let app = h.join(0, "app", json!({}));

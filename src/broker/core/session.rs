@@ -12,6 +12,7 @@ impl Broker {
             Box::new(Session {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
+                entry: None,
                 outstanding: Outstanding::default(),
                 charged: HashMap::new(),
                 participant_outstanding: Rc::default(),
@@ -255,6 +256,7 @@ impl Broker {
                 ns: Rc::from(ns.as_str()),
                 name: Rc::from(name.as_str()),
             };
+            s.entry = self.config.entry(&ns, &name).cloned();
         }
         let first = !self.presence.contains_key(&key);
         let written = if first {
@@ -538,12 +540,12 @@ mod tests {
         let ann = KeyPair::generate(KeyKind::User).expect("key");
         let mut config = crate::testing::harness::development_config();
         if let Some(dev) = config.namespaces.get_mut("dev") {
-            let Some(mut p) = dev.open.clone() else {
+            let Some(mut p) = dev.open.as_deref().cloned() else {
                 panic!("the development namespace is open");
             };
             p.token_sha256 = None;
             p.nkey = Some(ann.public_key());
-            dev.participants.insert("ann".into(), p);
+            dev.participants.insert("ann".into(), p.into());
         }
         let mut h = Harness::new(config, 1, 7);
         for _ in 0..40 {

@@ -470,7 +470,7 @@ fn who_signed(
         let owner = owner?;
         let open = namespace
             .open
-            .as_ref()
+            .as_deref()
             .filter(|_| !namespace.participants.contains_key(owner));
         (open.is_some() && auth::accepts(open, presented)).then(|| owner.to_string())
     })
@@ -791,6 +791,7 @@ mod tests {
             .namespaces
             .get_mut("acme")
             .and_then(|n| n.participants.get_mut("bob"))
+            .map(std::sync::Arc::make_mut)
         {
             bob.token_sha256 = Some(hex(&Sha256::digest(b"new-token")));
         }
@@ -1160,6 +1161,7 @@ mod tests {
             .namespaces
             .get_mut("acme")
             .and_then(|n| n.participants.get_mut("bob"))
+            .map(std::sync::Arc::make_mut)
         {
             p.nkey = Some(bob.public_key());
         }
@@ -1200,6 +1202,7 @@ mod tests {
             .namespaces
             .get_mut("acme")
             .and_then(|n| n.participants.get_mut("ann"))
+            .map(std::sync::Arc::make_mut)
         {
             p.permissions.publish = vec!["chat.>".into()];
         }

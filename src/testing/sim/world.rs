@@ -51,7 +51,7 @@ pub fn sim_config(budgets: bool) -> Config {
         );
         ns.inbox.ack_wait_s = INBOX_ACK_WAIT_S;
         ns.inbox.inbox_window = INBOX_WINDOW;
-        if let Some(open) = ns.open.clone().filter(|_| budgets) {
+        if let Some(open) = ns.open.as_deref().cloned().filter(|_| budgets) {
             let budgeted = Participant {
                 policy: Some(Policy {
                     msgs_per_s: None,
@@ -63,7 +63,8 @@ pub fn sim_config(budgets: bool) -> Config {
                 ..open
             };
             for name in BUDGETED {
-                ns.participants.insert(name.to_string(), budgeted.clone());
+                ns.participants
+                    .insert(name.to_string(), budgeted.clone().into());
             }
         }
     }
