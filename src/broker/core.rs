@@ -699,7 +699,7 @@ pub struct Broker {
     store_scratch: (String, HeaderMap),
     /// The last `send`'s envelope and inbox subject, their strings emptied and written
     /// again by the next (each at most a participant key, an id or a timestamp long).
-    send_scratch: (Option<Envelope>, String),
+    send_scratch: (Option<Box<Envelope>>, String),
     /// Frames' buffers handed back by the shell once done with their text
     /// ([`frame_done`](Self::frame_done)), for the `ok` and `message` frames every message
     /// makes: at most `SPARE_FRAMES`, each at most `SPARE_FRAME_BYTES`.
