@@ -2453,6 +2453,13 @@ fn participant_key(ns: &str, name: &str) -> String {
     key
 }
 
+/// A participant key's namespace and name: `split_once('/')` as a byte loop, as a key is
+/// a few bytes and the searcher `split_once` sets up cost 110 instructions a delivery.
+fn split_key(key: &str) -> Option<(&str, &str)> {
+    let at = key.bytes().position(|b| b == b'/')?;
+    Some((key.get(..at)?, key.get(at + 1..)?))
+}
+
 fn base64_url(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
@@ -2469,6 +2476,26 @@ mod tests {
 
     const TOKEN: &str = "test-token";
     const WALL_MS: i64 = 1_800_000_000_000; // 2027-01-15T08:00:00.000Z
+
+    /// `split_once('/')`, which it replaced, as the oracle.
+    #[test]
+    fn a_key_splits_as_split_once_splits_it() {
+        for key in [
+            "",
+            "/",
+            "acme/alice",
+            "acme/",
+            "/alice",
+            "a/b/c",
+            "acme",
+            "é/ü",
+            "ns/ñame/",
+            "//",
+            "x//y",
+        ] {
+            assert_eq!(split_key(key), key.split_once('/'), "{key:?}");
+        }
+    }
 
     fn broker(t0: Instant, seed: [u8; 32]) -> Broker {
         let config = Config::development(crate::keygen::token_sha256(TOKEN));

@@ -524,7 +524,7 @@ impl Broker {
         mut msg: Message,
         now: Instant,
     ) {
-        let parts = participant.split_once('/');
+        let parts = split_key(participant);
         let window = parts.map_or(64, |(ns, _)| self.inbox_window(ns));
         let Some(p) = self.presence.get_mut(participant) else {
             if let Some(reply) = msg.reply.as_deref().filter(|_| msg.status().is_none()) {
