@@ -234,6 +234,19 @@ mod tests {
         // Runs in order across seconds, minutes and a day, and back again.
         times.extend((0..3000).map(|i| 1_795_939_199_000 + i * 7));
         times.extend((0..100).map(|i| 1_795_939_199_500 - i * 13));
+        // A clock wandering both ways across a new year (2027-01-01T00:00:00Z), the
+        // epoch and year 10000, stepping back into the second it just left.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for start in [1_798_761_599_000i64, -1500, 253_402_300_799_000] {
+            let mut ms = start;
+            for _ in 0..20_000 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ms += (state % 3001) as i64 - 1500;
+                times.push(ms);
+            }
+        }
         for ms in times {
             let (mut want, mut got) = (String::from("x"), String::from("x"));
             push_millis(&mut want, ms);

@@ -348,6 +348,112 @@ mod tests {
             .unwrap_or(s.len())
     }
 
+    /// Every string over `alphabet` of `0..=max` bytes, each also behind prefixes that put
+    /// it across the first chunk's end and into the tail (0 to 17 filler bytes).
+    fn every_string(alphabet: &[u8], max: usize, mut check: impl FnMut(&[u8])) {
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new()];
+        for len in 0..=max {
+            for case in &cases {
+                for pad in [0, 1, 7, 8, 11, 12, 13, 14, 15, 16, 17] {
+                    let mut s = vec![b'a'; pad];
+                    s.extend_from_slice(case);
+                    check(&s);
+                }
+            }
+            if len < max {
+                cases = cases
+                    .iter()
+                    .flat_map(|c| alphabet.iter().map(move |&b| [c.as_slice(), &[b]].concat()))
+                    .collect();
+            }
+        }
+    }
+
+    /// The scans' answers computed a byte at a time.
+    fn slow_double_dot(s: &[u8]) -> bool {
+        s.windows(2).any(|w| w == b"..")
+    }
+
+    #[test]
+    fn every_scan_answers_as_a_byte_loop_over_every_short_string_of_nasty_bytes() {
+        let alphabet = b"\"\\.*>09a{}\x00\x7f\xff \x1f\x80\t";
+        let mut checked = 0usize;
+        every_string(alphabet, 4, |s| {
+            checked += 1;
+            for (below, stops) in [
+                (0x20, [b'"', b'\\', 0x7f]),
+                (0x21, [0x7f, b'*', b'>']),
+                (0, [b' ', b'*', b'>']),
+            ] {
+                assert_eq!(run_len(s, below, stops), slow(s, below, stops), "{s:?}");
+            }
+            assert_eq!(
+                json_plain_len(s),
+                slow(s, 0x20, [b'"', b'\\', 0x7f]),
+                "{s:?}"
+            );
+            let subject = (slow(s, 0x21, [0x7f, b'*', b'>']) == s.len())
+                .then(|| (slow_double_dot(s), s.is_ascii()));
+            assert_eq!(plain_subject(s), subject, "{s:?}");
+            let stops = [b' ', b'\t', b'\r', b'\n', 0x0c, b'*', b'>'];
+            let literal = (slow(s, 0, stops) == s.len()).then(|| slow_double_dot(s));
+            assert_eq!(double_dot_unless(s, stops), literal, "{s:?}");
+            // A stop of zero: the tail's padding must not be taken for it.
+            let zero = (slow(s, 0, [0]) == s.len()).then(|| slow_double_dot(s));
+            assert_eq!(double_dot_unless(s, [0]), zero, "{s:?}");
+            assert_eq!(has_double_dot(s), slow_double_dot(s), "{s:?}");
+            let want: Vec<usize> = (0..s.len()).filter(|&i| s[i] == b'.').collect();
+            let (at, count) = dots::<3>(s);
+            assert_eq!(count, want.len(), "{s:?}");
+            assert_eq!(&at[..count.min(3)], &want[..count.min(3)], "{s:?}");
+        });
+        assert!(checked > 100_000, "{checked}");
+    }
+
+    #[test]
+    fn digits_read_every_short_string_of_digits_and_near_digits_as_parse_does() {
+        let reference = |s: &[u8]| {
+            std::str::from_utf8(s)
+                .ok()
+                .filter(|t| !t.is_empty() && t.len() <= 19 && t.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|t| t.parse::<u64>().ok())
+        };
+        // Every string of up to four bytes over digits and the bytes around them, alone
+        // and behind runs of digits that place it across each 8-digit group.
+        let alphabet = b"0189/:\x00\xb0\xb9\x40a.-+ ";
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..4 {
+            cases = cases
+                .iter()
+                .flat_map(|c| alphabet.iter().map(move |&b| [c.as_slice(), &[b]].concat()))
+                .chain(cases.iter().cloned())
+                .collect();
+            cases.sort();
+            cases.dedup();
+        }
+        for case in &cases {
+            for lead in 0..=16 {
+                let mut s: Vec<u8> = (0..lead).map(|i| b"9876543210"[i % 10]).collect();
+                s.extend_from_slice(case);
+                assert_eq!(digits(&s), reference(&s), "{s:?}");
+            }
+        }
+        for n in [
+            0,
+            1,
+            10_000_000,
+            99_999_999,
+            100_000_000,
+            u64::MAX / 10,
+            9_999_999_999_999_999_999,
+        ] {
+            for width in 1..=21 {
+                let s = format!("{n:0width$}");
+                assert_eq!(digits(s.as_bytes()), reference(s.as_bytes()), "{s}");
+            }
+        }
+    }
+
     #[test]
     fn a_tail_reads_as_its_bytes_padded_with_zeros() {
         let bytes: Vec<u8> = (0..16u8).map(|i| 0xf1 - i * 15).collect();

@@ -382,3 +382,95 @@ fn fast_path_and_schema_agree_on_fixture_frames() {
         assert!(v.decode_full(text).is_ok(), "schema accepts {text}");
     }
 }
+
+/// `op` where the fast path's guess at it can be wrong: twice, with an escaped name or
+/// value, spaced, inside another member's string or a nested object, and every other
+/// member repeated, escaped or unknown, each placed at every position of every common
+/// frame. The guess must never make the fast path take what the schema reads otherwise.
+#[test]
+fn fast_path_and_schema_agree_wherever_op_and_odd_members_sit() {
+    let v = validator();
+    let frames: &[&[&str]] = &[
+        &[
+            r#""op":"send""#,
+            r#""id":"s1""#,
+            r#""to":"w""#,
+            r#""body":1"#,
+        ],
+        &[r#""op":"ack""#, r#""seq":5"#],
+        &[r#""op":"nak""#, r#""seq":5"#, r#""delay_ms":1"#],
+        &[r#""op":"ping""#, r#""id":"p""#],
+        &[
+            r#""op":"submit""#,
+            r#""id":"s1""#,
+            r#""job":"j""#,
+            r#""body":{}"#,
+        ],
+        &[r#""op":"claim""#, r#""id":"c""#, r#""task":"t""#],
+        &[r#""op":"complete""#, r#""id":"c""#, r#""task":"t""#],
+    ];
+    let odd = [
+        r#""op":"send""#,
+        r#""op":"ack""#,
+        r#""op":"ping""#,
+        r#""op":"hello""#,
+        r#""op":null"#,
+        r#""o\u0070":"send""#,
+        r#""\u006fp":"ack""#,
+        r#""op":"s\u0065nd""#,
+        r#""op":"send\"""#,
+        r#""op" : "ack""#,
+        r#""x":"{\"op\":\"send\"""#,
+        r#""x":"{\"op\":\"ack\",\"seq\":1}""#,
+        r#""body":{"op":"send","id":"s1","to":"w","body":1}"#,
+        r#""body":"\"op\":\"ping\"""#,
+        r#""id":"s2""#,
+        r#""id":"\u0073""#,
+        r#""i\u0064":"s1""#,
+        r#""seq":6"#,
+        r#""seq":"6""#,
+        r#""s\u0065q":6"#,
+        r#""to":"w2""#,
+        r#""body":2"#,
+        r#""task":"t""#,
+        r#""idem":"k""#,
+        r#""sub":"s""#,
+        r#""headers":{}"#,
+        r#""OP":"send""#,
+        r#""op ":"send""#,
+        r#""":1"#,
+    ];
+    let mut checked = 0;
+    for members in frames {
+        let mut variants: Vec<Vec<&str>> = vec![members.to_vec()];
+        // The frame with its op moved to every position.
+        for at in 1..members.len() {
+            let mut moved = members[1..].to_vec();
+            moved.insert(at, members[0]);
+            variants.push(moved);
+        }
+        for base in variants {
+            for extra in odd {
+                for at in 0..=base.len() {
+                    let mut m = base.clone();
+                    m.insert(at, extra);
+                    for (open, sep, close) in
+                        [("{", ",", "}"), (" { ", " , ", " } "), ("{", ",\n", "}")]
+                    {
+                        let text = format!("{open}{}{close}", m.join(sep));
+                        assert_same(&v, &text);
+                        checked += 1;
+                    }
+                }
+                // The odd member in place of the op.
+                let mut m = base.clone();
+                if let Some(op) = m.iter().position(|s| s.starts_with(r#""op""#)) {
+                    m[op] = extra;
+                    assert_same(&v, &format!("{{{}}}", m.join(",")));
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "{checked}");
+}

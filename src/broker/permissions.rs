@@ -111,30 +111,63 @@ mod tests {
         assert!(!covers("orders.eu.>", "orders.*.x"));
     }
 
+    /// The walk as it was, over `str::split`: the oracle of the byte-wise one.
+    fn by_str_split(outer: &str, inner: &str) -> bool {
+        let mut o = outer.split('.');
+        let mut i = inner.split('.');
+        loop {
+            match (o.next(), i.next()) {
+                (None, None) => return true,
+                (Some(">"), Some(_)) => return true,
+                (Some("*"), Some(t)) => {
+                    if t == ">" {
+                        return false;
+                    }
+                }
+                (Some(a), Some(b)) => {
+                    if a != b || b == "*" || b == ">" {
+                        return false;
+                    }
+                }
+                _ => return false,
+            }
+        }
+    }
+
     #[test]
-    fn covering_reads_tokens_as_str_split_does() {
-        // The walk as it was, over `str::split`: the oracle of the byte-wise one.
-        fn by_str_split(outer: &str, inner: &str) -> bool {
-            let mut o = outer.split('.');
-            let mut i = inner.split('.');
-            loop {
-                match (o.next(), i.next()) {
-                    (None, None) => return true,
-                    (Some(">"), Some(_)) => return true,
-                    (Some("*"), Some(t)) => {
-                        if t == ">" {
-                            return false;
-                        }
-                    }
-                    (Some(a), Some(b)) => {
-                        if a != b || b == "*" || b == ">" {
-                            return false;
-                        }
-                    }
-                    _ => return false,
+    fn covering_reads_every_short_pair_as_str_split_and_nats_matching_do() {
+        // Every string of up to four characters over these: empty tokens, `>` not last,
+        // `*` inside a token, doubled and trailing dots, a non-ASCII character.
+        let alphabet = ["a", "b", ".", "*", ">", "é"];
+        let mut strings = vec![String::new()];
+        let mut last = vec![String::new()];
+        for _ in 0..4 {
+            last = last
+                .iter()
+                .flat_map(|s| alphabet.iter().map(move |c| format!("{s}{c}")))
+                .collect();
+            strings.extend(last.iter().cloned());
+        }
+        use crate::proto::subject::{matches, validate_pattern, validate_subject};
+        for outer in &strings {
+            let pattern = validate_pattern(outer.as_bytes()).is_ok();
+            for inner in &strings {
+                let covered = covers(outer, inner);
+                assert_eq!(covered, by_str_split(outer, inner), "{outer:?} {inner:?}");
+                // A literal target is covered exactly when NATS would match it.
+                if pattern && validate_subject(inner.as_bytes()).is_ok() {
+                    assert_eq!(
+                        covered,
+                        matches(outer.as_bytes(), inner.as_bytes()),
+                        "{outer:?} {inner:?}"
+                    );
                 }
             }
         }
+    }
+
+    #[test]
+    fn covering_reads_tokens_as_str_split_does() {
         let tokens = ["", "a", "b", "*", ">", "é", "a*", ">>"];
         let mut subjects: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
         for a in tokens {

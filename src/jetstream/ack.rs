@@ -339,6 +339,77 @@ mod tests {
     }
 
     #[test]
+    fn the_one_pass_reading_agrees_with_token_by_token_on_random_subjects() {
+        // Numbers with a non-digit at each place of an 8-digit group, leading zeros, 19,
+        // 20 and 21 digits around `u64::MAX`; names that are empty, dots, non-ASCII.
+        let mut tokens: Vec<String> = [
+            "$JS",
+            "ACK",
+            "",
+            "_",
+            "S",
+            "é",
+            "ü.",
+            "0",
+            "00",
+            "007",
+            "9",
+            "1:",
+            "/1",
+            "9999999999999999999",
+            "09999999999999999999",
+            "18446744073709551615",
+            "018446744073709551615",
+            "18446744073709551616",
+            "99999999999999999999",
+            "100000000000000000000",
+            "12345678",
+            "123456789",
+            "1234567890123456",
+            "12345678901234567",
+        ]
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+        for len in [7, 8, 9, 15, 16, 17, 19, 20] {
+            for at in 0..len {
+                for bad in ['/', ':', 'a', '\u{b0}', ' ', '.'] {
+                    let mut t: Vec<char> =
+                        (0..len).map(|i| (b'1' + (i % 9) as u8) as char).collect();
+                    t[at] = bad;
+                    tokens.push(t.into_iter().collect());
+                }
+            }
+        }
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            state.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        };
+        for _ in 0..200_000 {
+            let count = (next() % 15) as usize;
+            let mut parts: Vec<&str> = Vec::with_capacity(count);
+            for i in 0..count {
+                let r = next();
+                // Mostly a real ack subject's start, so the numbers are reached.
+                parts.push(match (i, r % 8) {
+                    (0, 0..=6) => "$JS",
+                    (1, 0..=6) => "ACK",
+                    _ => &tokens[(r >> 8) as usize % tokens.len()],
+                });
+            }
+            let subject = parts.join(".");
+            assert_eq!(
+                AckMetadata::parse(&subject),
+                parse_token_by_token(&subject),
+                "{subject:?}"
+            );
+        }
+    }
+
+    #[test]
     fn malformed_ack_subjects_are_errors() {
         for bad in [
             "",

@@ -308,6 +308,70 @@ mod tests {
     }
 
     #[test]
+    fn the_plain_pub_ack_agrees_with_the_general_parse_on_assembled_replies() {
+        // Every reply made of these pieces in a row: the plain form's own, `seq` in a
+        // string, twice, negative, a float, huge, an error beside it, spacing, escapes.
+        let pieces: &[&[u8]] = &[
+            b"{\"stream\":\"",
+            b"S",
+            b"\\u00e9",
+            b"\xc3\xa9",
+            b"\xff",
+            b"\x7f",
+            b"\\\"",
+            b"\"",
+            b",\"domain\":\"",
+            b",\"seq\":",
+            b"\",\"seq\":",
+            b"\"seq\":1,\"x\":\"",
+            b"0",
+            b"1",
+            b"01",
+            b"-1",
+            b"1.5",
+            b"1e3",
+            b"18446744073709551615",
+            b"18446744073709551616",
+            b",\"duplicate\":true",
+            b",\"error\":{\"code\":503,\"description\":\"x\"}",
+            b" ",
+            b"}",
+        ];
+        let mut checked = 0;
+        let mut check = |payload: &[u8]| {
+            checked += 1;
+            let general = read_pub_ack(payload);
+            if let Some(plain) = plain_pub_ack(payload) {
+                assert_eq!(
+                    Ok(plain.owned()),
+                    general,
+                    "{:?}",
+                    payload.escape_ascii().to_string()
+                );
+            }
+            assert_eq!(
+                pub_ack_seq(None, payload),
+                general.map(|a| (a.seq, a.duplicate)),
+                "{:?}",
+                payload.escape_ascii().to_string()
+            );
+        };
+        // The plain form's skeleton with every choice of piece in each of its places.
+        for a in pieces {
+            for b in pieces {
+                for c in pieces {
+                    for d in pieces {
+                        check(&[b"{\"stream\":\"", *a, *b, b",\"seq\":", *c, *d].concat());
+                        check(&[b"{\"stream\":\"S\",\"domain\":\"", *a, *b, *c, *d].concat());
+                        check(&[*a, *b, *c, *d, b"}"].concat());
+                    }
+                }
+            }
+        }
+        assert!(checked > 300_000, "{checked}");
+    }
+
+    #[test]
     fn pub_ack_replies_decode_to_acks_or_typed_errors() {
         let ack = parse_pub_ack(None, br#"{"stream":"S","seq":3,"duplicate":true}"#).expect("ack");
         assert_eq!(

@@ -157,6 +157,23 @@ mod tests {
             }
             cases = next;
         }
+        // Bytes the one-pass scan could confuse (a zero like its tail's padding, DEL,
+        // non-ASCII, LF), placed across the end of the first 16-byte chunk and in the tail.
+        let alphabet = [b'a', b'.', b'*', b'>', b'\n', 0, 0x7f, 0xff, 0x0c, b' '];
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..4 {
+            cases = cases
+                .iter()
+                .flat_map(|c| alphabet.iter().map(move |&b| [c.as_slice(), &[b]].concat()))
+                .collect();
+            for case in &cases {
+                for pad in [1, 11, 12, 13, 14, 15, 16, 17, 28, 31] {
+                    let mut padded: Vec<u8> = (0..pad).map(|i| b"a.b"[i % 3]).collect();
+                    padded.extend_from_slice(case);
+                    assert_eq!(validate_subject(&padded), walk(&padded), "{padded:?}");
+                }
+            }
+        }
     }
 
     #[test]
