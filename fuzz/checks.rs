@@ -301,6 +301,14 @@ pub fn check_subject(data: &[u8]) {
     let got = subject::matches(pattern, subj);
     if ref_valid_pattern(pattern) && ref_valid_subject(subj) {
         assert_eq!(got, ref_matches(&ref_tokens(pattern), &ref_tokens(subj)));
+        // A permission pattern covers a literal target exactly when NATS would match it.
+        if let (Ok(p), Ok(t)) = (std::str::from_utf8(pattern), std::str::from_utf8(subj)) {
+            assert_eq!(
+                amp_broker::broker::permissions::covers(p, t),
+                got,
+                "{p:?} {t:?}"
+            );
+        }
     }
     if ref_valid_subject(subj) {
         assert!(subject::matches(subj, subj), "a literal matches itself");
@@ -431,4 +439,89 @@ pub fn check_roundtrip(data: &[u8]) {
     }
     let split = parse_split(&p, &wire, &mut Rng::new(data.len() as u64));
     assert_eq!(whole, split);
+}
+
+/// The `$JS.ACK` subject as read token by token with `str::split` and `str::parse`: the
+/// reference of the one-pass reading (SSE2 dots, eight digits at a time).
+#[allow(clippy::type_complexity)]
+fn ref_ack_metadata(s: &str) -> Option<(Option<&str>, Option<&str>, &str, &str, [u64; 5])> {
+    let t: Vec<&str> = s.split('.').collect();
+    if t.len() < 2 || t[0] != "$JS" || t[1] != "ACK" {
+        return None;
+    }
+    let (domain, hash, rest) = match t.len() {
+        9 => (None, None, &t[2..9]),
+        n if n >= 11 => (
+            Some(t[2]).filter(|d| *d != "_" && !d.is_empty()),
+            Some(t[3]),
+            &t[4..11],
+        ),
+        _ => return None,
+    };
+    if rest[0].is_empty() || rest[1].is_empty() {
+        return None;
+    }
+    let mut n = [0u64; 5];
+    for (slot, text) in n.iter_mut().zip(&rest[2..]) {
+        // `parse` also takes a leading `+`, which the subject must not have.
+        if !text.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        *slot = text.parse().ok()?;
+    }
+    Some((domain, hash, rest[0], rest[1], n))
+}
+
+/// Target `jetstream_reply`: bytes from a NATS peer read as a delivery's `$JS.ACK` subject
+/// and as a PubAck, each fast reader held to a reference: the subject to `str::split`,
+/// the PubAck to `serde_json::Value` (whatever the plain reader takes, serde reads the
+/// same way).
+pub fn check_jetstream_reply(data: &[u8]) {
+    use amp_broker::jetstream::ack::AckMetadata;
+    use amp_broker::jetstream::publish::{parse_pub_ack, pub_ack_seq};
+    if let Ok(text) = std::str::from_utf8(data) {
+        let got = AckMetadata::parse(text).ok().map(|m| {
+            (
+                m.domain,
+                m.account_hash,
+                m.stream,
+                m.consumer,
+                [
+                    m.delivered,
+                    m.stream_sequence,
+                    m.consumer_sequence,
+                    m.timestamp_nanos,
+                    m.pending,
+                ],
+            )
+        });
+        assert_eq!(got, ref_ack_metadata(text), "ack subject {text:?}");
+    }
+    let seq = pub_ack_seq(None, data);
+    let full = parse_pub_ack(None, data);
+    assert_eq!(
+        seq,
+        full.clone().map(|a| (a.seq, a.duplicate)),
+        "pub_ack_seq and parse_pub_ack differ"
+    );
+    // Only where `Value` reads the reply: the general parse skips members it does not
+    // know without checking their strings (invalid UTF-8 there is taken), which the plain
+    // reader never does (its form has no other member).
+    if let (Ok(ack), Ok(v)) = (full, serde_json::from_slice::<serde_json::Value>(data)) {
+        assert!(v.get("error").is_none_or(|e| e.is_null()), "{v}");
+        assert_eq!(v.get("seq").and_then(|s| s.as_u64()), Some(ack.seq), "{v}");
+        assert_eq!(
+            v.get("stream").and_then(|s| s.as_str()),
+            Some(ack.stream.as_str())
+        );
+        assert_eq!(
+            v.get("domain").and_then(|s| s.as_str()),
+            ack.domain.as_deref()
+        );
+        let dup = v
+            .get("duplicate")
+            .and_then(|d| d.as_bool())
+            .unwrap_or(false);
+        assert_eq!(dup, ack.duplicate, "{v}");
+    }
 }

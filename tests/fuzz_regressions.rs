@@ -25,6 +25,11 @@ fn subject_seeds_and_regressions_hold() {
 }
 
 #[test]
+fn jetstream_reply_seeds_and_regressions_hold() {
+    assert!(replay("jetstream_reply", checks::check_jetstream_reply) >= 6);
+}
+
+#[test]
 fn roundtrip_seeds_and_regressions_hold() {
     assert!(replay("roundtrip", checks::check_roundtrip) >= 1);
 }
