@@ -37,29 +37,7 @@ pub fn run_len<const N: usize>(s: &[u8], below: u8, stops: [u8; N]) -> usize {
         }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
-    {
-        let below_in = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
-        let mut done = 0;
-        for chunk in s.chunks_exact(8) {
-            let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(chunk);
-            let w = u64::from_le_bytes(bytes);
-            let mut hit = below_in(w, below);
-            for stop in stops {
-                hit |= below_in(w ^ (ONES * u64::from(stop)), 1);
-            }
-            if hit != 0 {
-                return done + (hit.trailing_zeros() / 8) as usize;
-            }
-            done += 8;
-        }
-        let tail = s.get(done..).unwrap_or_default();
-        // Every stop compared without a branch (`contains` calls a byte search per byte).
-        done + tail
-            .iter()
-            .position(|&b| b < below || stops.iter().fold(false, |hit, &s| hit | (s == b)))
-            .unwrap_or(tail.len())
-    }
+    portable::run_len(s, below, stops)
 }
 
 /// A 16-byte chunk as its two little-endian words.
@@ -162,9 +140,7 @@ pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
         Some((double, high == 0))
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
-    {
-        (run_len(s, 0x21, [0x7f, b'*', b'>']) == s.len()).then(|| (has_double_dot(s), s.is_ascii()))
-    }
+    portable::plain_subject(s)
 }
 
 /// A literal subject's byte checks in one pass: `None` when `s` holds one of `stops` (the
@@ -196,9 +172,7 @@ pub fn double_dot_unless<const N: usize>(s: &[u8], stops: [u8; N]) -> Option<boo
         Some(double)
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
-    {
-        (run_len(s, 0, stops) == s.len()).then(|| has_double_dot(s))
-    }
+    portable::double_dot_unless(s, stops)
 }
 
 /// Of a 16-byte chunk (its two words), one bit per byte: at or below space, DEL, `*` or
@@ -298,7 +272,49 @@ fn dot_mask((lo, hi): (u64, u64)) -> u32 {
         }
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
-    {
+    portable::dot_mask((lo, hi))
+}
+
+/// The scans without SSE2, a word at a time (aarch64 edge nodes, among others). Always
+/// compiled, so the tests on x86_64 hold them to the byte loops too: a build for another
+/// target runs no code the test suite has not run.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "sse2"), allow(dead_code))]
+mod portable {
+    use super::{HIGH, ONES, has_double_dot};
+
+    pub fn run_len<const N: usize>(s: &[u8], below: u8, stops: [u8; N]) -> usize {
+        let below_in = |v: u64, n: u8| v.wrapping_sub(ONES * u64::from(n)) & !v & HIGH;
+        let mut done = 0;
+        for chunk in s.chunks_exact(8) {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            let w = u64::from_le_bytes(bytes);
+            let mut hit = below_in(w, below);
+            for stop in stops {
+                hit |= below_in(w ^ (ONES * u64::from(stop)), 1);
+            }
+            if hit != 0 {
+                return done + (hit.trailing_zeros() / 8) as usize;
+            }
+            done += 8;
+        }
+        let tail = s.get(done..).unwrap_or_default();
+        // Every stop compared without a branch (`contains` calls a byte search per byte).
+        done + tail
+            .iter()
+            .position(|&b| b < below || stops.iter().fold(false, |hit, &s| hit | (s == b)))
+            .unwrap_or(tail.len())
+    }
+
+    pub fn plain_subject(s: &[u8]) -> Option<(bool, bool)> {
+        (run_len(s, 0x21, [0x7f, b'*', b'>']) == s.len()).then(|| (has_double_dot(s), s.is_ascii()))
+    }
+
+    pub fn double_dot_unless<const N: usize>(s: &[u8], stops: [u8; N]) -> Option<bool> {
+        (run_len(s, 0, stops) == s.len()).then(|| has_double_dot(s))
+    }
+
+    pub fn dot_mask((lo, hi): (u64, u64)) -> u32 {
         (lo.to_le_bytes().into_iter().chain(hi.to_le_bytes()))
             .enumerate()
             .fold(0, |m, (i, b)| m | (u32::from(b == b'.') << i))
@@ -386,6 +402,8 @@ mod tests {
                 (0, [b' ', b'*', b'>']),
             ] {
                 assert_eq!(run_len(s, below, stops), slow(s, below, stops), "{s:?}");
+                let portable = portable::run_len(s, below, stops);
+                assert_eq!(portable, slow(s, below, stops), "{s:?}");
             }
             assert_eq!(
                 json_plain_len(s),
@@ -395,14 +413,25 @@ mod tests {
             let subject = (slow(s, 0x21, [0x7f, b'*', b'>']) == s.len())
                 .then(|| (slow_double_dot(s), s.is_ascii()));
             assert_eq!(plain_subject(s), subject, "{s:?}");
+            assert_eq!(portable::plain_subject(s), subject, "{s:?}");
             let stops = [b' ', b'\t', b'\r', b'\n', 0x0c, b'*', b'>'];
             let literal = (slow(s, 0, stops) == s.len()).then(|| slow_double_dot(s));
             assert_eq!(double_dot_unless(s, stops), literal, "{s:?}");
+            assert_eq!(portable::double_dot_unless(s, stops), literal, "{s:?}");
             // A stop of zero: the tail's padding must not be taken for it.
             let zero = (slow(s, 0, [0]) == s.len()).then(|| slow_double_dot(s));
             assert_eq!(double_dot_unless(s, [0]), zero, "{s:?}");
+            assert_eq!(portable::double_dot_unless(s, [0]), zero, "{s:?}");
             assert_eq!(has_double_dot(s), slow_double_dot(s), "{s:?}");
             let want: Vec<usize> = (0..s.len()).filter(|&i| s[i] == b'.').collect();
+            let mut chunk = [0u8; 16];
+            let head = &s[..s.len().min(16)];
+            chunk[..head.len()].copy_from_slice(head);
+            let mask = head
+                .iter()
+                .enumerate()
+                .fold(0, |m, (i, &b)| m | (u32::from(b == b'.') << i));
+            assert_eq!(portable::dot_mask(chunk_words(&chunk)), mask, "{s:?}");
             let (at, count) = dots::<3>(s);
             assert_eq!(count, want.len(), "{s:?}");
             assert_eq!(&at[..count.min(3)], &want[..count.min(3)], "{s:?}");
