@@ -91,11 +91,13 @@ fn a_sessions_end_is_logged_with_its_participant_and_close_code() {
     let nats = NatsServer::start();
     let mut broker = Broker::start_with(
         &nats.url(),
-        &open_config(&["a", "b"]),
+        &open_config(&["a", "b", "c"]),
         &["--log-format", "json"],
     );
     let a = Client::login(&broker, "acme", "a", "a-token");
     let mut b = Client::login(&broker, "acme", "b", "b-token");
+    // Gone without a close frame.
+    drop(Client::login(&broker, "acme", "c", "c-token"));
     let mut ws = a.into_websocket();
     use tungstenite::protocol::{CloseFrame, frame::coding::CloseCode};
     let normal = CloseFrame {
@@ -119,7 +121,7 @@ fn a_sessions_end_is_logged_with_its_participant_and_close_code() {
             .collect()
     };
     assert!(
-        common::wait_until(WAIT, || ended(&broker.log()).len() >= 2),
+        common::wait_until(WAIT, || ended(&broker.log()).len() >= 3),
         "no end lines; log:\n{}",
         broker.log()
     );
@@ -134,6 +136,11 @@ fn a_sessions_end_is_logged_with_its_participant_and_close_code() {
     assert!(a_end["session"].is_string(), "{a_end}");
     let b_end = of("acme/b").unwrap_or_else(|| panic!("no end line for b:\n{log}"));
     assert_eq!(b_end["msg"], "session ended: 1000 bye", "{b_end}");
+    let c_end = of("acme/c").unwrap_or_else(|| panic!("no end line for c:\n{log}"));
+    assert_eq!(
+        c_end["msg"], "session ended: 1006 connection lost",
+        "{c_end}"
+    );
     // Each once, and none for the connection that never said hello (it is at `debug`).
-    assert_eq!(ended.len(), 2, "{log}");
+    assert_eq!(ended.len(), 3, "{log}");
 }

@@ -206,6 +206,8 @@ pub mod close {
     pub const NORMAL: u16 = 1000;
     pub const GOING_AWAY: u16 = 1001;
     pub const POLICY: u16 = 1008;
+    /// Reported for a peer gone without a close frame; never sent.
+    pub const ABNORMAL: u16 = 1006;
 }
 
 /// How long a JetStream request may take before the client hears `unavailable`: under

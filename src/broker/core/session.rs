@@ -43,7 +43,12 @@ impl Broker {
         by_peer: bool,
     ) {
         let id = format_args!("{}-{session}", self.broker_id);
-        let by = if by_peer { "by the peer" } else { reason };
+        // A vanished peer sent no close: the reason is the transport's own.
+        let by = if by_peer && code != close::ABNORMAL {
+            "by the peer"
+        } else {
+            reason
+        };
         match self.participant_of(session) {
             Some(p) => log::info!(session:% = id, participant:% = p; "session ended: {code} {by}"),
             None => log::debug!(session:% = id; "session ended: {code} {by}"),
