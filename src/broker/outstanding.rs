@@ -11,6 +11,11 @@ use std::collections::HashSet;
 /// Requests a pipelining client keeps in flight (the load bench: 16 `send`s).
 pub const INLINE: usize = 32;
 
+/// Largest answered id string kept for a later id: the schema allows 64 characters, up
+/// to 256 bytes, and what a session keeps after its answers is at most
+/// [`INLINE`] times this.
+const KEEP: usize = 64;
+
 #[derive(Debug, Default)]
 pub struct Outstanding {
     /// A word per listed id ([`tag`]), in the order of `ids`: compared before the id.
@@ -78,10 +83,14 @@ impl Outstanding {
         let Some(i) = self.position(id) else {
             return !self.more.is_empty() && self.more.remove(id);
         };
-        // The last listed id takes its place; its string stays, for the next id.
+        // The last listed id takes its place; its string stays, for the next id, unless
+        // it is larger than the ids of most clients.
         let last = self.tags.len() - 1;
         self.tags.swap_remove(i);
         self.ids.swap(i, last);
+        if let Some(kept) = self.ids.get_mut(last).filter(|s| s.capacity() > KEEP) {
+            *kept = String::new();
+        }
         true
     }
 }
@@ -130,6 +139,22 @@ mod tests {
         for id in &ids {
             assert_eq!(set.contains(id), oracle.contains(id));
         }
+    }
+
+    /// What a session keeps after its answers is bounded by [`KEEP`] per string, whatever
+    /// length of ids it used.
+    #[test]
+    fn an_answered_long_id_is_not_kept() {
+        let mut set = Outstanding::default();
+        let long = "é".repeat(64);
+        assert!(set.insert(&long) && set.insert("short"));
+        assert!(set.remove(&long) && set.remove("short"));
+        assert!(
+            set.ids.iter().all(|s| s.capacity() <= KEEP),
+            "{:?}",
+            set.ids
+        );
+        assert!(set.insert("again") && set.contains("again") && !set.contains(&long));
     }
 
     #[test]
