@@ -423,6 +423,15 @@ impl Registry {
             .map(|(name, m)| (name, &m.shown))
     }
 
+    /// Entries that count toward the cap: during a re-read only those it has read again,
+    /// since the rest go when it is done. Until then the mirror holds at most the cap
+    /// more.
+    fn held(&self) -> usize {
+        self.confirmed
+            .as_ref()
+            .map_or(self.entries.len(), BTreeSet::len)
+    }
+
     /// Keys left out: not a participant's name, and past the cap.
     pub fn refused(&self) -> (u64, u64) {
         (self.refused.names, self.refused.full)
@@ -461,8 +470,7 @@ impl Registry {
                     if value.is_some() {
                         match admit(&name) {
                             Admit::Open
-                                if self.entries.len() >= cap
-                                    && !self.entries.contains_key(&name) =>
+                                if self.held() >= cap && !self.entries.contains_key(&name) =>
                             {
                                 self.refused.full += 1;
                                 self.refuse(&name, "one past the cap", now);
@@ -799,6 +807,30 @@ mod tests {
         assert_eq!(r.refused(), (0, 3));
         assert_eq!(Admit::of(&open, "a.b"), Admit::No);
         assert_eq!(Admit::of(&open, &"x".repeat(65)), Admit::No);
+    }
+
+    #[test]
+    fn a_re_read_counts_only_the_entries_it_has_read_toward_the_cap() {
+        // After an outage the watch reads every key again, and the entries that expired
+        // meanwhile are dropped only once that read is done: counted until then, they
+        // left the names that came meanwhile out until their brokers' next refresh.
+        let t0 = Instant::now();
+        let open = namespace(true, 3);
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
+            .expect("registry");
+        delivered(&mut r, &["o0", "o1", "o2"], t0);
+        let changes = r.poll_changes(t0, |n| Admit::of(&open, n), mirror_cap(&open));
+        assert_eq!(ups(&changes), ["o0", "o1", "o2"]);
+
+        let later = t0 + Duration::from_secs(120);
+        r.watcher().restart("reconnected", later);
+        delivered(&mut r, &["o2", "o3", "o4", "o5"], later);
+        let changes = r.poll_changes(later, |n| Admit::of(&open, n), mirror_cap(&open));
+        assert_eq!(ups(&changes), ["o3", "o4"], "{changes:?}");
+        let mut present: Vec<&str> = r.entries_after(None).map(|(n, _)| n.as_str()).collect();
+        present.sort_unstable();
+        assert_eq!(present, ["o2", "o3", "o4"]);
+        assert_eq!(r.refused(), (0, 1), "o5 is one past the cap");
     }
 
     #[test]
