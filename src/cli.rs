@@ -55,7 +55,7 @@ serve flags (each also read from the environment, see below):
                          unless --tls-require-client-cert)
   --tls-require-client-cert  refuse TLS clients without a certificate
   --plain-listen ADDR    a second, plain HTTP/WebSocket listener for internal use (metrics on
-                         loopback) beside the TLS one
+                         loopback) beside the TLS one; with it, /metrics is served there only
   --allowed-origin O     a browser Origin (https://app.example.com) that may open sessions
                          (repeatable, `*` for any); default: the same host only
   --nats-tls-ca FILE     CAs that sign the NATS servers' certificates (asks for TLS; default

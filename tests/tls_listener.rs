@@ -129,6 +129,13 @@ fn wss_and_https_share_the_tls_port_and_the_plain_listener_serves_internal_use()
         metrics.contains("amp_tls_handshake_failures_total"),
         "{metrics}"
     );
+    // With an internal listener, the public one keeps its metrics to itself: they name
+    // tenants' capabilities and counts, and `/metrics` asks for no credential.
+    let (status, body) = tls::https_get(tls_addr, client.clone(), "/metrics").expect("https");
+    assert_eq!(
+        (status, body.as_str()),
+        (404, "metrics are served on the internal listener\n")
+    );
 
     let mut a = Wss::connect(tls_addr, client.clone());
     let mut b = Wss::connect(tls_addr, client);

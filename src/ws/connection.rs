@@ -204,6 +204,9 @@ pub struct Connection {
     /// Its participant logged in: the configured output bound applies, not
     /// [`WAITING_OUTBOUND`].
     admitted: bool,
+    /// `/metrics` is not served here: the server has an internal listener for it, and
+    /// this connection came through the public one.
+    metrics_elsewhere: bool,
     /// Bytes of the text messages in `events`: decoded, not taken yet.
     decoded: usize,
     /// Output the layer under this connection (TLS) still holds for the peer: it counts
@@ -232,10 +235,17 @@ impl Connection {
             tokens: f64::from(cfg.frame_burst.max(1)),
             tokens_at: now,
             admitted: false,
+            metrics_elsewhere: false,
             decoded: 0,
             queued_below: 0,
             cfg,
         }
+    }
+
+    /// Came through the public listener of a server that serves `/metrics` on an internal
+    /// one: they name tenants' capabilities and counts, and ask for no credential.
+    pub fn keep_metrics_internal(&mut self) {
+        self.metrics_elsewhere = true;
     }
 
     /// Its participant logged in: from now on the configured output bound applies.
@@ -646,6 +656,12 @@ impl Connection {
         match request {
             Request::Health => self.respond_check(host.health(), now),
             Request::Live => self.respond_check(host.live(), now),
+            Request::Metrics if self.metrics_elsewhere => self.respond(
+                Status::NotFound,
+                "text/plain; charset=utf-8",
+                b"metrics are served on the internal listener\n",
+                now,
+            ),
             Request::Metrics => {
                 let mut body = String::new();
                 host.metrics(&mut body);

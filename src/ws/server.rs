@@ -861,9 +861,13 @@ impl WsServer {
                 self.free.push(index);
                 continue;
             }
+            let mut conn = Connection::new(now, Arc::clone(&self.cfg));
+            if !plain && self.plain_listener.is_some() {
+                conn.keep_metrics_internal();
+            }
             if let Some(entry) = self.slots.get_mut(index) {
                 *entry = Some(Box::new(Slot {
-                    conn: Connection::new(now, Arc::clone(&self.cfg)),
+                    conn,
                     tls: tls.map(Box::new),
                     stream,
                     peer,
