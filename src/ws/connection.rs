@@ -204,9 +204,9 @@ pub struct Connection {
     /// Its participant logged in: the configured output bound applies, not
     /// [`WAITING_OUTBOUND`].
     admitted: bool,
-    /// `/metrics` is not served here: the server has an internal listener for it, and
-    /// this connection came through the public one.
-    metrics_elsewhere: bool,
+    /// The server has an internal listener and this connection came through the public
+    /// one: `/metrics` and the probes' reasons are kept for the internal one.
+    internal_elsewhere: bool,
     /// Bytes of the text messages in `events`: decoded, not taken yet.
     decoded: usize,
     /// Output the layer under this connection (TLS) still holds for the peer: it counts
@@ -235,17 +235,18 @@ impl Connection {
             tokens: f64::from(cfg.frame_burst.max(1)),
             tokens_at: now,
             admitted: false,
-            metrics_elsewhere: false,
+            internal_elsewhere: false,
             decoded: 0,
             queued_below: 0,
             cfg,
         }
     }
 
-    /// Came through the public listener of a server that serves `/metrics` on an internal
-    /// one: they name tenants' capabilities and counts, and ask for no credential.
-    pub fn keep_metrics_internal(&mut self) {
-        self.metrics_elsewhere = true;
+    /// Came through the public listener of a server with an internal one: `/metrics`
+    /// names tenants' capabilities and counts, a probe's reason names namespaces and the
+    /// NATS link, and neither asks for a credential.
+    pub fn keep_internal_elsewhere(&mut self) {
+        self.internal_elsewhere = true;
     }
 
     /// Its participant logged in: from now on the configured output bound applies.
@@ -640,6 +641,12 @@ impl Connection {
     fn respond_check(&mut self, check: Result<(), String>, now: Instant) {
         match check {
             Ok(()) => self.respond(Status::Ok, "text/plain; charset=utf-8", b"ok\n", now),
+            Err(_) if self.internal_elsewhere => self.respond(
+                Status::Unavailable,
+                "text/plain; charset=utf-8",
+                b"unavailable: the internal listener says why\n",
+                now,
+            ),
             Err(reason) => {
                 let body = format!("{reason}\n");
                 self.respond(
@@ -656,7 +663,7 @@ impl Connection {
         match request {
             Request::Health => self.respond_check(host.health(), now),
             Request::Live => self.respond_check(host.live(), now),
-            Request::Metrics if self.metrics_elsewhere => self.respond(
+            Request::Metrics if self.internal_elsewhere => self.respond(
                 Status::NotFound,
                 "text/plain; charset=utf-8",
                 b"metrics are served on the internal listener\n",
@@ -1155,6 +1162,34 @@ mod tests {
         let (_, out, ev) = http("GET /nope HTTP/1.1\r\n\r\n");
         assert!(out.starts_with("HTTP/1.1 404 Not Found\r\n"));
         assert_eq!(ev, vec![ConnEvent::Http { status: 404 }]);
+    }
+
+    #[test]
+    fn a_public_connection_beside_an_internal_listener_keeps_what_is_internal() {
+        // The reasons a probe gives name namespaces (`AMP_INBOX_<ns>` being made again)
+        // and the broker's NATS link; the series of `/metrics` name tenants' capabilities.
+        let t0 = Instant::now();
+        let ask = |request: &[u8], host: &Host| {
+            let mut c = Connection::new(t0, WsConfig::default());
+            c.keep_internal_elsewhere();
+            c.handle_input(request, t0, host);
+            String::from_utf8(drain_output(&mut c)).unwrap()
+        };
+        let down = Host { healthy: false };
+        let out = ask(b"GET /readyz HTTP/1.1\r\n\r\n", &down);
+        assert!(
+            out.starts_with("HTTP/1.1 503 ")
+                && out.ends_with("\r\n\r\nunavailable: the internal listener says why\n"),
+            "{out}"
+        );
+        let out = ask(b"GET /readyz HTTP/1.1\r\n\r\n", &Host { healthy: true });
+        assert!(out.ends_with("\r\n\r\nok\n"), "{out}");
+        let out = ask(b"GET /metrics HTTP/1.1\r\n\r\n", &down);
+        assert!(
+            out.starts_with("HTTP/1.1 404 ")
+                && out.ends_with("metrics are served on the internal listener\n"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -863,7 +863,7 @@ impl WsServer {
             }
             let mut conn = Connection::new(now, Arc::clone(&self.cfg));
             if !plain && self.plain_listener.is_some() {
-                conn.keep_metrics_internal();
+                conn.keep_internal_elsewhere();
             }
             if let Some(entry) = self.slots.get_mut(index) {
                 *entry = Some(Box::new(Slot {
