@@ -66,6 +66,8 @@ const JS_TIMEOUT: Duration = Duration::from_secs(4);
 const PUBLISHED_SEQS: usize = 2048;
 /// Cancels answered `unavailable` remembered for their retry (a task key each).
 const UNSENT_CANCELS: usize = 1024;
+/// Cancelled tasks whose refused repeat this broker publishes again (a task key each).
+const REFUSED_REPEATS: usize = 1024;
 /// A pull request's lifetime; the server ends it with a 408 and a new one follows. It is
 /// also how long the queue may wait for a delivery lost on the way (a pull the server
 /// served whole ends without a word, and its slots stay asked for until then): 30 s held a
@@ -533,6 +535,10 @@ enum Pending {
     },
     /// A `task_result` on its way to the submitter's inbox; then the message's ack.
     Result(Finish),
+    /// The record of a cancelled task whose refused repeat is due again.
+    RepeatRead {
+        key: String,
+    },
     /// A failed task's message, read for its dead letter.
     LetterRead(Box<Outcome>),
     /// Its dead letter being stored.
@@ -558,6 +564,7 @@ impl Pending {
             Pending::SubmitExisting(_)
             | Pending::DeliveryRead { .. }
             | Pending::Read(_)
+            | Pending::RepeatRead { .. }
             | Pending::Status { .. } => NatsOp::KvGet,
             Pending::SubmitPublish { .. } | Pending::Result(_) | Pending::LetterStore { .. } => {
                 NatsOp::StreamPublish
@@ -605,6 +612,21 @@ struct Finish {
     /// A cancelled task's result published again for a later cancel: once stored, the
     /// record says so (see [`TaskRecord::result_sent`]).
     repeat: bool,
+    /// A repeat no cancel waits on: what its refusal tells.
+    unwaited: Option<Unwaited>,
+}
+
+/// When a repeat of a cancelled task's result that no cancel waits on (the cancel
+/// answered `conflict`) was published, as what its refusal tells: whether the cancel's own
+/// publish may still land after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unwaited {
+    /// Within `LAST_REPEAT_MS` of the cancel, written at `cancelled_ms`: it may.
+    Early { cancelled_ms: i64 },
+    /// Past it: that publish, if made at all, was stored by then, and JetStream answers a
+    /// repeat of a stored one (inside the duplicate window) as a duplicate, full or not.
+    /// Refused, none is stored.
+    Late,
 }
 
 struct Submission {
@@ -656,6 +678,11 @@ enum Timer {
     },
     ConsumerRetry {
         queue: String,
+    },
+    /// A refused repeat of cancelled task `key`'s result is due again (see
+    /// [`Jobs::refused_repeats`]).
+    Repeat {
+        key: String,
     },
 }
 
@@ -709,6 +736,12 @@ pub struct Jobs {
     /// publishes the result again and answers `ok`, where a cancel of a finished task
     /// answers `conflict`.
     unsent_cancels: BoundedMap<String, Unsent>,
+    /// Cancelled tasks whose repeat of the result no cancel waits on was refused early
+    /// ([`Unwaited::Early`]), with a timer each: the broker publishes it again until it is
+    /// stored, found a duplicate or refused late, which sets `result_refused` for a later
+    /// retry. Left alone, a cancel whose broker died before publishing the result, whose
+    /// retry's repeat was refused, had no result stored ever.
+    refused_repeats: BoundedMap<String, ()>,
     /// Paces the warnings about dead letters too large to store whole.
     trimmed_log: letters::TrimmedLog,
     /// Job queues whose consumer a reload changed the AckWait of (see
@@ -843,6 +876,7 @@ impl Jobs {
             page_bytes: (config.limits.session_room() / 4).clamp(1, PAGE_BYTES),
             letter_bytes: config.limits.session_room() / 4 * 3,
             unsent_cancels: BoundedMap::new(UNSENT_CANCELS),
+            refused_repeats: BoundedMap::new(REFUSED_REPEATS),
             trimmed_log: letters::TrimmedLog::default(),
             consumer_updates: Vec::new(),
         })
@@ -878,6 +912,7 @@ impl Jobs {
             }
             Timer::NextChange { key, generation } => task(key, *generation).is_some(),
             Timer::PullExpiry { .. } | Timer::ConsumerRetry { .. } => true,
+            Timer::Repeat { key } => self.refused_repeats.get(key).is_some(),
         }
     }
 
@@ -1871,6 +1906,7 @@ impl Jobs {
                     log::warn!(task:% = key; "cancelled task not dequeued: {e}");
                 }
             }
+            Pending::RepeatRead { key } => self.repeat_read(conn, &key, reply, now),
             Pending::Result(mut finish) => {
                 let answer = reply
                     .map_err(|e| e.to_string())
@@ -2098,6 +2134,11 @@ impl Jobs {
                     .is_some_and(|q| q.consumer == ConsumerState::Failed);
                 if failed {
                     self.create_consumer(conn, &queue, now);
+                }
+            }
+            Timer::Repeat { key } => {
+                if self.refused_repeats.remove(&key).is_some() {
+                    self.repeat_due(conn, key, now);
                 }
             }
         }
@@ -2633,6 +2674,17 @@ mod tests {
     }
 
     /// The `task_result`s of `task` stored in the namespace's inbox stream.
+    /// The latest record of `task` in the task store's stream.
+    fn last_record(h: &Harness, task: &str) -> Value {
+        h.server
+            .stream_messages("KV_AMP_TASK_STATE")
+            .iter()
+            .rev()
+            .filter_map(|m| serde_json::from_slice::<Value>(m.2).ok())
+            .find(|r| r["id"] == task)
+            .expect("record")
+    }
+
     fn stored_results(h: &Harness, task: &str) -> usize {
         h.server
             .stream_messages("AMP_INBOX_dev")
@@ -2807,14 +2859,7 @@ mod tests {
         let c = h.request(app_b, json!({"op":"cancel","task":task}));
         assert_eq!(c["code"], "unavailable", "its PubAck lost: {c}");
         assert_eq!(stored_results(&h, &task), 1, "stored, its PubAck lost");
-        let record = h
-            .server
-            .stream_messages("KV_AMP_TASK_STATE")
-            .iter()
-            .rev()
-            .filter_map(|m| serde_json::from_slice::<Value>(m.2).ok())
-            .find(|r| r["id"] == task.as_str())
-            .expect("record");
+        let record = last_record(&h, &task);
         assert_eq!(record["state"], "cancelled");
         assert!(record.get("result_refused").is_none(), "cleared: {record}");
         assert!(record.get("result_sent").is_none(), "{record}");
@@ -2866,6 +2911,99 @@ mod tests {
         }
         h.take(other);
         h.take(app_b);
+    }
+
+    #[test]
+    fn a_cancels_own_publish_landing_after_refused_repeats_is_stored_once() {
+        // Broker 1 publishes its refused repeat again on its own; the cancel's publish
+        // through broker 0, late on the way, lands between those repeats: the next one is
+        // a duplicate, and nothing is stored a second time, then or past the window.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let app = h.join(0, "app", json!({}));
+        let task = submit(&mut h, app, 1);
+        let app_b = h.join(1, "app", json!({}));
+        let other = h.join(1, "other", json!({}));
+        fill_inbox(&mut h, app, "other");
+        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
+        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "conflict", "{c}");
+        h.advance(Duration::from_secs(5));
+        assert_eq!(stored_results(&h, &task), 0, "the repeats refused");
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        h.release_writes(0);
+        assert_eq!(stored_results(&h, &task), 1, "the cancel's own publish");
+        h.advance(Duration::from_secs(150));
+        assert_eq!(
+            last_record(&h, &task)["result_sent"],
+            true,
+            "a repeat found it"
+        );
+        let late: Vec<Value> = [app_b, app]
+            .into_iter()
+            .map(|s| h.request(s, json!({"op":"cancel","task":task})))
+            .collect();
+        h.advance(Duration::from_secs(10));
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+        for c in late {
+            assert_eq!(c["code"], "conflict", "{c}");
+        }
+        h.take(other);
+    }
+
+    /// Broker 0 writes the cancel of a task whose submitter's inbox is full, and dies
+    /// before its publish of the result leaves; the client's retry through broker 1
+    /// finds the task cancelled (`conflict`) and its repeat of the result is refused.
+    fn cancel_whose_broker_died_before_publishing(h: &mut Harness) -> (Session, String) {
+        let app = h.join(0, "app", json!({}));
+        let task = submit(h, app, 1);
+        let app_b = h.join(1, "app", json!({}));
+        let other = h.join(1, "other", json!({}));
+        fill_inbox(h, app, "other");
+        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
+        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        assert_eq!(last_record(h, &task)["state"], "cancelled", "written");
+        h.crash(0);
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["code"], "conflict", "{c}");
+        assert_eq!(stored_results(h, &task), 0, "the repeat refused");
+        h.take(other);
+        (app_b, task)
+    }
+
+    #[test]
+    fn a_refused_repeat_of_a_result_whose_cancel_broker_died_is_stored_by_a_late_retry() {
+        // The refused repeat left `result_refused` alone (the cancel's own publish might
+        // land after it), so with that publish never made, a cancel past the repeat
+        // window answered `conflict` and no result was ever stored.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let (app_b, task) = cancel_whose_broker_died_before_publishing(&mut h);
+        h.advance(Duration::from_secs(150));
+        // Broker 1's own repeats of it, the last refused 80 s after the cancel, found
+        // no copy stored (JetStream answers a repeat of one a duplicate, full or not).
+        assert_eq!(last_record(&h, &task)["result_refused"], true);
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        let c = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(c["op"], "ok", "{c}");
+        assert_eq!(task_result(&mut h, app_b, &task)["state"], "cancelled");
+        h.advance(Duration::from_secs(150));
+        let again = h.request(app_b, json!({"op":"cancel","task":task}));
+        assert_eq!(again["code"], "conflict", "{again}");
+        h.advance(Duration::from_secs(10));
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+    }
+
+    #[test]
+    fn a_refused_repeat_of_a_result_whose_cancel_broker_died_is_stored_once_there_is_room() {
+        // The same with room back inside the repeat window and no cancel after it: the
+        // client told `conflict` waits for a result nobody publishes.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let (app_b, task) = cancel_whose_broker_died_before_publishing(&mut h);
+        h.advance(Duration::from_secs(20));
+        set_stream_limit(&mut h, "AMP_INBOX_dev", "max_msgs", -1);
+        h.advance(Duration::from_secs(300));
+        assert_eq!(stored_results(&h, &task), 1, "task_results stored");
+        assert_eq!(task_result(&mut h, app_b, &task)["state"], "cancelled");
     }
 
     #[test]

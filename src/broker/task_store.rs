@@ -240,14 +240,17 @@ pub enum Change<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
     /// Every publish of the result the broker made for a cancel it answered
-    /// `unavailable` was refused: set, for a cancelled task.
+    /// `unavailable` was refused, or a repeat no cancel waits on was refused 80 s or more
+    /// after the cancel, when JetStream would have answered it a duplicate of any copy
+    /// stored: set, for a cancelled task.
     Every,
     /// A publish of it may have landed unconfirmed: cleared.
     Maybe,
-    /// A repeat for a cancel answered `conflict` was refused: left as it is. The
-    /// cancel's own publish, through another broker, may land after it and writes
-    /// nothing once stored, so `Every` set the flag on a stored result, and a retry
-    /// past the inbox's duplicate window stored it a second time (review finding 3).
+    /// A repeat for a cancel answered `conflict` was refused earlier: left as it is
+    /// (the broker publishes it again until one of its repeats tells). The cancel's own
+    /// publish, through another broker, may land after it and writes nothing once
+    /// stored, so `Every` set the flag on a stored result, and a retry past the inbox's
+    /// duplicate window stored it a second time (review finding 3).
     Keep,
 }
 

@@ -69,7 +69,79 @@ impl Jobs {
     ) {
         let mut finish = Finish::new(record, None, reply);
         finish.repeat = true;
+        if finish.reply.is_none()
+            && let Some(cancelled_ms) = store::changed_ms(record.history.last())
+        {
+            finish.unwaited = Some(
+                if self.clock.ms(now) - cancelled_ms < store::LAST_REPEAT_MS {
+                    Unwaited::Early { cancelled_ms }
+                } else {
+                    Unwaited::Late
+                },
+            );
+        }
         self.send_result(conn, record, by, finish, now);
+    }
+
+    /// The repeat of cancelled task `key`'s result refused at `now`, published within
+    /// [`LAST_REPEAT_MS`] of the cancel made at `cancelled_ms`, is published again by this
+    /// broker (one timer per task), as a refused result waits for its redelivery: as long
+    /// again as the cancel is old, 1 s to 30 s, and once past `LAST_REPEAT_MS`.
+    fn repeat_later(&mut self, key: &str, cancelled_ms: i64, now: Instant) {
+        if self.refused_repeats.get(&key.to_owned()).is_some() {
+            return;
+        }
+        let age_ms = self.clock.ms(now).saturating_sub(cancelled_ms).max(0);
+        let max_ms = i64::try_from(REFUSED_RESULT_MAX_DELAY.as_millis()).unwrap_or(i64::MAX);
+        let wait_ms = age_ms
+            .clamp(1_000, max_ms)
+            .min(store::LAST_REPEAT_MS.saturating_sub(age_ms))
+            .max(1);
+        let at = now + Duration::from_millis(wait_ms.unsigned_abs());
+        self.refused_repeats
+            .get_or_insert_with(key.to_owned(), || ());
+        let key = key.to_owned();
+        self.later.push(at, Alarm(Timer::Repeat { key }));
+    }
+
+    /// A refused repeat of cancelled task `key`'s result is due again: the record says
+    /// whether it still is to publish.
+    pub(super) fn repeat_due(&mut self, conn: &mut Connection, key: String, now: Instant) {
+        let req = match self.kv.get_request(&key) {
+            Ok(r) => r,
+            Err(e) => return log::warn!(task:% = key; "refused task result not repeated: {e}"),
+        };
+        match self.request(conn, &req.subject, None, &req.payload, now) {
+            Ok(id) => self.await_reply(id, now, Pending::RepeatRead { key }),
+            Err(e) => log::warn!(task:% = key; "refused task result not repeated: {e}"),
+        }
+    }
+
+    /// Publishes the result again unless it is stored (`result_sent`), the record says
+    /// none is and a retry may publish it (`result_refused`), or the repeat window is
+    /// over: a repeat then could be a second result. A record that cannot be read ends
+    /// the repeats, as before them.
+    pub(super) fn repeat_read(
+        &mut self,
+        conn: &mut Connection,
+        key: &str,
+        reply: Result<Message, RequestError>,
+        now: Instant,
+    ) {
+        let (ns, task) = key.split_once('.').unwrap_or(("", ""));
+        match self.parse_record(ns, task, reply) {
+            Ok((record, _))
+                if record.state == TaskState::Cancelled
+                    && !record.result_sent
+                    && !record.result_refused
+                    && self.repeatable(record.history.last(), now) =>
+            {
+                let by = record.submitted_by.clone();
+                self.repeat_result(conn, &record, &by, None, now);
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!(task:% = key; "refused task result not repeated: {e}"),
+        }
     }
 
     fn send_result(
@@ -197,7 +269,14 @@ impl Jobs {
             {
                 Refused::Maybe
             } else if finish.cancelled && finish.reply.is_none() {
-                Refused::Keep
+                match finish.unwaited {
+                    Some(Unwaited::Early { cancelled_ms }) => {
+                        self.repeat_later(&finish.key, cancelled_ms, now);
+                        Refused::Keep
+                    }
+                    Some(Unwaited::Late) => Refused::Every,
+                    None => Refused::Keep,
+                }
             } else {
                 Refused::Every
             };
@@ -257,6 +336,7 @@ impl Finish {
             stays: false,
             lettered: false,
             repeat: false,
+            unwaited: None,
         }
     }
 }

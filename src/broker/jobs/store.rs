@@ -8,6 +8,11 @@ use super::*;
 /// cancel's `task_result`) again: well inside the inbox's duplicate window (120 s at the
 /// least), so the repeat is deduplicated whatever the brokers' clocks say.
 const REPEAT_WINDOW_MS: i128 = 90_000;
+/// From how long after a cancel a refused repeat of its result tells that none is stored
+/// ([`Unwaited::Late`]): the cancel's own publish follows its write within a request's
+/// timeout, so it has landed by then if it ever does, and the repeat is still inside
+/// [`REPEAT_WINDOW_MS`] with room for the brokers' clocks to differ.
+pub(super) const LAST_REPEAT_MS: i64 = 80_000;
 
 /// How long a finished task's record stays: its job's `keep_finished_s`, and at least
 /// until what may still come for it has come. A redelivery of its message (an ack lost)
@@ -24,6 +29,13 @@ pub(super) fn finished_ttl_s(job: &crate::broker::config::Job, ack_wait: Duratio
         .max(redelivery_s.saturating_add(AFTER_LEASE_S))
 }
 
+/// When the change of history entry `entry` was made (ms since the epoch).
+pub(super) fn changed_ms(entry: Option<&crate::broker::task_store::HistoryEntry>) -> Option<i64> {
+    entry
+        .and_then(|h| crate::rfc3339::parse_nanos(&h.at))
+        .and_then(|ns| i64::try_from(ns / 1_000_000).ok())
+}
+
 impl Jobs {
     /// Whether what the change of history entry `entry` published may be published again
     /// ([`REPEAT_WINDOW_MS`]).
@@ -32,9 +44,8 @@ impl Jobs {
         entry: Option<&crate::broker::task_store::HistoryEntry>,
         now: Instant,
     ) -> bool {
-        entry
-            .and_then(|h| crate::rfc3339::parse_nanos(&h.at))
-            .is_some_and(|ns| i128::from(self.clock.ms(now)) - ns / 1_000_000 < REPEAT_WINDOW_MS)
+        changed_ms(entry)
+            .is_some_and(|ms| i128::from(self.clock.ms(now)) - i128::from(ms) < REPEAT_WINDOW_MS)
     }
 
     pub(super) fn write_local(&mut self, conn: &mut Connection, key: String, op: Op, now: Instant) {
