@@ -411,11 +411,12 @@ enum Pending {
     Remake(remake::Key),
     /// A stream whose duplicate window a reload lengthened: read (`what` none), then
     /// updated (`what` it changed), then read again; `updates` sent so far
-    /// (`setup::WINDOW_UPDATES`).
+    /// (`setup::WINDOW_UPDATES`); `recheck`: the read [`WINDOW_RECHECK`] after the last.
     WindowRaise {
         key: remake::Key,
         what: Option<String>,
         updates: u8,
+        recheck: bool,
     },
 }
 
@@ -564,7 +565,17 @@ enum Timer {
     RegistryFlush(String),
     /// A stream found gone whose create failed is asked for again.
     Remake(remake::Key),
+    /// The duplicate window this broker raised and read back is read once more, after
+    /// that many updates (see [`WINDOW_RECHECK`]).
+    WindowRecheck(remake::Key, u8),
 }
+
+/// How long after a reload's raise of a duplicate window was read back the window is
+/// read once more: an update another broker made from a read taken before ours, sent
+/// before our read-back, lands within a request's timeout (`JS_TIMEOUT`) if it matters to
+/// its sender, and may take the window back after our read-back. The stream's
+/// configuration has no compare-and-set to refuse it.
+const WINDOW_RECHECK: Duration = Duration::from_secs(10);
 
 /// How long after a lost inbox consumer request it is sent again.
 const INBOX_CONSUMER_RETRY: Duration = Duration::from_secs(1);
@@ -1248,7 +1259,7 @@ impl Broker {
             self.send_inbox_creates(conn, now);
         }
         for key in std::mem::take(&mut self.window_raises) {
-            self.send_window_raise(conn, key, None, 0, now);
+            self.send_window_raise(conn, key, None, 0, false, now);
         }
         self.jobs.after_reload(conn, now);
         for key in std::mem::take(&mut self.relabeled) {
@@ -1589,9 +1600,12 @@ impl Broker {
             }
             Pending::DurableCount(count) => self.durable_count_done(conn, count, reply, now),
             Pending::Remake(key) => self.remake_done(conn, key, reply, now),
-            Pending::WindowRaise { key, what, updates } => {
-                self.window_raised(conn, key, what, updates, reply, now)
-            }
+            Pending::WindowRaise {
+                key,
+                what,
+                updates,
+                recheck,
+            } => self.window_raised(conn, key, (what, updates, recheck), reply, now),
             Pending::HandBack {
                 stream,
                 consumer,
@@ -1718,6 +1732,9 @@ impl Broker {
                 if self.remakes.due(&key) {
                     self.send_remake(conn, key, now);
                 }
+            }
+            Timer::WindowRecheck(key, updates) => {
+                self.send_window_raise(conn, key, None, updates, true, now)
             }
             Timer::PullCheck(owner, generation) => {
                 let at = match &owner {
@@ -2062,6 +2079,7 @@ impl Broker {
         key: remake::Key,
         update: Option<(crate::jetstream::StreamConfig, String)>,
         updates: u8,
+        recheck: bool,
         now: Instant,
     ) {
         let Some((api, _)) =
@@ -2075,7 +2093,12 @@ impl Broker {
         };
         match js_request(conn, req, now) {
             Ok(id) => {
-                let pending = Pending::WindowRaise { key, what, updates };
+                let pending = Pending::WindowRaise {
+                    key,
+                    what,
+                    updates,
+                    recheck,
+                };
                 self.await_reply(id, now, pending)
             }
             Err(e) => window_not_raised(&key.1, &e),
@@ -2083,13 +2106,13 @@ impl Broker {
     }
 
     /// An update answered is followed by a read, and a read that finds the window short
-    /// (another update took it back, `setup::WINDOW_UPDATES`) by an update.
+    /// (another update took it back, `setup::WINDOW_UPDATES`) by an update; one that
+    /// finds it long enough after an update of ours by a read [`WINDOW_RECHECK`] later.
     fn window_raised(
         &mut self,
         conn: &mut Connection,
         key: remake::Key,
-        what: Option<String>,
-        updates: u8,
+        (what, updates, recheck): (Option<String>, u8, bool),
         reply: Result<Message, RequestError>,
         now: Instant,
     ) {
@@ -2102,7 +2125,7 @@ impl Broker {
             (Err(e), _) => window_not_raised(&stream, &e),
             (Ok(_), Some(what)) => {
                 log::info!("stream {stream}: {what}");
-                self.send_window_raise(conn, key, None, updates, now);
+                self.send_window_raise(conn, key, None, updates, false, now);
             }
             (Ok(info), None) => {
                 let existing = serde_json::from_slice::<serde_json::Value>(&info)
@@ -2116,7 +2139,12 @@ impl Broker {
                     }
                     Some((updated, what, _)) => {
                         let update = Some((updated, what));
-                        self.send_window_raise(conn, key, update, updates + 1, now)
+                        self.send_window_raise(conn, key, update, updates + 1, false, now)
+                    }
+                    // Read back after an update of ours: once more a little later.
+                    None if updates > 0 && !recheck => {
+                        let timer = Timer::WindowRecheck(key, updates);
+                        self.set_timer(after(now, WINDOW_RECHECK), timer)
                     }
                     None => {}
                 }

@@ -3918,6 +3918,25 @@ mod tests {
     }
 
     #[test]
+    fn a_window_a_stale_update_lowered_after_the_read_back_is_raised_again() {
+        // The 300 s lease's update, made from the 120 s both brokers read, landed after
+        // the 600 s broker had read its 690 s back: the window stayed at 390 s until that
+        // broker started again or reloaded a longer lease.
+        let mut h = Harness::new(with_lease(30), 2, 7);
+        h.hold_writes(1, b"STREAM.UPDATE.AMP_INBOX_dev");
+        h.reload_each(&[with_lease(600), with_lease(300)]);
+        let window = |h: &mut Harness| {
+            let info = h.nats_request("$JS.API.STREAM.INFO.AMP_INBOX_dev", &[], b"");
+            info["config"]["duplicate_window"].clone()
+        };
+        assert_eq!(window(&mut h), 690 * NANOS, "raised and read back");
+        h.release_writes(1);
+        assert_eq!(window(&mut h), 390 * NANOS, "taken back");
+        h.advance(Duration::from_secs(30));
+        assert_eq!(window(&mut h), 690 * NANOS, "raised again");
+    }
+
+    #[test]
     fn a_lease_made_longer_by_a_reload_is_not_redelivered_while_it_runs() {
         // With the consumer's AckWait still at the old 3 s and the broker keeping the
         // message by a 10 s one, JetStream redelivered a leased task every 3 s.
