@@ -262,8 +262,10 @@ impl Jobs {
             // too), so the record outlives a full inbox as long as refusals keep coming;
             // and a cancelled one says whether a retry through any broker may publish it
             // again past the repeat window: not once a publish of it here may have landed.
-            // A repeat no cancel waits on (answered `conflict`) tells nothing either way:
-            // the cancel's own publish may land after it.
+            // A repeat no cancel waits on (answered `conflict`) tells nothing either way
+            // while the cancel's own publish may still land after it: published again
+            // until one tells (`Unwaited`); one whose cancel time the record does not
+            // give (no parsable history entry) leaves the flag alone as before.
             let refused = if !stored_nothing
                 || self.unsent_cancels.get(&finish.key) == Some(&Unsent::Maybe)
             {
