@@ -2673,7 +2673,6 @@ mod tests {
         h.take(app_b);
     }
 
-    /// The `task_result`s of `task` stored in the namespace's inbox stream.
     /// The latest record of `task` in the task store's stream.
     fn last_record(h: &Harness, task: &str) -> Value {
         h.server
@@ -2685,6 +2684,7 @@ mod tests {
             .expect("record")
     }
 
+    /// The `task_result`s of `task` stored in the namespace's inbox stream.
     fn stored_results(h: &Harness, task: &str) -> usize {
         h.server
             .stream_messages("AMP_INBOX_dev")
