@@ -139,13 +139,13 @@ impl Authenticator {
         {
             return Err(Refusal::Exposed);
         }
-        let key = format!("{}/{owner}", req.ns);
+        let key = guessed(config, req.ns, owner);
         // The key is only the reply subject, which anyone may write: while it is
         // throttled, a signature or an issued JWT (no guess) is still checked, as a
         // throttled hello's NKey is; a raw token is not, so guessing stays slow.
-        let throttled = match self.throttle.check(ANY, &key, now) {
-            Verdict::Delay(d) => Some(d),
-            Verdict::Allow => None,
+        let throttled = match key.as_ref().map(|k| self.throttle.check(ANY, k, now)) {
+            Some(Verdict::Delay(d)) => Some(d),
+            _ => None,
         };
         if let Some(d) = throttled
             && is_raw_token(req.authorization)
@@ -161,7 +161,9 @@ impl Authenticator {
             (Some(p), _) => Err(misdirected(Some(p).filter(|_| req.exposed))),
             (None, Some(d)) => Err(Refusal::Throttled(d)),
             (None, None) => {
-                self.throttle.record_failure(ANY, &key, now);
+                if let Some(key) = key {
+                    self.throttle.record_failure(ANY, &key, now);
+                }
                 Err(Refusal::Unauthorized)
             }
         }
@@ -572,6 +574,23 @@ fn owner_presented(
     auth::accepts(Some(p), presented).then(|| owner.to_string())
 }
 
+/// The throttle's key for a request whose reply subject names `owner`: the credential a
+/// guess there would be tried against. A listed participant's is its own; every unlisted
+/// name shares the `open` entry's (one token, whatever name a guess gives: with a key per
+/// name each new name had 20 free guesses); with neither, nothing can be guessed and
+/// nothing is kept. So only configured credentials take places in the throttle's bounded
+/// map: MIG has no client address, and failures in made-up names had pushed a
+/// participant's record out and freed its guesses.
+fn guessed(config: &Config, ns: &str, owner: &str) -> Option<String> {
+    let namespace = config.namespaces.get(ns)?;
+    if namespace.participants.contains_key(owner) {
+        Some(format!("{ns}/{owner}"))
+    } else {
+        // `*` is no name, so this key is no participant's.
+        namespace.open.as_ref().map(|_| format!("{ns}/*"))
+    }
+}
+
 /// The stand-in address of every MIG caller in the throttle.
 const ANY: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
 
@@ -978,6 +997,51 @@ mod tests {
             }
         }
         assert!(throttled);
+    }
+
+    /// MIG has no client address, so the throttle's only key is the name the reply
+    /// subject gives, which anyone may write: failures in made-up names pushed a
+    /// participant's record out of the bounded map, and its guesses were free again.
+    #[test]
+    fn failures_in_made_up_names_do_not_free_a_participants_guesses() {
+        let c = config(&KeyPair::generate(KeyKind::User).expect("key").public_key());
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        fail_often(&mut a, &c, "_INBOX_acme_bob.x", now);
+        for i in 0..65_536 {
+            let reply = format!("_INBOX_acme_m{i}.x");
+            let _ = a.admit(&c, None, &req(&reply, "Bearer nope"), now, NOW_MS);
+        }
+        assert!(matches!(
+            a.admit(
+                &c,
+                None,
+                &req("_INBOX_acme_bob.1", "Bearer guess"),
+                now,
+                NOW_MS
+            ),
+            Err(Refusal::Throttled(_))
+        ));
+    }
+
+    /// An `open` entry's token is one credential whatever name a request gives: guessed
+    /// under a new name each time, each name's allowance was a fresh 20.
+    #[test]
+    fn guessing_the_open_token_under_many_names_is_throttled() {
+        let hash = hex(&Sha256::digest(b"open-token"));
+        let v = serde_json::json!({"namespaces": {"acme": {"participants": {},
+            "open": {"token_sha256": hash}}}});
+        let c = Config::parse(v.to_string().as_bytes()).expect("config");
+        let mut a = Authenticator::new();
+        let now = Instant::now();
+        let throttled = (0..40).any(|i| {
+            let reply = format!("_INBOX_acme_n{i}.x");
+            matches!(
+                a.admit(&c, None, &req(&reply, "Bearer guess"), now, NOW_MS),
+                Err(Refusal::Throttled(_))
+            )
+        });
+        assert!(throttled, "40 guesses at the open token, none throttled");
     }
 
     /// Sixteen identities signing 4,096 ids each filled the broker's 65,536 entries: every
