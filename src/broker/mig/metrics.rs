@@ -10,6 +10,20 @@ const BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
+/// Every `reason` of `amp_mig_rejected_total`, each shown from the start so that an alert
+/// on one works before its first event.
+const REJECTED_REASONS: &[&str] = &[
+    "bearer_on_publish",
+    "no_reply_subject",
+    "rate_limited",
+    "refusal_unanswered",
+    "replay",
+    "replay_cache_share",
+    "reply_subject",
+    "requests_in_flight",
+    "verification_budget",
+];
+
 /// Distinct `(op, capability, code)` label sets kept; more are counted under `capability="other"`.
 const MAX_SERIES: usize = 4096;
 
@@ -73,6 +87,7 @@ impl Metrics {
     }
 
     pub fn rejected(&mut self, reason: &'static str) {
+        debug_assert!(REJECTED_REASONS.contains(&reason), "{reason}");
         *self.rejected.entry(reason).or_insert(0) += 1;
     }
 
@@ -107,11 +122,14 @@ impl Metrics {
                 h.count
             );
         }
-        out.push_str(
-            "# HELP amp_mig_rejected_total MIG requests answered with nothing, by reason.\n",
-        );
+        out.push_str("# HELP amp_mig_rejected_total MIG requests refused before their operation, by reason: answered with nothing (reply_subject, no_reply_subject, refusal_unanswered) or with an error.\n");
         out.push_str("# TYPE amp_mig_rejected_total counter\n");
-        for (reason, n) in &self.rejected {
+        let others = self
+            .rejected
+            .keys()
+            .filter(|r| !REJECTED_REASONS.contains(r));
+        for reason in REJECTED_REASONS.iter().chain(others) {
+            let n = self.rejected.get(reason).copied().unwrap_or(0);
             let _ = writeln!(out, "amp_mig_rejected_total{{reason=\"{reason}\"}} {n}");
         }
         out.push_str("# HELP amp_mig_cancels_forwarded_total CANCELs answered by the broker holding their keyed invocation.\n");
@@ -149,6 +167,33 @@ pub fn audit(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Most reasons are refusals answered with an error, and an alert on one needs its
+    /// series before its first event (README "probes and metrics": a family whose label
+    /// values are a known few shows each at 0 from the start).
+    #[test]
+    fn every_rejection_reason_shows_from_the_start_and_the_help_says_what_counts() {
+        let mut out = String::new();
+        Metrics::default().render(&mut out, 0);
+        for reason in [
+            "bearer_on_publish",
+            "no_reply_subject",
+            "rate_limited",
+            "refusal_unanswered",
+            "replay",
+            "replay_cache_share",
+            "reply_subject",
+            "requests_in_flight",
+            "verification_budget",
+        ] {
+            let line = format!("amp_mig_rejected_total{{reason=\"{reason}\"}} 0\n");
+            assert!(out.contains(&line), "no {line} in {out}");
+        }
+        assert!(
+            !out.contains("MIG requests answered with nothing, by"),
+            "{out}"
+        );
+    }
 
     #[test]
     fn capabilities_from_odd_subjects_are_not_labels() {
