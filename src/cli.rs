@@ -643,9 +643,20 @@ pub fn describe(config: &Config) -> String {
         ));
         for (job, j) in &ns.jobs {
             out.push_str(&format!(
-                "  job {job}: lease {} s, offer {} ms, at most {} attempt(s)\n",
+                "  job {job}: lease {} s, offer {} ms, at most {} attempt(s)",
                 j.lease_s, j.offer_ms, j.max_attempts
             ));
+            if let Some(n) = j.max_queued {
+                out.push_str(&format!(", at most {n} queued"));
+            }
+            if let Some(c) = &j.mig {
+                out.push_str(&format!(
+                    ", MIG capability {} ({})",
+                    c.id,
+                    c.modes.join(", ")
+                ));
+            }
+            out.push('\n');
         }
         let settings = StreamSettings::default();
         let window = setup::outcome_window_s(ns, settings);
@@ -668,6 +679,19 @@ pub fn describe(config: &Config) -> String {
         out.push_str("limits: defaults\n");
     } else {
         out.push_str(&format!("limits (not default): {}\n", changed.join(", ")));
+    }
+    let m = &config.mig;
+    if m.enabled {
+        let capabilities = (config.namespaces.values())
+            .flat_map(|n| n.jobs.values())
+            .filter(|j| j.mig.is_some())
+            .count();
+        out.push_str(&format!(
+            "MIG over NATS: on, {capabilities} capability(ies), deadline {} ms (at most {}), at most {} invocations waiting\n",
+            m.default_deadline_ms, m.max_deadline_ms, m.max_pending
+        ));
+    } else {
+        out.push_str("MIG over NATS: off\n");
     }
     if !config.callout.server_keys.is_empty() {
         out.push_str(&format!(
@@ -1117,6 +1141,35 @@ mod tests {
             "{out}"
         );
         assert!(describe(&Config::development(String::new())).contains("limits: defaults"));
+    }
+
+    /// An operator turning MIG on checks the file first: the summary said nothing of it,
+    /// nor of which jobs are capabilities or bounded by `max_queued`.
+    #[test]
+    fn describe_shows_mig_and_the_capabilities() {
+        let text = r#"{"mig": {"enabled": true},
+            "namespaces": {"acme": {"participants": {
+                "alice": {"token_sha256": "2bd806c97f0e00af1a1fc3328fa763a9269723c8db8fac4f93af71db186d6e90"}},
+              "jobs": {"infer": {"max_queued": 100, "mig": {"id": "models.infer",
+                "modes": ["unary", "server_stream"]}}, "plain": {}}}}}"#;
+        let config = Config::parse(text.as_bytes()).expect("valid");
+        let out = describe(&config);
+        assert!(
+            out.contains(
+                "job infer: lease 30 s, offer 5000 ms, at most 3 attempt(s), at most 100 queued, MIG capability models.infer (unary, server_stream)\n"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains("job plain: lease 30 s, offer 5000 ms, at most 3 attempt(s)\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("MIG over NATS: on, 1 capability(ies), deadline 30000 ms (at most 300000), at most 4096 invocations waiting\n"),
+            "{out}"
+        );
+        let off = describe(&Config::development(String::new()));
+        assert!(off.contains("MIG over NATS: off\n"), "{off}");
     }
 
     #[test]
