@@ -725,3 +725,263 @@ fn a_round_cut_by_a_reconnect_is_claimed_again_at_the_reconnect() {
         "the ids whose re-claims went down with the connection"
     );
 }
+
+/// Whatever a participant with a NATS credential sends on the MIG request subjects, and
+/// whatever comes back from JetStream for it, the front end answers or drops it and goes
+/// on: no input path panics (bodies that are no JSON, cut off, not UTF-8, nested past the
+/// parser's limit, numbers past every integer type; header fields of every wrong type;
+/// credentials of every shape, signed ones included; junk or failed JetStream answers).
+/// Requests that need no JetStream are each answered at once.
+#[test]
+fn hostile_requests_and_answers_are_refused_without_a_panic() {
+    use crate::nkeys::{KeyKind, KeyPair};
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let t0 = Instant::now();
+    let ann = KeyPair::generate(KeyKind::User).expect("key");
+    let hash: String = Sha256::digest(b"alice-token")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let perms = json!({"submit": ["infer"], "publish": ["orders.>"], "subscribe": ["orders.>"]});
+    let v = json!({"mig": {"enabled": true}, "limits": {"max_frames_per_s": 1_000_000},
+        "namespaces": {"acme": {
+            "participants": {"alice": {"token_sha256": hash, "permissions": perms},
+                             "ann": {"nkey": ann.public_key(), "permissions": perms}},
+            "jobs": {"infer": {"mig": {"id": "infer", "modes": ["unary", "server_stream"]}}}}}});
+    let config = Config::parse(v.to_string().as_bytes()).expect("config");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
+    let wall = mig.wall_ms(t0);
+    let ts = crate::rfc3339::format_millis(wall);
+
+    let deep = |open: &str, n: usize| open.repeat(n);
+    let mut raw: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        b"null".to_vec(),
+        b"[]".to_vec(),
+        b"\"header\"".to_vec(),
+        b"{".to_vec(),
+        b"{\"header\":".to_vec(),
+        b"{\"header\":{\"tenant_id\":\"acme\"".to_vec(),
+        b"\xff\xfe\xfd".to_vec(),
+        b"{\"header\":{\"tenant_id\":\"acme\"}}\xff".to_vec(),
+        b"{\"header\":{\"tenant_id\":\"ac\xffme\"}}".to_vec(),
+        deep("[", 100_000).into_bytes(),
+        format!(
+            "{{\"header\":{{\"tenant_id\":\"acme\"}},\"payload\":{}",
+            deep("{\"a\":", 5_000)
+        )
+        .into_bytes(),
+        format!("{{\"header\":{}}}", deep("[", 10_000)).into_bytes(),
+        br#"{"header":{"tenant_id":"acme"},"header":{"tenant_id":"other"}}"#.to_vec(),
+        br#"{"header":{"tenant_id":"acme","message_id":"\ud800"}}"#.to_vec(),
+        br#"{"header":{"tenant_id":"acme"},"payload":{"n":1e999999}}"#.to_vec(),
+        br#"{"header":{"tenant_id":"acme"},"payload":{"n":-1e400}}"#.to_vec(),
+    ];
+    let shapes = raw.len();
+    let header_members = [
+        json!({"tenant_id": 7}),
+        json!({"tenant_id": ["acme"]}),
+        json!({"tenant_id": "acme", "mig_version": 0.1}),
+        json!({"tenant_id": "acme", "mig_version": "0.2"}),
+        json!({"tenant_id": "acme", "message_id": {"a": 1}}),
+        json!({"tenant_id": "acme", "message_id": "\u{0}"}),
+        json!({"tenant_id": "acme", "message_id": "\t"}),
+        json!({"tenant_id": "acme", "message_id": "𝄞".repeat(128)}),
+        json!({"tenant_id": "acme", "message_id": "𝄞".repeat(129)}),
+        json!({"tenant_id": "acme", "message_id": "a.b.*.>"}),
+        json!({"tenant_id": "acme", "deadline_ms": u64::MAX}),
+        json!({"tenant_id": "acme", "deadline_ms": 1e300}),
+        json!({"tenant_id": "acme", "deadline_ms": -1}),
+        json!({"tenant_id": "acme", "deadline_ms": 0.5}),
+        json!({"tenant_id": "acme", "timestamp": "+275760-09-13T00:00:00Z"}),
+        json!({"tenant_id": "acme", "timestamp": "9999-12-31T23:59:60.999999999999Z"}),
+        json!({"tenant_id": "acme", "timestamp": 12}),
+        json!({"tenant_id": "acme", "traceparent": "x".repeat(100_000)}),
+        json!({"tenant_id": "acme", "session_id": "s", "idempotency_key": "k", "meta": [1]}),
+        json!("acme"),
+        json!(null),
+    ];
+    let members = [
+        json!({}),
+        json!({"payload": [1, 2]}),
+        json!({"payload": {"a": 1}, "capability": 5}),
+        json!({"payload": {"a": 1}, "stream_preference": "server_stream"}),
+        json!({"payload": {"a": 1}, "stream_preference": ["x"]}),
+        json!({"payload": {"a": 1}, "topic": "orders.*"}),
+        json!({"payload": {"a": 1}, "key": {"k": 1}}),
+        json!({"supported_versions": "0.1", "requested_bindings": [1], "requested_features": [null]}),
+        json!({"query": 5, "include_schema_refs": "no", "include_qos": 1}),
+        json!({"interval_ms": u64::MAX}),
+        json!({"interval_ms": -1e308}),
+        json!({"topic": ">", "resume_cursor": "18446744073709551615", "max_inflight": u64::MAX}),
+        json!({"topic": "a..b", "resume_cursor": -1, "max_inflight": 0}),
+        json!({"topic": 1, "resume_cursor": {"x": 1}}),
+        json!({"target_message_id": "other", "reason": "r".repeat(100_000)}),
+        json!({"target_message_id": 5, "reason": 5}),
+    ];
+    for h in &header_members {
+        for m in &members {
+            let mut body = m.clone();
+            body["header"] = h.clone();
+            raw.push(body.to_string().into_bytes());
+        }
+    }
+    for m in &members {
+        let mut body = m.clone();
+        body["header"] = json!({"tenant_id": "acme"});
+        raw.push(body.to_string().into_bytes());
+    }
+    let subjects = [
+        "mig.v0_1.acme.hello",
+        "mig.v0_1.acme.discover",
+        "mig.v0_1.acme.control.heartbeat",
+        "mig.v0_1.acme.invoke.infer",
+        "mig.v0_1.acme.invoke.no.such.thing",
+        "mig.v0_1.acme.events.orders.eu",
+        "mig.v0_1.acme.events.orders.*",
+        "mig.v0_1.acme.control.subscribe",
+        "mig.v0_1.acme.control.cancel.m1",
+        "mig.v0_1.acme.control.cancel.*",
+        "mig.v0_1.acme.control.nothing",
+        "mig.v0_1.other.hello",
+    ];
+    let credentials = [
+        "Bearer alice-token",
+        "Bearer alice-token ",
+        "Bearer a.b.c",
+        "Bearer ..",
+        "NKey",
+        "NKey UABC",
+        "NKey UABC sig",
+        "Basic x",
+        "",
+    ];
+    let junk_answers = |n: usize| -> Result<Message, crate::nats::RequestError> {
+        let payload: &[u8] = match n % 6 {
+            0 => return Err(crate::nats::RequestError::Timeout),
+            1 => return Err(crate::nats::RequestError::NoResponders),
+            2 => b"",
+            3 => b"\xff{",
+            4 => br#"{"error":{"code":10071,"err_code":10071,"description":"x"}}"#,
+            _ => br#"{"stream":"KV_AMP_MIG_SEEN","seq":18446744073709551615,"message":{"seq":-1,"data":"!!"}}"#,
+        };
+        Ok(Message {
+            subject: "_INBOX.x".into(),
+            reply: None,
+            headers: None,
+            payload: payload.to_vec(),
+        })
+    };
+    let answered = |mig: &Mig| {
+        let mut out = String::new();
+        mig.metrics.render(&mut out, 0);
+        out.lines()
+            .filter(|l| l.starts_with("amp_mig_requests_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum::<u64>()
+    };
+    let mut n = 0usize;
+    let mut signed = 0u64;
+    for subject in subjects {
+        for (b, body) in raw.iter().enumerate() {
+            // Past the bodies that are no object, the headers and members are what
+            // differ: Alice's token and Ann's signature carry them past authentication.
+            // Ann's signature (an empty credential here) where it matters most: PUBLISH,
+            // which takes only a signature, and INVOKE.
+            let tried = if b < shapes { credentials.len() } else { 1 };
+            let sign = subject.contains(".events.") || subject.ends_with(".invoke.infer");
+            for credential in credentials[..tried]
+                .iter()
+                .map(|c| c.to_string())
+                .chain(sign.then(String::new))
+            {
+                n += 1;
+                let mut headers = HeaderMap::new();
+                let mut payload = body.clone();
+                if credential.is_empty() {
+                    // Signed by Ann over a fresh id, whatever else the body holds.
+                    signed += 1;
+                    let id = format!("s{signed}");
+                    let mut b: Value = serde_json::from_slice(body).unwrap_or(json!({}));
+                    if !b.is_object() {
+                        b = json!({});
+                    }
+                    if !b["header"].is_object() {
+                        b["header"] = json!({});
+                    }
+                    b["header"]["message_id"] = json!(id);
+                    b["header"]["timestamp"] = json!(ts);
+                    payload = b.to_string().into_bytes();
+                    let text = format!("{id}\n{ts}\n{subject}");
+                    let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                        .encode(ann.sign(text.as_bytes()));
+                    let auth = format!("NKey {} {sig}", ann.public_key());
+                    headers.insert("Authorization", &auth).expect("header");
+                } else {
+                    headers
+                        .insert("Authorization", &credential)
+                        .expect("header");
+                }
+                // Failures under Alice's prefix would throttle her token: the others
+                // name a prefix of their own, each answered within the refusal budget.
+                let name = match credential.as_str() {
+                    "" => "ann".to_string(),
+                    c if c.starts_with("Bearer alice-token") => "alice".to_string(),
+                    _ => format!("m{n}"),
+                };
+                let now = t0 + Duration::from_millis(n as u64);
+                let msg = Message {
+                    subject: subject.into(),
+                    reply: Some(format!("_INBOX_acme_{name}.{n}")),
+                    headers: Some(headers),
+                    payload,
+                };
+                let at_once = subject.ends_with(".hello")
+                    || subject.ends_with(".discover")
+                    || subject.ends_with(".heartbeat");
+                let proves = credential.starts_with("Bearer alice-token");
+                let checked = at_once && proves && subject.contains(".acme.");
+                let before = if checked { answered(&mig) } else { 0 };
+                mig.on_request(&mut conn, &mut ctx, &msg, now);
+                if checked {
+                    assert_eq!(
+                        answered(&mig),
+                        before + 1,
+                        "{subject} {credential:?} {:?}",
+                        String::from_utf8_lossy(&msg.payload)
+                    );
+                }
+                for round in 0..4 {
+                    let staged = mig.staged.take();
+                    if staged.is_empty() {
+                        break;
+                    }
+                    for (k, (_, awaiting)) in staged.into_iter().enumerate() {
+                        mig.on_reply(
+                            &mut conn,
+                            &mut ctx,
+                            awaiting,
+                            junk_answers(n + k + round),
+                            now,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(n > 6_000, "{n} requests");
+    // The junk JetStream answers were taken as such: requests that got that far were
+    // answered `MIG_UNAVAILABLE`.
+    let mut out = String::new();
+    mig.metrics.render(&mut out, 0);
+    for op in ["invoke", "publish", "subscribe"] {
+        let code = format!("op=\"{op}\",");
+        assert!(
+            out.lines()
+                .any(|l| l.contains(&code) && l.contains("code=\"MIG_UNAVAILABLE\"")),
+            "no {op} reached JetStream: {out}"
+        );
+    }
+}
