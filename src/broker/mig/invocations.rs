@@ -76,7 +76,11 @@ impl Mig {
                 .get(&(r.ns.to_string(), r.caller.to_string()))
                 .copied()
                 .unwrap_or(0);
-            if self.invocations.len() + self.claiming >= max || mine >= share {
+            // A caller also takes a slot only while it holds fewer than are free: with
+            // the quarter alone, four callers held every slot of every tenant here; now
+            // each after the third takes at most half of what is left.
+            let free = max.saturating_sub(self.invocations.len() + self.claiming);
+            if mine >= free || mine >= share {
                 let message = if mine >= share {
                     format!("a caller waits on at most {share} invocations on this broker")
                 } else {
@@ -848,7 +852,7 @@ const RECHECKS: [Duration; 3] = [
 
 /// Invocations one caller may have waiting on a broker: a quarter of `mig.max_pending`, so
 /// one caller (retrying one idempotency key, say, which spends no budget) cannot take
-/// every slot from the rest of the tenant and the others.
+/// every slot from the rest of the tenant and the others; and fewer than are free.
 pub(super) fn caller_share(max_pending: usize) -> usize {
     (max_pending / 4).max(1)
 }

@@ -985,3 +985,58 @@ fn hostile_requests_and_answers_are_refused_without_a_panic() {
         );
     }
 }
+
+/// `mig.max_pending` is each broker's, for every tenant, and one caller holds at most a
+/// quarter of it: four callers (retrying one idempotency key each, which spends no
+/// budget) held every slot for up to `mig.max_deadline_ms`, and every other caller of
+/// every tenant got `MIG_BACKPRESSURE`. A caller now takes a slot only while it holds
+/// fewer than are free: four callers taking their fill leave room for a fifth.
+#[test]
+fn a_few_callers_cannot_take_every_invocation_slot_of_a_broker() {
+    use sha2::{Digest, Sha256};
+    let t0 = Instant::now();
+    let names = ["alice", "bob", "carol", "dave", "erin"];
+    let mut participants = Map::new();
+    for name in names {
+        let hash: String = Sha256::digest(format!("{name}-token").as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        participants.insert(
+            name.into(),
+            json!({"token_sha256": hash, "permissions": {"submit": ["infer"]}}),
+        );
+    }
+    let v = json!({"mig": {"enabled": true, "max_pending": 8},
+        "namespaces": {"acme": {"participants": participants,
+            "jobs": {"infer": {"mig": {"id": "infer"}}}}}});
+    let config = Config::parse(v.to_string().as_bytes()).expect("config");
+    let (mut conn, mut mig, mut engines) = bench(&config, t0);
+    let mut ctx = engines.ctx(&config);
+    let mut n = 0;
+    let mut invoke = |mig: &mut Mig, ctx: &mut Ctx<'_>, name: &str| {
+        n += 1;
+        let mut headers = HeaderMap::new();
+        let auth = format!("Bearer {name}-token");
+        headers.insert("Authorization", &auth).expect("header");
+        let body = json!({"header": {"tenant_id": "acme"}, "payload": {"n": n}});
+        let msg = Message {
+            subject: "mig.v0_1.acme.invoke.infer".into(),
+            reply: Some(format!("_INBOX_acme_{name}.{n}")),
+            headers: Some(headers),
+            payload: body.to_string().into_bytes(),
+        };
+        let before = mig.invocations.len();
+        mig.on_request(&mut conn, ctx, &msg, t0);
+        mig.invocations.len() > before
+    };
+    // The first four each take what they may (their quarter, 2, while room lasts).
+    for name in &names[..4] {
+        while invoke(&mut mig, &mut ctx, name) {}
+    }
+    assert!(
+        invoke(&mut mig, &mut ctx, "erin"),
+        "the four took all {} slots",
+        mig.invocations.len()
+    );
+}
