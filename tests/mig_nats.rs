@@ -631,6 +631,31 @@ fn cancel_while_queued_while_leased_and_by_someone_else() {
     assert_eq!(ack["accepted"], false);
 }
 
+/// A CANCEL of an id nobody invoked is an ordinary answer (`not_found`), yet the task
+/// store's refusal of it was logged as a failed change: each MIG caller could write a
+/// warning line per request, at its request pace, burying the warnings that matter.
+#[test]
+fn cancels_of_unknown_ids_write_no_warnings() {
+    let w = world(1);
+    let mut alice = Mig::connect(&w, "alice");
+    for i in 0..30 {
+        let ack = alice.request(
+            &format!("control.cancel.nope{i}"),
+            json!({"header": {"tenant_id": "acme"}}),
+        );
+        assert_eq!(ack["status"], "not_found", "{ack}");
+    }
+    let log = w.brokers[0].log();
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("task change failed"))
+        .count();
+    assert_eq!(
+        warned, 0,
+        "{warned} warnings for 30 cancels of unknown ids:\n{log}"
+    );
+}
+
 #[test]
 fn forged_credentials_and_foreign_reply_subjects_are_refused() {
     let w = world(1);

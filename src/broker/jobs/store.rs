@@ -474,7 +474,14 @@ impl Jobs {
         e: AmpError,
         now: Instant,
     ) {
-        log::warn!(task:% = write.key; "task change failed: {e}");
+        // A refusal the request earned (a task that does not exist, a worker's record
+        // too large) is answered to its sender and is no trouble of the broker's: as a
+        // warning, any client could write one per request (a MIG CANCEL of an unknown id).
+        if matches!(e.code, ErrorCode::Unavailable | ErrorCode::Internal) {
+            log::warn!(task:% = write.key; "task change failed: {e}");
+        } else {
+            log::debug!(task:% = write.key; "task change refused: {e}");
+        }
         if matches!(write.op, Op::Cancel { .. }) && e.code == ErrorCode::Unavailable {
             // Its write may have landed all the same: see `unsent_cancels`.
             *self
