@@ -174,18 +174,21 @@ fn read_pub_ack(payload: &[u8]) -> Result<PubAck, JsError> {
 /// A new message's PubAck as [`plain_pub_ack`] reads it, borrowing from the reply.
 #[derive(Debug)]
 struct PlainPubAck<'a> {
-    stream: &'a str,
+    /// UTF-8, checked.
+    stream: &'a [u8],
     seq: u64,
-    domain: Option<&'a str>,
+    domain: Option<&'a [u8]>,
 }
 
 impl PlainPubAck<'_> {
     fn owned(&self) -> PubAck {
+        // Lossless: `plain_pub_ack` checked both names.
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         PubAck {
-            stream: self.stream.to_string(),
+            stream: text(self.stream),
             seq: self.seq,
             duplicate: false,
-            domain: self.domain.map(str::to_string),
+            domain: self.domain.map(text),
         }
     }
 }
@@ -195,11 +198,14 @@ impl PlainPubAck<'_> {
 /// (every publish waits for one). Anything else (an error, `duplicate`, escapes, spacing)
 /// is `None`, for the general parse, which reads these the same.
 fn plain_pub_ack(payload: &[u8]) -> Option<PlainPubAck<'_>> {
-    fn string<'a>(rest: &mut &'a [u8], key: &[u8]) -> Option<&'a str> {
+    // Checked, not converted: `pub_ack_seq`, which every `send` waits for, reads no
+    // name, and a name is a few ASCII bytes, where `from_utf8`'s setup costs more than
+    // `is_ascii`'s words.
+    fn string<'a>(rest: &mut &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
         let after = rest.strip_prefix(key)?;
         let (text, tail) = after.split_at_checked(crate::scan::json_plain_len(after))?;
         *rest = tail.strip_prefix(b"\"")?;
-        std::str::from_utf8(text).ok()
+        (text.is_ascii() || std::str::from_utf8(text).is_ok()).then_some(text)
     }
     let mut rest = payload;
     let stream = string(&mut rest, b"{\"stream\":\"")?;
