@@ -1026,6 +1026,52 @@ fn an_unparsable_url_is_the_reason_the_connection_closes() {
 }
 
 #[test]
+fn owned_text_is_the_check_in_place_then_copy_it_replaced() {
+    let reference = |bytes: &[u8]| match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
+    };
+    let symbols: &[&[u8]] = &[
+        b"a",
+        b".",
+        b"\xc3\xa9",
+        b"\xc3",
+        b"\xff",
+        b"\xe2\x82\xac",
+        b"\x80",
+    ];
+    // Random strings of those symbols, at every offset of a buffer (as subjects lie in
+    // the read buffer), of lengths on both sides of the word loops' steps.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..20_000 {
+        let mut text = vec![b'x'; (next() % 8) as usize];
+        let offset = text.len();
+        for _ in 0..next() % 40 {
+            // Mostly ASCII, as subjects are.
+            let r = next();
+            let symbol = if r % 4 == 0 {
+                symbols[(r >> 8) as usize % symbols.len()]
+            } else {
+                b"b"
+            };
+            text.extend_from_slice(symbol);
+        }
+        let bytes = &text[offset..];
+        assert_eq!(
+            super::connection::owned_text(bytes),
+            reference(bytes),
+            "{bytes:?}"
+        );
+    }
+}
+
+#[test]
 fn deliverable_in_one_pass_is_the_subject_rules_plus_no_control_bytes_and_utf8() {
     use crate::proto::subject::validate_subject;
     let reference = |s: &[u8]| {
