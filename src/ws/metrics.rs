@@ -36,6 +36,8 @@ enum Values {
         label: Option<&'static str>,
         series: Vec<(String, f64)>,
     },
+    /// `counts[i]`: the observations in bucket `i` alone (above `bounds[i - 1]`), made
+    /// cumulative when rendered (see [`bucket`]).
     Histogram {
         bounds: &'static [f64],
         counts: Vec<u64>,
@@ -48,7 +50,8 @@ enum Values {
         label: &'static str,
         label_values: &'static [&'static str],
         bounds: &'static [f64],
-        /// `label_values.len() * bounds.len()` bucket counts, one row per label value.
+        /// `label_values.len() * bounds.len()` bucket counts, one row per label value,
+        /// each bucket's alone as in `Histogram`.
         counts: Vec<u64>,
         sums: Vec<f64>,
         totals: Vec<u64>,
@@ -157,13 +160,10 @@ impl Registry {
         if index >= label_values.len() {
             return;
         }
-        let row = index * bounds.len();
-        if let Some(row) = counts.get_mut(row..row + bounds.len()) {
-            for (bound, c) in bounds.iter().zip(row.iter_mut()) {
-                if value <= *bound {
-                    *c += 1;
-                }
-            }
+        if let Some(c) =
+            bucket(bounds, value).and_then(|b| counts.get_mut(index * bounds.len() + b))
+        {
+            *c += 1;
         }
         if let Some(sum) = sums.get_mut(index) {
             *sum += value;
@@ -228,10 +228,8 @@ impl Registry {
             ..
         }) = self.families.get_mut(id.0)
         {
-            for (bound, c) in bounds.iter().zip(counts.iter_mut()) {
-                if value <= *bound {
-                    *c += 1;
-                }
+            if let Some(c) = bucket(bounds, value).and_then(|b| counts.get_mut(b)) {
+                *c += 1;
             }
             *sum += value;
             *count += 1;
@@ -326,7 +324,7 @@ impl Registry {
                     sum,
                     count,
                 } => {
-                    for (bound, c) in bounds.iter().zip(counts) {
+                    for (bound, c) in bounds.iter().zip(cumulative(counts)) {
                         let _ = writeln!(out, "{}_bucket{{le=\"{bound}\"}} {c}", f.name);
                     }
                     let _ = writeln!(out, "{}_bucket{{le=\"+Inf\"}} {count}", f.name);
@@ -344,7 +342,7 @@ impl Registry {
                     let name = f.name;
                     for (i, value) in label_values.iter().enumerate() {
                         let row = counts.get(i * bounds.len()..).unwrap_or_default();
-                        for (bound, c) in bounds.iter().zip(row) {
+                        for (bound, c) in bounds.iter().zip(cumulative(row)) {
                             let _ = writeln!(
                                 out,
                                 "{name}_bucket{{{label}=\"{value}\",le=\"{bound}\"}} {c}"
@@ -363,6 +361,22 @@ impl Registry {
             }
         }
     }
+}
+
+/// The bucket an observation counts in: the first whose bound it is at or under (none
+/// for one above them all, or NaN), found from the smallest, where latencies are. One
+/// count a bucket, not one in every bucket from there up: an observation is a few
+/// comparisons, not one per bound, and the rendering adds them up.
+fn bucket(bounds: &[f64], value: f64) -> Option<usize> {
+    bounds.iter().position(|&bound| value <= bound)
+}
+
+/// The running totals of per-bucket counts: Prometheus's cumulative `le` buckets.
+fn cumulative(counts: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    counts.iter().scan(0u64, |total, &c| {
+        *total += c;
+        Some(*total)
+    })
 }
 
 fn escape_label(out: &mut String, value: &str) {
@@ -760,6 +774,61 @@ mod tests {
         assert!(out.contains("amp_jetstream_request_seconds_bucket{le=\"0.005\"} 1\n"));
         assert!(out.contains("amp_jetstream_request_seconds_bucket{le=\"+Inf\"} 2\n"));
         assert!(out.contains("amp_jetstream_request_seconds_count 2\n"));
+    }
+
+    #[test]
+    fn histograms_render_what_a_count_in_every_bucket_from_the_values_up_did() {
+        // The old observation, the oracle: one count in every bucket at or above it.
+        fn old_observe(bounds: &[f64], counts: &mut [u64], value: f64) {
+            for (bound, c) in bounds.iter().zip(counts.iter_mut()) {
+                if value <= *bound {
+                    *c += 1;
+                }
+            }
+        }
+        for bounds in [&LATENCY_BUCKETS[..], &ROUND_TRIP_BUCKETS[..]] {
+            // As the format requires, and as `bucket` and `cumulative` assume.
+            assert!(bounds.windows(2).all(|w| w[0] < w[1]), "{bounds:?}");
+        }
+        let mut values = vec![f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -1.0, 0.0, 100.0];
+        for &b in LATENCY_BUCKETS.iter().chain(&ROUND_TRIP_BUCKETS) {
+            values.extend([b, b * 0.999_999, b * 1.000_001]);
+        }
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for _ in 0..5_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
+            values.push(unit * 10f64.powi((state % 7) as i32 - 4));
+        }
+        let mut m = AmpMetrics::new();
+        let mut old_js = [0u64; LATENCY_BUCKETS.len()];
+        let mut old_nats = vec![[0u64; ROUND_TRIP_BUCKETS.len()]; NatsOp::LABELS.len()];
+        for (i, &v) in values.iter().enumerate() {
+            m.registry.observe(m.js_request_seconds, v);
+            old_observe(&LATENCY_BUCKETS, &mut old_js, v);
+            let op = i % NatsOp::LABELS.len();
+            m.registry.observe_at(m.nats_request_seconds, op, v);
+            old_observe(&ROUND_TRIP_BUCKETS, &mut old_nats[op], v);
+        }
+        let mut out = String::new();
+        m.registry.render(&mut out);
+        let mut expected = Vec::new();
+        for (bound, c) in LATENCY_BUCKETS.iter().zip(old_js) {
+            expected.push(format!(
+                "amp_jetstream_request_seconds_bucket{{le=\"{bound}\"}} {c}\n"
+            ));
+        }
+        let name = "amp_nats_request_duration_seconds";
+        for (op, counts) in NatsOp::LABELS.iter().zip(&old_nats) {
+            for (bound, c) in ROUND_TRIP_BUCKETS.iter().zip(counts) {
+                expected.push(format!("{name}_bucket{{op=\"{op}\",le=\"{bound}\"}} {c}\n"));
+            }
+        }
+        for line in expected {
+            assert!(out.contains(&line), "{line:?} not in\n{out}");
+        }
     }
 
     #[test]
