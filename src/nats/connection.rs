@@ -913,6 +913,13 @@ impl Connection {
         )
     }
 
+    /// [`publish`](Self::publish) to the reply subject of a message this connection
+    /// handed on (an ack), not checked again: [`deliverable`] held it to the subject
+    /// rules and more when it came in, and every ack of a stored message comes this way.
+    pub fn publish_to_reply(&mut self, delivered_reply: &str, payload: &[u8]) -> Result<(), Error> {
+        self.publish_unchecked(delivered_reply.as_bytes(), None, None, payload)
+    }
+
     fn publish_unchecked(
         &mut self,
         subject: &[u8],
@@ -1089,6 +1096,30 @@ impl Connection {
     ) -> Result<RequestId, Error> {
         validate_subject(subject.as_bytes())
             .map_err(|_| Error::InvalidSubject(subject.to_string()))?;
+        self.request_unchecked(subject.as_bytes(), headers, payload, timeout, now)
+    }
+
+    /// [`request`](Self::request) to the reply subject of a message this connection
+    /// handed on (an ack awaiting its confirmation), not checked again, as in
+    /// [`publish_to_reply`](Self::publish_to_reply).
+    pub fn request_to_reply(
+        &mut self,
+        delivered_reply: &str,
+        payload: &[u8],
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<RequestId, Error> {
+        self.request_unchecked(delivered_reply.as_bytes(), None, payload, timeout, now)
+    }
+
+    fn request_unchecked(
+        &mut self,
+        subject: &[u8],
+        headers: Option<&HeaderMap>,
+        payload: &[u8],
+        timeout: Duration,
+        now: Instant,
+    ) -> Result<RequestId, Error> {
         if self.requests.len() >= self.options.max_pending_requests {
             return Err(Error::TooManyRequests {
                 max: self.options.max_pending_requests,
@@ -1104,8 +1135,7 @@ impl Connection {
         reply.clear();
         reply.push_str(&self.resp_prefix);
         crate::proto::encode::push_decimal(&mut reply, id.0);
-        let published =
-            self.publish_unchecked(subject.as_bytes(), Some(reply.as_bytes()), headers, payload);
+        let published = self.publish_unchecked(subject, Some(reply.as_bytes()), headers, payload);
         self.reply_scratch = reply;
         published?;
         let on_wire = self.is_connected() && !self.lame_duck_move;

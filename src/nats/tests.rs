@@ -1026,6 +1026,56 @@ fn an_unparsable_url_is_the_reason_the_connection_closes() {
 }
 
 #[test]
+fn an_ack_to_a_delivered_reply_is_written_as_publish_and_request_write_it() {
+    let mut h = Harness::new(Harness::options("nats://a:4222"));
+    h.connect();
+    let sid = h.conn.subscribe("in", None).expect("sub");
+    h.take_output();
+    let ack = "$JS.ACK.S.C.1.7.7.1700000000000000000.0";
+    // Not a subject `deliverable` lets through: never handed on, so never acked.
+    h.conn.receive(
+        format!("MSG in {} a..b 2\r\nhi\r\n", sid.0).as_bytes(),
+        h.now,
+    );
+    h.conn.receive(
+        format!("MSG in {} {ack} 2\r\nhi\r\n", sid.0).as_bytes(),
+        h.now,
+    );
+    let events = h.events();
+    let [
+        Event::Connected { .. },
+        Event::InvalidMessages { dropped: 1 },
+        Event::Message { msg, .. },
+    ] = &events[..]
+    else {
+        panic!("{events:?}");
+    };
+    let reply = msg.reply.clone().expect("a reply");
+    assert_eq!(reply, ack);
+    h.conn
+        .publish(&reply, None, None, b"+ACK")
+        .expect("publish");
+    let checked = h.take_output();
+    h.conn
+        .publish_to_reply(&reply, b"+ACK")
+        .expect("publish_to_reply");
+    assert_eq!(h.take_output(), checked);
+    h.conn
+        .request(&reply, None, b"+ACK", Duration::from_secs(5), h.now)
+        .expect("request");
+    let first = ops(&h.take_output());
+    h.conn
+        .request_to_reply(&reply, b"+ACK", Duration::from_secs(5), h.now)
+        .expect("request_to_reply");
+    let second = ops(&h.take_output());
+    // The first also subscribed the replies' inbox; the reply subjects differ by
+    // request number alone, and `ops` leaves them out.
+    assert_eq!(first.last(), second.last());
+    assert_eq!(second, [format!("PUB {ack} +ACK")]);
+    assert_eq!(h.conn.pending_requests(), 2);
+}
+
+#[test]
 fn owned_text_is_the_check_in_place_then_copy_it_replaced() {
     let reference = |bytes: &[u8]| match std::str::from_utf8(bytes) {
         Ok(s) => s.to_owned(),

@@ -224,7 +224,9 @@ impl Broker {
     }
 
     /// [`ack`](Self::ack), an inbox delivery (`seq`, ack subject) given back to the
-    /// session if the confirmed ack fails.
+    /// session if the confirmed ack fails. `ack_subject` is always the reply of a message
+    /// the connection handed on (a session's or durable's held delivery), so it is sent
+    /// to unchecked (`publish_to_reply`): the connection checked it when it came in.
     #[allow(clippy::too_many_arguments)]
     fn ack_keeping(
         &mut self,
@@ -239,7 +241,7 @@ impl Broker {
         match id {
             Some(re) => match conn
                 .check_heard(now)
-                .and_then(|()| conn.request(ack_subject, None, &kind.payload(), JS_TIMEOUT, now))
+                .and_then(|()| conn.request_to_reply(ack_subject, &kind.payload(), JS_TIMEOUT, now))
             {
                 Ok(req) => {
                     self.await_reply(req, now, Pending::AckSync { session, re, keep });
@@ -250,7 +252,7 @@ impl Broker {
                 }
             },
             None => {
-                let _ = conn.publish(ack_subject, None, None, &kind.payload());
+                let _ = conn.publish_to_reply(ack_subject, &kind.payload());
             }
         }
     }
