@@ -270,6 +270,9 @@ struct Session {
     /// (a reload puts the new one in): a `send` reads its permissions and policy here,
     /// not by its name in the configuration's maps.
     entry: Option<Arc<Participant>>,
+    /// The recipient its last `send` found in the configuration: a `send` to it again is
+    /// not looked up by name in the configuration's maps. A reload forgets it.
+    last_to: Option<Box<str>>,
     /// Ids of requests not yet answered (they must be unique while outstanding).
     outstanding: Outstanding,
     /// What those of them that are submits or redrives took of the participant's limits:
@@ -1058,6 +1061,7 @@ impl Broker {
             if let SessionState::Active { ns, name } = &s.state {
                 s.entry = self.config.entry(ns, name).cloned();
             }
+            s.last_to = None;
         }
         self.jobs.reload_settings(&self.config);
         self.relabel();

@@ -17,7 +17,9 @@ impl Broker {
         now: Instant,
     ) {
         let to = send.to.as_str();
-        let entry = self.sessions.get(&session).and_then(|s| s.entry.clone());
+        let (entry, known) = self.sessions.get(&session).map_or((None, false), |s| {
+            (s.entry.clone(), s.last_to.as_deref() == Some(to))
+        });
         let sender = entry.as_deref();
         let allowed = sender.is_some_and(|p| permissions::allows(&p.permissions, Action::Send, to));
         let limits = sender
@@ -31,13 +33,18 @@ impl Broker {
             .with_path("/to");
             return self.fail(session, &send.id, e);
         }
-        if self.config.participant(ns, to).is_none() {
-            let e = AmpError::new(
-                ErrorCode::NotFound,
-                format!("`{to}` is not a participant of `{ns}`"),
-            )
-            .with_path("/to");
-            return self.fail(session, &send.id, e);
+        if !known {
+            if self.config.participant(ns, to).is_none() {
+                let e = AmpError::new(
+                    ErrorCode::NotFound,
+                    format!("`{to}` is not a participant of `{ns}`"),
+                )
+                .with_path("/to");
+                return self.fail(session, &send.id, e);
+            }
+            if let Some(s) = self.sessions.get_mut(&session) {
+                s.last_to = Some(to.into());
+            }
         }
         let body = send.body.into_text();
         let charged = match self.take_rate_with(ns, name, limits, body.len(), now) {
@@ -761,6 +768,34 @@ mod tests {
         assert_eq!(code(&mut h, 5).as_deref(), Some("rate_limited"));
         h.reload(config);
         send(&mut h, ann, "bob", 6);
+    }
+
+    /// A session remembers the recipient its last `send` found, not looked up again for
+    /// the next `send` to it: a reload that takes the recipient away is heard all the same.
+    #[test]
+    fn a_recipient_a_reload_takes_away_is_not_found_by_the_next_send() {
+        let config = harness::development_config();
+        let mut h = Harness::new(config.clone(), 1, 3);
+        let ann = h.join(0, "ann", json!({}));
+        send(&mut h, ann, "bob", 1);
+        send(&mut h, ann, "bob", 2);
+        // Ann listed by name, with what `open` gave her, and nobody else; then anyone
+        // again (a listed name stays listed).
+        let mut only_ann = config.clone();
+        let mut again = config;
+        if let Some(ns) = only_ann.namespaces.get_mut("dev")
+            && let Some(open) = ns.open.take()
+        {
+            ns.participants.insert("ann".into(), open.clone());
+            if let Some(ns) = again.namespaces.get_mut("dev") {
+                ns.participants.insert("ann".into(), open);
+            }
+        }
+        h.reload(only_ann);
+        let e = h.request(ann, json!({"op":"send","to":"bob","body":{"n":3}}));
+        assert_eq!(e["code"], "not_found", "{e}");
+        h.reload(again);
+        send(&mut h, ann, "bob", 4);
     }
 
     #[test]

@@ -13,6 +13,7 @@ impl Broker {
                 state: SessionState::AwaitingHello { nonce },
                 peer,
                 entry: None,
+                last_to: None,
                 outstanding: Outstanding::default(),
                 charged: HashMap::new(),
                 participant_outstanding: Rc::default(),
