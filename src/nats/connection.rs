@@ -916,7 +916,11 @@ impl Connection {
     /// [`publish`](Self::publish) to the reply subject of a message this connection
     /// handed on (an ack), not checked again: [`deliverable`] held it to the subject
     /// rules and more when it came in, and every ack of a stored message comes this way.
-    pub fn publish_to_reply(&mut self, delivered_reply: &str, payload: &[u8]) -> Result<(), Error> {
+    pub(crate) fn publish_to_reply(
+        &mut self,
+        delivered_reply: &str,
+        payload: &[u8],
+    ) -> Result<(), Error> {
         self.publish_unchecked(delivered_reply.as_bytes(), None, None, payload)
     }
 
@@ -1102,7 +1106,7 @@ impl Connection {
     /// [`request`](Self::request) to the reply subject of a message this connection
     /// handed on (an ack awaiting its confirmation), not checked again, as in
     /// [`publish_to_reply`](Self::publish_to_reply).
-    pub fn request_to_reply(
+    pub(crate) fn request_to_reply(
         &mut self,
         delivered_reply: &str,
         payload: &[u8],
