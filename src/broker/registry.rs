@@ -432,6 +432,14 @@ impl Registry {
             .map_or(self.entries.len(), BTreeSet::len)
     }
 
+    /// `name` is one of those [`Self::held`] counts: a held name not read again yet
+    /// competes with new ones, or each re-read could keep up to the cap more for good.
+    fn counted(&self, name: &str) -> bool {
+        self.confirmed
+            .as_ref()
+            .map_or_else(|| self.entries.contains_key(name), |c| c.contains(name))
+    }
+
     /// Keys left out: not a participant's name, and past the cap.
     pub fn refused(&self) -> (u64, u64) {
         (self.refused.names, self.refused.full)
@@ -469,9 +477,7 @@ impl Registry {
                     let mut value = if live { split(&entry.value) } else { None };
                     if value.is_some() {
                         match admit(&name) {
-                            Admit::Open
-                                if self.held() >= cap && !self.entries.contains_key(&name) =>
-                            {
+                            Admit::Open if self.held() >= cap && !self.counted(&name) => {
                                 self.refused.full += 1;
                                 self.refuse(&name, "one past the cap", now);
                                 continue;
@@ -831,6 +837,27 @@ mod tests {
         present.sort_unstable();
         assert_eq!(present, ["o2", "o3", "o4"]);
         assert_eq!(r.refused(), (0, 1), "o5 is one past the cap");
+    }
+
+    #[test]
+    fn a_re_read_keeps_at_most_its_cap_when_held_names_come_after_new_ones() {
+        // A held name read again after the cap was filled with new ones was admitted
+        // because the mirror still held it: each re-read could add up to the cap more.
+        let t0 = Instant::now();
+        let open = namespace(true, 3);
+        let mut r = Registry::new("acme", ApiPrefix::new(), "_INBOX.w", "reg_b1_acme", 15, t0)
+            .expect("registry");
+        delivered(&mut r, &["o0", "o1", "o2"], t0);
+        r.poll_changes(t0, |n| Admit::of(&open, n), mirror_cap(&open));
+
+        let later = t0 + Duration::from_secs(120);
+        r.watcher().restart("reconnected", later);
+        delivered(&mut r, &["o3", "o4", "o5", "o0", "o1", "o2"], later);
+        r.poll_changes(later, |n| Admit::of(&open, n), mirror_cap(&open));
+        let mut present: Vec<&str> = r.entries_after(None).map(|(n, _)| n.as_str()).collect();
+        present.sort_unstable();
+        assert_eq!(present, ["o3", "o4", "o5"]);
+        assert_eq!(r.refused(), (0, 3));
     }
 
     #[test]
