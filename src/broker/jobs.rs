@@ -3007,6 +3007,27 @@ mod tests {
     }
 
     #[test]
+    fn refused_repeats_of_a_cancel_dated_ahead_of_the_clock_are_not_made_every_second() {
+        // The wait is as long as the cancel is old, read off the wall clock: with the
+        // clock stepped back 600 s after the cancel its age was negative, and the broker
+        // published the result every second until the clock caught up.
+        let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
+        let (_, task) = cancel_whose_broker_died_before_publishing(&mut h);
+        let spy = h.server.accept(h.now);
+        let sub = format!(
+            "CONNECT {{\"verbose\":false}}\r\nSUB {} 1\r\n",
+            super::binding::inbox_subject("dev", "app")
+        );
+        h.server.receive(spy, sub.as_bytes(), h.now);
+        h.step_wall_clock(Duration::from_secs(600), false);
+        h.advance(Duration::from_secs(120));
+        let out = String::from_utf8_lossy(&h.server.take_output(spy)).into_owned();
+        let repeats = out.matches(task.as_str()).count();
+        assert!(repeats <= 10, "{repeats} repeats in 120 s");
+        assert_eq!(stored_results(&h, &task), 0, "the inbox is still full");
+    }
+
+    #[test]
     fn a_task_id_used_again_gets_its_result_and_letter_under_longer_duplicate_windows() {
         // A result's and a letter's message ids were derived from the task id alone: with
         // the inbox's and the dead letters' duplicate windows lengthened past the finished

@@ -91,9 +91,13 @@ impl Jobs {
         if self.refused_repeats.get(&key.to_owned()).is_some() {
             return;
         }
-        let age_ms = self.clock.ms(now).saturating_sub(cancelled_ms).max(0);
+        // A cancel dated ahead of this clock (stepped back, or another broker's ahead) is
+        // of no known age: waited on as long as it is ahead, else it was repeated every
+        // second until this clock caught up.
+        let age_ms = self.clock.ms(now).saturating_sub(cancelled_ms);
         let max_ms = i64::try_from(REFUSED_RESULT_MAX_DELAY.as_millis()).unwrap_or(i64::MAX);
         let wait_ms = age_ms
+            .saturating_abs()
             .clamp(1_000, max_ms)
             .min(store::LAST_REPEAT_MS.saturating_sub(age_ms))
             .max(1);
