@@ -114,15 +114,15 @@ const FRAMES: &[&str] = &[
     r#"{"op":"ping","id":"{}"}"#,
 ];
 
-struct Cursor<'a>(&'a [u8]);
+pub struct Cursor<'a>(pub &'a [u8]);
 
 impl<'a> Cursor<'a> {
-    fn byte(&mut self) -> Option<u8> {
+    pub fn byte(&mut self) -> Option<u8> {
         let (&b, rest) = self.0.split_first()?;
         self.0 = rest;
         Some(b)
     }
-    fn take(&mut self, n: usize) -> &'a [u8] {
+    pub fn take(&mut self, n: usize) -> &'a [u8] {
         let (a, b) = self.0.split_at(n.min(self.0.len()));
         self.0 = b;
         a
@@ -149,7 +149,7 @@ fn client_text(text: &[u8]) -> Vec<u8> {
     f
 }
 
-fn splice(frame: &str, text: &[u8]) -> Vec<u8> {
+pub fn splice(frame: &str, text: &[u8]) -> Vec<u8> {
     let s = String::from_utf8_lossy(text);
     let escaped = serde_json::to_string(&s).unwrap_or_default();
     let inner = escaped
@@ -158,15 +158,17 @@ fn splice(frame: &str, text: &[u8]) -> Vec<u8> {
     frame.replace("{}", inner).into_bytes()
 }
 
-struct World {
-    now: Instant,
-    broker: Broker,
-    nats: Nats,
+pub struct World {
+    pub now: Instant,
+    /// What the broker and the model run on.
+    config: Config,
+    pub broker: Broker,
+    pub nats: Nats,
     ws: Vec<Option<Ws>>,
     /// Reply subjects of the requests the core made, newest last.
-    replies: Vec<String>,
+    pub replies: Vec<String>,
     /// (subject, sid) of the core's subscriptions, newest last.
-    subs: Vec<(String, String)>,
+    pub subs: Vec<(String, String)>,
     /// Bytes the core wrote to NATS, not yet scanned for requests and subscriptions.
     wire: Vec<u8>,
     /// The ops of the frames the core sent, `<session>:<op>` (for tests of the harness).
@@ -181,6 +183,9 @@ struct World {
     published: Vec<(Option<Vec<u8>>, Vec<u8>)>,
     /// The JetStream model, once op 9 brought it, and the core's link to it.
     model: Option<Model>,
+    /// The answers to MIG callers (`_INBOX_<tenant>_...` subjects) the core wrote, the
+    /// newest 64; each was checked to be JSON within the server's `max_payload`.
+    pub mig_answers: Vec<serde_json::Value>,
 }
 
 struct Model {
@@ -219,9 +224,13 @@ const API_ERRORS: &[&str] = &[
 
 impl World {
     fn new() -> World {
+        World::with_config(config())
+    }
+
+    pub fn with_config(config: Config) -> World {
         let now = Instant::now();
         let broker = Broker::new(
-            config(),
+            config.clone(),
             "b1".into(),
             Clock::new(now, 1_800_000_000_000),
             [7; 32],
@@ -233,6 +242,7 @@ impl World {
         options.rng_seed = Some(7);
         let mut w = World {
             now,
+            config,
             broker,
             nats: Nats::new(options, now),
             ws: (0..SESSIONS).map(|_| None).collect(),
@@ -250,6 +260,7 @@ impl World {
             pulls: Vec::new(),
             published: Vec::new(),
             model: None,
+            mig_answers: Vec::new(),
         };
         w.connect();
         let _ = w.broker.start(&mut w.nats, now);
@@ -278,7 +289,7 @@ impl World {
     }
 
     /// Op 9: the model takes over (the core reconnects to it), or restarts.
-    fn model_takes_over(&mut self) {
+    pub fn model_takes_over(&mut self) {
         if let Some(m) = self.model.as_mut() {
             m.server.restart(self.now);
             return;
@@ -287,7 +298,7 @@ impl World {
         let mut options = ModelOptions::new(wall);
         options.max_pending_output = 8 << 20;
         let mut server = Server::new(options, self.now);
-        provision(&mut server, &config(), self.now);
+        provision(&mut server, &self.config, self.now);
         self.model = Some(Model { server, link: None });
         self.nats
             .on_transport_closed(self.now, "fuzz: a JetStream server takes over");
@@ -325,7 +336,7 @@ impl World {
     }
 
     /// Moves events between the machines until they are quiet (bounded rounds).
-    fn settle(&mut self) {
+    pub fn settle(&mut self) {
         for _ in 0..32 {
             let mut busy = self.pump_model();
             while let Some(event) = self.nats.poll_event() {
@@ -487,6 +498,9 @@ impl World {
         payload: &[u8],
     ) {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        if subject.starts_with(b"_INBOX_") {
+            self.check_mig_answer(subject, headers, payload);
+        }
         let Some(reply) = reply.map(text) else {
             if subject.starts_with(b"amp.") {
                 self.published
@@ -509,12 +523,33 @@ impl World {
         }
     }
 
+    /// What a MIG caller is sent must be JSON (an envelope, whatever the request was)
+    /// that the server takes: within its `max_payload`, headers included.
+    fn check_mig_answer(&mut self, subject: &[u8], headers: Option<&[u8]>, payload: &[u8]) {
+        let size = headers.map_or(0, <[u8]>::len) + payload.len();
+        assert!(
+            size <= self.nats.max_payload(),
+            "a MIG answer of {size} bytes on {} (max_payload {})",
+            String::from_utf8_lossy(subject),
+            self.nats.max_payload()
+        );
+        let value = serde_json::from_slice::<serde_json::Value>(payload).unwrap_or_else(|e| {
+            panic!(
+                "a MIG answer that is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&payload[..payload.len().min(200)])
+            )
+        });
+        self.mig_answers.push(value);
+        let extra = self.mig_answers.len().saturating_sub(64);
+        self.mig_answers.drain(..extra);
+    }
+
     /// A message from the server: on `sid`'s subject, or a reply subject.
     fn deliver(&mut self, subject: &str, sid: &str, payload: &[u8]) {
         self.deliver_full(subject, sid, None, None, payload);
     }
 
-    fn deliver_full(
+    pub fn deliver_full(
         &mut self,
         subject: &str,
         sid: &str,
@@ -538,7 +573,7 @@ impl World {
         self.nats.receive(&msg, self.now);
     }
 
-    fn reply_sid(&self, reply: &str) -> Option<String> {
+    pub fn reply_sid(&self, reply: &str) -> Option<String> {
         self.subs.iter().rev().find_map(|(subject, sid)| {
             let matches = match subject.strip_suffix('*').or(subject.strip_suffix('>')) {
                 Some(prefix) => reply.starts_with(prefix),
@@ -627,7 +662,7 @@ impl World {
     }
 
     /// Op 14: an API error (or no responders, or nothing) to the request `k` picks.
-    fn request_error(&mut self, c: &mut Cursor<'_>) {
+    pub fn request_error(&mut self, c: &mut Cursor<'_>) {
         let k = c.byte().unwrap_or(0);
         let e = usize::from(c.byte().unwrap_or(0));
         if self.replies.is_empty() {
@@ -645,7 +680,7 @@ impl World {
         }
     }
 
-    fn advance(&mut self, by: Duration) {
+    pub fn advance(&mut self, by: Duration) {
         let until = self.now + by;
         loop {
             let model = self.model.as_ref().and_then(|m| m.server.poll_timeout());
