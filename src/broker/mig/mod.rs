@@ -876,9 +876,29 @@ impl Mig {
             Err(e) => (envelope::error_body(a.echo, &ts, e), e.code.as_str()),
         };
         let headers = a.echo.nats_headers();
-        if let Err(e) = conn.publish(a.reply, None, Some(&headers), &body) {
-            log::warn!(subject:% = a.reply; "MIG reply not sent: {e}");
-        }
+        let code = match conn.publish(a.reply, None, Some(&headers), &body) {
+            Ok(()) => code,
+            // Unsent, the caller would wait out its timeout for nothing: it hears why, in
+            // a few hundred bytes (the echo is bounded), and is counted as refused.
+            Err(crate::nats::Error::MaxPayloadExceeded { size, max }) => {
+                let e = MigError::new(
+                    Code::InvalidRequest,
+                    format!(
+                        "the reply is {size} bytes, more than the server's max_payload of {max}"
+                    ),
+                )
+                .detail("amp_code", json!("too_large"));
+                let body = envelope::error_body(a.echo, &ts, &e);
+                if let Err(err) = conn.publish(a.reply, None, Some(&headers), &body) {
+                    log::warn!(subject:% = a.reply; "MIG reply not sent: {err}");
+                }
+                e.code.as_str()
+            }
+            Err(e) => {
+                log::warn!(subject:% = a.reply; "MIG reply not sent: {e}");
+                code
+            }
+        };
         let took = now.saturating_duration_since(a.received);
         self.metrics.request(a.op, a.capability, code, took);
     }

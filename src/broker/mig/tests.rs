@@ -1040,3 +1040,74 @@ fn a_few_callers_cannot_take_every_invocation_slot_of_a_broker() {
         mig.invocations.len()
     );
 }
+
+/// An INVOKE's result past the server's `max_payload` once in its envelope: the reply was
+/// refused by the connection, logged ("MIG reply not sent") and counted as `OK`, and the
+/// caller waited for its own timeout. It now hears a small `MIG_INVALID_REQUEST`
+/// (`amp_code` `too_large`, as an AMP `status` of such a result is refused), counted so.
+#[test]
+fn a_reply_past_max_payload_answers_a_small_error_instead() {
+    use crate::proto::{Op, Parsed, Parser, Role};
+    let t0 = Instant::now();
+    let config = config();
+    let (mut conn, mut mig, _engines) = bench(&config, t0);
+    assert!(conn.poll_connect(t0).is_some(), "a connection to open");
+    conn.on_transport_open(t0);
+    conn.receive(
+        b"INFO {\"server_id\":\"S\",\"headers\":true,\"max_payload\":4096}\r\nPONG\r\n",
+        t0,
+    );
+    let n = conn.output().len();
+    conn.consume_output(n);
+
+    let body: Map<String, Value> = serde_json::from_value(
+        json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {}}),
+    )
+    .expect("body");
+    let header = envelope::parse_header(&body, None, || "made".into()).expect("header");
+    let participant = config.participant("acme", "alice").expect("alice");
+    let r = invoke::Request {
+        ns: "acme",
+        caller: "alice",
+        participant,
+        capability: "infer",
+        reply: "_INBOX_acme_alice.1",
+        header: &header,
+        body: &body,
+    };
+    let accepted = invoke::accept(&config, &r).expect("accepted");
+    let session = mig.new_session();
+    mig.invocations
+        .insert(session, Invocation::new(&r, accepted, unbound(), 1000, t0));
+    let result = json!({"capability": "infer", "payload": "x".repeat(5000)});
+    mig.finish(&mut conn, session, Ok(result), t0);
+
+    let mut parser = Parser::new(Role::Server);
+    let answer = match parser.parse(conn.output()) {
+        Ok(Parsed::Complete(
+            Op::Hpub {
+                subject, payload, ..
+            },
+            _,
+        )) => {
+            assert_eq!(subject, b"_INBOX_acme_alice.1");
+            serde_json::from_slice::<Value>(payload).expect("JSON")
+        }
+        other => panic!("no answer to the caller: {other:?}"),
+    };
+    assert_eq!(answer["error"]["code"], "MIG_INVALID_REQUEST", "{answer}");
+    assert_eq!(
+        answer["error"]["details"]["amp_code"], "too_large",
+        "{answer}"
+    );
+    assert_eq!(answer["header"]["message_id"], "m1", "{answer}");
+    let mut metrics = String::new();
+    mig.metrics.render(&mut metrics, 0);
+    let counted = |code: &str| {
+        metrics
+            .lines()
+            .any(|l| l.starts_with("amp_mig_requests_total{") && l.contains(code))
+    };
+    assert!(counted("MIG_INVALID_REQUEST"), "{metrics}");
+    assert!(!counted("\"OK\""), "{metrics}");
+}
