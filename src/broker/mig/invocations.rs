@@ -363,7 +363,8 @@ impl Mig {
             // The reply is the stream's first frame; the rest follow on the stream subject.
             let started = json!({"kind": "control", "payload": {"status": "started"}});
             let reply = inv.reply.clone();
-            self.stream_frame(conn, &mut inv, Some(&reply), started, now);
+            // A frame of a few hundred bytes (the echo is bounded) is never too large.
+            let _ = self.stream_frame(conn, &mut inv, Some(&reply), started, now);
         }
         self.invocations.insert(session, inv);
     }
@@ -723,13 +724,17 @@ impl Mig {
         {
             stream.progress_n = record.progress_n;
             let frame = json!({"kind": "response", "end_stream": false, "payload": progress});
-            self.stream_frame(conn, &mut inv, None, frame, now);
+            // Progress too large is left out (the stream goes on; its `amp.seq` shows the gap).
+            if let Err(e) = self.stream_frame(conn, &mut inv, None, frame, now) {
+                log::warn!(capability:% = inv.capability; "MIG stream frame not sent: {}", e.message);
+            }
         }
         self.invocations.insert(session, inv);
     }
 
     /// Publishes the next frame of a streaming invoke: on `reply` (the `started` frame) or
-    /// on the stream subject, numbered in `header.meta["amp.seq"]`.
+    /// on the stream subject, numbered in `header.meta["amp.seq"]`; the error to send in
+    /// its place when it is past the server's `max_payload` (any other failure is logged).
     pub(super) fn stream_frame(
         &mut self,
         conn: &mut Connection,
@@ -737,10 +742,10 @@ impl Mig {
         reply: Option<&str>,
         fields: Value,
         now: Instant,
-    ) {
+    ) -> Result<(), MigError> {
         let ts = self.timestamp(now);
         let Some(stream) = inv.stream.as_mut() else {
-            return;
+            return Ok(());
         };
         stream.seq += 1;
         let mut header = inv.echo.header(&ts);
@@ -755,8 +760,15 @@ impl Mig {
         }
         let subject = reply.unwrap_or(&stream.subject);
         let headers = inv.echo.nats_headers();
-        if let Err(e) = conn.publish(subject, None, Some(&headers), frame.to_string().as_bytes()) {
-            log::warn!(subject:% = subject; "MIG stream frame not sent: {e}");
+        match conn.publish(subject, None, Some(&headers), frame.to_string().as_bytes()) {
+            Ok(()) => Ok(()),
+            Err(crate::nats::Error::MaxPayloadExceeded { size, max }) => {
+                Err(super::too_large_reply(size, max))
+            }
+            Err(e) => {
+                log::warn!(subject:% = subject; "MIG stream frame not sent: {e}");
+                Ok(())
+            }
         }
     }
 
@@ -804,11 +816,18 @@ impl Mig {
         );
         if inv.stream.is_some() {
             let mut inv = inv;
-            let frame = match &result {
+            let last = |result: &Result<Value, MigError>| match result {
                 Ok(v) => json!({"kind": "response", "end_stream": true, "payload": v["payload"]}),
                 Err(e) => json!({"kind": "error", "end_stream": true, "error": e.to_value()}),
             };
-            self.stream_frame(conn, &mut inv, None, frame, now);
+            let mut result = result;
+            if let Err(e) = self.stream_frame(conn, &mut inv, None, last(&result), now) {
+                // Unsent, the stream would never end: it ends with why, in a small frame.
+                result = Err(e);
+                if let Err(e) = self.stream_frame(conn, &mut inv, None, last(&result), now) {
+                    log::warn!(capability:% = inv.capability; "MIG stream frame not sent: {}", e.message);
+                }
+            }
             let code = result.as_ref().err().map_or("OK", |e| e.code.as_str());
             let took = now.saturating_duration_since(inv.received);
             self.metrics.request("invoke", &inv.capability, code, took);

@@ -881,13 +881,7 @@ impl Mig {
             // Unsent, the caller would wait out its timeout for nothing: it hears why, in
             // a few hundred bytes (the echo is bounded), and is counted as refused.
             Err(crate::nats::Error::MaxPayloadExceeded { size, max }) => {
-                let e = MigError::new(
-                    Code::InvalidRequest,
-                    format!(
-                        "the reply is {size} bytes, more than the server's max_payload of {max}"
-                    ),
-                )
-                .detail("amp_code", json!("too_large"));
+                let e = too_large_reply(size, max);
                 let body = envelope::error_body(a.echo, &ts, &e);
                 if let Err(err) = conn.publish(a.reply, None, Some(&headers), &body) {
                     log::warn!(subject:% = a.reply; "MIG reply not sent: {err}");
@@ -911,6 +905,16 @@ fn asks_jetstream(op: &subjects::Op<'_>) -> bool {
         Op::Invoke(_) | Op::Publish(_) | Op::Subscribe | Op::Cancel(_) => true,
         Op::Hello | Op::Discover | Op::Heartbeat => false,
     }
+}
+
+/// What a caller hears in place of a reply (or a stream's last frame) of `size` bytes that
+/// the server, allowing `max`, would refuse.
+pub(super) fn too_large_reply(size: usize, max: usize) -> MigError {
+    MigError::new(
+        Code::InvalidRequest,
+        format!("the reply is {size} bytes, more than the server's max_payload of {max}"),
+    )
+    .detail("amp_code", json!("too_large"))
 }
 
 fn millis(d: Duration) -> u64 {

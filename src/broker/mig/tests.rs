@@ -1041,15 +1041,17 @@ fn a_few_callers_cannot_take_every_invocation_slot_of_a_broker() {
     );
 }
 
-/// An INVOKE's result past the server's `max_payload` once in its envelope: the reply was
-/// refused by the connection, logged ("MIG reply not sent") and counted as `OK`, and the
-/// caller waited for its own timeout. It now hears a small `MIG_INVALID_REQUEST`
-/// (`amp_code` `too_large`, as an AMP `status` of such a result is refused), counted so.
-#[test]
-fn a_reply_past_max_payload_answers_a_small_error_instead() {
+/// The message `finish` writes for a result of `result_bytes` to an invocation of `body`
+/// (its header's `message_id` is m1), on a connection whose server allows 4096 bytes: its
+/// subject and JSON body; and the request metrics rendered.
+fn finish_past_max_payload(body: Value, result_bytes: usize) -> (String, Value, String) {
     use crate::proto::{Op, Parsed, Parser, Role};
     let t0 = Instant::now();
-    let config = config();
+    let v = json!({"mig": {"enabled": true}, "namespaces": {"acme": {
+        "participants": {"alice": {"token_sha256": "0".repeat(64),
+                                   "permissions": {"submit": ["infer"]}}},
+        "jobs": {"infer": {"mig": {"id": "infer", "modes": ["unary", "server_stream"]}}}}}});
+    let config = Config::parse(v.to_string().as_bytes()).expect("config");
     let (mut conn, mut mig, _engines) = bench(&config, t0);
     assert!(conn.poll_connect(t0).is_some(), "a connection to open");
     conn.on_transport_open(t0);
@@ -1060,10 +1062,7 @@ fn a_reply_past_max_payload_answers_a_small_error_instead() {
     let n = conn.output().len();
     conn.consume_output(n);
 
-    let body: Map<String, Value> = serde_json::from_value(
-        json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {}}),
-    )
-    .expect("body");
+    let body: Map<String, Value> = serde_json::from_value(body).expect("body");
     let header = envelope::parse_header(&body, None, || "made".into()).expect("header");
     let participant = config.participant("acme", "alice").expect("alice");
     let r = invoke::Request {
@@ -1079,35 +1078,68 @@ fn a_reply_past_max_payload_answers_a_small_error_instead() {
     let session = mig.new_session();
     mig.invocations
         .insert(session, Invocation::new(&r, accepted, unbound(), 1000, t0));
-    let result = json!({"capability": "infer", "payload": "x".repeat(5000)});
+    let result = json!({"capability": "infer", "payload": "x".repeat(result_bytes)});
     mig.finish(&mut conn, session, Ok(result), t0);
 
     let mut parser = Parser::new(Role::Server);
-    let answer = match parser.parse(conn.output()) {
+    let (subject, answer) = match parser.parse(conn.output()) {
         Ok(Parsed::Complete(
             Op::Hpub {
                 subject, payload, ..
             },
             _,
-        )) => {
-            assert_eq!(subject, b"_INBOX_acme_alice.1");
-            serde_json::from_slice::<Value>(payload).expect("JSON")
-        }
+        )) => (
+            String::from_utf8_lossy(subject).into_owned(),
+            serde_json::from_slice::<Value>(payload).expect("JSON"),
+        ),
         other => panic!("no answer to the caller: {other:?}"),
     };
+    let mut metrics = String::new();
+    mig.metrics.render(&mut metrics, 0);
+    (subject, answer, metrics)
+}
+
+/// Whether `metrics` counts a request with `code`.
+fn counted(metrics: &str, code: &str) -> bool {
+    metrics
+        .lines()
+        .any(|l| l.starts_with("amp_mig_requests_total{") && l.contains(&format!("\"{code}\"")))
+}
+
+/// An INVOKE's result past the server's `max_payload` once in its envelope: the reply was
+/// refused by the connection, logged ("MIG reply not sent") and counted as `OK`, and the
+/// caller waited for its own timeout. It now hears a small `MIG_INVALID_REQUEST`
+/// (`amp_code` `too_large`, as an AMP `status` of such a result is refused), counted so.
+#[test]
+fn a_reply_past_max_payload_answers_a_small_error_instead() {
+    let body = json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {}});
+    let (subject, answer, metrics) = finish_past_max_payload(body, 5000);
+    assert_eq!(subject, "_INBOX_acme_alice.1");
     assert_eq!(answer["error"]["code"], "MIG_INVALID_REQUEST", "{answer}");
     assert_eq!(
         answer["error"]["details"]["amp_code"], "too_large",
         "{answer}"
     );
     assert_eq!(answer["header"]["message_id"], "m1", "{answer}");
-    let mut metrics = String::new();
-    mig.metrics.render(&mut metrics, 0);
-    let counted = |code: &str| {
-        metrics
-            .lines()
-            .any(|l| l.starts_with("amp_mig_requests_total{") && l.contains(code))
-    };
-    assert!(counted("MIG_INVALID_REQUEST"), "{metrics}");
-    assert!(!counted("\"OK\""), "{metrics}");
+    assert!(counted(&metrics, "MIG_INVALID_REQUEST"), "{metrics}");
+    assert!(!counted(&metrics, "OK"), "{metrics}");
+}
+
+/// The same for a streaming invoke's terminal frame on its stream subject: it was only
+/// logged ("MIG stream frame not sent") and counted `OK`, and the stream never ended.
+#[test]
+fn a_terminal_stream_frame_past_max_payload_ends_the_stream_with_an_error() {
+    let body = json!({"header": {"tenant_id": "acme", "message_id": "m1"}, "payload": {},
+        "stream_preference": "server_stream"});
+    let (subject, frame, metrics) = finish_past_max_payload(body, 5000);
+    assert_eq!(subject, "mig.v0_1.acme.stream.m1");
+    assert_eq!(frame["kind"], "error", "{frame}");
+    assert_eq!(frame["end_stream"], true, "{frame}");
+    assert_eq!(frame["error"]["code"], "MIG_INVALID_REQUEST", "{frame}");
+    assert_eq!(
+        frame["error"]["details"]["amp_code"], "too_large",
+        "{frame}"
+    );
+    assert!(counted(&metrics, "MIG_INVALID_REQUEST"), "{metrics}");
+    assert!(!counted(&metrics, "OK"), "{metrics}");
 }
