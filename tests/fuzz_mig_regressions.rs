@@ -3,7 +3,6 @@
 //! runs: requests with arbitrary subjects, headers and bodies and arbitrary JetStream
 //! answers, no panic, every answer to a caller JSON within `max_payload`.
 
-#[allow(dead_code)]
 #[path = "../fuzz/broker_checks.rs"]
 mod broker_checks;
 #[path = "../fuzz/mig_checks.rs"]

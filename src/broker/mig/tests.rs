@@ -1081,7 +1081,7 @@ fn finish_past_max_payload(body: Value, result_bytes: usize) -> (String, Value, 
     let result = json!({"capability": "infer", "payload": "x".repeat(result_bytes)});
     mig.finish(&mut conn, session, Ok(result), t0);
 
-    let mut parser = Parser::new(Role::Server);
+    let parser = Parser::new(Role::Server);
     let (subject, answer) = match parser.parse(conn.output()) {
         Ok(Parsed::Complete(
             Op::Hpub {
