@@ -184,7 +184,8 @@ pub struct World {
     /// The JetStream model, once op 9 brought it, and the core's link to it.
     model: Option<Model>,
     /// The answers to MIG callers (`_INBOX_<tenant>_...` subjects) the core wrote, the
-    /// newest 64; each was checked to be JSON within the server's `max_payload`.
+    /// newest 64; each, and every stream frame and live event on `mig.` subjects, was
+    /// checked to be JSON within the server's `max_payload`.
     pub mig_answers: Vec<serde_json::Value>,
 }
 
@@ -498,7 +499,8 @@ impl World {
         payload: &[u8],
     ) {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        if subject.starts_with(b"_INBOX_") {
+        // MIG answers, stream frames and live events.
+        if subject.starts_with(b"_INBOX_") || subject.starts_with(b"mig.") {
             self.check_mig_answer(subject, headers, payload);
         }
         let Some(reply) = reply.map(text) else {
@@ -523,8 +525,9 @@ impl World {
         }
     }
 
-    /// What a MIG caller is sent must be JSON (an envelope, whatever the request was)
-    /// that the server takes: within its `max_payload`, headers included.
+    /// What the core publishes for MIG callers and subscribers must be JSON (an envelope,
+    /// whatever the request was) that the server takes: within its `max_payload`, headers
+    /// included.
     fn check_mig_answer(&mut self, subject: &[u8], headers: Option<&[u8]>, payload: &[u8]) {
         let size = headers.map_or(0, <[u8]>::len) + payload.len();
         assert!(
@@ -539,7 +542,9 @@ impl World {
                 String::from_utf8_lossy(&payload[..payload.len().min(200)])
             )
         });
-        self.mig_answers.push(value);
+        if subject.starts_with(b"_INBOX_") {
+            self.mig_answers.push(value);
+        }
         let extra = self.mig_answers.len().saturating_sub(64);
         self.mig_answers.drain(..extra);
     }
