@@ -16,17 +16,7 @@ fn broker_seeds_and_regressions_hold() {
 /// The seeds with every byte flipped in turn: the cheap stand-in for a fuzzing run in CI.
 #[test]
 fn broker_seeds_with_each_byte_flipped_hold() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/broker");
-    let mut runs = 0;
-    for entry in std::fs::read_dir(root).expect("seed directory") {
-        let seed = std::fs::read(entry.expect("entry").path()).expect("seed");
-        for i in 0..seed.len() {
-            let mut data = seed.clone();
-            data[i] ^= 0x5a;
-            broker_checks::check_broker(&data);
-            runs += 1;
-        }
-    }
+    let runs = fuzz_replay::flipped_seeds("broker", broker_checks::check_broker);
     assert!(runs > 100, "{runs} flipped programs");
 }
 

@@ -25,17 +25,7 @@ fn nats_connection_seeds_and_regressions_hold() {
 /// The seeds with every byte flipped in turn: the cheap stand-in for a fuzzing run in CI.
 #[test]
 fn nats_connection_seeds_with_each_byte_flipped_hold() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nats_connection");
-    let mut runs = 0;
-    for entry in std::fs::read_dir(root).expect("seed directory") {
-        let seed = std::fs::read(entry.expect("entry").path()).expect("seed");
-        for i in 0..seed.len() {
-            let mut data = seed.clone();
-            data[i] ^= 0x5a;
-            nats_checks::check_nats_connection(&data);
-            runs += 1;
-        }
-    }
+    let runs = fuzz_replay::flipped_seeds("nats_connection", nats_checks::check_nats_connection);
     assert!(runs > 500, "{runs} flipped programs");
 }
 
