@@ -2883,13 +2883,7 @@ mod tests {
         // publish of it was refused, and a cancel past the inbox's duplicate window
         // stored a second result (review finding 3).
         let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let app_b = h.join(1, "app", json!({}));
-        let other = h.join(0, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
-        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        let (app, app_b, other, task) = cancel_with_its_result_held(&mut h, 0);
         let c = h.request(app_b, json!({"op":"cancel","task":task}));
         assert_eq!(c["code"], "conflict", "{c}");
         assert_eq!(stored_results(&h, &task), 0, "the repeat refused");
@@ -2919,13 +2913,7 @@ mod tests {
         // through broker 0, late on the way, lands between those repeats: the next one is
         // a duplicate, and nothing is stored a second time, then or past the window.
         let mut h = Harness::new(with_lease(LEASE_S), 2, 7);
-        let app = h.join(0, "app", json!({}));
-        let task = submit(&mut h, app, 1);
-        let app_b = h.join(1, "app", json!({}));
-        let other = h.join(1, "other", json!({}));
-        fill_inbox(&mut h, app, "other");
-        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
-        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        let (app, app_b, other, task) = cancel_with_its_result_held(&mut h, 1);
         let c = h.request(app_b, json!({"op":"cancel","task":task}));
         assert_eq!(c["code"], "conflict", "{c}");
         h.advance(Duration::from_secs(5));
@@ -2951,17 +2939,28 @@ mod tests {
         h.take(other);
     }
 
+    /// Broker 0 writes the cancel of a task whose submitter's inbox is full (filled by
+    /// `other`, joined on broker `other_on`), its publish of the result held on the way;
+    /// the submitter (`app` on broker 0) also has a session on broker 1.
+    fn cancel_with_its_result_held(
+        h: &mut Harness,
+        other_on: usize,
+    ) -> (Session, Session, Session, String) {
+        let app = h.join(0, "app", json!({}));
+        let task = submit(h, app, 1);
+        let app_b = h.join(1, "app", json!({}));
+        let other = h.join(other_on, "other", json!({}));
+        fill_inbox(h, app, "other");
+        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
+        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        (app, app_b, other, task)
+    }
+
     /// Broker 0 writes the cancel of a task whose submitter's inbox is full, and dies
     /// before its publish of the result leaves; the client's retry through broker 1
     /// finds the task cancelled (`conflict`) and its repeat of the result is refused.
     fn cancel_whose_broker_died_before_publishing(h: &mut Harness) -> (Session, String) {
-        let app = h.join(0, "app", json!({}));
-        let task = submit(h, app, 1);
-        let app_b = h.join(1, "app", json!({}));
-        let other = h.join(1, "other", json!({}));
-        fill_inbox(h, app, "other");
-        h.hold_writes(0, super::binding::inbox_subject("dev", "app").as_bytes());
-        h.send(app, json!({"op":"cancel","id":"c0","task":task}));
+        let (_, app_b, other, task) = cancel_with_its_result_held(h, 1);
         assert_eq!(last_record(h, &task)["state"], "cancelled", "written");
         h.crash(0);
         let c = h.request(app_b, json!({"op":"cancel","task":task}));
